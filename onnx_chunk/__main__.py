@@ -1,0 +1,3 @@
+from onnx_chunk.cli import run
+
+run()

@@ -1,0 +1,89 @@
+"""The `onnx-chunk` command line: a click group whose commands live one per module."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+
+import click
+
+from onnx_chunk.errors import OnnxChunkError
+
+# Command name -> ("module:attribute", one-line help). Modules are imported only when their
+# command runs, so `onnx-chunk --help` does not pay for importing ONNX Runtime.
+_COMMANDS = {
+    "build-model": ("onnx_chunk.cli.build_model:build_model",
+                    "Build a reference decoder with seeded random weights."),
+    "convert": ("onnx_chunk.cli.convert:convert",
+                "Annotate an exported decoder for chunked prefill."),
+    "inspect": ("onnx_chunk.cli.inspect:inspect", "Print a decoder's chunked-prefill plan."),
+    "generate": ("onnx_chunk.cli.generate:generate",
+                 "Generate greedily with chunked prefill."),
+    "demo": ("onnx_chunk.cli.demo:demo",
+             "Build, convert and run the default reference decoder."),
+    "validate": ("onnx_chunk.cli.validate:validate",
+                 "Check that a decoder is safe for chunked prefill (for CI)."),
+    "fix-shapes": ("onnx_chunk.cli.fix_shapes:fix_shapes",
+                   "Fix a dynamic decoder's free dimensions into static graphs."),
+}
+
+
+class _LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(_COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        entry = _COMMANDS.get(cmd_name)
+        if entry is None:
+            return None
+        module_name, attribute = entry[0].split(":")
+        return getattr(importlib.import_module(module_name), attribute)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, help_text) for name, (_, help_text) in
+                                sorted(_COMMANDS.items())])
+
+
+@click.group(cls=_LazyGroup)
+@click.option("-v", "--verbose", is_flag=True, help="Log what the passes and the runtime do.")
+def cli(verbose: bool) -> None:
+    """Prepare ONNX LLM decoders for chunked prefill and run them on ONNX Runtime."""
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: run the CLI and turn every failure into one line and an exit code."""
+    try:
+        result = cli.main(args=argv, prog_name="onnx-chunk", standalone_mode=False)
+    except OnnxChunkError as error:
+        click.echo(f"error: {error}", err=True)
+        return error.exit_code
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        return 130
+    except click.ClickException as error:
+        error.show()
+        return error.exit_code
+    except click.exceptions.Exit as error:
+        return error.exit_code
+    except Exception as error:  # the last line of defence: a CLI user never sees a traceback
+        if os.environ.get("ONNX_CHUNK_DEBUG"):
+            raise
+        click.echo(
+            f"internal error: {type(error).__name__}: {error} "
+            "(set ONNX_CHUNK_DEBUG=1 for the traceback)",
+            err=True,
+        )
+        return 70
+    # With standalone_mode=False click returns a command's exit code (ctx.exit) as the result.
+    return result if isinstance(result, int) else 0
+
+
+def run() -> None:
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Typed errors raised by onnx-chunk; the CLI turns each into one line and an exit code."""
+
+from __future__ import annotations
+
+
+class OnnxChunkError(Exception):
+    """Base of every error onnx-chunk raises on purpose.
+
+    Messages say what was expected, what was found and what to do.
+    """
+
+    exit_code = 2
+
+
+class ModelLoadError(OnnxChunkError):
+    """A model file is missing, unreadable, corrupt or has broken external data."""
+
+
+class ModelStructureError(OnnxChunkError):
+    """A model loads but its graph does not have the structure an operation needs."""
+
+
+class ConfigError(OnnxChunkError):
+    """Impossible sizes, unknown presets or contradictory options."""
+
+
+class OutputError(OnnxChunkError):
+    """An output path cannot be written."""
+
+
+class InputError(OnnxChunkError):
+    """Bad request data: empty prompts, token ids outside the vocabulary, wrong dtypes."""
+
+
+class CapacityError(InputError):
+    """A request would write past the KV cache's physical capacity."""
+
+
+class ProviderError(OnnxChunkError):
+    """An execution provider was asked for but cannot be used on this machine."""
