@@ -1,0 +1,46 @@
+import json
+
+import pytest
+
+from onnx_chunk.cli import main
+from onnx_chunk.models.reference import ReferenceDecoder
+
+
+def test_build_model_prints_path_and_parameter_count(tmp_path, capsys):
+    code = main(["build-model", "tiny", "-o", str(tmp_path), "--variant", "conv_hybrid",
+                 "--seed", "3", "--layers", "3", "--hidden", "96", "--heads", "6",
+                 "--kv-heads", "3", "--vocab", "300", "--intermediate", "160",
+                 "--max-positions", "512"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert str(tmp_path / "model.onnx") in out
+    ref = ReferenceDecoder.from_model_dir(tmp_path)
+    assert f"parameters: {ref.config.parameter_count():,}" in out
+    assert (ref.config.num_layers, ref.config.hidden_size, ref.config.head_size,
+            ref.config.num_kv_heads, ref.config.vocab_size, ref.config.max_positions,
+            ref.config.conv_layers) == (3, 96, 16, 3, 300, 512, (0, 2))
+    genai = json.loads((tmp_path / "genai_config.json").read_text())
+    assert genai["model"]["context_length"] == 512
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["nope"], "unknown preset 'nope'"),
+    (["tiny", "--variant", "fp8"], "unknown variant 'fp8'"),
+    (["tiny", "--heads", "4", "--kv-heads", "3"], "must divide"),
+    (["tiny", "--layers", "0"], "num_layers must be a positive integer"),
+])
+def test_bad_requests_give_one_error_line(tmp_path, capsys, args, fragment):
+    code = main(["build-model", *args[:1], "-o", str(tmp_path / "m"), *args[1:]])
+    err = capsys.readouterr().err
+    assert code != 0
+    assert err.startswith("error: ") and fragment in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "m" / "model.onnx").exists()
+
+
+def test_unwritable_output_is_an_error_line(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code = main(["build-model", "tiny", "-o", str(blocker / "sub")])
+    err = capsys.readouterr().err
+    assert code != 0 and err.startswith("error: cannot write to output folder")
