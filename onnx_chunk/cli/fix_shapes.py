@@ -1,0 +1,43 @@
+"""`onnx-chunk fix-shapes`: a dynamic decoder into a fixed-shape chunk graph and decode graph."""
+
+from __future__ import annotations
+
+import click
+
+from onnx_chunk.errors import ConfigError
+
+
+def _parse_dims(entries: tuple[str, ...]) -> dict[str, int]:
+    dims: dict[str, int] = {}
+    for entry in entries:
+        name, sep, value = entry.partition("=")
+        if not sep or not name or not value.strip().isdigit():
+            raise ConfigError(f"--dim expects NAME=VALUE with a positive integer VALUE, got "
+                              f"{entry!r}")
+        dims[name.strip()] = int(value)
+    return dims
+
+
+@click.command("fix-shapes")
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("-o", "--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Folder for chunk.onnx, decode.onnx and their shared external data.")
+@click.option("--rows", required=True, type=int, help="Query rows c of the chunk graph.")
+@click.option("--capacity", type=int, default=None,
+              help="KV capacity C (past and attention-mask length); needed when it is free.")
+@click.option("--dim", "dims", multiple=True, metavar="NAME=VALUE",
+              help="Fix any other dim_param by name (repeatable).")
+def fix_shapes(model: str, out_dir: str, rows: int, capacity: int | None,
+               dims: tuple[str, ...]) -> None:
+    """Fix MODEL's free dimensions: a chunk graph (rows c) and a decode graph (rows 1)."""
+    from onnx_chunk.models.static_shapes import fix_shapes as fix
+
+    result = fix(model, out_dir, rows=rows, capacity=capacity, dims=_parse_dims(dims))
+    click.echo(f"chunk graph:  {result.chunk_model} (rows {rows})")
+    click.echo(f"decode graph: {result.decode_model} (rows 1)")
+    click.echo("fixed dims:   " + ", ".join(f"{name}={value}" for name, value in
+                                            sorted(result.chunk_dims.items())))
+    for path in result.data_files:
+        click.echo(f"shared data:  {path}")
+    if result.free_outputs:
+        click.echo("still free:   " + ", ".join(result.free_outputs))

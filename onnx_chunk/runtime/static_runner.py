@@ -1,0 +1,281 @@
+"""Greedy generation on a pair of static decoders: a chunk graph (rows c) and a decode graph
+(rows 1) that share weights and the KV capacity C.
+
+Seed 001, section five, as a pipeline: align the prompt (left pad / left truncate to whole
+chunks), run the chunks in order, each with its slice of position_ids, its rows of the
+causal-plus-padding mask right-aligned to C, and the rolling cache as past; the last real row of
+the last chunk gives the first generated token; decode continues one row at a time on the same
+cache. What the static shapes cost is reported in the result, never hidden: tokens truncated
+away, padding added, real positions dropped once more than C positions were seen.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from onnx_chunk.errors import (
+    CapacityError,
+    ConfigError,
+    InputError,
+    ModelLoadError,
+    ModelStructureError,
+)
+from onnx_chunk.models.static_decoder import METADATA_PREFIX
+from onnx_chunk.runtime.alignment import AlignedPrompt, StaticLimits, align_prompt
+from onnx_chunk.runtime.provider import Device, resolve_device
+from onnx_chunk.runtime.rolling_kv import RollingKVCache
+from onnx_chunk.runtime.static_mask import chunk_mask
+
+logger = logging.getLogger(__name__)
+
+_PAST = "past_key_values.{}.{}"
+_PRESENT = "present.{}.{}"
+
+
+@dataclass
+class StaticGenerationResult:
+    """Generated tokens and what the static shapes did to the request."""
+
+    tokens: list[int]
+    prompt_len: int
+    aligned_len: int
+    pad_count: int
+    truncated_tokens: int
+    """Prompt tokens left-truncated to fit the max input length L (lost context)."""
+    dropped_positions: int
+    """Real positions that fell off the rolling cache (the cache became a sliding window)."""
+    chunks: int
+    decode_steps: int
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _GraphSpec:
+    rows: int
+    capacity: int
+    num_layers: int
+    kv_heads: int
+    head_size: int
+    mask_dtype: np.dtype
+    kv_dtype: np.dtype
+
+
+def _session(path: Path, device: Device) -> ort.InferenceSession:
+    if not path.is_file():
+        raise ModelLoadError(f"static decoder {path} does not exist; build it or fix the path")
+    try:
+        return ort.InferenceSession(os.fspath(path), providers=list(device.session_providers))
+    except Exception as error:  # ORT raises its own untyped exceptions
+        raise ModelLoadError(
+            f"ONNX Runtime cannot load {path}: {error}; check the file and its external data"
+        ) from error
+
+
+def _graph_spec(session: ort.InferenceSession, path: Path) -> _GraphSpec:
+    inputs = {port.name: port for port in session.get_inputs()}
+    required = ("input_ids", "position_ids", "attention_mask", _PAST.format(0, "key"))
+    missing = [name for name in required if name not in inputs]
+    if missing:
+        raise ModelStructureError(
+            f"{path} lacks the static decoder input(s) {', '.join(missing)}; expected "
+            f"input_ids, position_ids, attention_mask [1, 1, c, C] and "
+            f"past_key_values.N.key|value (build one with build_static_decoder)"
+        )
+    shapes = {name: port.shape for name, port in inputs.items()}
+    free = sorted(name for name, shape in shapes.items()
+                  if not all(isinstance(dim, int) for dim in shape))
+    if free:
+        raise ModelStructureError(
+            f"{path} has free dimensions on {', '.join(free)}; a static decoder has every "
+            f"dimension fixed"
+        )
+    num_layers = sum(1 for name in inputs if name.startswith("past_key_values.")
+                     and name.endswith(".key"))
+    _, kv_heads, capacity, head_size = shapes[_PAST.format(0, "key")]
+    rows = shapes["input_ids"][1]
+    expected_mask = [1, 1, rows, capacity]
+    if shapes["attention_mask"] != expected_mask:
+        raise ModelStructureError(
+            f"{path}: attention_mask has shape {shapes['attention_mask']}, expected "
+            f"{expected_mask} (rows x capacity)"
+        )
+    return _GraphSpec(rows, capacity, num_layers, kv_heads, head_size,
+                      _float_dtype(inputs["attention_mask"].type),
+                      _float_dtype(inputs[_PAST.format(0, "key")].type))
+
+
+def _float_dtype(ort_type: str) -> np.dtype:
+    return np.dtype(np.float16 if ort_type == "tensor(float16)" else np.float32)
+
+
+def _metadata_int(session: ort.InferenceSession, key: str) -> int | None:
+    value = session.get_modelmeta().custom_metadata_map.get(METADATA_PREFIX + key)
+    return None if value is None else int(value)
+
+
+class StaticRunner:
+    """Runs a chunk graph (rows c) and a decode graph (rows 1) of one static decoder.
+
+    `max_input_len` is L, the longest aligned prompt; by default the largest multiple of c below
+    C. `provider` is "auto", "cuda" or "cpu" (`resolve_device`, shared with the dynamic
+    runtime). `strict` refuses (CapacityError) any request that would lose context, by
+    truncation or by the cache sliding, instead of warning.
+    """
+
+    def __init__(
+        self,
+        chunk_model: str | os.PathLike,
+        decode_model: str | os.PathLike,
+        *,
+        max_input_len: int | None = None,
+        provider: str = "auto",
+        device_id: int = 0,
+        strict: bool = False,
+    ) -> None:
+        chunk_path, decode_path = Path(chunk_model), Path(decode_model)
+        self.device = resolve_device(provider, device_id)
+        self.chunk_session = _session(chunk_path, self.device)
+        self.decode_session = _session(decode_path, self.device)
+        self.chunk_spec = _graph_spec(self.chunk_session, chunk_path)
+        self.decode_spec = _graph_spec(self.decode_session, decode_path)
+        chunk, decode = self.chunk_spec, self.decode_spec
+        if decode.rows != 1:
+            raise ModelStructureError(
+                f"the decode graph {decode_path} takes {decode.rows} rows; it must take 1 "
+                f"(build it with chunk_size=1)"
+            )
+        if (chunk.capacity, chunk.num_layers, chunk.kv_heads, chunk.head_size) != (
+                decode.capacity, decode.num_layers, decode.kv_heads, decode.head_size):
+            raise ModelStructureError(
+                f"the chunk and decode graphs disagree on the cache: capacity/layers/kv heads/"
+                f"head size {chunk.capacity}/{chunk.num_layers}/{chunk.kv_heads}/"
+                f"{chunk.head_size} against {decode.capacity}/{decode.num_layers}/"
+                f"{decode.kv_heads}/{decode.head_size}; build both with the same capacity"
+            )
+        if max_input_len is None:
+            max_input_len = (chunk.capacity - 1) // chunk.rows * chunk.rows
+            if max_input_len == 0:
+                raise ConfigError(
+                    f"chunk size c={chunk.rows} with capacity C={chunk.capacity} leaves no "
+                    f"aligned prompt length below C; build the chunk graph with c < C"
+                )
+        self.limits = StaticLimits(max_input_len, chunk.rows, chunk.capacity)
+        self.strict = strict
+        self.pad_token_id = _metadata_int(self.chunk_session, "pad_token_id") or 0
+        self.max_positions = _metadata_int(self.chunk_session, "max_positions")
+        self.vocab_size = int(self.chunk_session.get_outputs()[0].shape[-1])
+
+    def check_request(self, aligned: AlignedPrompt, max_new_tokens: int) -> None:
+        """Refuse requests the graphs cannot serve, before running anything."""
+        if max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        last_position = aligned.kept_len + max_new_tokens - 2
+        if self.max_positions is not None and last_position >= self.max_positions:
+            raise CapacityError(
+                f"generation would reach position {last_position} but the model's rotary cache "
+                f"holds {self.max_positions} positions; generate fewer tokens"
+            )
+        cached = aligned.kept_len + max_new_tokens - 1
+        if self.strict and cached > self.limits.capacity:
+            raise CapacityError(
+                f"{aligned.kept_len} prompt tokens + {max_new_tokens - 1} fed-back tokens need "
+                f"{cached} cache positions but the capacity is C={self.limits.capacity}; the "
+                f"oldest context would be dropped: raise C (C = L + max_new_tokens) or generate "
+                f"fewer tokens"
+            )
+
+    def run_forward(
+        self, session: ort.InferenceSession, spec: _GraphSpec, cache: RollingKVCache,
+        valid: np.ndarray, input_ids: np.ndarray, position_ids: np.ndarray, start: int,
+    ) -> np.ndarray:
+        """One forward of `spec.rows` positions starting at sequence index `start`; rolls the
+        cache and returns the logits [rows, vocab]."""
+        feeds = {
+            "input_ids": input_ids[None],
+            "position_ids": position_ids[None],
+            "attention_mask": chunk_mask(valid, start, spec.rows, spec.capacity, spec.mask_dtype),
+        }
+        for layer in range(spec.num_layers):
+            feeds[_PAST.format(layer, "key")] = cache.keys[layer]
+            feeds[_PAST.format(layer, "value")] = cache.values[layer]
+        names = ["logits"] + [_PRESENT.format(layer, kind) for layer in range(spec.num_layers)
+                              for kind in ("key", "value")]
+        logits, *present = session.run(names, feeds)
+        cache.roll(present[0::2], present[1::2], valid[start:start + spec.rows])
+        return logits[0]
+
+    def prefill(self, aligned: AlignedPrompt, cache: RollingKVCache) -> tuple[np.ndarray, int]:
+        """Run the aligned prompt chunk by chunk; returns the last real row's logits and the
+        number of chunks run."""
+        rows = self.chunk_spec.rows
+        chunks = aligned.aligned_len // rows
+        logits = None
+        for index in range(chunks):
+            start = index * rows
+            window = slice(start, start + rows)
+            logits = self.run_forward(self.chunk_session, self.chunk_spec, cache, aligned.valid,
+                                      aligned.input_ids[window], aligned.position_ids[window],
+                                      start)
+        assert logits is not None
+        return logits[-1], chunks
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int] | np.ndarray,
+        max_new_tokens: int,
+        *,
+        eos_token_id: int | None = None,
+    ) -> StaticGenerationResult:
+        """Greedy tokens for `prompt_ids`: chunked prefill, then single-row decode steps, stopping
+        after `max_new_tokens` or at `eos_token_id`."""
+        ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+        outside = ids[(ids < 0) | (ids >= self.vocab_size)]
+        if len(outside):
+            raise InputError(
+                f"prompt token id {int(outside[0])} lies outside the vocabulary [0, "
+                f"{self.vocab_size}); pass ids the model's tokenizer produced"
+            )
+        aligned = align_prompt(ids, self.limits, pad_id=self.pad_token_id, strict=self.strict)
+        self.check_request(aligned, max_new_tokens)
+        warnings = []
+        if aligned.truncated_count:
+            warnings.append(
+                f"prompt left-truncated by {aligned.truncated_count} of {aligned.prompt_len} "
+                f"tokens to fit L={self.limits.max_input_len}"
+            )
+        spec = self.chunk_spec
+        cache = RollingKVCache(spec.num_layers, spec.kv_heads, spec.capacity, spec.head_size,
+                               dtype=spec.kv_dtype)
+        last_logits, chunks = self.prefill(aligned, cache)
+        tokens = [int(np.argmax(last_logits))]
+        valid = aligned.valid
+        position = aligned.kept_len
+        steps = 0
+        while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
+            start = len(valid)
+            valid = np.append(valid, True)
+            logits = self.run_forward(self.decode_session, self.decode_spec, cache, valid,
+                                      np.array([tokens[-1]], dtype=np.int64),
+                                      np.array([position], dtype=np.int64), start)
+            tokens.append(int(np.argmax(logits[-1])))
+            position += 1
+            steps += 1
+        dropped = cache.stats.real_positions_dropped
+        if dropped:
+            warnings.append(
+                f"{dropped} real positions dropped off the KV cache of capacity "
+                f"C={spec.capacity}: attention became a sliding window"
+            )
+            logger.warning("%s", warnings[-1])
+        return StaticGenerationResult(
+            tokens=tokens, prompt_len=aligned.prompt_len, aligned_len=aligned.aligned_len,
+            pad_count=aligned.pad_count, truncated_tokens=aligned.truncated_count,
+            dropped_positions=dropped, chunks=chunks, decode_steps=steps, warnings=warnings,
+        )

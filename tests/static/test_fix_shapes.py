@@ -1,0 +1,125 @@
+"""`fix-shapes`: a dynamic GQA decoder into fixed chunk and decode graphs on shared weights."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from onnx_chunk.cli import main
+from onnx_chunk.errors import ConfigError, ModelLoadError, ModelStructureError
+from onnx_chunk.models.static_shapes import fix_shapes
+
+from .static_sizes import CPU, SEED
+
+ROWS, CAPACITY = 4, 24
+
+
+@pytest.fixture
+def dynamic_copy(dynamic_models, tmp_path):
+    model = dynamic_models(SEED)
+    source = tmp_path / "dynamic"
+    shutil.copytree(model.parent, source)
+    return source / model.name
+
+
+def _shapes(path):
+    model = onnx.load(path, load_external_data=False)
+    return {value.name: [dim.dim_value if dim.HasField("dim_value") else dim.dim_param
+                         for dim in value.type.tensor_type.shape.dim]
+            for value in list(model.graph.input) + list(model.graph.output)}
+
+
+def _greedy_on_fixed_graphs(chunk_path, decode_path, prompt, max_new):
+    """Chunked prefill and decode on the fixed graphs: past bound at capacity, a capacity-wide
+    attention mask with ones on the positions written so far."""
+    chunk = ort.InferenceSession(str(chunk_path), providers=CPU)
+    decode = ort.InferenceSession(str(decode_path), providers=CPU)
+    names = [port.name for port in chunk.get_outputs()]
+    past = {port.name: np.zeros(port.shape, np.float32) for port in chunk.get_inputs()
+            if port.name.startswith("past_key_values.")}
+
+    def step(session, ids, length):
+        mask = np.zeros((1, CAPACITY), np.int64)
+        mask[0, :length] = 1
+        outputs = dict(zip(names, session.run(None, {"input_ids": np.array([ids]),
+                                                     "attention_mask": mask, **past})))
+        past.update({name: outputs[name.replace("past_key_values", "present")] for name in past})
+        return outputs["logits"][0, -1]
+
+    for start in range(0, len(prompt), ROWS):
+        logits = step(chunk, prompt[start:start + ROWS], start + ROWS)
+    tokens = [int(logits.argmax())]
+    while len(tokens) < max_new:
+        tokens.append(int(step(decode, [tokens[-1]], len(prompt) + len(tokens)).argmax()))
+    return tokens
+
+
+def test_fixed_graphs_have_no_free_dims_share_data_and_generate_like_the_dynamic_model(
+        dynamic_copy, tmp_path, dynamic_greedy):
+    result = fix_shapes(dynamic_copy, tmp_path / "fixed", rows=ROWS, capacity=CAPACITY)
+    shutil.rmtree(dynamic_copy.parent)  # the fixed graphs must not depend on the source
+    chunk, decode = _shapes(result.chunk_model), _shapes(result.decode_model)
+    for shapes in (chunk, decode):
+        assert all(isinstance(dim, int) for shape in shapes.values() for dim in shape)
+    assert chunk["input_ids"] == [1, ROWS] and decode["input_ids"] == [1, 1]
+    assert chunk["attention_mask"] == decode["attention_mask"] == [1, CAPACITY]
+    assert chunk["past_key_values.0.key"] == [1, 2, CAPACITY, 16]
+    assert chunk["logits"] == [1, ROWS, 256] and decode["logits"] == [1, 1, 256]
+    assert result.free_outputs == []
+    assert [path.name for path in result.data_files] == ["model.onnx.data"]
+    assert sorted(p.name for p in result.chunk_model.parent.iterdir()) == \
+        ["chunk.onnx", "decode.onnx", "model.onnx.data"]
+    prompt = np.random.default_rng(4).integers(3, 256, 3 * ROWS).tolist()
+    assert _greedy_on_fixed_graphs(result.chunk_model, result.decode_model, prompt, 8) == \
+        dynamic_greedy(SEED, prompt, 8)
+    session = ort.InferenceSession(str(result.chunk_model), providers=CPU)
+    with pytest.raises(Exception, match="input_ids"):
+        session.run(["logits"], {"input_ids": np.zeros((1, ROWS + 1), np.int64)})
+
+
+def test_free_capacity_needs_a_value_and_other_dims_can_be_named(dynamic_copy, tmp_path):
+    with pytest.raises(ConfigError, match="--capacity"):
+        fix_shapes(dynamic_copy, tmp_path / "a", rows=ROWS)
+    result = fix_shapes(dynamic_copy, tmp_path / "b", rows=ROWS,
+                        dims={"past_sequence_length": 32, "total_sequence_length": 32})
+    assert _shapes(result.decode_model)["past_key_values.1.value"] == [1, 2, 32, 16]
+    with pytest.raises(ConfigError, match="at least 2"):
+        fix_shapes(dynamic_copy, tmp_path / "c", rows=1, capacity=CAPACITY)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+
+
+def test_missing_inputs_and_missing_data_are_typed_errors(dynamic_copy, tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        fix_shapes(tmp_path / "none.onnx", tmp_path / "out", rows=ROWS, capacity=CAPACITY)
+    (dynamic_copy.parent / "model.onnx.data").unlink()
+    with pytest.raises(ModelLoadError, match="missing"):
+        fix_shapes(dynamic_copy, tmp_path / "out", rows=ROWS, capacity=CAPACITY)
+    bare = onnx.helper.make_model(onnx.helper.make_graph(
+        [onnx.helper.make_node("Identity", ["x"], ["y"])], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n"])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["n"])]))
+    onnx.save(bare, tmp_path / "bare.onnx")
+    with pytest.raises(ModelStructureError, match="input_ids"):
+        fix_shapes(tmp_path / "bare.onnx", tmp_path / "out", rows=ROWS, capacity=CAPACITY)
+
+
+def test_cli_writes_both_graphs_and_reports_errors_on_one_line(dynamic_copy, tmp_path, capsys):
+    out = tmp_path / "cli"
+    code = main(["fix-shapes", str(dynamic_copy), "-o", str(out), "--rows", str(ROWS),
+                 "--capacity", str(CAPACITY)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert f"{out / 'chunk.onnx'} (rows {ROWS})" in printed
+    assert f"past_sequence_length={CAPACITY}" in printed and "sequence_length=4" in printed
+    assert (out / "decode.onnx").is_file() and (out / "model.onnx.data").is_file()
+    code = main(["fix-shapes", str(dynamic_copy), "-o", str(out), "--rows", str(ROWS)])
+    error = capsys.readouterr().err
+    assert code == 2 and error.startswith("error: ") and "--capacity" in error
+    assert error.count("\n") == 1
+    code = main(["fix-shapes", str(dynamic_copy), "-o", str(out), "--rows", "4",
+                 "--dim", "past_sequence_length"])
+    assert code == 2 and "NAME=VALUE" in capsys.readouterr().err

@@ -1,0 +1,145 @@
+"""The static runner: greedy tokens equal the dynamic model's, chunked equals whole, and the
+sliding window beyond C equals a NumPy reference."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from onnx_chunk.errors import CapacityError, ConfigError, InputError, ModelStructureError
+from onnx_chunk.models.config import config_for
+from onnx_chunk.models.static_decoder import reference_forward
+from onnx_chunk.models.weights import make_weights
+from onnx_chunk.runtime.alignment import StaticLimits, align_prompt
+from onnx_chunk.runtime.static_mask import mask_fill_value
+from onnx_chunk.runtime.static_runner import StaticRunner
+
+from .static_sizes import CAPACITY, CHUNK, MAX_INPUT, SEED
+
+
+@pytest.fixture(scope="module")
+def graphs(static_models):
+    """The chunk graph (rows c) and the decode graph (rows 1) of one seed and capacity."""
+    return static_models(CHUNK, CAPACITY, SEED), static_models(1, CAPACITY, SEED)
+
+
+@pytest.fixture(scope="module")
+def runner(graphs):
+    return StaticRunner(*graphs, max_input_len=MAX_INPUT, provider="cpu")
+
+
+def _prompt(length: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 256, length).tolist()
+
+
+@pytest.mark.parametrize("length", [1, 3, 4, 6, 9, 16])
+def test_greedy_tokens_equal_the_dynamic_models(runner, dynamic_greedy, length):
+    prompt = _prompt(length, seed=length)
+    max_new = CAPACITY - MAX_INPUT
+    result = runner.generate(prompt, max_new)
+    assert result.tokens == dynamic_greedy(SEED, prompt, max_new)
+    assert result.chunks == -(-length // CHUNK)
+    assert result.pad_count == result.aligned_len - length
+    assert result.decode_steps == max_new - 1
+    assert (result.truncated_tokens, result.dropped_positions, result.warnings) == (0, 0, [])
+
+
+def test_chunked_prefill_equals_one_whole_static_forward(runner, graphs, static_models):
+    whole = StaticRunner(static_models(MAX_INPUT, CAPACITY, SEED), graphs[1],
+                         max_input_len=MAX_INPUT, provider="cpu")
+    for length in (MAX_INPUT, 11):
+        prompt = _prompt(length, seed=100 + length)
+        chunked, single = runner.generate(prompt, 6), whole.generate(prompt, 6)
+        assert chunked.tokens == single.tokens
+        assert (chunked.chunks, single.chunks) == (-(-length // CHUNK), 1)
+        assert single.pad_count == MAX_INPUT - length
+
+
+def test_truncation_warns_with_the_numbers_and_strict_refuses(runner, graphs,
+                                                              dynamic_greedy, caplog):
+    prompt = _prompt(21, seed=5)
+    with caplog.at_level(logging.WARNING):
+        result = runner.generate(prompt, 4)
+    assert result.truncated_tokens == 5 and result.aligned_len == MAX_INPUT
+    assert "truncated by 5 of 21" in result.warnings[0]
+    assert "first 5 tokens" in caplog.text
+    assert result.tokens == dynamic_greedy(SEED, prompt[5:], 4)
+    strict = StaticRunner(*graphs, max_input_len=MAX_INPUT, provider="cpu", strict=True)
+    with pytest.raises(CapacityError, match="first 5 tokens"):
+        strict.generate(prompt, 4)
+
+
+def _sliding_window_tokens(prompt, max_new, generated):
+    """Greedy tokens of a NumPy whole-sequence forward in which each position attends to the
+    real positions of the last C seen by the forward that computed it (chunks of c, then 1)."""
+    config = config_for("tiny")
+    aligned = align_prompt(prompt, StaticLimits(MAX_INPUT, CHUNK, CAPACITY))
+    fed = np.array(generated[:-1], dtype=np.int64)
+    ids = np.concatenate([aligned.input_ids, fed])
+    valid = np.concatenate([aligned.valid, np.ones(len(fed), bool)])
+    positions = np.concatenate([aligned.position_ids,
+                                aligned.kept_len + np.arange(len(fed), dtype=np.int64)])
+    total = len(ids)
+    forward_end = np.empty(total, dtype=np.int64)
+    for start in range(0, aligned.aligned_len, CHUNK):
+        forward_end[start:start + CHUNK] = start + CHUNK
+    forward_end[aligned.aligned_len:] = np.arange(aligned.aligned_len, total) + 1
+    query, key = np.arange(total)[:, None], np.arange(total)[None, :]
+    allowed = (key <= query) & (key >= forward_end[:, None] - CAPACITY) & valid[None, :]
+    mask = np.where(allowed, 0.0, mask_fill_value(np.float32)).astype(np.float32)[None, None]
+    empty = [np.zeros((1, 2, 0, 16), np.float32)] * config.num_layers
+    weights = make_weights(config, SEED)
+    logits = reference_forward(config, weights, ids[None], positions[None], mask, empty, empty)[0]
+    causal = np.where((key <= query) & valid[None, :], 0.0,
+                      mask_fill_value(np.float32)).astype(np.float32)[None, None]
+    unwindowed = reference_forward(config, weights, ids[None], positions[None], causal, empty,
+                                   empty)[0]
+    rows = np.arange(aligned.aligned_len - 1, total)
+    return logits[0, rows].argmax(-1).tolist(), np.abs(logits - unwindowed).max()
+
+
+def test_beyond_capacity_the_cache_is_a_reported_sliding_window(runner):
+    prompt = _prompt(14, seed=9)
+    max_new = 20  # 14 + 19 fed-back positions > C = 24
+    result = runner.generate(prompt, max_new)
+    assert result.dropped_positions == 14 + max_new - 1 - CAPACITY
+    assert any("sliding window" in warning for warning in result.warnings)
+    expected, window_effect = _sliding_window_tokens(prompt, max_new, result.tokens)
+    assert result.tokens == expected
+    assert window_effect > 1e-3  # the window changed the logits: this test can tell
+
+
+def test_strict_mode_refuses_a_request_that_would_slide(graphs):
+    strict = StaticRunner(*graphs, max_input_len=MAX_INPUT, provider="cpu", strict=True)
+    with pytest.raises(CapacityError, match="capacity is C=24"):
+        strict.generate(_prompt(14), 12)
+    assert len(strict.generate(_prompt(14), 11).tokens) == 11
+
+
+def test_eos_stops_generation(runner):
+    prompt = _prompt(6, seed=2)
+    first = runner.generate(prompt, 5).tokens
+    stopped = runner.generate(prompt, 5, eos_token_id=first[1])
+    assert stopped.tokens == first[:2] and stopped.decode_steps == 1
+
+
+def test_parameter_checks_come_up_front(graphs, static_models):
+    chunk, decode = graphs
+    with pytest.raises(ConfigError, match="no room"):
+        StaticRunner(chunk, decode, max_input_len=CAPACITY, provider="cpu")
+    with pytest.raises(ConfigError, match="not a multiple"):
+        StaticRunner(chunk, decode, max_input_len=10, provider="cpu")
+    with pytest.raises(ConfigError, match="C >= L"):
+        StaticRunner(chunk, decode, max_input_len=28, provider="cpu")
+    default = StaticRunner(chunk, decode, provider="cpu")
+    assert default.limits.max_input_len == 20
+    with pytest.raises(ModelStructureError, match="take 1"):
+        StaticRunner(chunk, chunk, provider="cpu")
+    with pytest.raises(ModelStructureError, match="same capacity"):
+        StaticRunner(chunk, static_models(1, 32, SEED), provider="cpu")
+    with pytest.raises(InputError, match="vocabulary"):
+        default.generate([3, 999], 2)
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        default.generate([3, 4], 0)
