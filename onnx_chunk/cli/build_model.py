@@ -6,7 +6,11 @@ from pathlib import Path
 
 import click
 
+from onnx_chunk.errors import ConfigError
 from onnx_chunk.models import VARIANTS, build_decoder, decoder_config
+from onnx_chunk.models.static_decoder import build_static_decoder
+
+STATIC_VARIANT = "static"
 
 
 @click.command("build-model")
@@ -14,7 +18,10 @@ from onnx_chunk.models import VARIANTS, build_decoder, decoder_config
 @click.option("-o", "--output", "output", required=True, type=click.Path(path_type=Path),
               help="Folder to write model.onnx, model.onnx.data and genai_config.json into.")
 @click.option("--variant", default="base", show_default=True,
-              help=f"One of: {', '.join(VARIANTS)}.")
+              help=f"One of: {', '.join(VARIANTS)}, {STATIC_VARIANT} (fixed shapes, needs "
+                   "--chunk-size and --capacity; --chunk-size 1 gives the decode graph).")
+@click.option("--chunk-size", type=int, help="static only: the query rows c.")
+@click.option("--capacity", type=int, help="static only: the KV capacity C.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Weight seed.")
 @click.option("--layers", "num_layers", type=int, help="Number of decoder layers.")
 @click.option("--hidden", "hidden_size", type=int, help="Hidden size.")
@@ -26,9 +33,19 @@ from onnx_chunk.models import VARIANTS, build_decoder, decoder_config
 @click.option("--max-positions", "max_positions", type=int,
               help="Context length (rotary cache rows).")
 @click.option("--intermediate", "intermediate_size", type=int, help="MLP intermediate size.")
-def build_model(preset: str, output: Path, variant: str, seed: int, **sizes: int | None) -> None:
+def build_model(preset: str, output: Path, variant: str, seed: int, chunk_size: int | None,
+                capacity: int | None, **sizes: int | None) -> None:
     """Build a reference decoder from PRESET (tiny, small, bench) into a folder."""
     overrides = {name: value for name, value in sizes.items() if value is not None}
+    if variant == STATIC_VARIANT:
+        if chunk_size is None or capacity is None:
+            raise ConfigError("--variant static needs --chunk-size and --capacity")
+        path = build_static_decoder(output, preset, chunk_size=chunk_size, capacity=capacity,
+                                    seed=seed, **overrides)
+        click.echo(f"wrote {path} (static, rows {chunk_size}, capacity {capacity}, seed {seed})")
+        return
+    if chunk_size is not None or capacity is not None:
+        raise ConfigError("--chunk-size and --capacity apply to --variant static only")
     config = decoder_config(preset, variant, **overrides)
     path = build_decoder(output, preset=preset, variant=variant, seed=seed, **overrides)
     data = path.with_name(path.name + ".data")

@@ -1,5 +1,6 @@
 import json
 
+import onnx
 import pytest
 
 from onnx_chunk.cli import main
@@ -44,3 +45,18 @@ def test_unwritable_output_is_an_error_line(tmp_path, capsys):
     code = main(["build-model", "tiny", "-o", str(blocker / "sub")])
     err = capsys.readouterr().err
     assert code != 0 and err.startswith("error: cannot write to output folder")
+
+
+def test_build_model_static_variant(tmp_path, capsys):
+    assert main(["build-model", "tiny", "-o", str(tmp_path), "--variant", "static",
+                 "--chunk-size", "4", "--capacity", "32"]) == 0
+    model = onnx.load(str(tmp_path / "model.onnx"), load_external_data=False)
+    dims = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    assert dims["input_ids"] == [1, 4]
+    assert dims["past_key_values.0.key"][2] == 32
+
+
+def test_build_model_static_needs_sizes(tmp_path, capsys):
+    assert main(["build-model", "tiny", "-o", str(tmp_path), "--variant", "static"]) == 2
+    assert "needs --chunk-size and --capacity" in capsys.readouterr().err
+    assert main(["build-model", "tiny", "-o", str(tmp_path), "--capacity", "8"]) == 2
