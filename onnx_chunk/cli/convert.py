@@ -1,0 +1,79 @@
+"""`onnx-chunk convert`: annotate an exported decoder for chunked prefill."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from onnx_chunk.cli.inspect import plan_summary
+from onnx_chunk.errors import ConfigError
+from onnx_chunk.metadata import read_plan
+from onnx_chunk.model_io import copy_companion_files, external_data_files, load_model, save_model
+from onnx_chunk.passes import DEFAULT_CHUNK_SIZE, DEFAULT_MAX_VARIANTS, convert_model
+
+# Copies of at least this much external data get a progress bar.
+_PROGRESS_BYTES = 64 << 20
+
+
+def _output_path(model_path: Path, output: Path | None, in_place: bool) -> Path:
+    if output is None:
+        if not in_place:
+            raise ConfigError("no output given; pass -o OUT (a .onnx file or a folder), or "
+                              "--in-place to rewrite the input model")
+        return model_path
+    if output.is_dir() or output.suffix != ".onnx":
+        output = output / model_path.name
+    same = output.exists() and os.path.samefile(output, model_path)
+    if same and not in_place:
+        raise ConfigError(f"{str(output)!r} is the input model; pass --in-place to rewrite it, "
+                          "or choose another output")
+    if in_place and not same:
+        raise ConfigError(f"--in-place rewrites the input model, but -o names {str(output)!r}; "
+                          "drop one of the two")
+    return output
+
+
+def _bytes_to_copy(model_files: dict[str, Path], target_dir: Path) -> int:
+    total = 0
+    for location, source in model_files.items():
+        destination = target_dir / location
+        if not (destination.exists() and os.path.samefile(source, destination)):
+            total += source.stat().st_size
+    return total
+
+
+@click.command("convert")
+@click.argument("model_path", type=click.Path(path_type=Path))
+@click.option("-o", "--output", type=click.Path(path_type=Path),
+              help="Output .onnx file, or a folder to write it into.")
+@click.option("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, show_default=True,
+              help="Rows per prefill chunk (the ladder's top tier).")
+@click.option("--max-variants", type=int, default=DEFAULT_MAX_VARIANTS, show_default=True,
+              help="Session variants the runtime may keep (one is the decode shape).")
+@click.option("--in-place", is_flag=True, help="Rewrite the input model.")
+def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants: int,
+            in_place: bool) -> None:
+    """Annotate MODEL_PATH for chunked prefill and write it to OUTPUT.
+
+    Weights stay in external data and are copied, never loaded.
+    """
+    model = load_model(model_path)
+    output = _output_path(model_path, output, in_place)
+    result = convert_model(model, chunk_size=chunk_size, max_variants=max_variants)
+    plan = read_plan(model)
+    if in_place and not result.modified:
+        click.echo(f"{model_path} is already converted with these settings; nothing written")
+        return
+    target_dir = output.parent
+    companions = copy_companion_files(model_path.parent, target_dir)
+    to_copy = _bytes_to_copy(external_data_files(model), target_dir.resolve())
+    if to_copy >= _PROGRESS_BYTES:
+        with click.progressbar(length=to_copy, label="copying weights") as bar:
+            save_model(model, output, progress=bar.update)
+    else:
+        save_model(model, output)
+    click.echo(f"wrote {output}" + (f" (with {', '.join(companions)})" if companions else ""))
+    for line in plan_summary(plan):
+        click.echo(f"  {line}")

@@ -1,0 +1,401 @@
+"""The inference metadata: the chunked-prefill plan stored in a model's metadata_props.
+
+This module is the only place that knows the keys and the encoding; docs/metadata.md documents
+them. Every value is a plain string, so `onnx.load(path).metadata_props` reads it without
+onnx-chunk. The passes write one section each; `read_plan` assembles the sections into a
+`ChunkPlan` and `write_plan` writes a whole plan back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import onnx
+import onnx_ir as ir
+
+from onnx_chunk.errors import ModelStructureError
+
+SCHEMA_VERSION = 1
+
+CHUNK_SIZE_KEY = "runtime_configurable.chunked_prefill.chunk_size"
+LADDER_KEY = "runtime_configurable.chunked_prefill.ladder"
+MAX_VARIANTS_KEY = "runtime_configurable.chunked_prefill.max_variants"
+SCHEMA_VERSION_KEY = "onnx_chunk.schema_version"
+KV_CAPACITY_KEY = "onnx_chunk.kv_capacity"
+RECURRENT_STATE_KEY = "onnx_chunk.recurrent_state"
+PER_TOKEN_PORTS_KEY = "onnx_chunk.per_token_ports"
+PADDING_KEY = "onnx_chunk.padding"
+
+_PORT_VOID_PREFIX = "input "
+
+ALL_KEYS = (
+    SCHEMA_VERSION_KEY,
+    CHUNK_SIZE_KEY,
+    LADDER_KEY,
+    MAX_VARIANTS_KEY,
+    KV_CAPACITY_KEY,
+    RECURRENT_STATE_KEY,
+    PER_TOKEN_PORTS_KEY,
+    PADDING_KEY,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVBinding:
+    """A GQA past input bound at physical capacity, and the present output sharing its buffer."""
+
+    input: str
+    output: str | None
+    capacity_axis: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StateBinding:
+    """A recurrent-state input carried to the next step through `output`.
+
+    `detected_by` is "name", "structure" or "name+structure". `output` is empty when the input
+    matched a state name template but no graph output pairs with it.
+    """
+
+    input: str
+    output: str
+    detected_by: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddingEligibility:
+    """Whether query-axis ladder padding is safe for the model, and why not."""
+
+    eligible: bool
+    reasons: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCapacityFindings:
+    """What the KV capacity pass found: GQA count, capacity bindings, supported length."""
+
+    gqa_nodes: int
+    bindings: tuple[KVBinding, ...]
+    max_sequence_length: int | None
+    problems: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrentStateFindings:
+    """What the recurrent state pass found: state inputs carried from step to step."""
+
+    bindings: tuple[StateBinding, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PerTokenFindings:
+    """What the per-token ports pass found.
+
+    `ports` includes the token input and position_ids; `voids` names every input that makes a
+    padding plan impossible.
+    """
+
+    token_input: str
+    ports: tuple[str, ...]
+    position_ids: str | None
+    voids: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkPlan:
+    """The whole chunked-prefill plan of a decoder."""
+
+    schema_version: int
+    chunk_size: int | None
+    ladder: tuple[int, ...]
+    max_variants: int
+    gqa_nodes: int
+    token_input: str
+    per_token_ports: tuple[str, ...]
+    position_ids: str | None
+    capacity_inputs: tuple[KVBinding, ...]
+    recurrent_state: tuple[StateBinding, ...]
+    padding: PaddingEligibility
+    max_sequence_length: int | None
+    problems: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (what `onnx-chunk inspect --json` prints)."""
+        return {
+            "schema_version": self.schema_version,
+            "chunk_size": self.chunk_size,
+            "ladder": list(self.ladder),
+            "max_variants": self.max_variants,
+            "gqa_nodes": self.gqa_nodes,
+            "token_input": self.token_input,
+            "per_token_ports": list(self.per_token_ports),
+            "position_ids": self.position_ids,
+            "capacity_inputs": [binding.input for binding in self.capacity_inputs],
+            "kv_bindings": [dataclasses.asdict(binding) for binding in self.capacity_inputs],
+            "recurrent_state": [binding.input for binding in self.recurrent_state],
+            "state_bindings": [dataclasses.asdict(binding) for binding in self.recurrent_state],
+            "padding": {"eligible": self.padding.eligible, "reasons": list(self.padding.reasons)},
+            "max_sequence_length": self.max_sequence_length,
+            "problems": list(self.problems),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ChunkPlan:
+        """The inverse of `to_json`; raises ModelStructureError on a malformed object."""
+        try:
+            return cls(
+                schema_version=int(data["schema_version"]),
+                chunk_size=None if data["chunk_size"] is None else int(data["chunk_size"]),
+                ladder=tuple(int(tier) for tier in data["ladder"]),
+                max_variants=int(data["max_variants"]),
+                gqa_nodes=int(data["gqa_nodes"]),
+                token_input=str(data["token_input"]),
+                per_token_ports=tuple(str(port) for port in data["per_token_ports"]),
+                position_ids=data["position_ids"],
+                capacity_inputs=tuple(KVBinding(**item) for item in data["kv_bindings"]),
+                recurrent_state=tuple(StateBinding(**item) for item in data["state_bindings"]),
+                padding=PaddingEligibility(
+                    eligible=bool(data["padding"]["eligible"]),
+                    reasons=tuple(data["padding"]["reasons"]),
+                ),
+                max_sequence_length=data["max_sequence_length"],
+                problems=tuple(data["problems"]),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise ModelStructureError(
+                f"malformed chunked-prefill plan: {type(error).__name__}: {error}; "
+                "expected the object `onnx-chunk inspect --json` prints"
+            ) from error
+
+
+def _encode(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _set(props: MutableMapping[str, str], key: str, value: str | None) -> bool:
+    """Set (or with None remove) one key; return whether anything changed."""
+    if value is None:
+        return props.pop(key, None) is not None
+    if props.get(key) == value:
+        return False
+    props[key] = value
+    return True
+
+
+def write_kv_capacity(model: ir.Model, findings: KVCapacityFindings) -> bool:
+    """Store the KV capacity findings; return whether the metadata changed."""
+    value = _encode({
+        "gqa_nodes": findings.gqa_nodes,
+        "kv_bindings": [dataclasses.asdict(binding) for binding in findings.bindings],
+        "max_sequence_length": findings.max_sequence_length,
+        "problems": list(findings.problems),
+    })
+    return _set(model.metadata_props, KV_CAPACITY_KEY, value)
+
+
+def write_recurrent_state(model: ir.Model, findings: RecurrentStateFindings) -> bool:
+    """Store the recurrent state findings; return whether the metadata changed."""
+    value = _encode({
+        "state_bindings": [dataclasses.asdict(binding) for binding in findings.bindings],
+    })
+    return _set(model.metadata_props, RECURRENT_STATE_KEY, value)
+
+
+def write_per_token_ports(model: ir.Model, findings: PerTokenFindings) -> bool:
+    """Store the per-token port findings; return whether the metadata changed."""
+    value = _encode({
+        "token_input": findings.token_input,
+        "per_token_ports": list(findings.ports),
+        "position_ids": findings.position_ids,
+        "voids": list(findings.voids),
+    })
+    return _set(model.metadata_props, PER_TOKEN_PORTS_KEY, value)
+
+
+def write_declaration(
+    model: ir.Model,
+    *,
+    chunk_size: int | None,
+    ladder: tuple[int, ...],
+    max_variants: int,
+    padding: PaddingEligibility,
+) -> bool:
+    """Store the chunk size, ladder, variant cap, padding verdict and schema version.
+
+    A chunk size of None removes the chunk size and ladder keys. Returns whether the metadata
+    changed.
+    """
+    props = model.metadata_props
+    changes = [
+        _set(props, SCHEMA_VERSION_KEY, str(SCHEMA_VERSION)),
+        _set(props, CHUNK_SIZE_KEY, None if chunk_size is None else str(chunk_size)),
+        _set(props, LADDER_KEY, None if chunk_size is None else ",".join(map(str, ladder))),
+        _set(props, MAX_VARIANTS_KEY, str(max_variants)),
+        _set(props, PADDING_KEY, _encode({"eligible": padding.eligible,
+                                          "reasons": list(padding.reasons)})),
+    ]
+    return any(changes)
+
+
+def _props_of(model: ir.Model | onnx.ModelProto | Mapping[str, str]) -> Mapping[str, str]:
+    if isinstance(model, onnx.ModelProto):
+        return {entry.key: entry.value for entry in model.metadata_props}
+    if isinstance(model, ir.Model):
+        return model.metadata_props
+    return model
+
+
+def _decode(props: Mapping[str, str], key: str) -> Any:
+    try:
+        return json.loads(props[key])
+    except json.JSONDecodeError as error:
+        raise ModelStructureError(
+            f"metadata key {key!r} is not valid JSON ({error}); re-run `onnx-chunk convert` "
+            "on the original model"
+        ) from error
+
+
+def _kv_from(data: Mapping[str, Any]) -> KVCapacityFindings:
+    return KVCapacityFindings(
+        gqa_nodes=int(data["gqa_nodes"]),
+        bindings=tuple(KVBinding(**item) for item in data["kv_bindings"]),
+        max_sequence_length=data["max_sequence_length"],
+        problems=tuple(data["problems"]),
+    )
+
+
+def _state_from(data: Mapping[str, Any]) -> RecurrentStateFindings:
+    return RecurrentStateFindings(
+        bindings=tuple(StateBinding(**item) for item in data["state_bindings"]),
+    )
+
+
+def _ports_from(data: Mapping[str, Any]) -> PerTokenFindings:
+    return PerTokenFindings(
+        token_input=str(data["token_input"]),
+        ports=tuple(data["per_token_ports"]),
+        position_ids=data["position_ids"],
+        voids=tuple(data["voids"]),
+    )
+
+
+def _read_section(model: ir.Model | Mapping[str, str], key: str, build: Any) -> Any:
+    props = _props_of(model)
+    if key not in props:
+        return None
+    try:
+        return build(_decode(props, key))
+    except (KeyError, TypeError, ValueError) as error:
+        raise ModelStructureError(
+            f"metadata key {key!r} is malformed ({type(error).__name__}: {error}); re-run "
+            "`onnx-chunk convert` on the original model"
+        ) from error
+
+
+def read_kv_capacity(model: ir.Model | Mapping[str, str]) -> KVCapacityFindings | None:
+    """The stored KV capacity findings, or None when the pass has not run."""
+    return _read_section(model, KV_CAPACITY_KEY, _kv_from)
+
+
+def read_recurrent_state(model: ir.Model | Mapping[str, str]) -> RecurrentStateFindings | None:
+    """The stored recurrent state findings, or None when the pass has not run."""
+    return _read_section(model, RECURRENT_STATE_KEY, _state_from)
+
+
+def read_per_token_ports(model: ir.Model | Mapping[str, str]) -> PerTokenFindings | None:
+    """The stored per-token port findings, or None when the pass has not run."""
+    return _read_section(model, PER_TOKEN_PORTS_KEY, _ports_from)
+
+
+def port_void(name: str, why: str) -> str:
+    """The padding reason for an input that voids the padding plan."""
+    return f"{_PORT_VOID_PREFIX}{name!r} {why}"
+
+
+def read_plan(model: ir.Model | onnx.ModelProto) -> ChunkPlan | None:
+    """The plan a converted model declares, or None when the model was never converted.
+
+    Raises ModelStructureError when the metadata is damaged or from a newer schema.
+    """
+    props = _props_of(model)
+    if SCHEMA_VERSION_KEY not in props:
+        return None
+    try:
+        version = int(props[SCHEMA_VERSION_KEY])
+    except ValueError as error:
+        raise ModelStructureError(
+            f"metadata key {SCHEMA_VERSION_KEY!r} is {props[SCHEMA_VERSION_KEY]!r}, expected an "
+            "integer; re-run `onnx-chunk convert` on the original model"
+        ) from error
+    if version != SCHEMA_VERSION:
+        raise ModelStructureError(
+            f"the model's chunked-prefill metadata has schema version {version}, this onnx-chunk "
+            f"reads version {SCHEMA_VERSION}; convert the model again with this version"
+        )
+    missing = [key for key in ALL_KEYS
+               if key not in props and key not in (CHUNK_SIZE_KEY, LADDER_KEY)]
+    if missing:
+        raise ModelStructureError(
+            f"the model's chunked-prefill metadata lacks {', '.join(missing)}; re-run "
+            "`onnx-chunk convert` on it"
+        )
+    kv = read_kv_capacity(props)
+    state = read_recurrent_state(props)
+    ports = read_per_token_ports(props)
+    try:
+        padding = _decode(props, PADDING_KEY)
+        chunk_size = int(props[CHUNK_SIZE_KEY]) if CHUNK_SIZE_KEY in props else None
+        ladder = (tuple(int(tier) for tier in props[LADDER_KEY].split(",") if tier)
+                  if LADDER_KEY in props else ())
+        max_variants = int(props[MAX_VARIANTS_KEY])
+        eligibility = PaddingEligibility(bool(padding["eligible"]), tuple(padding["reasons"]))
+    except (KeyError, TypeError, ValueError) as error:
+        raise ModelStructureError(
+            f"the model's chunked-prefill declaration is malformed ({type(error).__name__}: "
+            f"{error}); re-run `onnx-chunk convert` on the original model"
+        ) from error
+    return ChunkPlan(
+        schema_version=version,
+        chunk_size=chunk_size,
+        ladder=ladder,
+        max_variants=max_variants,
+        gqa_nodes=kv.gqa_nodes,
+        token_input=ports.token_input,
+        per_token_ports=ports.ports,
+        position_ids=ports.position_ids,
+        capacity_inputs=kv.bindings,
+        recurrent_state=state.bindings,
+        padding=eligibility,
+        max_sequence_length=kv.max_sequence_length,
+        problems=kv.problems,
+    )
+
+
+def write_plan(model: ir.Model, plan: ChunkPlan) -> None:
+    """Store a whole plan in the model's metadata_props (what the passes write piecewise)."""
+    write_kv_capacity(model, KVCapacityFindings(
+        gqa_nodes=plan.gqa_nodes,
+        bindings=plan.capacity_inputs,
+        max_sequence_length=plan.max_sequence_length,
+        problems=plan.problems,
+    ))
+    write_recurrent_state(model, RecurrentStateFindings(bindings=plan.recurrent_state))
+    # A plan keeps the per-token voids among its padding reasons; `port_void` marks them.
+    voids = tuple(reason for reason in plan.padding.reasons
+                  if reason.startswith(_PORT_VOID_PREFIX))
+    write_per_token_ports(model, PerTokenFindings(
+        token_input=plan.token_input,
+        ports=plan.per_token_ports,
+        position_ids=plan.position_ids,
+        voids=voids,
+    ))
+    write_declaration(
+        model,
+        chunk_size=plan.chunk_size,
+        ladder=plan.ladder,
+        max_variants=plan.max_variants,
+        padding=plan.padding,
+    )

@@ -1,0 +1,146 @@
+"""Find the inputs that carry one row per query token, which padding widens with the query."""
+
+from __future__ import annotations
+
+import logging
+
+import onnx_ir as ir
+
+from onnx_chunk import metadata
+from onnx_chunk.passes import value_tracing
+from onnx_chunk.passes.kv_capacity import gqa_past_inputs
+from onnx_chunk.passes.recurrent_state import find_recurrent_state
+
+logger = logging.getLogger(__name__)
+
+TOKEN_INPUTS = ("input_ids", "inputs_embeds")
+ATTENTION_MASK = "attention_mask"
+POSITION_IDS = "position_ids"
+_GQA_POSITION_IDS_INPUT = 9
+_ROTARY_POSITION_IDS_INPUT = 1
+_INTEGER_TYPES = (ir.DataType.INT64, ir.DataType.INT32)
+
+
+class PerTokenPortsPass(ir.passes.InPlacePass):
+    """Record the per-token ports and every input that rules a padding plan out.
+
+    Padding runs a chunk at a ladder width: padded rows repeat the last real token, and every
+    port fed per token must be widened the same way. A port that is fed per request but has no
+    row axis cannot be widened, so it voids the plan instead of having rows invented for it.
+
+    Rules:
+    1. The token input is `input_ids`, else `inputs_embeds`, else the integer [batch, rows]
+       input a Gather reads as indices (an embedding lookup). Its axis 1 is the query axis.
+    2. A graph input shaped [batch, rows, ...] whose axis 0 and axis 1 have the token input's
+       symbolic names is per-token; the token input itself is one.
+    3. GQA past inputs, `attention_mask` and recurrent state are not request-fed rows and are
+       left alone. Every other input voids the padding plan, named in the reason.
+    4. A query axis that is fixed or unnamed cannot be matched, and voids the plan.
+    5. position_ids is the integer per-token port named so, or the one that feeds GQA
+       position_ids (input 9) or a RotaryEmbedding's position_ids (input 1); padded rows
+       continue its positions instead of repeating them.
+    6. The findings go to the inference metadata; the pass reports a modification only when
+       they differ from what is stored.
+    """
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        findings = find_per_token_ports(model)
+        modified = metadata.write_per_token_ports(model, findings)
+        if modified:
+            logger.info("per-token ports: %s; %d inputs void padding",
+                        ", ".join(findings.ports) or "none", len(findings.voids))
+        return ir.passes.PassResult(model, modified=modified)
+
+
+def find_per_token_ports(model: ir.Model) -> metadata.PerTokenFindings:
+    """What the pass records, computed without touching the model."""
+    graph = model.graph
+    token = _token_input(graph)
+    if token is None:
+        names = ", ".join(value.name for value in graph.inputs) or "none"
+        return metadata.PerTokenFindings(
+            token_input="",
+            ports=(),
+            position_ids=None,
+            voids=(metadata.port_void(
+                "input_ids", f"(or inputs_embeds) is missing: the graph inputs are {names}, so "
+                "the query axis is unknown and no port can be widened"),),
+        )
+    skipped = gqa_past_inputs(graph) | {ATTENTION_MASK}
+    skipped |= {binding.input for binding in find_recurrent_state(model).bindings}
+    shape = token.shape
+    batch_key = value_tracing.dim_key(shape[0]) if shape is not None and len(shape) >= 2 else None
+    rows_key = value_tracing.dim_key(shape[1]) if shape is not None and len(shape) >= 2 else None
+    if not isinstance(rows_key, str):
+        return metadata.PerTokenFindings(
+            token_input=token.name,
+            ports=(token.name,),
+            position_ids=None,
+            voids=(metadata.port_void(
+                token.name, f"has shape {value_tracing.shape_text(shape)}: its query axis (1) "
+                "is fixed or unnamed, so per-token ports cannot be matched to it"),),
+        )
+    ports = [token.name]
+    voids: list[str] = []
+    for value in graph.inputs:
+        if value is token or value.name in skipped:
+            continue
+        if _is_per_token(value, batch_key, rows_key):
+            ports.append(value.name)
+        else:
+            voids.append(metadata.port_void(
+                value.name,
+                f"shaped {value_tracing.shape_text(value.shape)} is fed per request but is not "
+                f"[{batch_key}, {rows_key}, ...] like {token.name!r}, so padding cannot widen it",
+            ))
+    position_ids = _position_ids(graph, ports)
+    return metadata.PerTokenFindings(
+        token_input=token.name,
+        ports=tuple(ports),
+        position_ids=position_ids,
+        voids=tuple(voids),
+    )
+
+
+def _token_input(graph: ir.Graph) -> ir.Value | None:
+    by_name = {value.name: value for value in graph.inputs}
+    for name in TOKEN_INPUTS:
+        if name in by_name:
+            return by_name[name]
+    for value in graph.inputs:
+        if (value.dtype in _INTEGER_TYPES and value.shape is not None and len(value.shape) == 2
+                and any(use.node.op_type == "Gather" and use.idx == 1 for use in value.uses())):
+            return value
+    return None
+
+
+def _is_per_token(value: ir.Value, batch_key: object, rows_key: str) -> bool:
+    shape = value.shape
+    return (shape is not None and len(shape) >= 2
+            and value_tracing.dim_key(shape[0]) == batch_key
+            and value_tracing.dim_key(shape[1]) == rows_key)
+
+
+def _position_ids(graph: ir.Graph, ports: list[str]) -> str | None:
+    candidates = [value for value in graph.inputs
+                  if value.name in ports[1:] and value.dtype in _INTEGER_TYPES
+                  and value.shape is not None and len(value.shape) == 2]
+    for value in candidates:
+        if value.name == POSITION_IDS:
+            return value.name
+    feeding = {id(value_tracing.source(position))
+               for position in _position_inputs(graph) if position is not None}
+    for value in candidates:
+        if id(value) in feeding:
+            return value.name
+    return None
+
+
+def _position_inputs(graph: ir.Graph) -> list[ir.Value | None]:
+    found: list[ir.Value | None] = []
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        if value_tracing.is_gqa(node):
+            found.append(value_tracing.input_at(node, _GQA_POSITION_IDS_INPUT))
+        elif node.op_type == "RotaryEmbedding" and node.domain == value_tracing.MICROSOFT_DOMAIN:
+            found.append(value_tracing.input_at(node, _ROTARY_POSITION_IDS_INPUT))
+    return found

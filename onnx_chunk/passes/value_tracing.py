@@ -1,0 +1,81 @@
+"""Following values through nodes that pass a tensor on unchanged in layout (Identity, Cast)."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+MICROSOFT_DOMAIN = "com.microsoft"
+GQA_OP = "GroupQueryAttention"
+
+# Nodes whose output is their first input with the same shape: a KV buffer or a state tensor
+# keeps its identity through them.
+_PASS_THROUGH_OPS = frozenset({"Identity", "Cast", "CastLike"})
+
+
+def is_gqa(node: ir.Node) -> bool:
+    """Whether `node` is a `com.microsoft::GroupQueryAttention`."""
+    return node.op_type == GQA_OP and node.domain == MICROSOFT_DOMAIN
+
+
+def gqa_nodes(graph: ir.Graph) -> list[ir.Node]:
+    """Every GroupQueryAttention node of `graph` and its subgraphs, in graph order."""
+    return [node for node in ir.traversal.RecursiveGraphIterator(graph) if is_gqa(node)]
+
+
+def _passes_through(node: ir.Node) -> bool:
+    return node.domain in ("", "ai.onnx") and node.op_type in _PASS_THROUGH_OPS
+
+
+def input_at(node: ir.Node, index: int) -> ir.Value | None:
+    """The node's input `index`, or None when it is absent or left empty."""
+    return node.inputs[index] if index < len(node.inputs) else None
+
+
+def source(value: ir.Value) -> ir.Value:
+    """Walk back from `value` through pass-through nodes to where it is made or fed."""
+    while (producer := value.producer()) is not None and _passes_through(producer):
+        upstream = producer.inputs[0]
+        if upstream is None:
+            break
+        value = upstream
+    return value
+
+
+def graph_outputs_fed_by(value: ir.Value) -> list[ir.Value]:
+    """The graph outputs that are `value` itself or reached from it through pass-through nodes."""
+    found: list[ir.Value] = []
+    pending = [value]
+    seen: set[int] = set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if current.is_graph_output():
+            found.append(current)
+        for consumer in current.consumers():
+            if _passes_through(consumer):
+                pending.extend(output for output in consumer.outputs)
+    return found
+
+
+def same_dims(first: ir.Shape | None, second: ir.Shape | None) -> bool:
+    """Whether two shapes are known and equal axis by axis (symbolic names compared by name)."""
+    if first is None or second is None or len(first) != len(second):
+        return False
+    return all(dim_key(a) == dim_key(b) for a, b in zip(first, second))
+
+
+def dim_key(dim: int | ir.SymbolicDim) -> int | str | None:
+    """A comparable key for one dimension: its size or its symbolic name (None when unnamed)."""
+    if isinstance(dim, int):
+        return dim
+    return dim.value
+
+
+def shape_text(shape: ir.Shape | None) -> str:
+    """A shape as `[batch_size, 4, sequence_length]`, or `unknown`."""
+    if shape is None:
+        return "unknown"
+    return "[" + ", ".join("?" if dim_key(dim) is None else str(dim_key(dim))
+                           for dim in shape) + "]"

@@ -1,0 +1,93 @@
+import json
+
+import onnx
+import pytest
+
+from onnx_chunk import metadata
+from onnx_chunk.errors import ModelStructureError
+from onnx_chunk.passes import convert_model
+
+PLAN = metadata.ChunkPlan(
+    schema_version=metadata.SCHEMA_VERSION,
+    chunk_size=256,
+    ladder=(86, 172, 256),
+    max_variants=4,
+    gqa_nodes=1,
+    token_input="input_ids",
+    per_token_ports=("input_ids", "position_ids"),
+    position_ids="position_ids",
+    capacity_inputs=(metadata.KVBinding("past_key_values.0.key", "present.0.key", 2),
+                     metadata.KVBinding("past_key_values.0.value", None, 2)),
+    recurrent_state=(metadata.StateBinding("past.1.conv", "present.1.conv", "name+structure"),),
+    padding=metadata.PaddingEligibility(False, (
+        "recurrent state 'past.1.conv' blocks padding",
+        metadata.port_void("row_scale", "is not per token"),
+    )),
+    max_sequence_length=2048,
+    problems=("present for past_value reaches no graph output",),
+)
+
+
+def test_json_round_trip():
+    data = json.loads(json.dumps(PLAN.to_json()))
+    assert metadata.ChunkPlan.from_json(data) == PLAN
+    assert data["capacity_inputs"] == ["past_key_values.0.key", "past_key_values.0.value"]
+    assert data["recurrent_state"] == ["past.1.conv"]
+    assert data["padding"] == {"eligible": False, "reasons": list(PLAN.padding.reasons)}
+
+
+def test_from_json_rejects_a_malformed_object():
+    data = PLAN.to_json()
+    del data["kv_bindings"]
+    with pytest.raises(ModelStructureError, match="kv_bindings"):
+        metadata.ChunkPlan.from_json(data)
+
+
+def test_write_then_read_round_trip(make_decoder):
+    model = make_decoder()
+    metadata.write_plan(model, PLAN)
+    assert metadata.read_plan(model) == PLAN
+    assert metadata.read_per_token_ports(model).voids == (PLAN.padding.reasons[1],)
+
+
+def test_unconverted_model_has_no_plan(make_decoder, make_decoder_proto):
+    assert metadata.read_plan(make_decoder()) is None
+    assert metadata.read_plan(make_decoder_proto()) is None
+
+
+def test_plain_onnx_reads_the_declaration(make_decoder, tmp_path):
+    model = make_decoder()
+    convert_model(model, chunk_size=512, max_variants=4)
+    from onnx_chunk.model_io import save_model
+
+    save_model(model, tmp_path / "model.onnx")
+    proto = onnx.load(str(tmp_path / "model.onnx"))
+    props = {entry.key: entry.value for entry in proto.metadata_props}
+    assert props[metadata.CHUNK_SIZE_KEY] == "512"
+    assert props[metadata.LADDER_KEY] == "171,342,512"
+    assert json.loads(props[metadata.KV_CAPACITY_KEY])["gqa_nodes"] == 1
+    assert metadata.read_plan(proto) == metadata.read_plan(model)
+
+
+def test_newer_schema_is_refused(make_decoder):
+    model = make_decoder()
+    metadata.write_plan(model, PLAN)
+    model.metadata_props[metadata.SCHEMA_VERSION_KEY] = str(metadata.SCHEMA_VERSION + 1)
+    with pytest.raises(ModelStructureError, match="schema version"):
+        metadata.read_plan(model)
+
+
+def test_damaged_section_is_refused(make_decoder):
+    model = make_decoder()
+    metadata.write_plan(model, PLAN)
+    model.metadata_props[metadata.KV_CAPACITY_KEY] = "{not json"
+    with pytest.raises(ModelStructureError, match="not valid JSON"):
+        metadata.read_plan(model)
+
+
+def test_missing_section_is_refused(make_decoder):
+    model = make_decoder()
+    metadata.write_plan(model, PLAN)
+    del model.metadata_props[metadata.PADDING_KEY]
+    with pytest.raises(ModelStructureError, match=metadata.PADDING_KEY):
+        metadata.read_plan(model)

@@ -1,0 +1,117 @@
+import os
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+from onnx_chunk.errors import ModelLoadError
+from onnx_chunk.model_io import external_data_files, load_model, save_model
+
+
+def _external_model(folder, location="weights.data", offset=0, write_data=True):
+    """A one-initializer model whose 4 KiB weight lives in external data at `location`."""
+    weight = np.arange(1024, dtype=np.float32)
+    tensor = numpy_helper.from_array(weight, "w")
+    tensor.ClearField("raw_data")
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", str(offset)),
+                       ("length", str(weight.nbytes))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "w"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1024])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1024])],
+        initializer=[tensor])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "model.onnx"
+    onnx.save(model, str(path))
+    if write_data:
+        (folder / location).write_bytes(b"\0" * offset + weight.tobytes())
+    return path, weight
+
+
+def test_load_keeps_external_data_lazy(tmp_path):
+    path, weight = _external_model(tmp_path)
+    model = load_model(path)
+    tensor = model.graph.initializers["w"].const_value
+    assert tensor.__class__.__name__ == "ExternalTensor"
+    assert external_data_files(model) == {"weights.data": (tmp_path / "weights.data").resolve()}
+    np.testing.assert_array_equal(tensor.numpy(), weight)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(tmp_path / "nope.onnx")
+
+
+def test_folder_instead_of_file(tmp_path):
+    with pytest.raises(ModelLoadError, match="is a folder"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe not a protobuf \x00\x01", b"hello world\n"])
+def test_not_a_protobuf(tmp_path, content):
+    path = tmp_path / "model.onnx"
+    path.write_bytes(content)
+    with pytest.raises(ModelLoadError, match="model"):
+        load_model(path)
+
+
+def test_truncated_file(tmp_path):
+    path, _ = _external_model(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="truncated"):
+        load_model(path)
+
+
+def test_external_data_missing(tmp_path):
+    path, _ = _external_model(tmp_path, write_data=False)
+    with pytest.raises(ModelLoadError, match="missing"):
+        load_model(path)
+
+
+def test_external_data_outside_the_folder(tmp_path):
+    (tmp_path / "secret.data").write_bytes(b"\0" * 8192)
+    path, _ = _external_model(tmp_path / "m", location="../secret.data", write_data=False)
+    with pytest.raises(ModelLoadError, match="outside the model's folder"):
+        load_model(path)
+
+
+def test_external_data_too_short(tmp_path):
+    path, _ = _external_model(tmp_path)
+    (tmp_path / "weights.data").write_bytes(b"\0" * 100)
+    with pytest.raises(ModelLoadError, match="truncated"):
+        load_model(path)
+
+
+def test_save_copies_external_data_and_keeps_it_external(tmp_path):
+    path, weight = _external_model(tmp_path / "in", offset=64)
+    model = load_model(path)
+    seen = []
+    save_model(model, tmp_path / "out" / "model.onnx", progress=seen.append)
+    out = tmp_path / "out"
+    assert sorted(os.listdir(out)) == ["model.onnx", "weights.data"]
+    assert sum(seen) == (tmp_path / "in" / "weights.data").stat().st_size
+    proto = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    assert proto.graph.initializer[0].data_location == onnx.TensorProto.EXTERNAL
+    reloaded = load_model(out / "model.onnx")
+    np.testing.assert_array_equal(reloaded.graph.initializers["w"].const_value.numpy(), weight)
+
+
+def test_save_in_place_rewrites_only_the_graph(tmp_path):
+    path, weight = _external_model(tmp_path)
+    data_before = (tmp_path / "weights.data").stat()
+    model = load_model(path)
+    model.metadata_props["k"] = "v"
+    seen = []
+    save_model(model, path, progress=seen.append)
+    assert seen == []
+    assert (tmp_path / "weights.data").stat().st_ino == data_before.st_ino
+    assert sorted(os.listdir(tmp_path)) == ["model.onnx", "weights.data"]
+    reloaded = load_model(path)
+    assert reloaded.metadata_props["k"] == "v"
+    np.testing.assert_array_equal(reloaded.graph.initializers["w"].const_value.numpy(), weight)

@@ -1,0 +1,74 @@
+from onnx import TensorProto
+
+from onnx_chunk import metadata
+from onnx_chunk.passes.recurrent_state import RecurrentStatePass
+
+CONV = ["batch_size", 16, 2]
+
+
+def _state(model):
+    result = RecurrentStatePass()(model)
+    return result, metadata.read_recurrent_state(model).bindings
+
+
+def test_plain_gqa_decoder_has_no_state(make_decoder):
+    result, bindings = _state(make_decoder(layers=2))
+    assert result.modified
+    assert bindings == ()
+
+
+def test_conv_state_found_by_name_and_structure(make_decoder):
+    model = make_decoder(extra_inputs=(("past.0.conv", TensorProto.FLOAT, CONV),),
+                         extra_outputs=(("present.0.conv", TensorProto.FLOAT, CONV),))
+    _, bindings = _state(model)
+    assert bindings == (metadata.StateBinding("past.0.conv", "present.0.conv", "name+structure"),)
+
+
+def test_unnamed_state_found_by_structure(make_decoder):
+    model = make_decoder(extra_inputs=(("carry_in", TensorProto.FLOAT, ["batch_size", 16]),),
+                         extra_outputs=(("carry_out", TensorProto.FLOAT, ["batch_size", 16]),))
+    _, bindings = _state(model)
+    assert bindings == (metadata.StateBinding("carry_in", "carry_out", "structure"),)
+
+
+def test_named_state_without_partner_found_by_name(make_decoder):
+    model = make_decoder(extra_inputs=(
+        ("past_key_values.0.conv_state", TensorProto.FLOAT, CONV),
+        ("layers.3.recurrent_state", TensorProto.FLOAT, ["batch_size", 4, 8, 8]),
+    ))
+    _, bindings = _state(model)
+    assert bindings == (
+        metadata.StateBinding("past_key_values.0.conv_state", "", "name"),
+        metadata.StateBinding("layers.3.recurrent_state", "", "name"),
+    )
+
+
+def test_type_or_shape_mismatch_is_not_state(make_decoder):
+    model = make_decoder(
+        extra_inputs=(("carry_in", TensorProto.FLOAT, ["batch_size", 16]),),
+        extra_outputs=(("carry_out", TensorProto.FLOAT16, ["batch_size", 16]),))
+    assert _state(model)[1] == ()
+
+
+def test_gqa_kv_with_identical_shapes_is_never_state(make_decoder):
+    same = ["batch_size", 2, "past_sequence_length", 8]
+    _, bindings = _state(make_decoder(present_shape=same))
+    assert bindings == ()
+
+
+def test_each_output_pairs_once_and_names_break_ties(make_decoder):
+    model = make_decoder(
+        extra_inputs=(("past.1.conv", TensorProto.FLOAT, CONV),
+                      ("past.0.conv", TensorProto.FLOAT, CONV)),
+        extra_outputs=(("present.0.conv", TensorProto.FLOAT, CONV),
+                       ("present.1.conv", TensorProto.FLOAT, CONV)))
+    _, bindings = _state(model)
+    assert [(b.input, b.output) for b in bindings] == [("past.1.conv", "present.1.conv"),
+                                                      ("past.0.conv", "present.0.conv")]
+
+
+def test_second_run_changes_nothing(make_decoder):
+    model = make_decoder(extra_inputs=(("past.0.conv", TensorProto.FLOAT, CONV),),
+                         extra_outputs=(("present.0.conv", TensorProto.FLOAT, CONV),))
+    assert RecurrentStatePass()(model).modified
+    assert not RecurrentStatePass()(model).modified
