@@ -1,3 +1,25 @@
 """onnx-chunk: chunked prefill, query-axis ladder padding and a bounded variant cache for ONNX decoders."""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+# The runtime API, re-exported lazily so that `import onnx_chunk` (and `onnx-chunk --help`)
+# does not pay for importing ONNX Runtime.
+_RUNTIME_API = ("GenerationStats", "Runtime", "RuntimeStats", "Sequence", "SequenceStats", "load")
+
+__all__ = ["GenerationStats", "Runtime", "RuntimeStats", "Sequence", "SequenceStats", "__version__",
+           "load"]
+
+if TYPE_CHECKING:
+    from onnx_chunk.runtime import (GenerationStats, Runtime, RuntimeStats, Sequence,
+                                    SequenceStats, load)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RUNTIME_API:
+        return getattr(importlib.import_module("onnx_chunk.runtime"), name)
+    raise AttributeError(f"module 'onnx_chunk' has no attribute {name!r}")

@@ -1,0 +1,19 @@
+"""The onnx-chunk runtime: chunked prefill with KV at capacity on ONNX Runtime."""
+
+from onnx_chunk.runtime.engine import Runtime, load
+from onnx_chunk.runtime.provider import Device, MaskPolicy, resolve_device
+from onnx_chunk.runtime.sequence import Sequence
+from onnx_chunk.runtime.stats import ChunkRecord, GenerationStats, RuntimeStats, SequenceStats
+
+__all__ = [
+    "ChunkRecord",
+    "Device",
+    "GenerationStats",
+    "MaskPolicy",
+    "Runtime",
+    "RuntimeStats",
+    "Sequence",
+    "SequenceStats",
+    "load",
+    "resolve_device",
+]

@@ -1,0 +1,140 @@
+"""`onnx-chunk generate`: greedy generation with chunked prefill, one runtime for all prompts."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import click
+import numpy as np
+
+from onnx_chunk.errors import InputError
+from onnx_chunk.runtime import GenerationStats, Runtime, RuntimeStats, load
+from onnx_chunk.runtime.provider import PROVIDER_CHOICES
+
+_SEPARATORS = re.compile(r"[\s,]+")
+
+
+def parse_ids(text: str, where: str = "--ids") -> list[int]:
+    """Token ids written as integers separated by commas and/or spaces."""
+    words = [word for word in _SEPARATORS.split(text.strip()) if word]
+    try:
+        return [int(word) for word in words]
+    except ValueError as error:
+        raise InputError(f"{where}: expected integers separated by commas or spaces, got "
+                         f"{text.strip()!r}") from error
+
+
+def read_ids_file(path: Path) -> list[list[int]]:
+    """One prompt per non-empty line of `path`."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as error:
+        raise InputError(f"cannot read the ids file {str(path)!r}: "
+                         f"{error.strerror or error}") from error
+    prompts = [parse_ids(line, f"{path}:{number}") for number, line in enumerate(lines, 1)
+               if line.strip()]
+    if not prompts:
+        raise InputError(f"the ids file {str(path)!r} holds no prompt; write one prompt per "
+                         "line (integers separated by spaces or commas)")
+    return prompts
+
+
+def record(index: int, prompt: list[int], tokens: list[int], generation: GenerationStats,
+           stats: RuntimeStats) -> dict:
+    """The JSON object printed for one prompt."""
+    cache = stats.cache
+    return {
+        "prompt": index,
+        "prompt_tokens": len(prompt),
+        "tokens": tokens,
+        "ttft_s": generation.ttft_s,
+        "decode_tokens_per_s": generation.decode_tokens_per_s,
+        "chunks": [[chunk.rows, chunk.width] for chunk in generation.chunks],
+        "stopped_by_eos": generation.stopped_by_eos,
+        "stats": {
+            "provider": stats.provider,
+            "device": stats.device,
+            "chunk_size": stats.chunk_size,
+            "ladder": list(stats.ladder),
+            "padding": stats.padding,
+            "padding_refused": cache.padding_refused,
+            "compiles": cache.compiles,
+            "hits": cache.hits,
+            "evictions": cache.evictions,
+            "variants": cache.variants,
+            "widths": list(cache.widths),
+            "bytes_held": cache.bytes_held,
+        },
+    }
+
+
+def _format(entry: dict) -> str:
+    stats = entry["stats"]
+    speed = entry["decode_tokens_per_s"]
+    chunks = " ".join(f"{rows}->{width}" if rows != width else str(rows)
+                      for rows, width in entry["chunks"])
+    return (f"prompt {entry['prompt']} ({entry['prompt_tokens']} tokens): "
+            f"{' '.join(map(str, entry['tokens']))}\n"
+            f"  chunks {chunks} | ttft {entry['ttft_s'] * 1000:.1f} ms | "
+            f"decode {'-' if speed is None else f'{speed:.1f}'} tok/s | "
+            f"compiles {stats['compiles']} hits {stats['hits']} "
+            f"evictions {stats['evictions']} variants {stats['variants']} "
+            f"widths {','.join(map(str, stats['widths']))}")
+
+
+@click.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("--ids", "ids_text", help="The prompt's token ids: 1,2,3 or \"1 2 3\".")
+@click.option("--ids-file", type=click.Path(path_type=Path),
+              help="A file with one prompt per line; all run in order in one runtime.")
+@click.option("--random-prompt", type=click.IntRange(min=1), metavar="N",
+              help="A prompt of N random token ids.")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed of --random-prompt.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), required=True)
+@click.option("--eos-token-id", type=int, default=None, help="Stop after this token.")
+@click.option("--chunk-size", type=click.IntRange(min=1), default=None,
+              help="Prefill chunk width (default: the model's declaration).")
+@click.option("--provider", type=click.Choice(PROVIDER_CHOICES), default="auto",
+              show_default=True)
+@click.option("--capacity", type=click.IntRange(min=2), default=None,
+              help="KV capacity in positions (default: the model's maximum).")
+@click.option("--no-padding", is_flag=True, help="Run remainder chunks at their own width.")
+@click.option("--specialize/--no-specialize", default=True, show_default=True,
+              help="One session per ladder width, or one shape-generic session.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt per line.")
+def generate(model: Path, ids_text: str | None, ids_file: Path | None,
+             random_prompt: int | None, seed: int, max_new_tokens: int,
+             eos_token_id: int | None, chunk_size: int | None, provider: str,
+             capacity: int | None, no_padding: bool, specialize: bool, as_json: bool) -> None:
+    """Generate greedily from MODEL with chunked prefill."""
+    given = [name for name, value in (("--ids", ids_text), ("--ids-file", ids_file),
+                                      ("--random-prompt", random_prompt)) if value is not None]
+    if len(given) != 1:
+        raise click.UsageError("give exactly one of --ids, --ids-file, --random-prompt"
+                               + (f" (got {', '.join(given)})" if given else ""))
+    runtime = load(model, provider=provider, capacity=capacity, chunk_size=chunk_size,
+                   padding=False if no_padding else None, specialize=specialize)
+    prompts = _prompts(runtime, ids_text, ids_file, random_prompt, seed)
+    if not as_json:
+        stats = runtime.stats()
+        click.echo(f"provider {stats.provider} ({stats.device}), capacity {stats.capacity}, "
+                   f"chunk {stats.chunk_size}, ladder {','.join(map(str, stats.ladder))}, "
+                   f"padding {'on' if stats.padding else 'off'}")
+    for index, prompt in enumerate(prompts):
+        sequence = runtime.open_sequence()
+        tokens = sequence.generate(prompt, max_new_tokens, eos_token_id)
+        entry = record(index, prompt, tokens, sequence.stats.last_generation, runtime.stats())
+        click.echo(json.dumps(entry) if as_json else _format(entry))
+
+
+def _prompts(runtime: Runtime, ids_text: str | None, ids_file: Path | None,
+             random_prompt: int | None, seed: int) -> list[list[int]]:
+    if ids_text is not None:
+        return [parse_ids(ids_text)]
+    if ids_file is not None:
+        return read_ids_file(ids_file)
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, runtime.ports.vocab_size, random_prompt).tolist()]

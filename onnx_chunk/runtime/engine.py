@@ -1,0 +1,211 @@
+"""A loaded decoder: its plan, device, shared weights and variant cache; sequences open on it.
+
+`load(path)` reads the chunked-prefill plan from the model's metadata (or runs the passes in
+memory on an unconverted model), picks the device, loads the weights once and sets up the
+variant cache. `Runtime.open_sequence()` gives independent sequences that share all of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from onnx_chunk.errors import ConfigError, ModelLoadError
+from onnx_chunk.metadata import ChunkPlan, read_plan
+from onnx_chunk.model_io import load_model
+from onnx_chunk.runtime.ladder import DECODE_WIDTH, ladder_tiers
+from onnx_chunk.runtime.memory import meter_for
+from onnx_chunk.runtime.padding import resolve_padding
+from onnx_chunk.runtime.ports import ModelPorts, model_ports
+from onnx_chunk.runtime.provider import Device, MaskPolicy, resolve_device
+from onnx_chunk.runtime.sequence import Sequence
+from onnx_chunk.runtime.session_factory import (QUANTIZED_MATMUL, SessionFactory,
+                                                 load_shared_weights)
+from onnx_chunk.runtime.stats import RuntimeStats
+from onnx_chunk.runtime.variant_cache import VariantCache, VariantKey
+
+logger = logging.getLogger(__name__)
+
+EMBEDDINGS_FILE = "embeddings.npy"
+
+
+class Runtime:
+    """One decoder loaded on one device; see `load` for the parameters."""
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        *,
+        provider: str = "auto",
+        device_id: int = 0,
+        capacity: int | None = None,
+        chunk_size: int | None = None,
+        padding: bool | None = None,
+        specialize: bool = True,
+        max_variants: int | None = None,
+        mask_policy: MaskPolicy | str | None = None,
+        intra_op_threads: int | None = None,
+        embeddings: np.ndarray | None = None,
+    ) -> None:
+        self.model_path = Path(model_path)
+        model = load_model(self.model_path)
+        plan = read_plan(model)
+        if plan is None:
+            from onnx_chunk.passes import DEFAULT_CHUNK_SIZE, analyze
+
+            logger.info("%s carries no chunked-prefill plan; running the passes in memory",
+                        self.model_path)
+            plan = analyze(model, chunk_size=chunk_size or DEFAULT_CHUNK_SIZE)
+        self.plan: ChunkPlan = plan
+        self.device: Device = resolve_device(provider, device_id, mask_policy)
+        self.capacity = _resolve_capacity(capacity, plan)
+        self.chunk_size = _resolve_chunk_size(chunk_size, plan, self.capacity)
+        variants = plan.max_variants if max_variants is None else max_variants
+        self.tiers: tuple[int, ...] = (plan.ladder if plan.ladder and plan.chunk_size ==
+                                       self.chunk_size and max_variants is None
+                                       else ladder_tiers(self.chunk_size, variants))
+        self.specialize = specialize
+        self.ports: ModelPorts = model_ports(model, plan, self.capacity)
+        self.embeddings = self._embeddings(embeddings)
+        self._padding, refused = resolve_padding(plan.padding, padding)
+        self._padding_lock = threading.Lock()
+        fixed_dims = dict(self.ports.fixed_dims)
+        if self.device.mask_policy is MaskPolicy.CAPACITY and self.ports.mask_dim is not None:
+            fixed_dims[self.ports.mask_dim] = self.capacity
+        self._quantized = any(node.op_type == QUANTIZED_MATMUL for node in model.graph.all_nodes())
+        self.weights = load_shared_weights(model, self.device)
+        self.factory = SessionFactory(self.model_path, self.weights, self.device,
+                                      query_dim=self.ports.query_dim, fixed_dims=fixed_dims,
+                                      intra_op_threads=intra_op_threads)
+        self.cache: VariantCache[ort.InferenceSession] = VariantCache(
+            self._build_variant, cap=variants,
+            meter=meter_for(self.device.device_type, self.device.device_id))
+        self.cache.note_padding_refused(refused)
+        logger.info("loaded %s on %s: capacity %d, chunk %d, ladder %s, padding %s",
+                    self.model_path, self.device.label, self.capacity, self.chunk_size,
+                    self.tiers, "on" if self._padding else f"off ({refused})")
+
+    @property
+    def provider(self) -> str:
+        """The provider the runtime runs on: "cpu" or "cuda"."""
+        return self.device.provider
+
+    @property
+    def padding(self) -> bool:
+        """Whether prefill chunks are padded up the ladder."""
+        return self._padding
+
+    def open_sequence(self) -> Sequence:
+        """A new, empty sequence with its own KV buffers, sharing this model's sessions."""
+        return Sequence(self)
+
+    def stats(self) -> RuntimeStats:
+        """The runtime's configuration and its variant cache's counters, now."""
+        return RuntimeStats(
+            provider=self.provider,
+            device=self.device.label,
+            mask_policy=self.device.mask_policy.value,
+            capacity=self.capacity,
+            chunk_size=self.chunk_size,
+            ladder=self.tiers,
+            specialize=self.specialize,
+            padding=self._padding,
+            weights_bytes=self.weights.nbytes,
+            sessions_created=self.factory.sessions_created,
+            cache=self.cache.snapshot(),
+        )
+
+    def disable_padding(self, reason: str) -> None:
+        """Switch padding off for good (the run-time self-check found it unsafe)."""
+        with self._padding_lock:
+            if self._padding:
+                logger.warning("padding switched off: %s", reason)
+                self._padding = False
+                self.cache.note_padding_refused(reason)
+
+    def _build_variant(self, key: VariantKey) -> ort.InferenceSession:
+        # Pre-pack where it pays (see session_factory): the decode shape, a lone session that
+        # also decodes, and every session of a model with quantized MatMulNBits weights.
+        prepack = key == DECODE_WIDTH or not self.specialize or self._quantized
+        return self.factory.create(key, prepack=prepack)
+
+    def _embeddings(self, given: np.ndarray | None) -> np.ndarray | None:
+        if self.ports.token_input != "inputs_embeds":
+            return None
+        if given is None:
+            path = self.model_path.parent / EMBEDDINGS_FILE
+            if not path.is_file():
+                raise ModelLoadError(
+                    f"the decoder takes inputs_embeds, so the runtime needs the embedding table: "
+                    f"expected {str(path)!r} ([vocab, hidden] .npy) or the embeddings argument")
+            given = np.load(path, mmap_mode="r")
+        hidden = self.ports.hidden_size
+        if given.ndim != 2 or given.shape[1] != hidden:
+            raise ModelLoadError(f"the embedding table must be [vocab, {hidden}], got "
+                                 f"{list(given.shape)}")
+        return given
+
+
+def load(
+    model_path: str | os.PathLike,
+    *,
+    provider: str = "auto",
+    device_id: int = 0,
+    capacity: int | None = None,
+    chunk_size: int | None = None,
+    padding: bool | None = None,
+    specialize: bool = True,
+    max_variants: int | None = None,
+    mask_policy: MaskPolicy | str | None = None,
+    intra_op_threads: int | None = None,
+    embeddings: np.ndarray | None = None,
+) -> Runtime:
+    """Load a decoder for chunked prefill and greedy generation.
+
+    provider: "auto" (CUDA when a CUDA session works here, else CPU), "cuda" or "cpu".
+    capacity: the KV capacity (maximum sequence length); default the model's
+        plan.max_sequence_length.
+    chunk_size: the prefill chunk width W; default the model's
+        runtime_configurable.chunked_prefill.chunk_size (an unconverted model gets what
+        `onnx-chunk convert` would declare), else the capacity (no chunking).
+    padding: None follows the environment (ONNX_CHUNK_PREFILL_QUERY_PADDING=0 switches it off);
+        False switches it off; the model's plan can always refuse it.
+    specialize: one session per ladder width (and the decode width) instead of one dynamic one.
+    max_variants: the variant cache cap (default the plan's); also sizes the ladder.
+    mask_policy: "logical" or "capacity"; default chosen per provider.
+    embeddings: the [vocab, hidden] table of an inputs_embeds decoder (default the
+        embeddings.npy beside the model).
+    """
+    return Runtime(model_path, provider=provider, device_id=device_id, capacity=capacity,
+                   chunk_size=chunk_size, padding=padding, specialize=specialize,
+                   max_variants=max_variants, mask_policy=mask_policy,
+                   intra_op_threads=intra_op_threads, embeddings=embeddings)
+
+
+def _resolve_capacity(capacity: int | None, plan: ChunkPlan) -> int:
+    limit = plan.max_sequence_length
+    if capacity is None:
+        if limit is None:
+            raise ConfigError("the model declares no maximum sequence length; pass a capacity "
+                              "(--capacity) to size the KV buffers")
+        return int(limit)
+    if capacity < 2:
+        raise ConfigError(f"the capacity must be at least 2 positions, got {capacity}")
+    if limit is not None and capacity > limit:
+        raise ConfigError(f"capacity {capacity} exceeds the model's maximum sequence length "
+                          f"{limit} (its position tables end there); use at most {limit}")
+    return capacity
+
+
+def _resolve_chunk_size(chunk_size: int | None, plan: ChunkPlan, capacity: int) -> int:
+    width = chunk_size if chunk_size is not None else plan.chunk_size
+    if width is None:
+        return capacity
+    if width < 1:
+        raise ConfigError(f"the chunk size must be at least 1, got {width}")
+    return min(width, capacity)

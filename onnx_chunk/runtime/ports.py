@@ -1,0 +1,165 @@
+"""The decoder's ports as the runtime binds them: names, concrete shapes and dtypes.
+
+Derived once per model from the graph's inputs and outputs and the chunked-prefill plan.
+Symbolic batch dimensions become 1, the capacity axis of every KV input becomes the capacity;
+every other dimension of a KV or state buffer must be a number, since the buffer is allocated
+once before any forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_chunk.errors import ModelStructureError
+from onnx_chunk.metadata import ChunkPlan
+
+MASK_INPUT = "attention_mask"
+LOGITS_OUTPUT = "logits"
+
+
+@dataclass(frozen=True)
+class BufferPort:
+    """A graph input carried to the next forward through a paired output."""
+
+    input: str
+    output: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+@dataclass(frozen=True)
+class ModelPorts:
+    """Everything the runtime binds, resolved for one capacity."""
+
+    token_input: str
+    token_dtype: np.dtype
+    hidden_size: int | None
+    position_ids: str | None
+    mask_dtype: np.dtype
+    mask_dim: str | None
+    vocab_size: int
+    logits_dtype: np.dtype
+    last_row_logits: bool
+    kv: tuple[BufferPort, ...]
+    state: tuple[BufferPort, ...]
+    batch_dim: str | None
+    query_dim: str | None
+    fixed_dims: dict[str, int]
+
+
+def model_ports(model: ir.Model, plan: ChunkPlan, capacity: int) -> ModelPorts:
+    """Resolve the ports of `model` for `capacity`; ModelStructureError when one cannot be."""
+    inputs = {value.name: value for value in model.graph.inputs}
+    outputs = {value.name: value for value in model.graph.outputs}
+    token = _required(inputs, plan.token_input, "token input")
+    mask = _required(inputs, MASK_INPUT, "attention mask input")
+    logits = _required(outputs, LOGITS_OUTPUT, "logits output")
+    batch_dim = _param(token, 0)
+    query_dim = _param(token, 1)
+    vocab = _int_dim(logits, -1, "vocabulary")
+    hidden = _int_dim(token, -1, "hidden") if plan.token_input == "inputs_embeds" else None
+    fixed_dims = {} if batch_dim is None else {batch_dim: 1}
+    kv = []
+    for binding in plan.capacity_inputs:
+        value = _required(inputs, binding.input, "KV input")
+        if binding.output is None or binding.output not in outputs:
+            raise ModelStructureError(
+                f"KV input {binding.input!r} has no paired present output in the graph (plan "
+                f"says {binding.output!r}); re-run `onnx-chunk convert` on the exported model")
+        shape = _buffer_shape(value, batch_dim, {binding.capacity_axis: capacity})
+        capacity_dim = _param(value, binding.capacity_axis)
+        if capacity_dim is not None:
+            fixed_dims[capacity_dim] = capacity
+        kv.append(BufferPort(binding.input, binding.output, shape, _dtype(value)))
+    state = []
+    for binding in plan.recurrent_state:
+        value = _required(inputs, binding.input, "state input")
+        if not binding.output or binding.output not in outputs:
+            raise ModelStructureError(
+                f"state input {binding.input!r} has no paired output in the graph, so its state "
+                "cannot be carried from step to step; the model is not a runnable decoder")
+        state.append(BufferPort(binding.input, binding.output, _buffer_shape(value, batch_dim, {}),
+                                _dtype(value)))
+    known = {plan.token_input, MASK_INPUT, *(port.input for port in kv),
+             *(port.input for port in state)}
+    if plan.position_ids is not None:
+        _required(inputs, plan.position_ids, "position_ids input")
+        known.add(plan.position_ids)
+    unknown = sorted(set(inputs) - known)
+    if unknown:
+        raise ModelStructureError(
+            f"the runtime does not know how to feed input(s) {', '.join(map(repr, unknown))}; "
+            f"it feeds the token input, {MASK_INPUT!r}, position ids, KV and recurrent state "
+            "inputs only: export the decoder without extra request inputs")
+    return ModelPorts(
+        token_input=plan.token_input,
+        token_dtype=_dtype(token),
+        hidden_size=hidden,
+        position_ids=plan.position_ids,
+        mask_dtype=_dtype(mask),
+        mask_dim=_param(mask, 1),
+        vocab_size=vocab,
+        logits_dtype=_dtype(logits),
+        last_row_logits=_last_row_only(logits),
+        kv=tuple(kv),
+        state=tuple(state),
+        batch_dim=batch_dim,
+        query_dim=query_dim,
+        fixed_dims=fixed_dims,
+    )
+
+
+def _last_row_only(logits: ir.Value) -> bool:
+    """Whether the logits output keeps one row whatever the query width (a fixed 1)."""
+    return logits.shape is not None and len(logits.shape) == 3 and logits.shape[1] == 1
+
+
+def _required(values: dict[str, ir.Value], name: str, what: str) -> ir.Value:
+    if name not in values:
+        raise ModelStructureError(f"the decoder has no {what} named {name!r}; found "
+                                  f"{', '.join(sorted(values))}")
+    return values[name]
+
+
+def _param(value: ir.Value, axis: int) -> str | None:
+    if value.shape is None or len(value.shape) <= axis:
+        return None
+    dim = value.shape[axis]
+    return dim.value if isinstance(dim, ir.SymbolicDim) else None
+
+
+def _int_dim(value: ir.Value, axis: int, what: str) -> int:
+    if value.shape is None or not isinstance(value.shape[axis], int):
+        raise ModelStructureError(f"{value.name!r} has no fixed {what} size (shape "
+                                  f"{value.shape}); the runtime needs it to allocate buffers")
+    return int(value.shape[axis])
+
+
+def _dtype(value: ir.Value) -> np.dtype:
+    if value.dtype is None:
+        raise ModelStructureError(f"{value.name!r} declares no element type")
+    return np.dtype(value.dtype.numpy())
+
+
+def _buffer_shape(value: ir.Value, batch_dim: str | None,
+                  sizes: dict[int, int]) -> tuple[int, ...]:
+    if value.shape is None:
+        raise ModelStructureError(f"{value.name!r} declares no shape; the runtime allocates its "
+                                  "buffer once and needs every size")
+    shape = []
+    for axis, dim in enumerate(value.shape):
+        if axis in sizes:
+            shape.append(sizes[axis])
+        elif isinstance(dim, int):
+            shape.append(dim)
+        elif axis == 0 or (batch_dim is not None and dim.value == batch_dim):
+            shape.append(1)
+        else:
+            raise ModelStructureError(
+                f"{value.name!r} has a free dimension {dim.value!r} at axis {axis} (shape "
+                f"{value.shape}); its buffer is allocated once, so only the batch and KV "
+                "capacity axes may be free")
+    return tuple(shape)

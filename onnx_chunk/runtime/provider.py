@@ -1,0 +1,137 @@
+"""Execution provider selection: the one place that maps a provider name to a device.
+
+A `Device` carries everything that differs between providers: the ONNX Runtime provider list
+for sessions, where OrtValues are allocated (device type and id), whether that memory is
+readable from the host without a copy, and the attention-mask width policy. The rest of the
+runtime takes a `Device` and never asks which provider it is.
+
+Mask policy, by measurement (DESIGN.md fact 3, CPU provider, GQA decoder):
+1. `logical`: the mask is `past + rows` wide. On CPU this is what runs fastest: a 171-row chunk
+   at past 100 took 22 ms against 34 ms with a 4096-wide mask, one decode row 0.37 ms against
+   0.50 ms, because the CPU kernel's work follows the mask width.
+2. `capacity`: the mask is as wide as the KV capacity (ones for the valid prefix, zeros in the
+   tail). Byte-identical results, and every input but the query rows has a fixed shape, which is
+   what CUDA graphs and static-shape providers need; chosen for CUDA.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+from dataclasses import dataclass
+
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from onnx_chunk.errors import ConfigError, ProviderError
+
+logger = logging.getLogger(__name__)
+
+PROVIDER_CHOICES = ("auto", "cuda", "cpu")
+
+_CUDA_EP = "CUDAExecutionProvider"
+_CPU_EP = "CPUExecutionProvider"
+_ORT_DEFAULT_SEVERITY = 2  # warnings and above, ONNX Runtime's own default
+
+
+class MaskPolicy(str, enum.Enum):
+    """How wide the attention mask is bound (see the module docstring for the measurement)."""
+
+    LOGICAL = "logical"
+    CAPACITY = "capacity"
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where a runtime runs: the provider, the OrtValue device and the mask policy."""
+
+    provider: str
+    device_type: str
+    device_id: int
+    session_providers: tuple[tuple[str, dict[str, str]], ...]
+    host_visible: bool
+    mask_policy: MaskPolicy
+
+    @property
+    def label(self) -> str:
+        """"cpu" or "cuda:<id>", for logs and stats."""
+        return "cpu" if self.device_type == "cpu" else f"{self.device_type}:{self.device_id}"
+
+
+def device_for(provider: str, device_id: int = 0,
+               mask_policy: MaskPolicy | str | None = None) -> Device:
+    """The device of a concrete provider ("cpu" or "cuda"), without checking that it works."""
+    if provider == "cpu":
+        device = Device("cpu", "cpu", 0, ((_CPU_EP, {}),), True, MaskPolicy.LOGICAL)
+    elif provider == "cuda":
+        options = {"device_id": str(device_id)}
+        device = Device("cuda", "cuda", device_id, ((_CUDA_EP, options), (_CPU_EP, {})), False,
+                        MaskPolicy.CAPACITY)
+    else:
+        raise ConfigError(f"unknown provider {provider!r}; expected 'cpu' or 'cuda'")
+    if mask_policy is None:
+        return device
+    try:
+        policy = MaskPolicy(mask_policy)
+    except ValueError as error:
+        raise ConfigError(f"unknown mask policy {mask_policy!r}; expected 'logical' or "
+                          "'capacity'") from error
+    return Device(device.provider, device.device_type, device.device_id,
+                  device.session_providers, device.host_visible, policy)
+
+
+def resolve_device(provider: str = "auto", device_id: int = 0,
+                   mask_policy: MaskPolicy | str | None = None) -> Device:
+    """The device for `provider`: "auto" (CUDA when it works here, else CPU), "cuda" or "cpu".
+
+    onnxruntime-gpu lists the CUDA provider as available even on machines without a GPU, so
+    CUDA counts as working only when a session created with it reports it in get_providers().
+    "cuda" on a machine where that fails is a ProviderError, never a silent fallback.
+    """
+    if provider not in PROVIDER_CHOICES:
+        raise ConfigError(f"unknown provider {provider!r}; expected one of "
+                          f"{', '.join(PROVIDER_CHOICES)}")
+    if provider == "cpu":
+        return device_for("cpu", mask_policy=mask_policy)
+    cuda_failure = _cuda_failure(device_id)
+    if cuda_failure is None:
+        chosen = device_for("cuda", device_id, mask_policy)
+    elif provider == "cuda":
+        raise ProviderError(
+            f"the CUDA provider was asked for but cannot run on this machine (device "
+            f"{device_id}): {cuda_failure}; use --provider cpu (or auto) here")
+    else:
+        chosen = device_for("cpu", mask_policy=mask_policy)
+    logger.info("provider %s -> %s (%s mask)%s", provider, chosen.label,
+                chosen.mask_policy.value,
+                "" if cuda_failure is None else f"; CUDA unusable: {cuda_failure}")
+    return chosen
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_failure(device_id: int) -> str | None:
+    """None when a CUDA session can be created on `device_id`, else why it cannot."""
+    if _CUDA_EP not in ort.get_available_providers():
+        return "this onnxruntime build has no CUDA provider"
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])], "probe",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    probe = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    # The provider factory logs its failure through the default logger before any session
+    # option applies; the reason is returned instead, so quieten it for the probe only.
+    ort.set_default_logger_severity(4)
+    try:
+        session = ort.InferenceSession(
+            probe.SerializeToString(), options,
+            providers=[(_CUDA_EP, {"device_id": str(device_id)}), _CPU_EP])
+    except Exception as error:  # ORT raises its own exception types, one per failure
+        return f"creating a CUDA session failed ({error})"
+    finally:
+        ort.set_default_logger_severity(_ORT_DEFAULT_SEVERITY)
+    if session.get_providers()[0] != _CUDA_EP:
+        return "ONNX Runtime fell back to the CPU provider (no usable GPU or CUDA libraries)"
+    return None

@@ -1,0 +1,345 @@
+"""One sequence on a loaded decoder: chunked prefill, decode, greedy generation, rewind.
+
+A forward of r real rows goes through the pipeline of DESIGN.md:
+`plan_forward` widens it to the ladder width (or leaves it, when padding is off) -> the variant
+for that width comes from the runtime's cache, pinned while it runs -> the forward runs with KV
+bound at capacity (past and present share one buffer) -> the logits are cut to the real rows
+-> the logical length becomes past + r, which rewinds any padded rows.
+
+A prompt longer than the chunk width W is fed chunk by chunk (the last one at the remainder
+width). Only the logits rows that are needed reach the host: the logits output is bound to a
+buffer allocated once per (session, width); on a host-visible device the wanted row is copied
+out of it, and intermediate chunks copy nothing.
+
+The decode step allocates nothing that could be allocated once: the token, position and mask
+inputs are pre-allocated host arrays bound by pointer, the logits buffer and the IOBinding
+(with KV bound once) are reused, and state buffers swap roles instead of being copied.
+
+A sequence is driven by one thread at a time; independent sequences may run in parallel.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence as SequenceOf
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import onnxruntime as ort
+
+from onnx_chunk.errors import ConfigError, InputError, ModelStructureError
+from onnx_chunk.runtime.buffers import DeviceBuffer, SequenceBuffers, device_zeros
+from onnx_chunk.runtime.kv_state import LogicalLength
+from onnx_chunk.runtime.padding import PaddedForward, QueryAxisShrunk, plan_forward
+from onnx_chunk.runtime.ports import LOGITS_OUTPUT, MASK_INPUT
+from onnx_chunk.runtime.stats import ChunkRecord, GenerationStats, SequenceStats
+from onnx_chunk.runtime.variant_cache import variant_key
+
+if TYPE_CHECKING:
+    from onnx_chunk.runtime.engine import Runtime
+
+logger = logging.getLogger(__name__)
+
+_HOST = "cpu"
+
+
+def prefill_chunks(length: int, width: int) -> list[tuple[int, int]]:
+    """The [begin, end) row ranges a prompt of `length` tokens is fed in, at chunk width `width`.
+
+    Rules:
+    1. Chunks of `width` rows; the last one takes the remainder.
+    2. A remainder of one row after a full chunk borrows a row from it (..., width - 1, 2): a
+       one-row forward runs ONNX Runtime's single-row CPU kernels, which sum in another order
+       (its logits differ from the whole-prompt forward's by ~1e-6), while forwards of two or
+       more rows give the whole-prompt forward's logits bit for bit.
+    """
+    if length < 1 or width < 1:
+        raise ConfigError(f"a prefill needs at least one token and a chunk width of at least 1, "
+                          f"got {length} tokens at width {width}")
+    bounds = [(begin, min(begin + width, length)) for begin in range(0, length, width)]
+    if width > 2 and len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
+        begin, end = bounds[-2]
+        bounds[-2:] = [(begin, end - 1), (end - 1, length)]
+    return bounds
+
+
+@dataclass
+class _Binding:
+    """An IOBinding of one session at one width, with KV bound once and a logits buffer."""
+
+    session: ort.InferenceSession
+    io: ort.IOBinding
+    logits: DeviceBuffer | None = None
+
+
+class Sequence:
+    """An independent sequence: its own KV buffers and logical length on a shared model."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        ports = runtime.ports
+        self._length = LogicalLength(runtime.capacity, runtime.device.mask_policy)
+        self._buffers = SequenceBuffers(ports.kv, ports.state, runtime.device)
+        self._bindings: OrderedDict[int, _Binding] = OrderedDict()
+        self._max_bindings = runtime.cache.cap + 1
+        if ports.hidden_size is None:
+            self._step_tokens = np.zeros((1,), dtype=ports.token_dtype)
+        else:
+            self._step_tokens = np.zeros((1, ports.hidden_size), dtype=ports.token_dtype)
+        self._step_positions = np.zeros((1, 1), dtype=np.int64)
+        self._stats = SequenceStats(length=0, capacity=runtime.capacity,
+                                    kv_bytes=self._buffers.nbytes)
+
+    @property
+    def length(self) -> int:
+        """Positions held in the KV cache."""
+        return self._length.length
+
+    @property
+    def capacity(self) -> int:
+        """The KV capacity, in positions."""
+        return self._length.capacity
+
+    @property
+    def stats(self) -> SequenceStats:
+        """The sequence's counters (a snapshot)."""
+        self._stats.length = self._length.length
+        return SequenceStats(**vars(self._stats))
+
+    @property
+    def buffers(self) -> SequenceBuffers:
+        """The device buffers (KV at capacity, recurrent state), for inspection."""
+        return self._buffers
+
+    def prefill(self, token_ids: SequenceOf[int] | np.ndarray, *,
+                all_logits: bool = False) -> np.ndarray:
+        """Feed a prompt (chunk by chunk); return the last row's logits [vocab].
+
+        With `all_logits` return every prompt row's logits [rows, vocab]. The call either
+        succeeds or leaves the sequence as it was.
+        """
+        ids = self._token_ids(token_ids)
+        self._length.check_room(len(ids), f"a prompt of {len(ids)} tokens")
+        if all_logits and self.runtime.ports.last_row_logits:
+            raise ModelStructureError("the decoder returns the last row's logits only, so "
+                                      "all prompt rows' logits cannot be given; ask for the last")
+        return self._prefill(ids, all_logits, records=None)
+
+    def decode(self, token: int) -> np.ndarray:
+        """Feed one token; return its logits [vocab] (a copy)."""
+        ids = self._token_ids([token])
+        self._length.check_room(1, "a decode step")
+        return self._step(int(ids[0])).copy()
+
+    def generate(self, token_ids: SequenceOf[int] | np.ndarray, max_new_tokens: int,
+                 eos_token_id: int | None = None) -> list[int]:
+        """Greedy generation: the new tokens (stopping after `eos_token_id` if it comes).
+
+        The last token returned is not fed back, so the sequence then holds
+        len(prompt) + len(tokens) - 1 positions more than before.
+        """
+        return list(self.stream(token_ids, max_new_tokens, eos_token_id))
+
+    def stream(self, token_ids: SequenceOf[int] | np.ndarray, max_new_tokens: int,
+               eos_token_id: int | None = None) -> Iterator[int]:
+        """Like `generate`, yielding each token as soon as it is produced.
+
+        Every check (empty prompt, ids outside the vocabulary, prompt plus new tokens beyond
+        the capacity) runs here, before any work and before the first token is asked for.
+        """
+        ids = self._token_ids(token_ids)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
+            raise InputError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
+        if max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        self._length.check_room(len(ids) + int(max_new_tokens),
+                                f"a prompt of {len(ids)} tokens plus {max_new_tokens} new tokens")
+        return self._generate(ids, int(max_new_tokens), eos_token_id)
+
+    def rewind(self, count: int) -> None:
+        """Drop the last `count` positions (the next forward overwrites them).
+
+        A decoder with recurrent state cannot go back partway (its state holds no history):
+        there only rewind(0) and rewinding everything are allowed.
+        """
+        if self._buffers.state_ports and count not in (0, self._length.length):
+            raise InputError(
+                f"cannot rewind {count} of {self._length.length} positions: this decoder "
+                "carries recurrent state, which cannot be rolled back partway; rewind all "
+                "positions (a fresh start) or open a new sequence")
+        self._length.rewind(count)
+        if self._buffers.state_ports and self._length.length == 0:
+            self._buffers.reset_state()
+
+    def _generate(self, ids: np.ndarray, max_new_tokens: int,
+                  eos_token_id: int | None) -> Iterator[int]:
+        generation = GenerationStats(prompt_tokens=len(ids))
+        self._stats.last_generation = generation
+        start = time.perf_counter()
+        token = int(np.argmax(self._prefill(ids, False, generation.chunks)))
+        generation.ttft_s = time.perf_counter() - start
+        generation.new_tokens = 1
+        yield token
+        for _ in range(max_new_tokens - 1):
+            if token == eos_token_id:
+                generation.stopped_by_eos = True
+                return
+            began = time.perf_counter()
+            token = int(np.argmax(self._step(token)))
+            # Only the step is timed: a stream's consumer may take its time between tokens.
+            generation.decode_s += time.perf_counter() - began
+            generation.new_tokens += 1
+            yield token
+        generation.stopped_by_eos = token == eos_token_id
+
+    def _prefill(self, ids: np.ndarray, all_logits: bool,
+                 records: list[ChunkRecord] | None) -> np.ndarray:
+        start_length = self._length.length
+        snapshot = self._buffers.snapshot_state()
+        bounds = prefill_chunks(len(ids), self.runtime.chunk_size)
+        rows_out: list[np.ndarray] = []
+        try:
+            for begin, end in bounds:
+                chunk = ids[begin:end]
+                need = "all" if all_logits else ("last" if end == len(ids) else "none")
+                began = time.perf_counter()
+                logits, run_width = self._forward(chunk, need)
+                if records is not None:
+                    records.append(ChunkRecord(len(chunk), run_width,
+                                               time.perf_counter() - began))
+                if logits is not None:
+                    rows_out.append(logits)
+        except BaseException:
+            self._length.rewind(self._length.length - start_length)
+            self._buffers.restore_state(snapshot)
+            raise
+        return np.concatenate(rows_out, axis=0) if all_logits else rows_out[-1]
+
+    def _forward(self, chunk: np.ndarray, need: str) -> tuple[np.ndarray | None, int]:
+        """One prefill forward of `chunk`'s rows; the logits wanted and the width it ran at."""
+        runtime = self.runtime
+        past = self._length.length
+        ports = {}
+        if runtime.ports.position_ids is not None:
+            ports[runtime.ports.position_ids] = np.arange(
+                past, past + len(chunk), dtype=np.int64).reshape(1, -1)
+        if runtime.embeddings is None:
+            tokens = chunk.astype(runtime.ports.token_dtype, copy=False)
+        else:
+            tokens = np.asarray(runtime.embeddings[chunk], dtype=runtime.ports.token_dtype)
+        forward = plan_forward(tokens, ports, past=past, tiers=runtime.tiers,
+                               room=self._length.room, position_ids=runtime.ports.position_ids,
+                               enabled=runtime.padding)
+        logits = self._run(forward)
+        try:
+            real = forward.cut_logits(logits)
+        except QueryAxisShrunk as shrunk:
+            runtime.disable_padding(str(shrunk))
+            return self._forward(chunk, need)
+        self._buffers.swap_state()
+        self._length.advance(forward.real_rows)
+        self._stats.prefill_forwards += 1
+        self._stats.padded_rows += forward.width - forward.real_rows
+        return self._read(real, forward.real_rows, need), forward.width
+
+    def _step(self, token: int) -> np.ndarray:
+        """One decode forward; the logits row as a view of the logits buffer where possible."""
+        past = self._length.length
+        if self.runtime.embeddings is None:
+            self._step_tokens[0] = token
+        else:
+            self._step_tokens[0] = self.runtime.embeddings[token]
+        self._step_positions[0, 0] = past
+        ports = ({} if self.runtime.ports.position_ids is None
+                 else {self.runtime.ports.position_ids: self._step_positions})
+        logits = self._run(PaddedForward(1, 1, past, self._step_tokens, ports))
+        self._buffers.swap_state()
+        self._length.advance(1)
+        self._stats.decode_forwards += 1
+        return logits[0, -1]
+
+    def _run(self, forward: PaddedForward) -> np.ndarray:
+        """Bind and run one forward; the logits [1, rows, vocab] (a host view where possible)."""
+        runtime = self.runtime
+        key = variant_key(forward.width, runtime.tiers, runtime.specialize)
+        with runtime.cache.acquire(key) as session:
+            binding = self._binding(session, forward.width)
+            io = binding.io
+            tokens = forward.tokens.reshape((1,) + forward.tokens.shape)
+            _bind_host(io, runtime.ports.token_input, tokens)
+            _bind_host(io, MASK_INPUT, self._length.mask_for(forward.width))
+            for name, array in forward.ports.items():
+                _bind_host(io, name, array)
+            self._buffers.bind_state(io)
+            session.run_with_iobinding(io)
+            if binding.logits is None:
+                return self._adopt_logits(binding)
+        return _logits_array(binding.logits)
+
+    def _binding(self, session: ort.InferenceSession, width: int) -> _Binding:
+        # Keyed by width: when the cache has rebuilt that width's session, the old binding
+        # (and with it the last reference to the evicted session) is dropped here.
+        binding = self._bindings.get(width)
+        if binding is not None and binding.session is session:
+            self._bindings.move_to_end(width)
+            return binding
+        io = session.io_binding()
+        device = self.runtime.device
+        # Bound first so that it is output 0; ONNX Runtime allocates it on the first run, which
+        # tells the rows the model really returns, and a buffer of that shape replaces it.
+        io.bind_output(LOGITS_OUTPUT, device.device_type, device.device_id)
+        self._buffers.bind_kv(io)
+        binding = _Binding(session, io)
+        self._bindings[width] = binding
+        self._bindings.move_to_end(width)
+        while len(self._bindings) > self._max_bindings:
+            self._bindings.popitem(last=False)
+        return binding
+
+    def _adopt_logits(self, binding: _Binding) -> np.ndarray:
+        produced = binding.io.get_outputs()[0]
+        shape = tuple(produced.shape())
+        logits = produced.numpy()
+        binding.logits = device_zeros(shape, logits.dtype, self.runtime.device)
+        binding.io.bind_ortvalue_output(LOGITS_OUTPUT, binding.logits.value)
+        return logits
+
+    def _read(self, real: np.ndarray, real_rows: int, need: str) -> np.ndarray | None:
+        if need == "none":
+            return None
+        if need == "last":
+            return np.array(real[0, -1])
+        if real.shape[1] != real_rows:
+            raise ModelStructureError(
+                f"a forward of {real_rows} rows returned {real.shape[1]} logits rows: the "
+                "decoder does not return every row's logits, so ask for the last row only")
+        return np.array(real[0])
+
+    def _token_ids(self, token_ids: SequenceOf[int] | np.ndarray) -> np.ndarray:
+        ids = np.asarray(token_ids)
+        if ids.size == 0:
+            raise InputError("the prompt is empty; pass at least one token id")
+        if ids.ndim != 1:
+            raise InputError(f"expected a 1-D sequence of token ids, got shape {list(ids.shape)}")
+        if ids.dtype == np.bool_ or not np.issubdtype(ids.dtype, np.integer):
+            raise InputError(f"token ids must be integers, got dtype {ids.dtype}; convert them "
+                             "with int() or numpy's astype(np.int64)")
+        vocab = self.runtime.ports.vocab_size
+        bad = np.flatnonzero((ids < 0) | (ids >= vocab))
+        if bad.size:
+            raise InputError(f"token id {int(ids[bad[0]])} at position {int(bad[0])} is outside "
+                             f"the vocabulary [0, {vocab}); {bad.size} id(s) out of range")
+        return ids.astype(np.int64, copy=False)
+
+
+def _bind_host(io: ort.IOBinding, name: str, array: np.ndarray) -> None:
+    if not array.flags.c_contiguous:
+        raise ConfigError(f"input {name!r} is not contiguous in memory")
+    io.bind_input(name, _HOST, 0, array.dtype, list(array.shape), array.ctypes.data)
+
+
+def _logits_array(buffer: DeviceBuffer) -> np.ndarray:
+    return buffer.host if buffer.host is not None else buffer.value.numpy()

@@ -1,0 +1,169 @@
+"""Session creation: every ONNX Runtime session of one model shares one copy of its weights.
+
+The variant cache creates a session per query width, so a runtime that let each session read
+the weights itself would hold them once per variant. Instead the external initializers are
+loaded once, as OrtValues on the runtime's device (on CPU: copy-on-write memory maps of the
+external data file, so untouched pages are not even resident), and handed to every session
+through `SessionOptions.add_initializer`, which makes the session use that buffer in place.
+
+Measured with ONNX Runtime 1.31 on CPU (a 45 MB fp32 decoder, four sessions of widths 1, 16,
+32, 64; resident set growth per extra session):
+
+1. `add_external_initializers` copies the data into every session ("the data will be copied
+   into the graph", as its API documentation says): about +50 MB per session. Not used.
+2. `add_initializer` shares the buffer, but kernels that pre-pack their constant weights (fp32
+   MatMul, MatMulNBits) still make a packed copy per session: about +30 MB per session.
+   ONNX Runtime can share pre-packed weights across sessions through a
+   PrepackedWeightsContainer, but its Python API does not expose one.
+3. `add_initializer` with pre-packing disabled: +1 to +4 MB per session (activations only).
+
+For fp32 MatMul, pre-packing pays for itself on the decode shape (one row: 1.95 ms with,
+3.6 ms without on that model) and not on prefill widths (64 rows: 18.7 ms with, 17.3 ms
+without). So the decode session (and a lone shape-generic session, which also decodes)
+pre-packs and every prefill session shares the weights as they are: one copy of the weights
+plus one packed copy in all.
+
+INT4 `com.microsoft::MatMulNBits` is different: without its packed layout the CPU kernel falls
+back to a path that is far slower (the `small` reference decoder, INT4: one row 1.3 ms packed
+against 12.6 ms unpacked, 64 rows 5.7 ms against 14.9 ms), and its packed copy is about as
+small as the 4-bit weights themselves. Sessions of a model with MatMulNBits all pre-pack.
+
+Sessions are specialised per width with `add_free_dimension_override_by_name` (DESIGN.md fact
+4: 3-8% faster on CPU than the dynamic session, 20-35 ms to create for a 4M-parameter model).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+
+from onnx_chunk.errors import ModelLoadError, ProviderError
+from onnx_chunk.runtime.provider import Device
+
+logger = logging.getLogger(__name__)
+
+DISABLE_PREPACKING_KEY = "session.disable_prepacking"
+QUANTIZED_MATMUL = "MatMulNBits"
+
+
+@dataclass(frozen=True)
+class SharedWeights:
+    """The external initializers of a model, loaded once as OrtValues on one device."""
+
+    names: tuple[str, ...]
+    values: tuple[ort.OrtValue, ...]
+    nbytes: int
+    _keep_alive: tuple[np.ndarray, ...] = field(repr=False, default=())
+
+
+def load_shared_weights(model: ir.Model, device: Device) -> SharedWeights:
+    """Load every external initializer of `model` once, as OrtValues on `device`.
+
+    On a host-visible device the OrtValues wrap copy-on-write memory maps of the data files (no
+    read happens until a kernel touches a page); elsewhere each tensor is copied to the device
+    once.
+    """
+    names: list[str] = []
+    values: list[ort.OrtValue] = []
+    arrays: list[np.ndarray] = []
+    nbytes = 0
+    for graph in model.graphs():
+        for name, value in graph.initializers.items():
+            tensor = value.const_value
+            if not isinstance(tensor, ir.ExternalTensor):
+                continue
+            array = _map_external(tensor)
+            if device.host_visible:
+                ort_value = ort.OrtValue.ortvalue_from_numpy(array)
+                arrays.append(array)
+            else:
+                ort_value = ort.OrtValue.ortvalue_from_numpy(array, device.device_type,
+                                                             device.device_id)
+            names.append(name)
+            values.append(ort_value)
+            nbytes += array.nbytes
+    logger.info("loaded %d external initializers (%d bytes) once for all sessions on %s",
+                len(names), nbytes, device.label)
+    return SharedWeights(tuple(names), tuple(values), nbytes, tuple(arrays))
+
+
+def _map_external(tensor: ir.ExternalTensor) -> np.ndarray:
+    dtype = tensor.dtype.numpy()
+    shape = tuple(int(dim) for dim in tensor.shape)
+    count = int(np.prod(shape, dtype=np.int64))
+    if tensor.length is not None and tensor.length != count * dtype.itemsize:
+        raise ModelLoadError(
+            f"external tensor {tensor.name!r} declares {tensor.length} bytes but its shape "
+            f"{list(shape)} of {dtype} needs {count * dtype.itemsize}; export the model again")
+    if count == 0:
+        return np.zeros(shape, dtype)
+    try:
+        return np.memmap(tensor.path, dtype=dtype, mode="c", offset=tensor.offset or 0,
+                         shape=shape)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"cannot map external data of {tensor.name!r} from "
+                             f"{str(tensor.path)!r}: {error}") from error
+
+
+class SessionFactory:
+    """Creates the sessions of one model on one device, all sharing `SharedWeights`.
+
+    Rules:
+    1. Every session gets every external initializer through `add_initializer`.
+    2. `fixed_dims` (batch, KV capacity, a capacity-wide mask) are overridden in every session;
+       a session for a width also overrides `query_dim`; width None is shape-generic.
+    3. Pre-packing is on only when `prepack` is asked for (the runtime asks for the decode
+       session and for every session of a MatMulNBits model).
+    """
+
+    def __init__(self, model_path: Path, weights: SharedWeights, device: Device, *,
+                 query_dim: str | None, fixed_dims: Mapping[str, int],
+                 intra_op_threads: int | None = None) -> None:
+        self.model_path = model_path
+        self.weights = weights
+        self.device = device
+        self.query_dim = query_dim
+        self.fixed_dims = dict(fixed_dims)
+        self.intra_op_threads = intra_op_threads
+        self._lock = threading.Lock()
+        self.sessions_created = 0
+
+    def create(self, width: int | None, *, prepack: bool) -> ort.InferenceSession:
+        """A session for query width `width` (None: shape-generic)."""
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        if self.intra_op_threads is not None:
+            options.intra_op_num_threads = self.intra_op_threads
+        for name, value in zip(self.weights.names, self.weights.values):
+            options.add_initializer(name, value)
+        dims = dict(self.fixed_dims)
+        if width is not None and self.query_dim is not None:
+            dims[self.query_dim] = width
+        for name, size in dims.items():
+            options.add_free_dimension_override_by_name(name, size)
+        if not prepack:
+            options.add_session_config_entry(DISABLE_PREPACKING_KEY, "1")
+        try:
+            session = ort.InferenceSession(str(self.model_path), options,
+                                           providers=list(self.device.session_providers))
+        except Exception as error:  # ORT raises its own exception types, one per failure
+            raise ModelLoadError(
+                f"ONNX Runtime cannot create a session for {str(self.model_path)!r} on "
+                f"{self.device.label} (width {width if width is not None else 'dynamic'}): "
+                f"{error}") from error
+        used = session.get_providers()[0]
+        expected = self.device.session_providers[0][0]
+        if used != expected:
+            raise ProviderError(f"a session asked for {expected} came up on {used}; the device "
+                                f"{self.device.label} is not usable, choose another provider")
+        with self._lock:
+            self.sessions_created += 1
+        logger.debug("created session width=%s prepack=%s dims=%s", width, prepack, dims)
+        return session

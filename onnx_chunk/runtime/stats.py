@@ -1,0 +1,66 @@
+"""Readable counters of the runtime: plain dataclasses, cheap to read, printed by the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from onnx_chunk.runtime.variant_cache import CacheStats
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """One prefill forward: its real rows, the query width it ran at and how long it took."""
+
+    rows: int
+    width: int
+    seconds: float
+
+
+@dataclass
+class GenerationStats:
+    """One `generate`/`stream` call: prompt, chunks, time to first token and decode speed."""
+
+    prompt_tokens: int
+    new_tokens: int = 0
+    chunks: list[ChunkRecord] = field(default_factory=list)
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    stopped_by_eos: bool = False
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens per second of the decode steps (the first token comes from the prefill)."""
+        steps = self.new_tokens - 1
+        if steps < 1 or self.decode_s <= 0.0:
+            return None
+        return steps / self.decode_s
+
+
+@dataclass
+class SequenceStats:
+    """Counters of one sequence since it was opened."""
+
+    length: int
+    capacity: int
+    kv_bytes: int
+    prefill_forwards: int = 0
+    decode_forwards: int = 0
+    padded_rows: int = 0
+    last_generation: GenerationStats | None = None
+
+
+@dataclass(frozen=True)
+class RuntimeStats:
+    """How a loaded model runs, and its variant cache's counters."""
+
+    provider: str
+    device: str
+    mask_policy: str
+    capacity: int
+    chunk_size: int
+    ladder: tuple[int, ...]
+    specialize: bool
+    padding: bool
+    weights_bytes: int
+    sessions_created: int
+    cache: CacheStats

@@ -1,0 +1,89 @@
+"""`onnx-chunk generate` and `onnx-chunk demo` through the CLI entry point."""
+
+import json
+
+import pytest
+
+from onnx_chunk.cli import main
+from onnx_chunk.runtime import load
+
+
+def _json_lines(out):
+    return [json.loads(line) for line in out.strip().splitlines()]
+
+
+def test_generate_json_matches_the_api(reference_model, capsys):
+    path = reference_model("base")
+    prompt = list(range(3, 45))
+    code = main(["generate", str(path), "--ids", ",".join(map(str, prompt)),
+                 "--max-new-tokens", "5", "--chunk-size", "16", "--provider", "cpu",
+                 "--capacity", "128", "--json"])
+    assert code == 0
+    (entry,) = _json_lines(capsys.readouterr().out)
+    expected = load(path, provider="cpu", capacity=128, chunk_size=128,
+                    padding=False).open_sequence().generate(prompt, 5)
+    assert entry["tokens"] == expected
+    assert entry["prompt_tokens"] == 42
+    assert [rows for rows, _ in entry["chunks"]] == [16, 16, 10]
+    assert entry["ttft_s"] > 0 and entry["decode_tokens_per_s"] > 0
+    stats = entry["stats"]
+    assert {"compiles", "hits", "evictions", "variants", "widths"} <= set(stats)
+    assert stats["compiles"] == len(stats["widths"]) == stats["variants"]
+
+
+def test_ids_file_runs_every_prompt_in_one_runtime(reference_model, tmp_path, capsys):
+    ids = tmp_path / "prompts.txt"
+    ids.write_text("1 2 3 4 5\n\n6,7, 8\n1 2 3 4 5\n")
+    code = main(["generate", str(reference_model("base")), "--ids-file", str(ids),
+                 "--max-new-tokens", "3", "--provider", "cpu", "--capacity", "64", "--json",
+                 "--chunk-size", "8"])
+    assert code == 0
+    entries = _json_lines(capsys.readouterr().out)
+    assert [entry["prompt_tokens"] for entry in entries] == [5, 3, 5]
+    assert entries[0]["tokens"] == entries[2]["tokens"]
+    compiles = [entry["stats"]["compiles"] for entry in entries]
+    hits = [entry["stats"]["hits"] for entry in entries]
+    assert compiles[2] == compiles[1] and hits[2] > hits[1] > hits[0]
+
+
+def test_text_output_and_options(reference_model, capsys):
+    code = main(["generate", str(reference_model("base")), "--random-prompt", "40", "--seed",
+                 "2", "--max-new-tokens", "2", "--provider", "cpu", "--capacity", "64",
+                 "--chunk-size", "16", "--no-padding", "--no-specialize"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "padding off" in out and "prompt 0 (40 tokens)" in out
+    assert "widths dynamic" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "exactly one of --ids, --ids-file, --random-prompt"),
+    (["--ids", "1,2", "--random-prompt", "3"], "exactly one"),
+    (["--ids", "1,x"], "expected integers"),
+    (["--ids", "1,999"], "outside the vocabulary"),
+    (["--ids", "1,2", "--capacity", "4", "--max-new-tokens", "9"], "CapacityError|positions"),
+])
+def test_generate_errors_are_one_line(reference_model, capsys, args, message):
+    argv = ["generate", str(reference_model("base")), "--provider", "cpu"] + args
+    if "--max-new-tokens" not in args:
+        argv += ["--max-new-tokens", "2"]
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code != 0
+    assert __import__("re").search(message, err)
+
+
+def test_missing_model_file(tmp_path, capsys):
+    assert main(["generate", str(tmp_path / "none.onnx"), "--ids", "1",
+                 "--max-new-tokens", "1", "--provider", "cpu"]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_demo_runs_and_checks_against_one_forward(tmp_path, capsys):
+    code = main(["demo", "--prompt-tokens", "150", "--chunk-size", "64", "--max-new-tokens",
+                 "4", "--provider", "cpu", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "150 tokens -> chunks 64, 64, 22\n" in out
+    assert "greedy tokens equal a whole-prompt forward" in out
+    assert (tmp_path / "converted" / "model.onnx").is_file()

@@ -1,0 +1,52 @@
+"""Provider selection: one mapping from a provider name to a device and its mask policy."""
+
+import pytest
+
+from onnx_chunk.errors import ConfigError, ProviderError
+from onnx_chunk.runtime import provider as provider_module
+from onnx_chunk.runtime.provider import MaskPolicy, device_for, resolve_device
+
+
+def test_cpu_device():
+    device = resolve_device("cpu")
+    assert (device.provider, device.device_type, device.host_visible) == ("cpu", "cpu", True)
+    assert device.mask_policy is MaskPolicy.LOGICAL
+    assert device.session_providers[0][0] == "CPUExecutionProvider"
+
+
+def test_cuda_device_mapping_is_data_only():
+    device = device_for("cuda", 1)
+    assert (device.device_type, device.device_id, device.host_visible) == ("cuda", 1, False)
+    assert device.mask_policy is MaskPolicy.CAPACITY
+    assert device.session_providers[0] == ("CUDAExecutionProvider", {"device_id": "1"})
+    assert device.label == "cuda:1"
+
+
+def test_mask_policy_override():
+    assert device_for("cpu", mask_policy="capacity").mask_policy is MaskPolicy.CAPACITY
+    with pytest.raises(ConfigError, match="mask policy"):
+        device_for("cpu", mask_policy="wide")
+
+
+def test_unknown_provider():
+    with pytest.raises(ConfigError, match="auto, cuda, cpu"):
+        resolve_device("tpu")
+
+
+def test_auto_and_cuda_follow_the_probe(monkeypatch):
+    monkeypatch.setattr(provider_module, "_cuda_failure", lambda device_id: "no GPU here")
+    assert resolve_device("auto").provider == "cpu"
+    with pytest.raises(ProviderError, match="no GPU here"):
+        resolve_device("cuda")
+    monkeypatch.setattr(provider_module, "_cuda_failure", lambda device_id: None)
+    assert resolve_device("auto", 2).label == "cuda:2"
+
+
+def test_probe_checks_the_created_session():
+    """onnxruntime-gpu lists CUDA as available without a GPU; the probe must not trust that."""
+    failure = provider_module._cuda_failure(0)
+    chosen = resolve_device("auto")
+    assert (chosen.provider == "cuda") == (failure is None)
+    if failure is not None:
+        with pytest.raises(ProviderError, match="cannot run on this machine"):
+            resolve_device("cuda")

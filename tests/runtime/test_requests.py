@@ -1,0 +1,120 @@
+"""Bad requests fail clearly before any work and leave the sequence usable; threads agree."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from onnx_chunk.errors import CapacityError, ConfigError, InputError
+from onnx_chunk.runtime import load
+
+W = 16
+
+
+@pytest.fixture(scope="module")
+def runtime(reference_model):
+    return load(reference_model("base"), provider="cpu", capacity=64, chunk_size=W)
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([], "empty"),
+    ([1, 256], "token id 256 at position 1 is outside the vocabulary"),
+    ([-1, 3], "token id -1 at position 0"),
+    ([1.0, 2.0], "must be integers"),
+    ([True, False], "must be integers"),
+    ([[1, 2]], "1-D"),
+])
+def test_bad_prompts(runtime, prompt, message):
+    sequence = runtime.open_sequence()
+    sequence.prefill([1, 2, 3])
+    with pytest.raises(InputError, match=message):
+        sequence.generate(prompt, 2)
+    with pytest.raises(InputError, match=message):
+        sequence.prefill(prompt)
+    assert sequence.length == 3
+
+
+def test_capacity_is_checked_before_any_work_with_the_numbers(runtime):
+    sequence = runtime.open_sequence()
+    prompt = list(range(1, 31))
+    sequence.prefill(prompt)
+    kv_before = [buffer.host.copy() for buffer in sequence.buffers.kv]
+    with pytest.raises(CapacityError, match=r"30 tokens plus 10 new tokens needs 40 positions .*"
+                                            r"holds 30 of its 64-position .*34 left"):
+        sequence.stream(list(range(30)), 10)
+    with pytest.raises(CapacityError):
+        sequence.prefill(list(range(35)))
+    assert sequence.length == 30
+    assert all(np.array_equal(a, b.host) for a, b in zip(kv_before, sequence.buffers.kv))
+    fresh = runtime.open_sequence()
+    fresh.prefill(prompt)
+    assert sequence.generate([5, 6], 4) == fresh.generate([5, 6], 4)
+
+
+def test_decode_at_capacity_and_bad_counts(runtime):
+    sequence = runtime.open_sequence()
+    sequence.prefill(list(range(1, 65)))
+    with pytest.raises(CapacityError, match="decode step"):
+        sequence.decode(3)
+    with pytest.raises(InputError, match="at least 1"):
+        runtime.open_sequence().generate([1], 0)
+    with pytest.raises(InputError, match="integer"):
+        runtime.open_sequence().generate([1], 2.5)
+    with pytest.raises(InputError):
+        sequence.decode(999)
+    assert sequence.length == 64
+
+
+def test_a_failing_forward_leaves_the_sequence_as_it_was(runtime, monkeypatch):
+    sequence = runtime.open_sequence()
+    sequence.prefill([4, 5, 6])
+    expected = runtime.open_sequence()
+    expected.prefill([4, 5, 6])
+    calls = []
+    original = sequence._forward
+
+    def failing(chunk, need):
+        calls.append(len(chunk))
+        if len(calls) == 2:
+            raise RuntimeError("device lost")
+        return original(chunk, need)
+
+    monkeypatch.setattr(sequence, "_forward", failing)
+    with pytest.raises(RuntimeError):
+        sequence.prefill(list(range(1, 40)))
+    monkeypatch.undo()
+    assert calls[0] == W and sequence.length == 3
+    assert sequence.generate([9, 10], 3) == expected.generate([9, 10], 3)
+
+
+def test_two_sequences_in_two_threads_match_each_alone(runtime):
+    prompts = [list(range(1, 40)), list(range(200, 221))]
+    alone = [runtime.open_sequence().generate(prompt, 6) for prompt in prompts]
+    results: dict[int, list[list[int]]] = {0: [], 1: []}
+    errors = []
+
+    def drive(index):
+        try:
+            for _ in range(4):
+                results[index].append(runtime.open_sequence().generate(prompts[index], 6))
+        except Exception as error:  # collected and asserted on below
+            errors.append(error)
+
+    threads = [threading.Thread(target=drive, args=(index,)) for index in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert results[0] == [alone[0]] * 4 and results[1] == [alone[1]] * 4
+
+
+def test_load_errors(reference_model, tmp_path):
+    path = reference_model("base")
+    with pytest.raises(ConfigError, match="exceeds the model's maximum sequence length 2048"):
+        load(path, provider="cpu", capacity=4096)
+    with pytest.raises(ConfigError, match="chunk size"):
+        load(path, provider="cpu", capacity=64, chunk_size=0)
+    from onnx_chunk.errors import ModelLoadError
+    with pytest.raises(ModelLoadError):
+        load(tmp_path / "missing.onnx", provider="cpu")

@@ -1,0 +1,44 @@
+"""Sessions share one copy of the weights; pre-packing only where it pays."""
+
+import numpy as np
+import pytest
+
+from onnx_chunk.runtime import load
+from onnx_chunk.runtime.session_factory import DISABLE_PREPACKING_KEY
+
+
+def _prepacks(session):
+    options = session.get_session_options()
+    try:
+        return options.get_session_config_entry(DISABLE_PREPACKING_KEY) != "1"
+    except Exception:  # ORT raises when the entry was never set: pre-packing is on
+        return True
+
+
+@pytest.mark.parametrize("variant, prefill_prepacks", [("base", False), ("int4", True)])
+def test_prepacking_follows_the_rule(reference_model, variant, prefill_prepacks):
+    runtime = load(reference_model(variant), provider="cpu", capacity=64, chunk_size=16)
+    with runtime.cache.acquire(1) as decode, runtime.cache.acquire(16) as prefill:
+        assert _prepacks(decode)
+        assert _prepacks(prefill) == prefill_prepacks
+    dynamic = load(reference_model(variant), provider="cpu", capacity=64, chunk_size=16,
+                   specialize=False)
+    with dynamic.cache.acquire(None) as session:
+        assert _prepacks(session)
+
+
+def test_sessions_are_specialised_per_width(reference_model):
+    runtime = load(reference_model("base"), provider="cpu", capacity=64, chunk_size=16)
+    with runtime.cache.acquire(16) as session:
+        shapes = {value.name: value.shape for value in session.get_inputs()}
+    assert shapes["input_ids"] == [1, 16]
+    assert shapes["past_key_values.0.key"][2] == 64
+
+
+def test_weights_are_mapped_not_copied(reference_model):
+    runtime = load(reference_model("base"), provider="cpu", capacity=64)
+    weights = runtime.weights
+    assert len(weights.names) == len(weights.values) > 0
+    assert weights.nbytes == sum(array.nbytes for array in weights._keep_alive)
+    for value, array in zip(weights.values, weights._keep_alive):
+        assert isinstance(array, np.memmap) and value.data_ptr() == array.ctypes.data
