@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +29,7 @@ from onnx_chunk.runtime.sequence import Sequence
 from onnx_chunk.runtime.session_factory import (QUANTIZED_MATMUL, SessionFactory,
                                                  load_shared_weights)
 from onnx_chunk.runtime.stats import RuntimeStats
-from onnx_chunk.runtime.variant_cache import VariantCache, VariantKey
+from onnx_chunk.runtime.variant_cache import EXACT, Specialize, VariantCache, VariantKey
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ class Runtime:
         capacity: int | None = None,
         chunk_size: int | None = None,
         padding: bool | None = None,
-        specialize: bool = True,
+        specialize: Specialize = True,
         max_variants: int | None = None,
         mask_policy: MaskPolicy | str | None = None,
         intra_op_threads: int | None = None,
@@ -69,7 +71,9 @@ class Runtime:
         self.tiers: tuple[int, ...] = (plan.ladder if plan.ladder and plan.chunk_size ==
                                        self.chunk_size and max_variants is None
                                        else ladder_tiers(self.chunk_size, variants))
-        self.specialize = specialize
+        if specialize not in (True, False, EXACT):
+            raise ConfigError(f"specialize must be True, False or {EXACT!r}, got {specialize!r}")
+        self.specialize: Specialize = specialize
         self.ports: ModelPorts = model_ports(model, plan, self.capacity)
         self.embeddings = self._embeddings(embeddings)
         self._padding, refused = resolve_padding(plan.padding, padding)
@@ -82,8 +86,12 @@ class Runtime:
         self.factory = SessionFactory(self.model_path, self.weights, self.device,
                                       query_dim=self.ports.query_dim, fixed_dims=fixed_dims,
                                       intra_op_threads=intra_op_threads)
+        # Each session's IOBindings, per sequence; dropped when the cache releases the session,
+        # so no sequence keeps an evicted session (and the memory it holds) alive.
+        self._bindings: dict[ort.InferenceSession, weakref.WeakKeyDictionary] = {}
+        self._bindings_lock = threading.Lock()
         self.cache: VariantCache[ort.InferenceSession] = VariantCache(
-            self._build_variant, cap=variants,
+            self._build_variant, self._release_variant, cap=variants,
             meter=meter_for(self.device.device_type, self.device.device_id))
         self.cache.note_padding_refused(refused)
         logger.info("loaded %s on %s: capacity %d, chunk %d, ladder %s, padding %s",
@@ -128,6 +136,16 @@ class Runtime:
                 self._padding = False
                 self.cache.note_padding_refused(reason)
 
+    def bindings(self, session: ort.InferenceSession, sequence: Sequence) -> OrderedDict:
+        """The IOBindings `sequence` keeps on a live `session`, by width (the caller fills it)."""
+        with self._bindings_lock:
+            per_sequence = self._bindings.setdefault(session, weakref.WeakKeyDictionary())
+            return per_sequence.setdefault(sequence, OrderedDict())
+
+    def _release_variant(self, session: ort.InferenceSession) -> None:
+        with self._bindings_lock:
+            self._bindings.pop(session, None)
+
     def _build_variant(self, key: VariantKey) -> ort.InferenceSession:
         # Pre-pack where it pays (see session_factory): the decode shape, a lone session that
         # also decodes, and every session of a model with quantized MatMulNBits weights.
@@ -159,7 +177,7 @@ def load(
     capacity: int | None = None,
     chunk_size: int | None = None,
     padding: bool | None = None,
-    specialize: bool = True,
+    specialize: Specialize = True,
     max_variants: int | None = None,
     mask_policy: MaskPolicy | str | None = None,
     intra_op_threads: int | None = None,
@@ -175,7 +193,9 @@ def load(
         `onnx-chunk convert` would declare), else the capacity (no chunking).
     padding: None follows the environment (ONNX_CHUNK_PREFILL_QUERY_PADDING=0 switches it off);
         False switches it off; the model's plan can always refuse it.
-    specialize: one session per ladder width (and the decode width) instead of one dynamic one.
+    specialize: True: one session per ladder width and one for decode, other widths share one
+        shape-generic session; False: one shape-generic session for everything; "exact": a
+        session per distinct width (the naive per-shape cache that thrashes, for comparison).
     max_variants: the variant cache cap (default the plan's); also sizes the ladder.
     mask_policy: "logical" or "capacity"; default chosen per provider.
     embeddings: the [vocab, hidden] table of an inputs_embeds decoder (default the

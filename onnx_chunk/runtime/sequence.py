@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence as SequenceOf
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -44,6 +43,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _HOST = "cpu"
+# Widths whose bindings (and logits buffers) a sequence keeps on one shape-generic session:
+# the decode width and the latest prefill width.
+_BINDINGS_PER_SESSION = 2
 
 
 def prefill_chunks(length: int, width: int) -> list[tuple[int, int]]:
@@ -70,7 +72,6 @@ def prefill_chunks(length: int, width: int) -> list[tuple[int, int]]:
 class _Binding:
     """An IOBinding of one session at one width, with KV bound once and a logits buffer."""
 
-    session: ort.InferenceSession
     io: ort.IOBinding
     logits: DeviceBuffer | None = None
 
@@ -83,8 +84,6 @@ class Sequence:
         ports = runtime.ports
         self._length = LogicalLength(runtime.capacity, runtime.device.mask_policy)
         self._buffers = SequenceBuffers(ports.kv, ports.state, runtime.device)
-        self._bindings: OrderedDict[int, _Binding] = OrderedDict()
-        self._max_bindings = runtime.cache.cap + 1
         if ports.hidden_size is None:
             self._step_tokens = np.zeros((1,), dtype=ports.token_dtype)
         else:
@@ -280,11 +279,13 @@ class Sequence:
         return _logits_array(binding.logits)
 
     def _binding(self, session: ort.InferenceSession, width: int) -> _Binding:
-        # Keyed by width: when the cache has rebuilt that width's session, the old binding
-        # (and with it the last reference to the evicted session) is dropped here.
-        binding = self._bindings.get(width)
-        if binding is not None and binding.session is session:
-            self._bindings.move_to_end(width)
+        # The runtime holds the bindings per live session and drops them when the cache
+        # releases that session. A specialised session sees one width; the shape-generic one
+        # keeps the last few widths it ran at.
+        bindings = self.runtime.bindings(session, self)
+        binding = bindings.get(width)
+        if binding is not None:
+            bindings.move_to_end(width)
             return binding
         io = session.io_binding()
         device = self.runtime.device
@@ -292,11 +293,10 @@ class Sequence:
         # tells the rows the model really returns, and a buffer of that shape replaces it.
         io.bind_output(LOGITS_OUTPUT, device.device_type, device.device_id)
         self._buffers.bind_kv(io)
-        binding = _Binding(session, io)
-        self._bindings[width] = binding
-        self._bindings.move_to_end(width)
-        while len(self._bindings) > self._max_bindings:
-            self._bindings.popitem(last=False)
+        binding = _Binding(io)
+        bindings[width] = binding
+        while len(bindings) > _BINDINGS_PER_SESSION:
+            bindings.popitem(last=False)
         return binding
 
     def _adopt_logits(self, binding: _Binding) -> np.ndarray:

@@ -59,7 +59,7 @@ class RuntimeStats:
     capacity: int
     chunk_size: int
     ladder: tuple[int, ...]
-    specialize: bool
+    specialize: bool | str
     padding: bool
     weights_bytes: int
     sessions_created: int

@@ -32,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, Literal, TypeVar
 
 from onnx_chunk.errors import ConfigError
 from onnx_chunk.runtime.ladder import DECODE_WIDTH
@@ -43,24 +43,30 @@ logger = logging.getLogger(__name__)
 V = TypeVar("V")
 
 VariantKey = int | None
+Specialize = bool | Literal["exact"]
 DYNAMIC: VariantKey = None
+EXACT = "exact"
 DYNAMIC_LABEL = "dynamic"
 DEFAULT_CAP = 4
 
 _NO_KEY = object()
 
 
-def variant_key(width: int, tiers: Sequence[int], specialize: bool = True) -> VariantKey:
+def variant_key(width: int, tiers: Sequence[int], specialize: Specialize = True) -> VariantKey:
     """The cache key a forward at query width `width` runs under.
 
     Rules:
     1. `specialize=False`: every width shares the shape-generic variant (None).
-    2. The decode width and the ladder tiers get a variant specialised for their width.
-    3. Any other width (a remainder when padding is refused, an exact width near capacity) goes
-       to the shape-generic variant, so widths off the ladder never build new variants.
+    2. `specialize="exact"`: every width gets a variant of its own — the naive per-shape cache of
+       seed 000's section three, kept to show (and measure) the thrash the ladder prevents.
+    3. Otherwise the decode width and the ladder tiers get a variant specialised for their width,
+       and any other width (a remainder when padding is refused, an exact width near capacity)
+       goes to the shape-generic variant, so widths off the ladder never build new variants.
     """
     if width < 1:
         raise ConfigError(f"a query width must be at least 1, got {width}")
+    if specialize == EXACT:
+        return width
     if specialize and (width == DECODE_WIDTH or width in tiers):
         return width
     return DYNAMIC

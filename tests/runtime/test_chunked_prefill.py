@@ -217,3 +217,34 @@ def test_a_small_cache_evicts_and_results_stay_exact(base, whole):
         assert sequence.generate(prompt, 3) == whole.open_sequence().generate(prompt, 3)
     cache = runtime.stats().cache
     assert cache.evictions > 0 and cache.variants <= 2 and cache.peak_variants <= 2
+
+
+def test_evicted_sessions_are_freed_and_exact_keys_thrash(reference_model):
+    """The naive per-shape cache ("exact") keeps building under a small cap; every evicted
+    session is released for real: no sequence's bindings keep it alive."""
+    import gc
+    import weakref
+
+    from onnx_chunk import load
+
+    runtime = load(reference_model("base"), provider="cpu", chunk_size=16, max_variants=2,
+                   padding=False, specialize="exact")
+    built = []
+    build = runtime.cache._build
+
+    def tracking_build(key):
+        session = build(key)
+        built.append(weakref.ref(session))
+        return session
+
+    runtime.cache._build = tracking_build
+    sequence = runtime.open_sequence()
+    for length in (5, 7, 9, 5, 7, 9):
+        sequence.generate(list(range(1, length + 1)), max_new_tokens=2)
+        sequence.rewind(sequence.length)
+    stats = runtime.stats().cache
+    assert stats.variants <= 2
+    assert stats.evictions == stats.compiles - stats.variants > 0
+    gc.collect()
+    alive = sum(ref() is not None for ref in built)
+    assert alive == stats.variants

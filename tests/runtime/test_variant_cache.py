@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from onnx_chunk.errors import ConfigError
 from onnx_chunk.runtime.ladder import DECODE_WIDTH, ladder_tiers
-from onnx_chunk.runtime.variant_cache import DYNAMIC, VariantCache, key_label, variant_key
+from onnx_chunk.runtime.variant_cache import DYNAMIC, EXACT, VariantCache, key_label, variant_key
 
 
 class _Variant:
@@ -351,3 +351,8 @@ def test_no_variant_in_use_is_ever_evicted_under_concurrency():
     assert stats.compiles - stats.evictions == stats.variants == len(live)
     assert stats.peak_variants <= cap
     assert stats.evictions > 0
+
+
+@given(st.integers(1, 600))
+def test_exact_keys_give_every_width_its_own_variant(width):
+    assert variant_key(width, ladder_tiers(512, 4), specialize=EXACT) == width
