@@ -10,7 +10,9 @@ twice in one runtime, in three modes:
 - padding on: remainders rounded up the ladder.
 
 Every prefill forward is printed with its real rows, the width it ran at, the variants it built
-and the evictions so far; then each run's end-to-end time and whether greedy tokens match.
+and the evictions so far (a prompt's decode steps form one row of width 1); then each run's
+end-to-end time and whether greedy tokens match. The KV capacity is the model's, so no chunk
+runs near capacity (where a remainder whose tier would not fit runs at its exact width).
 
 Expected: padding off with exact keys keeps building in the second pass, evictions climbing;
 padding on builds nothing in the second pass and never holds more than the cap.
@@ -71,8 +73,13 @@ def _run_prompt(runtime, ids: np.ndarray, new_tokens: int, record: _Pass) -> Non
                                         rows + sequence.stats.padded_rows - padded_before,
                                         after.compiles - before.compiles, after.evictions))
     tokens = [int(np.argmax(logits))]
+    before = runtime.cache.snapshot()
     while len(tokens) < new_tokens:
         tokens.append(int(np.argmax(sequence.decode(tokens[-1]))))
+    after = runtime.cache.snapshot()
+    # The decode steps, as one row: a decode variant evicted by a remainder is rebuilt here.
+    record.forwards.append(_Forward(len(ids), 1, 1, after.compiles - before.compiles,
+                                    after.evictions))
     record.seconds[len(ids)] = time.perf_counter() - start
     record.tokens[len(ids)] = tokens
 
@@ -88,8 +95,7 @@ MODES = {
 def _run_mode(model: Path, padding: bool, specialize, lengths, chunk_size: int, cap: int,
               provider: str, new_tokens: int):
     runtime = onnx_chunk.load(model, provider=provider, chunk_size=chunk_size,
-                              max_variants=cap, padding=padding, specialize=specialize,
-                              capacity=max(lengths) + new_tokens)
+                              max_variants=cap, padding=padding, specialize=specialize)
     passes = [_Pass(), _Pass()]
     for record in passes:
         for length in lengths:
