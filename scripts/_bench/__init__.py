@@ -1,0 +1,1 @@
+"""Helpers shared by the benchmark scripts: pure harness logic, child processes, workers."""

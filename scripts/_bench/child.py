@@ -1,0 +1,87 @@
+"""One measurement in its own process: its JSON result, wall time and its own peak RSS.
+
+The peak resident set comes from the kernel's accounting of that child alone (`wait4`'s
+`ru_maxrss`), so no measurement inherits another's memory and the parent's own memory never
+counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ChildFailed(RuntimeError):
+    """A measurement process exited with an error or printed no result."""
+
+
+@dataclass(frozen=True)
+class ChildResult:
+    """What one measurement process reported, with its peak RSS and wall time."""
+
+    payload: dict
+    peak_rss_mb: float
+    wall_s: float
+
+
+def run_child(argv: list[str], *, timeout_s: float, env: dict[str, str] | None = None
+              ) -> ChildResult:
+    """Run `argv`; it must print one JSON object as its last stdout line."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        began = time.perf_counter()
+        process = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
+        deadline = began + timeout_s
+        while True:
+            pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.perf_counter() > deadline:
+                process.kill()
+                os.wait4(process.pid, 0)
+                raise ChildFailed(f"{argv[1]} ran past {timeout_s:.0f} s and was killed")
+            time.sleep(0.02)
+        wall = time.perf_counter() - began
+        process.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout = out.read().decode(errors="replace")
+        stderr = err.read().decode(errors="replace")
+    if process.returncode != 0:
+        raise ChildFailed(f"{' '.join(argv[:2])} exited with {process.returncode}:\n"
+                          f"{stderr[-3000:]}")
+    lines = stdout.strip().splitlines()
+    if not lines:
+        raise ChildFailed(f"{' '.join(argv[:2])} printed no result:\n{stderr[-3000:]}")
+    # Linux reports ru_maxrss in KiB.
+    return ChildResult(json.loads(lines[-1]), usage.ru_maxrss / 1024, wall)
+
+
+def write_json(path: Path, data: object) -> None:
+    """Write `data` as JSON through a temporary file renamed into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w") as stream:
+            json.dump(data, stream, indent=1)
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write `text` through a temporary file renamed into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w") as stream:
+            stream.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise

@@ -1,0 +1,69 @@
+"""What every benchmark needs around the measurements: models, the genai venv, options."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKERS = Path(__file__).resolve().parent
+DEFAULT_OUT = ROOT / "bench-out"
+GENAI_VERSION = "0.18.0"
+EOS_TOKEN_ID = 2
+
+
+def common_parser(description: str) -> argparse.ArgumentParser:
+    """Options shared by the benchmark scripts."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help="folder for models, JSON results and tables (default bench-out/)")
+    parser.add_argument("--repetitions", type=int, default=5,
+                        help="measurements of each system at each point (default 5)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: short prompts, 2 repetitions, 8 new tokens")
+    parser.add_argument("--variant", default="base", choices=("base", "int4"),
+                        help="the bench decoder's weights: fp32 (base) or INT4")
+    return parser
+
+
+def build_model(out: Path, preset: str, variant: str = "base") -> Path:
+    """The reference decoder `preset`/`variant` under out/models (built once, then reused)."""
+    folder = out / "models" / (preset if variant == "base" else f"{preset}-{variant}")
+    model = folder / "model.onnx"
+    if not (model.is_file() and (folder / "genai_config.json").is_file()):
+        folder.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "onnx_chunk", "build-model", preset, "-o",
+                        str(folder), "--variant", variant], check=True)
+    return model
+
+
+def model_config(model: Path) -> dict:
+    """Vocabulary size and context length from the model's genai_config.json."""
+    config = json.loads((model.parent / "genai_config.json").read_text())["model"]
+    return {"vocab_size": int(config["vocab_size"]),
+            "context_length": int(config["context_length"])}
+
+
+def genai_python(venv: Path) -> Path:
+    """The interpreter of a venv holding onnxruntime-genai (created and installed if missing).
+
+    onnxruntime-genai brings the CPU onnxruntime, which must never share a venv with
+    onnxruntime-gpu, so it lives in a venv of its own.
+    """
+    python = venv / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    probe = subprocess.run([str(python), "-c", "import onnxruntime_genai as og; "
+                            "print(og.__version__)"], capture_output=True, text=True)
+    if probe.returncode != 0 or probe.stdout.strip() != GENAI_VERSION:
+        subprocess.run([str(python), "-m", "pip", "install", "-q",
+                        f"onnxruntime-genai=={GENAI_VERSION}"], check=True)
+    return python
+
+
+def worker_argv(python: Path | str, worker: str, request: dict) -> list[str]:
+    """The command line of one measurement by `worker` (chunk_worker or genai_worker)."""
+    return [str(python), str(WORKERS / f"{worker}.py"), json.dumps(request)]

@@ -1,0 +1,57 @@
+"""Measurement process for onnxruntime-genai (run with the genai venv's interpreter).
+
+It must not import onnx_chunk: that venv holds the CPU onnxruntime that onnxruntime-genai
+brings. argv[1] is a JSON object: model (folder with genai_config.json), prompts, new_tokens,
+chunk_size (search.chunk_size; 0 leaves it unset). Prints one JSON object shaped like
+chunk_worker's: TTFT runs from handing over the prompt to the first token; decode tokens/s
+counts the tokens after the first over the time after the first, as onnx-chunk does.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+import onnxruntime_genai as og
+
+
+def main() -> None:
+    request = json.loads(sys.argv[1])
+    began = time.perf_counter()
+    config = og.Config(request["model"])
+    config.clear_providers()
+    if request["chunk_size"] > 0:
+        config.overlay(json.dumps({"search": {"chunk_size": request["chunk_size"]}}))
+    model = og.Model(config)
+    load_s = time.perf_counter() - began
+    results = []
+    for prompt in request["prompts"]:
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(prompt) + request["new_tokens"],
+                                  do_sample=False)
+        generator = og.Generator(model, params)
+        start = time.perf_counter()
+        generator.append_tokens(np.array([prompt], dtype=np.int32))
+        generator.generate_next_token()
+        tokens = [int(generator.get_next_tokens()[0])]
+        ttft = time.perf_counter() - start
+        while not generator.is_done() and len(tokens) < request["new_tokens"]:
+            generator.generate_next_token()
+            tokens.append(int(generator.get_next_tokens()[0]))
+        total = time.perf_counter() - start
+        decode_s = total - ttft
+        results.append({
+            "prompt_tokens": len(prompt),
+            "ttft_s": ttft,
+            "decode_tokens_per_s": (len(tokens) - 1) / decode_s if len(tokens) > 1 else None,
+            "total_s": total,
+            "tokens": tokens,
+        })
+        del generator
+    print(json.dumps({"load_s": load_s, "results": results, "version": og.__version__}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Run every benchmark of docs/benchmarks.md, one after the other, and make the plots.
+#
+#   scripts/bench_all.sh [--quick] [--genai-venv PATH] [--out DIR]
+#
+# --quick: a smoke run of every script (short prompts, 2 repetitions, 8 new tokens), a few
+# minutes. Without it: the full run (5 repetitions, prompts up to 4000 tokens, 32 new tokens).
+# Tables land in DIR (default bench-out/) as .md and .json, plots in docs/benchmarks/.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-$ROOT/.venv/bin/python}"
+OUT="$ROOT/bench-out"
+GENAI_VENV="$ROOT/.venv-genai"
+QUICK=()
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --quick) QUICK=(--quick); shift ;;
+        --genai-venv) GENAI_VENV="$2"; shift 2 ;;
+        --out) OUT="$2"; shift 2 ;;
+        *) echo "unknown option $1 (expected --quick, --genai-venv PATH, --out DIR)" >&2; exit 2 ;;
+    esac
+done
+
+cd "$ROOT"
+step() {
+    local began=$SECONDS
+    echo "== $*" >&2
+    "$@"
+    echo "== $(( SECONDS - began )) s: $*" >&2
+}
+
+step "$PY" scripts/bench_vs_genai.py "${QUICK[@]}" --out "$OUT" --genai-venv "$GENAI_VENV"
+step "$PY" scripts/bench_chunking.py "${QUICK[@]}" --out "$OUT"
+step "$PY" scripts/bench_overhead.py "${QUICK[@]}" --out "$OUT"
+step "$PY" scripts/bench_padding.py "${QUICK[@]}" --out "$OUT"
+if [[ -f scripts/cache_thrash.py ]]; then
+    began=$SECONDS
+    step "$PY" scripts/cache_thrash.py "${QUICK[@]}" | tee "$OUT/cache_thrash.md"
+    echo "cache_thrash.py wall time: $(( SECONDS - began )) s" >> "$OUT/cache_thrash.md"
+else
+    echo "== scripts/cache_thrash.py is not there yet: table 5 skipped" >&2
+fi
+step "$PY" scripts/bench_plots.py --out "$OUT"
+echo "total: $SECONDS s" >&2
