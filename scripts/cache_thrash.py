@@ -116,7 +116,9 @@ def _print_mode(title: str, runtime, passes: list[_Pass]) -> None:
     for number, record in enumerate(passes, 1):
         times = ", ".join(f"{length}: {seconds * 1000:.1f} ms"
                           for length, seconds in record.seconds.items())
-        click.echo(f"pass {number}: {record.built} variants built; end-to-end {times}")
+        total = sum(record.seconds.values()) * 1000
+        click.echo(f"pass {number}: {record.built} variants built; wall {total:.1f} ms; "
+                   f"end-to-end {times}")
     stats = runtime.cache.snapshot()
     click.echo(f"cache: compiles {stats.compiles}, hits {stats.hits}, evictions "
                f"{stats.evictions}, peak variants {stats.peak_variants}/{stats.cap}, widths "
