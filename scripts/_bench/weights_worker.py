@@ -1,0 +1,68 @@
+"""Measurement process for scripts/bench_weights.py: resident memory as sessions are added.
+
+argv[1] is a JSON object: model, mode ("shared": onnx-chunk's variants, one copy of the weights;
+"naive": one plain ONNX Runtime session per width, each loading the model itself), widths.
+Each width gets its session and one forward at that width (so the weights a kernel touches are
+resident); the process's resident set is read after each. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import onnxruntime as ort
+
+from onnx_chunk.runtime.memory import process_rss_bytes
+
+
+def _shared(model: str, widths: list[int]) -> list[dict]:
+    import onnx_chunk
+
+    runtime = onnx_chunk.load(model, provider="cpu", chunk_size=max(widths), padding=False)
+    sequence = runtime.open_sequence()
+    rows = []
+    for width in widths:
+        if width == 1:
+            sequence.decode(1)
+        else:
+            sequence.prefill(np.ones(width, dtype=np.int64))
+        sequence.rewind(sequence.length)
+        stats = runtime.cache.snapshot()
+        rows.append({"width": width, "rss": process_rss_bytes(), "variants": stats.variants,
+                     "bytes_held": stats.bytes_held})
+    return rows
+
+
+def _naive(model: str, widths: list[int]) -> list[dict]:
+    sessions = []
+    rows = []
+    for width in widths:
+        options = ort.SessionOptions()
+        options.add_free_dimension_override_by_name("batch_size", 1)
+        options.add_free_dimension_override_by_name("sequence_length", width)
+        session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+        sessions.append(session)
+        feeds = {"input_ids": np.ones((1, width), np.int64),
+                 "attention_mask": np.ones((1, width), np.int64)}
+        for value in session.get_inputs():
+            if value.name.startswith("past_key_values."):
+                heads, head_size = value.shape[1], value.shape[3]
+                feeds[value.name] = np.zeros((1, heads, 0, head_size), np.float32)
+        session.run(["logits"], feeds)
+        rows.append({"width": width, "rss": process_rss_bytes(), "variants": len(sessions),
+                     "bytes_held": None})
+    return rows
+
+
+def main() -> None:
+    request = json.loads(sys.argv[1])
+    before = process_rss_bytes()
+    measure = _shared if request["mode"] == "shared" else _naive
+    rows = measure(request["model"], request["widths"])
+    print(json.dumps({"baseline_rss": before, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
