@@ -1,0 +1,118 @@
+"""`onnx-chunk validate`: the CI gate that says whether a decoder is safe for chunked prefill."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+
+from onnx_chunk.cli.generate import parse_ids
+from onnx_chunk.errors import OutputError
+from onnx_chunk.runtime.provider import PROVIDER_CHOICES
+from onnx_chunk.validate import Report, ValidationOptions, resolve_skip, validate_model
+from onnx_chunk.validate.validator import DEFAULT_NEW_TOKENS
+
+
+class _ProgressBar:
+    """A click progress bar on stderr, opened when the planned runs are known."""
+
+    def __init__(self) -> None:
+        self._bar = None
+
+    def start(self, total: int) -> None:
+        if total:
+            self._bar = click.progressbar(length=total, label="validating", file=sys.stderr,
+                                          item_show_func=lambda label: label)
+            self._bar.__enter__()
+
+    def advance(self, label: str) -> None:
+        if self._bar is not None:
+            self._bar.update(1, label)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(None, None, None)
+
+
+def write_junit(report: Report, target: Path) -> None:
+    """Write the JUnit XML to a temporary file beside `target`, then rename it into place."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, temp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp",
+                                             dir=target.parent)
+        try:
+            with os.fdopen(handle, "w", encoding="utf-8") as temp:
+                temp.write(report.to_junit())
+            os.chmod(temp_name, 0o644)
+            os.replace(temp_name, target)
+        finally:
+            Path(temp_name).unlink(missing_ok=True)
+    except OSError as error:
+        raise OutputError(f"cannot write the JUnit report {str(target)!r}: "
+                          f"{error.strerror or error}; choose a writable path") from error
+
+
+@click.command("validate")
+@click.argument("model_path", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (model, checks, "
+              "summary).")
+@click.option("--junit", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Also write the results as JUnit XML to this file.")
+@click.option("--skip", multiple=True, metavar="NAME",
+              help="Skip a check group (structure, numerics, cache, static) or one check "
+                   "(e.g. structure.ladder); repeatable.")
+@click.option("--lengths", default=None, metavar="N,N,...",
+              help="Prompt lengths to run (default: around the chunk boundaries).")
+@click.option("--new-tokens", type=click.IntRange(min=1), default=DEFAULT_NEW_TOKENS,
+              show_default=True, help="Greedy tokens generated per prompt.")
+@click.option("--provider", type=click.Choice(PROVIDER_CHOICES), default="auto",
+              show_default=True, help="Execution provider for the runs.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompts.")
+@click.option("--chunk-size", type=click.IntRange(min=1), default=None,
+              help="Chunk width W (default: the model's declared one, else 512).")
+@click.option("--atol", type=click.FloatRange(min=0), default=None,
+              help="Tolerance on logits and KV (default 0 on CPU, 1e-3 on CUDA; 1e-4 for "
+                   "static decoders on CPU).")
+@click.option("--max-input-len", type=click.IntRange(min=1), default=None,
+              help="Static decoders: the max input length L (default: the largest multiple "
+                   "of c below C).")
+@click.option("--decode-model", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Static decoders: the decode graph (1 row); default decode.onnx beside "
+                   "the model.")
+@click.option("--progress/--no-progress", default=None,
+              help="Show a progress bar on stderr (default: when stderr is a terminal).")
+@click.pass_context
+def validate(ctx: click.Context, model_path: Path, as_json: bool, junit: Path | None,
+             skip: tuple[str, ...], lengths: str | None, new_tokens: int, provider: str,
+             seed: int, chunk_size: int | None, atol: float | None, max_input_len: int | None,
+             decode_model: Path | None, progress: bool | None) -> int:
+    """Check that MODEL_PATH (a .onnx file or its folder) is safe for chunked prefill.
+
+    Exit code 0 when every check passed (or was skipped), 1 when one failed, 2 when the model
+    cannot be read or the arguments are wrong.
+    """
+    options = ValidationOptions(
+        skip=resolve_skip(skip),
+        lengths=None if lengths is None else tuple(parse_ids(lengths, "--lengths")),
+        new_tokens=new_tokens, provider=provider, seed=seed, chunk_size=chunk_size,
+        atol=atol, max_input_len=max_input_len, decode_model=decode_model)
+    show = progress if progress is not None else sys.stderr.isatty()
+    bar = _ProgressBar() if show else None
+    try:
+        report = validate_model(model_path, options, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    if junit is not None:
+        write_junit(report, junit)
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2, default=str))
+    else:
+        click.echo(report.to_table())
+    code = 1 if report.failed else 0
+    ctx.exit(code)
+    return code

@@ -1,0 +1,86 @@
+"""Running seeded prompts through the runtime and keeping what the numerics checks compare."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from onnx_chunk.runtime import Runtime, load
+from onnx_chunk.runtime.buffers import SequenceBuffers
+from onnx_chunk.validate.prompts import seeded_prompt
+
+Advance = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """How the dynamic decoder is exercised: one setting per option, resolved once."""
+
+    provider: str
+    capacity: int
+    chunk_size: int
+    lengths: tuple[int, ...]
+    new_tokens: int
+    seed: int
+    atol: float
+
+
+@dataclass(frozen=True)
+class PromptRun:
+    """One prompt through one runtime: greedy tokens, the logits rows, the KV prefix and state.
+
+    `logits` holds every prompt row (only the last when the decoder returns the last row
+    only), then one row per decode step. `kv` holds each KV buffer's valid prefix, then each
+    recurrent state.
+    """
+
+    length: int
+    tokens: tuple[int, ...]
+    logits: np.ndarray
+    kv: tuple[np.ndarray, ...]
+
+
+def load_runtime(model_path: Path, settings: RunSettings, *, chunk_size: int,
+                 padding: bool | None) -> Runtime:
+    return load(model_path, provider=settings.provider, capacity=settings.capacity,
+                chunk_size=chunk_size, padding=padding)
+
+
+def run_prompt(runtime: Runtime, length: int, settings: RunSettings) -> PromptRun:
+    """Prefill a seeded prompt of `length` tokens, then decode greedily; keep what is compared."""
+    ids = seeded_prompt(runtime.ports.vocab_size, length, settings.seed)
+    sequence = runtime.open_sequence()
+    every_row = not runtime.ports.last_row_logits
+    prompt_logits = sequence.prefill(ids, all_logits=every_row)
+    rows = [prompt_logits if every_row else prompt_logits[None]]
+    token = int(np.argmax(rows[0][-1]))
+    tokens = [token]
+    for _ in range(settings.new_tokens - 1):
+        logits = sequence.decode(token)
+        rows.append(logits[None])
+        token = int(np.argmax(logits))
+        tokens.append(token)
+    return PromptRun(length, tuple(tokens), np.concatenate(rows, axis=0),
+                     _kv_snapshot(runtime, sequence.buffers, sequence.length))
+
+
+def generate_prompt(runtime: Runtime, length: int, settings: RunSettings) -> list[int]:
+    """Greedy generation of a seeded prompt through the runtime's `generate` (a served request)."""
+    ids = seeded_prompt(runtime.ports.vocab_size, length, settings.seed)
+    return runtime.open_sequence().generate(ids, settings.new_tokens)
+
+
+def _kv_snapshot(runtime: Runtime, buffers: SequenceBuffers, length: int) -> tuple[np.ndarray, ...]:
+    axes = {binding.input: binding.capacity_axis for binding in runtime.plan.capacity_inputs}
+    arrays = []
+    for port, buffer in zip(buffers.kv_ports, buffers.kv):
+        host = buffer.host if buffer.host is not None else buffer.value.numpy()
+        arrays.append(np.take(host, np.arange(length), axis=axes[port.input]).copy())
+    for index in range(len(buffers.state_ports)):
+        buffer = buffers.state(index)
+        host = buffer.host if buffer.host is not None else buffer.value.numpy()
+        arrays.append(np.array(host, copy=True))
+    return tuple(arrays)

@@ -1,0 +1,255 @@
+"""Checks of a static (fixed-shape) decoder: graph contract, StaticLimits, chunked vs whole.
+
+A static decoder takes exactly c query rows against a rolling KV cache of C positions (see
+docs/static_graph.md). Serving it needs a second graph of the same capacity that takes one
+row (the decode graph). Chunked prefill through the chunk graph must give what the unchunked
+sequence gives: the decode graph fed one position at a time.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_chunk.errors import ConfigError, OnnxChunkError
+from onnx_chunk.models.static_decoder import METADATA_PREFIX
+from onnx_chunk.runtime.alignment import StaticLimits, align_prompt
+from onnx_chunk.runtime.rolling_kv import RollingKVCache
+from onnx_chunk.runtime.static_runner import StaticRunner
+from onnx_chunk.validate.checks import STATIC
+from onnx_chunk.validate.prompts import boundary_lengths, seeded_prompt
+from onnx_chunk.validate.report import CheckResult, Outcome
+from onnx_chunk.validate.runs import Advance
+from onnx_chunk.validate.subject import Subject
+from onnx_chunk.validate.timing import Stopwatch
+
+DECODE_FILE = "decode.onnx"
+_PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+
+
+@dataclass(frozen=True)
+class StaticSettings:
+    """How the static decoder is exercised."""
+
+    provider: str
+    max_input_len: int | None
+    decode_model: Path | None
+    lengths: tuple[int, ...] | None
+    new_tokens: int
+    seed: int
+    atol: float
+
+
+def static_checks(subject: Subject, settings: StaticSettings, selected: Callable[[str], bool],
+                  advance: Advance) -> list[CheckResult]:
+    """The selected static checks, in order; later ones are skipped when what they need failed."""
+    assert subject.static is not None
+    watch = Stopwatch(STATIC)
+    results: list[CheckResult] = []
+    shape = subject.static
+    if selected("graph"):
+        results.append(watch.result("graph", *_graph(subject)))
+    watch.restart()
+    limits, limits_verdict = _limits(subject, settings)
+    if selected("limits"):
+        results.append(watch.result("limits", *limits_verdict))
+    watch.restart()
+    graphs, decode_verdict = _decode_graph(subject, settings, limits)
+    if selected("decode_graph"):
+        results.append(watch.result("decode_graph", *decode_verdict))
+    watch.restart()
+    if selected("chunked_vs_whole"):
+        if graphs is None:
+            verdict = (Outcome.SKIPPED, "needs valid limits and a decode graph (see "
+                       "static.limits and static.decode_graph)", {})
+        elif shape.rows == 1:
+            verdict = (Outcome.SKIPPED, "the model takes one row per forward: it is a decode "
+                       "graph, there is no chunk to compare", {})
+        else:
+            verdict = _chunked_vs_whole(*graphs, settings, advance)
+        results.append(watch.result("chunked_vs_whole", *verdict))
+    return results
+
+
+def planned_runs(subject: Subject, settings: StaticSettings) -> int:
+    """Prompt runs the static checks will make (for a progress bar); 0 when none can run."""
+    shape = subject.static
+    assert shape is not None
+    try:
+        limits = StaticLimits(_max_input_len(settings, shape.rows, shape.capacity), shape.rows,
+                              shape.capacity)
+        return 2 * len(_lengths(settings, limits))
+    except ConfigError:
+        return 0
+
+
+def _max_input_len(settings: StaticSettings, rows: int, capacity: int) -> int:
+    if settings.max_input_len is not None:
+        return settings.max_input_len
+    return max((capacity - 1) // rows * rows, 1)
+
+
+def _lengths(settings: StaticSettings, limits: StaticLimits) -> tuple[int, ...]:
+    if settings.lengths is None:
+        return boundary_lengths(limits.chunk_size, limits.max_input_len)
+    too_long = [length for length in settings.lengths if length > limits.max_input_len]
+    if too_long:
+        raise ConfigError(f"--lengths {', '.join(map(str, too_long))} exceed the max input "
+                          f"length L={limits.max_input_len}; a longer prompt is truncated")
+    return settings.lengths
+
+
+def _graph(subject: Subject) -> tuple[Outcome, str, dict]:
+    shape = subject.static
+    assert shape is not None
+    graph = subject.model.graph
+    inputs = {value.name: value for value in graph.inputs}
+    outputs = {value.name: value for value in graph.outputs}
+    rows, capacity = shape.rows, shape.capacity
+    problems = []
+    for name in ("input_ids", "position_ids"):
+        if name not in inputs:
+            problems.append(f"no {name} input")
+        elif _dims(inputs[name]) != [1, rows]:
+            problems.append(f"{name} is {_dims(inputs[name])}, expected [1, {rows}]")
+    layers = sorted({int(match.group(1)) for name in inputs if (match := _PAST.match(name))})
+    if not layers:
+        problems.append("no past_key_values.N.key|value inputs")
+    for layer in layers:
+        for kind in ("key", "value"):
+            past, present = f"past_key_values.{layer}.{kind}", f"present.{layer}.{kind}"
+            past_dims = _dims(inputs[past]) if past in inputs else None
+            if past_dims is None or len(past_dims) != 4 or past_dims[2] != capacity:
+                problems.append(f"{past} is {past_dims}, expected [1, kv_heads, {capacity}, "
+                                "head_size]")
+                continue
+            expected = past_dims[:2] + [rows, past_dims[3]]
+            if present not in outputs:
+                problems.append(f"no {present} output")
+            elif _dims(outputs[present]) != expected:
+                problems.append(f"{present} is {_dims(outputs[present])}, expected {expected}")
+    if "logits" not in outputs or (_dims(outputs["logits"]) or [None])[:2] != [1, rows]:
+        problems.append(f"logits must be [1, {rows}, vocab]")
+    declared = {key: subject.model.metadata_props.get(METADATA_PREFIX + key)
+                for key in ("chunk_size", "capacity")}
+    for key, actual in (("chunk_size", rows), ("capacity", capacity)):
+        if declared[key] is not None and declared[key] != str(actual):
+            problems.append(f"metadata {METADATA_PREFIX}{key} is {declared[key]} but the graph "
+                            f"says {actual}")
+    details = {"rows": rows, "capacity": capacity, "layers": len(layers),
+               "mask_input": shape.mask_input, "problems": problems}
+    if problems:
+        return Outcome.FAILED, "; ".join(problems), details
+    return (Outcome.PASSED, f"every dimension fixed: c={rows} rows, capacity C={capacity}, "
+            f"{len(layers)} layers, additive mask {shape.mask_input} [1, 1, {rows}, {capacity}]",
+            details)
+
+
+def _dims(value: ir.Value) -> list[int] | None:
+    return None if value.shape is None else [int(dim) for dim in value.shape.dims]
+
+
+def _limits(subject: Subject, settings: StaticSettings) -> tuple[
+        StaticLimits | None, tuple[Outcome, str, dict]]:
+    shape = subject.static
+    assert shape is not None
+    max_input_len = _max_input_len(settings, shape.rows, shape.capacity)
+    details = {"max_input_len": max_input_len, "chunk_size": shape.rows,
+               "capacity": shape.capacity}
+    try:
+        limits = StaticLimits(max_input_len, shape.rows, shape.capacity)
+    except ConfigError as error:
+        return None, (Outcome.FAILED, str(error), details)
+    positions = subject.model.metadata_props.get(METADATA_PREFIX + "max_positions")
+    if positions is not None and positions.isdigit() and int(positions) < shape.capacity:
+        return None, (Outcome.FAILED, f"the rotary tables hold {positions} positions but the "
+                      f"capacity is C={shape.capacity}; rebuild with C <= {positions}", details)
+    return limits, (Outcome.PASSED, f"L={limits.max_input_len}, c={limits.chunk_size}, "
+                    f"C={limits.capacity}: c divides L, L < C leaves {limits.decode_room} "
+                    "position(s) to decode", details)
+
+
+def _decode_graph(subject: Subject, settings: StaticSettings,
+                  limits: StaticLimits | None) -> tuple[tuple[StaticRunner, Path] | None,
+                                                        tuple[Outcome, str, dict]]:
+    shape = subject.static
+    assert shape is not None
+    decode = settings.decode_model
+    if decode is None:
+        sibling = subject.path.parent / DECODE_FILE
+        if shape.rows == 1:
+            decode = subject.path
+        elif sibling.is_file() and sibling.resolve() != subject.path.resolve():
+            decode = sibling
+    if decode is None:
+        return None, (Outcome.SKIPPED, f"no decode graph (1 row) given; pass --decode-model "
+                      f"or put {DECODE_FILE} beside the model", {})
+    if limits is None:
+        return None, (Outcome.SKIPPED, "the limits are invalid (see static.limits)",
+                      {"decode_model": str(decode)})
+    try:
+        runner = StaticRunner(subject.path, decode, max_input_len=limits.max_input_len,
+                              provider=settings.provider)
+    except OnnxChunkError as error:
+        return None, (Outcome.FAILED, str(error), {"decode_model": str(decode)})
+    spec = runner.decode_spec
+    return (runner, decode), (Outcome.PASSED, f"{decode}: 1 row, capacity {spec.capacity}, "
+                    f"{spec.num_layers} layers, as the chunk graph",
+                    {"decode_model": str(decode)})
+
+
+def _chunked_vs_whole(runner: StaticRunner, decode: Path, settings: StaticSettings,
+                      advance: Advance) -> tuple[Outcome, str, dict]:
+    limits = runner.limits
+    lengths = _lengths(settings, limits)
+    # The unchunked sequence: every position its own forward through the decode graph.
+    whole = StaticRunner(decode, decode,
+                         max_input_len=limits.capacity - 1, provider=settings.provider)
+    rows = []
+    for length in lengths:
+        prompt = seeded_prompt(runner.vocab_size, length, settings.seed)
+        new_tokens = min(settings.new_tokens, limits.capacity - length + 1)
+        chunked_logits, chunked_kv = _prefill(runner, prompt)
+        whole_logits, whole_kv = _prefill(whole, prompt)
+        chunked_tokens = runner.generate(prompt, new_tokens).tokens
+        advance(f"static chunked {length}")
+        whole_tokens = whole.generate(prompt, new_tokens).tokens
+        advance(f"static whole {length}")
+        rows.append({"length": length, "new_tokens": new_tokens,
+                     "tokens_equal": chunked_tokens == whole_tokens,
+                     "chunked_tokens": chunked_tokens, "whole_tokens": whole_tokens,
+                     "logits": float(np.max(np.abs(chunked_logits - whole_logits))),
+                     "kv": max(float(np.max(np.abs(a - b))) if a.size else 0.0
+                               for a, b in zip(chunked_kv, whole_kv))})
+    details = {"lengths": list(lengths), "atol": settings.atol, "runs": rows}
+    for row in rows:
+        if not row["tokens_equal"]:
+            return (Outcome.FAILED, f"greedy tokens of chunked prefill differ from the unchunked "
+                    f"sequence's at prompt length {row['length']}: {row['chunked_tokens']} vs "
+                    f"{row['whole_tokens']}", details)
+        worst = max(row["logits"], row["kv"])
+        if not worst <= settings.atol:
+            return (Outcome.FAILED, f"chunked prefill's last logits / KV differ from the "
+                    f"unchunked sequence's by {worst:.3g} > atol {settings.atol:g} at prompt "
+                    f"length {row['length']}", details)
+    worst = max(max(row["logits"], row["kv"]) for row in rows)
+    return (Outcome.PASSED, f"chunks of c={limits.chunk_size} reproduce the unchunked sequence "
+            f"(decode graph, one row per position) at lengths {', '.join(map(str, lengths))}: "
+            f"same greedy tokens, logits and KV within {worst:.3g} <= atol {settings.atol:g}",
+            details)
+
+
+def _prefill(runner: StaticRunner, prompt: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The last real row's logits and every layer's K and V over the prompt's real positions."""
+    aligned = align_prompt(prompt, runner.limits, pad_id=runner.pad_token_id)
+    spec = runner.chunk_spec
+    cache = RollingKVCache(spec.num_layers, spec.kv_heads, spec.capacity, spec.head_size,
+                           dtype=spec.kv_dtype)
+    logits, _ = runner.prefill(aligned, cache)
+    real = slice(spec.capacity - aligned.kept_len, spec.capacity)
+    return logits, [array[:, :, real] for array in (*cache.keys, *cache.values)]

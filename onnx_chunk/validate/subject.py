@@ -1,0 +1,115 @@
+"""The model under validation: its file, its graph without weights, and what kind it is.
+
+A model whose protobuf cannot be read is a ModelLoadError (exit code 2). A model whose
+protobuf reads but whose external data is broken is still validated: the external data check
+fails with the loader's reason, and the graph is analysed from the protobuf alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+
+from onnx_chunk.errors import ModelLoadError
+from onnx_chunk.model_io import load_model
+
+_GENAI_CONFIG = "genai_config.json"
+_DEFAULT_FILE = "model.onnx"
+_STATIC_CHUNK_FILE = "chunk.onnx"
+
+
+@dataclass(frozen=True)
+class StaticShape:
+    """The fixed sizes read off a static decoder's additive mask [1, 1, c, C]."""
+
+    mask_input: str
+    rows: int
+    capacity: int
+
+
+@dataclass
+class Subject:
+    """A model file and its graph; `external_data_error` is None when the weights are sound."""
+
+    path: Path
+    model: ir.Model
+    external_data_error: str | None
+    static: StaticShape | None
+
+
+def resolve_model_file(path: str | os.PathLike) -> Path:
+    """The .onnx file that MODEL names: the file itself, or the decoder inside a folder.
+
+    In a folder: the decoder `genai_config.json` names, else `model.onnx`, else `chunk.onnx`
+    (a static chunk graph), else the folder's only .onnx file.
+    """
+    given = Path(path)
+    if not given.is_dir():
+        return given
+    config = given / _GENAI_CONFIG
+    if config.is_file():
+        try:
+            filename = json.loads(config.read_text())["model"]["decoder"]["filename"]
+        except (OSError, ValueError, KeyError, TypeError):
+            filename = None
+        if isinstance(filename, str) and (given / filename).is_file():
+            return given / filename
+    for name in (_DEFAULT_FILE, _STATIC_CHUNK_FILE):
+        if (given / name).is_file():
+            return given / name
+    candidates = sorted(given.glob("*.onnx"))
+    if len(candidates) == 1:
+        return candidates[0]
+    found = ", ".join(candidate.name for candidate in candidates) or "none"
+    raise ModelLoadError(
+        f"cannot tell which model in the folder {str(given)!r} to validate (.onnx files: "
+        f"{found}); pass the .onnx file itself")
+
+
+def load_subject(path: str | os.PathLike) -> Subject:
+    """Load MODEL's graph (never its weights) and classify it; ModelLoadError when unreadable."""
+    model_path = resolve_model_file(path)
+    try:
+        model = load_model(model_path)
+        external_error = None
+    except ModelLoadError as error:
+        model = _graph_only(model_path, error)
+        external_error = str(error)
+    return Subject(model_path, model, external_error, static_shape(model))
+
+
+def _graph_only(model_path: Path, load_error: ModelLoadError) -> ir.Model:
+    """The graph of a model whose protobuf reads although its external data does not."""
+    try:
+        proto = onnx.load(str(model_path), load_external_data=False)
+    except Exception as error:  # the loader's own error says what is wrong with the file
+        raise load_error from error
+    if proto.ir_version == 0 or not proto.HasField("graph"):
+        raise load_error
+    try:
+        return ir.serde.deserialize_model(proto)
+    except Exception as error:  # onnx_ir wraps every deserialisation failure differently
+        raise load_error from error
+
+
+def static_shape(model: ir.Model) -> StaticShape | None:
+    """The static decoder's sizes when the graph is one, else None.
+
+    A static decoder has no free dimension on any input and an additive floating-point mask
+    shaped [1, 1, c, C] (c query rows, C KV capacity).
+    """
+    mask = None
+    for value in model.graph.inputs:
+        shape = value.shape
+        if shape is None or not all(isinstance(dim, int) for dim in shape.dims):
+            return None
+        dtype = value.dtype
+        if (mask is None and dtype is not None and dtype.is_floating_point()
+                and len(shape) == 4 and tuple(shape.dims[:2]) == (1, 1)):
+            mask = StaticShape(value.name, int(shape[2]), int(shape[3]))
+    return mask

@@ -1,0 +1,207 @@
+"""Validate a decoder for chunked prefill: run the selected checks, return a Report.
+
+Order: structure (graph, weights, plan), then for a dynamic decoder numerics and cache
+behaviour on the runtime, or for a static decoder its own checks. A check that cannot run
+because an earlier one found the model unusable is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from onnx_chunk.errors import ConfigError
+from onnx_chunk.metadata import ChunkPlan
+from onnx_chunk.passes import DEFAULT_CHUNK_SIZE
+from onnx_chunk.runtime.provider import PROVIDER_CHOICES, resolve_device
+from onnx_chunk.validate.cache import cache_checks
+from onnx_chunk.validate.checks import (
+    CACHE,
+    CHECKS,
+    NUMERICS,
+    STATIC,
+    STATIC_STRUCTURE,
+    STRUCTURE,
+    full_name,
+)
+from onnx_chunk.validate.numerics import MODES, numerics_checks
+from onnx_chunk.validate.prompts import boundary_lengths
+from onnx_chunk.validate.report import CheckResult, Outcome, Report
+from onnx_chunk.validate.runs import RunSettings
+from onnx_chunk.validate.static import StaticSettings, planned_runs, static_checks
+from onnx_chunk.validate.structure import check_checker, check_external_data, structure_checks
+from onnx_chunk.validate.subject import Subject, load_subject
+from onnx_chunk.validate.timing import Stopwatch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_NEW_TOKENS = 4
+# Default tolerances on logits and KV: the CPU provider reproduces a whole-prompt forward bit for
+# bit (DESIGN.md facts 1 and 2); other providers pick kernels per shape. A static decoder's
+# chunked run is compared with one-row forwards, whose sums run in another order (~2e-6).
+CPU_ATOL = 0.0
+DEVICE_ATOL = 1e-3
+STATIC_ATOL = 1e-4
+
+
+@dataclass(frozen=True)
+class ValidationOptions:
+    """What to check and how; validated on construction (ConfigError)."""
+
+    skip: frozenset[str] = frozenset()
+    lengths: tuple[int, ...] | None = None
+    new_tokens: int = DEFAULT_NEW_TOKENS
+    provider: str = "auto"
+    seed: int = 0
+    chunk_size: int | None = None
+    atol: float | None = None
+    max_input_len: int | None = None
+    decode_model: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.provider not in PROVIDER_CHOICES:
+            raise ConfigError(f"unknown provider {self.provider!r}; expected one of "
+                              f"{', '.join(PROVIDER_CHOICES)}")
+        if self.new_tokens < 1:
+            raise ConfigError(f"new tokens must be at least 1, got {self.new_tokens}")
+        if self.lengths is not None and (not self.lengths or min(self.lengths) < 1):
+            raise ConfigError(f"prompt lengths must be at least 1, got {list(self.lengths)}")
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ConfigError(f"the chunk size must be at least 1, got {self.chunk_size}")
+        if self.atol is not None and not (self.atol >= 0 and math.isfinite(self.atol)):
+            raise ConfigError(f"atol must be a finite number >= 0, got {self.atol}")
+
+
+class Progress(Protocol):
+    """Receives the number of prompt runs planned, then one call per run."""
+
+    def start(self, total: int) -> None: ...
+
+    def advance(self, label: str) -> None: ...
+
+
+def validate_model(path: str | os.PathLike, options: ValidationOptions | None = None,
+                   progress: Progress | None = None) -> Report:
+    """Run every check that `options` selects on the decoder at `path` (a file or a folder).
+
+    Raises ModelLoadError when the model cannot be read at all, ConfigError for impossible
+    options and ProviderError when the provider asked for cannot run here.
+    """
+    options = options or ValidationOptions()
+    subject = load_subject(path)
+    device = resolve_device(options.provider)
+    on_cpu = device.provider == "cpu"
+    advance = progress.advance if progress is not None else _ignore
+    results: dict[str, CheckResult] = {}
+    if subject.static is not None:
+        names = [full_name(STRUCTURE, check) for check in STATIC_STRUCTURE] + [
+            full_name(STATIC, check) for check in CHECKS[STATIC]]
+        watch = Stopwatch(STRUCTURE)
+        if _selected(options, STRUCTURE)("checker"):
+            _keep(results, [check_checker(subject, watch)])
+        watch.restart()
+        if _selected(options, STRUCTURE)("external_data"):
+            _keep(results, [check_external_data(subject, watch)])
+        settings = StaticSettings(
+            provider=device.provider, max_input_len=options.max_input_len,
+            decode_model=options.decode_model, lengths=options.lengths,
+            new_tokens=options.new_tokens, seed=options.seed,
+            atol=options.atol if options.atol is not None else
+            (STATIC_ATOL if on_cpu else DEVICE_ATOL))
+        selected = _selected(options, STATIC)
+        if progress is not None:
+            progress.start(planned_runs(subject, settings) if selected("chunked_vs_whole")
+                           else 0)
+        if subject.external_data_error is None:
+            _keep(results, static_checks(subject, settings, selected, advance))
+        else:
+            _keep(results, _not_runnable(STATIC, selected, "the weights cannot be loaded (see "
+                                         "structure.external_data)"))
+    else:
+        names = [full_name(group, check) for group in (STRUCTURE, NUMERICS, CACHE)
+                 for check in CHECKS[group]]
+        structure, plan = structure_checks(subject, _selected(options, STRUCTURE))
+        _keep(results, structure)
+        blocker = _runtime_blocker(subject, plan)
+        numerics, cache = _selected(options, NUMERICS), _selected(options, CACHE)
+        wants_numerics = any(numerics(check) for check in CHECKS[NUMERICS])
+        wants_cache = any(cache(check) for check in CHECKS[CACHE])
+        if blocker is not None:
+            if progress is not None:
+                progress.start(0)
+            _keep(results, _not_runnable(NUMERICS, numerics, blocker))
+            _keep(results, _not_runnable(CACHE, cache, blocker))
+        elif wants_numerics or wants_cache:
+            assert plan is not None
+            settings = _run_settings(plan, options, device.provider,
+                                     CPU_ATOL if on_cpu else DEVICE_ATOL)
+            if progress is not None:
+                runs = len(settings.lengths)
+                progress.start(len(MODES) * runs * wants_numerics + 2 * runs * wants_cache)
+            _keep(results, numerics_checks(subject.path, settings, numerics, advance))
+            _keep(results, cache_checks(subject.path, settings, cache, advance))
+    report = Report(model=str(path))
+    for name in names:
+        report.checks.append(results.get(name) or CheckResult(
+            name, name.split(".", 1)[0], Outcome.SKIPPED, "skipped (--skip)"))
+    return report
+
+
+def _ignore(label: str) -> None:
+    """The progress callback when nobody watches."""
+
+
+def _selected(options: ValidationOptions, group: str) -> Callable[[str], bool]:
+    return lambda check: full_name(group, check) not in options.skip
+
+
+def _keep(results: dict[str, CheckResult], checks: list[CheckResult]) -> None:
+    results.update((check.name, check) for check in checks)
+
+
+def _not_runnable(group: str, selected: Callable[[str], bool], reason: str) -> list[CheckResult]:
+    return [CheckResult(full_name(group, check), group, Outcome.SKIPPED, reason)
+            for check in CHECKS[group] if selected(check)]
+
+
+def _runtime_blocker(subject: Subject, plan: ChunkPlan | None) -> str | None:
+    """Why the runtime cannot be tried on the model at all, or None."""
+    if subject.external_data_error is not None:
+        return "the weights cannot be loaded (see structure.external_data)"
+    if plan is None:
+        return "the passes cannot analyse the model (see structure.kv_capacity)"
+    if plan.gqa_nodes == 0:
+        return "no GroupQueryAttention node, so the KV cache cannot be bound (see structure.gqa)"
+    return None
+
+
+def _run_settings(plan: ChunkPlan, options: ValidationOptions, provider: str,
+                  default_atol: float) -> RunSettings:
+    chunk_size = options.chunk_size or plan.chunk_size or DEFAULT_CHUNK_SIZE
+    limit = plan.max_sequence_length
+    new_tokens = options.new_tokens
+    longest = (limit - new_tokens if limit is not None
+               else 2 * chunk_size + chunk_size // 3 + 1)
+    if options.lengths is None:
+        lengths = boundary_lengths(chunk_size, longest)
+    else:
+        too_long = [length for length in options.lengths if length > longest]
+        if too_long:
+            raise ConfigError(f"--lengths {', '.join(map(str, too_long))} leave no room for "
+                              f"{new_tokens} new tokens within the model's maximum sequence "
+                              f"length {limit}; use lengths up to {longest}")
+        lengths = tuple(sorted(set(options.lengths)))
+    # Room for the longest prompt, its new tokens and a whole ladder tier past them, so that a
+    # padded last chunk never has to fall back to its exact width for lack of room.
+    capacity = max(lengths) + new_tokens + chunk_size
+    if limit is not None:
+        capacity = min(capacity, limit)
+    return RunSettings(provider=provider, capacity=max(capacity, 2),
+                       chunk_size=min(chunk_size, capacity), lengths=lengths,
+                       new_tokens=new_tokens, seed=options.seed,
+                       atol=options.atol if options.atol is not None else default_atol)

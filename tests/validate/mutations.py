@@ -1,0 +1,97 @@
+"""Broken decoders made from the reference decoder: each mutation breaks one property."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+
+def copy_model(model_path: Path, target_dir: Path) -> Path:
+    """Copy a model's folder (graph, external data, companions); return the new model path."""
+    shutil.copytree(model_path.parent, target_dir)
+    return target_dir / model_path.name
+
+
+def edit_graph(model_path: Path, change: Callable[[onnx.ModelProto], None]) -> None:
+    """Apply `change` to the protobuf (weights stay external and untouched) and save it."""
+    proto = onnx.load(str(model_path), load_external_data=False)
+    change(proto)
+    model_path.write_bytes(proto.SerializeToString())
+
+
+def _gqa(proto: onnx.ModelProto, layer: int) -> onnx.NodeProto:
+    return next(node for node in proto.graph.node if node.op_type == "GroupQueryAttention"
+                and f"layers.{layer}/" in node.name)
+
+
+def past_from_zero_constant(layer: int, capacity: int) -> Callable[[onnx.ModelProto], None]:
+    """GQA `layer` reads its past key/value from a zero constant of capacity shape instead of
+    the graph inputs (which are removed): the layer never sees earlier chunks."""
+
+    def change(proto: onnx.ModelProto) -> None:
+        node = _gqa(proto, layer)
+        inputs = {value.name: value for value in proto.graph.input}
+        past = inputs[node.input[3]]
+        dims = [dim.dim_value or 1 for dim in past.type.tensor_type.shape.dim]
+        dims[2] = capacity
+        zeros = numpy_helper.from_array(np.zeros(dims, np.float32), f"zero_past_{layer}")
+        proto.graph.initializer.append(zeros)
+        for index in (3, 4):
+            proto.graph.input.remove(inputs[node.input[index]])
+            node.input[index] = zeros.name
+
+    return change
+
+
+def seqlens_without_past(layer: int) -> Callable[[onnx.ModelProto], None]:
+    """GQA `layer` gets seqlens_k = rows - 1 and total_sequence_length = rows, as if its past
+    were empty: structurally sound, but chunks after the first ignore the earlier ones."""
+
+    def change(proto: onnx.ModelProto) -> None:
+        node = _gqa(proto, layer)
+        prefix = f"/blind{layer}"
+        proto.graph.node.extend([
+            helper.make_node("Shape", ["input_ids"], [f"{prefix}/shape"], start=1, end=2),
+            helper.make_node("Cast", [f"{prefix}/shape"], [f"{prefix}/rows"],
+                             to=TensorProto.INT32),
+            helper.make_node("Constant", [], [f"{prefix}/one"],
+                             value=helper.make_tensor("one", TensorProto.INT32, [1], [1])),
+            helper.make_node("Sub", [f"{prefix}/rows", f"{prefix}/one"], [f"{prefix}/seqlens"]),
+            helper.make_node("ReduceMax", [f"{prefix}/rows"], [f"{prefix}/total"],
+                             keepdims=0),
+        ])
+        node.input[5] = f"{prefix}/seqlens"
+        node.input[6] = f"{prefix}/total"
+        _topological_sort(proto)
+
+    return change
+
+
+def set_metadata(key: str, value: str) -> Callable[[onnx.ModelProto], None]:
+    def change(proto: onnx.ModelProto) -> None:
+        entry = next(entry for entry in proto.metadata_props if entry.key == key)
+        entry.value = value
+
+    return change
+
+
+def _topological_sort(proto: onnx.ModelProto) -> None:
+    produced = {value.name for value in proto.graph.input}
+    produced |= {tensor.name for tensor in proto.graph.initializer}
+    pending = list(proto.graph.node)
+    ordered = []
+    while pending:
+        ready = [node for node in pending
+                 if all(not name or name in produced for name in node.input)]
+        assert ready, "the mutation left a cycle or a dangling input"
+        for node in ready:
+            ordered.append(node)
+            produced.update(node.output)
+            pending.remove(node)
+    del proto.graph.node[:]
+    proto.graph.node.extend(ordered)

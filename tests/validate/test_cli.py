@@ -1,0 +1,121 @@
+"""`onnx-chunk validate`: exit codes, the table, --json, --junit, --skip and progress."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from onnx_chunk.cli import main
+
+from .conftest import CHUNK
+from .mutations import copy_model
+
+
+@pytest.fixture
+def base(reference_model):
+    return reference_model("base")
+
+
+def _run(capsys, *args):
+    capsys.readouterr()
+    code = main(["validate", *map(str, args)])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_a_good_model_folder_exits_0_with_a_table(converted_model, capsys):
+    code, out, _ = _run(capsys, converted_model("base").parent, "--provider", "cpu")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["check", "result", "reason"]
+    assert lines[-1] == "14 passed, 0 failed, 0 skipped"
+    assert any(line.startswith("numerics.logits") and " passed " in line for line in lines)
+
+
+def test_json_is_one_object_with_model_checks_summary(base, capsys):
+    code, out, _ = _run(capsys, base, "--json", "--chunk-size", CHUNK, "--provider", "cpu",
+                        "--lengths", "3,9", "--new-tokens", 2, "--skip", "cache")
+    data = json.loads(out)
+    assert code == 0 and set(data) == {"model", "checks", "summary"}
+    assert data["model"] == str(base)
+    assert data["summary"] == {"passed": 10, "failed": 0, "skipped": 4, "ok": True}
+    check = next(item for item in data["checks"] if item["name"] == "numerics.greedy_tokens")
+    assert set(check) == {"name", "group", "outcome", "reason", "seconds", "details"}
+    assert check["details"]["lengths"] == [3, 9]
+    assert [len(tokens) for tokens in check["details"]["tokens"]["whole"]] == [2, 2]
+    skipped = [item["name"] for item in data["checks"] if item["outcome"] == "skipped"]
+    assert skipped == ["structure.metadata", "structure.ladder", "cache.second_pass",
+                       "cache.variant_cap"]
+
+
+def test_junit_is_written_atomically_and_lists_failures(base, tmp_path, capsys):
+    model = copy_model(base, tmp_path / "model")
+    (model.parent / "model.onnx.data").unlink()
+    report = tmp_path / "out" / "report.xml"
+    code, out, _ = _run(capsys, model, "--junit", report, "--chunk-size", CHUNK)
+    assert code == 1
+    assert any(line.split()[:2] == ["structure.external_data", "failed"]
+               for line in out.splitlines())
+    assert sorted(path.name for path in report.parent.iterdir()) == ["report.xml"]
+    suite = ET.parse(report).getroot().find("testsuite")
+    assert suite.get("tests") == "14" and suite.get("failures") == "2"
+    assert suite.get("skipped") == "7"
+    cases = {case.get("name"): case for case in suite.iter("testcase")}
+    failure = cases["structure.external_data"].find("failure")
+    assert failure is not None and "missing" in failure.get("message")
+    assert cases["numerics.logits"].find("skipped") is not None
+    assert cases["structure.gqa"].find("failure") is None
+    assert cases["structure.gqa"].get("classname") == "onnx_chunk.structure"
+
+
+def test_skip_takes_groups_and_checks(base, capsys):
+    code, out, _ = _run(capsys, base, "--json", "--skip", "numerics", "--skip",
+                        "cache.second_pass", "--skip", "variant_cap", "--skip", "checker")
+    data = json.loads(out)
+    reasons = {item["name"]: item["reason"] for item in data["checks"]}
+    assert code == 0
+    assert all(reasons[name] == "skipped (--skip)" for name in (
+        "numerics.greedy_tokens", "numerics.logits", "numerics.kv_prefix",
+        "cache.second_pass", "cache.variant_cap", "structure.checker"))
+    assert reasons["structure.gqa"] == "2 GroupQueryAttention node(s)"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--skip", "nothing"], "--skip 'nothing' names no check"),
+    (["--lengths", "5,x"], "--lengths"),
+    (["--lengths", "4000"], "leave no room"),
+    (["--new-tokens", "0"], "--new-tokens"),
+])
+def test_wrong_arguments_exit_2(base, capsys, args, message):
+    code, _, err = _run(capsys, base, *args)
+    assert code == 2 and message in err
+
+
+def test_unreadable_models_exit_2(tmp_path, base, capsys):
+    garbage = tmp_path / "garbage.onnx"
+    garbage.write_bytes(b"\x08\x07 this is not a protobuf \xff\xff\xff")
+    truncated = copy_model(base, tmp_path / "truncated")
+    truncated.write_bytes(truncated.read_bytes()[:200])
+    folder = tmp_path / "two"
+    folder.mkdir()
+    (folder / "a.onnx").write_bytes(b"")
+    (folder / "b.onnx").write_bytes(b"")
+    for path, message in ((garbage, "not a readable ONNX protobuf"),
+                          (truncated, "truncated"),
+                          (tmp_path / "absent.onnx", "does not exist"),
+                          (folder, "cannot tell which model")):
+        code, out, err = _run(capsys, path)
+        assert code == 2, (path, err)
+        assert out == "" and err.startswith("error: ") and message in err
+        assert len(err.strip().splitlines()) == 1
+
+
+def test_progress_goes_to_stderr_when_asked(base, capsys):
+    code, out, err = _run(capsys, base, "--progress", "--chunk-size", CHUNK, "--lengths", "2,9",
+                          "--skip", "structure")
+    assert code == 0 and "validating" in err and "validating" not in out
+    _, _, quiet = _run(capsys, base, "--chunk-size", CHUNK, "--lengths", "2", "--skip",
+                       "structure")
+    assert "validating" not in quiet
