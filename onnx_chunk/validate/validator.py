@@ -41,10 +41,16 @@ from onnx_chunk.validate.timing import Stopwatch
 logger = logging.getLogger(__name__)
 
 DEFAULT_NEW_TOKENS = 4
-# Default tolerances on logits and KV: the CPU provider reproduces a whole-prompt forward bit for
-# bit (DESIGN.md facts 1 and 2); other providers pick kernels per shape. A static decoder's
-# chunked run is compared with one-row forwards, whose sums run in another order (~2e-6).
-CPU_ATOL = 0.0
+# Default tolerances on logits and KV. On the CPU provider a chunked prefill reproduces the
+# whole-prompt forward bit for bit for most splits (DESIGN.md facts 1 and 2; 91 of 94 prompt
+# lengths from 2 to 1200 at W=64 and 512 on the tiny decoder, 1137 at W=512 among them), but
+# not all: a query row whose key count is 2^k + 1 (the row after a full chunk of W = 512, say)
+# can come out 1-2 ulp apart (at most 2.4e-6 on logits near 1), because ONNX Runtime's CPU
+# attention sums in an order that depends on the query rows of the call. 1e-5 lets those
+# through and nothing a real bug makes; `--atol 0` asks for bit identity. Other providers pick
+# kernels per shape. A static decoder's chunked run is compared with one-row forwards, whose
+# sums run in another order (~2e-6).
+CPU_ATOL = 1e-5
 DEVICE_ATOL = 1e-3
 STATIC_ATOL = 1e-4
 
