@@ -10,17 +10,34 @@ one, and nothing guarantees that it reads every element before overwriting it, s
 cannot be both input and output. Each state gets two buffers instead: a forward reads from one
 and writes into the other, and the roles swap after it succeeds. No step copies state, and a
 forward that fails leaves the old state where it was.
+
+Host traffic: a buffer is written with `write` (on a device without a host view,
+`OrtValue.update_inplace`: a host-to-device copy into the same memory, so its address never
+changes, which CUDA graphs need) and read with `read`, which copies only the elements asked for
+(on CUDA a cudaMemcpy of that range from the buffer's device address; the Python API of ONNX
+Runtime copies only whole OrtValues). A device without a host view whose memory the host can
+still address (the CPU device marked not host-visible, which tests the CUDA path on CPU) reads
+with a plain memory copy from the same address.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime as ort
 
+from onnx_chunk.errors import ProviderError
+from onnx_chunk.runtime.memory import _cudart
 from onnx_chunk.runtime.ports import BufferPort
 from onnx_chunk.runtime.provider import Device
+
+logger = logging.getLogger(__name__)
+
+_CUDA_MEMCPY_DEVICE_TO_HOST = 2
 
 
 @dataclass(frozen=True)
@@ -29,21 +46,67 @@ class DeviceBuffer:
 
     value: ort.OrtValue
     host: np.ndarray | None
+    dtype: np.dtype
 
     @property
     def nbytes(self) -> int:
         return int(self.value.tensor_size_in_bytes())
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.value.shape())
+
+    def write(self, array: np.ndarray) -> None:
+        """Copy `array` (the buffer's shape) into the buffer, in place."""
+        if self.host is not None:
+            self.host[...] = array
+        else:
+            self.value.update_inplace(np.ascontiguousarray(array, dtype=self.dtype))
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        """`count` elements from flat index `start`, on the host (a view where there is one)."""
+        if start < 0 or count < 0 or start + count > self.value.tensor_size_in_bytes() // \
+                self.dtype.itemsize:
+            raise ValueError(f"elements [{start}, {start + count}) are outside a buffer of shape "
+                             f"{list(self.shape)}")
+        if self.host is not None:
+            return self.host.reshape(-1)[start:start + count]
+        out = np.empty(count, dtype=self.dtype)
+        _copy_to_host(self.value, start * self.dtype.itemsize, out)
+        return out
+
 
 def device_zeros(shape: tuple[int, ...], dtype: np.dtype, device: Device) -> DeviceBuffer:
     """A zero-filled buffer allocated once on `device`."""
+    dtype = np.dtype(dtype)
     if device.host_visible:
         host = np.zeros(shape, dtype=dtype)
-        return DeviceBuffer(ort.OrtValue.ortvalue_from_numpy(host), host)
-    value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), np.dtype(dtype).type,
+        return DeviceBuffer(ort.OrtValue.ortvalue_from_numpy(host), host, dtype)
+    value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype.type,
                                                       device.device_type, device.device_id)
     value.update_inplace(np.zeros(shape, dtype=dtype))
-    return DeviceBuffer(value, None)
+    return DeviceBuffer(value, None, dtype)
+
+
+def _copy_to_host(value: ort.OrtValue, offset: int, out: np.ndarray) -> None:
+    """Copy `out.nbytes` bytes from `offset` bytes into `value`'s memory into `out`."""
+    if out.nbytes == 0:
+        return
+    source = value.data_ptr() + offset
+    device = value.device_name().lower()
+    if device == "cpu":
+        ctypes.memmove(out.ctypes.data, source, out.nbytes)
+        return
+    memcpy = _cuda_memcpy() if device == "cuda" else None
+    if memcpy is None:
+        logger.debug("no partial copy from %s memory; copying the whole buffer", device)
+        whole = value.numpy().reshape(-1).view(np.uint8)
+        out.view(np.uint8)[...] = whole[offset:offset + out.nbytes]
+        return
+    status = memcpy(out.ctypes.data, source, out.nbytes, _CUDA_MEMCPY_DEVICE_TO_HOST)
+    if status != 0:
+        raise ProviderError(f"copying {out.nbytes} bytes of logits from the GPU failed (CUDA "
+                            f"error {status}); the device is in a bad state, restart the process")
 
 
 class SequenceBuffers:
@@ -76,6 +139,11 @@ class SequenceBuffers:
             binding.bind_ortvalue_input(port.input, pair[self._current].value)
             binding.bind_ortvalue_output(port.output, pair[1 - self._current].value)
 
+    @property
+    def parity(self) -> int:
+        """Which of each state's two buffers holds the current state (0 or 1)."""
+        return self._current
+
     def swap_state(self) -> None:
         """After a successful forward: the buffers just written hold the current state."""
         self._current = 1 - self._current
@@ -91,21 +159,26 @@ class SequenceBuffers:
     def restore_state(self, snapshot: tuple[np.ndarray, ...]) -> None:
         """Put back the states of `snapshot_state` (a prefill that failed partway)."""
         for index, array in enumerate(snapshot):
-            buffer = self.state(index)
-            if buffer.host is not None:
-                buffer.host[...] = array
-            else:
-                buffer.value.update_inplace(array)
+            self.state(index).write(array)
 
     def reset_state(self) -> None:
         """Zero every state (a fresh sequence)."""
         for port, pair in zip(self.state_ports, self._state):
             for buffer in pair:
-                if buffer.host is not None:
-                    buffer.host[...] = 0
-                else:
-                    buffer.value.update_inplace(np.zeros(port.shape, dtype=port.dtype))
+                buffer.write(np.zeros(port.shape, dtype=port.dtype))
 
 
 def _read(buffer: DeviceBuffer) -> np.ndarray:
     return buffer.host if buffer.host is not None else buffer.value.numpy()
+
+
+@functools.lru_cache(maxsize=1)
+def _cuda_memcpy():
+    """cudaMemcpy of the CUDA runtime the memory readings use, or None without one."""
+    cudart = _cudart()
+    if cudart is None:
+        return None
+    memcpy = cudart.cudaMemcpy
+    memcpy.restype = ctypes.c_int
+    memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return memcpy

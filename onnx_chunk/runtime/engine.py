@@ -19,6 +19,7 @@ import onnxruntime as ort
 
 from onnx_chunk.errors import ConfigError, ModelLoadError
 from onnx_chunk.metadata import ChunkPlan, read_plan
+from onnx_chunk.runtime.cuda_graphs import GraphRuns, GraphSlots, capturable, session_captures
 from onnx_chunk.model_io import load_model
 from onnx_chunk.runtime.ladder import DECODE_WIDTH, ladder_tiers
 from onnx_chunk.runtime.memory import meter_for
@@ -53,6 +54,8 @@ class Runtime:
         mask_policy: MaskPolicy | str | None = None,
         intra_op_threads: int | None = None,
         embeddings: np.ndarray | None = None,
+        cuda_graphs: bool | None = None,
+        device: Device | None = None,
     ) -> None:
         self.model_path = Path(model_path)
         model = load_model(self.model_path)
@@ -64,7 +67,8 @@ class Runtime:
                         self.model_path)
             plan = analyze(model, chunk_size=chunk_size or DEFAULT_CHUNK_SIZE)
         self.plan: ChunkPlan = plan
-        self.device: Device = resolve_device(provider, device_id, mask_policy)
+        self.device: Device = (device if device is not None
+                               else resolve_device(provider, device_id, mask_policy, cuda_graphs))
         self.capacity = _resolve_capacity(capacity, plan)
         self.chunk_size = _resolve_chunk_size(chunk_size, plan, self.capacity)
         variants = plan.max_variants if max_variants is None else max_variants
@@ -90,6 +94,9 @@ class Runtime:
         # so no sequence keeps an evicted session (and the memory it holds) alive.
         self._bindings: dict[ort.InferenceSession, weakref.WeakKeyDictionary] = {}
         self._bindings_lock = threading.Lock()
+        # Graph slots of the live sessions that capture CUDA graphs, dropped with the session.
+        self._graph_slots: dict[ort.InferenceSession, GraphSlots] = {}
+        self._graph_widths: set[int] = set()
         self.cache: VariantCache[ort.InferenceSession] = VariantCache(
             self._build_variant, self._release_variant, cap=variants,
             meter=meter_for(self.device.device_type, self.device.device_id))
@@ -118,6 +125,7 @@ class Runtime:
             provider=self.provider,
             device=self.device.label,
             mask_policy=self.device.mask_policy.value,
+            cuda_graphs=self.device.cuda_graphs,
             capacity=self.capacity,
             chunk_size=self.chunk_size,
             ladder=self.tiers,
@@ -126,6 +134,7 @@ class Runtime:
             weights_bytes=self.weights.nbytes,
             sessions_created=self.factory.sessions_created,
             cache=self.cache.snapshot(),
+            graph_widths=tuple(sorted(self._graph_widths)),
         )
 
     def disable_padding(self, reason: str) -> None:
@@ -142,15 +151,28 @@ class Runtime:
             per_sequence = self._bindings.setdefault(session, weakref.WeakKeyDictionary())
             return per_sequence.setdefault(sequence, OrderedDict())
 
+    def graph_runs(self, session: ort.InferenceSession, stateful: bool) -> GraphRuns | None:
+        """The CUDA graph run options of a new binding on `session` (None: it captures none)."""
+        with self._bindings_lock:
+            slots = self._graph_slots.get(session)
+        return None if slots is None else slots.runs(stateful)
+
     def _release_variant(self, session: ort.InferenceSession) -> None:
         with self._bindings_lock:
             self._bindings.pop(session, None)
+            self._graph_slots.pop(session, None)
 
     def _build_variant(self, key: VariantKey) -> ort.InferenceSession:
         # Pre-pack where it pays (see session_factory): the decode shape, a lone session that
         # also decodes, and every session of a model with quantized MatMulNBits weights.
         prepack = key == DECODE_WIDTH or not self.specialize or self._quantized
-        return self.factory.create(key, prepack=prepack)
+        session = self.factory.create(key, prepack=prepack,
+                                      capture=capturable(self.device, key))
+        if key is not None and session_captures(session):
+            with self._bindings_lock:
+                self._graph_slots[session] = GraphSlots()
+                self._graph_widths.add(key)
+        return session
 
     def _embeddings(self, given: np.ndarray | None) -> np.ndarray | None:
         if self.ports.token_input != "inputs_embeds":
@@ -182,6 +204,8 @@ def load(
     mask_policy: MaskPolicy | str | None = None,
     intra_op_threads: int | None = None,
     embeddings: np.ndarray | None = None,
+    cuda_graphs: bool | None = None,
+    device: Device | None = None,
 ) -> Runtime:
     """Load a decoder for chunked prefill and greedy generation.
 
@@ -200,11 +224,17 @@ def load(
     mask_policy: "logical" or "capacity"; default chosen per provider.
     embeddings: the [vocab, hidden] table of an inputs_embeds decoder (default the
         embeddings.npy beside the model).
+    cuda_graphs: capture a CUDA graph per fixed-width variant (default: on for CUDA with the
+        capacity mask; see onnx_chunk.runtime.cuda_graphs).
+    device: a resolved `Device` to run on, in place of provider, device_id, mask_policy and
+        cuda_graphs (for example the CPU device marked not host-visible, which runs the
+        device-memory path of CUDA on CPU).
     """
     return Runtime(model_path, provider=provider, device_id=device_id, capacity=capacity,
                    chunk_size=chunk_size, padding=padding, specialize=specialize,
                    max_variants=max_variants, mask_policy=mask_policy,
-                   intra_op_threads=intra_op_threads, embeddings=embeddings)
+                   intra_op_threads=intra_op_threads, embeddings=embeddings,
+                   cuda_graphs=cuda_graphs, device=device)
 
 
 def _resolve_capacity(capacity: int | None, plan: ChunkPlan) -> int:

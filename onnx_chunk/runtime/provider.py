@@ -12,12 +12,24 @@ Mask policy, by measurement (DESIGN.md fact 3, CPU provider, GQA decoder):
 2. `capacity`: the mask is as wide as the KV capacity (ones for the valid prefix, zeros in the
    tail). Byte-identical results, and every input but the query rows has a fixed shape, which is
    what CUDA graphs and static-shape providers need; chosen for CUDA.
+
+CUDA provider options (ONNX Runtime's CUDAExecutionProvider; `Device.providers` gives every
+session of a runtime the same ones, plus `enable_cuda_graph=1` for the variants that capture,
+see `cuda_graphs`):
+1. `device_id`: the GPU (the device's `session_providers`).
+2. `arena_extend_strategy=kSameAsRequested`: the memory arena grows by what is asked, not by
+   doubling, so the device memory a variant holds is what it needs, and the variant cache's
+   readings (cudaMemGetInfo before and after a build) say so.
+The CPU provider comes second in the list, for the shape-only nodes ONNX Runtime places there.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import enum
 import functools
+import io
 import logging
 from dataclasses import dataclass
 
@@ -32,6 +44,8 @@ PROVIDER_CHOICES = ("auto", "cuda", "cpu")
 
 _CUDA_EP = "CUDAExecutionProvider"
 _CPU_EP = "CPUExecutionProvider"
+_ENABLE_CUDA_GRAPH = "enable_cuda_graph"
+_CUDA_SESSION_OPTIONS = {"arena_extend_strategy": "kSameAsRequested"}
 _ORT_DEFAULT_SEVERITY = 2  # warnings and above, ONNX Runtime's own default
 
 
@@ -52,37 +66,64 @@ class Device:
     session_providers: tuple[tuple[str, dict[str, str]], ...]
     host_visible: bool
     mask_policy: MaskPolicy
+    cuda_graphs: bool = False
 
     @property
     def label(self) -> str:
         """"cpu" or "cuda:<id>", for logs and stats."""
         return "cpu" if self.device_type == "cpu" else f"{self.device_type}:{self.device_id}"
 
+    def providers(self, capture: bool = False) -> list[tuple[str, dict[str, str]]]:
+        """The provider list of a session; `capture` turns CUDA graph capture on for it."""
+        providers = [(name, {**options, **_CUDA_SESSION_OPTIONS} if name == _CUDA_EP
+                      else dict(options)) for name, options in self.session_providers]
+        if capture:
+            name, options = providers[0]
+            if name != _CUDA_EP:
+                raise ConfigError(f"CUDA graph capture needs the CUDA provider, the device "
+                                  f"{self.label} runs {name}")
+            options[_ENABLE_CUDA_GRAPH] = "1"
+        return providers
+
 
 def device_for(provider: str, device_id: int = 0,
-               mask_policy: MaskPolicy | str | None = None) -> Device:
-    """The device of a concrete provider ("cpu" or "cuda"), without checking that it works."""
+               mask_policy: MaskPolicy | str | None = None,
+               cuda_graphs: bool | None = None) -> Device:
+    """The device of a concrete provider ("cpu" or "cuda"), without checking that it works.
+
+    `cuda_graphs` (default: on for CUDA) asks for CUDA graph capture; it takes effect only with
+    the capacity mask, the one that keeps every input's shape fixed.
+    """
     if provider == "cpu":
+        if cuda_graphs:
+            raise ConfigError("CUDA graphs were asked for on the CPU provider; use --provider "
+                              "cuda or leave CUDA graphs off")
         device = Device("cpu", "cpu", 0, ((_CPU_EP, {}),), True, MaskPolicy.LOGICAL)
     elif provider == "cuda":
         options = {"device_id": str(device_id)}
         device = Device("cuda", "cuda", device_id, ((_CUDA_EP, options), (_CPU_EP, {})), False,
-                        MaskPolicy.CAPACITY)
+                        MaskPolicy.CAPACITY, cuda_graphs=True)
     else:
         raise ConfigError(f"unknown provider {provider!r}; expected 'cpu' or 'cuda'")
-    if mask_policy is None:
-        return device
-    try:
-        policy = MaskPolicy(mask_policy)
-    except ValueError as error:
-        raise ConfigError(f"unknown mask policy {mask_policy!r}; expected 'logical' or "
-                          "'capacity'") from error
-    return Device(device.provider, device.device_type, device.device_id,
-                  device.session_providers, device.host_visible, policy)
+    policy = device.mask_policy
+    if mask_policy is not None:
+        try:
+            policy = MaskPolicy(mask_policy)
+        except ValueError as error:
+            raise ConfigError(f"unknown mask policy {mask_policy!r}; expected 'logical' or "
+                              "'capacity'") from error
+    graphs = device.cuda_graphs if cuda_graphs is None else cuda_graphs
+    if graphs and policy is not MaskPolicy.CAPACITY:
+        if cuda_graphs:
+            raise ConfigError("CUDA graphs need the capacity-wide mask (every input's shape "
+                              "fixed); drop mask_policy='logical' or switch CUDA graphs off")
+        graphs = False
+    return dataclasses.replace(device, mask_policy=policy, cuda_graphs=graphs)
 
 
 def resolve_device(provider: str = "auto", device_id: int = 0,
-                   mask_policy: MaskPolicy | str | None = None) -> Device:
+                   mask_policy: MaskPolicy | str | None = None,
+                   cuda_graphs: bool | None = None) -> Device:
     """The device for `provider`: "auto" (CUDA when it works here, else CPU), "cuda" or "cpu".
 
     onnxruntime-gpu lists the CUDA provider as available even on machines without a GPU, so
@@ -93,18 +134,18 @@ def resolve_device(provider: str = "auto", device_id: int = 0,
         raise ConfigError(f"unknown provider {provider!r}; expected one of "
                           f"{', '.join(PROVIDER_CHOICES)}")
     if provider == "cpu":
-        return device_for("cpu", mask_policy=mask_policy)
+        return device_for("cpu", mask_policy=mask_policy, cuda_graphs=cuda_graphs or None)
     cuda_failure = _cuda_failure(device_id)
     if cuda_failure is None:
-        chosen = device_for("cuda", device_id, mask_policy)
+        chosen = device_for("cuda", device_id, mask_policy, cuda_graphs)
     elif provider == "cuda":
         raise ProviderError(
             f"the CUDA provider was asked for but cannot run on this machine (device "
             f"{device_id}): {cuda_failure}; use --provider cpu (or auto) here")
     else:
         chosen = device_for("cpu", mask_policy=mask_policy)
-    logger.info("provider %s -> %s (%s mask)%s", provider, chosen.label,
-                chosen.mask_policy.value,
+    logger.info("provider %s -> %s (%s mask, CUDA graphs %s)%s", provider, chosen.label,
+                chosen.mask_policy.value, "on" if chosen.cuda_graphs else "off",
                 "" if cuda_failure is None else f"; CUDA unusable: {cuda_failure}")
     return chosen
 
@@ -114,6 +155,7 @@ def _cuda_failure(device_id: int) -> str | None:
     """None when a CUDA session can be created on `device_id`, else why it cannot."""
     if _CUDA_EP not in ort.get_available_providers():
         return "this onnxruntime build has no CUDA provider"
+    _preload_cuda_libraries()
     graph = helper.make_graph(
         [helper.make_node("Identity", ["x"], ["y"])], "probe",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
@@ -135,3 +177,24 @@ def _cuda_failure(device_id: int) -> str | None:
     if session.get_providers()[0] != _CUDA_EP:
         return "ONNX Runtime fell back to the CPU provider (no usable GPU or CUDA libraries)"
     return None
+
+
+def _preload_cuda_libraries() -> None:
+    """Load the CUDA and cuDNN libraries of the nvidia-* wheels, where ONNX Runtime can.
+
+    onnxruntime-gpu 1.31 has `preload_dlls()`, which loads the libraries that pip installed
+    under `nvidia/` beside the onnxruntime package (the loader does not search there by
+    itself). Older builds lack it and rely on the system's library path. It prints what it
+    cannot load; that goes to the log, not to the caller's output.
+    """
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is None:
+        return
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            preload()
+    except Exception as error:  # a missing library is reported by the probe session instead
+        logger.debug("onnxruntime.preload_dlls() failed: %s", error)
+    if printed.getvalue().strip():
+        logger.debug("onnxruntime.preload_dlls(): %s", printed.getvalue().strip())

@@ -8,12 +8,15 @@ bound at capacity (past and present share one buffer) -> the logits are cut to t
 
 A prompt longer than the chunk width W is fed chunk by chunk (the last one at the remainder
 width). Only the logits rows that are needed reach the host: the logits output is bound to a
-buffer allocated once per (session, width); on a host-visible device the wanted row is copied
-out of it, and intermediate chunks copy nothing.
+buffer allocated once per (session, width); the wanted row is copied out of it (on CUDA one
+cudaMemcpy of that row), and intermediate chunks copy nothing.
 
-The decode step allocates nothing that could be allocated once: the token, position and mask
-inputs are pre-allocated host arrays bound by pointer, the logits buffer and the IOBinding
-(with KV bound once) are reused, and state buffers swap roles instead of being copied.
+Every input lives in a buffer on the runtime's device, allocated once and bound once, so its
+address never changes (what a CUDA graph replays): per (session, width) binding the token and
+position buffers, per sequence the KV and state buffers and the attention mask. A forward
+writes its tokens, positions and (capacity policy) mask into those buffers in place; under the
+logical policy the mask is a prefix of an all-ones buffer, bound at the width of each forward.
+A session that captures CUDA graphs runs each binding under its own graph ids (`cuda_graphs`).
 
 A sequence is driven by one thread at a time; independent sequences may run in parallel.
 """
@@ -31,9 +34,11 @@ import onnxruntime as ort
 
 from onnx_chunk.errors import ConfigError, InputError, ModelStructureError
 from onnx_chunk.runtime.buffers import DeviceBuffer, SequenceBuffers, device_zeros
+from onnx_chunk.runtime.cuda_graphs import GraphRuns
 from onnx_chunk.runtime.kv_state import LogicalLength
 from onnx_chunk.runtime.padding import PaddedForward, QueryAxisShrunk, plan_forward
 from onnx_chunk.runtime.ports import LOGITS_OUTPUT, MASK_INPUT
+from onnx_chunk.runtime.provider import Device, MaskPolicy
 from onnx_chunk.runtime.stats import ChunkRecord, GenerationStats, SequenceStats
 from onnx_chunk.runtime.variant_cache import variant_key
 
@@ -42,7 +47,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_HOST = "cpu"
 # Widths whose bindings (and logits buffers) a sequence keeps on one shape-generic session:
 # the decode width and the latest prefill width.
 _BINDINGS_PER_SESSION = 2
@@ -70,9 +74,12 @@ def prefill_chunks(length: int, width: int) -> list[tuple[int, int]]:
 
 @dataclass
 class _Binding:
-    """An IOBinding of one session at one width, with KV bound once and a logits buffer."""
+    """An IOBinding of one session at one width: every buffer bound once, at a fixed address."""
 
     io: ort.IOBinding
+    tokens: DeviceBuffer
+    positions: DeviceBuffer | None
+    graphs: GraphRuns | None
     logits: DeviceBuffer | None = None
 
 
@@ -84,6 +91,11 @@ class Sequence:
         ports = runtime.ports
         self._length = LogicalLength(runtime.capacity, runtime.device.mask_policy)
         self._buffers = SequenceBuffers(ports.kv, ports.state, runtime.device)
+        # The mask: capacity-wide, rewritten in place (capacity policy), or all ones, bound at
+        # the width of each forward (logical policy).
+        self._mask = device_zeros((1, runtime.capacity), ports.mask_dtype, runtime.device)
+        if runtime.device.mask_policy is MaskPolicy.LOGICAL:
+            self._mask.write(np.ones((1, runtime.capacity), dtype=ports.mask_dtype))
         if ports.hidden_size is None:
             self._step_tokens = np.zeros((1,), dtype=ports.token_dtype)
         else:
@@ -234,7 +246,9 @@ class Sequence:
                                enabled=runtime.padding)
         logits = self._run(forward)
         try:
-            real = forward.cut_logits(logits)
+            # cut_logits applies the shape rules (and the padding self-check) to a view that
+            # holds the shape only: no logits are read here.
+            real_rows = forward.cut_logits(_shape_only(logits)).shape[1]
         except QueryAxisShrunk as shrunk:
             runtime.disable_padding(str(shrunk))
             return self._forward(chunk, need)
@@ -242,10 +256,10 @@ class Sequence:
         self._length.advance(forward.real_rows)
         self._stats.prefill_forwards += 1
         self._stats.padded_rows += forward.width - forward.real_rows
-        return self._read(real, forward.real_rows, need), forward.width
+        return self._read(logits, real_rows, forward.real_rows, need), forward.width
 
     def _step(self, token: int) -> np.ndarray:
-        """One decode forward; the logits row as a view of the logits buffer where possible."""
+        """One decode forward; its logits row (a view of the logits buffer on a host device)."""
         past = self._length.length
         if self.runtime.embeddings is None:
             self._step_tokens[0] = token
@@ -258,65 +272,85 @@ class Sequence:
         self._buffers.swap_state()
         self._length.advance(1)
         self._stats.decode_forwards += 1
-        return logits[0, -1]
+        return _row(logits, logits.shape[1] - 1)
 
-    def _run(self, forward: PaddedForward) -> np.ndarray:
-        """Bind and run one forward; the logits [1, rows, vocab] (a host view where possible)."""
+    def _run(self, forward: PaddedForward) -> DeviceBuffer:
+        """Write one forward's inputs into its binding's buffers and run; the logits buffer."""
         runtime = self.runtime
         key = variant_key(forward.width, runtime.tiers, runtime.specialize)
         with runtime.cache.acquire(key) as session:
             binding = self._binding(session, forward.width)
-            io = binding.io
-            tokens = forward.tokens.reshape((1,) + forward.tokens.shape)
-            _bind_host(io, runtime.ports.token_input, tokens)
-            _bind_host(io, MASK_INPUT, self._length.mask_for(forward.width))
-            for name, array in forward.ports.items():
-                _bind_host(io, name, array)
-            self._buffers.bind_state(io)
-            session.run_with_iobinding(io)
-            if binding.logits is None:
-                return self._adopt_logits(binding)
-        return _logits_array(binding.logits)
+            binding.tokens.write(forward.tokens.reshape(binding.tokens.shape))
+            if binding.positions is not None:
+                binding.positions.write(forward.ports[runtime.ports.position_ids])
+            mask = self._length.mask_for(forward.width)
+            if runtime.device.mask_policy is MaskPolicy.CAPACITY:
+                self._mask.write(mask)
+            else:
+                _bind_prefix(binding.io, MASK_INPUT, self._mask, mask.shape, runtime.device)
+            self._buffers.bind_state(binding.io)
+            first_run = binding.logits is None
+            options = (None if binding.graphs is None
+                       else binding.graphs.options(first_run, self._buffers.parity))
+            session.run_with_iobinding(binding.io, options)
+            if first_run:
+                self._adopt_logits(binding)
+            return binding.logits
 
     def _binding(self, session: ort.InferenceSession, width: int) -> _Binding:
         # The runtime holds the bindings per live session and drops them when the cache
         # releases that session. A specialised session sees one width; the shape-generic one
         # keeps the last few widths it ran at.
-        bindings = self.runtime.bindings(session, self)
+        runtime = self.runtime
+        bindings = runtime.bindings(session, self)
         binding = bindings.get(width)
         if binding is not None:
             bindings.move_to_end(width)
             return binding
+        ports = runtime.ports
+        device = runtime.device
         io = session.io_binding()
-        device = self.runtime.device
-        # Bound first so that it is output 0; ONNX Runtime allocates it on the first run, which
-        # tells the rows the model really returns, and a buffer of that shape replaces it.
+        # Bound first so that it is output 0; ONNX Runtime allocates it on the first run (never
+        # captured), which tells the rows the model really returns, and a buffer of that shape
+        # replaces it for good.
         io.bind_output(LOGITS_OUTPUT, device.device_type, device.device_id)
         self._buffers.bind_kv(io)
-        binding = _Binding(io)
+        token_shape = (1, width) if ports.hidden_size is None else (1, width, ports.hidden_size)
+        tokens = device_zeros(token_shape, ports.token_dtype, device)
+        io.bind_ortvalue_input(ports.token_input, tokens.value)
+        positions = None
+        if ports.position_ids is not None:
+            positions = device_zeros((1, width), np.int64, device)
+            io.bind_ortvalue_input(ports.position_ids, positions.value)
+        if device.mask_policy is MaskPolicy.CAPACITY:
+            io.bind_ortvalue_input(MASK_INPUT, self._mask.value)
+        binding = _Binding(io, tokens, positions,
+                           runtime.graph_runs(session, stateful=bool(self._buffers.state_ports)))
         bindings[width] = binding
         while len(bindings) > _BINDINGS_PER_SESSION:
             bindings.popitem(last=False)
         return binding
 
-    def _adopt_logits(self, binding: _Binding) -> np.ndarray:
+    def _adopt_logits(self, binding: _Binding) -> None:
         produced = binding.io.get_outputs()[0]
-        shape = tuple(produced.shape())
-        logits = produced.numpy()
-        binding.logits = device_zeros(shape, logits.dtype, self.runtime.device)
+        binding.logits = device_zeros(tuple(produced.shape()), self.runtime.ports.logits_dtype,
+                                      self.runtime.device)
+        binding.logits.value.update_inplace(produced)
         binding.io.bind_ortvalue_output(LOGITS_OUTPUT, binding.logits.value)
-        return logits
 
-    def _read(self, real: np.ndarray, real_rows: int, need: str) -> np.ndarray | None:
+    def _read(self, logits: DeviceBuffer, returned: int, real_rows: int,
+              need: str) -> np.ndarray | None:
+        """The rows wanted of the `returned` real-row logits: none, the last or all."""
         if need == "none":
             return None
         if need == "last":
-            return np.array(real[0, -1])
-        if real.shape[1] != real_rows:
+            return np.array(_row(logits, returned - 1))
+        if returned != real_rows:
             raise ModelStructureError(
-                f"a forward of {real_rows} rows returned {real.shape[1]} logits rows: the "
+                f"a forward of {real_rows} rows returned {returned} logits rows: the "
                 "decoder does not return every row's logits, so ask for the last row only")
-        return np.array(real[0])
+        vocab = logits.shape[-1]
+        return np.array(logits.read(0, returned * vocab).reshape(returned, vocab))
 
     def _token_ids(self, token_ids: SequenceOf[int] | np.ndarray) -> np.ndarray:
         ids = np.asarray(token_ids)
@@ -335,11 +369,18 @@ class Sequence:
         return ids.astype(np.int64, copy=False)
 
 
-def _bind_host(io: ort.IOBinding, name: str, array: np.ndarray) -> None:
-    if not array.flags.c_contiguous:
-        raise ConfigError(f"input {name!r} is not contiguous in memory")
-    io.bind_input(name, _HOST, 0, array.dtype, list(array.shape), array.ctypes.data)
+def _bind_prefix(io: ort.IOBinding, name: str, buffer: DeviceBuffer, shape: tuple[int, ...],
+                 device: Device) -> None:
+    """Bind the leading elements of `buffer` as an input of `shape` (same address, new shape)."""
+    io.bind_input(name, device.device_type, device.device_id, buffer.dtype, list(shape),
+                  buffer.value.data_ptr())
 
 
-def _logits_array(buffer: DeviceBuffer) -> np.ndarray:
-    return buffer.host if buffer.host is not None else buffer.value.numpy()
+def _row(logits: DeviceBuffer, row: int) -> np.ndarray:
+    """Row `row` of a [1, rows, vocab] logits buffer, on the host."""
+    vocab = logits.shape[-1]
+    return logits.read(row * vocab, vocab)
+
+
+def _shape_only(buffer: DeviceBuffer) -> np.ndarray:
+    return np.broadcast_to(np.zeros((), dtype=buffer.dtype), buffer.shape)

@@ -30,6 +30,12 @@ small as the 4-bit weights themselves. Sessions of a model with MatMulNBits all 
 
 Sessions are specialised per width with `add_free_dimension_override_by_name` (DESIGN.md fact
 4: 3-8% faster on CPU than the dynamic session, 20-35 ms to create for a 4M-parameter model).
+
+On CUDA the shared OrtValues live on the GPU, and `add_initializer` with a value already on the
+provider's device is used in place: the weights are on the device once, and each variant adds
+only its activations (and its CUDA graph, when it captures). A session asked to capture a CUDA
+graph that ONNX Runtime refuses to create (a compute node it cannot place on the CUDA provider)
+is created again without capture, with a warning; `cuda_graphs.session_captures` tells which.
 """
 
 from __future__ import annotations
@@ -135,8 +141,18 @@ class SessionFactory:
         self._lock = threading.Lock()
         self.sessions_created = 0
 
-    def create(self, width: int | None, *, prepack: bool) -> ort.InferenceSession:
-        """A session for query width `width` (None: shape-generic)."""
+    def create(self, width: int | None, *, prepack: bool,
+               capture: bool = False) -> ort.InferenceSession:
+        """A session for query width `width` (None: shape-generic); `capture`: CUDA graphs."""
+        if capture:
+            try:
+                return self._create(width, prepack, capture=True)
+            except ModelLoadError as error:
+                logger.warning("width %s cannot capture a CUDA graph, running it without: %s",
+                               width, error)
+        return self._create(width, prepack, capture=False)
+
+    def _create(self, width: int | None, prepack: bool, capture: bool) -> ort.InferenceSession:
         options = ort.SessionOptions()
         options.log_severity_level = 3
         if self.intra_op_threads is not None:
@@ -152,7 +168,7 @@ class SessionFactory:
             options.add_session_config_entry(DISABLE_PREPACKING_KEY, "1")
         try:
             session = ort.InferenceSession(str(self.model_path), options,
-                                           providers=list(self.device.session_providers))
+                                           providers=self.device.providers(capture))
         except Exception as error:  # ORT raises its own exception types, one per failure
             raise ModelLoadError(
                 f"ONNX Runtime cannot create a session for {str(self.model_path)!r} on "
@@ -165,5 +181,6 @@ class SessionFactory:
                                 f"{self.device.label} is not usable, choose another provider")
         with self._lock:
             self.sessions_created += 1
-        logger.debug("created session width=%s prepack=%s dims=%s", width, prepack, dims)
+        logger.debug("created session width=%s prepack=%s capture=%s dims=%s", width, prepack,
+                     capture, dims)
         return session

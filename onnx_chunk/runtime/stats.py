@@ -51,11 +51,15 @@ class SequenceStats:
 
 @dataclass(frozen=True)
 class RuntimeStats:
-    """How a loaded model runs, and its variant cache's counters."""
+    """How a loaded model runs, and its variant cache's counters.
+
+    `graph_widths`: the variant widths whose sessions were built to capture CUDA graphs.
+    """
 
     provider: str
     device: str
     mask_policy: str
+    cuda_graphs: bool
     capacity: int
     chunk_size: int
     ladder: tuple[int, ...]
@@ -64,3 +68,4 @@ class RuntimeStats:
     weights_bytes: int
     sessions_created: int
     cache: CacheStats
+    graph_widths: tuple[int, ...] = ()

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The CUDA path on one GPU, in at most 8 minutes: scripts/gpu_check.py (CPU/CUDA parity, CUDA
+# graphs on and off, TTFT, decode speed, device memory per variant, weights held once), then the
+# cache-thrash sequence on the GPU; a short table is printed last. Full logs go under $OUT when
+# it is set (else a temporary folder, named at the end).
+#
+#   scripts/gpu_check.sh [--dry-run] [--preset NAME] [--python PYTHON]
+#
+# On the GPU machine onnxruntime-gpu comes from scripts/stage_ort_gpu.py (installed into
+# $ORT_SITE_DIR, default /tmp/ort-site), which shadows the CPU onnxruntime through PYTHONPATH;
+# the package runs from this checkout (PYTHONPATH), nothing is installed. --dry-run runs the
+# same on CPU (the CPU device standing in for CUDA), with the tiny preset unless --preset says.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+DRY_RUN=0
+PRESET=""
+PYTHON="${PYTHON:-python3}"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY_RUN=1 ;;
+    --preset) PRESET="$2"; shift ;;
+    --python) PYTHON="$2"; shift ;;
+    *) echo "error: unknown argument $1 (expected --dry-run, --preset NAME, --python PYTHON)" >&2
+       exit 2 ;;
+  esac
+  shift
+done
+LOGS="${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")}"
+mkdir -p "$LOGS"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu-check-work.XXXXXX")"
+trap 'rm -rf "$WORK"' EXIT
+
+if [ "$DRY_RUN" = 1 ]; then
+  PROVIDER=cpu
+  PRESET="${PRESET:-tiny}"
+  CHECK_ARGS=(--dry-run --chunk-size 32 --capacity 512 --new-tokens 6)
+  THRASH_ARGS=(--chunk-size 32 --lengths 40,53,75,90,61 --new-tokens 3)
+  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+else
+  PROVIDER=cuda
+  PRESET="${PRESET:-bench}"
+  CHECK_ARGS=()
+  THRASH_ARGS=()
+  SITE="${ORT_SITE_DIR:-/tmp/ort-site}"
+  if [ ! -d "$SITE/onnxruntime" ]; then
+    echo "error: no onnxruntime-gpu in $SITE; stage it first (scripts/stage_ort_gpu.py)" >&2
+    exit 2
+  fi
+  # onnxruntime.preload_dlls() looks for the nvidia-* wheels' libraries beside the onnxruntime
+  # package; they are in the interpreter's own site-packages, so link them in.
+  if [ ! -e "$SITE/nvidia" ]; then
+    NVIDIA="$("$PYTHON" -c 'import pathlib, site
+print(next((str(p / "nvidia") for p in map(pathlib.Path, site.getsitepackages())
+            if (p / "nvidia").is_dir()), ""))')"
+    if [ -n "$NVIDIA" ]; then ln -s "$NVIDIA" "$SITE/nvidia"; fi
+  fi
+  export PYTHONPATH="$SITE:$ROOT"
+fi
+export PYTHONUNBUFFERED=1
+
+status=0
+timeout 390 "$PYTHON" scripts/gpu_check.py --preset "$PRESET" --out "$WORK" \
+  ${CHECK_ARGS[@]+"${CHECK_ARGS[@]}"} >"$LOGS/gpu_check.log" 2>&1 || status=$?
+cp "$WORK/results.json" "$LOGS/results.json" 2>/dev/null || true
+timeout 90 "$PYTHON" scripts/cache_thrash.py --provider "$PROVIDER" \
+  ${THRASH_ARGS[@]+"${THRASH_ARGS[@]}"} >"$LOGS/cache_thrash.log" 2>&1 && thrash=0 || thrash=$?
+
+echo "logs: $LOGS (gpu_check.log, cache_thrash.log, results.json)"
+if [ -f "$WORK/table.txt" ]; then
+  cat "$WORK/table.txt"
+else
+  echo "gpu_check.py ended with status $status before its table; the end of its log:"
+  tail -n 20 "$LOGS/gpu_check.log"
+  [ "$status" = 0 ] && status=1
+fi
+thrash_detail="$(grep -c '^ok  ' "$LOGS/cache_thrash.log" || true) checks ok, $(grep -c '^FAIL' "$LOGS/cache_thrash.log" || true) failed"
+if [ "$thrash" = 0 ]; then verdict=ok; else verdict=FAIL; status=1; fi
+printf '%-30s  %-6s  %s\n' "cache thrash ($PROVIDER)" "$verdict" "$thrash_detail (status $thrash)"
+exit "$status"

@@ -1,0 +1,145 @@
+"""CUDA graph planning on CPU: which variants capture, provider options, graph ids per binding."""
+
+import dataclasses
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from onnx_chunk.errors import ConfigError, ModelLoadError
+from onnx_chunk.runtime import engine, load
+from onnx_chunk.runtime.cuda_graphs import (SKIP_CAPTURE, GraphSlots, capturable, graph_id,
+                                            session_captures)
+from onnx_chunk.runtime.provider import MaskPolicy, device_for
+from onnx_chunk.runtime.session_factory import SessionFactory
+
+PROMPT = np.random.default_rng(11).integers(0, 256, 45).tolist()
+
+
+def test_cuda_device_captures_fixed_widths_only():
+    device = device_for("cuda", 1)
+    assert device.cuda_graphs and device.mask_policy is MaskPolicy.CAPACITY
+    assert capturable(device, 1) and capturable(device, 64)
+    assert not capturable(device, None)
+    assert not capturable(device_for("cuda", cuda_graphs=False), 64)
+    assert not capturable(device_for("cpu"), 64)
+
+
+def test_logical_mask_switches_graphs_off_or_conflicts():
+    assert not device_for("cuda", mask_policy="logical").cuda_graphs
+    with pytest.raises(ConfigError, match="capacity-wide mask"):
+        device_for("cuda", mask_policy="logical", cuda_graphs=True)
+    with pytest.raises(ConfigError, match="CPU provider"):
+        device_for("cpu", cuda_graphs=True)
+
+
+def test_provider_options_of_a_capturing_session():
+    device = device_for("cuda", 2)
+    plain, capture = device.providers(), device.providers(capture=True)
+    assert plain[0] == ("CUDAExecutionProvider",
+                        {"device_id": "2", "arena_extend_strategy": "kSameAsRequested"})
+    assert capture[0][1] == {**plain[0][1], "enable_cuda_graph": "1"}
+    assert capture[1] == plain[1] == ("CPUExecutionProvider", {})
+    assert "enable_cuda_graph" not in device.session_providers[0][1]
+    assert device_for("cpu").providers() == [("CPUExecutionProvider", {})]
+    with pytest.raises(ConfigError):
+        device_for("cpu").providers(capture=True)
+
+
+def test_graph_ids_per_slot_and_parity():
+    assert [graph_id(slot, 0, False) for slot in range(3)] == [0, 1, 2]
+    ids = {graph_id(slot, parity, True) for slot in range(4) for parity in (0, 1)}
+    assert ids == set(range(8))
+    with pytest.raises(ValueError):
+        graph_id(0, 2, True)
+    slots = GraphSlots()
+    first, second = slots.runs(stateful=True), slots.runs(stateful=True)
+    assert (first.ids, second.ids, slots.used) == ((0, 1), (2, 3), 2)
+    entry = "gpu_graph_id"
+    assert first.options(True, 1).get_run_config_entry(entry) == str(SKIP_CAPTURE)
+    assert first.options(False, 0).get_run_config_entry(entry) == "0"
+    assert second.options(False, 1).get_run_config_entry(entry) == "3"
+    stateless = GraphSlots().runs(stateful=False)
+    assert stateless.options(False, 1).get_run_config_entry(entry) == "0"
+
+
+def test_a_cpu_session_does_not_capture(reference_model):
+    runtime = load(reference_model(), provider="cpu", capacity=96, chunk_size=16)
+    runtime.open_sequence().generate(PROMPT, 3)
+    with runtime.cache.acquire(1) as session:
+        assert not session_captures(session)
+    stats = runtime.stats()
+    assert stats.cuda_graphs is False and stats.graph_widths == ()
+
+
+def test_factory_falls_back_when_capture_is_refused(reference_model, monkeypatch):
+    runtime = load(reference_model(), provider="cpu", capacity=96, chunk_size=16)
+    factory = runtime.factory
+    tried = []
+    original = SessionFactory._create
+
+    def create(self, width, prepack, capture):
+        tried.append(capture)
+        if capture:
+            raise ModelLoadError("a node is not on the CUDA provider")
+        return original(self, width, prepack, capture)
+
+    monkeypatch.setattr(SessionFactory, "_create", create)
+    session = factory.create(16, prepack=False, capture=True)
+    assert tried == [True, False]
+    assert isinstance(session, ort.InferenceSession) and not session_captures(session)
+
+
+@pytest.fixture
+def recorded_runs(monkeypatch):
+    """Every run_with_iobinding's graph id (None without run options)."""
+    runs = []
+    original = ort.InferenceSession.run_with_iobinding
+
+    def run(self, iobinding, run_options=None):
+        runs.append((id(self), None if run_options is None
+                     else int(run_options.get_run_config_entry("gpu_graph_id"))))
+        return original(self, iobinding, run_options)
+
+    monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding", run)
+    return runs
+
+
+@pytest.mark.parametrize("variant", ["base", "conv_hybrid"])
+def test_graph_runs_on_cpu_sessions_marked_capturing(reference_model, monkeypatch,
+                                                     recorded_runs, variant):
+    """The graph-id plumbing of the CUDA path, run on CPU sessions marked as capturing.
+
+    Each binding's first run skips capture; a stateless model runs every later forward of a
+    binding under one graph id, a stateful one alternates two (its state buffers alternate);
+    two sequences get distinct ids; results equal a runtime without graphs.
+    """
+    path = reference_model(variant)
+    device = dataclasses.replace(device_for("cpu"), host_visible=False,
+                                 mask_policy=MaskPolicy.CAPACITY)
+    reference = load(path, device=device, capacity=96, chunk_size=16)
+    expected = [reference.open_sequence().generate(PROMPT, 5) for _ in range(2)]
+    monkeypatch.setattr(engine, "session_captures", lambda session: True)
+    runtime = load(path, device=device, capacity=96, chunk_size=16, padding=False)
+    recorded_runs.clear()
+    first, second = runtime.open_sequence(), runtime.open_sequence()
+    assert first.generate(PROMPT, 5) == expected[0]
+    decode_session = next(session for session, graph in reversed(recorded_runs))
+    decode_runs = [graph for session, graph in recorded_runs if session == decode_session]
+    before_second = len(recorded_runs)
+    assert second.generate(PROMPT, 5) == expected[1]
+    second_runs = [graph for session, graph in recorded_runs[before_second:]
+                   if session == decode_session]
+    stateful = variant == "conv_hybrid"
+    assert decode_runs[0] == SKIP_CAPTURE and second_runs[0] == SKIP_CAPTURE
+    if stateful:
+        assert set(decode_runs[1:]) == {0, 1}
+        assert all(a != b for a, b in zip(decode_runs[1:], decode_runs[2:]))
+        assert set(second_runs[1:]) == {2, 3}
+    else:
+        assert set(decode_runs[1:]) == {0} and set(second_runs[1:]) == {1}
+    # Width 16 (full chunks) and the decode width capture; the 13-row remainder (padding off)
+    # runs on the shape-generic session, without run options.
+    assert len({session for session, graph in recorded_runs if graph is not None}) == 2
+    assert len({session for session, graph in recorded_runs if graph is None}) == 1
+    assert runtime.stats().graph_widths == (1, 16)
