@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--variant", default="base")
     parser.add_argument("--chunk-size", type=int, default=64)
-    parser.add_argument("--capacity", type=int, default=512)
+    parser.add_argument("--capacity", type=int, default=None,
+                        help="KV capacity (default: the longest prompt plus the new tokens)")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--genai-python", default=None,
@@ -102,13 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     width = args.chunk_size
     lengths = [1, width - 1, width, width + 1, 2 * width + 13, 3 * width + width // 2]
+    capacity = args.capacity or max(lengths) + args.max_new_tokens
     rng = np.random.default_rng(args.seed)
     python = genai_python(args.genai_python)
     with tempfile.TemporaryDirectory(prefix="genai-parity-") as folder:
         model_path = build_decoder(Path(folder), preset=args.preset, variant=args.variant,
                                    seed=args.seed)
-        eos = configure_genai(model_path.parent, width, args.capacity)
-        runtime = load(model_path, provider="cpu", chunk_size=width, capacity=args.capacity)
+        eos = configure_genai(model_path.parent, width, capacity)
+        runtime = load(model_path, provider="cpu", chunk_size=width, capacity=capacity)
         prompts = [rng.integers(3, runtime.ports.vocab_size, n).tolist() for n in lengths]
         ours = [runtime.open_sequence().generate(prompt, args.max_new_tokens, eos)
                 for prompt in prompts]
