@@ -67,8 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         return 130
+    except click.UsageError as error:
+        command = error.ctx.command_path if error.ctx is not None else "onnx-chunk"
+        click.echo(f"error: {error.format_message()} (see '{command} --help')", err=True)
+        return error.exit_code
     except click.ClickException as error:
-        error.show()
+        click.echo(f"error: {error.format_message()}", err=True)
         return error.exit_code
     except click.exceptions.Exit as error:
         return error.exit_code
