@@ -89,7 +89,7 @@ def write_junit(report: Report, target: Path) -> None:
 def validate(ctx: click.Context, model_path: Path, as_json: bool, junit: Path | None,
              skip: tuple[str, ...], lengths: str | None, new_tokens: int, provider: str,
              seed: int, chunk_size: int | None, atol: float | None, max_input_len: int | None,
-             decode_model: Path | None, progress: bool | None) -> int:
+             decode_model: Path | None, progress: bool | None) -> None:
     """Check that MODEL_PATH (a .onnx file or its folder) is safe for chunked prefill.
 
     Exit code 0 when every check passed (or was skipped), 1 when one failed, 2 when the model
@@ -113,6 +113,4 @@ def validate(ctx: click.Context, model_path: Path, as_json: bool, junit: Path | 
         click.echo(json.dumps(report.to_json(), indent=2, default=str))
     else:
         click.echo(report.to_table())
-    code = 1 if report.failed else 0
-    ctx.exit(code)
-    return code
+    ctx.exit(1 if report.failed else 0)

@@ -1,8 +1,9 @@
 """A NumPy forward of a reference decoder, written from the math and never calling ORT.
 
-It reads the weights out of the ONNX file (dequantizing MatMulNBits for INT4), so it is the
-ground truth for a built model, and for any graph pass that must not change the numbers.
-Everything is computed in float64; logits are returned as float32.
+It reads the weights out of the ONNX file (dequantizing MatMulNBits for INT4) but computes the
+rotary tables itself from rope_theta, so a wrong cos/sin cache in the file shows up as a
+mismatch. It is the ground truth for a built model, and for any graph pass that must not
+change the numbers. Everything is computed in float64; logits are returned as float32.
 """
 
 from __future__ import annotations
@@ -82,6 +83,15 @@ def _rms(x: np.ndarray, gamma: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * gamma
 
 
+def rotary_tables(config: DecoderConfig) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [max_positions, head_size/2] in float64: angle(p, i) = p * theta^(-2i/head_size)."""
+    half = config.head_size // 2
+    exponents = np.arange(half, dtype=np.float64) * 2.0 / config.head_size
+    frequencies = np.power(float(config.rope_theta), -exponents)
+    angles = np.arange(config.max_positions, dtype=np.float64)[:, None] * frequencies[None, :]
+    return np.cos(angles), np.sin(angles)
+
+
 def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Half-split rotary on x [B, S, heads, d] with cos/sin [B, S, d/2]."""
     half = x.shape[-1] // 2
@@ -91,19 +101,20 @@ def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 class ReferenceDecoder:
-    """The math of a reference decoder over NumPy arrays, with weights read from its file."""
+    """The math of a reference decoder over NumPy arrays, with weights read from its file.
+
+    `cos`/`sin` are the rotary tables computed from the config, never read from the file.
+    """
 
     def __init__(self, config: DecoderConfig, spec: VariantSpec, embedding: np.ndarray,
-                 layers: list[_Layer], final_norm: np.ndarray, lm_head: np.ndarray,
-                 cos_cache: np.ndarray, sin_cache: np.ndarray) -> None:
+                 layers: list[_Layer], final_norm: np.ndarray, lm_head: np.ndarray) -> None:
         self.config = config
         self.spec = spec
         self.embedding = embedding
         self._layers = layers
         self._final_norm = final_norm
         self._lm_head = lm_head
-        self._cos = cos_cache
-        self._sin = sin_cache
+        self.cos, self.sin = rotary_tables(config)
 
     @classmethod
     def from_model_dir(cls, path: str | os.PathLike) -> ReferenceDecoder:
@@ -174,7 +185,7 @@ class ReferenceDecoder:
                                  post_norm=array(f"{stem}.post_attention_layernorm.weight"),
                                  mixer=mixer, mlp=mlp))
         return cls(config, spec, embedding, layers, array("model.norm.weight"),
-                   linear(None, "lm_head"), array("cos_cache"), array("sin_cache"))
+                   linear(None, "lm_head"))
 
     def embed(self, input_ids: np.ndarray) -> np.ndarray:
         """Embedding rows [B, S, hidden] for token ids [B, S]."""
@@ -240,7 +251,7 @@ class ReferenceDecoder:
         q = (x @ weights["q_proj"]).reshape(batch, rows, config.num_heads, d)
         k = (x @ weights["k_proj"]).reshape(batch, rows, config.num_kv_heads, d)
         v = (x @ weights["v_proj"]).reshape(batch, rows, config.num_kv_heads, d)
-        cos, sin = self._cos[positions], self._sin[positions]
+        cos, sin = self.cos[positions], self.sin[positions]
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         keys = np.concatenate([past_key, k.transpose(0, 2, 1, 3)], axis=2)
         values = np.concatenate([past_value, v.transpose(0, 2, 1, 3)], axis=2)

@@ -4,6 +4,10 @@ Each seeded prompt runs through three runtimes of the same model: one whose chun
 capacity (one forward per prompt), one chunked at W without padding, one chunked at W with
 padding up the ladder. The chunked and padded runs must reproduce the whole run: the same
 greedy tokens, logits within the tolerance, the same KV prefix and recurrent state.
+
+Memory stays at two runs of one prompt whatever the vocabulary: each length's chunked and
+padded runs are compared with its whole run as they finish, and only the tokens and the
+largest differences are kept.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,12 +24,28 @@ from onnx_chunk.errors import OnnxChunkError
 from onnx_chunk.runtime import Runtime
 from onnx_chunk.validate.checks import NUMERICS
 from onnx_chunk.validate.report import CheckResult, Outcome
-from onnx_chunk.validate.runs import Advance, PromptRun, RunSettings, load_runtime, run_prompt
+from onnx_chunk.validate.runs import Advance, RunSettings, load_runtime, run_prompt
 
 logger = logging.getLogger(__name__)
 
 WHOLE, CHUNKED, PADDED = "whole", "chunked", "padded"
 MODES = (WHOLE, CHUNKED, PADDED)
+# Rows compared at a time, so the float64 differences stay small on a large vocabulary.
+_ROW_BLOCK = 64
+
+
+@dataclass(frozen=True)
+class LengthComparison:
+    """One prompt length through the three modes, reduced to what the checks report.
+
+    `tokens` maps each mode to its greedy tokens; `logits` and `kv` map CHUNKED and PADDED to
+    the max abs difference from the whole run (inf when shapes differ or a value is NaN).
+    """
+
+    length: int
+    tokens: dict[str, tuple[int, ...]]
+    logits: dict[str, float]
+    kv: dict[str, float]
 
 
 def numerics_checks(model_path: Path, settings: RunSettings, selected: Callable[[str], bool],
@@ -35,7 +56,7 @@ def numerics_checks(model_path: Path, settings: RunSettings, selected: Callable[
     if not names:
         return []
     try:
-        runs, notes = _run_modes(model_path, settings, advance)
+        comparisons, notes = _compare_modes(model_path, settings, advance)
     except OnnxChunkError as error:
         reason = f"the runtime cannot run the model: {error}"
         seconds = (time.perf_counter() - started) / len(names)
@@ -43,10 +64,11 @@ def numerics_checks(model_path: Path, settings: RunSettings, selected: Callable[
                 for name in names]
     share = (time.perf_counter() - started) / len(names)
     verdicts = {
-        "greedy_tokens": lambda: _greedy_tokens(runs, settings, notes),
-        "logits": lambda: _compare(runs, settings, notes, "logits", lambda run: (run.logits,)),
-        "kv_prefix": lambda: _compare(runs, settings, notes, "KV prefix",
-                                      lambda run: run.kv),
+        "greedy_tokens": lambda: _greedy_tokens(comparisons, settings, notes),
+        "logits": lambda: _compare(comparisons, settings, notes, "logits",
+                                   lambda comparison: comparison.logits),
+        "kv_prefix": lambda: _compare(comparisons, settings, notes, "KV prefix",
+                                      lambda comparison: comparison.kv),
     }
     results = []
     for name in names:
@@ -56,19 +78,28 @@ def numerics_checks(model_path: Path, settings: RunSettings, selected: Callable[
     return results
 
 
-def _run_modes(model_path: Path, settings: RunSettings,
-               advance: Advance) -> tuple[dict[str, list[PromptRun]], dict[str, str]]:
+def _compare_modes(model_path: Path, settings: RunSettings,
+                   advance: Advance) -> tuple[list[LengthComparison], dict[str, str]]:
     runtimes: dict[str, Runtime] = {
         WHOLE: load_runtime(model_path, settings, chunk_size=settings.capacity, padding=False),
         CHUNKED: load_runtime(model_path, settings, chunk_size=settings.chunk_size,
                               padding=False),
         PADDED: load_runtime(model_path, settings, chunk_size=settings.chunk_size, padding=True),
     }
-    runs = {mode: [] for mode in MODES}
+    comparisons = []
     for length in settings.lengths:
-        for mode, runtime in runtimes.items():
-            runs[mode].append(run_prompt(runtime, length, settings))
+        whole = run_prompt(runtimes[WHOLE], length, settings)
+        advance(f"{WHOLE} {length}")
+        tokens, logits, kv = {WHOLE: whole.tokens}, {}, {}
+        for mode in (CHUNKED, PADDED):
+            other = run_prompt(runtimes[mode], length, settings)
             advance(f"{mode} {length}")
+            tokens[mode] = other.tokens
+            logits[mode] = max_abs_difference(whole.logits, other.logits)
+            kv[mode] = max_abs_difference(whole.kv, other.kv)
+            del other
+        del whole
+        comparisons.append(LengthComparison(length, tokens, logits, kv))
     padded = runtimes[PADDED]
     notes = {
         CHUNKED: f"chunked at W={runtimes[CHUNKED].chunk_size}",
@@ -78,7 +109,7 @@ def _run_modes(model_path: Path, settings: RunSettings,
     }
     if runtimes[WHOLE].ports.last_row_logits:
         notes["logits"] = "the decoder returns the last row's logits only"
-    return runs, notes
+    return comparisons, notes
 
 
 def _summary(settings: RunSettings, notes: dict[str, str]) -> str:
@@ -86,30 +117,29 @@ def _summary(settings: RunSettings, notes: dict[str, str]) -> str:
     return f"lengths {lengths}; {notes[CHUNKED]}; {notes[PADDED]}"
 
 
-def _greedy_tokens(runs: dict[str, list[PromptRun]], settings: RunSettings,
+def _greedy_tokens(comparisons: list[LengthComparison], settings: RunSettings,
                    notes: dict[str, str]) -> tuple[Outcome, str, dict]:
     details: dict = {"lengths": list(settings.lengths),
-                     "tokens": {mode: [list(run.tokens) for run in runs[mode]] for mode in MODES}}
+                     "tokens": {mode: [list(comparison.tokens[mode])
+                                       for comparison in comparisons] for mode in MODES}}
     for mode in (CHUNKED, PADDED):
-        for whole, other in zip(runs[WHOLE], runs[mode]):
-            if whole.tokens != other.tokens:
+        for comparison in comparisons:
+            whole, other = comparison.tokens[WHOLE], comparison.tokens[mode]
+            if whole != other:
                 return (Outcome.FAILED, f"{mode} greedy tokens differ from the whole-prompt "
-                        f"forward's at prompt length {whole.length}: {list(other.tokens)} vs "
-                        f"{list(whole.tokens)}", details)
+                        f"forward's at prompt length {comparison.length}: {list(other)} vs "
+                        f"{list(whole)}", details)
     return (Outcome.PASSED, f"identical over {settings.new_tokens} new tokens: "
             f"{_summary(settings, notes)}", details)
 
 
-def _compare(runs: dict[str, list[PromptRun]], settings: RunSettings, notes: dict[str, str],
-             what: str, arrays: Callable[[PromptRun], tuple[np.ndarray, ...]]) -> tuple[
+def _compare(comparisons: list[LengthComparison], settings: RunSettings,
+             notes: dict[str, str], what: str,
+             differences: Callable[[LengthComparison], dict[str, float]]) -> tuple[
                  Outcome, str, dict]:
-    worst: dict[str, float] = {}
-    per_length: dict[str, list[float]] = {}
-    for mode in (CHUNKED, PADDED):
-        differences = [_max_abs_difference(arrays(whole), arrays(other))
-                       for whole, other in zip(runs[WHOLE], runs[mode])]
-        per_length[mode] = differences
-        worst[mode] = max(differences)
+    per_length = {mode: [differences(comparison)[mode] for comparison in comparisons]
+                  for mode in (CHUNKED, PADDED)}
+    worst = {mode: max(values) for mode, values in per_length.items()}
     details = {"lengths": list(settings.lengths), "atol": settings.atol,
                "max_abs_difference": per_length}
     measured = ", ".join(f"{mode} {worst[mode]:.3g}" for mode in (CHUNKED, PADDED))
@@ -124,13 +154,23 @@ def _compare(runs: dict[str, list[PromptRun]], settings: RunSettings, notes: dic
             f"{settings.atol:g}{scope}; {_summary(settings, notes)}", details)
 
 
-def _max_abs_difference(first: tuple[np.ndarray, ...], second: tuple[np.ndarray, ...]) -> float:
+def max_abs_difference(first: tuple[np.ndarray, ...], second: tuple[np.ndarray, ...]) -> float:
+    """Largest |a - b| over paired arrays, in float64; inf for a shape mismatch or a NaN.
+
+    Compared _ROW_BLOCK rows of the leading axis at a time, so the float64 temporaries stay a
+    few rows of the vocabulary however long the prompt.
+    """
     worst = 0.0
     for a, b in zip(first, second, strict=True):
         if a.shape != b.shape:
             return float("inf")
         if a.size == 0 or np.array_equal(a, b, equal_nan=True):
             continue
-        difference = np.abs(a.astype(np.float64) - b.astype(np.float64))
-        worst = max(worst, float("inf") if np.isnan(difference).any() else float(difference.max()))
+        rows_a, rows_b = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
+        for begin in range(0, rows_a.shape[0], _ROW_BLOCK):
+            block = np.abs(rows_a[begin:begin + _ROW_BLOCK].astype(np.float64)
+                           - rows_b[begin:begin + _ROW_BLOCK].astype(np.float64))
+            if np.isnan(block).any():
+                return float("inf")
+            worst = max(worst, float(block.max()))
     return worst

@@ -32,14 +32,15 @@ class RunSettings:
 class PromptRun:
     """One prompt through one runtime: greedy tokens, the logits rows, the KV prefix and state.
 
-    `logits` holds every prompt row (only the last when the decoder returns the last row
-    only), then one row per decode step. `kv` holds each KV buffer's valid prefix, then each
-    recurrent state.
+    `logits` holds the prompt rows ([rows, vocab]; only the last row when the decoder returns
+    the last row only), then one [1, vocab] array per decode step, never concatenated.
+    `kv` holds each KV buffer's valid prefix, then each recurrent state. A run is as large as
+    its prompt times the vocabulary: compare it and let it go, never keep runs.
     """
 
     length: int
     tokens: tuple[int, ...]
-    logits: np.ndarray
+    logits: tuple[np.ndarray, ...]
     kv: tuple[np.ndarray, ...]
 
 
@@ -63,7 +64,7 @@ def run_prompt(runtime: Runtime, length: int, settings: RunSettings) -> PromptRu
         rows.append(logits[None])
         token = int(np.argmax(logits))
         tokens.append(token)
-    return PromptRun(length, tuple(tokens), np.concatenate(rows, axis=0),
+    return PromptRun(length, tuple(tokens), tuple(rows),
                      _kv_snapshot(runtime, sequence.buffers, sequence.length))
 
 

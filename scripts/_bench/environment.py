@@ -41,24 +41,28 @@ def build_model(out: Path, preset: str, variant: str = "base") -> Path:
 
 
 def model_config(model: Path) -> dict:
-    """Vocabulary size and context length from the model's genai_config.json."""
+    """Vocabulary size, context length and EOS token id from the model's genai_config.json."""
     config = json.loads((model.parent / "genai_config.json").read_text())["model"]
     return {"vocab_size": int(config["vocab_size"]),
-            "context_length": int(config["context_length"])}
+            "context_length": int(config["context_length"]),
+            "eos_token_id": int(config["eos_token_id"])}
 
 
 def genai_python(venv: Path) -> Path:
     """The interpreter of a venv holding onnxruntime-genai (created and installed if missing).
 
     onnxruntime-genai brings the CPU onnxruntime, which must never share a venv with
-    onnxruntime-gpu, so it lives in a venv of its own.
+    onnxruntime-gpu, so it lives in a venv of its own. What it creates or installs is said on
+    stderr.
     """
     python = venv / "bin" / "python"
     if not python.exists():
+        print(f"creating {venv}", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     probe = subprocess.run([str(python), "-c", "import onnxruntime_genai as og; "
                             "print(og.__version__)"], capture_output=True, text=True)
     if probe.returncode != 0 or probe.stdout.strip() != GENAI_VERSION:
+        print(f"installing onnxruntime-genai=={GENAI_VERSION} into {venv}", file=sys.stderr)
         subprocess.run([str(python), "-m", "pip", "install", "-q",
                         f"onnxruntime-genai=={GENAI_VERSION}"], check=True)
     return python

@@ -1,10 +1,13 @@
-"""Measurement process for onnxruntime-genai (run with the genai venv's interpreter).
+"""onnxruntime-genai's greedy generation, run with the genai venv's interpreter.
 
-It must not import onnx_chunk: that venv holds the CPU onnxruntime that onnxruntime-genai
-brings. argv[1] is a JSON object: model (folder with genai_config.json), prompts, new_tokens,
-chunk_size (search.chunk_size; 0 leaves it unset). Prints one JSON object shaped like
-chunk_worker's: TTFT runs from handing over the prompt to the first token; decode tokens/s
-counts the tokens after the first over the time after the first, as onnx-chunk does.
+The one place that drives onnxruntime-genai: the benchmarks measure with it, and
+scripts/genai_check.py and scripts/genai_parity.py take its tokens. It must not import
+onnx_chunk: that venv holds the CPU onnxruntime that onnxruntime-genai brings. argv[1] is a
+JSON object: model (folder with genai_config.json), prompts, new_tokens, chunk_size
+(search.chunk_size; 0 leaves it unset). Prompts are served in order by one model on the CPU;
+generation stops at new_tokens or at EOS. Prints one JSON object shaped like chunk_worker's:
+TTFT runs from handing over the prompt to the first token; decode tokens/s counts the tokens
+after the first over the time after the first, as onnx-chunk does.
 """
 
 from __future__ import annotations

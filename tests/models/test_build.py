@@ -83,12 +83,16 @@ def test_genai_config_describes_the_folder(reference_model):
     assert conv["model"]["decoder"]["layer_types"] == ["conv", "full_attention"]
 
 
-@pytest.mark.parametrize("variant", ["base", "int4"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_same_seed_gives_identical_bytes(tmp_path, variant):
     first = build_decoder(tmp_path / "a", variant=variant, seed=7)
     second = build_decoder(tmp_path / "b", variant=variant, seed=7)
     other = build_decoder(tmp_path / "c", variant=variant, seed=8)
-    for name in ("model.onnx", "model.onnx.data", "genai_config.json"):
+    names = sorted(p.name for p in first.parent.iterdir())
+    assert names == sorted(p.name for p in second.parent.iterdir())
+    assert {"model.onnx", "model.onnx.data", "genai_config.json"} <= set(names)
+    assert ("embeddings.npy" in names) == (variant == "inputs_embeds")
+    for name in names:
         assert (first.parent / name).read_bytes() == (second.parent / name).read_bytes()
     assert ((first.parent / "model.onnx.data").read_bytes()
             != (other.parent / "model.onnx.data").read_bytes())

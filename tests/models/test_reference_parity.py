@@ -1,7 +1,9 @@
 """Every variant in ORT's CPU provider agrees with the NumPy reference, prompt and decode."""
 
 import numpy as np
+import onnx
 import pytest
+from onnx import numpy_helper
 
 from onnx_chunk.models import VARIANTS
 from onnx_chunk.models.reference import DecoderState, ReferenceDecoder
@@ -42,7 +44,9 @@ def test_prompt_and_decode_steps_match_the_reference(reference_model, variant):
         for layer in ref.config.attention_layers:
             np.testing.assert_allclose(outputs[f"present.{layer}.key"], state.keys[layer],
                                        atol=ATOL, rtol=0)
-            assert outputs[f"present.{layer}.value"].shape[2] == past + rows
+            np.testing.assert_allclose(outputs[f"present.{layer}.value"], state.values[layer],
+                                       atol=ATOL, rtol=0)
+            assert state.values[layer].shape[2] == past + rows
         for layer in ref.config.conv_layers:
             np.testing.assert_allclose(outputs[f"present.{layer}.conv"], state.conv[layer],
                                        atol=ATOL, rtol=0)
@@ -50,6 +54,42 @@ def test_prompt_and_decode_steps_match_the_reference(reference_model, variant):
         past += rows
         ids = np.array([[int(np.argmax(outputs["logits"][0, -1]))]], dtype=np.int64)
     assert state.length == 9 + 4
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_reference_rotary_tables_equal_the_files_caches(reference_model, variant):
+    path = reference_model(variant)
+    ref = ReferenceDecoder.from_model_dir(path.parent)
+    model = onnx.load(str(path), load_external_data=True)
+    caches = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer
+              if i.name in ("cos_cache", "sin_cache")}
+    assert ref.cos.shape == ref.sin.shape == (2048, 8)
+    assert ref.cos.dtype == np.float64
+    np.testing.assert_allclose(caches["cos_cache"], ref.cos, atol=1e-7, rtol=0)
+    np.testing.assert_allclose(caches["sin_cache"], ref.sin, atol=1e-7, rtol=0)
+    # Position 1, frequency 0 is one radian; the last frequency is theta^(-(d-2)/d).
+    assert ref.sin[1, 0] == pytest.approx(np.sin(1.0))
+    assert ref.cos[1, -1] == pytest.approx(np.cos(10000.0 ** (-14 / 16)))
+
+
+def test_a_wrong_rotary_table_in_the_file_is_caught(reference_model, tmp_path):
+    path = reference_model("base")
+    ref = ReferenceDecoder.from_model_dir(path.parent)
+    model = onnx.load(str(path), load_external_data=True)
+    for init in model.graph.initializer:
+        if init.name in ("cos_cache", "sin_cache"):
+            table = numpy_helper.to_array(init)
+            # The tables of rope_theta 500000 instead of 10000: a plausible builder mistake.
+            angles = np.arange(table.shape[0])[:, None] * 500000.0 ** (
+                -np.arange(table.shape[1]) * 2.0 / (2 * table.shape[1]))
+            wrong = np.cos(angles) if init.name == "cos_cache" else np.sin(angles)
+            init.CopyFrom(numpy_helper.from_array(wrong.astype(np.float32), init.name))
+    mutated = tmp_path / "model.onnx"
+    onnx.save(model, str(mutated))
+    ids = np.random.default_rng(3).integers(0, ref.config.vocab_size, size=(1, 12))
+    outputs = run(session(mutated), {**request_feeds(ref, ids, 0)[0], **empty_state_feeds(ref)})
+    expected, _ = ref.forward(ids)
+    assert np.abs(outputs["logits"] - expected).max() > 10 * ATOL
 
 
 def test_int4_reference_differs_from_fp32_by_quantization_only(reference_model):
