@@ -3,7 +3,7 @@
 This module is the only place that knows the keys and the encoding; docs/metadata.md documents
 them. Every value is a plain string, so `onnx.load(path).metadata_props` reads it without
 onnx-chunk. The passes write one section each; `read_plan` assembles the sections into a
-`ChunkPlan` and `write_plan` writes a whole plan back.
+`ChunkPlan`.
 """
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ RECURRENT_STATE_KEY = "onnx_chunk.recurrent_state"
 PER_TOKEN_PORTS_KEY = "onnx_chunk.per_token_ports"
 PADDING_KEY = "onnx_chunk.padding"
 
-_PORT_VOID_PREFIX = "input "
-
 ALL_KEYS = (
     SCHEMA_VERSION_KEY,
     CHUNK_SIZE_KEY,
@@ -48,7 +46,7 @@ class KVBinding:
     """A GQA past input bound at physical capacity, and the present output sharing its buffer."""
 
     input: str
-    output: str | None
+    output: str
     capacity_axis: int
 
 
@@ -141,34 +139,6 @@ class ChunkPlan:
             "max_sequence_length": self.max_sequence_length,
             "problems": list(self.problems),
         }
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> ChunkPlan:
-        """The inverse of `to_json`; raises ModelStructureError on a malformed object."""
-        try:
-            return cls(
-                schema_version=int(data["schema_version"]),
-                chunk_size=None if data["chunk_size"] is None else int(data["chunk_size"]),
-                ladder=tuple(int(tier) for tier in data["ladder"]),
-                max_variants=int(data["max_variants"]),
-                gqa_nodes=int(data["gqa_nodes"]),
-                token_input=str(data["token_input"]),
-                per_token_ports=tuple(str(port) for port in data["per_token_ports"]),
-                position_ids=data["position_ids"],
-                capacity_inputs=tuple(KVBinding(**item) for item in data["kv_bindings"]),
-                recurrent_state=tuple(StateBinding(**item) for item in data["state_bindings"]),
-                padding=PaddingEligibility(
-                    eligible=bool(data["padding"]["eligible"]),
-                    reasons=tuple(data["padding"]["reasons"]),
-                ),
-                max_sequence_length=data["max_sequence_length"],
-                problems=tuple(data["problems"]),
-            )
-        except (KeyError, TypeError, ValueError) as error:
-            raise ModelStructureError(
-                f"malformed chunked-prefill plan: {type(error).__name__}: {error}; "
-                "expected the object `onnx-chunk inspect --json` prints"
-            ) from error
 
 
 def _encode(value: Any) -> str:
@@ -312,7 +282,7 @@ def read_per_token_ports(model: ir.Model | Mapping[str, str]) -> PerTokenFinding
 
 def port_void(name: str, why: str) -> str:
     """The padding reason for an input that voids the padding plan."""
-    return f"{_PORT_VOID_PREFIX}{name!r} {why}"
+    return f"input {name!r} {why}"
 
 
 def read_plan(model: ir.Model | onnx.ModelProto) -> ChunkPlan | None:
@@ -371,31 +341,4 @@ def read_plan(model: ir.Model | onnx.ModelProto) -> ChunkPlan | None:
         padding=eligibility,
         max_sequence_length=kv.max_sequence_length,
         problems=kv.problems,
-    )
-
-
-def write_plan(model: ir.Model, plan: ChunkPlan) -> None:
-    """Store a whole plan in the model's metadata_props (what the passes write piecewise)."""
-    write_kv_capacity(model, KVCapacityFindings(
-        gqa_nodes=plan.gqa_nodes,
-        bindings=plan.capacity_inputs,
-        max_sequence_length=plan.max_sequence_length,
-        problems=plan.problems,
-    ))
-    write_recurrent_state(model, RecurrentStateFindings(bindings=plan.recurrent_state))
-    # A plan keeps the per-token voids among its padding reasons; `port_void` marks them.
-    voids = tuple(reason for reason in plan.padding.reasons
-                  if reason.startswith(_PORT_VOID_PREFIX))
-    write_per_token_ports(model, PerTokenFindings(
-        token_input=plan.token_input,
-        ports=plan.per_token_ports,
-        position_ids=plan.position_ids,
-        voids=voids,
-    ))
-    write_declaration(
-        model,
-        chunk_size=plan.chunk_size,
-        ladder=plan.ladder,
-        max_variants=plan.max_variants,
-        padding=plan.padding,
     )

@@ -4,16 +4,16 @@
 use, and the passes never use them). Their locations are checked against the file system
 without being read. `save_model` writes the protobuf with the external references unchanged and
 copies the external data files in fixed-size blocks, so peak memory does not grow with the
-model.
+model; it stages every file and renames them into place only once all are written.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import onnx
@@ -54,7 +54,7 @@ def load_model(path: str | os.PathLike) -> ir.Model:
             f"{str(model_path)!r} parsed as a protobuf but holds no ONNX model (no IR version "
             "or no graph); the file may be truncated or of another format"
         )
-    _check_external_data(proto, model_path.parent)
+    check_external_data(proto, model_path.parent)
     try:
         model = ir.serde.deserialize_model(proto)
     except Exception as error:  # onnx_ir wraps every deserialisation failure differently
@@ -78,8 +78,13 @@ def _all_tensor_protos(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
                 yield from _all_tensor_protos(subgraph)
 
 
-def _check_external_data(proto: onnx.ModelProto, base_dir: Path) -> None:
-    root = base_dir.resolve()
+def check_external_data(proto: onnx.ModelProto, base_dir: str | os.PathLike) -> None:
+    """Check every external tensor of `proto` against the files in `base_dir`, reading none.
+
+    Raises ModelLoadError when a location is absolute or leaves `base_dir`, when a file is
+    missing, or when a file is shorter than a tensor's offset plus length.
+    """
+    root = Path(base_dir).resolve()
     sizes: dict[Path, int] = {}
     for tensor in _all_tensor_protos(proto.graph):
         if tensor.data_location != onnx.TensorProto.EXTERNAL:
@@ -106,6 +111,10 @@ def _check_external_data(proto: onnx.ModelProto, base_dir: Path) -> None:
             )
 
 
+# The earlier private name, kept for callers written against it.
+_check_external_data = check_external_data
+
+
 def external_data_files(model: ir.Model) -> dict[str, Path]:
     """The external data files a model references: relative location -> absolute source path."""
     files: dict[str, Path] = {}
@@ -117,65 +126,78 @@ def external_data_files(model: ir.Model) -> dict[str, Path]:
     return files
 
 
-@contextmanager
-def _replacing(target: Path) -> Iterator[Path]:
-    """A temporary file beside `target` that replaces it only when the block succeeds."""
-    handle, temp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp",
-                                         dir=target.parent)
-    os.close(handle)
-    temp = Path(temp_name)
-    # mkstemp creates the file owner-only; give it the mode a plain open() would.
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(temp, 0o666 & ~umask)
-    try:
-        yield temp
-        os.replace(temp, target)
-    finally:
-        temp.unlink(missing_ok=True)
-
-
 def _copy_file(source: Path, target: Path, progress: Callable[[int], None] | None) -> None:
     buffer = bytearray(_COPY_BLOCK_BYTES)
     view = memoryview(buffer)
-    with _replacing(target) as temp, source.open("rb") as src, temp.open("wb") as dst:
+    with source.open("rb") as src, target.open("wb") as dst:
         while count := src.readinto(buffer):
             dst.write(view[:count])
             if progress is not None:
                 progress(count)
 
 
+def _write_proto(model: ir.Model, target: Path) -> None:
+    target.write_bytes(ir.serde.serialize_model(model).SerializeToString())
+
+
+def _make_folder(folder: Path) -> Path | None:
+    """Create `folder` and its missing parents; return the topmost one created, if any."""
+    missing = [parent for parent in (folder, *folder.parents) if not parent.exists()]
+    folder.mkdir(parents=True, exist_ok=True)
+    return missing[-1] if missing else None
+
+
 def save_model(
     model: ir.Model,
     path: str | os.PathLike,
     progress: Callable[[int], None] | None = None,
-) -> None:
-    """Write `model` to `path`, keeping its external data external.
+    *,
+    companions_from: str | os.PathLike | None = None,
+) -> list[str]:
+    """Write `model` to `path`, keeping its external data external; return the companions copied.
 
     External data files are copied block by block into the target folder (under the same
-    relative locations) unless they already are the files there. Every file is written to a
-    temporary name and renamed into place. `progress` receives the byte count of each block
-    copied. Raises OutputError when the target cannot be written.
+    relative locations) unless they already are the files there, so an in-place rewrite copies
+    no weights. With `companions_from`, the COMPANION_FILES found in that folder are copied too
+    (none when it is the target folder). Everything is staged in a temporary folder beside
+    `path` and renamed into place at the end, the .onnx file last; on failure the staging
+    folder and any folder this call created are removed, so no partial output is left.
+    `progress` receives the byte count of each block copied. Raises OutputError when the
+    target cannot be written.
     """
     target = Path(path)
+    created: Path | None = None
+    staging: Path | None = None
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        created = _make_folder(target.parent)
         target_dir = target.parent.resolve()
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".staging",
+                                        dir=target_dir))
+        staged: list[str] = []
         for location, source in external_data_files(model).items():
             destination = (target_dir / location).resolve()
             if destination.exists() and os.path.samefile(source, destination):
                 continue
             logger.info("copying external data %s -> %s", source, destination)
-            destination.parent.mkdir(parents=True, exist_ok=True)
-            _copy_file(source, destination, progress)
-        proto = ir.serde.serialize_model(model)
-        with _replacing(target) as temp:
-            temp.write_bytes(proto.SerializeToString())
+            (staging / location).parent.mkdir(parents=True, exist_ok=True)
+            _copy_file(source, staging / location, progress)
+            staged.append(location)
+        companions = _stage_companions(companions_from, target_dir, staging)
+        _write_proto(model, staging / target.name)
+        for name in (*staged, *companions, target.name):
+            (target_dir / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staging / name, target_dir / name)
     except OSError as error:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
         raise OutputError(
             f"cannot write {str(target)!r}: {error.strerror or error}; choose a writable "
             "output folder with room for the model"
         ) from error
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+    return companions
 
 
 # Files a runtime reads beside the model: onnxruntime-genai's config, tokenizer files and the
@@ -195,24 +217,13 @@ COMPANION_FILES = (
 )
 
 
-def copy_companion_files(source_dir: str | os.PathLike,
-                         target_dir: str | os.PathLike) -> list[str]:
-    """Copy the COMPANION_FILES present in `source_dir` into `target_dir`; return their names.
-
-    Nothing is copied when both are the same folder. Raises OutputError on a write failure.
-    """
-    source, target = Path(source_dir).resolve(), Path(target_dir).resolve()
-    if source == target:
+def _stage_companions(source_dir: str | os.PathLike | None, target_dir: Path,
+                      staging: Path) -> list[str]:
+    """Copy the COMPANION_FILES present in `source_dir` into `staging`; return their names."""
+    if source_dir is None or Path(source_dir).resolve() == target_dir:
         return []
-    copied: list[str] = []
-    try:
-        target.mkdir(parents=True, exist_ok=True)
-        for name in COMPANION_FILES:
-            if (source / name).is_file():
-                _copy_file(source / name, target / name, None)
-                copied.append(name)
-    except OSError as error:
-        raise OutputError(
-            f"cannot copy companion files into {str(target)!r}: {error.strerror or error}"
-        ) from error
-    return copied
+    source = Path(source_dir)
+    names = [name for name in COMPANION_FILES if (source / name).is_file()]
+    for name in names:
+        _copy_file(source / name, staging / name, None)
+    return names

@@ -10,7 +10,7 @@ import click
 from onnx_chunk.cli.inspect import plan_summary
 from onnx_chunk.errors import ConfigError
 from onnx_chunk.metadata import read_plan
-from onnx_chunk.model_io import copy_companion_files, external_data_files, load_model, save_model
+from onnx_chunk.model_io import external_data_files, load_model, save_model
 from onnx_chunk.passes import DEFAULT_CHUNK_SIZE, DEFAULT_MAX_VARIANTS, convert_model
 
 # Copies of at least this much external data get a progress bar.
@@ -57,7 +57,8 @@ def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants
             in_place: bool) -> None:
     """Annotate MODEL_PATH for chunked prefill and write it to OUTPUT.
 
-    Weights stay in external data and are copied, never loaded.
+    Weights stay in external data and are copied, never loaded; OUTPUT's folder gets every
+    file at once or none.
     """
     model = load_model(model_path)
     output = _output_path(model_path, output, in_place)
@@ -66,14 +67,13 @@ def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants
     if in_place and not result.modified:
         click.echo(f"{model_path} is already converted with these settings; nothing written")
         return
-    target_dir = output.parent
-    companions = copy_companion_files(model_path.parent, target_dir)
-    to_copy = _bytes_to_copy(external_data_files(model), target_dir.resolve())
+    to_copy = _bytes_to_copy(external_data_files(model), output.parent.resolve())
     if to_copy >= _PROGRESS_BYTES:
         with click.progressbar(length=to_copy, label="copying weights") as bar:
-            save_model(model, output, progress=bar.update)
+            companions = save_model(model, output, progress=bar.update,
+                                    companions_from=model_path.parent)
     else:
-        save_model(model, output)
+        companions = save_model(model, output, companions_from=model_path.parent)
     click.echo(f"wrote {output}" + (f" (with {', '.join(companions)})" if companions else ""))
     for line in plan_summary(plan):
         click.echo(f"  {line}")

@@ -35,6 +35,8 @@ __all__ = [
 
 def _run_pipeline(model: ir.Model, chunk_size: int | None,
                   max_variants: int) -> ir.passes.PassResult:
+    # Order matters: the per-token ports pass reads the recurrent state findings, and the
+    # declaration reads all three; each checks that its inputs are in the metadata.
     passes = (
         KVCapacityPass(),
         RecurrentStatePass(),

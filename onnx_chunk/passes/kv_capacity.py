@@ -34,8 +34,10 @@ class KVCapacityPass(ir.passes.InPlacePass):
     2. The node's outputs 1 and 2 (present_key/present_value) are followed forward through
        Identity/Cast to graph outputs; the first one found shares the past input's buffer.
     3. A past that does not come from a graph input, a present that reaches no graph output,
-       or a present whose dtype, rank or non-sequence axes differ from its past is not bound:
-       it is recorded as a problem with the reason, never guessed.
+       or a present whose dtype, rank or non-sequence axes differ from its past is not bound
+       (no binding is recorded, since the runtime must bind the past's buffer as the present
+       output to bind it at capacity): it is recorded as a problem with the reason, never
+       guessed.
     4. The rows of the cos_cache initializer (GQA input 7, or input 2 of a
        `com.microsoft::RotaryEmbedding` when rotary runs outside GQA) are the longest sequence
        the model supports, the runtime's default capacity; when nodes disagree the smallest
@@ -111,8 +113,9 @@ def _bind(
     outputs = value_tracing.graph_outputs_fed_by(present) if present is not None else []
     if not outputs:
         problems.append(f"{label}: present for {role} (output {present_index}) reaches no graph "
-                        f"output, so {origin.name!r} has no buffer to share with it")
-        return metadata.KVBinding(input=origin.name, output=None, capacity_axis=CAPACITY_AXIS)
+                        f"output, so {origin.name!r} has no buffer to share with it and "
+                        "cannot be bound at capacity")
+        return None
     output = outputs[0]
     mismatch = _shape_mismatch(origin, output)
     if mismatch:

@@ -9,16 +9,19 @@ import onnx_ir as ir
 from onnx_chunk import metadata
 from onnx_chunk.passes import value_tracing
 from onnx_chunk.passes.kv_capacity import gqa_past_inputs
-from onnx_chunk.passes.recurrent_state import find_recurrent_state
+from onnx_chunk.passes.token_input import (
+    ATTENTION_MASK,
+    INTEGER_TYPES,
+    axis_keys,
+    has_query_axis,
+    token_input,
+)
 
 logger = logging.getLogger(__name__)
 
-TOKEN_INPUTS = ("input_ids", "inputs_embeds")
-ATTENTION_MASK = "attention_mask"
 POSITION_IDS = "position_ids"
 _GQA_POSITION_IDS_INPUT = 9
 _ROTARY_POSITION_IDS_INPUT = 1
-_INTEGER_TYPES = (ir.DataType.INT64, ir.DataType.INT32)
 
 
 class PerTokenPortsPass(ir.passes.InPlacePass):
@@ -34,7 +37,9 @@ class PerTokenPortsPass(ir.passes.InPlacePass):
     2. A graph input shaped [batch, rows, ...] whose axis 0 and axis 1 have the token input's
        symbolic names is per-token; the token input itself is one.
     3. GQA past inputs, `attention_mask` and recurrent state are not request-fed rows and are
-       left alone. Every other input voids the padding plan, named in the reason.
+       left alone. Every other input voids the padding plan, named in the reason. Recurrent
+       state is what the recurrent state pass stored in the metadata; the pass refuses to run
+       before it.
     4. A query axis that is fixed or unnamed cannot be matched, and voids the plan.
     5. position_ids is the integer per-token port named so, or the one that feeds GQA
        position_ids (input 9) or a RotaryEmbedding's position_ids (input 1); padded rows
@@ -43,8 +48,17 @@ class PerTokenPortsPass(ir.passes.InPlacePass):
        they differ from what is stored.
     """
 
+    def requires(self, model: ir.Model) -> None:
+        if metadata.read_recurrent_state(model) is None:
+            raise ir.passes.PreconditionError(
+                "the per-token ports pass needs the recurrent state pass's findings; run "
+                "RecurrentStatePass first, or the whole pipeline (onnx_chunk.passes.convert_model)"
+            )
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        findings = find_per_token_ports(model)
+        state = metadata.read_recurrent_state(model)
+        assert state is not None, "requires() checked it"
+        findings = find_per_token_ports(model, state)
         modified = metadata.write_per_token_ports(model, findings)
         if modified:
             logger.info("per-token ports: %s; %d inputs void padding",
@@ -52,10 +66,11 @@ class PerTokenPortsPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=modified)
 
 
-def find_per_token_ports(model: ir.Model) -> metadata.PerTokenFindings:
-    """What the pass records, computed without touching the model."""
+def find_per_token_ports(model: ir.Model,
+                         state: metadata.RecurrentStateFindings) -> metadata.PerTokenFindings:
+    """What the pass records given the model's recurrent `state`, without touching the model."""
     graph = model.graph
-    token = _token_input(graph)
+    token = token_input(graph)
     if token is None:
         names = ", ".join(value.name for value in graph.inputs) or "none"
         return metadata.PerTokenFindings(
@@ -67,18 +82,16 @@ def find_per_token_ports(model: ir.Model) -> metadata.PerTokenFindings:
                 "the query axis is unknown and no port can be widened"),),
         )
     skipped = gqa_past_inputs(graph) | {ATTENTION_MASK}
-    skipped |= {binding.input for binding in find_recurrent_state(model).bindings}
-    shape = token.shape
-    batch_key = value_tracing.dim_key(shape[0]) if shape is not None and len(shape) >= 2 else None
-    rows_key = value_tracing.dim_key(shape[1]) if shape is not None and len(shape) >= 2 else None
+    skipped |= {binding.input for binding in state.bindings}
+    batch_key, rows_key = axis_keys(token)
     if not isinstance(rows_key, str):
         return metadata.PerTokenFindings(
             token_input=token.name,
             ports=(token.name,),
             position_ids=None,
             voids=(metadata.port_void(
-                token.name, f"has shape {value_tracing.shape_text(shape)}: its query axis (1) "
-                "is fixed or unnamed, so per-token ports cannot be matched to it"),),
+                token.name, f"has shape {value_tracing.shape_text(token.shape)}: its query "
+                "axis (1) is fixed or unnamed, so per-token ports cannot be matched to it"),),
         )
     ports = [token.name]
     voids: list[str] = []
@@ -102,28 +115,14 @@ def find_per_token_ports(model: ir.Model) -> metadata.PerTokenFindings:
     )
 
 
-def _token_input(graph: ir.Graph) -> ir.Value | None:
-    by_name = {value.name: value for value in graph.inputs}
-    for name in TOKEN_INPUTS:
-        if name in by_name:
-            return by_name[name]
-    for value in graph.inputs:
-        if (value.dtype in _INTEGER_TYPES and value.shape is not None and len(value.shape) == 2
-                and any(use.node.op_type == "Gather" and use.idx == 1 for use in value.uses())):
-            return value
-    return None
-
-
 def _is_per_token(value: ir.Value, batch_key: object, rows_key: str) -> bool:
-    shape = value.shape
-    return (shape is not None and len(shape) >= 2
-            and value_tracing.dim_key(shape[0]) == batch_key
-            and value_tracing.dim_key(shape[1]) == rows_key)
+    return (has_query_axis(value, rows_key)
+            and value_tracing.dim_key(value.shape[0]) == batch_key)
 
 
 def _position_ids(graph: ir.Graph, ports: list[str]) -> str | None:
     candidates = [value for value in graph.inputs
-                  if value.name in ports[1:] and value.dtype in _INTEGER_TYPES
+                  if value.name in ports[1:] and value.dtype in INTEGER_TYPES
                   and value.shape is not None and len(value.shape) == 2]
     for value in candidates:
         if value.name == POSITION_IDS:

@@ -10,6 +10,7 @@ import onnx_ir as ir
 from onnx_chunk import metadata
 from onnx_chunk.passes import value_tracing
 from onnx_chunk.passes.kv_capacity import gqa_past_inputs, gqa_present_outputs
+from onnx_chunk.passes.token_input import ATTENTION_MASK, axis_keys, has_query_axis, token_input
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,10 @@ class RecurrentStatePass(ir.passes.InPlacePass):
     by a logical length: every row advances it and nothing can take a padded row back.
 
     Rules:
-    1. Inputs that some GroupQueryAttention reads as past (inputs 3 and 4) are never state.
+    1. Inputs that some GroupQueryAttention reads as past (inputs 3 and 4) are never state;
+       nor are the token input, `attention_mask`, or an input whose axis 1 has the token
+       input's symbolic query-axis name (a per-token port: it grows with the query, so an
+       output of the same shape, such as a [batch, rows] int64 output, is no carried state).
     2. An input whose name matches a state template (`past.%d.conv`,
        `past_key_values.%d.conv_state`, `...ssm_state`, `...recurrent_state`) is state; it is
        paired with the output named `present.<rest>` when there is one.
@@ -51,12 +55,17 @@ class RecurrentStatePass(ir.passes.InPlacePass):
 def find_recurrent_state(model: ir.Model) -> metadata.RecurrentStateFindings:
     """What the pass records, computed without touching the model."""
     graph = model.graph
-    kv_inputs = gqa_past_inputs(graph)
+    skipped = gqa_past_inputs(graph) | {ATTENTION_MASK}
+    token = token_input(graph)
+    rows_key = None
+    if token is not None:
+        skipped.add(token.name)
+        rows_key = axis_keys(token)[1]
     gqa_presents = gqa_present_outputs(graph)
     free_outputs = [output for output in graph.outputs if output.name not in gqa_presents]
     bindings: list[metadata.StateBinding] = []
     for value in graph.inputs:
-        if value.name in kv_inputs:
+        if value.name in skipped or has_query_axis(value, rows_key):
             continue
         by_name = _STATE_NAME.search(value.name) is not None
         matching = [output for output in free_outputs if _same_type(value, output)]

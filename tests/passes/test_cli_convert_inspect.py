@@ -7,6 +7,7 @@ import pytest
 from onnx_chunk import metadata
 from onnx_chunk.cli import main
 from onnx_chunk.model_io import save_model
+from onnx_chunk.runtime.ladder import ladder_tiers
 
 
 @pytest.fixture
@@ -115,3 +116,49 @@ def test_inspect_text_names_the_reasons(model_file, capsys):
     assert main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
     assert "not converted" in out and "padding: not eligible" in out and "'row_scale'" in out
+
+
+def _is_str_list(value):
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+# Every key `inspect --json` promises, with the check of its type.
+REQUIRED_KEYS = {
+    "gqa_nodes": lambda value: type(value) is int,
+    "capacity_inputs": _is_str_list,
+    "per_token_ports": _is_str_list,
+    "recurrent_state": _is_str_list,
+    "padding": lambda value: (isinstance(value, dict) and set(value) == {"eligible", "reasons"}
+                              and type(value["eligible"]) is bool
+                              and _is_str_list(value["reasons"])),
+    "chunk_size": lambda value: value is None or type(value) is int,
+    "ladder": lambda value: isinstance(value, list) and all(type(t) is int for t in value),
+    "max_variants": lambda value: type(value) is int,
+}
+
+
+def test_inspect_json_schema(model_file, tmp_path, capsys):
+    from onnx import TensorProto
+
+    conv = ["batch_size", 16, 2]
+    hybrid = model_file("hybrid", extra_inputs=(("past.0.conv", TensorProto.FLOAT, conv),),
+                        extra_outputs=(("present.0.conv", TensorProto.FLOAT, conv),))
+    converted = tmp_path / "converted" / "model.onnx"
+    assert main(["convert", str(hybrid), "-o", str(converted), "--chunk-size", "64"]) == 0
+    capsys.readouterr()
+    models = {"converted": converted, "unconverted": model_file("plain", layers=2),
+              "no GQA": model_file("nogqa", gqa=False)}
+    seen = {name: _inspect_json(path, capsys) for name, path in models.items()}
+    for name, data in seen.items():
+        for key, valid in REQUIRED_KEYS.items():
+            assert key in data, f"{name}: {key} missing"
+            assert valid(data[key]), f"{name}: {key} = {data[key]!r}"
+    assert seen["converted"]["chunk_size"] == 64
+    assert seen["converted"]["ladder"] == list(ladder_tiers(64, 4))
+    assert seen["converted"]["recurrent_state"] == ["past.0.conv"]
+    assert seen["converted"]["padding"]["eligible"] is False
+    assert seen["unconverted"]["capacity_inputs"] == [
+        f"past_key_values.{layer}.{kind}" for layer in range(2) for kind in ("key", "value")]
+    assert seen["unconverted"]["chunk_size"] is None and seen["unconverted"]["ladder"] == []
+    assert seen["no GQA"]["gqa_nodes"] == 0 and seen["no GQA"]["capacity_inputs"] == []
+    assert seen["no GQA"]["padding"]["eligible"] is False

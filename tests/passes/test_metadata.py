@@ -16,8 +16,7 @@ PLAN = metadata.ChunkPlan(
     token_input="input_ids",
     per_token_ports=("input_ids", "position_ids"),
     position_ids="position_ids",
-    capacity_inputs=(metadata.KVBinding("past_key_values.0.key", "present.0.key", 2),
-                     metadata.KVBinding("past_key_values.0.value", None, 2)),
+    capacity_inputs=(metadata.KVBinding("past_key_values.0.key", "present.0.key", 2),),
     recurrent_state=(metadata.StateBinding("past.1.conv", "present.1.conv", "name+structure"),),
     padding=metadata.PaddingEligibility(False, (
         "recurrent state 'past.1.conv' blocks padding",
@@ -28,26 +27,40 @@ PLAN = metadata.ChunkPlan(
 )
 
 
-def test_json_round_trip():
+def test_to_json_lists_names_and_full_records():
     data = json.loads(json.dumps(PLAN.to_json()))
-    assert metadata.ChunkPlan.from_json(data) == PLAN
-    assert data["capacity_inputs"] == ["past_key_values.0.key", "past_key_values.0.value"]
+    assert data["capacity_inputs"] == ["past_key_values.0.key"]
+    assert data["kv_bindings"] == [{"input": "past_key_values.0.key", "output": "present.0.key",
+                                    "capacity_axis": 2}]
     assert data["recurrent_state"] == ["past.1.conv"]
+    assert data["state_bindings"][0]["detected_by"] == "name+structure"
     assert data["padding"] == {"eligible": False, "reasons": list(PLAN.padding.reasons)}
+    assert (data["chunk_size"], data["ladder"], data["max_variants"]) == (256, [86, 172, 256], 4)
 
 
-def test_from_json_rejects_a_malformed_object():
-    data = PLAN.to_json()
-    del data["kv_bindings"]
-    with pytest.raises(ModelStructureError, match="kv_bindings"):
-        metadata.ChunkPlan.from_json(data)
-
-
-def test_write_then_read_round_trip(make_decoder):
+def test_sections_round_trip(make_decoder):
     model = make_decoder()
-    metadata.write_plan(model, PLAN)
+    kv = metadata.KVCapacityFindings(1, PLAN.capacity_inputs, 2048, PLAN.problems)
+    state = metadata.RecurrentStateFindings(PLAN.recurrent_state)
+    ports = metadata.PerTokenFindings("input_ids", PLAN.per_token_ports, "position_ids",
+                                      (PLAN.padding.reasons[1],))
+    assert metadata.write_kv_capacity(model, kv)
+    assert metadata.write_recurrent_state(model, state)
+    assert metadata.write_per_token_ports(model, ports)
+    assert not metadata.write_kv_capacity(model, kv)
+    assert metadata.read_kv_capacity(model) == kv
+    assert metadata.read_recurrent_state(model) == state
+    assert metadata.read_per_token_ports(model) == ports
+    assert metadata.read_plan(model) is None
+    assert metadata.write_declaration(model, chunk_size=256, ladder=PLAN.ladder, max_variants=4,
+                                      padding=PLAN.padding)
     assert metadata.read_plan(model) == PLAN
-    assert metadata.read_per_token_ports(model).voids == (PLAN.padding.reasons[1],)
+
+
+def _converted(make_decoder):
+    model = make_decoder()
+    convert_model(model, chunk_size=512, max_variants=4)
+    return model
 
 
 def test_unconverted_model_has_no_plan(make_decoder, make_decoder_proto):
@@ -70,24 +83,21 @@ def test_plain_onnx_reads_the_declaration(make_decoder, tmp_path):
 
 
 def test_newer_schema_is_refused(make_decoder):
-    model = make_decoder()
-    metadata.write_plan(model, PLAN)
+    model = _converted(make_decoder)
     model.metadata_props[metadata.SCHEMA_VERSION_KEY] = str(metadata.SCHEMA_VERSION + 1)
     with pytest.raises(ModelStructureError, match="schema version"):
         metadata.read_plan(model)
 
 
 def test_damaged_section_is_refused(make_decoder):
-    model = make_decoder()
-    metadata.write_plan(model, PLAN)
+    model = _converted(make_decoder)
     model.metadata_props[metadata.KV_CAPACITY_KEY] = "{not json"
     with pytest.raises(ModelStructureError, match="not valid JSON"):
         metadata.read_plan(model)
 
 
 def test_missing_section_is_refused(make_decoder):
-    model = make_decoder()
-    metadata.write_plan(model, PLAN)
+    model = _converted(make_decoder)
     del model.metadata_props[metadata.PADDING_KEY]
     with pytest.raises(ModelStructureError, match=metadata.PADDING_KEY):
         metadata.read_plan(model)

@@ -1,12 +1,30 @@
+import onnx_ir as ir
+import pytest
 from onnx import TensorProto
 
 from onnx_chunk import metadata
 from onnx_chunk.passes.per_token_ports import PerTokenPortsPass
+from onnx_chunk.passes.recurrent_state import RecurrentStatePass
 
 
 def _ports(model):
+    RecurrentStatePass()(model)
     result = PerTokenPortsPass()(model)
     return result, metadata.read_per_token_ports(model)
+
+
+def test_refuses_to_run_before_the_recurrent_state_pass(make_decoder):
+    with pytest.raises(ir.passes.PreconditionError, match="recurrent state"):
+        PerTokenPortsPass()(make_decoder())
+
+
+def test_recurrent_state_is_read_from_the_metadata(make_decoder):
+    extra = (("row_scale", TensorProto.FLOAT, ["sequence_length"]),)
+    model = make_decoder(extra_inputs=extra)
+    metadata.write_recurrent_state(model, metadata.RecurrentStateFindings(
+        bindings=(metadata.StateBinding("row_scale", "", "name"),)))
+    PerTokenPortsPass()(model)
+    assert metadata.read_per_token_ports(model).voids == ()
 
 
 def test_input_ids_is_the_only_port_of_a_plain_decoder(make_decoder):
@@ -95,5 +113,6 @@ def test_missing_token_input_voids(make_decoder_proto):
 
 def test_second_run_changes_nothing(make_decoder):
     model = make_decoder(position_ids="position_ids")
+    RecurrentStatePass()(model)
     assert PerTokenPortsPass()(model).modified
     assert not PerTokenPortsPass()(model).modified

@@ -1,4 +1,6 @@
-from onnx import TensorProto
+import onnx
+import onnx_ir as ir
+from onnx import TensorProto, helper
 
 from onnx_chunk import metadata
 from onnx_chunk.passes.recurrent_state import RecurrentStatePass
@@ -72,3 +74,37 @@ def test_second_run_changes_nothing(make_decoder):
                          extra_outputs=(("present.0.conv", TensorProto.FLOAT, CONV),))
     assert RecurrentStatePass()(model).modified
     assert not RecurrentStatePass()(model).modified
+
+
+def _with_echo_outputs(proto, *echoed):
+    """Add a graph output of each input in `echoed`, with the input's type and shape."""
+    inputs = {value.name: value for value in proto.graph.input}
+    for name in echoed:
+        echo = onnx.ValueInfoProto()
+        echo.CopyFrom(inputs[name])
+        echo.name = f"{name}_out"
+        proto.graph.output.append(echo)
+        proto.graph.node.append(helper.make_node("Identity", [name], [echo.name]))
+    return ir.serde.deserialize_model(proto)
+
+
+def test_token_mask_and_per_token_ports_are_never_state(make_decoder_proto):
+    proto = make_decoder_proto(position_ids="position_ids")
+    model = _with_echo_outputs(proto, "input_ids", "attention_mask", "position_ids")
+    _, bindings = _state(model)
+    assert bindings == ()
+
+
+def test_inputs_embeds_decoder_with_an_echoed_per_token_input(make_decoder_proto):
+    proto = make_decoder_proto(token="inputs_embeds", extra_inputs=(
+        ("row_features", TensorProto.FLOAT, ["batch_size", "sequence_length", 4]),))
+    model = _with_echo_outputs(proto, "inputs_embeds", "row_features")
+    assert _state(model)[1] == ()
+
+
+def test_state_beside_an_echoed_token_input_is_still_found(make_decoder_proto):
+    proto = make_decoder_proto(extra_inputs=(("past.0.conv", TensorProto.FLOAT, CONV),),
+                               extra_outputs=(("present.0.conv", TensorProto.FLOAT, CONV),))
+    model = _with_echo_outputs(proto, "input_ids")
+    assert _state(model)[1] == (
+        metadata.StateBinding("past.0.conv", "present.0.conv", "name+structure"),)
