@@ -8,7 +8,7 @@ import click
 
 from onnx_chunk.errors import ConfigError
 from onnx_chunk.models import VARIANTS, build_decoder, decoder_config
-from onnx_chunk.models.static_decoder import build_static_decoder
+from onnx_chunk.models.static_decoder import build_static_pair
 
 STATIC_VARIANT = "static"
 
@@ -19,8 +19,9 @@ STATIC_VARIANT = "static"
               help="Folder to write model.onnx, model.onnx.data and genai_config.json into.")
 @click.option("--variant", default="base", show_default=True,
               help=f"One of: {', '.join(VARIANTS)}, {STATIC_VARIANT} (fixed shapes, needs "
-                   "--chunk-size and --capacity; --chunk-size 1 gives the decode graph).")
-@click.option("--chunk-size", type=int, help="static only: the query rows c.")
+                   "--chunk-size and --capacity; writes model.onnx with c rows and "
+                   "decode.onnx with 1 row, sharing model.onnx.data).")
+@click.option("--chunk-size", type=int, help="static only: the query rows c (at least 2).")
 @click.option("--capacity", type=int, help="static only: the KV capacity C.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Weight seed.")
 @click.option("--layers", "num_layers", type=int, help="Number of decoder layers.")
@@ -40,9 +41,11 @@ def build_model(preset: str, output: Path, variant: str, seed: int, chunk_size: 
     if variant == STATIC_VARIANT:
         if chunk_size is None or capacity is None:
             raise ConfigError("--variant static needs --chunk-size and --capacity")
-        path = build_static_decoder(output, preset, chunk_size=chunk_size, capacity=capacity,
-                                    seed=seed, **overrides)
-        click.echo(f"wrote {path} (static, rows {chunk_size}, capacity {capacity}, seed {seed})")
+        chunk, decode = build_static_pair(output, preset, chunk_size=chunk_size,
+                                          capacity=capacity, seed=seed, **overrides)
+        click.echo(f"wrote {chunk} (static chunk graph, rows {chunk_size}, capacity {capacity}, "
+                   f"seed {seed})")
+        click.echo(f"wrote {decode} (static decode graph, rows 1, same weights)")
         return
     if chunk_size is not None or capacity is not None:
         raise ConfigError("--chunk-size and --capacity apply to --variant static only")

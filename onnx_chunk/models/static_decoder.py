@@ -21,6 +21,7 @@ can also run a whole sequence at once under any mask.
 
 from __future__ import annotations
 
+import filecmp
 import logging
 import os
 import tempfile
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 STATIC_OPSET = 18
 STATIC_IR_VERSION = 10  # what ONNX Runtime 1.22+ loads
 MODEL_FILE = "model.onnx"
+DECODE_FILE = "decode.onnx"
 METADATA_PREFIX = "onnx_chunk.static."
 
 
@@ -316,6 +318,66 @@ def build_static_decoder(
     config = _static_config(config_for(preset, **overrides))
     shape = StaticShape(chunk_size, capacity)
     model = static_model_proto(config, make_weights(config, seed), shape)
+    out = _output_folder(out_dir)
+    target = out / MODEL_FILE
+    _write_model_atomically(model, target)
+    logger.info("wrote static decoder %s (c=%d, C=%d, preset %s, seed %d)", target,
+                chunk_size, capacity, preset, seed)
+    return target
+
+
+def build_static_pair(
+    out_dir: str | os.PathLike,
+    preset: str = "tiny",
+    *,
+    chunk_size: int,
+    capacity: int,
+    seed: int = 0,
+    **overrides,
+) -> tuple[Path, Path]:
+    """Write a runnable static folder: `model.onnx` (rows = `chunk_size`) and `decode.onnx`
+    (rows 1), the same weights and KV capacity; returns both paths.
+
+    The two graphs differ only in small inline shape constants, so their external weights are
+    byte for byte the same: both refer to the one file `model.onnx.data`. All three files are
+    staged in a temporary folder inside `out_dir` and renamed into place at the end, so a
+    failure leaves no half-written pair.
+    """
+    if chunk_size < 2:
+        raise ConfigError(
+            f"the chunk graph of a static pair needs chunk size c >= 2 (the decode graph is the "
+            f"c=1 one), got c={chunk_size}"
+        )
+    config = _static_config(config_for(preset, **overrides))
+    weights = make_weights(config, seed)
+    chunk = static_model_proto(config, weights, StaticShape(chunk_size, capacity))
+    decode = static_model_proto(config, weights, StaticShape(1, capacity))
+    out = _output_folder(out_dir)
+    data_name = MODEL_FILE + ".data"
+    try:
+        with tempfile.TemporaryDirectory(dir=out, prefix=".tmp-") as scratch:
+            staged = Path(scratch)
+            _save_external(chunk, staged / MODEL_FILE, data_name)
+            (staged / "decode").mkdir()
+            _save_external(decode, staged / "decode" / DECODE_FILE, data_name)
+            if not filecmp.cmp(staged / data_name, staged / "decode" / data_name, shallow=False):
+                raise OutputError(
+                    "the chunk and decode graphs' external weights differ; they cannot share "
+                    f"{data_name} (a builder bug: report it)"
+                )
+            for name, source in ((data_name, staged / data_name),
+                                 (MODEL_FILE, staged / MODEL_FILE),
+                                 (DECODE_FILE, staged / "decode" / DECODE_FILE)):
+                os.replace(source, out / name)
+    except OSError as error:
+        raise OutputError(f"cannot write into {out}: {error}; check the folder is writable") \
+            from error
+    logger.info("wrote static pair %s and %s (c=%d, C=%d, preset %s, seed %d)", out / MODEL_FILE,
+                out / DECODE_FILE, chunk_size, capacity, preset, seed)
+    return out / MODEL_FILE, out / DECODE_FILE
+
+
+def _output_folder(out_dir: str | os.PathLike) -> Path:
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -323,11 +385,12 @@ def build_static_decoder(
         raise OutputError(
             f"cannot create output folder {out}: {error}; pass a writable folder"
         ) from error
-    target = out / MODEL_FILE
-    _write_model_atomically(model, target)
-    logger.info("wrote static decoder %s (c=%d, C=%d, preset %s, seed %d)", target,
-                chunk_size, capacity, preset, seed)
-    return target
+    return out
+
+
+def _save_external(model: onnx.ModelProto, target: Path, data_name: str) -> None:
+    onnx.save_model(model, target, save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=data_name)
 
 
 def _write_model_atomically(model: onnx.ModelProto, target: Path) -> None:
@@ -337,8 +400,7 @@ def _write_model_atomically(model: onnx.ModelProto, target: Path) -> None:
     try:
         with tempfile.TemporaryDirectory(dir=target.parent, prefix=".tmp-") as scratch:
             staged = Path(scratch) / target.name
-            onnx.save_model(model, staged, save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=data_name)
+            _save_external(model, staged, data_name)
             os.replace(Path(scratch) / data_name, target.parent / data_name)
             os.replace(staged, target)
     except OSError as error:

@@ -7,9 +7,10 @@ once with the query rows set to c and once with rows 1. The roles of the dim_par
 structure, not by name: batch and rows from `input_ids` (or `inputs_embeds`), the KV capacity
 from dim 2 of `past_key_values.*` and the last dim of a 2-D `attention_mask`.
 
-Weights are never loaded. Both graphs keep pointing at the same external data files, which are
-copied once next to them under the same relative names; every file goes through a temporary
-name in the output folder and is renamed into place.
+Weights are never loaded; their files are checked by `model_io.load_model` (inside the model's
+folder, present, long enough). Both graphs keep pointing at the same external data files, which
+are copied once next to them under the same relative names. Everything is staged in a temporary
+folder inside the output folder and renamed into place at the end.
 """
 
 from __future__ import annotations
@@ -19,19 +20,21 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
 from onnxruntime.tools.onnx_model_utils import fix_output_shapes, make_dim_param_fixed
 
-from onnx_chunk.errors import ConfigError, ModelLoadError, ModelStructureError, OutputError
+from onnx_chunk.errors import ConfigError, ModelStructureError, OutputError
+from onnx_chunk.model_io import external_data_files, load_model
+from onnx_chunk.models.static_decoder import DECODE_FILE
 
 logger = logging.getLogger(__name__)
 
 CHUNK_MODEL = "chunk.onnx"
-DECODE_MODEL = "decode.onnx"
+DECODE_MODEL = DECODE_FILE
 
 
 @dataclass
@@ -82,30 +85,6 @@ def _role_dims(graph: onnx.GraphProto) -> tuple[str | None, str | None, set[str]
     return batch_dim.dim_param or None, rows_dim.dim_param or None, capacity
 
 
-def _graph_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
-    yield from graph.initializer
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.HasField("t"):
-                yield attribute.t
-            yield from attribute.tensors
-            if attribute.HasField("g"):
-                yield from _graph_tensors(attribute.g)
-            for subgraph in attribute.graphs:
-                yield from _graph_tensors(subgraph)
-
-
-def _external_locations(model: onnx.ModelProto) -> list[str]:
-    locations = []
-    for tensor in _graph_tensors(model.graph):
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            location = next(entry.value for entry in tensor.external_data
-                            if entry.key == "location")
-            if location not in locations:
-                locations.append(location)
-    return locations
-
-
 def _fix_output_shapes(model: onnx.ModelProto) -> None:
     """fix_output_shapes on a stand-in whose external initializers are graph inputs of the
     same type and shape (its checker would otherwise look for the data relative to the working
@@ -130,28 +109,30 @@ def _fixed_copy(model: onnx.ModelProto, values: Mapping[str, int]) -> onnx.Model
     return fixed
 
 
-def _copy_into(source: Path, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if target.exists() and os.path.samefile(source, target):
-        return
-    with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".tmp-", delete=False) as staged:
-        staged_path = Path(staged.name)
-    try:
-        shutil.copyfile(source, staged_path)
-        os.replace(staged_path, target)
-    finally:
-        staged_path.unlink(missing_ok=True)
-
-
-def _save_into(model: onnx.ModelProto, target: Path) -> None:
-    with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".tmp-", suffix=".onnx",
-                                     delete=False) as staged:
-        staged.write(model.SerializeToString())
-        staged_path = Path(staged.name)
-    try:
-        os.replace(staged_path, target)
-    finally:
-        staged_path.unlink(missing_ok=True)
+def _write_outputs(out: Path, data_files: Mapping[str, Path], chunk: onnx.ModelProto,
+                   decode: onnx.ModelProto) -> list[Path]:
+    """Stage the data files and both graphs in a temporary folder inside `out`, then rename
+    them into place (data first, graphs last): a failure leaves nothing half written."""
+    written = []
+    with tempfile.TemporaryDirectory(dir=out, prefix=".tmp-") as scratch:
+        staged = Path(scratch)
+        moves = []
+        for location, source in data_files.items():
+            target = out / location
+            if target.exists() and os.path.samefile(source, target):
+                written.append(target)
+                continue
+            (staged / location).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, staged / location)
+            moves.append((staged / location, target))
+            written.append(target)
+        for model, name in ((chunk, CHUNK_MODEL), (decode, DECODE_MODEL)):
+            (staged / name).write_bytes(model.SerializeToString())
+            moves.append((staged / name, out / name))
+        for source, target in moves:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(source, target)
+    return written
 
 
 def fix_shapes(
@@ -171,8 +152,10 @@ def fix_shapes(
        rows < 2 (rows 1 is the decode graph) and non-positive values.
     3. Any graph input left with a free dimension is a ModelStructureError naming it, to be
        fixed with `dims`; outputs nothing can infer stay free and are reported.
-    4. External data files are copied once into `out_dir` under their relative names and shared
-       by both graphs; the source model is never modified.
+    4. External data must sit inside the model's folder, present and long enough
+       (ModelLoadError otherwise); it is copied once into `out_dir` under its relative names
+       and shared by both graphs; the source model is never modified.
+    5. Nothing appears in `out_dir` unless everything was written (OutputError otherwise).
     """
     source = Path(model_path)
     if rows < 2:
@@ -183,12 +166,9 @@ def fix_shapes(
     bad = {name: value for name, value in extra.items() if value < 1}
     if bad:
         raise ConfigError(f"dimension values must be at least 1, got {bad}")
-    if not source.is_file():
-        raise ModelLoadError(f"model {source} does not exist; pass the path of a .onnx file")
-    try:
-        model = onnx.load(source, load_external_data=False)
-    except Exception as error:  # protobuf raises untyped decode errors
-        raise ModelLoadError(f"cannot read {source} as an ONNX model: {error}") from error
+    # load_model checks the external data (inside the model's folder, present, long enough).
+    data_files = external_data_files(load_model(source))
+    model = onnx.load(source, load_external_data=False)
 
     batch, rows_param, capacity_params = _role_dims(model.graph)
     if capacity_params and capacity is None and not capacity_params <= set(extra):
@@ -227,29 +207,12 @@ def fix_shapes(
 
     out = Path(out_dir)
     chunk_path, decode_path = out / CHUNK_MODEL, out / DECODE_MODEL
-    data_files = []
     try:
         out.mkdir(parents=True, exist_ok=True)
-        for location in _external_locations(model):
-            relative = Path(location)
-            if relative.is_absolute() or ".." in relative.parts:
-                raise ModelStructureError(
-                    f"{source} keeps external data at {location!r}, outside its folder; "
-                    f"re-save the model with its data beside it"
-                )
-            data_source = source.parent / relative
-            if not data_source.is_file():
-                raise ModelLoadError(
-                    f"{source} refers to external data {location!r} which is missing from "
-                    f"{source.parent}; restore the file next to the model"
-                )
-            _copy_into(data_source, out / relative)
-            data_files.append(out / relative)
-        _save_into(chunk, chunk_path)
-        _save_into(decode, decode_path)
+        written = _write_outputs(out, data_files, chunk, decode)
     except OSError as error:
         raise OutputError(f"cannot write into {out}: {error}; choose a writable folder") \
             from error
     logger.info("fixed %s: %s (rows %d) and %s (rows 1), dims %s", source, chunk_path, rows,
                 decode_path, chunk_values)
-    return FixedShapes(chunk_path, decode_path, chunk_values, data_files, free_outputs)
+    return FixedShapes(chunk_path, decode_path, chunk_values, written, free_outputs)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,24 @@ class StaticGenerationResult:
     """Real positions that fell off the rolling cache (the cache became a sliding window)."""
     chunks: int
     decode_steps: int
+    ttft_s: float
+    """Seconds from the call to the first generated token (alignment and chunked prefill)."""
+    decode_tokens_per_s: float | None
+    """Tokens per second of the decode steps after the first token; None without any."""
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StaticPrefill:
+    """A prompt after chunked prefill: the cache it filled and the first token's logits."""
+
+    aligned: AlignedPrompt
+    cache: RollingKVCache
+    logits: np.ndarray
+    """The last real row's logits [vocab]: they give the first generated token."""
+    chunks: int
+    began: float
+    """`time.perf_counter()` when the request started (for the time to first token)."""
     warnings: list[str] = field(default_factory=list)
 
 
@@ -226,15 +245,11 @@ class StaticRunner:
         assert logits is not None
         return logits[-1], chunks
 
-    def generate(
-        self,
-        prompt_ids: Sequence[int] | np.ndarray,
-        max_new_tokens: int,
-        *,
-        eos_token_id: int | None = None,
-    ) -> StaticGenerationResult:
-        """Greedy tokens for `prompt_ids`: chunked prefill, then single-row decode steps, stopping
-        after `max_new_tokens` or at `eos_token_id`."""
+    def start(
+        self, prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int
+    ) -> StaticPrefill:
+        """Check the request, align the prompt and run its chunks on a fresh cache."""
+        began = time.perf_counter()
         ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
         outside = ids[(ids < 0) | (ids >= self.vocab_size)]
         if len(outside):
@@ -253,11 +268,21 @@ class StaticRunner:
         spec = self.chunk_spec
         cache = RollingKVCache(spec.num_layers, spec.kv_heads, spec.capacity, spec.head_size,
                                dtype=spec.kv_dtype)
-        last_logits, chunks = self.prefill(aligned, cache)
-        tokens = [int(np.argmax(last_logits))]
+        logits, chunks = self.prefill(aligned, cache)
+        return StaticPrefill(aligned, cache, logits, chunks, began, warnings)
+
+    def decode(
+        self, prefill: StaticPrefill, max_new_tokens: int, *, eos_token_id: int | None = None
+    ) -> StaticGenerationResult:
+        """Greedy tokens after `start`: the first from the prefill's logits, the rest one row at
+        a time through the decode graph on the same cache (which this call rolls on)."""
+        tokens = [int(np.argmax(prefill.logits))]
+        ttft = time.perf_counter() - prefill.began
+        aligned, cache = prefill.aligned, prefill.cache
         valid = aligned.valid
         position = aligned.kept_len
         steps = 0
+        decode_began = time.perf_counter()
         while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
             start = len(valid)
             valid = np.append(valid, True)
@@ -267,15 +292,31 @@ class StaticRunner:
             tokens.append(int(np.argmax(logits[-1])))
             position += 1
             steps += 1
+        decode_s = time.perf_counter() - decode_began
+        warnings = list(prefill.warnings)
         dropped = cache.stats.real_positions_dropped
         if dropped:
             warnings.append(
                 f"{dropped} real positions dropped off the KV cache of capacity "
-                f"C={spec.capacity}: attention became a sliding window"
+                f"C={self.limits.capacity}: attention became a sliding window"
             )
             logger.warning("%s", warnings[-1])
         return StaticGenerationResult(
             tokens=tokens, prompt_len=aligned.prompt_len, aligned_len=aligned.aligned_len,
             pad_count=aligned.pad_count, truncated_tokens=aligned.truncated_count,
-            dropped_positions=dropped, chunks=chunks, decode_steps=steps, warnings=warnings,
+            dropped_positions=dropped, chunks=prefill.chunks, decode_steps=steps,
+            ttft_s=ttft, decode_tokens_per_s=steps / decode_s if steps and decode_s > 0 else None,
+            warnings=warnings,
         )
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int] | np.ndarray,
+        max_new_tokens: int,
+        *,
+        eos_token_id: int | None = None,
+    ) -> StaticGenerationResult:
+        """Greedy tokens for `prompt_ids`: chunked prefill, then single-row decode steps, stopping
+        after `max_new_tokens` or at `eos_token_id`."""
+        return self.decode(self.start(prompt_ids, max_new_tokens), max_new_tokens,
+                           eos_token_id=eos_token_id)

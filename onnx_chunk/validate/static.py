@@ -18,8 +18,8 @@ import onnx_ir as ir
 
 from onnx_chunk.errors import ConfigError, OnnxChunkError
 from onnx_chunk.models.static_decoder import METADATA_PREFIX
-from onnx_chunk.runtime.alignment import StaticLimits, align_prompt
-from onnx_chunk.runtime.rolling_kv import RollingKVCache
+from onnx_chunk.runtime.alignment import StaticLimits
+from onnx_chunk.runtime.static_model import DECODE_FILE, find_decode_model
 from onnx_chunk.runtime.static_runner import StaticRunner
 from onnx_chunk.validate.checks import STATIC
 from onnx_chunk.validate.prompts import boundary_lengths, seeded_prompt
@@ -28,7 +28,6 @@ from onnx_chunk.validate.runs import Advance
 from onnx_chunk.validate.subject import Subject
 from onnx_chunk.validate.timing import Stopwatch
 
-DECODE_FILE = "decode.onnx"
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 
 
@@ -181,11 +180,7 @@ def _decode_graph(subject: Subject, settings: StaticSettings,
     assert shape is not None
     decode = settings.decode_model
     if decode is None:
-        sibling = subject.path.parent / DECODE_FILE
-        if shape.rows == 1:
-            decode = subject.path
-        elif sibling.is_file() and sibling.resolve() != subject.path.resolve():
-            decode = sibling
+        decode = subject.path if shape.rows == 1 else find_decode_model(subject.path)
     if decode is None:
         return None, (Outcome.SKIPPED, f"no decode graph (1 row) given; pass --decode-model "
                       f"or put {DECODE_FILE} beside the model", {})
@@ -214,11 +209,9 @@ def _chunked_vs_whole(runner: StaticRunner, decode: Path, settings: StaticSettin
     for length in lengths:
         prompt = seeded_prompt(runner.vocab_size, length, settings.seed)
         new_tokens = min(settings.new_tokens, limits.capacity - length + 1)
-        chunked_logits, chunked_kv = _prefill(runner, prompt)
-        whole_logits, whole_kv = _prefill(whole, prompt)
-        chunked_tokens = runner.generate(prompt, new_tokens).tokens
+        chunked_logits, chunked_kv, chunked_tokens = _run(runner, prompt, new_tokens)
         advance(f"static chunked {length}")
-        whole_tokens = whole.generate(prompt, new_tokens).tokens
+        whole_logits, whole_kv, whole_tokens = _run(whole, prompt, new_tokens)
         advance(f"static whole {length}")
         rows.append({"length": length, "new_tokens": new_tokens,
                      "tokens_equal": chunked_tokens == whole_tokens,
@@ -244,12 +237,13 @@ def _chunked_vs_whole(runner: StaticRunner, decode: Path, settings: StaticSettin
             details)
 
 
-def _prefill(runner: StaticRunner, prompt: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
-    """The last real row's logits and every layer's K and V over the prompt's real positions."""
-    aligned = align_prompt(prompt, runner.limits, pad_id=runner.pad_token_id)
-    spec = runner.chunk_spec
-    cache = RollingKVCache(spec.num_layers, spec.kv_heads, spec.capacity, spec.head_size,
-                           dtype=spec.kv_dtype)
-    logits, _ = runner.prefill(aligned, cache)
-    real = slice(spec.capacity - aligned.kept_len, spec.capacity)
-    return logits, [array[:, :, real] for array in (*cache.keys, *cache.values)]
+def _run(runner: StaticRunner, prompt: np.ndarray, new_tokens: int
+         ) -> tuple[np.ndarray, list[np.ndarray], list[int]]:
+    """One generation: the prefill's last real row of logits, every layer's K and V over the
+    prompt's real positions right after prefill, and the greedy tokens."""
+    prefill = runner.start(prompt, new_tokens)
+    cache = prefill.cache
+    real = slice(cache.capacity - prefill.aligned.kept_len, cache.capacity)
+    kv = [array[:, :, real] for array in (*cache.keys, *cache.values)]
+    tokens = runner.decode(prefill, new_tokens).tokens
+    return prefill.logits, kv, tokens

@@ -17,19 +17,11 @@ import onnx_ir as ir
 
 from onnx_chunk.errors import ModelLoadError
 from onnx_chunk.model_io import load_model
+from onnx_chunk.runtime.static_model import StaticGraphShape, static_shape
 
 _GENAI_CONFIG = "genai_config.json"
 _DEFAULT_FILE = "model.onnx"
 _STATIC_CHUNK_FILE = "chunk.onnx"
-
-
-@dataclass(frozen=True)
-class StaticShape:
-    """The fixed sizes read off a static decoder's additive mask [1, 1, c, C]."""
-
-    mask_input: str
-    rows: int
-    capacity: int
 
 
 @dataclass
@@ -39,7 +31,7 @@ class Subject:
     path: Path
     model: ir.Model
     external_data_error: str | None
-    static: StaticShape | None
+    static: StaticGraphShape | None
 
 
 def resolve_model_file(path: str | os.PathLike) -> Path:
@@ -95,21 +87,3 @@ def _graph_only(model_path: Path, load_error: ModelLoadError) -> ir.Model:
         return ir.serde.deserialize_model(proto)
     except Exception as error:  # onnx_ir wraps every deserialisation failure differently
         raise load_error from error
-
-
-def static_shape(model: ir.Model) -> StaticShape | None:
-    """The static decoder's sizes when the graph is one, else None.
-
-    A static decoder has no free dimension on any input and an additive floating-point mask
-    shaped [1, 1, c, C] (c query rows, C KV capacity).
-    """
-    mask = None
-    for value in model.graph.inputs:
-        shape = value.shape
-        if shape is None or not all(isinstance(dim, int) for dim in shape.dims):
-            return None
-        dtype = value.dtype
-        if (mask is None and dtype is not None and dtype.is_floating_point()
-                and len(shape) == 4 and tuple(shape.dims[:2]) == (1, 1)):
-            mask = StaticShape(value.name, int(shape[2]), int(shape[3]))
-    return mask

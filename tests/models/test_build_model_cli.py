@@ -50,13 +50,24 @@ def test_unwritable_output_is_an_error_line(tmp_path, capsys):
 def test_build_model_static_variant(tmp_path, capsys):
     assert main(["build-model", "tiny", "-o", str(tmp_path), "--variant", "static",
                  "--chunk-size", "4", "--capacity", "32"]) == 0
-    model = onnx.load(str(tmp_path / "model.onnx"), load_external_data=False)
-    dims = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
-    assert dims["input_ids"] == [1, 4]
-    assert dims["past_key_values.0.key"][2] == 32
+    out = capsys.readouterr().out
+    assert str(tmp_path / "model.onnx") in out and str(tmp_path / "decode.onnx") in out
+    for name, rows in (("model.onnx", 4), ("decode.onnx", 1)):
+        model = onnx.load(str(tmp_path / name), load_external_data=False)
+        dims = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim]
+                for i in model.graph.input}
+        assert dims["input_ids"] == [1, rows]
+        assert dims["past_key_values.0.key"][2] == 32
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "decode.onnx", "model.onnx", "model.onnx.data"]
 
 
 def test_build_model_static_needs_sizes(tmp_path, capsys):
     assert main(["build-model", "tiny", "-o", str(tmp_path), "--variant", "static"]) == 2
     assert "needs --chunk-size and --capacity" in capsys.readouterr().err
     assert main(["build-model", "tiny", "-o", str(tmp_path), "--capacity", "8"]) == 2
+    capsys.readouterr()
+    assert main(["build-model", "tiny", "-o", str(tmp_path), "--variant", "static",
+                 "--chunk-size", "1", "--capacity", "8"]) == 2
+    assert "c >= 2" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

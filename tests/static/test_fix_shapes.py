@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 
 from onnx_chunk.cli import main
-from onnx_chunk.errors import ConfigError, ModelLoadError, ModelStructureError
+from onnx_chunk.errors import ConfigError, ModelLoadError, ModelStructureError, OutputError
 from onnx_chunk.models.static_shapes import fix_shapes
 
 from .static_sizes import CPU, SEED
@@ -123,3 +123,36 @@ def test_cli_writes_both_graphs_and_reports_errors_on_one_line(dynamic_copy, tmp
     code = main(["fix-shapes", str(dynamic_copy), "-o", str(out), "--rows", "4",
                  "--dim", "past_sequence_length"])
     assert code == 2 and "NAME=VALUE" in capsys.readouterr().err
+
+
+def test_external_data_escaping_by_symlink_or_truncated_is_refused(dynamic_copy, tmp_path):
+    data = dynamic_copy.parent / "model.onnx.data"
+    outside = tmp_path / "elsewhere.data"
+    data.rename(outside)
+    data.symlink_to(outside)
+    with pytest.raises(ModelLoadError, match="outside the model's folder"):
+        fix_shapes(dynamic_copy, tmp_path / "out", rows=ROWS, capacity=CAPACITY)
+    data.unlink()
+    size = outside.stat().st_size
+    with outside.open("rb") as source:
+        data.write_bytes(source.read(size // 2))
+    with pytest.raises(ModelLoadError, match="truncated"):
+        fix_shapes(dynamic_copy, tmp_path / "out", rows=ROWS, capacity=CAPACITY)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_failure_while_writing_leaves_no_output(dynamic_copy, tmp_path, monkeypatch):
+    from pathlib import Path
+
+    real_write = Path.write_bytes
+
+    def failing_write(path, data):
+        if path.name == "decode.onnx":
+            raise OSError(28, "No space left on device")
+        return real_write(path, data)
+
+    monkeypatch.setattr(Path, "write_bytes", failing_write)
+    out = tmp_path / "out"
+    with pytest.raises(OutputError, match="No space left"):
+        fix_shapes(dynamic_copy, out, rows=ROWS, capacity=CAPACITY)
+    assert list(out.iterdir()) == []

@@ -73,3 +73,14 @@ def test_without_a_decode_graph_the_comparison_is_skipped(static_pair, capsys):
     assert code == 0
     assert outcomes["static.decode_graph"] == outcomes["static.chunked_vs_whole"] == "skipped"
     assert outcomes["static.graph"] == outcomes["static.limits"] == "passed"
+
+
+def test_the_decode_graph_beside_a_built_pair_is_found(tmp_path):
+    assert main(["build-model", "tiny", "-o", str(tmp_path), "--variant", "static",
+                 "--chunk-size", str(CHUNK), "--capacity", str(CAPACITY)]) == 0
+    checks = _by_name(validate_model(tmp_path, ValidationOptions(provider="cpu",
+                                                                 lengths=(3, 8))))
+    assert checks["static.decode_graph"].outcome is Outcome.PASSED
+    assert checks["static.decode_graph"].details["decode_model"] == str(tmp_path / "decode.onnx")
+    runs = checks["static.chunked_vs_whole"].details["runs"]
+    assert [run["length"] for run in runs] == [3, 8] and all(run["tokens_equal"] for run in runs)

@@ -1,0 +1,72 @@
+"""`onnx-chunk generate` on a static (fixed-shape) decoder: the body `generate` calls when the
+model is static or `--static` is given.
+
+The chunk graph's rows c and capacity C are fixed; `--chunk-size` and `--kv-capacity` only
+state what the caller expects and must match them. `--max-input-len` is L. What the fixed
+shapes cost (truncated tokens, positions dropped off the rolling cache) is printed with every
+prompt, and `--strict` refuses such requests instead. `generate` opens the runner with
+`onnx_chunk.runtime.static_model.load_static` (which checks those options against the graph)
+and hands it to `run_static_generate`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+
+from onnx_chunk.runtime.static_runner import StaticGenerationResult, StaticRunner
+
+
+def static_record(index: int, prompt: Sequence[int], result: StaticGenerationResult) -> dict:
+    """The JSON object printed for one prompt."""
+    return {
+        "prompt": index,
+        "prompt_tokens": len(prompt),
+        "tokens": result.tokens,
+        "truncated_tokens": result.truncated_tokens,
+        "dropped_positions": result.dropped_positions,
+        "warnings": result.warnings,
+        "ttft_s": result.ttft_s,
+        "decode_tokens_per_s": result.decode_tokens_per_s,
+        "aligned_len": result.aligned_len,
+        "pad_count": result.pad_count,
+        "chunks": result.chunks,
+    }
+
+
+def _format(entry: dict) -> str:
+    speed = entry["decode_tokens_per_s"]
+    lines = [f"prompt {entry['prompt']} ({entry['prompt_tokens']} tokens): "
+             f"{' '.join(map(str, entry['tokens']))}",
+             f"  aligned {entry['aligned_len']} (pad {entry['pad_count']}, truncated "
+             f"{entry['truncated_tokens']}) | chunks {entry['chunks']} | ttft "
+             f"{entry['ttft_s'] * 1000:.1f} ms | decode "
+             f"{'-' if speed is None else f'{speed:.1f}'} tok/s | dropped "
+             f"{entry['dropped_positions']}"]
+    lines += [f"  warning: {warning}" for warning in entry["warnings"]]
+    return "\n".join(lines)
+
+
+def run_static_generate(
+    runner: StaticRunner,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    eos_token_id: int | None = None,
+    as_json: bool = False,
+    echo: Callable[[str], None],
+) -> list[StaticGenerationResult]:
+    """Generate greedily for each prompt in order and `echo` one line (JSON) or block (text)
+    per prompt, after a header line in text mode; returns the results."""
+    if not as_json:
+        limits, spec = runner.limits, runner.chunk_spec
+        echo(f"static decoder: provider {runner.device.label}, L={limits.max_input_len}, "
+             f"c={limits.chunk_size}, C={limits.capacity} (decode room {limits.decode_room}), "
+             f"{spec.num_layers} layers{', strict' if runner.strict else ''}")
+    results = []
+    for index, prompt in enumerate(prompts):
+        result = runner.generate(prompt, max_new_tokens, eos_token_id=eos_token_id)
+        entry = static_record(index, prompt, result)
+        echo(json.dumps(entry) if as_json else _format(entry))
+        results.append(result)
+    return results

@@ -1,0 +1,115 @@
+"""Generation on a static pair: `build-model --variant static`, `load_static` and the CLI body."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+
+from onnx_chunk.cli import main
+from onnx_chunk.cli.static_generate import run_static_generate
+from onnx_chunk.errors import CapacityError, ConfigError, ModelLoadError, ModelStructureError
+from onnx_chunk.runtime.static_model import is_static_model, load_static
+
+from .static_sizes import CAPACITY, CHUNK, MAX_INPUT, SEED
+
+
+@pytest.fixture(scope="module")
+def pair_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("static-pair")
+    assert main(["build-model", "tiny", "-o", str(out), "--variant", "static", "--chunk-size",
+                 str(CHUNK), "--capacity", str(CAPACITY), "--seed", str(SEED)]) == 0
+    return out
+
+
+def _rows_and_capacity(path):
+    model = onnx.load(path, load_external_data=False)
+    dims = {value.name: [dim.dim_value for dim in value.type.tensor_type.shape.dim]
+            for value in model.graph.input}
+    return dims["input_ids"][1], dims["past_key_values.0.key"][2]
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 256, length).tolist()
+
+
+def test_build_model_static_writes_a_runnable_pair_on_one_data_file(pair_dir):
+    assert sorted(path.name for path in pair_dir.iterdir()) == [
+        "decode.onnx", "model.onnx", "model.onnx.data"]
+    assert _rows_and_capacity(pair_dir / "model.onnx") == (CHUNK, CAPACITY)
+    assert _rows_and_capacity(pair_dir / "decode.onnx") == (1, CAPACITY)
+    decode = onnx.load(pair_dir / "decode.onnx", load_external_data=False)
+    locations = {entry.value for tensor in decode.graph.initializer
+                 for entry in tensor.external_data if entry.key == "location"}
+    assert locations == {"model.onnx.data"}
+
+
+def test_static_models_are_detected_and_dynamic_ones_are_not(pair_dir, dynamic_models):
+    assert is_static_model(pair_dir) and is_static_model(pair_dir / "decode.onnx")
+    assert not is_static_model(dynamic_models(SEED))
+    with pytest.raises(ModelStructureError, match="not a static decoder"):
+        load_static(dynamic_models(SEED), provider="cpu")
+
+
+@pytest.mark.parametrize("length", [3, 16])
+def test_the_built_folder_generates_the_dynamic_models_tokens(pair_dir, dynamic_greedy, length):
+    runner = load_static(pair_dir, max_input_len=MAX_INPUT, chunk_size=CHUNK,
+                         kv_capacity=CAPACITY, provider="cpu")
+    prompt = _prompt(length, seed=length)
+    new = CAPACITY - MAX_INPUT
+    result = runner.generate(prompt, new)
+    assert result.tokens == dynamic_greedy(SEED, prompt, new)
+    assert result.ttft_s > 0 and result.decode_tokens_per_s > 0
+    assert result.decode_steps == new - 1
+
+
+def test_sizes_that_differ_from_the_graph_are_config_errors(pair_dir):
+    with pytest.raises(ConfigError, match=f"chunk size c=8 .* fixed at c={CHUNK}"):
+        load_static(pair_dir, chunk_size=8, provider="cpu")
+    with pytest.raises(ConfigError, match=f"KV capacity C=32 .* fixed at C={CAPACITY}"):
+        load_static(pair_dir, kv_capacity=32, provider="cpu")
+    with pytest.raises(ConfigError, match="not a multiple of the chunk size"):
+        load_static(pair_dir, max_input_len=10, provider="cpu")
+
+
+def test_a_missing_decode_graph_says_where_it_was_looked_for(pair_dir, tmp_path):
+    for name in ("model.onnx", "model.onnx.data"):
+        shutil.copy(pair_dir / name, tmp_path / name)
+    with pytest.raises(ModelLoadError, match="no decode graph .*decode.onnx"):
+        load_static(tmp_path, provider="cpu")
+    runner = load_static(tmp_path, decode_model=pair_dir / "decode.onnx", provider="cpu")
+    assert runner.decode_spec.rows == 1
+
+
+def test_json_reports_truncation_and_strict_refuses(pair_dir):
+    runner = load_static(pair_dir, max_input_len=MAX_INPUT, provider="cpu")
+    lines: list[str] = []
+    long_prompt, short_prompt = _prompt(MAX_INPUT + 5, seed=1), _prompt(6, seed=2)
+    results = run_static_generate(runner, [long_prompt, short_prompt], max_new_tokens=3,
+                                  as_json=True, echo=lines.append)
+    entries = [json.loads(line) for line in lines]
+    assert [entry["prompt_tokens"] for entry in entries] == [MAX_INPUT + 5, 6]
+    assert [entry["truncated_tokens"] for entry in entries] == [5, 0]
+    assert "left-truncated by 5 of 21" in entries[0]["warnings"][0]
+    assert entries[1]["warnings"] == [] and entries[1]["pad_count"] == 2
+    assert [entry["tokens"] for entry in entries] == [result.tokens for result in results]
+    assert all(len(entry["tokens"]) == 3 and entry["ttft_s"] > 0 for entry in entries)
+    assert {"dropped_positions", "decode_tokens_per_s"} <= set(entries[0])
+    strict = load_static(pair_dir, max_input_len=MAX_INPUT, provider="cpu", strict=True)
+    with pytest.raises(CapacityError, match="left truncation"):
+        run_static_generate(strict, [long_prompt], max_new_tokens=3, echo=lines.append)
+
+
+def test_text_output_has_a_header_and_the_warnings(pair_dir):
+    runner = load_static(pair_dir, max_input_len=MAX_INPUT, provider="cpu")
+    lines: list[str] = []
+    run_static_generate(runner, [_prompt(MAX_INPUT + 2, seed=4)], max_new_tokens=CAPACITY,
+                        echo=lines.append)
+    header, block = lines
+    assert header.startswith(f"static decoder: provider cpu, L={MAX_INPUT}, c={CHUNK}, "
+                             f"C={CAPACITY}")
+    assert "truncated 2" in block and "warning: prompt left-truncated" in block
+    assert "warning: " in block.splitlines()[-1] and "sliding window" in block
