@@ -30,11 +30,15 @@ def _chunks(generation: GenerationStats) -> str:
 @click.option("--provider", type=click.Choice(PROVIDER_CHOICES), default="auto",
               show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--specialize/--no-specialize", default=None,
+              help="Per-width variants (the ladder's sessions) or one shape-generic session "
+                   "(default: the provider's; one session on CPU).")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Keep the built models in this folder (default: a temporary folder).")
 @click.pass_context
 def demo(ctx: click.Context, preset: str, prompt_tokens: int, chunk_size: int,
-         max_new_tokens: int, provider: str, seed: int, out: Path | None) -> None:
+         max_new_tokens: int, provider: str, seed: int, specialize: bool | None,
+         out: Path | None) -> None:
     """Build, convert and run the default reference decoder; check it against one forward."""
     with ExitStack() as stack:
         folder = out if out is not None else Path(
@@ -45,7 +49,7 @@ def demo(ctx: click.Context, preset: str, prompt_tokens: int, chunk_size: int,
         converted = folder / "converted" / "model.onnx"
         save_model(model, converted)
 
-        runtime = load(converted, provider=provider)
+        runtime = load(converted, provider=provider, specialize=specialize)
         vocab = runtime.ports.vocab_size
         rng = np.random.default_rng(seed)
         prompt = rng.integers(0, vocab, prompt_tokens).tolist()

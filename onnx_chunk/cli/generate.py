@@ -60,6 +60,9 @@ def record(index: int, prompt: list[int], tokens: list[int], generation: Generat
             "ladder": list(stats.ladder),
             "padding": stats.padding,
             "padding_refused": cache.padding_refused,
+            "specialize": stats.specialize,
+            "weights_bytes": stats.weights_bytes,
+            "weights_shared": stats.weights_shared,
             "compiles": cache.compiles,
             "hits": cache.hits,
             "evictions": cache.evictions,
@@ -102,13 +105,15 @@ def _format(entry: dict) -> str:
 @click.option("--capacity", type=click.IntRange(min=2), default=None,
               help="KV capacity in positions (default: the model's maximum).")
 @click.option("--no-padding", is_flag=True, help="Run remainder chunks at their own width.")
-@click.option("--specialize/--no-specialize", default=True, show_default=True,
-              help="One session per ladder width, or one shape-generic session.")
+@click.option("--specialize/--no-specialize", default=None,
+              help="One session per ladder width, or one shape-generic session (default: the "
+                   "provider's: one session on CPU, per-width variants on CUDA).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt per line.")
 def generate(model: Path, ids_text: str | None, ids_file: Path | None,
              random_prompt: int | None, seed: int, max_new_tokens: int,
              eos_token_id: int | None, chunk_size: int | None, provider: str,
-             capacity: int | None, no_padding: bool, specialize: bool, as_json: bool) -> None:
+             capacity: int | None, no_padding: bool, specialize: bool | None,
+             as_json: bool) -> None:
     """Generate greedily from MODEL with chunked prefill."""
     given = [name for name, value in (("--ids", ids_text), ("--ids-file", ids_file),
                                       ("--random-prompt", random_prompt)) if value is not None]
@@ -122,7 +127,9 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
         stats = runtime.stats()
         click.echo(f"provider {stats.provider} ({stats.device}), capacity {stats.capacity}, "
                    f"chunk {stats.chunk_size}, ladder {','.join(map(str, stats.ladder))}, "
-                   f"padding {'on' if stats.padding else 'off'}")
+                   f"padding {'on' if stats.padding else 'off'}, "
+                   + ("one shape-generic session" if stats.specialize is False
+                      else "variants per width"))
     for index, prompt in enumerate(prompts):
         sequence = runtime.open_sequence()
         tokens = sequence.generate(prompt, max_new_tokens, eos_token_id)

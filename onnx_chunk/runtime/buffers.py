@@ -31,7 +31,7 @@ import numpy as np
 import onnxruntime as ort
 
 from onnx_chunk.errors import ProviderError
-from onnx_chunk.runtime.memory import _cudart
+from onnx_chunk.runtime.memory import cudart
 from onnx_chunk.runtime.ports import BufferPort
 from onnx_chunk.runtime.provider import Device
 
@@ -175,10 +175,10 @@ def _read(buffer: DeviceBuffer) -> np.ndarray:
 @functools.lru_cache(maxsize=1)
 def _cuda_memcpy():
     """cudaMemcpy of the CUDA runtime the memory readings use, or None without one."""
-    cudart = _cudart()
-    if cudart is None:
+    library = cudart()
+    if library is None:
         return None
-    memcpy = cudart.cudaMemcpy
+    memcpy = library.cudaMemcpy
     memcpy.restype = ctypes.c_int
     memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return memcpy

@@ -28,9 +28,11 @@ from onnx_chunk.runtime.ports import ModelPorts, model_ports
 from onnx_chunk.runtime.provider import Device, MaskPolicy, resolve_device
 from onnx_chunk.runtime.sequence import Sequence
 from onnx_chunk.runtime.session_factory import (QUANTIZED_MATMUL, SessionFactory,
-                                                 load_shared_weights)
+                                                 SharedWeights, load_shared_weights,
+                                                 owned_by_session)
 from onnx_chunk.runtime.stats import RuntimeStats
-from onnx_chunk.runtime.variant_cache import EXACT, Specialize, VariantCache, VariantKey
+from onnx_chunk.runtime.variant_cache import (EXACT, Specialize, VariantCache, VariantKey,
+                                              variant_key)
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ class Runtime:
         capacity: int | None = None,
         chunk_size: int | None = None,
         padding: bool | None = None,
-        specialize: Specialize = True,
+        specialize: Specialize | None = None,
         max_variants: int | None = None,
         mask_policy: MaskPolicy | str | None = None,
         intra_op_threads: int | None = None,
@@ -75,18 +77,27 @@ class Runtime:
         self.tiers: tuple[int, ...] = (plan.ladder if plan.ladder and plan.chunk_size ==
                                        self.chunk_size and max_variants is None
                                        else ladder_tiers(self.chunk_size, variants))
+        if specialize is None:
+            specialize = self.device.specialize
         if specialize not in (True, False, EXACT):
             raise ConfigError(f"specialize must be True, False or {EXACT!r}, got {specialize!r}")
         self.specialize: Specialize = specialize
+        self.decode_key: VariantKey = variant_key(DECODE_WIDTH, self.tiers, specialize)
         self.ports: ModelPorts = model_ports(model, plan, self.capacity)
         self.embeddings = self._embeddings(embeddings)
-        self._padding, refused = resolve_padding(plan.padding, padding)
+        # Padding pays only where a padded chunk reuses a variant built for its width.
+        self._padding, refused = resolve_padding(plan.padding, padding,
+                                                 default=specialize is not False)
         self._padding_lock = threading.Lock()
         fixed_dims = dict(self.ports.fixed_dims)
         if self.device.mask_policy is MaskPolicy.CAPACITY and self.ports.mask_dim is not None:
             fixed_dims[self.ports.mask_dim] = self.capacity
         self._quantized = any(node.op_type == QUANTIZED_MATMUL for node in model.graph.all_nodes())
-        self.weights = load_shared_weights(model, self.device)
+        meter = meter_for(self.device.device_type, self.device.device_id)
+        # One session (the shape-generic mode) loads its own weights the plain way; several
+        # variants share one copy loaded here (see session_factory).
+        self.weights: SharedWeights = (owned_by_session(model) if specialize is False
+                                       else load_shared_weights(model, self.device, meter))
         self.factory = SessionFactory(self.model_path, self.weights, self.device,
                                       query_dim=self.ports.query_dim, fixed_dims=fixed_dims,
                                       intra_op_threads=intra_op_threads)
@@ -98,8 +109,7 @@ class Runtime:
         self._graph_slots: dict[ort.InferenceSession, GraphSlots] = {}
         self._graph_widths: set[int] = set()
         self.cache: VariantCache[ort.InferenceSession] = VariantCache(
-            self._build_variant, self._release_variant, cap=variants,
-            meter=meter_for(self.device.device_type, self.device.device_id))
+            self._build_variant, self._release_variant, cap=variants, meter=meter)
         self.cache.note_padding_refused(refused)
         logger.info("loaded %s on %s: capacity %d, chunk %d, ladder %s, padding %s",
                     self.model_path, self.device.label, self.capacity, self.chunk_size,
@@ -132,6 +142,8 @@ class Runtime:
             specialize=self.specialize,
             padding=self._padding,
             weights_bytes=self.weights.nbytes,
+            weights_shared=self.weights.shared,
+            weights_resident_bytes=self.weights.resident_bytes,
             sessions_created=self.factory.sessions_created,
             cache=self.cache.snapshot(),
             graph_widths=tuple(sorted(self._graph_widths)),
@@ -199,7 +211,7 @@ def load(
     capacity: int | None = None,
     chunk_size: int | None = None,
     padding: bool | None = None,
-    specialize: Specialize = True,
+    specialize: Specialize | None = None,
     max_variants: int | None = None,
     mask_policy: MaskPolicy | str | None = None,
     intra_op_threads: int | None = None,
@@ -215,11 +227,15 @@ def load(
     chunk_size: the prefill chunk width W; default the model's
         runtime_configurable.chunked_prefill.chunk_size (an unconverted model gets what
         `onnx-chunk convert` would declare), else the capacity (no chunking).
-    padding: None follows the environment (ONNX_CHUNK_PREFILL_QUERY_PADDING=0 switches it off);
-        False switches it off; the model's plan can always refuse it.
-    specialize: True: one session per ladder width and one for decode, other widths share one
-        shape-generic session; False: one shape-generic session for everything; "exact": a
-        session per distinct width (the naive per-shape cache that thrashes, for comparison).
+    padding: None follows the environment (ONNX_CHUNK_PREFILL_QUERY_PADDING=0 switches it off,
+        =1 on), else the mode's default: on with per-width variants, off with the one
+        shape-generic session (a padded chunk there only computes more rows); True or False
+        decide; the model's plan can always refuse it.
+    specialize: None: the provider's default (Device.specialize: shape-generic on CPU,
+        per-width on CUDA); True: one session per ladder width and one for decode, other widths
+        share one shape-generic session, all sharing one copy of the weights; False: one
+        shape-generic session for everything, which loads its own weights; "exact": a session
+        per distinct width (the naive per-shape cache that thrashes, for comparison).
     max_variants: the variant cache cap (default the plan's); also sizes the ladder.
     mask_policy: "logical" or "capacity"; default chosen per provider.
     embeddings: the [vocab, hidden] table of an inputs_embeds decoder (default the

@@ -60,22 +60,22 @@ def cuda_used_bytes(device_id: int = 0) -> int | None:
     The first call on a process creates the device's primary context, the one ONNX Runtime's
     CUDA provider shares, so it is inside every later reading.
     """
-    cudart = _cudart()
-    if cudart is None:
+    library = cudart()
+    if library is None:
         return None
     previous = ctypes.c_int(0)
-    if cudart.cudaGetDevice(ctypes.byref(previous)) != 0:
+    if library.cudaGetDevice(ctypes.byref(previous)) != 0:
         return None
-    if cudart.cudaSetDevice(device_id) != 0:
+    if library.cudaSetDevice(device_id) != 0:
         return None
     try:
         free = ctypes.c_size_t(0)
         total = ctypes.c_size_t(0)
-        if cudart.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) != 0:
+        if library.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) != 0:
             return None
         return total.value - free.value
     finally:
-        cudart.cudaSetDevice(previous.value)
+        library.cudaSetDevice(previous.value)
 
 
 class MemoryMeter(Protocol):
@@ -144,7 +144,12 @@ def _psutil_rss_bytes() -> int | None:
 
 
 @functools.lru_cache(maxsize=1)
-def _cudart() -> ctypes.CDLL | None:
+def cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime library, or None where none loads (loaded once per process).
+
+    Tried by soname, then from the nvidia-* wheels; cudaGetDevice, cudaSetDevice and
+    cudaMemGetInfo are declared. Device buffers use it for partial device-to-host copies.
+    """
     for candidate in (*_CUDART_NAMES, *_wheel_cudart_paths()):
         try:
             library = ctypes.CDLL(candidate)

@@ -165,6 +165,7 @@ def resolve_padding(
     plan_padding: Eligibility,
     requested: bool | None = None,
     env: Mapping[str, str] | None = None,
+    default: bool = True,
 ) -> tuple[bool, str | None]:
     """Whether padding runs for a model, and the reason when it does not.
 
@@ -173,12 +174,14 @@ def resolve_padding(
        per-token): off, with the plan's reasons. No argument can force unsafe padding.
     2. The caller asked (`requested` True or False): that.
     3. Either environment variable of PADDING_ENV_VARS set to 0/false/off/no: off.
-    4. Otherwise: on.
+    4. Either set to 1/true/on/yes (or empty): on.
+    5. Otherwise `default`: on where per-width variants exist, off for a runtime of one
+       shape-generic session (there a padded chunk only computes more rows; docs/runtime.md).
     Environment values other than 0/false/off/no/1/true/on/yes (or empty) are a ConfigError.
     """
     env = os.environ if env is None else env
-    switched_off = [name for name in PADDING_ENV_VARS
-                    if name in env and not _env_flag(name, env[name])]
+    flags = {name: _env_flag(name, env[name]) for name in PADDING_ENV_VARS if name in env}
+    switched_off = [name for name, flag in flags.items() if not flag]
     if not plan_padding.eligible:
         reasons = "; ".join(plan_padding.reasons) or "the model's plan does not allow padding"
         return False, f"refused by the model: {reasons}"
@@ -186,7 +189,9 @@ def resolve_padding(
         return (True, None) if requested else (False, "switched off by the caller")
     if switched_off:
         return False, f"switched off by {switched_off[0]}={env[switched_off[0]]}"
-    return True, None
+    if flags or default:
+        return True, None
+    return False, "off by default for the one shape-generic session (no per-width variants)"
 
 
 def _env_flag(name: str, value: str) -> bool:

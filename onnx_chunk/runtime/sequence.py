@@ -36,11 +36,12 @@ from onnx_chunk.errors import ConfigError, InputError, ModelStructureError
 from onnx_chunk.runtime.buffers import DeviceBuffer, SequenceBuffers, device_zeros
 from onnx_chunk.runtime.cuda_graphs import GraphRuns
 from onnx_chunk.runtime.kv_state import LogicalLength
+from onnx_chunk.runtime.ladder import DECODE_WIDTH
 from onnx_chunk.runtime.padding import PaddedForward, QueryAxisShrunk, plan_forward
 from onnx_chunk.runtime.ports import LOGITS_OUTPUT, MASK_INPUT
 from onnx_chunk.runtime.provider import Device, MaskPolicy
 from onnx_chunk.runtime.stats import ChunkRecord, GenerationStats, SequenceStats
-from onnx_chunk.runtime.variant_cache import variant_key
+from onnx_chunk.runtime.variant_cache import VariantKey, variant_key
 
 if TYPE_CHECKING:
     from onnx_chunk.runtime.engine import Runtime
@@ -96,10 +97,11 @@ class Sequence:
         self._mask = device_zeros((1, runtime.capacity), ports.mask_dtype, runtime.device)
         if runtime.device.mask_policy is MaskPolicy.LOGICAL:
             self._mask.write(np.ones((1, runtime.capacity), dtype=ports.mask_dtype))
+        # A decode step's inputs, shaped as its binding's buffers.
         if ports.hidden_size is None:
-            self._step_tokens = np.zeros((1,), dtype=ports.token_dtype)
+            self._step_tokens = np.zeros((1, 1), dtype=ports.token_dtype)
         else:
-            self._step_tokens = np.zeros((1, ports.hidden_size), dtype=ports.token_dtype)
+            self._step_tokens = np.zeros((1, 1, ports.hidden_size), dtype=ports.token_dtype)
         self._step_positions = np.zeros((1, 1), dtype=np.int64)
         self._stats = SequenceStats(length=0, capacity=runtime.capacity,
                                     kv_bytes=self._buffers.nbytes)
@@ -194,16 +196,23 @@ class Sequence:
         generation.ttft_s = time.perf_counter() - start
         generation.new_tokens = 1
         yield token
-        for _ in range(max_new_tokens - 1):
-            if token == eos_token_id:
-                generation.stopped_by_eos = True
-                return
-            began = time.perf_counter()
-            token = int(np.argmax(self._step(token)))
-            # Only the step is timed: a stream's consumer may take its time between tokens.
-            generation.decode_s += time.perf_counter() - began
-            generation.new_tokens += 1
-            yield token
+        if max_new_tokens == 1 or token == eos_token_id:
+            generation.stopped_by_eos = token == eos_token_id
+            return
+        # The decode variant is pinned for the whole loop (it cannot be evicted meanwhile, and
+        # other threads still get the rest of the cache); each step then costs no cache lookup.
+        runtime = self.runtime
+        with runtime.cache.acquire(runtime.decode_key) as session:
+            binding = self._binding(session, DECODE_WIDTH)
+            for _ in range(max_new_tokens - 1):
+                began = time.perf_counter()
+                token = int(np.argmax(self._step_on(session, binding, token)))
+                # Only the step is timed: a stream's consumer may take its time between tokens.
+                generation.decode_s += time.perf_counter() - began
+                generation.new_tokens += 1
+                yield token
+                if token == eos_token_id:
+                    break
         generation.stopped_by_eos = token == eos_token_id
 
     def _prefill(self, ids: np.ndarray, all_logits: bool,
@@ -259,16 +268,24 @@ class Sequence:
         return self._read(logits, real_rows, forward.real_rows, need), forward.width
 
     def _step(self, token: int) -> np.ndarray:
-        """One decode forward; its logits row (a view of the logits buffer on a host device)."""
-        past = self._length.length
-        if self.runtime.embeddings is None:
-            self._step_tokens[0] = token
+        """One decode forward on the decode variant, acquired for this step alone."""
+        runtime = self.runtime
+        with runtime.cache.acquire(runtime.decode_key) as session:
+            return self._step_on(session, self._binding(session, DECODE_WIDTH), token)
+
+    def _step_on(self, session: ort.InferenceSession, binding: _Binding,
+                 token: int) -> np.ndarray:
+        """One decode forward on a pinned session; its logits row (a view on a host device)."""
+        runtime = self.runtime
+        if runtime.embeddings is None:
+            self._step_tokens[0, 0] = token
         else:
-            self._step_tokens[0] = self.runtime.embeddings[token]
-        self._step_positions[0, 0] = past
-        ports = ({} if self.runtime.ports.position_ids is None
-                 else {self.runtime.ports.position_ids: self._step_positions})
-        logits = self._run(PaddedForward(1, 1, past, self._step_tokens, ports))
+            self._step_tokens[0, 0] = runtime.embeddings[token]
+        binding.tokens.write(self._step_tokens)
+        if binding.positions is not None:
+            self._step_positions[0, 0] = self._length.length
+            binding.positions.write(self._step_positions)
+        logits = self._run_bound(runtime.decode_key, session, binding, DECODE_WIDTH)
         self._buffers.swap_state()
         self._length.advance(1)
         self._stats.decode_forwards += 1
@@ -283,19 +300,35 @@ class Sequence:
             binding.tokens.write(forward.tokens.reshape(binding.tokens.shape))
             if binding.positions is not None:
                 binding.positions.write(forward.ports[runtime.ports.position_ids])
-            mask = self._length.mask_for(forward.width)
-            if runtime.device.mask_policy is MaskPolicy.CAPACITY:
-                self._mask.write(mask)
-            else:
-                _bind_prefix(binding.io, MASK_INPUT, self._mask, mask.shape, runtime.device)
-            self._buffers.bind_state(binding.io)
-            first_run = binding.logits is None
+            return self._run_bound(key, session, binding, forward.width)
+
+    def _run_bound(self, key: VariantKey, session: ort.InferenceSession, binding: _Binding,
+                   width: int) -> DeviceBuffer:
+        """Bind the mask and state for `width` rows and run; the logits buffer."""
+        runtime = self.runtime
+        mask = self._length.mask_for(width)
+        if runtime.device.mask_policy is MaskPolicy.CAPACITY:
+            self._mask.write(mask)
+        else:
+            _bind_prefix(binding.io, MASK_INPUT, self._mask, mask.shape, runtime.device)
+        self._buffers.bind_state(binding.io)
+        if binding.logits is not None:
             options = (None if binding.graphs is None
-                       else binding.graphs.options(first_run, self._buffers.parity))
+                       else binding.graphs.options(False, self._buffers.parity))
             session.run_with_iobinding(binding.io, options)
-            if first_run:
-                self._adopt_logits(binding)
             return binding.logits
+        options = (None if binding.graphs is None
+                   else binding.graphs.options(True, self._buffers.parity))
+        if runtime.device.host_visible:
+            session.run_with_iobinding(binding.io, options)
+        else:
+            # Off the host, a variant's arena and CUDA graph come with its first run: the
+            # cache charges that growth to the variant (on CPU the resident set would also
+            # take in this sequence's KV pages, written for the first time here).
+            runtime.cache.measure_growth(
+                key, session, lambda: session.run_with_iobinding(binding.io, options))
+        self._adopt_logits(binding)
+        return binding.logits
 
     def _binding(self, session: ort.InferenceSession, width: int) -> _Binding:
         # The runtime holds the bindings per live session and drops them when the cache

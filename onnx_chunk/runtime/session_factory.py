@@ -31,6 +31,19 @@ small as the 4-bit weights themselves. Sessions of a model with MatMulNBits all 
 Sessions are specialised per width with `add_free_dimension_override_by_name` (DESIGN.md fact
 4: 3-8% faster on CPU than the dynamic session, 20-35 ms to create for a 4M-parameter model).
 
+The shared weights are the runtime's, not a variant's: on CPU they are faulted in (one byte read
+per page) when they are loaded, with the resident set read around it (`SharedWeights.
+resident_bytes`), so that a variant's build reading sees only what the variant adds. Before,
+the first variant (the decode session, which pre-packs and so reads every weight) was charged
+581 MiB on the bench decoder: its own 300 MiB packed copy plus 281 MiB of shared pages it
+happened to fault in.
+
+When the runtime holds one session only (the shape-generic mode, the CPU default), sharing buys
+nothing: the factory is made without shared weights and the session loads its own the plain
+way, pre-packs them and frees the originals (bench decoder after one decode step: 426 MiB
+resident, a plain ORT session 392 MiB, per-width variants 804 MiB: 381 MiB of shared maps plus
+a 295 MiB packed copy).
+
 On CUDA the shared OrtValues live on the GPU, and `add_initializer` with a value already on the
 provider's device is used in place: the weights are on the device once, and each variant adds
 only its activations (and its CUDA graph, when it captures). A session asked to capture a CUDA
@@ -41,6 +54,7 @@ is created again without capture, with a warning; `cuda_graphs.session_captures`
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -51,31 +65,51 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from onnx_chunk.errors import ModelLoadError, ProviderError
+from onnx_chunk.runtime.memory import MemoryMeter, measured
 from onnx_chunk.runtime.provider import Device
 
 logger = logging.getLogger(__name__)
 
 DISABLE_PREPACKING_KEY = "session.disable_prepacking"
+_PAGE_SIZE = mmap.PAGESIZE
 QUANTIZED_MATMUL = "MatMulNBits"
 
 
 @dataclass(frozen=True)
 class SharedWeights:
-    """The external initializers of a model, loaded once as OrtValues on one device."""
+    """The external initializers of a model, loaded once as OrtValues on one device.
+
+    `nbytes`: their size; `resident_bytes`: what loading them (and, on CPU, faulting every page
+    in) made the meter grow by, None without a meter or a reading. `owned_by_session` gives
+    the weights of a runtime whose one session loads its own (no values, `shared` False).
+    """
 
     names: tuple[str, ...]
     values: tuple[ort.OrtValue, ...]
     nbytes: int
+    resident_bytes: int | None = None
+    shared: bool = True
     _keep_alive: tuple[np.ndarray, ...] = field(repr=False, default=())
 
 
-def load_shared_weights(model: ir.Model, device: Device) -> SharedWeights:
+def load_shared_weights(model: ir.Model, device: Device,
+                        meter: MemoryMeter | None = None) -> SharedWeights:
     """Load every external initializer of `model` once, as OrtValues on `device`.
 
-    On a host-visible device the OrtValues wrap copy-on-write memory maps of the data files (no
-    read happens until a kernel touches a page); elsewhere each tensor is copied to the device
-    once.
+    On a host-visible device the OrtValues wrap copy-on-write memory maps of the data files,
+    faulted in here (so the pages are the runtime's, not the first variant's); elsewhere each
+    tensor is copied to the device once. `meter` is read around it (`resident_bytes`).
     """
+    if meter is None:
+        loaded, grown = _load_values(model, device), None
+    else:
+        loaded, grown = measured(meter, lambda: _load_values(model, device))
+    names, values, nbytes, arrays = loaded
+    return SharedWeights(names, values, nbytes, resident_bytes=grown, _keep_alive=arrays)
+
+
+def _load_values(model: ir.Model, device: Device) -> tuple[
+        tuple[str, ...], tuple[ort.OrtValue, ...], int, tuple[np.ndarray, ...]]:
     names: list[str] = []
     values: list[ort.OrtValue] = []
     arrays: list[np.ndarray] = []
@@ -87,6 +121,7 @@ def load_shared_weights(model: ir.Model, device: Device) -> SharedWeights:
                 continue
             array = _map_external(tensor)
             if device.host_visible:
+                _fault_in(array)
                 ort_value = ort.OrtValue.ortvalue_from_numpy(array)
                 arrays.append(array)
             else:
@@ -97,7 +132,20 @@ def load_shared_weights(model: ir.Model, device: Device) -> SharedWeights:
             nbytes += array.nbytes
     logger.info("loaded %d external initializers (%d bytes) once for all sessions on %s",
                 len(names), nbytes, device.label)
-    return SharedWeights(tuple(names), tuple(values), nbytes, tuple(arrays))
+    return tuple(names), tuple(values), nbytes, tuple(arrays)
+
+
+def owned_by_session(model: ir.Model) -> SharedWeights:
+    """No shared weights: the one session loads `model`'s own; `nbytes` says their size."""
+    nbytes = sum(value.const_value.nbytes for graph in model.graphs()
+                 for value in graph.initializers.values()
+                 if isinstance(value.const_value, ir.ExternalTensor))
+    return SharedWeights((), (), nbytes, shared=False)
+
+
+def _fault_in(array: np.ndarray) -> int:
+    """Read one byte of every page of `array`, so that all of it is resident; their sum."""
+    return int(array.reshape(-1).view(np.uint8)[::_PAGE_SIZE].sum(dtype=np.uint64))
 
 
 def _map_external(tensor: ir.ExternalTensor) -> np.ndarray:
@@ -122,7 +170,8 @@ class SessionFactory:
     """Creates the sessions of one model on one device, all sharing `SharedWeights`.
 
     Rules:
-    1. Every session gets every external initializer through `add_initializer`.
+    1. Every session gets every external initializer through `add_initializer`; without
+       `weights` (a runtime of one session) each session loads its own from the data files.
     2. `fixed_dims` (batch, KV capacity, a capacity-wide mask) are overridden in every session;
        a session for a width also overrides `query_dim`; width None is shape-generic.
     3. Pre-packing is on only when `prepack` is asked for (the runtime asks for the decode

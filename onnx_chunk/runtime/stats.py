@@ -53,6 +53,10 @@ class SequenceStats:
 class RuntimeStats:
     """How a loaded model runs, and its variant cache's counters.
 
+    `weights_bytes`: the model's external weights; `weights_shared`: whether the runtime holds
+    them once for all its variants (else its one session loads its own, and the cache's
+    reading of that session includes them); `weights_resident_bytes`: what loading the shared
+    weights made the process (CPU) or the device (CUDA) hold, never charged to a variant.
     `graph_widths`: the variant widths whose sessions were built to capture CUDA graphs.
     """
 
@@ -68,4 +72,6 @@ class RuntimeStats:
     weights_bytes: int
     sessions_created: int
     cache: CacheStats
+    weights_shared: bool = True
+    weights_resident_bytes: int | None = None
     graph_widths: tuple[int, ...] = ()

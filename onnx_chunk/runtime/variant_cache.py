@@ -13,10 +13,17 @@ ladder bounds the working set; this cache bounds what is held and counts what ha
    the cap is reached and every live variant is pinned, the caller waits until one is unpinned,
    rather than going past the cap.
 4. A thread that already pins a variant never waits for a slot (it could wait for itself): it gets
-   a ConfigError instead. The runtime holds one variant at a time, so it never meets this.
+   a ConfigError instead. The runtime holds one variant per forward, and a stream holds its
+   decode variant between tokens (see runtime.md, "The decode loop").
 5. Builds (and the releases that make room for them) run one at a time, so that each build's
    memory reading (a `MemoryMeter` read before and after) sees that build alone.
 6. Every counter is bumped by the event it names: a build, a hit, an eviction, a wait.
+7. What a variant allocates after its build (on CUDA the activation arena and CUDA graphs come
+   with its first runs) is charged to it by `measure_growth`: a meter reading around an action
+   (its first run), taken under the build lock like a build's, added to that variant's bytes.
+   Each variant is measured so once; a variant released meanwhile is charged nothing.
+8. A pin belongs to the thread that took it (rule 4), even when it is released elsewhere (a
+   generator closed by another thread).
 
 Keys are query widths; None is the shape-generic variant (reported as "dynamic"), which serves
 any width that should not get a variant of its own (see `variant_key`).
@@ -41,6 +48,7 @@ from onnx_chunk.runtime.memory import MemoryMeter, measured
 logger = logging.getLogger(__name__)
 
 V = TypeVar("V")
+T = TypeVar("T")
 
 VariantKey = int | None
 Specialize = bool | Literal["exact"]
@@ -84,6 +92,8 @@ class CacheStats:
     `widths` lists the distinct keys ever acquired (ints ascending, then "dynamic");
     `variant_bytes` maps each live variant's key label to the bytes its build was measured at
     (0 when no meter is set or the reading was unavailable); `bytes_held` is their sum.
+    `growth_readings` counts the readings `measure_growth` took after builds, `growth_bytes`
+    what they added (already inside `variant_bytes`).
     `padding_refused` is filled by the runtime with the reason padding is off, if it is.
     """
 
@@ -100,6 +110,8 @@ class CacheStats:
     peak_bytes_held: int = 0
     variant_bytes: dict[int | str, int] = field(default_factory=dict)
     build_seconds: float = 0.0
+    growth_readings: int = 0
+    growth_bytes: int = 0
     padding_refused: str | None = None
 
 
@@ -108,6 +120,7 @@ class _Entry(Generic[V]):
     variant: V
     size: int
     pins: int = 0
+    grown: bool = False
 
 
 def _release_nothing(variant: object) -> None:
@@ -142,11 +155,41 @@ class VariantCache(Generic[V]):
     @contextmanager
     def acquire(self, key: VariantKey) -> Iterator[V]:
         """Pin the variant for `key` (building it on a miss) for the duration of the block."""
-        entry = self._pin(key)
+        thread = threading.get_ident()
+        entry = self._pin(key, thread)
         try:
             yield entry.variant
         finally:
-            self._unpin(entry)
+            self._unpin(entry, thread)
+
+    def measure_growth(self, key: VariantKey, variant: V, action: Callable[[], T]) -> T:
+        """Run `action` (the variant's first run); charge what the meter grew by to `key`.
+
+        Only the first call for a live variant takes readings (rule 7); later calls, calls
+        without a meter and calls for a variant no longer cached just run `action`.
+        """
+        with self._cond:
+            entry = self._entries.get(key)
+            wanted = (self._meter is not None and entry is not None
+                      and entry.variant is variant and not entry.grown)
+            if wanted:
+                entry.grown = True
+        if not wanted:
+            return action()
+        with self._build_lock:
+            result, grown = measured(self._meter, action)
+        with self._cond:
+            stats = self._stats
+            stats.growth_readings += 1
+            if grown and self._entries.get(key) is entry:
+                entry.size += grown
+                stats.growth_bytes += grown
+                stats.variant_bytes[key_label(key)] = entry.size
+                stats.bytes_held += grown
+                stats.peak_bytes_held = max(stats.peak_bytes_held, stats.bytes_held)
+        logger.debug("variant %s grew by %s bytes on its first run", key_label(key),
+                     "unmeasured" if grown is None else grown)
+        return result
 
     def snapshot(self) -> CacheStats:
         """A copy of the counters, consistent at one instant."""
@@ -173,8 +216,7 @@ class VariantCache(Generic[V]):
                 self._release(entry.variant)
         return len(released)
 
-    def _pin(self, key: VariantKey) -> _Entry[V]:
-        thread = threading.get_ident()
+    def _pin(self, key: VariantKey, thread: int) -> _Entry[V]:
         with self._cond:
             if key not in self._seen:
                 self._seen.add(key)
@@ -244,10 +286,10 @@ class VariantCache(Generic[V]):
                      "unmeasured" if size is None else size)
         return entry
 
-    def _unpin(self, entry: _Entry[V]) -> None:
+    def _unpin(self, entry: _Entry[V], thread: int) -> None:
         with self._cond:
             entry.pins -= 1
-            self._count_pin(threading.get_ident(), -1)
+            self._count_pin(thread, -1)
             if entry.pins == 0:
                 self._cond.notify_all()
 

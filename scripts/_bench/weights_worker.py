@@ -1,7 +1,9 @@
 """Measurement process for scripts/bench_weights.py: resident memory as sessions are added.
 
-argv[1] is a JSON object: model, mode ("shared": onnx-chunk's variants, one copy of the weights;
-"naive": one plain ONNX Runtime session per width, each loading the model itself), widths.
+argv[1] is a JSON object: model, mode ("shared": onnx-chunk's per-width variants, one copy of
+the weights; "generic": onnx-chunk's CPU default, one shape-generic session that loads its own
+weights; "naive": one plain ONNX Runtime session per width, each loading the model itself),
+widths.
 Each width gets its session and one forward at that width (so the weights a kernel touches are
 resident); the process's resident set is read after each. Prints one JSON object.
 """
@@ -17,10 +19,11 @@ import onnxruntime as ort
 from onnx_chunk.runtime.memory import process_rss_bytes
 
 
-def _shared(model: str, widths: list[int]) -> list[dict]:
+def _onnx_chunk(model: str, widths: list[int], specialize: bool) -> list[dict]:
     import onnx_chunk
 
-    runtime = onnx_chunk.load(model, provider="cpu", chunk_size=max(widths), padding=False)
+    runtime = onnx_chunk.load(model, provider="cpu", chunk_size=max(widths), padding=False,
+                              specialize=specialize)
     sequence = runtime.open_sequence()
     rows = []
     for width in widths:
@@ -31,7 +34,8 @@ def _shared(model: str, widths: list[int]) -> list[dict]:
         sequence.rewind(sequence.length)
         stats = runtime.cache.snapshot()
         rows.append({"width": width, "rss": process_rss_bytes(), "variants": stats.variants,
-                     "bytes_held": stats.bytes_held})
+                     "bytes_held": stats.bytes_held,
+                     "weights_resident": runtime.stats().weights_resident_bytes})
     return rows
 
 
@@ -59,8 +63,9 @@ def _naive(model: str, widths: list[int]) -> list[dict]:
 def main() -> None:
     request = json.loads(sys.argv[1])
     before = process_rss_bytes()
-    measure = _shared if request["mode"] == "shared" else _naive
-    rows = measure(request["model"], request["widths"])
+    mode, model, widths = request["mode"], request["model"], request["widths"]
+    rows = (_naive(model, widths) if mode == "naive"
+            else _onnx_chunk(model, widths, specialize=mode == "shared"))
     print(json.dumps({"baseline_rss": before, "rows": rows}))
 
 

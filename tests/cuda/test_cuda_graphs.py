@@ -116,7 +116,7 @@ def test_graph_runs_on_cpu_sessions_marked_capturing(reference_model, monkeypatc
     """
     path = reference_model(variant)
     device = dataclasses.replace(device_for("cpu"), host_visible=False,
-                                 mask_policy=MaskPolicy.CAPACITY)
+                                 mask_policy=MaskPolicy.CAPACITY, specialize=True)
     reference = load(path, device=device, capacity=96, chunk_size=16)
     expected = [reference.open_sequence().generate(PROMPT, 5) for _ in range(2)]
     monkeypatch.setattr(engine, "session_captures", lambda session: True)

@@ -14,8 +14,9 @@ from onnx_chunk.runtime.buffers import device_zeros
 from onnx_chunk.runtime.provider import MaskPolicy, device_for
 
 PROMPT = np.random.default_rng(3).integers(0, 256, 45).tolist()
+# The CUDA path's shape on CPU: device memory, the capacity mask, per-width variants.
 DEVICE = dataclasses.replace(device_for("cpu"), host_visible=False,
-                             mask_policy=MaskPolicy.CAPACITY)
+                             mask_policy=MaskPolicy.CAPACITY, specialize=True)
 
 
 def test_partial_read_copies_only_the_range():

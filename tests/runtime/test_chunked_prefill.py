@@ -20,6 +20,7 @@ def _prompt(length, seed=0, vocab=256):
 
 def _load(path, **options):
     options.setdefault("capacity", CAPACITY)
+    options.setdefault("specialize", True)  # the ladder's variants (CPU defaults to one)
     return load(path, provider="cpu", **options)
 
 

@@ -55,9 +55,9 @@ def test_meter_for():
 
 @pytest.fixture
 def no_cached_cudart():
-    memory._cudart.cache_clear()
+    memory.cudart.cache_clear()
     yield
-    memory._cudart.cache_clear()
+    memory.cudart.cache_clear()
 
 
 def test_cuda_reading_is_none_without_a_runtime(monkeypatch, no_cached_cudart):
@@ -90,14 +90,14 @@ class _FakeCudart:
 
 def test_cuda_reading_is_used_memory_and_restores_the_device(monkeypatch):
     fake = _FakeCudart(free=30 * MIB, total=100 * MIB)
-    monkeypatch.setattr(memory, "_cudart", lambda: fake)
+    monkeypatch.setattr(memory, "cudart", lambda: fake)
     assert cuda_used_bytes(5) == 70 * MIB
     assert fake.set_calls == [5, 2]
 
 
 def test_cuda_error_status_reads_none(monkeypatch):
     fake = _FakeCudart(free=1, total=2, status=100)  # cudaErrorNoDevice
-    monkeypatch.setattr(memory, "_cudart", lambda: fake)
+    monkeypatch.setattr(memory, "cudart", lambda: fake)
     assert cuda_used_bytes(0) is None
     assert fake.set_calls == [0, 2]
 

@@ -12,7 +12,7 @@ PROMPT = np.random.default_rng(3).integers(0, 256, 2 * W + 11).tolist()
 
 
 def _pair(path):
-    chunked = load(path, provider="cpu", capacity=128, chunk_size=W)
+    chunked = load(path, provider="cpu", capacity=128, chunk_size=W, specialize=True)
     whole = load(path, provider="cpu", capacity=128, chunk_size=128, padding=False)
     return chunked, whole
 

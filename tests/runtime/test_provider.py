@@ -50,3 +50,42 @@ def test_probe_checks_the_created_session():
     if failure is not None:
         with pytest.raises(ProviderError, match="cannot run on this machine"):
             resolve_device("cuda")
+
+
+def test_specialisation_default_lives_in_the_device():
+    assert device_for("cpu").specialize is False
+    assert device_for("cuda").specialize is True
+
+
+class _NoisyLibraryFailure(Exception):
+    """What a fake CUDA session raises after writing to fd 2, as ORT's C++ loader does."""
+
+
+def test_the_cuda_probe_prints_nothing_and_logs_why(monkeypatch, capfd, caplog):
+    import os
+
+    def noisy_preload():
+        os.write(2, b"Failed to load libcudart.so.13\n")
+
+    def noisy_session(*args, **kwargs):
+        os.write(2, b"Failed to load libcublasLt.so.13 ... Please follow https://onnxruntime.ai\n")
+        raise _NoisyLibraryFailure("CUDA_PATH is set but CUDA wasn't able to be loaded")
+
+    module_ort = provider_module.ort
+    monkeypatch.setattr(module_ort, "get_available_providers",
+                        lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(module_ort, "preload_dlls", noisy_preload, raising=False)
+    monkeypatch.setattr(module_ort, "InferenceSession", noisy_session)
+    provider_module._cuda_failure.cache_clear()
+    caplog.set_level("INFO", logger=provider_module.__name__)
+    try:
+        chosen = resolve_device("auto", 7)
+    finally:
+        provider_module._cuda_failure.cache_clear()
+    os.write(2, b"after the probe\n")
+    captured = capfd.readouterr()
+    assert chosen.provider == "cpu"
+    assert captured.err == "after the probe\n"  # the probe's noise went nowhere, fd 2 is back
+    assert "CUDA wasn't able to be loaded" in caplog.text
+    assert any(record.levelname == "INFO" and "CUDA unusable" in record.getMessage()
+               for record in caplog.records)

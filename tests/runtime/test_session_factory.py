@@ -17,7 +17,8 @@ def _prepacks(session):
 
 @pytest.mark.parametrize("variant, prefill_prepacks", [("base", False), ("int4", True)])
 def test_prepacking_follows_the_rule(reference_model, variant, prefill_prepacks):
-    runtime = load(reference_model(variant), provider="cpu", capacity=64, chunk_size=16)
+    runtime = load(reference_model(variant), provider="cpu", capacity=64, chunk_size=16,
+                   specialize=True)
     with runtime.cache.acquire(1) as decode, runtime.cache.acquire(16) as prefill:
         assert _prepacks(decode)
         assert _prepacks(prefill) == prefill_prepacks
@@ -28,7 +29,8 @@ def test_prepacking_follows_the_rule(reference_model, variant, prefill_prepacks)
 
 
 def test_sessions_are_specialised_per_width(reference_model):
-    runtime = load(reference_model("base"), provider="cpu", capacity=64, chunk_size=16)
+    runtime = load(reference_model("base"), provider="cpu", capacity=64, chunk_size=16,
+                   specialize=True)
     with runtime.cache.acquire(16) as session:
         shapes = {value.name: value.shape for value in session.get_inputs()}
     assert shapes["input_ids"] == [1, 16]
@@ -36,7 +38,7 @@ def test_sessions_are_specialised_per_width(reference_model):
 
 
 def test_weights_are_mapped_not_copied(reference_model):
-    runtime = load(reference_model("base"), provider="cpu", capacity=64)
+    runtime = load(reference_model("base"), provider="cpu", capacity=64, specialize=True)
     weights = runtime.weights
     assert len(weights.names) == len(weights.values) > 0
     assert weights.nbytes == sum(array.nbytes for array in weights._keep_alive)

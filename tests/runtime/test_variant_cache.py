@@ -356,3 +356,43 @@ def test_no_variant_in_use_is_ever_evicted_under_concurrency():
 @given(st.integers(1, 600))
 def test_exact_keys_give_every_width_its_own_variant(width):
     assert variant_key(width, ladder_tiers(512, 4), specialize=EXACT) == width
+
+
+def test_growth_after_build_is_charged_to_its_variant_once():
+    provider = _Provider({1: 100, 16: 40})
+    cache = _cache(provider, cap=2)
+
+    def first_run(grow):
+        def action():
+            provider.meter_value += grow
+            return grow
+        return action
+
+    with cache.acquire(1) as decode:
+        assert cache.measure_growth(1, decode, first_run(30)) == 30
+        assert cache.measure_growth(1, decode, first_run(7)) == 7  # measured once only
+    stats = cache.snapshot()
+    assert stats.variant_bytes == {1: 130}
+    assert (stats.bytes_held, stats.growth_readings, stats.growth_bytes) == (130, 1, 30)
+    with cache.acquire(16) as prefill:
+        cache.measure_growth(16, prefill, first_run(5))
+    assert cache.snapshot().variant_bytes == {1: 130, 16: 45}
+    # A variant no longer cached (evicted meanwhile) is charged nothing.
+    with cache.acquire(32):
+        pass
+    cache.measure_growth(1, decode, first_run(9))
+    stats = cache.snapshot()
+    assert 1 not in stats.variant_bytes and stats.growth_readings == 2
+    assert stats.bytes_held == sum(stats.variant_bytes.values())
+
+
+def test_a_pin_released_on_another_thread_is_counted_for_its_owner():
+    cache = VariantCache(lambda key: object(), cap=1)
+    held = cache.acquire(1)
+    held.__enter__()
+    closer = threading.Thread(target=held.__exit__, args=(None, None, None))
+    closer.start()
+    closer.join()
+    with cache.acquire(2):  # would raise (this thread "holds" one) if the pin were miscounted
+        pass
+    assert cache.snapshot().evictions == 1
