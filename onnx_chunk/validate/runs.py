@@ -46,8 +46,14 @@ class PromptRun:
 
 def load_runtime(model_path: Path, settings: RunSettings, *, chunk_size: int,
                  padding: bool | None) -> Runtime:
+    """A runtime for one validation mode, always with per-width variants.
+
+    Per-width variants are what pads and what a cache can thrash (the CUDA default); the CPU
+    provider's default, one shape-generic session, has neither. Every mode uses them, so the
+    whole, chunked and padded runs are compared on the same kind of sessions.
+    """
     return load(model_path, provider=settings.provider, capacity=settings.capacity,
-                chunk_size=chunk_size, padding=padding)
+                chunk_size=chunk_size, padding=padding, specialize=True)
 
 
 def run_prompt(runtime: Runtime, length: int, settings: RunSettings) -> PromptRun:
