@@ -9,14 +9,15 @@ __version__ = "0.1.0"
 
 # The runtime API, re-exported lazily so that `import onnx_chunk` (and `onnx-chunk --help`)
 # does not pay for importing ONNX Runtime.
-_RUNTIME_API = ("GenerationStats", "Runtime", "RuntimeStats", "Sequence", "SequenceStats", "load")
+_RUNTIME_API = ("GenerationStats", "Runtime", "RuntimeStats", "Sequence", "SequenceStats",
+                "StaticLimits", "StaticRunner", "load", "load_static", "suggest_capacity")
 
-__all__ = ["GenerationStats", "Runtime", "RuntimeStats", "Sequence", "SequenceStats", "__version__",
-           "load"]
+__all__ = [*_RUNTIME_API, "__version__"]
 
 if TYPE_CHECKING:
     from onnx_chunk.runtime import (GenerationStats, Runtime, RuntimeStats, Sequence,
-                                    SequenceStats, load)
+                                    SequenceStats, StaticLimits, StaticRunner, load,
+                                    load_static, suggest_capacity)
 
 
 def __getattr__(name: str) -> Any:

@@ -9,9 +9,11 @@ from pathlib import Path
 import click
 import numpy as np
 
+from onnx_chunk.cli.static_generate import run_static_generate
 from onnx_chunk.errors import InputError
-from onnx_chunk.runtime import GenerationStats, Runtime, RuntimeStats, load
+from onnx_chunk.runtime import GenerationStats, RuntimeStats, load
 from onnx_chunk.runtime.provider import PROVIDER_CHOICES
+from onnx_chunk.runtime.static_model import is_static_model, load_static
 
 _SEPARATORS = re.compile(r"[\s,]+")
 
@@ -108,21 +110,52 @@ def _format(entry: dict) -> str:
 @click.option("--specialize/--no-specialize", default=None,
               help="One session per ladder width, or one shape-generic session (default: the "
                    "provider's: one session on CPU, per-width variants on CUDA).")
+@click.option("--static", is_flag=True,
+              help="Run MODEL as a static (fixed-shape) decoder; detected from the model too.")
+@click.option("--max-input-len", type=click.IntRange(min=1), default=None,
+              help="static: the longest prompt L (default: the largest multiple of c below C).")
+@click.option("--kv-capacity", type=click.IntRange(min=1), default=None,
+              help="static: the expected KV capacity C; must match the graph.")
+@click.option("--decode-model", type=click.Path(path_type=Path), default=None,
+              help="static: the rows-1 graph (default: decode.onnx beside MODEL).")
+@click.option("--strict", is_flag=True,
+              help="static: refuse truncation or a sliding cache instead of warning.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt per line.")
 def generate(model: Path, ids_text: str | None, ids_file: Path | None,
              random_prompt: int | None, seed: int, max_new_tokens: int,
              eos_token_id: int | None, chunk_size: int | None, provider: str,
-             capacity: int | None, no_padding: bool, specialize: bool | None,
-             as_json: bool) -> None:
-    """Generate greedily from MODEL with chunked prefill."""
+             capacity: int | None, no_padding: bool, specialize: bool | None, static: bool,
+             max_input_len: int | None, kv_capacity: int | None, decode_model: Path | None,
+             strict: bool, as_json: bool) -> None:
+    """Generate greedily from MODEL with chunked prefill (dynamic or static decoders)."""
     given = [name for name, value in (("--ids", ids_text), ("--ids-file", ids_file),
                                       ("--random-prompt", random_prompt)) if value is not None]
     if len(given) != 1:
         raise click.UsageError("give exactly one of --ids, --ids-file, --random-prompt"
                                + (f" (got {', '.join(given)})" if given else ""))
+    dynamic_only = {"--capacity": capacity, "--no-padding": no_padding or None,
+                    "--specialize/--no-specialize": specialize}
+    static_only = {"--max-input-len": max_input_len, "--kv-capacity": kv_capacity,
+                   "--decode-model": decode_model, "--strict": strict or None}
+    if static or is_static_model(model):
+        _refuse("a static decoder", dynamic_only)
+        runner = load_static(model, decode_model=decode_model, max_input_len=max_input_len,
+                             chunk_size=chunk_size, kv_capacity=kv_capacity, provider=provider,
+                             strict=strict)
+        prompts = _prompts(runner.vocab_size, ids_text, ids_file, random_prompt, seed)
+        run_static_generate(runner, prompts, max_new_tokens=max_new_tokens,
+                            eos_token_id=eos_token_id, as_json=as_json, echo=click.echo)
+        return
+    _refuse("a dynamic decoder", static_only)
     runtime = load(model, provider=provider, capacity=capacity, chunk_size=chunk_size,
                    padding=False if no_padding else None, specialize=specialize)
-    prompts = _prompts(runtime, ids_text, ids_file, random_prompt, seed)
+    prompts = _prompts(runtime.ports.vocab_size, ids_text, ids_file, random_prompt, seed)
+    # Every prompt is checked before any runs, so a bad line N does not fail after N - 1
+    # prompts were already served.
+    checker = runtime.open_sequence()
+    for prompt in prompts:
+        checker.check_request(prompt, max_new_tokens)
+    del checker
     if not as_json:
         stats = runtime.stats()
         click.echo(f"provider {stats.provider} ({stats.device}), capacity {stats.capacity}, "
@@ -137,11 +170,17 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
         click.echo(json.dumps(entry) if as_json else _format(entry))
 
 
-def _prompts(runtime: Runtime, ids_text: str | None, ids_file: Path | None,
+def _refuse(kind: str, options: dict[str, object]) -> None:
+    given = [name for name, value in options.items() if value is not None]
+    if given:
+        raise click.UsageError(f"{', '.join(given)} cannot be used with {kind}")
+
+
+def _prompts(vocab_size: int, ids_text: str | None, ids_file: Path | None,
              random_prompt: int | None, seed: int) -> list[list[int]]:
     if ids_text is not None:
         return [parse_ids(ids_text)]
     if ids_file is not None:
         return read_ids_file(ids_file)
     rng = np.random.default_rng(seed)
-    return [rng.integers(0, runtime.ports.vocab_size, random_prompt).tolist()]
+    return [rng.integers(0, vocab_size, random_prompt).tolist()]

@@ -1,19 +1,49 @@
-"""The onnx-chunk runtime: chunked prefill with KV at capacity on ONNX Runtime."""
+"""The onnx-chunk runtime: chunked prefill with KV at capacity on ONNX Runtime.
 
-from onnx_chunk.runtime.engine import Runtime, load
-from onnx_chunk.runtime.provider import Device, MaskPolicy, resolve_device
-from onnx_chunk.runtime.sequence import Sequence
-from onnx_chunk.runtime.stats import ChunkRecord, GenerationStats, RuntimeStats, SequenceStats
+Names are imported lazily, so that pure modules of this package (the ladder, the padding plan)
+can be imported by the offline passes without importing ONNX Runtime.
+"""
 
-__all__ = [
-    "ChunkRecord",
-    "Device",
-    "GenerationStats",
-    "MaskPolicy",
-    "Runtime",
-    "RuntimeStats",
-    "Sequence",
-    "SequenceStats",
-    "load",
-    "resolve_device",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Public name -> the module that defines it.
+_API = {
+    "ChunkRecord": "stats",
+    "Device": "provider",
+    "GenerationStats": "stats",
+    "MaskPolicy": "provider",
+    "Runtime": "engine",
+    "RuntimeStats": "stats",
+    "Sequence": "sequence",
+    "SequenceStats": "stats",
+    "StaticGenerationResult": "static_runner",
+    "StaticLimits": "alignment",
+    "StaticRunner": "static_runner",
+    "is_static_model": "static_model",
+    "load": "engine",
+    "load_static": "static_model",
+    "resolve_device": "provider",
+    "suggest_capacity": "alignment",
+}
+
+__all__ = sorted(_API)
+
+if TYPE_CHECKING:
+    from onnx_chunk.runtime.alignment import StaticLimits, suggest_capacity
+    from onnx_chunk.runtime.engine import Runtime, load
+    from onnx_chunk.runtime.provider import Device, MaskPolicy, resolve_device
+    from onnx_chunk.runtime.sequence import Sequence
+    from onnx_chunk.runtime.static_model import is_static_model, load_static
+    from onnx_chunk.runtime.static_runner import StaticGenerationResult, StaticRunner
+    from onnx_chunk.runtime.stats import (ChunkRecord, GenerationStats, RuntimeStats,
+                                          SequenceStats)
+
+
+def __getattr__(name: str) -> Any:
+    module = _API.get(name)
+    if module is None:
+        raise AttributeError(f"module 'onnx_chunk.runtime' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"onnx_chunk.runtime.{module}"), name)

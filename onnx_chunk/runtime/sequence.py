@@ -160,8 +160,19 @@ class Sequence:
                eos_token_id: int | None = None) -> Iterator[int]:
         """Like `generate`, yielding each token as soon as it is produced.
 
-        Every check (empty prompt, ids outside the vocabulary, prompt plus new tokens beyond
-        the capacity) runs here, before any work and before the first token is asked for.
+        Every check (`check_request`) runs here, before any work and before the first token is
+        asked for.
+        """
+        ids = self.check_request(token_ids, max_new_tokens)
+        return self._generate(ids, int(max_new_tokens), eos_token_id)
+
+    def check_request(self, token_ids: SequenceOf[int] | np.ndarray,
+                      max_new_tokens: int) -> np.ndarray:
+        """The ids of a generation request, checked without running anything.
+
+        Raises InputError for an empty prompt, ids outside the vocabulary or of a non-integer
+        dtype, or a bad `max_new_tokens`; CapacityError when the prompt plus the new tokens do
+        not fit in what is left of this sequence's capacity.
         """
         ids = self._token_ids(token_ids)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
@@ -170,7 +181,7 @@ class Sequence:
             raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         self._length.check_room(len(ids) + int(max_new_tokens),
                                 f"a prompt of {len(ids)} tokens plus {max_new_tokens} new tokens")
-        return self._generate(ids, int(max_new_tokens), eos_token_id)
+        return ids
 
     def rewind(self, count: int) -> None:
         """Drop the last `count` positions (the next forward overwrites them).

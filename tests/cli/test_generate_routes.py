@@ -1,0 +1,55 @@
+"""`onnx-chunk generate` routes static decoders to the static runner and checks every prompt
+before it runs any."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from onnx_chunk.cli import main
+from onnx_chunk.models.static_decoder import build_static_pair
+
+
+@pytest.fixture(scope="module")
+def static_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("static")
+    build_static_pair(folder, "tiny", chunk_size=8, capacity=64)
+    return folder
+
+
+def test_a_static_model_is_detected_and_generated(static_folder, capsys):
+    assert main(["generate", str(static_folder), "--random-prompt", "20",
+                 "--max-new-tokens", "3", "--json"]) == 0
+    entry = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(entry["tokens"]) == 3 and entry["aligned_len"] == 24 and entry["pad_count"] == 4
+
+
+@pytest.mark.parametrize("extra,kind", [(["--capacity", "32"], "static"),
+                                        (["--no-padding"], "static")])
+def test_dynamic_options_are_refused_for_static_models(static_folder, capsys, extra, kind):
+    assert main(["generate", str(static_folder), "--ids", "1,2", "--max-new-tokens", "2",
+                 *extra]) == 2
+    assert f"cannot be used with a {kind} decoder" in capsys.readouterr().err
+
+
+def test_static_options_are_refused_for_dynamic_models(reference_model, capsys):
+    assert main(["generate", str(reference_model("base")), "--ids", "1,2",
+                 "--max-new-tokens", "2", "--kv-capacity", "64"]) == 2
+    assert "cannot be used with a dynamic decoder" in capsys.readouterr().err
+
+
+def test_every_prompt_is_checked_before_any_runs(reference_model, tmp_path, capsys):
+    ids = tmp_path / "ids.txt"
+    ids.write_text("1 2 3\n4 5 6\n7 99999\n")
+    assert main(["generate", str(reference_model("base")), "--ids-file", str(ids),
+                 "--max-new-tokens", "2", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "outside the vocabulary" in captured.err
+
+
+def test_the_offline_passes_do_not_import_onnxruntime():
+    code = ("import sys, onnx_chunk.passes, onnx_chunk.runtime.ladder; "
+            "sys.exit('onnxruntime' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
