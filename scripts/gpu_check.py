@@ -131,8 +131,9 @@ def main(dry_run: bool, preset: str, chunk_size: int, capacity: int, new_tokens:
     click.echo(f"model {model} ({preset}) in {time.perf_counter() - began:.1f} s; "
                f"onnxruntime {ort.__version__} at {Path(ort.__file__).parent}")
     if dry_run:
+        # The CPU device dressed as CUDA: no host view, capacity-wide mask, per-width variants.
         off = dataclasses.replace(device_for("cpu"), host_visible=False,
-                                  mask_policy=MaskPolicy.CAPACITY)
+                                  mask_policy=MaskPolicy.CAPACITY, specialize=True)
         on = off
     else:
         off = resolve_device("cuda", device_id, cuda_graphs=False)
