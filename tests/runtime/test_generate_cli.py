@@ -84,8 +84,13 @@ def test_demo_runs_and_checks_against_one_forward(tmp_path, capsys):
                  "4", "--provider", "cpu", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0, out
+    # The CPU default (one session, no padding), then the per-width variants with the ladder.
+    assert "== one shape-generic session (provider default)" in out
     assert "150 tokens -> chunks 64, 64, 22\n" in out
-    assert "greedy tokens equal a whole-prompt forward" in out
+    assert "== per-width variants" in out
+    assert "157 tokens -> chunks 64, 64, 29->44" in out  # padded up the ladder 22, 44, 64
+    assert out.count("greedy tokens equal a whole-prompt forward") == 2
+    assert "new compiles 0" in out
     assert (tmp_path / "converted" / "model.onnx").is_file()
 
 
