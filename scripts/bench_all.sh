@@ -5,6 +5,8 @@
 #
 # --quick: a smoke run of every script (short prompts, 2 repetitions, 8 new tokens), a few
 # minutes. Without it: the full run (5 repetitions, prompts up to 4000 tokens, 32 new tokens).
+# fp32 (base) everywhere; INT4 for table 1 and the weights table, which keeps the full run
+# under 20 minutes on 2 cores.
 # Tables land in DIR (default bench-out/) as .md and .json, plots in docs/benchmarks/.
 set -euo pipefail
 
@@ -30,10 +32,16 @@ step() {
     echo "== $(( SECONDS - began )) s: $*" >&2
 }
 
-step "$PY" scripts/bench_vs_genai.py "${QUICK[@]}" --out "$OUT" --genai-venv "$GENAI_VENV"
+for variant in base int4; do
+    step "$PY" scripts/bench_vs_genai.py "${QUICK[@]}" --out "$OUT" --genai-venv "$GENAI_VENV" \
+        --variant "$variant"
+done
 step "$PY" scripts/bench_chunking.py "${QUICK[@]}" --out "$OUT"
 step "$PY" scripts/bench_overhead.py "${QUICK[@]}" --out "$OUT"
 step "$PY" scripts/bench_padding.py "${QUICK[@]}" --out "$OUT"
+for variant in base int4; do
+    step "$PY" scripts/bench_weights.py "${QUICK[@]}" --out "$OUT" --variant "$variant"
+done
 # Table 5: the tiny decoder at W=64 already runs in seconds, so --quick changes nothing here.
 began=$SECONDS
 step "$PY" scripts/cache_thrash.py | tee "$OUT/cache_thrash.md"

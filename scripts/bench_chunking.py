@@ -1,8 +1,9 @@
 """Table 2: chunked against whole-prompt prefill in onnx-chunk: peak RSS and TTFT per length.
 
-`chunked` is the default configuration (chunk width 512, ladder padding on, ladder variants
-created at load); `whole` feeds the prompt in one forward (chunk width = the KV capacity,
-padding off, as a runtime without chunking does). Both generate one token, enough for TTFT
+`chunked` is the provider's default configuration at chunk width 512 (on CPU: one
+shape-generic session, padding off; the decode variant created at load); `whole` feeds the
+prompt in one forward (chunk width = the KV capacity, padding off, as a runtime without
+chunking does). Both generate one token, enough for TTFT
 and the prefill's memory peak; each measurement is a fresh process, runs interleaved.
 
     .venv/bin/python scripts/bench_chunking.py [--variant int4]

@@ -1,7 +1,8 @@
 """Measurement process for onnx-chunk (run with the project's interpreter).
 
 argv[1] is a JSON object: model, prompts (lists of token ids), new_tokens, chunk_size,
-padding (true/false/null), mask_policy (null: the provider's), warm (create the decode
+padding (true/false/null), mask_policy (null: the provider's), specialize (null: the
+provider's default, on CPU one shape-generic session; true: per-width variants), warm (create the decode
 variant, and every ladder variant when padding is on, before the first request, as a server
 does at start; the widths of unpadded chunks cannot be known before), eos.
 Prints one JSON object: load_s (load and warm-up) and one result per prompt, served in order
@@ -30,7 +31,8 @@ def main() -> None:
     request = json.loads(sys.argv[1])
     began = time.perf_counter()
     runtime = rt.load(request["model"], provider="cpu", chunk_size=request["chunk_size"],
-                      padding=request.get("padding"), mask_policy=request.get("mask_policy"))
+                      padding=request.get("padding"), mask_policy=request.get("mask_policy"),
+                      specialize=request.get("specialize"))
     if request.get("warm", True):
         _warm(runtime)
     load_s = time.perf_counter() - began
@@ -51,6 +53,7 @@ def main() -> None:
         })
     stats = runtime.stats()
     print(json.dumps({"load_s": load_s, "results": results, "padding": runtime.padding,
+                      "specialize": runtime.specialize,
                       "mask_policy": stats.mask_policy, "compiles": stats.cache.compiles,
                       "evictions": stats.cache.evictions}))
 
