@@ -47,9 +47,12 @@ def main(argv: list[str] | None = None) -> int:
                         "model": str(model.parent), "prompts": [prompt],
                         "new_tokens": new_tokens, "chunk_size": CHUNK_SIZE})
                 else:
+                    # KV capacity = genai's max_length for the request (prompt + new tokens):
+                    # both systems size their cache for the same request.
                     argv_ = env.worker_argv(sys.executable, "chunk_worker", {
                         "model": str(model), "prompts": [prompt], "new_tokens": new_tokens,
-                        "chunk_size": CHUNK_SIZE, "eos": env.EOS_TOKEN_ID})
+                        "chunk_size": CHUNK_SIZE, "eos": env.EOS_TOKEN_ID,
+                        "capacity": len(prompt) + new_tokens})
                 child = run_child(argv_, timeout_s=600)
                 result = dict(child.payload["results"][0], peak_rss_mb=child.peak_rss_mb,
                               load_s=child.payload["load_s"], wall_s=child.wall_s)

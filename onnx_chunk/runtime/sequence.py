@@ -81,6 +81,10 @@ class _Binding:
     tokens: DeviceBuffer
     positions: DeviceBuffer | None
     graphs: GraphRuns | None
+    # A logits buffer of its own, bound for good: for the decode width (the hot loop) and for a
+    # captured CUDA graph (fixed addresses). Other widths take ONNX Runtime's output of each
+    # run and let it go once the wanted row is read, so no prefill-sized logits stay held.
+    keeps_logits: bool
     logits: DeviceBuffer | None = None
 
 
@@ -264,19 +268,23 @@ class Sequence:
         forward = plan_forward(tokens, ports, past=past, tiers=runtime.tiers,
                                room=self._length.room, position_ids=runtime.ports.position_ids,
                                enabled=runtime.padding)
-        logits = self._run(forward)
+        logits, binding = self._run(forward)
         try:
             # cut_logits applies the shape rules (and the padding self-check) to a view that
             # holds the shape only: no logits are read here.
             real_rows = forward.cut_logits(_shape_only(logits)).shape[1]
         except QueryAxisShrunk as shrunk:
+            self._release_output(binding)
             runtime.disable_padding(str(shrunk))
             return self._forward(chunk, need)
         self._buffers.swap_state()
         self._length.advance(forward.real_rows)
         self._stats.prefill_forwards += 1
         self._stats.padded_rows += forward.width - forward.real_rows
-        return self._read(logits, real_rows, forward.real_rows, need), forward.width
+        try:
+            return self._read(logits, real_rows, forward.real_rows, need), forward.width
+        finally:
+            self._release_output(binding)
 
     def _step(self, token: int) -> np.ndarray:
         """One decode forward on the decode variant, acquired for this step alone."""
@@ -302,7 +310,7 @@ class Sequence:
         self._stats.decode_forwards += 1
         return _row(logits, logits.shape[1] - 1)
 
-    def _run(self, forward: PaddedForward) -> DeviceBuffer:
+    def _run(self, forward: PaddedForward) -> tuple[DeviceBuffer, _Binding]:
         """Write one forward's inputs into its binding's buffers and run; the logits buffer."""
         runtime = self.runtime
         key = variant_key(forward.width, runtime.tiers, runtime.specialize)
@@ -311,7 +319,7 @@ class Sequence:
             binding.tokens.write(forward.tokens.reshape(binding.tokens.shape))
             if binding.positions is not None:
                 binding.positions.write(forward.ports[runtime.ports.position_ids])
-            return self._run_bound(key, session, binding, forward.width)
+            return self._run_bound(key, session, binding, forward.width), binding
 
     def _run_bound(self, key: VariantKey, session: ort.InferenceSession, binding: _Binding,
                    width: int) -> DeviceBuffer:
@@ -338,8 +346,19 @@ class Sequence:
             # take in this sequence's KV pages, written for the first time here).
             runtime.cache.measure_growth(
                 key, session, lambda: session.run_with_iobinding(binding.io, options))
+        if not binding.keeps_logits:
+            return _output_buffer(binding.io.get_outputs()[0], runtime.ports.logits_dtype)
         self._adopt_logits(binding)
         return binding.logits
+
+    def _release_output(self, binding: _Binding) -> None:
+        """Drop the logits ONNX Runtime allocated for a run of `binding` (when it keeps none)."""
+        if binding.keeps_logits:
+            return
+        device = self.runtime.device
+        binding.io.clear_binding_outputs()
+        binding.io.bind_output(LOGITS_OUTPUT, device.device_type, device.device_id)
+        self._buffers.bind_kv(binding.io)
 
     def _binding(self, session: ort.InferenceSession, width: int) -> _Binding:
         # The runtime holds the bindings per live session and drops them when the cache
@@ -368,8 +387,9 @@ class Sequence:
             io.bind_ortvalue_input(ports.position_ids, positions.value)
         if device.mask_policy is MaskPolicy.CAPACITY:
             io.bind_ortvalue_input(MASK_INPUT, self._mask.value)
-        binding = _Binding(io, tokens, positions,
-                           runtime.graph_runs(session, stateful=bool(self._buffers.state_ports)))
+        graphs = runtime.graph_runs(session, stateful=bool(self._buffers.state_ports))
+        binding = _Binding(io, tokens, positions, graphs,
+                           keeps_logits=width == DECODE_WIDTH or graphs is not None)
         bindings[width] = binding
         while len(bindings) > _BINDINGS_PER_SESSION:
             bindings.popitem(last=False)
@@ -424,6 +444,11 @@ def _row(logits: DeviceBuffer, row: int) -> np.ndarray:
     """Row `row` of a [1, rows, vocab] logits buffer, on the host."""
     vocab = logits.shape[-1]
     return logits.read(row * vocab, vocab)
+
+
+def _output_buffer(value: ort.OrtValue, dtype: np.dtype) -> DeviceBuffer:
+    """An output ONNX Runtime allocated, read through partial copies like any device buffer."""
+    return DeviceBuffer(value, None, np.dtype(dtype))
 
 
 def _shape_only(buffer: DeviceBuffer) -> np.ndarray:

@@ -215,6 +215,12 @@ class SessionFactory:
             options.add_free_dimension_override_by_name(name, size)
         if not prepack:
             options.add_session_config_entry(DISABLE_PREPACKING_KEY, "1")
+        if width is None:
+            # ORT plans a memory pattern per set of input shapes and keeps each one; a
+            # shape-generic session sees a new mask width every step and a new query width per
+            # remainder, so the patterns pile up. Off, its arena serves them all: on the bench
+            # decoder a 4000-token prompt peaked at 641 MiB instead of 694, TTFT unchanged.
+            options.enable_mem_pattern = False
         try:
             session = ort.InferenceSession(str(self.model_path), options,
                                            providers=self.device.providers(capture))

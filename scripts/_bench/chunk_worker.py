@@ -4,7 +4,8 @@ argv[1] is a JSON object: model, prompts (lists of token ids), new_tokens, chunk
 padding (true/false/null), mask_policy (null: the provider's), specialize (null: the
 provider's default, on CPU one shape-generic session; true: per-width variants), warm (create the decode
 variant, and every ladder variant when padding is on, before the first request, as a server
-does at start; the widths of unpadded chunks cannot be known before), eos.
+does at start; the widths of unpadded chunks cannot be known before), eos, capacity (null:
+the model's maximum sequence length).
 Prints one JSON object: load_s (load and warm-up) and one result per prompt, served in order
 by one runtime.
 """
@@ -32,7 +33,7 @@ def main() -> None:
     began = time.perf_counter()
     runtime = rt.load(request["model"], provider="cpu", chunk_size=request["chunk_size"],
                       padding=request.get("padding"), mask_policy=request.get("mask_policy"),
-                      specialize=request.get("specialize"))
+                      specialize=request.get("specialize"), capacity=request.get("capacity"))
     if request.get("warm", True):
         _warm(runtime)
     load_s = time.perf_counter() - began
