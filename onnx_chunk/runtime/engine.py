@@ -40,7 +40,35 @@ EMBEDDINGS_FILE = "embeddings.npy"
 
 
 class Runtime:
-    """One decoder loaded on one device; see `load` for the parameters."""
+    """One decoder loaded on one device for chunked prefill and greedy generation.
+
+    `load(model_path, **options)` is the same call.
+
+    provider: "auto" (CUDA when a CUDA session works here, else CPU), "cuda" or "cpu".
+    capacity: the KV capacity (maximum sequence length); default the model's
+        plan.max_sequence_length.
+    chunk_size: the prefill chunk width W; default the model's
+        runtime_configurable.chunked_prefill.chunk_size (an unconverted model gets what
+        `onnx-chunk convert` would declare), else the capacity (no chunking).
+    padding: None follows the environment (ONNX_CHUNK_PREFILL_QUERY_PADDING=0 switches it off,
+        =1 on), else the mode's default: on with per-width variants, off with the one
+        shape-generic session (a padded chunk there only computes more rows); True or False
+        decide; the model's plan can always refuse it.
+    specialize: None: the provider's default (Device.specialize: shape-generic on CPU,
+        per-width on CUDA); True: one session per ladder width and one for decode, other widths
+        share one shape-generic session, all sharing one copy of the weights; False: one
+        shape-generic session for everything, which loads its own weights; "exact": a session
+        per distinct width (the naive per-shape cache that thrashes, for comparison).
+    max_variants: the variant cache cap (default the plan's); also sizes the ladder.
+    mask_policy: "logical" or "capacity"; default chosen per provider.
+    embeddings: the [vocab, hidden] table of an inputs_embeds decoder (default the
+        embeddings.npy beside the model).
+    cuda_graphs: capture a CUDA graph per fixed-width variant (default: on for CUDA with the
+        capacity mask; see onnx_chunk.runtime.cuda_graphs).
+    device: a resolved `Device` to run on, in place of provider, device_id, mask_policy and
+        cuda_graphs (for example the CPU device marked not host-visible, which runs the
+        device-memory path of CUDA on CPU).
+    """
 
     def __init__(
         self,
@@ -203,54 +231,9 @@ class Runtime:
         return given
 
 
-def load(
-    model_path: str | os.PathLike,
-    *,
-    provider: str = "auto",
-    device_id: int = 0,
-    capacity: int | None = None,
-    chunk_size: int | None = None,
-    padding: bool | None = None,
-    specialize: Specialize | None = None,
-    max_variants: int | None = None,
-    mask_policy: MaskPolicy | str | None = None,
-    intra_op_threads: int | None = None,
-    embeddings: np.ndarray | None = None,
-    cuda_graphs: bool | None = None,
-    device: Device | None = None,
-) -> Runtime:
-    """Load a decoder for chunked prefill and greedy generation.
 
-    provider: "auto" (CUDA when a CUDA session works here, else CPU), "cuda" or "cpu".
-    capacity: the KV capacity (maximum sequence length); default the model's
-        plan.max_sequence_length.
-    chunk_size: the prefill chunk width W; default the model's
-        runtime_configurable.chunked_prefill.chunk_size (an unconverted model gets what
-        `onnx-chunk convert` would declare), else the capacity (no chunking).
-    padding: None follows the environment (ONNX_CHUNK_PREFILL_QUERY_PADDING=0 switches it off,
-        =1 on), else the mode's default: on with per-width variants, off with the one
-        shape-generic session (a padded chunk there only computes more rows); True or False
-        decide; the model's plan can always refuse it.
-    specialize: None: the provider's default (Device.specialize: shape-generic on CPU,
-        per-width on CUDA); True: one session per ladder width and one for decode, other widths
-        share one shape-generic session, all sharing one copy of the weights; False: one
-        shape-generic session for everything, which loads its own weights; "exact": a session
-        per distinct width (the naive per-shape cache that thrashes, for comparison).
-    max_variants: the variant cache cap (default the plan's); also sizes the ladder.
-    mask_policy: "logical" or "capacity"; default chosen per provider.
-    embeddings: the [vocab, hidden] table of an inputs_embeds decoder (default the
-        embeddings.npy beside the model).
-    cuda_graphs: capture a CUDA graph per fixed-width variant (default: on for CUDA with the
-        capacity mask; see onnx_chunk.runtime.cuda_graphs).
-    device: a resolved `Device` to run on, in place of provider, device_id, mask_policy and
-        cuda_graphs (for example the CPU device marked not host-visible, which runs the
-        device-memory path of CUDA on CPU).
-    """
-    return Runtime(model_path, provider=provider, device_id=device_id, capacity=capacity,
-                   chunk_size=chunk_size, padding=padding, specialize=specialize,
-                   max_variants=max_variants, mask_policy=mask_policy,
-                   intra_op_threads=intra_op_threads, embeddings=embeddings,
-                   cuda_graphs=cuda_graphs, device=device)
+# The public entry point: `onnx_chunk.load(path, provider="auto", ...)` builds a Runtime.
+load = Runtime
 
 
 def _resolve_capacity(capacity: int | None, plan: ChunkPlan) -> int:
