@@ -65,7 +65,7 @@ def model_ports(model: ir.Model, plan: ChunkPlan, capacity: int) -> ModelPorts:
     kv = []
     for binding in plan.capacity_inputs:
         value = _required(inputs, binding.input, "KV input")
-        if binding.output is None or binding.output not in outputs:
+        if binding.output not in outputs:
             raise ModelStructureError(
                 f"KV input {binding.input!r} has no paired present output in the graph (plan "
                 f"says {binding.output!r}); re-run `onnx-chunk convert` on the exported model")
