@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The CUDA path on one GPU, in at most 8 minutes: scripts/gpu_check.py (CPU/CUDA parity, CUDA
-# graphs on and off, TTFT, decode speed, device memory per variant, weights held once), then the
+# The CUDA path on one GPU, in at most 8 minutes: scripts/gpu_check.py (CPU float32 / CUDA
+# float16 parity on one seed's reference decoder, CUDA graphs on and off (no captured graph is a
+# failure), TTFT, decode speed, device memory per variant, weights held once), then the
 # cache-thrash sequence on the GPU; a short table is printed last. Full logs go under $OUT when
 # it is set (else a temporary folder, named at the end).
 #
@@ -60,14 +61,22 @@ print(next((str(p / "nvidia") for p in map(pathlib.Path, site.getsitepackages())
 fi
 export PYTHONUNBUFFERED=1
 
+# The cache-thrash sequence runs a tiny float16 decoder: in float32 its attention would run on
+# the CPU provider, not the GPU (CUDA's GroupQueryAttention is float16/bfloat16 only).
 status=0
+"$PYTHON" -m onnx_chunk build-model tiny -o "$WORK/thrash-model" --dtype float16 \
+  >"$LOGS/thrash_model.log" 2>&1 || {
+  echo "error: building the float16 thrash model failed; see $LOGS/thrash_model.log" >&2
+  exit 1
+}
+THRASH_ARGS+=(--model "$WORK/thrash-model/model.onnx")
 timeout 390 "$PYTHON" scripts/gpu_check.py --preset "$PRESET" --out "$WORK" \
   ${CHECK_ARGS[@]+"${CHECK_ARGS[@]}"} >"$LOGS/gpu_check.log" 2>&1 || status=$?
 cp "$WORK/results.json" "$LOGS/results.json" 2>/dev/null || true
 timeout 90 "$PYTHON" scripts/cache_thrash.py --provider "$PROVIDER" \
   ${THRASH_ARGS[@]+"${THRASH_ARGS[@]}"} >"$LOGS/cache_thrash.log" 2>&1 && thrash=0 || thrash=$?
 
-echo "logs: $LOGS (gpu_check.log, cache_thrash.log, results.json)"
+echo "logs: $LOGS (gpu_check.log, thrash_model.log, cache_thrash.log, results.json)"
 if [ -f "$WORK/table.txt" ]; then
   cat "$WORK/table.txt"
 else
@@ -75,6 +84,8 @@ else
   tail -n 20 "$LOGS/gpu_check.log"
   [ "$status" = 0 ] && status=1
 fi
+# Errors gpu_check.py printed (e.g. a graphs-on run that captured no CUDA graph), shown loudly.
+grep '^error: ' "$LOGS/gpu_check.log" >&2 || true
 thrash_detail="$(grep -c '^ok  ' "$LOGS/cache_thrash.log" || true) checks ok, $(grep -c '^FAIL' "$LOGS/cache_thrash.log" || true) failed"
 if [ "$thrash" = 0 ]; then verdict=ok; else verdict=FAIL; status=1; fi
 printf '%-30s  %-6s  %s\n' "cache thrash ($PROVIDER)" "$verdict" "$thrash_detail (status $thrash)"

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from onnx_chunk.errors import ConfigError
-from onnx_chunk.models import VARIANTS, build_decoder, decoder_config
+from onnx_chunk.models import DTYPES, VARIANTS, build_decoder, decoder_config
 from onnx_chunk.models.static_decoder import build_static_pair
 
 STATIC_VARIANT = "static"
@@ -24,6 +24,9 @@ STATIC_VARIANT = "static"
 @click.option("--chunk-size", type=int, help="static only: the query rows c (at least 2).")
 @click.option("--capacity", type=int, help="static only: the KV capacity C.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Weight seed.")
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPES),
+              help="Precision of weights, activations, KV and logits; float16 for CUDA, "
+                   "whose GroupQueryAttention kernel has no float32 version.")
 @click.option("--layers", "num_layers", type=int, help="Number of decoder layers.")
 @click.option("--hidden", "hidden_size", type=int, help="Hidden size.")
 @click.option("--heads", "num_heads", type=int, help="Attention heads.")
@@ -34,13 +37,16 @@ STATIC_VARIANT = "static"
 @click.option("--max-positions", "max_positions", type=int,
               help="Context length (rotary cache rows).")
 @click.option("--intermediate", "intermediate_size", type=int, help="MLP intermediate size.")
-def build_model(preset: str, output: Path, variant: str, seed: int, chunk_size: int | None,
-                capacity: int | None, **sizes: int | None) -> None:
+def build_model(preset: str, output: Path, variant: str, seed: int, dtype: str,
+                chunk_size: int | None, capacity: int | None, **sizes: int | None) -> None:
     """Build a reference decoder from PRESET (tiny, small, bench) into a folder."""
     overrides = {name: value for name, value in sizes.items() if value is not None}
     if variant == STATIC_VARIANT:
         if chunk_size is None or capacity is None:
             raise ConfigError("--variant static needs --chunk-size and --capacity")
+        if dtype != "float32":
+            raise ConfigError(f"--variant static is built in float32 only, got --dtype {dtype}; "
+                              "drop --dtype or choose a dynamic variant")
         chunk, decode = build_static_pair(output, preset, chunk_size=chunk_size,
                                           capacity=capacity, seed=seed, **overrides)
         click.echo(f"wrote {chunk} (static chunk graph, rows {chunk_size}, capacity {capacity}, "
@@ -50,8 +56,9 @@ def build_model(preset: str, output: Path, variant: str, seed: int, chunk_size: 
     if chunk_size is not None or capacity is not None:
         raise ConfigError("--chunk-size and --capacity apply to --variant static only")
     config = decoder_config(preset, variant, **overrides)
-    path = build_decoder(output, preset=preset, variant=variant, seed=seed, **overrides)
+    path = build_decoder(output, preset=preset, variant=variant, seed=seed, dtype=dtype,
+                         **overrides)
     data = path.with_name(path.name + ".data")
-    click.echo(f"wrote {path} ({variant}, seed {seed})")
+    click.echo(f"wrote {path} ({variant}, {dtype}, seed {seed})")
     click.echo(f"parameters: {config.parameter_count():,}  external data: "
                f"{data.stat().st_size / 2**20:.1f} MiB")

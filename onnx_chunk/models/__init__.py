@@ -17,12 +17,13 @@ from onnx_chunk.errors import OutputError
 from onnx_chunk.models.config import PRESETS, DecoderConfig, config_for
 from onnx_chunk.models.decoder_graph import build_graph
 from onnx_chunk.models.genai_config import EMBEDDINGS_FILENAME, MODEL_FILENAME, genai_config
+from onnx_chunk.models.precision import DTYPES, float_dtype
 from onnx_chunk.models.quantize import EXTERNAL_THRESHOLD_BYTES, quantize_int4
 from onnx_chunk.models.variants import VARIANTS, variant_spec
 from onnx_chunk.models.weights import DecoderWeights, make_weights
 
-__all__ = ["DecoderConfig", "DecoderWeights", "PRESETS", "VARIANTS", "EMBEDDINGS_FILENAME",
-           "build_decoder", "config_for", "decoder_config", "make_weights"]
+__all__ = ["DTYPES", "DecoderConfig", "DecoderWeights", "PRESETS", "VARIANTS",
+           "EMBEDDINGS_FILENAME", "build_decoder", "config_for", "decoder_config", "make_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +43,12 @@ def decoder_config(preset: str = "tiny", variant: str = "base", **size_overrides
 
 
 def build_decoder(out_dir: str | os.PathLike, preset: str = "tiny", variant: str = "base",
-                  seed: int = 0, **size_overrides) -> Path:
+                  seed: int = 0, dtype: str = "float32", **size_overrides) -> Path:
     """Write a reference decoder into `out_dir` and return the path of its model.onnx.
+
+    `dtype` is the precision of weights, activations, KV and logits: float32, or float16 for
+    CUDA (its GroupQueryAttention kernel has no float32 version). The weights are the same
+    float32 draws for either, rounded to float16 for a float16 decoder.
 
     The folder gets model.onnx, model.onnx.data (the weights), genai_config.json and, for
     inputs_embeds, embeddings.npy. Everything is written to a temporary folder inside
@@ -51,6 +56,7 @@ def build_decoder(out_dir: str | os.PathLike, preset: str = "tiny", variant: str
     Same arguments give byte-identical files.
     """
     spec = variant_spec(variant)
+    float_dtype(dtype)  # an unknown dtype is a ConfigError before anything is written
     config = decoder_config(preset, variant, **size_overrides)
     out = Path(out_dir)
     try:
@@ -61,7 +67,7 @@ def build_decoder(out_dir: str | os.PathLike, preset: str = "tiny", variant: str
                           "choose a writable folder") from error
     try:
         weights = make_weights(config, seed)
-        model = build_graph(config, weights, spec, seed)
+        model = build_graph(config, weights, spec, seed, dtype)
         fp32_path = staging / ("fp32" if spec.int4 else ".") / MODEL_FILENAME
         fp32_path.parent.mkdir(exist_ok=True)
         ir.save(model, fp32_path, external_data=f"{MODEL_FILENAME}.data",
@@ -71,10 +77,10 @@ def build_decoder(out_dir: str | os.PathLike, preset: str = "tiny", variant: str
             quantize_int4(fp32_path, staging / MODEL_FILENAME)
             shutil.rmtree(fp32_path.parent)
         if spec.inputs_embeds:
-            np.save(staging / EMBEDDINGS_FILENAME, weights.embedding)
+            np.save(staging / EMBEDDINGS_FILENAME, weights.embedding.astype(dtype))
         del weights
         (staging / "genai_config.json").write_text(
-            json.dumps(genai_config(config, spec), indent=4) + "\n")
+            json.dumps(genai_config(config, spec, dtype), indent=4) + "\n")
         names = [f"{MODEL_FILENAME}.data", "genai_config.json", MODEL_FILENAME]
         if spec.inputs_embeds:
             names.insert(0, EMBEDDINGS_FILENAME)
@@ -85,6 +91,6 @@ def build_decoder(out_dir: str | os.PathLike, preset: str = "tiny", variant: str
                           "check the folder's permissions and free space") from error
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    logger.info("built %s/%s decoder (%d parameters) at %s", preset, variant,
+    logger.info("built %s/%s %s decoder (%d parameters) at %s", preset, variant, dtype,
                 config.parameter_count(), out / MODEL_FILENAME)
     return out / MODEL_FILENAME

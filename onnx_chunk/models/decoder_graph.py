@@ -5,6 +5,11 @@ Inputs `input_ids` (or `inputs_embeds`), `attention_mask`, `past_key_values.%d.k
 outputs `logits`, `present.%d.key/value` (and `present.%d.conv`). Attention is
 `com.microsoft::GroupQueryAttention` with rotary inside; `seqlens_k` and
 `total_sequence_length` are derived from `attention_mask` the way the builder does it.
+
+A float16 graph (for CUDA, whose GroupQueryAttention kernel has no float32 version) holds its
+weights, cos/sin caches, activations, KV and logits in float16; RMSNorm casts to float32 for
+the mean of squares and back, like the float32 accumulation inside the builder's fused
+SimplifiedLayerNormalization.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_chunk.models.config import DecoderConfig
+from onnx_chunk.models.precision import float_dtype
 from onnx_chunk.models.variants import ROW_SCALE_INPUT, VariantSpec
 from onnx_chunk.models.weights import (AttentionWeights, ConvWeights, DecoderWeights,
                                        LayerWeights)
@@ -48,9 +54,14 @@ def rotary_caches(config: DecoderConfig) -> tuple[np.ndarray, np.ndarray]:
 
 
 class _Graph:
-    """Collects nodes and initializers; every node output gets the builder's naming scheme."""
+    """Collects nodes and initializers; every node output gets the builder's naming scheme.
 
-    def __init__(self) -> None:
+    `float_type` is the decoder's precision: `param` stores a weight in it, `weight` as given.
+    """
+
+    def __init__(self, float_dtype: np.dtype) -> None:
+        self.float_dtype = np.dtype(float_dtype)
+        self.float_type = ir.DataType.from_numpy(self.float_dtype)
         self.nodes: list[ir.Node] = []
         self.initializers: list[ir.Value] = []
         self._constants: dict[tuple, ir.Value] = {}
@@ -61,6 +72,9 @@ class _Graph:
                          const_value=ir.Tensor(array, name=name))
         self.initializers.append(value)
         return value
+
+    def param(self, name: str, array: np.ndarray) -> ir.Value:
+        return self.weight(name, array.astype(self.float_dtype))
 
     def constant(self, values: list[int] | list[float] | int | float, dtype=np.int64) -> ir.Value:
         array = np.array(values, dtype=dtype)
@@ -92,6 +106,9 @@ def _tensor_value(name: str, dtype: ir.DataType, shape: list[int | str]) -> ir.V
 
 
 def _rms_norm(g: _Graph, base: str, x: ir.Value, gamma: ir.Value, eps: float) -> ir.Value:
+    narrow = g.float_type != ir.DataType.FLOAT
+    if narrow:
+        x = g.op1(f"{base}/Cast", "Cast", [x], {"to": ir.DataType.FLOAT})
     square = g.op1(f"{base}/Mul", "Mul", [x, x])
     mean = g.op1(f"{base}/ReduceMean", "ReduceMean", [square, g.constant([-1])],
                  {"keepdims": 1})
@@ -99,13 +116,15 @@ def _rms_norm(g: _Graph, base: str, x: ir.Value, gamma: ir.Value, eps: float) ->
     root = g.op1(f"{base}/Sqrt", "Sqrt", [shifted])
     inverse = g.op1(f"{base}/Reciprocal", "Reciprocal", [root])
     normed = g.op1(f"{base}/Mul_1", "Mul", [x, inverse])
+    if narrow:
+        normed = g.op1(f"{base}/Cast_1", "Cast", [normed], {"to": g.float_type})
     return g.op1(f"{base}/Mul_2", "Mul", [normed, gamma])
 
 
 def _linear(g: _Graph, layer: int | None, module: str, x: ir.Value, weight: np.ndarray,
             weight_name: str) -> ir.Value:
     prefix = "/model" if layer is None else f"/model/layers.{layer}"
-    return g.op1(f"{prefix}/{module}/MatMul", "MatMul", [x, g.weight(weight_name, weight)],
+    return g.op1(f"{prefix}/{module}/MatMul", "MatMul", [x, g.param(weight_name, weight)],
                  output_names=[linear_output_name(layer, module)])
 
 
@@ -116,8 +135,8 @@ def _attention(g: _Graph, config: DecoderConfig, layer: int, weights: AttentionW
     kv_shape = ["batch_size", config.num_kv_heads, "past_sequence_length", config.head_size]
     present_shape = ["batch_size", config.num_kv_heads, "total_sequence_length",
                      config.head_size]
-    past_key = _tensor_value(f"past_key_values.{layer}.key", ir.DataType.FLOAT, kv_shape)
-    past_value = _tensor_value(f"past_key_values.{layer}.value", ir.DataType.FLOAT, kv_shape)
+    past_key = _tensor_value(f"past_key_values.{layer}.key", g.float_type, kv_shape)
+    past_value = _tensor_value(f"past_key_values.{layer}.value", g.float_type, kv_shape)
     io["inputs"] += [past_key, past_value]
     stem = f"model.layers.{layer}.attn"
     q = _linear(g, layer, "attn/q_proj", x, weights.q_proj, f"{stem}.q_proj.MatMul.weight")
@@ -150,7 +169,7 @@ def _attention(g: _Graph, config: DecoderConfig, layer: int, weights: AttentionW
         output_names=[f"{name}/output_0", f"present.{layer}.key", f"present.{layer}.value"])
     for value in (present_key, present_value):
         value.shape = ir.Shape(present_shape)
-        value.type = ir.TensorType(ir.DataType.FLOAT)
+        value.type = ir.TensorType(g.float_type)
     io["outputs"] += [present_key, present_value]
     return _linear(g, layer, "attn/o_proj", attn, weights.o_proj, f"{stem}.o_proj.MatMul.weight")
 
@@ -159,7 +178,7 @@ def _short_conv(g: _Graph, config: DecoderConfig, layer: int, weights: ConvWeigh
                 x: ir.Value, io: dict[str, list[ir.Value]]) -> ir.Value:
     h, width = config.hidden_size, config.conv_kernel - 1
     base = f"/model/layers.{layer}/conv"
-    past = _tensor_value(f"past.{layer}.conv", ir.DataType.FLOAT, ["batch_size", h, width])
+    past = _tensor_value(f"past.{layer}.conv", g.float_type, ["batch_size", h, width])
     io["inputs"].append(past)
     stem = f"model.layers.{layer}.conv"
     projected = _linear(g, layer, "conv/in_proj", x, weights.in_proj,
@@ -169,14 +188,14 @@ def _short_conv(g: _Graph, config: DecoderConfig, layer: int, weights: ConvWeigh
     gated = g.op1(f"{base}/Mul", "Mul", [b_gate, signal])
     channels_first = g.op1(f"{base}/Transpose", "Transpose", [gated], {"perm": [0, 2, 1]})
     window = g.op1(f"{base}/Concat", "Concat", [past, channels_first], {"axis": 2})
-    kernel = g.weight(f"{stem}.conv.weight", weights.kernel.reshape(h, 1, config.conv_kernel))
+    kernel = g.param(f"{stem}.conv.weight", weights.kernel.reshape(h, 1, config.conv_kernel))
     convolved = g.op1(f"{base}/Conv", "Conv", [window, kernel],
                       {"group": h, "kernel_shape": [config.conv_kernel]})
     present = g.op1(f"{base}/Slice", "Slice",
                     [window, g.constant([-width]), g.constant([_INT64_MAX]), g.constant([2])],
                     output_names=[f"present.{layer}.conv"])
     present.shape = ir.Shape(["batch_size", h, width])
-    present.type = ir.TensorType(ir.DataType.FLOAT)
+    present.type = ir.TensorType(g.float_type)
     io["outputs"].append(present)
     rows_first = g.op1(f"{base}/Transpose_1", "Transpose", [convolved], {"perm": [0, 2, 1]})
     mixed = g.op1(f"{base}/Mul_1", "Mul", [c_gate, rows_first])
@@ -211,13 +230,16 @@ def _mask_reformatting(g: _Graph, attention_mask: ir.Value) -> tuple[ir.Value, i
 
 
 def build_graph(config: DecoderConfig, weights: DecoderWeights, spec: VariantSpec,
-                seed: int) -> ir.Model:
-    """The fp32 decoder of `config` and `weights` with the features of `spec` (not INT4)."""
-    g = _Graph()
+                seed: int, dtype: str = "float32") -> ir.Model:
+    """The decoder of `config` and `weights` in precision `dtype` with the features of `spec`.
+
+    INT4 is applied afterwards by the quantizer; this graph has plain MatMul weights.
+    """
+    g = _Graph(float_dtype(dtype))
     io: dict[str, list[ir.Value]] = {"inputs": [], "outputs": []}
     h = config.hidden_size
     if spec.inputs_embeds:
-        embeds = _tensor_value("inputs_embeds", ir.DataType.FLOAT,
+        embeds = _tensor_value("inputs_embeds", g.float_type,
                                ["batch_size", "sequence_length", h])
         io["inputs"].append(embeds)
         hidden = embeds
@@ -225,7 +247,7 @@ def build_graph(config: DecoderConfig, weights: DecoderWeights, spec: VariantSpe
         input_ids = _tensor_value("input_ids", ir.DataType.INT64,
                                   ["batch_size", "sequence_length"])
         io["inputs"].append(input_ids)
-        table = g.weight("model.embed_tokens.weight", weights.embedding)
+        table = g.param("model.embed_tokens.weight", weights.embedding)
         hidden = g.op1("/model/embed_tokens/Gather", "Gather", [table, input_ids])
     attention_mask = _tensor_value("attention_mask", ir.DataType.INT64,
                                    ["batch_size", "total_sequence_length"])
@@ -236,18 +258,18 @@ def build_graph(config: DecoderConfig, weights: DecoderWeights, spec: VariantSpe
                                      ["batch_size", "sequence_length"])
         io["inputs"].append(position_ids)
     if spec.odd_port:
-        row_scale = _tensor_value(ROW_SCALE_INPUT, ir.DataType.FLOAT, ["sequence_length"])
+        row_scale = _tensor_value(ROW_SCALE_INPUT, g.float_type, ["sequence_length"])
         io["inputs"].append(row_scale)
         column = g.op1("/model/row_scale/Unsqueeze", "Unsqueeze", [row_scale, g.constant([1])])
         hidden = g.op1("/model/row_scale/Mul", "Mul", [hidden, column])
     mask_info = _mask_reformatting(g, attention_mask)
     cos, sin = rotary_caches(config)
-    caches = (g.weight("cos_cache", cos), g.weight("sin_cache", sin))
+    caches = (g.param("cos_cache", cos), g.param("sin_cache", sin))
     for layer, layer_weights in enumerate(weights.layers):
         base = f"/model/layers.{layer}"
         stem = f"model.layers.{layer}"
         normed = _rms_norm(g, f"{base}/input_layernorm", hidden,
-                           g.weight(f"{stem}.input_layernorm.weight", layer_weights.input_norm),
+                           g.param(f"{stem}.input_layernorm.weight", layer_weights.input_norm),
                            config.rms_norm_eps)
         if isinstance(layer_weights.mixer, ConvWeights):
             mixed = _short_conv(g, config, layer, layer_weights.mixer, normed, io)
@@ -256,12 +278,12 @@ def build_graph(config: DecoderConfig, weights: DecoderWeights, spec: VariantSpe
                                caches, position_ids, io)
         hidden = g.op1(f"{base}/residual_add/Add", "Add", [hidden, mixed])
         normed = _rms_norm(g, f"{base}/post_attention_layernorm", hidden,
-                           g.weight(f"{stem}.post_attention_layernorm.weight",
+                           g.param(f"{stem}.post_attention_layernorm.weight",
                                     layer_weights.post_norm),
                            config.rms_norm_eps)
         hidden = g.op1(f"{base}/residual_add_1/Add", "Add",
                        [hidden, _swiglu(g, layer, normed, layer_weights)])
-    hidden = _rms_norm(g, "/model/norm", hidden, g.weight("model.norm.weight", weights.final_norm),
+    hidden = _rms_norm(g, "/model/norm", hidden, g.param("model.norm.weight", weights.final_norm),
                        config.rms_norm_eps)
     rows = "sequence_length"
     if spec.last_token_logits:
@@ -270,16 +292,16 @@ def build_graph(config: DecoderConfig, weights: DecoderWeights, spec: VariantSpe
         rows = 1
     logits = _linear(g, None, "lm_head", hidden, weights.lm_head, "lm_head.MatMul.weight")
     logits.shape = ir.Shape(["batch_size", rows, config.vocab_size])
-    logits.type = ir.TensorType(ir.DataType.FLOAT)
+    logits.type = ir.TensorType(g.float_type)
     outputs = [logits] + io["outputs"]
     graph = ir.Graph(io["inputs"], outputs, nodes=g.nodes, initializers=g.initializers,
                      opset_imports={"": OPSET, MS_DOMAIN: 1}, name="main_graph")
-    metadata = {METADATA_KEY: json.dumps(_metadata(config, spec, seed), sort_keys=True)}
+    metadata = {METADATA_KEY: json.dumps(_metadata(config, spec, seed, dtype), sort_keys=True)}
     return ir.Model(graph, ir_version=10, producer_name="onnx-chunk",
                     metadata_props=metadata)
 
 
-def _metadata(config: DecoderConfig, spec: VariantSpec, seed: int) -> dict:
+def _metadata(config: DecoderConfig, spec: VariantSpec, seed: int, dtype: str) -> dict:
     fields = asdict(config)
     fields["conv_layers"] = list(config.conv_layers)
-    return {"config": fields, "variant": spec.name, "seed": seed}
+    return {"config": fields, "variant": spec.name, "seed": seed, "dtype": dtype}

@@ -11,8 +11,13 @@ MODEL_FILENAME = "model.onnx"
 EMBEDDINGS_FILENAME = "embeddings.npy"
 
 
-def genai_config(config: DecoderConfig, spec: VariantSpec) -> dict:
-    """The config the onnxruntime-genai model builder would write for this decoder."""
+def genai_config(config: DecoderConfig, spec: VariantSpec, dtype: str = "float32") -> dict:
+    """The config the onnxruntime-genai model builder would write for this decoder.
+
+    A float16 decoder is what the builder exports for CUDA (`-p fp16 -e cuda`), and its
+    config then asks for the CUDA provider; a float32 one is its CPU export, with none.
+    """
+    provider_options = [{"cuda": {}}] if dtype == "float16" else []
     inputs = {"inputs_embeds" if spec.inputs_embeds else "input_ids":
               "inputs_embeds" if spec.inputs_embeds else "input_ids",
               "attention_mask": "attention_mask"}
@@ -23,7 +28,7 @@ def genai_config(config: DecoderConfig, spec: VariantSpec) -> dict:
     outputs = {"logits": "logits", "present_key_names": "present.%d.key",
                "present_value_names": "present.%d.value"}
     decoder = {
-        "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+        "session_options": {"log_id": "onnxruntime-genai", "provider_options": provider_options},
         "filename": MODEL_FILENAME,
         "head_size": config.head_size,
         "hidden_size": config.hidden_size,

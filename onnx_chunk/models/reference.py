@@ -4,6 +4,9 @@ It reads the weights out of the ONNX file (dequantizing MatMulNBits for INT4) bu
 rotary tables itself from rope_theta, so a wrong cos/sin cache in the file shows up as a
 mismatch. It is the ground truth for a built model, and for any graph pass that must not
 change the numbers. Everything is computed in float64; logits are returned as float32.
+A float16 decoder's weights are read as stored (already rounded to float16) and widened, so
+the reference shows what the float16 graph would give without its float16 rounding of every
+activation; docs/models.md documents the tolerance that rounding needs.
 """
 
 from __future__ import annotations
