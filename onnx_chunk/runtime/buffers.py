@@ -37,6 +37,7 @@ from onnx_chunk.runtime.provider import Device
 
 logger = logging.getLogger(__name__)
 
+_CUDA_MEMCPY_HOST_TO_DEVICE = 1
 _CUDA_MEMCPY_DEVICE_TO_HOST = 2
 
 
@@ -63,6 +64,20 @@ class DeviceBuffer:
         else:
             self.value.update_inplace(np.ascontiguousarray(array, dtype=self.dtype))
 
+    def write_range(self, array: np.ndarray, start: int, stop: int) -> None:
+        """Copy flat elements [start, stop) of `array` (the buffer's shape) into the buffer.
+
+        Only those elements cross to the device (one cudaMemcpy on CUDA); the rest of the
+        buffer is left as it is.
+        """
+        if stop <= start:
+            return
+        flat = np.ascontiguousarray(array, dtype=self.dtype).reshape(-1)
+        if self.host is not None:
+            self.host.reshape(-1)[start:stop] = flat[start:stop]
+            return
+        _copy_to_device(self.value, start * self.dtype.itemsize, flat[start:stop])
+
     def read(self, start: int, count: int) -> np.ndarray:
         """`count` elements from flat index `start`, on the host (a view where there is one)."""
         if start < 0 or count < 0 or start + count > self.value.tensor_size_in_bytes() // \
@@ -86,6 +101,23 @@ def device_zeros(shape: tuple[int, ...], dtype: np.dtype, device: Device) -> Dev
                                                       device.device_type, device.device_id)
     value.update_inplace(np.zeros(shape, dtype=dtype))
     return DeviceBuffer(value, None, dtype)
+
+
+def _copy_to_device(value: ort.OrtValue, offset: int, data: np.ndarray) -> None:
+    """Copy `data` into `value`'s memory from `offset` bytes on."""
+    target = value.data_ptr() + offset
+    device = value.device_name().lower()
+    if device == "cpu":
+        ctypes.memmove(target, data.ctypes.data, data.nbytes)
+        return
+    memcpy = _cuda_memcpy() if device == "cuda" else None
+    if memcpy is None:
+        raise ProviderError(f"no partial copy into {device} memory; the runtime supports CPU "
+                            "and CUDA devices")
+    status = memcpy(target, data.ctypes.data, data.nbytes, _CUDA_MEMCPY_HOST_TO_DEVICE)
+    if status != 0:
+        raise ProviderError(f"copying {data.nbytes} bytes to the GPU failed (CUDA error "
+                            f"{status}); the device is in a bad state, restart the process")
 
 
 def _copy_to_host(value: ort.OrtValue, offset: int, out: np.ndarray) -> None:

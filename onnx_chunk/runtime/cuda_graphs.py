@@ -25,10 +25,13 @@ meets it:
 6. The first run of a binding passes `gpu_graph_id=-1` (no capture): it learns the logits
    shape, after which the logits are bound to a buffer of their own for good.
 
-One session per variant, not one session with several graph ids: ONNX Runtime fixes the
-shapes of a session at creation (free-dimension overrides), and each variant's session gets
-the weights through `add_initializer` from device OrtValues loaded once (session_factory), so
-the weights stay on the device once however many variants are live.
+One session per variant, each specialised to its width (free-dimension overrides) and
+released with the variant on eviction. The cost, found in review and not yet measured on a
+GPU: `add_initializer` accepts only caller-owned buffers, so the sessions share the weights in
+host memory and each CUDA session holds its own device copy. One device copy for every width
+needs the other design ONNX Runtime offers since 1.18: one shape-generic session that keeps a
+graph per annotation id (`gpu_graph_id`), shapes fixed per id; whether a captured graph can
+then be released on eviction is what a GPU run has to establish (docs/cuda.md).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from onnx_chunk.errors import ConfigError, ModelLoadError
+from onnx_chunk.errors import ConfigError, ModelLoadError, ProviderError
 from onnx_chunk.metadata import ChunkPlan, read_plan
 from onnx_chunk.runtime.cuda_graphs import GraphRuns, GraphSlots, capturable, session_captures
 from onnx_chunk.model_io import load_model
@@ -25,7 +25,7 @@ from onnx_chunk.runtime.ladder import DECODE_WIDTH, ladder_tiers
 from onnx_chunk.runtime.memory import meter_for
 from onnx_chunk.runtime.padding import resolve_padding
 from onnx_chunk.runtime.ports import ModelPorts, model_ports
-from onnx_chunk.runtime.provider import Device, MaskPolicy, resolve_device
+from onnx_chunk.runtime.provider import Device, MaskPolicy, device_for, resolve_device
 from onnx_chunk.runtime.sequence import Sequence
 from onnx_chunk.runtime.session_factory import (QUANTIZED_MATMUL, SessionFactory,
                                                  SharedWeights, load_shared_weights,
@@ -100,6 +100,11 @@ class Runtime:
         self.device: Device = (device if device is not None
                                else resolve_device(provider, device_id, mask_policy, cuda_graphs))
         self.capacity = _resolve_capacity(capacity, plan)
+        self.ports: ModelPorts = model_ports(model, plan, self.capacity)
+        if device is None:
+            self.device = _attention_device(self.device, self.ports, provider, mask_policy)
+        else:
+            _attention_device(self.device, self.ports, self.device.provider, mask_policy)
         self.chunk_size = _resolve_chunk_size(chunk_size, plan, self.capacity)
         variants = plan.max_variants if max_variants is None else max_variants
         self.tiers: tuple[int, ...] = (plan.ladder if plan.ladder and plan.chunk_size ==
@@ -111,7 +116,6 @@ class Runtime:
             raise ConfigError(f"specialize must be True, False or {EXACT!r}, got {specialize!r}")
         self.specialize: Specialize = specialize
         self.decode_key: VariantKey = variant_key(DECODE_WIDTH, self.tiers, specialize)
-        self.ports: ModelPorts = model_ports(model, plan, self.capacity)
         self.embeddings = self._embeddings(embeddings)
         # Padding pays only where a padded chunk reuses a variant built for its width.
         self._padding, refused = resolve_padding(plan.padding, padding,
@@ -234,6 +238,35 @@ class Runtime:
 
 # The public entry point: `onnx_chunk.load(path, provider="auto", ...)` builds a Runtime.
 load = Runtime
+
+
+# The dtypes ONNX Runtime's CUDA GroupQueryAttention kernel is registered for.
+_CUDA_ATTENTION_DTYPES = ("float16", "bfloat16")
+
+
+def _attention_device(device: Device, ports: ModelPorts, provider: str,
+                      mask_policy: MaskPolicy | str | None) -> Device:
+    """`device`, unless CUDA cannot run this decoder's attention.
+
+    ONNX Runtime's CUDA GroupQueryAttention runs float16 and bfloat16 only; a float32 decoder's
+    attention would fall back to the CPU provider, copying the whole KV cache both ways every
+    step (and no CUDA graph can be captured). "auto" then runs on CPU and says why; "cuda"
+    refuses.
+    """
+    if device.provider != "cuda" or not ports.kv:
+        return device
+    dtype = ports.kv[0].dtype.name
+    if dtype in _CUDA_ATTENTION_DTYPES:
+        return device
+    reason = (f"ONNX Runtime's CUDA GroupQueryAttention runs {' and '.join(_CUDA_ATTENTION_DTYPES)}"
+              f" only, and this decoder's KV cache is {dtype}: its attention would run on the "
+              "CPU with the cache copied every step")
+    if provider == "auto":
+        logger.warning("%s; running on CPU instead (export the decoder in float16 for CUDA)",
+                       reason)
+        return device_for("cpu", mask_policy=mask_policy)
+    raise ProviderError(f"{reason}; export it in float16 (onnx-chunk build-model --dtype "
+                        "float16 for the reference decoders) or use --provider cpu")
 
 
 def _resolve_capacity(capacity: int | None, plan: ChunkPlan) -> int:

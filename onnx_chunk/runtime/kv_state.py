@@ -10,7 +10,8 @@ Two mask width policies (chosen per provider, see `onnx_chunk.runtime.provider`)
 1. logical: a forward of `rows` rows at length `n` binds the first `n + rows` columns of an
    all-ones buffer (a view, nothing is written per step);
 2. capacity: the whole capacity-wide buffer is bound, ones for the first `n + rows` columns
-   and zeros after; only the columns that change are written.
+   and zeros after; only the columns that change are written, here and (through `changed`)
+   in the device copy: one element per decode step.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class LogicalLength:
         else:
             self._mask = np.zeros((1, capacity), dtype=np.int64)
         self._ones = capacity if self.policy is MaskPolicy.LOGICAL else 0
+        # The columns the last `mask_for` changed, [start, stop): what a device copy of the
+        # mask needs to be sent (capacity policy; always empty under the logical one).
+        self.changed = (0, 0)
 
     @property
     def room(self) -> int:
@@ -61,6 +65,7 @@ class LogicalLength:
             self._mask[0, self._ones:end] = 1
         elif end < self._ones:
             self._mask[0, end:self._ones] = 0
+        self.changed = (min(end, self._ones), max(end, self._ones))
         self._ones = end
         return self._mask
 

@@ -7,9 +7,10 @@ bound at capacity (past and present share one buffer) -> the logits are cut to t
 -> the logical length becomes past + r, which rewinds any padded rows.
 
 A prompt longer than the chunk width W is fed chunk by chunk (the last one at the remainder
-width). Only the logits rows that are needed reach the host: the logits output is bound to a
-buffer allocated once per (session, width); the wanted row is copied out of it (on CUDA one
-cudaMemcpy of that row), and intermediate chunks copy nothing.
+width). Only the logits rows that are needed reach the host: a prefill forward takes the
+logits ONNX Runtime allocated for it, copies the wanted row (on CUDA one cudaMemcpy of that row)
+and lets the rest go, and intermediate chunks copy nothing; the decode width and bindings that
+replay a CUDA graph (fixed addresses) keep a logits buffer of their own, allocated once.
 
 Every input lives in a buffer on the runtime's device, allocated once and bound once, so its
 address never changes (what a CUDA graph replays): per (session, width) binding the token and
@@ -204,6 +205,23 @@ class Sequence:
 
     def _generate(self, ids: np.ndarray, max_new_tokens: int,
                   eos_token_id: int | None) -> Iterator[int]:
+        """The generation, rolled back as a whole when a step fails.
+
+        A failure (an exception in a prefill or decode step) leaves the sequence's length and
+        recurrent state as they were before the call. A consumer that stops iterating early
+        (GeneratorExit) keeps what was generated so far.
+        """
+        start_length = self._length.length
+        snapshot = self._buffers.snapshot_state()
+        try:
+            yield from self._generate_steps(ids, max_new_tokens, eos_token_id)
+        except Exception:
+            self._length.rewind(self._length.length - start_length)
+            self._buffers.restore_state(snapshot)
+            raise
+
+    def _generate_steps(self, ids: np.ndarray, max_new_tokens: int,
+                        eos_token_id: int | None) -> Iterator[int]:
         generation = GenerationStats(prompt_tokens=len(ids))
         self._stats.last_generation = generation
         start = time.perf_counter()
@@ -268,23 +286,35 @@ class Sequence:
         forward = plan_forward(tokens, ports, past=past, tiers=runtime.tiers,
                                room=self._length.room, position_ids=runtime.ports.position_ids,
                                enabled=runtime.padding)
-        logits, binding = self._run(forward)
-        try:
-            # cut_logits applies the shape rules (and the padding self-check) to a view that
-            # holds the shape only: no logits are read here.
-            real_rows = forward.cut_logits(_shape_only(logits)).shape[1]
-        except QueryAxisShrunk as shrunk:
-            self._release_output(binding)
+        key = variant_key(forward.width, runtime.tiers, runtime.specialize)
+        shrunk: QueryAxisShrunk | None = None
+        # The logits are cut, read and released while the variant is still pinned, so no other
+        # thread can evict it (and count its memory as freed) while its output is in use.
+        with runtime.cache.acquire(key) as session:
+            binding = self._binding(session, forward.width)
+            binding.tokens.write(forward.tokens.reshape(binding.tokens.shape))
+            if binding.positions is not None:
+                binding.positions.write(forward.ports[runtime.ports.position_ids])
+            logits = self._run_bound(key, session, binding, forward.width)
+            try:
+                # cut_logits applies the shape rules (and the padding self-check) to a view
+                # that holds the shape only: no logits are read here.
+                real_rows = forward.cut_logits(_shape_only(logits)).shape[1]
+            except QueryAxisShrunk as error:
+                shrunk = error
+            else:
+                self._buffers.swap_state()
+                self._length.advance(forward.real_rows)
+                self._stats.prefill_forwards += 1
+                self._stats.padded_rows += forward.width - forward.real_rows
+                rows = self._read(logits, real_rows, forward.real_rows, need)
+            finally:
+                self._release_output(binding)
+        if shrunk is not None:
+            # Rerun unpadded, with no variant pinned by this thread any more.
             runtime.disable_padding(str(shrunk))
             return self._forward(chunk, need)
-        self._buffers.swap_state()
-        self._length.advance(forward.real_rows)
-        self._stats.prefill_forwards += 1
-        self._stats.padded_rows += forward.width - forward.real_rows
-        try:
-            return self._read(logits, real_rows, forward.real_rows, need), forward.width
-        finally:
-            self._release_output(binding)
+        return rows, forward.width
 
     def _step(self, token: int) -> np.ndarray:
         """One decode forward on the decode variant, acquired for this step alone."""
@@ -310,24 +340,13 @@ class Sequence:
         self._stats.decode_forwards += 1
         return _row(logits, logits.shape[1] - 1)
 
-    def _run(self, forward: PaddedForward) -> tuple[DeviceBuffer, _Binding]:
-        """Write one forward's inputs into its binding's buffers and run; the logits buffer."""
-        runtime = self.runtime
-        key = variant_key(forward.width, runtime.tiers, runtime.specialize)
-        with runtime.cache.acquire(key) as session:
-            binding = self._binding(session, forward.width)
-            binding.tokens.write(forward.tokens.reshape(binding.tokens.shape))
-            if binding.positions is not None:
-                binding.positions.write(forward.ports[runtime.ports.position_ids])
-            return self._run_bound(key, session, binding, forward.width), binding
-
     def _run_bound(self, key: VariantKey, session: ort.InferenceSession, binding: _Binding,
                    width: int) -> DeviceBuffer:
         """Bind the mask and state for `width` rows and run; the logits buffer."""
         runtime = self.runtime
         mask = self._length.mask_for(width)
         if runtime.device.mask_policy is MaskPolicy.CAPACITY:
-            self._mask.write(mask)
+            self._mask.write_range(mask, *self._length.changed)
         else:
             _bind_prefix(binding.io, MASK_INPUT, self._mask, mask.shape, runtime.device)
         self._buffers.bind_state(binding.io)

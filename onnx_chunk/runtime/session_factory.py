@@ -77,7 +77,7 @@ QUANTIZED_MATMUL = "MatMulNBits"
 
 @dataclass(frozen=True)
 class SharedWeights:
-    """The external initializers of a model, loaded once as OrtValues on one device.
+    """The external initializers of a model, loaded once as host OrtValues for every session.
 
     `nbytes`: their size; `resident_bytes`: what loading them (and, on CPU, faulting every page
     in) made the meter grow by, None without a meter or a reading. `owned_by_session` gives
@@ -94,11 +94,15 @@ class SharedWeights:
 
 def load_shared_weights(model: ir.Model, device: Device,
                         meter: MemoryMeter | None = None) -> SharedWeights:
-    """Load every external initializer of `model` once, as OrtValues on `device`.
+    """Load every external initializer of `model` once, as host OrtValues all sessions share.
 
-    On a host-visible device the OrtValues wrap copy-on-write memory maps of the data files,
-    faulted in here (so the pages are the runtime's, not the first variant's); elsewhere each
-    tensor is copied to the device once. `meter` is read around it (`resident_bytes`).
+    The OrtValues wrap copy-on-write memory maps of the data files, faulted in here (so the
+    pages are the runtime's, not the first variant's). They stay in host memory on every
+    device: `SessionOptions.add_initializer` takes only buffers the caller owns, and an OrtValue
+    that ONNX Runtime allocated on the GPU is refused ("Buffer containing the initializer must
+    be owned by the user"). On CUDA each session therefore copies the initializers to the
+    device when it is created: one device copy per per-width session (see docs/cuda.md).
+    `meter` is read around it (`resident_bytes`).
     """
     if meter is None:
         loaded, grown = _load_values(model, device), None
@@ -120,18 +124,13 @@ def _load_values(model: ir.Model, device: Device) -> tuple[
             if not isinstance(tensor, ir.ExternalTensor):
                 continue
             array = _map_external(tensor)
-            if device.host_visible:
-                _fault_in(array)
-                ort_value = ort.OrtValue.ortvalue_from_numpy(array)
-                arrays.append(array)
-            else:
-                ort_value = ort.OrtValue.ortvalue_from_numpy(array, device.device_type,
-                                                             device.device_id)
+            _fault_in(array)
+            arrays.append(array)
             names.append(name)
-            values.append(ort_value)
+            values.append(ort.OrtValue.ortvalue_from_numpy(array))
             nbytes += array.nbytes
-    logger.info("loaded %d external initializers (%d bytes) once for all sessions on %s",
-                len(names), nbytes, device.label)
+    logger.info("loaded %d external initializers (%d bytes) once in host memory for all "
+                "sessions on %s", len(names), nbytes, device.label)
     return tuple(names), tuple(values), nbytes, tuple(arrays)
 
 
@@ -206,8 +205,12 @@ class SessionFactory:
         options.log_severity_level = 3
         if self.intra_op_threads is not None:
             options.intra_op_num_threads = self.intra_op_threads
-        for name, value in zip(self.weights.names, self.weights.values):
-            options.add_initializer(name, value)
+        try:
+            for name, value in zip(self.weights.names, self.weights.values):
+                options.add_initializer(name, value)
+        except Exception as error:  # ORT's own exception types
+            raise ModelLoadError(f"ONNX Runtime refuses the shared weights for a session on "
+                                 f"{self.device.label}: {error}") from error
         dims = dict(self.fixed_dims)
         if width is not None and self.query_dim is not None:
             dims[self.query_dim] = width

@@ -1,0 +1,42 @@
+"""A generation that fails partway leaves its sequence as it was; one stopped early keeps
+what it generated."""
+
+import pytest
+
+from onnx_chunk.runtime import load
+
+
+@pytest.mark.parametrize("variant", ["base", "conv_hybrid"])
+def test_a_generation_failing_in_decode_leaves_the_sequence_as_it_was(reference_model,
+                                                                      monkeypatch, variant):
+    runtime = load(reference_model(variant), provider="cpu", capacity=96, chunk_size=16)
+    sequence = runtime.open_sequence()
+    sequence.prefill(list(range(3, 12)))
+    state_before = [bytes(array.tobytes()) for array in sequence.buffers.snapshot_state()]
+    expected = runtime.open_sequence()
+    expected.prefill(list(range(3, 12)))
+    steps = []
+    original = sequence._step_on
+
+    def failing(session, binding, token):
+        steps.append(token)
+        if len(steps) == 3:
+            raise RuntimeError("device lost")
+        return original(session, binding, token)
+
+    monkeypatch.setattr(sequence, "_step_on", failing)
+    with pytest.raises(RuntimeError, match="device lost"):
+        sequence.generate(list(range(20, 50)), 6)
+    monkeypatch.undo()
+    assert sequence.length == 9
+    assert [bytes(a.tobytes()) for a in sequence.buffers.snapshot_state()] == state_before
+    assert sequence.generate([7, 8], 4) == expected.generate([7, 8], 4)
+
+
+def test_a_stream_stopped_early_keeps_what_it_generated(reference_model):
+    runtime = load(reference_model("base"), provider="cpu", capacity=96, chunk_size=16)
+    sequence = runtime.open_sequence()
+    stream = sequence.stream(list(range(3, 23)), 8)
+    taken = [next(stream) for _ in range(3)]
+    stream.close()
+    assert len(taken) == 3 and sequence.length == 20 + 2
