@@ -2,7 +2,6 @@
 per-width variants, partial mask writes, and shared weights ONNX Runtime would refuse."""
 
 import dataclasses
-import threading
 
 import numpy as np
 import onnxruntime as ort
@@ -14,6 +13,8 @@ from onnx_chunk.runtime.buffers import device_zeros
 from onnx_chunk.runtime.kv_state import LogicalLength
 from onnx_chunk.runtime.provider import MaskPolicy, device_for
 from onnx_chunk.runtime.session_factory import SessionFactory, SharedWeights
+
+from .test_requests import generate_in_threads
 
 DEVICE_LIKE = dataclasses.replace(device_for("cpu"), host_visible=False,
                                   mask_policy=MaskPolicy.CAPACITY, specialize=True)
@@ -27,21 +28,7 @@ def test_two_threads_on_per_width_variants_on_the_device_path(reference_model, m
                    max_variants=3)
     prompts = [list(range(1, 40)), list(range(100, 121))]
     alone = [runtime.open_sequence().generate(prompt, 5) for prompt in prompts]
-    results: dict[int, list[list[int]]] = {0: [], 1: []}
-    errors = []
-
-    def drive(index):
-        try:
-            for _ in range(3):
-                results[index].append(runtime.open_sequence().generate(prompts[index], 5))
-        except Exception as error:  # collected and asserted on below
-            errors.append(error)
-
-    threads = [threading.Thread(target=drive, args=(index,)) for index in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    results, errors = generate_in_threads(runtime, prompts, rounds=3, new_tokens=5)
     assert not errors
     assert results[0] == [alone[0]] * 3 and results[1] == [alone[1]] * 3
     assert runtime.stats().cache.peak_variants <= 3

@@ -87,24 +87,31 @@ def test_a_failing_forward_leaves_the_sequence_as_it_was(runtime, monkeypatch):
     assert sequence.generate([9, 10], 3) == expected.generate([9, 10], 3)
 
 
-def test_two_sequences_in_two_threads_match_each_alone(runtime):
-    prompts = [list(range(1, 40)), list(range(200, 221))]
-    alone = [runtime.open_sequence().generate(prompt, 6) for prompt in prompts]
-    results: dict[int, list[list[int]]] = {0: [], 1: []}
+def generate_in_threads(runtime, prompts, rounds, new_tokens):
+    """Each prompt generated `rounds` times in a thread of its own, all threads at once."""
+    results: dict[int, list[list[int]]] = {index: [] for index in range(len(prompts))}
     errors = []
 
     def drive(index):
         try:
-            for _ in range(4):
-                results[index].append(runtime.open_sequence().generate(prompts[index], 6))
-        except Exception as error:  # collected and asserted on below
+            for _ in range(rounds):
+                results[index].append(runtime.open_sequence().generate(prompts[index],
+                                                                       new_tokens))
+        except Exception as error:  # collected and asserted on by the caller
             errors.append(error)
 
-    threads = [threading.Thread(target=drive, args=(index,)) for index in (0, 1)]
+    threads = [threading.Thread(target=drive, args=(index,)) for index in results]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    return results, errors
+
+
+def test_two_sequences_in_two_threads_match_each_alone(runtime):
+    prompts = [list(range(1, 40)), list(range(200, 221))]
+    alone = [runtime.open_sequence().generate(prompt, 6) for prompt in prompts]
+    results, errors = generate_in_threads(runtime, prompts, rounds=4, new_tokens=6)
     assert not errors
     assert results[0] == [alone[0]] * 4 and results[1] == [alone[1]] * 4
 
