@@ -150,12 +150,12 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
     runtime = load(model, provider=provider, capacity=capacity, chunk_size=chunk_size,
                    padding=False if no_padding else None, specialize=specialize)
     prompts = _prompts(runtime.ports.vocab_size, ids_text, ids_file, random_prompt, seed)
-    # Every prompt is checked before any runs, so a bad line N does not fail after N - 1
-    # prompts were already served.
-    checker = runtime.open_sequence()
+    # One sequence serves the prompts in turn, rewound to empty before each: its KV buffers
+    # (and, on CUDA, the graphs captured at their addresses) are reused. Every prompt is
+    # checked before any runs, so a bad line N does not fail after N - 1 were served.
+    sequence = runtime.open_sequence()
     for prompt in prompts:
-        checker.check_request(prompt, max_new_tokens)
-    del checker
+        sequence.check_request(prompt, max_new_tokens)
     if not as_json:
         stats = runtime.stats()
         click.echo(f"provider {stats.provider} ({stats.device}), capacity {stats.capacity}, "
@@ -164,7 +164,7 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
                    + ("one shape-generic session" if stats.specialize is False
                       else "variants per width"))
     for index, prompt in enumerate(prompts):
-        sequence = runtime.open_sequence()
+        sequence.rewind(sequence.length)
         tokens = sequence.generate(prompt, max_new_tokens, eos_token_id)
         entry = record(index, prompt, tokens, sequence.stats.last_generation, runtime.stats())
         click.echo(json.dumps(entry) if as_json else _format(entry))

@@ -53,3 +53,15 @@ def test_the_offline_passes_do_not_import_onnxruntime():
     code = ("import sys, onnx_chunk.passes, onnx_chunk.runtime.ladder; "
             "sys.exit('onnxruntime' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+@pytest.mark.parametrize("variant", ["base", "conv_hybrid"])
+def test_prompts_of_an_ids_file_share_one_sequence_and_do_not_leak(reference_model, tmp_path,
+                                                                   capsys, variant):
+    ids = tmp_path / "ids.txt"
+    ids.write_text("1 2 3 4 5\n9 8 7\n1 2 3 4 5\n")
+    assert main(["generate", str(reference_model(variant)), "--ids-file", str(ids),
+                 "--max-new-tokens", "4", "--provider", "cpu", "--json"]) == 0
+    first, second, third = (json.loads(line)["tokens"]
+                            for line in capsys.readouterr().out.strip().splitlines())
+    assert first == third and len(second) == 4
