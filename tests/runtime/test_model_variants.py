@@ -11,19 +11,41 @@ W = 16
 PROMPT = np.random.default_rng(3).integers(0, 256, 2 * W + 11).tolist()
 
 
+def _generation(runtime):
+    sequence = runtime.open_sequence()
+    sequence.generate(PROMPT, 1)
+    return sequence.stats.last_generation
+
+
 def _pair(path):
     chunked = load(path, provider="cpu", capacity=128, chunk_size=W, specialize=True)
     whole = load(path, provider="cpu", capacity=128, chunk_size=128, padding=False)
     return chunked, whole
 
 
-@pytest.mark.parametrize("variant", ["int4", "position_ids", "inputs_embeds"])
-def test_variant_chunked_equals_whole_prompt(reference_model, variant):
+@pytest.mark.parametrize("variant", ["base", "int4", "position_ids", "inputs_embeds"])
+def test_variant_padded_and_unpadded_logits_and_kv_equal_the_whole_prompt(reference_model,
+                                                                          variant):
     path = reference_model(variant)
     chunked, whole = _pair(path)
-    assert chunked.padding
-    got = chunked.open_sequence().prefill(PROMPT, all_logits=True)
-    assert np.array_equal(got, whole.open_sequence().prefill(PROMPT, all_logits=True))
+    unpadded = load(path, provider="cpu", capacity=128, chunk_size=W, specialize=True,
+                    padding=False)
+    assert chunked.padding and not unpadded.padding
+    reference = whole.open_sequence()
+    expected = reference.prefill(PROMPT, all_logits=True)
+    for runtime in (chunked, unpadded):
+        sequence = runtime.open_sequence()
+        assert np.array_equal(sequence.prefill(PROMPT, all_logits=True), expected)
+        for ours, theirs in zip(sequence.buffers.kv, reference.buffers.kv):
+            assert np.array_equal(ours.host[:, :, :len(PROMPT)], theirs.host[:, :, :len(PROMPT)])
+    padded_widths = [c.width for c in _generation(chunked).chunks]
+    assert padded_widths[-1] != len(PROMPT) % W  # the remainder really was padded
+
+
+@pytest.mark.parametrize("variant", ["int4", "position_ids", "inputs_embeds"])
+def test_variant_chunked_greedy_tokens(reference_model, variant):
+    path = reference_model(variant)
+    chunked, whole = _pair(path)
     tokens = chunked.open_sequence().generate(PROMPT, 5)
     assert tokens == whole.open_sequence().generate(PROMPT, 5)
     if variant != "int4":
