@@ -24,10 +24,11 @@ A sequence is driven by one thread at a time; independent sequences may run in p
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Iterator, Sequence as SequenceOf
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -38,7 +39,7 @@ from onnx_chunk.runtime.buffers import DeviceBuffer, SequenceBuffers, device_zer
 from onnx_chunk.runtime.cuda_graphs import GraphRuns
 from onnx_chunk.runtime.kv_state import LogicalLength
 from onnx_chunk.runtime.ladder import DECODE_WIDTH
-from onnx_chunk.runtime.padding import PaddedForward, QueryAxisShrunk, plan_forward
+from onnx_chunk.runtime.padding import QueryAxisShrunk, plan_forward
 from onnx_chunk.runtime.ports import LOGITS_OUTPUT, MASK_INPUT
 from onnx_chunk.runtime.provider import Device, MaskPolicy
 from onnx_chunk.runtime.stats import ChunkRecord, GenerationStats, SequenceStats
@@ -123,9 +124,9 @@ class Sequence:
 
     @property
     def stats(self) -> SequenceStats:
-        """The sequence's counters (a snapshot)."""
-        self._stats.length = self._length.length
-        return SequenceStats(**vars(self._stats))
+        """The sequence's counters (a snapshot: later steps do not change it)."""
+        return replace(self._stats, length=self._length.length,
+                       last_generation=copy.deepcopy(self._stats.last_generation))
 
     @property
     def buffers(self) -> SequenceBuffers:

@@ -40,3 +40,14 @@ def test_a_stream_stopped_early_keeps_what_it_generated(reference_model):
     taken = [next(stream) for _ in range(3)]
     stream.close()
     assert len(taken) == 3 and sequence.length == 20 + 2
+
+
+def test_stats_are_a_snapshot_that_later_steps_do_not_change(reference_model):
+    runtime = load(reference_model("base"), provider="cpu", capacity=96, chunk_size=16)
+    sequence = runtime.open_sequence()
+    stream = sequence.stream(list(range(3, 23)), 6)
+    next(stream)
+    early = sequence.stats
+    list(stream)
+    assert early.last_generation.new_tokens == 1 and early.length == 20
+    assert sequence.stats.last_generation.new_tokens == 6
