@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 from _bench import environment as env
-from _bench.child import run_child, write_json, write_text
+from _bench.child import measure_prompt, write_json, write_text
 from _bench.harness import (CHUNK_SIZE, PROMPT_LENGTHS, capped_lengths, format_value,
                             markdown_table, ratio, round_order, seeded_prompt, summarize)
 
@@ -40,16 +40,12 @@ def main(argv: list[str] | None = None) -> int:
             prompt = seeded_prompt(length, config["vocab_size"])
             for system in round_order(SYSTEMS, round_index):
                 chunked = system == "chunked"
-                child = run_child(env.worker_argv(sys.executable, "chunk_worker", {
+                result = measure_prompt(env.worker_argv(sys.executable, "chunk_worker", {
                     "model": str(model), "prompts": [prompt], "new_tokens": NEW_TOKENS,
                     "chunk_size": CHUNK_SIZE if chunked else capacity,
                     "padding": None if chunked else False, "eos": env.EOS_TOKEN_ID}),
-                    timeout_s=600)
-                result = dict(child.payload["results"][0], peak_rss_mb=child.peak_rss_mb)
+                    f"round {round_index + 1}/{repetitions} {length:>5} tokens {system:<8}")
                 runs.setdefault((length, system), []).append(result)
-                print(f"round {round_index + 1}/{repetitions} {length:>5} tokens {system:<8} "
-                      f"ttft {result['ttft_s']:.3f} s  peak {child.peak_rss_mb:.0f} MB",
-                      file=sys.stderr)
 
     rows = []
     for length in lengths:

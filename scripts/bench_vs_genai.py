@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from _bench import environment as env
-from _bench.child import run_child, write_json, write_text
+from _bench.child import measure_prompt, write_json, write_text
 from _bench.harness import (CHUNK_SIZE, NEW_TOKENS, PROMPT_LENGTHS, capped_lengths,
                             format_value, markdown_table, ratio, round_order, seeded_prompt,
                             summarize, verdict)
@@ -53,13 +53,10 @@ def main(argv: list[str] | None = None) -> int:
                         "model": str(model), "prompts": [prompt], "new_tokens": new_tokens,
                         "chunk_size": CHUNK_SIZE, "eos": env.EOS_TOKEN_ID,
                         "capacity": len(prompt) + new_tokens})
-                child = run_child(argv_, timeout_s=600)
-                result = dict(child.payload["results"][0], peak_rss_mb=child.peak_rss_mb,
-                              load_s=child.payload["load_s"], wall_s=child.wall_s)
+                result = measure_prompt(
+                    argv_, f"round {round_index + 1}/{repetitions} {length:>5} tokens "
+                           f"{system:<10}")
                 runs.setdefault((length, system), []).append(result)
-                print(f"round {round_index + 1}/{repetitions} {length:>5} tokens {system:<10} "
-                      f"ttft {result['ttft_s']:.3f} s  peak {child.peak_rss_mb:.0f} MB",
-                      file=sys.stderr)
 
     rows = []
     for length in lengths:

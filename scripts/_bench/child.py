@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -59,6 +60,17 @@ def run_child(argv: list[str], *, timeout_s: float, env: dict[str, str] | None =
         raise ChildFailed(f"{' '.join(argv[:2])} printed no result:\n{stderr[-3000:]}")
     # Linux reports ru_maxrss in KiB.
     return ChildResult(json.loads(lines[-1]), usage.ru_maxrss / 1024, wall)
+
+
+def measure_prompt(argv: list[str], label: str, *, timeout_s: float = 600) -> dict:
+    """One single-prompt measurement: the worker's result for its prompt with the child's peak
+    RSS, load and wall time added; a progress line on stderr."""
+    child = run_child(argv, timeout_s=timeout_s)
+    result = dict(child.payload["results"][0], peak_rss_mb=child.peak_rss_mb,
+                  load_s=child.payload["load_s"], wall_s=child.wall_s)
+    print(f"{label} ttft {result['ttft_s']:.3f} s  peak {child.peak_rss_mb:.0f} MB",
+          file=sys.stderr)
+    return result
 
 
 def write_json(path: Path, data: object) -> None:
