@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 from _bench import environment as env
-from _bench.child import measure_prompt, write_json, write_text
+from _bench.child import measure_prompt, publish
 from _bench.harness import (CHUNK_SIZE, PROMPT_LENGTHS, capped_lengths, format_value,
                             markdown_table, ratio, round_order, seeded_prompt, summarize)
 
@@ -61,12 +61,11 @@ def main(argv: list[str] | None = None) -> int:
         ["prompt", "peak RSS MB chunked", "peak RSS MB whole", "RSS ratio", "TTFT s chunked",
          "TTFT s whole", "TTFT ratio", "chunks (rows/width)"], rows)
     name = f"chunking_{args.variant}{'_quick' if args.quick else ''}"
-    write_json(args.out / f"{name}.json", {
+    results = {
         "variant": args.variant, "repetitions": repetitions, "chunk_size": CHUNK_SIZE,
         "lengths": lengths,
-        "runs": {f"{length}/{system}": values for (length, system), values in runs.items()}})
-    write_text(args.out / f"{name}.md", table + "\n")
-    print(table)
+        "runs": {f"{length}/{system}": values for (length, system), values in runs.items()}}
+    publish(args.out, name, results, table)
     return 0
 
 

@@ -18,7 +18,7 @@ import sys
 from onnx_chunk.runtime.provider import MaskPolicy
 
 from _bench import environment as env
-from _bench.child import run_child, write_json, write_text
+from _bench.child import publish, run_child
 from _bench.harness import (CHUNK_SIZE, NEW_TOKENS, format_value, markdown_table, ratio,
                             round_order, seeded_prompt, summarize)
 
@@ -76,11 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown_table(["mode", "mask policy", "prompt", "end-to-end s padding on",
                             "end-to-end s padding off", "on / off"], rows)
     name = f"padding_{args.variant}{'_quick' if args.quick else ''}"
-    write_json(args.out / f"{name}.json", {"variant": args.variant, "repetitions": repetitions,
-                                          "new_tokens": new_tokens, "workload": list(workload),
-                                          "runs": runs})
-    write_text(args.out / f"{name}.md", table + "\n")
-    print(table)
+    results = {"variant": args.variant, "repetitions": repetitions, "new_tokens": new_tokens,
+               "workload": list(workload), "runs": runs}
+    publish(args.out, name, results, table)
     return 0
 
 

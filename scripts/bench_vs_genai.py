@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from _bench import environment as env
-from _bench.child import measure_prompt, write_json, write_text
+from _bench.child import measure_prompt, publish
 from _bench.harness import (CHUNK_SIZE, NEW_TOKENS, PROMPT_LENGTHS, capped_lengths,
                             format_value, markdown_table, ratio, round_order, seeded_prompt,
                             summarize, verdict)
@@ -77,12 +77,11 @@ def main(argv: list[str] | None = None) -> int:
          "decode tok/s onnx-chunk", "decode tok/s genai", "decode ratio",
          "peak RSS MB onnx-chunk", "peak RSS MB genai", "RSS ratio", "tokens identical"], rows)
     name = f"vs_genai_{args.variant}{'_quick' if args.quick else ''}"
-    write_json(args.out / f"{name}.json", {
+    results = {
         "variant": args.variant, "repetitions": repetitions, "new_tokens": new_tokens,
         "chunk_size": CHUNK_SIZE, "lengths": lengths,
-        "runs": {f"{length}/{system}": values for (length, system), values in runs.items()}})
-    write_text(args.out / f"{name}.md", table + "\n")
-    print(table)
+        "runs": {f"{length}/{system}": values for (length, system), values in runs.items()}}
+    publish(args.out, name, results, table)
     return 0
 
 

@@ -75,15 +75,7 @@ def measure_prompt(argv: list[str], label: str, *, timeout_s: float = 600) -> di
 
 def write_json(path: Path, data: object) -> None:
     """Write `data` as JSON through a temporary file renamed into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w") as stream:
-            json.dump(data, stream, indent=1)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
+    write_text(path, json.dumps(data, indent=1))
 
 
 def write_text(path: Path, text: str) -> None:
@@ -97,3 +89,11 @@ def write_text(path: Path, text: str) -> None:
     except BaseException:
         os.unlink(temporary)
         raise
+
+
+def publish(out: Path, name: str, data: object, table: str) -> None:
+    """A benchmark's results: raw measurements as out/name.json, the table as out/name.md and
+    on stdout."""
+    write_json(out / f"{name}.json", data)
+    write_text(out / f"{name}.md", table + "\n")
+    print(table)

@@ -16,16 +16,17 @@ def session(model: Path) -> ort.InferenceSession:
     return ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
 
 
-def empty_state_feeds(ref: ReferenceDecoder, batch: int = 1) -> dict[str, np.ndarray]:
+def empty_state_feeds(ref: ReferenceDecoder, batch: int = 1,
+                      dtype: type = np.float32) -> dict[str, np.ndarray]:
     c = ref.config
     feeds = {}
     for layer in c.attention_layers:
         for kind in ("key", "value"):
             feeds[f"past_key_values.{layer}.{kind}"] = np.zeros(
-                (batch, c.num_kv_heads, 0, c.head_size), np.float32)
+                (batch, c.num_kv_heads, 0, c.head_size), dtype)
     for layer in c.conv_layers:
         feeds[f"past.{layer}.conv"] = np.zeros((batch, c.hidden_size, c.conv_kernel - 1),
-                                               np.float32)
+                                               dtype)
     return feeds
 
 

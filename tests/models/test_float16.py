@@ -12,7 +12,7 @@ from onnx_chunk.errors import ConfigError
 from onnx_chunk.models import VARIANTS, build_decoder
 from onnx_chunk.models.reference import ReferenceDecoder
 
-from ._ort import carry, request_feeds, run, session
+from ._ort import carry, empty_state_feeds, request_feeds, run, session
 
 # Documented in docs/models.md: ORT float16 (every activation rounded to float16) against the
 # float64 reference from the same float16 weights, logits of magnitude ~10. Measured up to
@@ -32,18 +32,6 @@ def fp16_model(tmp_path_factory):
         return built[variant, dtype]
 
     return build
-
-
-def _feeds_for_state(ref: ReferenceDecoder) -> dict[str, np.ndarray]:
-    c = ref.config
-    feeds = {}
-    for layer in c.attention_layers:
-        for kind in ("key", "value"):
-            feeds[f"past_key_values.{layer}.{kind}"] = np.zeros(
-                (1, c.num_kv_heads, 0, c.head_size), np.float16)
-    for layer in c.conv_layers:
-        feeds[f"past.{layer}.conv"] = np.zeros((1, c.hidden_size, c.conv_kernel - 1), np.float16)
-    return feeds
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -92,7 +80,7 @@ def test_float16_prompt_and_decode_match_the_reference(fp16_model, variant):
     ref = ReferenceDecoder.from_model_dir(path.parent)
     sess = session(path)
     ids = np.random.default_rng(7).integers(0, ref.config.vocab_size, size=(1, 11))
-    state_feeds, state, past = _feeds_for_state(ref), None, 0
+    state_feeds, state, past = empty_state_feeds(ref, dtype=np.float16), None, 0
     for _ in range(4):
         rows = ids.shape[1]
         positions = (1 + np.arange(past, past + rows, dtype=np.int64))[None]
