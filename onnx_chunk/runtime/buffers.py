@@ -78,15 +78,17 @@ class DeviceBuffer:
             return
         _copy_to_device(self.value, start * self.dtype.itemsize, flat[start:stop])
 
-    def read(self, start: int, count: int) -> np.ndarray:
-        """`count` elements from flat index `start`, on the host (a view where there is one)."""
+    def read(self, start: int, count: int, out: np.ndarray | None = None) -> np.ndarray:
+        """`count` elements from flat index `start`, on the host (a view where there is one;
+        else copied into `out` when given, so a hot loop allocates nothing)."""
         if start < 0 or count < 0 or start + count > self.value.tensor_size_in_bytes() // \
                 self.dtype.itemsize:
             raise ValueError(f"elements [{start}, {start + count}) are outside a buffer of shape "
                              f"{list(self.shape)}")
         if self.host is not None:
             return self.host.reshape(-1)[start:start + count]
-        out = np.empty(count, dtype=self.dtype)
+        if out is None:
+            out = np.empty(count, dtype=self.dtype)
         _copy_to_host(self.value, start * self.dtype.itemsize, out)
         return out
 

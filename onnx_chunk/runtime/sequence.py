@@ -88,6 +88,8 @@ class _Binding:
     # run and let it go once the wanted row is read, so no prefill-sized logits stay held.
     keeps_logits: bool
     logits: DeviceBuffer | None = None
+    # Off the host: the host copy of one logits row, allocated with the logits buffer.
+    row: np.ndarray | None = None
 
 
 class Sequence:
@@ -339,7 +341,7 @@ class Sequence:
         self._buffers.swap_state()
         self._length.advance(1)
         self._stats.decode_forwards += 1
-        return _row(logits, logits.shape[1] - 1)
+        return _row(logits, logits.shape[1] - 1, out=binding.row)
 
     def _run_bound(self, key: VariantKey, session: ort.InferenceSession, binding: _Binding,
                    width: int) -> DeviceBuffer:
@@ -421,6 +423,8 @@ class Sequence:
                                       self.runtime.device)
         binding.logits.value.update_inplace(produced)
         binding.io.bind_ortvalue_output(LOGITS_OUTPUT, binding.logits.value)
+        if binding.logits.host is None:
+            binding.row = np.empty(binding.logits.shape[-1], dtype=binding.logits.dtype)
 
     def _read(self, logits: DeviceBuffer, returned: int, real_rows: int,
               need: str) -> np.ndarray | None:
@@ -460,10 +464,10 @@ def _bind_prefix(io: ort.IOBinding, name: str, buffer: DeviceBuffer, shape: tupl
                   buffer.value.data_ptr())
 
 
-def _row(logits: DeviceBuffer, row: int) -> np.ndarray:
-    """Row `row` of a [1, rows, vocab] logits buffer, on the host."""
+def _row(logits: DeviceBuffer, row: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Row `row` of a [1, rows, vocab] logits buffer, on the host (into `out` when given)."""
     vocab = logits.shape[-1]
-    return logits.read(row * vocab, vocab)
+    return logits.read(row * vocab, vocab, out)
 
 
 def _output_buffer(value: ort.OrtValue, dtype: np.dtype) -> DeviceBuffer:

@@ -65,3 +65,12 @@ def test_the_capacity_mask_reports_the_columns_it_changed():
     state.rewind(3)
     state.mask_for(1)
     assert state.changed == (3, 5)
+
+
+def test_reads_off_the_host_can_reuse_one_row_buffer():
+    device = dataclasses.replace(device_for("cpu"), host_visible=False)
+    buffer = device_zeros((1, 2, 4), np.float32, device)
+    buffer.write(np.arange(8, dtype=np.float32).reshape(1, 2, 4))
+    row = np.empty(4, dtype=np.float32)
+    assert buffer.read(4, 4, row) is row
+    assert row.tolist() == [4.0, 5.0, 6.0, 7.0]
