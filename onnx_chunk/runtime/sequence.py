@@ -28,6 +28,7 @@ import copy
 import logging
 import time
 from collections.abc import Iterator, Sequence as SequenceOf
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -147,7 +148,8 @@ class Sequence:
         if all_logits and self.runtime.ports.last_row_logits:
             raise ModelStructureError("the decoder returns the last row's logits only, so "
                                       "all prompt rows' logits cannot be given; ask for the last")
-        return self._prefill(ids, all_logits, records=None)
+        with self._all_or_nothing():
+            return self._prefill(ids, all_logits, records=None)
 
     def decode(self, token: int) -> np.ndarray:
         """Feed one token; return its logits [vocab] (a copy)."""
@@ -214,11 +216,22 @@ class Sequence:
         recurrent state as they were before the call. A consumer that stops iterating early
         (GeneratorExit) keeps what was generated so far.
         """
+        with self._all_or_nothing():
+            yield from self._generate_steps(ids, max_new_tokens, eos_token_id)
+
+    @contextmanager
+    def _all_or_nothing(self) -> Iterator[None]:
+        """Roll the length and the recurrent state back to where they were if the block fails.
+
+        A generator closed early (GeneratorExit) is no failure: what it produced stays.
+        """
         start_length = self._length.length
         snapshot = self._buffers.snapshot_state()
         try:
-            yield from self._generate_steps(ids, max_new_tokens, eos_token_id)
-        except Exception:
+            yield
+        except GeneratorExit:
+            raise
+        except BaseException:
             self._length.rewind(self._length.length - start_length)
             self._buffers.restore_state(snapshot)
             raise
@@ -253,25 +266,17 @@ class Sequence:
 
     def _prefill(self, ids: np.ndarray, all_logits: bool,
                  records: list[ChunkRecord] | None) -> np.ndarray:
-        start_length = self._length.length
-        snapshot = self._buffers.snapshot_state()
-        bounds = prefill_chunks(len(ids), self.runtime.chunk_size)
+        """Feed `ids` chunk by chunk (the caller rolls back on failure)."""
         rows_out: list[np.ndarray] = []
-        try:
-            for begin, end in bounds:
-                chunk = ids[begin:end]
-                need = "all" if all_logits else ("last" if end == len(ids) else "none")
-                began = time.perf_counter()
-                logits, run_width = self._forward(chunk, need)
-                if records is not None:
-                    records.append(ChunkRecord(len(chunk), run_width,
-                                               time.perf_counter() - began))
-                if logits is not None:
-                    rows_out.append(logits)
-        except BaseException:
-            self._length.rewind(self._length.length - start_length)
-            self._buffers.restore_state(snapshot)
-            raise
+        for begin, end in prefill_chunks(len(ids), self.runtime.chunk_size):
+            chunk = ids[begin:end]
+            need = "all" if all_logits else ("last" if end == len(ids) else "none")
+            began = time.perf_counter()
+            logits, run_width = self._forward(chunk, need)
+            if records is not None:
+                records.append(ChunkRecord(len(chunk), run_width, time.perf_counter() - began))
+            if logits is not None:
+                rows_out.append(logits)
         return np.concatenate(rows_out, axis=0) if all_logits else rows_out[-1]
 
     def _forward(self, chunk: np.ndarray, need: str) -> tuple[np.ndarray | None, int]:
