@@ -7,7 +7,6 @@ fails with the loader's reason, and the graph is analysed from the protobuf alon
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,12 +15,9 @@ import onnx
 import onnx_ir as ir
 
 from onnx_chunk.errors import ModelLoadError
+from onnx_chunk.model_folder import locate_model
 from onnx_chunk.model_io import load_model
 from onnx_chunk.runtime.static_model import StaticGraphShape, static_shape
-
-_GENAI_CONFIG = "genai_config.json"
-_DEFAULT_FILE = "model.onnx"
-_STATIC_CHUNK_FILE = "chunk.onnx"
 
 
 @dataclass
@@ -34,38 +30,9 @@ class Subject:
     static: StaticGraphShape | None
 
 
-def resolve_model_file(path: str | os.PathLike) -> Path:
-    """The .onnx file that MODEL names: the file itself, or the decoder inside a folder.
-
-    In a folder: the decoder `genai_config.json` names, else `model.onnx`, else `chunk.onnx`
-    (a static chunk graph), else the folder's only .onnx file.
-    """
-    given = Path(path)
-    if not given.is_dir():
-        return given
-    config = given / _GENAI_CONFIG
-    if config.is_file():
-        try:
-            filename = json.loads(config.read_text())["model"]["decoder"]["filename"]
-        except (OSError, ValueError, KeyError, TypeError):
-            filename = None
-        if isinstance(filename, str) and (given / filename).is_file():
-            return given / filename
-    for name in (_DEFAULT_FILE, _STATIC_CHUNK_FILE):
-        if (given / name).is_file():
-            return given / name
-    candidates = sorted(given.glob("*.onnx"))
-    if len(candidates) == 1:
-        return candidates[0]
-    found = ", ".join(candidate.name for candidate in candidates) or "none"
-    raise ModelLoadError(
-        f"cannot tell which model in the folder {str(given)!r} to validate (.onnx files: "
-        f"{found}); pass the .onnx file itself")
-
-
 def load_subject(path: str | os.PathLike) -> Subject:
     """Load MODEL's graph (never its weights) and classify it; ModelLoadError when unreadable."""
-    model_path = resolve_model_file(path)
+    model_path = locate_model(path).onnx_path
     try:
         model = load_model(model_path)
         external_error = None

@@ -1,0 +1,164 @@
+"""A model as users name it: an .onnx file, or a folder as onnxruntime-genai takes it.
+
+A folder names its decoder in `genai_config.json` (`model.decoder.filename`), else holds
+`model.onnx`, else `chunk.onnx` (a static chunk graph from `fix-shapes`), else a single .onnx
+file. A `filename` that leaves the folder is refused, never followed. The config beside a file
+applies to that file only when it is the decoder the config names, so a folder holding two
+models never lends one model's limits to the other.
+
+Only the standard library is used here: the serving path reads folders too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from onnx_chunk.errors import ModelLoadError
+
+GENAI_CONFIG = "genai_config.json"
+DEFAULT_DECODER = "model.onnx"
+STATIC_CHUNK_DECODER = "chunk.onnx"
+
+
+@dataclass(frozen=True)
+class GenaiConfig:
+    """What onnx-chunk reads of a `genai_config.json` (every field optional in the file)."""
+
+    path: Path
+    filename: str | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    context_length: int | None = None
+    head_size: int | None = None
+    max_length: int | None = None
+    chunk_size: int | None = None
+    search: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelLocation:
+    """The decoder file a user named, its folder, and the genai config that applies to it."""
+
+    onnx_path: Path
+    folder: Path
+    genai: GenaiConfig | None
+
+
+def locate_model(path: str | os.PathLike) -> ModelLocation:
+    """Resolve MODEL (a file or a folder) to its decoder file; ModelLoadError when impossible."""
+    given = Path(path)
+    if given.is_dir():
+        genai = read_genai_config(given / GENAI_CONFIG)
+        return ModelLocation(_decoder_in(given, genai), given, genai)
+    folder = given.parent
+    genai = read_genai_config(folder / GENAI_CONFIG)
+    if genai is not None and (genai.filename or DEFAULT_DECODER) != given.name:
+        genai = None
+    return ModelLocation(given, folder, genai)
+
+
+def read_genai_config(path: Path) -> GenaiConfig | None:
+    """Read `path` (None when absent); ModelLoadError when it is unreadable or contradicts itself."""
+    if not path.exists():
+        return None
+    if path.is_symlink() or not path.is_file():
+        raise ModelLoadError(f"{str(path)!r} is not a regular file; the genai config must be a "
+                             "plain file in the model's folder")
+    try:
+        document = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise ModelLoadError(f"cannot read {str(path)!r} as JSON ({error}); fix or remove "
+                             "the file") from error
+    if not isinstance(document, dict):
+        raise ModelLoadError(f"{str(path)!r} holds no JSON object; expected onnxruntime-genai's "
+                             "config ({\"model\": {...}, \"search\": {...}})")
+    reader = _Reader(path)
+    model = reader.section(document, "model")
+    decoder = reader.section(model, "decoder")
+    search = reader.section(document, "search")
+    eos = model.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    for value in eos_ids:
+        reader.token_id(value, "model.eos_token_id")
+    return GenaiConfig(
+        path=path,
+        filename=reader.string(decoder, "filename", "model.decoder.filename"),
+        eos_token_ids=eos_ids,
+        pad_token_id=reader.token_id(model.get("pad_token_id"), "model.pad_token_id"),
+        bos_token_id=reader.token_id(model.get("bos_token_id"), "model.bos_token_id"),
+        context_length=reader.size(model.get("context_length"), "model.context_length"),
+        head_size=reader.size(decoder.get("head_size"), "model.decoder.head_size"),
+        max_length=reader.size(search.get("max_length"), "search.max_length"),
+        chunk_size=reader.size(search.get("chunk_size"), "search.chunk_size"),
+        search=dict(search),
+    )
+
+
+def _decoder_in(folder: Path, genai: GenaiConfig | None) -> Path:
+    if genai is not None and genai.filename is not None:
+        return _inside(folder, genai.filename, genai.path)
+    for name in (DEFAULT_DECODER, STATIC_CHUNK_DECODER):
+        if (folder / name).is_file():
+            return folder / name
+    candidates = sorted(folder.glob("*.onnx"))
+    if len(candidates) == 1:
+        return candidates[0]
+    found = ", ".join(candidate.name for candidate in candidates) or "none"
+    raise ModelLoadError(
+        f"cannot tell which model in the folder {str(folder)!r} to use (.onnx files: {found}; "
+        f"no {GENAI_CONFIG} names one); pass the .onnx file itself")
+
+
+def _inside(folder: Path, filename: str, config: Path) -> Path:
+    root = folder.resolve()
+    candidate = folder / filename
+    if Path(filename).is_absolute() or not candidate.resolve().is_relative_to(root):
+        raise ModelLoadError(
+            f"{str(config)!r} names the decoder {filename!r}, which lies outside the model's "
+            f"folder {str(folder)!r}; a folder's decoder must sit inside it")
+    if not candidate.is_file():
+        raise ModelLoadError(f"{str(config)!r} names the decoder {filename!r}, which is not a "
+                             f"file in {str(folder)!r}")
+    return candidate
+
+
+class _Reader:
+    """Typed field reads that name the file and the key on failure."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def _fail(self, key: str, expected: str, value: object) -> ModelLoadError:
+        return ModelLoadError(f"{str(self.path)!r}: {key} must be {expected}, got {value!r}; "
+                              "fix the config")
+
+    def section(self, parent: dict, key: str) -> dict:
+        value = parent.get(key, {})
+        if not isinstance(value, dict):
+            raise self._fail(key, "an object", value)
+        return value
+
+    def string(self, parent: dict, key: str, name: str) -> str | None:
+        value = parent.get(key)
+        if value is not None and not (isinstance(value, str) and value):
+            raise self._fail(name, "a file name", value)
+        return value
+
+    def token_id(self, value: object, name: str) -> int | None:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise self._fail(name, "a non-negative integer token id (or a list of them)", value)
+        return value
+
+    def size(self, value: object, name: str) -> int | None:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise self._fail(name, "a positive integer", value)
+        return value
