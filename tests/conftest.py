@@ -26,3 +26,18 @@ def reference_model(tmp_path_factory):
         return built[key]
 
     return build
+
+
+@pytest.fixture(scope="session")
+def peer_python() -> Path:
+    """The interpreter of the peer venv: onnxruntime-genai, its CPU onnxruntime, transformers.
+
+    `.venv-genai` at the repository root (or $ONNX_CHUNK_GENAI_VENV), created and installed on
+    first use; onnxruntime-genai's onnxruntime never shares a venv with onnxruntime-gpu.
+    """
+    import os
+
+    from scripts._bench import environment
+
+    venv = Path(os.environ.get("ONNX_CHUNK_GENAI_VENV", environment.ROOT / ".venv-genai"))
+    return environment.genai_python(venv)

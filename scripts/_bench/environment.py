@@ -12,6 +12,14 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent
 DEFAULT_OUT = ROOT / "bench-out"
 GENAI_VERSION = "0.18.0"
+# The peer venv: onnxruntime-genai with the CPU onnxruntime it needs, and transformers (no
+# torch) for the tokenizer and chat-template parity checks. Pinned, so a peer's answer only
+# changes when these lines do.
+PEER_REQUIREMENTS = (f"onnxruntime-genai=={GENAI_VERSION}", "onnxruntime==1.31.1",
+                     "transformers==4.57.6")
+_PEER_PROBE = ("import importlib.metadata as m; "
+               "print(' '.join(f'{p}=={m.version(p)}' for p in "
+               "('onnxruntime-genai', 'onnxruntime', 'transformers')))")
 EOS_TOKEN_ID = 2
 
 
@@ -49,7 +57,7 @@ def model_config(model: Path) -> dict:
 
 
 def genai_python(venv: Path) -> Path:
-    """The interpreter of a venv holding onnxruntime-genai (created and installed if missing).
+    """The interpreter of the peer venv (created, and PEER_REQUIREMENTS installed, if missing).
 
     onnxruntime-genai brings the CPU onnxruntime, which must never share a venv with
     onnxruntime-gpu, so it lives in a venv of its own. What it creates or installs is said on
@@ -59,12 +67,12 @@ def genai_python(venv: Path) -> Path:
     if not python.exists():
         print(f"creating {venv}", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    probe = subprocess.run([str(python), "-c", "import onnxruntime_genai as og; "
-                            "print(og.__version__)"], capture_output=True, text=True)
-    if probe.returncode != 0 or probe.stdout.strip() != GENAI_VERSION:
-        print(f"installing onnxruntime-genai=={GENAI_VERSION} into {venv}", file=sys.stderr)
-        subprocess.run([str(python), "-m", "pip", "install", "-q",
-                        f"onnxruntime-genai=={GENAI_VERSION}"], check=True)
+    probe = subprocess.run([str(python), "-c", _PEER_PROBE], capture_output=True, text=True,
+                           check=False)
+    if probe.returncode != 0 or probe.stdout.split() != list(PEER_REQUIREMENTS):
+        print(f"installing {' '.join(PEER_REQUIREMENTS)} into {venv}", file=sys.stderr)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                        *PEER_REQUIREMENTS], check=True)
     return python
 
 

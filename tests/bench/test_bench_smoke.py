@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
 from scripts._bench import environment as env
 from scripts._bench.child import ChildFailed, run_child
-from scripts._bench.harness import (capped_lengths, format_value, interleaved_order,
-                                    markdown_table, ratio, round_order, seeded_prompt,
-                                    summarize, verdict)
+from scripts._bench.harness import (
+    capped_lengths,
+    format_value,
+    interleaved_order,
+    markdown_table,
+    ratio,
+    round_order,
+    seeded_prompt,
+    summarize,
+    verdict,
+)
 
 
 def test_interleaving_runs_every_system_once_per_round_and_rotates_the_first():
@@ -96,11 +102,8 @@ def test_one_onnx_chunk_measurement_on_the_tiny_decoder(reference_model):
     assert result["tokens"] == ReferenceDecoder.from_model_dir(model.parent).greedy(prompt, 4)
 
 
-def test_one_genai_measurement_on_the_tiny_decoder_when_its_venv_exists(reference_model):
-    venv = Path(os.environ.get("ONNX_CHUNK_GENAI_VENV", env.ROOT / ".venv-genai"))
-    python = venv / "bin" / "python"
-    if not python.exists():
-        pytest.skip(f"no onnxruntime-genai venv at {venv} (set ONNX_CHUNK_GENAI_VENV)")
+def test_one_genai_measurement_on_the_tiny_decoder(reference_model, peer_python):
+    python = peer_python
     model = reference_model("base")
     prompt = seeded_prompt(20, 256)
     child = run_child(env.worker_argv(python, "genai_worker", {
