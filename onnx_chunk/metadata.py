@@ -43,11 +43,21 @@ ALL_KEYS = (
 
 @dataclasses.dataclass(frozen=True)
 class KVBinding:
-    """A GQA past input bound at physical capacity, and the present output sharing its buffer."""
+    """A GQA past input bound at physical capacity, and the present output sharing its buffer.
+
+    `kv_heads` and `head_size` are the sizes of axes 1 and 3 as the graph fixes them (builder
+    exports declare the head axis symbolic, `kv_cache_dim`); None when nothing in the graph
+    says. `window` is the GQA's `local_window_size` when its cache is window-sized
+    (`sliding_window_cache=1`: the buffer holds the most recent positions and the operator
+    evicts as it fills), else None.
+    """
 
     input: str
     output: str
     capacity_axis: int
+    kv_heads: int | None = None
+    head_size: int | None = None
+    window: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

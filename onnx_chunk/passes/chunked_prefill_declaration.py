@@ -26,8 +26,8 @@ class ChunkedPrefillDeclarationPass(ir.passes.InPlacePass):
        (an unconverted model then declares none, and has no ladder).
     3. The ladder is `ladder_tiers(chunk_size, max_variants)`.
     4. Padding is eligible only when the model has GQA nodes, every GQA past is bound at
-       capacity without problems, no recurrent state exists and no input voids the plan; each
-       failed condition is one reason.
+       capacity without problems, no KV cache is window-sized (it evicts as it fills), no
+       recurrent state exists and no input voids the plan; each failed condition is one reason.
     5. The pass reports a modification only when the declaration differs from what is stored.
     """
 
@@ -101,6 +101,11 @@ def padding_eligibility(
         reasons.append("the model has no com.microsoft::GroupQueryAttention node, so its KV "
                        "cache is not bound at capacity and padded rows could not be rewound")
     reasons.extend(kv.problems)
+    windowed = [binding.input for binding in kv.bindings if binding.window is not None]
+    if windowed:
+        reasons.append(f"{len(windowed)} KV input(s) ({windowed[0]!r} first) hold a window-sized "
+                       "cache that evicts as it fills (sliding_window_cache), so padded rows "
+                       "could evict positions the next chunk still reads")
     for binding in state.bindings:
         reasons.append(f"recurrent state {binding.input!r} (found by {binding.detected_by}) "
                        "advances with every row and has no logical length to rewind, so a "

@@ -13,11 +13,14 @@ logger = logging.getLogger(__name__)
 
 # GroupQueryAttention's past inputs and the present outputs that share their buffers.
 _PAST_TO_PRESENT = ((3, 1, "past_key"), (4, 2, "past_value"))
+_GQA_QUERY_INPUT = 0
+_GQA_KEY_INPUT = 1
 _GQA_COS_CACHE_INPUT = 7
 _ROTARY_COS_CACHE_INPUT = 2
 # BNSH: [batch, kv_heads, sequence, head]; the sequence axis is the capacity axis.
 _KV_RANK = 4
 CAPACITY_AXIS = 2
+_HEAD_AXIS = 3
 
 
 class KVCapacityPass(ir.passes.InPlacePass):
@@ -43,7 +46,11 @@ class KVCapacityPass(ir.passes.InPlacePass):
        the model supports, the runtime's default capacity; when nodes disagree the smallest
        wins.
     5. A model without GQA gets zero nodes and no bindings; the pass still records that.
-    6. The findings go to the inference metadata; the pass reports a modification only when
+    6. Each binding records the sizes of the head axes: kv_heads from the node's
+       `kv_num_heads`, the head size from the past or present shape when fixed, else from the
+       width of the K projection (packed QKV: the query width over heads + 2 x kv_heads); and
+       the window of a window-sized cache (`sliding_window_cache=1`, `local_window_size`).
+    7. The findings go to the inference metadata; the pass reports a modification only when
        they differ from what is stored.
     """
 
@@ -122,7 +129,44 @@ def _bind(
         problems.append(f"{label}: present {output.name!r} cannot share the buffer of "
                         f"{origin.name!r}: {mismatch}")
         return None
-    return metadata.KVBinding(input=origin.name, output=output.name, capacity_axis=CAPACITY_AXIS)
+    kv_heads = _int_attribute(node, "kv_num_heads")
+    return metadata.KVBinding(input=origin.name, output=output.name, capacity_axis=CAPACITY_AXIS,
+                              kv_heads=kv_heads, head_size=_head_size(node, origin, output),
+                              window=_cache_window(node))
+
+
+def _int_attribute(node: ir.Node, name: str) -> int | None:
+    attribute = node.attributes.get(name)
+    return None if attribute is None else int(attribute.as_int())
+
+
+def _head_size(node: ir.Node, past: ir.Value, present: ir.Value) -> int | None:
+    """The KV head size: declared on the past or present, else the width of K (or packed QKV)."""
+    for value in (past, present):
+        if isinstance(value.shape[_HEAD_AXIS], int):
+            return int(value.shape[_HEAD_AXIS])
+    kv_heads = _int_attribute(node, "kv_num_heads")
+    heads = _int_attribute(node, "num_heads")
+    if not kv_heads or not heads:
+        return None
+    key = value_tracing.input_at(node, _GQA_KEY_INPUT)
+    width = value_tracing.last_dim(key) if key is not None else None
+    if width is not None:
+        return width // kv_heads if width % kv_heads == 0 else None
+    # Packed QKV: the query input carries heads + 2 * kv_heads heads.
+    packed = value_tracing.last_dim(value_tracing.input_at(node, _GQA_QUERY_INPUT))
+    per_token_heads = heads + 2 * kv_heads
+    if packed is None or packed % per_token_heads:
+        return None
+    return packed // per_token_heads
+
+
+def _cache_window(node: ir.Node) -> int | None:
+    """`local_window_size` when the node's KV buffers are window-sized, else None."""
+    if not _int_attribute(node, "sliding_window_cache"):
+        return None
+    window = _int_attribute(node, "local_window_size")
+    return window if window is not None and window > 0 else None
 
 
 def _shape_mismatch(past: ir.Value, present: ir.Value) -> str:

@@ -79,3 +79,53 @@ def shape_text(shape: ir.Shape | None) -> str:
         return "unknown"
     return "[" + ", ".join("?" if dim_key(dim) is None else str(dim_key(dim))
                            for dim in shape) + "]"
+
+
+# Ops whose output keeps the last axis of their first input (elementwise, normalisations,
+# activations): a projection's width survives them.
+_WIDTH_KEEPING_OPS = frozenset({
+    "Identity", "Cast", "CastLike", "Relu", "Sigmoid", "Tanh", "Gelu", "Neg",
+    "SimplifiedLayerNormalization", "LayerNormalization", "RMSNormalization",
+    "SkipSimplifiedLayerNormalization", "SkipLayerNormalization", "QuickGelu", "FastGelu",
+})
+_BROADCASTING_OPS = frozenset({"Add", "Sub", "Mul", "Div"})
+_QUANTIZED_MATMUL = "MatMulNBits"
+_MAX_TRACE_DEPTH = 12
+
+
+def last_dim(value: ir.Value | None, depth: int = 0) -> int | None:
+    """The size of `value`'s last axis, from its declared shape or the nodes that make it.
+
+    Followed back through projections (MatMul by a constant weight, MatMulNBits' N, a bias
+    added), width-keeping ops and Reshapes to a constant shape; None when nothing fixes it.
+    """
+    if value is None or depth > _MAX_TRACE_DEPTH:
+        return None
+    if value.shape is not None and len(value.shape) > 0 and isinstance(value.shape[-1], int):
+        return int(value.shape[-1])
+    tensor = value.const_value
+    if tensor is not None and len(tensor.shape) > 0:
+        return int(tensor.shape[-1])
+    producer = value.producer()
+    if producer is None:
+        return None
+    op = producer.op_type
+    if op == _QUANTIZED_MATMUL:
+        width = producer.attributes.get("N")
+        return None if width is None else int(width.as_int())
+    if op == "MatMul" and len(producer.inputs) > 1:
+        return last_dim(producer.inputs[1], depth + 1)
+    if op in _BROADCASTING_OPS:
+        widths = [last_dim(operand, depth + 1) for operand in producer.inputs]
+        known = [width for width in widths if width is not None and width != 1]
+        return max(known) if known else None
+    if op == "Reshape" and len(producer.inputs) > 1:
+        shape = producer.inputs[1].const_value if producer.inputs[1] is not None else None
+        if shape is not None:
+            dims = shape.numpy().reshape(-1).tolist()
+            if dims and dims[-1] > 0:
+                return int(dims[-1])
+        return None
+    if op in _WIDTH_KEEPING_OPS and producer.inputs:
+        return last_dim(producer.inputs[0], depth + 1)
+    return None

@@ -1,9 +1,12 @@
 """The decoder's ports as the runtime binds them: names, concrete shapes and dtypes.
 
 Derived once per model from the graph's inputs and outputs and the chunked-prefill plan.
-Symbolic batch dimensions become 1, the capacity axis of every KV input becomes the capacity;
-every other dimension of a KV or state buffer must be a number, since the buffer is allocated
-once before any forward.
+Symbolic batch dimensions become 1, the capacity axis of every KV input becomes the capacity
+(a window-sized cache: its window plus the slack the device asks for, at most the capacity);
+the head axes take the sizes the plan resolved from the graph (builder exports declare the
+head size symbolic, `kv_cache_dim`), else genai_config.json's `head_size`; any other free
+dimension of a KV or state buffer is an error naming it, since the buffer is allocated once
+before any forward.
 """
 
 from __future__ import annotations
@@ -17,17 +20,23 @@ from onnx_chunk.errors import ModelStructureError
 from onnx_chunk.metadata import ChunkPlan
 
 MASK_INPUT = "attention_mask"
+_KV_HEADS_AXIS = 1
+_HEAD_SIZE_AXIS = 3
 LOGITS_OUTPUT = "logits"
 
 
 @dataclass(frozen=True)
 class BufferPort:
-    """A graph input carried to the next forward through a paired output."""
+    """A graph input carried to the next forward through a paired output.
+
+    `window` is set on a window-sized KV cache (the attention evicts as it fills).
+    """
 
     input: str
     output: str
     shape: tuple[int, ...]
     dtype: np.dtype
+    window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -50,8 +59,13 @@ class ModelPorts:
     fixed_dims: dict[str, int]
 
 
-def model_ports(model: ir.Model, plan: ChunkPlan, capacity: int) -> ModelPorts:
-    """Resolve the ports of `model` for `capacity`; ModelStructureError when one cannot be."""
+def model_ports(model: ir.Model, plan: ChunkPlan, capacity: int, *,
+                head_size: int | None = None, window_slack: int = 0) -> ModelPorts:
+    """Resolve the ports of `model` for `capacity`; ModelStructureError when one cannot be.
+
+    `head_size` (genai_config.json's) sizes a head axis the graph leaves free; a window-sized
+    cache gets `window + window_slack` positions, at most `capacity`.
+    """
     inputs = {value.name: value for value in model.graph.inputs}
     outputs = {value.name: value for value in model.graph.outputs}
     token = _required(inputs, plan.token_input, "token input")
@@ -63,17 +77,31 @@ def model_ports(model: ir.Model, plan: ChunkPlan, capacity: int) -> ModelPorts:
     hidden = _int_dim(token, -1, "hidden") if plan.token_input == "inputs_embeds" else None
     fixed_dims = {} if batch_dim is None else {batch_dim: 1}
     kv = []
+    named_sizes: dict[str, set[int]] = {}
     for binding in plan.capacity_inputs:
         value = _required(inputs, binding.input, "KV input")
         if binding.output not in outputs:
             raise ModelStructureError(
                 f"KV input {binding.input!r} has no paired present output in the graph (plan "
                 f"says {binding.output!r}); re-run `onnx-chunk convert` on the exported model")
-        shape = _buffer_shape(value, batch_dim, {binding.capacity_axis: capacity})
-        capacity_dim = _param(value, binding.capacity_axis)
-        if capacity_dim is not None:
-            fixed_dims[capacity_dim] = capacity
-        kv.append(BufferPort(binding.input, binding.output, shape, _dtype(value)))
+        positions = (capacity if binding.window is None
+                     else min(capacity, binding.window + window_slack))
+        sizes = {binding.capacity_axis: positions}
+        for axis, size in ((_KV_HEADS_AXIS, binding.kv_heads),
+                           (_HEAD_SIZE_AXIS, binding.head_size or head_size)):
+            if size is not None:
+                sizes[axis] = size
+        shape = _buffer_shape(value, batch_dim, sizes)
+        for axis, size in sizes.items():
+            name = _param(value, axis)
+            if name is not None:
+                named_sizes.setdefault(name, set()).add(size)
+        kv.append(BufferPort(binding.input, binding.output, shape, _dtype(value),
+                             binding.window))
+    # A name that sizes one axis differently in two layers (gemma3's local and global head
+    # sizes share `kv_cache_dim`) is left free; the bound buffers fix each layer's shape.
+    fixed_dims.update({name: sizes.pop() for name, sizes in named_sizes.items()
+                       if len(sizes) == 1})
     state = []
     for binding in plan.recurrent_state:
         value = _required(inputs, binding.input, "state input")
@@ -160,6 +188,7 @@ def _buffer_shape(value: ir.Value, batch_dim: str | None,
         else:
             raise ModelStructureError(
                 f"{value.name!r} has a free dimension {dim.value!r} at axis {axis} (shape "
-                f"{value.shape}); its buffer is allocated once, so only the batch and KV "
-                "capacity axes may be free")
+                f"{value.shape}) that nothing in the graph sizes, and no genai_config.json "
+                "head_size does; its buffer is allocated once before any forward: give the "
+                "axis a size in the export, or a head_size in genai_config.json")
     return tuple(shape)

@@ -16,7 +16,7 @@ PLAN = metadata.ChunkPlan(
     token_input="input_ids",
     per_token_ports=("input_ids", "position_ids"),
     position_ids="position_ids",
-    capacity_inputs=(metadata.KVBinding("past_key_values.0.key", "present.0.key", 2),),
+    capacity_inputs=(metadata.KVBinding("past_key_values.0.key", "present.0.key", 2, 2, 16),),
     recurrent_state=(metadata.StateBinding("past.1.conv", "present.1.conv", "name+structure"),),
     padding=metadata.PaddingEligibility(False, (
         "recurrent state 'past.1.conv' blocks padding",
@@ -31,7 +31,8 @@ def test_to_json_lists_names_and_full_records():
     data = json.loads(json.dumps(PLAN.to_json()))
     assert data["capacity_inputs"] == ["past_key_values.0.key"]
     assert data["kv_bindings"] == [{"input": "past_key_values.0.key", "output": "present.0.key",
-                                    "capacity_axis": 2}]
+                                    "capacity_axis": 2, "kv_heads": 2, "head_size": 16,
+                                    "window": None}]
     assert data["recurrent_state"] == ["past.1.conv"]
     assert data["state_bindings"][0]["detected_by"] == "name+structure"
     assert data["padding"] == {"eligible": False, "reasons": list(PLAN.padding.reasons)}
