@@ -1,8 +1,9 @@
 """A loaded decoder: its plan, device, shared weights and variant cache; sequences open on it.
 
-`load(path)` reads the chunked-prefill plan from the model's metadata (or runs the passes in
-memory on an unconverted model), picks the device, loads the weights once and sets up the
-variant cache. `Runtime.open_sequence()` gives independent sequences that share all of it.
+`load(path)` takes a model file or a folder (as onnxruntime-genai does; see
+onnx_chunk.model_folder), reads the chunked-prefill plan from the model's metadata (or runs
+the passes in memory on an unconverted model) and the genai_config.json that applies to it,
+picks the device, loads the weights once and sets up the variant cache. `Runtime.open_sequence()` gives independent sequences that share all of it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import onnxruntime as ort
 
 from onnx_chunk.errors import ConfigError, ModelLoadError, ProviderError
 from onnx_chunk.metadata import ChunkPlan, read_plan
+from onnx_chunk.model_folder import GenaiConfig, locate_model
 from onnx_chunk.runtime.cuda_graphs import GraphRuns, GraphSlots, capturable, session_captures
 from onnx_chunk.model_io import load_model
 from onnx_chunk.runtime.ladder import DECODE_WIDTH, ladder_tiers
@@ -44,12 +46,17 @@ class Runtime:
 
     `load(model_path, **options)` is the same call.
 
+    model_path: the decoder's .onnx file, or its folder (the decoder genai_config.json names,
+        else model.onnx). A genai_config.json that applies to the decoder gives the defaults
+        below; explicit arguments override it.
     provider: "auto" (CUDA when a CUDA session works here, else CPU), "cuda" or "cpu".
-    capacity: the KV capacity (maximum sequence length); default the model's
-        plan.max_sequence_length.
+    capacity: the KV capacity (maximum sequence length); default genai_config.json's
+        search.max_length, else the model's plan.max_sequence_length; never more than either
+        the plan's maximum or genai's model.context_length.
     chunk_size: the prefill chunk width W; default the model's
-        runtime_configurable.chunked_prefill.chunk_size (an unconverted model gets what
-        `onnx-chunk convert` would declare), else the capacity (no chunking).
+        runtime_configurable.chunked_prefill.chunk_size, else genai's search.chunk_size (an
+        unconverted model gets what `onnx-chunk convert` would declare), else the capacity (no
+        chunking).
     padding: None follows the environment (ONNX_CHUNK_PREFILL_QUERY_PADDING=0 switches it off,
         =1 on), else the mode's default: on with per-width variants, off with the one
         shape-generic session (a padded chunk there only computes more rows); True or False
@@ -87,9 +94,14 @@ class Runtime:
         cuda_graphs: bool | None = None,
         device: Device | None = None,
     ) -> None:
-        self.model_path = Path(model_path)
+        location = locate_model(model_path)
+        self.model_path: Path = location.onnx_path
+        self.genai: GenaiConfig | None = location.genai
+        genai = self.genai or GenaiConfig(path=location.folder / "genai_config.json")
         model = load_model(self.model_path)
         plan = read_plan(model)
+        if chunk_size is None and (plan is None or plan.chunk_size is None):
+            chunk_size = genai.chunk_size
         if plan is None:
             from onnx_chunk.passes import DEFAULT_CHUNK_SIZE, analyze
 
@@ -99,13 +111,19 @@ class Runtime:
         self.plan: ChunkPlan = plan
         self.device: Device = (device if device is not None
                                else resolve_device(provider, device_id, mask_policy, cuda_graphs))
-        self.capacity = _resolve_capacity(capacity, plan)
-        self.ports: ModelPorts = model_ports(model, plan, self.capacity)
+        self.capacity = _resolve_capacity(capacity, plan, genai)
+        self.chunk_size = _resolve_chunk_size(chunk_size, plan, self.capacity)
+        self.ports: ModelPorts = model_ports(
+            model, plan, self.capacity, head_size=genai.head_size,
+            window_slack=self.chunk_size if self.device.window_slack else 0)
+        # Generation stops at these unless a call names its own (genai_config.json's list).
+        self.eos_token_ids: tuple[int, ...] = _checked_token_ids(
+            genai.eos_token_ids, self.ports.vocab_size, genai.path)
+        self.pad_token_id: int | None = genai.pad_token_id
         if device is None:
             self.device = _attention_device(self.device, self.ports, provider, mask_policy)
         else:
             _attention_device(self.device, self.ports, self.device.provider, mask_policy)
-        self.chunk_size = _resolve_chunk_size(chunk_size, plan, self.capacity)
         variants = plan.max_variants if max_variants is None else max_variants
         self.tiers: tuple[int, ...] = (plan.ladder if plan.ladder and plan.chunk_size ==
                                        self.chunk_size and max_variants is None
@@ -269,19 +287,35 @@ def _attention_device(device: Device, ports: ModelPorts, provider: str,
                         "float16 for the reference decoders) or use --provider cpu")
 
 
-def _resolve_capacity(capacity: int | None, plan: ChunkPlan) -> int:
-    limit = plan.max_sequence_length
+def _resolve_capacity(capacity: int | None, plan: ChunkPlan, genai: GenaiConfig) -> int:
+    limits = [(limit, why) for limit, why in (
+        (plan.max_sequence_length, "the model's maximum sequence length {} (its position "
+                                   "tables end there)"),
+        (genai.context_length, f"the model.context_length {{}} of {genai.path.name}"),
+    ) if limit is not None]
     if capacity is None:
-        if limit is None:
-            raise ConfigError("the model declares no maximum sequence length; pass a capacity "
-                              "(--capacity) to size the KV buffers")
-        return int(limit)
+        capacity = genai.max_length
+        if capacity is None:
+            if not limits:
+                raise ConfigError("the model declares no maximum sequence length; pass a "
+                                  "capacity (--capacity) to size the KV buffers")
+            return min(limit for limit, _ in limits)
+        return min([capacity, *(limit for limit, _ in limits)])
     if capacity < 2:
         raise ConfigError(f"the capacity must be at least 2 positions, got {capacity}")
-    if limit is not None and capacity > limit:
-        raise ConfigError(f"capacity {capacity} exceeds the model's maximum sequence length "
-                          f"{limit} (its position tables end there); use at most {limit}")
+    for limit, why in limits:
+        if capacity > limit:
+            raise ConfigError(f"capacity {capacity} exceeds {why.format(limit)}; use at most "
+                              f"{limit}")
     return capacity
+
+
+def _checked_token_ids(ids: tuple[int, ...], vocab_size: int, source: Path) -> tuple[int, ...]:
+    outside = [token for token in ids if token >= vocab_size]
+    if outside:
+        raise ModelLoadError(f"{str(source)!r} names EOS token id(s) {outside} outside the "
+                             f"model's vocabulary of {vocab_size}; fix the config")
+    return ids
 
 
 def _resolve_chunk_size(chunk_size: int | None, plan: ChunkPlan, capacity: int) -> int:

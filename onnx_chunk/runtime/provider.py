@@ -78,6 +78,9 @@ class Device:
     """Where a runtime runs: the provider, the OrtValue device and the mask policy.
 
     `specialize` is the provider's default for per-width variants (see the module docstring).
+    `window_slack` says whether a window-sized KV cache may hold more than its window: the CPU
+    kernel accepts any capacity of at least the window (the slack spaces out its compactions),
+    the CUDA kernel requires the capacity to equal the window.
     """
 
     provider: str
@@ -88,6 +91,7 @@ class Device:
     mask_policy: MaskPolicy
     cuda_graphs: bool = False
     specialize: bool = False
+    window_slack: bool = True
 
     @property
     def label(self) -> str:
@@ -123,7 +127,8 @@ def device_for(provider: str, device_id: int = 0,
     elif provider == "cuda":
         options = {"device_id": str(device_id)}
         device = Device("cuda", "cuda", device_id, ((_CUDA_EP, options), (_CPU_EP, {})), False,
-                        MaskPolicy.CAPACITY, cuda_graphs=True, specialize=True)
+                        MaskPolicy.CAPACITY, cuda_graphs=True, specialize=True,
+                        window_slack=False)
     else:
         raise ConfigError(f"unknown provider {provider!r}; expected 'cpu' or 'cuda'")
     policy = device.mask_policy

@@ -39,6 +39,7 @@ from onnx_chunk.errors import ConfigError, InputError, ModelStructureError
 from onnx_chunk.runtime.buffers import DeviceBuffer, SequenceBuffers, device_zeros
 from onnx_chunk.runtime.cuda_graphs import GraphRuns
 from onnx_chunk.runtime.kv_state import LogicalLength
+from onnx_chunk.runtime.kv_window import rewind_is_exact
 from onnx_chunk.runtime.ladder import DECODE_WIDTH
 from onnx_chunk.runtime.padding import QueryAxisShrunk, plan_forward
 from onnx_chunk.runtime.ports import LOGITS_OUTPUT, MASK_INPUT
@@ -197,8 +198,19 @@ class Sequence:
         """Drop the last `count` positions (the next forward overwrites them).
 
         A decoder with recurrent state cannot go back partway (its state holds no history):
-        there only rewind(0) and rewinding everything are allowed.
+        there only rewind(0) and rewinding everything are allowed. A window-sized KV cache
+        (sliding-window layers) can go back only as far as it has evicted nothing still needed
+        (onnx_chunk.runtime.kv_window).
         """
+        length = self._length.length
+        for port in self.runtime.ports.kv:
+            if (port.window is not None and 0 <= count <= length
+                    and not rewind_is_exact(length, count, port.shape[2], port.window)):
+                raise InputError(
+                    f"cannot rewind {count} of {length} positions: {port.input!r} keeps a "
+                    f"{port.shape[2]}-row cache for a {port.window}-position window and has "
+                    "already evicted positions that the shorter sequence would read again; "
+                    "rewind all positions (a fresh start) or open a new sequence")
         if self._buffers.state_ports and count not in (0, self._length.length):
             raise InputError(
                 f"cannot rewind {count} of {self._length.length} positions: this decoder "
