@@ -1,0 +1,62 @@
+"""The default-domain operators ONNX Runtime registers and onnx does not, taught to onnx's checker.
+
+onnxruntime-genai's builder writes `SimplifiedLayerNormalization` in the default ONNX domain:
+ONNX Runtime registers it there, onnx does not (onnx/onnx#6582), so `onnx.checker` rejects every
+builder export. Rather than keep a list by hand, ONNX Runtime is asked for its schemas and each
+default-domain one that onnx lacks entirely is registered with onnx, inputs, outputs, type
+constraints and attributes as ONNX Runtime declares them; the checker then checks those nodes
+like any other, and an operator neither knows still fails.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import onnx.defs
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_c
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+_OpSchema = onnx.defs.OpSchema
+
+
+@functools.lru_cache(maxsize=1)
+def register_runtime_schemas() -> frozenset[str]:
+    """Register every default-domain schema ONNX Runtime has and onnx lacks; return their names."""
+    registered: set[str] = set()
+    for schema in ort_c.get_all_operator_schema():
+        if schema.domain not in _DEFAULT_DOMAINS or onnx.defs.has(schema.name, schema.domain):
+            continue
+        if schema.name in registered:
+            continue
+        try:
+            onnx.defs.register_schema(_as_onnx_schema(schema))
+        except Exception as error:  # onnx refuses a schema it cannot represent: leave it out
+            logger.info("cannot teach onnx's checker %s: %s", schema.name, error)
+            continue
+        registered.add(schema.name)
+    logger.info("registered %d ONNX Runtime default-domain schemas with onnx", len(registered))
+    return frozenset(registered)
+
+
+def _as_onnx_schema(schema) -> _OpSchema:
+    return _OpSchema(
+        schema.name, schema.domain, schema.since_version, schema.doc or "",
+        inputs=[_parameter(parameter) for parameter in schema.inputs],
+        outputs=[_parameter(parameter) for parameter in schema.outputs],
+        type_constraints=[(constraint.type_param_str, list(constraint.allowed_type_strs), "")
+                          for constraint in schema.type_constraints],
+        attributes=[_OpSchema.Attribute(name, _OpSchema.AttrType[attribute.type.name],
+                                        attribute.description or "",
+                                        required=attribute.required)
+                    for name, attribute in schema.attributes.items()],
+    )
+
+
+def _parameter(parameter) -> _OpSchema.FormalParameter:
+    return _OpSchema.FormalParameter(
+        parameter.name, parameter.typeStr, "",
+        param_option=_OpSchema.FormalParameterOption[parameter.option.name],
+        is_homogeneous=parameter.isHomogeneous)
