@@ -10,6 +10,7 @@ import click
 from onnx_chunk.cli.inspect import plan_summary
 from onnx_chunk.errors import ConfigError
 from onnx_chunk.metadata import read_plan
+from onnx_chunk.model_folder import locate_model
 from onnx_chunk.model_io import external_data_files, load_model, save_model
 from onnx_chunk.passes import DEFAULT_CHUNK_SIZE, DEFAULT_MAX_VARIANTS, convert_model
 
@@ -60,6 +61,7 @@ def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants
     Weights stay in external data and are copied, never loaded; OUTPUT's folder gets every
     file at once or none.
     """
+    model_path = locate_model(model_path).onnx_path
     model = load_model(model_path)
     output = _output_path(model_path, output, in_place)
     result = convert_model(model, chunk_size=chunk_size, max_variants=max_variants)

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from onnx_chunk.metadata import ChunkPlan, read_plan
+from onnx_chunk.model_folder import locate_model
 from onnx_chunk.model_io import load_model
 from onnx_chunk.passes import analyze
 
@@ -55,6 +56,7 @@ def plan_summary(plan: ChunkPlan) -> list[str]:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def inspect(model_path: Path, as_json: bool) -> None:
     """Print the chunked-prefill plan of MODEL_PATH (converted or not)."""
+    model_path = locate_model(model_path).onnx_path
     model = load_model(model_path)
     plan = read_plan(model)
     converted = plan is not None
