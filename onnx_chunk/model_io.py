@@ -31,6 +31,16 @@ logger = logging.getLogger(__name__)
 _COPY_BLOCK_BYTES = 16 << 20
 
 
+def check_utf8_path(path: str | os.PathLike) -> None:
+    """ModelLoadError when `path` is not valid UTF-8 (ONNX Runtime and onnx take UTF-8 only)."""
+    try:
+        os.fspath(path).encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ModelLoadError(
+            f"the path {os.fsdecode(path)!r} is not valid UTF-8; ONNX Runtime opens UTF-8 "
+            "paths only: rename the file or its folder") from error
+
+
 def load_model(path: str | os.PathLike) -> ir.Model:
     """Load a model's graph, leaving external weights on disk.
 
@@ -305,7 +315,7 @@ def _write_proto(proto: onnx.ModelProto, target: Path) -> None:
     target.write_bytes(proto.SerializeToString())
 
 
-def _make_folder(folder: Path) -> Path | None:
+def make_folder(folder: Path) -> Path | None:
     """Create `folder` and its missing parents; return the topmost one created, if any."""
     missing = [parent for parent in (folder, *folder.parents) if not parent.exists()]
     folder.mkdir(parents=True, exist_ok=True)
@@ -360,8 +370,8 @@ def _new_staging(target_dir: Path, target_name: str) -> Path:
     return staging
 
 
-def _referenced_data(model_path: Path) -> set[Path]:
-    """The external data files another model in the folder references (none if unreadable)."""
+def referenced_data_files(model_path: Path) -> set[Path]:
+    """The external data files (resolved) a model file references; none when it is unreadable."""
     try:
         proto = onnx.load(str(model_path), load_external_data=False)
     except Exception as error:  # onnx raises many types for files that are no model
@@ -418,7 +428,7 @@ def _refuse_foreign(target: Path, data_writes: list[str], companion_writes: list
     folder = target.parent
     others = [path for path in sorted(folder.glob("*.onnx"))
               if path.name != target.name and path.is_file()]
-    owned = {path: _referenced_data(path) for path in others}
+    owned = {path: referenced_data_files(path) for path in others}
     for location in data_writes:
         destination = (folder / location).resolve()
         for other, files in owned.items():
@@ -487,7 +497,7 @@ def save_model(
     created: Path | None = None
     staging: Path | None = None
     try:
-        created = _make_folder(target.parent)
+        created = make_folder(target.parent)
         target_dir = target.parent.resolve()
         resolved_target = target_dir / target.name
         files = external_data_files(model)

@@ -17,25 +17,32 @@ from onnx_chunk.runtime.provider import PROVIDER_CHOICES
 from onnx_chunk.runtime.static_model import is_static_model, load_static
 
 _SEPARATORS = re.compile(r"[\s,]+")
+# An integer in ASCII digits, with an optional sign: int() alone also takes other scripts'
+# digits and underscores ("1_0").
+_INTEGER = re.compile(r"[+-]?[0-9]+", re.ASCII)
 
 
 def parse_ids(text: str, where: str = "--ids") -> list[int]:
-    """Token ids written as integers separated by commas and/or spaces."""
+    """Token ids written as integers (ASCII digits) separated by commas and/or spaces."""
     words = [word for word in _SEPARATORS.split(text.strip()) if word]
-    try:
-        return [int(word) for word in words]
-    except ValueError as error:
-        raise InputError(f"{where}: expected integers separated by commas or spaces, got "
-                         f"{text.strip()!r}") from error
+    bad = next((word for word in words if not _INTEGER.fullmatch(word)), None)
+    if bad is not None:
+        raise InputError(f"{where}: expected integers (digits 0-9) separated by commas or "
+                         f"spaces, got {bad!r} in {text.strip()!r}")
+    return [int(word) for word in words]
 
 
 def read_ids_file(path: Path) -> list[list[int]]:
-    """One prompt per non-empty line of `path`."""
+    """One prompt per non-empty line of `path` (UTF-8 text)."""
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_bytes().decode("utf-8").splitlines()
     except OSError as error:
         raise InputError(f"cannot read the ids file {str(path)!r}: "
                          f"{error.strerror or error}") from error
+    except UnicodeDecodeError as error:
+        raise InputError(f"the ids file {str(path)!r} is not UTF-8 text (byte "
+                         f"{error.start}); write one prompt per line as integers separated "
+                         "by spaces or commas") from error
     prompts = [parse_ids(line, f"{path}:{number}") for number, line in enumerate(lines, 1)
                if line.strip()]
     if not prompts:
@@ -97,7 +104,7 @@ def _format(entry: dict) -> str:
               help="A file with one prompt per line; all run in order in one runtime.")
 @click.option("--random-prompt", type=click.IntRange(min=1), metavar="N",
               help="A prompt of N random token ids.")
-@click.option("--seed", type=int, default=0, show_default=True,
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed of --random-prompt.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), required=True)
 @click.option("--eos-token-id", "eos_token_ids", type=int, multiple=True,

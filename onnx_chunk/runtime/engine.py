@@ -21,7 +21,7 @@ from onnx_chunk import arguments
 from onnx_chunk.errors import ConfigError, ModelLoadError, ProviderError
 from onnx_chunk.metadata import ChunkPlan, read_plan
 from onnx_chunk.runtime.cuda_graphs import GraphRuns, GraphSlots, capturable, session_captures
-from onnx_chunk.model_io import load_model
+from onnx_chunk.model_io import check_utf8_path, load_model
 from onnx_chunk.runtime.ladder import DECODE_WIDTH, ladder_tiers
 from onnx_chunk.runtime.memory import meter_for
 from onnx_chunk.runtime.padding import resolve_padding
@@ -91,6 +91,7 @@ class Runtime:
         _check_options(capacity=capacity, chunk_size=chunk_size, max_variants=max_variants,
                        device_id=device_id, intra_op_threads=intra_op_threads,
                        padding=padding, cuda_graphs=cuda_graphs)
+        check_utf8_path(model_path)
         self.model_path = Path(model_path)
         model = load_model(self.model_path)
         plan = read_plan(model)
