@@ -32,6 +32,10 @@ class InputError(OnnxChunkError):
     """Bad request data: empty prompts, token ids outside the vocabulary, wrong dtypes."""
 
 
+class SequenceBusyError(InputError):
+    """A call on a sequence while another call or stream is still live on it."""
+
+
 class CapacityError(InputError):
     """A request would write past the KV cache's physical capacity."""
 

@@ -9,23 +9,36 @@ model; it stages every file and renames them into place only once all are writte
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import shutil
+import stat
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError
-from onnx.external_data_helper import ExternalDataInfo
 
 from onnx_chunk.errors import ModelLoadError, OutputError
+from onnx_chunk.model_folder import DEFAULT_DECODER, GENAI_CONFIG
 
 logger = logging.getLogger(__name__)
 
 _COPY_BLOCK_BYTES = 16 << 20
+
+
+def check_utf8_path(path: str | os.PathLike) -> None:
+    """ModelLoadError when `path` is not valid UTF-8 (ONNX Runtime and onnx take UTF-8 only)."""
+    try:
+        os.fspath(path).encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ModelLoadError(
+            f"the path {os.fsdecode(path)!r} is not valid UTF-8; ONNX Runtime opens UTF-8 "
+            "paths only: rename the file or its folder") from error
 
 
 def load_model(path: str | os.PathLike) -> ir.Model:
@@ -54,6 +67,7 @@ def load_model(path: str | os.PathLike) -> ir.Model:
             f"{str(model_path)!r} parsed as a protobuf but holds no ONNX model (no IR version "
             "or no graph); the file may be truncated or of another format"
         )
+    check_dense(proto, model_path)
     check_external_data(proto, model_path.parent)
     try:
         model = ir.serde.deserialize_model(proto)
@@ -65,48 +79,156 @@ def load_model(path: str | os.PathLike) -> ir.Model:
     return model
 
 
-def _all_tensor_protos(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+def _graph_tensor_protos(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
     yield from graph.initializer
-    for node in graph.node:
+    for sparse in graph.sparse_initializer:
+        yield sparse.values
+        yield sparse.indices
+    yield from _node_tensor_protos(graph.node)
+
+
+def _node_tensor_protos(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.TensorProto]:
+    for node in nodes:
         for attribute in node.attribute:
             if attribute.HasField("t"):
                 yield attribute.t
             yield from attribute.tensors
+            if attribute.HasField("sparse_tensor"):
+                yield attribute.sparse_tensor.values
+                yield attribute.sparse_tensor.indices
+            for sparse in attribute.sparse_tensors:
+                yield sparse.values
+                yield sparse.indices
             if attribute.HasField("g"):
-                yield from _all_tensor_protos(attribute.g)
+                yield from _graph_tensor_protos(attribute.g)
             for subgraph in attribute.graphs:
-                yield from _all_tensor_protos(subgraph)
+                yield from _graph_tensor_protos(subgraph)
+
+
+def _all_tensor_protos(proto: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor of a model: initializers (sparse too), attributes, subgraphs, functions."""
+    yield from _graph_tensor_protos(proto.graph)
+    for function in proto.functions:
+        yield from _node_tensor_protos(function.node)
+
+
+def _sparse_tensor_names(proto: onnx.ModelProto) -> list[str]:
+    names = [sparse.values.name for sparse in proto.graph.sparse_initializer]
+
+    def in_nodes(nodes: Iterable[onnx.NodeProto]) -> None:
+        for node in nodes:
+            for attribute in node.attribute:
+                if attribute.HasField("sparse_tensor") or attribute.sparse_tensors:
+                    names.append(f"{node.op_type} node {node.name!r} attribute {attribute.name!r}")
+                if attribute.HasField("g"):
+                    names.extend(sparse.values.name for sparse in attribute.g.sparse_initializer)
+                    in_nodes(attribute.g.node)
+                for subgraph in attribute.graphs:
+                    names.extend(sparse.values.name for sparse in subgraph.sparse_initializer)
+                    in_nodes(subgraph.node)
+
+    in_nodes(proto.graph.node)
+    for function in proto.functions:
+        in_nodes(function.node)
+    return names
+
+
+def check_dense(proto: onnx.ModelProto, path: str | os.PathLike) -> None:
+    """Raise ModelLoadError when the model holds sparse tensors.
+
+    onnx_ir drops sparse initializers when it reads a model (a write would lose them), and the
+    runtime cannot use them either, so they are refused rather than lost.
+    """
+    names = _sparse_tensor_names(proto)
+    if names:
+        raise ModelLoadError(
+            f"{str(path)!r} holds sparse tensors ({', '.join(map(repr, names[:3]))}"
+            f"{', ...' if len(names) > 3 else ''}); onnx-chunk keeps dense tensors only: "
+            "densify them first (onnx.numpy_helper.to_array of each sparse tensor, saved as a "
+            "dense initializer)")
+
+
+def _external_fields(tensor: onnx.TensorProto) -> tuple[str, int, int | None]:
+    """A tensor's external (location, offset, length); ModelLoadError when a field is malformed."""
+    fields = {entry.key: entry.value for entry in tensor.external_data}
+    location = fields.get("location", "")
+    if not location:
+        raise ModelLoadError(f"tensor {tensor.name!r} is stored externally but names no "
+                             "location; export the model again")
+    numbers: dict[str, int | None] = {}
+    for key in ("offset", "length"):
+        text = fields.get(key)
+        if text is None or text == "":
+            numbers[key] = None
+            continue
+        if not (text.isascii() and text.isdigit()):
+            raise ModelLoadError(
+                f"tensor {tensor.name!r}: external data {key} {text!r} is not a non-negative "
+                "integer (a byte count); the model file is corrupt: export it again")
+        numbers[key] = int(text)
+    return location, numbers["offset"] or 0, numbers["length"]
+
+
+def tensor_nbytes(tensor: onnx.TensorProto) -> int | None:
+    """The bytes a tensor's data takes by its dtype and shape (4-bit types packed two a byte).
+
+    None for types without a fixed width (strings).
+    """
+    try:
+        bits = ir.DataType(tensor.data_type).bitwidth
+    except (TypeError, ValueError):
+        return None
+    return math.ceil(math.prod(tensor.dims) * bits / 8)
 
 
 def check_external_data(proto: onnx.ModelProto, base_dir: str | os.PathLike) -> None:
     """Check every external tensor of `proto` against the files in `base_dir`, reading none.
 
-    Raises ModelLoadError when a location is absolute or leaves `base_dir`, when a file is
-    missing, or when a file is shorter than a tensor's offset plus length.
+    Every tensor counts: initializers (sparse ones too), attributes, subgraphs and model-local
+    functions. Raises ModelLoadError when a location is absolute or leaves `base_dir`, when a
+    file is missing, when an offset or length is not a byte count, when a tensor's length
+    disagrees with its dtype and shape (no length means "to the end of the file"), or when a
+    file is shorter than a tensor's offset plus length.
     """
     root = Path(base_dir).resolve()
     sizes: dict[Path, int] = {}
-    for tensor in _all_tensor_protos(proto.graph):
+    for tensor in _all_tensor_protos(proto):
         if tensor.data_location != onnx.TensorProto.EXTERNAL:
             continue
-        info = ExternalDataInfo(tensor)
-        location = (root / info.location).resolve()
-        if Path(info.location).is_absolute() or not location.is_relative_to(root):
+        name = tensor.name
+        info_location, offset, length = _external_fields(tensor)
+        location = (root / info_location).resolve()
+        if Path(info_location).is_absolute() or not location.is_relative_to(root):
             raise ModelLoadError(
-                f"tensor {tensor.name!r} points to external data {info.location!r}, outside the "
+                f"tensor {name!r} points to external data {info_location!r}, outside the "
                 f"model's folder {str(root)!r}; external data must sit beside the model"
             )
         if location not in sizes:
             if not location.is_file():
                 raise ModelLoadError(
-                    f"tensor {tensor.name!r} needs external data file {info.location!r}, which "
+                    f"tensor {name!r} needs external data file {info_location!r}, which "
                     f"is missing from {str(root)!r}; copy it next to the model"
                 )
             sizes[location] = location.stat().st_size
-        end = (info.offset or 0) + (info.length or 0)
+        expected = tensor_nbytes(tensor)
+        if expected is None:
+            raise ModelLoadError(
+                f"tensor {name!r} is a {onnx.TensorProto.DataType.Name(tensor.data_type)} "
+                "tensor stored as external data, which ONNX does not allow (only fixed-width "
+                "types can be); export the model again with it inline")
+        stored = length if length is not None else sizes[location] - offset
+        if stored != expected and (length is not None or stored > expected):
+            raise ModelLoadError(
+                f"tensor {name!r} ({onnx.TensorProto.DataType.Name(tensor.data_type)} "
+                f"{list(tensor.dims)}) needs {expected} bytes, but its external data "
+                + (f"length is {length}" if length is not None
+                   else f"runs {stored} bytes from offset {offset} to the end of "
+                        f"{info_location!r} (no length given)")
+                + "; the model and its data do not match: export or copy them again")
+        end = offset + expected
         if end > sizes[location]:
             raise ModelLoadError(
-                f"tensor {tensor.name!r} needs bytes up to {end} of {info.location!r}, but the "
+                f"tensor {name!r} needs bytes up to {end} of {info_location!r}, but the "
                 f"file has {sizes[location]}; the external data is truncated: copy it again"
             )
 
@@ -115,36 +237,234 @@ def check_external_data(proto: onnx.ModelProto, base_dir: str | os.PathLike) -> 
 _check_external_data = check_external_data
 
 
-def external_data_files(model: ir.Model) -> dict[str, Path]:
-    """The external data files a model references: relative location -> absolute source path."""
-    files: dict[str, Path] = {}
+def _attribute_tensors(graph: ir.Graph | ir.Function) -> Iterator[ir.TensorProtocol]:
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        for attribute in node.attributes.values():
+            if attribute.type == ir.AttributeType.TENSOR:
+                yield attribute.value
+            elif attribute.type == ir.AttributeType.TENSORS:
+                yield from attribute.value
+
+
+def _model_tensors(model: ir.Model) -> Iterator[ir.TensorProtocol]:
     for graph in model.graphs():
         for value in graph.initializers.values():
-            tensor = value.const_value
-            if isinstance(tensor, ir.ExternalTensor):
-                files[os.fspath(tensor.location)] = Path(tensor.path).resolve()
+            if value.const_value is not None:
+                yield value.const_value
+    yield from _attribute_tensors(model.graph)
+    for function in model.functions.values():
+        yield from _attribute_tensors(function)
+
+
+def external_data_files(model: ir.Model) -> dict[str, Path]:
+    """The external data files a model references: relative location -> absolute source path.
+
+    Initializers, attribute tensors, subgraphs and model-local functions all count.
+    """
+    files: dict[str, Path] = {}
+    for tensor in _model_tensors(model):
+        if isinstance(tensor, ir.ExternalTensor):
+            files[os.fspath(tensor.location)] = Path(tensor.path).resolve()
     return files
 
 
+def output_locations(files: dict[str, Path], target: Path) -> dict[str, str]:
+    """Where each external data file of a model goes when it is written to `target`.
+
+    Rules:
+    1. A file that already is the one at its location beside `target` keeps its name (an
+       in-place rewrite copies no weights).
+    2. Otherwise a model's single data file is named after the output: `<target name>.data`,
+       so two models written into one folder never share (and overwrite) a data file.
+    3. Several data files keep their names (their owners are checked before anything is
+       written).
+    """
+    target_dir = target.parent
+    locations: dict[str, str] = {}
+    for location, source in files.items():
+        destination = target_dir / location
+        in_place = destination.exists() and os.path.samefile(source, destination)
+        locations[location] = (location if in_place or len(files) > 1
+                               else f"{target.name}.data")
+    return locations
+
+
+def _relocate(proto: onnx.ModelProto, locations: dict[str, str]) -> None:
+    """Rewrite the external locations of `proto`'s tensors (offsets and lengths kept)."""
+    for tensor in _all_tensor_protos(proto):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        for entry in tensor.external_data:
+            if entry.key == "location" and entry.value in locations:
+                entry.value = locations[entry.value]
+
+
 def _copy_file(source: Path, target: Path, progress: Callable[[int], None] | None) -> None:
+    """Copy `source` to `target` block by block, with `source`'s permission bits."""
     buffer = bytearray(_COPY_BLOCK_BYTES)
     view = memoryview(buffer)
     with source.open("rb") as src, target.open("wb") as dst:
+        os.chmod(dst.fileno(), stat.S_IMODE(os.fstat(src.fileno()).st_mode))
         while count := src.readinto(buffer):
             dst.write(view[:count])
             if progress is not None:
                 progress(count)
 
 
-def _write_proto(model: ir.Model, target: Path) -> None:
-    target.write_bytes(ir.serde.serialize_model(model).SerializeToString())
+def _write_proto(proto: onnx.ModelProto, target: Path) -> None:
+    target.write_bytes(proto.SerializeToString())
 
 
-def _make_folder(folder: Path) -> Path | None:
+def make_folder(folder: Path) -> Path | None:
     """Create `folder` and its missing parents; return the topmost one created, if any."""
     missing = [parent for parent in (folder, *folder.parents) if not parent.exists()]
     folder.mkdir(parents=True, exist_ok=True)
     return missing[-1] if missing else None
+
+
+# The file inside a staging folder that names the process writing it.
+_STAGING_OWNER = ".owner"
+
+
+def _staging_pattern(target_name: str) -> str:
+    return f".{target_name}.*.staging"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stale_staging(folder: Path, target_name: str,
+                  alive: Callable[[int], bool] = _process_alive) -> list[Path]:
+    """The staging folders of `target_name` in `folder` left by writers no longer running.
+
+    Only folders that carry an owner file with the pid of a process that is gone count; a
+    folder without one is not provably ours and is left alone.
+    """
+    stale = []
+    for candidate in sorted(folder.glob(_staging_pattern(target_name))):
+        owner = candidate / _STAGING_OWNER
+        try:
+            text = owner.read_text(encoding="ascii").strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if candidate.is_dir() and not candidate.is_symlink() and text.isdigit() \
+                and not alive(int(text)):
+            stale.append(candidate)
+    return stale
+
+
+def _new_staging(target_dir: Path, target_name: str) -> Path:
+    for leftover in stale_staging(target_dir, target_name):
+        logger.info("removing %s, left by an interrupted write", leftover)
+        shutil.rmtree(leftover, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target_name}.", suffix=".staging",
+                                    dir=target_dir))
+    (staging / _STAGING_OWNER).write_text(f"{os.getpid()}\n", encoding="ascii")
+    return staging
+
+
+def referenced_data_files(model_path: Path) -> set[Path]:
+    """The external data files (resolved) a model file references; none when it is unreadable."""
+    try:
+        proto = onnx.load(str(model_path), load_external_data=False)
+    except Exception as error:  # onnx raises many types for files that are no model
+        logger.warning("cannot read %s to see which data files it uses: %s", model_path, error)
+        return set()
+    files = set()
+    for tensor in _all_tensor_protos(proto):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            location = next((entry.value for entry in tensor.external_data
+                             if entry.key == "location"), "")
+            if location:
+                files.add((model_path.parent / location).resolve())
+    return files
+
+
+def _config_decoder(path: Path) -> tuple[dict | None, str | None]:
+    """A genai config's JSON document and the decoder file it names (None: it names none)."""
+    try:
+        document = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise ModelLoadError(f"cannot read {str(path)!r} as JSON ({error}); fix or remove "
+                             "the file") from error
+    decoder = (document.get("model") or {}).get("decoder") if isinstance(document, dict) else None
+    filename = decoder.get("filename") if isinstance(decoder, dict) else None
+    return (document if isinstance(document, dict) else None,
+            filename if isinstance(filename, str) and filename else None)
+
+
+def config_owner(path: Path) -> str:
+    """The decoder file a genai config in a folder belongs to."""
+    return _config_decoder(path)[1] or DEFAULT_DECODER
+
+
+def _config_is_foreign(path: Path, target: Path) -> bool:
+    """Whether the genai config at `path` belongs to a model other than `target`.
+
+    It does when it names another file, or names none while model.onnx (its default) exists
+    and is not `target`.
+    """
+    named = _config_decoder(path)[1]
+    if named is not None:
+        return named != target.name
+    default = path.parent / DEFAULT_DECODER
+    return default.exists() and target.name != DEFAULT_DECODER
+
+
+def _refuse_foreign(target: Path, data_writes: list[str], companion_writes: list[str],
+                    companion_sources: Path | None) -> list[str]:
+    """Check that nothing written beside `target` belongs to another model there.
+
+    Returns the companions left to copy: one whose bytes already equal the source's is kept as
+    it is. Raises OutputError naming the first file that belongs to another model.
+    """
+    folder = target.parent
+    others = [path for path in sorted(folder.glob("*.onnx"))
+              if path.name != target.name and path.is_file()]
+    owned = {path: referenced_data_files(path) for path in others}
+    for location in data_writes:
+        destination = (folder / location).resolve()
+        for other, files in owned.items():
+            if destination in files:
+                raise OutputError(
+                    f"{str(folder / location)!r} is the external data of {str(other)!r}; "
+                    f"writing {str(target)!r} there would replace that model's weights: choose "
+                    "another output folder (or another output name)")
+    kept = []
+    for name in companion_writes:
+        existing = folder / name
+        if not existing.exists():
+            kept.append(name)
+            continue
+        if name == GENAI_CONFIG:
+            foreign = _config_is_foreign(existing, target)
+        else:
+            foreign = bool(others) and not _same_bytes(existing, companion_sources / name)
+            if not foreign and others:
+                continue
+        if foreign:
+            raise OutputError(
+                f"{str(existing)!r} belongs to another model in {str(folder)!r}; writing "
+                f"{str(target)!r} there would replace it: choose another output folder")
+        kept.append(name)
+    return kept
+
+
+def _same_bytes(first: Path, second: Path) -> bool:
+    if first.stat().st_size != second.stat().st_size:
+        return False
+    with first.open("rb") as a, second.open("rb") as b:
+        while block := a.read(_COPY_BLOCK_BYTES):
+            if block != b.read(len(block)):
+                return False
+    return True
 
 
 def save_model(
@@ -153,38 +473,62 @@ def save_model(
     progress: Callable[[int], None] | None = None,
     *,
     companions_from: str | os.PathLike | None = None,
+    chunk_size: int | None = None,
 ) -> list[str]:
     """Write `model` to `path`, keeping its external data external; return the companions copied.
 
-    External data files are copied block by block into the target folder (under the same
-    relative locations) unless they already are the files there, so an in-place rewrite copies
-    no weights. With `companions_from`, the COMPANION_FILES found in that folder are copied too
-    (none when it is the target folder). Everything is staged in a temporary folder beside
-    `path` and renamed into place at the end, the .onnx file last; on failure the staging
-    folder and any folder this call created are removed, so no partial output is left.
-    `progress` receives the byte count of each block copied. Raises OutputError when the
-    target cannot be written.
+    External data files are copied block by block into the target folder (`output_locations`
+    names them; the tensors' locations are rewritten to match) unless they already are the
+    files there, so an in-place rewrite copies no weights. With `companions_from`, the
+    COMPANION_FILES found in that folder are copied too (none when it is the target folder);
+    a companion must be a plain file inside that folder. The genai config written (copied, or
+    already there for this model) names `path`'s file as its decoder and, with `chunk_size`,
+    carries it as `search.chunk_size`. Nothing that belongs to another model in the target
+    folder is overwritten (OutputError). Copies keep their source's permission bits.
+
+    Everything is staged in a temporary folder beside `path` (with an owner file; staging left
+    by a writer that died is removed on the next write of the same target) and renamed into
+    place at the end, the .onnx file last; on failure or interruption the staging folder and
+    any folder this call created are removed, so no partial output is left. `progress`
+    receives the byte count of each block copied. Raises OutputError when the target cannot be
+    written.
     """
     target = Path(path)
     created: Path | None = None
     staging: Path | None = None
     try:
-        created = _make_folder(target.parent)
+        created = make_folder(target.parent)
         target_dir = target.parent.resolve()
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".staging",
-                                        dir=target_dir))
+        resolved_target = target_dir / target.name
+        files = external_data_files(model)
+        locations = output_locations(files, resolved_target)
+        copies = {location: source for location, source in files.items()
+                  if not ((target_dir / locations[location]).exists()
+                          and os.path.samefile(source, target_dir / locations[location]))}
+        sources = _companion_sources(companions_from, target_dir)
+        companions = _refuse_foreign(resolved_target, [locations[name] for name in copies],
+                                     sources, None if companions_from is None
+                                     else Path(companions_from))
+        config = _output_config(sources, companions_from, resolved_target, chunk_size)
+        staging = _new_staging(target_dir, target.name)
         staged: list[str] = []
-        for location, source in external_data_files(model).items():
-            destination = (target_dir / location).resolve()
-            if destination.exists() and os.path.samefile(source, destination):
-                continue
-            logger.info("copying external data %s -> %s", source, destination)
-            (staging / location).parent.mkdir(parents=True, exist_ok=True)
-            _copy_file(source, staging / location, progress)
-            staged.append(location)
-        companions = _stage_companions(companions_from, target_dir, staging)
-        _write_proto(model, staging / target.name)
-        for name in (*staged, *companions, target.name):
+        for location, source in copies.items():
+            written = locations[location]
+            logger.info("copying external data %s -> %s", source, target_dir / written)
+            (staging / written).parent.mkdir(parents=True, exist_ok=True)
+            _copy_file(source, staging / written, progress)
+            staged.append(written)
+        for name in companions:
+            if name != GENAI_CONFIG:
+                _copy_file(Path(companions_from) / name, staging / name, None)
+        if config is not None:
+            _write_config(config, staging / GENAI_CONFIG, companions_from, target_dir)
+        proto = ir.serde.serialize_model(model)
+        _relocate(proto, locations)
+        _write_proto(proto, staging / target.name)
+        written_config = [GENAI_CONFIG] if config is not None else []
+        for name in (*staged, *[name for name in companions if name != GENAI_CONFIG],
+                     *written_config, target.name):
             (target_dir / name).parent.mkdir(parents=True, exist_ok=True)
             os.replace(staging / name, target_dir / name)
     except OSError as error:
@@ -194,6 +538,10 @@ def save_model(
             f"cannot write {str(target)!r}: {error.strerror or error}; choose a writable "
             "output folder with room for the model"
         ) from error
+    except BaseException:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
     finally:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
@@ -217,13 +565,63 @@ COMPANION_FILES = (
 )
 
 
-def _stage_companions(source_dir: str | os.PathLike | None, target_dir: Path,
-                      staging: Path) -> list[str]:
-    """Copy the COMPANION_FILES present in `source_dir` into `staging`; return their names."""
+def _companion_sources(source_dir: str | os.PathLike | None, target_dir: Path) -> list[str]:
+    """The COMPANION_FILES to copy from `source_dir` (none when it is the target folder).
+
+    Raises ModelLoadError for a companion that is a symlink or not a plain file: like external
+    data, a companion must be a file inside the model's folder.
+    """
     if source_dir is None or Path(source_dir).resolve() == target_dir:
         return []
     source = Path(source_dir)
-    names = [name for name in COMPANION_FILES if (source / name).is_file()]
-    for name in names:
-        _copy_file(source / name, staging / name, None)
+    root = source.resolve()
+    names = []
+    for name in COMPANION_FILES:
+        path = source / name
+        if not (path.exists() or path.is_symlink()):
+            continue
+        if path.is_symlink() or not path.is_file() or not path.resolve().is_relative_to(root):
+            raise ModelLoadError(
+                f"{str(path)!r} is a symlink or not a plain file; companion files are copied "
+                "only as plain files inside the model's folder: replace it with the file itself")
+        names.append(name)
     return names
+
+
+def _output_config(companions: list[str], companions_from: str | os.PathLike | None,
+                   target: Path, chunk_size: int | None) -> dict | None:
+    """The genai config to write beside `target`, or None when it is to be left as it is.
+
+    The copied config (or, with none copied, the one already beside `target` for it) names
+    `target`'s file as its decoder and carries `chunk_size` as search.chunk_size.
+    """
+    if GENAI_CONFIG in companions:
+        source = Path(companions_from) / GENAI_CONFIG
+    else:
+        source = target.parent / GENAI_CONFIG
+        if not source.is_file() or _config_is_foreign(source, target) or chunk_size is None:
+            return None
+    document, named = _config_decoder(source)
+    if document is None:
+        raise ModelLoadError(f"{str(source)!r} holds no JSON object; expected onnxruntime-genai's "
+                             "config ({\"model\": {...}, \"search\": {...}})")
+    updated = json.loads(json.dumps(document))
+    if (named or DEFAULT_DECODER) != target.name:
+        model = updated.setdefault("model", {})
+        model.setdefault("decoder", {})["filename"] = target.name
+    if chunk_size is not None:
+        search = updated.setdefault("search", {})
+        if not isinstance(search, dict):
+            raise ModelLoadError(f"{str(source)!r}: search must be an object, got {search!r}; "
+                                 "fix the config")
+        search["chunk_size"] = chunk_size
+    return updated if updated != document or source.parent != target.parent else None
+
+
+def _write_config(config: dict, staged: Path, companions_from: str | os.PathLike | None,
+                  target_dir: Path) -> None:
+    staged.write_text(json.dumps(config, indent=4) + "\n", encoding="utf-8")
+    source = (Path(companions_from) / GENAI_CONFIG if companions_from is not None
+              and (Path(companions_from) / GENAI_CONFIG).is_file() else target_dir / GENAI_CONFIG)
+    if source.is_file():
+        os.chmod(staged, stat.S_IMODE(source.stat().st_mode))

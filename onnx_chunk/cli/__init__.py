@@ -5,7 +5,11 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import click
 
@@ -57,10 +61,41 @@ def cli(verbose: bool) -> None:
     )
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived: unwind (running every cleanup) and exit 128 + signum."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"terminated by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated(signum)
+
+
+@contextmanager
+def _termination_unwinds() -> Iterator[None]:
+    """Turn SIGTERM and SIGHUP into `Terminated` while a command runs (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, _raise_terminated)
+                for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run the CLI and turn every failure into one line and an exit code."""
     try:
-        result = cli.main(args=argv, prog_name="onnx-chunk", standalone_mode=False)
+        with _termination_unwinds():
+            result = cli.main(args=argv, prog_name="onnx-chunk", standalone_mode=False)
+    except Terminated as stop:
+        click.echo(f"{stop}; partial output removed", err=True)
+        return 128 + stop.signum
     except OnnxChunkError as error:
         click.echo(f"error: {error}", err=True)
         return error.exit_code

@@ -23,7 +23,8 @@ STATIC_VARIANT = "static"
                    "decode.onnx with 1 row, sharing model.onnx.data).")
 @click.option("--chunk-size", type=int, help="static only: the query rows c (at least 2).")
 @click.option("--capacity", type=int, help="static only: the KV capacity C.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Weight seed.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Weight seed.")
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPES),
               help="Precision of weights, activations, KV and logits; float16 for CUDA, "
                    "whose GroupQueryAttention kernel has no float32 version.")

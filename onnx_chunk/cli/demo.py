@@ -92,7 +92,7 @@ _ROWS = ("provider", "capacity", "ladder", "prompt", "TTFT", "decode", "cache", 
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--provider", type=click.Choice(PROVIDER_CHOICES), default="auto",
               show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--specialize/--no-specialize", default=None,
               help="Run only per-width variants (the ladder's sessions) or only one "
                    "shape-generic session (default: the provider's default, and per-width "

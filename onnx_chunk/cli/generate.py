@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from onnx_chunk import arguments
 from onnx_chunk.cli.static_generate import run_static_generate
 from onnx_chunk.errors import InputError
 from onnx_chunk.runtime import GenerationStats, RuntimeStats, load
@@ -16,25 +17,32 @@ from onnx_chunk.runtime.provider import PROVIDER_CHOICES
 from onnx_chunk.runtime.static_model import is_static_model, load_static
 
 _SEPARATORS = re.compile(r"[\s,]+")
+# An integer in ASCII digits, with an optional sign: int() alone also takes other scripts'
+# digits and underscores ("1_0").
+_INTEGER = re.compile(r"[+-]?[0-9]+", re.ASCII)
 
 
 def parse_ids(text: str, where: str = "--ids") -> list[int]:
-    """Token ids written as integers separated by commas and/or spaces."""
+    """Token ids written as integers (ASCII digits) separated by commas and/or spaces."""
     words = [word for word in _SEPARATORS.split(text.strip()) if word]
-    try:
-        return [int(word) for word in words]
-    except ValueError as error:
-        raise InputError(f"{where}: expected integers separated by commas or spaces, got "
-                         f"{text.strip()!r}") from error
+    bad = next((word for word in words if not _INTEGER.fullmatch(word)), None)
+    if bad is not None:
+        raise InputError(f"{where}: expected integers (digits 0-9) separated by commas or "
+                         f"spaces, got {bad!r} in {text.strip()!r}")
+    return [int(word) for word in words]
 
 
 def read_ids_file(path: Path) -> list[list[int]]:
-    """One prompt per non-empty line of `path`."""
+    """One prompt per non-empty line of `path` (UTF-8 text)."""
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_bytes().decode("utf-8").splitlines()
     except OSError as error:
         raise InputError(f"cannot read the ids file {str(path)!r}: "
                          f"{error.strerror or error}") from error
+    except UnicodeDecodeError as error:
+        raise InputError(f"the ids file {str(path)!r} is not UTF-8 text (byte "
+                         f"{error.start}); write one prompt per line as integers separated "
+                         "by spaces or commas") from error
     prompts = [parse_ids(line, f"{path}:{number}") for number, line in enumerate(lines, 1)
                if line.strip()]
     if not prompts:
@@ -96,10 +104,11 @@ def _format(entry: dict) -> str:
               help="A file with one prompt per line; all run in order in one runtime.")
 @click.option("--random-prompt", type=click.IntRange(min=1), metavar="N",
               help="A prompt of N random token ids.")
-@click.option("--seed", type=int, default=0, show_default=True,
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed of --random-prompt.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), required=True)
-@click.option("--eos-token-id", type=int, default=None, help="Stop after this token.")
+@click.option("--eos-token-id", "eos_token_ids", type=int, multiple=True,
+              help="Stop after this token; repeatable (stop at any of them).")
 @click.option("--chunk-size", type=click.IntRange(min=1), default=None,
               help="Prefill chunk width (default: the model's declaration).")
 @click.option("--provider", type=click.Choice(PROVIDER_CHOICES), default="auto",
@@ -123,7 +132,7 @@ def _format(entry: dict) -> str:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt per line.")
 def generate(model: Path, ids_text: str | None, ids_file: Path | None,
              random_prompt: int | None, seed: int, max_new_tokens: int,
-             eos_token_id: int | None, chunk_size: int | None, provider: str,
+             eos_token_ids: tuple[int, ...], chunk_size: int | None, provider: str,
              capacity: int | None, no_padding: bool, specialize: bool | None, static: bool,
              max_input_len: int | None, kv_capacity: int | None, decode_model: Path | None,
              strict: bool, as_json: bool) -> None:
@@ -143,8 +152,12 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
                              chunk_size=chunk_size, kv_capacity=kv_capacity, provider=provider,
                              strict=strict)
         prompts = _prompts(runner.vocab_size, ids_text, ids_file, random_prompt, seed)
+        stop = arguments.token_ids(eos_token_ids, "--eos-token-id", runner.vocab_size)
+        if len(stop) > 1:
+            raise click.UsageError("a static decoder stops at one --eos-token-id; give it once")
         run_static_generate(runner, prompts, max_new_tokens=max_new_tokens,
-                            eos_token_id=eos_token_id, as_json=as_json, echo=click.echo)
+                            eos_token_id=stop[0] if stop else None, as_json=as_json,
+                            echo=click.echo)
         return
     _refuse("a dynamic decoder", static_only)
     runtime = load(model, provider=provider, capacity=capacity, chunk_size=chunk_size,
@@ -153,6 +166,7 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
     # One sequence serves the prompts in turn, rewound to empty before each: its KV buffers
     # (and, on CUDA, the graphs captured at their addresses) are reused. Every prompt is
     # checked before any runs, so a bad line N does not fail after N - 1 were served.
+    stop = arguments.token_ids(eos_token_ids, "--eos-token-id", runtime.ports.vocab_size)
     sequence = runtime.open_sequence()
     for prompt in prompts:
         sequence.check_request(prompt, max_new_tokens)
@@ -165,7 +179,7 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
                       else "variants per width"))
     for index, prompt in enumerate(prompts):
         sequence.rewind(sequence.length)
-        tokens = sequence.generate(prompt, max_new_tokens, eos_token_id)
+        tokens = sequence.generate(prompt, max_new_tokens, stop or None)
         entry = record(index, prompt, tokens, sequence.stats.last_generation, runtime.stats())
         click.echo(json.dumps(entry) if as_json else _format(entry))
 

@@ -12,6 +12,9 @@ import click
 
 from onnx_chunk.cli.generate import parse_ids
 from onnx_chunk.errors import OutputError
+from onnx_chunk.model_folder import locate_model
+from onnx_chunk.model_io import COMPANION_FILES, referenced_data_files
+from onnx_chunk.models.static_decoder import DECODE_FILE
 from onnx_chunk.runtime.provider import PROVIDER_CHOICES
 from onnx_chunk.validate import Report, ValidationOptions, resolve_skip, validate_model
 from onnx_chunk.validate.validator import DEFAULT_NEW_TOKENS
@@ -36,6 +39,31 @@ class _ProgressBar:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.__exit__(None, None, None)
+
+
+def model_files(model_path: Path, decode_model: Path | None) -> list[Path]:
+    """The files validating `model_path` reads: the decoder(s), their data and companions."""
+    decoder = locate_model(model_path).onnx_path
+    decoders = [decoder, decode_model if decode_model is not None
+                else decoder.with_name(DECODE_FILE)]
+    files = [*decoders, *(decoder.parent / name for name in COMPANION_FILES)]
+    for path in decoders:
+        if path.is_file():
+            files.extend(referenced_data_files(path))
+    return files
+
+
+def check_report_path(target: Path, protected: list[Path]) -> None:
+    """OutputError when the report would replace a folder or one of the `protected` files."""
+    if target.is_dir():
+        raise OutputError(f"the JUnit report path {str(target)!r} is a folder; name a file "
+                          "in it (for example report.xml)")
+    resolved = target.resolve()
+    for path in protected:
+        if path.resolve() == resolved or (target.exists() and path.exists()
+                                          and os.path.samefile(path, target)):
+            raise OutputError(f"the JUnit report {str(target)!r} would replace {str(path)!r}, a "
+                              "file of the model under validation; write the report elsewhere")
 
 
 def write_junit(report: Report, target: Path) -> None:
@@ -71,7 +99,8 @@ def write_junit(report: Report, target: Path) -> None:
               show_default=True, help="Greedy tokens generated per prompt.")
 @click.option("--provider", type=click.Choice(PROVIDER_CHOICES), default="auto",
               show_default=True, help="Execution provider for the runs.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompts.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the prompts.")
 @click.option("--chunk-size", type=click.IntRange(min=1), default=None,
               help="Chunk width W (default: the model's declared one, else 512).")
 @click.option("--atol", type=click.FloatRange(min=0), default=None,
@@ -100,6 +129,8 @@ def validate(ctx: click.Context, model_path: Path, as_json: bool, junit: Path | 
         lengths=None if lengths is None else tuple(parse_ids(lengths, "--lengths")),
         new_tokens=new_tokens, provider=provider, seed=seed, chunk_size=chunk_size,
         atol=atol, max_input_len=max_input_len, decode_model=decode_model)
+    if junit is not None:
+        check_report_path(junit, model_files(model_path, decode_model))
     show = progress if progress is not None else sys.stderr.isatty()
     bar = _ProgressBar() if show else None
     try:

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from onnx_chunk.errors import OutputError
+from onnx_chunk.errors import ConfigError, OutputError
+from onnx_chunk.model_io import make_folder
 from onnx_chunk.models.config import PRESETS, DecoderConfig, config_for
 from onnx_chunk.models.decoder_graph import build_graph
 from onnx_chunk.models.genai_config import EMBEDDINGS_FILENAME, MODEL_FILENAME, genai_config
@@ -26,6 +27,12 @@ __all__ = ["DTYPES", "DecoderConfig", "DecoderWeights", "PRESETS", "VARIANTS",
            "EMBEDDINGS_FILENAME", "build_decoder", "config_for", "decoder_config", "make_weights"]
 
 logger = logging.getLogger(__name__)
+
+
+def _remove(created: Path | None) -> None:
+    """Remove the folder a failed build created (with its parents that it created)."""
+    if created is not None:
+        shutil.rmtree(created, ignore_errors=True)
 
 
 def decoder_config(preset: str = "tiny", variant: str = "base", **size_overrides) -> DecoderConfig:
@@ -59,10 +66,13 @@ def build_decoder(out_dir: str | os.PathLike, preset: str = "tiny", variant: str
     float_dtype(dtype)  # an unknown dtype is a ConfigError before anything is written
     config = decoder_config(preset, variant, **size_overrides)
     out = Path(out_dir)
+    created: Path | None = None
+    staging: Path | None = None
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        created = make_folder(out)
         staging = Path(tempfile.mkdtemp(prefix=".build-", dir=out))
     except OSError as error:
+        _remove(created)
         raise OutputError(f"cannot write to output folder {out}: {error.strerror or error}; "
                           "choose a writable folder") from error
     try:
@@ -87,8 +97,17 @@ def build_decoder(out_dir: str | os.PathLike, preset: str = "tiny", variant: str
         for name in names:
             os.replace(staging / name, out / name)
     except OSError as error:
+        _remove(created)
         raise OutputError(f"cannot write the model into {out}: {error.strerror or error}; "
                           "check the folder's permissions and free space") from error
+    except MemoryError as error:
+        _remove(created)
+        raise ConfigError(f"not enough memory to build a decoder of "
+                          f"{config.parameter_count():,} parameters; choose smaller "
+                          "sizes") from error
+    except BaseException:
+        _remove(created)
+        raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     logger.info("built %s/%s %s decoder (%d parameters) at %s", preset, variant, dtype,

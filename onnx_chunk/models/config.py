@@ -7,6 +7,11 @@ from dataclasses import dataclass
 
 from onnx_chunk.errors import ConfigError
 
+# The most weights a reference decoder may have: building one holds its float32 draws in
+# memory (4 GiB here, ten times the bench preset), so larger sizes are refused before any
+# allocation.
+MAX_PARAMETERS = 1 << 30
+
 
 @dataclass(frozen=True)
 class DecoderConfig:
@@ -65,6 +70,13 @@ class DecoderConfig:
             if not 0 <= getattr(self, name) < self.vocab_size:
                 raise ConfigError(f"{name} ({getattr(self, name)}) must lie in "
                                   f"[0, vocab_size={self.vocab_size})")
+        count = self.parameter_count()
+        if count > MAX_PARAMETERS:
+            raise ConfigError(
+                f"these sizes make a decoder of {count:,} parameters ({count * 4 / 2**30:,.1f} "
+                f"GiB of float32 weights to build), above the {MAX_PARAMETERS:,} a reference "
+                "decoder may have; choose smaller sizes (--hidden, --vocab, --layers, "
+                "--intermediate)")
         return self
 
     @property

@@ -35,9 +35,11 @@ class RecurrentStatePass(ir.passes.InPlacePass):
     2. An input whose name matches a state template (`past.%d.conv`,
        `past_key_values.%d.conv_state`, `...ssm_state`, `...recurrent_state`) is state; it is
        paired with the output named `present.<rest>` when there is one.
-    3. An input paired with a graph output of the same dtype and the same shape (symbolic
-       names included) is state, unless that output is a GQA present. Several candidates are
-       told apart by name (`present.<rest>` first, then the longest common suffix).
+    3. In a graph with a token input, an input paired with a graph output of the same dtype
+       and the same shape (symbolic names included) is state, unless that output is a GQA
+       present. Several candidates are told apart by name (`present.<rest>` first, then the
+       longest common suffix). A graph without a token input is no decoder step, so nothing
+       in it is carried from step to step: equal shapes alone (`c = a + b`) prove nothing.
     4. Each output pairs with one input at most.
     5. The findings go to the inference metadata; the pass reports a modification only when
        they differ from what is stored.
@@ -68,7 +70,8 @@ def find_recurrent_state(model: ir.Model) -> metadata.RecurrentStateFindings:
         if value.name in skipped or has_query_axis(value, rows_key):
             continue
         by_name = _STATE_NAME.search(value.name) is not None
-        matching = [output for output in free_outputs if _same_type(value, output)]
+        matching = ([output for output in free_outputs if _same_type(value, output)]
+                    if token is not None else [])
         output = _best_partner(value.name, matching)
         if output is None and by_name:
             named = _PAST_PREFIX.sub("present.", value.name)

@@ -18,11 +18,12 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from onnx_chunk import arguments
 from onnx_chunk.errors import ConfigError, ModelLoadError, ProviderError
 from onnx_chunk.metadata import ChunkPlan, read_plan
 from onnx_chunk.model_folder import GenaiConfig, locate_model
 from onnx_chunk.runtime.cuda_graphs import GraphRuns, GraphSlots, capturable, session_captures
-from onnx_chunk.model_io import load_model
+from onnx_chunk.model_io import check_utf8_path, load_model
 from onnx_chunk.runtime.ladder import DECODE_WIDTH, ladder_tiers
 from onnx_chunk.runtime.memory import meter_for
 from onnx_chunk.runtime.padding import resolve_padding
@@ -94,6 +95,10 @@ class Runtime:
         cuda_graphs: bool | None = None,
         device: Device | None = None,
     ) -> None:
+        _check_options(capacity=capacity, chunk_size=chunk_size, max_variants=max_variants,
+                       device_id=device_id, intra_op_threads=intra_op_threads,
+                       padding=padding, cuda_graphs=cuda_graphs)
+        check_utf8_path(model_path)
         location = locate_model(model_path)
         self.model_path: Path = location.onnx_path
         self.genai: GenaiConfig | None = location.genai
@@ -285,6 +290,21 @@ def _attention_device(device: Device, ports: ModelPorts, provider: str,
         return device_for("cpu", mask_policy=mask_policy)
     raise ProviderError(f"{reason}; export it in float16 (onnx-chunk build-model --dtype "
                         "float16 for the reference decoders) or use --provider cpu")
+
+
+def _check_options(*, capacity: object, chunk_size: object, max_variants: object,
+                   device_id: object, intra_op_threads: object, padding: object,
+                   cuda_graphs: object) -> None:
+    """ConfigError for an option of the wrong type or range, before anything is loaded."""
+    arguments.optional_integer(capacity, "the capacity (capacity)", minimum=2, error=ConfigError)
+    arguments.optional_integer(chunk_size, "the chunk size (chunk_size)", minimum=1, error=ConfigError)
+    arguments.optional_integer(max_variants, "max_variants", minimum=1, error=ConfigError)
+    arguments.integer(device_id, "device_id", minimum=0, error=ConfigError)
+    arguments.optional_integer(intra_op_threads, "intra_op_threads", minimum=0,
+                               error=ConfigError)
+    for name, value in (("padding", padding), ("cuda_graphs", cuda_graphs)):
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(f"{name} must be True, False or None, got {value!r}")
 
 
 def _resolve_capacity(capacity: int | None, plan: ChunkPlan, genai: GenaiConfig) -> int:

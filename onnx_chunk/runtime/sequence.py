@@ -19,15 +19,19 @@ writes its tokens, positions and (capacity policy) mask into those buffers in pl
 logical policy the mask is a prefix of an all-ones buffer, bound at the width of each forward.
 A session that captures CUDA graphs runs each binding under its own graph ids (`cuda_graphs`).
 
-A sequence is driven by one thread at a time; independent sequences may run in parallel.
+A sequence is driven by one call at a time: a call (or an open stream) holds it, and a second
+one while it is held raises SequenceBusyError at once, from any thread; independent sequences
+may run in parallel. A stream holds the sequence until it ends, is closed or is collected.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import threading
 import time
-from collections.abc import Iterator, Sequence as SequenceOf
+import weakref
+from collections.abc import Callable, Iterator, Sequence as SequenceOf
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -35,7 +39,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnxruntime as ort
 
-from onnx_chunk.errors import ConfigError, InputError, ModelStructureError
+from onnx_chunk import arguments
+from onnx_chunk.errors import ConfigError, InputError, ModelStructureError, SequenceBusyError
 from onnx_chunk.runtime.buffers import DeviceBuffer, SequenceBuffers, device_zeros
 from onnx_chunk.runtime.cuda_graphs import GraphRuns
 from onnx_chunk.runtime.kv_state import LogicalLength
@@ -115,6 +120,8 @@ class Sequence:
         self._step_positions = np.zeros((1, 1), dtype=np.int64)
         self._stats = SequenceStats(length=0, capacity=runtime.capacity,
                                     kv_bytes=self._buffers.nbytes)
+        # Held by the call or the stream that drives the sequence (see `_hold`).
+        self._busy = threading.Lock()
 
     @property
     def length(self) -> int:
@@ -149,33 +156,41 @@ class Sequence:
         if all_logits and self.runtime.ports.last_row_logits:
             raise ModelStructureError("the decoder returns the last row's logits only, so "
                                       "all prompt rows' logits cannot be given; ask for the last")
-        with self._all_or_nothing():
+        with self._held("prefill"), self._all_or_nothing():
             return self._prefill(ids, all_logits, records=None)
 
     def decode(self, token: int) -> np.ndarray:
         """Feed one token; return its logits [vocab] (a copy)."""
         ids = self._token_ids([token])
         self._length.check_room(1, "a decode step")
-        return self._step(int(ids[0])).copy()
+        with self._held("decode"):
+            return self._step(int(ids[0])).copy()
 
     def generate(self, token_ids: SequenceOf[int] | np.ndarray, max_new_tokens: int,
-                 eos_token_id: int | None = None) -> list[int]:
-        """Greedy generation: the new tokens (stopping after `eos_token_id` if it comes).
+                 eos_token_id: int | SequenceOf[int] | None = None) -> list[int]:
+        """Greedy generation: the new tokens (stopping after an end-of-sequence id if one comes).
 
-        The last token returned is not fed back, so the sequence then holds
-        len(prompt) + len(tokens) - 1 positions more than before.
+        `eos_token_id`: one id or a sequence of ids, each in [0, vocab); None: the runtime's
+        (`Runtime.eos_token_ids`). The last token returned is not fed back, so the sequence
+        then holds len(prompt) + len(tokens) - 1 positions more than before.
         """
         return list(self.stream(token_ids, max_new_tokens, eos_token_id))
 
     def stream(self, token_ids: SequenceOf[int] | np.ndarray, max_new_tokens: int,
-               eos_token_id: int | None = None) -> Iterator[int]:
+               eos_token_id: int | SequenceOf[int] | None = None) -> Iterator[int]:
         """Like `generate`, yielding each token as soon as it is produced.
 
-        Every check (`check_request`) runs here, before any work and before the first token is
-        asked for.
+        Every check (`check_request`, the EOS ids) runs here, before any work and before the
+        first token is asked for. The stream holds the sequence until it ends, is closed or is
+        collected: another call on the sequence meanwhile raises SequenceBusyError.
         """
         ids = self.check_request(token_ids, max_new_tokens)
-        return self._generate(ids, int(max_new_tokens), eos_token_id)
+        stop_ids = self._eos_ids(eos_token_id)
+        release = self._hold("stream")
+        steps = self._generate(ids, int(max_new_tokens), stop_ids, release)
+        # A stream collected before its first token never runs its own cleanup.
+        weakref.finalize(steps, release)
+        return steps
 
     def check_request(self, token_ids: SequenceOf[int] | np.ndarray,
                       max_new_tokens: int) -> np.ndarray:
@@ -186,10 +201,7 @@ class Sequence:
         not fit in what is left of this sequence's capacity.
         """
         ids = self._token_ids(token_ids)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
-            raise InputError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
-        if max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        arguments.integer(max_new_tokens, "max_new_tokens", minimum=1)
         self._length.check_room(len(ids) + int(max_new_tokens),
                                 f"a prompt of {len(ids)} tokens plus {max_new_tokens} new tokens")
         return ids
@@ -202,9 +214,10 @@ class Sequence:
         (sliding-window layers) can go back only as far as it has evicted nothing still needed
         (onnx_chunk.runtime.kv_window).
         """
+        count = arguments.integer(count, "the rewind count", minimum=0, maximum=self._length.length)
         length = self._length.length
         for port in self.runtime.ports.kv:
-            if (port.window is not None and 0 <= count <= length
+            if (port.window is not None and count != length
                     and not rewind_is_exact(length, count, port.shape[2], port.window)):
                 raise InputError(
                     f"cannot rewind {count} of {length} positions: {port.input!r} keeps a "
@@ -216,20 +229,56 @@ class Sequence:
                 f"cannot rewind {count} of {self._length.length} positions: this decoder "
                 "carries recurrent state, which cannot be rolled back partway; rewind all "
                 "positions (a fresh start) or open a new sequence")
-        self._length.rewind(count)
-        if self._buffers.state_ports and self._length.length == 0:
-            self._buffers.reset_state()
+        with self._held("rewind"):
+            self._length.rewind(count)
+            if self._buffers.state_ports and self._length.length == 0:
+                self._buffers.reset_state()
 
-    def _generate(self, ids: np.ndarray, max_new_tokens: int,
-                  eos_token_id: int | None) -> Iterator[int]:
-        """The generation, rolled back as a whole when a step fails.
+    def _hold(self, what: str) -> Callable[[], None]:
+        """Take the sequence for `what` (SequenceBusyError when it is taken); the release.
+
+        The release may run more than once (a stream's end and its finalizer); only the first
+        one frees the sequence.
+        """
+        if not self._busy.acquire(blocking=False):
+            raise SequenceBusyError(
+                f"this sequence is busy (another call or an open stream is using it), so it "
+                f"cannot run {what} now; a sequence serves one call at a time: finish or close "
+                "the stream first, or open another sequence with runtime.open_sequence()")
+        released = threading.Lock()
+
+        def release() -> None:
+            if released.acquire(blocking=False):
+                self._busy.release()
+
+        return release
+
+    @contextmanager
+    def _held(self, what: str) -> Iterator[None]:
+        release = self._hold(what)
+        try:
+            yield
+        finally:
+            release()
+
+    def _eos_ids(self, eos_token_id: int | SequenceOf[int] | None) -> tuple[int, ...]:
+        if eos_token_id is None:
+            return self.runtime.eos_token_ids
+        return arguments.token_ids(eos_token_id, "eos_token_id", self.runtime.ports.vocab_size)
+
+    def _generate(self, ids: np.ndarray, max_new_tokens: int, eos_ids: tuple[int, ...],
+                  release: Callable[[], None]) -> Iterator[int]:
+        """The generation, rolled back as a whole when a step fails; frees the sequence at the end.
 
         A failure (an exception in a prefill or decode step) leaves the sequence's length and
         recurrent state as they were before the call. A consumer that stops iterating early
         (GeneratorExit) keeps what was generated so far.
         """
-        with self._all_or_nothing():
-            yield from self._generate_steps(ids, max_new_tokens, eos_token_id)
+        try:
+            with self._all_or_nothing():
+                yield from self._generate_steps(ids, max_new_tokens, eos_ids)
+        finally:
+            release()
 
     @contextmanager
     def _all_or_nothing(self) -> Iterator[None]:
@@ -249,7 +298,7 @@ class Sequence:
             raise
 
     def _generate_steps(self, ids: np.ndarray, max_new_tokens: int,
-                        eos_token_id: int | None) -> Iterator[int]:
+                        eos_ids: tuple[int, ...]) -> Iterator[int]:
         generation = GenerationStats(prompt_tokens=len(ids))
         self._stats.last_generation = generation
         start = time.perf_counter()
@@ -257,8 +306,8 @@ class Sequence:
         generation.ttft_s = time.perf_counter() - start
         generation.new_tokens = 1
         yield token
-        if max_new_tokens == 1 or token == eos_token_id:
-            generation.stopped_by_eos = token == eos_token_id
+        if max_new_tokens == 1 or token in eos_ids:
+            generation.stopped_by_eos = token in eos_ids
             return
         # The decode variant is pinned for the whole loop (it cannot be evicted meanwhile, and
         # other threads still get the rest of the cache); each step then costs no cache lookup.
@@ -272,9 +321,9 @@ class Sequence:
                 generation.decode_s += time.perf_counter() - began
                 generation.new_tokens += 1
                 yield token
-                if token == eos_token_id:
+                if token in eos_ids:
                     break
-        generation.stopped_by_eos = token == eos_token_id
+        generation.stopped_by_eos = token in eos_ids
 
     def _prefill(self, ids: np.ndarray, all_logits: bool,
                  records: list[ChunkRecord] | None) -> np.ndarray:

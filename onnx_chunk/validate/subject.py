@@ -16,7 +16,7 @@ import onnx_ir as ir
 
 from onnx_chunk.errors import ModelLoadError
 from onnx_chunk.model_folder import locate_model
-from onnx_chunk.model_io import load_model
+from onnx_chunk.model_io import check_utf8_path, load_model
 from onnx_chunk.runtime.static_model import StaticGraphShape, static_shape
 
 
@@ -33,6 +33,7 @@ class Subject:
 def load_subject(path: str | os.PathLike) -> Subject:
     """Load MODEL's graph (never its weights) and classify it; ModelLoadError when unreadable."""
     model_path = locate_model(path).onnx_path
+    check_utf8_path(model_path)
     try:
         model = load_model(model_path)
         external_error = None

@@ -75,6 +75,8 @@ class ValidationOptions:
                               f"{', '.join(PROVIDER_CHOICES)}")
         if self.new_tokens < 1:
             raise ConfigError(f"new tokens must be at least 1, got {self.new_tokens}")
+        if self.seed < 0:
+            raise ConfigError(f"the seed must be at least 0, got {self.seed}")
         if self.lengths is not None and (not self.lengths or min(self.lengths) < 1):
             raise ConfigError(f"prompt lengths must be at least 1, got {list(self.lengths)}")
         if self.chunk_size is not None and self.chunk_size < 1:
@@ -100,6 +102,8 @@ def validate_model(path: str | os.PathLike, options: ValidationOptions | None = 
     """
     options = options or ValidationOptions()
     subject = load_subject(path)
+    if subject.static is None:
+        _refuse_static_options(options, subject.path)
     device = resolve_device(options.provider)
     on_cpu = device.provider == "cpu"
     advance = progress.advance if progress is not None else _ignore
@@ -186,11 +190,25 @@ def _runtime_blocker(subject: Subject, plan: ChunkPlan | None) -> str | None:
     return None
 
 
+def _refuse_static_options(options: ValidationOptions, path: Path) -> None:
+    given = [name for name, value in (("max_input_len (--max-input-len)", options.max_input_len),
+                                      ("decode_model (--decode-model)", options.decode_model))
+             if value is not None]
+    if given:
+        raise ConfigError(f"{' and '.join(given)} {'apply' if len(given) > 1 else 'applies'} "
+                          "to static decoders only, and "
+                          f"{str(path)!r} is a dynamic one; drop them")
+
+
 def _run_settings(plan: ChunkPlan, options: ValidationOptions, provider: str,
                   default_atol: float) -> RunSettings:
     chunk_size = options.chunk_size or plan.chunk_size or DEFAULT_CHUNK_SIZE
     limit = plan.max_sequence_length
     new_tokens = options.new_tokens
+    if limit is not None and new_tokens >= limit:
+        raise ConfigError(f"{new_tokens} new tokens leave no room for a prompt within the "
+                          f"model's maximum sequence length {limit}; generate at most "
+                          f"{limit - 1} (--new-tokens)")
     longest = (limit - new_tokens if limit is not None
                else 2 * chunk_size + chunk_size // 3 + 1)
     if options.lengths is None:

@@ -4,7 +4,9 @@ The one place that drives onnxruntime-genai: the benchmarks measure with it, and
 scripts/genai_check.py and scripts/genai_parity.py take its tokens. It must not import
 onnx_chunk: that venv holds the CPU onnxruntime that onnxruntime-genai brings. argv[1] is a
 JSON object: model (folder with genai_config.json), prompts, new_tokens, chunk_size
-(search.chunk_size; 0 leaves it unset). Prompts are served in order by one model on the CPU;
+(search.chunk_size; 0 leaves it unset), and optionally margins (true: each result also lists,
+per generated token, the gap between the two largest logits genai chose from, which tells a
+near-tie from a real difference). Prompts are served in order by one model on the CPU;
 generation stops at new_tokens or at EOS. Prints one JSON object shaped like chunk_worker's:
 TTFT runs from handing over the prompt to the first token; decode tokens/s counts the tokens
 after the first over the time after the first, as onnx-chunk does.
@@ -29,6 +31,7 @@ def main() -> None:
         config.overlay(json.dumps({"search": {"chunk_size": request["chunk_size"]}}))
     model = og.Model(config)
     load_s = time.perf_counter() - began
+    want_margins = bool(request.get("margins"))
     results = []
     for prompt in request["prompts"]:
         params = og.GeneratorParams(model)
@@ -36,12 +39,13 @@ def main() -> None:
                                   do_sample=False)
         generator = og.Generator(model, params)
         start = time.perf_counter()
+        margins: list[float] = []
         generator.append_tokens(np.array([prompt], dtype=np.int32))
-        generator.generate_next_token()
+        step(generator, margins, want_margins)
         tokens = [int(generator.get_next_tokens()[0])]
         ttft = time.perf_counter() - start
         while not generator.is_done() and len(tokens) < request["new_tokens"]:
-            generator.generate_next_token()
+            step(generator, margins, want_margins)
             tokens.append(int(generator.get_next_tokens()[0]))
         total = time.perf_counter() - start
         decode_s = total - ttft
@@ -51,9 +55,19 @@ def main() -> None:
             "decode_tokens_per_s": (len(tokens) - 1) / decode_s if len(tokens) > 1 else None,
             "total_s": total,
             "tokens": tokens,
+            **({"margins": margins} if want_margins else {}),
         })
         del generator
     print(json.dumps({"load_s": load_s, "results": results, "version": og.__version__}))
+
+
+def step(generator: og.Generator, margins: list[float], want_margins: bool) -> None:
+    """Generate one token; with `want_margins`, first note the top-2 gap of its logits."""
+    if want_margins:
+        logits = np.asarray(generator.get_logits(), dtype=np.float64).reshape(-1)
+        top = np.partition(logits, -2)[-2:]
+        margins.append(float(top[1] - top[0]))
+    generator.generate_next_token()
 
 
 if __name__ == "__main__":

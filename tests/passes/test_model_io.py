@@ -94,7 +94,8 @@ def test_save_copies_external_data_and_keeps_it_external(tmp_path):
     seen = []
     save_model(model, tmp_path / "out" / "model.onnx", progress=seen.append)
     out = tmp_path / "out"
-    assert sorted(os.listdir(out)) == ["model.onnx", "weights.data"]
+    # The one data file is named after the output, its tensors' offsets kept.
+    assert sorted(os.listdir(out)) == ["model.onnx", "model.onnx.data"]
     assert sum(seen) == (tmp_path / "in" / "weights.data").stat().st_size
     proto = onnx.load(str(out / "model.onnx"), load_external_data=False)
     assert proto.graph.initializer[0].data_location == onnx.TensorProto.EXTERNAL

@@ -3,7 +3,7 @@ import onnx_ir as ir
 from onnx import TensorProto, helper
 
 from onnx_chunk import metadata
-from onnx_chunk.passes.recurrent_state import RecurrentStatePass
+from onnx_chunk.passes.recurrent_state import RecurrentStatePass, find_recurrent_state
 
 CONV = ["batch_size", 16, 2]
 
@@ -108,3 +108,24 @@ def test_state_beside_an_echoed_token_input_is_still_found(make_decoder_proto):
     model = _with_echo_outputs(proto, "input_ids")
     assert _state(model)[1] == (
         metadata.StateBinding("past.0.conv", "present.0.conv", "name+structure"),)
+
+
+def test_a_graph_without_a_token_input_has_no_state_by_structure():
+    # c = a + b: `a` and `c` share dtype and shape, which alone proves no carried state.
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["a", "b"], ["c"])], "add",
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, [4]) for name in ("a", "b")],
+        [helper.make_tensor_value_info("c", TensorProto.FLOAT, [4])])
+    model = ir.serde.deserialize_model(helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10))
+    assert find_recurrent_state(model).bindings == ()
+
+
+def test_a_named_state_input_counts_without_a_token_input():
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["past.0.conv"], ["present.0.conv"])], "conv",
+        [helper.make_tensor_value_info("past.0.conv", TensorProto.FLOAT, [1, 8, 2])],
+        [helper.make_tensor_value_info("present.0.conv", TensorProto.FLOAT, [1, 8, 2])])
+    model = ir.serde.deserialize_model(helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10))
+    assert [binding.input for binding in find_recurrent_state(model).bindings] == ["past.0.conv"]

@@ -54,6 +54,18 @@ def test_search_max_length_is_the_default_capacity_and_an_argument_overrides_it(
     assert load(model, provider="cpu", capacity=128).capacity == 128
 
 
+def test_a_list_of_eos_ids_is_the_default_stop(model):
+    runtime = load(model, provider="cpu", capacity=128)
+    prompt = list(range(3, 40))
+    free = runtime.open_sequence().generate(prompt, 12, eos_token_id=[])
+    stop_at = free[3]
+    first = free.index(stop_at)
+    _edit_config(model, lambda config: config["model"].update(eos_token_id=[250, stop_at]))
+    runtime = load(model, provider="cpu", capacity=128)
+    assert runtime.eos_token_ids == (250, stop_at)
+    assert runtime.open_sequence().generate(prompt, 12) == free[:first + 1]
+
+
 def test_an_eos_id_outside_the_vocabulary_is_refused_at_load(model):
     _edit_config(model, lambda config: config["model"].update(eos_token_id=[2, 10**6]))
     with pytest.raises(ModelLoadError, match="1000000"):

@@ -5,7 +5,7 @@ import threading
 import numpy as np
 import pytest
 
-from onnx_chunk.errors import CapacityError, ConfigError, InputError
+from onnx_chunk.errors import CapacityError, ConfigError, InputError, SequenceBusyError
 from onnx_chunk.runtime import load
 
 W = 16
@@ -125,3 +125,131 @@ def test_load_errors(reference_model, tmp_path):
     from onnx_chunk.errors import ModelLoadError
     with pytest.raises(ModelLoadError):
         load(tmp_path / "missing.onnx", provider="cpu")
+
+
+def _paused_before_prefill(sequence):
+    """Make `sequence`'s next prefill wait for `proceed` once it has `started`."""
+    started, proceed = threading.Event(), threading.Event()
+    prefill = sequence._prefill
+
+    def paused(*args, **kwargs):
+        started.set()
+        assert proceed.wait(60)
+        return prefill(*args, **kwargs)
+
+    sequence._prefill = paused
+    return started, proceed
+
+
+def test_a_second_call_on_a_busy_sequence_is_refused_and_the_first_stays_right(runtime):
+    prompt = list(range(1, 40))
+    alone = runtime.open_sequence().generate(prompt, 6)
+    sequence = runtime.open_sequence()
+    started, proceed = _paused_before_prefill(sequence)
+    results = []
+    first = threading.Thread(target=lambda: results.append(sequence.generate(prompt, 6)))
+    first.start()
+    try:
+        assert started.wait(60)
+        for call in (lambda: sequence.generate([5, 6, 7], 6), lambda: sequence.stream([5], 2),
+                     lambda: sequence.prefill([5, 6]), lambda: sequence.decode(5),
+                     lambda: sequence.rewind(0)):
+            with pytest.raises(SequenceBusyError, match="busy"):
+                call()
+    finally:
+        proceed.set()
+        first.join()
+    assert results == [alone]
+
+
+def test_two_streams_of_one_sequence_cannot_interleave(runtime):
+    prompt = list(range(1, 40))
+    alone = runtime.open_sequence().generate(prompt, 6)
+    sequence = runtime.open_sequence()
+    stream = sequence.stream(prompt, 6)
+    tokens = [next(stream)]
+    with pytest.raises(SequenceBusyError):
+        sequence.stream([100, 101], 2)
+    with pytest.raises(SequenceBusyError):
+        sequence.generate([100, 101], 2)
+    tokens += list(stream)
+    assert tokens == alone
+    sequence.rewind(sequence.length)
+    assert sequence.generate(prompt, 6) == alone
+
+
+@pytest.mark.parametrize("abandon", ["closed", "collected unstarted", "collected started"])
+def test_an_abandoned_stream_frees_its_sequence(runtime, abandon):
+    import gc
+
+    prompt = list(range(1, 40))
+    alone = runtime.open_sequence().generate(prompt, 6)
+    sequence = runtime.open_sequence()
+    stream = sequence.stream(prompt, 6)
+    if abandon != "collected unstarted":
+        next(stream)
+    if abandon == "closed":
+        stream.close()
+    del stream
+    gc.collect()
+    sequence.rewind(sequence.length)
+    assert sequence.generate(prompt, 6) == alone
+
+
+@pytest.mark.parametrize("count", [2.5, True, "1", None, -1, 4])
+def test_rewind_takes_an_integer_within_the_length(runtime, count):
+    sequence = runtime.open_sequence()
+    sequence.prefill([1, 2, 3])
+    with pytest.raises(InputError, match="rewind count"):
+        sequence.rewind(count)
+    assert sequence.length == 3
+    sequence.rewind(np.int64(1))
+    assert sequence.length == 2 and type(sequence.length) is int
+
+
+@pytest.mark.parametrize("options", [
+    {"capacity": 2.5}, {"capacity": True}, {"capacity": "64"},
+    {"chunk_size": 2.0}, {"chunk_size": "64"}, {"chunk_size": False},
+    {"max_variants": 1.5}, {"device_id": -1}, {"padding": "yes"},
+])
+def test_load_refuses_options_of_the_wrong_type(reference_model, options):
+    with pytest.raises(ConfigError, match="must be"):
+        load(reference_model("base"), provider="cpu", **{"capacity": 64, **options})
+
+
+def test_load_takes_numpy_integers(reference_model):
+    loaded = load(reference_model("base"), provider="cpu", capacity=np.int64(64),
+                  chunk_size=np.int32(16))
+    assert loaded.capacity == 64 and loaded.chunk_size == 16
+
+
+@pytest.mark.parametrize("eos", [-1, 256, "2", 1e30, 2.0, True, [1, -1], ["2"]])
+def test_generate_refuses_eos_ids_that_can_never_stop_it(runtime, eos):
+    sequence = runtime.open_sequence()
+    with pytest.raises(InputError, match="eos_token_id"):
+        sequence.generate([1, 2, 3], 4, eos)
+    with pytest.raises(InputError, match="eos_token_id"):
+        sequence.stream([1, 2, 3], 4, eos)
+    assert sequence.length == 0
+
+
+def test_generate_stops_at_any_of_several_eos_ids(runtime):
+    prompt = list(range(1, 40))
+    free = runtime.open_sequence().generate(prompt, 8)
+    stop_at = free[3]
+    first = free.index(stop_at) + 1
+    sequence = runtime.open_sequence()
+    assert sequence.generate(prompt, 8, [255, stop_at]) == free[:first]
+    assert sequence.stats.last_generation.stopped_by_eos
+    assert runtime.open_sequence().generate(prompt, 8, np.int64(stop_at)) == free[:first]
+
+
+def test_generate_without_eos_ids_stops_at_the_runtimes(reference_model):
+    loaded = load(reference_model("base"), provider="cpu", capacity=64, chunk_size=W)
+    assert loaded.eos_token_ids == (2,)  # the reference decoder's genai_config.json
+    prompt = list(range(1, 40))
+    free = loaded.open_sequence().generate(prompt, 8, eos_token_id=[])
+    loaded.eos_token_ids = (free[2],)
+    sequence = loaded.open_sequence()
+    assert sequence.generate(prompt, 8) == free[:free.index(free[2]) + 1]
+    assert sequence.stats.last_generation.stopped_by_eos

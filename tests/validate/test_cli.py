@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -120,3 +121,52 @@ def test_progress_goes_to_stderr_when_asked(base, capsys):
     _, _, quiet = _run(capsys, base, "--chunk-size", CHUNK, "--lengths", "2", "--skip",
                        "structure", "--skip", "cache")
     assert "validating" not in quiet
+
+
+@pytest.mark.parametrize("name", ["model.onnx", "model.onnx.data", "genai_config.json"])
+def test_junit_refuses_to_overwrite_a_file_of_the_model(base, tmp_path, capsys, name):
+    model = copy_model(base, tmp_path / "model")
+    before = {path.name: path.read_bytes() for path in model.parent.iterdir()}
+    for given in (model, model.parent):
+        code, out, err = _run(capsys, given, "--junit", model.parent / name, "--skip",
+                              "numerics", "--skip", "cache")
+        assert code == 2 and out == "" and err.startswith("error: ") and name in err, err
+        assert len(err.strip().splitlines()) == 1
+    assert {path.name: path.read_bytes() for path in model.parent.iterdir()} == before
+
+
+def test_junit_refuses_a_folder(base, tmp_path, capsys):
+    code, _, err = _run(capsys, base, "--junit", tmp_path, "--skip", "numerics")
+    assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--new-tokens", "1000000"], "generate at most 2047"),
+    (["--seed", "-1"], "--seed"),
+    (["--max-input-len", "8"], "static decoders only"),
+    (["--decode-model", "decode.onnx"], "static decoders only"),
+])
+def test_impossible_or_misplaced_options_exit_2_with_one_line(base, capsys, args, message):
+    code, out, err = _run(capsys, base, *args)
+    assert code == 2 and out == "", out
+    assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_validate_refuses_a_path_that_is_not_utf8(base, tmp_path, capsys):
+    folder = tmp_path / "x\udcff"
+    model = copy_model(base, folder)
+    code, out, err = _run(capsys, model, "--skip", "numerics", "--skip", "cache")
+    assert code == 2 and out == ""
+    assert "not valid UTF-8" in err and len(err.strip().splitlines()) == 1
+
+
+def test_validate_folder_refuses_a_filename_outside_it(base, tmp_path, capsys):
+    model = copy_model(base, tmp_path / "inner" / "model")
+    config = model.parent / "genai_config.json"
+    document = json.loads(config.read_text())
+    document["model"]["decoder"]["filename"] = "../../outside.onnx"
+    config.write_text(json.dumps(document))
+    shutil.copy(model, tmp_path / "outside.onnx")
+    code, out, err = _run(capsys, model.parent)
+    assert code == 2 and out == ""
+    assert "outside the model's folder" in err and len(err.strip().splitlines()) == 1
