@@ -58,6 +58,17 @@ class RollingKVCache:
         self.valid = np.zeros(capacity, dtype=bool)
         self.stats = RollingKVStats()
 
+    @property
+    def dropped_positions(self) -> int:
+        """Real positions that fell off the left so far."""
+        return self.stats.real_positions_dropped
+
+    def recent(self, count: int) -> list[np.ndarray]:
+        """Every layer's K, then every layer's V, over the `count` latest positions (the
+        rightmost slots)."""
+        window = slice(self.capacity - count, self.capacity)
+        return [array[:, :, window] for array in (*self.keys, *self.values)]
+
     def roll(
         self, new_keys: list[np.ndarray], new_values: list[np.ndarray], new_valid: np.ndarray
     ) -> int:

@@ -113,3 +113,34 @@ def test_text_output_has_a_header_and_the_warnings(pair_dir):
                              f"C={CAPACITY}")
     assert "truncated 2" in block and "warning: prompt left-truncated" in block
     assert "warning: " in block.splitlines()[-1] and "sliding window" in block
+
+
+@pytest.mark.parametrize("name", ["chunk.onnx", "."])
+def test_fix_shapes_output_generates_the_dynamic_models_tokens_from_file_or_folder(
+        fixed_pair, dynamic_greedy, capsys, name):
+    prompt = _prompt(9, seed=7)
+    new = CAPACITY - MAX_INPUT
+    assert main(["generate", str(fixed_pair / name), "--ids", ",".join(map(str, prompt)),
+                 "--max-new-tokens", str(new), "--max-input-len", str(MAX_INPUT),
+                 "--provider", "cpu", "--json"]) == 0
+    entry = json.loads(capsys.readouterr().out)
+    assert entry["tokens"] == dynamic_greedy(SEED, prompt, new)
+    assert (entry["aligned_len"], entry["pad_count"], entry["chunks"]) == (12, 3, 3)
+    runner = load_static(fixed_pair, chunk_size=CHUNK, kv_capacity=CAPACITY, provider="cpu")
+    assert runner.generate(prompt, new).tokens == entry["tokens"]
+    assert is_static_model(fixed_pair) and is_static_model(fixed_pair / "decode.onnx")
+
+
+@pytest.mark.parametrize("name", ["chunk.onnx", "."])
+def test_validate_passes_on_fix_shapes_output(fixed_pair, capsys, name):
+    assert main(["validate", str(fixed_pair / name), "--provider", "cpu", "--json"]) == 0
+    checks = {check["name"]: check["outcome"] for check in json.loads(
+        capsys.readouterr().out)["checks"]}
+    assert checks["static.graph"] == checks["static.chunked_vs_whole"] == "passed"
+
+
+def test_a_request_past_the_capacity_of_fix_shapes_output_is_one_error_line(fixed_pair, capsys):
+    assert main(["generate", str(fixed_pair), "--ids", "5,6,7", "--max-new-tokens",
+                 str(CAPACITY), "--provider", "cpu"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and "cannot slide" in error and error.count("\n") == 1
