@@ -48,9 +48,10 @@ def static_shape(model: ir.Model) -> StaticGraphShape | None:
     1. Any input with a free (or unknown) dimension: not static.
     2. A floating-point input shaped [1, 1, c, C] is the additive mask of the rolling layout;
        the first such input is taken.
-    3. Otherwise an integer `attention_mask` [1, C] with `input_ids` [1, c] and every
-       `past_key_values.*` input [1, kv_heads, C, head_size] is GroupQueryAttention bound at
-       capacity.
+    3. Otherwise an integer `attention_mask` [1, C] with `input_ids` [1, c] (or
+       `inputs_embeds` [1, c, hidden]) and every `past_key_values.*` input
+       [1, kv_heads, C, head_size] is GroupQueryAttention bound at capacity (the runner says
+       which of its inputs it cannot feed).
     4. Anything else is not static.
     """
     dims: dict[str, list[int]] = {}
@@ -63,9 +64,9 @@ def static_shape(model: ir.Model) -> StaticGraphShape | None:
         if (dtype is not None and dtype.is_floating_point() and len(fixed) == 4
                 and fixed[:2] == [1, 1]):
             return StaticGraphShape(value.name, fixed[2], fixed[3], CacheLayout.ROLLING)
-    mask, tokens = dims.get("attention_mask"), dims.get("input_ids")
+    mask, tokens = dims.get("attention_mask"), dims.get("input_ids", dims.get("inputs_embeds"))
     pasts = [shape for name, shape in dims.items() if name.startswith("past_key_values.")]
-    if mask is None or tokens is None or not pasts or len(mask) != 2 or len(tokens) != 2:
+    if mask is None or tokens is None or not pasts or len(mask) != 2 or len(tokens) < 2:
         return None
     capacity = mask[1]
     if mask[0] != 1 or tokens[0] != 1 or any(len(shape) != 4 or shape[0] != 1
@@ -80,6 +81,19 @@ def is_static_model(path: str | os.PathLike) -> bool:
     Reads the graph only, never the weights; ModelLoadError when it cannot be read.
     """
     return static_shape(load_model(locate_model(path).onnx_path)) is not None
+
+
+def check_fixed_sizes(shape: StaticGraphShape, model: str | os.PathLike, *,
+                      chunk_size: int | None = None, kv_capacity: int | None = None) -> None:
+    """ConfigError when a chunk size or KV capacity the caller states differs from the one the
+    static graph `model` is fixed at; None means not stated."""
+    for option, symbol, given, fixed in (("chunk size", "c", chunk_size, shape.rows),
+                                         ("KV capacity", "C", kv_capacity, shape.capacity)):
+        if given is not None and given != fixed:
+            raise ConfigError(
+                f"{option} {symbol}={given} was asked for but the static graph "
+                f"{str(model)!r} is fixed at {symbol}={fixed}; omit the option or rebuild the "
+                f"graphs with {symbol}={given}")
 
 
 def find_decode_model(chunk_model: str | os.PathLike) -> Path | None:
@@ -120,13 +134,7 @@ def load_static(
             f"has neither a float mask [1, 1, c, C] nor an attention_mask [1, C] with "
             f"past_key_values [1, kv_heads, C, head_size]; run a dynamic decoder without "
             f"--static, or fix its shapes with `onnx-chunk fix-shapes`")
-    for option, symbol, given, fixed in (("chunk size", "c", chunk_size, shape.rows),
-                                         ("KV capacity", "C", kv_capacity, shape.capacity)):
-        if given is not None and given != fixed:
-            raise ConfigError(
-                f"{option} {symbol}={given} was asked for but the static graph {str(chunk)!r} "
-                f"is fixed at {symbol}={fixed}; omit the option or rebuild the graphs with "
-                f"{symbol}={given}")
+    check_fixed_sizes(shape, chunk, chunk_size=chunk_size, kv_capacity=kv_capacity)
     decode = Path(decode_model) if decode_model is not None else find_decode_model(chunk)
     if decode is None:
         raise ModelLoadError(

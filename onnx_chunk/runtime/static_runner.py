@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -45,7 +46,10 @@ from onnx_chunk.runtime.static_mask import chunk_mask
 logger = logging.getLogger(__name__)
 
 _PAST = "past_key_values.{}.{}"
+_PAST_NAME = re.compile(r"^past_key_values\.\d+\.(key|value)$")
 _PRESENT = "present.{}.{}"
+FED_INPUTS = ("input_ids", "position_ids", "attention_mask")
+"""The inputs besides past_key_values.N.key|value that the runner feeds."""
 
 
 @dataclass
@@ -127,14 +131,25 @@ def _session(path: Path, device: Device) -> ort.InferenceSession:
 
 def _graph_spec(session: ort.InferenceSession, path: Path) -> _GraphSpec:
     inputs = {port.name: port for port in session.get_inputs()}
-    required = ("input_ids", "attention_mask", _PAST.format(0, "key"))
-    missing = [name for name in required if name not in inputs]
-    if missing:
+    unknown = sorted(name for name in inputs
+                     if name not in FED_INPUTS and not _PAST_NAME.match(name))
+    if unknown:
         raise ModelStructureError(
-            f"{path} lacks the static decoder input(s) {', '.join(missing)}; expected "
-            f"input_ids, attention_mask ([1, 1, c, C] additive, or [1, C] for "
-            f"GroupQueryAttention bound at capacity) and past_key_values.N.key|value (build a "
-            f"pair with build-model --variant static or fix-shapes)"
+            f"{path} takes input(s) {', '.join(unknown)} that the static runner cannot feed; "
+            f"it feeds {', '.join(FED_INPUTS)} and past_key_values.N.key|value (no recurrent "
+            f"or conv state, no other ports); run the dynamic model instead"
+        )
+    missing = [name for name in ("input_ids", "attention_mask") if name not in inputs]
+    found_kv = {name for name in inputs if _PAST_NAME.match(name)}
+    num_layers = len(found_kv) // 2
+    expected_kv = {_PAST.format(layer, kind) for layer in range(num_layers)
+                   for kind in ("key", "value")}
+    if missing or not found_kv or found_kv != expected_kv:
+        raise ModelStructureError(
+            f"{path} takes {', '.join(sorted(inputs))}; a static decoder takes input_ids, "
+            f"attention_mask ([1, 1, c, C] additive, or [1, C] for GroupQueryAttention bound "
+            f"at capacity) and past_key_values.N.key|value for every layer N = 0, 1, ... (build "
+            f"a pair with build-model --variant static or fix-shapes)"
         )
     shapes = {name: port.shape for name, port in inputs.items()}
     free = sorted(name for name, shape in shapes.items()
@@ -144,8 +159,6 @@ def _graph_spec(session: ort.InferenceSession, path: Path) -> _GraphSpec:
             f"{path} has free dimensions on {', '.join(free)}; a static decoder has every "
             f"dimension fixed"
         )
-    num_layers = sum(1 for name in inputs if name.startswith("past_key_values.")
-                     and name.endswith(".key"))
     past_shape = shapes[_PAST.format(0, "key")]
     if len(past_shape) != 4 or len(shapes["input_ids"]) != 2:
         raise ModelStructureError(

@@ -20,7 +20,7 @@ from onnx_chunk.errors import ConfigError, OnnxChunkError
 from onnx_chunk.models.static_decoder import METADATA_PREFIX
 from onnx_chunk.runtime.alignment import StaticLimits
 from onnx_chunk.runtime.static_model import DECODE_FILE, find_decode_model
-from onnx_chunk.runtime.static_runner import CacheLayout, StaticRunner
+from onnx_chunk.runtime.static_runner import FED_INPUTS, CacheLayout, StaticRunner
 from onnx_chunk.validate.checks import STATIC
 from onnx_chunk.validate.prompts import boundary_lengths, seeded_prompt
 from onnx_chunk.validate.report import CheckResult, Outcome
@@ -119,6 +119,9 @@ def _graph(subject: Subject) -> tuple[Outcome, str, dict]:
             problems.append(f"no {name} input")
         elif _dims(inputs[name]) != [1, rows]:
             problems.append(f"{name} is {_dims(inputs[name])}, expected [1, {rows}]")
+    unfed = sorted(name for name in inputs if name not in FED_INPUTS and not _PAST.match(name))
+    if unfed:
+        problems.append(f"input(s) {', '.join(unfed)} that the static runner cannot feed")
     layers = sorted({int(match.group(1)) for name in inputs if (match := _PAST.match(name))})
     if not layers:
         problems.append("no past_key_values.N.key|value inputs")

@@ -12,6 +12,7 @@ import pytest
 from onnx_chunk.cli import main
 from onnx_chunk.cli.static_generate import run_static_generate
 from onnx_chunk.errors import CapacityError, ConfigError, ModelLoadError, ModelStructureError
+from onnx_chunk.models.static_shapes import fix_shapes
 from onnx_chunk.runtime.static_model import is_static_model, load_static
 
 from .static_sizes import CAPACITY, CHUNK, MAX_INPUT, SEED
@@ -144,3 +145,28 @@ def test_a_request_past_the_capacity_of_fix_shapes_output_is_one_error_line(fixe
                  str(CAPACITY), "--provider", "cpu"]) == 2
     error = capsys.readouterr().err
     assert error.startswith("error: ") and "cannot slide" in error and error.count("\n") == 1
+
+
+def test_validate_refuses_a_chunk_size_that_differs_from_the_static_graphs_rows(pair_dir, capsys):
+    assert main(["validate", str(pair_dir), "--chunk-size", str(2 * CHUNK),
+                 "--provider", "cpu"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert f"chunk size c={2 * CHUNK} was asked for" in captured.err
+    assert f"fixed at c={CHUNK}" in captured.err
+
+
+@pytest.mark.parametrize("variant,port", [("odd_port", "row_scale"),
+                                          ("conv_hybrid", "past.0.conv")])
+def test_fix_shapes_output_with_inputs_the_runner_cannot_feed_is_refused(
+        reference_model, tmp_path, capsys, variant, port):
+    fix_shapes(reference_model(variant), tmp_path, rows=CHUNK, capacity=CAPACITY)
+    assert main(["generate", str(tmp_path), "--ids", "5,6,7", "--max-new-tokens", "2",
+                 "--provider", "cpu"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and error.count("\n") == 1
+    assert f"{port} that the static runner cannot feed" in error
+    assert main(["validate", str(tmp_path), "--provider", "cpu", "--json"]) == 1
+    checks = {check["name"]: check for check in json.loads(capsys.readouterr().out)["checks"]}
+    assert checks["static.graph"]["outcome"] == "failed"
+    assert port in checks["static.graph"]["reason"]
