@@ -359,6 +359,12 @@ class StaticRunner:
     ) -> StaticPrefill:
         """Check the request, align the prompt and run its chunks on a fresh cache."""
         began = time.perf_counter()
+        return self.run_prefill(self.align(prompt_ids, max_new_tokens), began)
+
+    def align(self, prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int
+              ) -> AlignedPrompt:
+        """Check a request and align its prompt, running nothing: InputError for ids outside
+        the vocabulary, CapacityError / ConfigError for what the graphs cannot serve."""
         ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
         outside = ids[(ids < 0) | (ids >= self.vocab_size)]
         if len(outside):
@@ -369,6 +375,12 @@ class StaticRunner:
         aligned = align_prompt(ids, self.limits, pad_id=self.pad_token_id, strict=self.strict,
                                pad_side=self.layout.pad_side)
         self.check_request(aligned, max_new_tokens)
+        return aligned
+
+    def run_prefill(self, aligned: AlignedPrompt, began: float | None = None) -> StaticPrefill:
+        """Run an aligned, checked prompt (`align`) chunk by chunk on a fresh cache; `began`
+        is when the request started (default now), for the time to first token."""
+        began = time.perf_counter() if began is None else began
         warnings = []
         if aligned.truncated_count:
             warnings.append(

@@ -170,3 +170,12 @@ def test_fix_shapes_output_with_inputs_the_runner_cannot_feed_is_refused(
     checks = {check["name"]: check for check in json.loads(capsys.readouterr().out)["checks"]}
     assert checks["static.graph"]["outcome"] == "failed"
     assert port in checks["static.graph"]["reason"]
+
+
+def test_every_static_prompt_is_checked_before_any_runs(pair_dir, tmp_path, capsys):
+    ids = tmp_path / "ids.txt"
+    ids.write_text("5 6 7\n8 9\n7 999\n")
+    assert main(["generate", str(pair_dir), "--ids-file", str(ids), "--max-new-tokens", "2",
+                 "--provider", "cpu", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "outside the vocabulary" in captured.err
