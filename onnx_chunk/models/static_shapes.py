@@ -12,8 +12,8 @@ folder, present, long enough). Both graphs keep pointing at the same external da
 are copied once next to them under the same relative names. Both graphs record the model file
 they were fixed from (its resolved path: two fine-tunes of one architecture share their graph
 bytes, so a content digest of the graph could not tell them apart), so a later run writes over
-its own earlier output but never over another model's files or over its input. Everything is staged in a temporary folder inside the
-output folder and renamed into place at the end.
+its own earlier output but never over another model's files or over its input. Everything is
+staged in a temporary folder inside the output folder and renamed into place at the end.
 """
 
 from __future__ import annotations

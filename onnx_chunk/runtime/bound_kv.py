@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnx_chunk.errors import CapacityError, ConfigError, InputError
+from onnx_chunk.errors import CapacityError, InputError
+from onnx_chunk.runtime.static_kv import StaticKVBuffers
 
 
-class BoundKVCache:
+class BoundKVCache(StaticKVBuffers):
     """Per-layer K and V buffers [1, kv_heads, C, head_size] holding positions 0..length-1.
 
     Rules:
@@ -31,15 +32,7 @@ class BoundKVCache:
         self, num_layers: int, kv_heads: int, capacity: int, head_size: int,
         dtype: np.dtype | type = np.float32,
     ) -> None:
-        if min(num_layers, kv_heads, capacity, head_size) < 1:
-            raise ConfigError(
-                f"a KV cache needs positive sizes, got layers={num_layers}, kv_heads={kv_heads}, "
-                f"capacity={capacity}, head_size={head_size}"
-            )
-        shape = (1, kv_heads, capacity, head_size)
-        self.capacity = capacity
-        self.keys = [np.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.values = [np.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        super().__init__(num_layers, kv_heads, capacity, head_size, dtype)
         self.length = 0
 
     @property
@@ -80,7 +73,15 @@ class BoundKVCache:
         self.keys, self.values = list(keys), list(values)
         self.length += real_rows
 
-    def recent(self, count: int) -> list[np.ndarray]:
-        """Every layer's K, then every layer's V, over the `count` latest real positions."""
-        window = slice(self.length - count, self.length)
-        return [array[:, :, window] for array in (*self.keys, *self.values)]
+    def forward_mask(self, valid: np.ndarray, start: int, rows: int,
+                     dtype: np.dtype | type) -> np.ndarray:
+        """`mask(rows)`: the length is the cache's own, padding only ever trails it."""
+        return self.mask(rows, dtype)
+
+    def absorb(self, keys: list[np.ndarray], values: list[np.ndarray],
+               new_valid: np.ndarray) -> None:
+        """`write` the present buffers, counting the real rows."""
+        self.write(keys, values, int(np.count_nonzero(new_valid)))
+
+    def _recent_slots(self, count: int) -> slice:
+        return slice(self.length - count, self.length)

@@ -41,7 +41,7 @@ from onnx_chunk.runtime.alignment import AlignedPrompt, PadSide, StaticLimits, a
 from onnx_chunk.runtime.bound_kv import BoundKVCache
 from onnx_chunk.runtime.provider import Device, resolve_device
 from onnx_chunk.runtime.rolling_kv import RollingKVCache
-from onnx_chunk.runtime.static_mask import chunk_mask
+from onnx_chunk.runtime.static_kv import StaticKVBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class StaticPrefill:
     """A prompt after chunked prefill: the cache it filled and the first token's logits."""
 
     aligned: AlignedPrompt
-    cache: RollingKVCache | BoundKVCache
+    cache: StaticKVBuffers
     logits: np.ndarray
     """The last real row's logits [vocab]: they give the first generated token."""
     chunks: int
@@ -100,6 +100,10 @@ class CacheLayout(Enum):
     @property
     def pad_side(self) -> PadSide:
         return PadSide.LEFT if self is CacheLayout.ROLLING else PadSide.RIGHT
+
+    @property
+    def cache_type(self) -> type[StaticKVBuffers]:
+        return RollingKVCache if self is CacheLayout.ROLLING else BoundKVCache
 
 
 @dataclass(frozen=True)
@@ -303,26 +307,21 @@ class StaticRunner:
                 f"fewer tokens"
             )
 
-    def new_cache(self) -> RollingKVCache | BoundKVCache:
+    def new_cache(self) -> StaticKVBuffers:
         """An empty KV cache of the graphs' layout."""
         spec = self.chunk_spec
-        cache_type = RollingKVCache if self.layout is CacheLayout.ROLLING else BoundKVCache
-        return cache_type(spec.num_layers, spec.kv_heads, spec.capacity, spec.head_size,
-                          dtype=spec.kv_dtype)
+        return self.layout.cache_type(spec.num_layers, spec.kv_heads, spec.capacity,
+                                      spec.head_size, dtype=spec.kv_dtype)
 
     def run_forward(
         self, session: ort.InferenceSession, spec: _GraphSpec,
-        cache: RollingKVCache | BoundKVCache, valid: np.ndarray, input_ids: np.ndarray,
+        cache: StaticKVBuffers, valid: np.ndarray, input_ids: np.ndarray,
         position_ids: np.ndarray, start: int,
     ) -> np.ndarray:
         """One forward of `spec.rows` positions starting at sequence index `start`; updates the
         cache (rolled, or written in place) and returns the logits [rows, vocab]."""
-        new_valid = valid[start:start + spec.rows]
-        if isinstance(cache, RollingKVCache):
-            mask = chunk_mask(valid, start, spec.rows, spec.capacity, spec.mask_dtype)
-        else:
-            mask = cache.mask(spec.rows, spec.mask_dtype)
-        feeds = {"input_ids": input_ids[None], "attention_mask": mask}
+        feeds = {"input_ids": input_ids[None],
+                 "attention_mask": cache.forward_mask(valid, start, spec.rows, spec.mask_dtype)}
         if spec.position_ids:
             feeds["position_ids"] = position_ids[None]
         for layer in range(spec.num_layers):
@@ -331,14 +330,11 @@ class StaticRunner:
         names = ["logits"] + [_PRESENT.format(layer, kind) for layer in range(spec.num_layers)
                               for kind in ("key", "value")]
         logits, *present = session.run(names, feeds)
-        if isinstance(cache, RollingKVCache):
-            cache.roll(present[0::2], present[1::2], new_valid)
-        else:
-            cache.write(present[0::2], present[1::2], int(new_valid.sum()))
+        cache.absorb(present[0::2], present[1::2], valid[start:start + spec.rows])
         return logits[0]
 
     def prefill(self, aligned: AlignedPrompt,
-                cache: RollingKVCache | BoundKVCache) -> tuple[np.ndarray, int]:
+                cache: StaticKVBuffers) -> tuple[np.ndarray, int]:
         """Run the aligned prompt chunk by chunk; returns the last real row's logits and the
         number of chunks run."""
         rows = self.chunk_spec.rows

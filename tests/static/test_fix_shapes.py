@@ -162,13 +162,20 @@ def _listing(folder):
     return {path.name: path.read_bytes() for path in folder.iterdir()}
 
 
+def _refused(capsys, model, out, *extra) -> str:
+    """Run `fix-shapes MODEL -o OUT --rows ROWS --capacity CAPACITY EXTRA...`, expect exit 2
+    with one error line, and return it."""
+    code = main(["fix-shapes", str(model), "-o", str(out), "--rows", str(ROWS),
+                 "--capacity", str(CAPACITY), *extra])
+    error = capsys.readouterr().err
+    assert code == 2 and error.startswith("error: ") and error.count("\n") == 1
+    return error
+
+
 def test_a_dim_on_the_rows_conflicts_with_rows_and_the_report_reads_the_written_graphs(
         dynamic_copy, tmp_path, capsys):
     out = tmp_path / "out"
-    code = main(["fix-shapes", str(dynamic_copy), "-o", str(out), "--rows", str(ROWS),
-                 "--capacity", str(CAPACITY), "--dim", "sequence_length=8"])
-    error = capsys.readouterr().err
-    assert code == 2 and error.count("\n") == 1 and "--rows" in error
+    assert "--rows" in _refused(capsys, dynamic_copy, out, "--dim", "sequence_length=8")
     assert not out.exists()
     with pytest.raises(ConfigError, match="batch"):
         fix_shapes(dynamic_copy, out, rows=ROWS, capacity=CAPACITY, dims={"batch_size": 2})
@@ -185,10 +192,7 @@ def test_rerunning_on_its_own_output_is_refused_and_keeps_the_decode_graph(
     out = tmp_path / "out"
     fix_shapes(dynamic_copy, out, rows=ROWS, capacity=CAPACITY)
     before = _listing(out)
-    code = main(["fix-shapes", str(out / "chunk.onnx"), "-o", str(out), "--rows", str(ROWS),
-                 "--capacity", str(CAPACITY)])
-    error = capsys.readouterr().err
-    assert code == 2 and error.startswith("error: ") and "already fixed" in error
+    assert "already fixed" in _refused(capsys, out / "chunk.onnx", out)
     assert _listing(out) == before and _shapes(out / "decode.onnx")["input_ids"] == [1, 1]
     again = fix_shapes(dynamic_copy, out, rows=2 * ROWS, capacity=CAPACITY)  # its own output
     assert again.chunk_rows == 2 * ROWS and _shapes(out / "decode.onnx")["input_ids"] == [1, 1]
@@ -221,10 +225,7 @@ def test_outputs_of_another_model_or_the_input_itself_are_never_written_over(
 def test_unknown_dims_and_a_capacity_above_the_models_maximum_are_refused(
         dynamic_copy, tmp_path, capsys):
     out = tmp_path / "out"
-    code = main(["fix-shapes", str(dynamic_copy), "-o", str(out), "--rows", str(ROWS),
-                 "--capacity", str(CAPACITY), "--dim", "unknown=5"])
-    error = capsys.readouterr().err
-    assert code == 2 and error.count("\n") == 1
+    error = _refused(capsys, dynamic_copy, out, "--dim", "unknown=5")
     assert "unknown" in error and "past_sequence_length, sequence_length" in error
     with pytest.raises(ConfigError, match="maximum sequence length 2048"):
         fix_shapes(dynamic_copy, out, rows=ROWS, capacity=2049)
