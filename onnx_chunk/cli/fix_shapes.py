@@ -14,6 +14,8 @@ def _parse_dims(entries: tuple[str, ...]) -> dict[str, int]:
         if not sep or not name or not value.strip().isdigit():
             raise ConfigError(f"--dim expects NAME=VALUE with a positive integer VALUE, got "
                               f"{entry!r}")
+        if name.strip() in dims:
+            raise ConfigError(f"--dim {name.strip()} is given twice; give each name once")
         dims[name.strip()] = int(value)
     return dims
 
@@ -26,15 +28,18 @@ def _parse_dims(entries: tuple[str, ...]) -> dict[str, int]:
 @click.option("--capacity", type=int, default=None,
               help="KV capacity C (past and attention-mask length); needed when it is free.")
 @click.option("--dim", "dims", multiple=True, metavar="NAME=VALUE",
-              help="Fix any other dim_param by name (repeatable).")
+              help="Fix any other free dim_param by name (repeatable); the rows are set by "
+                   "--rows only.")
 def fix_shapes(model: str, out_dir: str, rows: int, capacity: int | None,
                dims: tuple[str, ...]) -> None:
     """Fix MODEL's free dimensions: a chunk graph (rows c) and a decode graph (rows 1)."""
     from onnx_chunk.models.static_shapes import fix_shapes as fix
 
     result = fix(model, out_dir, rows=rows, capacity=capacity, dims=_parse_dims(dims))
-    click.echo(f"chunk graph:  {result.chunk_model} (rows {rows})")
-    click.echo(f"decode graph: {result.decode_model} (rows 1)")
+    click.echo(f"chunk graph:  {result.chunk_model} (rows {result.chunk_rows})")
+    click.echo(f"decode graph: {result.decode_model} (rows {result.decode_rows})")
+    if result.capacity is not None:
+        click.echo(f"KV capacity:  {result.capacity}")
     click.echo("fixed dims:   " + ", ".join(f"{name}={value}" for name, value in
                                             sorted(result.chunk_dims.items())))
     for path in result.data_files:

@@ -57,15 +57,18 @@ def run_static_generate(
     echo: Callable[[str], None],
 ) -> list[StaticGenerationResult]:
     """Generate greedily for each prompt in order and `echo` one line (JSON) or block (text)
-    per prompt, after a header line in text mode; returns the results."""
+    per prompt, after a header line in text mode; returns the results. Every prompt is checked
+    before any runs, so a bad prompt N fails before N - 1 were served."""
+    aligned = [runner.align(prompt, max_new_tokens) for prompt in prompts]
     if not as_json:
         limits, spec = runner.limits, runner.chunk_spec
         echo(f"static decoder: provider {runner.device.label}, L={limits.max_input_len}, "
              f"c={limits.chunk_size}, C={limits.capacity} (decode room {limits.decode_room}), "
              f"{spec.num_layers} layers{', strict' if runner.strict else ''}")
     results = []
-    for index, prompt in enumerate(prompts):
-        result = runner.generate(prompt, max_new_tokens, eos_token_id=eos_token_id)
+    for index, (prompt, request) in enumerate(zip(prompts, aligned)):
+        result = runner.decode(runner.run_prefill(request), max_new_tokens,
+                               eos_token_id=eos_token_id)
         entry = static_record(index, prompt, result)
         echo(json.dumps(entry) if as_json else _format(entry))
         results.append(result)

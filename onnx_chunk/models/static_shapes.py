@@ -9,8 +9,11 @@ from dim 2 of `past_key_values.*` and the last dim of a 2-D `attention_mask`.
 
 Weights are never loaded; their files are checked by `model_io.load_model` (inside the model's
 folder, present, long enough). Both graphs keep pointing at the same external data files, which
-are copied once next to them under the same relative names. Everything is staged in a temporary
-folder inside the output folder and renamed into place at the end.
+are copied once next to them under the same relative names. Both graphs record the model file
+they were fixed from (its resolved path: two fine-tunes of one architecture share their graph
+bytes, so a content digest of the graph could not tell them apart), so a later run writes over
+its own earlier output but never over another model's files or over its input. Everything is
+staged in a temporary folder inside the output folder and renamed into place at the end.
 """
 
 from __future__ import annotations
@@ -30,11 +33,14 @@ from onnxruntime.tools.onnx_model_utils import fix_output_shapes, make_dim_param
 from onnx_chunk.errors import ConfigError, ModelStructureError, OutputError
 from onnx_chunk.model_io import external_data_files, load_model
 from onnx_chunk.models.static_decoder import DECODE_FILE
+from onnx_chunk.passes.kv_capacity import find_kv_capacity
 
 logger = logging.getLogger(__name__)
 
 CHUNK_MODEL = "chunk.onnx"
 DECODE_MODEL = DECODE_FILE
+SOURCE_KEY = "onnx_chunk.fix_shapes.source"
+"""metadata_props key of both graphs: the resolved path of the model they were fixed from."""
 
 
 @dataclass
@@ -43,6 +49,13 @@ class FixedShapes:
 
     chunk_model: Path
     decode_model: Path
+    chunk_rows: int
+    """Query rows of the written chunk graph, read back from it."""
+    decode_rows: int
+    """Query rows of the written decode graph, read back from it (1)."""
+    capacity: int | None
+    """KV capacity C of the written graphs, read back from the chunk graph (None without KV
+    inputs)."""
     chunk_dims: dict[str, int]
     """dim_param -> value in the chunk graph (the decode graph differs only in the rows)."""
     data_files: list[Path] = field(default_factory=list)
@@ -64,8 +77,7 @@ def _free_dims(values) -> dict[str, list[str]]:
     return found
 
 
-def _role_dims(graph: onnx.GraphProto) -> tuple[str | None, str | None, set[str]]:
-    """(batch dim_param, rows dim_param, capacity dim_params) found by structure."""
+def _token_input(graph: onnx.GraphProto) -> onnx.ValueInfoProto:
     inputs = {value.name: value for value in graph.input}
     token_input = inputs.get("input_ids") or inputs.get("inputs_embeds")
     if token_input is None or len(_dims(token_input)) < 2:
@@ -73,7 +85,13 @@ def _role_dims(graph: onnx.GraphProto) -> tuple[str | None, str | None, set[str]
             f"found no input_ids [batch, rows] (or inputs_embeds) input; inputs are "
             f"{', '.join(inputs) or 'none'}; fix-shapes needs a decoder with a token input"
         )
-    batch_dim, rows_dim = _dims(token_input)[:2]
+    return token_input
+
+
+def _role_dims(graph: onnx.GraphProto) -> tuple[str | None, str | None, set[str]]:
+    """(batch dim_param, rows dim_param, capacity dim_params) found by structure."""
+    inputs = {value.name: value for value in graph.input}
+    batch_dim, rows_dim = _dims(_token_input(graph))[:2]
     capacity: set[str] = set()
     for name, value in inputs.items():
         dims = _dims(value)
@@ -83,6 +101,58 @@ def _role_dims(graph: onnx.GraphProto) -> tuple[str | None, str | None, set[str]
             capacity.add(dims[1].dim_param)
     capacity.discard("")
     return batch_dim.dim_param or None, rows_dim.dim_param or None, capacity
+
+
+def _written_sizes(path: Path) -> tuple[int, int | None]:
+    """(query rows, KV capacity) of a written graph, read from its token input and dim 2 of
+    its first past_key_values input (None without one)."""
+    graph = onnx.load(path, load_external_data=False).graph
+    rows = _dims(_token_input(graph))[1]
+    pasts = [_dims(value) for value in graph.input
+             if value.name.startswith("past_key_values.") and len(_dims(value)) == 4]
+    return rows.dim_value, pasts[0][2].dim_value if pasts else None
+
+
+def _written_from(path: Path) -> str | None:
+    """The source a graph in the output folder records; None for any other file."""
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except Exception:  # onnx raises its own untyped errors: not a graph fix-shapes wrote
+        return None
+    return {prop.key: prop.value for prop in model.metadata_props}.get(SOURCE_KEY)
+
+
+def _check_targets(source: Path, out: Path, data_files: Mapping[str, Path]) -> None:
+    """Refuse (OutputError) to write over the input, or over files of another model.
+
+    Rules:
+    1. chunk.onnx or decode.onnx in `out` that is the input file itself: refused.
+    2. An existing chunk.onnx or decode.onnx that does not record `source` (fixed from
+       another model, or written by something else): refused.
+    3. An existing data file under a copied name that is not the input's own data file is
+       refused unless an existing graph of `out` records `source` (then it is this model's
+       earlier output, and it is replaced).
+    """
+    graphs = [out / CHUNK_MODEL, out / DECODE_MODEL]
+    ours = False
+    for target in graphs:
+        if not target.exists():
+            continue
+        if os.path.samefile(target, source):
+            raise OutputError(
+                f"{target} is the input model itself; write the fixed graphs into another "
+                f"folder (-o)")
+        if _written_from(target) != str(source.resolve()):
+            raise OutputError(
+                f"{target} already exists and was not fixed from {source}; choose an empty "
+                f"folder (-o) or remove it")
+        ours = True
+    for location, data in data_files.items():
+        target = out / location
+        if target.exists() and not os.path.samefile(target, data) and not ours:
+            raise OutputError(
+                f"{target} already exists and belongs to another model; choose an empty "
+                f"folder (-o) or remove it")
 
 
 def _fix_output_shapes(model: onnx.ModelProto) -> None:
@@ -147,46 +217,73 @@ def fix_shapes(
 
     Rules:
     1. The batch dim_param becomes 1, the rows dim_param `rows` (1 in the decode graph), the
-       capacity dim_params `capacity`; `dims` sets any other dim_param by name (and wins).
-    2. A capacity dim that is still free and no `capacity` given is a ConfigError; so are
-       rows < 2 (rows 1 is the decode graph) and non-positive values.
-    3. Any graph input left with a free dimension is a ModelStructureError naming it, to be
+       capacity dim_params `capacity`; `dims` sets any other free dim_param by name.
+    2. ConfigError, before anything is written: a `dims` name that is no free dimension of the
+       model (the message lists them); `dims` on the rows (set by `rows`) or on the batch with
+       a value other than 1; capacity dims given different values (by `dims` or `capacity`);
+       a free capacity and no value for it; a capacity below `rows` or above the model's
+       maximum sequence length (the rows of its rotary cos cache); rows < 2 (rows 1 is the
+       decode graph) and non-positive values.
+    3. A model whose rows are already fixed (a fixed graph, such as this function's own
+       output) is a ModelStructureError: no decode graph can be made from it.
+    4. Any graph input left with a free dimension is a ModelStructureError naming it, to be
        fixed with `dims`; outputs nothing can infer stay free and are reported.
-    4. External data must sit inside the model's folder, present and long enough
+    5. External data must sit inside the model's folder, present and long enough
        (ModelLoadError otherwise); it is copied once into `out_dir` under its relative names
        and shared by both graphs; the source model is never modified.
-    5. Nothing appears in `out_dir` unless everything was written (OutputError otherwise).
+    6. Existing outputs are replaced only when they are this model's earlier output, never
+       the input itself nor another model's files (`_check_targets`, OutputError).
+    7. Nothing appears in `out_dir` unless everything was written (OutputError otherwise).
+    8. The rows and capacity reported are read back from the written graphs.
     """
     source = Path(model_path)
     if rows < 2:
         raise ConfigError(f"--rows must be at least 2 (rows 1 is the decode graph), got {rows}")
-    if capacity is not None and capacity < rows:
-        raise ConfigError(f"capacity {capacity} is smaller than rows {rows}; use C >= rows")
     extra = dict(dims or {})
     bad = {name: value for name, value in extra.items() if value < 1}
     if bad:
         raise ConfigError(f"dimension values must be at least 1, got {bad}")
     # load_model checks the external data (inside the model's folder, present, long enough).
-    data_files = external_data_files(load_model(source))
+    loaded = load_model(source)
+    data_files = external_data_files(loaded)
+    max_length = find_kv_capacity(loaded).max_sequence_length
     model = onnx.load(source, load_external_data=False)
 
-    batch, rows_param, capacity_params = _role_dims(model.graph)
-    if capacity_params and capacity is None and not capacity_params <= set(extra):
+    free = {param for params in _free_dims(list(model.graph.input) + list(model.graph.output))
+            .values() for param in params if param != "?"}
+    unknown = sorted(set(extra) - free)
+    if unknown:
         raise ConfigError(
-            f"the KV capacity dimension(s) {', '.join(sorted(capacity_params))} are free; pass "
-            f"--capacity C (C = max prompt length + max new tokens)"
-        )
+            f"--dim {', '.join(unknown)}: {source} has no free dimension of that name; its free "
+            f"dimensions are {', '.join(sorted(free)) or 'none'}")
+    batch, rows_param, capacity_params = _role_dims(model.graph)
+    if rows_param is None:
+        fixed_rows = _dims(_token_input(model.graph))[1]
+        raise ModelStructureError(
+            f"the query rows of {source} are already fixed"
+            + (f" at {fixed_rows.dim_value}" if fixed_rows.HasField("dim_value") else "")
+            + "; fix-shapes takes the dynamic export (rows a free dimension), not a fixed graph")
+    if rows_param in extra:
+        raise ConfigError(
+            f"--dim {rows_param}={extra[rows_param]} names the query rows, which --rows sets "
+            f"(--rows {rows}); drop the --dim and give the rows with --rows")
+    if batch in extra and extra[batch] != 1:
+        raise ConfigError(f"--dim {batch}={extra[batch]} names the batch, which the fixed "
+                          f"graphs take as 1; drop the --dim")
+    capacity = _resolve_capacity(capacity, {param: extra.pop(param) for param in
+                                            capacity_params if param in extra},
+                                 capacity_params, rows, max_length)
     values: dict[str, int] = {}
     if batch:
         values[batch] = 1
-    values.update({param: capacity for param in capacity_params if capacity is not None})
+    values.update({param: capacity for param in capacity_params})
     if rows_param in values:
         raise ModelStructureError(
             f"the rows dimension {rows_param!r} is also used as a batch or capacity dimension; "
             f"fix them by hand with --dim NAME=VALUE"
         )
-    chunk_values = {**values, **({rows_param: rows} if rows_param else {}), **extra}
-    decode_values = {**values, **({rows_param: 1} if rows_param else {}), **extra}
+    chunk_values = {**values, rows_param: rows, **extra}
+    decode_values = {**values, rows_param: 1, **extra}
     try:
         chunk = _fixed_copy(model, chunk_values)
         decode = _fixed_copy(model, decode_values)
@@ -204,15 +301,49 @@ def fix_shapes(
     if free_outputs:
         logger.warning("outputs %s keep free dimensions that shape inference cannot resolve",
                        ", ".join(free_outputs))
+    for fixed in (chunk, decode):
+        onnx.helper.set_model_props(fixed, {
+            **{prop.key: prop.value for prop in fixed.metadata_props},
+            SOURCE_KEY: str(source.resolve())})
 
     out = Path(out_dir)
     chunk_path, decode_path = out / CHUNK_MODEL, out / DECODE_MODEL
+    _check_targets(source, out, data_files)
     try:
         out.mkdir(parents=True, exist_ok=True)
         written = _write_outputs(out, data_files, chunk, decode)
     except OSError as error:
         raise OutputError(f"cannot write into {out}: {error}; choose a writable folder") \
             from error
-    logger.info("fixed %s: %s (rows %d) and %s (rows 1), dims %s", source, chunk_path, rows,
-                decode_path, chunk_values)
-    return FixedShapes(chunk_path, decode_path, chunk_values, written, free_outputs)
+    (chunk_rows, capacity_read), (decode_rows, _) = (_written_sizes(chunk_path),
+                                                     _written_sizes(decode_path))
+    logger.info("fixed %s: %s (rows %d) and %s (rows %d), capacity %s, dims %s", source,
+                chunk_path, chunk_rows, decode_path, decode_rows, capacity_read, chunk_values)
+    return FixedShapes(chunk_path, decode_path, chunk_rows, decode_rows, capacity_read,
+                       chunk_values, written, free_outputs)
+
+
+def _resolve_capacity(capacity: int | None, from_dims: Mapping[str, int],
+                      capacity_params: set[str], rows: int, max_length: int | None) -> int | None:
+    """The one KV capacity of `capacity` and the capacity dims named with --dim; None when the
+    model has no capacity dimension and none was given."""
+    given = {**from_dims, **({"--capacity": capacity} if capacity is not None else {})}
+    if len(set(given.values())) > 1:
+        listed = ", ".join(f"{name}={value}" for name, value in sorted(given.items()))
+        raise ConfigError(
+            f"the KV capacity is given different values ({listed}); the past length and the "
+            f"mask width are one capacity C: give it once with --capacity")
+    value = next(iter(given.values()), None)
+    if value is None:
+        if capacity_params:
+            raise ConfigError(
+                f"the KV capacity dimension(s) {', '.join(sorted(capacity_params))} are free; "
+                f"pass --capacity C (C = max prompt length + max new tokens)")
+        return None
+    if value < rows:
+        raise ConfigError(f"capacity {value} is smaller than rows {rows}; use C >= rows")
+    if max_length is not None and value > max_length:
+        raise ConfigError(
+            f"capacity {value} exceeds the model's maximum sequence length {max_length} (its "
+            f"rotary tables end there); use --capacity {max_length} or less")
+    return value

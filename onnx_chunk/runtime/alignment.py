@@ -13,7 +13,10 @@ pull against each other and are checked once, up front (`StaticLimits`):
   C = L + max_new_tokens (`suggest_capacity`); L == C leaves no room at all.
 
 Alignment is lossless when it pads and lossy when it truncates; truncation is logged with the
-numbers and recorded in the result, and refused in strict mode.
+numbers and recorded in the result, and refused in strict mode. Where the padding goes depends
+on the graph's cache layout (`PadSide`): on the left for an additive mask, which can hide any
+position; on the right for GroupQueryAttention bound at capacity, which reads the valid length
+off its mask and so needs the real tokens first.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 import numpy as np
 
@@ -91,16 +95,27 @@ class StaticLimits:
         return self.capacity - self.max_input_len
 
 
+class PadSide(Enum):
+    """Where an aligned prompt's padding goes."""
+
+    LEFT = "left"
+    """Pad tokens before the prompt, masked out (an additive mask hides any position)."""
+    RIGHT = "right"
+    """The last real token repeated after the prompt, as ladder padding does: later positions
+    overwrite those rows (GroupQueryAttention counts the valid length off its mask)."""
+
+
 @dataclass(frozen=True)
 class AlignedPrompt:
-    """A prompt aligned to whole chunks: pads on the left, real tokens on the right."""
+    """A prompt aligned to whole chunks: the kept prompt tokens and the padding around them."""
 
     input_ids: np.ndarray
-    """int64 [aligned_len]: pad_count pad tokens, then the kept prompt tokens."""
+    """int64 [aligned_len]: the kept prompt tokens with pad_count padding rows on one side."""
     valid: np.ndarray
     """bool [aligned_len]: False on padding."""
     position_ids: np.ndarray
-    """int64 [aligned_len]: 0 on padding, then 0, 1, ... on the kept prompt tokens."""
+    """int64 [aligned_len]: 0, 1, ... on the kept prompt tokens; 0 on left padding, the
+    continuing positions on right padding."""
     prompt_len: int
     pad_count: int
     truncated_count: int
@@ -121,14 +136,17 @@ def align_prompt(
     *,
     pad_id: int = 0,
     strict: bool = False,
+    pad_side: PadSide = PadSide.LEFT,
 ) -> AlignedPrompt:
     """Align `prompt_ids` to a multiple of the chunk size, capped at the max input length.
 
     Rules:
-    1. A prompt of n <= L tokens is left-padded with `pad_id` to ceil(n / c) * c.
+    1. A prompt of n <= L tokens is padded to ceil(n / c) * c: on the left with `pad_id`, or
+       on the right with its last token repeated (`pad_side`).
     2. A prompt of n > L tokens keeps its last L tokens (left truncation); this is logged as a
        warning with the numbers, and raises CapacityError when `strict`.
-    3. Padding is masked (`valid` False); positions count the kept tokens from 0, never the pads.
+    3. Padding is not valid (`valid` False); positions count the kept tokens from 0, never the
+       left pads; right pads continue the positions (kept, kept + 1, ...).
     """
     ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
     prompt_len = len(ids)
@@ -148,12 +166,17 @@ def align_prompt(
     rows = limits.chunk_size
     aligned_len = -(-kept // rows) * rows
     pad_count = aligned_len - kept
-    valid = np.zeros(aligned_len, dtype=bool)
-    valid[pad_count:] = True
-    position_ids = np.zeros(aligned_len, dtype=np.int64)
-    position_ids[pad_count:] = np.arange(kept, dtype=np.int64)
+    if pad_side is PadSide.RIGHT:
+        input_ids = np.concatenate([ids, np.repeat(ids[-1:], pad_count)])
+        valid = np.arange(aligned_len) < kept
+        position_ids = np.arange(aligned_len, dtype=np.int64)
+    else:
+        input_ids = np.concatenate([np.full(pad_count, pad_id, dtype=np.int64), ids])
+        valid = np.arange(aligned_len) >= pad_count
+        position_ids = np.zeros(aligned_len, dtype=np.int64)
+        position_ids[pad_count:] = np.arange(kept, dtype=np.int64)
     return AlignedPrompt(
-        input_ids=np.concatenate([np.full(pad_count, pad_id, dtype=np.int64), ids]),
+        input_ids=input_ids,
         valid=valid,
         position_ids=position_ids,
         prompt_len=prompt_len,

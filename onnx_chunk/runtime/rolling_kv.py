@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from onnx_chunk.errors import ConfigError, InputError
+from onnx_chunk.errors import InputError
+from onnx_chunk.runtime.static_kv import StaticKVBuffers
+from onnx_chunk.runtime.static_mask import chunk_mask
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +33,7 @@ class RollingKVStats:
     pad_positions_dropped: int = 0
 
 
-class RollingKVCache:
+class RollingKVCache(StaticKVBuffers):
     """Per-layer K and V buffers [1, kv_heads, C, head_size], content right-aligned.
 
     Rules:
@@ -46,17 +48,27 @@ class RollingKVCache:
         self, num_layers: int, kv_heads: int, capacity: int, head_size: int,
         dtype: np.dtype | type = np.float32,
     ) -> None:
-        if min(num_layers, kv_heads, capacity, head_size) < 1:
-            raise ConfigError(
-                f"a KV cache needs positive sizes, got layers={num_layers}, kv_heads={kv_heads}, "
-                f"capacity={capacity}, head_size={head_size}"
-            )
-        shape = (1, kv_heads, capacity, head_size)
-        self.capacity = capacity
-        self.keys = [np.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.values = [np.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        super().__init__(num_layers, kv_heads, capacity, head_size, dtype)
         self.valid = np.zeros(capacity, dtype=bool)
         self.stats = RollingKVStats()
+
+    @property
+    def dropped_positions(self) -> int:
+        """Real positions that fell off the left so far."""
+        return self.stats.real_positions_dropped
+
+    def forward_mask(self, valid: np.ndarray, start: int, rows: int,
+                     dtype: np.dtype | type) -> np.ndarray:
+        """The additive mask [1, 1, rows, C] (`static_mask.chunk_mask`)."""
+        return chunk_mask(valid, start, rows, self.capacity, dtype)
+
+    def absorb(self, keys: list[np.ndarray], values: list[np.ndarray],
+               new_valid: np.ndarray) -> None:
+        """Roll the forward's new K/V in."""
+        self.roll(keys, values, new_valid)
+
+    def _recent_slots(self, count: int) -> slice:
+        return slice(self.capacity - count, self.capacity)
 
     def roll(
         self, new_keys: list[np.ndarray], new_values: list[np.ndarray], new_valid: np.ndarray

@@ -7,15 +7,23 @@ causal-plus-padding mask right-aligned to C, and the rolling cache as past; the 
 the last chunk gives the first generated token; decode continues one row at a time on the same
 cache. What the static shapes cost is reported in the result, never hidden: tokens truncated
 away, padding added, real positions dropped once more than C positions were seen.
+
+Two graph contracts are served, told apart once per graph by its mask (`CacheLayout`): the
+static reference decoder's (additive float mask [1, 1, c, C], position_ids, present holding only
+the forward's new K/V, rolled into a right-aligned cache that may slide) and GroupQueryAttention
+bound at capacity, as `fix-shapes` writes it (integer mask [1, C], present the whole buffer
+written in place, prompts padded on the right, no sliding).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 
 import numpy as np
@@ -29,15 +37,19 @@ from onnx_chunk.errors import (
     ModelStructureError,
 )
 from onnx_chunk.models.static_decoder import METADATA_PREFIX
-from onnx_chunk.runtime.alignment import AlignedPrompt, StaticLimits, align_prompt
+from onnx_chunk.runtime.alignment import AlignedPrompt, PadSide, StaticLimits, align_prompt
+from onnx_chunk.runtime.bound_kv import BoundKVCache
 from onnx_chunk.runtime.provider import Device, resolve_device
 from onnx_chunk.runtime.rolling_kv import RollingKVCache
-from onnx_chunk.runtime.static_mask import chunk_mask
+from onnx_chunk.runtime.static_kv import StaticKVBuffers
 
 logger = logging.getLogger(__name__)
 
 _PAST = "past_key_values.{}.{}"
+_PAST_NAME = re.compile(r"^past_key_values\.\d+\.(key|value)$")
 _PRESENT = "present.{}.{}"
+FED_INPUTS = ("input_ids", "position_ids", "attention_mask")
+"""The inputs besides past_key_values.N.key|value that the runner feeds."""
 
 
 @dataclass
@@ -66,13 +78,32 @@ class StaticPrefill:
     """A prompt after chunked prefill: the cache it filled and the first token's logits."""
 
     aligned: AlignedPrompt
-    cache: RollingKVCache
+    cache: StaticKVBuffers
     logits: np.ndarray
     """The last real row's logits [vocab]: they give the first generated token."""
     chunks: int
     began: float
     """`time.perf_counter()` when the request started (for the time to first token)."""
     warnings: list[str] = field(default_factory=list)
+
+
+class CacheLayout(Enum):
+    """How a static graph takes its KV cache and its mask."""
+
+    ROLLING = "rolling"
+    """Additive float mask [1, 1, c, C] and position_ids; present is the forward's new K/V,
+    rolled into a right-aligned cache (`RollingKVCache`), which slides past C."""
+    BOUND = "bound"
+    """GroupQueryAttention bound at capacity: integer mask [1, C] of ones on the written
+    positions, present the whole buffer written in place (`BoundKVCache`); never slides."""
+
+    @property
+    def pad_side(self) -> PadSide:
+        return PadSide.LEFT if self is CacheLayout.ROLLING else PadSide.RIGHT
+
+    @property
+    def cache_type(self) -> type[StaticKVBuffers]:
+        return RollingKVCache if self is CacheLayout.ROLLING else BoundKVCache
 
 
 @dataclass(frozen=True)
@@ -84,9 +115,14 @@ class _GraphSpec:
     head_size: int
     mask_dtype: np.dtype
     kv_dtype: np.dtype
+    layout: CacheLayout
+    position_ids: bool
+    """Whether the graph takes position_ids (the rolling layout always does)."""
 
 
 def _session(path: Path, device: Device) -> ort.InferenceSession:
+    if path.is_dir():
+        raise ModelLoadError(f"static decoder {path} is a folder; pass the graph's .onnx file")
     if not path.is_file():
         raise ModelLoadError(f"static decoder {path} does not exist; build it or fix the path")
     try:
@@ -99,13 +135,25 @@ def _session(path: Path, device: Device) -> ort.InferenceSession:
 
 def _graph_spec(session: ort.InferenceSession, path: Path) -> _GraphSpec:
     inputs = {port.name: port for port in session.get_inputs()}
-    required = ("input_ids", "position_ids", "attention_mask", _PAST.format(0, "key"))
-    missing = [name for name in required if name not in inputs]
-    if missing:
+    unknown = sorted(name for name in inputs
+                     if name not in FED_INPUTS and not _PAST_NAME.match(name))
+    if unknown:
         raise ModelStructureError(
-            f"{path} lacks the static decoder input(s) {', '.join(missing)}; expected "
-            f"input_ids, position_ids, attention_mask [1, 1, c, C] and "
-            f"past_key_values.N.key|value (build one with build_static_decoder)"
+            f"{path} takes input(s) {', '.join(unknown)} that the static runner cannot feed; "
+            f"it feeds {', '.join(FED_INPUTS)} and past_key_values.N.key|value (no recurrent "
+            f"or conv state, no other ports); run the dynamic model instead"
+        )
+    missing = [name for name in ("input_ids", "attention_mask") if name not in inputs]
+    found_kv = {name for name in inputs if _PAST_NAME.match(name)}
+    num_layers = len(found_kv) // 2
+    expected_kv = {_PAST.format(layer, kind) for layer in range(num_layers)
+                   for kind in ("key", "value")}
+    if missing or not found_kv or found_kv != expected_kv:
+        raise ModelStructureError(
+            f"{path} takes {', '.join(sorted(inputs))}; a static decoder takes input_ids, "
+            f"attention_mask ([1, 1, c, C] additive, or [1, C] for GroupQueryAttention bound "
+            f"at capacity) and past_key_values.N.key|value for every layer N = 0, 1, ... (build "
+            f"a pair with build-model --variant static or fix-shapes)"
         )
     shapes = {name: port.shape for name, port in inputs.items()}
     free = sorted(name for name, shape in shapes.items()
@@ -115,23 +163,57 @@ def _graph_spec(session: ort.InferenceSession, path: Path) -> _GraphSpec:
             f"{path} has free dimensions on {', '.join(free)}; a static decoder has every "
             f"dimension fixed"
         )
-    num_layers = sum(1 for name in inputs if name.startswith("past_key_values.")
-                     and name.endswith(".key"))
-    _, kv_heads, capacity, head_size = shapes[_PAST.format(0, "key")]
+    past_shape = shapes[_PAST.format(0, "key")]
+    if len(past_shape) != 4 or len(shapes["input_ids"]) != 2:
+        raise ModelStructureError(
+            f"{path}: input_ids is {shapes['input_ids']} and past_key_values.0.key is "
+            f"{past_shape}; expected [1, c] and [1, kv_heads, C, head_size]"
+        )
+    _, kv_heads, capacity, head_size = past_shape
     rows = shapes["input_ids"][1]
-    expected_mask = [1, 1, rows, capacity]
+    layout = (CacheLayout.BOUND if len(shapes["attention_mask"]) == 2
+              else CacheLayout.ROLLING)
+    if layout is CacheLayout.ROLLING:
+        expected_mask, present_len = [1, 1, rows, capacity], rows
+        if "position_ids" not in inputs:
+            raise ModelStructureError(
+                f"{path} takes an additive attention_mask but no position_ids; the static "
+                f"reference contract needs both (build one with build_static_decoder)"
+            )
+    else:
+        expected_mask, present_len = [1, capacity], capacity
     if shapes["attention_mask"] != expected_mask:
         raise ModelStructureError(
             f"{path}: attention_mask has shape {shapes['attention_mask']}, expected "
-            f"{expected_mask} (rows x capacity)"
+            f"{expected_mask} (the {layout.value} layout for {rows} rows and capacity {capacity})"
+        )
+    outputs = {port.name: port.shape for port in session.get_outputs()}
+    expected_present = [1, kv_heads, present_len, head_size]
+    wrong = [f"{name} is {outputs.get(name)}" for layer in range(num_layers)
+             for name in (_PRESENT.format(layer, "key"), _PRESENT.format(layer, "value"))
+             if outputs.get(name) != expected_present]
+    if wrong:
+        raise ModelStructureError(
+            f"{path}: {'; '.join(wrong[:2])}; expected {expected_present} ("
+            + ("the forward's new K/V" if layout is CacheLayout.ROLLING
+               else "the whole buffer, GroupQueryAttention bound at capacity") + ")"
         )
     return _GraphSpec(rows, capacity, num_layers, kv_heads, head_size,
-                      _float_dtype(inputs["attention_mask"].type),
-                      _float_dtype(inputs[_PAST.format(0, "key")].type))
+                      _numpy_dtype(inputs["attention_mask"].type),
+                      _numpy_dtype(inputs[_PAST.format(0, "key")].type),
+                      layout, "position_ids" in inputs)
 
 
-def _float_dtype(ort_type: str) -> np.dtype:
-    return np.dtype(np.float16 if ort_type == "tensor(float16)" else np.float32)
+_ORT_DTYPES = {"tensor(float16)": np.float16, "tensor(float)": np.float32,
+               "tensor(int64)": np.int64, "tensor(int32)": np.int32}
+
+
+def _numpy_dtype(ort_type: str) -> np.dtype:
+    if ort_type not in _ORT_DTYPES:
+        raise ModelStructureError(
+            f"a static decoder input has type {ort_type}; expected one of "
+            f"{', '.join(_ORT_DTYPES)}")
+    return np.dtype(_ORT_DTYPES[ort_type])
 
 
 def _metadata_int(session: ort.InferenceSession, key: str) -> int | None:
@@ -178,6 +260,13 @@ class StaticRunner:
                 f"{chunk.head_size} against {decode.capacity}/{decode.num_layers}/"
                 f"{decode.kv_heads}/{decode.head_size}; build both with the same capacity"
             )
+        if chunk.layout is not decode.layout:
+            raise ModelStructureError(
+                f"the chunk graph {chunk_path} has the {chunk.layout.value} cache layout but "
+                f"the decode graph {decode_path} the {decode.layout.value} one; use the decode "
+                f"graph written with the chunk graph"
+            )
+        self.layout = chunk.layout
         if max_input_len is None:
             max_input_len = (chunk.capacity - 1) // chunk.rows * chunk.rows
             if max_input_len == 0:
@@ -202,6 +291,14 @@ class StaticRunner:
                 f"holds {self.max_positions} positions; generate fewer tokens"
             )
         cached = aligned.kept_len + max_new_tokens - 1
+        if self.layout is CacheLayout.BOUND and cached > self.limits.capacity:
+            raise CapacityError(
+                f"{aligned.kept_len} prompt tokens + {max_new_tokens - 1} fed-back tokens need "
+                f"{cached} cache positions but the capacity is C={self.limits.capacity}, and a "
+                f"cache bound at capacity (GroupQueryAttention) cannot slide: generate at most "
+                f"{self.limits.capacity - aligned.kept_len + 1} tokens or fix the shapes with a "
+                f"larger capacity"
+            )
         if self.strict and cached > self.limits.capacity:
             raise CapacityError(
                 f"{aligned.kept_len} prompt tokens + {max_new_tokens - 1} fed-back tokens need "
@@ -210,27 +307,34 @@ class StaticRunner:
                 f"fewer tokens"
             )
 
+    def new_cache(self) -> StaticKVBuffers:
+        """An empty KV cache of the graphs' layout."""
+        spec = self.chunk_spec
+        return self.layout.cache_type(spec.num_layers, spec.kv_heads, spec.capacity,
+                                      spec.head_size, dtype=spec.kv_dtype)
+
     def run_forward(
-        self, session: ort.InferenceSession, spec: _GraphSpec, cache: RollingKVCache,
-        valid: np.ndarray, input_ids: np.ndarray, position_ids: np.ndarray, start: int,
+        self, session: ort.InferenceSession, spec: _GraphSpec,
+        cache: StaticKVBuffers, valid: np.ndarray, input_ids: np.ndarray,
+        position_ids: np.ndarray, start: int,
     ) -> np.ndarray:
-        """One forward of `spec.rows` positions starting at sequence index `start`; rolls the
-        cache and returns the logits [rows, vocab]."""
-        feeds = {
-            "input_ids": input_ids[None],
-            "position_ids": position_ids[None],
-            "attention_mask": chunk_mask(valid, start, spec.rows, spec.capacity, spec.mask_dtype),
-        }
+        """One forward of `spec.rows` positions starting at sequence index `start`; updates the
+        cache (rolled, or written in place) and returns the logits [rows, vocab]."""
+        feeds = {"input_ids": input_ids[None],
+                 "attention_mask": cache.forward_mask(valid, start, spec.rows, spec.mask_dtype)}
+        if spec.position_ids:
+            feeds["position_ids"] = position_ids[None]
         for layer in range(spec.num_layers):
             feeds[_PAST.format(layer, "key")] = cache.keys[layer]
             feeds[_PAST.format(layer, "value")] = cache.values[layer]
         names = ["logits"] + [_PRESENT.format(layer, kind) for layer in range(spec.num_layers)
                               for kind in ("key", "value")]
         logits, *present = session.run(names, feeds)
-        cache.roll(present[0::2], present[1::2], valid[start:start + spec.rows])
+        cache.absorb(present[0::2], present[1::2], valid[start:start + spec.rows])
         return logits[0]
 
-    def prefill(self, aligned: AlignedPrompt, cache: RollingKVCache) -> tuple[np.ndarray, int]:
+    def prefill(self, aligned: AlignedPrompt,
+                cache: StaticKVBuffers) -> tuple[np.ndarray, int]:
         """Run the aligned prompt chunk by chunk; returns the last real row's logits and the
         number of chunks run."""
         rows = self.chunk_spec.rows
@@ -243,13 +347,20 @@ class StaticRunner:
                                       aligned.input_ids[window], aligned.position_ids[window],
                                       start)
         assert logits is not None
-        return logits[-1], chunks
+        last_real = int(np.flatnonzero(aligned.valid[-rows:])[-1])
+        return logits[last_real], chunks
 
     def start(
         self, prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int
     ) -> StaticPrefill:
         """Check the request, align the prompt and run its chunks on a fresh cache."""
         began = time.perf_counter()
+        return self.run_prefill(self.align(prompt_ids, max_new_tokens), began)
+
+    def align(self, prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int
+              ) -> AlignedPrompt:
+        """Check a request and align its prompt, running nothing: InputError for ids outside
+        the vocabulary, CapacityError / ConfigError for what the graphs cannot serve."""
         ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
         outside = ids[(ids < 0) | (ids >= self.vocab_size)]
         if len(outside):
@@ -257,17 +368,22 @@ class StaticRunner:
                 f"prompt token id {int(outside[0])} lies outside the vocabulary [0, "
                 f"{self.vocab_size}); pass ids the model's tokenizer produced"
             )
-        aligned = align_prompt(ids, self.limits, pad_id=self.pad_token_id, strict=self.strict)
+        aligned = align_prompt(ids, self.limits, pad_id=self.pad_token_id, strict=self.strict,
+                               pad_side=self.layout.pad_side)
         self.check_request(aligned, max_new_tokens)
+        return aligned
+
+    def run_prefill(self, aligned: AlignedPrompt, began: float | None = None) -> StaticPrefill:
+        """Run an aligned, checked prompt (`align`) chunk by chunk on a fresh cache; `began`
+        is when the request started (default now), for the time to first token."""
+        began = time.perf_counter() if began is None else began
         warnings = []
         if aligned.truncated_count:
             warnings.append(
                 f"prompt left-truncated by {aligned.truncated_count} of {aligned.prompt_len} "
                 f"tokens to fit L={self.limits.max_input_len}"
             )
-        spec = self.chunk_spec
-        cache = RollingKVCache(spec.num_layers, spec.kv_heads, spec.capacity, spec.head_size,
-                               dtype=spec.kv_dtype)
+        cache = self.new_cache()
         logits, chunks = self.prefill(aligned, cache)
         return StaticPrefill(aligned, cache, logits, chunks, began, warnings)
 
@@ -294,7 +410,7 @@ class StaticRunner:
             steps += 1
         decode_s = time.perf_counter() - decode_began
         warnings = list(prefill.warnings)
-        dropped = cache.stats.real_positions_dropped
+        dropped = cache.dropped_positions
         if dropped:
             warnings.append(
                 f"{dropped} real positions dropped off the KV cache of capacity "

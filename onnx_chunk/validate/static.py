@@ -20,7 +20,7 @@ from onnx_chunk.errors import ConfigError, OnnxChunkError
 from onnx_chunk.models.static_decoder import METADATA_PREFIX
 from onnx_chunk.runtime.alignment import StaticLimits
 from onnx_chunk.runtime.static_model import DECODE_FILE, find_decode_model
-from onnx_chunk.runtime.static_runner import StaticRunner
+from onnx_chunk.runtime.static_runner import FED_INPUTS, CacheLayout, StaticRunner
 from onnx_chunk.validate.checks import STATIC
 from onnx_chunk.validate.prompts import boundary_lengths, seeded_prompt
 from onnx_chunk.validate.report import CheckResult, Outcome
@@ -110,12 +110,18 @@ def _graph(subject: Subject) -> tuple[Outcome, str, dict]:
     inputs = {value.name: value for value in graph.inputs}
     outputs = {value.name: value for value in graph.outputs}
     rows, capacity = shape.rows, shape.capacity
+    # The rolling layout returns the forward's new K/V; GQA bound at capacity the whole buffer.
+    rolling = shape.layout is CacheLayout.ROLLING
+    present_len = rows if rolling else capacity
     problems = []
-    for name in ("input_ids", "position_ids"):
+    for name in ("input_ids", "position_ids") if rolling else ("input_ids",):
         if name not in inputs:
             problems.append(f"no {name} input")
         elif _dims(inputs[name]) != [1, rows]:
             problems.append(f"{name} is {_dims(inputs[name])}, expected [1, {rows}]")
+    unfed = sorted(name for name in inputs if name not in FED_INPUTS and not _PAST.match(name))
+    if unfed:
+        problems.append(f"input(s) {', '.join(unfed)} that the static runner cannot feed")
     layers = sorted({int(match.group(1)) for name in inputs if (match := _PAST.match(name))})
     if not layers:
         problems.append("no past_key_values.N.key|value inputs")
@@ -127,7 +133,7 @@ def _graph(subject: Subject) -> tuple[Outcome, str, dict]:
                 problems.append(f"{past} is {past_dims}, expected [1, kv_heads, {capacity}, "
                                 "head_size]")
                 continue
-            expected = past_dims[:2] + [rows, past_dims[3]]
+            expected = past_dims[:2] + [present_len, past_dims[3]]
             if present not in outputs:
                 problems.append(f"no {present} output")
             elif _dims(outputs[present]) != expected:
@@ -141,12 +147,14 @@ def _graph(subject: Subject) -> tuple[Outcome, str, dict]:
             problems.append(f"metadata {METADATA_PREFIX}{key} is {declared[key]} but the graph "
                             f"says {actual}")
     details = {"rows": rows, "capacity": capacity, "layers": len(layers),
-               "mask_input": shape.mask_input, "problems": problems}
+               "mask_input": shape.mask_input, "layout": shape.layout.value,
+               "problems": problems}
     if problems:
         return Outcome.FAILED, "; ".join(problems), details
+    mask = (f"additive mask {shape.mask_input} [1, 1, {rows}, {capacity}]" if rolling
+            else f"{shape.mask_input} [1, {capacity}] with the KV bound at capacity")
     return (Outcome.PASSED, f"every dimension fixed: c={rows} rows, capacity C={capacity}, "
-            f"{len(layers)} layers, additive mask {shape.mask_input} [1, 1, {rows}, {capacity}]",
-            details)
+            f"{len(layers)} layers, {mask}", details)
 
 
 def _dims(value: ir.Value) -> list[int] | None:
@@ -242,8 +250,6 @@ def _run(runner: StaticRunner, prompt: np.ndarray, new_tokens: int
     """One generation: the prefill's last real row of logits, every layer's K and V over the
     prompt's real positions right after prefill, and the greedy tokens."""
     prefill = runner.start(prompt, new_tokens)
-    cache = prefill.cache
-    real = slice(cache.capacity - prefill.aligned.kept_len, cache.capacity)
-    kv = [array[:, :, real] for array in (*cache.keys, *cache.values)]
+    kv = prefill.cache.recent(prefill.aligned.kept_len)
     tokens = runner.decode(prefill, new_tokens).tokens
     return prefill.logits, kv, tokens

@@ -19,6 +19,7 @@ from onnx_chunk.errors import ConfigError
 from onnx_chunk.metadata import ChunkPlan
 from onnx_chunk.passes import DEFAULT_CHUNK_SIZE
 from onnx_chunk.runtime.provider import PROVIDER_CHOICES, resolve_device
+from onnx_chunk.runtime.static_model import check_fixed_sizes
 from onnx_chunk.validate.cache import cache_checks
 from onnx_chunk.validate.checks import (
     CACHE,
@@ -109,6 +110,7 @@ def validate_model(path: str | os.PathLike, options: ValidationOptions | None = 
     advance = progress.advance if progress is not None else _ignore
     results: dict[str, CheckResult] = {}
     if subject.static is not None:
+        check_fixed_sizes(subject.static, subject.path, chunk_size=options.chunk_size)
         names = [full_name(STRUCTURE, check) for check in STATIC_STRUCTURE] + [
             full_name(STATIC, check) for check in CHECKS[STATIC]]
         watch = Stopwatch(STRUCTURE)

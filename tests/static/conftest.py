@@ -1,4 +1,5 @@
-"""Static-graph fixtures: tiny static decoders and the dynamic GQA decoder, built once per seed.
+"""Static-graph fixtures: tiny static decoders, the dynamic GQA decoder and its fix-shapes output,
+built once per seed.
 
 Sizes live in `static_sizes.py`, which the test modules import relatively.
 """
@@ -42,6 +43,19 @@ def dynamic_models(tmp_path_factory):
         return built[seed]
 
     return build
+
+
+@pytest.fixture(scope="session")
+def fixed_pair(dynamic_models, tmp_path_factory):
+    """`fix-shapes` output of the dynamic decoder (seed SEED): the folder holding chunk.onnx
+    (CHUNK rows) and decode.onnx at capacity CAPACITY."""
+    from onnx_chunk.models.static_shapes import fix_shapes
+
+    from .static_sizes import CAPACITY, CHUNK, SEED
+
+    out = tmp_path_factory.mktemp("fixed")
+    fix_shapes(dynamic_models(SEED), out, rows=CHUNK, capacity=CAPACITY)
+    return out
 
 
 @pytest.fixture(scope="session")

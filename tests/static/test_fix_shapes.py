@@ -156,3 +156,81 @@ def test_a_failure_while_writing_leaves_no_output(dynamic_copy, tmp_path, monkey
     with pytest.raises(OutputError, match="No space left"):
         fix_shapes(dynamic_copy, out, rows=ROWS, capacity=CAPACITY)
     assert list(out.iterdir()) == []
+
+
+def _listing(folder):
+    return {path.name: path.read_bytes() for path in folder.iterdir()}
+
+
+def _refused(capsys, model, out, *extra) -> str:
+    """Run `fix-shapes MODEL -o OUT --rows ROWS --capacity CAPACITY EXTRA...`, expect exit 2
+    with one error line, and return it."""
+    code = main(["fix-shapes", str(model), "-o", str(out), "--rows", str(ROWS),
+                 "--capacity", str(CAPACITY), *extra])
+    error = capsys.readouterr().err
+    assert code == 2 and error.startswith("error: ") and error.count("\n") == 1
+    return error
+
+
+def test_a_dim_on_the_rows_conflicts_with_rows_and_the_report_reads_the_written_graphs(
+        dynamic_copy, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert "--rows" in _refused(capsys, dynamic_copy, out, "--dim", "sequence_length=8")
+    assert not out.exists()
+    with pytest.raises(ConfigError, match="batch"):
+        fix_shapes(dynamic_copy, out, rows=ROWS, capacity=CAPACITY, dims={"batch_size": 2})
+    with pytest.raises(ConfigError, match="different values"):
+        fix_shapes(dynamic_copy, out, rows=ROWS, capacity=CAPACITY,
+                   dims={"total_sequence_length": 32})
+    result = fix_shapes(dynamic_copy, out, rows=ROWS, dims={"total_sequence_length": 32})
+    assert (result.chunk_rows, result.decode_rows, result.capacity) == (ROWS, 1, 32)
+    assert _shapes(result.chunk_model)["attention_mask"] == [1, 32]
+
+
+def test_rerunning_on_its_own_output_is_refused_and_keeps_the_decode_graph(
+        dynamic_copy, tmp_path, capsys):
+    out = tmp_path / "out"
+    fix_shapes(dynamic_copy, out, rows=ROWS, capacity=CAPACITY)
+    before = _listing(out)
+    assert "already fixed" in _refused(capsys, out / "chunk.onnx", out)
+    assert _listing(out) == before and _shapes(out / "decode.onnx")["input_ids"] == [1, 1]
+    again = fix_shapes(dynamic_copy, out, rows=2 * ROWS, capacity=CAPACITY)  # its own output
+    assert again.chunk_rows == 2 * ROWS and _shapes(out / "decode.onnx")["input_ids"] == [1, 1]
+
+
+def test_outputs_of_another_model_or_the_input_itself_are_never_written_over(
+        dynamic_copy, tmp_path):
+    twin = tmp_path / "twin"  # another model with the same graph bytes (a fine-tune, say)
+    shutil.copytree(dynamic_copy.parent, twin)
+    other = tmp_path / "other"
+    fix_shapes(twin / dynamic_copy.name, other, rows=ROWS, capacity=CAPACITY)
+    before = _listing(other)
+    with pytest.raises(OutputError, match="not fixed from"):
+        fix_shapes(dynamic_copy, other, rows=ROWS, capacity=CAPACITY)
+    assert _listing(other) == before
+    (other / "chunk.onnx").unlink()
+    (other / "decode.onnx").unlink()
+    with pytest.raises(OutputError, match="belongs to another model"):
+        fix_shapes(dynamic_copy, other, rows=ROWS, capacity=CAPACITY)
+    assert _listing(other) == {"model.onnx.data": before["model.onnx.data"]}
+    named_chunk = dynamic_copy.with_name("chunk.onnx")
+    dynamic_copy.rename(named_chunk)
+    source = named_chunk.read_bytes()
+    with pytest.raises(OutputError, match="input model itself"):
+        fix_shapes(named_chunk, named_chunk.parent, rows=ROWS, capacity=CAPACITY)
+    assert named_chunk.read_bytes() == source
+    assert not (named_chunk.parent / "decode.onnx").exists()
+
+
+def test_unknown_dims_and_a_capacity_above_the_models_maximum_are_refused(
+        dynamic_copy, tmp_path, capsys):
+    out = tmp_path / "out"
+    error = _refused(capsys, dynamic_copy, out, "--dim", "unknown=5")
+    assert "unknown" in error and "past_sequence_length, sequence_length" in error
+    with pytest.raises(ConfigError, match="maximum sequence length 2048"):
+        fix_shapes(dynamic_copy, out, rows=ROWS, capacity=2049)
+    with pytest.raises(ConfigError, match="maximum sequence length 2048"):
+        fix_shapes(dynamic_copy, out, rows=ROWS,
+                   dims={"past_sequence_length": 4096, "total_sequence_length": 4096})
+    assert not out.exists()
+    assert fix_shapes(dynamic_copy, out, rows=ROWS, capacity=2048).capacity == 2048

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from onnx_chunk.errors import CapacityError, ConfigError, InputError
-from onnx_chunk.runtime.alignment import StaticLimits, align_prompt, suggest_capacity
+from onnx_chunk.runtime.alignment import PadSide, StaticLimits, align_prompt, suggest_capacity
 
 
 def test_suggested_capacity_leaves_room_for_every_new_token():
@@ -45,6 +45,16 @@ def test_short_prompt_is_left_padded_to_whole_chunks():
     assert aligned.valid.tolist() == [False] * 3 + [True] * 5
     assert aligned.position_ids.tolist() == [0, 0, 0, 0, 1, 2, 3, 4]
     assert (aligned.pad_count, aligned.truncated_count, aligned.aligned_len) == (3, 0, 8)
+
+
+def test_right_padding_repeats_the_last_token_and_continues_the_positions():
+    aligned = align_prompt([5, 6, 7, 8, 9], StaticLimits(16, 4, 24), pad_side=PadSide.RIGHT)
+    assert aligned.input_ids.tolist() == [5, 6, 7, 8, 9, 9, 9, 9]
+    assert aligned.valid.tolist() == [True] * 5 + [False] * 3
+    assert aligned.position_ids.tolist() == list(range(8))
+    assert (aligned.pad_count, aligned.kept_len, aligned.aligned_len) == (3, 5, 8)
+    truncated = align_prompt(list(range(20)), StaticLimits(16, 4, 24), pad_side=PadSide.RIGHT)
+    assert truncated.input_ids.tolist() == list(range(4, 20)) and truncated.valid.all()
 
 
 def test_long_prompt_is_left_truncated_with_a_warning(caplog):

@@ -12,6 +12,7 @@ import pytest
 from onnx_chunk.cli import main
 from onnx_chunk.cli.static_generate import run_static_generate
 from onnx_chunk.errors import CapacityError, ConfigError, ModelLoadError, ModelStructureError
+from onnx_chunk.models.static_shapes import fix_shapes
 from onnx_chunk.runtime.static_model import is_static_model, load_static
 
 from .static_sizes import CAPACITY, CHUNK, MAX_INPUT, SEED
@@ -113,3 +114,68 @@ def test_text_output_has_a_header_and_the_warnings(pair_dir):
                              f"C={CAPACITY}")
     assert "truncated 2" in block and "warning: prompt left-truncated" in block
     assert "warning: " in block.splitlines()[-1] and "sliding window" in block
+
+
+@pytest.mark.parametrize("name", ["chunk.onnx", "."])
+def test_fix_shapes_output_generates_the_dynamic_models_tokens_from_file_or_folder(
+        fixed_pair, dynamic_greedy, capsys, name):
+    prompt = _prompt(9, seed=7)
+    new = CAPACITY - MAX_INPUT
+    assert main(["generate", str(fixed_pair / name), "--ids", ",".join(map(str, prompt)),
+                 "--max-new-tokens", str(new), "--max-input-len", str(MAX_INPUT),
+                 "--provider", "cpu", "--json"]) == 0
+    entry = json.loads(capsys.readouterr().out)
+    assert entry["tokens"] == dynamic_greedy(SEED, prompt, new)
+    assert (entry["aligned_len"], entry["pad_count"], entry["chunks"]) == (12, 3, 3)
+    runner = load_static(fixed_pair, chunk_size=CHUNK, kv_capacity=CAPACITY, provider="cpu")
+    assert runner.generate(prompt, new).tokens == entry["tokens"]
+    assert is_static_model(fixed_pair) and is_static_model(fixed_pair / "decode.onnx")
+
+
+@pytest.mark.parametrize("name", ["chunk.onnx", "."])
+def test_validate_passes_on_fix_shapes_output(fixed_pair, capsys, name):
+    assert main(["validate", str(fixed_pair / name), "--provider", "cpu", "--json"]) == 0
+    checks = {check["name"]: check["outcome"] for check in json.loads(
+        capsys.readouterr().out)["checks"]}
+    assert checks["static.graph"] == checks["static.chunked_vs_whole"] == "passed"
+
+
+def test_a_request_past_the_capacity_of_fix_shapes_output_is_one_error_line(fixed_pair, capsys):
+    assert main(["generate", str(fixed_pair), "--ids", "5,6,7", "--max-new-tokens",
+                 str(CAPACITY), "--provider", "cpu"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and "cannot slide" in error and error.count("\n") == 1
+
+
+def test_validate_refuses_a_chunk_size_that_differs_from_the_static_graphs_rows(pair_dir, capsys):
+    assert main(["validate", str(pair_dir), "--chunk-size", str(2 * CHUNK),
+                 "--provider", "cpu"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert f"chunk size c={2 * CHUNK} was asked for" in captured.err
+    assert f"fixed at c={CHUNK}" in captured.err
+
+
+@pytest.mark.parametrize("variant,port", [("odd_port", "row_scale"),
+                                          ("conv_hybrid", "past.0.conv")])
+def test_fix_shapes_output_with_inputs_the_runner_cannot_feed_is_refused(
+        reference_model, tmp_path, capsys, variant, port):
+    fix_shapes(reference_model(variant), tmp_path, rows=CHUNK, capacity=CAPACITY)
+    assert main(["generate", str(tmp_path), "--ids", "5,6,7", "--max-new-tokens", "2",
+                 "--provider", "cpu"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and error.count("\n") == 1
+    assert f"{port} that the static runner cannot feed" in error
+    assert main(["validate", str(tmp_path), "--provider", "cpu", "--json"]) == 1
+    checks = {check["name"]: check for check in json.loads(capsys.readouterr().out)["checks"]}
+    assert checks["static.graph"]["outcome"] == "failed"
+    assert port in checks["static.graph"]["reason"]
+
+
+def test_every_static_prompt_is_checked_before_any_runs(pair_dir, tmp_path, capsys):
+    ids = tmp_path / "ids.txt"
+    ids.write_text("5 6 7\n8 9\n7 999\n")
+    assert main(["generate", str(pair_dir), "--ids-file", str(ids), "--max-new-tokens", "2",
+                 "--provider", "cpu", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "outside the vocabulary" in captured.err

@@ -34,8 +34,17 @@ def _prompt(length: int, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(3, 256, length).tolist()
 
 
+@pytest.fixture(scope="module")
+def fixed_runner(fixed_pair):
+    """The runner on fix-shapes output: GroupQueryAttention bound at capacity."""
+    return StaticRunner(fixed_pair / "chunk.onnx", fixed_pair / "decode.onnx",
+                        max_input_len=MAX_INPUT, provider="cpu")
+
+
+@pytest.mark.parametrize("kind", ["runner", "fixed_runner"])
 @pytest.mark.parametrize("length", [1, 3, 4, 6, 9, 16])
-def test_greedy_tokens_equal_the_dynamic_models(runner, dynamic_greedy, length):
+def test_greedy_tokens_equal_the_dynamic_models(request, dynamic_greedy, length, kind):
+    runner = request.getfixturevalue(kind)
     prompt = _prompt(length, seed=length)
     max_new = CAPACITY - MAX_INPUT
     result = runner.generate(prompt, max_new)
@@ -116,6 +125,18 @@ def test_strict_mode_refuses_a_request_that_would_slide(graphs):
     with pytest.raises(CapacityError, match="capacity is C=24"):
         strict.generate(_prompt(14), 12)
     assert len(strict.generate(_prompt(14), 11).tokens) == 11
+
+
+def test_fix_shapes_output_cannot_slide_so_a_request_past_capacity_is_refused(fixed_runner):
+    prompt = _prompt(14, seed=9)
+    with pytest.raises(CapacityError, match="cannot slide"):
+        fixed_runner.generate(prompt, CAPACITY - 14 + 2)
+    assert len(fixed_runner.generate(prompt, CAPACITY - 14 + 1).tokens) == CAPACITY - 14 + 1
+
+
+def test_a_decode_graph_of_the_other_layout_is_refused(fixed_pair, graphs):
+    with pytest.raises(ModelStructureError, match="layout"):
+        StaticRunner(fixed_pair / "chunk.onnx", graphs[1], provider="cpu")
 
 
 def test_eos_stops_generation(runner):
