@@ -42,3 +42,7 @@ class CapacityError(InputError):
 
 class ProviderError(OnnxChunkError):
     """An execution provider was asked for but cannot be used on this machine."""
+
+
+class ClosedError(OnnxChunkError):
+    """A runtime or a sequence was used after its close()."""

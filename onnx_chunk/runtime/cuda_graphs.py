@@ -36,16 +36,27 @@ then be released on eviction is what a GPU run has to establish (docs/cuda.md).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import onnxruntime as ort
 
 from onnx_chunk.runtime.provider import Device, MaskPolicy
 
+logger = logging.getLogger(__name__)
+
 GRAPH_ID_KEY = "gpu_graph_id"
 ENABLE_CUDA_GRAPH = "enable_cuda_graph"
 SKIP_CAPTURE = -1
+# ONNX Runtime reserves graph id 0 ("users are not expected to set the value to 0",
+# onnxruntime_run_options_config_keys.h); its own tests and onnxruntime-genai start at 1.
+FIRST_GRAPH_ID = 1
+# The CUDA provider runs a graph id twice without capture (allocations), captures it on the
+# third run and replays it from then on.
+RUNS_BEFORE_CAPTURE = 2
 
 
 def capturable(device: Device, width: int | None) -> bool:
@@ -64,7 +75,7 @@ def graph_id(slot: int, parity: int, stateful: bool) -> int:
     """The graph id of a binding in `slot` whose state buffers are at `parity` (0 or 1)."""
     if slot < 0 or parity not in (0, 1):
         raise ValueError(f"slot must be >= 0 and parity 0 or 1, got {slot} and {parity}")
-    return 2 * slot + parity if stateful else slot
+    return FIRST_GRAPH_ID + (2 * slot + parity if stateful else slot)
 
 
 def run_options(graph: int) -> ort.RunOptions:
@@ -74,37 +85,146 @@ def run_options(graph: int) -> ort.RunOptions:
     return options
 
 
-@dataclass(frozen=True)
+@dataclass
 class GraphRuns:
-    """The run options of one binding: a first run without capture, then its graphs."""
+    """The run options of one binding: a first run without capture, then its graphs.
+
+    `runs[i]` counts the runs made under graph `ids[i]`: the run after RUNS_BEFORE_CAPTURE of
+    them is the capture. `failure` (set by `fall_back`) makes every later run skip capture.
+    """
 
     first: ort.RunOptions
     by_parity: tuple[ort.RunOptions, ...]
     ids: tuple[int, ...]
+    runs: list[int] = field(default_factory=list)
+    failure: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.runs:
+            self.runs = [0] * len(self.ids)
 
     def options(self, first_run: bool, parity: int) -> ort.RunOptions:
         """The options of a run: no capture on the binding's first run, else its graph."""
-        if first_run:
+        if first_run or self.failure is not None:
             return self.first
         return self.by_parity[parity % len(self.by_parity)]
 
+    def captures_next(self, first_run: bool, parity: int) -> bool:
+        """Whether the next run (at `parity`) is the one that captures its graph."""
+        return (not first_run and self.failure is None
+                and self.runs[parity % len(self.ids)] == RUNS_BEFORE_CAPTURE)
 
-class GraphSlots:
-    """Hands out graph slots on one session, one per binding that captures."""
+    def ran(self, first_run: bool, parity: int) -> bool:
+        """Count a finished run; True when it was the capture."""
+        if first_run or self.failure is not None:
+            return False
+        index = parity % len(self.ids)
+        self.runs[index] += 1
+        return self.runs[index] == RUNS_BEFORE_CAPTURE + 1
+
+    @property
+    def captured(self) -> tuple[int, ...]:
+        """The graph ids captured so far (what `release_captured_graph` must free)."""
+        return tuple(i for i, count in zip(self.ids, self.runs) if count > RUNS_BEFORE_CAPTURE)
+
+    def fall_back(self, reason: str) -> None:
+        """Run without a graph from now on (a capture failed: `reason`)."""
+        self.failure = reason
+
+
+def graph_runs(slot: int, stateful: bool) -> GraphRuns:
+    """The run options of a binding in `slot` (one graph, two for a stateful model)."""
+    ids = tuple(graph_id(slot, parity, stateful) for parity in ((0, 1) if stateful else (0,)))
+    return GraphRuns(run_options(SKIP_CAPTURE), tuple(run_options(i) for i in ids), ids)
+
+
+def release_graphs(session: ort.InferenceSession, ids: tuple[int, ...]) -> int:
+    """Free the graphs `ids` captured on `session`; how many were released.
+
+    A release ONNX Runtime refuses is logged and skipped: the graph is then freed with its
+    session.
+    """
+    released = 0
+    for graph in ids:
+        try:
+            session.release_captured_graph(graph)
+        except Exception as error:  # ORT's own exception types
+            logger.warning("ONNX Runtime could not release CUDA graph %d: %s", graph, error)
+            continue
+        released += 1
+    return released
+
+
+class SlotNumbers:
+    """The graph slot numbers in use: each new holder gets the smallest free one."""
 
     def __init__(self) -> None:
-        self._next = 0
+        self._used: set[int] = set()
         self._lock = threading.Lock()
 
-    def runs(self, stateful: bool) -> GraphRuns:
-        """The run options of a new binding on this session."""
+    def take(self) -> int:
         with self._lock:
-            slot = self._next
-            self._next += 1
-        ids = tuple(graph_id(slot, parity, stateful) for parity in ((0, 1) if stateful else (0,)))
-        return GraphRuns(run_options(SKIP_CAPTURE), tuple(run_options(i) for i in ids), ids)
+            slot = next(i for i in range(len(self._used) + 1) if i not in self._used)
+            self._used.add(slot)
+            return slot
+
+    def give(self, slot: int) -> None:
+        with self._lock:
+            self._used.discard(slot)
 
     @property
     def used(self) -> int:
-        """Slots handed out so far."""
-        return self._next
+        """Slots held now."""
+        return len(self._used)
+
+
+class CaptureGate:
+    """Keeps device work of other threads out of a CUDA graph capture.
+
+    ONNX Runtime captures in CUDA's global capture mode, in which an allocation, a synchronous
+    copy or another launch from any thread of the process breaks the capture. A capture run
+    holds the gate alone (`exclusive`); every other forward, build and release holds it shared.
+    A shared holder never waits for a waiting capture (a thread holding the cache's build lock
+    may be waiting to share), so a capture waits until no other device work is under way.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                if self._shared == 0:
+                    self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive or self._shared:
+                self._cond.wait()
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+    @property
+    def capturing(self) -> bool:
+        """Whether a capture holds the gate now."""
+        return self._exclusive
+
+
+# One gate per process: CUDA's global capture mode spans every stream and thread.
+CAPTURE_GATE = CaptureGate()

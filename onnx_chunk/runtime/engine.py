@@ -8,10 +8,10 @@ picks the device, loads the weights once and sets up the variant cache. `Runtime
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
-import weakref
 from collections import OrderedDict
 from pathlib import Path
 
@@ -19,10 +19,9 @@ import numpy as np
 import onnxruntime as ort
 
 from onnx_chunk import arguments
-from onnx_chunk.errors import ConfigError, ModelLoadError, ProviderError
+from onnx_chunk.errors import ClosedError, ConfigError, ModelLoadError, ProviderError
 from onnx_chunk.metadata import ChunkPlan, read_plan
 from onnx_chunk.model_folder import GenaiConfig, locate_model
-from onnx_chunk.runtime.cuda_graphs import GraphRuns, GraphSlots, capturable, session_captures
 from onnx_chunk.model_io import check_utf8_path, load_model
 from onnx_chunk.runtime.ladder import DECODE_WIDTH, ladder_tiers
 from onnx_chunk.runtime.memory import meter_for
@@ -30,12 +29,14 @@ from onnx_chunk.runtime.padding import resolve_padding
 from onnx_chunk.runtime.ports import ModelPorts, model_ports
 from onnx_chunk.runtime.provider import Device, MaskPolicy, device_for, resolve_device
 from onnx_chunk.runtime.sequence import Sequence
+from onnx_chunk.runtime.sequence_pool import DEFAULT_IDLE_SLOTS, SequencePool, new_slot
 from onnx_chunk.runtime.session_factory import (QUANTIZED_MATMUL, SessionFactory,
                                                  SharedWeights, load_shared_weights,
                                                  owned_by_session)
 from onnx_chunk.runtime.stats import RuntimeStats
 from onnx_chunk.runtime.variant_cache import (EXACT, Specialize, VariantCache, VariantKey,
                                               variant_key)
+from onnx_chunk.runtime.variant_sessions import VariantSessions
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,11 @@ class Runtime:
     device: a resolved `Device` to run on, in place of provider, device_id, mask_policy and
         cuda_graphs (for example the CPU device marked not host-visible, which runs the
         device-memory path of CUDA on CPU).
+    idle_sequences: how many closed sequences' buffers (and the CUDA graphs captured on them)
+        are kept for the next sequences to reuse (see sequence_pool).
+
+    `close()` (or leaving a `with` block) frees the sessions and buffers at once; a runtime is
+    also freed as soon as its last reference (and every sequence's) goes.
     """
 
     def __init__(
@@ -94,6 +100,7 @@ class Runtime:
         embeddings: np.ndarray | None = None,
         cuda_graphs: bool | None = None,
         device: Device | None = None,
+        idle_sequences: int = DEFAULT_IDLE_SLOTS,
     ) -> None:
         _check_options(capacity=capacity, chunk_size=chunk_size, max_variants=max_variants,
                        device_id=device_id, intra_op_threads=intra_op_threads,
@@ -147,7 +154,7 @@ class Runtime:
         fixed_dims = dict(self.ports.fixed_dims)
         if self.device.mask_policy is MaskPolicy.CAPACITY and self.ports.mask_dim is not None:
             fixed_dims[self.ports.mask_dim] = self.capacity
-        self._quantized = any(node.op_type == QUANTIZED_MATMUL for node in model.graph.all_nodes())
+        quantized = any(node.op_type == QUANTIZED_MATMUL for node in model.graph.all_nodes())
         meter = meter_for(self.device.device_type, self.device.device_id)
         # One session (the shape-generic mode) loads its own weights the plain way; several
         # variants share one copy loaded here (see session_factory).
@@ -156,16 +163,15 @@ class Runtime:
         self.factory = SessionFactory(self.model_path, self.weights, self.device,
                                       query_dim=self.ports.query_dim, fixed_dims=fixed_dims,
                                       intra_op_threads=intra_op_threads)
-        # Each session's IOBindings, per sequence; dropped when the cache releases the session,
-        # so no sequence keeps an evicted session (and the memory it holds) alive.
-        self._bindings: dict[ort.InferenceSession, weakref.WeakKeyDictionary] = {}
-        self._bindings_lock = threading.Lock()
-        # Graph slots of the live sessions that capture CUDA graphs, dropped with the session.
-        self._graph_slots: dict[ort.InferenceSession, GraphSlots] = {}
-        self._graph_widths: set[int] = set()
+        # Neither the cache nor the pool refers back to the runtime: no reference cycle.
+        self.sessions = VariantSessions(self.factory, specialize=specialize, quantized=quantized)
         self.cache: VariantCache[ort.InferenceSession] = VariantCache(
-            self._build_variant, self._release_variant, cap=variants, meter=meter)
+            self.sessions.build, self.sessions.release, cap=variants, meter=meter)
         self.cache.note_padding_refused(refused)
+        self.pool = SequencePool(
+            functools.partial(new_slot, self.ports, self.capacity, self.device),
+            self.sessions.release_slot, self.device.mask_policy, keep=idle_sequences)
+        self._closed = False
         logger.info("loaded %s on %s: capacity %d, chunk %d, ladder %s, padding %s",
                     self.model_path, self.device.label, self.capacity, self.chunk_size,
                     self.tiers, "on" if self._padding else f"off ({refused})")
@@ -181,8 +187,38 @@ class Runtime:
         return self._padding
 
     def open_sequence(self) -> Sequence:
-        """A new, empty sequence with its own KV buffers, sharing this model's sessions."""
+        """A new, empty sequence with its own KV buffers, sharing this model's sessions.
+
+        Its buffers come from the pool of closed sequences' when one is idle (with the CUDA
+        graphs captured on them); close it (or use it in a `with` block) to give them back.
+        """
+        if self._closed:
+            raise ClosedError("this runtime was closed; load the model again to open sequences")
         return Sequence(self)
+
+    def close(self) -> None:
+        """Free the sessions, the pooled sequence buffers and their CUDA graphs now.
+
+        Idempotent. A forward running in another thread finishes first (its session is freed
+        when it ends); every later call on the runtime or its sequences is a ClosedError.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self.pool.close()
+        self.cache.close()
+        logger.info("closed the runtime of %s", self.model_path)
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` was called."""
+        return self._closed
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def stats(self) -> RuntimeStats:
         """The runtime's configuration and its variant cache's counters, now."""
@@ -197,11 +233,16 @@ class Runtime:
             specialize=self.specialize,
             padding=self._padding,
             weights_bytes=self.weights.nbytes,
-            weights_shared=self.weights.shared,
+            weights_shared=self.weights.shared and not self.weights.copied_per_session,
+            weights_copied_per_variant=self.weights.copied_per_session,
             weights_resident_bytes=self.weights.resident_bytes,
             sessions_created=self.factory.sessions_created,
             cache=self.cache.snapshot(),
-            graph_widths=tuple(sorted(self._graph_widths)),
+            graph_widths=tuple(sorted(self.sessions.graph_widths)),
+            graphs_captured=self.sessions.graphs.captured,
+            graphs_released=self.sessions.graphs.released,
+            graph_fallbacks=dict(self.sessions.graphs.fallbacks),
+            sequences=self.pool.stats(),
         )
 
     def disable_padding(self, reason: str) -> None:
@@ -214,32 +255,7 @@ class Runtime:
 
     def bindings(self, session: ort.InferenceSession, sequence: Sequence) -> OrderedDict:
         """The IOBindings `sequence` keeps on a live `session`, by width (the caller fills it)."""
-        with self._bindings_lock:
-            per_sequence = self._bindings.setdefault(session, weakref.WeakKeyDictionary())
-            return per_sequence.setdefault(sequence, OrderedDict())
-
-    def graph_runs(self, session: ort.InferenceSession, stateful: bool) -> GraphRuns | None:
-        """The CUDA graph run options of a new binding on `session` (None: it captures none)."""
-        with self._bindings_lock:
-            slots = self._graph_slots.get(session)
-        return None if slots is None else slots.runs(stateful)
-
-    def _release_variant(self, session: ort.InferenceSession) -> None:
-        with self._bindings_lock:
-            self._bindings.pop(session, None)
-            self._graph_slots.pop(session, None)
-
-    def _build_variant(self, key: VariantKey) -> ort.InferenceSession:
-        # Pre-pack where it pays (see session_factory): the decode shape, a lone session that
-        # also decodes, and every session of a model with quantized MatMulNBits weights.
-        prepack = key == DECODE_WIDTH or not self.specialize or self._quantized
-        session = self.factory.create(key, prepack=prepack,
-                                      capture=capturable(self.device, key))
-        if key is not None and session_captures(session):
-            with self._bindings_lock:
-                self._graph_slots[session] = GraphSlots()
-                self._graph_widths.add(key)
-        return session
+        return self.sessions.bindings(session, sequence.slot)
 
     def _embeddings(self, given: np.ndarray | None) -> np.ndarray | None:
         if self.ports.token_input != "inputs_embeds":

@@ -98,6 +98,18 @@ class Device:
         """"cpu" or "cuda:<id>", for logs and stats."""
         return "cpu" if self.device_type == "cpu" else f"{self.device_type}:{self.device_id}"
 
+    def run(self, session: ort.InferenceSession, binding: ort.IOBinding,
+            options: ort.RunOptions | None) -> None:
+        """One forward of `session` with everything bound through `binding`.
+
+        Off the host, the inputs were written by synchronous copies on CUDA's legacy stream,
+        which ONNX Runtime's non-blocking streams do not wait for: `synchronize_inputs` makes
+        them visible first (as ONNX Runtime's own CUDA graph tests do before each run).
+        """
+        if not self.host_visible:
+            binding.synchronize_inputs()
+        session.run_with_iobinding(binding, options)
+
     def providers(self, capture: bool = False) -> list[tuple[str, dict[str, str]]]:
         """The provider list of a session; `capture` turns CUDA graph capture on for it."""
         providers = [(name, {**options, **_CUDA_SESSION_OPTIONS} if name == _CUDA_EP

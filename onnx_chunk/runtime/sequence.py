@@ -17,7 +17,13 @@ address never changes (what a CUDA graph replays): per (session, width) binding 
 position buffers, per sequence the KV and state buffers and the attention mask. A forward
 writes its tokens, positions and (capacity policy) mask into those buffers in place; under the
 logical policy the mask is a prefix of an all-ones buffer, bound at the width of each forward.
-A session that captures CUDA graphs runs each binding under its own graph ids (`cuda_graphs`).
+A session that captures CUDA graphs runs each binding under its own graph ids (`cuda_graphs`);
+a capture run holds the process's capture gate alone, every other forward holds it shared, and
+a capture that fails falls back to running that width without a graph.
+
+A sequence's buffers are a slot of the runtime's sequence pool: `close()` (or leaving a `with`
+block, or the sequence being collected) gives them back, with the graphs captured on them, for
+the next sequence to reuse.
 
 A sequence is driven by one call at a time: a call (or an open stream) holds it, and a second
 one while it is held raises SequenceBusyError at once, from any thread; independent sequences
@@ -26,6 +32,7 @@ may run in parallel. A stream holds the sequence until it ends, is closed or is 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
@@ -40,9 +47,9 @@ import numpy as np
 import onnxruntime as ort
 
 from onnx_chunk import arguments
-from onnx_chunk.errors import ConfigError, InputError, ModelStructureError, SequenceBusyError
+from onnx_chunk.errors import ClosedError, ConfigError, InputError, ModelStructureError, SequenceBusyError
 from onnx_chunk.runtime.buffers import DeviceBuffer, SequenceBuffers, device_zeros
-from onnx_chunk.runtime.cuda_graphs import GraphRuns
+from onnx_chunk.runtime.cuda_graphs import CAPTURE_GATE, GraphRuns
 from onnx_chunk.runtime.kv_state import LogicalLength
 from onnx_chunk.runtime.kv_window import rewind_is_exact
 from onnx_chunk.runtime.ladder import DECODE_WIDTH
@@ -106,12 +113,14 @@ class Sequence:
         self.runtime = runtime
         ports = runtime.ports
         self._length = LogicalLength(runtime.capacity, runtime.device.mask_policy)
-        self._buffers = SequenceBuffers(ports.kv, ports.state, runtime.device)
+        slot = runtime.pool.take()
+        self._slot_number = slot.number
+        self._buffers = slot.buffers
         # The mask: capacity-wide, rewritten in place (capacity policy), or all ones, bound at
         # the width of each forward (logical policy).
-        self._mask = device_zeros((1, runtime.capacity), ports.mask_dtype, runtime.device)
-        if runtime.device.mask_policy is MaskPolicy.LOGICAL:
-            self._mask.write(np.ones((1, runtime.capacity), dtype=ports.mask_dtype))
+        self._mask = slot.mask
+        # Gives the slot back on close() or when the sequence is collected, whichever is first.
+        self._finalizer = weakref.finalize(self, runtime.pool.give_back, slot)
         # A decode step's inputs, shaped as its binding's buffers.
         if ports.hidden_size is None:
             self._step_tokens = np.zeros((1, 1), dtype=ports.token_dtype)
@@ -127,6 +136,37 @@ class Sequence:
     def length(self) -> int:
         """Positions held in the KV cache."""
         return self._length.length
+
+    @property
+    def slot(self) -> int:
+        """The number of the pooled buffer slot (and CUDA graph slot) this sequence runs on."""
+        return self._slot_number
+
+    def close(self) -> None:
+        """Give the buffers (and the CUDA graphs captured on them) back to the runtime's pool.
+
+        Idempotent; any later call on the sequence is a ClosedError.
+        """
+        if not self._finalizer.alive:
+            return
+        self._finalizer()
+        self.runtime.pool.settle()
+
+    @property
+    def closed(self) -> bool:
+        """Whether the sequence was closed."""
+        return not self._finalizer.alive
+
+    def __enter__(self) -> Sequence:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if not self._finalizer.alive:
+            raise ClosedError("this sequence was closed; open a new one with "
+                              "runtime.open_sequence()")
 
     @property
     def capacity(self) -> int:
@@ -151,6 +191,7 @@ class Sequence:
         With `all_logits` return every prompt row's logits [rows, vocab]. The call either
         succeeds or leaves the sequence as it was.
         """
+        self._check_open()
         ids = self._token_ids(token_ids)
         self._length.check_room(len(ids), f"a prompt of {len(ids)} tokens")
         if all_logits and self.runtime.ports.last_row_logits:
@@ -161,6 +202,7 @@ class Sequence:
 
     def decode(self, token: int) -> np.ndarray:
         """Feed one token; return its logits [vocab] (a copy)."""
+        self._check_open()
         ids = self._token_ids([token])
         self._length.check_room(1, "a decode step")
         with self._held("decode"):
@@ -200,6 +242,7 @@ class Sequence:
         dtype, or a bad `max_new_tokens`; CapacityError when the prompt plus the new tokens do
         not fit in what is left of this sequence's capacity.
         """
+        self._check_open()
         ids = self._token_ids(token_ids)
         arguments.integer(max_new_tokens, "max_new_tokens", minimum=1)
         self._length.check_room(len(ids) + int(max_new_tokens),
@@ -214,6 +257,7 @@ class Sequence:
         (sliding-window layers) can go back only as far as it has evicted nothing still needed
         (onnx_chunk.runtime.kv_window).
         """
+        self._check_open()
         count = arguments.integer(count, "the rewind count", minimum=0, maximum=self._length.length)
         length = self._length.length
         for port in self.runtime.ports.kv:
@@ -359,7 +403,7 @@ class Sequence:
         shrunk: QueryAxisShrunk | None = None
         # The logits are cut, read and released while the variant is still pinned, so no other
         # thread can evict it (and count its memory as freed) while its output is in use.
-        with runtime.cache.acquire(key) as session:
+        with runtime.cache.acquire(key) as session, self._gate(session, forward.width):
             binding = self._binding(session, forward.width)
             binding.tokens.write(forward.tokens.reshape(binding.tokens.shape))
             if binding.positions is not None:
@@ -394,6 +438,27 @@ class Sequence:
     def _step_on(self, session: ort.InferenceSession, binding: _Binding,
                  token: int) -> np.ndarray:
         """One decode forward on a pinned session; its logits row (a view on a host device)."""
+        with self._gate(session, DECODE_WIDTH):
+            return self._step_inside(session, binding, token)
+
+    def _gate(self, session: ort.InferenceSession, width: int) -> contextlib.AbstractContextManager:
+        """The capture gate as the next run of this sequence at `width` needs it.
+
+        Alone for the run that captures a graph (CUDA's global capture mode fails on device
+        work from any other thread); shared for every other forward of a runtime that may
+        capture; not at all where nothing captures.
+        """
+        binding = self.runtime.sessions.bindings(session, self._slot_number).get(width)
+        if binding is not None and binding.graphs is not None:
+            if binding.graphs.captures_next(binding.logits is None, self._buffers.parity):
+                return CAPTURE_GATE.exclusive()
+            return CAPTURE_GATE.shared()
+        if self.runtime.device.cuda_graphs:
+            return CAPTURE_GATE.shared()
+        return contextlib.nullcontext()
+
+    def _step_inside(self, session: ort.InferenceSession, binding: _Binding,
+                     token: int) -> np.ndarray:
         runtime = self.runtime
         if runtime.embeddings is None:
             self._step_tokens[0, 0] = token
@@ -420,24 +485,42 @@ class Sequence:
             _bind_prefix(binding.io, MASK_INPUT, self._mask, mask.shape, runtime.device)
         self._buffers.bind_state(binding.io)
         if binding.logits is not None:
-            options = (None if binding.graphs is None
-                       else binding.graphs.options(False, self._buffers.parity))
-            session.run_with_iobinding(binding.io, options)
+            self._run(session, binding, width, first_run=False)
             return binding.logits
-        options = (None if binding.graphs is None
-                   else binding.graphs.options(True, self._buffers.parity))
         if runtime.device.host_visible:
-            session.run_with_iobinding(binding.io, options)
+            self._run(session, binding, width, first_run=True)
         else:
             # Off the host, a variant's arena and CUDA graph come with its first run: the
             # cache charges that growth to the variant (on CPU the resident set would also
             # take in this sequence's KV pages, written for the first time here).
             runtime.cache.measure_growth(
-                key, session, lambda: session.run_with_iobinding(binding.io, options))
+                key, session, lambda: self._run(session, binding, width, first_run=True))
         if not binding.keeps_logits:
             return _output_buffer(binding.io.get_outputs()[0], runtime.ports.logits_dtype)
         self._adopt_logits(binding)
         return binding.logits
+
+    def _run(self, session: ort.InferenceSession, binding: _Binding, width: int,
+             first_run: bool) -> None:
+        """Run `binding` once, under its graph id; a capture that fails runs without a graph."""
+        device = self.runtime.device
+        graphs = binding.graphs
+        if graphs is None:
+            device.run(session, binding.io, None)
+            return
+        parity = self._buffers.parity
+        capture = graphs.captures_next(first_run, parity)
+        try:
+            device.run(session, binding.io, graphs.options(first_run, parity))
+        except Exception as error:  # ORT's own exception types
+            if not capture:
+                raise
+            self.runtime.sessions.note_fallback(session, width, f"{type(error).__name__}: "
+                                                f"{error}")
+            device.run(session, binding.io, graphs.options(first_run, parity))
+            return
+        if graphs.ran(first_run, parity):
+            self.runtime.sessions.note_capture()
 
     def _release_output(self, binding: _Binding) -> None:
         """Drop the logits ONNX Runtime allocated for a run of `binding` (when it keeps none)."""
@@ -475,7 +558,8 @@ class Sequence:
             io.bind_ortvalue_input(ports.position_ids, positions.value)
         if device.mask_policy is MaskPolicy.CAPACITY:
             io.bind_ortvalue_input(MASK_INPUT, self._mask.value)
-        graphs = runtime.graph_runs(session, stateful=bool(self._buffers.state_ports))
+        graphs = runtime.sessions.graph_runs(session, self._slot_number,
+                                             stateful=bool(self._buffers.state_ports))
         binding = _Binding(io, tokens, positions, graphs,
                            keeps_logits=width == DECODE_WIDTH or graphs is not None)
         bindings[width] = binding

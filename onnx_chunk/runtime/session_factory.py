@@ -44,9 +44,12 @@ way, pre-packs them and frees the originals (bench decoder after one decode step
 resident, a plain ORT session 392 MiB, per-width variants 804 MiB: 381 MiB of shared maps plus
 a 295 MiB packed copy).
 
-On CUDA the shared OrtValues live on the GPU, and `add_initializer` with a value already on the
-provider's device is used in place: the weights are on the device once, and each variant adds
-only its activations (and its CUDA graph, when it captures). A session asked to capture a CUDA
+On CUDA the shared OrtValues stay in host memory (`add_initializer` refuses a buffer ONNX Runtime
+allocated, and the CUDA session copies a host initializer to the device: "Cannot use user
+supplied initializer ... because the ORT planned memory location for the initializer is
+different"), so each per-width CUDA session holds its own device copy of the weights, which its
+build reading charges to it (`SharedWeights.copied_per_session`; docs/cuda.md, "Weights", says
+which design would hold one copy and what the GPU check measures). A session asked to capture a CUDA
 graph that ONNX Runtime refuses to create (a compute node it cannot place on the CUDA provider)
 is created again without capture, with a warning; `cuda_graphs.session_captures` tells which.
 """
@@ -82,6 +85,8 @@ class SharedWeights:
     `nbytes`: their size; `resident_bytes`: what loading them (and, on CPU, faulting every page
     in) made the meter grow by, None without a meter or a reading. `owned_by_session` gives
     the weights of a runtime whose one session loads its own (no values, `shared` False).
+    `copied_per_session`: the values are host memory and the sessions run on another device,
+    so every session copies them to its device (one device copy per variant).
     """
 
     names: tuple[str, ...]
@@ -89,6 +94,7 @@ class SharedWeights:
     nbytes: int
     resident_bytes: int | None = None
     shared: bool = True
+    copied_per_session: bool = False
     _keep_alive: tuple[np.ndarray, ...] = field(repr=False, default=())
 
 
@@ -101,18 +107,22 @@ def load_shared_weights(model: ir.Model, device: Device,
     device: `SessionOptions.add_initializer` takes only buffers the caller owns, and an OrtValue
     that ONNX Runtime allocated on the GPU is refused ("Buffer containing the initializer must
     be owned by the user"). On CUDA each session therefore copies the initializers to the
-    device when it is created: one device copy per per-width session (see docs/cuda.md).
-    `meter` is read around it (`resident_bytes`).
+    device when it is created: one device copy per per-width session (see docs/cuda.md), and
+    the pages are not faulted in here (each session reads them as it copies, and the kernel
+    may drop them after: they are clean file pages). `meter` is read around it
+    (`resident_bytes`).
     """
+    on_host = device.device_type == "cpu"
     if meter is None:
-        loaded, grown = _load_values(model, device), None
+        loaded, grown = _load_values(model, device, on_host), None
     else:
-        loaded, grown = measured(meter, lambda: _load_values(model, device))
+        loaded, grown = measured(meter, lambda: _load_values(model, device, on_host))
     names, values, nbytes, arrays = loaded
-    return SharedWeights(names, values, nbytes, resident_bytes=grown, _keep_alive=arrays)
+    return SharedWeights(names, values, nbytes, resident_bytes=grown,
+                         copied_per_session=not on_host, _keep_alive=arrays)
 
 
-def _load_values(model: ir.Model, device: Device) -> tuple[
+def _load_values(model: ir.Model, device: Device, fault_in: bool) -> tuple[
         tuple[str, ...], tuple[ort.OrtValue, ...], int, tuple[np.ndarray, ...]]:
     names: list[str] = []
     values: list[ort.OrtValue] = []
@@ -124,7 +134,8 @@ def _load_values(model: ir.Model, device: Device) -> tuple[
             if not isinstance(tensor, ir.ExternalTensor):
                 continue
             array = _map_external(tensor)
-            _fault_in(array)
+            if fault_in:
+                _fault_in(array)
             arrays.append(array)
             names.append(name)
             values.append(ort.OrtValue.ortvalue_from_numpy(array))
@@ -175,17 +186,22 @@ class SessionFactory:
        a session for a width also overrides `query_dim`; width None is shape-generic.
     3. Pre-packing is on only when `prepack` is asked for (the runtime asks for the decode
        session and for every session of a MatMulNBits model).
+    4. `log_severity` and `session_config` apply to every session created from then on (the
+       GPU check reads ONNX Runtime's capture log lines and node placement through them).
     """
 
     def __init__(self, model_path: Path, weights: SharedWeights, device: Device, *,
                  query_dim: str | None, fixed_dims: Mapping[str, int],
-                 intra_op_threads: int | None = None) -> None:
+                 intra_op_threads: int | None = None, log_severity: int = 3,
+                 session_config: Mapping[str, str] | None = None) -> None:
         self.model_path = model_path
         self.weights = weights
         self.device = device
         self.query_dim = query_dim
         self.fixed_dims = dict(fixed_dims)
         self.intra_op_threads = intra_op_threads
+        self.log_severity = log_severity
+        self.session_config = dict(session_config or {})
         self._lock = threading.Lock()
         self.sessions_created = 0
 
@@ -202,7 +218,9 @@ class SessionFactory:
 
     def _create(self, width: int | None, prepack: bool, capture: bool) -> ort.InferenceSession:
         options = ort.SessionOptions()
-        options.log_severity_level = 3
+        options.log_severity_level = self.log_severity
+        for key, value in self.session_config.items():
+            options.add_session_config_entry(key, value)
         if self.intra_op_threads is not None:
             options.intra_op_num_threads = self.intra_op_threads
         try:

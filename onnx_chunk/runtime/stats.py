@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from onnx_chunk.runtime.sequence_pool import PoolStats
 from onnx_chunk.runtime.variant_cache import CacheStats
 
 
@@ -54,10 +55,15 @@ class RuntimeStats:
     """How a loaded model runs, and its variant cache's counters.
 
     `weights_bytes`: the model's external weights; `weights_shared`: whether the runtime holds
-    them once for all its variants (else its one session loads its own, and the cache's
-    reading of that session includes them); `weights_resident_bytes`: what loading the shared
-    weights made the process (CPU) or the device (CUDA) hold, never charged to a variant.
-    `graph_widths`: the variant widths whose sessions were built to capture CUDA graphs.
+    them once for all its variants (else its one session loads its own, or, with
+    `weights_copied_per_variant`, every CUDA session copies them to the device; either way
+    the cache's reading of a session includes its copy); `weights_resident_bytes`: what
+    loading the shared weights made the process (CPU) or the device (CUDA) hold.
+    `graph_widths`: the variant widths whose sessions were built to capture CUDA graphs;
+    `graphs_captured` / `graphs_released`: graphs captured and released so far (a graph freed
+    with its evicted session is not counted as released); `graph_fallbacks`: the widths whose
+    capture failed, with the reason (they run without a graph); `sequences`: the sequence
+    pool's counters (buffer sets made, reused, freed, idle).
     """
 
     provider: str
@@ -74,4 +80,9 @@ class RuntimeStats:
     cache: CacheStats
     weights_shared: bool = True
     weights_resident_bytes: int | None = None
+    weights_copied_per_variant: bool = False
     graph_widths: tuple[int, ...] = ()
+    graphs_captured: int = 0
+    graphs_released: int = 0
+    graph_fallbacks: dict[int | str, str] = field(default_factory=dict)
+    sequences: PoolStats = field(default_factory=PoolStats)

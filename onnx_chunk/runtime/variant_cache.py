@@ -24,6 +24,10 @@ ladder bounds the working set; this cache bounds what is held and counts what ha
    Each variant is measured so once; a variant released meanwhile is charged nothing.
 8. A pin belongs to the thread that took it (rule 4), even when it is released elsewhere (a
    generator closed by another thread).
+9. An evicted variant is released, and no reference to it is left here, before its replacement
+   is built: at no moment do cap + 1 variants hold memory.
+10. `close` releases every idle variant, and each pinned one as its last pin goes; acquiring
+    after it is a ClosedError.
 
 Keys are query widths; None is the shape-generic variant (reported as "dynamic"), which serves
 any width that should not get a variant of its own (see `variant_key`).
@@ -41,7 +45,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
 
-from onnx_chunk.errors import ConfigError
+from onnx_chunk.errors import ClosedError, ConfigError
 from onnx_chunk.runtime.ladder import DECODE_WIDTH
 from onnx_chunk.runtime.memory import MemoryMeter, measured
 
@@ -150,6 +154,7 @@ class VariantCache(Generic[V]):
         self._building: set[VariantKey] = set()
         self._pins_by_thread: dict[int, int] = {}
         self._seen: set[VariantKey] = set()
+        self._closed = False
         self._stats = CacheStats(cap=cap, meter=None if meter is None else meter.name)
 
     @contextmanager
@@ -216,8 +221,16 @@ class VariantCache(Generic[V]):
                 self._release(entry.variant)
         return len(released)
 
+    def close(self) -> None:
+        """Release every variant now idle and each pinned one when unpinned (rule 10)."""
+        with self._cond:
+            self._closed = True
+        self.clear()
+
     def _pin(self, key: VariantKey, thread: int) -> _Entry[V]:
         with self._cond:
+            if self._closed:
+                raise ClosedError("the runtime was closed; load the model again to run it")
             if key not in self._seen:
                 self._seen.add(key)
                 self._stats.widths = _labels(self._seen)
@@ -230,16 +243,17 @@ class VariantCache(Generic[V]):
                     self._count_pin(thread, 1)
                     return entry
                 if key not in self._building:
+                    # The victim is held by this list alone, which the build empties (rule 9).
+                    victims: list[_Entry[V]] = []
                     if len(self._entries) + len(self._building) < self.cap:
-                        victim = None
                         break
                     victim_key = next((k for k, e in self._entries.items() if e.pins == 0),
                                       _NO_KEY)
                     if victim_key is not _NO_KEY:
-                        victim = self._drop(victim_key)
+                        victims.append(self._drop(victim_key))
                         self._stats.evictions += 1
                         logger.debug("evicting variant %s (%d bytes)",
-                                     key_label(victim_key), victim.size)
+                                     key_label(victim_key), victims[0].size)
                         break
                     if self._pins_by_thread.get(thread):
                         raise ConfigError(
@@ -249,14 +263,17 @@ class VariantCache(Generic[V]):
                             "raise the variant cap")
                     self._stats.waits += 1
                 self._cond.wait()
+                if self._closed:
+                    raise ClosedError("the runtime was closed; load the model again to run it")
             self._building.add(key)
-        return self._build_pinned(key, victim, thread)
+        return self._build_pinned(key, victims, thread)
 
-    def _build_pinned(self, key: VariantKey, victim: _Entry[V] | None, thread: int) -> _Entry[V]:
+    def _build_pinned(self, key: VariantKey, victims: list[_Entry[V]],
+                      thread: int) -> _Entry[V]:
         try:
             with self._build_lock:
-                if victim is not None:
-                    self._release(victim.variant)
+                while victims:
+                    self._release(victims.pop().variant)
                 start = time.perf_counter()
                 if self._meter is None:
                     variant, size = self._build(key), None
@@ -292,6 +309,9 @@ class VariantCache(Generic[V]):
             self._count_pin(thread, -1)
             if entry.pins == 0:
                 self._cond.notify_all()
+            closing = self._closed and entry.pins == 0
+        if closing:
+            self.clear()
 
     def _drop(self, key: VariantKey) -> _Entry[V]:
         entry = self._entries.pop(key)

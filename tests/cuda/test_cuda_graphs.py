@@ -7,8 +7,8 @@ import onnxruntime as ort
 import pytest
 
 from onnx_chunk.errors import ConfigError, ModelLoadError
-from onnx_chunk.runtime import engine, load
-from onnx_chunk.runtime.cuda_graphs import (SKIP_CAPTURE, GraphSlots, capturable, graph_id,
+from onnx_chunk.runtime import load, variant_sessions
+from onnx_chunk.runtime.cuda_graphs import (SKIP_CAPTURE, capturable, graph_id, graph_runs,
                                             session_captures)
 from onnx_chunk.runtime.provider import MaskPolicy, device_for
 from onnx_chunk.runtime.session_factory import SessionFactory
@@ -46,21 +46,21 @@ def test_provider_options_of_a_capturing_session():
         device_for("cpu").providers(capture=True)
 
 
-def test_graph_ids_per_slot_and_parity():
-    assert [graph_id(slot, 0, False) for slot in range(3)] == [0, 1, 2]
+def test_graph_ids_per_slot_and_parity_never_use_the_reserved_id_0():
+    # ONNX Runtime reserves gpu_graph_id 0 for internal use; ids start at 1.
+    assert [graph_id(slot, 0, False) for slot in range(3)] == [1, 2, 3]
     ids = {graph_id(slot, parity, True) for slot in range(4) for parity in (0, 1)}
-    assert ids == set(range(8))
+    assert ids == set(range(1, 9))
     with pytest.raises(ValueError):
         graph_id(0, 2, True)
-    slots = GraphSlots()
-    first, second = slots.runs(stateful=True), slots.runs(stateful=True)
-    assert (first.ids, second.ids, slots.used) == ((0, 1), (2, 3), 2)
+    first, second = graph_runs(0, stateful=True), graph_runs(1, stateful=True)
+    assert (first.ids, second.ids) == ((1, 2), (3, 4))
     entry = "gpu_graph_id"
     assert first.options(True, 1).get_run_config_entry(entry) == str(SKIP_CAPTURE)
-    assert first.options(False, 0).get_run_config_entry(entry) == "0"
-    assert second.options(False, 1).get_run_config_entry(entry) == "3"
-    stateless = GraphSlots().runs(stateful=False)
-    assert stateless.options(False, 1).get_run_config_entry(entry) == "0"
+    assert first.options(False, 0).get_run_config_entry(entry) == "1"
+    assert second.options(False, 1).get_run_config_entry(entry) == "4"
+    stateless = graph_runs(0, stateful=False)
+    assert stateless.options(False, 1).get_run_config_entry(entry) == "1"
 
 
 def test_a_cpu_session_does_not_capture(reference_model):
@@ -90,21 +90,6 @@ def test_factory_falls_back_when_capture_is_refused(reference_model, monkeypatch
     assert isinstance(session, ort.InferenceSession) and not session_captures(session)
 
 
-@pytest.fixture
-def recorded_runs(monkeypatch):
-    """Every run_with_iobinding's graph id (None without run options)."""
-    runs = []
-    original = ort.InferenceSession.run_with_iobinding
-
-    def run(self, iobinding, run_options=None):
-        runs.append((id(self), None if run_options is None
-                     else int(run_options.get_run_config_entry("gpu_graph_id"))))
-        return original(self, iobinding, run_options)
-
-    monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding", run)
-    return runs
-
-
 @pytest.mark.parametrize("variant", ["base", "conv_hybrid"])
 def test_graph_runs_on_cpu_sessions_marked_capturing(reference_model, monkeypatch,
                                                      recorded_runs, variant):
@@ -119,7 +104,7 @@ def test_graph_runs_on_cpu_sessions_marked_capturing(reference_model, monkeypatc
                                  mask_policy=MaskPolicy.CAPACITY, specialize=True)
     reference = load(path, device=device, capacity=96, chunk_size=16)
     expected = [reference.open_sequence().generate(PROMPT, 5) for _ in range(2)]
-    monkeypatch.setattr(engine, "session_captures", lambda session: True)
+    monkeypatch.setattr(variant_sessions, "session_captures", lambda session: True)
     runtime = load(path, device=device, capacity=96, chunk_size=16, padding=False)
     recorded_runs.clear()
     first, second = runtime.open_sequence(), runtime.open_sequence()
@@ -133,11 +118,11 @@ def test_graph_runs_on_cpu_sessions_marked_capturing(reference_model, monkeypatc
     stateful = variant == "conv_hybrid"
     assert decode_runs[0] == SKIP_CAPTURE and second_runs[0] == SKIP_CAPTURE
     if stateful:
-        assert set(decode_runs[1:]) == {0, 1}
+        assert set(decode_runs[1:]) == {1, 2}
         assert all(a != b for a, b in zip(decode_runs[1:], decode_runs[2:]))
-        assert set(second_runs[1:]) == {2, 3}
+        assert set(second_runs[1:]) == {3, 4}
     else:
-        assert set(decode_runs[1:]) == {0} and set(second_runs[1:]) == {1}
+        assert set(decode_runs[1:]) == {1} and set(second_runs[1:]) == {2}
     # Width 16 (full chunks) and the decode width capture; the 13-row remainder (padding off)
     # runs on the shape-generic session, without run options.
     assert len({session for session, graph in recorded_runs if graph is not None}) == 2

@@ -44,3 +44,20 @@ def test_weights_are_mapped_not_copied(reference_model):
     assert weights.nbytes == sum(array.nbytes for array in weights._keep_alive)
     for value, array in zip(weights.values, weights._keep_alive):
         assert isinstance(array, np.memmap) and value.data_ptr() == array.ctypes.data
+
+
+def test_weights_for_another_device_are_not_faulted_in_and_say_they_are_copied(
+        reference_model, monkeypatch):
+    from onnx_chunk.model_io import load_model
+    from onnx_chunk.runtime import session_factory
+    from onnx_chunk.runtime.provider import device_for
+
+    faulted = []
+    original = session_factory._fault_in
+    monkeypatch.setattr(session_factory, "_fault_in",
+                        lambda array: faulted.append(array.nbytes) or original(array))
+    model = load_model(reference_model("base"))
+    cuda = session_factory.load_shared_weights(model, device_for("cuda"))
+    assert faulted == [] and cuda.copied_per_session and cuda.nbytes > 0
+    cpu = session_factory.load_shared_weights(model, device_for("cpu"))
+    assert sum(faulted) == cpu.nbytes and not cpu.copied_per_session

@@ -1,13 +1,15 @@
+import gc
 import random
 import threading
 import time
+import weakref
 from collections import OrderedDict
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from onnx_chunk.errors import ConfigError
+from onnx_chunk.errors import ClosedError, ConfigError
 from onnx_chunk.runtime.ladder import DECODE_WIDTH, ladder_tiers
 from onnx_chunk.runtime.variant_cache import DYNAMIC, EXACT, VariantCache, key_label, variant_key
 
@@ -396,3 +398,35 @@ def test_a_pin_released_on_another_thread_is_counted_for_its_owner():
     with cache.acquire(2):  # would raise (this thread "holds" one) if the pin were miscounted
         pass
     assert cache.snapshot().evictions == 1
+
+
+def test_an_evicted_variant_is_gone_before_its_replacement_builds():
+    alive, seen = {}, []
+
+    def build(key):
+        seen.append(sorted(k for k, ref in alive.items() if ref() is not None))
+        variant = _Variant(key, len(seen))
+        alive[key] = weakref.ref(variant)
+        return variant
+
+    cache = VariantCache(build, cap=2)
+    gc.disable()
+    try:
+        for key in (5, 7, 9):
+            _use(cache, key)
+    finally:
+        gc.enable()
+    assert seen == [[], [5], [7]]
+
+
+def test_close_releases_idle_variants_now_and_pinned_ones_when_unpinned():
+    provider = _Provider()
+    cache = _cache(provider)
+    _use(cache, 1)
+    with cache.acquire(2) as pinned:
+        cache.close()
+        assert provider.released == provider.built[:1] and not pinned.released
+    assert pinned.released and cache.snapshot().variants == 0
+    with pytest.raises(ClosedError, match="closed"):
+        _use(cache, 1)
+    assert cache.snapshot().evictions == 0

@@ -1,0 +1,150 @@
+"""Sequence slots: the device buffers of a sequence, pooled with the CUDA graphs that use them.
+
+A captured CUDA graph replays the addresses it recorded: the KV, state and mask buffers of one
+sequence and that sequence's token, position and logits buffers. A server opens a sequence per
+request; if each new sequence brought new buffers, it would capture every width again (two
+warm-up runs and a capture per width) and the old graphs would stay until their variant is
+evicted. So the buffers of a closed sequence go back to a pool, with the graph slot number
+their bindings run under, and the next sequence takes them: its forwards replay the graphs the
+previous one captured. Pooling was chosen over releasing the graphs at every close because a
+release buys nothing a reuse does not (the next request captures the same graphs again) and
+costs the capture each time.
+
+Rules:
+1. `take` hands out an idle slot (the most recently returned, whose graphs are warm) or makes a
+   new one with the smallest free slot number.
+2. `give_back` only queues the slot: it may run from a garbage-collector finalizer at any
+   moment, even while the same thread holds a capture, so it does no device work and takes no
+   lock. Queued slots are settled at the next `take`, `settle` or `close`.
+3. At most `keep` slots stay idle; settling frees the rest (`free`: their graphs are released
+   and their buffers dropped).
+4. After `close` nothing is handed out (ClosedError) and returned slots are dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from onnx_chunk.errors import ClosedError, ConfigError
+from onnx_chunk.runtime.buffers import DeviceBuffer, SequenceBuffers, device_zeros
+from onnx_chunk.runtime.cuda_graphs import SlotNumbers
+from onnx_chunk.runtime.ports import ModelPorts
+from onnx_chunk.runtime.provider import Device, MaskPolicy
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_IDLE_SLOTS = 4
+
+
+@dataclass
+class SequenceSlot:
+    """One sequence's device buffers and the graph slot number its bindings run under."""
+
+    number: int
+    buffers: SequenceBuffers
+    mask: DeviceBuffer
+
+    def reset(self, policy: MaskPolicy) -> None:
+        """Make the buffers those of an empty sequence (KV past the length is never read)."""
+        if policy is MaskPolicy.CAPACITY:
+            self.mask.write(np.zeros(self.mask.shape, dtype=self.mask.dtype))
+        if self.buffers.state_ports:
+            self.buffers.reset_state()
+
+
+def new_slot(ports: ModelPorts, capacity: int, device: Device, number: int) -> SequenceSlot:
+    """Fresh buffers for a sequence of `capacity` positions on `device`."""
+    mask = device_zeros((1, capacity), ports.mask_dtype, device)
+    if device.mask_policy is MaskPolicy.LOGICAL:
+        # All ones, bound at the width of each forward (see kv_state).
+        mask.write(np.ones((1, capacity), dtype=ports.mask_dtype))
+    return SequenceSlot(number, SequenceBuffers(ports.kv, ports.state, device), mask)
+
+
+@dataclass
+class PoolStats:
+    """Slots made, handed out again from the pool, freed, and idle now."""
+
+    created: int = 0
+    reused: int = 0
+    freed: int = 0
+    idle: int = 0
+
+
+class SequencePool:
+    """Idle sequence slots, handed out again; see the module docstring for the rules."""
+
+    def __init__(self, make: Callable[[int], SequenceSlot],
+                 free: Callable[[int], None], policy: MaskPolicy,
+                 keep: int = DEFAULT_IDLE_SLOTS) -> None:
+        if keep < 0:
+            raise ConfigError(f"the number of idle sequences kept must be at least 0, got {keep}")
+        self._make = make
+        self._free = free
+        self._policy = policy
+        self.keep = keep
+        self._numbers = SlotNumbers()
+        self._returned: collections.deque[SequenceSlot] = collections.deque()
+        self._idle: list[SequenceSlot] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._stats = PoolStats()
+
+    def take(self) -> SequenceSlot:
+        """A slot for a new sequence: an idle one reset, else a new one."""
+        self.settle()
+        with self._lock:
+            if self._closed:
+                raise ClosedError("the runtime was closed; load the model again to open "
+                                  "sequences")
+            slot = self._idle.pop() if self._idle else None
+            if slot is not None:
+                self._stats.reused += 1
+        if slot is not None:
+            slot.reset(self._policy)
+            return slot
+        slot = self._make(self._numbers.take())
+        with self._lock:
+            self._stats.created += 1
+        return slot
+
+    def give_back(self, slot: SequenceSlot) -> None:
+        """Queue the slot of a closed (or collected) sequence; safe from a finalizer."""
+        if not self._closed:
+            self._returned.append(slot)
+
+    def settle(self) -> None:
+        """Move queued slots to the idle list and free those beyond `keep`."""
+        surplus: list[SequenceSlot] = []
+        with self._lock:
+            while self._returned:
+                self._idle.append(self._returned.popleft())
+            limit = 0 if self._closed else self.keep
+            while len(self._idle) > limit:
+                surplus.append(self._idle.pop(0))
+        for slot in surplus:
+            self._release(slot)
+
+    def close(self) -> None:
+        """Free every idle slot; hand out none from now on."""
+        with self._lock:
+            self._closed = True
+        self.settle()
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            return PoolStats(self._stats.created, self._stats.reused, self._stats.freed,
+                             len(self._idle))
+
+    def _release(self, slot: SequenceSlot) -> None:
+        self._free(slot.number)
+        self._numbers.give(slot.number)
+        with self._lock:
+            self._stats.freed += 1
+        logger.debug("freed sequence slot %d", slot.number)

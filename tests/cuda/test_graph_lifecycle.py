@@ -1,0 +1,282 @@
+"""CUDA graph and device-memory lifecycle on CPU: pooled sequence slots, graph release, the
+capture gate, input synchronisation, capture fallback, freeing evicted sessions and runtimes.
+
+CPU sessions never capture, so the sessions are marked capturing (`variant_sessions.
+session_captures`) and the graph bookkeeping runs on the graph ids and run counts alone.
+"""
+
+import dataclasses
+import gc
+import threading
+import time
+import weakref
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from onnx_chunk.errors import ClosedError
+from onnx_chunk.runtime import load, variant_sessions
+from onnx_chunk.runtime.cuda_graphs import (RUNS_BEFORE_CAPTURE, SKIP_CAPTURE, CaptureGate,
+                                            graph_id)
+from onnx_chunk.runtime.provider import Device
+from onnx_chunk.runtime.sequence_pool import SequencePool
+from onnx_chunk.runtime.session_factory import SessionFactory
+from tests.cuda.test_device_inputs import DEVICE, PROMPT
+
+
+@pytest.fixture
+def capturing(monkeypatch):
+    """Every specialised session counts as capturing CUDA graphs."""
+    monkeypatch.setattr(variant_sessions, "session_captures", lambda session: True)
+
+
+@pytest.fixture
+def released_graphs(monkeypatch):
+    """Every graph id handed to release_captured_graph."""
+    released = []
+    monkeypatch.setattr(ort.InferenceSession, "release_captured_graph",
+                        lambda self, graph: released.append(graph))
+    return released
+
+
+@pytest.fixture
+def no_gc():
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+def _load(path, **options):
+    return load(path, device=DEVICE, capacity=96, chunk_size=16, padding=False, **options)
+
+
+def test_a_closed_sequence_hands_its_buffers_and_graphs_to_the_next(reference_model, capturing,
+                                                                    recorded_runs):
+    runtime = _load(reference_model())
+    expected = _load(reference_model()).open_sequence().generate(PROMPT, 5)
+    with runtime.open_sequence() as first:
+        assert first.generate(PROMPT, 5) == expected
+        slot, kv = first.slot, first.buffers.kv
+    assert first.closed
+    with pytest.raises(ClosedError, match="closed"):
+        first.generate(PROMPT, 2)
+    recorded_runs.clear()
+    second = runtime.open_sequence()
+    assert (second.slot, second.buffers.kv) == (slot, kv)
+    assert second.length == 0
+    assert second.generate(PROMPT, 5) == expected
+    # Every binding is already there: nothing runs a first (uncaptured) run again.
+    graphs = [graph for _, graph in recorded_runs if graph is not None]
+    assert SKIP_CAPTURE not in graphs and set(graphs) == {graph_id(slot, 0, False)}
+    stats = runtime.stats().sequences
+    assert (stats.created, stats.reused) == (1, 1)
+
+
+def test_a_collected_sequence_gives_its_slot_back(reference_model, no_gc):
+    runtime = _load(reference_model())
+    sequence = runtime.open_sequence()
+    sequence.generate(PROMPT, 2)
+    slot = sequence.slot
+    del sequence
+    assert runtime.open_sequence().slot == slot
+    assert runtime.stats().sequences.reused == 1
+
+
+def test_slots_beyond_the_idle_ones_kept_release_their_graphs(reference_model, capturing,
+                                                              released_graphs):
+    runtime = _load(reference_model(), idle_sequences=1)
+    sequences = [runtime.open_sequence() for _ in range(3)]
+    assert [sequence.slot for sequence in sequences] == [0, 1, 2]
+    for sequence in sequences:
+        # Decode runs: one first run, two warm-ups, then the capture and replays.
+        sequence.generate(PROMPT, RUNS_BEFORE_CAPTURE + 3)
+    assert runtime.stats().graphs_captured == 3
+    for sequence in sequences:
+        sequence.close()
+    # One slot stays idle (the last closed, warm); the other two release their decode graphs.
+    assert sorted(released_graphs) == [graph_id(0, 0, False), graph_id(1, 0, False)]
+    stats = runtime.stats()
+    assert (stats.graphs_released, stats.sequences.freed, stats.sequences.idle) == (2, 2, 1)
+    again = runtime.open_sequence()
+    # A freed slot number is handed out again.
+    other = runtime.open_sequence()
+    assert (again.slot, other.slot) == (2, 0)
+
+
+def test_pool_rules():
+    made, freed = [], []
+
+    def make(number):
+        made.append(number)
+        return _FakeSlot(number)
+
+    pool = SequencePool(make, freed.append, DEVICE.mask_policy, keep=1)
+    a, b = pool.take(), pool.take()
+    assert (a.number, b.number) == (0, 1)
+    pool.give_back(a)
+    pool.give_back(b)
+    assert freed == [] and pool.stats().idle == 0  # queued only, settled on the next call
+    c = pool.take()
+    assert c is b and c.resets == 1 and freed == [0]
+    assert pool.take().number == 0
+    pool.give_back(c)
+    pool.close()
+    assert freed == [0, 1]
+    with pytest.raises(ClosedError):
+        pool.take()
+
+
+@dataclasses.dataclass
+class _FakeSlot:
+    number: int
+    resets: int = 0
+
+    def reset(self, policy):
+        self.resets += 1
+
+
+def test_an_evicted_session_is_freed_before_its_replacement_builds(reference_model, monkeypatch,
+                                                                   no_gc):
+    runtime = _load(reference_model(), specialize="exact", max_variants=2)
+    alive, seen = {}, []
+    original = SessionFactory.create
+
+    def create(self, width, **options):
+        seen.append((width, sorted(w for w, ref in alive.items() if ref() is not None)))
+        session = original(self, width, **options)
+        alive[width] = weakref.ref(session)
+        return session
+
+    monkeypatch.setattr(SessionFactory, "create", create)
+    sequence = runtime.open_sequence()
+    for length in (5, 7, 9):
+        sequence.rewind(sequence.length)
+        sequence.prefill(PROMPT[:length])
+    assert seen == [(5, []), (7, [5]), (9, [7])]
+
+
+def test_a_runtime_is_freed_with_its_last_reference(reference_model, no_gc):
+    runtime = _load(reference_model())
+    sequence = runtime.open_sequence()
+    sequence.generate(PROMPT, 3)
+    with runtime.cache.acquire(1) as session:
+        session_ref = weakref.ref(session)
+    runtime_ref = weakref.ref(runtime)
+    del runtime, sequence, session
+    assert runtime_ref() is None and session_ref() is None
+
+
+def test_close_frees_at_once_and_refuses_later_calls(reference_model, no_gc):
+    with _load(reference_model()) as runtime:
+        sequence = runtime.open_sequence()
+        sequence.generate(PROMPT, 3)
+        with runtime.cache.acquire(1) as session:
+            session_ref = weakref.ref(session)
+        del session
+    assert runtime.closed and session_ref() is None
+    runtime.close()
+    with pytest.raises(ClosedError, match="closed"):
+        runtime.open_sequence()
+    with pytest.raises(ClosedError, match="closed"):
+        sequence.generate(PROMPT, 2)
+    assert runtime.stats().cache.variants == 0
+
+
+def test_capture_gate_excludes_other_device_work():
+    gate, events = CaptureGate(), []
+    entered = threading.Event()
+
+    def capture():
+        with gate.exclusive():
+            events.append("capture")
+
+    with gate.shared():
+        worker = threading.Thread(target=capture)
+        worker.start()
+        time.sleep(0.05)
+        events.append("shared done")
+    worker.join(5)
+    assert events == ["shared done", "capture"]
+
+    def other():
+        entered.set()
+        with gate.shared():
+            events.append("other")
+
+    with gate.exclusive():
+        assert gate.capturing
+        worker = threading.Thread(target=other)
+        worker.start()
+        entered.wait(5)
+        time.sleep(0.05)
+        events.append("capture 2")
+    worker.join(5)
+    assert events[2:] == ["capture 2", "other"] and not gate.capturing
+
+
+@pytest.mark.parametrize("variant", ["base", "conv_hybrid"])
+def test_capture_runs_hold_the_gate_alone(reference_model, capturing, gated_runs, variant):
+    runtime = _load(reference_model(variant))
+    runtime.open_sequence().generate(PROMPT, 9)
+    per_graph: dict[tuple[int, int], list[bool]] = {}
+    for session, graph, alone in gated_runs:
+        if graph not in (None, SKIP_CAPTURE):
+            per_graph.setdefault((session, graph), []).append(alone)
+        else:
+            assert not alone
+    # The decode graphs (one, or two for the alternating state buffers) ran past their capture.
+    assert sum(len(runs) > RUNS_BEFORE_CAPTURE for runs in per_graph.values()) == (
+        2 if variant == "conv_hybrid" else 1)
+    for runs in per_graph.values():
+        assert runs == [index == RUNS_BEFORE_CAPTURE for index in range(len(runs))]
+
+
+def test_inputs_are_synchronised_before_every_run_off_the_host(reference_model, monkeypatch,
+                                                               recorded_runs):
+    synced = []
+    monkeypatch.setattr(ort.IOBinding, "synchronize_inputs",
+                        lambda self: synced.append(len(recorded_runs)))
+    _load(reference_model()).open_sequence().generate(PROMPT, 4)
+    assert synced == list(range(len(recorded_runs))) and synced
+    synced.clear()
+    recorded_runs.clear()
+    load(reference_model(), provider="cpu", capacity=96).open_sequence().generate(PROMPT, 2)
+    assert recorded_runs and not synced  # host memory: nothing to synchronise
+
+
+@dataclasses.dataclass(frozen=True)
+class _FailingCapture(Device):
+    """The CPU stand-in whose capture runs fail as a CUDA capture can (graph id's third run)."""
+
+    def run(self, session, binding, options):
+        graph = None if options is None else options.get_run_config_entry("gpu_graph_id")
+        if graph not in (None, str(SKIP_CAPTURE)):
+            counts = _FailingCapture.counts
+            counts[(id(session), graph)] = counts.get((id(session), graph), 0) + 1
+            if counts[(id(session), graph)] == RUNS_BEFORE_CAPTURE + 1:
+                raise RuntimeError("operation not permitted when stream is capturing")
+        super().run(session, binding, options)
+
+
+_FailingCapture.counts = {}
+
+
+def test_a_failed_capture_falls_back_to_running_without_a_graph(reference_model, capturing,
+                                                                recorded_runs):
+    device = _FailingCapture(**{field.name: getattr(DEVICE, field.name)
+                                for field in dataclasses.fields(DEVICE)})
+    runtime = load(reference_model(), device=device, capacity=96, chunk_size=16, padding=False)
+    expected = _load(reference_model()).open_sequence().generate(PROMPT, 8)
+    assert runtime.open_sequence().generate(PROMPT, 8) == expected
+    stats = runtime.stats()
+    assert list(stats.graph_fallbacks) == [1]
+    assert "stream is capturing" in stats.graph_fallbacks[1]
+    assert stats.graphs_captured == 0
+    # After the failure the decode width runs without a graph, for new sequences too.
+    recorded_runs.clear()
+    assert runtime.open_sequence().generate(PROMPT, 4) == expected[:4]
+    decode = max(recorded_runs, key=lambda run: recorded_runs.count(run))[0]
+    assert {graph for session, graph in recorded_runs if session == decode} == {SKIP_CAPTURE}
+    assert np.isfinite(stats.cache.bytes_held)
