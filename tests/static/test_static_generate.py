@@ -116,12 +116,13 @@ def test_text_output_has_a_header_and_the_warnings(pair_dir):
     assert "warning: " in block.splitlines()[-1] and "sliding window" in block
 
 
-@pytest.mark.parametrize("name", ["chunk.onnx", "."])
+@pytest.mark.parametrize("name,flags", [("chunk.onnx", []), (".", []),
+                                        ("chunk.onnx", ["--static"])])
 def test_fix_shapes_output_generates_the_dynamic_models_tokens_from_file_or_folder(
-        fixed_pair, dynamic_greedy, capsys, name):
+        fixed_pair, dynamic_greedy, capsys, name, flags):
     prompt = _prompt(9, seed=7)
     new = CAPACITY - MAX_INPUT
-    assert main(["generate", str(fixed_pair / name), "--ids", ",".join(map(str, prompt)),
+    assert main(["generate", str(fixed_pair / name), *flags, "--ids", ",".join(map(str, prompt)),
                  "--max-new-tokens", str(new), "--max-input-len", str(MAX_INPUT),
                  "--provider", "cpu", "--json"]) == 0
     entry = json.loads(capsys.readouterr().out)
