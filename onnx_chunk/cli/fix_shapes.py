@@ -21,7 +21,7 @@ def _parse_dims(entries: tuple[str, ...]) -> dict[str, int]:
 
 
 @click.command("fix-shapes")
-@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("model", type=click.Path())
 @click.option("-o", "--out", "out_dir", required=True, type=click.Path(file_okay=False),
               help="Folder for chunk.onnx, decode.onnx and their shared external data.")
 @click.option("--rows", required=True, type=int, help="Query rows c of the chunk graph.")
@@ -32,10 +32,14 @@ def _parse_dims(entries: tuple[str, ...]) -> dict[str, int]:
                    "--rows only.")
 def fix_shapes(model: str, out_dir: str, rows: int, capacity: int | None,
                dims: tuple[str, ...]) -> None:
-    """Fix MODEL's free dimensions: a chunk graph (rows c) and a decode graph (rows 1)."""
+    """Fix MODEL's free dimensions: a chunk graph (rows c) and a decode graph (rows 1).
+
+    MODEL is a .onnx file or its folder.
+    """
+    from onnx_chunk.model_folder import locate_model
     from onnx_chunk.models.static_shapes import fix_shapes as fix
 
-    result = fix(model, out_dir, rows=rows, capacity=capacity, dims=_parse_dims(dims))
+    result = fix(locate_model(model).onnx_path, out_dir, rows=rows, capacity=capacity, dims=_parse_dims(dims))
     click.echo(f"chunk graph:  {result.chunk_model} (rows {result.chunk_rows})")
     click.echo(f"decode graph: {result.decode_model} (rows {result.decode_rows})")
     if result.capacity is not None:

@@ -28,11 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
+import onnx_ir as ir
 from onnxruntime.tools.onnx_model_utils import fix_output_shapes, make_dim_param_fixed
 
 from onnx_chunk.errors import ConfigError, ModelStructureError, OutputError
+from onnx_chunk.metadata import KVCapacityFindings
 from onnx_chunk.model_io import external_data_files, load_model
 from onnx_chunk.models.static_decoder import DECODE_FILE
+from onnx_chunk.ort_schemas import register_runtime_schemas
 from onnx_chunk.passes.kv_capacity import find_kv_capacity
 
 logger = logging.getLogger(__name__)
@@ -166,9 +169,24 @@ def _fix_output_shapes(model: onnx.ModelProto) -> None:
         stand_in.graph.initializer.remove(tensor)
         stand_in.graph.input.append(
             onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+    register_runtime_schemas()  # its checker must know the builder's default-domain ops
     fix_output_shapes(stand_in)
     for output, fixed in zip(model.graph.output, stand_in.graph.output):
         output.type.CopyFrom(fixed.type)
+
+
+def _head_dims(model: ir.Model, kv: KVCapacityFindings) -> dict[str, int]:
+    """The free head axes of the KV inputs (builder exports: `kv_cache_dim`), sized as the KV
+    capacity pass resolved them from the graph; a name sized two ways is left to --dim."""
+    inputs = {value.name: value for value in model.graph.inputs}
+    sizes: dict[str, set[int]] = {}
+    for binding in kv.bindings:
+        shape = inputs[binding.input].shape
+        for axis, size in ((1, binding.kv_heads), (3, binding.head_size)):
+            dim = shape[axis] if shape is not None and len(shape) > axis else None
+            if size is not None and isinstance(dim, ir.SymbolicDim) and dim.value:
+                sizes.setdefault(dim.value, set()).add(size)
+    return {name: values.pop() for name, values in sizes.items() if len(values) == 1}
 
 
 def _fixed_copy(model: onnx.ModelProto, values: Mapping[str, int]) -> onnx.ModelProto:
@@ -246,8 +264,10 @@ def fix_shapes(
     # load_model checks the external data (inside the model's folder, present, long enough).
     loaded = load_model(source)
     data_files = external_data_files(loaded)
-    max_length = find_kv_capacity(loaded).max_sequence_length
+    kv = find_kv_capacity(loaded)
+    max_length = kv.max_sequence_length
     model = onnx.load(source, load_external_data=False)
+    extra = {**_head_dims(loaded, kv), **extra}
 
     free = {param for params in _free_dims(list(model.graph.input) + list(model.graph.output))
             .values() for param in params if param != "?"}

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from onnx_chunk.runtime.kv_window import resident_rows
 from onnx_chunk.runtime import Runtime, load
 from onnx_chunk.runtime.buffers import SequenceBuffers
 from onnx_chunk.validate.prompts import seeded_prompt
@@ -85,7 +86,14 @@ def _kv_snapshot(runtime: Runtime, buffers: SequenceBuffers, length: int) -> tup
     arrays = []
     for port, buffer in zip(buffers.kv_ports, buffers.kv):
         host = buffer.host if buffer.host is not None else buffer.value.numpy()
-        arrays.append(np.take(host, np.arange(length), axis=axes[port.input]).copy())
+        axis = axes[port.input]
+        rows = np.arange(length)
+        if port.window is not None:
+            # A window-sized cache holds its most recent positions from row 0 (kv_window), as
+            # many as its capacity allows: compare the window's worth that every capacity holds.
+            held = resident_rows(length, host.shape[axis], port.window)
+            rows = np.arange(held - min(length, port.window), held)
+        arrays.append(np.take(host, rows, axis=axis).copy())
     for index in range(len(buffers.state_ports)):
         buffer = buffers.state(index)
         host = buffer.host if buffer.host is not None else buffer.value.numpy()

@@ -19,7 +19,7 @@ from onnx_chunk.passes.value_tracing import gqa_nodes
 from onnx_chunk.runtime.ladder import DECODE_WIDTH, ladder_tiers
 from onnx_chunk.validate.checks import STRUCTURE
 from onnx_chunk.validate.report import CheckResult, Outcome
-from onnx_chunk.validate.runtime_schemas import register_runtime_schemas
+from onnx_chunk.ort_schemas import register_runtime_schemas
 from onnx_chunk.validate.subject import Subject
 from onnx_chunk.validate.timing import Stopwatch
 

@@ -6,7 +6,9 @@ onnx_chunk: that venv holds the CPU onnxruntime that onnxruntime-genai brings. a
 JSON object: model (folder with genai_config.json), prompts, new_tokens, chunk_size
 (search.chunk_size; 0 leaves it unset), and optionally margins (true: each result also lists,
 per generated token, the gap between the two largest logits genai chose from, which tells a
-near-tie from a real difference). Prompts are served in order by one model on the CPU;
+near-tie from a real difference) and max_length (genai's search.max_length for every prompt;
+default the prompt plus new_tokens; genai 0.18 refuses a sliding-window export whose
+max_length is under the window). Prompts are served in order by one model on the CPU;
 generation stops at new_tokens or at EOS. Prints one JSON object shaped like chunk_worker's:
 TTFT runs from handing over the prompt to the first token; decode tokens/s counts the tokens
 after the first over the time after the first, as onnx-chunk does.
@@ -35,8 +37,8 @@ def main() -> None:
     results = []
     for prompt in request["prompts"]:
         params = og.GeneratorParams(model)
-        params.set_search_options(max_length=len(prompt) + request["new_tokens"],
-                                  do_sample=False)
+        params.set_search_options(max_length=request.get("max_length") or
+                                  len(prompt) + request["new_tokens"], do_sample=False)
         generator = og.Generator(model, params)
         start = time.perf_counter()
         margins: list[float] = []
