@@ -12,7 +12,10 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnxruntime as ort
@@ -34,13 +37,18 @@ from onnx_chunk.runtime.stats import RuntimeStats
 from onnx_chunk.runtime.variant_cache import (EXACT, Specialize, VariantCache, VariantKey,
                                               variant_key)
 
+if TYPE_CHECKING:
+    from onnx_chunk.sampling import Sampling
+    from onnx_chunk.text.generation import Completion, Prompt
+    from onnx_chunk.text.tokenizer import Tokenizer
+
 logger = logging.getLogger(__name__)
 
 EMBEDDINGS_FILE = "embeddings.npy"
 
 
 class Runtime:
-    """One decoder loaded on one device for chunked prefill and greedy generation.
+    """One decoder loaded on one device for chunked prefill and generation (ids or text).
 
     `load(model_path, **options)` is the same call.
 
@@ -160,6 +168,32 @@ class Runtime:
     def open_sequence(self) -> Sequence:
         """A new, empty sequence with its own KV buffers, sharing this model's sessions."""
         return Sequence(self)
+
+    @cached_property
+    def tokenizer(self) -> Tokenizer:
+        """The model folder's tokenizer, read on first use (ModelLoadError when it has none)."""
+        from onnx_chunk.text.tokenizer import load_tokenizer
+
+        return load_tokenizer(self.model_path)
+
+    def generate_text(self, prompt: Prompt, max_new_tokens: int, *,
+                      sampling: Sampling | None = None,
+                      stop: str | Iterable[str] | None = None) -> Completion:
+        """Text (or messages, through the chat template) in, a Completion out, on a new
+        sequence; `sampling` defaults to genai_config.json's search options (see docs/text.md)."""
+        from onnx_chunk.text.generation import generate_text
+
+        return generate_text(self.open_sequence(), self.tokenizer, prompt, max_new_tokens,
+                             sampling=sampling, stop=stop)
+
+    def stream_text(self, prompt: Prompt, max_new_tokens: int, *,
+                    sampling: Sampling | None = None,
+                    stop: str | Iterable[str] | None = None) -> Iterator[str]:
+        """Like `generate_text`, yielding the text as it is produced (checked before any work)."""
+        from onnx_chunk.text.generation import stream_text
+
+        return stream_text(self.open_sequence(), self.tokenizer, prompt, max_new_tokens,
+                           sampling=sampling, stop=stop)
 
     def stats(self) -> RuntimeStats:
         """The runtime's configuration and its variant cache's counters, now."""

@@ -1,4 +1,4 @@
-"""One sequence on a loaded decoder: chunked prefill, decode, greedy generation, rewind.
+"""One sequence on a loaded decoder: chunked prefill, decode, generation, rewind.
 
 A forward of r real rows goes through the pipeline of DESIGN.md:
 `plan_forward` widens it to the ladder width (or leaves it, when padding is off) -> the variant
@@ -45,6 +45,7 @@ from onnx_chunk.runtime.ports import LOGITS_OUTPUT, MASK_INPUT
 from onnx_chunk.runtime.provider import Device, MaskPolicy
 from onnx_chunk.runtime.stats import ChunkRecord, GenerationStats, SequenceStats
 from onnx_chunk.runtime.variant_cache import VariantKey, variant_key
+from onnx_chunk.sampling import GREEDY, Sampler, Sampling
 
 if TYPE_CHECKING:
     from onnx_chunk.runtime.engine import Runtime
@@ -158,23 +159,28 @@ class Sequence:
         return self._step(int(ids[0])).copy()
 
     def generate(self, token_ids: SequenceOf[int] | np.ndarray, max_new_tokens: int,
-                 eos_token_id: int | None = None) -> list[int]:
-        """Greedy generation: the new tokens (stopping after `eos_token_id` if it comes).
+                 eos_token_id: int | None = None, *,
+                 sampling: Sampling | None = None) -> list[int]:
+        """Generation: the new tokens (stopping after `eos_token_id` if it comes).
 
-        The last token returned is not fed back, so the sequence then holds
-        len(prompt) + len(tokens) - 1 positions more than before.
+        `sampling` chooses each token (default greedy: the argmax). The last token returned is
+        not fed back, so the sequence then holds len(prompt) + len(tokens) - 1 positions more
+        than before.
         """
-        return list(self.stream(token_ids, max_new_tokens, eos_token_id))
+        return list(self.stream(token_ids, max_new_tokens, eos_token_id, sampling=sampling))
 
     def stream(self, token_ids: SequenceOf[int] | np.ndarray, max_new_tokens: int,
-               eos_token_id: int | None = None) -> Iterator[int]:
+               eos_token_id: int | None = None, *,
+               sampling: Sampling | None = None) -> Iterator[int]:
         """Like `generate`, yielding each token as soon as it is produced.
 
         Every check (`check_request`) runs here, before any work and before the first token is
         asked for.
         """
         ids = self.check_request(token_ids, max_new_tokens)
-        return self._generate(ids, int(max_new_tokens), eos_token_id)
+        sampler = Sampler(GREEDY if sampling is None else sampling, self.runtime.ports.vocab_size)
+        sampler.observe(ids)
+        return self._generate(ids, int(max_new_tokens), eos_token_id, sampler)
 
     def check_request(self, token_ids: SequenceOf[int] | np.ndarray,
                       max_new_tokens: int) -> np.ndarray:
@@ -208,8 +214,8 @@ class Sequence:
         if self._buffers.state_ports and self._length.length == 0:
             self._buffers.reset_state()
 
-    def _generate(self, ids: np.ndarray, max_new_tokens: int,
-                  eos_token_id: int | None) -> Iterator[int]:
+    def _generate(self, ids: np.ndarray, max_new_tokens: int, eos_token_id: int | None,
+                  sampler: Sampler) -> Iterator[int]:
         """The generation, rolled back as a whole when a step fails.
 
         A failure (an exception in a prefill or decode step) leaves the sequence's length and
@@ -217,7 +223,7 @@ class Sequence:
         (GeneratorExit) keeps what was generated so far.
         """
         with self._all_or_nothing():
-            yield from self._generate_steps(ids, max_new_tokens, eos_token_id)
+            yield from self._generate_steps(ids, max_new_tokens, eos_token_id, sampler)
 
     @contextmanager
     def _all_or_nothing(self) -> Iterator[None]:
@@ -236,12 +242,12 @@ class Sequence:
             self._buffers.restore_state(snapshot)
             raise
 
-    def _generate_steps(self, ids: np.ndarray, max_new_tokens: int,
-                        eos_token_id: int | None) -> Iterator[int]:
+    def _generate_steps(self, ids: np.ndarray, max_new_tokens: int, eos_token_id: int | None,
+                        sampler: Sampler) -> Iterator[int]:
         generation = GenerationStats(prompt_tokens=len(ids))
         self._stats.last_generation = generation
         start = time.perf_counter()
-        token = int(np.argmax(self._prefill(ids, False, generation.chunks)))
+        token = sampler.choose(self._prefill(ids, False, generation.chunks))
         generation.ttft_s = time.perf_counter() - start
         generation.new_tokens = 1
         yield token
@@ -255,7 +261,7 @@ class Sequence:
             binding = self._binding(session, DECODE_WIDTH)
             for _ in range(max_new_tokens - 1):
                 began = time.perf_counter()
-                token = int(np.argmax(self._step_on(session, binding, token)))
+                token = sampler.choose(self._step_on(session, binding, token))
                 # Only the step is timed: a stream's consumer may take its time between tokens.
                 generation.decode_s += time.perf_counter() - began
                 generation.new_tokens += 1
