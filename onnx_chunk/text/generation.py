@@ -14,7 +14,7 @@ is the decode of the new tokens without special tokens, streamed through `TextSt
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence as SequenceOf
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
 from onnx_chunk.errors import CapacityError
@@ -35,13 +35,14 @@ Prompt = Union[str, SequenceOf[Mapping[str, Any]]]
 
 @dataclass(frozen=True)
 class Completion:
-    """One text generation: its text, new tokens, why it ended, and its statistics."""
+    """One text generation: its text, new tokens, why it ended, and its statistics (timings,
+    left out of equality)."""
 
     text: str
     tokens: tuple[int, ...]
     finish_reason: str
     prompt_tokens: int
-    stats: GenerationStats | None
+    stats: GenerationStats | None = field(default=None, compare=False)
 
 
 def prompt_ids(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
