@@ -12,7 +12,6 @@ on those), else the tokenizer's EOS token.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from functools import cached_property
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from onnx_chunk.errors import InputError, ModelLoadError
-from onnx_chunk.model_folder import GenaiConfig, locate_model
+from onnx_chunk.model_folder import GenaiConfig, locate_model, read_json_object
 from onnx_chunk.text.chat_template import ChatTemplate, find_chat_template
 
 logger = logging.getLogger(__name__)
@@ -109,7 +108,7 @@ class Tokenizer:
                                  "replace it with the model's tokenizer.json") from error
         backend.no_padding()
         backend.no_truncation()
-        config = read_json_object(folder / TOKENIZER_CONFIG)
+        config = _tokenizer_file(folder / TOKENIZER_CONFIG)
         special = _special_tokens(config, folder)
         _apply_post_processor(backend, config, special)
         return cls(backend, config, special, genai, folder)
@@ -162,19 +161,10 @@ def load_tokenizer(model_path: Path) -> Tokenizer:
     return Tokenizer.load(location.folder, location.genai)
 
 
-def read_json_object(path: Path) -> dict[str, Any]:
-    """A JSON object file of the model folder ({} when absent); ModelLoadError when unreadable."""
-    if not path.exists():
-        return {}
-    try:
-        document = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise ModelLoadError(f"cannot read {str(path)!r} as JSON ({error}); fix or replace the "
-                             "file") from error
-    if not isinstance(document, dict):
-        raise ModelLoadError(f"{str(path)!r} holds no JSON object; expected the tokenizer "
-                             "config transformers writes")
-    return document
+def _tokenizer_file(path: Path) -> dict[str, Any]:
+    """A tokenizer config file of the folder ({} when absent)."""
+    return read_json_object(path, "the tokenizer config",
+                            "the tokenizer config transformers writes") or {}
 
 
 def _token_text(value: object, where: str) -> str | None:
@@ -191,7 +181,7 @@ def _special_tokens(config: dict[str, Any], folder: Path) -> SpecialTokens:
     values = dict(config)
     if "added_tokens_decoder" not in config:
         # transformers' legacy path: special_tokens_map.json overrides the config's entries.
-        values.update(read_json_object(folder / SPECIAL_TOKENS_MAP))
+        values.update(_tokenizer_file(folder / SPECIAL_TOKENS_MAP))
     where = f"{str(folder / TOKENIZER_CONFIG)!r}"
     additional = values.get(ADDITIONAL_SPECIAL_TOKENS) or []
     if not isinstance(additional, list):
