@@ -1,8 +1,8 @@
 """Run in the peer venv: transformers' tokenizer of a folder on the cases of a JSON file.
 
-argv: FOLDER CASES_JSON. Cases: {"chats": [{"messages", "add_generation_prompt"}...],
-"texts": [str...]}. Prints {"chats": [{"text"} or {"error"}...], "texts": [[ids]...],
-"eos_token_id", "bos_token_id"}.
+argv: CASES_JSON FOLDER... Cases: {"chats": [{"messages", "add_generation_prompt"}...],
+"texts": [str...]}. Prints, per folder in order, {"chats": [{"text"} or {"error"}...],
+"texts": [[ids]...], "decoded": [str...], "class", "eos_token_id", "bos_token_id"}.
 """
 
 import json
@@ -11,9 +11,7 @@ import sys
 from transformers import AutoTokenizer
 
 
-def main(folder: str, cases_path: str) -> None:
-    with open(cases_path, encoding="utf-8") as handle:
-        cases = json.load(handle)
+def run(folder: str, cases: dict) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     chats = []
     for case in cases["chats"]:
@@ -27,10 +25,15 @@ def main(folder: str, cases_path: str) -> None:
             chats.append({"text": text})
     texts = [tokenizer.encode(text) for text in cases["texts"]]
     decoded = [tokenizer.decode(ids, skip_special_tokens=True) for ids in texts]
-    print(json.dumps({"chats": chats, "texts": texts, "decoded": decoded,
-                      "class": type(tokenizer).__name__,
-                      "eos_token_id": tokenizer.eos_token_id,
-                      "bos_token_id": tokenizer.bos_token_id}))
+    return {"chats": chats, "texts": texts, "decoded": decoded,
+            "class": type(tokenizer).__name__, "eos_token_id": tokenizer.eos_token_id,
+            "bos_token_id": tokenizer.bos_token_id}
+
+
+def main(cases_path: str, *folders: str) -> None:
+    with open(cases_path, encoding="utf-8") as handle:
+        cases = json.load(handle)
+    print(json.dumps([run(folder, cases) for folder in folders]))
 
 
 if __name__ == "__main__":

@@ -74,25 +74,43 @@ def _ours(folder: Path) -> dict:
             "decoded": [tokenizer.decode(ids, skip_special_tokens=True) for ids in texts]}
 
 
-@pytest.mark.parametrize("name, config, template_file", [
-    ("chatml", tokenizer_config(), None),
-    ("features", tokenizer_config(FEATURES, additional_special_tokens=["<|im_start|>"]), None),
-    ("named", tokenizer_config([{"name": "tool_use", "template": "{{ 'tools' }}"},
+FOLDERS = {
+    "chatml": (tokenizer_config(), None),
+    "features": (tokenizer_config(FEATURES, additional_special_tokens=["<|im_start|>"]), None),
+    "named": (tokenizer_config([{"name": "tool_use", "template": "{{ 'tools' }}"},
                                 {"name": "default", "template": CHATML}]), None),
-    ("jinja-file", tokenizer_config("{{ 'not this one' }}"), FEATURES),
-    ("llama-class", tokenizer_config(tokenizer_class="LlamaTokenizerFast", add_bos_token=True,
+    "jinja-file": (tokenizer_config("{{ 'not this one' }}"), FEATURES),
+    "llama-class": (tokenizer_config(tokenizer_class="LlamaTokenizerFast", add_bos_token=True,
                                      add_eos_token=True, legacy=False), None),
-    ("neox-class", tokenizer_config(tokenizer_class="GPTNeoXTokenizerFast"), None),
-])
-def test_templates_and_ids_match_transformers(tmp_path, byte_level_tokenizer, peer_python,
-                                              name, config, template_file):
-    folder = _folder(tmp_path, byte_level_tokenizer, name, config)
-    if template_file is not None:
-        (folder / "chat_template.jinja").write_text(template_file, encoding="utf-8")
-    cases = tmp_path / "cases.json"
+    "neox-class": (tokenizer_config(tokenizer_class="GPTNeoXTokenizerFast"), None),
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, byte_level_tokenizer):
+    root = tmp_path_factory.mktemp("parity")
+    made = {}
+    for name, (config, template_file) in FOLDERS.items():
+        made[name] = _folder(root, byte_level_tokenizer, name, config)
+        if template_file is not None:
+            (made[name] / "chat_template.jinja").write_text(template_file, encoding="utf-8")
+    return made
+
+
+@pytest.fixture(scope="module")
+def transformers_results(folders, peer_python, tmp_path_factory):
+    """transformers' renderings and ids for every folder, from one run of the worker."""
+    cases = tmp_path_factory.mktemp("cases") / "cases.json"
     cases.write_text(json.dumps({"chats": CHATS, "texts": TEXTS}, ensure_ascii=False),
                      encoding="utf-8")
-    theirs = run_worker(peer_python, WORKER, str(folder), str(cases))
+    results = run_worker(peer_python, WORKER, str(cases), *map(str, folders.values()))
+    return dict(zip(folders, results))
+
+
+@pytest.mark.parametrize("name", FOLDERS)
+def test_templates_and_ids_match_transformers(folders, transformers_results, name):
+    folder = folders[name]
+    theirs = transformers_results[name]
     ours = _ours(folder)
     for case, mine, reference in zip(CHATS, ours["chats"], theirs["chats"]):
         if "error" in reference:
