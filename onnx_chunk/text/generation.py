@@ -27,8 +27,6 @@ if TYPE_CHECKING:
     from onnx_chunk.runtime.sequence import Sequence
     from onnx_chunk.text.tokenizer import Tokenizer
 
-FINISH_REASONS = ("stop", "length", "capacity")
-
 # Text, or a conversation: [{"role": ..., "content": ...}, ...].
 Prompt = Union[str, SequenceOf[Mapping[str, Any]]]
 
