@@ -64,19 +64,10 @@ def locate_model(path: str | os.PathLike) -> ModelLocation:
 
 def read_genai_config(path: Path) -> GenaiConfig | None:
     """Read `path` (None when absent); ModelLoadError when it is unreadable or contradicts itself."""
-    if not path.exists():
+    document = read_json_object(path, "the genai config", "onnxruntime-genai's config "
+                                "({\"model\": {...}, \"search\": {...}})")
+    if document is None:
         return None
-    if path.is_symlink() or not path.is_file():
-        raise ModelLoadError(f"{str(path)!r} is not a regular file; the genai config must be a "
-                             "plain file in the model's folder")
-    try:
-        document = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise ModelLoadError(f"cannot read {str(path)!r} as JSON ({error}); fix or remove "
-                             "the file") from error
-    if not isinstance(document, dict):
-        raise ModelLoadError(f"{str(path)!r} holds no JSON object; expected onnxruntime-genai's "
-                             "config ({\"model\": {...}, \"search\": {...}})")
     reader = _Reader(path)
     model = reader.section(document, "model")
     decoder = reader.section(model, "decoder")
@@ -97,6 +88,24 @@ def read_genai_config(path: Path) -> GenaiConfig | None:
         chunk_size=reader.size(search.get("chunk_size"), "search.chunk_size"),
         search=dict(search),
     )
+
+
+def read_json_object(path: Path, what: str, expected: str) -> dict[str, Any] | None:
+    """A JSON object file of a model folder (None when absent); ModelLoadError when it is no
+    plain file, unreadable, or holds something else than an object (`expected` says what)."""
+    if not path.exists():
+        return None
+    if path.is_symlink() or not path.is_file():
+        raise ModelLoadError(f"{str(path)!r} is not a regular file; {what} must be a "
+                             "plain file in the model's folder")
+    try:
+        document = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise ModelLoadError(f"cannot read {str(path)!r} as JSON ({error}); fix or remove "
+                             "the file") from error
+    if not isinstance(document, dict):
+        raise ModelLoadError(f"{str(path)!r} holds no JSON object; expected {expected}")
+    return document
 
 
 def _decoder_in(folder: Path, genai: GenaiConfig | None) -> Path:

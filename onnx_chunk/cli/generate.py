@@ -11,6 +11,11 @@ import numpy as np
 
 from onnx_chunk import arguments
 from onnx_chunk.cli.static_generate import run_static_generate
+from onnx_chunk.cli.text_generate import (
+    given_text_options,
+    run_text_generate,
+    text_options,
+)
 from onnx_chunk.errors import InputError
 from onnx_chunk.runtime import GenerationStats, RuntimeStats, load
 from onnx_chunk.runtime.provider import PROVIDER_CHOICES
@@ -105,7 +110,8 @@ def _format(entry: dict) -> str:
 @click.option("--random-prompt", type=click.IntRange(min=1), metavar="N",
               help="A prompt of N random token ids.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Seed of --random-prompt.")
+              help="Seed of --random-prompt, and of sampling with --prompt (default there: "
+                   "genai_config.json's random_seed).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), required=True)
 @click.option("--eos-token-id", "eos_token_ids", type=int, multiple=True,
               help="Stop after this token; repeatable (stop at any of them).")
@@ -130,13 +136,21 @@ def _format(entry: dict) -> str:
 @click.option("--strict", is_flag=True,
               help="static: refuse truncation or a sliding cache instead of warning.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt per line.")
+@text_options
 def generate(model: Path, ids_text: str | None, ids_file: Path | None,
              random_prompt: int | None, seed: int, max_new_tokens: int,
              eos_token_ids: tuple[int, ...], chunk_size: int | None, provider: str,
              capacity: int | None, no_padding: bool, specialize: bool | None, static: bool,
              max_input_len: int | None, kv_capacity: int | None, decode_model: Path | None,
-             strict: bool, as_json: bool) -> None:
-    """Generate greedily from MODEL with chunked prefill (dynamic or static decoders)."""
+             strict: bool, as_json: bool, **text: object) -> None:
+    """Generate from MODEL with chunked prefill (dynamic or static decoders): token ids in and
+    out greedily, or with --prompt text in, text streamed out (see docs/text.md)."""
+    if text["prompt"] is not None:
+        _route_text(model, text, ids_text, ids_file, random_prompt, seed, max_new_tokens,
+                    eos_token_ids or None, chunk_size, provider, capacity, no_padding, specialize,
+                    static, as_json)
+        return
+    _refuse("token ids", dict.fromkeys(given_text_options(text), True))
     given = [name for name, value in (("--ids", ids_text), ("--ids-file", ids_file),
                                       ("--random-prompt", random_prompt)) if value is not None]
     if len(given) != 1:
@@ -182,6 +196,26 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
         tokens = sequence.generate(prompt, max_new_tokens, stop or None)
         entry = record(index, prompt, tokens, sequence.stats.last_generation, runtime.stats())
         click.echo(json.dumps(entry) if as_json else _format(entry))
+
+
+def _route_text(model: Path, text: dict, ids_text, ids_file, random_prompt, seed: int,
+                max_new_tokens: int, eos_token_id, chunk_size, provider: str, capacity,
+                no_padding: bool, specialize, static: bool, as_json: bool) -> None:
+    """--prompt: the text path (cli/text_generate.py), on a dynamic decoder."""
+    _refuse("--prompt", {"--ids": ids_text, "--ids-file": ids_file,
+                         "--random-prompt": random_prompt, "--eos-token-id": eos_token_id,
+                         "--static": static or None})
+    if is_static_model(model):
+        raise click.UsageError("--prompt runs dynamic decoders only; this is a static one")
+    explicit_seed = click.get_current_context().get_parameter_source("seed")
+    run_text_generate(
+        model, text, max_new_tokens=max_new_tokens,
+        seed=None if explicit_seed is click.core.ParameterSource.DEFAULT else seed,
+        load_runtime=lambda path: load(path, provider=provider, capacity=capacity,
+                                       chunk_size=chunk_size,
+                                       padding=False if no_padding else None,
+                                       specialize=specialize),
+        as_json=as_json)
 
 
 def _refuse(kind: str, options: dict[str, object]) -> None:

@@ -13,7 +13,10 @@ import logging
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnxruntime as ort
@@ -30,13 +33,27 @@ from onnx_chunk.runtime.ports import ModelPorts, model_ports
 from onnx_chunk.runtime.provider import Device, MaskPolicy, device_for, resolve_device
 from onnx_chunk.runtime.sequence import Sequence
 from onnx_chunk.runtime.sequence_pool import DEFAULT_IDLE_SLOTS, SequencePool, new_slot
-from onnx_chunk.runtime.session_factory import (QUANTIZED_MATMUL, SessionFactory,
-                                                 SharedWeights, load_shared_weights,
-                                                 owned_by_session)
+from onnx_chunk.runtime.session_factory import (
+    QUANTIZED_MATMUL,
+    SessionFactory,
+    SharedWeights,
+    load_shared_weights,
+    owned_by_session,
+)
 from onnx_chunk.runtime.stats import RuntimeStats
-from onnx_chunk.runtime.variant_cache import (EXACT, Specialize, VariantCache, VariantKey,
-                                              variant_key)
+from onnx_chunk.runtime.variant_cache import (
+    EXACT,
+    Specialize,
+    VariantCache,
+    VariantKey,
+    variant_key,
+)
 from onnx_chunk.runtime.variant_sessions import VariantSessions
+
+if TYPE_CHECKING:
+    from onnx_chunk.sampling import Sampling
+    from onnx_chunk.text.generation import Completion, Prompt
+    from onnx_chunk.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +61,7 @@ EMBEDDINGS_FILE = "embeddings.npy"
 
 
 class Runtime:
-    """One decoder loaded on one device for chunked prefill and greedy generation.
+    """One decoder loaded on one device for chunked prefill and generation (ids or text).
 
     `load(model_path, **options)` is the same call.
 
@@ -220,6 +237,39 @@ class Runtime:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    @cached_property
+    def tokenizer(self) -> Tokenizer:
+        """The model folder's tokenizer, read on first use (ModelLoadError when it has none)."""
+        from onnx_chunk.text.tokenizer import load_tokenizer
+
+        return load_tokenizer(self.model_path)
+
+    def generate_text(self, prompt: Prompt, max_new_tokens: int, *,
+                      sampling: Sampling | None = None,
+                      stop: str | Iterable[str] | None = None) -> Completion:
+        """Text (or messages, through the chat template) in, a Completion out, on a new
+        sequence; `sampling` defaults to genai_config.json's search options (see docs/text.md)."""
+        from onnx_chunk.text.generation import generate_text
+
+        with self.open_sequence() as sequence:
+            return generate_text(sequence, self.tokenizer, prompt, max_new_tokens,
+                                 sampling=sampling, stop=stop)
+
+    def stream_text(self, prompt: Prompt, max_new_tokens: int, *,
+                    sampling: Sampling | None = None,
+                    stop: str | Iterable[str] | None = None) -> Iterator[str]:
+        """Like `generate_text`, yielding the text as it is produced (checked before any work)."""
+        from onnx_chunk.text.generation import stream_text
+
+        sequence = self.open_sequence()
+        try:
+            stream = stream_text(sequence, self.tokenizer, prompt, max_new_tokens,
+                                 sampling=sampling, stop=stop)
+        except BaseException:
+            sequence.close()
+            raise
+        return _closing(stream, sequence)
+
     def stats(self) -> RuntimeStats:
         """The runtime's configuration and its variant cache's counters, now."""
         return RuntimeStats(
@@ -273,6 +323,14 @@ class Runtime:
                                  f"{list(given.shape)}")
         return given
 
+
+
+def _closing(stream: Iterator[str], sequence: Sequence) -> Iterator[str]:
+    """`stream`, giving its sequence back to the pool when it ends or is closed."""
+    try:
+        yield from stream
+    finally:
+        sequence.close()
 
 
 # The public entry point: `onnx_chunk.load(path, provider="auto", ...)` builds a Runtime.

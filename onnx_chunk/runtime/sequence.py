@@ -1,4 +1,4 @@
-"""One sequence on a loaded decoder: chunked prefill, decode, greedy generation, rewind.
+"""One sequence on a loaded decoder: chunked prefill, decode, generation, rewind.
 
 A forward of r real rows goes through the pipeline of DESIGN.md:
 `plan_forward` widens it to the ladder width (or leaves it, when padding is off) -> the variant
@@ -38,7 +38,8 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence as SequenceOf
+from collections.abc import Callable, Iterator
+from collections.abc import Sequence as SequenceOf
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -47,7 +48,13 @@ import numpy as np
 import onnxruntime as ort
 
 from onnx_chunk import arguments
-from onnx_chunk.errors import ClosedError, ConfigError, InputError, ModelStructureError, SequenceBusyError
+from onnx_chunk.errors import (
+    ClosedError,
+    ConfigError,
+    InputError,
+    ModelStructureError,
+    SequenceBusyError,
+)
 from onnx_chunk.runtime.buffers import DeviceBuffer, SequenceBuffers, device_zeros
 from onnx_chunk.runtime.cuda_graphs import CAPTURE_GATE, GraphRuns
 from onnx_chunk.runtime.kv_state import LogicalLength
@@ -58,6 +65,7 @@ from onnx_chunk.runtime.ports import LOGITS_OUTPUT, MASK_INPUT
 from onnx_chunk.runtime.provider import Device, MaskPolicy
 from onnx_chunk.runtime.stats import ChunkRecord, GenerationStats, SequenceStats
 from onnx_chunk.runtime.variant_cache import VariantKey, variant_key
+from onnx_chunk.sampling import GREEDY, Sampler, Sampling
 
 if TYPE_CHECKING:
     from onnx_chunk.runtime.engine import Runtime
@@ -209,17 +217,20 @@ class Sequence:
             return self._step(int(ids[0])).copy()
 
     def generate(self, token_ids: SequenceOf[int] | np.ndarray, max_new_tokens: int,
-                 eos_token_id: int | SequenceOf[int] | None = None) -> list[int]:
-        """Greedy generation: the new tokens (stopping after an end-of-sequence id if one comes).
+                 eos_token_id: int | SequenceOf[int] | None = None, *,
+                 sampling: Sampling | None = None) -> list[int]:
+        """Generation: the new tokens (stopping after an end-of-sequence id if one comes).
 
         `eos_token_id`: one id or a sequence of ids, each in [0, vocab); None: the runtime's
-        (`Runtime.eos_token_ids`). The last token returned is not fed back, so the sequence
-        then holds len(prompt) + len(tokens) - 1 positions more than before.
+        (`Runtime.eos_token_ids`). `sampling` chooses each token (default greedy: the argmax).
+        The last token returned is not fed back, so the sequence then holds
+        len(prompt) + len(tokens) - 1 positions more than before.
         """
-        return list(self.stream(token_ids, max_new_tokens, eos_token_id))
+        return list(self.stream(token_ids, max_new_tokens, eos_token_id, sampling=sampling))
 
     def stream(self, token_ids: SequenceOf[int] | np.ndarray, max_new_tokens: int,
-               eos_token_id: int | SequenceOf[int] | None = None) -> Iterator[int]:
+               eos_token_id: int | SequenceOf[int] | None = None, *,
+               sampling: Sampling | None = None) -> Iterator[int]:
         """Like `generate`, yielding each token as soon as it is produced.
 
         Every check (`check_request`, the EOS ids) runs here, before any work and before the
@@ -228,8 +239,10 @@ class Sequence:
         """
         ids = self.check_request(token_ids, max_new_tokens)
         stop_ids = self._eos_ids(eos_token_id)
+        sampler = Sampler(GREEDY if sampling is None else sampling, self.runtime.ports.vocab_size)
+        sampler.observe(ids)
         release = self._hold("stream")
-        steps = self._generate(ids, int(max_new_tokens), stop_ids, release)
+        steps = self._generate(ids, int(max_new_tokens), stop_ids, sampler, release)
         # A stream collected before its first token never runs its own cleanup.
         weakref.finalize(steps, release)
         return steps
@@ -311,7 +324,7 @@ class Sequence:
         return arguments.token_ids(eos_token_id, "eos_token_id", self.runtime.ports.vocab_size)
 
     def _generate(self, ids: np.ndarray, max_new_tokens: int, eos_ids: tuple[int, ...],
-                  release: Callable[[], None]) -> Iterator[int]:
+                  sampler: Sampler, release: Callable[[], None]) -> Iterator[int]:
         """The generation, rolled back as a whole when a step fails; frees the sequence at the end.
 
         A failure (an exception in a prefill or decode step) leaves the sequence's length and
@@ -320,7 +333,7 @@ class Sequence:
         """
         try:
             with self._all_or_nothing():
-                yield from self._generate_steps(ids, max_new_tokens, eos_ids)
+                yield from self._generate_steps(ids, max_new_tokens, eos_ids, sampler)
         finally:
             release()
 
@@ -342,11 +355,11 @@ class Sequence:
             raise
 
     def _generate_steps(self, ids: np.ndarray, max_new_tokens: int,
-                        eos_ids: tuple[int, ...]) -> Iterator[int]:
+                        eos_ids: tuple[int, ...], sampler: Sampler) -> Iterator[int]:
         generation = GenerationStats(prompt_tokens=len(ids))
         self._stats.last_generation = generation
         start = time.perf_counter()
-        token = int(np.argmax(self._prefill(ids, False, generation.chunks)))
+        token = sampler.choose(self._prefill(ids, False, generation.chunks))
         generation.ttft_s = time.perf_counter() - start
         generation.new_tokens = 1
         yield token
@@ -360,7 +373,7 @@ class Sequence:
             binding = self._binding(session, DECODE_WIDTH)
             for _ in range(max_new_tokens - 1):
                 began = time.perf_counter()
-                token = int(np.argmax(self._step_on(session, binding, token)))
+                token = sampler.choose(self._step_on(session, binding, token))
                 # Only the step is timed: a stream's consumer may take its time between tokens.
                 generation.decode_s += time.perf_counter() - began
                 generation.new_tokens += 1

@@ -1,0 +1,116 @@
+"""`onnx-chunk generate MODEL --prompt TEXT`: text in, text streamed out (the body `generate`
+routes to when --prompt is given), and the sampling options `generate` and `chat` share.
+
+The text goes to stdout as it is produced; a summary line (finish reason, tokens, timings)
+goes to stderr, so stdout holds the text alone. `--json` prints one object instead.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from onnx_chunk.model_folder import locate_model
+from onnx_chunk.sampling import Sampling
+
+# The sampling options: (flag, (type, help)).
+_SAMPLING_OPTIONS = (
+    ("--temperature", (float, "Sampling temperature (0: greedy).")),
+    ("--top-k", (int, "Keep the k most likely tokens (0: all).")),
+    ("--top-p", (float, "Keep the most likely tokens up to this mass.")),
+    ("--min-p", (float, "Drop tokens below this fraction of the top one's probability.")),
+    ("--repetition-penalty", (float, "Penalise the tokens already seen (1: off).")),
+)
+TEXT_ONLY = ("--prompt", "--chat", "--system", "--temperature", "--top-k", "--top-p",
+             "--min-p", "--repetition-penalty", "--stop")
+
+
+def sampling_options(command: Callable) -> Callable:
+    """Add --temperature, --top-k, --top-p, --min-p, --repetition-penalty and --stop."""
+    command = click.option("--stop", multiple=True,
+                           help="Stop before this text (repeatable).")(command)
+    for name, (kind, text) in reversed(_SAMPLING_OPTIONS):
+        command = click.option(name, type=kind, default=None,
+                               help=f"{text} Default: genai_config.json's search.")(command)
+    return command
+
+
+def text_options(command: Callable) -> Callable:
+    """`generate`'s text options: --prompt, --chat, --system, and the sampling options."""
+    command = sampling_options(command)
+    command = click.option("--system", default=None,
+                           help="With --chat: a system message before the prompt.")(command)
+    command = click.option("--chat", is_flag=True,
+                           help="Send the prompt as a user message through the chat "
+                                "template.")(command)
+    return click.option("--prompt", default=None,
+                        help="The prompt as text: text in, text streamed out.")(command)
+
+
+def sampling_from(genai: Any, options: dict[str, Any], seed: int | None) -> Sampling:
+    """The Sampling of the command line: genai_config.json's search, overridden by the flags
+    given (`seed` None keeps the config's random_seed)."""
+    overrides = {_key(name): options.get(_key(name)) for name, _ in _SAMPLING_OPTIONS}
+    search = {} if genai is None else genai.search
+    return Sampling.from_search(search, **overrides, seed=seed)
+
+
+def given_text_options(options: dict[str, Any]) -> list[str]:
+    """The text-only flags given (to refuse them on an ids request)."""
+    return [name for name in TEXT_ONLY if options.get(_key(name)) not in (None, (), False)]
+
+
+def run_text_generate(model: Path, options: dict[str, Any], *, max_new_tokens: int,
+                      seed: int | None, load_runtime: Callable[[Path], Any],
+                      as_json: bool) -> None:
+    """Generate from the text prompt in `options` and print it (streamed, or one JSON line)."""
+    from onnx_chunk.text.generation import stream_text
+
+    if options.get("system") is not None and not options.get("chat"):
+        raise click.UsageError("--system needs --chat (it is a message of the chat template)")
+    runtime = load_runtime(locate_model(model).onnx_path)
+    tokenizer = runtime.tokenizer
+    prompt: Any = options["prompt"]
+    if options.get("chat"):
+        prompt = ([] if options.get("system") is None
+                  else [{"role": "system", "content": options["system"]}])
+        prompt.append({"role": "user", "content": options["prompt"]})
+    sampling = sampling_from(tokenizer.genai, options, seed)
+    generation = stream_text(runtime.open_sequence(), tokenizer, prompt, max_new_tokens,
+                             sampling=sampling, stop=options.get("stop") or None)
+    for piece in generation:
+        if not as_json:
+            click.echo(piece, nl=False)
+            sys.stdout.flush()
+    completion = generation.completion
+    stats = completion.stats
+    entry = {"text": completion.text, "tokens": list(completion.tokens),
+             "finish_reason": completion.finish_reason,
+             "prompt_tokens": completion.prompt_tokens,
+             "ttft_s": stats.ttft_s, "decode_tokens_per_s": stats.decode_tokens_per_s,
+             "sampling": _sampling_record(sampling)}
+    if as_json:
+        click.echo(json.dumps(entry, ensure_ascii=False))
+        return
+    click.echo()
+    speed = entry["decode_tokens_per_s"]
+    click.echo(f"[{completion.finish_reason}: {len(completion.tokens)} tokens after a "
+               f"{completion.prompt_tokens}-token prompt | ttft {stats.ttft_s * 1000:.1f} ms | "
+               f"decode {'-' if speed is None else f'{speed:.1f}'} tok/s]", err=True)
+
+
+def _sampling_record(sampling: Sampling) -> dict[str, Any]:
+    return {"temperature": sampling.temperature, "top_k": sampling.top_k,
+            "top_p": sampling.top_p, "min_p": sampling.min_p,
+            "repetition_penalty": sampling.repetition_penalty, "seed": sampling.seed}
+
+
+def _key(option: str) -> str:
+    """The parameter name click gives an option: --top-k -> top_k."""
+    return option.lstrip("-").replace("-", "_")
+

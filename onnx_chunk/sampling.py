@@ -1,0 +1,184 @@
+"""Token choice: greedy, or a seeded draw after the logits processors transformers applies.
+
+`Sampling` is the configuration (validated once, at construction); a `Sampler` is one request's
+state: its own random generator and one work buffer allocated up front, so a decode step
+allocates nothing the size of the vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import numpy as np
+
+from onnx_chunk.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen from a logits row.
+
+    temperature: 0 chooses greedily (argmax, the lowest id on ties); above 0 the logits are
+        divided by it and a token is drawn.
+    top_k: keep the k highest logits (0: all); 1 is greedy.
+    top_p: keep the smallest set of highest-probability tokens whose mass reaches top_p (1: all).
+    min_p: drop tokens whose probability is below min_p times the top token's (0: none).
+    repetition_penalty: on the tokens already seen (prompt and generated), divide positive
+        logits and multiply negative ones by it (1: off); applied in greedy choice too.
+    seed: the random generator's seed (None: fresh entropy, not reproducible).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        _number(self.temperature, "temperature", "a number >= 0 (0 is greedy)",
+                lambda value: value >= 0)
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) \
+                or self.top_k < 0:
+            raise ConfigError(f"top_k must be an integer >= 0 (0 keeps every token), got "
+                              f"{self.top_k!r}")
+        _number(self.top_p, "top_p", "a number in (0, 1] (1 keeps every token)",
+                lambda value: 0 < value <= 1)
+        _number(self.min_p, "min_p", "a number in [0, 1] (0 keeps every token)",
+                lambda value: 0 <= value <= 1)
+        _number(self.repetition_penalty, "repetition_penalty", "a number > 0 (1 is off)",
+                lambda value: value > 0)
+        if self.seed is not None and (isinstance(self.seed, bool) or
+                                      not isinstance(self.seed, (int, np.integer))
+                                      or self.seed < 0):
+            raise ConfigError(f"seed must be a non-negative integer or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the choice is the argmax (temperature 0 or top_k 1): no draw."""
+        return self.temperature == 0 or self.top_k == 1
+
+    @classmethod
+    def from_search(cls, search: Mapping[str, Any], **overrides: Any) -> Sampling:
+        """The defaults of a genai_config.json `search` section, with `overrides` applied.
+
+        As onnxruntime-genai reads it: `do_sample` false (its default) is greedy; otherwise
+        `temperature`, `top_k`, `top_p`, `repetition_penalty` and `random_seed` (-1: none)
+        apply. An override that is None leaves the default.
+        """
+        unknown = sorted(set(overrides) - {field.name for field in fields(cls)})
+        if unknown:
+            raise ConfigError(f"unknown sampling option(s) {', '.join(unknown)}; expected "
+                              f"some of {', '.join(field.name for field in fields(cls))}")
+        base = cls(repetition_penalty=_search_value(search, "repetition_penalty", 1.0))
+        if search.get("do_sample") is True:
+            seed = _search_value(search, "random_seed", -1)
+            base = replace(base, temperature=_search_value(search, "temperature", 1.0),
+                           top_k=_search_value(search, "top_k", 0),
+                           top_p=_search_value(search, "top_p", 1.0),
+                           seed=None if seed == -1 else seed)
+        given = {name: value for name, value in overrides.items() if value is not None}
+        return replace(base, **given)
+
+
+class Sampler:
+    """One request's token choice under a `Sampling`: seeded, with a preallocated work buffer.
+
+    The order of operations is transformers' logits processors: repetition penalty on the
+    tokens seen, temperature, top-k, top-p, min-p, then a draw from what is left. Every token
+    whose processed logit reaches the strictest of the three cut-offs stays (ties at a cut-off
+    are kept together).
+    """
+
+    def __init__(self, sampling: Sampling, vocab_size: int) -> None:
+        self.sampling = sampling
+        self._rng = np.random.default_rng(sampling.seed)
+        self._penalize = sampling.repetition_penalty != 1.0
+        self._seen: set[int] = set()
+        self._seen_ids = np.empty(0, dtype=np.int64)
+        # Row 0: the processed logits, then the weights; row 1: their sorted copy; row 2: the
+        # top-p weights, then the mask of the tokens kept.
+        self._work = (None if sampling.greedy and not self._penalize
+                      else np.empty((3, vocab_size), dtype=np.float64))
+
+    def observe(self, token_ids: Iterable[int]) -> None:
+        """Count `token_ids` as seen (for the repetition penalty)."""
+        if not self._penalize:
+            return
+        new = [int(token) for token in token_ids if int(token) not in self._seen]
+        if new:
+            self._seen.update(new)
+            self._seen_ids = np.fromiter(sorted(self._seen), dtype=np.int64,
+                                         count=len(self._seen))
+
+    def choose(self, logits: np.ndarray) -> int:
+        """The next token for a [vocab] logits row; it counts as seen from now on."""
+        if self._work is None:
+            return int(np.argmax(logits))
+        token = self._choose(logits)
+        self.observe((token,))
+        return token
+
+    def _choose(self, logits: np.ndarray) -> int:
+        sampling = self.sampling
+        scores, ascending, scratch = self._work
+        np.copyto(scores, logits)
+        if self._penalize and self._seen_ids.size:
+            seen = scores[self._seen_ids]
+            penalty = sampling.repetition_penalty
+            scores[self._seen_ids] = np.where(seen > 0, seen / penalty, seen * penalty)
+        if sampling.greedy:
+            return int(np.argmax(scores))
+        scores /= sampling.temperature
+        top = float(scores.max())
+        cutoff = -math.inf
+        if 0 < sampling.top_k < scores.size or sampling.top_p < 1.0:
+            np.copyto(ascending, scores)
+            ascending.sort()
+            if 0 < sampling.top_k < scores.size:
+                cutoff = float(ascending[-sampling.top_k])
+            if sampling.top_p < 1.0:
+                cutoff = _top_p_cutoff(ascending, cutoff, top, sampling.top_p, scratch)
+        if sampling.min_p > 0.0:
+            cutoff = max(cutoff, top + math.log(sampling.min_p))
+        np.greater_equal(scores, cutoff, out=scratch)
+        scores -= top
+        np.exp(scores, out=scores)
+        scores *= scratch
+        np.cumsum(scores, out=scores)
+        target = self._rng.random() * scores[-1]
+        return int(np.searchsorted(scores, target, side="right"))
+
+
+def _top_p_cutoff(ascending: np.ndarray, cutoff: float, top: float, top_p: float,
+                  weights: np.ndarray) -> float:
+    """The lowest logit top-p keeps of `ascending` (the sorted logits) above `cutoff`.
+
+    transformers drops the tokens whose ascending cumulative probability (over what top-k
+    kept) is at most 1 - top_p, and always keeps the most likely one.
+    """
+    start = int(np.searchsorted(ascending, cutoff, side="left"))
+    np.subtract(ascending, top, out=weights)
+    np.exp(weights, out=weights)
+    weights[:start] = 0.0
+    np.cumsum(weights, out=weights)
+    first = int(np.searchsorted(weights, (1.0 - top_p) * weights[-1], side="right"))
+    return float(ascending[min(first, ascending.size - 1)])
+
+
+def _number(value: object, name: str, expected: str, valid) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(value) or not valid(value):
+        raise ConfigError(f"{name} must be {expected}, got {value!r}")
+
+
+def _search_value(search: Mapping[str, Any], key: str, default: Any) -> Any:
+    value = search.get(key, default)
+    return default if value is None else value
+
+
+# The default: argmax, as the runtime chose before sampling existed.
+GREEDY = Sampling()

@@ -1,0 +1,134 @@
+"""A model's chat template, found and rendered as transformers' `apply_chat_template` does.
+
+Where it is: `chat_template.jinja` in the model folder, else `tokenizer_config.json`'s
+`chat_template` (a string, or a list of {"name", "template"} of which "default" is used).
+How it renders: jinja2's ImmutableSandboxedEnvironment with trim_blocks, lstrip_blocks, the
+loopcontrols extension and the `{% generation %}` block (rendered as its body: transformers
+uses it only to track assistant tokens); `raise_exception(message)` raises; `tojson` is json.dumps with
+ensure_ascii=False (indent, separators, sort_keys passed through) in place of jinja's
+HTML-escaping filter; `strftime_now(format)` is the local time; the variables are `messages`,
+`tools` and `documents` (None), `add_generation_prompt`, and every declared special token
+(bos_token, eos_token, ..., additional_special_tokens) by name.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from onnx_chunk.errors import InputError, ModelLoadError
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+DEFAULT_TEMPLATE_NAME = "default"
+
+
+class ChatTemplateError(InputError):
+    """The chat template refused the messages (its raise_exception), or failed rendering them."""
+
+
+class ChatTemplate:
+    """A compiled chat template and the special tokens it is rendered with."""
+
+    def __init__(self, source: str, special_tokens: Mapping[str, Any], origin: str) -> None:
+        import jinja2
+
+        self.source = source
+        self.origin = origin
+        self._special_tokens = dict(special_tokens)
+        try:
+            self._template = _environment().from_string(source)
+        except jinja2.TemplateSyntaxError as error:
+            raise ModelLoadError(f"the chat template in {origin} does not compile (line "
+                                 f"{error.lineno}: {error.message}); fix the template") from error
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *,
+               add_generation_prompt: bool = False) -> str:
+        """The prompt text of `messages` ([{"role", "content"}, ...])."""
+        import jinja2
+
+        _check_messages(messages)
+        try:
+            return self._template.render(
+                messages=[dict(message) for message in messages], tools=None, documents=None,
+                add_generation_prompt=add_generation_prompt, **self._special_tokens)
+        except jinja2.TemplateError as error:
+            raise ChatTemplateError(f"the chat template of {self.origin} refused the messages: "
+                                    f"{error}") from error
+
+
+def find_chat_template(folder: Path, config: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The template source and where it came from, as transformers picks it (None: none)."""
+    path = folder / CHAT_TEMPLATE_FILE
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8"), repr(str(path))
+        except (OSError, UnicodeDecodeError) as error:
+            raise ModelLoadError(f"cannot read the chat template {str(path)!r} ({error}); fix "
+                                 "or remove the file") from error
+    value = config.get("chat_template")
+    origin = f"{str(folder / 'tokenizer_config.json')!r}"
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value, origin
+    if isinstance(value, list):
+        named = {entry.get("name"): entry.get("template") for entry in value
+                 if isinstance(entry, dict)}
+        template = named.get(DEFAULT_TEMPLATE_NAME)
+        if isinstance(template, str):
+            return template, f"{origin} (template {DEFAULT_TEMPLATE_NAME!r})"
+        raise ModelLoadError(
+            f"{origin} holds named chat templates ({', '.join(map(repr, named))}) but none named "
+            f"{DEFAULT_TEMPLATE_NAME!r}; name the one to use {DEFAULT_TEMPLATE_NAME!r}")
+    raise ModelLoadError(f"{origin}: chat_template must be a string or a list of named "
+                         f"templates, got {type(value).__name__}; fix the tokenizer config")
+
+
+def _environment():
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(format):
+        return datetime.now().strftime(format)
+
+    class GenerationBlock(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [],
+                                          body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True,
+        extensions=[GenerationBlock, jinja2.ext.loopcontrols])
+    environment.filters["tojson"] = tojson
+    environment.globals["raise_exception"] = raise_exception
+    environment.globals["strftime_now"] = strftime_now
+    return environment
+
+
+def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise InputError("messages must be a non-empty list of {\"role\": ..., \"content\": ...} "
+                         f"objects, got {messages!r}")
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) \
+                or "content" not in message:
+            raise InputError(f"message {index} must be an object with a \"role\" string and a "
+                             f"\"content\", got {message!r}")

@@ -1,0 +1,223 @@
+"""The model folder's tokenizer (`tokenizer.json`, HF's Rust tokenizer) read as transformers reads it.
+
+transformers' fast tokenizer is the `tokenizers` model of `tokenizer.json` plus what
+`tokenizer_config.json` says: the special tokens (strings or serialized AddedTokens; the legacy
+`special_tokens_map.json` when the config lists no added tokens), and, for the tokenizer
+classes that rebuild their post-processor from `add_bos_token`/`add_eos_token` (Llama,
+CodeLlama, Gemma, Cohere, GPT-NeoX), the BOS/EOS that `encode` adds. Padding and truncation
+stored in `tokenizer.json` are switched off, as transformers does for a plain `encode`.
+The EOS ids are genai_config.json's `eos_token_id` when it has one (onnxruntime-genai stops
+on those), else the tokenizer's EOS token.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from functools import cached_property
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from onnx_chunk.errors import InputError, ModelLoadError
+from onnx_chunk.model_folder import GenaiConfig, locate_model, read_json_object
+from onnx_chunk.text.chat_template import ChatTemplate, find_chat_template
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"
+
+# The special-token attributes transformers passes to a chat template (its
+# SPECIAL_TOKENS_ATTRIBUTES), in its order.
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                       "cls_token", "mask_token")
+ADDITIONAL_SPECIAL_TOKENS = "additional_special_tokens"
+
+# Tokenizer classes whose constructor rebuilds the post-processor from add_bos_token and
+# add_eos_token: their defaults (add_bos_token, add_eos_token).
+_POST_PROCESSOR_DEFAULTS = {
+    "LlamaTokenizer": (True, False),
+    "CodeLlamaTokenizer": (True, False),
+    "GemmaTokenizer": (True, False),
+    "CohereTokenizer": (True, False),
+    "GPTNeoXTokenizer": (False, False),
+}
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """The special tokens a tokenizer config declares, as strings (None: not declared)."""
+
+    bos_token: str | None = None
+    eos_token: str | None = None
+    unk_token: str | None = None
+    sep_token: str | None = None
+    pad_token: str | None = None
+    cls_token: str | None = None
+    mask_token: str | None = None
+    additional_special_tokens: tuple[str, ...] = ()
+
+    def template_variables(self) -> dict[str, Any]:
+        """What transformers passes a chat template: each declared token by its name."""
+        variables: dict[str, Any] = {name: getattr(self, name) for name in SPECIAL_TOKEN_NAMES
+                                     if getattr(self, name)}
+        if self.additional_special_tokens:
+            variables[ADDITIONAL_SPECIAL_TOKENS] = list(self.additional_special_tokens)
+        return variables
+
+
+class Tokenizer:
+    """Text <-> token ids for one model folder."""
+
+    def __init__(self, backend: Any, config: dict[str, Any], special: SpecialTokens,
+                 genai: GenaiConfig | None, folder: Path) -> None:
+        self._backend = backend
+        self.config = config
+        self.special_tokens = special
+        self.folder = folder
+        self.genai = genai
+        self._special_ids = frozenset(
+            int(index) for index, token in backend.get_added_tokens_decoder().items() if token.special)
+        own_eos = self.token_id(special.eos_token)
+        genai_eos = genai.eos_token_ids if genai is not None else ()
+        if genai_eos and own_eos is not None and own_eos not in genai_eos:
+            logger.warning("the tokenizer's eos_token %r (id %d) is not among genai_config's "
+                           "eos_token_id %s; stopping on genai_config's, as onnxruntime-genai "
+                           "does", special.eos_token, own_eos, list(genai_eos))
+        self.eos_token_ids: tuple[int, ...] = (tuple(genai_eos) if genai_eos else
+                                               (() if own_eos is None else (own_eos,)))
+        self.bos_token_id: int | None = self.token_id(special.bos_token)
+
+    @classmethod
+    def load(cls, folder: Path, genai: GenaiConfig | None = None) -> Tokenizer:
+        """The tokenizer of the model in `folder`; ModelLoadError when it has none or it is bad."""
+        path = folder / TOKENIZER_FILE
+        if not path.is_file():
+            raise ModelLoadError(
+                f"the model folder {str(folder)!r} has no {TOKENIZER_FILE}, so text cannot be "
+                f"encoded or decoded; copy the {TOKENIZER_FILE} and {TOKENIZER_CONFIG} the model "
+                "was exported with beside it, or pass token ids instead of text")
+        from tokenizers import Tokenizer as Backend
+
+        try:
+            backend = Backend.from_file(str(path))
+        except Exception as error:  # the Rust side raises plain Exceptions for bad files
+            raise ModelLoadError(f"cannot read {str(path)!r} as a tokenizer ({error}); "
+                                 "replace it with the model's tokenizer.json") from error
+        backend.no_padding()
+        backend.no_truncation()
+        config = _tokenizer_file(folder / TOKENIZER_CONFIG)
+        special = _special_tokens(config, folder)
+        _apply_post_processor(backend, config, special)
+        return cls(backend, config, special, genai, folder)
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer can produce (added tokens included)."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """The ids of `text`; with `add_special_tokens` what the post-processor adds (BOS...)."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """The text of `token_ids` (special tokens dropped with `skip_special_tokens`)."""
+        return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def chat_template(self) -> ChatTemplate | None:
+        """The folder's chat template, compiled on first use (None: it has none)."""
+        found = find_chat_template(self.folder, self.config)
+        if found is None:
+            return None
+        source, origin = found
+        return ChatTemplate(source, self.special_tokens.template_variables(), origin)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
+                            add_generation_prompt: bool = True) -> str:
+        """The prompt text of a conversation, through the model's chat template."""
+        template = self.chat_template
+        if template is None:
+            raise InputError(
+                f"the model folder {str(self.folder)!r} has no chat template (no "
+                f"chat_template.jinja, no chat_template in {TOKENIZER_CONFIG}); pass the prompt "
+                "as text instead of messages")
+        return template.render(messages, add_generation_prompt=add_generation_prompt)
+
+    def token_id(self, token: str | None) -> int | None:
+        """The id of one token string (None when it is not in the vocabulary)."""
+        return None if token is None else self._backend.token_to_id(token)
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether `token_id` is a special added token (what skip_special_tokens drops)."""
+        return token_id in self._special_ids
+
+
+def load_tokenizer(model_path: Path) -> Tokenizer:
+    """The tokenizer of the model at `model_path` (a decoder file or its folder)."""
+    location = locate_model(model_path)
+    return Tokenizer.load(location.folder, location.genai)
+
+
+def _tokenizer_file(path: Path) -> dict[str, Any]:
+    """A tokenizer config file of the folder ({} when absent)."""
+    return read_json_object(path, "the tokenizer config",
+                            "the tokenizer config transformers writes") or {}
+
+
+def _token_text(value: object, where: str) -> str | None:
+    """A special token as the config stores it: a string or a serialized AddedToken."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise ModelLoadError(f"{where} must be a token string or an AddedToken object with a "
+                         f"\"content\" string, got {value!r}; fix the tokenizer config")
+
+
+def _special_tokens(config: dict[str, Any], folder: Path) -> SpecialTokens:
+    values = dict(config)
+    if "added_tokens_decoder" not in config:
+        # transformers' legacy path: special_tokens_map.json overrides the config's entries.
+        values.update(_tokenizer_file(folder / SPECIAL_TOKENS_MAP))
+    where = f"{str(folder / TOKENIZER_CONFIG)!r}"
+    additional = values.get(ADDITIONAL_SPECIAL_TOKENS) or []
+    if not isinstance(additional, list):
+        raise ModelLoadError(f"{where}: {ADDITIONAL_SPECIAL_TOKENS} must be a list, got "
+                             f"{additional!r}")
+    return SpecialTokens(
+        **{name: _token_text(values.get(name), f"{where}: {name}")
+           for name in SPECIAL_TOKEN_NAMES},
+        additional_special_tokens=tuple(
+            _token_text(token, f"{where}: {ADDITIONAL_SPECIAL_TOKENS}") for token in additional))
+
+
+def _apply_post_processor(backend: Any, config: dict[str, Any], special: SpecialTokens) -> None:
+    """Rebuild the post-processor from add_bos_token/add_eos_token where transformers does."""
+    name = str(config.get("tokenizer_class") or "").removesuffix("Fast")
+    defaults = _POST_PROCESSOR_DEFAULTS.get(name)
+    if defaults is None:
+        return
+    add_bos = bool(config.get("add_bos_token", defaults[0]))
+    add_eos = bool(config.get("add_eos_token", defaults[1]))
+    pieces = []
+    for wanted, token, flag in ((add_bos, special.bos_token, "add_bos_token"),
+                                (add_eos, special.eos_token, "add_eos_token")):
+        if not wanted:
+            continue
+        token_id = None if token is None else backend.token_to_id(token)
+        if token_id is None:
+            raise ModelLoadError(f"the tokenizer config sets {flag} but its token {token!r} is "
+                                 "not in tokenizer.json; fix the tokenizer config")
+        pieces.append((token, token_id))
+    from tokenizers import processors
+
+    bos = f"{special.bos_token}:0 " if add_bos else ""
+    eos = f" {special.eos_token}:0" if add_eos else ""
+    bos_b = f" {special.bos_token}:1" if add_bos else ""
+    eos_b = f" {special.eos_token}:1" if add_eos else ""
+    single = f"{bos}$A:0{eos}"
+    backend.post_processor = processors.TemplateProcessing(
+        single=single, pair=f"{single}{bos_b} $B:1{eos_b}", special_tokens=pieces)
