@@ -217,6 +217,7 @@ class Runtime:
             cache=self.cache.snapshot(),
             graph_widths=tuple(sorted(self.sessions.graph_widths)),
             graphs_captured=self.sessions.graphs.captured,
+            graphs_by_width=dict(self.sessions.graphs.by_width),
             graphs_released=self.sessions.graphs.released,
             graph_fallbacks=dict(self.sessions.graphs.fallbacks),
             sequences=self.pool.stats(),

@@ -460,7 +460,7 @@ class Sequence:
             device.run(session, binding.io, graphs.options(first_run, parity))
             return
         if graphs.ran(first_run, parity):
-            self.runtime.sessions.note_capture()
+            self.runtime.sessions.note_capture(width)
 
     def _release_output(self, binding: _Binding) -> None:
         """Drop the logits ONNX Runtime allocated for a run of `binding` (when it keeps none)."""

@@ -35,11 +35,13 @@ logger = logging.getLogger(__name__)
 class GraphCounters:
     """What happened to CUDA graphs: captures, releases and the widths that fell back.
 
-    `fallbacks` maps a width to why its capture failed (it runs without a graph since).
+    `by_width` counts the captures per width; `fallbacks` maps a width to why its capture
+    failed (it runs without a graph since).
     """
 
     captured: int = 0
     released: int = 0
+    by_width: dict[int, int] = field(default_factory=dict)
     fallbacks: dict[int | str, str] = field(default_factory=dict)
 
 
@@ -90,9 +92,10 @@ class VariantSessions:
             captures = session in self._capturing
         return graph_runs(slot, stateful) if captures else None
 
-    def note_capture(self) -> None:
+    def note_capture(self, width: int) -> None:
         with self._lock:
             self.graphs.captured += 1
+            self.graphs.by_width[width] = self.graphs.by_width.get(width, 0) + 1
 
     def note_fallback(self, session: ort.InferenceSession, width: int, reason: str) -> None:
         """A capture on `session` failed: its width runs without a graph, for every slot."""

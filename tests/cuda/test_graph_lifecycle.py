@@ -92,7 +92,8 @@ def test_slots_beyond_the_idle_ones_kept_release_their_graphs(reference_model, c
     for sequence in sequences:
         # Decode runs: one first run, two warm-ups, then the capture and replays.
         sequence.generate(PROMPT, RUNS_BEFORE_CAPTURE + 3)
-    assert runtime.stats().graphs_captured == 3
+    stats = runtime.stats()
+    assert stats.graphs_captured == 3 and stats.graphs_by_width == {1: 3}
     for sequence in sequences:
         sequence.close()
     # One slot stays idle (the last closed, warm); the other two release their decode graphs.
