@@ -138,6 +138,11 @@ def graph_runs(slot: int, stateful: bool) -> GraphRuns:
     return GraphRuns(run_options(SKIP_CAPTURE), tuple(run_options(i) for i in ids), ids)
 
 
+def uncaptured() -> GraphRuns:
+    """The run options of a binding on a capturing session that must never capture."""
+    return GraphRuns(run_options(SKIP_CAPTURE), (), (), failure="never captures")
+
+
 def release_graphs(session: ort.InferenceSession, ids: tuple[int, ...]) -> int:
     """Free the graphs `ids` captured on `session`; how many were released.
 

@@ -141,7 +141,12 @@ class Runtime:
                                       query_dim=self.ports.query_dim, fixed_dims=fixed_dims,
                                       intra_op_threads=intra_op_threads)
         # Neither the cache nor the pool refers back to the runtime: no reference cycle.
-        self.sessions = VariantSessions(self.factory, specialize=specialize, quantized=quantized)
+        # Off the host, a specialised prefill width returns only the logits row a forward
+        # needs (logits_row), so no sequence keeps a [1, W, vocab] buffer per width.
+        select_rows = (not self.device.host_visible and specialize is not False
+                       and not self.ports.last_row_logits)
+        self.sessions = VariantSessions(self.factory, specialize=specialize, quantized=quantized,
+                                        select_rows=select_rows)
         self.cache: VariantCache[ort.InferenceSession] = VariantCache(
             self.sessions.build, self.sessions.release, cap=variants, meter=meter)
         self.cache.note_padding_refused(refused)

@@ -49,7 +49,7 @@ def no_gc():
 
 
 def _load(path, **options):
-    return load(path, device=DEVICE, capacity=96, chunk_size=16, padding=False, **options)
+    return load(path, device=DEVICE, capacity=96, chunk_size=16, **{"padding": False, **options})
 
 
 def test_a_closed_sequence_hands_its_buffers_and_graphs_to_the_next(reference_model, capturing,
@@ -281,3 +281,20 @@ def test_a_failed_capture_falls_back_to_running_without_a_graph(reference_model,
     decode = max(recorded_runs, key=lambda run: recorded_runs.count(run))[0]
     assert {graph for session, graph in recorded_runs if session == decode} == {SKIP_CAPTURE}
     assert np.isfinite(stats.cache.bytes_held)
+
+
+def test_captured_prefill_widths_keep_one_logits_row(reference_model, capturing):
+    runtime = _load(reference_model(), padding=True)
+    host = load(reference_model(), provider="cpu", capacity=96, chunk_size=16)
+    sequence = runtime.open_sequence()
+    assert sequence.generate(PROMPT, 4) == host.open_sequence().generate(PROMPT, 4)
+    vocab = runtime.ports.vocab_size
+    with runtime.cache.acquire(16) as session:
+        kept = runtime.bindings(session, sequence)[16].logits
+    assert kept.shape == (1, 1, vocab)  # not [1, 16, vocab] per sequence
+    # A caller that needs every row gets them all, padded chunks included (45 = 16 + 16 + 13).
+    sequence.rewind(sequence.length)
+    every = sequence.prefill(PROMPT, all_logits=True)
+    expected = host.open_sequence().prefill(PROMPT, all_logits=True)
+    assert every.shape == (len(PROMPT), vocab)
+    np.testing.assert_allclose(every, expected, rtol=0, atol=1e-5)
