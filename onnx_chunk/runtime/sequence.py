@@ -306,6 +306,8 @@ class Sequence:
         with runtime.cache.acquire(runtime.decode_key) as session:
             binding = self._binding(session, DECODE_WIDTH)
             for _ in range(max_new_tokens - 1):
+                # A stream closed between tokens has given its buffers back: stop there.
+                self._check_open()
                 began = time.perf_counter()
                 token = int(np.argmax(self._step_on(session, binding, token)))
                 # Only the step is timed: a stream's consumer may take its time between tokens.

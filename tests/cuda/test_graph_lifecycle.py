@@ -298,3 +298,31 @@ def test_captured_prefill_widths_keep_one_logits_row(reference_model, capturing)
     expected = host.open_sequence().prefill(PROMPT, all_logits=True)
     assert every.shape == (len(PROMPT), vocab)
     np.testing.assert_allclose(every, expected, rtol=0, atol=1e-5)
+
+
+def test_a_slot_taken_by_another_thread_drops_its_graphs_first(reference_model, capturing,
+                                                              released_graphs):
+    runtime = _load(reference_model())
+    with runtime.open_sequence() as first:
+        first.generate(PROMPT, RUNS_BEFORE_CAPTURE + 3)
+    assert runtime.stats().graphs_captured == 1
+    taken = []
+    # The CUDA provider keeps graphs per thread: another thread's sequence captures anew.
+    worker = threading.Thread(target=lambda: taken.append(runtime.open_sequence()))
+    worker.start()
+    worker.join(10)
+    assert taken[0].slot == first.slot
+    assert released_graphs == [graph_id(first.slot, 0, False)]
+    with runtime.cache.acquire(1) as session:
+        assert not runtime.bindings(session, taken[0])
+
+
+def test_a_stream_stops_once_its_sequence_is_closed(reference_model):
+    runtime = _load(reference_model())
+    sequence = runtime.open_sequence()
+    stream = sequence.stream(PROMPT, 5)
+    next(stream)
+    next(stream)
+    sequence.close()
+    with pytest.raises(ClosedError, match="closed"):
+        next(stream)
