@@ -262,22 +262,26 @@ def _run(label: str, model: Path, device: Device, prompts, args, logs: Path, *,
         keys = {variant_key(width, runtime.tiers, runtime.specialize)
                 for width in record.widths_used}
         factory, weights = runtime.factory, runtime.weights
+        select_rows = runtime.sessions.select_rows
         runtime.close()
         del runtime, sequence, second
         memory["after close"] = meter.used_bytes()
-        record.placement = _placement(factory, weights, keys)
+        record.placement = _placement(factory, weights, keys, select_rows)
     return record
 
 
-def _placement(factory: SessionFactory, weights: SharedWeights, keys) -> dict:
-    """Per variant: nodes per provider, the CPU nodes' op types and the Memcpy nodes."""
+def _placement(factory: SessionFactory, weights: SharedWeights, keys,
+               select_rows: bool) -> dict:
+    """Per variant (built as the runtime builds it): nodes per provider, the op types placed
+    off the device's provider and the Memcpy nodes."""
     recording = SessionFactory(factory.model_path, weights, factory.device,
                                query_dim=factory.query_dim, fixed_dims=factory.fixed_dims,
                                session_config={ASSIGNMENT_KEY: "1"})
     device_ep = factory.device.session_providers[0][0]
     placement = {}
     for key in sorted(keys, key=lambda k: (k is None, k or 0)):
-        session = recording.create(key, prepack=False)
+        session = recording.create(key, prepack=False,
+                                   last_row=select_rows and key not in (None, DECODE_WIDTH))
         per_provider: dict[str, int] = {}
         cpu_ops: dict[str, int] = {}
         memcpy = 0

@@ -55,7 +55,7 @@ class VariantSessions:
         self._specialize = specialize
         self._quantized = quantized
         # Specialised prefill widths return the one logits row asked for (logits_row).
-        self._select_rows = select_rows
+        self.select_rows = select_rows
         self._lock = threading.Lock()
         self._row_sessions: set[ort.InferenceSession] = set()
         self._bindings: dict[ort.InferenceSession, dict[int, OrderedDict]] = {}
@@ -68,7 +68,7 @@ class VariantSessions:
         # Pre-pack where it pays (see session_factory): the decode shape, a lone session that
         # also decodes, and every session of a model with quantized MatMulNBits weights.
         prepack = key == DECODE_WIDTH or not self._specialize or self._quantized
-        last_row = self._select_rows and key not in (None, DECODE_WIDTH)
+        last_row = self.select_rows and key not in (None, DECODE_WIDTH)
         with CAPTURE_GATE.shared():
             session = self.factory.create(key, prepack=prepack,
                                           capture=capturable(self.device, key),

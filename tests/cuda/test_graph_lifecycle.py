@@ -15,7 +15,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from onnx_chunk.errors import ClosedError
+from onnx_chunk.errors import ClosedError, ConfigError
 from onnx_chunk.runtime import load, variant_sessions
 from onnx_chunk.runtime.cuda_graphs import (RUNS_BEFORE_CAPTURE, SKIP_CAPTURE, CaptureGate,
                                             graph_id)
@@ -127,6 +127,8 @@ def test_pool_rules():
     assert freed == [0, 1]
     with pytest.raises(ClosedError):
         pool.take()
+    with pytest.raises(ConfigError, match="at least 0"):
+        SequencePool(make, freed.append, DEVICE.mask_policy, keep=-1)
 
 
 @dataclasses.dataclass
