@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The CUDA path on one GPU, in at most 8 minutes: scripts/gpu_check.py (CPU float32 / CUDA
-# float16 parity on one seed's reference decoder, CUDA graphs on and off (no captured graph is a
-# failure), TTFT, decode speed, device memory per variant, weights held once), then the
-# cache-thrash sequence on the GPU; a short table is printed last. Full logs go under $OUT when
-# it is set (else a temporary folder, named at the end).
+# The CUDA path on one GPU, in at most 8 minutes: scripts/gpu_check.py (environment, CPU
+# float32 / CUDA float16 parity, graphs on and off, node placement, captures per pass from ORT's
+# own log, device memory per pass and after close, a second sequence, a cap-2 run, the weights
+# experiment), then the cache-thrash sequence on the GPU. The verdict table is printed last,
+# whatever failed or timed out before it (gpu_check.py writes its rows as they come). Full logs
+# go under $OUT when it is set (else a temporary folder, named at the end).
 #
 #   scripts/gpu_check.sh [--dry-run] [--preset NAME] [--python PYTHON]
 #
@@ -37,13 +38,14 @@ if [ "$DRY_RUN" = 1 ]; then
   PROVIDER=cpu
   PRESET="${PRESET:-tiny}"
   CHECK_ARGS=(--dry-run --chunk-size 32 --capacity 512 --new-tokens 6)
-  THRASH_ARGS=(--chunk-size 32 --lengths 40,53,75,90,61 --new-tokens 3)
+  THRASH_ARGS=(--chunk-size 32 --lengths 40,53,75,90,61 --new-tokens 3 --logits-rtol 1e-2)
   export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 else
   PROVIDER=cuda
   PRESET="${PRESET:-bench}"
   CHECK_ARGS=()
-  THRASH_ARGS=()
+  # float16 kernels tile differently per width: the modes agree within float16 noise.
+  THRASH_ARGS=(--logits-rtol 1e-2)
   SITE="${ORT_SITE_DIR:-/tmp/ort-site}"
   if [ ! -d "$SITE/onnxruntime" ]; then
     echo "error: no onnxruntime-gpu in $SITE; stage it first (scripts/stage_ort_gpu.py)" >&2
@@ -73,16 +75,23 @@ THRASH_ARGS+=(--model "$WORK/thrash-model/model.onnx")
 timeout 390 "$PYTHON" scripts/gpu_check.py --preset "$PRESET" --out "$WORK" \
   ${CHECK_ARGS[@]+"${CHECK_ARGS[@]}"} >"$LOGS/gpu_check.log" 2>&1 || status=$?
 cp "$WORK/results.json" "$LOGS/results.json" 2>/dev/null || true
+cp -r "$WORK/ort-logs" "$LOGS/" 2>/dev/null || true
 timeout 90 "$PYTHON" scripts/cache_thrash.py --provider "$PROVIDER" \
   ${THRASH_ARGS[@]+"${THRASH_ARGS[@]}"} >"$LOGS/cache_thrash.log" 2>&1 && thrash=0 || thrash=$?
 
-echo "logs: $LOGS (gpu_check.log, thrash_model.log, cache_thrash.log, results.json)"
+echo "logs: $LOGS (gpu_check.log, ort-logs/, thrash_model.log, cache_thrash.log, results.json)"
+if [ "$status" != 0 ] && [ "$status" != 1 ]; then
+  echo "gpu_check.py ended with status $status (124: timed out); the end of its log:"
+  tail -n 8 "$LOGS/gpu_check.log" | cut -c1-300
+fi
 if [ -f "$WORK/table.txt" ]; then
   cat "$WORK/table.txt"
 else
-  echo "gpu_check.py ended with status $status before its table; the end of its log:"
-  tail -n 20 "$LOGS/gpu_check.log"
-  [ "$status" = 0 ] && status=1
+  printf '%-30s  %-6s  %s\n' "check" "result" "detail"
+fi
+if [ "$status" != 0 ] && [ "$status" != 1 ]; then
+  printf '%-30s  %-6s  %s\n' "gpu_check.py" "FAIL" "ended with status $status before its last row"
+  status=1
 fi
 # Errors gpu_check.py printed (e.g. a graphs-on run that captured no CUDA graph), shown loudly.
 grep '^error: ' "$LOGS/gpu_check.log" >&2 || true

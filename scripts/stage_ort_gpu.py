@@ -8,10 +8,13 @@ in parts over back-to-back calls into a folder outside $OUT, and is then install
 
 Here (a machine with pip access):
     python3 scripts/stage_ort_gpu.py prepare            # download, split, print the call plan
-On the GPU machine, one call per part (each call carries .stage/manifest.json and one part):
+On the GPU machine, back to back, one call per part (each carries .stage/manifest.json and one
+part); the call that carries the last part also installs and runs the check:
     python3 scripts/stage_ort_gpu.py receive .stage/part-00
-and in the last call, before the GPU check:
-    python3 scripts/stage_ort_gpu.py install && export PYTHONPATH=/tmp/ort-site
+    ...
+    python3 scripts/stage_ort_gpu.py receive .stage/part-04 --install && bash scripts/gpu_check.sh
+`receive` prints the parts still missing; with `--install` it installs only when none is, and
+otherwise exits with status 2 naming them (so the check does not run on a half-staged wheel).
 `receive` and `install` use only the standard library and pip, so they run on the bare image.
 """
 
@@ -66,11 +69,20 @@ def prepare(version: str, python_version: str, part_mib: int) -> int:
     manifest_path.write_text(json.dumps(manifest, indent=2))
     print(f"{manifest['wheel']}: {len(parts)} parts of at most {part_mib} MiB in {STAGE}")
     print("device calls, back to back (the machine stays warm ~30 s between calls):")
-    for part in parts:
-        print(f"  carry=['.stage/manifest.json', '.stage/{part['name']}']  "
-              f"command='python3 scripts/stage_ort_gpu.py receive .stage/{part['name']}'")
-    print("  then: python3 scripts/stage_ort_gpu.py install && export PYTHONPATH=/tmp/ort-site")
+    for line in call_plan([part["name"] for part in parts]):
+        print(f"  {line}")
     return 0
+
+
+def call_plan(names: list[str]) -> list[str]:
+    """One device call per part; the last one also installs and runs the GPU check."""
+    calls = []
+    for index, name in enumerate(names):
+        command = f"python3 scripts/stage_ort_gpu.py receive .stage/{name}"
+        if index == len(names) - 1:
+            command += " --install && bash scripts/gpu_check.sh"
+        calls.append(f"carry=['.stage/manifest.json', '.stage/{name}']  command='{command}'")
+    return calls
 
 
 def _manifest() -> dict:
@@ -80,25 +92,37 @@ def _manifest() -> dict:
     raise SystemExit("error: no manifest.json: carry .stage/manifest.json with every call")
 
 
-def receive(paths: list[str]) -> int:
+def receive(paths: list[str], then_install: bool = False) -> int:
     manifest = _manifest()
     expected = {part["name"]: part["sha256"] for part in manifest["parts"]}
     LANDING.mkdir(parents=True, exist_ok=True)
-    shutil.copy(STAGE / "manifest.json", LANDING / "manifest.json")
+    if (STAGE / "manifest.json").exists():
+        shutil.copy(STAGE / "manifest.json", LANDING / "manifest.json")
     for path in map(Path, paths):
         if expected.get(path.name) != _sha256(path):
             raise SystemExit(f"error: {path} does not match the manifest (corrupt transfer?)")
         shutil.copy(path, LANDING / path.name)
         print(f"received {path.name}")
-    have = sorted(p.name for p in LANDING.glob("part-*"))
-    missing = sorted(set(expected) - set(have))
-    print(f"{len(have)}/{len(expected)} parts in {LANDING}; missing: {missing or 'none'}")
-    return 0
+    missing = _missing(manifest)
+    have = len(expected) - len(missing)
+    print(f"{have}/{len(expected)} parts in {LANDING}; missing: "
+          f"{', '.join(missing) if missing else 'none'}")
+    if not then_install:
+        return 0
+    if missing:
+        print(f"error: not installing, parts not yet received: {', '.join(missing)}; send "
+              "each with receive first", file=sys.stderr)
+        return 2
+    return install()
+
+
+def _missing(manifest: dict) -> list[str]:
+    return [p["name"] for p in manifest["parts"] if not (LANDING / p["name"]).exists()]
 
 
 def install() -> int:
     manifest = _manifest()
-    missing = [p["name"] for p in manifest["parts"] if not (LANDING / p["name"]).exists()]
+    missing = _missing(manifest)
     if missing:
         raise SystemExit(f"error: parts not yet received: {', '.join(missing)}")
     wheel = LANDING / manifest["wheel"]
@@ -122,12 +146,14 @@ def main() -> int:
     prep.add_argument("--part-mib", type=int, default=56)
     rec = commands.add_parser("receive", help="keep parts outside $OUT (on the GPU machine)")
     rec.add_argument("parts", nargs="+")
+    rec.add_argument("--install", action="store_true",
+                     help="then install, when every part is in (the last part's call)")
     commands.add_parser("install", help="join, verify and install (on the GPU machine)")
     args = parser.parse_args()
     if args.command == "prepare":
         return prepare(args.version, args.python_version, args.part_mib)
     if args.command == "receive":
-        return receive(args.parts)
+        return receive(args.parts, then_install=args.install)
     return install()
 
 

@@ -1,37 +1,26 @@
-"""CUDA graph capture per variant: which sessions capture, and the graph id each run replays.
+"""CUDA graph capture per variant: which sessions capture, the graph ids, the capture gate.
 
 ONNX Runtime's CUDA provider captures a CUDA graph when a session is created with the provider
 option `enable_cuda_graph=1`; every later run with the same run option `gpu_graph_id` replays
 it without launching a kernel from the host. What ONNX Runtime requires, and how the runtime
-meets it:
+meets it (docs/cuda.md has the whole story):
 
 1. Every input and output is bound through IOBinding to an OrtValue on the device that never
-   moves: replay re-issues the addresses recorded at capture and skips the input copies. The
-   runtime binds KV, tokens, positions, the capacity-wide mask and the logits once per binding
-   and updates them in place (`OrtValue.update_inplace`).
-2. Shapes are fixed per graph: a session specialised for one query width (the ladder tiers,
-   the decode width, every width under `specialize="exact"`) with the capacity-wide mask.
-   The shape-generic session never captures, nor does any session under the logical mask,
-   whose width changes every step.
-3. Every compute node runs on the CUDA provider (shape-only nodes on the CPU are allowed, a
-   Memcpy node is not). A session that cannot capture fails to be created with the option on;
-   the factory then creates it without and logs why.
-4. The provider runs a graph id's first runs without capture (they allocate what the graph
-   will use), captures the next and replays from then on. The graph lives in the calling
-   thread's context, so a sequence driven from another thread captures its own copy.
-5. A graph records one set of addresses, so each sequence gets its own graph ids on a session
-   (one slot per sequence and session), and a model with recurrent state gets two per slot:
-   its state buffers alternate between two addresses (see `buffers`), one graph per parity.
-6. The first run of a binding passes `gpu_graph_id=-1` (no capture): it learns the logits
-   shape, after which the logits are bound to a buffer of their own for good.
-
-One session per variant, each specialised to its width (free-dimension overrides) and
-released with the variant on eviction. The cost, found in review and not yet measured on a
-GPU: `add_initializer` accepts only caller-owned buffers, so the sessions share the weights in
-host memory and each CUDA session holds its own device copy. One device copy for every width
-needs the other design ONNX Runtime offers since 1.18: one shape-generic session that keeps a
-graph per annotation id (`gpu_graph_id`), shapes fixed per id; whether a captured graph can
-then be released on eviction is what a GPU run has to establish (docs/cuda.md).
+   moves: replay re-issues the addresses recorded at capture and skips the input copies.
+2. Shapes are fixed per graph: a session specialised for one query width with the
+   capacity-wide mask (`capturable`). The shape-generic session never captures.
+3. Every compute node runs on the CUDA provider; a session that cannot capture fails to be
+   created with the option on, and the factory creates it without.
+4. Graph id 0 is reserved by ONNX Runtime: ids start at FIRST_GRAPH_ID. A graph id runs
+   RUNS_BEFORE_CAPTURE times uncaptured (allocations), is captured on the next run and
+   replayed from then on; a binding's very first run passes SKIP_CAPTURE (it learns the
+   logits shape). `GraphRuns` counts the runs, so the runtime knows which run captures.
+5. A graph records one set of addresses: each sequence slot gets its own ids on a session, and
+   a model with recurrent state two per slot (its state buffers alternate): `graph_id`.
+6. ONNX Runtime captures in CUDA's global capture mode, which any device work from another
+   thread breaks: a capture run holds `CAPTURE_GATE` alone, all other device work shares it.
+7. Graphs are freed with their session, or by `release_graphs` when their slot is freed
+   (`sequence_pool`).
 """
 
 from __future__ import annotations
@@ -136,6 +125,11 @@ def graph_runs(slot: int, stateful: bool) -> GraphRuns:
     """The run options of a binding in `slot` (one graph, two for a stateful model)."""
     ids = tuple(graph_id(slot, parity, stateful) for parity in ((0, 1) if stateful else (0,)))
     return GraphRuns(run_options(SKIP_CAPTURE), tuple(run_options(i) for i in ids), ids)
+
+
+def uncaptured() -> GraphRuns:
+    """The run options of a binding on a capturing session that must never capture."""
+    return GraphRuns(run_options(SKIP_CAPTURE), (), (), failure="never captures")
 
 
 def release_graphs(session: ort.InferenceSession, ids: tuple[int, ...]) -> int:

@@ -181,7 +181,12 @@ class Runtime:
                                       query_dim=self.ports.query_dim, fixed_dims=fixed_dims,
                                       intra_op_threads=intra_op_threads)
         # Neither the cache nor the pool refers back to the runtime: no reference cycle.
-        self.sessions = VariantSessions(self.factory, specialize=specialize, quantized=quantized)
+        # Off the host, a specialised prefill width returns only the logits row a forward
+        # needs (logits_row), so no sequence keeps a [1, W, vocab] buffer per width.
+        select_rows = (not self.device.host_visible and specialize is not False
+                       and not self.ports.last_row_logits)
+        self.sessions = VariantSessions(self.factory, specialize=specialize, quantized=quantized,
+                                        select_rows=select_rows)
         self.cache: VariantCache[ort.InferenceSession] = VariantCache(
             self.sessions.build, self.sessions.release, cap=variants, meter=meter)
         self.cache.note_padding_refused(refused)
@@ -290,6 +295,7 @@ class Runtime:
             cache=self.cache.snapshot(),
             graph_widths=tuple(sorted(self.sessions.graph_widths)),
             graphs_captured=self.sessions.graphs.captured,
+            graphs_by_width=dict(self.sessions.graphs.by_width),
             graphs_released=self.sessions.graphs.released,
             graph_fallbacks=dict(self.sessions.graphs.fallbacks),
             sequences=self.pool.stats(),

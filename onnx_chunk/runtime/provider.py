@@ -191,9 +191,18 @@ def resolve_device(provider: str = "auto", device_id: int = 0,
 @functools.lru_cache(maxsize=None)
 def _cuda_failure(device_id: int) -> str | None:
     """None when a CUDA session can be created on `device_id`, else why it cannot."""
+    return probe_cuda(device_id)
+
+
+def probe_cuda(device_id: int = 0, *, quiet: bool = True) -> str | None:
+    """None when a CUDA session can be created on `device_id`, else why it cannot.
+
+    `quiet=False` lets ONNX Runtime's loader print its failures to file descriptor 2 (what the
+    GPU check shows when the probe fails); the runtime's own probe is quiet and cached.
+    """
     if _CUDA_EP not in ort.get_available_providers():
         return "this onnxruntime build has no CUDA provider"
-    with _quiet_stderr():
+    with _quiet_stderr() if quiet else contextlib.nullcontext():
         return _probe_cuda(device_id)
 
 

@@ -60,6 +60,7 @@ from onnx_chunk.runtime.cuda_graphs import CAPTURE_GATE, GraphRuns
 from onnx_chunk.runtime.kv_state import LogicalLength
 from onnx_chunk.runtime.kv_window import rewind_is_exact
 from onnx_chunk.runtime.ladder import DECODE_WIDTH
+from onnx_chunk.runtime.logits_row import ALL_ROWS, ROW_INPUT
 from onnx_chunk.runtime.padding import QueryAxisShrunk, plan_forward
 from onnx_chunk.runtime.ports import LOGITS_OUTPUT, MASK_INPUT
 from onnx_chunk.runtime.provider import Device, MaskPolicy
@@ -109,6 +110,11 @@ class _Binding:
     # captured CUDA graph (fixed addresses). Other widths take ONNX Runtime's output of each
     # run and let it go once the wanted row is read, so no prefill-sized logits stay held.
     keeps_logits: bool
+    # The logits output bound: "logits", or every row's ("logits_all") on a row-selecting
+    # session asked for all rows.
+    output: str = LOGITS_OUTPUT
+    # On a row-selecting session (`logits_row`): the index of the row its logits return.
+    row_index: DeviceBuffer | None = None
     logits: DeviceBuffer | None = None
     # Off the host: the host copy of one logits row, allocated with the logits buffer.
     row: np.ndarray | None = None
@@ -135,6 +141,7 @@ class Sequence:
         else:
             self._step_tokens = np.zeros((1, 1, ports.hidden_size), dtype=ports.token_dtype)
         self._step_positions = np.zeros((1, 1), dtype=np.int64)
+        self._row_index = np.zeros(1, dtype=np.int64)
         self._stats = SequenceStats(length=0, capacity=runtime.capacity,
                                     kv_bytes=self._buffers.nbytes)
         # Held by the call or the stream that drives the sequence (see `_hold`).
@@ -372,6 +379,8 @@ class Sequence:
         with runtime.cache.acquire(runtime.decode_key) as session:
             binding = self._binding(session, DECODE_WIDTH)
             for _ in range(max_new_tokens - 1):
+                # A stream closed between tokens has given its buffers back: stop there.
+                self._check_open()
                 began = time.perf_counter()
                 token = sampler.choose(self._step_on(session, binding, token))
                 # Only the step is timed: a stream's consumer may take its time between tokens.
@@ -417,15 +426,20 @@ class Sequence:
         # The logits are cut, read and released while the variant is still pinned, so no other
         # thread can evict it (and count its memory as freed) while its output is in use.
         with runtime.cache.acquire(key) as session, self._gate(session, forward.width):
-            binding = self._binding(session, forward.width)
+            binding = self._binding(session, forward.width, all_rows=need == "all")
             binding.tokens.write(forward.tokens.reshape(binding.tokens.shape))
             if binding.positions is not None:
                 binding.positions.write(forward.ports[runtime.ports.position_ids])
+            if binding.row_index is not None:
+                self._row_index[0] = forward.real_rows - 1
+                binding.row_index.write(self._row_index)
             logits = self._run_bound(key, session, binding, forward.width)
             try:
                 # cut_logits applies the shape rules (and the padding self-check) to a view
-                # that holds the shape only: no logits are read here.
-                real_rows = forward.cut_logits(_shape_only(logits)).shape[1]
+                # that holds the shape only: no logits are read here. A row-selecting session
+                # returned the last real row alone.
+                real_rows = (1 if binding.output == LOGITS_OUTPUT and binding.row_index is not None
+                             else forward.cut_logits(_shape_only(logits)).shape[1])
             except QueryAxisShrunk as error:
                 shrunk = error
             else:
@@ -533,7 +547,7 @@ class Sequence:
             device.run(session, binding.io, graphs.options(first_run, parity))
             return
         if graphs.ran(first_run, parity):
-            self.runtime.sessions.note_capture()
+            self.runtime.sessions.note_capture(width)
 
     def _release_output(self, binding: _Binding) -> None:
         """Drop the logits ONNX Runtime allocated for a run of `binding` (when it keeps none)."""
@@ -541,26 +555,32 @@ class Sequence:
             return
         device = self.runtime.device
         binding.io.clear_binding_outputs()
-        binding.io.bind_output(LOGITS_OUTPUT, device.device_type, device.device_id)
+        binding.io.bind_output(binding.output, device.device_type, device.device_id)
         self._buffers.bind_kv(binding.io)
 
-    def _binding(self, session: ort.InferenceSession, width: int) -> _Binding:
+    def _binding(self, session: ort.InferenceSession, width: int,
+                 all_rows: bool = False) -> _Binding:
         # The runtime holds the bindings per live session and drops them when the cache
         # releases that session. A specialised session sees one width; the shape-generic one
-        # keeps the last few widths it ran at.
+        # keeps the last few widths it ran at. A row-selecting session asked for every row
+        # gets a binding of the full logits beside, which never captures.
         runtime = self.runtime
+        selects = runtime.sessions.selects_row(session)
+        every_row = all_rows and selects
+        name = (ALL_ROWS, width) if every_row else width
         bindings = runtime.bindings(session, self)
-        binding = bindings.get(width)
+        binding = bindings.get(name)
         if binding is not None:
-            bindings.move_to_end(width)
+            bindings.move_to_end(name)
             return binding
         ports = runtime.ports
         device = runtime.device
         io = session.io_binding()
+        output = ALL_ROWS if every_row else LOGITS_OUTPUT
         # Bound first so that it is output 0; ONNX Runtime allocates it on the first run (never
         # captured), which tells the rows the model really returns, and a buffer of that shape
         # replaces it for good.
-        io.bind_output(LOGITS_OUTPUT, device.device_type, device.device_id)
+        io.bind_output(output, device.device_type, device.device_id)
         self._buffers.bind_kv(io)
         token_shape = (1, width) if ports.hidden_size is None else (1, width, ports.hidden_size)
         tokens = device_zeros(token_shape, ports.token_dtype, device)
@@ -571,11 +591,17 @@ class Sequence:
             io.bind_ortvalue_input(ports.position_ids, positions.value)
         if device.mask_policy is MaskPolicy.CAPACITY:
             io.bind_ortvalue_input(MASK_INPUT, self._mask.value)
+        row_index = None
+        if selects:
+            row_index = device_zeros((1,), np.int64, device)
+            io.bind_ortvalue_input(ROW_INPUT, row_index.value)
         graphs = runtime.sessions.graph_runs(session, self._slot_number,
-                                             stateful=bool(self._buffers.state_ports))
-        binding = _Binding(io, tokens, positions, graphs,
-                           keeps_logits=width == DECODE_WIDTH or graphs is not None)
-        bindings[width] = binding
+                                             stateful=bool(self._buffers.state_ports),
+                                             capture=not every_row)
+        keeps = width == DECODE_WIDTH or (graphs is not None and not every_row)
+        binding = _Binding(io, tokens, positions, graphs, keeps_logits=keeps, output=output,
+                           row_index=row_index)
+        bindings[name] = binding
         while len(bindings) > _BINDINGS_PER_SESSION:
             bindings.popitem(last=False)
         return binding

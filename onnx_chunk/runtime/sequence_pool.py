@@ -12,7 +12,10 @@ costs the capture each time.
 
 Rules:
 1. `take` hands out an idle slot (the most recently returned, whose graphs are warm) or makes a
-   new one with the smallest free slot number.
+   new one with the smallest free slot number. The CUDA provider keeps its graphs per thread,
+   so an idle slot last taken by this thread comes first, and a slot taken by another thread
+   first drops its bindings and graphs (`free`, its number kept): it captures again, through
+   the runtime's own accounting, in the new thread.
 2. `give_back` only queues the slot: it may run from a garbage-collector finalizer at any
    moment, even while the same thread holds a capture, so it does no device work and takes no
    lock. Queued slots are settled at the next `take`, `settle` or `close`.
@@ -49,6 +52,7 @@ class SequenceSlot:
     number: int
     buffers: SequenceBuffers
     mask: DeviceBuffer
+    thread: int = 0
 
     def reset(self, policy: MaskPolicy) -> None:
         """Make the buffers those of an empty sequence (KV past the length is never read)."""
@@ -103,13 +107,19 @@ class SequencePool:
             if self._closed:
                 raise ClosedError("the runtime was closed; load the model again to open "
                                   "sequences")
-            slot = self._idle.pop() if self._idle else None
+            thread = threading.get_ident()
+            mine = [index for index, idle in enumerate(self._idle) if idle.thread == thread]
+            slot = self._idle.pop(mine[-1] if mine else -1) if self._idle else None
             if slot is not None:
                 self._stats.reused += 1
         if slot is not None:
+            if slot.thread != thread:
+                self._free(slot.number)
+            slot.thread = thread
             slot.reset(self._policy)
             return slot
         slot = self._make(self._numbers.take())
+        slot.thread = thread
         with self._lock:
             self._stats.created += 1
         return slot

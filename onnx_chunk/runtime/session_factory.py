@@ -68,12 +68,16 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from onnx_chunk.errors import ModelLoadError, ProviderError
+from onnx_chunk.model_io import load_model
+from onnx_chunk.runtime.logits_row import select_row
 from onnx_chunk.runtime.memory import MemoryMeter, measured
 from onnx_chunk.runtime.provider import Device
 
 logger = logging.getLogger(__name__)
 
 DISABLE_PREPACKING_KEY = "session.disable_prepacking"
+# Where a model given as bytes finds its external data (the row-selecting sessions).
+EXTERNAL_DATA_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
 _PAGE_SIZE = mmap.PAGESIZE
 QUANTIZED_MATMUL = "MatMulNBits"
 
@@ -188,6 +192,8 @@ class SessionFactory:
        session and for every session of a MatMulNBits model).
     4. `log_severity` and `session_config` apply to every session created from then on (the
        GPU check reads ONNX Runtime's capture log lines and node placement through them).
+    5. `last_row` builds the session from the model with a chosen logits row (`logits_row`),
+       made once per factory and handed to ONNX Runtime as bytes.
     """
 
     def __init__(self, model_path: Path, weights: SharedWeights, device: Device, *,
@@ -203,21 +209,36 @@ class SessionFactory:
         self.log_severity = log_severity
         self.session_config = dict(session_config or {})
         self._lock = threading.Lock()
+        self._row_model: bytes | None = None
         self.sessions_created = 0
 
-    def create(self, width: int | None, *, prepack: bool,
-               capture: bool = False) -> ort.InferenceSession:
-        """A session for query width `width` (None: shape-generic); `capture`: CUDA graphs."""
+    def create(self, width: int | None, *, prepack: bool, capture: bool = False,
+               last_row: bool = False) -> ort.InferenceSession:
+        """A session for query width `width` (None: shape-generic); `capture`: CUDA graphs;
+        `last_row`: its logits are the one row its `logits_row` input picks."""
         if capture:
             try:
-                return self._create(width, prepack, capture=True)
+                return self._create(width, prepack, capture=True, last_row=last_row)
             except ModelLoadError as error:
                 logger.warning("width %s cannot capture a CUDA graph, running it without: %s",
                                width, error)
-        return self._create(width, prepack, capture=False)
+        return self._create(width, prepack, capture=False, last_row=last_row)
 
-    def _create(self, width: int | None, prepack: bool, capture: bool) -> ort.InferenceSession:
+    def _model_source(self, last_row: bool) -> str | bytes:
+        if not last_row:
+            return str(self.model_path)
+        with self._lock:
+            if self._row_model is None:
+                model = select_row(load_model(self.model_path))
+                self._row_model = ir.to_proto(model).SerializeToString()
+            return self._row_model
+
+    def _create(self, width: int | None, prepack: bool, capture: bool,
+                last_row: bool = False) -> ort.InferenceSession:
         options = ort.SessionOptions()
+        if last_row:
+            options.add_session_config_entry(EXTERNAL_DATA_FOLDER_KEY,
+                                             str(self.model_path.resolve().parent))
         options.log_severity_level = self.log_severity
         for key, value in self.session_config.items():
             options.add_session_config_entry(key, value)
@@ -243,7 +264,7 @@ class SessionFactory:
             # decoder a 4000-token prompt peaked at 641 MiB instead of 694, TTFT unchanged.
             options.enable_mem_pattern = False
         try:
-            session = ort.InferenceSession(str(self.model_path), options,
+            session = ort.InferenceSession(self._model_source(last_row), options,
                                            providers=self.device.providers(capture))
         except Exception as error:  # ORT raises its own exception types, one per failure
             raise ModelLoadError(
@@ -257,6 +278,6 @@ class SessionFactory:
                                 f"{self.device.label} is not usable, choose another provider")
         with self._lock:
             self.sessions_created += 1
-        logger.debug("created session width=%s prepack=%s capture=%s dims=%s", width, prepack,
-                     capture, dims)
+        logger.debug("created session width=%s prepack=%s capture=%s last_row=%s dims=%s",
+                     width, prepack, capture, last_row, dims)
         return session

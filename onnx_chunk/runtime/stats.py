@@ -61,7 +61,8 @@ class RuntimeStats:
     loading the shared weights made the process (CPU) or the device (CUDA) hold.
     `graph_widths`: the variant widths whose sessions were built to capture CUDA graphs;
     `graphs_captured` / `graphs_released`: graphs captured and released so far (a graph freed
-    with its evicted session is not counted as released); `graph_fallbacks`: the widths whose
+    with its evicted session is not counted as released), `graphs_by_width` the captures per
+    width; `graph_fallbacks`: the widths whose
     capture failed, with the reason (they run without a graph); `sequences`: the sequence
     pool's counters (buffer sets made, reused, freed, idle).
     """
@@ -84,5 +85,6 @@ class RuntimeStats:
     graph_widths: tuple[int, ...] = ()
     graphs_captured: int = 0
     graphs_released: int = 0
+    graphs_by_width: dict[int, int] = field(default_factory=dict)
     graph_fallbacks: dict[int | str, str] = field(default_factory=dict)
     sequences: PoolStats = field(default_factory=PoolStats)

@@ -78,11 +78,11 @@ def test_factory_falls_back_when_capture_is_refused(reference_model, monkeypatch
     tried = []
     original = SessionFactory._create
 
-    def create(self, width, prepack, capture):
+    def create(self, width, prepack, capture, last_row=False):
         tried.append(capture)
         if capture:
             raise ModelLoadError("a node is not on the CUDA provider")
-        return original(self, width, prepack, capture)
+        return original(self, width, prepack, capture, last_row)
 
     monkeypatch.setattr(SessionFactory, "_create", create)
     session = factory.create(16, prepack=False, capture=True)

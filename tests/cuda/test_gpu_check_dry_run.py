@@ -22,20 +22,47 @@ def test_dry_run_prints_the_table_last_and_writes_the_logs(tmp_path):
     lines = result.stdout.strip().splitlines()
     table = lines[lines.index(next(line for line in lines if line.startswith("check "))):]
     rows = {line[:30].strip(): line[30:].split(None, 1) for line in table[1:]}
-    for check in ("greedy tokens cpu vs device", "greedy tokens graphs off vs on",
-                  "second pass (replay) vs first", "cache thrash (cpu)"):
+    for check in ("greedy tokens cpu vs device", "graphs off vs on",
+                  "second pass (replay) vs first", "captures in pass 1", "captures in pass 2",
+                  "captured widths = widths used", "second sequence", "node placement",
+                  "cap 2 with evictions", "weights per variant", "cache thrash (cpu)"):
         assert rows[check][0] == "ok", table
+    for check in ("onnxruntime", "providers", "preload_dlls", "libcudart", "gpu",
+                  "cuda probe", "capture log lines", "memory graphs on (rss)",
+                  "memory cap 2 (rss)", "weights experiment"):
+        assert rows[check][0] == "info", table
+    assert not [line for line in table if line.startswith("error")], table
+    # The dry run's stand-in captures per width once in pass 1 and never after.
+    assert "expected {1: 1, 11: 1, 32: 1}" in rows["captures in pass 1"][1]
+    assert "0 captures" in rows["second sequence"][1]
+    assert lines.index(table[0]) == len(lines) - len(table)  # the table is printed last
     parity = rows["greedy tokens cpu vs device"][1]
     assert "5/5 prompts identical" in parity and "float32 vs float16" in parity
     results = json.loads((out / "results.json").read_text())
-    assert {label: run["dtype"] for label, run in results.items()} == {
-        "cpu": "float32", "graphs off": "float16", "graphs on": "float16"}
+    assert {label: run["dtype"] for label, run in results.items()
+            if "dtype" in run} == {"cpu": "float32", "graphs off": "float16",
+                                   "graphs on": "float16", "cap 2": "float16"}
+    assert (out / "ort-logs" / "graphs-on-pass1.log").is_file()
     assert rows["TTFT / decode, graphs on"][0] == "info"
     assert {path.name for path in out.iterdir()} >= {"gpu_check.log", "cache_thrash.log",
                                                      "thrash_model.log", "results.json"}
     assert "float16" in (out / "thrash_model.log").read_text()
-    assert "greedy tokens equal in all three modes: True" in (out / "cache_thrash.log").read_text()
+    thrash = (out / "cache_thrash.log").read_text()
+    assert "ok   last prefill logits agree across modes within the tolerance" in thrash
     assert not list(tmp_path.glob("gpu-check-work.*")), "the work folder is left behind"
+
+
+def test_a_failing_step_is_one_error_row_and_the_table_still_ends_the_output(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--dry-run",
+                             "--preset", "no-such-preset", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 1
+    lines = result.stdout.strip().splitlines()
+    table = lines[lines.index(next(line for line in lines if line.startswith("check "))):]
+    assert table[-1].startswith("error: models") and "FAIL" in table[-1]
+    assert "onnxruntime" in table[1] and "error: models" in result.stderr
+    assert (tmp_path / "table.txt").read_text().strip().splitlines() == table
 
 
 def test_unknown_argument_is_refused(tmp_path):
@@ -46,8 +73,8 @@ def test_unknown_argument_is_refused(tmp_path):
     assert "unknown argument --fast" in result.stderr
 
 
-def _gpu_check_module():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+def _script_module(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses resolve annotations through it
     try:
@@ -58,7 +85,7 @@ def _gpu_check_module():
 
 
 def test_parity_allows_float16_noise_and_near_ties_only():
-    gpu_check = _gpu_check_module()
+    gpu_check = _script_module("gpu_check")
     logits = np.array([0.0, 5.0, 9.0, 9.01], np.float32)
     wide = np.array([0.0, 5.0, 9.0, 3.0], np.float32)
     cpu = gpu_check._Run("cpu", tokens=[[3, 1], [2, 0]], prompt_logits=[logits, wide])
@@ -72,3 +99,30 @@ def test_parity_allows_float16_noise_and_near_ties_only():
     device.tokens[1] = [3, 0]  # a clear winner (9 against 5) that changed is no tie
     passed, detail = gpu_check._parity(cpu, device)
     assert not passed and "first tokens 0/2" in detail
+
+
+def test_staging_installs_with_the_last_part_and_names_the_missing_ones(tmp_path, monkeypatch,
+                                                                        capsys):
+    stage = _script_module("stage_ort_gpu")
+    monkeypatch.setattr(stage, "STAGE", tmp_path / "stage")
+    monkeypatch.setattr(stage, "LANDING", tmp_path / "landing")
+    installed = []
+    monkeypatch.setattr(stage, "install", lambda: installed.append(True) or 0)
+    stage.STAGE.mkdir()
+    parts = []
+    for index, data in enumerate((b"first", b"second", b"third")):
+        part = stage.STAGE / f"part-{index:02d}"
+        part.write_bytes(data)
+        parts.append({"name": part.name, "sha256": stage._sha256(part), "bytes": len(data)})
+    (stage.STAGE / "manifest.json").write_text(json.dumps(
+        {"wheel": "w.whl", "sha256": "", "parts": parts}))
+    assert stage.receive([str(stage.STAGE / "part-00")]) == 0
+    assert "missing: part-01, part-02" in capsys.readouterr().out
+    assert stage.receive([str(stage.STAGE / "part-02")], then_install=True) == 2
+    captured = capsys.readouterr()
+    assert "missing: part-01" in captured.out and "part-01" in captured.err and not installed
+    assert stage.receive([str(stage.STAGE / "part-01")], then_install=True) == 0
+    assert installed == [True]
+    plan = stage.call_plan(["part-00", "part-01"])
+    assert plan[-1].endswith("receive .stage/part-01 --install && bash scripts/gpu_check.sh'")
+    assert "--install" not in plan[0]

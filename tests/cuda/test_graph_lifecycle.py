@@ -15,7 +15,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from onnx_chunk.errors import ClosedError
+from onnx_chunk.errors import ClosedError, ConfigError
 from onnx_chunk.runtime import load, variant_sessions
 from onnx_chunk.runtime.cuda_graphs import (RUNS_BEFORE_CAPTURE, SKIP_CAPTURE, CaptureGate,
                                             graph_id)
@@ -49,7 +49,7 @@ def no_gc():
 
 
 def _load(path, **options):
-    return load(path, device=DEVICE, capacity=96, chunk_size=16, padding=False, **options)
+    return load(path, device=DEVICE, capacity=96, chunk_size=16, **{"padding": False, **options})
 
 
 def test_a_closed_sequence_hands_its_buffers_and_graphs_to_the_next(reference_model, capturing,
@@ -92,7 +92,8 @@ def test_slots_beyond_the_idle_ones_kept_release_their_graphs(reference_model, c
     for sequence in sequences:
         # Decode runs: one first run, two warm-ups, then the capture and replays.
         sequence.generate(PROMPT, RUNS_BEFORE_CAPTURE + 3)
-    assert runtime.stats().graphs_captured == 3
+    stats = runtime.stats()
+    assert stats.graphs_captured == 3 and stats.graphs_by_width == {1: 3}
     for sequence in sequences:
         sequence.close()
     # One slot stays idle (the last closed, warm); the other two release their decode graphs.
@@ -126,6 +127,8 @@ def test_pool_rules():
     assert freed == [0, 1]
     with pytest.raises(ClosedError):
         pool.take()
+    with pytest.raises(ConfigError, match="at least 0"):
+        SequencePool(make, freed.append, DEVICE.mask_policy, keep=-1)
 
 
 @dataclasses.dataclass
@@ -277,6 +280,51 @@ def test_a_failed_capture_falls_back_to_running_without_a_graph(reference_model,
     # After the failure the decode width runs without a graph, for new sequences too.
     recorded_runs.clear()
     assert runtime.open_sequence().generate(PROMPT, 4) == expected[:4]
-    decode = max(recorded_runs, key=lambda run: recorded_runs.count(run))[0]
+    # The decode session is the one run most often (three decode steps against one prefill).
+    decode = max(recorded_runs, key=recorded_runs.count)[0]
     assert {graph for session, graph in recorded_runs if session == decode} == {SKIP_CAPTURE}
-    assert np.isfinite(stats.cache.bytes_held)
+
+
+def test_captured_prefill_widths_keep_one_logits_row(reference_model, capturing):
+    runtime = _load(reference_model(), padding=True)
+    host = load(reference_model(), provider="cpu", capacity=96, chunk_size=16)
+    sequence = runtime.open_sequence()
+    assert sequence.generate(PROMPT, 4) == host.open_sequence().generate(PROMPT, 4)
+    vocab = runtime.ports.vocab_size
+    with runtime.cache.acquire(16) as session:
+        kept = runtime.bindings(session, sequence)[16].logits
+    assert kept.shape == (1, 1, vocab)  # not [1, 16, vocab] per sequence
+    # A caller that needs every row gets them all, padded chunks included (45 = 16 + 16 + 13).
+    sequence.rewind(sequence.length)
+    every = sequence.prefill(PROMPT, all_logits=True)
+    expected = host.open_sequence().prefill(PROMPT, all_logits=True)
+    assert every.shape == (len(PROMPT), vocab)
+    np.testing.assert_allclose(every, expected, rtol=0, atol=1e-5)
+
+
+def test_a_slot_taken_by_another_thread_drops_its_graphs_first(reference_model, capturing,
+                                                              released_graphs):
+    runtime = _load(reference_model())
+    with runtime.open_sequence() as first:
+        first.generate(PROMPT, RUNS_BEFORE_CAPTURE + 3)
+    assert runtime.stats().graphs_captured == 1
+    taken = []
+    # The CUDA provider keeps graphs per thread: another thread's sequence captures anew.
+    worker = threading.Thread(target=lambda: taken.append(runtime.open_sequence()))
+    worker.start()
+    worker.join(10)
+    assert taken[0].slot == first.slot
+    assert released_graphs == [graph_id(first.slot, 0, False)]
+    with runtime.cache.acquire(1) as session:
+        assert not runtime.bindings(session, taken[0])
+
+
+def test_a_stream_stops_once_its_sequence_is_closed(reference_model):
+    runtime = _load(reference_model())
+    sequence = runtime.open_sequence()
+    stream = sequence.stream(PROMPT, 5)
+    next(stream)
+    next(stream)
+    sequence.close()
+    with pytest.raises(ClosedError, match="closed"):
+        next(stream)
