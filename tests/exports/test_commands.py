@@ -1,0 +1,127 @@
+"""Every command and the API on every export of the corpus, as a user runs them.
+
+Builder exports with GroupQueryAttention: inspect, convert, validate (structure.checker
+included), generate and the API on the file and on the folder, fix-shapes and its output, the
+model's EOS as the default stop, and the converted folder in onnxruntime-genai. The builder's
+fp16 CPU export (MultiHeadAttention over a concatenated KV) is refused with one clear line.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from onnx_chunk.cli import main
+from onnx_chunk.runtime import load
+from scripts._bench import environment
+from scripts._bench.child import run_child
+from tests.exports.corpus import GENAI, builder_gqa_fixtures, fixtures
+
+CHUNK = 128
+NEW_TOKENS = 6
+
+
+def _cli(capsys, *argv) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main([str(arg) for arg in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _prompt(runtime, length: int = 300) -> list[int]:
+    return [(7 * index + 3) % runtime.ports.vocab_size for index in range(length)]
+
+
+@pytest.fixture(params=builder_gqa_fixtures(), ids=str)
+def export(request):
+    return request.param
+
+
+@pytest.fixture
+def converted(export, tmp_path, capsys):
+    code, _, err = _cli(capsys, "convert", export.folder, "-o", tmp_path / "conv",
+                        "--chunk-size", CHUNK)
+    assert code == 0, err
+    return tmp_path / "conv"
+
+
+def test_inspect_reads_the_plan_from_the_file_and_the_folder(export, capsys):
+    outputs = []
+    for target in (export.folder, export.folder / "model.onnx"):
+        code, out, err = _cli(capsys, "inspect", target, "--json")
+        assert code == 0, err
+        outputs.append(json.loads(out))
+    assert outputs[0] == outputs[1]
+    plan = outputs[0]["plan"] if "plan" in outputs[0] else outputs[0]
+    bindings = plan["kv_bindings"]
+    assert len(bindings) == 2 * plan["gqa_nodes"] > 0
+    head_dim = export.features["head_dim"]
+    assert {binding["head_size"] for binding in bindings} == {head_dim}
+    windowed = {binding["window"] for binding in bindings} - {None}
+    assert windowed == ({export.features["sliding_window"]}
+                        if export.features.get("sliding_window") else set())
+
+
+def test_convert_declares_the_chunk_width_to_genai_and_genai_runs_the_folder(
+        export, converted, peer_python):
+    config = json.loads((converted / "genai_config.json").read_text())
+    assert config["search"]["chunk_size"] == CHUNK
+    runtime = load(converted, provider="cpu")
+    assert runtime.chunk_size == CHUNK
+    prompt = _prompt(runtime)
+    results = [run_child(environment.worker_argv(peer_python, "genai_worker", {
+        "model": str(folder), "prompts": [prompt], "new_tokens": NEW_TOKENS, "chunk_size": 0,
+        "max_length": runtime.capacity}), timeout_s=300).payload["results"][0]["tokens"]
+        for folder in (export.folder, converted)]
+    assert results[0] == results[1] == runtime.open_sequence().generate(prompt, NEW_TOKENS)
+
+
+def test_validate_passes_with_the_checker(export, converted, capsys):
+    code, out, err = _cli(capsys, "validate", converted, "--provider", "cpu", "--json",
+                          "--lengths", "1,40,127,129,300", "--new-tokens", 3)
+    report = json.loads(out)
+    failed = [check for check in report["checks"] if check["outcome"] == "failed"]
+    assert code == 0 and not failed, failed or err
+    checker = next(check for check in report["checks"] if check["name"] == "structure.checker")
+    assert checker["outcome"] == "passed"
+
+
+def test_generate_on_the_file_the_folder_and_the_api_agree(export, capsys):
+    runtime = load(export.folder, provider="cpu", chunk_size=CHUNK)
+    prompt = _prompt(runtime, 200)
+    runs = []
+    for target in (export.folder, export.folder / "model.onnx"):
+        code, out, err = _cli(capsys, "generate", target, "--ids", ",".join(map(str, prompt)),
+                              "--max-new-tokens", NEW_TOKENS, "--provider", "cpu",
+                              "--chunk-size", CHUNK, "--json")
+        assert code == 0, err
+        runs.append(json.loads(out))
+    assert runs[0]["tokens"] == runs[1]["tokens"]
+    assert runtime.open_sequence().generate(prompt, NEW_TOKENS) == runs[0]["tokens"]
+
+
+def test_the_models_eos_ids_are_the_default_stop(export, tmp_path):
+    folder = export.copy_to(tmp_path / "model")
+    runtime = load(folder, provider="cpu", chunk_size=CHUNK)
+    eos = export.features["eos_token_id"]
+    assert runtime.eos_token_ids == (tuple(eos) if isinstance(eos, list) else (eos,))
+    prompt = _prompt(runtime, 60)
+    free = runtime.open_sequence().generate(prompt, 12, eos_token_id=[])
+    config_path = folder / "genai_config.json"
+    config = json.loads(config_path.read_text())
+    config["model"]["eos_token_id"] = [free[4], *runtime.eos_token_ids]
+    config_path.write_text(json.dumps(config))
+    stopped = load(folder, provider="cpu", chunk_size=CHUNK).open_sequence().generate(prompt, 12)
+    assert stopped == free[:free.index(free[4]) + 1]
+
+
+def test_the_fp16_cpu_export_is_refused_with_one_line(tmp_path, capsys):
+    fp16 = [fixture for fixture in fixtures(GENAI) if not fixture.grouped_query_attention]
+    assert fp16, "the corpus lost its MultiHeadAttention export"
+    for fixture in fp16:
+        code, _, err = _cli(capsys, "inspect", fixture.folder)
+        assert code == 0, err
+        code, _, err = _cli(capsys, "generate", fixture.folder, "--ids", "5,6,7",
+                            "--max-new-tokens", 2, "--provider", "cpu")
+        assert code == 2 and err.startswith("error:") and err.count("\n") == 1, err
