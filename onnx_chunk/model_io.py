@@ -75,7 +75,9 @@ def load_model(path: str | os.PathLike) -> ir.Model:
         raise ModelLoadError(
             f"{str(model_path)!r} is not a well-formed ONNX model ({error}); export it again"
         ) from error
-    ir.external_data.set_base_dir(model.graph, str(model_path.parent))
+    for tensor in _model_tensors(model):
+        if isinstance(tensor, ir.ExternalTensor):
+            tensor.base_dir = str(model_path.parent)
     return model
 
 
