@@ -424,8 +424,14 @@ def _refuse_foreign(target: Path, data_writes: list[str], companion_writes: list
                     companion_sources: Path | None) -> list[str]:
     """Check that nothing written beside `target` belongs to another model there.
 
-    Returns the companions left to copy: one whose bytes already equal the source's is kept as
-    it is. Raises OutputError naming the first file that belongs to another model.
+    Rules:
+    1. A data file that another .onnx file in the folder references is that model's.
+    2. A genai_config.json there is another model's when it names another decoder, or names
+       none while model.onnx (its default) exists and is not `target`.
+    3. Beside another model, any other companion is shared only when its bytes equal the
+       source's (then it is left as it is); with other bytes it is that model's.
+    Returns the companions left to copy. Raises OutputError naming the first file that
+    belongs to another model.
     """
     folder = target.parent
     others = [path for path in sorted(folder.glob("*.onnx"))
@@ -442,19 +448,19 @@ def _refuse_foreign(target: Path, data_writes: list[str], companion_writes: list
     kept = []
     for name in companion_writes:
         existing = folder / name
-        if not existing.exists():
-            kept.append(name)
-            continue
-        if name == GENAI_CONFIG:
-            foreign = _config_is_foreign(existing, target)
-        else:
-            foreign = bool(others) and not _same_bytes(existing, companion_sources / name)
-            if not foreign and others:
-                continue
-        if foreign:
-            raise OutputError(
-                f"{str(existing)!r} belongs to another model in {str(folder)!r}; writing "
-                f"{str(target)!r} there would replace it: choose another output folder")
+        if existing.exists():
+            if name == GENAI_CONFIG:
+                foreign = _config_is_foreign(existing, target)
+            elif others:
+                if _same_bytes(existing, companion_sources / name):
+                    continue
+                foreign = True
+            else:
+                foreign = False
+            if foreign:
+                raise OutputError(
+                    f"{str(existing)!r} belongs to another model in {str(folder)!r}; writing "
+                    f"{str(target)!r} there would replace it: choose another output folder")
         kept.append(name)
     return kept
 
@@ -524,7 +530,7 @@ def save_model(
             if name != GENAI_CONFIG:
                 _copy_file(Path(companions_from) / name, staging / name, None)
         if config is not None:
-            _write_config(config, staging / GENAI_CONFIG, companions_from, target_dir)
+            _write_config(*config, staging / GENAI_CONFIG)
         proto = ir.serde.serialize_model(model)
         _relocate(proto, locations)
         _write_proto(proto, staging / target.name)
@@ -591,8 +597,8 @@ def _companion_sources(source_dir: str | os.PathLike | None, target_dir: Path) -
 
 
 def _output_config(companions: list[str], companions_from: str | os.PathLike | None,
-                   target: Path, chunk_size: int | None) -> dict | None:
-    """The genai config to write beside `target`, or None when it is to be left as it is.
+                   target: Path, chunk_size: int | None) -> tuple[dict, Path] | None:
+    """The genai config to write beside `target` and its source, or None to leave it as it is.
 
     The copied config (or, with none copied, the one already beside `target` for it) names
     `target`'s file as its decoder and carries `chunk_size` as search.chunk_size.
@@ -617,13 +623,12 @@ def _output_config(companions: list[str], companions_from: str | os.PathLike | N
             raise ModelLoadError(f"{str(source)!r}: search must be an object, got {search!r}; "
                                  "fix the config")
         search["chunk_size"] = chunk_size
-    return updated if updated != document or source.parent != target.parent else None
+    if updated == document and source.parent == target.parent:
+        return None
+    return updated, source
 
 
-def _write_config(config: dict, staged: Path, companions_from: str | os.PathLike | None,
-                  target_dir: Path) -> None:
+def _write_config(config: dict, source: Path, staged: Path) -> None:
+    """Write `config` as JSON to `staged`, with `source`'s permission bits."""
     staged.write_text(json.dumps(config, indent=4) + "\n", encoding="utf-8")
-    source = (Path(companions_from) / GENAI_CONFIG if companions_from is not None
-              and (Path(companions_from) / GENAI_CONFIG).is_file() else target_dir / GENAI_CONFIG)
-    if source.is_file():
-        os.chmod(staged, stat.S_IMODE(source.stat().st_mode))
+    os.chmod(staged, stat.S_IMODE(source.stat().st_mode))
