@@ -97,3 +97,22 @@ def test_a_failed_build_keeps_a_folder_that_was_there(tmp_path, monkeypatch, cap
     assert main(["build-model", "tiny", "-o", str(tmp_path)]) == 2
     _one_error_line(capsys, "No space left")
     assert [path.name for path in tmp_path.iterdir()] == ["keep.txt"]
+
+
+@pytest.fixture(scope="module")
+def static_pair(tmp_path_factory):
+    out = tmp_path_factory.mktemp("static-pair")
+    assert main(["build-model", "tiny", "-o", str(out), "--variant", "static", "--chunk-size",
+                 "8", "--capacity", "64"]) == 0
+    return out / "model.onnx"
+
+
+@pytest.mark.parametrize("eos, words", [
+    (["--eos-token-id", "-1"], ("--eos-token-id", "at least 0")),
+    (["--eos-token-id", "256"], ("--eos-token-id", "at most 255")),
+    (["--eos-token-id", "3", "--eos-token-id", "4"], ("one --eos-token-id",)),
+])
+def test_generate_on_a_static_decoder_checks_its_eos_id(static_pair, capsys, eos, words):
+    assert main(["generate", str(static_pair), "--ids", "1,2", "--max-new-tokens", "2",
+                 "--provider", "cpu", *eos]) == 2
+    _one_error_line(capsys, *words)
