@@ -88,10 +88,9 @@ class Runtime:
         cuda_graphs: bool | None = None,
         device: Device | None = None,
     ) -> None:
-        capacity, chunk_size, max_variants = _checked_options(
-            capacity=capacity, chunk_size=chunk_size, max_variants=max_variants,
-            device_id=device_id, intra_op_threads=intra_op_threads, padding=padding,
-            cuda_graphs=cuda_graphs)
+        _check_options(capacity=capacity, chunk_size=chunk_size, max_variants=max_variants,
+                       device_id=device_id, intra_op_threads=intra_op_threads,
+                       padding=padding, cuda_graphs=cuda_graphs)
         check_utf8_path(model_path)
         self.model_path = Path(model_path)
         model = load_model(self.model_path)
@@ -277,37 +276,30 @@ def _attention_device(device: Device, ports: ModelPorts, provider: str,
                         "float16 for the reference decoders) or use --provider cpu")
 
 
-def _checked_options(*, capacity: object, chunk_size: object, max_variants: object,
-                     device_id: object, intra_op_threads: object, padding: object,
-                     cuda_graphs: object) -> tuple[int | None, int | None, int | None]:
-    """The sizes as ints; ConfigError for an option of the wrong type or range.
-
-    Runs before anything is loaded.
-    """
-    sizes = (
-        arguments.optional_integer(capacity, "capacity (positions)", minimum=2,
-                                   error=ConfigError),
-        arguments.optional_integer(chunk_size, "chunk_size (the chunk size)", minimum=1,
-                                   error=ConfigError),
-        arguments.optional_integer(max_variants, "max_variants", minimum=1, error=ConfigError),
-    )
+def _check_options(*, capacity: object, chunk_size: object, max_variants: object,
+                   device_id: object, intra_op_threads: object, padding: object,
+                   cuda_graphs: object) -> None:
+    """ConfigError for an option of the wrong type or range, before anything is loaded."""
+    arguments.optional_integer(capacity, "the capacity (capacity)", minimum=2, error=ConfigError)
+    arguments.optional_integer(chunk_size, "the chunk size (chunk_size)", minimum=1, error=ConfigError)
+    arguments.optional_integer(max_variants, "max_variants", minimum=1, error=ConfigError)
     arguments.integer(device_id, "device_id", minimum=0, error=ConfigError)
     arguments.optional_integer(intra_op_threads, "intra_op_threads", minimum=0,
                                error=ConfigError)
     for name, value in (("padding", padding), ("cuda_graphs", cuda_graphs)):
         if value is not None and not isinstance(value, bool):
             raise ConfigError(f"{name} must be True, False or None, got {value!r}")
-    return sizes
 
 
 def _resolve_capacity(capacity: int | None, plan: ChunkPlan) -> int:
-    """The KV capacity: `capacity` (already checked to be an int >= 2) within the model's."""
     limit = plan.max_sequence_length
     if capacity is None:
         if limit is None:
             raise ConfigError("the model declares no maximum sequence length; pass a capacity "
                               "(--capacity) to size the KV buffers")
         return int(limit)
+    if capacity < 2:
+        raise ConfigError(f"the capacity must be at least 2 positions, got {capacity}")
     if limit is not None and capacity > limit:
         raise ConfigError(f"capacity {capacity} exceeds the model's maximum sequence length "
                           f"{limit} (its position tables end there); use at most {limit}")
