@@ -31,12 +31,13 @@ logger = logging.getLogger(__name__)
 _COPY_BLOCK_BYTES = 16 << 20
 
 
-def check_utf8_path(path: str | os.PathLike) -> None:
-    """ModelLoadError when `path` is not valid UTF-8 (ONNX Runtime and onnx take UTF-8 only)."""
+def check_utf8_path(path: str | os.PathLike,
+                    error_type: type[ModelLoadError | OutputError] = ModelLoadError) -> None:
+    """`error_type` when `path` is not valid UTF-8 (ONNX Runtime and onnx take UTF-8 only)."""
     try:
         os.fspath(path).encode("utf-8")
     except UnicodeEncodeError as error:
-        raise ModelLoadError(
+        raise error_type(
             f"the path {os.fsdecode(path)!r} is not valid UTF-8; ONNX Runtime opens UTF-8 "
             "paths only: rename the file or its folder") from error
 

@@ -12,6 +12,7 @@ import numpy as np
 from onnx_chunk import arguments
 from onnx_chunk.cli.static_generate import run_static_generate
 from onnx_chunk.errors import InputError
+from onnx_chunk.model_io import check_utf8_path
 from onnx_chunk.runtime import GenerationStats, RuntimeStats, load
 from onnx_chunk.runtime.provider import PROVIDER_CHOICES
 from onnx_chunk.runtime.static_model import is_static_model, load_static
@@ -137,6 +138,7 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
              max_input_len: int | None, kv_capacity: int | None, decode_model: Path | None,
              strict: bool, as_json: bool) -> None:
     """Generate greedily from MODEL with chunked prefill (dynamic or static decoders)."""
+    check_utf8_path(model)
     given = [name for name, value in (("--ids", ids_text), ("--ids-file", ids_file),
                                       ("--random-prompt", random_prompt)) if value is not None]
     if len(given) != 1:

@@ -100,6 +100,24 @@ def static_pair(tmp_path_factory):
     return out / "model.onnx"
 
 
+def test_generate_refuses_a_static_decoder_at_a_path_that_is_not_utf8(static_pair, tmp_path,
+                                                                     capsys):
+    folder = tmp_path / "x\udcff"
+    shutil.copytree(static_pair.parent, folder)
+    assert main(["generate", str(folder / "model.onnx"), "--ids", "1,2", "--max-new-tokens",
+                 "2", "--provider", "cpu"]) == 2
+    one_error_line(capsys, "not valid UTF-8")
+
+
+@pytest.mark.parametrize("variant", [[], ["--variant", "static", "--chunk-size", "8",
+                                          "--capacity", "64"]], ids=["base", "static"])
+def test_build_model_refuses_an_output_path_that_is_not_utf8(tmp_path, capsys, variant):
+    out = tmp_path / "x\udcff"
+    assert main(["build-model", "tiny", "-o", str(out), *variant]) == 2
+    one_error_line(capsys, "not valid UTF-8")
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("eos, words", [
     (["--eos-token-id", "-1"], ("--eos-token-id", "at least 0")),
     (["--eos-token-id", "256"], ("--eos-token-id", "at most 255")),
