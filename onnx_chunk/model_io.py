@@ -17,6 +17,7 @@ import shutil
 import stat
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import onnx
@@ -318,11 +319,29 @@ def _write_proto(proto: onnx.ModelProto, target: Path) -> None:
     target.write_bytes(proto.SerializeToString())
 
 
-def make_folder(folder: Path) -> Path | None:
+def _make_folder(folder: Path) -> Path | None:
     """Create `folder` and its missing parents; return the topmost one created, if any."""
     missing = [parent for parent in (folder, *folder.parents) if not parent.exists()]
     folder.mkdir(parents=True, exist_ok=True)
     return missing[-1] if missing else None
+
+
+@contextmanager
+def output_folder(folder: str | os.PathLike) -> Iterator[Path]:
+    """Create `folder` (and its missing parents) for a write; remove what it created on failure.
+
+    Any exception leaving the block (a full disk, Ctrl-C, a signal turned into an exception)
+    removes the folders this call created, so a failed command leaves no empty output folder; a
+    folder that was already there is kept.
+    """
+    path = Path(folder)
+    created = _make_folder(path)
+    try:
+        yield path
+    except BaseException:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
 
 
 # The file inside a staging folder that names the process writing it.
@@ -503,10 +522,22 @@ def save_model(
     written.
     """
     target = Path(path)
-    created: Path | None = None
+    try:
+        with output_folder(target.parent):
+            return _save_staged(model, target, progress, companions_from, chunk_size)
+    except OSError as error:
+        raise OutputError(
+            f"cannot write {str(target)!r}: {error.strerror or error}; choose a writable "
+            "output folder with room for the model"
+        ) from error
+
+
+def _save_staged(model: ir.Model, target: Path, progress: Callable[[int], None] | None,
+                 companions_from: str | os.PathLike | None,
+                 chunk_size: int | None) -> list[str]:
+    """`save_model`'s work once the target folder exists; the staging folder is removed."""
     staging: Path | None = None
     try:
-        created = make_folder(target.parent)
         target_dir = target.parent.resolve()
         resolved_target = target_dir / target.name
         files = external_data_files(model)
@@ -540,17 +571,6 @@ def save_model(
                      *written_config, target.name):
             (target_dir / name).parent.mkdir(parents=True, exist_ok=True)
             os.replace(staging / name, target_dir / name)
-    except OSError as error:
-        if created is not None:
-            shutil.rmtree(created, ignore_errors=True)
-        raise OutputError(
-            f"cannot write {str(target)!r}: {error.strerror or error}; choose a writable "
-            "output folder with room for the model"
-        ) from error
-    except BaseException:
-        if created is not None:
-            shutil.rmtree(created, ignore_errors=True)
-        raise
     finally:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)

@@ -127,3 +127,17 @@ def test_generate_on_a_static_decoder_checks_its_eos_id(static_pair, capsys, eos
     assert main(["generate", str(static_pair), "--ids", "1,2", "--max-new-tokens", "2",
                  "--provider", "cpu", *eos]) == 2
     one_error_line(capsys, *words)
+
+
+@pytest.mark.parametrize("variant", [[], ["--variant", "static", "--chunk-size", "8",
+                                          "--capacity", "64"]], ids=["base", "static"])
+def test_build_model_on_a_full_disk_removes_the_folder_it_created(tmp_path, monkeypatch, capsys,
+                                                                  variant):
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "replace", disk_full)
+    out = tmp_path / "new" / "model"
+    assert main(["build-model", "tiny", "-o", str(out), *variant]) == 2
+    one_error_line(capsys, "No space left")
+    assert not (tmp_path / "new").exists()
