@@ -17,6 +17,7 @@ import shutil
 import stat
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import onnx
@@ -31,12 +32,13 @@ logger = logging.getLogger(__name__)
 _COPY_BLOCK_BYTES = 16 << 20
 
 
-def check_utf8_path(path: str | os.PathLike) -> None:
-    """ModelLoadError when `path` is not valid UTF-8 (ONNX Runtime and onnx take UTF-8 only)."""
+def check_utf8_path(path: str | os.PathLike,
+                    error_type: type[ModelLoadError | OutputError] = ModelLoadError) -> None:
+    """`error_type` when `path` is not valid UTF-8 (ONNX Runtime and onnx take UTF-8 only)."""
     try:
         os.fspath(path).encode("utf-8")
     except UnicodeEncodeError as error:
-        raise ModelLoadError(
+        raise error_type(
             f"the path {os.fsdecode(path)!r} is not valid UTF-8; ONNX Runtime opens UTF-8 "
             "paths only: rename the file or its folder") from error
 
@@ -75,7 +77,9 @@ def load_model(path: str | os.PathLike) -> ir.Model:
         raise ModelLoadError(
             f"{str(model_path)!r} is not a well-formed ONNX model ({error}); export it again"
         ) from error
-    ir.external_data.set_base_dir(model.graph, str(model_path.parent))
+    for tensor in _model_tensors(model):
+        if isinstance(tensor, ir.ExternalTensor):
+            tensor.base_dir = str(model_path.parent)
     return model
 
 
@@ -315,11 +319,29 @@ def _write_proto(proto: onnx.ModelProto, target: Path) -> None:
     target.write_bytes(proto.SerializeToString())
 
 
-def make_folder(folder: Path) -> Path | None:
+def _make_folder(folder: Path) -> Path | None:
     """Create `folder` and its missing parents; return the topmost one created, if any."""
     missing = [parent for parent in (folder, *folder.parents) if not parent.exists()]
     folder.mkdir(parents=True, exist_ok=True)
     return missing[-1] if missing else None
+
+
+@contextmanager
+def output_folder(folder: str | os.PathLike) -> Iterator[Path]:
+    """Create `folder` (and its missing parents) for a write; remove what it created on failure.
+
+    Any exception leaving the block (a full disk, Ctrl-C, a signal turned into an exception)
+    removes the folders this call created, so a failed command leaves no empty output folder; a
+    folder that was already there is kept.
+    """
+    path = Path(folder)
+    created = _make_folder(path)
+    try:
+        yield path
+    except BaseException:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
 
 
 # The file inside a staging folder that names the process writing it.
@@ -422,8 +444,14 @@ def _refuse_foreign(target: Path, data_writes: list[str], companion_writes: list
                     companion_sources: Path | None) -> list[str]:
     """Check that nothing written beside `target` belongs to another model there.
 
-    Returns the companions left to copy: one whose bytes already equal the source's is kept as
-    it is. Raises OutputError naming the first file that belongs to another model.
+    Rules:
+    1. A data file that another .onnx file in the folder references is that model's.
+    2. A genai_config.json there is another model's when it names another decoder, or names
+       none while model.onnx (its default) exists and is not `target`.
+    3. Beside another model, any other companion is shared only when its bytes equal the
+       source's (then it is left as it is); with other bytes it is that model's.
+    Returns the companions left to copy. Raises OutputError naming the first file that
+    belongs to another model.
     """
     folder = target.parent
     others = [path for path in sorted(folder.glob("*.onnx"))
@@ -440,19 +468,19 @@ def _refuse_foreign(target: Path, data_writes: list[str], companion_writes: list
     kept = []
     for name in companion_writes:
         existing = folder / name
-        if not existing.exists():
-            kept.append(name)
-            continue
-        if name == GENAI_CONFIG:
-            foreign = _config_is_foreign(existing, target)
-        else:
-            foreign = bool(others) and not _same_bytes(existing, companion_sources / name)
-            if not foreign and others:
-                continue
-        if foreign:
-            raise OutputError(
-                f"{str(existing)!r} belongs to another model in {str(folder)!r}; writing "
-                f"{str(target)!r} there would replace it: choose another output folder")
+        if existing.exists():
+            if name == GENAI_CONFIG:
+                foreign = _config_is_foreign(existing, target)
+            elif others:
+                if _same_bytes(existing, companion_sources / name):
+                    continue
+                foreign = True
+            else:
+                foreign = False
+            if foreign:
+                raise OutputError(
+                    f"{str(existing)!r} belongs to another model in {str(folder)!r}; writing "
+                    f"{str(target)!r} there would replace it: choose another output folder")
         kept.append(name)
     return kept
 
@@ -494,10 +522,22 @@ def save_model(
     written.
     """
     target = Path(path)
-    created: Path | None = None
+    try:
+        with output_folder(target.parent):
+            return _save_staged(model, target, progress, companions_from, chunk_size)
+    except OSError as error:
+        raise OutputError(
+            f"cannot write {str(target)!r}: {error.strerror or error}; choose a writable "
+            "output folder with room for the model"
+        ) from error
+
+
+def _save_staged(model: ir.Model, target: Path, progress: Callable[[int], None] | None,
+                 companions_from: str | os.PathLike | None,
+                 chunk_size: int | None) -> list[str]:
+    """`save_model`'s work once the target folder exists; the staging folder is removed."""
     staging: Path | None = None
     try:
-        created = make_folder(target.parent)
         target_dir = target.parent.resolve()
         resolved_target = target_dir / target.name
         files = external_data_files(model)
@@ -522,7 +562,7 @@ def save_model(
             if name != GENAI_CONFIG:
                 _copy_file(Path(companions_from) / name, staging / name, None)
         if config is not None:
-            _write_config(config, staging / GENAI_CONFIG, companions_from, target_dir)
+            _write_config(*config, staging / GENAI_CONFIG)
         proto = ir.serde.serialize_model(model)
         _relocate(proto, locations)
         _write_proto(proto, staging / target.name)
@@ -531,17 +571,6 @@ def save_model(
                      *written_config, target.name):
             (target_dir / name).parent.mkdir(parents=True, exist_ok=True)
             os.replace(staging / name, target_dir / name)
-    except OSError as error:
-        if created is not None:
-            shutil.rmtree(created, ignore_errors=True)
-        raise OutputError(
-            f"cannot write {str(target)!r}: {error.strerror or error}; choose a writable "
-            "output folder with room for the model"
-        ) from error
-    except BaseException:
-        if created is not None:
-            shutil.rmtree(created, ignore_errors=True)
-        raise
     finally:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
@@ -589,8 +618,8 @@ def _companion_sources(source_dir: str | os.PathLike | None, target_dir: Path) -
 
 
 def _output_config(companions: list[str], companions_from: str | os.PathLike | None,
-                   target: Path, chunk_size: int | None) -> dict | None:
-    """The genai config to write beside `target`, or None when it is to be left as it is.
+                   target: Path, chunk_size: int | None) -> tuple[dict, Path] | None:
+    """The genai config to write beside `target` and its source, or None to leave it as it is.
 
     The copied config (or, with none copied, the one already beside `target` for it) names
     `target`'s file as its decoder and carries `chunk_size` as search.chunk_size.
@@ -615,13 +644,12 @@ def _output_config(companions: list[str], companions_from: str | os.PathLike | N
             raise ModelLoadError(f"{str(source)!r}: search must be an object, got {search!r}; "
                                  "fix the config")
         search["chunk_size"] = chunk_size
-    return updated if updated != document or source.parent != target.parent else None
+    if updated == document and source.parent == target.parent:
+        return None
+    return updated, source
 
 
-def _write_config(config: dict, staged: Path, companions_from: str | os.PathLike | None,
-                  target_dir: Path) -> None:
+def _write_config(config: dict, source: Path, staged: Path) -> None:
+    """Write `config` as JSON to `staged`, with `source`'s permission bits."""
     staged.write_text(json.dumps(config, indent=4) + "\n", encoding="utf-8")
-    source = (Path(companions_from) / GENAI_CONFIG if companions_from is not None
-              and (Path(companions_from) / GENAI_CONFIG).is_file() else target_dir / GENAI_CONFIG)
-    if source.is_file():
-        os.chmod(staged, stat.S_IMODE(source.stat().st_mode))
+    os.chmod(staged, stat.S_IMODE(source.stat().st_mode))

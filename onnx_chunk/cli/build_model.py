@@ -6,7 +6,8 @@ from pathlib import Path
 
 import click
 
-from onnx_chunk.errors import ConfigError
+from onnx_chunk.errors import ConfigError, OutputError
+from onnx_chunk.model_io import check_utf8_path
 from onnx_chunk.models import DTYPES, VARIANTS, build_decoder, decoder_config
 from onnx_chunk.models.static_decoder import build_static_pair
 
@@ -41,6 +42,7 @@ STATIC_VARIANT = "static"
 def build_model(preset: str, output: Path, variant: str, seed: int, dtype: str,
                 chunk_size: int | None, capacity: int | None, **sizes: int | None) -> None:
     """Build a reference decoder from PRESET (tiny, small, bench) into a folder."""
+    check_utf8_path(output, OutputError)
     overrides = {name: value for name, value in sizes.items() if value is not None}
     if variant == STATIC_VARIANT:
         if chunk_size is None or capacity is None:

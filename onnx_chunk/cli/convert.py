@@ -11,7 +11,8 @@ from onnx_chunk.cli.inspect import plan_summary
 from onnx_chunk.errors import ConfigError
 from onnx_chunk.metadata import read_plan
 from onnx_chunk.model_folder import locate_model
-from onnx_chunk.model_io import external_data_files, load_model, save_model
+from onnx_chunk.model_io import (external_data_files, load_model, output_locations,
+                                 save_model)
 from onnx_chunk.passes import DEFAULT_CHUNK_SIZE, DEFAULT_MAX_VARIANTS, convert_model
 
 # Copies of at least this much external data get a progress bar.
@@ -36,10 +37,10 @@ def _output_path(model_path: Path, output: Path | None, in_place: bool) -> Path:
     return output
 
 
-def _bytes_to_copy(model_files: dict[str, Path], target_dir: Path) -> int:
+def _bytes_to_copy(model_files: dict[str, Path], target: Path) -> int:
     total = 0
-    for location, source in model_files.items():
-        destination = target_dir / location
+    for location, written in output_locations(model_files, target).items():
+        source, destination = model_files[location], target.parent / written
         if not (destination.exists() and os.path.samefile(source, destination)):
             total += source.stat().st_size
     return total
@@ -69,7 +70,7 @@ def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants
     if in_place and not result.modified:
         click.echo(f"{model_path} is already converted with these settings; nothing written")
         return
-    to_copy = _bytes_to_copy(external_data_files(model), output.parent.resolve())
+    to_copy = _bytes_to_copy(external_data_files(model), output.parent.resolve() / output.name)
     # onnxruntime-genai reads search.chunk_size from the output's genai_config.json, so it
     # prefills that folder in the same chunks.
     chunk_width = plan.chunk_size if plan is not None else None

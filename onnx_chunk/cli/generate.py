@@ -17,6 +17,7 @@ from onnx_chunk.cli.text_generate import (
     text_options,
 )
 from onnx_chunk.errors import InputError
+from onnx_chunk.model_io import check_utf8_path
 from onnx_chunk.runtime import GenerationStats, RuntimeStats, load
 from onnx_chunk.runtime.provider import PROVIDER_CHOICES
 from onnx_chunk.runtime.static_model import is_static_model, load_static
@@ -145,6 +146,7 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
              strict: bool, as_json: bool, **text: object) -> None:
     """Generate from MODEL with chunked prefill (dynamic or static decoders): token ids in and
     out greedily, or with --prompt text in, text streamed out (see docs/text.md)."""
+    check_utf8_path(model)
     if text["prompt"] is not None:
         _route_text(model, text, ids_text, ids_file, random_prompt, seed, max_new_tokens,
                     eos_token_ids or None, chunk_size, provider, capacity, no_padding, specialize,

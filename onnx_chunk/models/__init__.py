@@ -14,25 +14,19 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_chunk.errors import ConfigError, OutputError
-from onnx_chunk.model_io import make_folder
+from onnx_chunk.model_io import output_folder
 from onnx_chunk.models.config import PRESETS, DecoderConfig, config_for
 from onnx_chunk.models.decoder_graph import build_graph
 from onnx_chunk.models.genai_config import EMBEDDINGS_FILENAME, MODEL_FILENAME, genai_config
 from onnx_chunk.models.precision import DTYPES, float_dtype
 from onnx_chunk.models.quantize import EXTERNAL_THRESHOLD_BYTES, quantize_int4
-from onnx_chunk.models.variants import VARIANTS, variant_spec
+from onnx_chunk.models.variants import VARIANTS, VariantSpec, variant_spec
 from onnx_chunk.models.weights import DecoderWeights, make_weights
 
 __all__ = ["DTYPES", "DecoderConfig", "DecoderWeights", "PRESETS", "VARIANTS",
            "EMBEDDINGS_FILENAME", "build_decoder", "config_for", "decoder_config", "make_weights"]
 
 logger = logging.getLogger(__name__)
-
-
-def _remove(created: Path | None) -> None:
-    """Remove the folder a failed build created (with its parents that it created)."""
-    if created is not None:
-        shutil.rmtree(created, ignore_errors=True)
 
 
 def decoder_config(preset: str = "tiny", variant: str = "base", **size_overrides) -> DecoderConfig:
@@ -59,22 +53,32 @@ def build_decoder(out_dir: str | os.PathLike, preset: str = "tiny", variant: str
 
     The folder gets model.onnx, model.onnx.data (the weights), genai_config.json and, for
     inputs_embeds, embeddings.npy. Everything is written to a temporary folder inside
-    `out_dir` first and renamed into place, so no half-written model is ever left behind.
-    Same arguments give byte-identical files.
+    `out_dir` first and renamed into place, so no half-written model is ever left behind; a
+    failed build removes the folders it created. Same arguments give byte-identical files.
     """
     spec = variant_spec(variant)
     float_dtype(dtype)  # an unknown dtype is a ConfigError before anything is written
     config = decoder_config(preset, variant, **size_overrides)
     out = Path(out_dir)
-    created: Path | None = None
-    staging: Path | None = None
     try:
-        created = make_folder(out)
-        staging = Path(tempfile.mkdtemp(prefix=".build-", dir=out))
+        with output_folder(out):
+            _write_decoder(out, config, spec, seed, dtype)
     except OSError as error:
-        _remove(created)
-        raise OutputError(f"cannot write to output folder {out}: {error.strerror or error}; "
-                          "choose a writable folder") from error
+        raise OutputError(f"cannot write the model into {out}: {error.strerror or error}; "
+                          "check the folder's permissions and free space") from error
+    except MemoryError as error:
+        raise ConfigError(f"not enough memory to build a decoder of "
+                          f"{config.parameter_count():,} parameters; choose smaller "
+                          "sizes") from error
+    logger.info("built %s/%s %s decoder (%d parameters) at %s", preset, variant, dtype,
+                config.parameter_count(), out / MODEL_FILENAME)
+    return out / MODEL_FILENAME
+
+
+def _write_decoder(out: Path, config: DecoderConfig, spec: VariantSpec, seed: int,
+                   dtype: str) -> None:
+    """Build the decoder's files in a staging folder inside `out`, then rename them into it."""
+    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=out))
     try:
         weights = make_weights(config, seed)
         model = build_graph(config, weights, spec, seed, dtype)
@@ -96,20 +100,5 @@ def build_decoder(out_dir: str | os.PathLike, preset: str = "tiny", variant: str
             names.insert(0, EMBEDDINGS_FILENAME)
         for name in names:
             os.replace(staging / name, out / name)
-    except OSError as error:
-        _remove(created)
-        raise OutputError(f"cannot write the model into {out}: {error.strerror or error}; "
-                          "check the folder's permissions and free space") from error
-    except MemoryError as error:
-        _remove(created)
-        raise ConfigError(f"not enough memory to build a decoder of "
-                          f"{config.parameter_count():,} parameters; choose smaller "
-                          "sizes") from error
-    except BaseException:
-        _remove(created)
-        raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    logger.info("built %s/%s %s decoder (%d parameters) at %s", preset, variant, dtype,
-                config.parameter_count(), out / MODEL_FILENAME)
-    return out / MODEL_FILENAME

@@ -25,6 +25,8 @@ import filecmp
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +35,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_chunk.errors import ConfigError, OutputError
+from onnx_chunk.model_io import output_folder
 from onnx_chunk.models.config import DecoderConfig, config_for
 from onnx_chunk.models.decoder_graph import rotary_caches
 from onnx_chunk.models.weights import AttentionWeights, DecoderWeights, make_weights
@@ -318,9 +321,10 @@ def build_static_decoder(
     config = _static_config(config_for(preset, **overrides))
     shape = StaticShape(chunk_size, capacity)
     model = static_model_proto(config, make_weights(config, seed), shape)
-    out = _output_folder(out_dir)
+    out = Path(out_dir)
     target = out / MODEL_FILE
-    _write_model_atomically(model, target)
+    with _output_folder(out):
+        _write_model_atomically(model, target)
     logger.info("wrote static decoder %s (c=%d, C=%d, preset %s, seed %d)", target,
                 chunk_size, capacity, preset, seed)
     return target
@@ -352,40 +356,37 @@ def build_static_pair(
     weights = make_weights(config, seed)
     chunk = static_model_proto(config, weights, StaticShape(chunk_size, capacity))
     decode = static_model_proto(config, weights, StaticShape(1, capacity))
-    out = _output_folder(out_dir)
+    out = Path(out_dir)
     data_name = MODEL_FILE + ".data"
-    try:
-        with tempfile.TemporaryDirectory(dir=out, prefix=".tmp-") as scratch:
-            staged = Path(scratch)
-            _save_external(chunk, staged / MODEL_FILE, data_name)
-            (staged / "decode").mkdir()
-            _save_external(decode, staged / "decode" / DECODE_FILE, data_name)
-            if not filecmp.cmp(staged / data_name, staged / "decode" / data_name, shallow=False):
-                raise OutputError(
-                    "the chunk and decode graphs' external weights differ; they cannot share "
-                    f"{data_name} (a builder bug: report it)"
-                )
-            for name, source in ((data_name, staged / data_name),
-                                 (MODEL_FILE, staged / MODEL_FILE),
-                                 (DECODE_FILE, staged / "decode" / DECODE_FILE)):
-                os.replace(source, out / name)
-    except OSError as error:
-        raise OutputError(f"cannot write into {out}: {error}; check the folder is writable") \
-            from error
+    with _output_folder(out), tempfile.TemporaryDirectory(dir=out, prefix=".tmp-") as scratch:
+        staged = Path(scratch)
+        _save_external(chunk, staged / MODEL_FILE, data_name)
+        (staged / "decode").mkdir()
+        _save_external(decode, staged / "decode" / DECODE_FILE, data_name)
+        if not filecmp.cmp(staged / data_name, staged / "decode" / data_name, shallow=False):
+            raise OutputError(
+                "the chunk and decode graphs' external weights differ; they cannot share "
+                f"{data_name} (a builder bug: report it)"
+            )
+        for name, source in ((data_name, staged / data_name),
+                             (MODEL_FILE, staged / MODEL_FILE),
+                             (DECODE_FILE, staged / "decode" / DECODE_FILE)):
+            os.replace(source, out / name)
     logger.info("wrote static pair %s and %s (c=%d, C=%d, preset %s, seed %d)", out / MODEL_FILE,
                 out / DECODE_FILE, chunk_size, capacity, preset, seed)
     return out / MODEL_FILE, out / DECODE_FILE
 
 
-def _output_folder(out_dir: str | os.PathLike) -> Path:
-    out = Path(out_dir)
+@contextmanager
+def _output_folder(out: Path) -> Iterator[Path]:
+    """`out`, created for the write and removed again (when it was created) if the write fails;
+    OutputError when it cannot be written."""
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        with output_folder(out) as folder:
+            yield folder
     except OSError as error:
-        raise OutputError(
-            f"cannot create output folder {out}: {error}; pass a writable folder"
-        ) from error
-    return out
+        raise OutputError(f"cannot write into {out}: {error}; check the folder is writable") \
+            from error
 
 
 def _save_external(model: onnx.ModelProto, target: Path, data_name: str) -> None:

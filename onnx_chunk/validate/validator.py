@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from onnx_chunk import arguments
 from onnx_chunk.errors import ConfigError
 from onnx_chunk.metadata import ChunkPlan
 from onnx_chunk.passes import DEFAULT_CHUNK_SIZE
@@ -74,16 +75,21 @@ class ValidationOptions:
         if self.provider not in PROVIDER_CHOICES:
             raise ConfigError(f"unknown provider {self.provider!r}; expected one of "
                               f"{', '.join(PROVIDER_CHOICES)}")
-        if self.new_tokens < 1:
-            raise ConfigError(f"new tokens must be at least 1, got {self.new_tokens}")
-        if self.seed < 0:
-            raise ConfigError(f"the seed must be at least 0, got {self.seed}")
-        if self.lengths is not None and (not self.lengths or min(self.lengths) < 1):
-            raise ConfigError(f"prompt lengths must be at least 1, got {list(self.lengths)}")
-        if self.chunk_size is not None and self.chunk_size < 1:
-            raise ConfigError(f"the chunk size must be at least 1, got {self.chunk_size}")
-        if self.atol is not None and not (self.atol >= 0 and math.isfinite(self.atol)):
-            raise ConfigError(f"atol must be a finite number >= 0, got {self.atol}")
+        arguments.integer(self.new_tokens, "new tokens", minimum=1, error=ConfigError)
+        arguments.integer(self.seed, "the seed", minimum=0, error=ConfigError)
+        if self.lengths is not None:
+            if not self.lengths:
+                raise ConfigError("prompt lengths must be at least 1, got none")
+            for length in self.lengths:
+                arguments.integer(length, "prompt lengths", minimum=1, error=ConfigError)
+        arguments.optional_integer(self.chunk_size, "the chunk size", minimum=1,
+                                   error=ConfigError)
+        arguments.optional_integer(self.max_input_len, "max_input_len", minimum=1,
+                                   error=ConfigError)
+        if self.atol is not None and (isinstance(self.atol, bool)
+                                      or not isinstance(self.atol, (int, float))
+                                      or not (self.atol >= 0 and math.isfinite(self.atol))):
+            raise ConfigError(f"atol must be a finite number >= 0, got {self.atol!r}")
 
 
 class Progress(Protocol):

@@ -9,14 +9,7 @@ import pytest
 from onnx_chunk import models
 from onnx_chunk.cli import main
 
-
-def _one_error_line(capsys, *words):
-    captured = capsys.readouterr()
-    err = captured.err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), captured.err
-    assert "Traceback" not in captured.err
-    for word in words:
-        assert word in err[0], err[0]
+from tests.cli_output import one_error_line
 
 
 def _generate(model, *args):
@@ -31,7 +24,7 @@ def _generate(model, *args):
 ], ids=["generate", "demo", "build-model"])
 def test_a_negative_seed_is_refused(reference_model, tmp_path, capsys, argv):
     assert main(argv(reference_model(), tmp_path)) == 2
-    _one_error_line(capsys, "--seed")
+    one_error_line(capsys, "--seed")
     assert sorted(tmp_path.iterdir()) == []
 
 
@@ -41,26 +34,26 @@ def test_an_ids_file_that_is_not_utf8_text_is_refused(reference_model, tmp_path,
     ids = tmp_path / "ids.txt"
     ids.write_bytes(content)
     assert main(_generate(reference_model(), "--ids-file", str(ids))) == 2
-    _one_error_line(capsys, "ids.txt")
+    one_error_line(capsys, "ids.txt")
 
 
 @pytest.mark.parametrize("ids", ["\u0661,\u0662", "1_0", "\uff11", "2.0", "0x1"])
 def test_ids_take_ascii_digits_only(reference_model, capsys, ids):
     assert main(_generate(reference_model(), "--ids", ids)) == 2
-    _one_error_line(capsys, "--ids", "digits 0-9")
+    one_error_line(capsys, "--ids", "digits 0-9")
 
 
 def test_generate_refuses_a_path_that_is_not_utf8(reference_model, tmp_path, capsys):
     folder = tmp_path / "x\udcff"
     shutil.copytree(reference_model().parent, folder)
     assert main(_generate(folder / "model.onnx", "--ids", "1,2")) == 2
-    _one_error_line(capsys, "not valid UTF-8")
+    one_error_line(capsys, "not valid UTF-8")
 
 
 @pytest.mark.parametrize("eos", ["-1", "256"])
 def test_generate_refuses_an_eos_id_outside_the_vocabulary(reference_model, capsys, eos):
     assert main(_generate(reference_model(), "--ids", "1,2", "--eos-token-id", eos)) == 2
-    _one_error_line(capsys, "--eos-token-id")
+    one_error_line(capsys, "--eos-token-id")
 
 
 def test_generate_takes_several_eos_ids(reference_model, capsys):
@@ -72,7 +65,7 @@ def test_build_model_refuses_sizes_it_cannot_hold_and_leaves_no_folder(tmp_path,
     out = tmp_path / "new" / "big"
     assert main(["build-model", "tiny", "-o", str(out), "--hidden", "1000000",
                  "--vocab", "1000000"]) == 2
-    _one_error_line(capsys, "parameters", "choose smaller sizes")
+    one_error_line(capsys, "parameters", "choose smaller sizes")
     assert not (tmp_path / "new").exists()
 
 
@@ -95,5 +88,56 @@ def test_a_failed_build_keeps_a_folder_that_was_there(tmp_path, monkeypatch, cap
     monkeypatch.setattr(models, "make_weights", disk_full)
     (tmp_path / "keep.txt").write_text("mine")
     assert main(["build-model", "tiny", "-o", str(tmp_path)]) == 2
-    _one_error_line(capsys, "No space left")
+    one_error_line(capsys, "No space left")
     assert [path.name for path in tmp_path.iterdir()] == ["keep.txt"]
+
+
+@pytest.fixture(scope="module")
+def static_pair(tmp_path_factory):
+    out = tmp_path_factory.mktemp("static-pair")
+    assert main(["build-model", "tiny", "-o", str(out), "--variant", "static", "--chunk-size",
+                 "8", "--capacity", "64"]) == 0
+    return out / "model.onnx"
+
+
+def test_generate_refuses_a_static_decoder_at_a_path_that_is_not_utf8(static_pair, tmp_path,
+                                                                     capsys):
+    folder = tmp_path / "x\udcff"
+    shutil.copytree(static_pair.parent, folder)
+    assert main(["generate", str(folder / "model.onnx"), "--ids", "1,2", "--max-new-tokens",
+                 "2", "--provider", "cpu"]) == 2
+    one_error_line(capsys, "not valid UTF-8")
+
+
+@pytest.mark.parametrize("variant", [[], ["--variant", "static", "--chunk-size", "8",
+                                          "--capacity", "64"]], ids=["base", "static"])
+def test_build_model_refuses_an_output_path_that_is_not_utf8(tmp_path, capsys, variant):
+    out = tmp_path / "x\udcff"
+    assert main(["build-model", "tiny", "-o", str(out), *variant]) == 2
+    one_error_line(capsys, "not valid UTF-8")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("eos, words", [
+    (["--eos-token-id", "-1"], ("--eos-token-id", "at least 0")),
+    (["--eos-token-id", "256"], ("--eos-token-id", "at most 255")),
+    (["--eos-token-id", "3", "--eos-token-id", "4"], ("one --eos-token-id",)),
+])
+def test_generate_on_a_static_decoder_checks_its_eos_id(static_pair, capsys, eos, words):
+    assert main(["generate", str(static_pair), "--ids", "1,2", "--max-new-tokens", "2",
+                 "--provider", "cpu", *eos]) == 2
+    one_error_line(capsys, *words)
+
+
+@pytest.mark.parametrize("variant", [[], ["--variant", "static", "--chunk-size", "8",
+                                          "--capacity", "64"]], ids=["base", "static"])
+def test_build_model_on_a_full_disk_removes_the_folder_it_created(tmp_path, monkeypatch, capsys,
+                                                                  variant):
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "replace", disk_full)
+    out = tmp_path / "new" / "model"
+    assert main(["build-model", "tiny", "-o", str(out), *variant]) == 2
+    one_error_line(capsys, "No space left")
+    assert not (tmp_path / "new").exists()

@@ -44,7 +44,7 @@ def test_unwritable_output_is_an_error_line(tmp_path, capsys):
     blocker.write_text("")
     code = main(["build-model", "tiny", "-o", str(blocker / "sub")])
     err = capsys.readouterr().err
-    assert code != 0 and err.startswith("error: cannot write to output folder")
+    assert code != 0 and err.startswith("error: cannot write the model into")
 
 
 def test_build_model_static_variant(tmp_path, capsys):

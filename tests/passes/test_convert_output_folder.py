@@ -14,6 +14,8 @@ import pytest
 from onnx_chunk import model_io
 from onnx_chunk.cli import main
 
+from tests.cli_output import one_error_line
+
 DATA = "model.onnx.data"
 
 
@@ -35,14 +37,6 @@ def _snapshot(folder):
     return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
 
 
-def _one_error_line(capsys, *words):
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    for word in words:
-        assert word in err[0], err[0]
-    return err[0]
-
-
 def test_convert_into_a_folder_of_another_model_keeps_its_weights(model_a, model_b):
     (model_a / "genai_config.json").unlink()
     before = _snapshot(model_a)
@@ -60,7 +54,7 @@ def test_convert_into_a_folder_of_another_model_keeps_its_weights(model_a, model
 def test_convert_refuses_to_replace_the_genai_config_of_another_model(model_a, model_b, capsys):
     before = _snapshot(model_a)
     assert main(["convert", str(model_b), "-o", str(model_a / "b.onnx")]) == 2
-    _one_error_line(capsys, "genai_config.json", "another model")
+    one_error_line(capsys, "genai_config.json", "another model")
     assert _snapshot(model_a) == before
 
 
@@ -76,7 +70,7 @@ def test_convert_refuses_a_data_file_another_model_references(model_a, model_b, 
     (model_a / "model.onnx").write_bytes(proto.SerializeToString())
     before = _snapshot(model_a)
     assert main(["convert", str(model_b), "-o", str(model_a / "b.onnx")]) == 2
-    _one_error_line(capsys, "b.onnx.data", "external data of")
+    one_error_line(capsys, "b.onnx.data", "external data of")
     assert _snapshot(model_a) == before
 
 
@@ -109,7 +103,7 @@ def test_convert_refuses_a_symlinked_companion(model_a, tmp_path, capsys):
     (model_a / "tokenizer.json").symlink_to(secret)
     out = tmp_path / "out"
     assert main(["convert", str(model_a / "model.onnx"), "-o", str(out)]) == 2
-    _one_error_line(capsys, "tokenizer.json", "symlink")
+    one_error_line(capsys, "tokenizer.json", "symlink")
     assert not out.exists()
 
 

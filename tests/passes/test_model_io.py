@@ -2,6 +2,7 @@ import os
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
 
@@ -116,3 +117,32 @@ def test_save_in_place_rewrites_only_the_graph(tmp_path):
     reloaded = load_model(path)
     assert reloaded.metadata_props["k"] == "v"
     np.testing.assert_array_equal(reloaded.graph.initializers["w"].const_value.numpy(), weight)
+
+
+def test_save_copies_the_data_of_function_local_tensors(tmp_path):
+    # A model-local function whose Constant keeps its tensor in external data.
+    weight = np.arange(16, dtype=np.float32)
+    tensor = numpy_helper.from_array(weight, "k")
+    tensor.ClearField("raw_data")
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", "k.bin"), ("offset", "0"), ("length", "64")):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+    function = helper.make_function(
+        "local", "AddK", ["x"], ["y"],
+        [helper.make_node("Constant", [], ["k"], value=tensor),
+         helper.make_node("Add", ["x", "k"], ["y"])], [helper.make_opsetid("", 21)])
+    graph = helper.make_graph(
+        [helper.make_node("AddK", ["x"], ["y"], domain="local")], "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [16])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [16])])
+    proto = helper.make_model(graph, functions=[function], ir_version=10, opset_imports=[
+        helper.make_opsetid("", 21), helper.make_opsetid("local", 1)])
+    (tmp_path / "in").mkdir()
+    onnx.save(proto, str(tmp_path / "in" / "model.onnx"))
+    (tmp_path / "in" / "k.bin").write_bytes(weight.tobytes())
+    save_model(load_model(tmp_path / "in" / "model.onnx"), tmp_path / "out" / "f.onnx")
+    assert sorted(os.listdir(tmp_path / "out")) == ["f.onnx", "f.onnx.data"]
+    session = ort.InferenceSession(str(tmp_path / "out" / "f.onnx"),
+                                   providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(session.run(None, {"x": np.zeros(16, np.float32)})[0], weight)

@@ -57,6 +57,14 @@ def test_seeded_prompts_are_reproducible_and_in_the_vocabulary():
     (dict(atol=float("nan")), "atol"),
     (dict(provider="tpu"), "provider"),
     (dict(chunk_size=0), "chunk size"),
+    (dict(seed=-1), "seed"),
+    (dict(seed=1.5), "seed"),
+    (dict(new_tokens=2.0), "new tokens"),
+    (dict(new_tokens="4"), "new tokens"),
+    (dict(lengths=(4, 2.5)), "lengths"),
+    (dict(chunk_size=True), "chunk size"),
+    (dict(max_input_len=0), "max_input_len"),
+    (dict(atol="0"), "atol"),
 ])
 def test_options_are_checked_once_at_the_edge(options, message):
     with pytest.raises(ConfigError, match=message):
