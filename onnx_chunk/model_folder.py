@@ -38,6 +38,7 @@ class GenaiConfig:
     max_length: int | None = None
     chunk_size: int | None = None
     search: dict[str, Any] = field(default_factory=dict)
+    document: dict[str, Any] = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ def read_genai_config(path: Path) -> GenaiConfig | None:
         max_length=reader.size(search.get("max_length"), "search.max_length"),
         chunk_size=reader.size(search.get("chunk_size"), "search.chunk_size"),
         search=dict(search),
+        document=document,
     )
 
 

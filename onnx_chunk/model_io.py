@@ -25,7 +25,7 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from onnx_chunk.errors import ModelLoadError, OutputError
-from onnx_chunk.model_folder import DEFAULT_DECODER, GENAI_CONFIG
+from onnx_chunk.model_folder import DEFAULT_DECODER, GENAI_CONFIG, read_genai_config
 
 logger = logging.getLogger(__name__)
 
@@ -409,22 +409,15 @@ def referenced_data_files(model_path: Path) -> set[Path]:
     return files
 
 
-def _config_decoder(path: Path) -> tuple[dict | None, str | None]:
-    """A genai config's JSON document and the decoder file it names (None: it names none)."""
-    try:
-        document = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise ModelLoadError(f"cannot read {str(path)!r} as JSON ({error}); fix or remove "
-                             "the file") from error
-    decoder = (document.get("model") or {}).get("decoder") if isinstance(document, dict) else None
-    filename = decoder.get("filename") if isinstance(decoder, dict) else None
-    return (document if isinstance(document, dict) else None,
-            filename if isinstance(filename, str) and filename else None)
+def _config_decoder(path: Path) -> tuple[dict, str | None]:
+    """A genai config's JSON document and the decoder file it names (None: it names none).
 
-
-def config_owner(path: Path) -> str:
-    """The decoder file a genai config in a folder belongs to."""
-    return _config_decoder(path)[1] or DEFAULT_DECODER
+    ModelLoadError when the file is no JSON object or its sections are not what genai reads.
+    """
+    genai = read_genai_config(path)
+    if genai is None:
+        raise ModelLoadError(f"{str(path)!r} does not exist")
+    return genai.document, genai.filename
 
 
 def _config_is_foreign(path: Path, target: Path) -> bool:
@@ -631,19 +624,12 @@ def _output_config(companions: list[str], companions_from: str | os.PathLike | N
         if not source.is_file() or _config_is_foreign(source, target) or chunk_size is None:
             return None
     document, named = _config_decoder(source)
-    if document is None:
-        raise ModelLoadError(f"{str(source)!r} holds no JSON object; expected onnxruntime-genai's "
-                             "config ({\"model\": {...}, \"search\": {...}})")
     updated = json.loads(json.dumps(document))
     if (named or DEFAULT_DECODER) != target.name:
         model = updated.setdefault("model", {})
         model.setdefault("decoder", {})["filename"] = target.name
     if chunk_size is not None:
-        search = updated.setdefault("search", {})
-        if not isinstance(search, dict):
-            raise ModelLoadError(f"{str(source)!r}: search must be an object, got {search!r}; "
-                                 "fix the config")
-        search["chunk_size"] = chunk_size
+        updated.setdefault("search", {})["chunk_size"] = chunk_size
     if updated == document and source.parent == target.parent:
         return None
     return updated, source

@@ -84,6 +84,11 @@ class Sampling:
         return replace(base, **given)
 
 
+# Kept tokens up to which a draw gathers them (a [kept] allocation) instead of running over
+# the whole row in place.
+_GATHERED_DRAW = 4096
+
+
 class Sampler:
     """One request's token choice under a `Sampling`: seeded, with a preallocated work buffer.
 
@@ -103,6 +108,7 @@ class Sampler:
         # top-p weights, then the mask of the tokens kept.
         self._work = (None if sampling.greedy and not self._penalize
                       else np.empty((3, vocab_size), dtype=np.float64))
+        self._mask = None if self._work is None else np.empty(vocab_size, dtype=bool)
 
     def observe(self, token_ids: Iterable[int]) -> None:
         """Count `token_ids` as seen (for the repetition penalty)."""
@@ -135,38 +141,77 @@ class Sampler:
         scores /= sampling.temperature
         top = float(scores.max())
         cutoff = -math.inf
-        if 0 < sampling.top_k < scores.size or sampling.top_p < 1.0:
+        vocab = scores.size
+        if 0 < sampling.top_k < vocab:
+            # The k-th largest logit, by a partition instead of a sort (ties kept by >=).
             np.copyto(ascending, scores)
-            ascending.sort()
-            if 0 < sampling.top_k < scores.size:
-                cutoff = float(ascending[-sampling.top_k])
-            if sampling.top_p < 1.0:
-                cutoff = _top_p_cutoff(ascending, cutoff, top, sampling.top_p, scratch)
+            ascending.partition(vocab - sampling.top_k)
+            cutoff = float(ascending[vocab - sampling.top_k])
+        if sampling.top_p < 1.0:
+            cutoff = _top_p_cutoff(scores, cutoff, top, sampling.top_p, ascending, scratch,
+                                   self._mask)
         if sampling.min_p > 0.0:
             cutoff = max(cutoff, top + math.log(sampling.min_p))
-        np.greater_equal(scores, cutoff, out=scratch)
-        scores -= top
-        np.exp(scores, out=scores)
-        scores *= scratch
-        np.cumsum(scores, out=scores)
-        target = self._rng.random() * scores[-1]
-        return int(np.searchsorted(scores, target, side="right"))
+        np.greater_equal(scores, cutoff, out=self._mask)
+        if np.count_nonzero(self._mask) > _GATHERED_DRAW:
+            # Many tokens left: draw over the whole row in place (the dropped ones weigh 0).
+            scores -= top
+            np.exp(scores, out=scores)
+            scores *= self._mask
+            np.cumsum(scores, out=scores)
+            return int(np.searchsorted(scores, self._rng.random() * scores[-1], side="right"))
+        # A few left: draw among them only, in id order (the same choice as the whole row).
+        kept = np.flatnonzero(self._mask)
+        weights = np.exp(scores[kept] - top)
+        np.cumsum(weights, out=weights)
+        target = self._rng.random() * weights[-1]
+        return int(kept[min(int(np.searchsorted(weights, target, side="right")),
+                            kept.size - 1)])
 
 
-def _top_p_cutoff(ascending: np.ndarray, cutoff: float, top: float, top_p: float,
-                  weights: np.ndarray) -> float:
-    """The lowest logit top-p keeps of `ascending` (the sorted logits) above `cutoff`.
+def _top_p_cutoff(scores: np.ndarray, cutoff: float, top: float, top_p: float,
+                  ascending: np.ndarray, weights: np.ndarray, mask: np.ndarray) -> float:
+    """The lowest logit top-p keeps of `scores` above `cutoff` (top-k's).
 
-    transformers drops the tokens whose ascending cumulative probability (over what top-k
-    kept) is at most 1 - top_p, and always keeps the most likely one.
+    transformers drops the tokens whose ascending cumulative probability (over what the other
+    cut-offs kept) is at most 1 - top_p, and always keeps the most likely one. Only the
+    largest logits are sorted: the m largest, doubling m until the mass outside them is at
+    most 1 - top_p of the whole, so the cut falls among them.
     """
-    start = int(np.searchsorted(ascending, cutoff, side="left"))
-    np.subtract(ascending, top, out=weights)
+    vocab = scores.size
+    np.less(scores, cutoff, out=mask)
+    kept = vocab - int(np.count_nonzero(mask))
+    if kept <= _GATHERED_DRAW:
+        np.logical_not(mask, out=mask)
+        largest = np.sort(scores[np.flatnonzero(mask)])
+        shares = np.exp(largest - top)
+        return _first_kept(largest, shares, 0.0, (1.0 - top_p) * float(shares.sum()), cutoff)
+    np.subtract(scores, top, out=weights)
     np.exp(weights, out=weights)
-    weights[:start] = 0.0
-    np.cumsum(weights, out=weights)
-    first = int(np.searchsorted(weights, (1.0 - top_p) * weights[-1], side="right"))
-    return float(ascending[min(first, ascending.size - 1)])
+    np.copyto(weights, 0.0, where=mask)
+    total = float(weights.sum())
+    limit = (1.0 - top_p) * total
+    size = min(64, kept)
+    while True:
+        np.copyto(ascending, scores)
+        np.copyto(ascending, -math.inf, where=mask)
+        ascending.partition(vocab - size)
+        largest = np.sort(ascending[vocab - size:])
+        shares = np.exp(largest - top)
+        rest = total - float(shares.sum())
+        if rest <= limit or size >= kept:
+            break
+        size = min(2 * size, kept)
+    return _first_kept(largest, shares, rest, limit, cutoff)
+
+
+def _first_kept(largest: np.ndarray, shares: np.ndarray, rest: float, limit: float,
+                cutoff: float) -> float:
+    """The logit of the first of `largest` (ascending) whose cumulative mass, with the `rest`
+    below them, passes `limit`."""
+    cumulative = np.cumsum(shares) + rest
+    first = int(np.searchsorted(cumulative, limit, side="right"))
+    return max(cutoff, float(largest[min(first, largest.size - 1)]))
 
 
 def _number(value: object, name: str, expected: str, valid) -> None:

@@ -17,7 +17,6 @@ import click
 
 from onnx_chunk.cli.text_generate import sampling_from, sampling_options
 from onnx_chunk.errors import InputError
-from onnx_chunk.model_folder import locate_model
 from onnx_chunk.runtime import load
 from onnx_chunk.runtime.provider import PROVIDER_CHOICES
 from onnx_chunk.text.conversation import Conversation
@@ -47,7 +46,7 @@ def chat(model: Path, system: str | None, max_new_tokens: int, seed: int | None,
          no_cache_reuse: bool, provider: str, capacity: int | None, chunk_size: int | None,
          **options: object) -> None:
     """Chat with MODEL in the terminal, the conversation kept in the KV cache."""
-    runtime = load(locate_model(model).onnx_path, provider=provider, capacity=capacity,
+    runtime = load(model, provider=provider, capacity=capacity,
                    chunk_size=chunk_size)
     tokenizer = runtime.tokenizer
     if tokenizer.chat_template is None:

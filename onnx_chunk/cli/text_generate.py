@@ -15,7 +15,6 @@ from typing import Any
 
 import click
 
-from onnx_chunk.model_folder import locate_model
 from onnx_chunk.sampling import Sampling
 
 # The sampling options: (flag, (type, help)).
@@ -73,7 +72,7 @@ def run_text_generate(model: Path, options: dict[str, Any], *, max_new_tokens: i
 
     if options.get("system") is not None and not options.get("chat"):
         raise click.UsageError("--system needs --chat (it is a message of the chat template)")
-    runtime = load_runtime(locate_model(model).onnx_path)
+    runtime = load_runtime(model)
     tokenizer = runtime.tokenizer
     prompt: Any = options["prompt"]
     if options.get("chat"):
@@ -81,12 +80,13 @@ def run_text_generate(model: Path, options: dict[str, Any], *, max_new_tokens: i
                   else [{"role": "system", "content": options["system"]}])
         prompt.append({"role": "user", "content": options["prompt"]})
     sampling = sampling_from(tokenizer.genai, options, seed)
-    generation = stream_text(runtime.open_sequence(), tokenizer, prompt, max_new_tokens,
-                             sampling=sampling, stop=options.get("stop") or None)
-    for piece in generation:
-        if not as_json:
-            click.echo(piece, nl=False)
-            sys.stdout.flush()
+    with runtime.open_sequence() as sequence:
+        generation = stream_text(sequence, tokenizer, prompt, max_new_tokens,
+                                 sampling=sampling, stop=options.get("stop") or None)
+        for piece in generation:
+            if not as_json:
+                click.echo(piece, nl=False)
+                sys.stdout.flush()
     completion = generation.completion
     stats = completion.stats
     entry = {"text": completion.text, "tokens": list(completion.tokens),

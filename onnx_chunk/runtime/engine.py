@@ -245,9 +245,9 @@ class Runtime:
     @cached_property
     def tokenizer(self) -> Tokenizer:
         """The model folder's tokenizer, read on first use (ModelLoadError when it has none)."""
-        from onnx_chunk.text.tokenizer import load_tokenizer
+        from onnx_chunk.text.tokenizer import Tokenizer
 
-        return load_tokenizer(self.model_path)
+        return Tokenizer.load(self.model_path.parent, self.genai)
 
     def generate_text(self, prompt: Prompt, max_new_tokens: int, *,
                       sampling: Sampling | None = None,

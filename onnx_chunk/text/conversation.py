@@ -15,8 +15,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence as SequenceOf
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from onnx_chunk.errors import CapacityError
 from onnx_chunk.sampling import Sampling
 from onnx_chunk.text.generation import Completion, TextGeneration, default_sampling
+from onnx_chunk.text.stops import check_stops
 
 if TYPE_CHECKING:
     from onnx_chunk.runtime.engine import Runtime
@@ -96,12 +98,21 @@ class Conversation:
         else:
             plan = Continuation(ids, 0, "cache reuse off" if not self.reuse_cache
                                 else "the last reply was not read to its end")
+        # Everything that can refuse the turn runs before the cache is touched.
+        check_stops(stop)
+        sampling = default_sampling(tokenizer, sampling)
+        room = self._sequence.capacity - (0 if plan.reused == 0 else self._sequence.length)
+        if len(plan.ids) >= room:
+            raise CapacityError(
+                f"the conversation needs {len(plan.ids)} more positions and a reply, but "
+                f"{room} of the {self._sequence.capacity}-position capacity are left; start a "
+                "new conversation or load the model with a larger capacity")
         if plan.reused == 0 and self._sequence.length:
             logger.info("feeding the whole conversation again: %s", plan.how)
             self._sequence.rewind(self._sequence.length)
         held = self._cached_ids[:plan.reused]
         generation = TextGeneration(self._sequence, tokenizer, plan.ids, max_new_tokens,
-                                    sampling=default_sampling(tokenizer, sampling), stop=stop)
+                                    sampling=sampling, stop=stop)
         self.last_turn = TurnStats(tuple(plan.ids), plan.reused, plan.how)
         return self._turn(generation, messages, [*held, *plan.ids], rendered)
 

@@ -100,7 +100,8 @@ class TextGeneration:
         tokens: list[int] = []
         pieces: list[str] = []
         reason = at_budget
-        steps = sequence.stream(ids, budget, sampling=sampling)
+        # The sequence stops on the same ids, so its stats agree with the finish reason.
+        steps = sequence.stream(ids, budget, eos_token_id=tuple(eos), sampling=sampling)
         try:
             for token in steps:
                 tokens.append(token)

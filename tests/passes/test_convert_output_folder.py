@@ -58,6 +58,17 @@ def test_convert_refuses_to_replace_the_genai_config_of_another_model(model_a, m
     assert _snapshot(model_a) == before
 
 
+@pytest.mark.parametrize("content", ['{"model": "x"}', '{"model": {"decoder": [1]}}',
+                                     '{"search": 5}'])
+def test_convert_refuses_a_malformed_genai_config_in_the_target_folder(model_a, model_b, capsys,
+                                                                       content):
+    (model_a / "genai_config.json").write_text(content)
+    before = _snapshot(model_a)
+    assert main(["convert", str(model_b), "-o", str(model_a / "b.onnx")]) == 2
+    one_error_line(capsys, "genai_config.json", "must be an object")
+    assert _snapshot(model_a) == before
+
+
 def test_convert_refuses_a_data_file_another_model_references(model_a, model_b, capsys):
     # A's model.onnx keeps its weights in b.onnx.data, the name b.onnx's data would get.
     (model_a / "genai_config.json").unlink()

@@ -88,3 +88,15 @@ def test_a_reply_left_unread_is_not_counted_as_cached(text_runtime):
     "".join(conversation.say("Hello", 12))
     assert conversation.last_turn.reused_tokens == 0
     assert conversation.last_turn.how == "the last reply was not read to its end"
+
+
+@pytest.mark.parametrize("reuse_cache", [True, False])
+def test_a_refused_turn_leaves_the_cache_as_it_was(text_runtime, reuse_cache):
+    from onnx_chunk.errors import InputError
+
+    chat = Conversation(text_runtime, reuse_cache=reuse_cache)
+    "".join(chat.say("Hello there", 4))
+    length, cached = chat._sequence.length, chat.cached_ids
+    with pytest.raises(InputError):
+        chat.say("again", 4, stop="")
+    assert (chat._sequence.length, chat.cached_ids) == (length, cached) and length > 0
