@@ -152,10 +152,15 @@ def test_a_failure_while_writing_leaves_no_output(dynamic_copy, tmp_path, monkey
         return real_write(path, data)
 
     monkeypatch.setattr(Path, "write_bytes", failing_write)
-    out = tmp_path / "out"
+    existing = tmp_path / "existing"
+    existing.mkdir()
     with pytest.raises(OutputError, match="No space left"):
-        fix_shapes(dynamic_copy, out, rows=ROWS, capacity=CAPACITY)
-    assert list(out.iterdir()) == []
+        fix_shapes(dynamic_copy, existing, rows=ROWS, capacity=CAPACITY)
+    assert list(existing.iterdir()) == []
+    created = tmp_path / "new" / "out"  # on a full disk the folders it created go too
+    code = main(["fix-shapes", str(dynamic_copy), "-o", str(created), "--rows", str(ROWS),
+                 "--capacity", str(CAPACITY)])
+    assert code == 2 and not (tmp_path / "new").exists()
 
 
 def _listing(folder):
@@ -202,6 +207,9 @@ def test_outputs_of_another_model_or_the_input_itself_are_never_written_over(
         dynamic_copy, tmp_path):
     twin = tmp_path / "twin"  # another model with the same graph bytes (a fine-tune, say)
     shutil.copytree(dynamic_copy.parent, twin)
+    tuned = bytearray((twin / "model.onnx.data").read_bytes())
+    tuned[-1] ^= 1  # the same names and sizes, other weights
+    (twin / "model.onnx.data").write_bytes(bytes(tuned))
     other = tmp_path / "other"
     fix_shapes(twin / dynamic_copy.name, other, rows=ROWS, capacity=CAPACITY)
     before = _listing(other)
@@ -234,3 +242,41 @@ def test_unknown_dims_and_a_capacity_above_the_models_maximum_are_refused(
                    dims={"past_sequence_length": 4096, "total_sequence_length": 4096})
     assert not out.exists()
     assert fix_shapes(dynamic_copy, out, rows=ROWS, capacity=2048).capacity == 2048
+
+
+def test_the_graphs_name_their_source_by_content_not_path(dynamic_copy, tmp_path):
+    elsewhere = tmp_path / "elsewhere" / "copy"
+    shutil.copytree(dynamic_copy.parent, elsewhere)
+    first = fix_shapes(dynamic_copy, tmp_path / "a", rows=ROWS, capacity=CAPACITY)
+    second = fix_shapes(elsewhere / dynamic_copy.name, tmp_path / "b", rows=ROWS,
+                        capacity=CAPACITY)
+    for path in (first.chunk_model, first.decode_model):
+        written = path.read_bytes()
+        assert written == (tmp_path / "b" / path.name).read_bytes()
+        assert str(tmp_path).encode() not in written
+    assert second.chunk_rows == ROWS
+    fix_shapes(elsewhere / dynamic_copy.name, tmp_path / "a", rows=ROWS, capacity=CAPACITY)
+
+
+@pytest.mark.parametrize("attribute", ["window", "state"])
+def test_a_window_sized_cache_or_recurrent_state_is_refused_before_writing(
+        dynamic_copy, tmp_path, capsys, attribute):
+    model = onnx.load(dynamic_copy, load_external_data=False)
+    if attribute == "window":
+        for node in model.graph.node:
+            if node.op_type == "GroupQueryAttention":
+                node.attribute.extend([onnx.helper.make_attribute("local_window_size", 8),
+                                       onnx.helper.make_attribute("sliding_window_cache", 1)])
+    else:  # a conv state carried from input to output, as LFM2's past.N.conv
+        state = onnx.helper.make_tensor_value_info("past.0.conv", onnx.TensorProto.FLOAT,
+                                                   ["batch_size", 8, 3])
+        model.graph.input.append(state)
+        model.graph.output.append(onnx.helper.make_tensor_value_info(
+            "present.0.conv", onnx.TensorProto.FLOAT, ["batch_size", 8, 3]))
+        model.graph.node.append(onnx.helper.make_node("Identity", ["past.0.conv"],
+                                                      ["present.0.conv"]))
+    onnx.save(model, dynamic_copy)
+    out = tmp_path / "out"
+    error = _refused(capsys, dynamic_copy, out)
+    assert ("window-sized KV cache" if attribute == "window" else "past.0.conv") in error
+    assert "dynamic model" in error and not out.exists()
