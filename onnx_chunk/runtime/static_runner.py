@@ -71,6 +71,8 @@ class StaticGenerationResult:
     decode_tokens_per_s: float | None
     """Tokens per second of the decode steps after the first token; None without any."""
     warnings: list[str] = field(default_factory=list)
+    step_logits: list[np.ndarray] = field(default_factory=list)
+    """The logits [vocab] each token was chosen from, when asked for (`keep_logits`)."""
 
 
 @dataclass
@@ -388,11 +390,14 @@ class StaticRunner:
         return StaticPrefill(aligned, cache, logits, chunks, began, warnings)
 
     def decode(
-        self, prefill: StaticPrefill, max_new_tokens: int, *, eos_token_id: int | None = None
+        self, prefill: StaticPrefill, max_new_tokens: int, *, eos_token_id: int | None = None,
+        keep_logits: bool = False,
     ) -> StaticGenerationResult:
         """Greedy tokens after `start`: the first from the prefill's logits, the rest one row at
-        a time through the decode graph on the same cache (which this call rolls on)."""
+        a time through the decode graph on the same cache (which this call rolls on);
+        `keep_logits` keeps the logits of every step in the result."""
         tokens = [int(np.argmax(prefill.logits))]
+        step_logits = [prefill.logits] if keep_logits else []
         ttft = time.perf_counter() - prefill.began
         aligned, cache = prefill.aligned, prefill.cache
         valid = aligned.valid
@@ -406,6 +411,8 @@ class StaticRunner:
                                       np.array([tokens[-1]], dtype=np.int64),
                                       np.array([position], dtype=np.int64), start)
             tokens.append(int(np.argmax(logits[-1])))
+            if keep_logits:
+                step_logits.append(logits[-1])
             position += 1
             steps += 1
         decode_s = time.perf_counter() - decode_began
@@ -422,7 +429,7 @@ class StaticRunner:
             pad_count=aligned.pad_count, truncated_tokens=aligned.truncated_count,
             dropped_positions=dropped, chunks=prefill.chunks, decode_steps=steps,
             ttft_s=ttft, decode_tokens_per_s=steps / decode_s if steps and decode_s > 0 else None,
-            warnings=warnings,
+            warnings=warnings, step_logits=step_logits,
         )
 
     def generate(
