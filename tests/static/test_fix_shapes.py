@@ -258,25 +258,20 @@ def test_the_graphs_name_their_source_by_content_not_path(dynamic_copy, tmp_path
     fix_shapes(elsewhere / dynamic_copy.name, tmp_path / "a", rows=ROWS, capacity=CAPACITY)
 
 
-@pytest.mark.parametrize("attribute", ["window", "state"])
-def test_a_window_sized_cache_or_recurrent_state_is_refused_before_writing(
-        dynamic_copy, tmp_path, capsys, attribute):
+def test_a_window_sized_cache_is_refused_before_writing(dynamic_copy, tmp_path, capsys):
     model = onnx.load(dynamic_copy, load_external_data=False)
-    if attribute == "window":
-        for node in model.graph.node:
-            if node.op_type == "GroupQueryAttention":
-                node.attribute.extend([onnx.helper.make_attribute("local_window_size", 8),
-                                       onnx.helper.make_attribute("sliding_window_cache", 1)])
-    else:  # a conv state carried from input to output, as LFM2's past.N.conv
-        state = onnx.helper.make_tensor_value_info("past.0.conv", onnx.TensorProto.FLOAT,
-                                                   ["batch_size", 8, 3])
-        model.graph.input.append(state)
-        model.graph.output.append(onnx.helper.make_tensor_value_info(
-            "present.0.conv", onnx.TensorProto.FLOAT, ["batch_size", 8, 3]))
-        model.graph.node.append(onnx.helper.make_node("Identity", ["past.0.conv"],
-                                                      ["present.0.conv"]))
+    for node in model.graph.node:
+        if node.op_type == "GroupQueryAttention":
+            node.attribute.extend([onnx.helper.make_attribute("local_window_size", 8),
+                                   onnx.helper.make_attribute("sliding_window_cache", 1)])
     onnx.save(model, dynamic_copy)
     out = tmp_path / "out"
     error = _refused(capsys, dynamic_copy, out)
-    assert ("window-sized KV cache" if attribute == "window" else "past.0.conv") in error
+    assert "window-sized KV cache" in error and "window 8" in error
     assert "dynamic model" in error and not out.exists()
+
+
+def test_conv_state_is_refused_before_writing(reference_model, tmp_path, capsys):
+    out = tmp_path / "out"
+    error = _refused(capsys, reference_model("conv_hybrid"), out)
+    assert "past.0.conv" in error and "dynamic model" in error and not out.exists()
