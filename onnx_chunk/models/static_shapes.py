@@ -15,9 +15,11 @@ the same bytes on every machine), so a later run writes over its own earlier out
 over another model's files or over its input. Everything is staged in a temporary folder inside
 the output folder and renamed into place at the end.
 
-Two kinds of decoder are refused, since fixed-row chunks padded on the right would corrupt
-them: a window-sized KV cache (it evicts as it fills, so padded rows push real ones out) and
-recurrent or conv state (padded rows are folded into the state).
+A decoder with recurrent or conv state is refused: fixed-row chunks padded on the right would
+fold their padding into the state. A window-sized KV cache (GroupQueryAttention
+`sliding_window_cache=1`) is fixed at the capacity C like the others: it evicts only once more
+than C positions were written (`runtime.kv_window.resident_rows`), and the bound layout never
+writes past C, so its padded rows are overwritten as in a full cache.
 """
 
 from __future__ import annotations
@@ -111,6 +113,18 @@ def _role_dims(graph: onnx.GraphProto) -> tuple[str | None, str | None, set[str]
             capacity.add(dims[1].dim_param)
     capacity.discard("")
     return batch_dim.dim_param or None, rows_dim.dim_param or None, capacity
+
+
+def _present_capacity_dims(graph: onnx.GraphProto, kv: KVCapacityFindings) -> set[str]:
+    """The dim_params of the GQA present outputs' capacity axes: bound at capacity, each is
+    its past's buffer, C positions (a window-sized cache names its own, `total_sliding_length`)."""
+    outputs = {value.name: _dims(value) for value in graph.output}
+    found = set()
+    for binding in kv.bindings:
+        dims = outputs.get(binding.output, [])
+        if len(dims) > binding.capacity_axis and dims[binding.capacity_axis].dim_param:
+            found.add(dims[binding.capacity_axis].dim_param)
+    return found
 
 
 def _written_sizes(path: Path) -> tuple[int, int | None]:
@@ -278,8 +292,10 @@ def fix_shapes(
     7. Nothing appears in `out_dir` unless everything was written (OutputError otherwise); a
        folder this call created is removed again (`model_io.output_folder`).
     8. The rows and capacity reported are read back from the written graphs.
-    9. A window-sized KV cache or recurrent/conv state is a ModelStructureError, before
-       anything is written (`_refuse_unpaddable`).
+    9. Recurrent or conv state is a ModelStructureError, before anything is written
+       (`_refuse_state`).
+    10. The capacity axis of each GQA present output (the past's buffer, written in place)
+       is a capacity dimension too: a window-sized cache's `total_sliding_length` becomes C.
     """
     source = Path(model_path)
     if rows < 2:
@@ -292,7 +308,7 @@ def fix_shapes(
     loaded = load_model(source)
     data_files = external_data_files(loaded)
     kv = find_kv_capacity(loaded)
-    _refuse_unpaddable(source, kv, loaded)
+    _refuse_state(source, loaded)
     max_length = kv.max_sequence_length
     model = onnx.load(source, load_external_data=False)
     extra = {**_head_dims(loaded, kv), **extra}
@@ -305,6 +321,7 @@ def fix_shapes(
             f"--dim {', '.join(unknown)}: {source} has no free dimension of that name; its free "
             f"dimensions are {', '.join(sorted(free)) or 'none'}")
     batch, rows_param, capacity_params = _role_dims(model.graph)
+    capacity_params |= _present_capacity_dims(model.graph, kv)
     if rows_param is None:
         fixed_rows = _dims(_token_input(model.graph))[1]
         raise ModelStructureError(
@@ -375,23 +392,10 @@ def fix_shapes(
                        chunk_values, written, free_outputs)
 
 
-def _refuse_unpaddable(source: Path, kv: KVCapacityFindings, model: ir.Model) -> None:
-    """ModelStructureError for a decoder that fixed-row chunks would corrupt.
-
-    Rules:
-    1. A KV input whose GroupQueryAttention keeps a window-sized cache
-       (`sliding_window_cache=1`): the cache evicts as it fills, and the right padding of the
-       last chunk would be written into it as if real, pushing real positions out.
-    2. A recurrent or conv state input (`find_recurrent_state`): padded rows are folded into
-       the state, which the next chunk cannot undo.
-    """
-    windowed = sorted({binding.window for binding in kv.bindings if binding.window is not None})
-    if windowed:
-        raise ModelStructureError(
-            f"{source} keeps a window-sized KV cache (GroupQueryAttention sliding_window_cache=1, "
-            f"window {', '.join(map(str, windowed))}) that evicts positions as it fills, and "
-            f"fixed-row chunks padded on the right would evict real positions for padding; run "
-            f"the dynamic model instead (onnx-chunk generate {source.parent})")
+def _refuse_state(source: Path, model: ir.Model) -> None:
+    """ModelStructureError for recurrent or conv state (`find_recurrent_state`): the right
+    padding of the last fixed-row chunk would be folded into the state, which the next forward
+    cannot undo."""
     state = [binding.input for binding in find_recurrent_state(model).bindings]
     if state:
         raise ModelStructureError(

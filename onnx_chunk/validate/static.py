@@ -193,8 +193,11 @@ def _graph(subject: Subject) -> tuple[Outcome, str, dict]:
             f"{len(layers)} layers, {mask}", details)
 
 
-def _dims(value: ir.Value) -> list[int] | None:
-    return None if value.shape is None else [int(dim) for dim in value.shape.dims]
+def _dims(value: ir.Value) -> list[int | str] | None:
+    """The value's dims: sizes, or the names of the dims left free."""
+    if value.shape is None:
+        return None
+    return [dim if isinstance(dim, int) else (dim.value or "?") for dim in value.shape.dims]
 
 
 def _limits(subject: Subject, settings: StaticSettings) -> tuple[

@@ -258,17 +258,23 @@ def test_the_graphs_name_their_source_by_content_not_path(dynamic_copy, tmp_path
     fix_shapes(elsewhere / dynamic_copy.name, tmp_path / "a", rows=ROWS, capacity=CAPACITY)
 
 
-def test_a_window_sized_cache_is_refused_before_writing(dynamic_copy, tmp_path, capsys):
+def test_a_window_sized_caches_present_is_fixed_at_the_capacity(dynamic_copy, tmp_path):
     model = onnx.load(dynamic_copy, load_external_data=False)
     for node in model.graph.node:
-        if node.op_type == "GroupQueryAttention":
-            node.attribute.extend([onnx.helper.make_attribute("local_window_size", 8),
+        if node.op_type == "GroupQueryAttention":  # as the builder's sliding-window layers
+            kept = [attribute for attribute in node.attribute
+                    if attribute.name not in ("local_window_size", "sliding_window_cache")]
+            del node.attribute[:]
+            node.attribute.extend([*kept, onnx.helper.make_attribute("local_window_size", 8),
                                    onnx.helper.make_attribute("sliding_window_cache", 1)])
+    for value in model.graph.output:
+        if value.name.startswith("present."):
+            value.type.tensor_type.shape.dim[2].dim_param = "total_sliding_length"
     onnx.save(model, dynamic_copy)
-    out = tmp_path / "out"
-    error = _refused(capsys, dynamic_copy, out)
-    assert "window-sized KV cache" in error and "window 8" in error
-    assert "dynamic model" in error and not out.exists()
+    result = fix_shapes(dynamic_copy, tmp_path / "out", rows=ROWS, capacity=CAPACITY)
+    assert result.free_outputs == [] and result.chunk_dims["total_sliding_length"] == CAPACITY
+    for path in (result.chunk_model, result.decode_model):
+        assert _shapes(path)["present.0.key"] == [1, 2, CAPACITY, 16]
 
 
 def test_conv_state_is_refused_before_writing(reference_model, tmp_path, capsys):
