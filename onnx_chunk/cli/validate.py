@@ -105,7 +105,7 @@ def write_junit(report: Report, target: Path) -> None:
               help="Chunk width W (default: the model's declared one, else 512).")
 @click.option("--atol", type=click.FloatRange(min=0), default=None,
               help="Tolerance on logits and KV (default 1e-5 on CPU, 1e-3 on CUDA; 1e-4 for "
-                   "static decoders on CPU).")
+                   "static decoders on CPU, 0.25 for those with int8 activations).")
 @click.option("--max-input-len", type=click.IntRange(min=1), default=None,
               help="Static decoders: the max input length L (default: the largest multiple "
                    "of c below C).")

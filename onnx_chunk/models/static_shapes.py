@@ -9,16 +9,23 @@ from dim 2 of `past_key_values.*` and the last dim of a 2-D `attention_mask`.
 
 Weights are never loaded; their files are checked by `model_io.load_model` (inside the model's
 folder, present, long enough). Both graphs keep pointing at the same external data files, which
-are copied once next to them under the same relative names. Both graphs record the model file
-they were fixed from (its resolved path: two fine-tunes of one architecture share their graph
-bytes, so a content digest of the graph could not tell them apart), so a later run writes over
-its own earlier output but never over another model's files or over its input. Everything is
-staged in a temporary folder inside the output folder and renamed into place at the end.
+are copied once next to them under the same relative names. Both graphs record a digest of the
+model they were fixed from (`source_digest`: its graph and its weights, no path, so the output is
+the same bytes on every machine), so a later run writes over its own earlier output but never
+over another model's files or over its input. Everything is staged in a temporary folder inside
+the output folder and renamed into place at the end.
+
+A decoder with recurrent or conv state is refused: fixed-row chunks padded on the right would
+fold their padding into the state. A window-sized KV cache (GroupQueryAttention
+`sliding_window_cache=1`) is fixed at the capacity C like the others: it evicts only once more
+than C positions were written (`runtime.kv_window.resident_rows`), and the bound layout never
+writes past C, so its padded rows are overwritten as in a full cache.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import os
 import shutil
@@ -31,19 +38,21 @@ import onnx
 import onnx_ir as ir
 from onnxruntime.tools.onnx_model_utils import fix_output_shapes, make_dim_param_fixed
 
-from onnx_chunk.errors import ConfigError, ModelStructureError, OutputError
+from onnx_chunk.errors import ConfigError, ModelLoadError, ModelStructureError, OutputError
 from onnx_chunk.metadata import KVCapacityFindings
-from onnx_chunk.model_io import external_data_files, load_model
+from onnx_chunk.model_io import external_data_files, load_model, output_folder
 from onnx_chunk.models.static_decoder import DECODE_FILE
 from onnx_chunk.ort_schemas import register_runtime_schemas
 from onnx_chunk.passes.kv_capacity import find_kv_capacity
+from onnx_chunk.passes.recurrent_state import find_recurrent_state
 
 logger = logging.getLogger(__name__)
 
 CHUNK_MODEL = "chunk.onnx"
 DECODE_MODEL = DECODE_FILE
 SOURCE_KEY = "onnx_chunk.fix_shapes.source"
-"""metadata_props key of both graphs: the resolved path of the model they were fixed from."""
+"""metadata_props key of both graphs: `source_digest` of the model they were fixed from."""
+_DIGEST_BLOCK = 1 << 20
 
 
 @dataclass
@@ -106,6 +115,18 @@ def _role_dims(graph: onnx.GraphProto) -> tuple[str | None, str | None, set[str]
     return batch_dim.dim_param or None, rows_dim.dim_param or None, capacity
 
 
+def _present_capacity_dims(graph: onnx.GraphProto, kv: KVCapacityFindings) -> set[str]:
+    """The dim_params of the GQA present outputs' capacity axes: bound at capacity, each is
+    its past's buffer, C positions (a window-sized cache names its own, `total_sliding_length`)."""
+    outputs = {value.name: _dims(value) for value in graph.output}
+    found = set()
+    for binding in kv.bindings:
+        dims = outputs.get(binding.output, [])
+        if len(dims) > binding.capacity_axis and dims[binding.capacity_axis].dim_param:
+            found.add(dims[binding.capacity_axis].dim_param)
+    return found
+
+
 def _written_sizes(path: Path) -> tuple[int, int | None]:
     """(query rows, KV capacity) of a written graph, read from its token input and dim 2 of
     its first past_key_values input (None without one)."""
@@ -125,15 +146,31 @@ def _written_from(path: Path) -> str | None:
     return {prop.key: prop.value for prop in model.metadata_props}.get(SOURCE_KEY)
 
 
-def _check_targets(source: Path, out: Path, data_files: Mapping[str, Path]) -> None:
+def source_digest(model: onnx.ModelProto, data_files: Mapping[str, Path]) -> str:
+    """"sha256:" + the hex sha256 of the serialized graph, then of each external data file's
+    relative name, size and bytes (in name order): what identifies a source model without its
+    path. Fine-tunes of one architecture share their graph bytes and data sizes, so the weights'
+    bytes are hashed too (read once more, block by block; the copy reads them anyway)."""
+    digest = hashlib.sha256(model.SerializeToString(deterministic=True))
+    for location in sorted(data_files):
+        path = data_files[location]
+        digest.update(f"\0{location}\0{path.stat().st_size}\0".encode())
+        with path.open("rb") as data:
+            while block := data.read(_DIGEST_BLOCK):
+                digest.update(block)
+    return "sha256:" + digest.hexdigest()
+
+
+def _check_targets(source: Path, digest: str, out: Path, data_files: Mapping[str, Path]
+                   ) -> None:
     """Refuse (OutputError) to write over the input, or over files of another model.
 
     Rules:
     1. chunk.onnx or decode.onnx in `out` that is the input file itself: refused.
-    2. An existing chunk.onnx or decode.onnx that does not record `source` (fixed from
+    2. An existing chunk.onnx or decode.onnx that does not record `digest` (fixed from
        another model, or written by something else): refused.
     3. An existing data file under a copied name that is not the input's own data file is
-       refused unless an existing graph of `out` records `source` (then it is this model's
+       refused unless an existing graph of `out` records `digest` (then it is this model's
        earlier output, and it is replaced).
     """
     graphs = [out / CHUNK_MODEL, out / DECODE_MODEL]
@@ -145,7 +182,7 @@ def _check_targets(source: Path, out: Path, data_files: Mapping[str, Path]) -> N
             raise OutputError(
                 f"{target} is the input model itself; write the fixed graphs into another "
                 f"folder (-o)")
-        if _written_from(target) != str(source.resolve()):
+        if _written_from(target) != digest:
             raise OutputError(
                 f"{target} already exists and was not fixed from {source}; choose an empty "
                 f"folder (-o) or remove it")
@@ -249,10 +286,16 @@ def fix_shapes(
     5. External data must sit inside the model's folder, present and long enough
        (ModelLoadError otherwise); it is copied once into `out_dir` under its relative names
        and shared by both graphs; the source model is never modified.
-    6. Existing outputs are replaced only when they are this model's earlier output, never
-       the input itself nor another model's files (`_check_targets`, OutputError).
-    7. Nothing appears in `out_dir` unless everything was written (OutputError otherwise).
+    6. Existing outputs are replaced only when they are this model's earlier output (the
+       graphs record `source_digest`), never the input itself nor another model's files
+       (`_check_targets`, OutputError).
+    7. Nothing appears in `out_dir` unless everything was written (OutputError otherwise); a
+       folder this call created is removed again (`model_io.output_folder`).
     8. The rows and capacity reported are read back from the written graphs.
+    9. Recurrent or conv state is a ModelStructureError, before anything is written
+       (`_refuse_state`).
+    10. The capacity axis of each GQA present output (the past's buffer, written in place)
+       is a capacity dimension too: a window-sized cache's `total_sliding_length` becomes C.
     """
     source = Path(model_path)
     if rows < 2:
@@ -265,6 +308,7 @@ def fix_shapes(
     loaded = load_model(source)
     data_files = external_data_files(loaded)
     kv = find_kv_capacity(loaded)
+    _refuse_state(source, loaded)
     max_length = kv.max_sequence_length
     model = onnx.load(source, load_external_data=False)
     extra = {**_head_dims(loaded, kv), **extra}
@@ -277,6 +321,7 @@ def fix_shapes(
             f"--dim {', '.join(unknown)}: {source} has no free dimension of that name; its free "
             f"dimensions are {', '.join(sorted(free)) or 'none'}")
     batch, rows_param, capacity_params = _role_dims(model.graph)
+    capacity_params |= _present_capacity_dims(model.graph, kv)
     if rows_param is None:
         fixed_rows = _dims(_token_input(model.graph))[1]
         raise ModelStructureError(
@@ -321,17 +366,21 @@ def fix_shapes(
     if free_outputs:
         logger.warning("outputs %s keep free dimensions that shape inference cannot resolve",
                        ", ".join(free_outputs))
+    try:
+        digest = source_digest(model, data_files)
+    except OSError as error:
+        raise ModelLoadError(f"cannot read {source}'s weights: {error}; check its external "
+                             f"data files") from error
     for fixed in (chunk, decode):
         onnx.helper.set_model_props(fixed, {
-            **{prop.key: prop.value for prop in fixed.metadata_props},
-            SOURCE_KEY: str(source.resolve())})
+            **{prop.key: prop.value for prop in fixed.metadata_props}, SOURCE_KEY: digest})
 
     out = Path(out_dir)
     chunk_path, decode_path = out / CHUNK_MODEL, out / DECODE_MODEL
-    _check_targets(source, out, data_files)
+    _check_targets(source, digest, out, data_files)
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        written = _write_outputs(out, data_files, chunk, decode)
+        with output_folder(out):
+            written = _write_outputs(out, data_files, chunk, decode)
     except OSError as error:
         raise OutputError(f"cannot write into {out}: {error}; choose a writable folder") \
             from error
@@ -341,6 +390,19 @@ def fix_shapes(
                 chunk_path, chunk_rows, decode_path, decode_rows, capacity_read, chunk_values)
     return FixedShapes(chunk_path, decode_path, chunk_rows, decode_rows, capacity_read,
                        chunk_values, written, free_outputs)
+
+
+def _refuse_state(source: Path, model: ir.Model) -> None:
+    """ModelStructureError for recurrent or conv state (`find_recurrent_state`): the right
+    padding of the last fixed-row chunk would be folded into the state, which the next forward
+    cannot undo."""
+    state = [binding.input for binding in find_recurrent_state(model).bindings]
+    if state:
+        raise ModelStructureError(
+            f"{source} carries recurrent or conv state ({', '.join(state[:3])}"
+            f"{', ...' if len(state) > 3 else ''}), into which fixed-row chunks padded on the "
+            f"right would fold their padding; run the dynamic model instead (onnx-chunk "
+            f"generate {source.parent})")
 
 
 def _resolve_capacity(capacity: int | None, from_dims: Mapping[str, int],

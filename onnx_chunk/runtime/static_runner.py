@@ -12,7 +12,10 @@ Two graph contracts are served, told apart once per graph by its mask (`CacheLay
 static reference decoder's (additive float mask [1, 1, c, C], position_ids, present holding only
 the forward's new K/V, rolled into a right-aligned cache that may slide) and GroupQueryAttention
 bound at capacity, as `fix-shapes` writes it (integer mask [1, C], present the whole buffer
-written in place, prompts padded on the right, no sliding).
+written in place, prompts padded on the right, no sliding). A window-sized cache
+(GroupQueryAttention `sliding_window_cache=1`) in the bound layout holds C positions and evicts
+only past C, which the bound layout never reaches; ONNX Runtime's CUDA kernel takes such a cache
+only at capacity == window (`Device.window_slack`), so other capacities are refused there.
 """
 
 from __future__ import annotations
@@ -35,8 +38,11 @@ from onnx_chunk.errors import (
     InputError,
     ModelLoadError,
     ModelStructureError,
+    ProviderError,
 )
+from onnx_chunk.model_io import load_model
 from onnx_chunk.models.static_decoder import METADATA_PREFIX
+from onnx_chunk.passes.kv_capacity import find_kv_capacity
 from onnx_chunk.runtime.alignment import AlignedPrompt, PadSide, StaticLimits, align_prompt
 from onnx_chunk.runtime.bound_kv import BoundKVCache
 from onnx_chunk.runtime.provider import Device, resolve_device
@@ -71,6 +77,8 @@ class StaticGenerationResult:
     decode_tokens_per_s: float | None
     """Tokens per second of the decode steps after the first token; None without any."""
     warnings: list[str] = field(default_factory=list)
+    step_logits: list[np.ndarray] = field(default_factory=list)
+    """The logits [vocab] each token was chosen from, when asked for (`keep_logits`)."""
 
 
 @dataclass
@@ -216,6 +224,18 @@ def _numpy_dtype(ort_type: str) -> np.dtype:
     return np.dtype(_ORT_DTYPES[ort_type])
 
 
+def window_capacity_problem(windows: set[int], capacity: int, device: Device) -> str | None:
+    """Why `device` cannot run window-sized caches of `windows` at `capacity`, else None: its
+    kernel takes no cache larger than the window (`Device.window_slack` False, CUDA)."""
+    wider = sorted(window for window in windows if window != capacity)
+    if device.window_slack or not wider:
+        return None
+    return (f"the graph keeps window-sized KV caches (window {', '.join(map(str, wider))}) at "
+            f"the capacity C={capacity}, and ONNX Runtime's {device.provider} kernel takes such "
+            f"a cache only at capacity == window; run it with --provider cpu, fix the shapes "
+            f"with --capacity {wider[0]}, or run the dynamic model")
+
+
 def _metadata_int(session: ort.InferenceSession, key: str) -> int | None:
     value = session.get_modelmeta().custom_metadata_map.get(METADATA_PREFIX + key)
     return None if value is None else int(value)
@@ -267,6 +287,11 @@ class StaticRunner:
                 f"graph written with the chunk graph"
             )
         self.layout = chunk.layout
+        windows = {binding.window for binding in find_kv_capacity(load_model(chunk_path)).bindings
+                   if binding.window is not None}
+        problem = window_capacity_problem(windows, chunk.capacity, self.device)
+        if problem is not None:
+            raise ProviderError(f"{chunk_path}: {problem}")
         if max_input_len is None:
             max_input_len = (chunk.capacity - 1) // chunk.rows * chunk.rows
             if max_input_len == 0:
@@ -388,11 +413,14 @@ class StaticRunner:
         return StaticPrefill(aligned, cache, logits, chunks, began, warnings)
 
     def decode(
-        self, prefill: StaticPrefill, max_new_tokens: int, *, eos_token_id: int | None = None
+        self, prefill: StaticPrefill, max_new_tokens: int, *, eos_token_id: int | None = None,
+        keep_logits: bool = False,
     ) -> StaticGenerationResult:
         """Greedy tokens after `start`: the first from the prefill's logits, the rest one row at
-        a time through the decode graph on the same cache (which this call rolls on)."""
+        a time through the decode graph on the same cache (which this call rolls on);
+        `keep_logits` keeps the logits of every step in the result."""
         tokens = [int(np.argmax(prefill.logits))]
+        step_logits = [prefill.logits] if keep_logits else []
         ttft = time.perf_counter() - prefill.began
         aligned, cache = prefill.aligned, prefill.cache
         valid = aligned.valid
@@ -406,6 +434,8 @@ class StaticRunner:
                                       np.array([tokens[-1]], dtype=np.int64),
                                       np.array([position], dtype=np.int64), start)
             tokens.append(int(np.argmax(logits[-1])))
+            if keep_logits:
+                step_logits.append(logits[-1])
             position += 1
             steps += 1
         decode_s = time.perf_counter() - decode_began
@@ -422,7 +452,7 @@ class StaticRunner:
             pad_count=aligned.pad_count, truncated_tokens=aligned.truncated_count,
             dropped_positions=dropped, chunks=prefill.chunks, decode_steps=steps,
             ttft_s=ttft, decode_tokens_per_s=steps / decode_s if steps and decode_s > 0 else None,
-            warnings=warnings,
+            warnings=warnings, step_logits=step_logits,
         )
 
     def generate(

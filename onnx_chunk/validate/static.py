@@ -4,6 +4,12 @@ A static decoder takes exactly c query rows against a rolling KV cache of C posi
 docs/static_graph.md). Serving it needs a second graph of the same capacity that takes one
 row (the decode graph). Chunked prefill through the chunk graph must give what the unchunked
 sequence gives: the decode graph fed one position at a time.
+
+A graph whose MatMulNBits quantize their activations to int8 (`accuracy_level` 4, ONNX
+Runtime's CPU kernel) turns the last-ulp differences between a c-row and a one-row forward into
+whole quantization steps, so the check takes a wider, measured tolerance for it on the CPU
+provider, and greedy tokens may part only at a near-tie (docs/static_graph.md, "Quantized
+graphs").
 """
 
 from __future__ import annotations
@@ -20,7 +26,12 @@ from onnx_chunk.errors import ConfigError, OnnxChunkError
 from onnx_chunk.models.static_decoder import METADATA_PREFIX
 from onnx_chunk.runtime.alignment import StaticLimits
 from onnx_chunk.runtime.static_model import DECODE_FILE, find_decode_model
-from onnx_chunk.runtime.static_runner import FED_INPUTS, CacheLayout, StaticRunner
+from onnx_chunk.runtime.static_runner import (
+    FED_INPUTS,
+    CacheLayout,
+    StaticGenerationResult,
+    StaticRunner,
+)
 from onnx_chunk.validate.checks import STATIC
 from onnx_chunk.validate.prompts import boundary_lengths, seeded_prompt
 from onnx_chunk.validate.report import CheckResult, Outcome
@@ -42,6 +53,30 @@ class StaticSettings:
     new_tokens: int
     seed: int
     atol: float
+    atol_given: bool = False
+    """Whether `atol` was asked for (`--atol`): then it holds for every graph."""
+
+
+INT8_ACTIVATIONS_ATOL = 0.25
+"""Tolerance on logits and KV for graphs with int8 activations on the CPU provider: about 3x
+the worst gap measured between chunked and one-row runs of the corpus's INT4 exports (0.082 over
+684 runs, docs/static_graph.md)."""
+
+
+def int8_activations(model: ir.Model) -> bool:
+    """Whether a com.microsoft MatMulNBits of the graph computes with int8 activations
+    (`accuracy_level` 4)."""
+    return any(node.op_type == "MatMulNBits" and node.domain == "com.microsoft"
+               and node.attributes.get_int("accuracy_level", 0) == 4
+               for node in model.graph.all_nodes())
+
+
+def _tolerance(subject: Subject, settings: StaticSettings) -> tuple[float, bool]:
+    """(atol, whether greedy tokens may part at a near-tie) for this graph and provider."""
+    if (settings.atol_given or settings.provider != "cpu"
+            or not int8_activations(subject.model)):
+        return settings.atol, False
+    return max(settings.atol, INT8_ACTIVATIONS_ATOL), True
 
 
 def static_checks(subject: Subject, settings: StaticSettings, selected: Callable[[str], bool],
@@ -70,7 +105,8 @@ def static_checks(subject: Subject, settings: StaticSettings, selected: Callable
             verdict = (Outcome.SKIPPED, "the model takes one row per forward: it is a decode "
                        "graph, there is no chunk to compare", {})
         else:
-            verdict = _chunked_vs_whole(*graphs, settings, advance)
+            verdict = _chunked_vs_whole(*graphs, settings, *_tolerance(subject, settings),
+                                        advance)
         results.append(watch.result("chunked_vs_whole", *verdict))
     return results
 
@@ -157,8 +193,11 @@ def _graph(subject: Subject) -> tuple[Outcome, str, dict]:
             f"{len(layers)} layers, {mask}", details)
 
 
-def _dims(value: ir.Value) -> list[int] | None:
-    return None if value.shape is None else [int(dim) for dim in value.shape.dims]
+def _dims(value: ir.Value) -> list[int | str] | None:
+    """The value's dims: sizes, or the names of the dims left free."""
+    if value.shape is None:
+        return None
+    return [dim if isinstance(dim, int) else (dim.value or "?") for dim in value.shape.dims]
 
 
 def _limits(subject: Subject, settings: StaticSettings) -> tuple[
@@ -207,7 +246,8 @@ def _decode_graph(subject: Subject, settings: StaticSettings,
 
 
 def _chunked_vs_whole(runner: StaticRunner, decode: Path, settings: StaticSettings,
-                      advance: Advance) -> tuple[Outcome, str, dict]:
+                      atol: float, ties_may_part: bool, advance: Advance
+                      ) -> tuple[Outcome, str, dict]:
     limits = runner.limits
     lengths = _lengths(settings, limits)
     # The unchunked sequence: every position its own forward through the decode graph.
@@ -217,39 +257,62 @@ def _chunked_vs_whole(runner: StaticRunner, decode: Path, settings: StaticSettin
     for length in lengths:
         prompt = seeded_prompt(runner.vocab_size, length, settings.seed)
         new_tokens = min(settings.new_tokens, limits.capacity - length + 1)
-        chunked_logits, chunked_kv, chunked_tokens = _run(runner, prompt, new_tokens)
+        chunked_logits, chunked_kv, chunked = _run(runner, prompt, new_tokens)
         advance(f"static chunked {length}")
-        whole_logits, whole_kv, whole_tokens = _run(whole, prompt, new_tokens)
+        whole_logits, whole_kv, reference = _run(whole, prompt, new_tokens)
         advance(f"static whole {length}")
+        parted = token_parting(chunked.tokens, reference.tokens, reference.step_logits)
         rows.append({"length": length, "new_tokens": new_tokens,
-                     "tokens_equal": chunked_tokens == whole_tokens,
-                     "chunked_tokens": chunked_tokens, "whole_tokens": whole_tokens,
+                     "tokens_equal": parted is None,
+                     "chunked_tokens": chunked.tokens, "whole_tokens": reference.tokens,
+                     "parted_at": None if parted is None else parted[0],
+                     "tie_margin": None if parted is None else parted[1],
                      "logits": float(np.max(np.abs(chunked_logits - whole_logits))),
                      "kv": max(float(np.max(np.abs(a - b))) if a.size else 0.0
                                for a, b in zip(chunked_kv, whole_kv))})
-    details = {"lengths": list(lengths), "atol": settings.atol, "runs": rows}
+    details = {"lengths": list(lengths), "atol": atol, "int8_activations": ties_may_part,
+               "runs": rows}
+    ties = []
     for row in rows:
         if not row["tokens_equal"]:
-            return (Outcome.FAILED, f"greedy tokens of chunked prefill differ from the unchunked "
-                    f"sequence's at prompt length {row['length']}: {row['chunked_tokens']} vs "
-                    f"{row['whole_tokens']}", details)
+            if not (ties_may_part and row["tie_margin"] <= 2 * atol):
+                return (Outcome.FAILED, f"greedy tokens of chunked prefill differ from the "
+                        f"unchunked sequence's at prompt length {row['length']}: "
+                        f"{row['chunked_tokens']} vs {row['whole_tokens']}"
+                        + (f" (the unchunked logits of the two tokens {row['tie_margin']:.3g} "
+                           f"apart, more than 2 x atol)" if ties_may_part else ""), details)
+            ties.append(row["length"])
         worst = max(row["logits"], row["kv"])
-        if not worst <= settings.atol:
+        if not worst <= atol:
             return (Outcome.FAILED, f"chunked prefill's last logits / KV differ from the "
-                    f"unchunked sequence's by {worst:.3g} > atol {settings.atol:g} at prompt "
+                    f"unchunked sequence's by {worst:.3g} > atol {atol:g} at prompt "
                     f"length {row['length']}", details)
     worst = max(max(row["logits"], row["kv"]) for row in rows)
+    scope = (" (int8 activations: MatMulNBits accuracy_level 4)" if ties_may_part else "")
+    parted = (f"; tokens parted at a near-tie at length(s) {', '.join(map(str, ties))}"
+              if ties else "")
     return (Outcome.PASSED, f"chunks of c={limits.chunk_size} reproduce the unchunked sequence "
             f"(decode graph, one row per position) at lengths {', '.join(map(str, lengths))}: "
-            f"same greedy tokens, logits and KV within {worst:.3g} <= atol {settings.atol:g}",
-            details)
+            f"same greedy tokens, logits and KV within {worst:.3g} <= atol {atol:g}{scope}"
+            f"{parted}", details)
+
+
+def token_parting(tokens: list[int], reference: list[int], reference_logits: list[np.ndarray]
+                  ) -> tuple[int, float] | None:
+    """Where greedy `tokens` (as many as `reference`) first part from `reference`, and how far
+    apart the reference's logits at that step put the two tokens; None when they agree."""
+    for step, (token, expected) in enumerate(zip(tokens, reference, strict=True)):
+        if token != expected:
+            logits = reference_logits[step]
+            return step, float(logits[expected] - logits[token])
+    return None
 
 
 def _run(runner: StaticRunner, prompt: np.ndarray, new_tokens: int
-         ) -> tuple[np.ndarray, list[np.ndarray], list[int]]:
+         ) -> tuple[np.ndarray, list[np.ndarray], StaticGenerationResult]:
     """One generation: the prefill's last real row of logits, every layer's K and V over the
-    prompt's real positions right after prefill, and the greedy tokens."""
+    prompt's real positions right after prefill, and the greedy result with every step's
+    logits."""
     prefill = runner.start(prompt, new_tokens)
     kv = prefill.cache.recent(prefill.aligned.kept_len)
-    tokens = runner.decode(prefill, new_tokens).tokens
-    return prefill.logits, kv, tokens
+    return prefill.logits, kv, runner.decode(prefill, new_tokens, keep_logits=True)

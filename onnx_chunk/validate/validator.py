@@ -130,7 +130,7 @@ def validate_model(path: str | os.PathLike, options: ValidationOptions | None = 
             decode_model=options.decode_model, lengths=options.lengths,
             new_tokens=options.new_tokens, seed=options.seed,
             atol=options.atol if options.atol is not None else
-            (STATIC_ATOL if on_cpu else DEVICE_ATOL))
+            (STATIC_ATOL if on_cpu else DEVICE_ATOL), atol_given=options.atol is not None)
         selected = _selected(options, STATIC)
         if progress is not None:
             progress.start(planned_runs(subject, settings) if selected("chunked_vs_whole")

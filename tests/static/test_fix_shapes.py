@@ -152,10 +152,15 @@ def test_a_failure_while_writing_leaves_no_output(dynamic_copy, tmp_path, monkey
         return real_write(path, data)
 
     monkeypatch.setattr(Path, "write_bytes", failing_write)
-    out = tmp_path / "out"
+    existing = tmp_path / "existing"
+    existing.mkdir()
     with pytest.raises(OutputError, match="No space left"):
-        fix_shapes(dynamic_copy, out, rows=ROWS, capacity=CAPACITY)
-    assert list(out.iterdir()) == []
+        fix_shapes(dynamic_copy, existing, rows=ROWS, capacity=CAPACITY)
+    assert list(existing.iterdir()) == []
+    created = tmp_path / "new" / "out"  # on a full disk the folders it created go too
+    code = main(["fix-shapes", str(dynamic_copy), "-o", str(created), "--rows", str(ROWS),
+                 "--capacity", str(CAPACITY)])
+    assert code == 2 and not (tmp_path / "new").exists()
 
 
 def _listing(folder):
@@ -202,6 +207,9 @@ def test_outputs_of_another_model_or_the_input_itself_are_never_written_over(
         dynamic_copy, tmp_path):
     twin = tmp_path / "twin"  # another model with the same graph bytes (a fine-tune, say)
     shutil.copytree(dynamic_copy.parent, twin)
+    tuned = bytearray((twin / "model.onnx.data").read_bytes())
+    tuned[-1] ^= 1  # the same names and sizes, other weights
+    (twin / "model.onnx.data").write_bytes(bytes(tuned))
     other = tmp_path / "other"
     fix_shapes(twin / dynamic_copy.name, other, rows=ROWS, capacity=CAPACITY)
     before = _listing(other)
@@ -234,3 +242,42 @@ def test_unknown_dims_and_a_capacity_above_the_models_maximum_are_refused(
                    dims={"past_sequence_length": 4096, "total_sequence_length": 4096})
     assert not out.exists()
     assert fix_shapes(dynamic_copy, out, rows=ROWS, capacity=2048).capacity == 2048
+
+
+def test_the_graphs_name_their_source_by_content_not_path(dynamic_copy, tmp_path):
+    elsewhere = tmp_path / "elsewhere" / "copy"
+    shutil.copytree(dynamic_copy.parent, elsewhere)
+    first = fix_shapes(dynamic_copy, tmp_path / "a", rows=ROWS, capacity=CAPACITY)
+    second = fix_shapes(elsewhere / dynamic_copy.name, tmp_path / "b", rows=ROWS,
+                        capacity=CAPACITY)
+    for path in (first.chunk_model, first.decode_model):
+        written = path.read_bytes()
+        assert written == (tmp_path / "b" / path.name).read_bytes()
+        assert str(tmp_path).encode() not in written
+    assert second.chunk_rows == ROWS
+    fix_shapes(elsewhere / dynamic_copy.name, tmp_path / "a", rows=ROWS, capacity=CAPACITY)
+
+
+def test_a_window_sized_caches_present_is_fixed_at_the_capacity(dynamic_copy, tmp_path):
+    model = onnx.load(dynamic_copy, load_external_data=False)
+    for node in model.graph.node:
+        if node.op_type == "GroupQueryAttention":  # as the builder's sliding-window layers
+            kept = [attribute for attribute in node.attribute
+                    if attribute.name not in ("local_window_size", "sliding_window_cache")]
+            del node.attribute[:]
+            node.attribute.extend([*kept, onnx.helper.make_attribute("local_window_size", 8),
+                                   onnx.helper.make_attribute("sliding_window_cache", 1)])
+    for value in model.graph.output:
+        if value.name.startswith("present."):
+            value.type.tensor_type.shape.dim[2].dim_param = "total_sliding_length"
+    onnx.save(model, dynamic_copy)
+    result = fix_shapes(dynamic_copy, tmp_path / "out", rows=ROWS, capacity=CAPACITY)
+    assert result.free_outputs == [] and result.chunk_dims["total_sliding_length"] == CAPACITY
+    for path in (result.chunk_model, result.decode_model):
+        assert _shapes(path)["present.0.key"] == [1, 2, CAPACITY, 16]
+
+
+def test_conv_state_is_refused_before_writing(reference_model, tmp_path, capsys):
+    out = tmp_path / "out"
+    error = _refused(capsys, reference_model("conv_hybrid"), out)
+    assert "past.0.conv" in error and "dynamic model" in error and not out.exists()

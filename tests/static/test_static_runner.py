@@ -14,7 +14,8 @@ from onnx_chunk.models.static_decoder import reference_forward
 from onnx_chunk.models.weights import make_weights
 from onnx_chunk.runtime.alignment import StaticLimits, align_prompt
 from onnx_chunk.runtime.static_mask import mask_fill_value
-from onnx_chunk.runtime.static_runner import StaticRunner
+from onnx_chunk.runtime.provider import device_for
+from onnx_chunk.runtime.static_runner import StaticRunner, window_capacity_problem
 
 from .static_sizes import CAPACITY, CHUNK, MAX_INPUT, SEED
 
@@ -164,3 +165,12 @@ def test_parameter_checks_come_up_front(graphs, static_models):
         default.generate([3, 999], 2)
     with pytest.raises(ConfigError, match="max_new_tokens"):
         default.generate([3, 4], 0)
+
+
+def test_a_window_sized_cache_wider_than_its_window_is_refused_where_the_kernel_needs_equality():
+    cpu, cuda = device_for("cpu"), device_for("cuda")  # described, never opened
+    assert window_capacity_problem({32}, 512, cpu) is None
+    assert window_capacity_problem(set(), 512, cuda) is None
+    assert window_capacity_problem({512}, 512, cuda) is None
+    problem = window_capacity_problem({32}, 512, cuda)
+    assert "window 32" in problem and "--capacity 32" in problem and "--provider cpu" in problem
