@@ -10,7 +10,7 @@ import click
 from onnx_chunk.cli.inspect import plan_summary
 from onnx_chunk.errors import ConfigError
 from onnx_chunk.metadata import read_plan
-from onnx_chunk.model_folder import locate_model
+from onnx_chunk.model_folder import locate_model, read_max_positions
 from onnx_chunk.model_io import (external_data_files, load_model, output_locations,
                                  save_model)
 from onnx_chunk.passes import DEFAULT_CHUNK_SIZE, DEFAULT_MAX_VARIANTS, convert_model
@@ -59,13 +59,16 @@ def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants
             in_place: bool) -> None:
     """Annotate MODEL_PATH for chunked prefill and write it to OUTPUT.
 
-    Weights stay in external data and are copied, never loaded; OUTPUT's folder gets every
-    file at once or none.
+    A standard-ONNX decoder whose KV grows by Concat (Optimum, torch.onnx) is first rewritten
+    to GroupQueryAttention at capacity. Weights stay in external data and are copied, never
+    loaded; OUTPUT's folder gets every file at once or none.
     """
     model_path = locate_model(model_path).onnx_path
     model = load_model(model_path)
     output = _output_path(model_path, output, in_place)
-    result = convert_model(model, chunk_size=chunk_size, max_variants=max_variants)
+    result = convert_model(model, chunk_size=chunk_size, max_variants=max_variants,
+                           max_sequence_length=read_max_positions(model_path.parent))
+    model = result.model
     plan = read_plan(model)
     if in_place and not result.modified:
         click.echo(f"{model_path} is already converted with these settings; nothing written")

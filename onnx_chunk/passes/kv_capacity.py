@@ -44,7 +44,8 @@ class KVCapacityPass(ir.passes.InPlacePass):
     4. The rows of the cos_cache initializer (GQA input 7, or input 2 of a
        `com.microsoft::RotaryEmbedding` when rotary runs outside GQA) are the longest sequence
        the model supports, the runtime's default capacity; when nodes disagree the smallest
-       wins.
+       wins. Without any (rotary outside GQA, as the concat-KV rewrite leaves it), the
+       length the rewrite recorded (config.json's max_position_embeddings) is used.
     5. A model without GQA gets zero nodes and no bindings; the pass still records that.
     6. Each binding records the sizes of the head axes: kv_heads from the node's
        `kv_num_heads`, the head size from the past or present shape when fixed, else from the
@@ -83,7 +84,7 @@ def find_kv_capacity(model: ir.Model) -> metadata.KVCapacityFindings:
     return metadata.KVCapacityFindings(
         gqa_nodes=len(nodes),
         bindings=tuple(bindings),
-        max_sequence_length=min(lengths) if lengths else None,
+        max_sequence_length=min(lengths) if lengths else metadata.read_max_positions(model),
         problems=tuple(problems),
     )
 
