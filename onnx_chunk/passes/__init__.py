@@ -63,7 +63,8 @@ def analyze(model: ir.Model, *, chunk_size: int | None = None,
     Raises ModelStructureError for opsets or domains ORT cannot run.
     """
     check_supported_opsets(model)
-    if find_concat_kv_attention(model.graph).refusal is None:
+    findings = find_concat_kv_attention(model.graph)
+    if findings.concat_kv and findings.refusal is None:
         model = ConcatKVToGQAPass(max_sequence_length)(model).model
     saved = dict(model.metadata_props)
     try:
@@ -90,8 +91,9 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
     cap.
     """
     check_supported_opsets(model)
-    rewrite = ConcatKVToGQAPass(max_sequence_length)(model)
-    model = rewrite.model
+    rewritten = find_concat_kv_attention(model.graph).concat_kv
+    if rewritten:
+        model = ConcatKVToGQAPass(max_sequence_length)(model).model
     if not gqa_nodes(model.graph):
         raise ModelStructureError(
             "the model has no com.microsoft::GroupQueryAttention node, so KV capacity "
@@ -99,4 +101,4 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
             "and a growing KV cache, without chunked-prefill padding or capacity binding"
         )
     result = _run_pipeline(model, chunk_size, max_variants)
-    return ir.passes.PassResult(model, modified=rewrite.modified or result.modified)
+    return ir.passes.PassResult(model, modified=rewritten or result.modified)

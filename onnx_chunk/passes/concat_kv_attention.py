@@ -118,7 +118,7 @@ class ConcatKVToGQAPass(ir.passes.FunctionalPass):
        query's shape or its projection's weight width.
     5. Every concat-KV output must belong to a matched layer, else nothing is rewritten: the
        rewrite happens in a copy and the model is never half rewritten. A model without
-       concat KV is returned unchanged (`modified=False`).
+       concat KV comes back as an unchanged copy (`modified=False`).
     6. Each layer becomes one GroupQueryAttention (do_rotary=0: rotary stays as the export
        computes it, from position_ids) with Q/K/V in [batch, rows, heads*head], past
        inputs 3/4 the graph's past inputs and outputs 1/2 the graph's present outputs;
@@ -138,7 +138,8 @@ class ConcatKVToGQAPass(ir.passes.FunctionalPass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         findings = find_concat_kv_attention(model.graph)
         if not findings.concat_kv:
-            return ir.passes.PassResult(model, modified=False)
+            # A functional pass returns a new model even when it changes nothing.
+            return ir.passes.PassResult(model.clone(), modified=False)
         if findings.refusal is not None:
             raise ModelStructureError(
                 f"the model grows its KV cache by Concat, but {findings.refusal}; nothing was "
