@@ -1,0 +1,136 @@
+"""Optimum and torch.onnx exports, rewritten from concat KV to GroupQueryAttention at capacity.
+
+The reference is the unmodified export run by a plain ORT loop that feeds the grown KV back
+(tests/exports/grown_kv.py): the converted model's greedy tokens equal it at every prompt
+length through chunked prefill, ladder padding and the variant cache, its logits are within
+1e-5 on CPU (the next-token row), and the three llama exports (builder, Optimum, torch.onnx: the same weights) give
+the same tokens. Then the commands a user runs: convert, inspect, generate, validate.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from onnx_chunk.cli import main
+from onnx_chunk.runtime import load
+from tests.exports.corpus import GENAI, fixtures
+from tests.exports.grown_kv import PAST_PREFIX, grown_kv_greedy
+from tests.models._ort import run, session
+
+WIDTH = 512
+LENGTHS = (1, 40, WIDTH - 1, WIDTH + 1, 1137)
+NEW_TOKENS = 8
+# The next-token row (what greedy reads) within 1e-5; every prompt row within 2e-5: the sums
+# over a long prompt round differently in GQA than in MatMul+Softmax (measured at 1137 rows:
+# 1.2e-5 to 1.3e-5 on some row, 2e-6 to 4e-6 on the last; docs/standard_onnx.md).
+LOGITS_ATOL = 1e-5
+ALL_ROWS_ATOL = 2e-5
+MAX_POSITIONS = 2048
+STANDARD = [fixture for fixture in fixtures() if fixture.layout != GENAI]
+LLAMA = ("genai-llama-fp32", "optimum-llama-fp32", "torch-llama-opset23")
+
+
+def _cli(capsys, *argv) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main([str(arg) for arg in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _prompts(vocab_size: int = 384) -> list[list[int]]:
+    rng = np.random.default_rng(17)
+    return [rng.integers(0, vocab_size, length).tolist() for length in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """Each standard export converted once by `onnx-chunk convert` (W = 512)."""
+    folders = {}
+    for fixture in STANDARD:
+        folder = tmp_path_factory.mktemp(fixture.name) / "conv"
+        assert main(["convert", str(fixture.folder), "-o", str(folder),
+                     "--chunk-size", str(WIDTH)]) == 0
+        folders[fixture.name] = folder
+    return folders
+
+
+def test_the_corpus_has_the_standard_exports():
+    assert {fixture.name for fixture in STANDARD} >= {
+        "optimum-llama-fp32", "optimum-qwen2-fp32", "optimum-llama-tied-fp32",
+        "torch-llama-opset23"}
+
+
+@pytest.mark.parametrize("fixture", STANDARD, ids=str)
+def test_greedy_tokens_equal_the_grown_kv_loop_at_every_length(fixture, converted):
+    runtime = load(converted[fixture.name], provider="cpu", chunk_size=WIDTH)
+    assert runtime.capacity == MAX_POSITIONS
+    sequence = runtime.open_sequence()
+    for prompt in _prompts():
+        reference, _ = grown_kv_greedy(fixture.folder / "model.onnx", prompt, NEW_TOKENS)
+        sequence.rewind(sequence.length)
+        assert sequence.generate(prompt, NEW_TOKENS) == reference, len(prompt)
+    assert runtime.stats().cache.compiles <= runtime.plan.max_variants
+
+
+@pytest.mark.parametrize("fixture", STANDARD, ids=str)
+def test_prompt_logits_match_the_export_at_capacity(fixture, converted):
+    rewritten = session(converted[fixture.name] / "model.onnx")
+    for prompt in _prompts():
+        _, reference = grown_kv_greedy(fixture.folder / "model.onnx", prompt, 1)
+        feeds = {value.name: np.zeros((1, value.shape[1], MAX_POSITIONS, value.shape[3]),
+                                      np.float32)
+                 for value in rewritten.get_inputs() if value.name.startswith(PAST_PREFIX)}
+        outputs = run(rewritten, {"input_ids": np.asarray([prompt], np.int64),
+                                  "attention_mask": np.ones((1, len(prompt)), np.int64),
+                                  "position_ids": np.arange(len(prompt))[None], **feeds})
+        difference = np.abs(outputs["logits"][0] - reference)
+        assert difference[-1].max() <= LOGITS_ATOL, len(prompt)
+        assert difference.max() <= ALL_ROWS_ATOL, len(prompt)
+
+
+def test_the_three_llama_exports_give_the_same_tokens(converted):
+    folders = {"genai-llama-fp32": next(fixture.folder for fixture in fixtures(GENAI)
+                                        if fixture.name == "genai-llama-fp32"),
+               **{name: converted[name] for name in LLAMA[1:]}}
+    runs = {}
+    for name in LLAMA:
+        sequence = load(folders[name], provider="cpu", chunk_size=WIDTH).open_sequence()
+        runs[name] = []
+        for prompt in _prompts():
+            sequence.rewind(sequence.length)
+            runs[name].append(sequence.generate(prompt, NEW_TOKENS))
+    assert runs[LLAMA[0]] == runs[LLAMA[1]] == runs[LLAMA[2]]
+
+
+@pytest.mark.parametrize("fixture", STANDARD, ids=str)
+def test_inspect_reports_the_rewrite_and_the_rewritten_plan(fixture, capsys):
+    code, out, err = _cli(capsys, "inspect", fixture.folder, "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["concat_kv"]["rewritable"] and len(report["concat_kv"]["layers"]) == 2
+    assert report["gqa_nodes"] == 2 and len(report["kv_bindings"]) == 4
+    assert report["max_sequence_length"] == MAX_POSITIONS
+    assert report["position_ids"] == "position_ids" and report["padding"]["eligible"]
+    code, out, err = _cli(capsys, "inspect", fixture.folder)
+    assert code == 0 and "GroupQueryAttention at capacity" in out, err
+
+
+@pytest.mark.parametrize("fixture", STANDARD, ids=str)
+def test_generate_and_validate_run_the_converted_folder(fixture, converted, capsys):
+    folder = converted[fixture.name]
+    code, out, err = _cli(capsys, "generate", folder, "--ids", "1,40,41,42,43,44",
+                          "--max-new-tokens", NEW_TOKENS, "--provider", "cpu", "--json")
+    assert code == 0, err
+    reference, _ = grown_kv_greedy(fixture.folder / "model.onnx", [1, 40, 41, 42, 43, 44],
+                                   NEW_TOKENS)
+    assert json.loads(out)["tokens"] == reference
+    code, out, err = _cli(capsys, "validate", folder, "--provider", "cpu", "--json",
+                          "--lengths", ",".join(map(str, LENGTHS)), "--new-tokens", 3)
+    report = json.loads(out)
+    failed = [check for check in report["checks"] if check["outcome"] == "failed"]
+    assert code == 0 and not failed, failed or err
+    checker = next(check for check in report["checks"] if check["name"] == "structure.checker")
+    assert checker["outcome"] == "passed"
