@@ -458,6 +458,7 @@ def _rewrite(model: ir.Model, layers: tuple[ConcatKVLayer, ...]) -> None:
     width = node("Gather", [node("Shape", [mask], f"{prefix}/Shape"),
                             constant(f"{prefix}/mask_axis", 1)], f"{prefix}/Gather", axis=0)
     total = node("Cast", [width], f"{prefix}/total_sequence_length", to=ir.DataType.INT32)
+    seqlens.dtype = total.dtype = ir.DataType.INT32
     for index, layer in enumerate(layers):
         scope = f"{prefix}/layer_{index}"
         packed = [node("Reshape", [node("Transpose", [values[name]], f"{scope}/{role}/Transpose",
@@ -541,9 +542,13 @@ def _reads_sequence_axis(node: ir.Node) -> bool:
     first, last = (axis + _KV_RANK if axis < 0 else axis for axis in (first, last))
     if not first <= _SEQUENCE_AXIS < last:
         return False
-    # The whole shape: fine when every reader gathers one fixed axis other than the sequence.
-    for reader in node.outputs[0].consumers():
+    # Fine only when every reader gathers one fixed axis other than the sequence axis.
+    readers = node.outputs[0].consumers()
+    for reader in readers:
         index = _scalar(reader.inputs[1]) if reader.op_type == "Gather" else None
-        if index is None or int(index) + first in (_SEQUENCE_AXIS, _SEQUENCE_AXIS - _KV_RANK):
+        if index is None:
             return True
-    return False
+        axis = first + (int(index) if index >= 0 else int(index) + last - first)
+        if axis == _SEQUENCE_AXIS:
+            return True
+    return not readers
