@@ -50,7 +50,7 @@ class ConcatKVLayer:
 
     `query` is [batch, heads, rows, head] as the attention reads it (rotary applied), `new_key`
     and `new_value` the rows Concat appends to the past, `output` the attention's result in
-    [batch, heads, rows, head].
+    [batch, heads, rows, head]; `anchor` names the Attention or Softmax node.
     """
 
     past_key: str
@@ -279,10 +279,10 @@ def _match_layer(present_key: ir.Value, values: set[int], graph: ir.Graph) -> Co
     past_key, new_key = concat.inputs
     node, _ = _repeat_end(present_key)
     if node.op_type == "Attention":
-        query, output, value_input, mask, scale = _match_attention_op(node)
+        query, output, value_input, mask, scale, anchor = _match_attention_op(node)
         form = FORM_ATTENTION
     else:
-        query, output, value_input, mask, scale = _match_softmax(node)
+        query, output, value_input, mask, scale, anchor = _match_softmax(node)
         form = FORM_SOFTMAX
     present_value = _repeat_start(value_input)
     if present_value is None or id(present_value) not in values:
@@ -298,12 +298,13 @@ def _match_layer(present_key: ir.Value, values: set[int], graph: ir.Graph) -> Co
     return ConcatKVLayer(
         past_key=past_key.name, past_value=past_value.name, present_key=present_key.name,
         present_value=present_value.name, query=query.name, new_key=new_key.name,
-        new_value=new_value.name, output=output.name, form=form, anchor=node.name or "",
+        new_value=new_value.name, output=output.name, form=form, anchor=anchor.name or "",
         num_heads=heads, kv_num_heads=kv_heads, head_size=head_size,
         scale=scale if scale is not None else 1.0 / math.sqrt(head_size))
 
 
-_Match = tuple[ir.Value, ir.Value, ir.Value | None, ir.Value | None, float | None]
+# (query, attention output, V as read, mask, scale, the Attention or Softmax node)
+_Match = tuple[ir.Value, ir.Value, ir.Value | None, ir.Value | None, float | None, ir.Node]
 
 
 def _match_attention_op(node: ir.Node) -> _Match:
@@ -329,7 +330,7 @@ def _match_attention_op(node: ir.Node) -> _Match:
                        "causal attention")
     scale = node.attributes.get("scale")
     return (query, node.outputs[0], node.inputs[2], mask,
-            None if scale is None else scale.as_float())
+            None if scale is None else scale.as_float(), node)
 
 
 def _match_softmax(transpose: ir.Node) -> _Match:
@@ -362,7 +363,7 @@ def _match_softmax(transpose: ir.Node) -> _Match:
     if product.op_type != "MatMul" or product.inputs[0] is not probabilities:
         raise _Refusal(f"the attention weights of {_label(node)} reach {_label(product)}, "
                        "not the product with V")
-    return query, product.outputs[0], product.inputs[1], mask, factor
+    return query, product.outputs[0], product.inputs[1], mask, factor, node
 
 
 def _skip_nan_guard(value: ir.Value) -> ir.Value:

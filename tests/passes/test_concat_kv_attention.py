@@ -38,6 +38,9 @@ def test_finds_every_layer_of_each_standard_export(fixture):
         (f"past_key_values.{index}.key", f"present.{index}.value", form) for index in range(2)]
     assert {(layer.num_heads, layer.kv_num_heads, layer.head_size, layer.scale)
             for layer in findings.layers} == {(4, 2, 16, 0.25)}
+    op = "Attention" if form == FORM_ATTENTION else "Softmax"
+    graph = {node.name: node.op_type for node in ir.load(fixture.folder / "model.onnx").graph}
+    assert {graph[layer.anchor] for layer in findings.layers} == {op}
 
 
 @pytest.mark.parametrize("fixture", STANDARD, ids=str)
