@@ -2,9 +2,9 @@
 
 The reference is the unmodified export run by a plain ORT loop that feeds the grown KV back
 (tests/exports/grown_kv.py): the converted model's greedy tokens equal it at every prompt
-length through chunked prefill, ladder padding and the variant cache, its logits are within
-1e-5 on CPU (the next-token row), and the three llama exports (builder, Optimum, torch.onnx: the same weights) give
-the same tokens. Then the commands a user runs: convert, inspect, generate, validate.
+length through chunked prefill, ladder padding and the variant cache, its next-token logits
+are within 1e-5 on CPU, and the three llama exports (builder, Optimum, torch.onnx: the same
+weights) give the same tokens. Then the commands a user runs: convert, inspect, generate, validate.
 """
 
 from __future__ import annotations
