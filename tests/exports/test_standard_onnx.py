@@ -75,6 +75,19 @@ def test_greedy_tokens_equal_the_grown_kv_loop_at_every_length(fixture, converte
     assert runtime.stats().cache.compiles <= runtime.plan.max_variants
 
 
+@pytest.mark.parametrize("name", ["optimum-llama-fp32", "torch-llama-opset23"])
+def test_a_capacity_wide_mask_with_ladder_padding_gives_the_same_tokens(name, converted):
+    """What CUDA runs (every input but the query rows fixed), here on CPU."""
+    fixture = next(fixture for fixture in STANDARD if fixture.name == name)
+    runtime = load(converted[name], provider="cpu", chunk_size=WIDTH, mask_policy="capacity",
+                   padding=True)
+    sequence = runtime.open_sequence()
+    for prompt in _prompts():
+        reference, _ = grown_kv_greedy(fixture.folder / "model.onnx", prompt, NEW_TOKENS)
+        sequence.rewind(sequence.length)
+        assert sequence.generate(prompt, NEW_TOKENS) == reference, len(prompt)
+
+
 @pytest.mark.parametrize("fixture", STANDARD, ids=str)
 def test_prompt_logits_match_the_export_at_capacity(fixture, converted):
     rewritten = session(converted[fixture.name] / "model.onnx")
