@@ -147,3 +147,22 @@ def test_generate_and_validate_run_the_converted_folder(fixture, converted, caps
     assert code == 0 and not failed, failed or err
     checker = next(check for check in report["checks"] if check["name"] == "structure.checker")
     assert checker["outcome"] == "passed"
+
+
+def test_in_place_twice_and_without_config_json_a_capacity_is_needed(tmp_path, capsys):
+    fixture = next(fixture for fixture in STANDARD if fixture.name == "torch-llama-opset23")
+    folder = fixture.copy_to(tmp_path / "model")
+    (folder / "config.json").unlink()
+    code, out, err = _cli(capsys, "convert", folder, "--in-place")
+    assert code == 0 and "max sequence length: unknown" in out, err
+    code, out, err = _cli(capsys, "convert", folder, "--in-place")
+    assert code == 0 and "already converted" in out, err
+    prompt = "1,40,41,42,43,44"
+    code, _, err = _cli(capsys, "generate", folder, "--ids", prompt, "--max-new-tokens", 8,
+                        "--provider", "cpu")
+    assert code == 2 and err.startswith("error:") and "--capacity" in err and \
+        err.count("\n") == 1, err
+    code, out, err = _cli(capsys, "generate", folder, "--ids", prompt, "--max-new-tokens", 8,
+                          "--provider", "cpu", "--capacity", 256, "--json")
+    reference, _ = grown_kv_greedy(fixture.folder / "model.onnx", [1, 40, 41, 42, 43, 44], 8)
+    assert code == 0 and json.loads(out)["tokens"] == reference, err
