@@ -430,69 +430,114 @@ def _query_heads(query: ir.Value, head_size: int) -> int:
                    "shape nor a projection's weight near it says")
 
 
-def _rewrite(model: ir.Model, layers: tuple[ConcatKVLayer, ...]) -> None:
-    graph = model.graph
-    values = _values_by_name(graph)
-    mask = values[MASK_INPUT]
-    model.opset_imports.setdefault(value_tracing.MICROSOFT_DOMAIN, GQA_OPSET)
-    new_nodes: list[ir.Node] = []
+class RewriteBuilder:
+    """Adds the nodes of a concat-KV rewrite to `model` and finishes it (rules 6 and 7).
 
-    def node(op: str, inputs, name: str, domain: str = "", **attributes) -> ir.Value:
-        created = ir.node(op, inputs, attributes, domain=domain, name=name)
-        created.outputs[0].name = f"{name}/output_0"
-        new_nodes.append(created)
+    Shared with the opset 24 target (concat_kv_tensor_scatter): both replace each layer's
+    attention and hand the present outputs over to the node that keeps the KV at capacity.
+    """
+
+    def __init__(self, model: ir.Model, prefix: str) -> None:
+        self.model = model
+        self.prefix = prefix
+        self.values = _values_by_name(model.graph)
+        self.mask = self.values[MASK_INPUT]
+        self._nodes: list[ir.Node] = []
+
+    def add(self, node: ir.Node) -> ir.Node:
+        self._nodes.append(node)
+        return node
+
+    def node(self, op: str, inputs, name: str, domain: str = "", **attributes) -> ir.Value:
+        created = self.add(ir.node(op, inputs, attributes, domain=domain,
+                                   name=f"{self.prefix}/{name}"))
+        created.outputs[0].name = f"{self.prefix}/{name}/output_0"
         return created.outputs[0]
 
-    def constant(name: str, data) -> ir.Value:
-        tensor = ir.tensor(np.asarray(data, dtype=np.int64), name=name)
-        value = ir.Value(name=name, shape=tensor.shape, type=ir.TensorType(tensor.dtype),
+    def constant(self, name: str, data) -> ir.Value:
+        tensor = ir.tensor(np.asarray(data, dtype=np.int64), name=f"{self.prefix}/{name}")
+        value = ir.Value(name=tensor.name, shape=tensor.shape, type=ir.TensorType(tensor.dtype),
                          const_value=tensor)
-        graph.register_initializer(value)
+        self.model.graph.register_initializer(value)
         return value
 
-    prefix = "/onnx_chunk/concat_kv"
-    one = constant(f"{prefix}/one", [1])
-    flat = constant(f"{prefix}/bsh_shape", [0, 0, -1])
-    total_sum = node("ReduceSum", [mask, one], f"{prefix}/ReduceSum", keepdims=0)
-    seqlens = node("Cast", [node("Sub", [total_sum, one], f"{prefix}/Sub")],
-                   f"{prefix}/seqlens_k", to=ir.DataType.INT32)
-    width = node("Gather", [node("Shape", [mask], f"{prefix}/Shape"),
-                            constant(f"{prefix}/mask_axis", 1)], f"{prefix}/Gather", axis=0)
-    total = node("Cast", [width], f"{prefix}/total_sequence_length", to=ir.DataType.INT32)
+    def take_over_output(self, old_name: str, new: ir.Value) -> None:
+        """Make `new` the graph output `old_name` was; the present spans the mask's width as
+        in builder exports ([batch, kv_heads, total_sequence_length, head])."""
+        graph, old = self.model.graph, self.values[old_name]
+        position = list(graph.outputs).index(old)
+        old.name = f"{old_name}/concat"
+        new.name = old_name
+        new.dtype = old.dtype
+        if old.shape is not None and self.mask.shape is not None:
+            dims = list(old.shape)
+            dims[_SEQUENCE_AXIS] = self.mask.shape[1]
+            new.shape = ir.Shape(dims)
+        graph.outputs[position] = new
+
+    def finish(self, layers: tuple[ConcatKVLayer, ...], keeps_kv) -> None:
+        """Add the nodes, drop what died, sort, then check that the past inputs feed only
+        `keeps_kv` nodes and shape reads that miss the sequence axis."""
+        self.model.graph.extend(self._nodes)
+        RemoveUnusedNodesPass()(self.model)
+        TopologicalSortPass()(self.model)
+        inputs = {value.name: value for value in self.model.graph.inputs}
+        for layer in layers:
+            for name in (layer.past_key, layer.past_value):
+                others = [node for node in inputs[name].consumers()
+                          if not keeps_kv(node) and _reads_sequence_axis(node)]
+                if others:
+                    raise ModelStructureError(
+                        f"after the concat-KV rewrite the past input {name!r} still feeds "
+                        f"{_label(others[0])}, which would read the capacity-sized buffer as "
+                        "a grown cache; nothing was rewritten. Report the layout")
+
+
+def _rewrite(model: ir.Model, layers: tuple[ConcatKVLayer, ...]) -> None:
+    build = RewriteBuilder(model, "/onnx_chunk/concat_kv")
+    values, mask = build.values, build.mask
+    model.opset_imports.setdefault(value_tracing.MICROSOFT_DOMAIN, GQA_OPSET)
+    one = build.constant("one", [1])
+    flat = build.constant("bsh_shape", [0, 0, -1])
+    total_sum = build.node("ReduceSum", [mask, one], "ReduceSum", keepdims=0)
+    seqlens = build.node("Cast", [build.node("Sub", [total_sum, one], "Sub")], "seqlens_k",
+                         to=ir.DataType.INT32)
+    width = build.node("Gather", [build.node("Shape", [mask], "Shape"),
+                                  build.constant("mask_axis", 1)], "Gather", axis=0)
+    total = build.node("Cast", [width], "total_sequence_length", to=ir.DataType.INT32)
     seqlens.dtype = total.dtype = ir.DataType.INT32
     for index, layer in enumerate(layers):
-        scope = f"{prefix}/layer_{index}"
-        packed = [node("Reshape", [node("Transpose", [values[name]], f"{scope}/{role}/Transpose",
-                                        perm=list(_TO_BSNH)), flat], f"{scope}/{role}/Reshape")
+        scope = f"layer_{index}"
+        packed = [build.node("Reshape", [build.node("Transpose", [values[name]],
+                                                    f"{scope}/{role}/Transpose",
+                                                    perm=list(_TO_BSNH)), flat],
+                             f"{scope}/{role}/Reshape")
                   for role, name in (("q", layer.query), ("k", layer.new_key),
                                      ("v", layer.new_value))]
-        gqa = ir.node("GroupQueryAttention",
-                      [*packed, values[layer.past_key], values[layer.past_value], seqlens, total],
-                      {"num_heads": layer.num_heads, "kv_num_heads": layer.kv_num_heads,
-                       "scale": float(layer.scale), "do_rotary": 0},
-                      domain=value_tracing.MICROSOFT_DOMAIN, num_outputs=3,
-                      name=f"{scope}/GroupQueryAttention")
-        new_nodes.append(gqa)
+        gqa = build.add(ir.node(
+            "GroupQueryAttention",
+            [*packed, values[layer.past_key], values[layer.past_value], seqlens, total],
+            {"num_heads": layer.num_heads, "kv_num_heads": layer.kv_num_heads,
+             "scale": float(layer.scale), "do_rotary": 0},
+            domain=value_tracing.MICROSOFT_DOMAIN, num_outputs=3,
+            name=f"{build.prefix}/{scope}/GroupQueryAttention"))
         attended, present_key, present_value = gqa.outputs
-        attended.name = f"{scope}/GroupQueryAttention/output_0"
-        _take_over_output(graph, values[layer.present_key], present_key, mask)
-        _take_over_output(graph, values[layer.present_value], present_value, mask)
-        heads = constant(f"{scope}/bsnh_shape", [0, 0, layer.num_heads, layer.head_size])
+        attended.name = f"{gqa.name}/output_0"
+        build.take_over_output(layer.present_key, present_key)
+        build.take_over_output(layer.present_value, present_value)
+        heads = build.constant(f"{scope}/bsnh_shape", [0, 0, layer.num_heads, layer.head_size])
         old = values[layer.output]
         consumers = old.consumers()
         transpose = consumers[0] if len(consumers) == 1 else None
         if (transpose is not None and transpose.op_type == "Transpose"
                 and tuple(transpose.attributes["perm"].as_ints()) == _TO_BSNH):
             ir.convenience.replace_all_uses_with(
-                transpose.outputs[0], node("Reshape", [attended, heads], f"{scope}/bsnh"))
+                transpose.outputs[0], build.node("Reshape", [attended, heads], f"{scope}/bsnh"))
         else:
-            bsnh = node("Reshape", [attended, heads], f"{scope}/bsnh")
+            bsnh = build.node("Reshape", [attended, heads], f"{scope}/bsnh")
             ir.convenience.replace_all_uses_with(
-                old, node("Transpose", [bsnh], f"{scope}/bnsh", perm=list(_TO_BSNH)))
-    graph.extend(new_nodes)
-    RemoveUnusedNodesPass()(model)
-    TopologicalSortPass()(model)
-    _check_rewritten(graph, layers)
+                old, build.node("Transpose", [bsnh], f"{scope}/bnsh", perm=list(_TO_BSNH)))
+    build.finish(layers, value_tracing.is_gqa)
 
 
 def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
@@ -501,35 +546,6 @@ def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
     for node in graph:
         found.update({output.name: output for output in node.outputs if output.name})
     return found
-
-
-def _take_over_output(graph: ir.Graph, old: ir.Value, new: ir.Value, mask: ir.Value) -> None:
-    """Make `new` the graph output `old` was, with its name; the present spans the mask's
-    width as in builder exports ([batch, kv_heads, total_sequence_length, head])."""
-    name, shape = old.name, old.shape
-    position = list(graph.outputs).index(old)
-    old.name = f"{name}/concat"
-    new.name = name
-    new.dtype = old.dtype
-    if shape is not None and mask.shape is not None:
-        dims = list(shape)
-        dims[_SEQUENCE_AXIS] = mask.shape[1]
-        new.shape = ir.Shape(dims)
-    graph.outputs[position] = new
-
-
-def _check_rewritten(graph: ir.Graph, layers: tuple[ConcatKVLayer, ...]) -> None:
-    """Rule 7: the past inputs feed GroupQueryAttention only once the rewrite is done."""
-    inputs = {value.name: value for value in graph.inputs}
-    for layer in layers:
-        for name in (layer.past_key, layer.past_value):
-            others = [node for node in inputs[name].consumers()
-                      if not value_tracing.is_gqa(node) and _reads_sequence_axis(node)]
-            if others:
-                raise ModelStructureError(
-                    f"after the concat-KV rewrite the past input {name!r} still feeds "
-                    f"{_label(others[0])}, which would read the capacity-sized buffer as a "
-                    "grown cache; nothing was rewritten. Report the layout")
 
 
 def _reads_sequence_axis(node: ir.Node) -> bool:
