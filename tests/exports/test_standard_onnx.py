@@ -4,7 +4,9 @@ The reference is the unmodified export run by a plain ORT loop that feeds the gr
 (tests/exports/grown_kv.py): the converted model's greedy tokens equal it at every prompt
 length through chunked prefill, ladder padding and the variant cache, its next-token logits
 are within 1e-5 on CPU, and the three llama exports (builder, Optimum, torch.onnx: the same
-weights) give the same tokens. Then the commands a user runs: convert, inspect, generate, validate.
+weights) give the same tokens. Both targets of `convert --kv-cache` are held to it:
+GroupQueryAttention and opset 24 TensorScatter + Attention. Then the commands a user runs:
+convert, inspect, generate, validate.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ ALL_ROWS_ATOL = 2e-5
 MAX_POSITIONS = 2048
 STANDARD = [fixture for fixture in fixtures() if fixture.layout != GENAI]
 LLAMA = ("genai-llama-fp32", "optimum-llama-fp32", "torch-llama-opset23")
+# `convert --kv-cache`: GroupQueryAttention (default) or opset 24 TensorScatter + Attention.
+TARGETS = ("gqa", "onnx24")
+# validate's lengths: one chunk, and two with a remainder (the long prompts are covered above).
+VALIDATE_LENGTHS = f"1,40,{WIDTH + 1}"
 
 
 def _cli(capsys, *argv) -> tuple[int, str, str]:
@@ -46,15 +52,23 @@ def _prompts(vocab_size: int = 384) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """Each standard export converted once by `onnx-chunk convert` (W = 512)."""
+def converted_to(tmp_path_factory):
+    """Each standard export converted once per KV cache target by `onnx-chunk convert`
+    (W = 512), keyed by (fixture name, target)."""
     folders = {}
     for fixture in STANDARD:
-        folder = tmp_path_factory.mktemp(fixture.name) / "conv"
-        assert main(["convert", str(fixture.folder), "-o", str(folder),
-                     "--chunk-size", str(WIDTH)]) == 0
-        folders[fixture.name] = folder
+        for target in TARGETS:
+            folder = tmp_path_factory.mktemp(f"{fixture.name}-{target}") / "conv"
+            assert main(["convert", str(fixture.folder), "-o", str(folder),
+                         "--chunk-size", str(WIDTH), "--kv-cache", target]) == 0
+            folders[fixture.name, target] = folder
     return folders
+
+
+@pytest.fixture
+def converted(converted_to):
+    """The default (GroupQueryAttention) conversions, keyed by fixture name."""
+    return {name: folder for (name, target), folder in converted_to.items() if target == "gqa"}
 
 
 def test_the_corpus_has_the_standard_exports():
@@ -63,9 +77,10 @@ def test_the_corpus_has_the_standard_exports():
         "torch-llama-opset23"}
 
 
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("fixture", STANDARD, ids=str)
-def test_greedy_tokens_equal_the_grown_kv_loop_at_every_length(fixture, converted):
-    runtime = load(converted[fixture.name], provider="cpu", chunk_size=WIDTH)
+def test_greedy_tokens_equal_the_grown_kv_loop_at_every_length(fixture, target, converted_to):
+    runtime = load(converted_to[fixture.name, target], provider="cpu", chunk_size=WIDTH)
     assert runtime.capacity == MAX_POSITIONS
     sequence = runtime.open_sequence()
     for prompt in _prompts():
@@ -88,9 +103,10 @@ def test_a_capacity_wide_mask_with_ladder_padding_gives_the_same_tokens(name, co
         assert sequence.generate(prompt, NEW_TOKENS) == reference, len(prompt)
 
 
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("fixture", STANDARD, ids=str)
-def test_prompt_logits_match_the_export_at_capacity(fixture, converted):
-    rewritten = session(converted[fixture.name] / "model.onnx")
+def test_prompt_logits_match_the_export_at_capacity(fixture, target, converted_to):
+    rewritten = session(converted_to[fixture.name, target] / "model.onnx")
     for prompt in _prompts():
         _, reference = grown_kv_greedy(fixture.folder / "model.onnx", prompt, 1)
         feeds = {value.name: np.zeros((1, value.shape[1], MAX_POSITIONS, value.shape[3]),
@@ -131,9 +147,10 @@ def test_inspect_reports_the_rewrite_and_the_rewritten_plan(fixture, capsys):
     assert code == 0 and "GroupQueryAttention at capacity" in out, err
 
 
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("fixture", STANDARD, ids=str)
-def test_generate_and_validate_run_the_converted_folder(fixture, converted, capsys):
-    folder = converted[fixture.name]
+def test_generate_and_validate_run_the_converted_folder(fixture, target, converted_to, capsys):
+    folder = converted_to[fixture.name, target]
     code, out, err = _cli(capsys, "generate", folder, "--ids", "1,40,41,42,43,44",
                           "--max-new-tokens", NEW_TOKENS, "--provider", "cpu", "--json")
     assert code == 0, err
@@ -141,7 +158,7 @@ def test_generate_and_validate_run_the_converted_folder(fixture, converted, caps
                                    NEW_TOKENS)
     assert json.loads(out)["tokens"] == reference
     code, out, err = _cli(capsys, "validate", folder, "--provider", "cpu", "--json",
-                          "--lengths", ",".join(map(str, LENGTHS)), "--new-tokens", 3)
+                          "--lengths", VALIDATE_LENGTHS, "--new-tokens", 3)
     report = json.loads(out)
     failed = [check for check in report["checks"] if check["outcome"] == "failed"]
     assert code == 0 and not failed, failed or err

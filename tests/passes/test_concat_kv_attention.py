@@ -14,15 +14,11 @@ from onnx_chunk.passes.concat_kv_attention import (FORM_ATTENTION, FORM_SOFTMAX,
                                                    find_concat_kv_attention)
 from onnx_chunk.passes.kv_capacity import find_kv_capacity
 from tests.exports.corpus import GENAI, fixtures
+from tests.passes.export_graphs import insert_after, load_export
 
 STANDARD = [fixture for fixture in fixtures() if fixture.layout != GENAI]
 OPTIMUM = "optimum-llama-fp32"
 TORCH = "torch-llama-opset23"
-
-
-def _load(name: str) -> ir.Model:
-    return ir.load(next(fixture.folder for fixture in fixtures() if fixture.name == name)
-                   / "model.onnx")
 
 
 def _node(model: ir.Model, name: str) -> ir.Node:
@@ -73,27 +69,17 @@ def test_rewrites_each_layer_into_gqa_sharing_past_and_present(fixture):
 
 
 def test_second_run_and_a_builder_export_change_nothing():
-    rewritten = ConcatKVToGQAPass()(_load(OPTIMUM)).model
+    rewritten = ConcatKVToGQAPass()(load_export(OPTIMUM)).model
     assert metadata.read_max_positions(rewritten) is None
     assert not ConcatKVToGQAPass()(rewritten).modified
-    builder = _load("genai-llama-fp32")
+    builder = load_export("genai-llama-fp32")
     assert not find_concat_kv_attention(builder.graph).concat_kv
     assert not ConcatKVToGQAPass()(builder).modified
 
 
-def _insert_after(model: ir.Model, node_name: str, op: str) -> str:
-    """Put a one-input `op` node behind node `node_name`'s output; returns its name."""
-    node = _node(model, node_name)
-    inserted = ir.node(op, [node.outputs[0]], name=f"{node_name}/{op}")
-    ir.convenience.replace_all_uses_with(node.outputs[0], inserted.outputs[0])
-    inserted.replace_input_with(0, node.outputs[0])
-    model.graph.insert_after(node, inserted)
-    return inserted.name
-
-
 def test_a_softcap_before_softmax_is_refused_naming_the_node():
-    model = _load(OPTIMUM)
-    name = _insert_after(model, "/model/layers.1/self_attn/MatMul", "Tanh")
+    model = load_export(OPTIMUM)
+    name = insert_after(model, "/model/layers.1/self_attn/MatMul", "Tanh")
     findings = find_concat_kv_attention(model.graph)
     assert not findings.layers and f"Tanh node {name!r}" in findings.refusal
     count = len(model.graph)
@@ -103,11 +89,11 @@ def test_a_softcap_before_softmax_is_refused_naming_the_node():
 
 
 def test_attention_with_a_softcap_or_own_past_is_refused():
-    model = _load(TORCH)
+    model = load_export(TORCH)
     node = _node(model, "node_scaled_dot_product_attention_1")
     node.attributes["softcap"] = ir.AttrFloat32("softcap", 30.0)
     assert "softcap 30" in find_concat_kv_attention(model.graph).refusal
-    model = _load(TORCH)
+    model = load_export(TORCH)
     node = _node(model, "node_scaled_dot_product_attention")
     past = model.graph.inputs[3]
     node.resize_inputs(5)
@@ -116,7 +102,7 @@ def test_attention_with_a_softcap_or_own_past_is_refused():
 
 
 def test_a_mask_that_reads_position_ids_is_refused():
-    model = _load(TORCH)
+    model = load_export(TORCH)
     node = _node(model, "node_scaled_dot_product_attention")
     positions = next(value for value in model.graph.inputs if value.name == "position_ids")
     mixed = ir.node("Add", [node.inputs[3], positions], name="mask_with_positions")
@@ -140,8 +126,8 @@ def test_shape_reads_of_the_past_that_miss_its_sequence_axis_stay_allowed():
 
 def test_convert_refuses_an_unrecognised_layer_in_one_line_and_inspect_says_why(
         tmp_path, capsys):
-    model = _load(OPTIMUM)
-    name = _insert_after(model, "/model/layers.0/self_attn/MatMul", "Tanh")
+    model = load_export(OPTIMUM)
+    name = insert_after(model, "/model/layers.0/self_attn/MatMul", "Tanh")
     ir.save(model, tmp_path / "model.onnx")
     capsys.readouterr()
     assert main(["convert", str(tmp_path / "model.onnx"), "-o", str(tmp_path / "out")]) == 2
