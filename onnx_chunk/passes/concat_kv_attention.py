@@ -99,7 +99,38 @@ class _Refusal(Exception):
     """A layer that does not match; the message names the node."""
 
 
-class ConcatKVToGQAPass(ir.passes.FunctionalPass):
+class ConcatKVRewritePass(ir.passes.FunctionalPass):
+    """What both concat-KV targets share: find the layers, refuse or rewrite a copy, record
+    `max_sequence_length`. Subclasses say what a layer becomes (`target`, `rewrite`)."""
+
+    target = ""
+
+    def __init__(self, max_sequence_length: int | None = None) -> None:
+        super().__init__()
+        self.max_sequence_length = max_sequence_length
+
+    def rewrite(self, model: ir.Model, layers: tuple[ConcatKVLayer, ...]) -> None:
+        """Rewrite the matched `layers` of `model` (a copy) in place."""
+        raise NotImplementedError(f"{type(self).__name__} does not say what a layer becomes")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        findings = find_concat_kv_attention(model.graph)
+        if not findings.concat_kv:
+            # A functional pass returns a new model even when it changes nothing.
+            return ir.passes.PassResult(model.clone(), modified=False)
+        if findings.refusal is not None:
+            raise ModelStructureError(
+                f"the model grows its KV cache by Concat, but {findings.refusal}; nothing was "
+                "rewritten. Export it with onnxruntime-genai's model builder, or report the "
+                "layout")
+        rewritten = model.clone()
+        self.rewrite(rewritten, findings.layers)
+        metadata.write_max_positions(rewritten, self.max_sequence_length)
+        logger.info("concat KV: %d layers rewritten to %s", len(findings.layers), self.target)
+        return ir.passes.PassResult(rewritten, modified=True)
+
+
+class ConcatKVToGQAPass(ConcatKVRewritePass):
     """Rewrite every concat-KV attention layer into GroupQueryAttention bound at capacity.
 
     Rules:
@@ -131,25 +162,10 @@ class ConcatKVToGQAPass(ir.passes.FunctionalPass):
        cos cache to size it) is recorded for the KV capacity pass.
     """
 
-    def __init__(self, max_sequence_length: int | None = None) -> None:
-        super().__init__()
-        self.max_sequence_length = max_sequence_length
+    target = "GroupQueryAttention"
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        findings = find_concat_kv_attention(model.graph)
-        if not findings.concat_kv:
-            # A functional pass returns a new model even when it changes nothing.
-            return ir.passes.PassResult(model.clone(), modified=False)
-        if findings.refusal is not None:
-            raise ModelStructureError(
-                f"the model grows its KV cache by Concat, but {findings.refusal}; nothing was "
-                "rewritten. Export it with onnxruntime-genai's model builder, or report the "
-                "layout")
-        rewritten = model.clone()
-        _rewrite(rewritten, findings.layers)
-        metadata.write_max_positions(rewritten, self.max_sequence_length)
-        logger.info("concat KV: %d layers rewritten to GroupQueryAttention", len(findings.layers))
-        return ir.passes.PassResult(rewritten, modified=True)
+    def rewrite(self, model: ir.Model, layers: tuple[ConcatKVLayer, ...]) -> None:
+        _rewrite(model, layers)
 
 
 def find_concat_kv_attention(graph: ir.Graph) -> ConcatKVFindings:

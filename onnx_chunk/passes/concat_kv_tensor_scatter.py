@@ -8,17 +8,11 @@ offset by the past length. The layers are found by concat_kv_attention's finder.
 
 from __future__ import annotations
 
-import logging
-
 import onnx_ir as ir
 
-from onnx_chunk import metadata
-from onnx_chunk.errors import ModelStructureError
 from onnx_chunk.passes import value_tracing
-from onnx_chunk.passes.concat_kv_attention import (ConcatKVLayer, RewriteBuilder,
-                                                   find_concat_kv_attention)
-
-logger = logging.getLogger(__name__)
+from onnx_chunk.passes.concat_kv_attention import (ConcatKVLayer, ConcatKVRewritePass,
+                                                   RewriteBuilder)
 
 OPSET = 24
 # TensorScatter and Attention's nonpad_kv_seqlen need IR version 11 (ONNX 1.19).
@@ -27,7 +21,7 @@ _SEQUENCE_AXIS = 2
 _QUERY_ROWS_AXIS = 2
 
 
-class ConcatKVToTensorScatterPass(ir.passes.FunctionalPass):
+class ConcatKVToTensorScatterPass(ConcatKVRewritePass):
     """Rewrite every concat-KV layer to TensorScatter + Attention (opset 24) at capacity.
 
     Rules:
@@ -46,25 +40,10 @@ class ConcatKVToTensorScatterPass(ir.passes.FunctionalPass):
     5. `max_sequence_length` is recorded as by ConcatKVToGQAPass.
     """
 
-    def __init__(self, max_sequence_length: int | None = None) -> None:
-        super().__init__()
-        self.max_sequence_length = max_sequence_length
+    target = f"TensorScatter + Attention (opset {OPSET})"
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        findings = find_concat_kv_attention(model.graph)
-        if not findings.concat_kv:
-            return ir.passes.PassResult(model.clone(), modified=False)
-        if findings.refusal is not None:
-            raise ModelStructureError(
-                f"the model grows its KV cache by Concat, but {findings.refusal}; nothing was "
-                "rewritten. Export it with onnxruntime-genai's model builder, or report the "
-                "layout")
-        rewritten = model.clone()
-        _rewrite(rewritten, findings.layers)
-        metadata.write_max_positions(rewritten, self.max_sequence_length)
-        logger.info("concat KV: %d layers rewritten to TensorScatter + Attention (opset %d)",
-                    len(findings.layers), OPSET)
-        return ir.passes.PassResult(rewritten, modified=True)
+    def rewrite(self, model: ir.Model, layers: tuple[ConcatKVLayer, ...]) -> None:
+        _rewrite(model, layers)
 
 
 def _rewrite(model: ir.Model, layers: tuple[ConcatKVLayer, ...]) -> None:
