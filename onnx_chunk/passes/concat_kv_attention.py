@@ -91,8 +91,9 @@ class ConcatKVFindings:
         first = self.layers[0]
         return [f"concat KV: {len(self.layers)} layers ({', '.join(forms)}; heads "
                 f"{first.num_heads}, KV heads {first.kv_num_heads}, head size "
-                f"{first.head_size}, scale {first.scale:g}) rewritten to "
-                "com.microsoft::GroupQueryAttention at capacity, rotary kept outside"]
+                f"{first.head_size}, scale {first.scale:g}); `convert` rewrites them to "
+                "com.microsoft::GroupQueryAttention at capacity, rotary kept outside "
+                "(--kv-cache onnx24: TensorScatter + Attention)"]
 
 
 class _Refusal(Exception):
