@@ -28,6 +28,9 @@ KV_CAPACITY_KEY = "onnx_chunk.kv_capacity"
 RECURRENT_STATE_KEY = "onnx_chunk.recurrent_state"
 PER_TOKEN_PORTS_KEY = "onnx_chunk.per_token_ports"
 PADDING_KEY = "onnx_chunk.padding"
+# Written by the concat-KV rewrite only (optional): the longest sequence of a decoder whose
+# rotary runs outside GroupQueryAttention, so no cos cache sizes it.
+MAX_POSITIONS_KEY = "onnx_chunk.max_positions"
 
 ALL_KEYS = (
     SCHEMA_VERSION_KEY,
@@ -174,6 +177,26 @@ def write_kv_capacity(model: ir.Model, findings: KVCapacityFindings) -> bool:
         "problems": list(findings.problems),
     })
     return _set(model.metadata_props, KV_CAPACITY_KEY, value)
+
+
+def write_max_positions(model: ir.Model, max_positions: int | None) -> bool:
+    """Store (or with None remove) the longest sequence the model supports; return whether the
+    metadata changed."""
+    return _set(model.metadata_props, MAX_POSITIONS_KEY,
+                None if max_positions is None else str(max_positions))
+
+
+def read_max_positions(model: ir.Model | Mapping[str, str]) -> int | None:
+    """The stored longest sequence, or None; ModelStructureError when it is no positive integer."""
+    props = _props_of(model)
+    if MAX_POSITIONS_KEY not in props:
+        return None
+    text = props[MAX_POSITIONS_KEY]
+    if not text.isdigit() or int(text) < 1:
+        raise ModelStructureError(f"metadata key {MAX_POSITIONS_KEY!r} is {text!r}, expected a "
+                                  "positive integer; re-run `onnx-chunk convert` on the "
+                                  "original model")
+    return int(text)
 
 
 def write_recurrent_state(model: ir.Model, findings: RecurrentStateFindings) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 from onnx_chunk.errors import ModelLoadError
 
 GENAI_CONFIG = "genai_config.json"
+HF_CONFIG = "config.json"
 DEFAULT_DECODER = "model.onnx"
 STATIC_CHUNK_DECODER = "chunk.onnx"
 
@@ -90,6 +91,17 @@ def read_genai_config(path: Path) -> GenaiConfig | None:
         search=dict(search),
         document=document,
     )
+
+
+def read_max_positions(folder: Path) -> int | None:
+    """`max_position_embeddings` of the transformers `config.json` in `folder` (None when the
+    file or the key is absent): the longest sequence of an Optimum or torch.onnx export."""
+    path = folder / HF_CONFIG
+    document = read_json_object(path, "the transformers config", "a transformers config.json")
+    if document is None:
+        return None
+    return _Reader(path).size(document.get("max_position_embeddings"),
+                              "max_position_embeddings")
 
 
 def read_json_object(path: Path, what: str, expected: str) -> dict[str, Any] | None:

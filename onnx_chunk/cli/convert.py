@@ -10,10 +10,11 @@ import click
 from onnx_chunk.cli.inspect import plan_summary
 from onnx_chunk.errors import ConfigError
 from onnx_chunk.metadata import read_plan
-from onnx_chunk.model_folder import locate_model
+from onnx_chunk.model_folder import locate_model, read_max_positions
 from onnx_chunk.model_io import (external_data_files, load_model, output_locations,
                                  save_model)
-from onnx_chunk.passes import DEFAULT_CHUNK_SIZE, DEFAULT_MAX_VARIANTS, convert_model
+from onnx_chunk.passes import (DEFAULT_CHUNK_SIZE, DEFAULT_MAX_VARIANTS, KV_CACHE_TARGETS,
+                               convert_model)
 
 # Copies of at least this much external data get a progress bar.
 _PROGRESS_BYTES = 64 << 20
@@ -55,17 +56,26 @@ def _bytes_to_copy(model_files: dict[str, Path], target: Path) -> int:
 @click.option("--max-variants", type=int, default=DEFAULT_MAX_VARIANTS, show_default=True,
               help="Session variants the runtime may keep (one is the decode shape).")
 @click.option("--in-place", is_flag=True, help="Rewrite the input model.")
+@click.option("--kv-cache", type=click.Choice(sorted(KV_CACHE_TARGETS)), default="gqa",
+              show_default=True,
+              help="What a concat-KV decoder is rewritten into: com.microsoft "
+                   "GroupQueryAttention, or standard opset 24 TensorScatter + Attention.")
 def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants: int,
-            in_place: bool) -> None:
+            in_place: bool, kv_cache: str) -> None:
     """Annotate MODEL_PATH for chunked prefill and write it to OUTPUT.
 
-    Weights stay in external data and are copied, never loaded; OUTPUT's folder gets every
-    file at once or none.
+    A standard-ONNX decoder whose KV grows by Concat (Optimum, torch.onnx) is first rewritten
+    to GroupQueryAttention at capacity (`--kv-cache onnx24`: to TensorScatter + Attention).
+    Weights stay in external data and are copied, never
+    loaded; OUTPUT's folder gets every file at once or none.
     """
     model_path = locate_model(model_path).onnx_path
     model = load_model(model_path)
     output = _output_path(model_path, output, in_place)
-    result = convert_model(model, chunk_size=chunk_size, max_variants=max_variants)
+    result = convert_model(model, chunk_size=chunk_size, max_variants=max_variants,
+                           max_sequence_length=read_max_positions(model_path.parent),
+                           kv_cache=kv_cache)
+    model = result.model
     plan = read_plan(model)
     if in_place and not result.modified:
         click.echo(f"{model_path} is already converted with these settings; nothing written")

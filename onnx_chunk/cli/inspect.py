@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import click
 
 from onnx_chunk.metadata import ChunkPlan, read_plan
-from onnx_chunk.model_folder import locate_model
+from onnx_chunk.model_folder import locate_model, read_max_positions
 from onnx_chunk.model_io import load_model
-from onnx_chunk.passes import analyze
+from onnx_chunk.passes import analyze, find_concat_kv_attention
 
 
 _LISTED_NAMES = 4
@@ -55,17 +56,27 @@ def plan_summary(plan: ChunkPlan) -> list[str]:
 @click.argument("model_path", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def inspect(model_path: Path, as_json: bool) -> None:
-    """Print the chunked-prefill plan of MODEL_PATH (converted or not)."""
+    """Print the chunked-prefill plan of MODEL_PATH (converted or not).
+
+    For a decoder whose KV grows by Concat, say what the rewrite to GroupQueryAttention found
+    (the plan is then the rewritten model's) or why it refuses.
+    """
     model_path = locate_model(model_path).onnx_path
     model = load_model(model_path)
     plan = read_plan(model)
     converted = plan is not None
+    rewrite = find_concat_kv_attention(model.graph)
     if plan is None:
-        plan = analyze(model)
+        plan = analyze(model, max_sequence_length=read_max_positions(model_path.parent))
     if as_json:
-        click.echo(json.dumps({"model": str(model_path), "converted": converted,
-                               **plan.to_json()}, indent=2))
+        report = {"model": str(model_path), "converted": converted, **plan.to_json()}
+        if rewrite.concat_kv:
+            report["concat_kv"] = {"rewritable": rewrite.refusal is None,
+                                   "refusal": rewrite.refusal,
+                                   "layers": [dataclasses.asdict(layer)
+                                              for layer in rewrite.layers]}
+        click.echo(json.dumps(report, indent=2))
         return
     click.echo(f"{model_path} ({'converted' if converted else 'not converted'})")
-    for line in plan_summary(plan):
+    for line in rewrite.summary() + plan_summary(plan):
         click.echo(f"  {line}")

@@ -10,27 +10,37 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from onnx_chunk import metadata
-from onnx_chunk.errors import ModelStructureError
+from onnx_chunk.errors import ConfigError, ModelStructureError
 from onnx_chunk.passes.chunked_prefill_declaration import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_MAX_VARIANTS,
     ChunkedPrefillDeclarationPass,
 )
+from onnx_chunk.passes.concat_kv_attention import ConcatKVToGQAPass, find_concat_kv_attention
+from onnx_chunk.passes.concat_kv_tensor_scatter import ConcatKVToTensorScatterPass
 from onnx_chunk.passes.kv_capacity import KVCapacityPass
 from onnx_chunk.passes.per_token_ports import PerTokenPortsPass
 from onnx_chunk.passes.recurrent_state import RecurrentStatePass
 from onnx_chunk.passes.supported_opsets import check_supported_opsets
-from onnx_chunk.passes.value_tracing import gqa_nodes
+from onnx_chunk.passes.value_tracing import gqa_nodes, tensor_scatter_nodes
+
+# What `convert --kv-cache` rewrites a concat-KV decoder into: com.microsoft
+# GroupQueryAttention (the builder's layout) or standard opset 24 TensorScatter + Attention.
+KV_CACHE_TARGETS = {"gqa": ConcatKVToGQAPass, "onnx24": ConcatKVToTensorScatterPass}
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_MAX_VARIANTS",
     "ChunkedPrefillDeclarationPass",
+    "ConcatKVToGQAPass",
+    "ConcatKVToTensorScatterPass",
+    "KV_CACHE_TARGETS",
     "KVCapacityPass",
     "PerTokenPortsPass",
     "RecurrentStatePass",
     "analyze",
     "convert_model",
+    "find_concat_kv_attention",
 ]
 
 def _run_pipeline(model: ir.Model, chunk_size: int | None,
@@ -50,13 +60,19 @@ def _run_pipeline(model: ir.Model, chunk_size: int | None,
 
 
 def analyze(model: ir.Model, *, chunk_size: int | None = None,
-            max_variants: int = DEFAULT_MAX_VARIANTS) -> metadata.ChunkPlan:
-    """The plan the pipeline would write, leaving the model's metadata as it was.
+            max_variants: int = DEFAULT_MAX_VARIANTS,
+            max_sequence_length: int | None = None) -> metadata.ChunkPlan:
+    """The plan the pipeline would write, leaving the model as it was.
 
     With `chunk_size` None the plan keeps the chunk size the model declares (none for an
-    unconverted model). Raises ModelStructureError for opsets or domains ORT cannot run.
+    unconverted model). A concat-KV decoder the rewrite accepts is planned as rewritten (in a
+    copy; `max_sequence_length` as for `convert_model`); one it refuses is planned as it is.
+    Raises ModelStructureError for opsets or domains ORT cannot run.
     """
     check_supported_opsets(model)
+    findings = find_concat_kv_attention(model.graph)
+    if findings.concat_kv and findings.refusal is None:
+        model = ConcatKVToGQAPass(max_sequence_length)(model).model
     saved = dict(model.metadata_props)
     try:
         _run_pipeline(model, chunk_size, max_variants)
@@ -69,18 +85,32 @@ def analyze(model: ir.Model, *, chunk_size: int | None = None,
 
 
 def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                  max_variants: int = DEFAULT_MAX_VARIANTS) -> ir.passes.PassResult:
-    """Run the pipeline in place; `modified` is False when the model was already converted so.
+                  max_variants: int = DEFAULT_MAX_VARIANTS,
+                  max_sequence_length: int | None = None,
+                  kv_cache: str = "gqa") -> ir.passes.PassResult:
+    """Run the pipeline; `modified` is False when the model was already converted so.
 
-    Raises ModelStructureError for a model without GroupQueryAttention (KV capacity annotation
-    does not apply to it) or with opsets or domains ORT cannot run, and ConfigError for an
-    impossible chunk size or variant cap.
+    A concat-KV decoder (Optimum, torch.onnx) is first rewritten in a copy, which the
+    result's `model` is, into the `kv_cache` target (KV_CACHE_TARGETS: GroupQueryAttention, or
+    opset 24 TensorScatter + Attention) at capacity; `max_sequence_length` (config.json's
+    max_position_embeddings) is its longest sequence. Any other model is converted in place.
+    Raises ModelStructureError for a model without GroupQueryAttention or TensorScatter after
+    that (KV capacity annotation does not apply to it), a concat-KV layer the rewrite does not recognise, or
+    opsets or domains ORT cannot run, and ConfigError for an impossible chunk size or variant
+    cap.
     """
+    if kv_cache not in KV_CACHE_TARGETS:
+        raise ConfigError(f"unknown KV cache target {kv_cache!r}; expected one of "
+                          f"{', '.join(KV_CACHE_TARGETS)}")
     check_supported_opsets(model)
-    if not gqa_nodes(model.graph):
+    rewritten = find_concat_kv_attention(model.graph).concat_kv
+    if rewritten:
+        model = KV_CACHE_TARGETS[kv_cache](max_sequence_length)(model).model
+    if not gqa_nodes(model.graph) and not tensor_scatter_nodes(model.graph):
         raise ModelStructureError(
             "the model has no com.microsoft::GroupQueryAttention node, so KV capacity "
             "annotation does not apply; the runtime can still run it with whole-prompt prefill "
             "and a growing KV cache, without chunked-prefill padding or capacity binding"
         )
-    return _run_pipeline(model, chunk_size, max_variants)
+    result = _run_pipeline(model, chunk_size, max_variants)
+    return ir.passes.PassResult(model, modified=rewritten or result.modified)

@@ -97,7 +97,7 @@ def padding_eligibility(
 ) -> metadata.PaddingEligibility:
     """The padding verdict the findings of the three analysis passes imply."""
     reasons: list[str] = []
-    if kv.gqa_nodes == 0:
+    if kv.gqa_nodes == 0 and not kv.bindings:
         reasons.append("the model has no com.microsoft::GroupQueryAttention node, so its KV "
                        "cache is not bound at capacity and padded rows could not be rewound")
     reasons.extend(kv.problems)

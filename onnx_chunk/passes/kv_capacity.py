@@ -1,4 +1,4 @@
-"""Mark the KV inputs of GroupQueryAttention as bound at physical capacity."""
+"""Mark the KV inputs of GroupQueryAttention (or opset 24 TensorScatter) as bound at capacity."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ logger = logging.getLogger(__name__)
 
 # GroupQueryAttention's past inputs and the present outputs that share their buffers.
 _PAST_TO_PRESENT = ((3, 1, "past_key"), (4, 2, "past_value"))
+# A standard TensorScatter writes the new rows into its past_cache and returns it.
+_SCATTER_PAST_TO_PRESENT = ((0, 0, "past_cache"),)
 _GQA_QUERY_INPUT = 0
 _GQA_KEY_INPUT = 1
 _GQA_COS_CACHE_INPUT = 7
@@ -44,8 +46,12 @@ class KVCapacityPass(ir.passes.InPlacePass):
     4. The rows of the cos_cache initializer (GQA input 7, or input 2 of a
        `com.microsoft::RotaryEmbedding` when rotary runs outside GQA) are the longest sequence
        the model supports, the runtime's default capacity; when nodes disagree the smallest
-       wins.
+       wins. Without any (rotary outside GQA, as the concat-KV rewrite leaves it), the
+       length the rewrite recorded (config.json's max_position_embeddings) is used.
     5. A model without GQA gets zero nodes and no bindings; the pass still records that.
+       A standard `TensorScatter` (opset 24, what `convert --kv-cache onnx24` writes) binds
+       its input 0 to its output 0 by rules 1-3, KV heads from the past's axis 1; it is no
+       GQA node.
     6. Each binding records the sizes of the head axes: kv_heads from the node's
        `kv_num_heads`, the head size from the past or present shape when fixed, else from the
        width of the K projection (packed QKV: the query width over heads + 2 x kv_heads); and
@@ -70,9 +76,9 @@ def find_kv_capacity(model: ir.Model) -> metadata.KVCapacityFindings:
     bindings: list[metadata.KVBinding] = []
     problems: list[str] = []
     lengths: list[int] = []
-    for index, node in enumerate(nodes):
-        label = f"GroupQueryAttention node {node.name or f'#{index}'!r}"
-        for past_index, present_index, role in _PAST_TO_PRESENT:
+    for index, (node, pairs) in enumerate(_kv_cache_nodes(model.graph)):
+        label = f"{node.op_type} node {node.name or f'#{index}'!r}"
+        for past_index, present_index, role in pairs:
             binding = _bind(label, node, past_index, present_index, role, graph_inputs, problems)
             if binding is not None:
                 bindings.append(binding)
@@ -83,7 +89,7 @@ def find_kv_capacity(model: ir.Model) -> metadata.KVCapacityFindings:
     return metadata.KVCapacityFindings(
         gqa_nodes=len(nodes),
         bindings=tuple(bindings),
-        max_sequence_length=min(lengths) if lengths else None,
+        max_sequence_length=min(lengths) if lengths else metadata.read_max_positions(model),
         problems=tuple(problems),
     )
 
@@ -130,6 +136,8 @@ def _bind(
                         f"{origin.name!r}: {mismatch}")
         return None
     kv_heads = _int_attribute(node, "kv_num_heads")
+    if kv_heads is None and isinstance(origin.shape[1], int):
+        kv_heads = int(origin.shape[1])
     return metadata.KVBinding(input=origin.name, output=output.name, capacity_axis=CAPACITY_AXIS,
                               kv_heads=kv_heads, head_size=_head_size(node, origin, output),
                               window=_cache_window(node))
@@ -209,23 +217,34 @@ def _cos_cache_rows(node: ir.Node) -> int | None:
     return shape[0]
 
 
-def gqa_past_inputs(graph: ir.Graph) -> set[str]:
-    """Names of the graph inputs that some GroupQueryAttention reads as past_key/past_value."""
+def _kv_cache_nodes(graph: ir.Graph) -> list[tuple[ir.Node, tuple[tuple[int, int, str], ...]]]:
+    """GroupQueryAttention and TensorScatter nodes, each with its (past, present, role) pairs."""
+    found = []
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        if value_tracing.is_gqa(node):
+            found.append((node, _PAST_TO_PRESENT))
+        elif value_tracing.is_tensor_scatter(node):
+            found.append((node, _SCATTER_PAST_TO_PRESENT))
+    return found
+
+
+def kv_past_inputs(graph: ir.Graph) -> set[str]:
+    """Names of the graph inputs that a GroupQueryAttention or TensorScatter reads as past."""
     graph_inputs = {id(value) for value in graph.inputs}
     names: set[str] = set()
-    for node in value_tracing.gqa_nodes(graph):
-        for past_index, _, _ in _PAST_TO_PRESENT:
+    for node, pairs in _kv_cache_nodes(graph):
+        for past_index, _, _ in pairs:
             past = value_tracing.input_at(node, past_index)
             if past is not None and id(origin := value_tracing.source(past)) in graph_inputs:
                 names.add(origin.name)
     return names
 
 
-def gqa_present_outputs(graph: ir.Graph) -> set[str]:
-    """Names of the graph outputs that GroupQueryAttention present_key/present_value reach."""
+def kv_present_outputs(graph: ir.Graph) -> set[str]:
+    """Names of the graph outputs that GroupQueryAttention or TensorScatter presents reach."""
     names: set[str] = set()
-    for node in value_tracing.gqa_nodes(graph):
-        for _, present_index, _ in _PAST_TO_PRESENT:
+    for node, pairs in _kv_cache_nodes(graph):
+        for _, present_index, _ in pairs:
             if present_index < len(node.outputs):
                 names.update(output.name
                              for output in value_tracing.graph_outputs_fed_by(

@@ -8,7 +8,7 @@ import onnx_ir as ir
 
 from onnx_chunk import metadata
 from onnx_chunk.passes import value_tracing
-from onnx_chunk.passes.kv_capacity import gqa_past_inputs
+from onnx_chunk.passes.kv_capacity import kv_past_inputs
 from onnx_chunk.passes.token_input import (
     ATTENTION_MASK,
     INTEGER_TYPES,
@@ -36,7 +36,7 @@ class PerTokenPortsPass(ir.passes.InPlacePass):
        input a Gather reads as indices (an embedding lookup). Its axis 1 is the query axis.
     2. A graph input shaped [batch, rows, ...] whose axis 0 and axis 1 have the token input's
        symbolic names is per-token; the token input itself is one.
-    3. GQA past inputs, `attention_mask` and recurrent state are not request-fed rows and are
+    3. KV past inputs (GQA or TensorScatter), `attention_mask` and recurrent state are not request-fed rows and are
        left alone. Every other input voids the padding plan, named in the reason. Recurrent
        state is what the recurrent state pass stored in the metadata; the pass refuses to run
        before it.
@@ -81,7 +81,7 @@ def find_per_token_ports(model: ir.Model,
                 "input_ids", f"(or inputs_embeds) is missing: the graph inputs are {names}, so "
                 "the query axis is unknown and no port can be widened"),),
         )
-    skipped = gqa_past_inputs(graph) | {ATTENTION_MASK}
+    skipped = kv_past_inputs(graph) | {ATTENTION_MASK}
     skipped |= {binding.input for binding in state.bindings}
     batch_key, rows_key = axis_keys(token)
     if not isinstance(rows_key, str):

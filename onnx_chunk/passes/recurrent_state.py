@@ -9,7 +9,7 @@ import onnx_ir as ir
 
 from onnx_chunk import metadata
 from onnx_chunk.passes import value_tracing
-from onnx_chunk.passes.kv_capacity import gqa_past_inputs, gqa_present_outputs
+from onnx_chunk.passes.kv_capacity import kv_past_inputs, kv_present_outputs
 from onnx_chunk.passes.token_input import ATTENTION_MASK, axis_keys, has_query_axis, token_input
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class RecurrentStatePass(ir.passes.InPlacePass):
        paired with the output named `present.<rest>` when there is one.
     3. In a graph with a token input, an input paired with a graph output of the same dtype
        and the same shape (symbolic names included) is state, unless that output is a GQA
-       present. Several candidates are told apart by name (`present.<rest>` first, then the
+       (or TensorScatter) present. Several candidates are told apart by name (`present.<rest>` first, then the
        longest common suffix). A graph without a token input is no decoder step, so nothing
        in it is carried from step to step: equal shapes alone (`c = a + b`) prove nothing.
     4. Each output pairs with one input at most.
@@ -57,14 +57,14 @@ class RecurrentStatePass(ir.passes.InPlacePass):
 def find_recurrent_state(model: ir.Model) -> metadata.RecurrentStateFindings:
     """What the pass records, computed without touching the model."""
     graph = model.graph
-    skipped = gqa_past_inputs(graph) | {ATTENTION_MASK}
+    skipped = kv_past_inputs(graph) | {ATTENTION_MASK}
     token = token_input(graph)
     rows_key = None
     if token is not None:
         skipped.add(token.name)
         rows_key = axis_keys(token)[1]
-    gqa_presents = gqa_present_outputs(graph)
-    free_outputs = [output for output in graph.outputs if output.name not in gqa_presents]
+    kv_presents = kv_present_outputs(graph)
+    free_outputs = [output for output in graph.outputs if output.name not in kv_presents]
     bindings: list[metadata.StateBinding] = []
     for value in graph.inputs:
         if value.name in skipped or has_query_axis(value, rows_key):

@@ -6,6 +6,7 @@ import onnx_ir as ir
 
 MICROSOFT_DOMAIN = "com.microsoft"
 GQA_OP = "GroupQueryAttention"
+TENSOR_SCATTER_OP = "TensorScatter"
 
 # Nodes whose output is their first input with the same shape: a KV buffer or a state tensor
 # keeps its identity through them.
@@ -17,9 +18,20 @@ def is_gqa(node: ir.Node) -> bool:
     return node.op_type == GQA_OP and node.domain == MICROSOFT_DOMAIN
 
 
+def is_tensor_scatter(node: ir.Node) -> bool:
+    """Whether `node` is the standard `TensorScatter` (opset 24), a KV write at capacity."""
+    return node.op_type == TENSOR_SCATTER_OP and node.domain in ("", "ai.onnx")
+
+
 def gqa_nodes(graph: ir.Graph) -> list[ir.Node]:
     """Every GroupQueryAttention node of `graph` and its subgraphs, in graph order."""
     return [node for node in ir.traversal.RecursiveGraphIterator(graph) if is_gqa(node)]
+
+
+def tensor_scatter_nodes(graph: ir.Graph) -> list[ir.Node]:
+    """Every standard TensorScatter node of `graph` and its subgraphs, in graph order."""
+    return [node for node in ir.traversal.RecursiveGraphIterator(graph)
+            if is_tensor_scatter(node)]
 
 
 def _passes_through(node: ir.Node) -> bool:

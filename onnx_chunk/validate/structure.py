@@ -15,7 +15,7 @@ from onnx_chunk.errors import ConfigError, ModelStructureError
 from onnx_chunk.metadata import ChunkPlan, read_plan
 from onnx_chunk.model_io import external_data_files
 from onnx_chunk.passes import DEFAULT_MAX_VARIANTS, analyze
-from onnx_chunk.passes.value_tracing import gqa_nodes
+from onnx_chunk.passes.value_tracing import gqa_nodes, tensor_scatter_nodes
 from onnx_chunk.runtime.ladder import DECODE_WIDTH, ladder_tiers
 from onnx_chunk.validate.checks import STRUCTURE
 from onnx_chunk.validate.report import CheckResult, Outcome
@@ -84,9 +84,11 @@ def structure_checks(subject: Subject, selected: Callable[[str], bool]) -> tuple
     except (ModelStructureError, ConfigError) as error:
         analysed, analysis_error = None, f"the passes cannot analyse the model: {error}"
     gqa_count = len(gqa_nodes(subject.model.graph))
+    scatter_count = len(tensor_scatter_nodes(subject.model.graph))
     checks = {
-        "gqa": lambda: _gqa(gqa_count),
-        "kv_capacity": lambda: _kv_capacity(analysed, analysis_error, stored, gqa_count),
+        "gqa": lambda: _gqa(gqa_count, scatter_count),
+        "kv_capacity": lambda: _kv_capacity(analysed, analysis_error, stored, gqa_count,
+                                            scatter_count),
         "per_token_ports": lambda: _per_token_ports(analysed, analysis_error),
         "recurrent_state": lambda: _recurrent_state(analysed, analysis_error),
         "padding": lambda: _padding(analysed, analysis_error),
@@ -111,7 +113,11 @@ def _stored_plan(subject: Subject) -> tuple[ChunkPlan | None, str | None]:
         return None, str(error)
 
 
-def _gqa(count: int) -> _Verdict:
+def _gqa(count: int, scatter_count: int) -> _Verdict:
+    if count == 0 and scatter_count:
+        return (Outcome.PASSED, f"{scatter_count} TensorScatter KV write(s) at capacity "
+                "(opset 24, `convert --kv-cache onnx24`), no GroupQueryAttention",
+                {"gqa_nodes": 0, "tensor_scatter_nodes": scatter_count})
     if count == 0:
         return (Outcome.FAILED, "no com.microsoft::GroupQueryAttention node: KV capacity binding "
                 "and chunked prefill with a fixed-shape KV cache do not apply; export the "
@@ -120,20 +126,21 @@ def _gqa(count: int) -> _Verdict:
 
 
 def _kv_capacity(plan: ChunkPlan | None, error: str | None, stored: ChunkPlan | None,
-                 gqa_count: int) -> _Verdict:
+                 gqa_count: int, scatter_count: int) -> _Verdict:
     if plan is None:
         return Outcome.FAILED, str(error), {}
-    if gqa_count == 0:
+    if gqa_count == 0 and scatter_count == 0:
         return Outcome.SKIPPED, "no GroupQueryAttention node whose KV could be bound", {}
     details = {"kv_bindings": [binding.input for binding in plan.capacity_inputs],
                "problems": list(plan.problems),
                "max_sequence_length": plan.max_sequence_length}
     if plan.problems:
         return Outcome.FAILED, "; ".join(plan.problems), details
-    expected = 2 * gqa_count
+    expected = 2 * gqa_count + scatter_count
     if len(plan.capacity_inputs) != expected:
         return (Outcome.FAILED, f"{len(plan.capacity_inputs)} KV inputs can be bound at capacity, "
-                f"expected {expected} (past key and value of {gqa_count} GQA nodes)", details)
+                f"expected {expected} (past key and value of {gqa_count} GQA nodes, the past "
+                f"of {scatter_count} TensorScatter nodes)", details)
     axes = sorted({binding.capacity_axis for binding in plan.capacity_inputs})
     how = "annotated" if stored is not None else "annotatable (not converted yet)"
     limit = (f"max sequence length {plan.max_sequence_length}"

@@ -193,7 +193,7 @@ def _runtime_blocker(subject: Subject, plan: ChunkPlan | None) -> str | None:
         return "the weights cannot be loaded (see structure.external_data)"
     if plan is None:
         return "the passes cannot analyse the model (see structure.kv_capacity)"
-    if plan.gqa_nodes == 0:
+    if plan.gqa_nodes == 0 and not plan.capacity_inputs:
         return "no GroupQueryAttention node, so the KV cache cannot be bound (see structure.gqa)"
     return None
 

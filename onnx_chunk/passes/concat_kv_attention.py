@@ -1,0 +1,588 @@
+"""Rewrite a standard-ONNX decoder's growing (Concat) KV into GroupQueryAttention at capacity.
+
+Optimum and torch.onnx exports grow the cache: `present = Concat(past, new)`, repeated to the
+query heads, then either spelled-out attention (MatMul, Softmax, MatMul) or opset 23's
+`Attention`. The match is direct onnx_ir traversal from the graph's KV inputs and outputs, not
+onnxscript's pattern API: every piece between the anchors is optional or exporter-specific (a
+scale on Q, on K or on the scores, Optimum's IsNaN guard after Softmax, a repeat spelled
+Unsqueeze/Expand/Reshape with shapes computed at run time), so one pattern per combination
+would be needed, while a walk from the fixed anchors accepts them all and names the node where
+a layer stops looking like attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
+
+from onnx_chunk import metadata
+from onnx_chunk.errors import ModelStructureError
+from onnx_chunk.passes import value_tracing
+
+logger = logging.getLogger(__name__)
+
+MASK_INPUT = "attention_mask"
+GQA_OPSET = 1
+# Ops transformers' repeat_kv is exported as (Unsqueeze, Expand, Reshape) or Tile.
+_REPEAT_OPS = frozenset({"Unsqueeze", "Expand", "Reshape", "Tile", "Identity"})
+# Nodes that read only a tensor's shape, never its values.
+_SHAPE_OPS = frozenset({"Shape", "Size"})
+_KV_RANK = 4
+_SEQUENCE_AXIS = 2
+_TO_BSNH = (0, 2, 1, 3)
+_KEY_TRANSPOSED = (0, 1, 3, 2)
+_PROJECTION_SEARCH = 64
+# The opset 23 Attention's inputs that carry its own KV cache, and its optional outputs.
+_ATTENTION_PAST_INPUTS = (4, 5, 6)
+_ATTENTION_MASK_INPUT = 3
+FORM_SOFTMAX = "MatMul+Softmax"
+FORM_ATTENTION = "Attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class ConcatKVLayer:
+    """One attention layer of a concat-KV decoder, by value names.
+
+    `query` is [batch, heads, rows, head] as the attention reads it (rotary applied), `new_key`
+    and `new_value` the rows Concat appends to the past, `output` the attention's result in
+    [batch, heads, rows, head]; `anchor` names the Attention or Softmax node.
+    """
+
+    past_key: str
+    past_value: str
+    present_key: str
+    present_value: str
+    query: str
+    new_key: str
+    new_value: str
+    output: str
+    form: str
+    anchor: str
+    num_heads: int
+    kv_num_heads: int
+    head_size: int
+    scale: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ConcatKVFindings:
+    """The concat-KV layers found, or why the model cannot be rewritten (`refusal`)."""
+
+    layers: tuple[ConcatKVLayer, ...]
+    refusal: str | None
+
+    @property
+    def concat_kv(self) -> bool:
+        """Whether the model grows its KV by Concat (rewritable or not)."""
+        return bool(self.layers) or self.refusal is not None
+
+    def summary(self) -> list[str]:
+        """The findings as short lines for a terminal."""
+        if not self.concat_kv:
+            return []
+        if self.refusal is not None:
+            return [f"concat KV: not rewritable: {self.refusal}"]
+        forms = sorted({layer.form for layer in self.layers})
+        first = self.layers[0]
+        return [f"concat KV: {len(self.layers)} layers ({', '.join(forms)}; heads "
+                f"{first.num_heads}, KV heads {first.kv_num_heads}, head size "
+                f"{first.head_size}, scale {first.scale:g}); `convert` rewrites them to "
+                "com.microsoft::GroupQueryAttention at capacity, rotary kept outside "
+                "(--kv-cache onnx24: TensorScatter + Attention)"]
+
+
+class _Refusal(Exception):
+    """A layer that does not match; the message names the node."""
+
+
+class ConcatKVRewritePass(ir.passes.FunctionalPass):
+    """What both concat-KV targets share: find the layers, refuse or rewrite a copy, record
+    `max_sequence_length`. Subclasses say what a layer becomes (`target`, `rewrite`)."""
+
+    target = ""
+
+    def __init__(self, max_sequence_length: int | None = None) -> None:
+        super().__init__()
+        self.max_sequence_length = max_sequence_length
+
+    def rewrite(self, model: ir.Model, layers: tuple[ConcatKVLayer, ...]) -> None:
+        """Rewrite the matched `layers` of `model` (a copy) in place."""
+        raise NotImplementedError(f"{type(self).__name__} does not say what a layer becomes")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        findings = find_concat_kv_attention(model.graph)
+        if not findings.concat_kv:
+            # A functional pass returns a new model even when it changes nothing.
+            return ir.passes.PassResult(model.clone(), modified=False)
+        if findings.refusal is not None:
+            raise ModelStructureError(
+                f"the model grows its KV cache by Concat, but {findings.refusal}; nothing was "
+                "rewritten. Export it with onnxruntime-genai's model builder, or report the "
+                "layout")
+        rewritten = model.clone()
+        self.rewrite(rewritten, findings.layers)
+        metadata.write_max_positions(rewritten, self.max_sequence_length)
+        logger.info("concat KV: %d layers rewritten to %s", len(findings.layers), self.target)
+        return ir.passes.PassResult(rewritten, modified=True)
+
+
+class ConcatKVToGQAPass(ConcatKVRewritePass):
+    """Rewrite every concat-KV attention layer into GroupQueryAttention bound at capacity.
+
+    Rules:
+    1. A layer is anchored on a graph output produced by `Concat(past, new)` on axis 2 whose
+       first input is a rank-4 graph input; its consumers (Shape reads aside) must pass through
+       the repeat ops (Unsqueeze, Expand, Reshape, Tile) to the attention: key input 1 of an
+       opset 23 `Attention`, or `Transpose(0, 1, 3, 2)` then input 1 of the scores MatMul.
+    2. The spelled-out form is MatMul(Q, Kᵀ) → scalar Mul/Div and one mask Add → Softmax on
+       the last axis → optional IsNaN/Where guard → MatMul with V, V coming from the value
+       Concat through repeat ops; scalar factors on Q, on Kᵀ and on the scores make the scale.
+       `Attention` must not carry its own past (inputs 4-6), softcap must be 0, and
+       without is_causal it needs a mask; its scale is the attribute or 1/sqrt(head size).
+    3. The mask may read `attention_mask` and shapes only (the causal padding mask transformers
+       builds); a mask that reads another input's values is refused.
+    4. Heads: KV heads and head size from the past input's fixed shape, query heads from the
+       query's shape or its projection's weight width.
+    5. Every concat-KV output must belong to a matched layer, else nothing is rewritten: the
+       rewrite happens in a copy and the model is never half rewritten. A model without
+       concat KV comes back as an unchanged copy (`modified=False`).
+    6. Each layer becomes one GroupQueryAttention (do_rotary=0: rotary stays as the export
+       computes it, from position_ids) with Q/K/V in [batch, rows, heads*head], past
+       inputs 3/4 the graph's past inputs and outputs 1/2 the graph's present outputs;
+       seqlens_k = ReduceSum(attention_mask) - 1 and total_sequence_length =
+       Shape(attention_mask)[1], both int32, built once for all layers as the builder does.
+    7. The old mask and repeat subgraphs die and are removed; afterwards the past inputs
+       may feed only GroupQueryAttention and reads of their other axes' sizes (a batch size
+       taken from the past), else the rewrite is refused.
+    8. `max_sequence_length` (config.json's max_position_embeddings: rotary outside GQA has no
+       cos cache to size it) is recorded for the KV capacity pass.
+    """
+
+    target = "GroupQueryAttention"
+
+    def rewrite(self, model: ir.Model, layers: tuple[ConcatKVLayer, ...]) -> None:
+        _rewrite(model, layers)
+
+
+def find_concat_kv_attention(graph: ir.Graph) -> ConcatKVFindings:
+    """What the pass would rewrite, computed without touching the graph."""
+    inputs = {id(value) for value in graph.inputs}
+    concats = [output for output in graph.outputs if _is_kv_concat(output, inputs)]
+    if not concats:
+        return ConcatKVFindings((), None)
+    try:
+        if MASK_INPUT not in {value.name for value in graph.inputs}:
+            raise _Refusal(f"the graph has no {MASK_INPUT!r} input to derive seqlens_k from")
+        keys, values = [], set()
+        for present in concats:
+            node, index = _repeat_end(present)
+            if (node.op_type, index) in (("Attention", 1), ("Transpose", 0)):
+                keys.append(present)
+            elif (node.op_type, index) in (("Attention", 2), ("MatMul", 1)):
+                values.add(id(present))
+            else:
+                raise _Refusal(f"the KV output {present.name!r} reaches {_label(node)} (input "
+                               f"{index}), not an attention's key or value")
+        layers = [_match_layer(key, values, graph) for key in keys]
+        used = {layer.present_value for layer in layers}
+        stray = [present.name for present in concats
+                 if id(present) in values and present.name not in used]
+        if stray:
+            raise _Refusal(f"the value output(s) {', '.join(stray)} belong to no matched layer")
+    except _Refusal as refusal:
+        return ConcatKVFindings((), str(refusal))
+    return ConcatKVFindings(tuple(layers), None)
+
+
+def _is_kv_concat(output: ir.Value, inputs: set[int]) -> bool:
+    node = output.producer()
+    if node is None or node.op_type != "Concat" or len(node.inputs) != 2:
+        return False
+    past = node.inputs[0]
+    return (past is not None and id(past) in inputs and past.shape is not None
+            and len(past.shape) == _KV_RANK)
+
+
+def _label(node: ir.Node) -> str:
+    return f"{node.op_type} node {node.name!r}"
+
+
+def _data_consumers(value: ir.Value) -> list[ir.Node]:
+    return [node for node in value.consumers() if node.op_type not in _SHAPE_OPS]
+
+
+def _single_consumer(value: ir.Value) -> ir.Node:
+    consumers = _data_consumers(value)
+    if len(consumers) != 1:
+        names = ", ".join(_label(node) for node in consumers) or "nothing"
+        raise _Refusal(f"{value.name!r} feeds {len(consumers)} nodes ({names}), expected one")
+    return consumers[0]
+
+
+def _repeat_end(value: ir.Value) -> tuple[ir.Node, int]:
+    """The first node past the repeat ops that reads `value`, and the input it reads."""
+    while True:
+        node = _single_consumer(value)
+        if node.op_type in _REPEAT_OPS and node.inputs[0] is value:
+            value = node.outputs[0]
+            continue
+        return node, list(node.inputs).index(value)
+
+
+def _repeat_start(value: ir.Value | None) -> ir.Value | None:
+    """Walk back from `value` through the repeat ops."""
+    while value is not None and (node := value.producer()) is not None \
+            and node.op_type in _REPEAT_OPS:
+        value = node.inputs[0]
+    return value
+
+
+def _scalar(value: ir.Value | None) -> float | None:
+    """The value of a one-element constant (initializer or Constant node), else None."""
+    if value is None:
+        return None
+    tensor = value.const_value
+    producer = value.producer()
+    if tensor is None and producer is not None and producer.op_type == "Constant":
+        attribute = producer.attributes.get("value")
+        tensor = attribute.as_tensor() if attribute is not None else None
+    if tensor is None or math.prod(tensor.shape.numpy()) != 1:
+        return None
+    return float(np.asarray(tensor.numpy()).reshape(-1)[0])
+
+
+def _scale_factor(node: ir.Node, value: ir.Value) -> float | None:
+    """The factor node applies to `value` when it is a Mul or Div by a scalar constant."""
+    if node.op_type == "Mul":
+        other = node.inputs[1] if node.inputs[0] is value else node.inputs[0]
+        return _scalar(other)
+    if node.op_type == "Div" and node.inputs[0] is value:
+        divisor = _scalar(node.inputs[1])
+        return None if not divisor else 1.0 / divisor
+    return None
+
+
+def _scale_forward(value: ir.Value) -> tuple[ir.Node, ir.Value, float]:
+    factor = 1.0
+    while True:
+        node = _single_consumer(value)
+        step = _scale_factor(node, value)
+        if step is None:
+            return node, value, factor
+        factor *= step
+        value = node.outputs[0]
+
+
+def _scale_backward(value: ir.Value) -> tuple[ir.Value, float]:
+    factor = 1.0
+    while (node := value.producer()) is not None:
+        data = next((item for item in node.inputs if item is not None
+                     and _scalar(item) is None), None)
+        step = _scale_factor(node, data) if data is not None else None
+        if step is None:
+            break
+        factor *= step
+        value = data
+    return value, factor
+
+
+def _match_layer(present_key: ir.Value, values: set[int], graph: ir.Graph) -> ConcatKVLayer:
+    concat = present_key.producer()
+    past_key, new_key = concat.inputs
+    node, _ = _repeat_end(present_key)
+    if node.op_type == "Attention":
+        query, output, value_input, mask, scale, anchor = _match_attention_op(node)
+        form = FORM_ATTENTION
+    else:
+        query, output, value_input, mask, scale, anchor = _match_softmax(node)
+        form = FORM_SOFTMAX
+    present_value = _repeat_start(value_input)
+    if present_value is None or id(present_value) not in values:
+        raise _Refusal(f"the value read by {_label(node)} is not a graph's concat-KV output")
+    past_value, new_value = present_value.producer().inputs
+    if mask is not None:
+        _check_mask(mask, graph)
+    kv_heads, head_size = _kv_dims(past_key)
+    heads = _query_heads(query, head_size)
+    if heads % kv_heads:
+        raise _Refusal(f"{heads} query heads are no multiple of {kv_heads} KV heads at "
+                       f"{_label(node)}")
+    return ConcatKVLayer(
+        past_key=past_key.name, past_value=past_value.name, present_key=present_key.name,
+        present_value=present_value.name, query=query.name, new_key=new_key.name,
+        new_value=new_value.name, output=output.name, form=form, anchor=anchor.name or "",
+        num_heads=heads, kv_num_heads=kv_heads, head_size=head_size,
+        scale=scale if scale is not None else 1.0 / math.sqrt(head_size))
+
+
+# (query, attention output, V as read, mask, scale, the Attention or Softmax node)
+_Match = tuple[ir.Value, ir.Value, ir.Value | None, ir.Value | None, float | None, ir.Node]
+
+
+def _match_attention_op(node: ir.Node) -> _Match:
+    if node.domain not in ("", "ai.onnx"):
+        raise _Refusal(f"{_label(node)} is in domain {node.domain!r}, not the standard one")
+    carried = [index for index in _ATTENTION_PAST_INPUTS
+               if value_tracing.input_at(node, index) is not None]
+    if carried:
+        raise _Refusal(f"{_label(node)} carries its own KV cache (inputs {carried})")
+    if any(output.uses() for output in node.outputs[1:]):
+        raise _Refusal(f"{_label(node)}'s present or score outputs are used")
+    softcap = node.attributes.get("softcap")
+    if softcap is not None and softcap.as_float() != 0.0:
+        raise _Refusal(f"{_label(node)} has softcap {softcap.as_float()}")
+    query = node.inputs[0]
+    if query.shape is not None and len(query.shape) != _KV_RANK:
+        raise _Refusal(f"{_label(node)} reads a rank-{len(query.shape)} query; only the "
+                       "4D (batch, heads, rows, head) form is rewritten")
+    mask = value_tracing.input_at(node, _ATTENTION_MASK_INPUT)
+    causal = node.attributes.get("is_causal")
+    if mask is None and (causal is None or not causal.as_int()):
+        raise _Refusal(f"{_label(node)} has neither a mask nor is_causal: not a decoder's "
+                       "causal attention")
+    scale = node.attributes.get("scale")
+    return (query, node.outputs[0], node.inputs[2], mask,
+            None if scale is None else scale.as_float(), node)
+
+
+def _match_softmax(transpose: ir.Node) -> _Match:
+    perm = transpose.attributes.get("perm")
+    if perm is None or tuple(perm.as_ints()) != _KEY_TRANSPOSED:
+        raise _Refusal(f"{_label(transpose)} does not transpose the key to (0, 1, 3, 2)")
+    scores_node, key_side, key_factor = _scale_forward(transpose.outputs[0])
+    if scores_node.op_type != "MatMul" or scores_node.inputs[1] is not key_side:
+        raise _Refusal(f"the transposed key reaches {_label(scores_node)}, not a scores MatMul")
+    query, query_factor = _scale_backward(scores_node.inputs[0])
+    value, factor, mask = scores_node.outputs[0], key_factor * query_factor, None
+    while True:
+        node = _single_consumer(value)
+        step = _scale_factor(node, value)
+        if step is not None:
+            factor *= step
+        elif node.op_type == "Add" and mask is None:
+            mask = node.inputs[1] if node.inputs[0] is value else node.inputs[0]
+        elif node.op_type == "Softmax":
+            break
+        else:
+            raise _Refusal(f"{_label(node)} between the scores MatMul {scores_node.name!r} "
+                           "and Softmax is neither a scalar scale nor one mask Add")
+        value = node.outputs[0]
+    axis = node.attributes.get("axis")
+    if axis is not None and axis.as_int() not in (-1, _KV_RANK - 1):
+        raise _Refusal(f"{_label(node)} normalises axis {axis.as_int()}, not the key axis")
+    probabilities = _skip_nan_guard(node.outputs[0])
+    product = _single_consumer(probabilities)
+    if product.op_type != "MatMul" or product.inputs[0] is not probabilities:
+        raise _Refusal(f"the attention weights of {_label(node)} reach {_label(product)}, "
+                       "not the product with V")
+    return query, product.outputs[0], product.inputs[1], mask, factor, node
+
+
+def _skip_nan_guard(value: ir.Value) -> ir.Value:
+    """Past Optimum's `Where(IsNaN(p), 0, p)` after Softmax, when there is one."""
+    consumers = _data_consumers(value)
+    kinds = sorted(node.op_type for node in consumers)
+    if kinds != ["IsNaN", "Where"]:
+        return value
+    where = next(node for node in consumers if node.op_type == "Where")
+    is_nan = next(node for node in consumers if node.op_type == "IsNaN")
+    if where.inputs[0] is not is_nan.outputs[0] or where.inputs[2] is not value \
+            or _scalar(where.inputs[1]) != 0.0:
+        raise _Refusal(f"{_label(where)} after Softmax is not the Where(IsNaN(p), 0, p) guard")
+    return where.outputs[0]
+
+
+def _check_mask(mask: ir.Value, graph: ir.Graph) -> None:
+    """Rule 3: the mask reads the values of attention_mask only (shapes of anything)."""
+    inputs = {id(value): value for value in graph.inputs}
+    pending, seen = [mask], set()
+    while pending:
+        value = pending.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if id(value) in inputs and value.name != MASK_INPUT:
+            raise _Refusal(f"the attention mask {mask.name!r} reads the values of input "
+                           f"{value.name!r}; only {MASK_INPUT!r} may shape it")
+        node = value.producer()
+        if node is not None and node.op_type not in _SHAPE_OPS:
+            pending.extend(item for item in node.inputs if item is not None)
+
+
+def _kv_dims(past: ir.Value) -> tuple[int, int]:
+    kv_heads, head_size = past.shape[1], past.shape[3]
+    if not isinstance(kv_heads, int) or not isinstance(head_size, int):
+        raise _Refusal(f"the past input {past.name!r} has shape "
+                       f"{value_tracing.shape_text(past.shape)}; its KV heads and head size "
+                       "(axes 1 and 3) must be fixed")
+    return kv_heads, head_size
+
+
+def _query_heads(query: ir.Value, head_size: int) -> int:
+    """Query heads from the query's shape, else from the nearest projection's weight width."""
+    if query.shape is not None and len(query.shape) == _KV_RANK \
+            and isinstance(query.shape[1], int):
+        return query.shape[1]
+    pending, seen = [query], set()
+    while pending and len(seen) < _PROJECTION_SEARCH:
+        value = pending.pop(0)
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        node = value.producer()
+        if node is None:
+            continue
+        if node.op_type in ("MatMul", "Gemm"):
+            weight = node.inputs[1]
+            shape = weight.const_value.shape if weight.const_value is not None else None
+            if shape is not None and len(shape) == 2 and shape[1] % head_size == 0:
+                return shape[1] // head_size
+        pending.extend(item for item in node.inputs if item is not None)
+    raise _Refusal(f"cannot tell the number of query heads of {query.name!r}: neither its "
+                   "shape nor a projection's weight near it says")
+
+
+class RewriteBuilder:
+    """Adds the nodes of a concat-KV rewrite to `model` and finishes it (rules 6 and 7).
+
+    Shared with the opset 24 target (concat_kv_tensor_scatter): both replace each layer's
+    attention and hand the present outputs over to the node that keeps the KV at capacity.
+    """
+
+    def __init__(self, model: ir.Model, prefix: str) -> None:
+        self.model = model
+        self.prefix = prefix
+        self.values = _values_by_name(model.graph)
+        self.mask = self.values[MASK_INPUT]
+        self._nodes: list[ir.Node] = []
+
+    def add(self, node: ir.Node) -> ir.Node:
+        self._nodes.append(node)
+        return node
+
+    def node(self, op: str, inputs, name: str, domain: str = "", **attributes) -> ir.Value:
+        created = self.add(ir.node(op, inputs, attributes, domain=domain,
+                                   name=f"{self.prefix}/{name}"))
+        created.outputs[0].name = f"{self.prefix}/{name}/output_0"
+        return created.outputs[0]
+
+    def constant(self, name: str, data) -> ir.Value:
+        tensor = ir.tensor(np.asarray(data, dtype=np.int64), name=f"{self.prefix}/{name}")
+        value = ir.Value(name=tensor.name, shape=tensor.shape, type=ir.TensorType(tensor.dtype),
+                         const_value=tensor)
+        self.model.graph.register_initializer(value)
+        return value
+
+    def take_over_output(self, old_name: str, new: ir.Value) -> None:
+        """Make `new` the graph output `old_name` was; the present spans the mask's width as
+        in builder exports ([batch, kv_heads, total_sequence_length, head])."""
+        graph, old = self.model.graph, self.values[old_name]
+        position = list(graph.outputs).index(old)
+        old.name = f"{old_name}/concat"
+        new.name = old_name
+        new.dtype = old.dtype
+        if old.shape is not None and self.mask.shape is not None:
+            dims = list(old.shape)
+            dims[_SEQUENCE_AXIS] = self.mask.shape[1]
+            new.shape = ir.Shape(dims)
+        graph.outputs[position] = new
+
+    def finish(self, layers: tuple[ConcatKVLayer, ...], keeps_kv) -> None:
+        """Add the nodes, drop what died, sort, then check that the past inputs feed only
+        `keeps_kv` nodes and shape reads that miss the sequence axis."""
+        self.model.graph.extend(self._nodes)
+        RemoveUnusedNodesPass()(self.model)
+        TopologicalSortPass()(self.model)
+        inputs = {value.name: value for value in self.model.graph.inputs}
+        for layer in layers:
+            for name in (layer.past_key, layer.past_value):
+                others = [node for node in inputs[name].consumers()
+                          if not keeps_kv(node) and _reads_sequence_axis(node)]
+                if others:
+                    raise ModelStructureError(
+                        f"after the concat-KV rewrite the past input {name!r} still feeds "
+                        f"{_label(others[0])}, which would read the capacity-sized buffer as "
+                        "a grown cache; nothing was rewritten. Report the layout")
+
+
+def _rewrite(model: ir.Model, layers: tuple[ConcatKVLayer, ...]) -> None:
+    build = RewriteBuilder(model, "/onnx_chunk/concat_kv")
+    values, mask = build.values, build.mask
+    model.opset_imports.setdefault(value_tracing.MICROSOFT_DOMAIN, GQA_OPSET)
+    one = build.constant("one", [1])
+    flat = build.constant("bsh_shape", [0, 0, -1])
+    total_sum = build.node("ReduceSum", [mask, one], "ReduceSum", keepdims=0)
+    seqlens = build.node("Cast", [build.node("Sub", [total_sum, one], "Sub")], "seqlens_k",
+                         to=ir.DataType.INT32)
+    width = build.node("Gather", [build.node("Shape", [mask], "Shape"),
+                                  build.constant("mask_axis", 1)], "Gather", axis=0)
+    total = build.node("Cast", [width], "total_sequence_length", to=ir.DataType.INT32)
+    seqlens.dtype = total.dtype = ir.DataType.INT32
+    for index, layer in enumerate(layers):
+        scope = f"layer_{index}"
+        packed = [build.node("Reshape", [build.node("Transpose", [values[name]],
+                                                    f"{scope}/{role}/Transpose",
+                                                    perm=list(_TO_BSNH)), flat],
+                             f"{scope}/{role}/Reshape")
+                  for role, name in (("q", layer.query), ("k", layer.new_key),
+                                     ("v", layer.new_value))]
+        gqa = build.add(ir.node(
+            "GroupQueryAttention",
+            [*packed, values[layer.past_key], values[layer.past_value], seqlens, total],
+            {"num_heads": layer.num_heads, "kv_num_heads": layer.kv_num_heads,
+             "scale": float(layer.scale), "do_rotary": 0},
+            domain=value_tracing.MICROSOFT_DOMAIN, num_outputs=3,
+            name=f"{build.prefix}/{scope}/GroupQueryAttention"))
+        attended, present_key, present_value = gqa.outputs
+        attended.name = f"{gqa.name}/output_0"
+        build.take_over_output(layer.present_key, present_key)
+        build.take_over_output(layer.present_value, present_value)
+        heads = build.constant(f"{scope}/bsnh_shape", [0, 0, layer.num_heads, layer.head_size])
+        old = values[layer.output]
+        consumers = old.consumers()
+        transpose = consumers[0] if len(consumers) == 1 else None
+        if (transpose is not None and transpose.op_type == "Transpose"
+                and tuple(transpose.attributes["perm"].as_ints()) == _TO_BSNH):
+            ir.convenience.replace_all_uses_with(
+                transpose.outputs[0], build.node("Reshape", [attended, heads], f"{scope}/bsnh"))
+        else:
+            bsnh = build.node("Reshape", [attended, heads], f"{scope}/bsnh")
+            ir.convenience.replace_all_uses_with(
+                old, build.node("Transpose", [bsnh], f"{scope}/bnsh", perm=list(_TO_BSNH)))
+    build.finish(layers, value_tracing.is_gqa)
+
+
+def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
+    found = {value.name: value for value in graph.inputs}
+    found.update(graph.initializers)
+    for node in graph:
+        found.update({output.name: output for output in node.outputs if output.name})
+    return found
+
+
+def _reads_sequence_axis(node: ir.Node) -> bool:
+    """Whether a node reading a past input could see its sequence axis (now the capacity)."""
+    if node.op_type != "Shape":
+        return True
+    start = node.attributes.get("start")
+    end = node.attributes.get("end")
+    first = start.as_int() if start is not None else 0
+    last = end.as_int() if end is not None else _KV_RANK
+    first, last = (axis + _KV_RANK if axis < 0 else axis for axis in (first, last))
+    if not first <= _SEQUENCE_AXIS < last:
+        return False
+    # Fine only when every reader gathers one fixed axis other than the sequence axis.
+    readers = node.outputs[0].consumers()
+    for reader in readers:
+        index = _scalar(reader.inputs[1]) if reader.op_type == "Gather" else None
+        if index is None:
+            return True
+        axis = first + (int(index) if index >= 0 else int(index) + last - first)
+        if axis == _SEQUENCE_AXIS:
+            return True
+    return not readers
