@@ -1,3 +1,4 @@
+import gc
 
 import numpy as np
 import pytest
@@ -22,9 +23,16 @@ def test_rss_sees_a_real_allocation():
 
 
 def test_rss_meter_measures_what_an_action_keeps():
-    kept, grown = measured(RssMeter(), lambda: np.ones(32 * MIB, dtype=np.uint8))
-    assert kept.nbytes == 32 * MIB
-    assert grown is not None and 28 * MIB <= grown <= 40 * MIB
+    # Memory the process frees meanwhile (an earlier test's objects collected) lowers a
+    # reading; it never raises one. So the largest of three readings is the action's.
+    gc.collect()
+    readings = []
+    for _ in range(3):
+        kept, grown = measured(RssMeter(), lambda: np.ones(32 * MIB, dtype=np.uint8))
+        assert kept.nbytes == 32 * MIB and grown is not None
+        readings.append(grown)
+        del kept
+    assert 28 * MIB <= max(readings) <= 40 * MIB, readings
 
 
 class _ScriptedMeter:
