@@ -1,11 +1,14 @@
 """The model folder's tokenizer (`tokenizer.json`, HF's Rust tokenizer) read as transformers reads it.
 
-transformers' fast tokenizer is the `tokenizers` model of `tokenizer.json` plus what
-`tokenizer_config.json` says: the special tokens (strings or serialized AddedTokens; the legacy
-`special_tokens_map.json` when the config lists no added tokens), and, for the tokenizer
-classes that rebuild their post-processor from `add_bos_token`/`add_eos_token` (Llama,
-CodeLlama, Gemma, Cohere, GPT-NeoX), the BOS/EOS that `encode` adds. Padding and truncation
-stored in `tokenizer.json` are switched off, as transformers does for a plain `encode`.
+transformers' tokenizer (version 5, the one onnxruntime-genai's builder exports with) is the
+`tokenizers` model of `tokenizer.json` plus the special tokens `tokenizer_config.json` names
+(strings or serialized AddedTokens; the legacy `special_tokens_map.json` when the config lists
+no added tokens). What `encode` adds is `tokenizer.json`'s own post-processor: with a
+`tokenizer.json` present, transformers 5 drops `add_bos_token`/`add_eos_token` from the config;
+only a class that rebuilds the post-processor in its constructor (GPT-NeoX: no BOS, no EOS)
+replaces it (measured against transformers 5.24 in tests/text/test_parity.py). A chat template gets the named special tokens only (transformers
+5 passes no `additional_special_tokens`). Padding and truncation stored in `tokenizer.json` are
+switched off, as transformers does for a plain `encode`.
 The EOS ids are genai_config.json's `eos_token_id` when it has one (onnxruntime-genai stops
 on those), else the tokenizer's EOS token.
 """
@@ -25,6 +28,12 @@ from onnx_chunk.text.chat_template import ChatTemplate, find_chat_template
 
 logger = logging.getLogger(__name__)
 
+# The tokenizer classes whose transformers 5 constructor rebuilds the post-processor, with the
+# (add_bos_token, add_eos_token) it rebuilds it from (the config's own flags are dropped).
+_REBUILT_POST_PROCESSORS = {
+    "GPTNeoXTokenizer": (False, False),
+}
+
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
@@ -33,17 +42,6 @@ SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 # SPECIAL_TOKENS_ATTRIBUTES), in its order.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                        "cls_token", "mask_token")
-ADDITIONAL_SPECIAL_TOKENS = "additional_special_tokens"
-
-# Tokenizer classes whose constructor rebuilds the post-processor from add_bos_token and
-# add_eos_token: their defaults (add_bos_token, add_eos_token).
-_POST_PROCESSOR_DEFAULTS = {
-    "LlamaTokenizer": (True, False),
-    "CodeLlamaTokenizer": (True, False),
-    "GemmaTokenizer": (True, False),
-    "CohereTokenizer": (True, False),
-    "GPTNeoXTokenizer": (False, False),
-}
 
 
 @dataclass(frozen=True)
@@ -57,15 +55,10 @@ class SpecialTokens:
     pad_token: str | None = None
     cls_token: str | None = None
     mask_token: str | None = None
-    additional_special_tokens: tuple[str, ...] = ()
 
     def template_variables(self) -> dict[str, Any]:
         """What transformers passes a chat template: each declared token by its name."""
-        variables: dict[str, Any] = {name: getattr(self, name) for name in SPECIAL_TOKEN_NAMES
-                                     if getattr(self, name)}
-        if self.additional_special_tokens:
-            variables[ADDITIONAL_SPECIAL_TOKENS] = list(self.additional_special_tokens)
-        return variables
+        return {name: getattr(self, name) for name in SPECIAL_TOKEN_NAMES if getattr(self, name)}
 
 
 class Tokenizer:
@@ -110,7 +103,7 @@ class Tokenizer:
         backend.no_truncation()
         config = _tokenizer_file(folder / TOKENIZER_CONFIG)
         special = _special_tokens(config, folder)
-        _apply_post_processor(backend, config, special)
+        _rebuild_post_processor(backend, config, special)
         return cls(backend, config, special, genai, folder)
 
     @property
@@ -183,41 +176,27 @@ def _special_tokens(config: dict[str, Any], folder: Path) -> SpecialTokens:
         # transformers' legacy path: special_tokens_map.json overrides the config's entries.
         values.update(_tokenizer_file(folder / SPECIAL_TOKENS_MAP))
     where = f"{str(folder / TOKENIZER_CONFIG)!r}"
-    additional = values.get(ADDITIONAL_SPECIAL_TOKENS) or []
-    if not isinstance(additional, list):
-        raise ModelLoadError(f"{where}: {ADDITIONAL_SPECIAL_TOKENS} must be a list, got "
-                             f"{additional!r}")
-    return SpecialTokens(
-        **{name: _token_text(values.get(name), f"{where}: {name}")
-           for name in SPECIAL_TOKEN_NAMES},
-        additional_special_tokens=tuple(
-            _token_text(token, f"{where}: {ADDITIONAL_SPECIAL_TOKENS}") for token in additional))
+    return SpecialTokens(**{name: _token_text(values.get(name), f"{where}: {name}")
+                            for name in SPECIAL_TOKEN_NAMES})
 
 
-def _apply_post_processor(backend: Any, config: dict[str, Any], special: SpecialTokens) -> None:
-    """Rebuild the post-processor from add_bos_token/add_eos_token where transformers does."""
+
+
+def _rebuild_post_processor(backend: Any, config: dict[str, Any], special: SpecialTokens) -> None:
+    """Replace tokenizer.json's post-processor where transformers 5's tokenizer class does."""
     name = str(config.get("tokenizer_class") or "").removesuffix("Fast")
-    defaults = _POST_PROCESSOR_DEFAULTS.get(name)
-    if defaults is None:
+    if name not in _REBUILT_POST_PROCESSORS:
         return
-    add_bos = bool(config.get("add_bos_token", defaults[0]))
-    add_eos = bool(config.get("add_eos_token", defaults[1]))
-    pieces = []
-    for wanted, token, flag in ((add_bos, special.bos_token, "add_bos_token"),
-                                (add_eos, special.eos_token, "add_eos_token")):
-        if not wanted:
-            continue
-        token_id = None if token is None else backend.token_to_id(token)
-        if token_id is None:
-            raise ModelLoadError(f"the tokenizer config sets {flag} but its token {token!r} is "
-                                 "not in tokenizer.json; fix the tokenizer config")
-        pieces.append((token, token_id))
     from tokenizers import processors
 
-    bos = f"{special.bos_token}:0 " if add_bos else ""
-    eos = f" {special.eos_token}:0" if add_eos else ""
-    bos_b = f" {special.bos_token}:1" if add_bos else ""
-    eos_b = f" {special.eos_token}:1" if add_eos else ""
-    single = f"{bos}$A:0{eos}"
+    pieces, single, pair = [], "$A:0", "$B:1"
+    for wanted, token, role in zip(_REBUILT_POST_PROCESSORS[name],
+                                   (special.bos_token, special.eos_token), ("bos", "eos")):
+        token_id = None if token is None else backend.token_to_id(token)
+        if not wanted or token_id is None:  # transformers adds no token it cannot find
+            continue
+        pieces.append((token, token_id))
+        single = f"{token}:0 {single}" if role == "bos" else f"{single} {token}:0"
+        pair = f"{token}:1 {pair}" if role == "bos" else f"{pair} {token}:1"
     backend.post_processor = processors.TemplateProcessing(
-        single=single, pair=f"{single}{bos_b} $B:1{eos_b}", special_tokens=pieces)
+        single=single, pair=f"{single} {pair}", special_tokens=pieces)

@@ -16,7 +16,7 @@ GENAI_VERSION = "0.18.0"
 # torch; jinja2 renders its chat templates) for the tokenizer and chat-template parity checks. Pinned, so a peer's answer only
 # changes when these lines do.
 PEER_REQUIREMENTS = (f"onnxruntime-genai=={GENAI_VERSION}", "onnxruntime==1.31.1",
-                     "transformers==4.57.6", "jinja2==3.1.6")
+                     "transformers==5.24.0", "jinja2==3.1.6")
 _PEER_PROBE = ("import importlib.metadata as m; "
                "print(' '.join(f'{p}=={m.version(p)}' for p in "
                "('onnxruntime-genai', 'onnxruntime', 'transformers', 'jinja2')))")
