@@ -109,7 +109,8 @@ def _params(body: Mapping[str, Any], max_tokens: int | None, *,
         stream = False
     if not isinstance(stream, bool):
         raise RequestError(f"'stream' must be a boolean, got {_shown(stream)}", param="stream")
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options")
+    options = {} if options is None else options
     if not isinstance(options, dict):
         raise RequestError(f"'stream_options' must be an object, got {_shown(options)}",
                            param="stream_options")

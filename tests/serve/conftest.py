@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
+from starlette.applications import Starlette
 
 from onnx_chunk.runtime import Runtime, load
 from onnx_chunk.serve import create_app
@@ -28,6 +29,7 @@ class LiveServer:
     url: str
     server: DrainingServer
     runtime: Runtime
+    app: Starlette
 
     def client(self, api_key: str = "unused"):
         import openai
@@ -40,7 +42,8 @@ class LiveServer:
 def live_server(runtime: Runtime, **app_options) -> Iterator[LiveServer]:
     """`runtime` served on 127.0.0.1 at a free port until the block ends."""
     listener = bind("127.0.0.1", 0)
-    server = DrainingServer(create_app(runtime, **app_options))
+    app = create_app(runtime, **app_options)
+    server = DrainingServer(app)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -48,7 +51,8 @@ def live_server(runtime: Runtime, **app_options) -> Iterator[LiveServer]:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.01)
     try:
-        yield LiveServer(f"http://127.0.0.1:{listener.getsockname()[1]}", server, runtime)
+        yield LiveServer(f"http://127.0.0.1:{listener.getsockname()[1]}", server, runtime,
+                         app)
     finally:
         server.stop()
         thread.join(30)
