@@ -127,7 +127,11 @@ class _Service:
 
     async def _serve(self, request: HttpRequest, params: GenerationParams, arrived: float, *,
                      chat: bool) -> Response:
-        generation = self._start(params, arrived)
+        try:
+            generation = self._start(params, arrived)
+        except CapacityError as error:
+            raise RequestError(str(error), param="messages" if chat else "prompt",
+                               code="context_length_exceeded") from error
         answer = _ChatAnswer(self.model_name) if chat else _TextAnswer(self.model_name)
         self._live.add(generation)
         if params.stream:
@@ -216,9 +220,6 @@ def _error_answer(error: Exception) -> tuple[int, dict[str, Any], dict[str, str]
     if isinstance(error, RequestError):
         return error.status, error_body(str(error), error.error_type, param=error.param,
                                         code=error.code), {}
-    if isinstance(error, CapacityError):
-        return 400, error_body(str(error), "invalid_request_error", param="messages",
-                               code="context_length_exceeded"), {}
     if isinstance(error, (InputError, ConfigError)):
         return 400, error_body(str(error), "invalid_request_error"), {}
     if isinstance(error, QueueFullError):

@@ -79,11 +79,16 @@ def test_a_prompt_over_the_context_is_a_400_with_the_numbers(live):
     capacity = live.runtime.capacity
     status, _, answer = exchange(live, "POST", COMPLETIONS,
                                  {"prompt": [5] * (capacity + 3), "max_tokens": 4})
-    error = _error(answer, 400, "messages")
+    error = _error(answer, 400, "prompt")
     assert status == 400 and error["code"] == "context_length_exceeded"
     assert str(capacity + 3) in error["message"] and str(capacity) in error["message"]
     status, _, answer = exchange(live, "POST", COMPLETIONS, {"prompt": [5] * capacity})
-    assert status == 400 and str(capacity) in _error(answer, 400, "messages")["message"]
+    assert status == 400 and str(capacity) in _error(answer, 400, "prompt")["message"]
+    status, _, answer = exchange(live, "POST", CHAT, {"messages": MESSAGES,
+                                                      "max_tokens": capacity})
+    error = _error(answer, 400, "messages")
+    assert status == 400 and error["code"] == "context_length_exceeded"
+    assert str(capacity) in error["message"]
 
 
 def test_an_unknown_model_route_or_method_is_a_404_or_405_in_shape(live):
