@@ -163,3 +163,36 @@ def test_a_client_that_disconnects_cancels_its_request_and_frees_its_slot(live, 
     connection.close()
     wait_for(lambda: runtime.stats().engine.running == 0, timeout=0.5, what="the freed slot")
     assert _cancelled(runtime) == before + 1
+
+
+class _FailingRequest:
+    """A submitted request whose forward fails after its first token (as Request reports it)."""
+
+    id = -1
+    finish_reason = "error"
+
+    def __init__(self, token: int) -> None:
+        self._token = token
+
+    def tokens(self):
+        yield self._token
+        raise RuntimeError("the forward failed: device lost")
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_a_forward_failing_mid_stream_is_an_error_event_logged_on_the_server(live, monkeypatch,
+                                                                             caplog):
+    token = live.runtime.tokenizer.encode("hello", add_special_tokens=False)[0]
+    monkeypatch.setattr(live.runtime, "submit", lambda *args, **kwargs: _FailingRequest(token))
+    with caplog.at_level(logging.ERROR, logger="onnx_chunk.serve.app"):
+        with pytest.raises(openai.APIError) as caught:
+            for _ in live.client().completions.create(model=MODEL_NAME, prompt="hi",
+                                                      max_tokens=4, stream=True):
+                pass
+    assert "device lost" not in str(caught.value)
+    assert any("device lost" in str(record.exc_info[1]) for record in caplog.records
+               if record.exc_info)
+    status, _, answer = exchange(live, "POST", COMPLETIONS, {"prompt": "hi", "max_tokens": 4})
+    assert status == 500 and _error(answer, 500)["code"] == "internal_error"
