@@ -46,3 +46,7 @@ class ProviderError(OnnxChunkError):
 
 class ClosedError(OnnxChunkError):
     """A runtime or a sequence was used after its close()."""
+
+
+class QueueFullError(OnnxChunkError):
+    """A request was submitted while the engine's waiting queue was full."""

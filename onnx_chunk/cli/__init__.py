@@ -33,6 +33,8 @@ _COMMANDS = {
                  "Check that a decoder is safe for chunked prefill (for CI)."),
     "fix-shapes": ("onnx_chunk.cli.fix_shapes:fix_shapes",
                    "Fix a dynamic decoder's free dimensions into static graphs."),
+    "serve": ("onnx_chunk.cli.serve:serve",
+              "Serve a model over an OpenAI-compatible HTTP API (needs onnx-chunk[serve])."),
 }
 
 

@@ -216,3 +216,174 @@ def _cuda_memcpy():
     memcpy.restype = ctypes.c_int
     memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return memcpy
+
+
+class BatchBuffers:
+    """The KV and state buffers of `slots` sequences, one allocation per port: [slots, ...].
+
+    Row `i` of every buffer is slot `i`'s. A batched decode binds the whole buffers (every slot
+    one row of the forward); a slot's own forwards (its prefill chunks) bind `slot(i)`, a
+    [1, ...] view of its row at the row's address, so the prefill writes in place into the
+    same memory the decode reads. State keeps two buffers per port as `SequenceBuffers` does;
+    which one holds the current state is the same for every row (`parity`), so a slot's own
+    forward copies its new state row back into the current buffer (`SlotBuffers.swap_state`),
+    and a batched forward copies the old state back for rows that did not really step
+    (`keep_state`).
+    """
+
+    def __init__(self, kv: tuple[BufferPort, ...], state: tuple[BufferPort, ...],
+                 device: Device, slots: int) -> None:
+        self.slots = slots
+        self.device = device
+        self.kv_ports = kv
+        self.state_ports = state
+        self.kv = tuple(device_zeros(_rows(port.shape, slots), port.dtype, device)
+                        for port in kv)
+        self._state = tuple((device_zeros(_rows(port.shape, slots), port.dtype, device),
+                             device_zeros(_rows(port.shape, slots), port.dtype, device))
+                            for port in state)
+        self._current = 0
+
+    @property
+    def nbytes(self) -> int:
+        return (sum(buffer.nbytes for buffer in self.kv)
+                + sum(a.nbytes + b.nbytes for a, b in self._state))
+
+    @property
+    def parity(self) -> int:
+        return self._current
+
+    def slot(self, index: int) -> SlotBuffers:
+        """Slot `index`'s view, bound by its own forwards."""
+        if not 0 <= index < self.slots:
+            raise ValueError(f"slot {index} is outside [0, {self.slots})")
+        return SlotBuffers(self, index)
+
+    def bind_kv(self, binding: ort.IOBinding) -> None:
+        """Bind every whole KV buffer as its past input and its present output."""
+        for port, buffer in zip(self.kv_ports, self.kv):
+            binding.bind_ortvalue_input(port.input, buffer.value)
+            binding.bind_ortvalue_output(port.output, buffer.value)
+
+    def bind_state(self, binding: ort.IOBinding) -> None:
+        """Bind each state's current buffer as input and its other buffer as output."""
+        for port, pair in zip(self.state_ports, self._state):
+            binding.bind_ortvalue_input(port.input, pair[self._current].value)
+            binding.bind_ortvalue_output(port.output, pair[1 - self._current].value)
+
+    def keep_state(self, rows: list[int]) -> None:
+        """After a batched forward, before `swap_state`: `rows` keep their state as it was."""
+        for pair in self._state:
+            old, new = pair[self._current], pair[1 - self._current]
+            for row in rows:
+                _copy_row(old, new, row)
+
+    def swap_state(self) -> None:
+        """After a batched forward: the buffers just written hold the current state."""
+        self._current = 1 - self._current
+
+    def state_pair(self, index: int) -> tuple[DeviceBuffer, DeviceBuffer]:
+        """State `index`'s (current, other) buffers."""
+        pair = self._state[index]
+        return pair[self._current], pair[1 - self._current]
+
+    def row_range(self, buffer: DeviceBuffer, row: int) -> tuple[int, int]:
+        """Row `row` of `buffer` as flat elements [start, stop)."""
+        per_row = int(np.prod(buffer.shape[1:], dtype=np.int64))
+        return row * per_row, (row + 1) * per_row
+
+    def read_row(self, buffer: DeviceBuffer, row: int) -> np.ndarray:
+        """A host copy of row `row` of `buffer`."""
+        start, stop = self.row_range(buffer, row)
+        return np.array(buffer.read(start, stop - start)).reshape((1, *buffer.shape[1:]))
+
+    def write_row(self, buffer: DeviceBuffer, row: int, array: np.ndarray) -> None:
+        """Copy `array` (one row) into row `row` of `buffer`."""
+        start, stop = self.row_range(buffer, row)
+        _write_flat(buffer, start, np.ascontiguousarray(array, dtype=buffer.dtype).reshape(-1))
+
+
+class SlotBuffers:
+    """One slot of a `BatchBuffers`: the interface of `SequenceBuffers` over row `index`.
+
+    KV and state are bound by address with a [1, ...] shape (`IOBinding.bind_input` and
+    `bind_output` with a buffer pointer), so a forward writes straight into the slot's row.
+    `parity` is always 0 for the forward's own view: it reads the current buffer's row and
+    writes the other's, and `swap_state` copies that row back into the current buffer.
+    """
+
+    def __init__(self, batch: BatchBuffers, index: int) -> None:
+        self.batch = batch
+        self.index = index
+        self.kv_ports = batch.kv_ports
+        self.state_ports = batch.state_ports
+        self.parity = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this slot's rows."""
+        return self.batch.nbytes // self.batch.slots
+
+    def bind_kv(self, binding: ort.IOBinding) -> None:
+        for port, buffer in zip(self.kv_ports, self.batch.kv):
+            self._bind(binding, port.input, port.output, buffer, buffer)
+
+    def bind_state(self, binding: ort.IOBinding) -> None:
+        for index, port in enumerate(self.state_ports):
+            current, other = self.batch.state_pair(index)
+            self._bind(binding, port.input, port.output, current, other)
+
+    def swap_state(self) -> None:
+        """After this slot's forward: its new state row becomes the current one."""
+        for index in range(len(self.state_ports)):
+            current, other = self.batch.state_pair(index)
+            _copy_row(other, current, self.index)
+
+    def snapshot_state(self) -> tuple[np.ndarray, ...]:
+        """Host copies of this slot's current states."""
+        return tuple(self.batch.read_row(self.batch.state_pair(index)[0], self.index)
+                     for index in range(len(self.state_ports)))
+
+    def restore_state(self, snapshot: tuple[np.ndarray, ...]) -> None:
+        for index, array in enumerate(snapshot):
+            self.batch.write_row(self.batch.state_pair(index)[0], self.index, array)
+
+    def reset_state(self) -> None:
+        """Zero this slot's rows of every state (both buffers)."""
+        for index in range(len(self.state_ports)):
+            for buffer in self.batch.state_pair(index):
+                start, stop = self.batch.row_range(buffer, self.index)
+                _write_flat(buffer, start, np.zeros(stop - start, dtype=buffer.dtype))
+
+    def _bind(self, binding: ort.IOBinding, input_name: str, output_name: str,
+              source: DeviceBuffer, target: DeviceBuffer) -> None:
+        device = self.batch.device
+        shape = [1, *source.shape[1:]]
+        start, _ = self.batch.row_range(source, self.index)
+        offset = start * source.dtype.itemsize
+        binding.bind_input(input_name, device.device_type, device.device_id, source.dtype,
+                           shape, source.value.data_ptr() + offset)
+        binding.bind_output(output_name, device.device_type, device.device_id, target.dtype,
+                            shape, target.value.data_ptr() + offset)
+
+
+def _rows(shape: tuple[int, ...], slots: int) -> tuple[int, ...]:
+    """`shape` (batch 1) with `slots` rows."""
+    return (slots, *shape[1:])
+
+
+def _write_flat(buffer: DeviceBuffer, start: int, flat: np.ndarray) -> None:
+    """Copy `flat` into `buffer`'s flat elements from `start` on."""
+    if buffer.host is not None:
+        buffer.host.reshape(-1)[start:start + flat.size] = flat
+        return
+    _copy_to_device(buffer.value, start * buffer.dtype.itemsize, flat)
+
+
+def _copy_row(source: DeviceBuffer, target: DeviceBuffer, row: int) -> None:
+    """Row `row` of `source` into the same row of `target` (same shape)."""
+    per_row = int(np.prod(source.shape[1:], dtype=np.int64))
+    if source.host is not None and target.host is not None:
+        target.host[row] = source.host[row]
+        return
+    _write_flat(target, row * per_row, np.array(source.read(row * per_row, per_row)))

@@ -8,12 +8,14 @@ picks the device, loads the weights once and sets up the variant cache. `Runtime
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
+from collections.abc import Sequence as SequenceOf
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,7 +24,8 @@ import numpy as np
 import onnxruntime as ort
 
 from onnx_chunk import arguments
-from onnx_chunk.errors import ClosedError, ConfigError, ModelLoadError, ProviderError
+from onnx_chunk.errors import (CapacityError, ClosedError, ConfigError, ModelLoadError,
+                               ProviderError)
 from onnx_chunk.metadata import ChunkPlan, read_plan
 from onnx_chunk.model_folder import GenaiConfig, locate_model
 from onnx_chunk.model_io import check_utf8_path, load_model
@@ -31,7 +34,9 @@ from onnx_chunk.runtime.memory import meter_for
 from onnx_chunk.runtime.padding import resolve_padding
 from onnx_chunk.runtime.ports import ModelPorts, model_ports
 from onnx_chunk.runtime.provider import Device, MaskPolicy, device_for, resolve_device
-from onnx_chunk.runtime.sequence import Sequence
+from onnx_chunk.runtime.batch_engine import DEFAULT_MAX_QUEUE, BatchEngine
+from onnx_chunk.runtime.request import Request
+from onnx_chunk.runtime.sequence import Sequence, checked_token_ids
 from onnx_chunk.runtime.sequence_pool import DEFAULT_IDLE_SLOTS, SequencePool, new_slot
 from onnx_chunk.runtime.session_factory import (
     QUANTIZED_MATMUL,
@@ -49,6 +54,7 @@ from onnx_chunk.runtime.variant_cache import (
     variant_key,
 )
 from onnx_chunk.runtime.variant_sessions import VariantSessions
+from onnx_chunk.sampling import GREEDY, Sampler
 
 if TYPE_CHECKING:
     from onnx_chunk.sampling import Sampling
@@ -96,6 +102,11 @@ class Runtime:
         device-memory path of CUDA on CPU).
     idle_sequences: how many closed sequences' buffers (and the CUDA graphs captured on them)
         are kept for the next sequences to reuse (see sequence_pool).
+    max_batch: the slots of the batch engine behind `submit` and `generate_many`: how many
+        sequences it serves at once (default 1). Above 1 every session leaves the batch axis
+        free (prefill chunks run at batch 1, decode at `max_batch` rows) and CUDA graphs are
+        off (the batched bindings capture none; see docs/engine.md).
+    max_queue: how many submitted requests may wait for a slot (QueueFullError beyond).
 
     `close()` (or leaving a `with` block) frees the sessions and buffers at once; a runtime is
     also freed as soon as its last reference (and every sequence's) goes.
@@ -118,10 +129,14 @@ class Runtime:
         cuda_graphs: bool | None = None,
         device: Device | None = None,
         idle_sequences: int = DEFAULT_IDLE_SLOTS,
+        max_batch: int = 1,
+        max_queue: int = DEFAULT_MAX_QUEUE,
     ) -> None:
         _check_options(capacity=capacity, chunk_size=chunk_size, max_variants=max_variants,
                        device_id=device_id, intra_op_threads=intra_op_threads,
                        padding=padding, cuda_graphs=cuda_graphs)
+        self.max_batch = arguments.integer(max_batch, "max_batch", minimum=1, error=ConfigError)
+        self.max_queue = arguments.integer(max_queue, "max_queue", minimum=1, error=ConfigError)
         check_utf8_path(model_path)
         location = locate_model(model_path)
         self.model_path: Path = location.onnx_path
@@ -153,6 +168,10 @@ class Runtime:
             self.device = _attention_device(self.device, self.ports, provider, mask_policy)
         else:
             _attention_device(self.device, self.ports, self.device.provider, mask_policy)
+        if self.max_batch > 1 and self.device.cuda_graphs:
+            logger.info("max_batch %d: CUDA graphs off (the batched bindings capture none)",
+                        self.max_batch)
+            self.device = dataclasses.replace(self.device, cuda_graphs=False)
         variants = plan.max_variants if max_variants is None else max_variants
         self.tiers: tuple[int, ...] = (plan.ladder if plan.ladder and plan.chunk_size ==
                                        self.chunk_size and max_variants is None
@@ -169,6 +188,9 @@ class Runtime:
                                                  default=specialize is not False)
         self._padding_lock = threading.Lock()
         fixed_dims = dict(self.ports.fixed_dims)
+        if self.max_batch > 1 and self.ports.batch_dim is not None:
+            # Decode runs max_batch rows, prefill one: the batch axis stays free.
+            fixed_dims.pop(self.ports.batch_dim, None)
         if self.device.mask_policy is MaskPolicy.CAPACITY and self.ports.mask_dim is not None:
             fixed_dims[self.ports.mask_dim] = self.capacity
         quantized = any(node.op_type == QUANTIZED_MATMUL for node in model.graph.all_nodes())
@@ -193,6 +215,8 @@ class Runtime:
         self.pool = SequencePool(
             functools.partial(new_slot, self.ports, self.capacity, self.device),
             self.sessions.release_slot, self.device.mask_policy, keep=idle_sequences)
+        self._engine: BatchEngine | None = None
+        self._engine_lock = threading.Lock()
         self._closed = False
         logger.info("loaded %s on %s: capacity %d, chunk %d, ladder %s, padding %s",
                     self.model_path, self.device.label, self.capacity, self.chunk_size,
@@ -218,15 +242,79 @@ class Runtime:
             raise ClosedError("this runtime was closed; load the model again to open sequences")
         return Sequence(self)
 
+    def submit(self, prompt_ids: SequenceOf[int] | np.ndarray, max_new_tokens: int, *,
+               eos_token_id: int | SequenceOf[int] | None = None,
+               sampling: Sampling | None = None) -> Request:
+        """Queue a generation for the batch engine and return its `Request` at once.
+
+        Callable from any thread. Checked here (InputError, CapacityError) before it is
+        queued; QueueFullError when `max_queue` requests already wait. `eos_token_id` None:
+        the runtime's; `sampling` None: greedy. See docs/engine.md.
+        """
+        return self._submit(prompt_ids, max_new_tokens, eos_token_id, sampling, wait=False)
+
+    def generate_many(self, prompts: Iterable[SequenceOf[int] | np.ndarray],
+                      max_new_tokens: int, *, eos_token_id: int | SequenceOf[int] | None = None,
+                      sampling: Sampling | None = None) -> list[list[int]]:
+        """Every prompt through the batch engine, at most `max_batch` at once; the new tokens
+        of each, in input order. Every prompt is checked before any runs."""
+        checked = [self._checked(prompt, max_new_tokens, eos_token_id, sampling)
+                   for prompt in prompts]
+        requests: list[Request] = []
+        try:
+            for request in checked:
+                requests.append(self._engine_for().submit(*request, wait=True))
+            return [request.result() for request in requests]
+        finally:
+            for request in requests:
+                request.cancel()
+
+    def _submit(self, prompt_ids, max_new_tokens, eos_token_id, sampling, *,
+                wait: bool) -> Request:
+        return self._engine_for().submit(
+            *self._checked(prompt_ids, max_new_tokens, eos_token_id, sampling), wait=wait)
+
+    def _checked(self, prompt_ids, max_new_tokens, eos_token_id,
+                 sampling) -> tuple[np.ndarray, int, tuple[int, ...], Sampler]:
+        """A request's prompt, length, stop ids and sampler, checked before it is queued."""
+        if self._closed:
+            raise ClosedError("this runtime was closed; load the model again to submit")
+        vocab = self.ports.vocab_size
+        ids = checked_token_ids(prompt_ids, vocab)
+        new_tokens = arguments.integer(max_new_tokens, "max_new_tokens", minimum=1)
+        if len(ids) + new_tokens > self.capacity:
+            raise CapacityError(
+                f"a prompt of {len(ids)} tokens plus {new_tokens} new tokens needs "
+                f"{len(ids) + new_tokens} positions, more than the KV capacity "
+                f"{self.capacity}; shorten it or load the model with a larger capacity")
+        stop = (self.eos_token_ids if eos_token_id is None
+                else arguments.token_ids(eos_token_id, "eos_token_id", vocab))
+        sampler = Sampler(GREEDY if sampling is None else sampling, vocab)
+        sampler.observe(ids)
+        return ids, new_tokens, stop, sampler
+
+    def _engine_for(self) -> BatchEngine:
+        with self._engine_lock:
+            if self._closed:
+                raise ClosedError("this runtime was closed; load the model again to submit")
+            if self._engine is None:
+                self._engine = BatchEngine(self, self.max_batch, self.max_queue)
+            return self._engine
+
     def close(self) -> None:
         """Free the sessions, the pooled sequence buffers and their CUDA graphs now.
 
-        Idempotent. A forward running in another thread finishes first (its session is freed
+        Idempotent. The batch engine stops first (its queued and running requests fail with
+        ClosedError). A forward running in another thread finishes first (its session is freed
         when it ends); every later call on the runtime or its sequences is a ClosedError.
         """
         if self._closed:
             return
         self._closed = True
+        with self._engine_lock:
+            engine = self._engine
+        if engine is not None:
+            engine.close()
         self.pool.close()
         self.cache.close()
         logger.info("closed the runtime of %s", self.model_path)
@@ -299,6 +387,8 @@ class Runtime:
             graphs_released=self.sessions.graphs.released,
             graph_fallbacks=dict(self.sessions.graphs.fallbacks),
             sequences=self.pool.stats(),
+            max_batch=self.max_batch,
+            engine=None if self._engine is None else self._engine.stats(),
         )
 
     def disable_padding(self, reason: str) -> None:

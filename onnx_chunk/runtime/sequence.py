@@ -64,6 +64,7 @@ from onnx_chunk.runtime.logits_row import ALL_ROWS, ROW_INPUT
 from onnx_chunk.runtime.padding import QueryAxisShrunk, plan_forward
 from onnx_chunk.runtime.ports import LOGITS_OUTPUT, MASK_INPUT
 from onnx_chunk.runtime.provider import Device, MaskPolicy
+from onnx_chunk.runtime.sequence_pool import SequenceSlot
 from onnx_chunk.runtime.stats import ChunkRecord, GenerationStats, SequenceStats
 from onnx_chunk.runtime.variant_cache import VariantKey, variant_key
 from onnx_chunk.sampling import GREEDY, Sampler, Sampling
@@ -123,18 +124,23 @@ class _Binding:
 class Sequence:
     """An independent sequence: its own KV buffers and logical length on a shared model."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, slot: SequenceSlot | None = None) -> None:
+        """`slot`: run on these buffers (a row of the batch engine's, which keeps the slot)
+        instead of a slot taken from the runtime's pool and given back at close."""
         self.runtime = runtime
         ports = runtime.ports
         self._length = LogicalLength(runtime.capacity, runtime.device.mask_policy)
-        slot = runtime.pool.take()
+        pooled = slot is None
+        if slot is None:
+            slot = runtime.pool.take()
         self._slot_number = slot.number
         self._buffers = slot.buffers
         # The mask: capacity-wide, rewritten in place (capacity policy), or all ones, bound at
         # the width of each forward (logical policy).
         self._mask = slot.mask
         # Gives the slot back on close() or when the sequence is collected, whichever is first.
-        self._finalizer = weakref.finalize(self, runtime.pool.give_back, slot)
+        self._finalizer = weakref.finalize(self, runtime.pool.give_back if pooled else _kept,
+                                           slot)
         # A decode step's inputs, shaped as its binding's buffers.
         if ports.hidden_size is None:
             self._step_tokens = np.zeros((1, 1), dtype=ports.token_dtype)
@@ -214,6 +220,12 @@ class Sequence:
                                       "all prompt rows' logits cannot be given; ask for the last")
         with self._held("prefill"), self._all_or_nothing():
             return self._prefill(ids, all_logits, records=None)
+
+    def advance_batched(self) -> None:
+        """Count one decode position that a batched forward (the batch engine's) wrote into
+        this sequence's row of its buffers."""
+        self._length.advance(1)
+        self._stats.decode_forwards += 1
 
     def decode(self, token: int) -> np.ndarray:
         """Feed one token; return its logits [vocab] (a copy)."""
@@ -630,20 +642,28 @@ class Sequence:
         return np.array(logits.read(0, returned * vocab).reshape(returned, vocab))
 
     def _token_ids(self, token_ids: SequenceOf[int] | np.ndarray) -> np.ndarray:
-        ids = np.asarray(token_ids)
-        if ids.size == 0:
-            raise InputError("the prompt is empty; pass at least one token id")
-        if ids.ndim != 1:
-            raise InputError(f"expected a 1-D sequence of token ids, got shape {list(ids.shape)}")
-        if ids.dtype == np.bool_ or not np.issubdtype(ids.dtype, np.integer):
-            raise InputError(f"token ids must be integers, got dtype {ids.dtype}; convert them "
-                             "with int() or numpy's astype(np.int64)")
-        vocab = self.runtime.ports.vocab_size
-        bad = np.flatnonzero((ids < 0) | (ids >= vocab))
-        if bad.size:
-            raise InputError(f"token id {int(ids[bad[0]])} at position {int(bad[0])} is outside "
-                             f"the vocabulary [0, {vocab}); {bad.size} id(s) out of range")
-        return ids.astype(np.int64, copy=False)
+        return checked_token_ids(token_ids, self.runtime.ports.vocab_size)
+
+
+def checked_token_ids(token_ids: SequenceOf[int] | np.ndarray, vocab: int) -> np.ndarray:
+    """`token_ids` as int64, checked: 1-D, not empty, integers in [0, vocab) (InputError)."""
+    ids = np.asarray(token_ids)
+    if ids.size == 0:
+        raise InputError("the prompt is empty; pass at least one token id")
+    if ids.ndim != 1:
+        raise InputError(f"expected a 1-D sequence of token ids, got shape {list(ids.shape)}")
+    if ids.dtype == np.bool_ or not np.issubdtype(ids.dtype, np.integer):
+        raise InputError(f"token ids must be integers, got dtype {ids.dtype}; convert them "
+                         "with int() or numpy's astype(np.int64)")
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab))
+    if bad.size:
+        raise InputError(f"token id {int(ids[bad[0]])} at position {int(bad[0])} is outside "
+                         f"the vocabulary [0, {vocab}); {bad.size} id(s) out of range")
+    return ids.astype(np.int64, copy=False)
+
+
+def _kept(slot: SequenceSlot) -> None:
+    """The close of a sequence on a slot it does not own: the slot's owner keeps it."""
 
 
 def _bind_prefix(io: ort.IOBinding, name: str, buffer: DeviceBuffer, shape: tuple[int, ...],

@@ -64,11 +64,17 @@ class SequenceSlot:
 
 def new_slot(ports: ModelPorts, capacity: int, device: Device, number: int) -> SequenceSlot:
     """Fresh buffers for a sequence of `capacity` positions on `device`."""
+    return SequenceSlot(number, SequenceBuffers(ports.kv, ports.state, device),
+                        slot_mask(ports, capacity, device))
+
+
+def slot_mask(ports: ModelPorts, capacity: int, device: Device) -> DeviceBuffer:
+    """The [1, capacity] attention-mask buffer of one sequence, as its mask policy starts it."""
     mask = device_zeros((1, capacity), ports.mask_dtype, device)
     if device.mask_policy is MaskPolicy.LOGICAL:
         # All ones, bound at the width of each forward (see kv_state).
         mask.write(np.ones((1, capacity), dtype=ports.mask_dtype))
-    return SequenceSlot(number, SequenceBuffers(ports.kv, ports.state, device), mask)
+    return mask
 
 
 @dataclass
@@ -146,6 +152,15 @@ class SequencePool:
         with self._lock:
             self._closed = True
         self.settle()
+
+    def take_number(self) -> int:
+        """A graph slot number for buffers the pool does not hold (the batch engine's rows)."""
+        return self._numbers.take()
+
+    def give_number(self, number: int) -> None:
+        """Drop what hangs off `number` (its bindings and graphs) and let it be taken again."""
+        self._free(number)
+        self._numbers.give(number)
 
     def stats(self) -> PoolStats:
         with self._lock:

@@ -64,7 +64,8 @@ class RuntimeStats:
     with its evicted session is not counted as released), `graphs_by_width` the captures per
     width; `graph_fallbacks`: the widths whose
     capture failed, with the reason (they run without a graph); `sequences`: the sequence
-    pool's counters (buffer sets made, reused, freed, idle).
+    pool's counters (buffer sets made, reused, freed, idle); `max_batch`: the batch engine's
+    slots, `engine` its counters (None until the first submit).
     """
 
     provider: str
@@ -88,3 +89,39 @@ class RuntimeStats:
     graphs_by_width: dict[int, int] = field(default_factory=dict)
     graph_fallbacks: dict[int | str, str] = field(default_factory=dict)
     sequences: PoolStats = field(default_factory=PoolStats)
+    max_batch: int = 1
+    engine: EngineStats | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The batch engine's counters (`Runtime.stats().engine`; None before the first submit).
+
+    `slots`: sequences served at once (max_batch); `running`: slots holding a request now;
+    `queued`: requests waiting for a slot (at most `queue_limit`); `steps`: engine steps run;
+    `decode_steps` / `decode_rows`: batched decode forwards and the rows that really decoded
+    in them; `prefill_chunks` / `prefill_rows`: prefill forwards and their real rows;
+    `decode_stalls`: steps in which running decodes waited for prefill chunks first;
+    `longest_decode_gap_s`: the longest time between two decode forwards while sequences
+    were decoding (what a running request sees as its slowest token).
+    """
+
+    slots: int
+    running: int
+    queued: int
+    queue_limit: int
+    steps: int = 0
+    decode_steps: int = 0
+    decode_rows: int = 0
+    prefill_chunks: int = 0
+    prefill_rows: int = 0
+    decode_stalls: int = 0
+    longest_decode_gap_s: float = 0.0
+    completed: int = 0
+    cancelled: int = 0
+    failed: int = 0
+
+    @property
+    def rows_per_decode_step(self) -> float | None:
+        """Mean decoding rows per batched decode forward."""
+        return self.decode_rows / self.decode_steps if self.decode_steps else None

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, Union
 from onnx_chunk.errors import CapacityError
 from onnx_chunk.runtime.stats import GenerationStats
 from onnx_chunk.sampling import GREEDY, Sampling
-from onnx_chunk.text.stops import StopMatcher, check_stops
-from onnx_chunk.text.stream import TextStream
+from onnx_chunk.text.stops import check_stops
+from onnx_chunk.text.token_text import TokenText
 
 if TYPE_CHECKING:
     from onnx_chunk.runtime.sequence import Sequence
@@ -94,39 +94,28 @@ class TextGeneration:
 
     def _run(self, sequence: Sequence, tokenizer: Tokenizer, ids, budget: int,
              at_budget: str, sampling: Sampling) -> Iterator[str]:
-        text = TextStream(lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True))
-        stops = StopMatcher(self._stops)
-        eos = frozenset(tokenizer.eos_token_ids)
-        tokens: list[int] = []
+        text = TokenText(tokenizer, self._stops)
         pieces: list[str] = []
-        reason = at_budget
         # The sequence stops on the same ids, so its stats agree with the finish reason.
-        steps = sequence.stream(ids, budget, eos_token_id=tuple(eos), sampling=sampling)
+        steps = sequence.stream(ids, budget, eos_token_id=tokenizer.eos_token_ids,
+                                sampling=sampling)
         try:
             for token in steps:
-                tokens.append(token)
-                if token in eos:
-                    reason = "stop"
-                    break
-                piece = stops.feed(text.push(token))
+                piece = text.push(token)
                 if piece:
                     pieces.append(piece)
                     yield piece
-                if stops.stopped:
-                    reason = "stop"
+                if text.stopped:
                     break
         finally:
             steps.close()
-        if not stops.stopped:
-            piece = stops.feed(text.finish())
-            piece += "" if stops.stopped else stops.flush()
-            if stops.stopped:
-                reason = "stop"
-            if piece:
-                pieces.append(piece)
-                yield piece
-        self.completion = Completion(text="".join(pieces), tokens=tuple(tokens),
-                                     finish_reason=reason, prompt_tokens=self.prompt_tokens,
+        piece = text.finish()
+        if piece:
+            pieces.append(piece)
+            yield piece
+        self.completion = Completion(text="".join(pieces), tokens=tuple(text.tokens),
+                                     finish_reason="stop" if text.stopped else at_budget,
+                                     prompt_tokens=self.prompt_tokens,
                                      stats=sequence.stats.last_generation)
 
 

@@ -1,0 +1,71 @@
+"""`onnx-chunk serve MODEL`: the OpenAI-compatible server (onnx_chunk.serve) under uvicorn.
+
+The listening socket is bound before the model loads, so a busy port is one error line; the
+line `listening on http://HOST:PORT` (stderr) gives the port actually bound (`--port 0` picks a
+free one). SIGTERM or SIGINT drains: no new request is admitted, running streams end with an
+error event, and the command exits 0 once every connection has closed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+import click
+
+from onnx_chunk.errors import ConfigError
+from onnx_chunk.runtime.provider import PROVIDER_CHOICES
+
+# --cache (a development option): how the variant cache keys prefill widths.
+# auto: the provider's default; ladder: a variant per ladder tier, remainders padded up;
+# exact: a variant per distinct width, padding off (the per-shape cache that thrashes).
+_CACHE_MODES = {"auto": {}, "ladder": {"specialize": True, "padding": True},
+                "exact": {"specialize": "exact", "padding": False}}
+
+
+@click.command(help="Serve MODEL over an OpenAI-compatible HTTP API "
+                    "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics).")
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="The address to bind.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="The port to bind (0: a free one, printed at start).")
+@click.option("--batch", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Sequences the batch engine serves at once.")
+@click.option("--queue", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Requests that may wait for a slot; beyond them the answer is 429.")
+@click.option("--api-key", default=None, envvar="ONNX_CHUNK_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on /v1/* (env ONNX_CHUNK_API_KEY).")
+@click.option("--provider", type=click.Choice(PROVIDER_CHOICES), default="auto",
+              show_default=True)
+@click.option("--capacity", type=click.IntRange(min=2), default=None,
+              help="The KV capacity (context) of each slot; default the model's.")
+@click.option("--cache", "cache_mode", type=click.Choice(sorted(_CACHE_MODES)), default="auto",
+              hidden=True, help="Development: the variant cache's keying (exact: per shape).")
+def serve(model: Path, host: str, port: int, batch: int, queue: int, api_key: str | None,
+          provider: str, capacity: int | None, cache_mode: str) -> None:
+    try:
+        from onnx_chunk.serve import create_app
+        from onnx_chunk.serve.server import DrainingServer, bind
+    except ModuleNotFoundError as error:
+        raise ConfigError(f"onnx-chunk serve needs the serve extra ({error.name} is not "
+                          "installed): pip install 'onnx-chunk[serve]'") from error
+    from onnx_chunk.runtime import load
+
+    if api_key is not None and not api_key.strip():
+        raise ConfigError("--api-key must not be empty; give a key or leave the option out")
+    try:
+        listener = bind(host, port)
+    except OSError as error:
+        raise ConfigError(f"cannot listen on {host}:{port}: {error.strerror or error}; pick "
+                          "another --host or --port (0: a free one)") from error
+    with contextlib.closing(listener), load(model, provider=provider, capacity=capacity,
+                                            max_batch=batch, max_queue=queue,
+                                            **_CACHE_MODES[cache_mode]) as runtime:
+        app = create_app(runtime, api_key=api_key)
+        server = DrainingServer(app, log_level=logging.getLogger().level)
+        bound_host, bound_port = listener.getsockname()[:2]
+        click.echo(f"listening on http://{bound_host}:{bound_port} ({runtime.provider}, "
+                   f"batch {batch}, capacity {runtime.capacity})", err=True)
+        server.run(sockets=[listener])
+    click.echo("stopped", err=True)

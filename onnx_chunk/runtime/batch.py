@@ -1,0 +1,139 @@
+"""The batched decode forward: one decode row of every slot in one run of the decode variant.
+
+Inputs at a fixed batch width (the engine's slots): `input_ids [slots, 1]` (or
+`inputs_embeds [slots, 1, hidden]`), `position_ids [slots, 1]` where the model takes them
+(each row at its own length), the KV buffers `[slots, kv_heads, capacity, head]` of
+`BatchBuffers` bound whole as past and present, and an attention mask whose row `i` holds
+`length_i + 1` ones and zeros after: GroupQueryAttention derives each row's seqlens_k from its
+row sum, so each row reads its own prefix and writes its new KV entry at its own length.
+Under the logical mask policy the mask is as wide as the longest row needs; under the capacity
+policy it is capacity-wide.
+
+Rows that do not decode this step (a free slot, a slot between prefill chunks) still run:
+1. their KV write lands at their own length, which their next forward overwrites (a free
+   slot: position 0, written again by its first prefill chunk);
+2. their recurrent state is put back as it was (`BatchBuffers.keep_state`);
+3. a window-sized KV cache (sliding_window_cache) evicts once its total passes its rows, which
+   no later forward undoes: the rows of such a cache that one more position would make evict
+   are saved before the forward and written back after it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+import numpy as np
+import onnxruntime as ort
+
+from onnx_chunk.runtime.buffers import BatchBuffers, DeviceBuffer, device_zeros
+from onnx_chunk.runtime.ports import LOGITS_OUTPUT, MASK_INPUT, ModelPorts
+from onnx_chunk.runtime.provider import Device, MaskPolicy
+
+logger = logging.getLogger(__name__)
+
+BATCH_BINDING = "batch"
+
+
+@dataclass
+class DecodeBinding:
+    """The batched decode's IOBinding on one session (kept with the session's other bindings,
+    which release the graphs they captured: this one captures none)."""
+
+    io: ort.IOBinding
+    graphs: None = None
+
+
+def decode_mask(lengths: list[int], width: int, dtype: np.dtype) -> np.ndarray:
+    """The [rows, width] attention mask of a decode step: row i has lengths[i] + 1 ones."""
+    columns = np.arange(width)
+    return (columns[None, :] <= np.asarray(lengths)[:, None]).astype(dtype)
+
+
+def mask_width(lengths: list[int], policy: MaskPolicy, capacity: int) -> int:
+    """How wide the decode step's mask is bound: the longest row's need, or the capacity."""
+    return capacity if policy is MaskPolicy.CAPACITY else max(lengths) + 1
+
+
+def evicting_rows(lengths: list[int], idle: list[int], rows: int, window: int | None) -> list[int]:
+    """The idle rows whose window-sized cache (of `rows` rows) one more position would evict."""
+    if window is None:
+        return []
+    return [row for row in idle if lengths[row] > 0 and lengths[row] + 1 > rows]
+
+
+class BatchDecoder:
+    """Runs the decode forward of every slot of a `BatchBuffers` (see the module docstring)."""
+
+    def __init__(self, ports: ModelPorts, device: Device, capacity: int,
+                 buffers: BatchBuffers, embeddings: np.ndarray | None) -> None:
+        self.ports = ports
+        self.device = device
+        self.capacity = capacity
+        self.buffers = buffers
+        self.embeddings = embeddings
+        slots = buffers.slots
+        token_shape = ((slots, 1) if ports.hidden_size is None
+                       else (slots, 1, ports.hidden_size))
+        self._tokens = device_zeros(token_shape, ports.token_dtype, device)
+        self._host_tokens = np.zeros(token_shape, dtype=ports.token_dtype)
+        self._positions = (device_zeros((slots, 1), np.int64, device)
+                           if ports.position_ids is not None else None)
+        self._mask = device_zeros((slots * capacity,), ports.mask_dtype, device)
+        self._logits = device_zeros((slots, 1, ports.vocab_size), ports.logits_dtype, device)
+
+    def binding(self, session: ort.InferenceSession, kept: dict) -> ort.IOBinding:
+        """The decode binding on `session`, made once and kept in `kept` (dropped with it)."""
+        found = kept.get(BATCH_BINDING)
+        if found is not None:
+            return found.io
+        io = session.io_binding()
+        device = self.device
+        io.bind_ortvalue_output(LOGITS_OUTPUT, self._logits.value)
+        self.buffers.bind_kv(io)
+        io.bind_ortvalue_input(self.ports.token_input, self._tokens.value)
+        if self._positions is not None:
+            io.bind_ortvalue_input(self.ports.position_ids, self._positions.value)
+        if device.mask_policy is MaskPolicy.CAPACITY:
+            self._bind_mask(io, self.capacity)
+        kept[BATCH_BINDING] = DecodeBinding(io)
+        return io
+
+    def run(self, session: ort.InferenceSession, io: ort.IOBinding, lengths: list[int],
+            tokens: list[int], decoding: list[int]) -> np.ndarray:
+        """One forward: row i feeds `tokens[i]` at `lengths[i]`; rows outside `decoding` keep
+        their state and window caches. The [slots, vocab] logits, on the host."""
+        slots = self.buffers.slots
+        idle = [row for row in range(slots) if row not in set(decoding)]
+        for row, token in enumerate(tokens):
+            self._host_tokens[row, 0] = (token if self.embeddings is None
+                                         else self.embeddings[token])
+        self._tokens.write(self._host_tokens)
+        if self._positions is not None:
+            self._positions.write(np.asarray(lengths, dtype=np.int64).reshape(slots, 1))
+        width = mask_width(lengths, self.device.mask_policy, self.capacity)
+        mask = decode_mask(lengths, width, self.ports.mask_dtype)
+        self._mask.write_range(mask.reshape(-1), 0, mask.size)
+        if self.device.mask_policy is MaskPolicy.LOGICAL:
+            self._bind_mask(io, width)
+        saved = self._save_windows(lengths, idle)
+        self.buffers.bind_state(io)
+        self.device.run(session, io, None)
+        self.buffers.keep_state(idle)
+        self.buffers.swap_state()
+        for buffer, row, array in saved:
+            self.buffers.write_row(buffer, row, array)
+        vocab = self.ports.vocab_size
+        return self._logits.read(0, slots * vocab).reshape(slots, vocab)
+
+    def _bind_mask(self, io: ort.IOBinding, width: int) -> None:
+        device = self.device
+        io.bind_input(MASK_INPUT, device.device_type, device.device_id, self._mask.dtype,
+                      [self.buffers.slots, width], self._mask.value.data_ptr())
+
+    def _save_windows(self, lengths: list[int],
+                      idle: list[int]) -> list[tuple[DeviceBuffer, int, np.ndarray]]:
+        saved = []
+        for port, buffer in zip(self.ports.kv, self.buffers.kv):
+            for row in evicting_rows(lengths, idle, port.shape[2], port.window):
+                saved.append((buffer, row, self.buffers.read_row(buffer, row)))
+        return saved

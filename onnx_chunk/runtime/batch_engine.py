@@ -1,0 +1,300 @@
+"""The batch engine: many sequences on one loaded decoder, advanced together step by step.
+
+`Runtime.submit` queues a `Request`; a background thread (started by the first submit, left
+when nothing is queued or running, stopped by `Runtime.close()`) runs steps. A step:
+1. frees the slots of requests that ended (finished, failed, cancelled) and gives free slots
+   to the queue's head requests (`scheduler.admit`);
+2. runs prefill chunks of the prompts being admitted, in admission order, under a token budget
+   of one chunk width W (`scheduler.prefill_picks`): each chunk is a batch-1 forward of that
+   slot's own sequence (a `Sequence` on a row of the engine's buffers, with the ladder padding
+   and variant cache of any sequence), and a prompt's last chunk gives its first token;
+3. runs one batched decode forward of every slot (`batch.BatchDecoder`): each decoding row
+   feeds its last token, and every other row is run but left as it was.
+A failure in a forward fails the requests of that forward with the exception (their slots are
+freed); the other requests go on.
+
+Shapes per provider: prefill chunks run at batch 1 at the ladder widths (or the shape-generic
+session on CPU), decode at one fixed batch width of `slots` rows on the decode variant; the
+batch axis is left free in every session, so the variant cache holds what a lone sequence's
+holds (CUDA: the prefill tiers and one decode variant within the cap).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from onnx_chunk.errors import ClosedError
+from onnx_chunk.runtime.batch import BatchDecoder
+from onnx_chunk.runtime.buffers import BatchBuffers
+from onnx_chunk.runtime.request import FinishReason, Request
+from onnx_chunk.runtime.scheduler import RequestQueue, admit, prefill_picks
+from onnx_chunk.runtime.sequence import Sequence, prefill_chunks
+from onnx_chunk.runtime.sequence_pool import SequenceSlot, slot_mask
+from onnx_chunk.runtime.stats import EngineStats
+from onnx_chunk.sampling import Sampler
+
+if TYPE_CHECKING:
+    from onnx_chunk.runtime.engine import Runtime
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_QUEUE = 256
+# The engine thread leaves after this long with nothing to do (the next submit starts one).
+_IDLE_EXIT_S = 1.0
+
+
+@dataclass
+class _Row:
+    """A request in a slot: its sequence, its sampler, the prefill chunks still to run."""
+
+    request: Request
+    sequence: Sequence
+    sampler: Sampler
+    order: int
+    chunks: collections.deque = field(default_factory=collections.deque)
+    token: int = 0
+
+
+@dataclass
+class _Counters:
+    steps: int = 0
+    decode_steps: int = 0
+    decode_rows: int = 0
+    prefill_chunks: int = 0
+    prefill_rows: int = 0
+    decode_stalls: int = 0
+    longest_decode_gap_s: float = 0.0
+    completed: int = 0
+    cancelled: int = 0
+    failed: int = 0
+
+
+class BatchEngine:
+    """The engine of one runtime (see the module docstring)."""
+
+    def __init__(self, runtime: Runtime, slots: int, max_queue: int = DEFAULT_MAX_QUEUE) -> None:
+        self._runtime = runtime
+        ports, device = runtime.ports, runtime.device
+        self.slots = slots
+        self.budget = runtime.chunk_size
+        self._buffers = BatchBuffers(ports.kv, ports.state, device, slots)
+        self._decoder = BatchDecoder(ports, device, runtime.capacity, self._buffers,
+                                     runtime.embeddings)
+        self._slots = [SequenceSlot(runtime.pool.take_number(), self._buffers.slot(index),
+                                    slot_mask(ports, runtime.capacity, device))
+                       for index in range(slots)]
+        self._decode_number = runtime.pool.take_number()
+        self._rows: list[_Row | None] = [None] * slots
+        self._queue: RequestQueue[Request] = RequestQueue(max_queue)
+        self._samplers: dict[int, Sampler] = {}
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._admitted = 0
+        self._counters = _Counters()
+        self._last_decode: float | None = None
+
+    def submit(self, prompt: np.ndarray, max_new_tokens: int, eos_token_ids: tuple[int, ...],
+               sampler: Sampler, *, wait: bool = False) -> Request:
+        """Queue a checked request; QueueFullError when the queue is full (unless `wait`:
+        then wait for room)."""
+        request = Request(prompt, max_new_tokens, eos_token_ids, self.cancel)
+        with self._cond:
+            if wait:
+                self._cond.wait_for(lambda: self._closed or not self._queue.full)
+            if self._closed:
+                raise ClosedError("the runtime was closed; load the model again to submit")
+            self._queue.push(request)
+            self._samplers[request.id] = sampler
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="onnx-chunk-engine",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """End `request` now; its slot (or its place in the queue) is freed at once."""
+        with self._cond:
+            if not request.finish("cancelled"):
+                return
+            self._counters.cancelled += 1
+            if self._queue.remove(request):
+                del self._samplers[request.id]
+            self._cond.notify_all()
+
+    def stats(self) -> EngineStats:
+        with self._cond:
+            counters = self._counters
+            return EngineStats(
+                slots=self.slots, running=sum(row is not None for row in self._rows),
+                queued=len(self._queue), queue_limit=self._queue.limit,
+                steps=counters.steps, decode_steps=counters.decode_steps,
+                decode_rows=counters.decode_rows, prefill_chunks=counters.prefill_chunks,
+                prefill_rows=counters.prefill_rows, decode_stalls=counters.decode_stalls,
+                longest_decode_gap_s=counters.longest_decode_gap_s,
+                completed=counters.completed, cancelled=counters.cancelled,
+                failed=counters.failed)
+
+    def close(self) -> None:
+        """Stop the thread; queued and running requests fail with ClosedError."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+            self._cond.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        error = ClosedError("the runtime was closed before this request finished")
+        with self._cond:
+            for request in self._queue.drain():
+                self._fail(request, error)
+            self._samplers.clear()
+            for index, row in enumerate(self._rows):
+                if row is not None:
+                    self._fail(row.request, error)
+                    self._free(index)
+        for slot in self._slots:
+            self._runtime.pool.give_number(slot.number)
+        self._runtime.pool.give_number(self._decode_number)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._settle()
+                if self._closed:
+                    self._thread = None
+                    return
+                if not any(self._rows):
+                    if not self._cond.wait(_IDLE_EXIT_S) and not self._queue:
+                        self._thread = None
+                        return
+                    continue
+            try:
+                self._step()
+            except BaseException as error:  # a defect in the step itself: fail, never hang
+                logger.exception("an engine step failed")
+                with self._cond:
+                    for row in self._rows:
+                        if row is not None:
+                            self._fail(row.request, error)
+
+    def _settle(self) -> None:
+        """Free the slots of ended requests, then admit queued ones (the lock is held)."""
+        for index, row in enumerate(self._rows):
+            if row is not None and row.request.done:
+                self._free(index)
+        free = [index for index, row in enumerate(self._rows) if row is None]
+        for index in admit(free, len(self._queue)):
+            request = self._queue.pop()
+            sampler = self._samplers.pop(request.id)
+            slot = self._slots[index]
+            slot.reset(self._runtime.device.mask_policy)
+            sequence = Sequence(self._runtime, slot)
+            row = _Row(request, sequence, sampler, self._admitted,
+                       collections.deque(prefill_chunks(len(request.prompt),
+                                                        self._runtime.chunk_size)))
+            self._admitted += 1
+            self._rows[index] = row
+            request.admitted()
+        self._cond.notify_all()
+
+    def _free(self, index: int) -> None:
+        row = self._rows[index]
+        if row is not None:
+            row.sequence.close()
+            self._rows[index] = None
+
+    def _step(self) -> None:
+        rows = [(index, row) for index, row in enumerate(self._rows) if row is not None]
+        prefilling = sorted((entry for entry in rows if entry[1].chunks),
+                            key=lambda entry: entry[1].order)
+        waiting = any(not row.chunks for _, row in rows)
+        picks = prefill_picks([[end - begin for begin, end in row.chunks]
+                               for _, row in prefilling], self.budget)
+        ran = 0
+        for (index, row), count in zip(prefilling, picks):
+            for _ in range(count):
+                if row.request.done:
+                    break
+                self._prefill_chunk(row)
+                ran += 1
+        decoding = [index for index, row in rows if not row.chunks and not row.request.done]
+        with self._cond:
+            self._counters.steps += 1
+            if ran and waiting:
+                self._counters.decode_stalls += 1
+        if decoding:
+            self._decode(decoding)
+        else:
+            self._last_decode = None
+
+    def _prefill_chunk(self, row: _Row) -> None:
+        begin, end = row.chunks.popleft()
+        request = row.request
+        try:
+            logits = row.sequence.prefill(request.prompt[begin:end])
+        except Exception as error:  # any failure of this forward fails its request alone
+            row.chunks.clear()
+            self._fail(request, error)
+            return
+        request.note_chunk()
+        with self._cond:
+            self._counters.prefill_chunks += 1
+            self._counters.prefill_rows += end - begin
+        if not row.chunks:
+            self._deliver(row, row.sampler.choose(logits))
+
+    def _decode(self, decoding: list[int]) -> None:
+        runtime = self._runtime
+        lengths = [row.sequence.length if row is not None else 0 for row in self._rows]
+        tokens = [row.token if row is not None and index in decoding else 0
+                  for index, row in enumerate(self._rows)]
+        try:
+            with runtime.cache.acquire(runtime.decode_key) as session:
+                io = self._decoder.binding(
+                    session, runtime.sessions.bindings(session, self._decode_number))
+                logits = self._decoder.run(session, io, lengths, tokens, decoding)
+                for index in decoding:
+                    row = self._rows[index]
+                    row.sequence.advance_batched()
+                    self._deliver(row, row.sampler.choose(logits[index]))
+        except Exception as error:  # the forward failed: every row of it fails with it
+            for index in decoding:
+                self._fail(self._rows[index].request, error)
+            return
+        now = time.perf_counter()
+        with self._cond:
+            self._counters.decode_steps += 1
+            self._counters.decode_rows += len(decoding)
+            if self._last_decode is not None:
+                self._counters.longest_decode_gap_s = max(
+                    self._counters.longest_decode_gap_s, now - self._last_decode)
+        self._last_decode = now
+
+    def _deliver(self, row: _Row, token: int) -> None:
+        row.token = token
+        reason = row.request.deliver(token)
+        if reason is not None:
+            self._finish(row.request, reason)
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.finish(reason):
+            with self._cond:
+                self._counters.completed += 1
+                self._cond.notify_all()
+
+    def _fail(self, request: Request, error: BaseException) -> None:
+        if request.finish("error", error):
+            logger.info("request %d failed: %s", request.id, error)
+            with self._cond:
+                self._counters.failed += 1
+                self._cond.notify_all()

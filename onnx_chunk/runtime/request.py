@@ -1,0 +1,145 @@
+"""A generation request submitted to the batch engine: its tokens as they come, its end.
+
+`Runtime.submit` returns a `Request` at once; the engine's thread fills it. Any thread may
+read it: `tokens()` yields the tokens as they are produced, `result()` waits for the end and
+returns them all, `cancel()` ends it (its slot is freed before the engine's next step).
+A request ends with one `finish_reason`: "stop" (an end-of-sequence id came), "length"
+(`max_new_tokens` reached), "cancelled" or "error" (a forward of its step failed, or the
+runtime closed: `result()` and `tokens()` raise that exception).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import numpy as np
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+_ids = itertools.count()
+
+
+@dataclass
+class RequestStats:
+    """One request's timings and counts (seconds from its submit).
+
+    `queued_s`: until a slot took it; `ttft_s`: until its first token; `total_s`: until it
+    ended; `prefill_chunks`: the prefill forwards its prompt took.
+    """
+
+    prompt_tokens: int
+    new_tokens: int = 0
+    prefill_chunks: int = 0
+    queued_s: float | None = None
+    ttft_s: float | None = None
+    total_s: float | None = None
+
+
+class Request:
+    """One submitted generation (see the module docstring)."""
+
+    def __init__(self, prompt: np.ndarray, max_new_tokens: int, eos_token_ids: tuple[int, ...],
+                 on_cancel: Callable[[Request], None]) -> None:
+        self.id = next(_ids)
+        self.prompt = prompt
+        self.max_new_tokens = max_new_tokens
+        self.eos_token_ids = eos_token_ids
+        self._on_cancel = on_cancel
+        self._submitted = time.perf_counter()
+        self._tokens: list[int] = []
+        self._changed = threading.Condition()
+        self._error: BaseException | None = None
+        self._reason: FinishReason | None = None
+        self._stats = RequestStats(prompt_tokens=len(prompt))
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """Why it ended ("stop", "length", "cancelled", "error"), None while it runs."""
+        return self._reason
+
+    @property
+    def done(self) -> bool:
+        return self._reason is not None
+
+    @property
+    def stats(self) -> RequestStats:
+        """Its counters now (a copy)."""
+        with self._changed:
+            return replace(self._stats)
+
+    def tokens(self) -> Iterator[int]:
+        """The tokens as they are produced; raises the request's error after its last token."""
+        seen = 0
+        while True:
+            with self._changed:
+                while seen == len(self._tokens) and self._reason is None:
+                    self._changed.wait()
+                ready = self._tokens[seen:]
+                ended = self._reason is not None
+            yield from ready
+            seen += len(ready)
+            if ended and seen == len(self._tokens):
+                if self._error is not None:
+                    raise self._error
+                return
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        """Wait for the end and return every token (TimeoutError after `timeout` seconds);
+        raises the request's error when it failed."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._reason is not None, timeout):
+                raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+            if self._error is not None:
+                raise self._error
+            return list(self._tokens)
+
+    def cancel(self) -> None:
+        """End the request now ("cancelled"); the tokens so far stay. No-op once it ended."""
+        if self._reason is None:
+            self._on_cancel(self)
+
+    # The engine's side: only the engine thread (or a cancel) calls these.
+
+    def admitted(self) -> None:
+        with self._changed:
+            self._stats.queued_s = time.perf_counter() - self._submitted
+
+    def note_chunk(self) -> None:
+        with self._changed:
+            self._stats.prefill_chunks += 1
+
+    def deliver(self, token: int) -> FinishReason | None:
+        """Add a produced token; the reason the request ends with it, if it does."""
+        with self._changed:
+            if self._reason is not None:
+                return self._reason
+            self._tokens.append(token)
+            self._stats.new_tokens = len(self._tokens)
+            if self._stats.ttft_s is None:
+                self._stats.ttft_s = time.perf_counter() - self._submitted
+            self._changed.notify_all()
+        if token in self.eos_token_ids:
+            return "stop"
+        if len(self._tokens) >= self.max_new_tokens:
+            return "length"
+        return None
+
+    def finish(self, reason: FinishReason, error: BaseException | None = None) -> bool:
+        """End the request with `reason` (and `error`); False when it had already ended."""
+        with self._changed:
+            if self._reason is not None:
+                return False
+            self._reason = reason
+            self._error = error
+            self._stats.total_s = time.perf_counter() - self._submitted
+            self._changed.notify_all()
+        return True
+
+    def __repr__(self) -> str:
+        return (f"Request(id={self.id}, prompt_tokens={len(self.prompt)}, "
+                f"new_tokens={len(self._tokens)}, finish_reason={self._reason!r})")

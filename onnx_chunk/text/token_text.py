@@ -1,0 +1,54 @@
+"""Generated token ids to the text a client sees: detokenized as they come, cut at stop strings.
+
+The one rule set of text generation, apart from where the tokens come from (a sequence's
+token loop, or a `Request` of the batch engine): each id is detokenized incrementally
+(`TextStream`, special tokens skipped), the text goes through `StopMatcher`, and the text
+ends at an EOS id (the id is counted, its text is not shown) or at a stop string (the text
+ends before it). Once `stopped` is set the caller stops feeding ids; `finish` gives what is
+still held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from onnx_chunk.text.stops import StopMatcher, check_stops
+from onnx_chunk.text.stream import TextStream
+
+if TYPE_CHECKING:
+    from onnx_chunk.text.tokenizer import Tokenizer
+
+
+class TokenText:
+    """Feeds generated ids through detokenization and stop strings (see the module docstring).
+
+    `tokens`: every id pushed; `stopped`: an EOS id or a stop string ended the text.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: str | Iterable[str] | None = None) -> None:
+        self._text = TextStream(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        self._stops = StopMatcher(check_stops(stop))
+        self._eos = frozenset(tokenizer.eos_token_ids)
+        self.tokens: list[int] = []
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        """The text `token` makes safe to show ("" while held); sets `stopped` at the end."""
+        self.tokens.append(int(token))
+        if token in self._eos:
+            self.stopped = True
+            return ""
+        piece = self._stops.feed(self._text.push(token))
+        self.stopped = self._stops.stopped
+        return piece
+
+    def finish(self) -> str:
+        """What is still held, once no more ids come (nothing after a stop string)."""
+        if self._stops.stopped:
+            return ""
+        piece = self._stops.feed(self._text.finish())
+        if self._stops.stopped:
+            self.stopped = True
+            return piece
+        return piece + self._stops.flush()
