@@ -4,7 +4,8 @@
 use, and the passes never use them). Their locations are checked against the file system
 without being read. `save_model` writes the protobuf with the external references unchanged and
 copies the external data files in fixed-size blocks, so peak memory does not grow with the
-model; it stages every file and renames them into place only once all are written.
+model; it stages every file and renames them into place only once all are written
+(`staged_write`, the one way every command writes its output files).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import stat
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
@@ -382,14 +384,51 @@ def stale_staging(folder: Path, target_name: str,
     return stale
 
 
-def _new_staging(target_dir: Path, target_name: str) -> Path:
-    for leftover in stale_staging(target_dir, target_name):
-        logger.info("removing %s, left by an interrupted write", leftover)
-        shutil.rmtree(leftover, ignore_errors=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target_name}.", suffix=".staging",
-                                    dir=target_dir))
-    (staging / _STAGING_OWNER).write_text(f"{os.getpid()}\n", encoding="ascii")
-    return staging
+@dataclass(frozen=True)
+class Staging:
+    """A staging folder inside `target_dir`: write files into `path`, then `publish` them."""
+
+    path: Path
+    target_dir: Path
+
+    def copy(self, source: str | os.PathLike, name: str,
+             progress: Callable[[int], None] | None = None) -> None:
+        """Copy `source` to `name` in the staging folder block by block, with its permission
+        bits; `progress` receives the byte count of each block."""
+        staged = self.path / name
+        staged.parent.mkdir(parents=True, exist_ok=True)
+        _copy_file(Path(source), staged, progress)
+
+    def publish(self, names: Iterable[str]) -> None:
+        """Rename each staged file in `names` to the same name in the target folder, in order:
+        the model file last, so it appears only once all it refers to is in place."""
+        for name in names:
+            destination = self.target_dir / name
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(self.path / name, destination)
+
+
+@contextmanager
+def staged_write(target_dir: str | os.PathLike, target_name: str) -> Iterator[Staging]:
+    """A staging folder for writing `target_name` (and the files that go with it) into
+    `target_dir`, which is created for the write (`output_folder`).
+
+    The staging folder sits inside `target_dir` and carries an owner file with this process's
+    pid; staging of `target_name` left there by a writer that is gone is removed first
+    (`stale_staging`). The staging folder is removed when the block ends, and on any exception
+    the folders this call created go too, so a failed write leaves nothing behind; only what
+    `Staging.publish` renamed into place stays.
+    """
+    with output_folder(target_dir) as folder:
+        for leftover in stale_staging(folder, target_name):
+            logger.info("removing %s, left by an interrupted write", leftover)
+            shutil.rmtree(leftover, ignore_errors=True)
+        path = Path(tempfile.mkdtemp(prefix=f".{target_name}.", suffix=".staging", dir=folder))
+        try:
+            (path / _STAGING_OWNER).write_text(f"{os.getpid()}\n", encoding="ascii")
+            yield Staging(path, folder)
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def referenced_data_files(model_path: Path) -> set[Path]:
@@ -516,8 +555,8 @@ def save_model(
     """
     target = Path(path)
     try:
-        with output_folder(target.parent):
-            return _save_staged(model, target, progress, companions_from, chunk_size)
+        with staged_write(target.parent, target.name) as staging:
+            return _save_staged(model, target, staging, progress, companions_from, chunk_size)
     except OSError as error:
         raise OutputError(
             f"cannot write {str(target)!r}: {error.strerror or error}; choose a writable "
@@ -525,48 +564,39 @@ def save_model(
         ) from error
 
 
-def _save_staged(model: ir.Model, target: Path, progress: Callable[[int], None] | None,
+def _save_staged(model: ir.Model, target: Path, staging: Staging,
+                 progress: Callable[[int], None] | None,
                  companions_from: str | os.PathLike | None,
                  chunk_size: int | None) -> list[str]:
-    """`save_model`'s work once the target folder exists; the staging folder is removed."""
-    staging: Path | None = None
-    try:
-        target_dir = target.parent.resolve()
-        resolved_target = target_dir / target.name
-        files = external_data_files(model)
-        locations = output_locations(files, resolved_target)
-        copies = {location: source for location, source in files.items()
-                  if not ((target_dir / locations[location]).exists()
-                          and os.path.samefile(source, target_dir / locations[location]))}
-        sources = _companion_sources(companions_from, target_dir)
-        companions = _refuse_foreign(resolved_target, [locations[name] for name in copies],
-                                     sources, None if companions_from is None
-                                     else Path(companions_from))
-        config = _output_config(sources, companions_from, resolved_target, chunk_size)
-        staging = _new_staging(target_dir, target.name)
-        staged: list[str] = []
-        for location, source in copies.items():
-            written = locations[location]
-            logger.info("copying external data %s -> %s", source, target_dir / written)
-            (staging / written).parent.mkdir(parents=True, exist_ok=True)
-            _copy_file(source, staging / written, progress)
-            staged.append(written)
-        for name in companions:
-            if name != GENAI_CONFIG:
-                _copy_file(Path(companions_from) / name, staging / name, None)
-        if config is not None:
-            _write_config(*config, staging / GENAI_CONFIG)
-        proto = ir.serde.serialize_model(model)
-        _relocate(proto, locations)
-        _write_proto(proto, staging / target.name)
-        written_config = [GENAI_CONFIG] if config is not None else []
-        for name in (*staged, *[name for name in companions if name != GENAI_CONFIG],
-                     *written_config, target.name):
-            (target_dir / name).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(staging / name, target_dir / name)
-    finally:
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
+    """`save_model`'s work once the target folder and the staging folder exist."""
+    target_dir = target.parent.resolve()
+    resolved_target = target_dir / target.name
+    files = external_data_files(model)
+    locations = output_locations(files, resolved_target)
+    copies = {location: source for location, source in files.items()
+              if not ((target_dir / locations[location]).exists()
+                      and os.path.samefile(source, target_dir / locations[location]))}
+    sources = _companion_sources(companions_from, target_dir)
+    companions = _refuse_foreign(resolved_target, [locations[name] for name in copies],
+                                 sources, None if companions_from is None
+                                 else Path(companions_from))
+    config = _output_config(sources, companions_from, resolved_target, chunk_size)
+    staged: list[str] = []
+    for location, source in copies.items():
+        written = locations[location]
+        logger.info("copying external data %s -> %s", source, target_dir / written)
+        staging.copy(source, written, progress)
+        staged.append(written)
+    copied = [name for name in companions if name != GENAI_CONFIG]
+    for name in copied:
+        staging.copy(Path(companions_from) / name, name)
+    if config is not None:
+        _write_config(*config, staging.path / GENAI_CONFIG)
+    proto = ir.serde.serialize_model(model)
+    _relocate(proto, locations)
+    _write_proto(proto, staging.path / target.name)
+    written_config = [GENAI_CONFIG] if config is not None else []
+    staging.publish([*staged, *copied, *written_config, target.name])
     return companions
 
 

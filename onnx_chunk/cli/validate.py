@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import click
@@ -13,7 +12,7 @@ import click
 from onnx_chunk.cli.generate import parse_ids
 from onnx_chunk.errors import OutputError
 from onnx_chunk.model_folder import locate_model
-from onnx_chunk.model_io import COMPANION_FILES, referenced_data_files
+from onnx_chunk.model_io import COMPANION_FILES, referenced_data_files, staged_write
 from onnx_chunk.models.static_decoder import DECODE_FILE
 from onnx_chunk.runtime.provider import PROVIDER_CHOICES
 from onnx_chunk.validate import Report, ValidationOptions, resolve_skip, validate_model
@@ -67,18 +66,11 @@ def check_report_path(target: Path, protected: list[Path]) -> None:
 
 
 def write_junit(report: Report, target: Path) -> None:
-    """Write the JUnit XML to a temporary file beside `target`, then rename it into place."""
+    """Write the JUnit XML into a staging folder beside `target`, then rename it into place."""
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        handle, temp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp",
-                                             dir=target.parent)
-        try:
-            with os.fdopen(handle, "w", encoding="utf-8") as temp:
-                temp.write(report.to_junit())
-            os.chmod(temp_name, 0o644)
-            os.replace(temp_name, target)
-        finally:
-            Path(temp_name).unlink(missing_ok=True)
+        with staged_write(target.parent, target.name) as staging:
+            (staging.path / target.name).write_text(report.to_junit(), encoding="utf-8")
+            staging.publish([target.name])
     except OSError as error:
         raise OutputError(f"cannot write the JUnit report {str(target)!r}: "
                           f"{error.strerror or error}; choose a writable path") from error

@@ -7,14 +7,13 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
 
 from onnx_chunk.errors import ConfigError, OutputError
-from onnx_chunk.model_io import output_folder
+from onnx_chunk.model_io import Staging, staged_write
 from onnx_chunk.models.config import PRESETS, DecoderConfig, config_for
 from onnx_chunk.models.decoder_graph import build_graph
 from onnx_chunk.models.genai_config import EMBEDDINGS_FILENAME, MODEL_FILENAME, genai_config
@@ -61,8 +60,8 @@ def build_decoder(out_dir: str | os.PathLike, preset: str = "tiny", variant: str
     config = decoder_config(preset, variant, **size_overrides)
     out = Path(out_dir)
     try:
-        with output_folder(out):
-            _write_decoder(out, config, spec, seed, dtype)
+        with staged_write(out, MODEL_FILENAME) as staging:
+            _write_decoder(staging, config, spec, seed, dtype)
     except OSError as error:
         raise OutputError(f"cannot write the model into {out}: {error.strerror or error}; "
                           "check the folder's permissions and free space") from error
@@ -75,30 +74,25 @@ def build_decoder(out_dir: str | os.PathLike, preset: str = "tiny", variant: str
     return out / MODEL_FILENAME
 
 
-def _write_decoder(out: Path, config: DecoderConfig, spec: VariantSpec, seed: int,
+def _write_decoder(staging: Staging, config: DecoderConfig, spec: VariantSpec, seed: int,
                    dtype: str) -> None:
-    """Build the decoder's files in a staging folder inside `out`, then rename them into it."""
-    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=out))
-    try:
-        weights = make_weights(config, seed)
-        model = build_graph(config, weights, spec, seed, dtype)
-        fp32_path = staging / ("fp32" if spec.int4 else ".") / MODEL_FILENAME
-        fp32_path.parent.mkdir(exist_ok=True)
-        ir.save(model, fp32_path, external_data=f"{MODEL_FILENAME}.data",
-                size_threshold_bytes=EXTERNAL_THRESHOLD_BYTES)
-        del model
-        if spec.int4:
-            quantize_int4(fp32_path, staging / MODEL_FILENAME)
-            shutil.rmtree(fp32_path.parent)
-        if spec.inputs_embeds:
-            np.save(staging / EMBEDDINGS_FILENAME, weights.embedding.astype(dtype))
-        del weights
-        (staging / "genai_config.json").write_text(
-            json.dumps(genai_config(config, spec, dtype), indent=4) + "\n")
-        names = [f"{MODEL_FILENAME}.data", "genai_config.json", MODEL_FILENAME]
-        if spec.inputs_embeds:
-            names.insert(0, EMBEDDINGS_FILENAME)
-        for name in names:
-            os.replace(staging / name, out / name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    """Build the decoder's files in `staging`, then publish them (model.onnx last)."""
+    weights = make_weights(config, seed)
+    model = build_graph(config, weights, spec, seed, dtype)
+    fp32_path = staging.path / ("fp32" if spec.int4 else ".") / MODEL_FILENAME
+    fp32_path.parent.mkdir(exist_ok=True)
+    ir.save(model, fp32_path, external_data=f"{MODEL_FILENAME}.data",
+            size_threshold_bytes=EXTERNAL_THRESHOLD_BYTES)
+    del model
+    if spec.int4:
+        quantize_int4(fp32_path, staging.path / MODEL_FILENAME)
+        shutil.rmtree(fp32_path.parent)
+    if spec.inputs_embeds:
+        np.save(staging.path / EMBEDDINGS_FILENAME, weights.embedding.astype(dtype))
+    del weights
+    (staging.path / "genai_config.json").write_text(
+        json.dumps(genai_config(config, spec, dtype), indent=4) + "\n")
+    names = [f"{MODEL_FILENAME}.data", "genai_config.json", MODEL_FILENAME]
+    if spec.inputs_embeds:
+        names.insert(0, EMBEDDINGS_FILENAME)
+    staging.publish(names)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import filecmp
 import logging
 import os
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_chunk.errors import ConfigError, OutputError
-from onnx_chunk.model_io import output_folder
+from onnx_chunk.model_io import Staging, staged_write
 from onnx_chunk.models.config import DecoderConfig, config_for
 from onnx_chunk.models.decoder_graph import rotary_caches
 from onnx_chunk.models.weights import AttentionWeights, DecoderWeights, make_weights
@@ -315,16 +314,18 @@ def build_static_decoder(
     """Write a static reference decoder (rows = `chunk_size`, KV capacity = `capacity`) with the
     weights `make_weights(config_for(preset, **overrides), seed)`; returns `out_dir/model.onnx`.
 
-    The weights are stored as external data (`model.onnx.data`); both files are written to
-    temporary names in `out_dir` and renamed into place.
+    The weights are stored as external data (`model.onnx.data`); both files are staged in a
+    temporary folder inside `out_dir` and renamed into place (`model_io.staged_write`).
     """
     config = _static_config(config_for(preset, **overrides))
     shape = StaticShape(chunk_size, capacity)
     model = static_model_proto(config, make_weights(config, seed), shape)
     out = Path(out_dir)
     target = out / MODEL_FILE
-    with _output_folder(out):
-        _write_model_atomically(model, target)
+    data_name = MODEL_FILE + ".data"
+    with _staged_write(out) as staging:
+        _save_external(model, staging.path / MODEL_FILE, data_name)
+        staging.publish([data_name, MODEL_FILE])
     logger.info("wrote static decoder %s (c=%d, C=%d, preset %s, seed %d)", target,
                 chunk_size, capacity, preset, seed)
     return target
@@ -358,8 +359,8 @@ def build_static_pair(
     decode = static_model_proto(config, weights, StaticShape(1, capacity))
     out = Path(out_dir)
     data_name = MODEL_FILE + ".data"
-    with _output_folder(out), tempfile.TemporaryDirectory(dir=out, prefix=".tmp-") as scratch:
-        staged = Path(scratch)
+    with _staged_write(out) as staging:
+        staged = staging.path
         _save_external(chunk, staged / MODEL_FILE, data_name)
         (staged / "decode").mkdir()
         _save_external(decode, staged / "decode" / DECODE_FILE, data_name)
@@ -368,22 +369,20 @@ def build_static_pair(
                 "the chunk and decode graphs' external weights differ; they cannot share "
                 f"{data_name} (a builder bug: report it)"
             )
-        for name, source in ((data_name, staged / data_name),
-                             (MODEL_FILE, staged / MODEL_FILE),
-                             (DECODE_FILE, staged / "decode" / DECODE_FILE)):
-            os.replace(source, out / name)
+        (staged / "decode" / DECODE_FILE).replace(staged / DECODE_FILE)
+        staging.publish([data_name, MODEL_FILE, DECODE_FILE])
     logger.info("wrote static pair %s and %s (c=%d, C=%d, preset %s, seed %d)", out / MODEL_FILE,
                 out / DECODE_FILE, chunk_size, capacity, preset, seed)
     return out / MODEL_FILE, out / DECODE_FILE
 
 
 @contextmanager
-def _output_folder(out: Path) -> Iterator[Path]:
-    """`out`, created for the write and removed again (when it was created) if the write fails;
-    OutputError when it cannot be written."""
+def _staged_write(out: Path) -> Iterator[Staging]:
+    """`model_io.staged_write` of model.onnx into `out`; OutputError when it cannot be
+    written."""
     try:
-        with output_folder(out) as folder:
-            yield folder
+        with staged_write(out, MODEL_FILE) as staging:
+            yield staging
     except OSError as error:
         raise OutputError(f"cannot write into {out}: {error}; check the folder is writable") \
             from error
@@ -392,19 +391,3 @@ def _output_folder(out: Path) -> Iterator[Path]:
 def _save_external(model: onnx.ModelProto, target: Path, data_name: str) -> None:
     onnx.save_model(model, target, save_as_external_data=True, all_tensors_to_one_file=True,
                     location=data_name)
-
-
-def _write_model_atomically(model: onnx.ModelProto, target: Path) -> None:
-    """Save `model` as `target` with its weights in `target.name + '.data'`, both through
-    temporary files in the target folder that are renamed into place."""
-    data_name = target.name + ".data"
-    try:
-        with tempfile.TemporaryDirectory(dir=target.parent, prefix=".tmp-") as scratch:
-            staged = Path(scratch) / target.name
-            _save_external(model, staged, data_name)
-            os.replace(Path(scratch) / data_name, target.parent / data_name)
-            os.replace(staged, target)
-    except OSError as error:
-        raise OutputError(
-            f"cannot write {target}: {error}; check the folder is writable"
-        ) from error

@@ -28,8 +28,6 @@ import copy
 import hashlib
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +38,7 @@ from onnxruntime.tools.onnx_model_utils import fix_output_shapes, make_dim_param
 
 from onnx_chunk.errors import ConfigError, ModelLoadError, ModelStructureError, OutputError
 from onnx_chunk.metadata import KVCapacityFindings
-from onnx_chunk.model_io import external_data_files, load_model, output_folder
+from onnx_chunk.model_io import Staging, external_data_files, load_model, staged_write
 from onnx_chunk.models.static_decoder import DECODE_FILE
 from onnx_chunk.ort_schemas import register_runtime_schemas
 from onnx_chunk.passes.kv_capacity import find_kv_capacity
@@ -234,29 +232,22 @@ def _fixed_copy(model: onnx.ModelProto, values: Mapping[str, int]) -> onnx.Model
     return fixed
 
 
-def _write_outputs(out: Path, data_files: Mapping[str, Path], chunk: onnx.ModelProto,
+def _write_outputs(staging: Staging, data_files: Mapping[str, Path], chunk: onnx.ModelProto,
                    decode: onnx.ModelProto) -> list[Path]:
-    """Stage the data files and both graphs in a temporary folder inside `out`, then rename
-    them into place (data first, graphs last): a failure leaves nothing half written."""
-    written = []
-    with tempfile.TemporaryDirectory(dir=out, prefix=".tmp-") as scratch:
-        staged = Path(scratch)
-        moves = []
-        for location, source in data_files.items():
-            target = out / location
-            if target.exists() and os.path.samefile(source, target):
-                written.append(target)
-                continue
-            (staged / location).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(source, staged / location)
-            moves.append((staged / location, target))
-            written.append(target)
-        for model, name in ((chunk, CHUNK_MODEL), (decode, DECODE_MODEL)):
-            (staged / name).write_bytes(model.SerializeToString())
-            moves.append((staged / name, out / name))
-        for source, target in moves:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(source, target)
+    """Stage the data files (with their permission bits) and both graphs, then publish them
+    (data first, graphs last); return the data files' paths in the output folder."""
+    out = staging.target_dir
+    written, names = [], []
+    for location, source in data_files.items():
+        target = out / location
+        written.append(target)
+        if not (target.exists() and os.path.samefile(source, target)):
+            staging.copy(source, location)
+            names.append(location)
+    for model, name in ((chunk, CHUNK_MODEL), (decode, DECODE_MODEL)):
+        (staging.path / name).write_bytes(model.SerializeToString())
+        names.append(name)
+    staging.publish(names)
     return written
 
 
@@ -290,7 +281,7 @@ def fix_shapes(
        graphs record `source_digest`), never the input itself nor another model's files
        (`_check_targets`, OutputError).
     7. Nothing appears in `out_dir` unless everything was written (OutputError otherwise); a
-       folder this call created is removed again (`model_io.output_folder`).
+       folder this call created is removed again (`model_io.staged_write`).
     8. The rows and capacity reported are read back from the written graphs.
     9. Recurrent or conv state is a ModelStructureError, before anything is written
        (`_refuse_state`).
@@ -379,8 +370,8 @@ def fix_shapes(
     chunk_path, decode_path = out / CHUNK_MODEL, out / DECODE_MODEL
     _check_targets(source, digest, out, data_files)
     try:
-        with output_folder(out):
-            written = _write_outputs(out, data_files, chunk, decode)
+        with staged_write(out, CHUNK_MODEL) as staging:
+            written = _write_outputs(staging, data_files, chunk, decode)
     except OSError as error:
         raise OutputError(f"cannot write into {out}: {error}; choose a writable folder") \
             from error

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import stat
 
 import numpy as np
 import onnx
@@ -79,6 +81,12 @@ def test_fixed_graphs_have_no_free_dims_share_data_and_generate_like_the_dynamic
     session = ort.InferenceSession(str(result.chunk_model), providers=CPU)
     with pytest.raises(Exception, match="input_ids"):
         session.run(["logits"], {"input_ids": np.zeros((1, ROWS + 1), np.int64)})
+
+
+def test_the_copied_data_keeps_the_sources_permission_bits(dynamic_copy, tmp_path):
+    os.chmod(dynamic_copy.parent / "model.onnx.data", 0o600)
+    result = fix_shapes(dynamic_copy, tmp_path / "fixed", rows=ROWS, capacity=CAPACITY)
+    assert [stat.S_IMODE(path.stat().st_mode) for path in result.data_files] == [0o600]
 
 
 def test_free_capacity_needs_a_value_and_other_dims_can_be_named(dynamic_copy, tmp_path):

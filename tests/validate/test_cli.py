@@ -84,6 +84,14 @@ def test_skip_takes_groups_and_checks(base, capsys):
     assert reasons["structure.gqa"] == "2 GroupQueryAttention node(s)"
 
 
+def test_a_junit_report_that_cannot_be_written_leaves_no_folder(base, tmp_path, capsys):
+    report = tmp_path / "new" / ("r" * 250 + ".xml")  # too long a name for its staging
+    code, out, err = _run(capsys, base, "--junit", report, "--skip", "numerics", "--skip",
+                          "cache")
+    assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    assert "JUnit report" in err and not (tmp_path / "new").exists()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--skip", "nothing"], "--skip 'nothing' names no check"),
     (["--lengths", "5,x"], "--lengths"),
