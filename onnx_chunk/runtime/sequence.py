@@ -152,6 +152,8 @@ class Sequence:
                                     kv_bytes=self._buffers.nbytes)
         # Held by the call or the stream that drives the sequence (see `_hold`).
         self._busy = threading.Lock()
+        # close() was called: no new work; the holder of `_busy`, if any, gives the buffers back.
+        self._closing = False
 
     @property
     def length(self) -> int:
@@ -166,17 +168,29 @@ class Sequence:
     def close(self) -> None:
         """Give the buffers (and the CUDA graphs captured on them) back to the runtime's pool.
 
-        Idempotent; any later call on the sequence is a ClosedError.
+        Idempotent; any later call on the sequence is a ClosedError. A call or stream running
+        on the sequence (in another thread, or a stream not read to its end) keeps the buffers
+        until it ends (a stream raises ClosedError at its next token), and they go back then,
+        so no later sequence can get them while they are still written.
         """
         if not self._finalizer.alive:
             return
-        self._finalizer()
-        self.runtime.pool.settle()
+        self._closing = True
+        if self._busy.acquire(blocking=False):
+            try:
+                self._give_back()
+            finally:
+                self._busy.release()
+
+    def _give_back(self) -> None:
+        if self._finalizer.alive:
+            self._finalizer()
+            self.runtime.pool.settle()
 
     @property
     def closed(self) -> bool:
         """Whether the sequence was closed."""
-        return not self._finalizer.alive
+        return self._closing or not self._finalizer.alive
 
     def __enter__(self) -> Sequence:
         return self
@@ -185,7 +199,7 @@ class Sequence:
         self.close()
 
     def _check_open(self) -> None:
-        if not self._finalizer.alive:
+        if self._closing:
             raise ClosedError("this sequence was closed; open a new one with "
                               "runtime.open_sequence()")
 
@@ -325,6 +339,8 @@ class Sequence:
 
         def release() -> None:
             if released.acquire(blocking=False):
+                if self._closing:
+                    self._give_back()
                 self._busy.release()
 
         return release
@@ -391,7 +407,8 @@ class Sequence:
         with runtime.cache.acquire(runtime.decode_key) as session:
             binding = self._binding(session, DECODE_WIDTH)
             for _ in range(max_new_tokens - 1):
-                # A stream closed between tokens has given its buffers back: stop there.
+                # A sequence closed between two tokens: its stream raises ClosedError here; the
+                # buffers go back to the pool once the stream lets the sequence go.
                 self._check_open()
                 began = time.perf_counter()
                 token = sampler.choose(self._step_on(session, binding, token))

@@ -253,3 +253,24 @@ def test_generate_without_eos_ids_stops_at_the_runtimes(reference_model):
     sequence = loaded.open_sequence()
     assert sequence.generate(prompt, 8) == free[:free.index(free[2]) + 1]
     assert sequence.stats.last_generation.stopped_by_eos
+
+
+@pytest.mark.parametrize("variant", ["base", "conv_hybrid"])
+def test_closing_a_sequence_under_its_stream_never_hands_its_buffers_to_another(
+        reference_model, variant):
+    loaded = load(reference_model(variant), provider="cpu", capacity=64, chunk_size=W)
+    prompt, other = list(range(3, 20)), list(range(40, 60))
+    with loaded.open_sequence() as fresh:
+        expected = fresh.generate(other, 6, eos_token_id=[])
+    first = loaded.open_sequence()
+    stream = first.stream(prompt, 6, eos_token_id=[])
+    taken = [next(stream)]
+    first.close()
+    second = loaded.open_sequence()
+    assert second.buffers is not first.buffers  # still the stream's until it lets go
+    with pytest.raises(Exception, match="closed"):
+        next(stream)  # the closed sequence's stream ends at its next token
+    assert second.generate(other, 6, eos_token_id=[]) == expected
+    assert loaded.open_sequence().generate(other, 6, eos_token_id=[]) == expected
+    with pytest.raises(Exception, match="closed"):
+        first.generate(prompt, 2)

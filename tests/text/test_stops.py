@@ -46,16 +46,19 @@ def test_the_earliest_of_several_stops_wins():
 def test_pieces_emit_what_one_pass_over_the_whole_text_would(text, stops, cuts):
     bounds = sorted({0, len(text), *(min(cut, len(text)) for cut in cuts)})
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
-    found = [index for index in (text.find(stop) for stop in stops) if index >= 0]
-    expected = text[:min(found)] if found else text
+    # The matcher looks after each piece, as a server looks after each token (vLLM's rule):
+    # at the end of the first piece in which some stop string is complete, the text is cut
+    # where the earliest of the stop strings complete by then begins.
+    expected, found = text, False
+    for end in bounds[1:]:
+        starts = [index for index in (text[:end].find(stop) for stop in stops) if index >= 0]
+        if starts:
+            expected, found = text[:min(starts)], True
+            break
     emitted, stopped = _run(stops, pieces)
     joined = "".join(emitted)
-    # A stop that completes in an earlier piece cuts there, so never after the whole text's
-    # first stop; nothing of a stop string is ever emitted.
-    assert expected.startswith(joined) and stopped == bool(found)
+    assert joined == expected and stopped == found
     assert all(stop not in joined for stop in stops)
-    if not found:
-        assert joined == text
 
 
 @pytest.mark.parametrize("stop, message", [([""], "non-empty"), ([3], "non-empty string"),
