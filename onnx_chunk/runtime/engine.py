@@ -244,14 +244,16 @@ class Runtime:
 
     def submit(self, prompt_ids: SequenceOf[int] | np.ndarray, max_new_tokens: int, *,
                eos_token_id: int | SequenceOf[int] | None = None,
-               sampling: Sampling | None = None) -> Request:
+               sampling: Sampling | None = None, wait: bool = False) -> Request:
         """Queue a generation for the batch engine and return its `Request` at once.
 
         Callable from any thread. Checked here (InputError, CapacityError) before it is
-        queued; QueueFullError when `max_queue` requests already wait. `eos_token_id` None:
-        the runtime's; `sampling` None: greedy. See docs/engine.md.
+        queued; QueueFullError when `max_queue` requests already wait (`wait=True`: wait for
+        room instead). `eos_token_id` None: the runtime's; `sampling` None: greedy. See
+        docs/engine.md.
         """
-        return self._submit(prompt_ids, max_new_tokens, eos_token_id, sampling, wait=False)
+        return self._engine_for().submit(
+            *self._checked(prompt_ids, max_new_tokens, eos_token_id, sampling), wait=wait)
 
     def generate_many(self, prompts: Iterable[SequenceOf[int] | np.ndarray],
                       max_new_tokens: int, *, eos_token_id: int | SequenceOf[int] | None = None,
@@ -268,11 +270,6 @@ class Runtime:
         finally:
             for request in requests:
                 request.cancel()
-
-    def _submit(self, prompt_ids, max_new_tokens, eos_token_id, sampling, *,
-                wait: bool) -> Request:
-        return self._engine_for().submit(
-            *self._checked(prompt_ids, max_new_tokens, eos_token_id, sampling), wait=wait)
 
     def _checked(self, prompt_ids, max_new_tokens, eos_token_id,
                  sampling) -> tuple[np.ndarray, int, tuple[int, ...], Sampler]:
