@@ -117,3 +117,14 @@ def test_one_genai_measurement_on_the_tiny_decoder(reference_model, peer_python)
 
     reference = ReferenceDecoder.from_model_dir(model.parent).greedy(prompt, 4)
     assert result["tokens"] == reference[:len(result["tokens"])]
+
+
+def test_a_small_child_of_a_large_parent_reports_its_own_small_peak():
+    """wait4's ru_maxrss starts from the parent's resident set at fork; VmHWM does not."""
+    import numpy as np
+
+    ballast = np.ones(400 * 2**20, dtype=np.uint8)  # 400 MiB resident in this process
+    child = run_child([sys.executable, "-c", "print('{}')"], timeout_s=60)
+    assert ballast.sum() > 0
+    assert child.payload == {}
+    assert 1 < child.peak_rss_mb < 100, child.peak_rss_mb
