@@ -20,16 +20,14 @@ Rows that do not decode this step (a free slot, a slot between prefill chunks) s
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
+
 import numpy as np
 import onnxruntime as ort
 
 from onnx_chunk.runtime.buffers import BatchBuffers, DeviceBuffer, device_zeros
 from onnx_chunk.runtime.ports import LOGITS_OUTPUT, MASK_INPUT, ModelPorts
 from onnx_chunk.runtime.provider import Device, MaskPolicy
-
-logger = logging.getLogger(__name__)
 
 BATCH_BINDING = "batch"
 

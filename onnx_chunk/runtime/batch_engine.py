@@ -22,6 +22,7 @@ holds (CUDA: the prefill tiers and one decode variant within the cap).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -64,6 +65,8 @@ class _Row:
 
 @dataclass
 class _Counters:
+    """What `EngineStats` counts, kept by the engine thread."""
+
     steps: int = 0
     decode_steps: int = 0
     decode_rows: int = 0
@@ -71,6 +74,8 @@ class _Counters:
     prefill_rows: int = 0
     decode_stalls: int = 0
     longest_decode_gap_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
     completed: int = 0
     cancelled: int = 0
     failed: int = 0
@@ -132,16 +137,10 @@ class BatchEngine:
 
     def stats(self) -> EngineStats:
         with self._cond:
-            counters = self._counters
-            return EngineStats(
-                slots=self.slots, running=sum(row is not None for row in self._rows),
-                queued=len(self._queue), queue_limit=self._queue.limit,
-                steps=counters.steps, decode_steps=counters.decode_steps,
-                decode_rows=counters.decode_rows, prefill_chunks=counters.prefill_chunks,
-                prefill_rows=counters.prefill_rows, decode_stalls=counters.decode_stalls,
-                longest_decode_gap_s=counters.longest_decode_gap_s,
-                completed=counters.completed, cancelled=counters.cancelled,
-                failed=counters.failed)
+            return EngineStats(slots=self.slots,
+                               running=sum(row is not None for row in self._rows),
+                               queued=len(self._queue), queue_limit=self._queue.limit,
+                               **dataclasses.asdict(self._counters))
 
     def close(self) -> None:
         """Stop the thread; queued and running requests fail with ClosedError."""
@@ -180,7 +179,7 @@ class BatchEngine:
                     continue
             try:
                 self._step()
-            except BaseException as error:  # a defect in the step itself: fail, never hang
+            except Exception as error:  # a defect in the step itself: fail, never hang
                 logger.exception("an engine step failed")
                 with self._cond:
                     for row in self._rows:
@@ -217,7 +216,7 @@ class BatchEngine:
         rows = [(index, row) for index, row in enumerate(self._rows) if row is not None]
         prefilling = sorted((entry for entry in rows if entry[1].chunks),
                             key=lambda entry: entry[1].order)
-        waiting = any(not row.chunks for _, row in rows)
+        decoding_before = any(not row.chunks for _, row in rows)
         picks = prefill_picks([[end - begin for begin, end in row.chunks]
                                for _, row in prefilling], self.budget)
         ran = 0
@@ -230,7 +229,7 @@ class BatchEngine:
         decoding = [index for index, row in rows if not row.chunks and not row.request.done]
         with self._cond:
             self._counters.steps += 1
-            if ran and waiting:
+            if ran and decoding_before:
                 self._counters.decode_stalls += 1
         if decoding:
             self._decode(decoding)
@@ -240,6 +239,7 @@ class BatchEngine:
     def _prefill_chunk(self, row: _Row) -> None:
         begin, end = row.chunks.popleft()
         request = row.request
+        began = time.perf_counter()
         try:
             logits = row.sequence.prefill(request.prompt[begin:end])
         except Exception as error:  # any failure of this forward fails its request alone
@@ -250,6 +250,7 @@ class BatchEngine:
         with self._cond:
             self._counters.prefill_chunks += 1
             self._counters.prefill_rows += end - begin
+            self._counters.prefill_s += time.perf_counter() - began
         if not row.chunks:
             self._deliver(row, row.sampler.choose(logits))
 
@@ -258,6 +259,7 @@ class BatchEngine:
         lengths = [row.sequence.length if row is not None else 0 for row in self._rows]
         tokens = [row.token if row is not None and index in decoding else 0
                   for index, row in enumerate(self._rows)]
+        began = time.perf_counter()
         try:
             with runtime.cache.acquire(runtime.decode_key) as session:
                 io = self._decoder.binding(
@@ -275,6 +277,7 @@ class BatchEngine:
         with self._cond:
             self._counters.decode_steps += 1
             self._counters.decode_rows += len(decoding)
+            self._counters.decode_s += now - began
             if self._last_decode is not None:
                 self._counters.longest_decode_gap_s = max(
                     self._counters.longest_decode_gap_s, now - self._last_decode)

@@ -103,7 +103,8 @@ class EngineStats:
     in them; `prefill_chunks` / `prefill_rows`: prefill forwards and their real rows;
     `decode_stalls`: steps in which running decodes waited for prefill chunks first;
     `longest_decode_gap_s`: the longest time between two decode forwards while sequences
-    were decoding (what a running request sees as its slowest token).
+    were decoding (what a running request sees as its slowest token); `prefill_s` /
+    `decode_s`: the time spent in prefill chunks and in batched decode steps.
     """
 
     slots: int
@@ -117,6 +118,8 @@ class EngineStats:
     prefill_rows: int = 0
     decode_stalls: int = 0
     longest_decode_gap_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
     completed: int = 0
     cancelled: int = 0
     failed: int = 0

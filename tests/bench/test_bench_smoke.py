@@ -128,3 +128,22 @@ def test_a_small_child_of_a_large_parent_reports_its_own_small_peak():
     assert ballast.sum() > 0
     assert child.payload == {}
     assert 1 < child.peak_rss_mb < 100, child.peak_rss_mb
+
+
+def test_the_engine_benchmark_quick_mode_runs_and_checks_its_tokens(tmp_path):
+    """scripts/bench_engine.py --quick: the tiny decoder, one round, both tables."""
+    import json
+    import subprocess
+
+    script = env.ROOT / "scripts" / "bench_engine.py"
+    result = subprocess.run([sys.executable, str(script), "--quick", "--no-genai", "--out",
+                             str(tmp_path)], capture_output=True, text=True, timeout=300,
+                            check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    table = (tmp_path / "engine_quick.md").read_text()
+    assert "batched (batch 4)" in table and "admission of a 300-token prompt" in table
+    data = json.loads((tmp_path / "engine_quick.json").read_text())
+    batched, alone = data["throughput"]["batched"][0], data["throughput"]["batch 1"][0]
+    assert batched["tokens"] == alone["tokens"] and len(batched["tokens"]) == 6
+    assert batched["rows_per_decode_step"] > 1
+    assert data["stall"]["chunked"][0]["chunks"] == 10
