@@ -38,7 +38,7 @@ from onnx_chunk.runtime.request import FinishReason, Request
 from onnx_chunk.runtime.scheduler import RequestQueue, admit, prefill_picks
 from onnx_chunk.runtime.sequence import Sequence, prefill_chunks
 from onnx_chunk.runtime.sequence_pool import SequenceSlot, slot_mask
-from onnx_chunk.runtime.stats import EngineStats
+from onnx_chunk.runtime.stats import EngineCounters, EngineStats
 from onnx_chunk.sampling import Sampler
 
 if TYPE_CHECKING:
@@ -63,24 +63,6 @@ class _Row:
     token: int = 0
 
 
-@dataclass
-class _Counters:
-    """What `EngineStats` counts, kept by the engine thread."""
-
-    steps: int = 0
-    decode_steps: int = 0
-    decode_rows: int = 0
-    prefill_chunks: int = 0
-    prefill_rows: int = 0
-    decode_stalls: int = 0
-    longest_decode_gap_s: float = 0.0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    completed: int = 0
-    cancelled: int = 0
-    failed: int = 0
-
-
 class BatchEngine:
     """The engine of one runtime (see the module docstring)."""
 
@@ -103,7 +85,7 @@ class BatchEngine:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._admitted = 0
-        self._counters = _Counters()
+        self._counters = EngineCounters()
         self._last_decode: float | None = None
 
     def submit(self, prompt: np.ndarray, max_new_tokens: int, eos_token_ids: tuple[int, ...],

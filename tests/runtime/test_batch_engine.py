@@ -36,19 +36,23 @@ def alone(runtime, prompts, new_tokens=NEW_TOKENS, **options) -> list[list[int]]
     return results
 
 
-@pytest.mark.parametrize("variant", ["base", "int4", "position_ids", "conv_hybrid",
-                                     "inputs_embeds", "last_token_logits"])
-def test_greedy_tokens_equal_each_request_run_alone(reference_model, variant):
-    path = reference_model(variant)
+def assert_batched_equals_alone(path, max_batch: int):
+    """The batched greedy tokens of `LENGTHS` prompts equal each one alone; the engine stats."""
     single = load(path, provider="cpu", capacity=128, chunk_size=W)
     prompts = prompts_for(single.ports.vocab_size)
     expected = alone(single, prompts)
-    with load(path, provider="cpu", capacity=128, chunk_size=W, max_batch=3) as batched:
+    with load(path, provider="cpu", capacity=128, chunk_size=W, max_batch=max_batch) as batched:
         assert batched.generate_many(prompts, NEW_TOKENS, eos_token_id=[]) == expected
-        stats = batched.stats().engine
+        return batched.stats().engine
+
+
+@pytest.mark.parametrize("variant", ["base", "int4", "position_ids", "conv_hybrid",
+                                     "inputs_embeds", "last_token_logits"])
+def test_greedy_tokens_equal_each_request_run_alone(reference_model, variant):
+    stats = assert_batched_equals_alone(reference_model(variant), max_batch=3)
     # Decodes really ran batched, and prompts were admitted while others decoded.
     assert stats.rows_per_decode_step > 1.5
-    assert stats.decode_stalls > 0 and stats.completed == len(prompts)
+    assert stats.decode_stalls > 0 and stats.completed == len(LENGTHS)
 
 
 @pytest.mark.parametrize("variant", ["base", "conv_hybrid"])
@@ -58,12 +62,7 @@ def test_parity_on_the_device_path_with_the_capacity_mask(reference_model, monke
     device = dataclasses.replace(device_for("cpu"), host_visible=False,
                                  mask_policy=MaskPolicy.CAPACITY, specialize=True)
     monkeypatch.setattr(engine, "resolve_device", lambda *args: device)
-    path = reference_model(variant)
-    single = load(path, provider="cpu", capacity=128, chunk_size=W)
-    prompts = prompts_for(single.ports.vocab_size)
-    expected = alone(single, prompts)
-    with load(path, provider="cpu", capacity=128, chunk_size=W, max_batch=4) as batched:
-        assert batched.generate_many(prompts, NEW_TOKENS, eos_token_id=[]) == expected
+    assert_batched_equals_alone(reference_model(variant), max_batch=4)
 
 
 @pytest.mark.parametrize("fixture", builder_gqa_fixtures(), ids=str)
