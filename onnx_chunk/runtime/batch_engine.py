@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -67,7 +68,9 @@ class BatchEngine:
     """The engine of one runtime (see the module docstring)."""
 
     def __init__(self, runtime: Runtime, slots: int, max_queue: int = DEFAULT_MAX_QUEUE) -> None:
-        self._runtime = runtime
+        # Weak: the runtime owns the engine, and is freed with its last reference (the rows'
+        # sequences hold it while they run).
+        self._runtime = weakref.ref(runtime)
         ports, device = runtime.ports, runtime.device
         self.slots = slots
         self.budget = runtime.chunk_size
@@ -143,14 +146,25 @@ class BatchEngine:
                 if row is not None:
                     self._fail(row.request, error)
                     self._free(index)
-        for slot in self._slots:
-            self._runtime.pool.give_number(slot.number)
-        self._runtime.pool.give_number(self._decode_number)
+        runtime = self._runtime()
+        if runtime is not None:
+            for slot in self._slots:
+                runtime.pool.give_number(slot.number)
+            runtime.pool.give_number(self._decode_number)
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                self._settle()
+                runtime = self._runtime()
+                if runtime is None:
+                    self._closed = True
+                    for request in self._queue.drain():
+                        self._fail(request, ClosedError("the runtime was freed before this "
+                                                        "request started"))
+                    self._thread = None
+                    return
+                self._settle(runtime)
+                del runtime
                 if self._closed:
                     self._thread = None
                     return
@@ -168,7 +182,7 @@ class BatchEngine:
                         if row is not None:
                             self._fail(row.request, error)
 
-    def _settle(self) -> None:
+    def _settle(self, runtime: Runtime) -> None:
         """Free the slots of ended requests, then admit queued ones (the lock is held)."""
         for index, row in enumerate(self._rows):
             if row is not None and row.request.done:
@@ -178,11 +192,11 @@ class BatchEngine:
             request = self._queue.pop()
             sampler = self._samplers.pop(request.id)
             slot = self._slots[index]
-            slot.reset(self._runtime.device.mask_policy)
-            sequence = Sequence(self._runtime, slot)
+            slot.reset(runtime.device.mask_policy)
+            sequence = Sequence(runtime, slot)
             row = _Row(request, sequence, sampler, self._admitted,
                        collections.deque(prefill_chunks(len(request.prompt),
-                                                        self._runtime.chunk_size)))
+                                                        runtime.chunk_size)))
             self._admitted += 1
             self._rows[index] = row
             request.admitted()
@@ -237,7 +251,7 @@ class BatchEngine:
             self._deliver(row, row.sampler.choose(logits))
 
     def _decode(self, decoding: list[int]) -> None:
-        runtime = self._runtime
+        runtime = self._rows[decoding[0]].sequence.runtime
         lengths = [row.sequence.length if row is not None else 0 for row in self._rows]
         tokens = [row.token if row is not None and index in decoding else 0
                   for index, row in enumerate(self._rows)]

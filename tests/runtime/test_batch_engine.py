@@ -266,3 +266,19 @@ def test_close_fails_what_is_left_and_refuses_new_requests(reference_model):
 def test_max_batch_is_checked(reference_model):
     with pytest.raises(ConfigError, match="max_batch"):
         load(reference_model("base"), provider="cpu", max_batch=0)
+
+
+def test_a_runtime_whose_engine_ran_is_freed_with_its_last_reference(reference_model):
+    import gc
+    import weakref
+
+    runtime = load(reference_model("base"), provider="cpu", capacity=64, chunk_size=W,
+                   max_batch=2)
+    assert len(runtime.submit([1, 2, 3], 3, eos_token_id=[]).result()) == 3
+    freed = weakref.ref(runtime)
+    gc.disable()
+    try:
+        del runtime
+        assert freed() is None
+    finally:
+        gc.enable()
