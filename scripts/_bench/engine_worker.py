@@ -83,6 +83,10 @@ def _stall(runtime: rt.Runtime, request: dict) -> dict:
     first_s = submit_s + admitted.stats.ttft_s
     gaps = []
     for submitted_s, submitted in running:
+        # The gap that spans the prompt's last forward ends with the next decode's token.
+        tokens = submitted.tokens()
+        while submitted_s + submitted.token_times[-1] <= first_s:
+            next(tokens)
         submitted.cancel()
         stamps = [submitted_s + offset for offset in submitted.token_times]
         gaps += [later - earlier for earlier, later in zip(stamps, stamps[1:])
