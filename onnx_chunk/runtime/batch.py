@@ -101,7 +101,8 @@ class BatchDecoder:
         """One forward: row i feeds `tokens[i]` at `lengths[i]`; rows outside `decoding` keep
         their state and window caches. The [slots, vocab] logits, on the host."""
         slots = self.buffers.slots
-        idle = [row for row in range(slots) if row not in set(decoding)]
+        active = set(decoding)
+        idle = [row for row in range(slots) if row not in active]
         for row, token in enumerate(tokens):
             self._host_tokens[row, 0] = (token if self.embeddings is None
                                          else self.embeddings[token])

@@ -153,34 +153,39 @@ class BatchEngine:
             runtime.pool.give_number(self._decode_number)
 
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                runtime = self._runtime()
-                if runtime is None:
-                    self._closed = True
-                    for request in self._queue.drain():
-                        self._fail(request, ClosedError("the runtime was freed before this "
-                                                        "request started"))
-                    self._thread = None
-                    return
+        while self._turn():
+            pass
+
+    def _turn(self) -> bool:
+        """One step, or one wait for work; False when the thread is to leave."""
+        # The runtime is held for this turn only: never while the thread waits idle.
+        runtime = self._runtime()
+        with self._cond:
+            if runtime is None:
+                self._closed = True
+                for request in self._queue.drain():
+                    self._fail(request, ClosedError("the runtime was freed before this "
+                                                    "request started"))
+            else:
                 self._settle(runtime)
+            if self._closed:
+                self._thread = None
+                return False
+            if not any(self._rows):
                 del runtime
-                if self._closed:
+                if not self._cond.wait(_IDLE_EXIT_S) and not self._queue:
                     self._thread = None
-                    return
-                if not any(self._rows):
-                    if not self._cond.wait(_IDLE_EXIT_S) and not self._queue:
-                        self._thread = None
-                        return
-                    continue
-            try:
-                self._step()
-            except Exception as error:  # a defect in the step itself: fail, never hang
-                logger.exception("an engine step failed")
-                with self._cond:
-                    for row in self._rows:
-                        if row is not None:
-                            self._fail(row.request, error)
+                    return False
+                return True
+        try:
+            self._step(runtime)
+        except Exception as error:  # a defect in the step itself: fail, never hang
+            logger.exception("an engine step failed")
+            with self._cond:
+                for row in self._rows:
+                    if row is not None:
+                        self._fail(row.request, error)
+        return True
 
     def _settle(self, runtime: Runtime) -> None:
         """Free the slots of ended requests, then admit queued ones (the lock is held)."""
@@ -208,7 +213,7 @@ class BatchEngine:
             row.sequence.close()
             self._rows[index] = None
 
-    def _step(self) -> None:
+    def _step(self, runtime: Runtime) -> None:
         rows = [(index, row) for index, row in enumerate(self._rows) if row is not None]
         prefilling = sorted((entry for entry in rows if entry[1].chunks),
                             key=lambda entry: entry[1].order)
@@ -228,7 +233,7 @@ class BatchEngine:
             if ran and decoding_before:
                 self._counters.decode_stalls += 1
         if decoding:
-            self._decode(decoding)
+            self._decode(runtime, decoding)
         else:
             self._last_decode = None
 
@@ -250,8 +255,7 @@ class BatchEngine:
         if not row.chunks:
             self._deliver(row, row.sampler.choose(logits))
 
-    def _decode(self, decoding: list[int]) -> None:
-        runtime = self._rows[decoding[0]].sequence.runtime
+    def _decode(self, runtime: Runtime, decoding: list[int]) -> None:
         lengths = [row.sequence.length if row is not None else 0 for row in self._rows]
         tokens = [row.token if row is not None and index in decoding else 0
                   for index, row in enumerate(self._rows)]
