@@ -180,6 +180,7 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
     out greedily, or with --prompt text in, text streamed out (see docs/text.md)."""
     check_utf8_path(model)
     if text["prompt"] is not None:
+        _refuse("--prompt", {"--batch": batch if batch > 1 else None})
         _route_text(model, text, ids_text, ids_file, random_prompt, seed, max_new_tokens,
                     eos_token_ids or None, chunk_size, provider, capacity, no_padding, specialize,
                     static, as_json)

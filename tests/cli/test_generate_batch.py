@@ -39,3 +39,10 @@ def test_batch_is_refused_for_a_static_decoder(reference_model, tmp_path, capsys
                  "--max-new-tokens", "2", "--static", "--batch", "2"])
     assert code == 2
     one_error_line(capsys, "--batch")
+
+
+def test_batch_is_refused_with_a_text_prompt(reference_model, capsys):
+    code = main(["generate", str(reference_model("base")), "--prompt", "hello",
+                 "--max-new-tokens", "2", "--batch", "2"])
+    assert code == 2
+    one_error_line(capsys, "--batch", "--prompt")
