@@ -160,6 +160,11 @@ class Runtime:
         self.ports: ModelPorts = model_ports(
             model, plan, self.capacity, head_size=genai.head_size,
             window_slack=self.chunk_size if self.device.window_slack else 0)
+        if self.max_batch > 1 and self.ports.batch_dim is None:
+            raise ConfigError(
+                f"max_batch={self.max_batch} needs a decoder whose batch axis is free, and "
+                f"{self.model_path.name} fixes it to 1 (its {self.ports.token_input!r} input); "
+                "load it with max_batch=1 or export it with a symbolic batch size")
         # Generation stops at these unless a call names its own (genai_config.json's list).
         self.eos_token_ids: tuple[int, ...] = _checked_token_ids(
             genai.eos_token_ids, self.ports.vocab_size, genai.path)

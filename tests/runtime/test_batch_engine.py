@@ -282,3 +282,19 @@ def test_a_runtime_whose_engine_ran_is_freed_with_its_last_reference(reference_m
         assert freed() is None
     finally:
         gc.enable()
+
+
+def test_a_decoder_with_a_fixed_batch_axis_is_refused_for_max_batch(reference_model, tmp_path):
+    import shutil
+
+    import onnx
+    from onnxruntime.tools.onnx_model_utils import make_dim_param_fixed
+
+    folder = tmp_path / "fixed"
+    shutil.copytree(reference_model("base").parent, folder)
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    make_dim_param_fixed(model.graph, "batch_size", 1)
+    onnx.save(model, str(folder / "model.onnx"))
+    with pytest.raises(ConfigError, match="max_batch=2 needs a decoder whose batch axis is free"):
+        load(folder, provider="cpu", max_batch=2)
+    assert load(folder, provider="cpu", capacity=64).generate_many([[1, 2, 3]], 2) != []
