@@ -42,6 +42,10 @@ step "$PY" scripts/bench_padding.py "${QUICK[@]}" --out "$OUT"
 for variant in base int4; do
     step "$PY" scripts/bench_weights.py "${QUICK[@]}" --out "$OUT" --variant "$variant"
 done
+# Table 6: the batch engine (3 rounds: each round serves 16 prompts three times and admits a
+# 4000-token prompt twice).
+step "$PY" scripts/bench_engine.py "${QUICK[@]}" --out "$OUT" --genai-venv "$GENAI_VENV" \
+    --repetitions 3
 # Table 5: the tiny decoder at W=64 already runs in seconds, so --quick changes nothing here.
 began=$SECONDS
 step "$PY" scripts/cache_thrash.py | tee "$OUT/cache_thrash.md"

@@ -20,6 +20,7 @@ from onnx_chunk.errors import InputError
 from onnx_chunk.model_io import check_utf8_path
 from onnx_chunk.runtime import GenerationStats, RuntimeStats, load
 from onnx_chunk.runtime.provider import PROVIDER_CHOICES
+from onnx_chunk.runtime.request import Request
 from onnx_chunk.runtime.static_model import is_static_model, load_static
 
 _SEPARATORS = re.compile(r"[\s,]+")
@@ -60,7 +61,6 @@ def read_ids_file(path: Path) -> list[list[int]]:
 def record(index: int, prompt: list[int], tokens: list[int], generation: GenerationStats,
            stats: RuntimeStats) -> dict:
     """The JSON object printed for one prompt."""
-    cache = stats.cache
     return {
         "prompt": index,
         "prompt_tokens": len(prompt),
@@ -69,7 +69,36 @@ def record(index: int, prompt: list[int], tokens: list[int], generation: Generat
         "decode_tokens_per_s": generation.decode_tokens_per_s,
         "chunks": [[chunk.rows, chunk.width] for chunk in generation.chunks],
         "stopped_by_eos": generation.stopped_by_eos,
-        "stats": {
+        "stats": _stats_entry(stats),
+    }
+
+
+def batch_record(index: int, request: Request, stats: RuntimeStats) -> dict:
+    """The JSON object printed for one prompt served by the batch engine (--batch)."""
+    tokens = request.result()
+    counts = request.stats
+    decode_s = (counts.total_s or 0.0) - (counts.ttft_s or 0.0)
+    engine = stats.engine
+    return {
+        "prompt": index,
+        "prompt_tokens": counts.prompt_tokens,
+        "tokens": tokens,
+        "ttft_s": counts.ttft_s,
+        "decode_tokens_per_s": ((len(tokens) - 1) / decode_s
+                                if len(tokens) > 1 and decode_s > 0 else None),
+        "prefill_chunks": counts.prefill_chunks,
+        "queued_s": counts.queued_s,
+        "finish_reason": request.finish_reason,
+        "stopped_by_eos": request.finish_reason == "stop",
+        "stats": {**_stats_entry(stats), "max_batch": stats.max_batch,
+                  "decode_steps": engine.decode_steps if engine else 0,
+                  "rows_per_decode_step": engine.rows_per_decode_step if engine else None},
+    }
+
+
+def _stats_entry(stats: RuntimeStats) -> dict:
+    cache = stats.cache
+    return {
             "provider": stats.provider,
             "device": stats.device,
             "chunk_size": stats.chunk_size,
@@ -85,15 +114,15 @@ def record(index: int, prompt: list[int], tokens: list[int], generation: Generat
             "variants": cache.variants,
             "widths": list(cache.widths),
             "bytes_held": cache.bytes_held,
-        },
     }
 
 
 def _format(entry: dict) -> str:
     stats = entry["stats"]
     speed = entry["decode_tokens_per_s"]
-    chunks = " ".join(f"{rows}->{width}" if rows != width else str(rows)
-                      for rows, width in entry["chunks"])
+    chunks = (" ".join(f"{rows}->{width}" if rows != width else str(rows)
+                       for rows, width in entry["chunks"]) if "chunks" in entry
+              else f"{entry['prefill_chunks']} ({entry['finish_reason']})")
     return (f"prompt {entry['prompt']} ({entry['prompt_tokens']} tokens): "
             f"{' '.join(map(str, entry['tokens']))}\n"
             f"  chunks {chunks} | ttft {entry['ttft_s'] * 1000:.1f} ms | "
@@ -136,6 +165,9 @@ def _format(entry: dict) -> str:
               help="static: the rows-1 graph (default: decode.onnx beside MODEL).")
 @click.option("--strict", is_flag=True,
               help="static: refuse truncation or a sliding cache instead of warning.")
+@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Serve the prompts through the batch engine, at most N at once (one "
+                   "batched decode forward for all); 1 runs them one after another.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt per line.")
 @text_options
 def generate(model: Path, ids_text: str | None, ids_file: Path | None,
@@ -143,11 +175,12 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
              eos_token_ids: tuple[int, ...], chunk_size: int | None, provider: str,
              capacity: int | None, no_padding: bool, specialize: bool | None, static: bool,
              max_input_len: int | None, kv_capacity: int | None, decode_model: Path | None,
-             strict: bool, as_json: bool, **text: object) -> None:
+             strict: bool, batch: int, as_json: bool, **text: object) -> None:
     """Generate from MODEL with chunked prefill (dynamic or static decoders): token ids in and
     out greedily, or with --prompt text in, text streamed out (see docs/text.md)."""
     check_utf8_path(model)
     if text["prompt"] is not None:
+        _refuse("--prompt", {"--batch": batch if batch > 1 else None})
         _route_text(model, text, ids_text, ids_file, random_prompt, seed, max_new_tokens,
                     eos_token_ids or None, chunk_size, provider, capacity, no_padding, specialize,
                     static, as_json)
@@ -159,7 +192,8 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
         raise click.UsageError("give exactly one of --ids, --ids-file, --random-prompt"
                                + (f" (got {', '.join(given)})" if given else ""))
     dynamic_only = {"--capacity": capacity, "--no-padding": no_padding or None,
-                    "--specialize/--no-specialize": specialize}
+                    "--specialize/--no-specialize": specialize,
+                    "--batch": batch if batch > 1 else None}
     static_only = {"--max-input-len": max_input_len, "--kv-capacity": kv_capacity,
                    "--decode-model": decode_model, "--strict": strict or None}
     if static or is_static_model(model):
@@ -177,7 +211,8 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
         return
     _refuse("a dynamic decoder", static_only)
     runtime = load(model, provider=provider, capacity=capacity, chunk_size=chunk_size,
-                   padding=False if no_padding else None, specialize=specialize)
+                   padding=False if no_padding else None, specialize=specialize,
+                   max_batch=batch)
     prompts = _prompts(runtime.ports.vocab_size, ids_text, ids_file, random_prompt, seed)
     # One sequence serves the prompts in turn, rewound to empty before each: its KV buffers
     # (and, on CUDA, the graphs captured at their addresses) are reused. Every prompt is
@@ -193,6 +228,16 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
                    f"padding {'on' if stats.padding else 'off'}, "
                    + ("one shape-generic session" if stats.specialize is False
                       else "variants per width"))
+    if batch > 1:
+        sequence.close()
+        requests = [runtime.submit(prompt, max_new_tokens, eos_token_id=stop or None, wait=True)
+                    for prompt in prompts]
+        for index, request in enumerate(requests):
+            request.result()
+            entry = batch_record(index, request, runtime.stats())
+            click.echo(json.dumps(entry) if as_json else _format(entry))
+        runtime.close()
+        return
     for index, prompt in enumerate(prompts):
         sequence.rewind(sequence.length)
         tokens = sequence.generate(prompt, max_new_tokens, stop or None)

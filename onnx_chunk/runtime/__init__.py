@@ -13,8 +13,11 @@ from typing import TYPE_CHECKING, Any
 _API = {
     "ChunkRecord": "stats",
     "Device": "provider",
+    "EngineStats": "stats",
     "GenerationStats": "stats",
     "MaskPolicy": "provider",
+    "Request": "request",
+    "RequestStats": "request",
     "Runtime": "engine",
     "RuntimeStats": "stats",
     "Sequence": "sequence",
@@ -35,11 +38,12 @@ if TYPE_CHECKING:
     from onnx_chunk.runtime.alignment import StaticLimits, suggest_capacity
     from onnx_chunk.runtime.engine import Runtime, load
     from onnx_chunk.runtime.provider import Device, MaskPolicy, resolve_device
+    from onnx_chunk.runtime.request import Request, RequestStats
     from onnx_chunk.runtime.sequence import Sequence
     from onnx_chunk.runtime.static_model import is_static_model, load_static
     from onnx_chunk.runtime.static_runner import StaticGenerationResult, StaticRunner
-    from onnx_chunk.runtime.stats import (ChunkRecord, GenerationStats, RuntimeStats,
-                                          SequenceStats)
+    from onnx_chunk.runtime.stats import (ChunkRecord, EngineStats, GenerationStats,
+                                          RuntimeStats, SequenceStats)
 
 
 def __getattr__(name: str) -> Any:

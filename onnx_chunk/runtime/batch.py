@@ -20,16 +20,14 @@ Rows that do not decode this step (a free slot, a slot between prefill chunks) s
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
+
 import numpy as np
 import onnxruntime as ort
 
 from onnx_chunk.runtime.buffers import BatchBuffers, DeviceBuffer, device_zeros
 from onnx_chunk.runtime.ports import LOGITS_OUTPUT, MASK_INPUT, ModelPorts
 from onnx_chunk.runtime.provider import Device, MaskPolicy
-
-logger = logging.getLogger(__name__)
 
 BATCH_BINDING = "batch"
 
@@ -103,7 +101,8 @@ class BatchDecoder:
         """One forward: row i feeds `tokens[i]` at `lengths[i]`; rows outside `decoding` keep
         their state and window caches. The [slots, vocab] logits, on the host."""
         slots = self.buffers.slots
-        idle = [row for row in range(slots) if row not in set(decoding)]
+        active = set(decoding)
+        idle = [row for row in range(slots) if row not in active]
         for row, token in enumerate(tokens):
             self._host_tokens[row, 0] = (token if self.embeddings is None
                                          else self.embeddings[token])

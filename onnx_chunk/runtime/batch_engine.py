@@ -22,9 +22,11 @@ holds (CUDA: the prefill tiers and one decode variant within the cap).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,7 +39,7 @@ from onnx_chunk.runtime.request import FinishReason, Request
 from onnx_chunk.runtime.scheduler import RequestQueue, admit, prefill_picks
 from onnx_chunk.runtime.sequence import Sequence, prefill_chunks
 from onnx_chunk.runtime.sequence_pool import SequenceSlot, slot_mask
-from onnx_chunk.runtime.stats import EngineStats
+from onnx_chunk.runtime.stats import EngineCounters, EngineStats
 from onnx_chunk.sampling import Sampler
 
 if TYPE_CHECKING:
@@ -62,25 +64,13 @@ class _Row:
     token: int = 0
 
 
-@dataclass
-class _Counters:
-    steps: int = 0
-    decode_steps: int = 0
-    decode_rows: int = 0
-    prefill_chunks: int = 0
-    prefill_rows: int = 0
-    decode_stalls: int = 0
-    longest_decode_gap_s: float = 0.0
-    completed: int = 0
-    cancelled: int = 0
-    failed: int = 0
-
-
 class BatchEngine:
     """The engine of one runtime (see the module docstring)."""
 
     def __init__(self, runtime: Runtime, slots: int, max_queue: int = DEFAULT_MAX_QUEUE) -> None:
-        self._runtime = runtime
+        # Weak: the runtime owns the engine, and is freed with its last reference (the rows'
+        # sequences hold it while they run).
+        self._runtime = weakref.ref(runtime)
         ports, device = runtime.ports, runtime.device
         self.slots = slots
         self.budget = runtime.chunk_size
@@ -98,7 +88,7 @@ class BatchEngine:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._admitted = 0
-        self._counters = _Counters()
+        self._counters = EngineCounters()
         self._last_decode: float | None = None
 
     def submit(self, prompt: np.ndarray, max_new_tokens: int, eos_token_ids: tuple[int, ...],
@@ -132,16 +122,10 @@ class BatchEngine:
 
     def stats(self) -> EngineStats:
         with self._cond:
-            counters = self._counters
-            return EngineStats(
-                slots=self.slots, running=sum(row is not None for row in self._rows),
-                queued=len(self._queue), queue_limit=self._queue.limit,
-                steps=counters.steps, decode_steps=counters.decode_steps,
-                decode_rows=counters.decode_rows, prefill_chunks=counters.prefill_chunks,
-                prefill_rows=counters.prefill_rows, decode_stalls=counters.decode_stalls,
-                longest_decode_gap_s=counters.longest_decode_gap_s,
-                completed=counters.completed, cancelled=counters.cancelled,
-                failed=counters.failed)
+            return EngineStats(slots=self.slots,
+                               running=sum(row is not None for row in self._rows),
+                               queued=len(self._queue), queue_limit=self._queue.limit,
+                               **dataclasses.asdict(self._counters))
 
     def close(self) -> None:
         """Stop the thread; queued and running requests fail with ClosedError."""
@@ -162,32 +146,48 @@ class BatchEngine:
                 if row is not None:
                     self._fail(row.request, error)
                     self._free(index)
-        for slot in self._slots:
-            self._runtime.pool.give_number(slot.number)
-        self._runtime.pool.give_number(self._decode_number)
+        runtime = self._runtime()
+        if runtime is not None:
+            for slot in self._slots:
+                runtime.pool.give_number(slot.number)
+            runtime.pool.give_number(self._decode_number)
 
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                self._settle()
-                if self._closed:
-                    self._thread = None
-                    return
-                if not any(self._rows):
-                    if not self._cond.wait(_IDLE_EXIT_S) and not self._queue:
-                        self._thread = None
-                        return
-                    continue
-            try:
-                self._step()
-            except BaseException as error:  # a defect in the step itself: fail, never hang
-                logger.exception("an engine step failed")
-                with self._cond:
-                    for row in self._rows:
-                        if row is not None:
-                            self._fail(row.request, error)
+        while self._turn():
+            pass
 
-    def _settle(self) -> None:
+    def _turn(self) -> bool:
+        """One step, or one wait for work; False when the thread is to leave."""
+        # The runtime is held for this turn only: never while the thread waits idle.
+        runtime = self._runtime()
+        with self._cond:
+            if runtime is None:
+                self._closed = True
+                for request in self._queue.drain():
+                    self._fail(request, ClosedError("the runtime was freed before this "
+                                                    "request started"))
+            else:
+                self._settle(runtime)
+            if self._closed:
+                self._thread = None
+                return False
+            if not any(self._rows):
+                del runtime
+                if not self._cond.wait(_IDLE_EXIT_S) and not self._queue:
+                    self._thread = None
+                    return False
+                return True
+        try:
+            self._step(runtime)
+        except Exception as error:  # a defect in the step itself: fail, never hang
+            logger.exception("an engine step failed")
+            with self._cond:
+                for row in self._rows:
+                    if row is not None:
+                        self._fail(row.request, error)
+        return True
+
+    def _settle(self, runtime: Runtime) -> None:
         """Free the slots of ended requests, then admit queued ones (the lock is held)."""
         for index, row in enumerate(self._rows):
             if row is not None and row.request.done:
@@ -197,11 +197,11 @@ class BatchEngine:
             request = self._queue.pop()
             sampler = self._samplers.pop(request.id)
             slot = self._slots[index]
-            slot.reset(self._runtime.device.mask_policy)
-            sequence = Sequence(self._runtime, slot)
+            slot.reset(runtime.device.mask_policy)
+            sequence = Sequence(runtime, slot)
             row = _Row(request, sequence, sampler, self._admitted,
                        collections.deque(prefill_chunks(len(request.prompt),
-                                                        self._runtime.chunk_size)))
+                                                        runtime.chunk_size)))
             self._admitted += 1
             self._rows[index] = row
             request.admitted()
@@ -213,11 +213,11 @@ class BatchEngine:
             row.sequence.close()
             self._rows[index] = None
 
-    def _step(self) -> None:
+    def _step(self, runtime: Runtime) -> None:
         rows = [(index, row) for index, row in enumerate(self._rows) if row is not None]
         prefilling = sorted((entry for entry in rows if entry[1].chunks),
                             key=lambda entry: entry[1].order)
-        waiting = any(not row.chunks for _, row in rows)
+        decoding_before = any(not row.chunks for _, row in rows)
         picks = prefill_picks([[end - begin for begin, end in row.chunks]
                                for _, row in prefilling], self.budget)
         ran = 0
@@ -230,16 +230,17 @@ class BatchEngine:
         decoding = [index for index, row in rows if not row.chunks and not row.request.done]
         with self._cond:
             self._counters.steps += 1
-            if ran and waiting:
+            if ran and decoding_before:
                 self._counters.decode_stalls += 1
         if decoding:
-            self._decode(decoding)
+            self._decode(runtime, decoding)
         else:
             self._last_decode = None
 
     def _prefill_chunk(self, row: _Row) -> None:
         begin, end = row.chunks.popleft()
         request = row.request
+        began = time.perf_counter()
         try:
             logits = row.sequence.prefill(request.prompt[begin:end])
         except Exception as error:  # any failure of this forward fails its request alone
@@ -250,14 +251,15 @@ class BatchEngine:
         with self._cond:
             self._counters.prefill_chunks += 1
             self._counters.prefill_rows += end - begin
+            self._counters.prefill_s += time.perf_counter() - began
         if not row.chunks:
             self._deliver(row, row.sampler.choose(logits))
 
-    def _decode(self, decoding: list[int]) -> None:
-        runtime = self._runtime
+    def _decode(self, runtime: Runtime, decoding: list[int]) -> None:
         lengths = [row.sequence.length if row is not None else 0 for row in self._rows]
         tokens = [row.token if row is not None and index in decoding else 0
                   for index, row in enumerate(self._rows)]
+        began = time.perf_counter()
         try:
             with runtime.cache.acquire(runtime.decode_key) as session:
                 io = self._decoder.binding(
@@ -275,6 +277,7 @@ class BatchEngine:
         with self._cond:
             self._counters.decode_steps += 1
             self._counters.decode_rows += len(decoding)
+            self._counters.decode_s += now - began
             if self._last_decode is not None:
                 self._counters.longest_decode_gap_s = max(
                     self._counters.longest_decode_gap_s, now - self._last_decode)

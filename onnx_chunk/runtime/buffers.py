@@ -147,12 +147,14 @@ class SequenceBuffers:
     """The KV and state buffers of one sequence (see the module docstring)."""
 
     def __init__(self, kv: tuple[BufferPort, ...], state: tuple[BufferPort, ...],
-                 device: Device) -> None:
+                 device: Device, rows: int = 1) -> None:
+        """`rows`: the batch rows of every buffer (1 for a sequence of its own)."""
         self.kv_ports = kv
         self.state_ports = state
-        self.kv = tuple(device_zeros(port.shape, port.dtype, device) for port in kv)
-        self._state = tuple((device_zeros(port.shape, port.dtype, device),
-                             device_zeros(port.shape, port.dtype, device)) for port in state)
+        self.kv = tuple(device_zeros(_rows(port.shape, rows), port.dtype, device) for port in kv)
+        self._state = tuple((device_zeros(_rows(port.shape, rows), port.dtype, device),
+                             device_zeros(_rows(port.shape, rows), port.dtype, device))
+                            for port in state)
         self._current = 0
 
     @property
@@ -218,40 +220,24 @@ def _cuda_memcpy():
     return memcpy
 
 
-class BatchBuffers:
+class BatchBuffers(SequenceBuffers):
     """The KV and state buffers of `slots` sequences, one allocation per port: [slots, ...].
 
     Row `i` of every buffer is slot `i`'s. A batched decode binds the whole buffers (every slot
-    one row of the forward); a slot's own forwards (its prefill chunks) bind `slot(i)`, a
-    [1, ...] view of its row at the row's address, so the prefill writes in place into the
-    same memory the decode reads. State keeps two buffers per port as `SequenceBuffers` does;
-    which one holds the current state is the same for every row (`parity`), so a slot's own
-    forward copies its new state row back into the current buffer (`SlotBuffers.swap_state`),
-    and a batched forward copies the old state back for rows that did not really step
+    one row of the forward: `bind_kv`, `bind_state`); a slot's own forwards (its prefill
+    chunks) bind `slot(i)`, a [1, ...] view of its row at the row's address, so the prefill
+    writes in place into the same memory the decode reads. Which of a state's two buffers
+    holds the current state is the same for every row (`parity`), so a slot's own forward
+    copies its new state row back into the current buffer (`SlotBuffers.swap_state`), and a
+    batched forward copies the old state back for rows that did not really step
     (`keep_state`).
     """
 
     def __init__(self, kv: tuple[BufferPort, ...], state: tuple[BufferPort, ...],
                  device: Device, slots: int) -> None:
+        super().__init__(kv, state, device, rows=slots)
         self.slots = slots
         self.device = device
-        self.kv_ports = kv
-        self.state_ports = state
-        self.kv = tuple(device_zeros(_rows(port.shape, slots), port.dtype, device)
-                        for port in kv)
-        self._state = tuple((device_zeros(_rows(port.shape, slots), port.dtype, device),
-                             device_zeros(_rows(port.shape, slots), port.dtype, device))
-                            for port in state)
-        self._current = 0
-
-    @property
-    def nbytes(self) -> int:
-        return (sum(buffer.nbytes for buffer in self.kv)
-                + sum(a.nbytes + b.nbytes for a, b in self._state))
-
-    @property
-    def parity(self) -> int:
-        return self._current
 
     def slot(self, index: int) -> SlotBuffers:
         """Slot `index`'s view, bound by its own forwards."""
@@ -259,28 +245,12 @@ class BatchBuffers:
             raise ValueError(f"slot {index} is outside [0, {self.slots})")
         return SlotBuffers(self, index)
 
-    def bind_kv(self, binding: ort.IOBinding) -> None:
-        """Bind every whole KV buffer as its past input and its present output."""
-        for port, buffer in zip(self.kv_ports, self.kv):
-            binding.bind_ortvalue_input(port.input, buffer.value)
-            binding.bind_ortvalue_output(port.output, buffer.value)
-
-    def bind_state(self, binding: ort.IOBinding) -> None:
-        """Bind each state's current buffer as input and its other buffer as output."""
-        for port, pair in zip(self.state_ports, self._state):
-            binding.bind_ortvalue_input(port.input, pair[self._current].value)
-            binding.bind_ortvalue_output(port.output, pair[1 - self._current].value)
-
     def keep_state(self, rows: list[int]) -> None:
         """After a batched forward, before `swap_state`: `rows` keep their state as it was."""
         for pair in self._state:
             old, new = pair[self._current], pair[1 - self._current]
             for row in rows:
                 _copy_row(old, new, row)
-
-    def swap_state(self) -> None:
-        """After a batched forward: the buffers just written hold the current state."""
-        self._current = 1 - self._current
 
     def state_pair(self, index: int) -> tuple[DeviceBuffer, DeviceBuffer]:
         """State `index`'s (current, other) buffers."""

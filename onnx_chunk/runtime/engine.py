@@ -29,12 +29,12 @@ from onnx_chunk.errors import (CapacityError, ClosedError, ConfigError, ModelLoa
 from onnx_chunk.metadata import ChunkPlan, read_plan
 from onnx_chunk.model_folder import GenaiConfig, locate_model
 from onnx_chunk.model_io import check_utf8_path, load_model
+from onnx_chunk.runtime.batch_engine import DEFAULT_MAX_QUEUE, BatchEngine
 from onnx_chunk.runtime.ladder import DECODE_WIDTH, ladder_tiers
 from onnx_chunk.runtime.memory import meter_for
 from onnx_chunk.runtime.padding import resolve_padding
 from onnx_chunk.runtime.ports import ModelPorts, model_ports
 from onnx_chunk.runtime.provider import Device, MaskPolicy, device_for, resolve_device
-from onnx_chunk.runtime.batch_engine import DEFAULT_MAX_QUEUE, BatchEngine
 from onnx_chunk.runtime.request import Request
 from onnx_chunk.runtime.sequence import Sequence, checked_token_ids
 from onnx_chunk.runtime.sequence_pool import DEFAULT_IDLE_SLOTS, SequencePool, new_slot
@@ -160,6 +160,11 @@ class Runtime:
         self.ports: ModelPorts = model_ports(
             model, plan, self.capacity, head_size=genai.head_size,
             window_slack=self.chunk_size if self.device.window_slack else 0)
+        if self.max_batch > 1 and self.ports.batch_dim is None:
+            raise ConfigError(
+                f"max_batch={self.max_batch} needs a decoder whose batch axis is free, and "
+                f"{self.model_path.name} fixes it to 1 (its {self.ports.token_input!r} input); "
+                "load it with max_batch=1 or export it with a symbolic batch size")
         # Generation stops at these unless a call names its own (genai_config.json's list).
         self.eos_token_ids: tuple[int, ...] = _checked_token_ids(
             genai.eos_token_ids, self.ports.vocab_size, genai.path)
@@ -244,14 +249,16 @@ class Runtime:
 
     def submit(self, prompt_ids: SequenceOf[int] | np.ndarray, max_new_tokens: int, *,
                eos_token_id: int | SequenceOf[int] | None = None,
-               sampling: Sampling | None = None) -> Request:
+               sampling: Sampling | None = None, wait: bool = False) -> Request:
         """Queue a generation for the batch engine and return its `Request` at once.
 
         Callable from any thread. Checked here (InputError, CapacityError) before it is
-        queued; QueueFullError when `max_queue` requests already wait. `eos_token_id` None:
-        the runtime's; `sampling` None: greedy. See docs/engine.md.
+        queued; QueueFullError when `max_queue` requests already wait (`wait=True`: wait for
+        room instead). `eos_token_id` None: the runtime's; `sampling` None: greedy. See
+        docs/engine.md.
         """
-        return self._submit(prompt_ids, max_new_tokens, eos_token_id, sampling, wait=False)
+        return self._engine_for().submit(
+            *self._checked(prompt_ids, max_new_tokens, eos_token_id, sampling), wait=wait)
 
     def generate_many(self, prompts: Iterable[SequenceOf[int] | np.ndarray],
                       max_new_tokens: int, *, eos_token_id: int | SequenceOf[int] | None = None,
@@ -268,11 +275,6 @@ class Runtime:
         finally:
             for request in requests:
                 request.cancel()
-
-    def _submit(self, prompt_ids, max_new_tokens, eos_token_id, sampling, *,
-                wait: bool) -> Request:
-        return self._engine_for().submit(
-            *self._checked(prompt_ids, max_new_tokens, eos_token_id, sampling), wait=wait)
 
     def _checked(self, prompt_ids, max_new_tokens, eos_token_id,
                  sampling) -> tuple[np.ndarray, int, tuple[int, ...], Sampler]:

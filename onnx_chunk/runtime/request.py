@@ -52,6 +52,7 @@ class Request:
         self._on_cancel = on_cancel
         self._submitted = time.perf_counter()
         self._tokens: list[int] = []
+        self._times: list[float] = []
         self._changed = threading.Condition()
         self._error: BaseException | None = None
         self._reason: FinishReason | None = None
@@ -71,6 +72,12 @@ class Request:
         """Its counters now (a copy)."""
         with self._changed:
             return replace(self._stats)
+
+    @property
+    def token_times(self) -> tuple[float, ...]:
+        """When each token so far was produced, in seconds from the submit."""
+        with self._changed:
+            return tuple(self._times)
 
     def tokens(self) -> Iterator[int]:
         """The tokens as they are produced; raises the request's error after its last token."""
@@ -119,9 +126,10 @@ class Request:
             if self._reason is not None:
                 return self._reason
             self._tokens.append(token)
+            self._times.append(time.perf_counter() - self._submitted)
             self._stats.new_tokens = len(self._tokens)
             if self._stats.ttft_s is None:
-                self._stats.ttft_s = time.perf_counter() - self._submitted
+                self._stats.ttft_s = self._times[0]
             self._changed.notify_all()
         if token in self.eos_token_ids:
             return "stop"

@@ -93,8 +93,26 @@ class RuntimeStats:
     engine: EngineStats | None = None
 
 
-@dataclass(frozen=True)
-class EngineStats:
+@dataclass
+class EngineCounters:
+    """What the batch engine counts as it runs (see `EngineStats`)."""
+
+    steps: int = 0
+    decode_steps: int = 0
+    decode_rows: int = 0
+    prefill_chunks: int = 0
+    prefill_rows: int = 0
+    decode_stalls: int = 0
+    longest_decode_gap_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    completed: int = 0
+    cancelled: int = 0
+    failed: int = 0
+
+
+@dataclass
+class EngineStats(EngineCounters):
     """The batch engine's counters (`Runtime.stats().engine`; None before the first submit).
 
     `slots`: sequences served at once (max_batch); `running`: slots holding a request now;
@@ -103,23 +121,15 @@ class EngineStats:
     in them; `prefill_chunks` / `prefill_rows`: prefill forwards and their real rows;
     `decode_stalls`: steps in which running decodes waited for prefill chunks first;
     `longest_decode_gap_s`: the longest time between two decode forwards while sequences
-    were decoding (what a running request sees as its slowest token).
+    were decoding (what a running request sees as its slowest token); `prefill_s` /
+    `decode_s`: the time spent in prefill chunks and in batched decode steps; `completed`,
+    `cancelled`, `failed`: requests that ended so.
     """
 
-    slots: int
-    running: int
-    queued: int
-    queue_limit: int
-    steps: int = 0
-    decode_steps: int = 0
-    decode_rows: int = 0
-    prefill_chunks: int = 0
-    prefill_rows: int = 0
-    decode_stalls: int = 0
-    longest_decode_gap_s: float = 0.0
-    completed: int = 0
-    cancelled: int = 0
-    failed: int = 0
+    slots: int = 0
+    running: int = 0
+    queued: int = 0
+    queue_limit: int = 0
 
     @property
     def rows_per_decode_step(self) -> float | None:

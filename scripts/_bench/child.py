@@ -1,8 +1,9 @@
 """One measurement in its own process: its JSON result, wall time and its own peak RSS.
 
-The peak resident set comes from the kernel's accounting of that child alone (`wait4`'s
-`ru_maxrss`), so no measurement inherits another's memory and the parent's own memory never
-counts.
+The peak resident set is the child's own `VmHWM`, which it writes at exit through
+`peak_launcher` (the child runs as `python peak_launcher.py SCRIPT ARGS...`). `wait4`'s
+`ru_maxrss` is not used: on Linux it starts from the parent's resident set at fork and
+survives exec, so `python -c pass` spawned from a 400 MB parent reported 413 MB.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from .peak_launcher import PEAK_FILE_ENV
 
 
 class ChildFailed(RuntimeError):
@@ -30,15 +33,23 @@ class ChildResult:
     wall_s: float
 
 
+LAUNCHER = Path(__file__).resolve().parent / "peak_launcher.py"
+
+
 def run_child(argv: list[str], *, timeout_s: float, env: dict[str, str] | None = None
               ) -> ChildResult:
-    """Run `argv`; it must print one JSON object as its last stdout line."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    """Run the Python command line `argv` ([python, script or -c code, args...]); it must
+    print one JSON object as its last stdout line."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+            tempfile.NamedTemporaryFile(prefix="peak.") as peak:
+        child_env = dict(os.environ if env is None else env)
+        child_env[PEAK_FILE_ENV] = peak.name
         began = time.perf_counter()
-        process = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
+        process = subprocess.Popen([argv[0], str(LAUNCHER), *argv[1:]], stdout=out,
+                                   stderr=err, env=child_env)
         deadline = began + timeout_s
         while True:
-            pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+            pid, status, _ = os.wait4(process.pid, os.WNOHANG)
             if pid:
                 break
             if time.perf_counter() > deadline:
@@ -52,14 +63,17 @@ def run_child(argv: list[str], *, timeout_s: float, env: dict[str, str] | None =
         err.seek(0)
         stdout = out.read().decode(errors="replace")
         stderr = err.read().decode(errors="replace")
+        peak_kib = Path(peak.name).read_text().strip()
     if process.returncode != 0:
         raise ChildFailed(f"{' '.join(argv[:2])} exited with {process.returncode}:\n"
                           f"{stderr[-3000:]}")
     lines = stdout.strip().splitlines()
     if not lines:
         raise ChildFailed(f"{' '.join(argv[:2])} printed no result:\n{stderr[-3000:]}")
-    # Linux reports ru_maxrss in KiB.
-    return ChildResult(json.loads(lines[-1]), usage.ru_maxrss / 1024, wall)
+    if not peak_kib:
+        raise ChildFailed(f"{' '.join(argv[:2])} reported no peak resident set (it left "
+                          "without running its exit handlers)")
+    return ChildResult(json.loads(lines[-1]), int(peak_kib) / 1024, wall)
 
 
 def measure_prompt(argv: list[str], label: str, *, timeout_s: float = 600) -> dict:

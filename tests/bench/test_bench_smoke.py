@@ -117,3 +117,33 @@ def test_one_genai_measurement_on_the_tiny_decoder(reference_model, peer_python)
 
     reference = ReferenceDecoder.from_model_dir(model.parent).greedy(prompt, 4)
     assert result["tokens"] == reference[:len(result["tokens"])]
+
+
+def test_a_small_child_of_a_large_parent_reports_its_own_small_peak():
+    """wait4's ru_maxrss starts from the parent's resident set at fork; VmHWM does not."""
+    import numpy as np
+
+    ballast = np.ones(400 * 2**20, dtype=np.uint8)  # 400 MiB resident in this process
+    child = run_child([sys.executable, "-c", "print('{}')"], timeout_s=60)
+    assert ballast.sum() > 0
+    assert child.payload == {}
+    assert 1 < child.peak_rss_mb < 100, child.peak_rss_mb
+
+
+def test_the_engine_benchmark_quick_mode_runs_and_checks_its_tokens(tmp_path):
+    """scripts/bench_engine.py --quick: the tiny decoder, one round, both tables."""
+    import json
+    import subprocess
+
+    script = env.ROOT / "scripts" / "bench_engine.py"
+    result = subprocess.run([sys.executable, str(script), "--quick", "--no-genai", "--out",
+                             str(tmp_path)], capture_output=True, text=True, timeout=300,
+                            check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    table = (tmp_path / "engine_quick.md").read_text()
+    assert "batched (batch 4)" in table and "admission of a 300-token prompt" in table
+    data = json.loads((tmp_path / "engine_quick.json").read_text())
+    batched, alone = data["throughput"]["batched"][0], data["throughput"]["batch 1"][0]
+    assert batched["tokens"] == alone["tokens"] and len(batched["tokens"]) == 6
+    assert batched["rows_per_decode_step"] > 1
+    assert data["stall"]["chunked"][0]["chunks"] == 10

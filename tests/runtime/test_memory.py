@@ -11,23 +11,23 @@ from onnx_chunk.runtime.memory import (CudaMeter, RssMeter, cuda_used_bytes, mea
 MIB = 1 << 20
 
 
-def test_rss_sees_a_real_allocation():
-    before = process_rss_bytes()
-    block = np.ones(64 * MIB, dtype=np.uint8)  # written, so its pages are resident
-    after = process_rss_bytes()
-    assert before is not None and after is not None
-    assert after - before >= 60 * MIB
-    # The kernel syncs its high-water mark lazily, so compare with the allocation, not `after`.
-    assert peak_rss_bytes() >= before + 60 * MIB
-    del block
-
-
 def _fresh_pages(size: int) -> np.ndarray:
     """`size` bytes written into new anonymous pages: a block malloc could take from memory
     freed earlier in the process (already resident) would not grow the RSS."""
     block = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
     block.fill(1)
     return block
+
+
+def test_rss_sees_a_real_allocation():
+    before = process_rss_bytes()
+    block = _fresh_pages(64 * MIB)  # written, so its pages are resident
+    after = process_rss_bytes()
+    assert before is not None and after is not None
+    assert after - before >= 60 * MIB
+    # The kernel syncs its high-water mark lazily, so compare with the allocation, not `after`.
+    assert peak_rss_bytes() >= before + 60 * MIB
+    del block
 
 
 def test_rss_meter_measures_what_an_action_keeps():

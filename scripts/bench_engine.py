@@ -1,0 +1,161 @@
+"""The batch engine: throughput at --batch 8 against --batch 1, and the stall a long prompt causes.
+
+Throughput: 16 seeded prompts of 40-900 tokens, 64 new tokens each (no EOS stop), on the
+`bench` reference decoder, CPU, W = 512: `generate --batch 8` (one batched decode forward of
+every running request, prefill chunks interleaved) against `--batch 1` (one request after
+another, today's path), and onnxruntime-genai's `og.Engine` (static batching, 8 rows) from the
+peer venv where it runs. Tokens/s over the generation's wall time (load and a one-prompt
+warm-up excluded); goal >= 3x.
+
+Stall: 3 requests decoding while a 4000-token prompt is admitted; the longest gap between two
+tokens of a running request during the admission, chunked (W = 512: one chunk per step)
+against whole-prompt admission (W >= the prompt: one forward); goal: the chunked gap under
+1.5x one chunk's forward (the longest prefill forward of that prompt run alone).
+
+Each measurement runs in a process of its own; systems are interleaved round by round and
+reported as medians. `--quick` is a smoke run on the tiny decoder (CI).
+
+    .venv/bin/python scripts/bench_engine.py [--quick] [--repetitions 3] [--no-genai]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from _bench import environment as env
+from _bench.child import ChildFailed, publish, run_child
+from _bench.harness import (format_value, markdown_table, ratio, round_order, seeded_prompt,
+                            summarize, verdict)
+
+BATCHED, ONE, GENAI = "batched", "batch 1", "genai og.Engine"
+STALL_SYSTEMS = ("chunked", "whole")
+FULL = {"preset": "bench", "count": 16, "shortest": 40, "longest": 900, "new_tokens": 64,
+        "chunk": 512, "long": 4000, "capacity": 4096, "batch": 8, "running": 40}
+QUICK = {"preset": "tiny", "count": 6, "shortest": 10, "longest": 120, "new_tokens": 8,
+         "chunk": 32, "long": 300, "capacity": 512, "batch": 4, "running": 10}
+THROUGHPUT_GOAL = 3.0
+STALL_GOAL = 1.5
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = env.common_parser(__doc__.splitlines()[0])
+    parser.add_argument("--genai-venv", type=Path, default=env.ROOT / ".venv-genai",
+                        help="venv holding onnxruntime-genai (created when missing)")
+    parser.add_argument("--no-genai", action="store_true", help="leave og.Engine out")
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    repetitions = 1 if args.quick else args.repetitions
+    model = env.build_model(args.out, plan["preset"])
+    vocab = env.model_config(model)["vocab_size"]
+    step = (plan["longest"] - plan["shortest"]) / (plan["count"] - 1)
+    prompts = [seeded_prompt(round(plan["shortest"] + index * step), vocab)
+               for index in range(plan["count"])]
+    genai = None if args.no_genai else env.genai_python(args.genai_venv)
+    systems = (BATCHED, ONE, GENAI) if genai else (BATCHED, ONE)
+
+    throughput: dict[str, list[dict]] = {}
+    stall: dict[str, list[dict]] = {}
+    for round_index in range(repetitions):
+        for system in round_order(systems, round_index):
+            result = _throughput(system, model, prompts, plan, genai)
+            throughput.setdefault(system, []).append(result)
+            print(f"round {round_index + 1}/{repetitions} throughput {system:<15} "
+                  f"{result.get('tokens_per_s', 0):.1f} tok/s {result.get('error', '')}",
+                  file=sys.stderr)
+        for system in round_order(STALL_SYSTEMS, round_index):
+            result = run_child(env.worker_argv(sys.executable, "engine_worker", {
+                "model": str(model), "mode": "stall", "batch": 4,
+                "chunk_size": plan["chunk"] if system == "chunked" else plan["capacity"],
+                "capacity": plan["capacity"], "running": plan["running"],
+                "long": seeded_prompt(plan["long"], vocab, seed=1)}), timeout_s=1800).payload
+            stall.setdefault(system, []).append(result)
+            print(f"round {round_index + 1}/{repetitions} stall {system:<8} longest gap "
+                  f"{result['longest_gap_s']:.3f} s, chunk forward "
+                  f"{result['chunk_forward_s']:.3f} s", file=sys.stderr)
+
+    table = _tables(throughput, stall, plan)
+    name = f"engine{'_quick' if args.quick else ''}"
+    publish(args.out, name, {"plan": plan, "repetitions": repetitions,
+                             "throughput": throughput, "stall": stall}, table)
+    return 0
+
+
+def _throughput(system: str, model: Path, prompts: list, plan: dict,
+                genai: Path | None) -> dict:
+    new_tokens = plan["new_tokens"]
+    if system == GENAI:
+        argv = env.worker_argv(genai, "genai_engine_worker", {
+            "model": str(model.parent), "prompts": prompts, "new_tokens": new_tokens,
+            "batch": plan["batch"]})
+    else:
+        argv = env.worker_argv(sys.executable, "engine_worker", {
+            "model": str(model), "mode": "throughput", "prompts": prompts,
+            "new_tokens": new_tokens, "chunk_size": plan["chunk"],
+            "capacity": plan["longest"] + new_tokens,
+            "batch": plan["batch"] if system == BATCHED else 1})
+    try:
+        payload = run_child(argv, timeout_s=3600).payload
+    except ChildFailed as error:
+        return {"error": str(error).splitlines()[0]}
+    if "error" in payload:
+        return payload
+    return {**payload, "tokens_per_s": len(prompts) * new_tokens / payload["wall_s"]}
+
+
+def _tables(throughput: dict, stall: dict, plan: dict) -> str:
+    base = summarize(run["tokens_per_s"] for run in throughput[ONE])
+    base_decode = summarize(len(run["tokens"]) * (plan["new_tokens"] - 1) / run["decode_s"]
+                            for run in throughput[ONE])
+    reference = throughput[ONE][0]["tokens"]
+    rows = []
+    for system, runs in throughput.items():
+        failed = [run["error"] for run in runs if "error" in run]
+        if failed:
+            rows.append([system, f"refused: {failed[0]}", "-", "-", "-"])
+            continue
+        speed = summarize(run["tokens_per_s"] for run in runs)
+        value = ratio(speed, base)
+        same = all(run["tokens"] == reference for run in runs)
+        goal = (f"{value:.2f}x {verdict(value, THROUGHPUT_GOAL, True)}" if system == BATCHED
+                else f"{value:.2f}x")
+        rows_per_step = runs[0].get("rows_per_decode_step")
+        label = system if system == ONE else f"{system} (batch {plan['batch']})"
+        phases = ["-", "-", "-"]
+        if "decode_s" in runs[0]:
+            prefill = summarize(run["prefill_s"] for run in runs)
+            decode = summarize(run["decode_s"] for run in runs)
+            decode_speed = summarize(len(run["tokens"]) * (plan["new_tokens"] - 1)
+                                     / run["decode_s"] for run in runs)
+            phases = [format_value(prefill, 2), format_value(decode, 2),
+                      f"{ratio(decode_speed, base_decode):.2f}x"]
+        rows.append([label, format_value(speed, 1), goal, *phases,
+                     "-" if rows_per_step is None else f"{rows_per_step:.2f}",
+                     "yes" if same else "NO"])
+    first = markdown_table(
+        [f"system ({plan['count']} prompts {plan['shortest']}-{plan['longest']} tokens, "
+         f"{plan['new_tokens']} new, {plan['preset']} decoder, CPU, W={plan['chunk']})",
+         "tokens/s", "vs batch 1", "prefill s", "decode s", "decode tokens/s vs batch 1",
+         "rows per decode step", "tokens = batch 1"], rows)
+    stall_rows = []
+    for system in STALL_SYSTEMS:
+        runs = stall[system]
+        gap = summarize(run["longest_gap_s"] for run in runs)
+        chunk = summarize(run["chunk_forward_s"] for run in runs)
+        value = ratio(gap, chunk)
+        stall_rows.append([system, format_value(gap, 3), format_value(chunk, 3),
+                           f"{value:.2f}x" + (f" {verdict(value, STALL_GOAL, False)}"
+                                              if system == "chunked" else ""),
+                           runs[0]["chunks"]])
+    chunked = summarize(run["longest_gap_s"] for run in stall["chunked"])
+    whole = summarize(run["longest_gap_s"] for run in stall["whole"])
+    second = markdown_table(
+        [f"admission of a {plan['long']}-token prompt beside 3 decoding requests",
+         "longest token gap s", "one chunk's forward s", "gap / chunk forward",
+         "chunks of the prompt"], stall_rows)
+    return (f"{first}\n\n{second}\n\nwhole-prompt admission stalls running decodes "
+            f"{ratio(whole, chunked):.1f}x longer than chunked admission")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

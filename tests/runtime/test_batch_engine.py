@@ -1,0 +1,300 @@
+"""The batch engine: greedy parity with each request run alone, idle rows left intact, the
+variant cache bounded, the Request API (stream, result, cancel, queue, errors, close)."""
+
+import dataclasses
+import threading
+
+import numpy as np
+import pytest
+
+from onnx_chunk.errors import CapacityError, ClosedError, ConfigError, InputError, QueueFullError
+from onnx_chunk.runtime import engine, load
+from onnx_chunk.runtime.batch import BatchDecoder
+from onnx_chunk.runtime.buffers import BatchBuffers
+from onnx_chunk.runtime.provider import MaskPolicy, device_for
+from onnx_chunk.runtime.sequence import Sequence
+from onnx_chunk.runtime.sequence_pool import SequenceSlot, slot_mask
+from onnx_chunk.sampling import Sampling
+from tests.exports.corpus import builder_gqa_fixtures
+
+W = 16
+# Lengths around the chunk width: one row, remainders, several chunks, a 1-row remainder.
+LENGTHS = (5, 40, 17, 1, 64, 33, 9)
+NEW_TOKENS = 10
+
+
+def prompts_for(vocab: int, lengths=LENGTHS, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, length).tolist() for length in lengths]
+
+
+def alone(runtime, prompts, new_tokens=NEW_TOKENS, **options) -> list[list[int]]:
+    results = []
+    for prompt in prompts:
+        with runtime.open_sequence() as sequence:
+            results.append(sequence.generate(prompt, new_tokens, [], **options))
+    return results
+
+
+def assert_batched_equals_alone(path, max_batch: int):
+    """The batched greedy tokens of `LENGTHS` prompts equal each one alone; the engine stats."""
+    single = load(path, provider="cpu", capacity=128, chunk_size=W)
+    prompts = prompts_for(single.ports.vocab_size)
+    expected = alone(single, prompts)
+    with load(path, provider="cpu", capacity=128, chunk_size=W, max_batch=max_batch) as batched:
+        assert batched.generate_many(prompts, NEW_TOKENS, eos_token_id=[]) == expected
+        return batched.stats().engine
+
+
+@pytest.mark.parametrize("variant", ["base", "int4", "position_ids", "conv_hybrid",
+                                     "inputs_embeds", "last_token_logits"])
+def test_greedy_tokens_equal_each_request_run_alone(reference_model, variant):
+    stats = assert_batched_equals_alone(reference_model(variant), max_batch=3)
+    # Decodes really ran batched, and prompts were admitted while others decoded.
+    assert stats.rows_per_decode_step > 1.5
+    assert stats.decode_stalls > 0 and stats.completed == len(LENGTHS)
+
+
+@pytest.mark.parametrize("variant", ["base", "conv_hybrid"])
+def test_parity_on_the_device_path_with_the_capacity_mask(reference_model, monkeypatch, variant):
+    """The CPU marked not host-visible, as CUDA looks: rows copied through device buffers,
+    the capacity-wide mask, per-width variants with ladder padding."""
+    device = dataclasses.replace(device_for("cpu"), host_visible=False,
+                                 mask_policy=MaskPolicy.CAPACITY, specialize=True)
+    monkeypatch.setattr(engine, "resolve_device", lambda *args: device)
+    assert_batched_equals_alone(reference_model(variant), max_batch=4)
+
+
+@pytest.mark.parametrize("fixture", builder_gqa_fixtures(), ids=str)
+def test_greedy_parity_on_the_real_exports(fixture):
+    """llama, qwen3, phi3, gemma2 (sliding window: prompts longer than its window-sized
+    cache, so idle rows between chunks would evict), lfm2 (conv state); fp32 and INT4."""
+    single = load(fixture.folder, provider="cpu", chunk_size=W)
+    prompts = prompts_for(single.ports.vocab_size, (5, 64, 17, 130), seed=1)
+    expected = alone(single, prompts, 12)
+    with load(fixture.folder, provider="cpu", chunk_size=W, max_batch=3) as batched:
+        assert batched.generate_many(prompts, 12, eos_token_id=[]) == expected
+
+
+def test_a_slots_prefill_writes_in_place_into_its_row_of_the_batch_buffers(reference_model):
+    runtime = load(reference_model("base"), provider="cpu", capacity=64, chunk_size=W)
+    ports = runtime.ports
+    buffers = BatchBuffers(ports.kv, ports.state, runtime.device, 3)
+    slot = SequenceSlot(runtime.pool.take_number(), buffers.slot(1),
+                        slot_mask(ports, runtime.capacity, runtime.device))
+    prompt = list(range(3, 30))
+    Sequence(runtime, slot).prefill(prompt)
+    with runtime.open_sequence() as reference:
+        reference.prefill(prompt)
+        for batch, own in zip(buffers.kv, reference.buffers.kv):
+            assert np.array_equal(batch.host[1, :, :len(prompt)], own.host[0, :, :len(prompt)])
+            assert not batch.host[0].any() and not batch.host[2].any()
+
+
+def test_a_decode_step_leaves_idle_rows_state_as_it_was(reference_model):
+    runtime = load(reference_model("conv_hybrid"), provider="cpu", capacity=64, chunk_size=W,
+                   max_batch=2)
+    ports = runtime.ports
+    buffers = BatchBuffers(ports.kv, ports.state, runtime.device, 2)
+    slots = [SequenceSlot(runtime.pool.take_number(), buffers.slot(index),
+                          slot_mask(ports, runtime.capacity, runtime.device))
+             for index in range(2)]
+    sequences = [Sequence(runtime, slot) for slot in slots]
+    sequences[0].prefill([1, 2, 3])
+    sequences[1].prefill([4, 5, 6, 7])
+    before = buffers.slot(1).snapshot_state()
+    decoder = BatchDecoder(ports, runtime.device, runtime.capacity, buffers, None)
+    with runtime.cache.acquire(runtime.decode_key) as session:
+        io = decoder.binding(session, {})
+        decoder.run(session, io, [3, 4], [9, 0], decoding=[0])
+    after = buffers.slot(1).snapshot_state()
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    assert not all(np.array_equal(a, b) for a, b in
+                   zip(before, buffers.slot(0).snapshot_state()))
+
+
+def test_a_long_mixed_run_builds_no_variant_after_warm_up(reference_model):
+    """Per-width variants with padding: 3 prefill tiers and 1 decode variant within cap 4."""
+    path = reference_model("base")
+    with load(path, provider="cpu", capacity=256, chunk_size=W, specialize=True, padding=True,
+              max_variants=4, max_batch=4) as runtime:
+        vocab = runtime.ports.vocab_size
+        warm = prompts_for(vocab, (2, 6, 11, 16, 1))
+        runtime.generate_many(warm, 4, eos_token_id=[])
+        built = runtime.stats().cache.compiles
+        assert built == 4
+        lengths = np.random.default_rng(5).integers(1, 90, 40).tolist()
+        runtime.generate_many(prompts_for(vocab, lengths, seed=2), 6, eos_token_id=[])
+        cache = runtime.stats().cache
+    assert cache.compiles == built and cache.evictions == 0 and cache.peak_variants <= 4
+
+
+@pytest.fixture(scope="module")
+def batched(reference_model):
+    runtime = load(reference_model("base"), provider="cpu", capacity=512, chunk_size=W,
+                   max_batch=2, max_queue=2)
+    yield runtime
+    runtime.close()
+
+
+def test_submit_streams_tokens_and_reports_how_it_ended(batched):
+    request = batched.submit([1, 2, 3], 6, eos_token_id=[])
+    streamed = list(request.tokens())
+    assert streamed == request.result() and len(streamed) == 6
+    assert request.finish_reason == "length"
+    stats = request.stats
+    assert stats.new_tokens == 6 and stats.prompt_tokens == 3 and stats.prefill_chunks == 1
+    assert 0 <= stats.queued_s <= stats.ttft_s <= stats.total_s
+    first = streamed[0]
+    stopped = batched.submit([1, 2, 3], 6, eos_token_id=first)
+    assert stopped.result() == [first] and stopped.finish_reason == "stop"
+
+
+def test_sampling_is_per_request_and_equals_the_same_request_alone(batched):
+    sampling = Sampling(temperature=0.9, top_k=20, seed=7)
+    prompts = prompts_for(batched.ports.vocab_size, (4, 20, 9))
+    expected = alone(batched, prompts, 8, sampling=sampling)
+    assert batched.generate_many(prompts, 8, eos_token_id=[], sampling=sampling) == expected
+
+
+def test_a_long_prompt_enters_one_chunk_per_step_while_others_decode(batched):
+    short = batched.submit([1, 2, 3, 4, 5], 5, eos_token_id=[])
+    long = batched.submit(list(range(1, 201)), 2, eos_token_id=[])
+    short.result(), long.result()
+    # 200 tokens take 13 chunks of 16: the short request ran all its decodes in between.
+    assert long.stats.prefill_chunks == 13
+    assert short.stats.total_s < long.stats.ttft_s
+
+
+def _running(runtime, prompt_length=3):
+    """A request that has produced its first token and goes on for a long time."""
+    request = runtime.submit(list(range(1, prompt_length + 1)), 500, eos_token_id=[])
+    next(request.tokens())
+    return request
+
+
+def test_a_full_queue_is_a_typed_error_and_cancel_frees_a_slot_at_once(batched):
+    running = [_running(batched), _running(batched)]
+    queued = [batched.submit([7, 8], 3, eos_token_id=[]) for _ in range(2)]
+    with pytest.raises(QueueFullError, match="2 requests wait"):
+        batched.submit([7, 8], 3)
+    assert batched.stats().engine.queued == 2
+    queued[1].cancel()
+    assert queued[1].finish_reason == "cancelled" and queued[1].result() == []
+    running[0].cancel()
+    assert running[0].finish_reason == "cancelled"
+    assert len(queued[0].result()) == 3
+    running[1].cancel()
+    assert len(running[1].result()) < 500
+
+
+def test_bad_requests_are_refused_at_submit(batched):
+    with pytest.raises(InputError, match="empty"):
+        batched.submit([], 3)
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        batched.submit([1, 10**6], 3)
+    with pytest.raises(CapacityError, match="510 tokens plus 5 new tokens"):
+        batched.submit([1] * 510, 5)
+    with pytest.raises(InputError):
+        batched.submit([1], 0)
+
+
+def test_a_failing_forward_fails_its_requests_and_the_engine_goes_on(batched, monkeypatch):
+    broken = RuntimeError("decode forward failed")
+
+    def fail(*args, **kwargs):
+        raise broken
+
+    monkeypatch.setattr(BatchDecoder, "run", fail)
+    request = batched.submit([1, 2, 3], 4, eos_token_id=[])
+    with pytest.raises(RuntimeError, match="decode forward failed"):
+        request.result(timeout=30)
+    assert request.finish_reason == "error" and request.stats.new_tokens == 1
+    with pytest.raises(RuntimeError):
+        list(request.tokens())
+    monkeypatch.undo()
+    assert len(batched.submit([1, 2, 3], 4, eos_token_id=[]).result(timeout=30)) == 4
+
+
+def test_a_failing_prefill_fails_that_request_alone(batched, monkeypatch):
+    prefill = Sequence.prefill
+
+    def fail_long(self, ids, **kwargs):
+        if len(ids) == 11:
+            raise RuntimeError("prefill forward failed")
+        return prefill(self, ids, **kwargs)
+
+    monkeypatch.setattr(Sequence, "prefill", fail_long)
+    good, bad = (batched.submit(list(range(1, 6)), 4, eos_token_id=[]),
+                 batched.submit(list(range(1, 12)), 4, eos_token_id=[]))
+    assert len(good.result(timeout=30)) == 4
+    with pytest.raises(RuntimeError, match="prefill forward failed"):
+        bad.result(timeout=30)
+    assert batched.stats().engine.failed >= 1
+
+
+def test_submit_from_many_threads(batched):
+    prompts = prompts_for(batched.ports.vocab_size, (3, 18, 7, 25, 2, 11))
+    expected = alone(batched, prompts, 5)
+    results: dict[int, list[int]] = {}
+
+    def run(index):
+        results[index] = batched.submit(prompts[index], 5, eos_token_id=[], wait=True).result()
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [results[index] for index in range(len(prompts))] == expected
+
+
+def test_close_fails_what_is_left_and_refuses_new_requests(reference_model):
+    runtime = load(reference_model("base"), provider="cpu", capacity=512, chunk_size=W,
+                   max_batch=1)
+    running = _running(runtime)
+    waiting = runtime.submit([1, 2], 3)
+    runtime.close()
+    for request in (running, waiting):
+        assert request.finish_reason == "error"
+        with pytest.raises(ClosedError):
+            request.result()
+    with pytest.raises(ClosedError):
+        runtime.submit([1, 2], 3)
+
+
+def test_max_batch_is_checked(reference_model):
+    with pytest.raises(ConfigError, match="max_batch"):
+        load(reference_model("base"), provider="cpu", max_batch=0)
+
+
+def test_a_runtime_whose_engine_ran_is_freed_with_its_last_reference(reference_model):
+    import gc
+    import weakref
+
+    runtime = load(reference_model("base"), provider="cpu", capacity=64, chunk_size=W,
+                   max_batch=2)
+    assert len(runtime.submit([1, 2, 3], 3, eos_token_id=[]).result()) == 3
+    freed = weakref.ref(runtime)
+    gc.disable()
+    try:
+        del runtime
+        assert freed() is None
+    finally:
+        gc.enable()
+
+
+def test_a_decoder_with_a_fixed_batch_axis_is_refused_for_max_batch(reference_model, tmp_path):
+    import shutil
+
+    import onnx
+    from onnxruntime.tools.onnx_model_utils import make_dim_param_fixed
+
+    folder = tmp_path / "fixed"
+    shutil.copytree(reference_model("base").parent, folder)
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    make_dim_param_fixed(model.graph, "batch_size", 1)
+    onnx.save(model, str(folder / "model.onnx"))
+    with pytest.raises(ConfigError, match="max_batch=2 needs a decoder whose batch axis is free"):
+        load(folder, provider="cpu", max_batch=2)
+    assert load(folder, provider="cpu", capacity=64).generate_many([[1, 2, 3]], 2) != []
