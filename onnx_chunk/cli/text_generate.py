@@ -68,7 +68,7 @@ def run_text_generate(model: Path, options: dict[str, Any], *, max_new_tokens: i
                       seed: int | None, load_runtime: Callable[[Path], Any],
                       as_json: bool) -> None:
     """Generate from the text prompt in `options` and print it (streamed, or one JSON line)."""
-    from onnx_chunk.text.generation import stream_text
+    from onnx_chunk.text.generation import EngineTokens, stream_text
 
     if options.get("system") is not None and not options.get("chat"):
         raise click.UsageError("--system needs --chat (it is a message of the chat template)")
@@ -80,13 +80,12 @@ def run_text_generate(model: Path, options: dict[str, Any], *, max_new_tokens: i
                   else [{"role": "system", "content": options["system"]}])
         prompt.append({"role": "user", "content": options["prompt"]})
     sampling = sampling_from(tokenizer.genai, options, seed)
-    with runtime.open_sequence() as sequence:
-        generation = stream_text(sequence, tokenizer, prompt, max_new_tokens,
-                                 sampling=sampling, stop=options.get("stop") or None)
-        for piece in generation:
-            if not as_json:
-                click.echo(piece, nl=False)
-                sys.stdout.flush()
+    generation = stream_text(EngineTokens(runtime), tokenizer, prompt, max_new_tokens,
+                             sampling=sampling, stop=options.get("stop") or None)
+    for piece in generation:
+        if not as_json:
+            click.echo(piece, nl=False)
+            sys.stdout.flush()
     completion = generation.completion
     stats = completion.stats
     entry = {"text": completion.text, "tokens": list(completion.tokens),

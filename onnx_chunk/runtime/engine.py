@@ -276,6 +276,11 @@ class Runtime:
             for request in requests:
                 request.cancel()
 
+    def check_request(self, prompt_ids: SequenceOf[int] | np.ndarray,
+                      max_new_tokens: int) -> np.ndarray:
+        """A submission's ids, checked without queueing anything (InputError, CapacityError)."""
+        return self._checked(prompt_ids, max_new_tokens, (), None)[0]
+
     def _checked(self, prompt_ids, max_new_tokens, eos_token_id,
                  sampling) -> tuple[np.ndarray, int, tuple[int, ...], Sampler]:
         """A request's prompt, length, stop ids and sampler, checked before it is queued."""
@@ -342,28 +347,22 @@ class Runtime:
     def generate_text(self, prompt: Prompt, max_new_tokens: int, *,
                       sampling: Sampling | None = None,
                       stop: str | Iterable[str] | None = None) -> Completion:
-        """Text (or messages, through the chat template) in, a Completion out, on a new
-        sequence; `sampling` defaults to genai_config.json's search options (see docs/text.md)."""
-        from onnx_chunk.text.generation import generate_text
+        """Text (or messages, through the chat template) in, a Completion out, through the batch
+        engine (`submit`, as every request); `sampling` defaults to genai_config.json's search
+        options (see docs/text.md)."""
+        from onnx_chunk.text.generation import EngineTokens, generate_text
 
-        with self.open_sequence() as sequence:
-            return generate_text(sequence, self.tokenizer, prompt, max_new_tokens,
-                                 sampling=sampling, stop=stop)
+        return generate_text(EngineTokens(self), self.tokenizer, prompt, max_new_tokens,
+                             sampling=sampling, stop=stop)
 
     def stream_text(self, prompt: Prompt, max_new_tokens: int, *,
                     sampling: Sampling | None = None,
                     stop: str | Iterable[str] | None = None) -> Iterator[str]:
         """Like `generate_text`, yielding the text as it is produced (checked before any work)."""
-        from onnx_chunk.text.generation import stream_text
+        from onnx_chunk.text.generation import EngineTokens, stream_text
 
-        sequence = self.open_sequence()
-        try:
-            stream = stream_text(sequence, self.tokenizer, prompt, max_new_tokens,
-                                 sampling=sampling, stop=stop)
-        except BaseException:
-            sequence.close()
-            raise
-        return _closing(stream, sequence)
+        return stream_text(EngineTokens(self), self.tokenizer, prompt, max_new_tokens,
+                           sampling=sampling, stop=stop)
 
     def stats(self) -> RuntimeStats:
         """The runtime's configuration and its variant cache's counters, now."""
@@ -421,14 +420,6 @@ class Runtime:
                                  f"{list(given.shape)}")
         return given
 
-
-
-def _closing(stream: Iterator[str], sequence: Sequence) -> Iterator[str]:
-    """`stream`, giving its sequence back to the pool when it ends or is closed."""
-    try:
-        yield from stream
-    finally:
-        sequence.close()
 
 
 # The public entry point: `onnx_chunk.load(path, provider="auto", ...)` builds a Runtime.

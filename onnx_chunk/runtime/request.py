@@ -39,6 +39,14 @@ class RequestStats:
     ttft_s: float | None = None
     total_s: float | None = None
 
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """The tokens after the first over the time after the first (None before two)."""
+        if self.ttft_s is None or self.total_s is None or self.new_tokens < 2:
+            return None
+        decode_s = self.total_s - self.ttft_s
+        return (self.new_tokens - 1) / decode_s if decode_s > 0 else None
+
 
 class Request:
     """One submitted generation (see the module docstring)."""

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 from onnx_chunk.errors import CapacityError
 from onnx_chunk.sampling import Sampling
-from onnx_chunk.text.generation import Completion, TextGeneration, default_sampling
+from onnx_chunk.text.generation import (Completion, SequenceTokens, TextGeneration,
+                                        default_sampling)
 from onnx_chunk.text.stops import check_stops
 
 if TYPE_CHECKING:
@@ -111,7 +112,8 @@ class Conversation:
             logger.info("feeding the whole conversation again: %s", plan.how)
             self._sequence.rewind(self._sequence.length)
         held = self._cached_ids[:plan.reused]
-        generation = TextGeneration(self._sequence, tokenizer, plan.ids, max_new_tokens,
+        generation = TextGeneration(SequenceTokens(self._sequence), tokenizer, plan.ids,
+                                    max_new_tokens,
                                     sampling=sampling, stop=stop)
         self.last_turn = TurnStats(tuple(plan.ids), plan.reused, plan.how)
         return self._turn(generation, messages, [*held, *plan.ids], rendered)

@@ -1,4 +1,8 @@
-"""Text generation around a sequence's token loop: prompt to ids, ids to streamed text, stops.
+"""Text generation around a token source: prompt to ids, ids to streamed text, stops.
+
+The tokens come from the batch engine (`EngineTokens`: `runtime.submit`, the path of
+`runtime.generate_text`, `stream_text`, `generate --prompt` and the server) or from one
+sequence's own loop (`SequenceTokens`: chat turns that keep the conversation in its KV cache).
 
 A prompt is text (encoded with the tokenizer's special tokens, BOS where it adds one) or a
 list of messages (rendered through the chat template with add_generation_prompt=True, then
@@ -8,7 +12,7 @@ is the decode of the new tokens without special tokens, streamed through `TextSt
 - "stop": an EOS id (the token is in `tokens`, not in the text) or a stop string (the text
   ends before it; `tokens` include the token that completed it);
 - "length": `max_new_tokens` tokens;
-- "capacity": the sequence's KV capacity, when it holds fewer than `max_new_tokens` more.
+- "capacity": the KV capacity, when it holds fewer than `max_new_tokens` more.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
 from onnx_chunk.errors import CapacityError
+from onnx_chunk.runtime.request import RequestStats
 from onnx_chunk.runtime.stats import GenerationStats
 from onnx_chunk.sampling import GREEDY, Sampling
 from onnx_chunk.text.stops import check_stops
 from onnx_chunk.text.token_text import TokenText
 
 if TYPE_CHECKING:
+    from onnx_chunk.runtime.engine import Runtime
     from onnx_chunk.runtime.sequence import Sequence
     from onnx_chunk.text.tokenizer import Tokenizer
 
@@ -40,7 +46,7 @@ class Completion:
     tokens: tuple[int, ...]
     finish_reason: str
     prompt_tokens: int
-    stats: GenerationStats | None = field(default=None, compare=False)
+    stats: GenerationStats | RequestStats | None = field(default=None, compare=False)
 
 
 def prompt_ids(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
@@ -59,28 +65,81 @@ def default_sampling(tokenizer: Tokenizer, sampling: Sampling | None) -> Samplin
     return GREEDY if genai is None else Sampling.from_search(genai.search)
 
 
-class TextGeneration:
-    """One text request on a sequence; iterate it for the text as it is produced.
+class SequenceTokens:
+    """Where a text request's tokens come from: one sequence's own token loop (chat turns,
+    which keep the conversation in that sequence's KV cache)."""
 
-    Every check (the prompt's ids, max_new_tokens, the stop strings, the room left) runs at
-    construction, before any work. `completion` is set once the iteration has ended.
+    def __init__(self, sequence: Sequence) -> None:
+        self.sequence = sequence
+
+    def room(self) -> int:
+        return self.sequence.capacity - self.sequence.length
+
+    def check(self, ids: SequenceOf[int], max_new_tokens: int) -> Any:
+        return self.sequence.check_request(ids, max_new_tokens)
+
+    def stream(self, ids: Any, max_new_tokens: int, eos: tuple[int, ...],
+               sampling: Sampling) -> Iterator[int]:
+        steps = self.sequence.stream(ids, max_new_tokens, eos_token_id=eos, sampling=sampling)
+        try:
+            yield from steps
+        finally:
+            steps.close()
+
+    def stats(self) -> Any:
+        return self.sequence.stats.last_generation
+
+
+class EngineTokens:
+    """Where a text request's tokens come from: a `Request` of the runtime's batch engine
+    (`runtime.submit`), the path every single request and batch of requests takes."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self._request = None
+
+    def room(self) -> int:
+        return self.runtime.capacity
+
+    def check(self, ids: SequenceOf[int], max_new_tokens: int) -> Any:
+        return self.runtime.check_request(ids, max_new_tokens)
+
+    def stream(self, ids: Any, max_new_tokens: int, eos: tuple[int, ...],
+               sampling: Sampling) -> Iterator[int]:
+        self._request = self.runtime.submit(ids, max_new_tokens, eos_token_id=eos,
+                                            sampling=sampling, wait=True)
+        try:
+            yield from self._request.tokens()
+        finally:
+            self._request.cancel()  # a stop string or a closed stream ends it; no-op at its end
+
+    def stats(self) -> Any:
+        return None if self._request is None else self._request.stats
+
+
+class TextGeneration:
+    """One text request; iterate it for the text as it is produced.
+
+    `source` gives the tokens (`EngineTokens`: the batch engine; `SequenceTokens`: one
+    sequence). Every check (the prompt's ids, max_new_tokens, the stop strings, the room left)
+    runs at construction, before any work. `completion` is set once the iteration has ended.
     """
 
-    def __init__(self, sequence: Sequence, tokenizer: Tokenizer, ids: SequenceOf[int],
-                 max_new_tokens: int, *, sampling: Sampling,
+    def __init__(self, source: SequenceTokens | EngineTokens, tokenizer: Tokenizer,
+                 ids: SequenceOf[int], max_new_tokens: int, *, sampling: Sampling,
                  stop: str | Iterable[str] | None = None) -> None:
         self._stops = check_stops(stop)
         self.prompt_tokens = len(ids)
         try:
-            checked = sequence.check_request(ids, max_new_tokens)
+            checked = source.check(ids, max_new_tokens)
             budget, at_budget = int(max_new_tokens), "length"
         except CapacityError:
-            budget = sequence.capacity - sequence.length - len(ids)
+            budget = source.room() - len(ids)
             if budget < 1:
                 raise
-            checked, at_budget = sequence.check_request(ids, budget), "capacity"
+            checked, at_budget = source.check(ids, budget), "capacity"
         self.completion: Completion | None = None
-        self._steps = self._run(sequence, tokenizer, checked, budget, at_budget, sampling)
+        self._steps = self._run(source, tokenizer, checked, budget, at_budget, sampling)
 
     def __iter__(self) -> Iterator[str]:
         return self
@@ -92,13 +151,12 @@ class TextGeneration:
         """Stop early (what was generated stays in the sequence)."""
         self._steps.close()
 
-    def _run(self, sequence: Sequence, tokenizer: Tokenizer, ids, budget: int,
-             at_budget: str, sampling: Sampling) -> Iterator[str]:
+    def _run(self, source: SequenceTokens | EngineTokens, tokenizer: Tokenizer, ids,
+             budget: int, at_budget: str, sampling: Sampling) -> Iterator[str]:
         text = TokenText(tokenizer, self._stops)
         pieces: list[str] = []
-        # The sequence stops on the same ids, so its stats agree with the finish reason.
-        steps = sequence.stream(ids, budget, eos_token_id=tokenizer.eos_token_ids,
-                                sampling=sampling)
+        # The source stops on the same ids, so its stats agree with the finish reason.
+        steps = source.stream(ids, budget, tokenizer.eos_token_ids, sampling)
         try:
             for token in steps:
                 piece = text.push(token)
@@ -115,23 +173,22 @@ class TextGeneration:
             yield piece
         self.completion = Completion(text="".join(pieces), tokens=tuple(text.tokens),
                                      finish_reason="stop" if text.stopped else at_budget,
-                                     prompt_tokens=self.prompt_tokens,
-                                     stats=sequence.stats.last_generation)
+                                     prompt_tokens=self.prompt_tokens, stats=source.stats())
 
 
-def stream_text(sequence: Sequence, tokenizer: Tokenizer, prompt: Prompt, max_new_tokens: int,
-                *, sampling: Sampling | None = None,
+def stream_text(source: SequenceTokens | EngineTokens, tokenizer: Tokenizer, prompt: Prompt,
+                max_new_tokens: int, *, sampling: Sampling | None = None,
                 stop: str | Iterable[str] | None = None) -> TextGeneration:
-    """A text generation of `prompt` on `sequence` (checked now, run as it is iterated)."""
-    return TextGeneration(sequence, tokenizer, prompt_ids(tokenizer, prompt), max_new_tokens,
+    """A text generation of `prompt` from `source` (checked now, run as it is iterated)."""
+    return TextGeneration(source, tokenizer, prompt_ids(tokenizer, prompt), max_new_tokens,
                           sampling=default_sampling(tokenizer, sampling), stop=stop)
 
 
-def generate_text(sequence: Sequence, tokenizer: Tokenizer, prompt: Prompt,
+def generate_text(source: SequenceTokens | EngineTokens, tokenizer: Tokenizer, prompt: Prompt,
                   max_new_tokens: int, *, sampling: Sampling | None = None,
                   stop: str | Iterable[str] | None = None) -> Completion:
     """Run a text generation to its end; its Completion."""
-    generation = stream_text(sequence, tokenizer, prompt, max_new_tokens, sampling=sampling,
+    generation = stream_text(source, tokenizer, prompt, max_new_tokens, sampling=sampling,
                              stop=stop)
     for _ in generation:
         pass
