@@ -135,6 +135,7 @@ class Runtime:
         _check_options(capacity=capacity, chunk_size=chunk_size, max_variants=max_variants,
                        device_id=device_id, intra_op_threads=intra_op_threads,
                        padding=padding, cuda_graphs=cuda_graphs)
+        arguments.integer(idle_sequences, "idle_sequences", minimum=0, error=ConfigError)
         self.max_batch = arguments.integer(max_batch, "max_batch", minimum=1, error=ConfigError)
         self.max_queue = arguments.integer(max_queue, "max_queue", minimum=1, error=ConfigError)
         check_utf8_path(model_path)
@@ -313,7 +314,8 @@ class Runtime:
 
         Idempotent. The batch engine stops first (its queued and running requests fail with
         ClosedError). A forward running in another thread finishes first (its session is freed
-        when it ends); every later call on the runtime or its sequences is a ClosedError.
+        when it ends); every later forward of the runtime or its sequences, and every submit,
+        is a ClosedError (reading stats or a sequence's state still works).
         """
         if self._closed:
             return
@@ -483,7 +485,12 @@ def _resolve_capacity(capacity: int | None, plan: ChunkPlan, genai: GenaiConfig)
                 raise ConfigError("the model declares no maximum sequence length; pass a "
                                   "capacity (--capacity) to size the KV buffers")
             return min(limit for limit, _ in limits)
-        return min([capacity, *(limit for limit, _ in limits)])
+        capacity = min([capacity, *(limit for limit, _ in limits)])
+        if capacity < 2:
+            raise ConfigError(f"{genai.path.name}'s search.max_length gives a capacity of "
+                              f"{capacity}; the KV cache needs at least 2 positions: pass a "
+                              "capacity (--capacity)")
+        return capacity
     if capacity < 2:
         raise ConfigError(f"the capacity must be at least 2 positions, got {capacity}")
     for limit, why in limits:

@@ -202,6 +202,8 @@ class Sequence:
         if self._closing:
             raise ClosedError("this sequence was closed; open a new one with "
                               "runtime.open_sequence()")
+        if self.runtime.closed:
+            raise ClosedError("the runtime of this sequence was closed; load the model again")
 
     @property
     def capacity(self) -> int:

@@ -274,3 +274,33 @@ def test_closing_a_sequence_under_its_stream_never_hands_its_buffers_to_another(
     assert loaded.open_sequence().generate(other, 6, eos_token_id=[]) == expected
     with pytest.raises(Exception, match="closed"):
         first.generate(prompt, 2)
+
+
+def test_after_the_runtime_closes_every_forward_and_submit_is_a_closed_error(reference_model):
+    from onnx_chunk.errors import ClosedError
+
+    loaded = load(reference_model("base"), provider="cpu", capacity=64, chunk_size=W)
+    sequence = loaded.open_sequence()
+    sequence.generate([5, 6, 7], 2)
+    loaded.close()
+    for call in (lambda: sequence.generate([5, 6], 2), lambda: sequence.prefill([5]),
+                 lambda: loaded.submit([5], 2), lambda: loaded.open_sequence()):
+        with pytest.raises(ClosedError, match="closed"):
+            call()
+    assert loaded.stats().capacity == 64
+
+
+def test_idle_sequences_and_a_tiny_genai_max_length_are_refused_at_load(reference_model,
+                                                                        tmp_path):
+    import json
+    import shutil
+
+    with pytest.raises(ConfigError, match="idle_sequences"):
+        load(reference_model("base"), provider="cpu", capacity=64, idle_sequences="3")
+    folder = tmp_path / "model"
+    shutil.copytree(reference_model("base").parent, folder)
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["search"]["max_length"] = 1
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="max_length gives a capacity of 1"):
+        load(folder, provider="cpu")
