@@ -152,6 +152,9 @@ class Sampler:
                                    self._mask)
         if sampling.min_p > 0.0:
             cutoff = max(cutoff, top + math.log(sampling.min_p))
+        if not math.isfinite(top):
+            raise ValueError(f"the logits hold no finite maximum ({top}): the model's output is "
+                             "broken at this step (NaN or infinities), nothing can be sampled")
         np.greater_equal(scores, cutoff, out=self._mask)
         if np.count_nonzero(self._mask) > _GATHERED_DRAW:
             # Many tokens left: draw over the whole row in place (the dropped ones weigh 0).

@@ -175,3 +175,11 @@ def test_sampling_is_exported_from_the_package():
 
     assert onnx_chunk.Sampling is Sampling
     assert "Sampling" in onnx_chunk.__all__
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_logits_without_a_finite_maximum_are_a_clear_error(bad):
+    row = np.zeros(64, dtype=np.float32)
+    row[5] = bad
+    with pytest.raises(ValueError, match="no finite maximum"):
+        Sampler(Sampling(temperature=0.7, seed=0), 64).choose(row)

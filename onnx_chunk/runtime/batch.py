@@ -26,6 +26,7 @@ import numpy as np
 import onnxruntime as ort
 
 from onnx_chunk.runtime.buffers import BatchBuffers, DeviceBuffer, device_zeros
+from onnx_chunk.runtime.cuda_graphs import session_captures, uncaptured
 from onnx_chunk.runtime.ports import LOGITS_OUTPUT, MASK_INPUT, ModelPorts
 from onnx_chunk.runtime.provider import Device, MaskPolicy
 
@@ -69,6 +70,7 @@ class BatchDecoder:
         self.capacity = capacity
         self.buffers = buffers
         self.embeddings = embeddings
+        self._no_capture = uncaptured().first
         slots = buffers.slots
         token_shape = ((slots, 1) if ports.hidden_size is None
                        else (slots, 1, ports.hidden_size))
@@ -116,7 +118,9 @@ class BatchDecoder:
             self._bind_mask(io, width)
         saved = self._save_windows(lengths, idle)
         self.buffers.bind_state(io)
-        self.device.run(session, io, None)
+        # The batched binding never captures a CUDA graph (a capturing session would take its
+        # third run as a capture under graph 0, outside the capture gate and the state's parity).
+        self.device.run(session, io, self._no_capture if session_captures(session) else None)
         self.buffers.keep_state(idle)
         self.buffers.swap_state()
         for buffer, row, array in saved:

@@ -153,8 +153,19 @@ class BatchEngine:
             runtime.pool.give_number(self._decode_number)
 
     def _loop(self) -> None:
-        while self._turn():
-            pass
+        try:
+            while self._turn():
+                pass
+        except BaseException as error:  # a defect outside any step: never leave requests hanging
+            logger.exception("the engine thread stopped")
+            with self._cond:
+                self._thread = None
+                for row in self._rows:
+                    if row is not None:
+                        self._fail(row.request, error)
+                for request in self._queue.drain():
+                    self._fail(request, error)
+            raise
 
     def _turn(self) -> bool:
         """One step, or one wait for work; False when the thread is to leave."""
@@ -191,14 +202,22 @@ class BatchEngine:
         """Free the slots of ended requests, then admit queued ones (the lock is held)."""
         for index, row in enumerate(self._rows):
             if row is not None and row.request.done:
-                self._free(index)
+                try:
+                    self._free(index)
+                except Exception:  # the slot stays out of use; the other requests go on
+                    logger.exception("freeing engine slot %d failed", index)
         free = [index for index, row in enumerate(self._rows) if row is None]
         for index in admit(free, len(self._queue)):
             request = self._queue.pop()
             sampler = self._samplers.pop(request.id)
-            slot = self._slots[index]
-            slot.reset(runtime.device.mask_policy)
-            sequence = Sequence(runtime, slot)
+            try:
+                slot = self._slots[index]
+                slot.reset(runtime.device.mask_policy)
+                sequence = Sequence(runtime, slot)
+            except Exception as error:  # this request fails alone; the slot stays free
+                logger.exception("admitting request %d failed", request.id)
+                self._fail(request, error)
+                continue
             row = _Row(request, sequence, sampler, self._admitted,
                        collections.deque(prefill_chunks(len(request.prompt),
                                                         runtime.chunk_size)))
@@ -253,7 +272,10 @@ class BatchEngine:
             self._counters.prefill_rows += end - begin
             self._counters.prefill_s += time.perf_counter() - began
         if not row.chunks:
-            self._deliver(row, row.sampler.choose(logits))
+            try:
+                self._deliver(row, row.sampler.choose(logits))
+            except Exception as error:  # this request's token choice failed: it fails alone
+                self._fail(request, error)
 
     def _decode(self, runtime: Runtime, decoding: list[int]) -> None:
         lengths = [row.sequence.length if row is not None else 0 for row in self._rows]
@@ -265,14 +287,17 @@ class BatchEngine:
                 io = self._decoder.binding(
                     session, runtime.sessions.bindings(session, self._decode_number))
                 logits = self._decoder.run(session, io, lengths, tokens, decoding)
-                for index in decoding:
-                    row = self._rows[index]
-                    row.sequence.advance_batched()
-                    self._deliver(row, row.sampler.choose(logits[index]))
         except Exception as error:  # the forward failed: every row of it fails with it
             for index in decoding:
                 self._fail(self._rows[index].request, error)
             return
+        for index in decoding:
+            row = self._rows[index]
+            try:
+                row.sequence.advance_batched()
+                self._deliver(row, row.sampler.choose(logits[index]))
+            except Exception as error:  # one row's token choice fails that request alone
+                self._fail(row.request, error)
         now = time.perf_counter()
         with self._cond:
             self._counters.decode_steps += 1

@@ -131,6 +131,7 @@ class Sequence:
         ports = runtime.ports
         self._length = LogicalLength(runtime.capacity, runtime.device.mask_policy)
         pooled = slot is None
+        self._pooled = pooled
         if slot is None:
             slot = runtime.pool.take()
         self._slot_number = slot.number
@@ -626,9 +627,11 @@ class Sequence:
         if selects:
             row_index = device_zeros((1,), np.int64, device)
             io.bind_ortvalue_input(ROW_INPUT, row_index.value)
+        # A row of the batch engine never captures: its state buffers are the batch's, whose
+        # parity the engine's decode flips, and its thread may change between steps.
         graphs = runtime.sessions.graph_runs(session, self._slot_number,
                                              stateful=bool(self._buffers.state_ports),
-                                             capture=not every_row)
+                                             capture=not every_row and self._pooled)
         keeps = width == DECODE_WIDTH or (graphs is not None and not every_row)
         binding = _Binding(io, tokens, positions, graphs, keeps_logits=keeps, output=output,
                            row_index=row_index)

@@ -298,3 +298,47 @@ def test_a_decoder_with_a_fixed_batch_axis_is_refused_for_max_batch(reference_mo
     with pytest.raises(ConfigError, match="max_batch=2 needs a decoder whose batch axis is free"):
         load(folder, provider="cpu", max_batch=2)
     assert load(folder, provider="cpu", capacity=64).generate_many([[1, 2, 3]], 2) != []
+
+
+@pytest.mark.parametrize("new_tokens", [1, 6])  # 1: the choice after prefill; 6: in decode
+def test_one_requests_failing_token_choice_fails_it_alone(reference_model, monkeypatch,
+                                                         new_tokens):
+    from onnx_chunk import sampling
+
+    runtime = load(reference_model("base"), provider="cpu", capacity=64, max_batch=4)
+    healthy = runtime.open_sequence().generate(list(range(3, 30)), 8, eos_token_id=[])
+    choose = sampling.Sampler.choose
+
+    def broken(self, logits):
+        if self.sampling.seed == 13:
+            raise ValueError("broken logits")
+        return choose(self, logits)
+
+    monkeypatch.setattr(sampling.Sampler, "choose", broken)
+    good = runtime.submit(list(range(3, 30)), 8, eos_token_id=[])
+    bad = runtime.submit(list(range(5, 12)), new_tokens, eos_token_id=[],
+                         sampling=Sampling(temperature=0.5, seed=13))
+    assert good.result(timeout=60) == healthy and good.finish_reason == "length"
+    with pytest.raises(ValueError, match="broken logits"):
+        bad.result(timeout=60)
+    runtime.close()
+
+
+def test_a_failure_admitting_a_request_fails_it_alone_and_the_engine_goes_on(reference_model,
+                                                                            monkeypatch):
+    runtime = load(reference_model("base"), provider="cpu", capacity=64, max_batch=2)
+    expected = runtime.open_sequence().generate([7, 8, 9], 4, eos_token_id=[])
+    reset = SequenceSlot.reset
+    failures = [RuntimeError("transient device error")]
+
+    def flaky(self, *args, **kwargs):
+        if failures:
+            raise failures.pop()
+        return reset(self, *args, **kwargs)
+
+    monkeypatch.setattr(SequenceSlot, "reset", flaky)
+    first = runtime.submit([7, 8, 9], 4, eos_token_id=[])
+    with pytest.raises(RuntimeError, match="transient"):
+        first.result(timeout=60)
+    assert runtime.submit([7, 8, 9], 4, eos_token_id=[]).result(timeout=60) == expected
+    runtime.close()
