@@ -229,8 +229,9 @@ def _repeated(op, present):
 
 def _scaled(op, value, factor: str, tag: str):
     """`value`, or `value` times or divided by `factor`; `tag` binds which."""
-    return pattern.OrValue([op.Mul(value, factor), op.Div(value, factor), value],
-                           tag_var=tag, tag_values=("Mul", "Div", None))
+    return pattern.OrValue(
+        [op.Mul(value, factor), op.Mul(factor, value), op.Div(value, factor), value],
+        tag_var=tag, tag_values=("Mul", "Mul", "Div", None))
 
 
 def _grown_kv(op, past_key, new_key, past_value, new_value):
@@ -292,23 +293,23 @@ def _layer(form: str, root: ir.Node, match: pattern.MatchResult,
     found = match.bindings
     _check_single_use(match.nodes, root)
     if form == FORM_ATTENTION:
-        anchor, mask, scale = root, *_attention_settings(root)
+        anchor, query, (mask, scale) = root, found["query"], _attention_settings(root)
     else:
-        anchor = found["weights"].producer()
-        mask, scale = found["mask"], _softmax_scale(match)
+        anchor, mask = found["weights"].producer(), found["mask"]
+        query, scale = _softmax_query_and_scale(match)
     if mask is not None:
         _check_mask(mask, graph)
     past_key, present_key, present_value = (found["past_key"], found["present_key"],
                                             found["present_value"])
     kv_heads, head_size = _kv_dims(past_key)
-    heads = _query_heads(found["query"], head_size)
+    heads = _query_heads(query, head_size)
     if heads % kv_heads:
         raise _Refusal(f"{heads} query heads are no multiple of {kv_heads} KV heads at "
                        f"{_label(anchor)}")
     return ConcatKVLayer(
         past_key=past_key.name, past_value=found["past_value"].name,
         present_key=present_key.name, present_value=present_value.name,
-        query=found["query"].name, new_key=found["new_key"].name,
+        query=query.name, new_key=found["new_key"].name,
         new_value=found["new_value"].name, output=root.outputs[0].name, form=form,
         anchor=anchor.name or "", num_heads=heads, kv_num_heads=kv_heads,
         head_size=head_size, scale=scale if scale is not None else 1.0 / math.sqrt(head_size))
@@ -352,9 +353,10 @@ def _attention_settings(node: ir.Node) -> tuple[ir.Value | None, float | None]:
     return mask, None if scale is None else scale.as_float()
 
 
-def _softmax_scale(match: pattern.MatchResult) -> float:
-    """Rule 2 for the spelled-out form: Softmax on the key axis, a zero in the NaN guard,
-    and the product of the scalar factors on Q, Kᵀ and the scores."""
+def _softmax_query_and_scale(match: pattern.MatchResult) -> tuple[ir.Value, float]:
+    """Rule 2 for the spelled-out form: Softmax on the key axis, a zero in the NaN guard, the
+    query, and the product of the scalar factors on Q, Kᵀ and the scores. A Mul or Div of Q by
+    anything but a constant scalar is part of the query, not of the scale."""
     found, nodes = match.bindings, match.nodes
     softmax = found["weights"].producer()
     axis = softmax.attributes.get("axis")
@@ -364,19 +366,30 @@ def _softmax_scale(match: pattern.MatchResult) -> float:
     if zero is not None and _scalar(zero) != 0.0:
         where = next(node for node in nodes if node.op_type == "Where")
         raise _Refusal(f"{_label(where)} after Softmax is not the Where(IsNaN(p), 0, p) guard")
-    factor = 1.0
+    query, factor = found["query"], 1.0
     for tag, name in (("query_op", "query_scale"), ("key_op", "key_scale"),
                       ("scores_op", "scores_scale")):
         if found[tag] is None:
             continue
-        value = found[name]
-        step = _scalar(value)
-        if not step:
-            node = next(node for node in nodes if value in node.inputs)
+        node = next(node for node in nodes if node.op_type == found[tag]
+                    and found[name] in node.inputs)
+        step = _scale_factor(node)
+        if step is None and tag == "query_op":
+            query = node.outputs[0]
+        elif step is None:
             raise _Refusal(f"{_label(node)} in the attention scores does not scale by a "
                            "non-zero scalar constant")
-        factor *= step if found[tag] == "Mul" else 1.0 / step
-    return factor
+        else:
+            factor *= step
+    return query, factor
+
+
+def _scale_factor(node: ir.Node) -> float | None:
+    """The factor a Mul by a scalar constant (either side) or a Div by one applies."""
+    if node.op_type == "Mul":
+        return next((step for step in map(_scalar, node.inputs) if step is not None), None)
+    divisor = _scalar(node.inputs[1])
+    return 1.0 / divisor if divisor else None
 
 
 def _scalar(value: ir.Value | None) -> float | None:
