@@ -2,12 +2,12 @@
 
 Optimum and torch.onnx exports grow the cache: `present = Concat(past, new)`, repeated to the
 query heads, then either spelled-out attention (MatMul, Softmax, MatMul) or opset 23's
-`Attention`. The match is direct onnx_ir traversal from the graph's KV inputs and outputs, not
-onnxscript's pattern API: every piece between the anchors is optional or exporter-specific (a
-scale on Q, on K or on the scores, Optimum's IsNaN guard after Softmax, a repeat spelled
-Unsqueeze/Expand/Reshape with shapes computed at run time), so one pattern per combination
-would be needed, while a walk from the fixed anchors accepts them all and names the node where
-a layer stops looking like attention.
+`Attention`. Each form is one onnxscript rewriter pattern (`_RULES`) that spans the KV Concat,
+the head repeat and the attention, its optional steps (scales, mask Add, NaN guard) as
+or-patterns. What a pattern cannot say is checked in plain onnx_ir on the match: that nothing
+outside it reads its data (Shape reads allowed), the mask's inputs, the head counts, the
+Attention settings; and for a layer no pattern matches, the node where the closest match
+stopped, which the refusal names.
 """
 
 from __future__ import annotations
@@ -138,22 +138,27 @@ class ConcatKVToGQAPass(ConcatKVRewritePass):
     """Rewrite every concat-KV attention layer into GroupQueryAttention bound at capacity.
 
     Rules:
-    1. A layer is anchored on a graph output produced by `Concat(past, new)` on axis 2 whose
-       first input is a rank-4 graph input; its consumers (Shape reads aside) must pass through
-       the repeat ops (Unsqueeze, Expand, Reshape, Tile) to the attention: key input 1 of an
-       opset 23 `Attention`, or `Transpose(0, 1, 3, 2)` then input 1 of the scores MatMul.
-    2. The spelled-out form is MatMul(Q, Kᵀ) → scalar Mul/Div and one mask Add → Softmax on
-       the last axis → optional IsNaN/Where guard → MatMul with V, V coming from the value
-       Concat through repeat ops; scalar factors on Q, on Kᵀ and on the scores make the scale.
-       `Attention` must not carry its own past (inputs 4-6), softcap must be 0, and
-       without is_causal it needs a mask; its scale is the attribute or 1/sqrt(head size).
+    1. A layer is a match of one of two onnxscript patterns rooted at the attention's output,
+       both starting at `Concat(past_key, new)` and `Concat(past_value, new)` whose pasts are
+       rank-4 graph inputs and whose outputs are the graph's present outputs, each repeated
+       to the query heads by Unsqueeze → Expand → Reshape (transformers' repeat_kv), a Tile,
+       or nothing. Outside the match its values may be read by Shape/Size nodes only.
+    2. The spelled-out form is MatMul(Q, Transpose(K, (0, 1, 3, 2))) → an optional scalar
+       Mul/Div → an optional mask Add (either side) → an optional scalar Mul/Div → Softmax on
+       the last axis → an optional Where(IsNaN(p), 0, p) guard → MatMul with V; Q and Kᵀ may
+       each carry one Mul (either side) or Div. The constant scalar factors on Q, Kᵀ and the
+       scores make the scale (a Mul or Div of Q by anything else belongs to the query). The
+       opset 23 form is `Attention(Q, K, V, ...)`, which must not carry its own past (inputs
+       4-6) or use its other outputs, has softcap 0, a 4D query, and without is_causal a
+       mask; its scale is the attribute or 1/sqrt(head size).
     3. The mask may read `attention_mask` and shapes only (the causal padding mask transformers
        builds); a mask that reads another input's values is refused.
     4. Heads: KV heads and head size from the past input's fixed shape, query heads from the
        query's shape or its projection's weight width.
-    5. Every concat-KV output must belong to a matched layer, else nothing is rewritten: the
-       rewrite happens in a copy and the model is never half rewritten. A model without
-       concat KV comes back as an unchanged copy (`modified=False`).
+    5. Every concat-KV output must belong to a matched layer, else nothing is rewritten and the
+       refusal names the node where the closest match stopped: the rewrite happens in a copy
+       and the model is never half rewritten. A model without concat KV comes back as an
+       unchanged copy (`modified=False`).
     6. Each layer becomes one GroupQueryAttention (do_rotary=0: rotary stays as the export
        computes it, from position_ids) with Q/K/V in [batch, rows, heads*head], past
        inputs 3/4 the graph's past inputs and outputs 1/2 the graph's present outputs;
@@ -227,7 +232,7 @@ def _repeated(op, present):
         present])
 
 
-def _scaled(op, value, factor: str, tag: str):
+def _scaled(op, value, factor, tag: str):
     """`value`, or `value` times or divided by `factor`; `tag` binds which."""
     return pattern.OrValue(
         [op.Mul(value, factor), op.Mul(factor, value), op.Div(value, factor), value],
@@ -240,14 +245,15 @@ def _grown_kv(op, past_key, new_key, past_value, new_value):
 
 
 def _softmax_attention(op, query, past_key, new_key, past_value, new_value, mask,
-                       query_scale, key_scale, scores_scale, zero):
+                       query_scale, key_scale, scores_scale, masked_scale, zero):
     key, value = _grown_kv(op, past_key, new_key, past_value, new_value)
     key_transposed = op.Transpose(key, perm=list(_KEY_TRANSPOSED))
     scores = op.MatMul(_scaled(op, query, query_scale, "query_op"),
                        _scaled(op, key_transposed, key_scale, "key_op"))
     scaled = _scaled(op, scores, scores_scale, "scores_op")
     masked = pattern.OrValue([op.Add(scaled, mask), op.Add(mask, scaled), scaled])
-    weights = op.Softmax(masked, _outputs=["weights"])
+    weights = op.Softmax(_scaled(op, masked, masked_scale, "masked_op"),
+                         _outputs=["weights"])
     guarded = pattern.OrValue([op.Where(op.IsNaN(weights), zero, weights), weights])
     return op.MatMul(guarded, value)
 
@@ -368,7 +374,7 @@ def _softmax_query_and_scale(match: pattern.MatchResult) -> tuple[ir.Value, floa
         raise _Refusal(f"{_label(where)} after Softmax is not the Where(IsNaN(p), 0, p) guard")
     query, factor = found["query"], 1.0
     for tag, name in (("query_op", "query_scale"), ("key_op", "key_scale"),
-                      ("scores_op", "scores_scale")):
+                      ("scores_op", "scores_scale"), ("masked_op", "masked_scale")):
         if found[tag] is None:
             continue
         node = next(node for node in nodes if node.op_type == found[tag]

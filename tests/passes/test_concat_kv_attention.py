@@ -110,6 +110,16 @@ def test_a_scale_on_either_side_of_the_key_mul_is_matched():
     assert [layer.scale for layer in findings.layers] == [0.25, 0.25]
 
 
+def test_a_scale_after_the_mask_add_joins_the_scale():
+    model = load_export(OPTIMUM)
+    softmax = _node(model, "/model/layers.0/self_attn/Softmax")
+    two = ir.node("Constant", [], {"value": ir.tensor(2.0)}, name="two")
+    doubled = ir.node("Mul", [softmax.inputs[0], two.outputs[0]], name="doubled")
+    model.graph.insert_before(softmax, [two, doubled])
+    softmax.replace_input_with(0, doubled.outputs[0])
+    assert [layer.scale for layer in find_concat_kv_attention(model.graph).layers] == [0.5, 0.25]
+
+
 def test_a_second_reader_of_the_attention_weights_is_refused_naming_it():
     model = load_export(OPTIMUM)
     softmax = _node(model, "/model/layers.0/self_attn/Softmax")
