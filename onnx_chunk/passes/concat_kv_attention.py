@@ -189,6 +189,8 @@ def find_concat_kv_attention(graph: ir.Graph) -> ConcatKVFindings:
         matches, closest = [], None
         for node in graph:
             for form, rule in _RULES:
+                # The matcher reads only the graph; the finder has no model to give it. The
+                # nodes stay in place, so their removability is not asked (rule 1 instead).
                 match = rule.match(None, graph, node, check_nodes_are_removable=False)
                 if match:
                     matches.append((form, node, match))
@@ -260,7 +262,7 @@ def _softmax_attention(op, query, past_key, new_key, past_value, new_value, mask
 
 def _attention_op(op, query, past_key, new_key, past_value, new_value):
     key, value = _grown_kv(op, past_key, new_key, past_value, new_value)
-    return op.Attention(query, key, value, _allow_other_inputs=True, _outputs=4)
+    return op.Attention(query, key, value, _allow_other_inputs=True)
 
 
 def _past_is_kv_input(context, past_key, past_value, **_) -> bool:
@@ -288,9 +290,9 @@ def _why_unmatched(present: ir.Value, closest: pattern.MatchResult | None) -> st
     foreign = [item.producer() for item in failed.inputs if item is not None
                and item.producer() is not None and item.producer().op_type not in _PATTERN_OPS]
     culprit = f"{_label(foreign[0])} feeding {_label(failed)}" if foreign else _label(failed)
-    return (f"{culprit} is no step of a concat-KV attention (a scalar scale, one mask Add, "
-            f"Softmax, the KV Concat and head repeat, Attention); the pattern match stopped "
-            f"there: {closest.reason.rstrip('.')}")
+    return (f"{culprit} does not fit the concat-KV attention patterns (KV Concat, head "
+            "repeat, scalar scales, one mask Add, Softmax or Attention); the closest match "
+            f"stopped there ({closest.reason.rstrip('.')})")
 
 
 def _layer(form: str, root: ir.Node, match: pattern.MatchResult,
