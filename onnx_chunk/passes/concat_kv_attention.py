@@ -2,12 +2,12 @@
 
 Optimum and torch.onnx exports grow the cache: `present = Concat(past, new)`, repeated to the
 query heads, then either spelled-out attention (MatMul, Softmax, MatMul) or opset 23's
-`Attention`. The match is direct onnx_ir traversal from the graph's KV inputs and outputs, not
-onnxscript's pattern API: every piece between the anchors is optional or exporter-specific (a
-scale on Q, on K or on the scores, Optimum's IsNaN guard after Softmax, a repeat spelled
-Unsqueeze/Expand/Reshape with shapes computed at run time), so one pattern per combination
-would be needed, while a walk from the fixed anchors accepts them all and names the node where
-a layer stops looking like attention.
+`Attention`. Each form is one onnxscript rewriter pattern (`_RULES`) that spans the KV Concat,
+the head repeat and the attention, its optional steps (scales, mask Add, NaN guard) as
+or-patterns. What a pattern cannot say is checked in plain onnx_ir on the match: that nothing
+outside it reads its data (Shape reads allowed), the mask's inputs, the head counts, the
+Attention settings; and for a layer no pattern matches, the node where the closest match
+stopped, which the refusal names.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import math
 import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
+from onnxscript.rewriter import pattern
 
 from onnx_chunk import metadata
 from onnx_chunk.errors import ModelStructureError
@@ -28,10 +29,12 @@ logger = logging.getLogger(__name__)
 
 MASK_INPUT = "attention_mask"
 GQA_OPSET = 1
-# Ops transformers' repeat_kv is exported as (Unsqueeze, Expand, Reshape) or Tile.
-_REPEAT_OPS = frozenset({"Unsqueeze", "Expand", "Reshape", "Tile", "Identity"})
 # Nodes that read only a tensor's shape, never its values.
 _SHAPE_OPS = frozenset({"Shape", "Size"})
+# Every op the attention patterns below are made of.
+_PATTERN_OPS = frozenset({"Concat", "Unsqueeze", "Expand", "Reshape", "Tile", "Transpose",
+                          "Mul", "Div", "MatMul", "Add", "Softmax", "IsNaN", "Where",
+                          "Attention"})
 _KV_RANK = 4
 _SEQUENCE_AXIS = 2
 _TO_BSNH = (0, 2, 1, 3)
@@ -135,22 +138,27 @@ class ConcatKVToGQAPass(ConcatKVRewritePass):
     """Rewrite every concat-KV attention layer into GroupQueryAttention bound at capacity.
 
     Rules:
-    1. A layer is anchored on a graph output produced by `Concat(past, new)` on axis 2 whose
-       first input is a rank-4 graph input; its consumers (Shape reads aside) must pass through
-       the repeat ops (Unsqueeze, Expand, Reshape, Tile) to the attention: key input 1 of an
-       opset 23 `Attention`, or `Transpose(0, 1, 3, 2)` then input 1 of the scores MatMul.
-    2. The spelled-out form is MatMul(Q, Kᵀ) → scalar Mul/Div and one mask Add → Softmax on
-       the last axis → optional IsNaN/Where guard → MatMul with V, V coming from the value
-       Concat through repeat ops; scalar factors on Q, on Kᵀ and on the scores make the scale.
-       `Attention` must not carry its own past (inputs 4-6), softcap must be 0, and
-       without is_causal it needs a mask; its scale is the attribute or 1/sqrt(head size).
+    1. A layer is a match of one of two onnxscript patterns rooted at the attention's output,
+       both starting at `Concat(past_key, new)` and `Concat(past_value, new)` whose pasts are
+       rank-4 graph inputs and whose outputs are the graph's present outputs, each repeated
+       to the query heads by Unsqueeze → Expand → Reshape (transformers' repeat_kv), a Tile,
+       or nothing. Outside the match its values may be read by Shape/Size nodes only.
+    2. The spelled-out form is MatMul(Q, Transpose(K, (0, 1, 3, 2))) → an optional scalar
+       Mul/Div → an optional mask Add (either side) → an optional scalar Mul/Div → Softmax on
+       the last axis → an optional Where(IsNaN(p), 0, p) guard → MatMul with V; Q and Kᵀ may
+       each carry one Mul (either side) or Div. The constant scalar factors on Q, Kᵀ and the
+       scores make the scale (a Mul or Div of Q by anything else belongs to the query). The
+       opset 23 form is `Attention(Q, K, V, ...)`, which must not carry its own past (inputs
+       4-6) or use its other outputs, has softcap 0, a 4D query, and without is_causal a
+       mask; its scale is the attribute or 1/sqrt(head size).
     3. The mask may read `attention_mask` and shapes only (the causal padding mask transformers
        builds); a mask that reads another input's values is refused.
     4. Heads: KV heads and head size from the past input's fixed shape, query heads from the
        query's shape or its projection's weight width.
-    5. Every concat-KV output must belong to a matched layer, else nothing is rewritten: the
-       rewrite happens in a copy and the model is never half rewritten. A model without
-       concat KV comes back as an unchanged copy (`modified=False`).
+    5. Every concat-KV output must belong to a matched layer, else nothing is rewritten and the
+       refusal names the node where the closest match stopped: the rewrite happens in a copy
+       and the model is never half rewritten. A model without concat KV comes back as an
+       unchanged copy (`modified=False`).
     6. Each layer becomes one GroupQueryAttention (do_rotary=0: rotary stays as the export
        computes it, from position_ids) with Q/K/V in [batch, rows, heads*head], past
        inputs 3/4 the graph's past inputs and outputs 1/2 the graph's present outputs;
@@ -178,25 +186,30 @@ def find_concat_kv_attention(graph: ir.Graph) -> ConcatKVFindings:
     try:
         if MASK_INPUT not in {value.name for value in graph.inputs}:
             raise _Refusal(f"the graph has no {MASK_INPUT!r} input to derive seqlens_k from")
-        keys, values = [], set()
-        for present in concats:
-            node, index = _repeat_end(present)
-            if (node.op_type, index) in (("Attention", 1), ("Transpose", 0)):
-                keys.append(present)
-            elif (node.op_type, index) in (("Attention", 2), ("MatMul", 1)):
-                values.add(id(present))
-            else:
-                raise _Refusal(f"the KV output {present.name!r} reaches {_label(node)} (input "
-                               f"{index}), not an attention's key or value")
-        layers = [_match_layer(key, values, graph) for key in keys]
-        used = {layer.present_value for layer in layers}
-        stray = [present.name for present in concats
-                 if id(present) in values and present.name not in used]
+        matches, closest = [], None
+        for node in graph:
+            for form, rule in _RULES:
+                # The matcher reads only the graph; the finder has no model to give it. The
+                # nodes stay in place, so their removability is not asked (rule 1 instead).
+                match = rule.match(None, graph, node, check_nodes_are_removable=False)
+                if match:
+                    matches.append((form, node, match))
+                elif match is not None and match.num_matched_nodes() > 1 and (
+                        closest is None
+                        or match.num_matched_nodes() > closest.num_matched_nodes()):
+                    closest = match
+        layers = {layer.present_key: layer
+                  for layer in (_layer(form, node, match, graph)
+                                for form, node, match in matches)}
+        claimed = {name for layer in layers.values()
+                   for name in (layer.present_key, layer.present_value)}
+        stray = [present for present in concats if present.name not in claimed]
         if stray:
-            raise _Refusal(f"the value output(s) {', '.join(stray)} belong to no matched layer")
+            raise _Refusal(_why_unmatched(stray[0], closest))
     except _Refusal as refusal:
         return ConcatKVFindings((), str(refusal))
-    return ConcatKVFindings(tuple(layers), None)
+    return ConcatKVFindings(tuple(layers[present.name] for present in concats
+                                  if present.name in layers), None)
 
 
 def _is_kv_concat(output: ir.Value, inputs: set[int]) -> bool:
@@ -212,121 +225,120 @@ def _label(node: ir.Node) -> str:
     return f"{node.op_type} node {node.name!r}"
 
 
-def _data_consumers(value: ir.Value) -> list[ir.Node]:
-    return [node for node in value.consumers() if node.op_type not in _SHAPE_OPS]
+def _repeated(op, present):
+    """transformers' repeat_kv as exported (Unsqueeze, Expand, Reshape), a Tile, or none."""
+    return pattern.OrValue([
+        op.Reshape(op.Expand(op.Unsqueeze(present, _allow_other_inputs=True),
+                             _allow_other_inputs=True), _allow_other_inputs=True),
+        op.Tile(present, _allow_other_inputs=True),
+        present])
 
 
-def _single_consumer(value: ir.Value) -> ir.Node:
-    consumers = _data_consumers(value)
-    if len(consumers) != 1:
-        names = ", ".join(_label(node) for node in consumers) or "nothing"
-        raise _Refusal(f"{value.name!r} feeds {len(consumers)} nodes ({names}), expected one")
-    return consumers[0]
+def _scaled(op, value, factor, tag: str):
+    """`value`, or `value` times or divided by `factor`; `tag` binds which."""
+    return pattern.OrValue(
+        [op.Mul(value, factor), op.Mul(factor, value), op.Div(value, factor), value],
+        tag_var=tag, tag_values=("Mul", "Mul", "Div", None))
 
 
-def _repeat_end(value: ir.Value) -> tuple[ir.Node, int]:
-    """The first node past the repeat ops that reads `value`, and the input it reads."""
-    while True:
-        node = _single_consumer(value)
-        if node.op_type in _REPEAT_OPS and node.inputs[0] is value:
-            value = node.outputs[0]
-            continue
-        return node, list(node.inputs).index(value)
+def _grown_kv(op, past_key, new_key, past_value, new_value):
+    return (_repeated(op, op.Concat(past_key, new_key, _outputs=["present_key"])),
+            _repeated(op, op.Concat(past_value, new_value, _outputs=["present_value"])))
 
 
-def _repeat_start(value: ir.Value | None) -> ir.Value | None:
-    """Walk back from `value` through the repeat ops."""
-    while value is not None and (node := value.producer()) is not None \
-            and node.op_type in _REPEAT_OPS:
-        value = node.inputs[0]
-    return value
+def _softmax_attention(op, query, past_key, new_key, past_value, new_value, mask,
+                       query_scale, key_scale, scores_scale, masked_scale, zero):
+    key, value = _grown_kv(op, past_key, new_key, past_value, new_value)
+    key_transposed = op.Transpose(key, perm=list(_KEY_TRANSPOSED))
+    scores = op.MatMul(_scaled(op, query, query_scale, "query_op"),
+                       _scaled(op, key_transposed, key_scale, "key_op"))
+    scaled = _scaled(op, scores, scores_scale, "scores_op")
+    masked = pattern.OrValue([op.Add(scaled, mask), op.Add(mask, scaled), scaled])
+    weights = op.Softmax(_scaled(op, masked, masked_scale, "masked_op"),
+                         _outputs=["weights"])
+    guarded = pattern.OrValue([op.Where(op.IsNaN(weights), zero, weights), weights])
+    return op.MatMul(guarded, value)
 
 
-def _scalar(value: ir.Value | None) -> float | None:
-    """The value of a one-element constant (initializer or Constant node), else None."""
-    if value is None:
-        return None
-    tensor = value.const_value
-    producer = value.producer()
-    if tensor is None and producer is not None and producer.op_type == "Constant":
-        attribute = producer.attributes.get("value")
-        tensor = attribute.as_tensor() if attribute is not None else None
-    if tensor is None or math.prod(tensor.shape.numpy()) != 1:
-        return None
-    return float(np.asarray(tensor.numpy()).reshape(-1)[0])
+def _attention_op(op, query, past_key, new_key, past_value, new_value):
+    key, value = _grown_kv(op, past_key, new_key, past_value, new_value)
+    return op.Attention(query, key, value, _allow_other_inputs=True)
 
 
-def _scale_factor(node: ir.Node, value: ir.Value) -> float | None:
-    """The factor node applies to `value` when it is a Mul or Div by a scalar constant."""
-    if node.op_type == "Mul":
-        other = node.inputs[1] if node.inputs[0] is value else node.inputs[0]
-        return _scalar(other)
-    if node.op_type == "Div" and node.inputs[0] is value:
-        divisor = _scalar(node.inputs[1])
-        return None if not divisor else 1.0 / divisor
-    return None
+def _past_is_kv_input(context, past_key, past_value, **_) -> bool:
+    """Both pasts are rank-4 graph inputs, as `_is_kv_concat` anchors them."""
+    inputs = {id(value) for value in context.graph_or_function.inputs}
+    return all(id(past) in inputs and past.shape is not None and len(past.shape) == _KV_RANK
+               for past in (past_key, past_value))
 
 
-def _scale_forward(value: ir.Value) -> tuple[ir.Node, ir.Value, float]:
-    factor = 1.0
-    while True:
-        node = _single_consumer(value)
-        step = _scale_factor(node, value)
-        if step is None:
-            return node, value, factor
-        factor *= step
-        value = node.outputs[0]
+_RULES = (
+    (FORM_SOFTMAX, pattern.Pattern(_softmax_attention, _past_is_kv_input, name=FORM_SOFTMAX)),
+    (FORM_ATTENTION, pattern.Pattern(_attention_op, _past_is_kv_input, name=FORM_ATTENTION)),
+)
 
 
-def _scale_backward(value: ir.Value) -> tuple[ir.Value, float]:
-    factor = 1.0
-    while (node := value.producer()) is not None:
-        data = next((item for item in node.inputs if item is not None
-                     and _scalar(item) is None), None)
-        step = _scale_factor(node, data) if data is not None else None
-        if step is None:
-            break
-        factor *= step
-        value = data
-    return value, factor
+def _why_unmatched(present: ir.Value, closest: pattern.MatchResult | None) -> str:
+    """Name the node where the match that got furthest stopped: a producer the patterns have
+    no step for, else the node that failed."""
+    nodes = [] if closest is None else [
+        item for item in closest.failure_nodes_and_values if isinstance(item, ir.Node)]
+    if not nodes:
+        return (f"the KV output {present.name!r} reaches no attention that the concat-KV "
+                "patterns (MatMul+Softmax, Attention) match")
+    failed = nodes[-1]
+    foreign = [item.producer() for item in failed.inputs if item is not None
+               and item.producer() is not None and item.producer().op_type not in _PATTERN_OPS]
+    culprit = f"{_label(foreign[0])} feeding {_label(failed)}" if foreign else _label(failed)
+    return (f"{culprit} does not fit the concat-KV attention patterns (KV Concat, head "
+            "repeat, scalar scales, one mask Add, Softmax or Attention); the closest match "
+            f"stopped there ({closest.reason.rstrip('.')})")
 
 
-def _match_layer(present_key: ir.Value, values: set[int], graph: ir.Graph) -> ConcatKVLayer:
-    concat = present_key.producer()
-    past_key, new_key = concat.inputs
-    node, _ = _repeat_end(present_key)
-    if node.op_type == "Attention":
-        query, output, value_input, mask, scale, anchor = _match_attention_op(node)
-        form = FORM_ATTENTION
+def _layer(form: str, root: ir.Node, match: pattern.MatchResult,
+           graph: ir.Graph) -> ConcatKVLayer:
+    """Check a structural match (rules 1-4) and describe its layer."""
+    found = match.bindings
+    _check_single_use(match.nodes, root)
+    if form == FORM_ATTENTION:
+        anchor, query, (mask, scale) = root, found["query"], _attention_settings(root)
     else:
-        query, output, value_input, mask, scale, anchor = _match_softmax(node)
-        form = FORM_SOFTMAX
-    present_value = _repeat_start(value_input)
-    if present_value is None or id(present_value) not in values:
-        raise _Refusal(f"the value read by {_label(node)} is not a graph's concat-KV output")
-    past_value, new_value = present_value.producer().inputs
+        anchor, mask = found["weights"].producer(), found["mask"]
+        query, scale = _softmax_query_and_scale(match)
     if mask is not None:
         _check_mask(mask, graph)
+    past_key, present_key, present_value = (found["past_key"], found["present_key"],
+                                            found["present_value"])
     kv_heads, head_size = _kv_dims(past_key)
     heads = _query_heads(query, head_size)
     if heads % kv_heads:
         raise _Refusal(f"{heads} query heads are no multiple of {kv_heads} KV heads at "
-                       f"{_label(node)}")
+                       f"{_label(anchor)}")
     return ConcatKVLayer(
-        past_key=past_key.name, past_value=past_value.name, present_key=present_key.name,
-        present_value=present_value.name, query=query.name, new_key=new_key.name,
-        new_value=new_value.name, output=output.name, form=form, anchor=anchor.name or "",
-        num_heads=heads, kv_num_heads=kv_heads, head_size=head_size,
-        scale=scale if scale is not None else 1.0 / math.sqrt(head_size))
+        past_key=past_key.name, past_value=found["past_value"].name,
+        present_key=present_key.name, present_value=present_value.name,
+        query=query.name, new_key=found["new_key"].name,
+        new_value=found["new_value"].name, output=root.outputs[0].name, form=form,
+        anchor=anchor.name or "", num_heads=heads, kv_num_heads=kv_heads,
+        head_size=head_size, scale=scale if scale is not None else 1.0 / math.sqrt(head_size))
 
 
-# (query, attention output, V as read, mask, scale, the Attention or Softmax node)
-_Match = tuple[ir.Value, ir.Value, ir.Value | None, ir.Value | None, float | None, ir.Node]
+def _check_single_use(nodes, root: ir.Node) -> None:
+    """Rule 1: between the Concat and the attention's output nothing else reads the data."""
+    matched = set(map(id, nodes))
+    for node in nodes:
+        if node is root:
+            continue
+        for output in node.outputs:
+            others = [consumer for consumer in output.consumers()
+                      if id(consumer) not in matched and consumer.op_type not in _SHAPE_OPS]
+            if others:
+                raise _Refusal(f"{output.name!r} of the attention also feeds "
+                               f"{_label(others[0])}; it must feed only the attention")
 
 
-def _match_attention_op(node: ir.Node) -> _Match:
-    if node.domain not in ("", "ai.onnx"):
-        raise _Refusal(f"{_label(node)} is in domain {node.domain!r}, not the standard one")
+def _attention_settings(node: ir.Node) -> tuple[ir.Value | None, float | None]:
+    """Rule 2 for opset 23's Attention: its mask and scale, or why it is refused."""
     carried = [index for index in _ATTENTION_PAST_INPUTS
                if value_tracing.input_at(node, index) is not None]
     if carried:
@@ -346,55 +358,60 @@ def _match_attention_op(node: ir.Node) -> _Match:
         raise _Refusal(f"{_label(node)} has neither a mask nor is_causal: not a decoder's "
                        "causal attention")
     scale = node.attributes.get("scale")
-    return (query, node.outputs[0], node.inputs[2], mask,
-            None if scale is None else scale.as_float(), node)
+    return mask, None if scale is None else scale.as_float()
 
 
-def _match_softmax(transpose: ir.Node) -> _Match:
-    perm = transpose.attributes.get("perm")
-    if perm is None or tuple(perm.as_ints()) != _KEY_TRANSPOSED:
-        raise _Refusal(f"{_label(transpose)} does not transpose the key to (0, 1, 3, 2)")
-    scores_node, key_side, key_factor = _scale_forward(transpose.outputs[0])
-    if scores_node.op_type != "MatMul" or scores_node.inputs[1] is not key_side:
-        raise _Refusal(f"the transposed key reaches {_label(scores_node)}, not a scores MatMul")
-    query, query_factor = _scale_backward(scores_node.inputs[0])
-    value, factor, mask = scores_node.outputs[0], key_factor * query_factor, None
-    while True:
-        node = _single_consumer(value)
-        step = _scale_factor(node, value)
-        if step is not None:
-            factor *= step
-        elif node.op_type == "Add" and mask is None:
-            mask = node.inputs[1] if node.inputs[0] is value else node.inputs[0]
-        elif node.op_type == "Softmax":
-            break
-        else:
-            raise _Refusal(f"{_label(node)} between the scores MatMul {scores_node.name!r} "
-                           "and Softmax is neither a scalar scale nor one mask Add")
-        value = node.outputs[0]
-    axis = node.attributes.get("axis")
+def _softmax_query_and_scale(match: pattern.MatchResult) -> tuple[ir.Value, float]:
+    """Rule 2 for the spelled-out form: Softmax on the key axis, a zero in the NaN guard, the
+    query, and the product of the scalar factors on Q, Kᵀ and the scores. A Mul or Div of Q by
+    anything but a constant scalar is part of the query, not of the scale."""
+    found, nodes = match.bindings, match.nodes
+    softmax = found["weights"].producer()
+    axis = softmax.attributes.get("axis")
     if axis is not None and axis.as_int() not in (-1, _KV_RANK - 1):
-        raise _Refusal(f"{_label(node)} normalises axis {axis.as_int()}, not the key axis")
-    probabilities = _skip_nan_guard(node.outputs[0])
-    product = _single_consumer(probabilities)
-    if product.op_type != "MatMul" or product.inputs[0] is not probabilities:
-        raise _Refusal(f"the attention weights of {_label(node)} reach {_label(product)}, "
-                       "not the product with V")
-    return query, product.outputs[0], product.inputs[1], mask, factor, node
-
-
-def _skip_nan_guard(value: ir.Value) -> ir.Value:
-    """Past Optimum's `Where(IsNaN(p), 0, p)` after Softmax, when there is one."""
-    consumers = _data_consumers(value)
-    kinds = sorted(node.op_type for node in consumers)
-    if kinds != ["IsNaN", "Where"]:
-        return value
-    where = next(node for node in consumers if node.op_type == "Where")
-    is_nan = next(node for node in consumers if node.op_type == "IsNaN")
-    if where.inputs[0] is not is_nan.outputs[0] or where.inputs[2] is not value \
-            or _scalar(where.inputs[1]) != 0.0:
+        raise _Refusal(f"{_label(softmax)} normalises axis {axis.as_int()}, not the key axis")
+    zero = found["zero"]
+    if zero is not None and _scalar(zero) != 0.0:
+        where = next(node for node in nodes if node.op_type == "Where")
         raise _Refusal(f"{_label(where)} after Softmax is not the Where(IsNaN(p), 0, p) guard")
-    return where.outputs[0]
+    query, factor = found["query"], 1.0
+    for tag, name in (("query_op", "query_scale"), ("key_op", "key_scale"),
+                      ("scores_op", "scores_scale"), ("masked_op", "masked_scale")):
+        if found[tag] is None:
+            continue
+        node = next(node for node in nodes if node.op_type == found[tag]
+                    and found[name] in node.inputs)
+        step = _scale_factor(node)
+        if step is None and tag == "query_op":
+            query = node.outputs[0]
+        elif step is None:
+            raise _Refusal(f"{_label(node)} in the attention scores does not scale by a "
+                           "non-zero scalar constant")
+        else:
+            factor *= step
+    return query, factor
+
+
+def _scale_factor(node: ir.Node) -> float | None:
+    """The factor a Mul by a scalar constant (either side) or a Div by one applies."""
+    if node.op_type == "Mul":
+        return next((step for step in map(_scalar, node.inputs) if step is not None), None)
+    divisor = _scalar(node.inputs[1])
+    return 1.0 / divisor if divisor else None
+
+
+def _scalar(value: ir.Value | None) -> float | None:
+    """The value of a one-element constant (initializer or Constant node), else None."""
+    if value is None:
+        return None
+    tensor = value.const_value
+    producer = value.producer()
+    if tensor is None and producer is not None and producer.op_type == "Constant":
+        attribute = producer.attributes.get("value")
+        tensor = attribute.as_tensor() if attribute is not None else None
+    if tensor is None or math.prod(tensor.shape.numpy()) != 1:
+        return None
+    return float(np.asarray(tensor.numpy()).reshape(-1)[0])
 
 
 def _check_mask(mask: ir.Value, graph: ir.Graph) -> None:

@@ -3,7 +3,7 @@
 For providers without Microsoft contrib ops: the KV cache is a fixed-capacity buffer that
 `TensorScatter` writes the new rows into (in place when the runtime binds the past and present
 to one buffer, as it does), and `Attention` reads with `nonpad_kv_seqlen` and a causal mask
-offset by the past length. The layers are found by concat_kv_attention's finder.
+offset by the past length. The layers are found by concat_kv_attention's onnxscript patterns.
 """
 
 from __future__ import annotations

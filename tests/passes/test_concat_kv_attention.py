@@ -88,6 +88,47 @@ def test_a_softcap_before_softmax_is_refused_naming_the_node():
     assert len(model.graph) == count
 
 
+def test_a_query_scaled_by_a_computed_factor_keeps_the_product_as_the_query():
+    model = load_export(OPTIMUM)
+    scale = _node(model, "/model/layers.0/self_attn/Mul_8")
+    computed = ir.node("Identity", [scale.inputs[1]], name="computed_factor")
+    model.graph.insert_before(scale, computed)
+    scale.replace_input_with(1, computed.outputs[0])
+    first, second = find_concat_kv_attention(model.graph).layers
+    assert (first.query, first.scale) == (scale.outputs[0].name, 0.5)
+    assert (second.query, second.scale) == ("/model/layers.1/self_attn/Add_output_0", 0.25)
+
+
+def test_a_scale_on_either_side_of_the_key_mul_is_matched():
+    model = load_export(OPTIMUM)
+    scale = _node(model, "/model/layers.1/self_attn/Mul_9")
+    key, factor = scale.inputs
+    scale.replace_input_with(0, factor)
+    scale.replace_input_with(1, key)
+    findings = find_concat_kv_attention(model.graph)
+    assert findings.refusal is None
+    assert [layer.scale for layer in findings.layers] == [0.25, 0.25]
+
+
+def test_a_scale_after_the_mask_add_joins_the_scale():
+    model = load_export(OPTIMUM)
+    softmax = _node(model, "/model/layers.0/self_attn/Softmax")
+    two = ir.node("Constant", [], {"value": ir.tensor(2.0)}, name="two")
+    doubled = ir.node("Mul", [softmax.inputs[0], two.outputs[0]], name="doubled")
+    model.graph.insert_before(softmax, [two, doubled])
+    softmax.replace_input_with(0, doubled.outputs[0])
+    assert [layer.scale for layer in find_concat_kv_attention(model.graph).layers] == [0.5, 0.25]
+
+
+def test_a_second_reader_of_the_attention_weights_is_refused_naming_it():
+    model = load_export(OPTIMUM)
+    softmax = _node(model, "/model/layers.0/self_attn/Softmax")
+    reader = ir.node("Neg", [softmax.outputs[0]], name="weights_reader")
+    model.graph.insert_after(softmax, reader)
+    findings = find_concat_kv_attention(model.graph)
+    assert not findings.layers and "Neg node 'weights_reader'" in findings.refusal
+
+
 def test_attention_with_a_softcap_or_own_past_is_refused():
     model = load_export(TORCH)
     node = _node(model, "node_scaled_dot_product_attention_1")
