@@ -497,7 +497,7 @@ class Sequence:
     def _step_on(self, session: ort.InferenceSession, binding: _Binding,
                  token: int) -> np.ndarray:
         """One decode forward on a pinned session; its logits row (a view on a host device)."""
-        with self._gate(session, DECODE_WIDTH):
+        with self._gate_for(binding):
             return self._step_inside(session, binding, token)
 
     def _gate(self, session: ort.InferenceSession, width: int) -> contextlib.AbstractContextManager:
@@ -507,7 +507,11 @@ class Sequence:
         work from any other thread); shared for every other forward of a runtime that may
         capture; not at all where nothing captures.
         """
-        binding = self.runtime.sessions.bindings(session, self._slot_number).get(width)
+        return self._gate_for(self.runtime.sessions.bindings(session,
+                                                             self._slot_number).get(width))
+
+    def _gate_for(self, binding: _Binding | None) -> contextlib.AbstractContextManager:
+        """`_gate` for a binding already at hand (the decode loop's: no lookup per token)."""
         if binding is not None and binding.graphs is not None:
             if binding.graphs.captures_next(binding.logits is None, self._buffers.parity):
                 return CAPTURE_GATE.exclusive()

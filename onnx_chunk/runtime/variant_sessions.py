@@ -96,7 +96,13 @@ class VariantSessions:
     def bindings(self, session: ort.InferenceSession, slot: int) -> OrderedDict:
         """The IOBindings slot `slot` keeps on a live `session`, by width (the caller fills it)."""
         with self._lock:
-            return self._bindings.setdefault(session, {}).setdefault(slot, OrderedDict())
+            per_slot = self._bindings.get(session)
+            if per_slot is None:
+                per_slot = self._bindings[session] = {}
+            kept = per_slot.get(slot)
+            if kept is None:
+                kept = per_slot[slot] = OrderedDict()
+            return kept
 
     def graph_runs(self, session: ort.InferenceSession, slot: int, stateful: bool, *,
                    capture: bool = True) -> GraphRuns | None:
