@@ -277,6 +277,13 @@ class Runtime:
             for request in requests:
                 request.cancel()
 
+    def stop_ids(self, eos_token_id: int | SequenceOf[int] | None) -> tuple[int, ...]:
+        """The EOS ids a generation stops at: `eos_token_id` checked (one id or several, each
+        in the vocabulary), or the runtime's own when it is None."""
+        if eos_token_id is None:
+            return self.eos_token_ids
+        return arguments.token_ids(eos_token_id, "eos_token_id", self.ports.vocab_size)
+
     def check_request(self, prompt_ids: SequenceOf[int] | np.ndarray,
                       max_new_tokens: int) -> np.ndarray:
         """A submission's ids, checked without queueing anything (InputError, CapacityError)."""
@@ -295,8 +302,7 @@ class Runtime:
                 f"a prompt of {len(ids)} tokens plus {new_tokens} new tokens needs "
                 f"{len(ids) + new_tokens} positions, more than the KV capacity "
                 f"{self.capacity}; shorten it or load the model with a larger capacity")
-        stop = (self.eos_token_ids if eos_token_id is None
-                else arguments.token_ids(eos_token_id, "eos_token_id", vocab))
+        stop = self.stop_ids(eos_token_id)
         sampler = Sampler(GREEDY if sampling is None else sampling, vocab)
         sampler.observe(ids)
         return ids, new_tokens, stop, sampler

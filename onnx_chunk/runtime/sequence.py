@@ -274,7 +274,7 @@ class Sequence:
         collected: another call on the sequence meanwhile raises SequenceBusyError.
         """
         ids = self.check_request(token_ids, max_new_tokens)
-        stop_ids = self._eos_ids(eos_token_id)
+        stop_ids = self.runtime.stop_ids(eos_token_id)
         sampler = Sampler(GREEDY if sampling is None else sampling, self.runtime.ports.vocab_size)
         sampler.observe(ids)
         release = self._hold("stream")
@@ -355,11 +355,6 @@ class Sequence:
             yield
         finally:
             release()
-
-    def _eos_ids(self, eos_token_id: int | SequenceOf[int] | None) -> tuple[int, ...]:
-        if eos_token_id is None:
-            return self.runtime.eos_token_ids
-        return arguments.token_ids(eos_token_id, "eos_token_id", self.runtime.ports.vocab_size)
 
     def _generate(self, ids: np.ndarray, max_new_tokens: int, eos_ids: tuple[int, ...],
                   sampler: Sampler, release: Callable[[], None]) -> Iterator[int]:
