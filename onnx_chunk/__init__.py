@@ -7,26 +7,27 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# The runtime API, re-exported lazily so that `import onnx_chunk` (and `onnx-chunk --help`)
-# does not pay for importing ONNX Runtime.
-_RUNTIME_API = ("GenerationStats", "Runtime", "RuntimeStats", "Sequence", "SequenceStats",
-                "StaticLimits", "StaticRunner", "load", "load_static", "suggest_capacity")
+# The public API, name -> the module that exports it, re-exported lazily so that
+# `import onnx_chunk` (and `onnx-chunk --help`) does not pay for importing ONNX Runtime.
+_API = {
+    **dict.fromkeys(("GenerationStats", "Runtime", "RuntimeStats", "Sequence", "SequenceStats",
+                     "load"), "onnx_chunk.runtime"),
+    **dict.fromkeys(("StaticLimits", "StaticRunner", "load_static", "suggest_capacity"),
+                    "onnx_chunk.static"),
+    "Sampling": "onnx_chunk.sampling",
+}
 
-# Pure modules of the package root, re-exported the same way.
-_ROOT_API = {"Sampling": "onnx_chunk.sampling"}
-
-__all__ = [*_RUNTIME_API, *_ROOT_API, "__version__"]
+__all__ = [*_API, "__version__"]
 
 if TYPE_CHECKING:
     from onnx_chunk.runtime import (GenerationStats, Runtime, RuntimeStats, Sequence,
-                                    SequenceStats, StaticLimits, StaticRunner, load,
-                                    load_static, suggest_capacity)
+                                    SequenceStats, load)
     from onnx_chunk.sampling import Sampling
+    from onnx_chunk.static import StaticLimits, StaticRunner, load_static, suggest_capacity
 
 
 def __getattr__(name: str) -> Any:
-    if name in _RUNTIME_API:
-        return getattr(importlib.import_module("onnx_chunk.runtime"), name)
-    if name in _ROOT_API:
-        return getattr(importlib.import_module(_ROOT_API[name]), name)
-    raise AttributeError(f"module 'onnx_chunk' has no attribute {name!r}")
+    module = _API.get(name)
+    if module is None:
+        raise AttributeError(f"module 'onnx_chunk' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -19,7 +19,7 @@ from collections import defaultdict
 import numpy as np
 
 import onnx_chunk.runtime as rt
-from onnx_chunk.runtime.ladder import DECODE_WIDTH
+from onnx_chunk.ladder import DECODE_WIDTH
 from onnx_chunk.runtime.provider import MaskPolicy
 from onnx_chunk.runtime.variant_cache import variant_key
 

@@ -52,7 +52,7 @@ import onnxruntime as ort
 import onnx_chunk
 from onnx_chunk.models import build_decoder
 from onnx_chunk.runtime import variant_sessions
-from onnx_chunk.runtime.ladder import DECODE_WIDTH
+from onnx_chunk.ladder import DECODE_WIDTH
 from onnx_chunk.runtime.memory import cudart, cuda_used_bytes, meter_for
 from onnx_chunk.runtime.provider import Device, MaskPolicy, device_for, probe_cuda
 from onnx_chunk.runtime.session_factory import SessionFactory, SharedWeights

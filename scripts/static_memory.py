@@ -29,7 +29,7 @@ MODES = ("load", "prefill")
 
 def _child(request: dict) -> dict:
     """In the measurement process: open the pair, optionally prefill; report times."""
-    from onnx_chunk.runtime.static_model import load_static
+    from onnx_chunk.static import load_static
 
     began = time.perf_counter()
     runner = load_static(request["model"], max_input_len=request["max_input_len"],

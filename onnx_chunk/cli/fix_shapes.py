@@ -37,7 +37,7 @@ def fix_shapes(model: str, out_dir: str, rows: int, capacity: int | None,
     MODEL is a .onnx file or its folder.
     """
     from onnx_chunk.model_folder import locate_model
-    from onnx_chunk.models.static_shapes import fix_shapes as fix
+    from onnx_chunk.static.fix_shapes import fix_shapes as fix
 
     result = fix(locate_model(model).onnx_path, out_dir, rows=rows, capacity=capacity, dims=_parse_dims(dims))
     click.echo(f"chunk graph:  {result.chunk_model} (rows {result.chunk_rows})")

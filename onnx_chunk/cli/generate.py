@@ -21,7 +21,7 @@ from onnx_chunk.model_io import check_utf8_path
 from onnx_chunk.runtime import GenerationStats, RuntimeStats, load
 from onnx_chunk.runtime.provider import PROVIDER_CHOICES
 from onnx_chunk.runtime.request import Request
-from onnx_chunk.runtime.static_model import is_static_model, load_static
+from onnx_chunk.static import is_static_model, load_static
 
 _SEPARATORS = re.compile(r"[\s,]+")
 # An integer in ASCII digits, with an optional sign: int() alone also takes other scripts'

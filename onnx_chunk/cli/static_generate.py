@@ -5,7 +5,7 @@ The chunk graph's rows c and capacity C are fixed; `--chunk-size` and `--kv-capa
 state what the caller expects and must match them. `--max-input-len` is L. What the fixed
 shapes cost (truncated tokens, positions dropped off the rolling cache) is printed with every
 prompt, and `--strict` refuses such requests instead. `generate` opens the runner with
-`onnx_chunk.runtime.static_model.load_static` (which checks those options against the graph)
+`onnx_chunk.static.load_static` (which checks those options against the graph)
 and hands it to `run_static_generate`.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 
-from onnx_chunk.runtime.static_runner import StaticGenerationResult, StaticRunner
+from onnx_chunk.static import StaticGenerationResult, StaticRunner
 
 
 def static_record(index: int, prompt: Sequence[int], result: StaticGenerationResult) -> dict:

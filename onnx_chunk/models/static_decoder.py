@@ -38,14 +38,14 @@ from onnx_chunk.model_io import Staging, staged_write
 from onnx_chunk.models.config import DecoderConfig, config_for
 from onnx_chunk.models.decoder_graph import rotary_caches
 from onnx_chunk.models.weights import AttentionWeights, DecoderWeights, make_weights
+from onnx_chunk.static.model import DECODE_FILE
+from onnx_chunk.static.runner import METADATA_PREFIX
 
 logger = logging.getLogger(__name__)
 
 STATIC_OPSET = 18
 STATIC_IR_VERSION = 10  # what ONNX Runtime 1.22+ loads
 MODEL_FILE = "model.onnx"
-DECODE_FILE = "decode.onnx"
-METADATA_PREFIX = "onnx_chunk.static."
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import onnx_ir as ir
 
 from onnx_chunk import metadata
 from onnx_chunk.errors import ModelStructureError
-from onnx_chunk.runtime.ladder import ladder_tiers
+from onnx_chunk.ladder import ladder_tiers
 
 logger = logging.getLogger(__name__)
 

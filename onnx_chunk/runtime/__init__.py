@@ -22,26 +22,17 @@ _API = {
     "RuntimeStats": "stats",
     "Sequence": "sequence",
     "SequenceStats": "stats",
-    "StaticGenerationResult": "static_runner",
-    "StaticLimits": "alignment",
-    "StaticRunner": "static_runner",
-    "is_static_model": "static_model",
     "load": "engine",
-    "load_static": "static_model",
     "resolve_device": "provider",
-    "suggest_capacity": "alignment",
 }
 
 __all__ = sorted(_API)
 
 if TYPE_CHECKING:
-    from onnx_chunk.runtime.alignment import StaticLimits, suggest_capacity
     from onnx_chunk.runtime.engine import Runtime, load
     from onnx_chunk.runtime.provider import Device, MaskPolicy, resolve_device
     from onnx_chunk.runtime.request import Request, RequestStats
     from onnx_chunk.runtime.sequence import Sequence
-    from onnx_chunk.runtime.static_model import is_static_model, load_static
-    from onnx_chunk.runtime.static_runner import StaticGenerationResult, StaticRunner
     from onnx_chunk.runtime.stats import (ChunkRecord, EngineStats, GenerationStats,
                                           RuntimeStats, SequenceStats)
 

@@ -30,7 +30,7 @@ from onnx_chunk.metadata import ChunkPlan, read_plan
 from onnx_chunk.model_folder import GenaiConfig, locate_model
 from onnx_chunk.model_io import check_utf8_path, load_model
 from onnx_chunk.runtime.batch_engine import DEFAULT_MAX_QUEUE, BatchEngine
-from onnx_chunk.runtime.ladder import DECODE_WIDTH, ladder_tiers
+from onnx_chunk.ladder import DECODE_WIDTH, ladder_tiers
 from onnx_chunk.runtime.memory import meter_for
 from onnx_chunk.runtime.padding import resolve_padding
 from onnx_chunk.runtime.ports import ModelPorts, model_ports

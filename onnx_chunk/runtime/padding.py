@@ -24,7 +24,7 @@ from typing import Protocol
 import numpy as np
 
 from onnx_chunk.errors import CapacityError, ConfigError, InputError, ModelStructureError
-from onnx_chunk.runtime.ladder import padded_width
+from onnx_chunk.ladder import padded_width
 
 # Either variable set to an off value switches padding off (the second is the seed's own name,
 # honoured so that deployments tuned for onnxruntime-genai keep their setting).

@@ -59,7 +59,7 @@ from onnx_chunk.runtime.buffers import DeviceBuffer, SequenceBuffers, device_zer
 from onnx_chunk.runtime.cuda_graphs import CAPTURE_GATE, GraphRuns
 from onnx_chunk.runtime.kv_state import LogicalLength
 from onnx_chunk.runtime.kv_window import rewind_is_exact
-from onnx_chunk.runtime.ladder import DECODE_WIDTH
+from onnx_chunk.ladder import DECODE_WIDTH
 from onnx_chunk.runtime.logits_row import ALL_ROWS, ROW_INPUT
 from onnx_chunk.runtime.padding import QueryAxisShrunk, plan_forward
 from onnx_chunk.runtime.ports import LOGITS_OUTPUT, MASK_INPUT

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
 
 from onnx_chunk.errors import ClosedError, ConfigError
-from onnx_chunk.runtime.ladder import DECODE_WIDTH
+from onnx_chunk.ladder import DECODE_WIDTH
 from onnx_chunk.runtime.memory import MemoryMeter, measured
 
 logger = logging.getLogger(__name__)

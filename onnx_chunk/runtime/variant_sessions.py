@@ -24,7 +24,7 @@ import onnxruntime as ort
 
 from onnx_chunk.runtime.cuda_graphs import (CAPTURE_GATE, GraphRuns, capturable, graph_runs,
                                             release_graphs, session_captures, uncaptured)
-from onnx_chunk.runtime.ladder import DECODE_WIDTH
+from onnx_chunk.ladder import DECODE_WIDTH
 from onnx_chunk.runtime.session_factory import SessionFactory
 from onnx_chunk.runtime.variant_cache import VariantKey, key_label
 

@@ -23,11 +23,11 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_chunk.errors import ConfigError, OnnxChunkError
-from onnx_chunk.models.static_decoder import METADATA_PREFIX
-from onnx_chunk.runtime.alignment import StaticLimits
-from onnx_chunk.runtime.static_model import DECODE_FILE, find_decode_model
-from onnx_chunk.runtime.static_runner import (
+from onnx_chunk.static.alignment import StaticLimits
+from onnx_chunk.static.model import DECODE_FILE, find_decode_model
+from onnx_chunk.static.runner import (
     FED_INPUTS,
+    METADATA_PREFIX,
     CacheLayout,
     StaticGenerationResult,
     StaticRunner,

@@ -17,7 +17,7 @@ import sys
 import time
 
 import onnx_chunk.runtime as rt
-from onnx_chunk.runtime.ladder import DECODE_WIDTH
+from onnx_chunk.ladder import DECODE_WIDTH
 from onnx_chunk.runtime.variant_cache import variant_key
 
 

@@ -13,7 +13,8 @@ import json
 import pytest
 
 from onnx_chunk.cli import main
-from onnx_chunk.runtime import load, load_static
+from onnx_chunk.runtime import load
+from onnx_chunk.static import load_static
 from scripts._bench import environment
 from scripts._bench.child import run_child
 from tests.cli_output import validate_passes

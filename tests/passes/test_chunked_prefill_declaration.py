@@ -4,13 +4,13 @@ from onnx import TensorProto
 
 from onnx_chunk import metadata
 from onnx_chunk.errors import ConfigError
+from onnx_chunk.ladder import ladder_tiers
 from onnx_chunk.passes import (
     ChunkedPrefillDeclarationPass,
     KVCapacityPass,
     PerTokenPortsPass,
     RecurrentStatePass,
 )
-from onnx_chunk.runtime.ladder import ladder_tiers
 
 
 def _analysed(model):

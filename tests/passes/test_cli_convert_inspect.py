@@ -6,8 +6,8 @@ import pytest
 
 from onnx_chunk import metadata
 from onnx_chunk.cli import main
+from onnx_chunk.ladder import ladder_tiers
 from onnx_chunk.model_io import save_model
-from onnx_chunk.runtime.ladder import ladder_tiers
 
 
 @pytest.fixture

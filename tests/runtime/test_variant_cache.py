@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from onnx_chunk.errors import ClosedError, ConfigError
-from onnx_chunk.runtime.ladder import DECODE_WIDTH, ladder_tiers
+from onnx_chunk.ladder import DECODE_WIDTH, ladder_tiers
 from onnx_chunk.runtime.variant_cache import DYNAMIC, EXACT, VariantCache, key_label, variant_key
 
 

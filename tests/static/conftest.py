@@ -49,7 +49,7 @@ def dynamic_models(tmp_path_factory):
 def fixed_pair(dynamic_models, tmp_path_factory):
     """`fix-shapes` output of the dynamic decoder (seed SEED): the folder holding chunk.onnx
     (CHUNK rows) and decode.onnx at capacity CAPACITY."""
-    from onnx_chunk.models.static_shapes import fix_shapes
+    from onnx_chunk.static.fix_shapes import fix_shapes
 
     from .static_sizes import CAPACITY, CHUNK, SEED
 

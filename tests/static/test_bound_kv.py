@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from onnx_chunk.errors import CapacityError, InputError
-from onnx_chunk.runtime.bound_kv import BoundKVCache
+from onnx_chunk.static.bound_kv import BoundKVCache
 
 
 def test_the_mask_covers_the_written_positions_and_the_forwards_rows():

@@ -13,7 +13,7 @@ import pytest
 
 from onnx_chunk.cli import main
 from onnx_chunk.errors import ConfigError, ModelLoadError, ModelStructureError, OutputError
-from onnx_chunk.models.static_shapes import fix_shapes
+from onnx_chunk.static.fix_shapes import fix_shapes
 
 from .static_sizes import CPU, SEED
 

@@ -15,7 +15,7 @@ import onnx_ir as ir
 import pytest
 
 from onnx_chunk.cli import main
-from onnx_chunk.models.static_shapes import fix_shapes
+from onnx_chunk.static.fix_shapes import fix_shapes
 from onnx_chunk.validate.static import INT8_ACTIVATIONS_ATOL, int8_activations, token_parting
 from tests.exports.corpus import ROOT
 

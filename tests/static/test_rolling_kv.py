@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from onnx_chunk.errors import ConfigError, InputError
-from onnx_chunk.runtime.rolling_kv import RollingKVCache
+from onnx_chunk.static.rolling_kv import RollingKVCache
 
 
 def _chunk(first: int, rows: int, layers: int = 2) -> list[np.ndarray]:

@@ -12,7 +12,7 @@ from onnx_chunk.errors import ConfigError
 from onnx_chunk.models.config import config_for
 from onnx_chunk.models.static_decoder import build_static_decoder, reference_forward
 from onnx_chunk.models.weights import make_weights
-from onnx_chunk.runtime.static_mask import chunk_mask, mask_fill_value
+from onnx_chunk.static.mask import chunk_mask, mask_fill_value
 
 from .static_sizes import CAPACITY, CHUNK, CPU, SEED
 

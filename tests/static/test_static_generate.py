@@ -12,8 +12,8 @@ import pytest
 from onnx_chunk.cli import main
 from onnx_chunk.cli.static_generate import run_static_generate
 from onnx_chunk.errors import CapacityError, ConfigError, ModelLoadError, ModelStructureError
-from onnx_chunk.models.static_shapes import fix_shapes
-from onnx_chunk.runtime.static_model import is_static_model, load_static
+from onnx_chunk.static import is_static_model, load_static
+from onnx_chunk.static.fix_shapes import fix_shapes
 
 from .static_sizes import CAPACITY, CHUNK, MAX_INPUT, SEED
 

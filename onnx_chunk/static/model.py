@@ -20,8 +20,10 @@ import onnx_ir as ir
 from onnx_chunk.errors import ConfigError, ModelLoadError, ModelStructureError
 from onnx_chunk.model_folder import locate_model
 from onnx_chunk.model_io import load_model
-from onnx_chunk.models.static_decoder import DECODE_FILE
-from onnx_chunk.runtime.static_runner import CacheLayout, StaticRunner
+from onnx_chunk.static.runner import CacheLayout, StaticRunner
+
+DECODE_FILE = "decode.onnx"
+"""The decode graph (rows 1) looked for beside a chunk graph."""
 
 
 @dataclass(frozen=True)

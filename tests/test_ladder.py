@@ -3,7 +3,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from onnx_chunk.errors import ConfigError
-from onnx_chunk.runtime.ladder import DECODE_WIDTH, ladder_tiers, padded_width
+from onnx_chunk.ladder import DECODE_WIDTH, ladder_tiers, padded_width
 
 
 def test_seed_example():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from onnx_chunk.errors import CapacityError, InputError
-from onnx_chunk.runtime.static_kv import StaticKVBuffers
+from onnx_chunk.static.kv_buffers import StaticKVBuffers
 
 
 class BoundKVCache(StaticKVBuffers):

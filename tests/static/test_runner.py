@@ -12,10 +12,10 @@ from onnx_chunk.errors import CapacityError, ConfigError, InputError, ModelStruc
 from onnx_chunk.models.config import config_for
 from onnx_chunk.models.static_decoder import reference_forward
 from onnx_chunk.models.weights import make_weights
-from onnx_chunk.runtime.alignment import StaticLimits, align_prompt
-from onnx_chunk.runtime.static_mask import mask_fill_value
+from onnx_chunk.static.alignment import StaticLimits, align_prompt
 from onnx_chunk.runtime.provider import device_for
-from onnx_chunk.runtime.static_runner import StaticRunner, window_capacity_problem
+from onnx_chunk.static.mask import mask_fill_value
+from onnx_chunk.static.runner import StaticRunner, window_capacity_problem
 
 from .static_sizes import CAPACITY, CHUNK, MAX_INPUT, SEED
 

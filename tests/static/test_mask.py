@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from onnx_chunk.errors import ConfigError, InputError
-from onnx_chunk.runtime.static_mask import chunk_mask, mask_fill_value
+from onnx_chunk.static.mask import chunk_mask, mask_fill_value
 
 
 def _full_mask(valid: np.ndarray, fill: float) -> np.ndarray:

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from onnx_chunk.errors import CapacityError, ConfigError, InputError
-from onnx_chunk.runtime.alignment import PadSide, StaticLimits, align_prompt, suggest_capacity
+from onnx_chunk.static.alignment import PadSide, StaticLimits, align_prompt, suggest_capacity
 
 
 def test_suggested_capacity_leaves_room_for_every_new_token():
@@ -59,7 +59,7 @@ def test_right_padding_repeats_the_last_token_and_continues_the_positions():
 
 def test_long_prompt_is_left_truncated_with_a_warning(caplog):
     prompt = list(range(10, 30))
-    with caplog.at_level(logging.WARNING, logger="onnx_chunk.runtime.alignment"):
+    with caplog.at_level(logging.WARNING, logger="onnx_chunk.static.alignment"):
         aligned = align_prompt(prompt, StaticLimits(16, 4, 24))
     assert aligned.input_ids.tolist() == prompt[4:]
     assert aligned.truncated_count == 4 and aligned.pad_count == 0

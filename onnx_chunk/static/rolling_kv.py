@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnx_chunk.errors import InputError
-from onnx_chunk.runtime.static_kv import StaticKVBuffers
-from onnx_chunk.runtime.static_mask import chunk_mask
+from onnx_chunk.static.kv_buffers import StaticKVBuffers
+from onnx_chunk.static.mask import chunk_mask
 
 logger = logging.getLogger(__name__)
 

@@ -41,13 +41,12 @@ from onnx_chunk.errors import (
     ProviderError,
 )
 from onnx_chunk.model_io import load_model
-from onnx_chunk.models.static_decoder import METADATA_PREFIX
 from onnx_chunk.passes.kv_capacity import find_kv_capacity
-from onnx_chunk.runtime.alignment import AlignedPrompt, PadSide, StaticLimits, align_prompt
-from onnx_chunk.runtime.bound_kv import BoundKVCache
 from onnx_chunk.runtime.provider import Device, resolve_device
-from onnx_chunk.runtime.rolling_kv import RollingKVCache
-from onnx_chunk.runtime.static_kv import StaticKVBuffers
+from onnx_chunk.static.alignment import AlignedPrompt, PadSide, StaticLimits, align_prompt
+from onnx_chunk.static.bound_kv import BoundKVCache
+from onnx_chunk.static.kv_buffers import StaticKVBuffers
+from onnx_chunk.static.rolling_kv import RollingKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +55,8 @@ _PAST_NAME = re.compile(r"^past_key_values\.\d+\.(key|value)$")
 _PRESENT = "present.{}.{}"
 FED_INPUTS = ("input_ids", "position_ids", "attention_mask")
 """The inputs besides past_key_values.N.key|value that the runner feeds."""
+METADATA_PREFIX = "onnx_chunk.static."
+"""The prefix of the metadata keys a static reference decoder declares its sizes under."""
 
 
 @dataclass

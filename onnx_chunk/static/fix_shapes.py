@@ -39,10 +39,10 @@ from onnxruntime.tools.onnx_model_utils import fix_output_shapes, make_dim_param
 from onnx_chunk.errors import ConfigError, ModelLoadError, ModelStructureError, OutputError
 from onnx_chunk.metadata import KVCapacityFindings
 from onnx_chunk.model_io import Staging, external_data_files, load_model, staged_write
-from onnx_chunk.models.static_decoder import DECODE_FILE
 from onnx_chunk.ort_schemas import register_runtime_schemas
 from onnx_chunk.passes.kv_capacity import find_kv_capacity
 from onnx_chunk.passes.recurrent_state import find_recurrent_state
+from onnx_chunk.static.model import DECODE_FILE
 
 logger = logging.getLogger(__name__)
 
