@@ -55,6 +55,18 @@ def test_static_models_are_detected_and_dynamic_ones_are_not(pair_dir, dynamic_m
         load_static(dynamic_models(SEED), provider="cpu")
 
 
+def test_the_static_api_lives_in_its_package_and_at_the_top_level_not_in_the_runtime():
+    import onnx_chunk
+    import onnx_chunk.runtime
+    import onnx_chunk.static
+
+    exported = {name: getattr(onnx_chunk.static, name) for name in onnx_chunk.static.__all__}
+    assert exported["load_static"] is load_static and exported["is_static_model"] is is_static_model
+    for name in ("StaticLimits", "StaticRunner", "load_static", "suggest_capacity"):
+        assert getattr(onnx_chunk, name) is exported[name]
+    assert not set(exported) & set(vars(onnx_chunk.runtime))
+
+
 @pytest.mark.parametrize("length", [3, 16])
 def test_the_built_folder_generates_the_dynamic_models_tokens(pair_dir, dynamic_greedy, length):
     runner = load_static(pair_dir, max_input_len=MAX_INPUT, chunk_size=CHUNK,
