@@ -59,7 +59,7 @@ class RollingKVCache(StaticKVBuffers):
 
     def forward_mask(self, valid: np.ndarray, start: int, rows: int,
                      dtype: np.dtype | type) -> np.ndarray:
-        """The additive mask [1, 1, rows, C] (`static_mask.chunk_mask`)."""
+        """The additive mask [1, 1, rows, C] (`mask.chunk_mask`)."""
         return chunk_mask(valid, start, rows, self.capacity, dtype)
 
     def absorb(self, keys: list[np.ndarray], values: list[np.ndarray],

@@ -32,7 +32,7 @@ def test_declares_chunk_size_ladder_cap_and_schema(make_decoder):
 
 
 @pytest.mark.parametrize("chunk_size,max_variants", [(512, 4), (300, 3), (64, 8), (5, 10)])
-def test_ladder_is_the_runtime_ladder(make_decoder, chunk_size, max_variants):
+def test_ladder_is_the_shared_ladder(make_decoder, chunk_size, max_variants):
     model = _analysed(make_decoder())
     ChunkedPrefillDeclarationPass(chunk_size=chunk_size, max_variants=max_variants)(model)
     plan = metadata.read_plan(model)
