@@ -177,15 +177,19 @@ def read_model_file(path: str | os.PathLike) -> ModelFile:
             else:
                 with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
                     model = _Reader(data).model(model_path)
-    except WireError as error:
-        raise ModelLoadError(
-            f"{str(model_path)!r} is not a readable ONNX protobuf ({error}); the file may be "
-            "truncated or not a model at all: export or copy it again"
-        ) from error
-    except OSError as error:
-        raise ModelLoadError(f"cannot read {str(model_path)!r}: {error.strerror}") from error
+    except (WireError, OSError) as error:
+        raise unreadable(model_path, error) from error
     check_tensors(model)
     return model
+
+
+def unreadable(path: Path, error: Exception) -> ModelLoadError:
+    """The error for a model file that cannot be read (OSError) or parsed (any other)."""
+    if isinstance(error, OSError):
+        return ModelLoadError(f"cannot read {str(path)!r}: {error.strerror}")
+    return ModelLoadError(
+        f"{str(path)!r} is not a readable ONNX protobuf ({error}); the file may be "
+        "truncated or not a model at all: export or copy it again")
 
 
 class _Reader:

@@ -26,7 +26,7 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from onnx_chunk.errors import ModelLoadError, OutputError
-from onnx_chunk.model_file import read_model_file
+from onnx_chunk.model_file import read_model_file, unreadable
 from onnx_chunk.model_folder import DEFAULT_DECODER, GENAI_CONFIG, read_genai_config
 
 logger = logging.getLogger(__name__)
@@ -45,13 +45,8 @@ def load_model(path: str | os.PathLike) -> ir.Model:
     read_model_file(model_path)
     try:
         proto = onnx.load(str(model_path), load_external_data=False)
-    except (DecodeError, RuntimeError, ValueError) as error:
-        raise ModelLoadError(
-            f"{str(model_path)!r} is not a readable ONNX protobuf ({error}); the file may be "
-            "truncated or not a model at all: export or copy it again"
-        ) from error
-    except OSError as error:
-        raise ModelLoadError(f"cannot read {str(model_path)!r}: {error.strerror}") from error
+    except (DecodeError, RuntimeError, ValueError, OSError) as error:
+        raise unreadable(model_path, error) from error
     try:
         model = ir.serde.deserialize_model(proto)
     except Exception as error:  # onnx_ir wraps every deserialisation failure differently

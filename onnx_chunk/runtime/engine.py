@@ -1,9 +1,10 @@
 """A loaded decoder: its plan, device, shared weights and variant cache; sequences open on it.
 
 `load(path)` takes a model file or a folder (as onnxruntime-genai does; see
-onnx_chunk.model_folder), reads the chunked-prefill plan from the model's metadata (or runs
-the passes in memory on an unconverted model) and the genai_config.json that applies to it,
-picks the device, loads the weights once and sets up the variant cache. `Runtime.open_sequence()` gives independent sequences that share all of it.
+onnx_chunk.model_folder), reads the chunked-prefill plan, the ports and the external data index
+from the file's protobuf (`model_file`: a converted model loads without onnx or onnx_ir; an
+unconverted one runs the passes in memory) and the genai_config.json that applies to it,
+resolves the options once (`options`), loads the weights once and sets up the variant cache. `Runtime.open_sequence()` gives independent sequences that share all of it.
 """
 
 from __future__ import annotations
