@@ -14,8 +14,8 @@ weight; then it applies the checks every command applies before any work (`check
    inside the file.
 4. External tensors have a fixed-width dtype (ONNX stores strings inline only).
 
-ONNX Runtime checks none of 1 and 3 before it maps the data, so these rules are ours; the
-field numbers are onnx.proto's (IR version 10), stable since they were assigned.
+These run before any session, with one message per failure for every command. The field
+numbers are onnx.proto's, stable since they were assigned.
 """
 
 from __future__ import annotations
