@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping, MutableMapping
-from typing import Any
-
-import onnx
-import onnx_ir as ir
+from typing import TYPE_CHECKING, Any
 
 from onnx_chunk.errors import ModelStructureError
+
+if TYPE_CHECKING:
+    import onnx
+    import onnx_ir as ir
 
 SCHEMA_VERSION = 1
 
@@ -244,11 +245,13 @@ def write_declaration(
 
 
 def _props_of(model: ir.Model | onnx.ModelProto | Mapping[str, str]) -> Mapping[str, str]:
-    if isinstance(model, onnx.ModelProto):
-        return {entry.key: entry.value for entry in model.metadata_props}
-    if isinstance(model, ir.Model):
-        return model.metadata_props
-    return model
+    # Duck-typed, so that reading a plan (a lean load) imports neither onnx nor onnx_ir.
+    if isinstance(model, Mapping):
+        return model
+    props = model.metadata_props
+    if isinstance(props, Mapping):  # onnx_ir's Model
+        return props
+    return {entry.key: entry.value for entry in props}  # onnx's ModelProto
 
 
 def _decode(props: Mapping[str, str], key: str) -> Any:
@@ -318,7 +321,7 @@ def port_void(name: str, why: str) -> str:
     return f"input {name!r} {why}"
 
 
-def read_plan(model: ir.Model | onnx.ModelProto) -> ChunkPlan | None:
+def read_plan(model: ir.Model | onnx.ModelProto | Mapping[str, str]) -> ChunkPlan | None:
     """The plan a converted model declares, or None when the model was never converted.
 
     Raises ModelStructureError when the metadata is damaged or from a newer schema.

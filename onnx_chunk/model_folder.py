@@ -17,12 +17,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from onnx_chunk.errors import ModelLoadError
+from onnx_chunk.errors import ModelLoadError, OutputError
 
 GENAI_CONFIG = "genai_config.json"
 HF_CONFIG = "config.json"
 DEFAULT_DECODER = "model.onnx"
 STATIC_CHUNK_DECODER = "chunk.onnx"
+
+
+def check_utf8_path(path: str | os.PathLike,
+                    error_type: type[ModelLoadError | OutputError] = ModelLoadError) -> None:
+    """`error_type` when `path` is not valid UTF-8 (ONNX Runtime and onnx take UTF-8 only)."""
+    try:
+        os.fspath(path).encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise error_type(
+            f"the path {os.fsdecode(path)!r} is not valid UTF-8; ONNX Runtime opens UTF-8 "
+            "paths only: rename the file or its folder") from error
 
 
 @dataclass(frozen=True)

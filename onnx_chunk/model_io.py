@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import shutil
 import stat
@@ -27,6 +26,7 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from onnx_chunk.errors import ModelLoadError, OutputError
+from onnx_chunk.model_file import read_model_file, unreadable
 from onnx_chunk.model_folder import DEFAULT_DECODER, GENAI_CONFIG, read_genai_config
 
 logger = logging.getLogger(__name__)
@@ -34,45 +34,19 @@ logger = logging.getLogger(__name__)
 _COPY_BLOCK_BYTES = 16 << 20
 
 
-def check_utf8_path(path: str | os.PathLike,
-                    error_type: type[ModelLoadError | OutputError] = ModelLoadError) -> None:
-    """`error_type` when `path` is not valid UTF-8 (ONNX Runtime and onnx take UTF-8 only)."""
-    try:
-        os.fspath(path).encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise error_type(
-            f"the path {os.fsdecode(path)!r} is not valid UTF-8; ONNX Runtime opens UTF-8 "
-            "paths only: rename the file or its folder") from error
-
-
 def load_model(path: str | os.PathLike) -> ir.Model:
     """Load a model's graph, leaving external weights on disk.
 
-    Raises ModelLoadError when the file is missing, not an ONNX protobuf, truncated, or when
-    its external data is missing, too short, or lies outside the model's folder.
+    Raises ModelLoadError when the file is missing, not an ONNX protobuf, truncated, or when a
+    check of `model_file.check_tensors` fails (sparse tensors; external data missing, too short,
+    or outside the model's folder).
     """
     model_path = Path(path)
-    if not model_path.exists():
-        raise ModelLoadError(f"model file {str(model_path)!r} does not exist; expected the path "
-                             "of an exported decoder's .onnx file")
-    if model_path.is_dir():
-        raise ModelLoadError(f"{str(model_path)!r} is a folder; pass the .onnx file inside it")
+    read_model_file(model_path)
     try:
         proto = onnx.load(str(model_path), load_external_data=False)
-    except (DecodeError, RuntimeError, ValueError) as error:
-        raise ModelLoadError(
-            f"{str(model_path)!r} is not a readable ONNX protobuf ({error}); the file may be "
-            "truncated or not a model at all: export or copy it again"
-        ) from error
-    except OSError as error:
-        raise ModelLoadError(f"cannot read {str(model_path)!r}: {error.strerror}") from error
-    if proto.ir_version == 0 or not proto.HasField("graph"):
-        raise ModelLoadError(
-            f"{str(model_path)!r} parsed as a protobuf but holds no ONNX model (no IR version "
-            "or no graph); the file may be truncated or of another format"
-        )
-    check_dense(proto, model_path)
-    check_external_data(proto, model_path.parent)
+    except (DecodeError, RuntimeError, ValueError, OSError) as error:
+        raise unreadable(model_path, error) from error
     try:
         model = ir.serde.deserialize_model(proto)
     except Exception as error:  # onnx_ir wraps every deserialisation failure differently
@@ -116,131 +90,6 @@ def _all_tensor_protos(proto: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
     yield from _graph_tensor_protos(proto.graph)
     for function in proto.functions:
         yield from _node_tensor_protos(function.node)
-
-
-def _sparse_tensor_names(proto: onnx.ModelProto) -> list[str]:
-    names = [sparse.values.name for sparse in proto.graph.sparse_initializer]
-
-    def in_nodes(nodes: Iterable[onnx.NodeProto]) -> None:
-        for node in nodes:
-            for attribute in node.attribute:
-                if attribute.HasField("sparse_tensor") or attribute.sparse_tensors:
-                    names.append(f"{node.op_type} node {node.name!r} attribute {attribute.name!r}")
-                if attribute.HasField("g"):
-                    names.extend(sparse.values.name for sparse in attribute.g.sparse_initializer)
-                    in_nodes(attribute.g.node)
-                for subgraph in attribute.graphs:
-                    names.extend(sparse.values.name for sparse in subgraph.sparse_initializer)
-                    in_nodes(subgraph.node)
-
-    in_nodes(proto.graph.node)
-    for function in proto.functions:
-        in_nodes(function.node)
-    return names
-
-
-def check_dense(proto: onnx.ModelProto, path: str | os.PathLike) -> None:
-    """Raise ModelLoadError when the model holds sparse tensors.
-
-    onnx_ir drops sparse initializers when it reads a model (a write would lose them), and the
-    runtime cannot use them either, so they are refused rather than lost.
-    """
-    names = _sparse_tensor_names(proto)
-    if names:
-        raise ModelLoadError(
-            f"{str(path)!r} holds sparse tensors ({', '.join(map(repr, names[:3]))}"
-            f"{', ...' if len(names) > 3 else ''}); onnx-chunk keeps dense tensors only: "
-            "densify them first (onnx.numpy_helper.to_array of each sparse tensor, saved as a "
-            "dense initializer)")
-
-
-def _external_fields(tensor: onnx.TensorProto) -> tuple[str, int, int | None]:
-    """A tensor's external (location, offset, length); ModelLoadError when a field is malformed."""
-    fields = {entry.key: entry.value for entry in tensor.external_data}
-    location = fields.get("location", "")
-    if not location:
-        raise ModelLoadError(f"tensor {tensor.name!r} is stored externally but names no "
-                             "location; export the model again")
-    numbers: dict[str, int | None] = {}
-    for key in ("offset", "length"):
-        text = fields.get(key)
-        if text is None or text == "":
-            numbers[key] = None
-            continue
-        if not (text.isascii() and text.isdigit()):
-            raise ModelLoadError(
-                f"tensor {tensor.name!r}: external data {key} {text!r} is not a non-negative "
-                "integer (a byte count); the model file is corrupt: export it again")
-        numbers[key] = int(text)
-    return location, numbers["offset"] or 0, numbers["length"]
-
-
-def tensor_nbytes(tensor: onnx.TensorProto) -> int | None:
-    """The bytes a tensor's data takes by its dtype and shape (4-bit types packed two a byte).
-
-    None for types without a fixed width (strings).
-    """
-    try:
-        bits = ir.DataType(tensor.data_type).bitwidth
-    except (TypeError, ValueError):
-        return None
-    return math.ceil(math.prod(tensor.dims) * bits / 8)
-
-
-def check_external_data(proto: onnx.ModelProto, base_dir: str | os.PathLike) -> None:
-    """Check every external tensor of `proto` against the files in `base_dir`, reading none.
-
-    Every tensor counts: initializers (sparse ones too), attributes, subgraphs and model-local
-    functions. Raises ModelLoadError when a location is absolute or leaves `base_dir`, when a
-    file is missing, when an offset or length is not a byte count, when a tensor's length
-    disagrees with its dtype and shape (no length means "to the end of the file"), or when a
-    file is shorter than a tensor's offset plus length.
-    """
-    root = Path(base_dir).resolve()
-    sizes: dict[Path, int] = {}
-    for tensor in _all_tensor_protos(proto):
-        if tensor.data_location != onnx.TensorProto.EXTERNAL:
-            continue
-        name = tensor.name
-        info_location, offset, length = _external_fields(tensor)
-        location = (root / info_location).resolve()
-        if Path(info_location).is_absolute() or not location.is_relative_to(root):
-            raise ModelLoadError(
-                f"tensor {name!r} points to external data {info_location!r}, outside the "
-                f"model's folder {str(root)!r}; external data must sit beside the model"
-            )
-        if location not in sizes:
-            if not location.is_file():
-                raise ModelLoadError(
-                    f"tensor {name!r} needs external data file {info_location!r}, which "
-                    f"is missing from {str(root)!r}; copy it next to the model"
-                )
-            sizes[location] = location.stat().st_size
-        expected = tensor_nbytes(tensor)
-        if expected is None:
-            raise ModelLoadError(
-                f"tensor {name!r} is a {onnx.TensorProto.DataType.Name(tensor.data_type)} "
-                "tensor stored as external data, which ONNX does not allow (only fixed-width "
-                "types can be); export the model again with it inline")
-        stored = length if length is not None else sizes[location] - offset
-        if stored != expected and (length is not None or stored > expected):
-            raise ModelLoadError(
-                f"tensor {name!r} ({onnx.TensorProto.DataType.Name(tensor.data_type)} "
-                f"{list(tensor.dims)}) needs {expected} bytes, but its external data "
-                + (f"length is {length}" if length is not None
-                   else f"runs {stored} bytes from offset {offset} to the end of "
-                        f"{info_location!r} (no length given)")
-                + "; the model and its data do not match: export or copy them again")
-        end = offset + expected
-        if end > sizes[location]:
-            raise ModelLoadError(
-                f"tensor {name!r} needs bytes up to {end} of {info_location!r}, but the "
-                f"file has {sizes[location]}; the external data is truncated: copy it again"
-            )
-
-
-# The earlier private name, kept for callers written against it.
-_check_external_data = check_external_data
 
 
 def _attribute_tensors(graph: ir.Graph | ir.Function) -> Iterator[ir.TensorProtocol]:

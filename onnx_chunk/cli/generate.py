@@ -17,7 +17,7 @@ from onnx_chunk.cli.text_generate import (
     text_options,
 )
 from onnx_chunk.errors import InputError
-from onnx_chunk.model_io import check_utf8_path
+from onnx_chunk.model_folder import check_utf8_path
 from onnx_chunk.runtime import GenerationStats, RuntimeStats, load
 from onnx_chunk.runtime.provider import PROVIDER_CHOICES
 from onnx_chunk.runtime.request import Request

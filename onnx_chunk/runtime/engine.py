@@ -1,9 +1,10 @@
 """A loaded decoder: its plan, device, shared weights and variant cache; sequences open on it.
 
 `load(path)` takes a model file or a folder (as onnxruntime-genai does; see
-onnx_chunk.model_folder), reads the chunked-prefill plan from the model's metadata (or runs
-the passes in memory on an unconverted model) and the genai_config.json that applies to it,
-picks the device, loads the weights once and sets up the variant cache. `Runtime.open_sequence()` gives independent sequences that share all of it.
+onnx_chunk.model_folder), reads the chunked-prefill plan, the ports and the external data index
+from the file's protobuf (`model_file`: a converted model loads without onnx or onnx_ir; an
+unconverted one runs the passes in memory) and the genai_config.json that applies to it,
+resolves the options once (`options`), loads the weights once and sets up the variant cache. `Runtime.open_sequence()` gives independent sequences that share all of it.
 """
 
 from __future__ import annotations
@@ -24,17 +25,16 @@ import numpy as np
 import onnxruntime as ort
 
 from onnx_chunk import arguments
-from onnx_chunk.errors import (CapacityError, ClosedError, ConfigError, ModelLoadError,
-                               ProviderError)
+from onnx_chunk.errors import CapacityError, ClosedError, ModelLoadError
 from onnx_chunk.metadata import ChunkPlan, read_plan
-from onnx_chunk.model_folder import GenaiConfig, locate_model
-from onnx_chunk.model_io import check_utf8_path, load_model
+from onnx_chunk.model_file import read_model_file
+from onnx_chunk.model_folder import GenaiConfig, check_utf8_path, locate_model
 from onnx_chunk.runtime.batch_engine import DEFAULT_MAX_QUEUE, BatchEngine
-from onnx_chunk.ladder import DECODE_WIDTH, ladder_tiers
 from onnx_chunk.runtime.memory import meter_for
-from onnx_chunk.runtime.padding import resolve_padding
-from onnx_chunk.runtime.ports import ModelPorts, model_ports
-from onnx_chunk.runtime.provider import Device, MaskPolicy, device_for, resolve_device
+from onnx_chunk.runtime.options import (LoadArguments, RuntimeOptions, checked_arguments,
+                                        resolve_options)
+from onnx_chunk.runtime.ports import ModelPorts
+from onnx_chunk.runtime.provider import Device, MaskPolicy, resolve_device
 from onnx_chunk.runtime.request import Request
 from onnx_chunk.runtime.sequence import Sequence, checked_token_ids
 from onnx_chunk.runtime.sequence_pool import DEFAULT_IDLE_SLOTS, SequencePool, new_slot
@@ -46,13 +46,7 @@ from onnx_chunk.runtime.session_factory import (
     owned_by_session,
 )
 from onnx_chunk.runtime.stats import RuntimeStats
-from onnx_chunk.runtime.variant_cache import (
-    EXACT,
-    Specialize,
-    VariantCache,
-    VariantKey,
-    variant_key,
-)
+from onnx_chunk.runtime.variant_cache import Specialize, VariantCache, VariantKey
 from onnx_chunk.runtime.variant_sessions import VariantSessions
 from onnx_chunk.sampling import GREEDY, Sampler
 
@@ -132,74 +126,51 @@ class Runtime:
         max_batch: int = 1,
         max_queue: int = DEFAULT_MAX_QUEUE,
     ) -> None:
-        _check_options(capacity=capacity, chunk_size=chunk_size, max_variants=max_variants,
-                       device_id=device_id, intra_op_threads=intra_op_threads,
-                       padding=padding, cuda_graphs=cuda_graphs)
-        arguments.integer(idle_sequences, "idle_sequences", minimum=0, error=ConfigError)
-        self.max_batch = arguments.integer(max_batch, "max_batch", minimum=1, error=ConfigError)
-        self.max_queue = arguments.integer(max_queue, "max_queue", minimum=1, error=ConfigError)
+        args = checked_arguments(LoadArguments(
+            provider=provider, device_id=device_id, capacity=capacity, chunk_size=chunk_size,
+            padding=padding, specialize=specialize, max_variants=max_variants,
+            mask_policy=mask_policy, intra_op_threads=intra_op_threads, cuda_graphs=cuda_graphs,
+            device=device, idle_sequences=idle_sequences, max_batch=max_batch,
+            max_queue=max_queue))
         check_utf8_path(model_path)
         location = locate_model(model_path)
         self.model_path: Path = location.onnx_path
         self.genai: GenaiConfig | None = location.genai
         genai = self.genai or GenaiConfig(path=location.folder / "genai_config.json")
-        model = load_model(self.model_path)
-        plan = read_plan(model)
-        if chunk_size is None and (plan is None or plan.chunk_size is None):
-            chunk_size = genai.chunk_size
+        model = read_model_file(self.model_path)
+        plan = read_plan(model.metadata)
+        if args.chunk_size is None and (plan is None or plan.chunk_size is None):
+            args = dataclasses.replace(args, chunk_size=genai.chunk_size)
         if plan is None:
-            from onnx_chunk.passes import DEFAULT_CHUNK_SIZE, analyze
-
-            logger.info("%s carries no chunked-prefill plan; running the passes in memory",
-                        self.model_path)
-            plan = analyze(model, chunk_size=chunk_size or DEFAULT_CHUNK_SIZE)
+            plan = _analyzed(self.model_path, args.chunk_size)
         self.plan: ChunkPlan = plan
-        self.device: Device = (device if device is not None
-                               else resolve_device(provider, device_id, mask_policy, cuda_graphs))
-        self.capacity = _resolve_capacity(capacity, plan, genai)
-        self.chunk_size = _resolve_chunk_size(chunk_size, plan, self.capacity)
-        self.ports: ModelPorts = model_ports(
-            model, plan, self.capacity, head_size=genai.head_size,
-            window_slack=self.chunk_size if self.device.window_slack else 0)
-        if self.max_batch > 1 and self.ports.batch_dim is None:
-            raise ConfigError(
-                f"max_batch={self.max_batch} needs a decoder whose batch axis is free, and "
-                f"{self.model_path.name} fixes it to 1 (its {self.ports.token_input!r} input); "
-                "load it with max_batch=1 or export it with a symbolic batch size")
+        self.options: RuntimeOptions = resolve_options(
+            args, plan=plan, genai=genai, model=model,
+            device=(device if device is not None
+                    else resolve_device(provider, device_id, mask_policy, cuda_graphs)))
+        options = self.options
+        self.device: Device = options.device
+        self.capacity = options.capacity
+        self.chunk_size = options.chunk_size
+        self.ports: ModelPorts = options.ports
+        self.max_batch = options.max_batch
+        self.max_queue = options.max_queue
         # Generation stops at these unless a call names its own (genai_config.json's list).
-        self.eos_token_ids: tuple[int, ...] = _checked_token_ids(
-            genai.eos_token_ids, self.ports.vocab_size, genai.path)
-        self.pad_token_id: int | None = genai.pad_token_id
-        if device is None:
-            self.device = _attention_device(self.device, self.ports, provider, mask_policy)
-        else:
-            _attention_device(self.device, self.ports, self.device.provider, mask_policy)
-        if self.max_batch > 1 and self.device.cuda_graphs:
-            logger.info("max_batch %d: CUDA graphs off (the batched bindings capture none)",
-                        self.max_batch)
-            self.device = dataclasses.replace(self.device, cuda_graphs=False)
-        variants = plan.max_variants if max_variants is None else max_variants
-        self.tiers: tuple[int, ...] = (plan.ladder if plan.ladder and plan.chunk_size ==
-                                       self.chunk_size and max_variants is None
-                                       else ladder_tiers(self.chunk_size, variants))
-        if specialize is None:
-            specialize = self.device.specialize
-        if specialize not in (True, False, EXACT):
-            raise ConfigError(f"specialize must be True, False or {EXACT!r}, got {specialize!r}")
-        self.specialize: Specialize = specialize
-        self.decode_key: VariantKey = variant_key(DECODE_WIDTH, self.tiers, specialize)
+        self.eos_token_ids: tuple[int, ...] = options.eos_token_ids
+        self.pad_token_id: int | None = options.pad_token_id
+        self.tiers: tuple[int, ...] = options.tiers
+        self.specialize: Specialize = options.specialize
+        self.decode_key: VariantKey = options.decode_key
         self.embeddings = self._embeddings(embeddings)
-        # Padding pays only where a padded chunk reuses a variant built for its width.
-        self._padding, refused = resolve_padding(plan.padding, padding,
-                                                 default=specialize is not False)
+        self._padding = options.padding
         self._padding_lock = threading.Lock()
-        fixed_dims = dict(self.ports.fixed_dims)
-        if self.max_batch > 1 and self.ports.batch_dim is not None:
-            # Decode runs max_batch rows, prefill one: the batch axis stays free.
-            fixed_dims.pop(self.ports.batch_dim, None)
-        if self.device.mask_policy is MaskPolicy.CAPACITY and self.ports.mask_dim is not None:
-            fixed_dims[self.ports.mask_dim] = self.capacity
-        quantized = any(node.op_type == QUANTIZED_MATMUL for node in model.graph.all_nodes())
+        # The names the wiring below reads.
+        specialize = options.specialize
+        variants = options.max_variants
+        refused = options.padding_refused
+        fixed_dims = options.fixed_dims
+        idle_sequences = options.idle_sequences
+        quantized = model.uses(QUANTIZED_MATMUL, "com.microsoft")
         meter = meter_for(self.device.device_type, self.device.device_id)
         # One session (the shape-generic mode) loads its own weights the plain way; several
         # variants share one copy loaded here (see session_factory).
@@ -209,10 +180,7 @@ class Runtime:
                                       query_dim=self.ports.query_dim, fixed_dims=fixed_dims,
                                       intra_op_threads=intra_op_threads)
         # Neither the cache nor the pool refers back to the runtime: no reference cycle.
-        # Off the host, a specialised prefill width returns only the logits row a forward
-        # needs (logits_row), so no sequence keeps a [1, W, vocab] buffer per width.
-        select_rows = (not self.device.host_visible and specialize is not False
-                       and not self.ports.last_row_logits)
+        select_rows = options.select_rows
         self.sessions = VariantSessions(self.factory, specialize=specialize, quantized=quantized,
                                         select_rows=select_rows)
         self.cache: VariantCache[ort.InferenceSession] = VariantCache(
@@ -434,90 +402,11 @@ class Runtime:
 load = Runtime
 
 
-# The dtypes ONNX Runtime's CUDA GroupQueryAttention kernel is registered for.
-_CUDA_ATTENTION_DTYPES = ("float16", "bfloat16")
+def _analyzed(model_path: Path, chunk_size: int | None) -> ChunkPlan:
+    """The plan `onnx-chunk convert` would write for an unconverted model, from the passes run
+    in memory (the one load that imports onnx_ir and onnxscript)."""
+    from onnx_chunk.model_io import load_model
+    from onnx_chunk.passes import DEFAULT_CHUNK_SIZE, analyze
 
-
-def _attention_device(device: Device, ports: ModelPorts, provider: str,
-                      mask_policy: MaskPolicy | str | None) -> Device:
-    """`device`, unless CUDA cannot run this decoder's attention.
-
-    ONNX Runtime's CUDA GroupQueryAttention runs float16 and bfloat16 only; a float32 decoder's
-    attention would fall back to the CPU provider, copying the whole KV cache both ways every
-    step (and no CUDA graph can be captured). "auto" then runs on CPU and says why; "cuda"
-    refuses.
-    """
-    if device.provider != "cuda" or not ports.kv:
-        return device
-    dtype = ports.kv[0].dtype.name
-    if dtype in _CUDA_ATTENTION_DTYPES:
-        return device
-    reason = (f"ONNX Runtime's CUDA GroupQueryAttention runs {' and '.join(_CUDA_ATTENTION_DTYPES)}"
-              f" only, and this decoder's KV cache is {dtype}: its attention would run on the "
-              "CPU with the cache copied every step")
-    if provider == "auto":
-        logger.warning("%s; running on CPU instead (export the decoder in float16 for CUDA)",
-                       reason)
-        return device_for("cpu", mask_policy=mask_policy)
-    raise ProviderError(f"{reason}; export it in float16 (onnx-chunk build-model --dtype "
-                        "float16 for the reference decoders) or use --provider cpu")
-
-
-def _check_options(*, capacity: object, chunk_size: object, max_variants: object,
-                   device_id: object, intra_op_threads: object, padding: object,
-                   cuda_graphs: object) -> None:
-    """ConfigError for an option of the wrong type or range, before anything is loaded."""
-    arguments.optional_integer(capacity, "the capacity (capacity)", minimum=2, error=ConfigError)
-    arguments.optional_integer(chunk_size, "the chunk size (chunk_size)", minimum=1, error=ConfigError)
-    arguments.optional_integer(max_variants, "max_variants", minimum=1, error=ConfigError)
-    arguments.integer(device_id, "device_id", minimum=0, error=ConfigError)
-    arguments.optional_integer(intra_op_threads, "intra_op_threads", minimum=0,
-                               error=ConfigError)
-    for name, value in (("padding", padding), ("cuda_graphs", cuda_graphs)):
-        if value is not None and not isinstance(value, bool):
-            raise ConfigError(f"{name} must be True, False or None, got {value!r}")
-
-
-def _resolve_capacity(capacity: int | None, plan: ChunkPlan, genai: GenaiConfig) -> int:
-    limits = [(limit, why) for limit, why in (
-        (plan.max_sequence_length, "the model's maximum sequence length {} (its position "
-                                   "tables end there)"),
-        (genai.context_length, f"the model.context_length {{}} of {genai.path.name}"),
-    ) if limit is not None]
-    if capacity is None:
-        capacity = genai.max_length
-        if capacity is None:
-            if not limits:
-                raise ConfigError("the model declares no maximum sequence length; pass a "
-                                  "capacity (--capacity) to size the KV buffers")
-            return min(limit for limit, _ in limits)
-        capacity = min([capacity, *(limit for limit, _ in limits)])
-        if capacity < 2:
-            raise ConfigError(f"{genai.path.name}'s search.max_length gives a capacity of "
-                              f"{capacity}; the KV cache needs at least 2 positions: pass a "
-                              "capacity (--capacity)")
-        return capacity
-    if capacity < 2:
-        raise ConfigError(f"the capacity must be at least 2 positions, got {capacity}")
-    for limit, why in limits:
-        if capacity > limit:
-            raise ConfigError(f"capacity {capacity} exceeds {why.format(limit)}; use at most "
-                              f"{limit}")
-    return capacity
-
-
-def _checked_token_ids(ids: tuple[int, ...], vocab_size: int, source: Path) -> tuple[int, ...]:
-    outside = [token for token in ids if token >= vocab_size]
-    if outside:
-        raise ModelLoadError(f"{str(source)!r} names EOS token id(s) {outside} outside the "
-                             f"model's vocabulary of {vocab_size}; fix the config")
-    return ids
-
-
-def _resolve_chunk_size(chunk_size: int | None, plan: ChunkPlan, capacity: int) -> int:
-    width = chunk_size if chunk_size is not None else plan.chunk_size
-    if width is None:
-        return capacity
-    if width < 1:
-        raise ConfigError(f"the chunk size must be at least 1, got {width}")
-    return min(width, capacity)
+    logger.info("%s carries no chunked-prefill plan; running the passes in memory", model_path)
+    return analyze(load_model(model_path), chunk_size=chunk_size or DEFAULT_CHUNK_SIZE)

@@ -1,6 +1,7 @@
 """The decoder's ports as the runtime binds them: names, concrete shapes and dtypes.
 
-Derived once per model from the graph's inputs and outputs and the chunked-prefill plan.
+Derived once per model from the graph's inputs and outputs as the file declares them
+(`model_file`, read without onnx) and the chunked-prefill plan.
 Symbolic batch dimensions become 1, the capacity axis of every KV input becomes the capacity
 (a window-sized cache: its window plus the slack the device asks for, at most the capacity);
 the head axes take the sizes the plan resolved from the graph (builder exports declare the
@@ -14,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import onnx_ir as ir
 
 from onnx_chunk.errors import ModelStructureError
 from onnx_chunk.metadata import ChunkPlan
+from onnx_chunk.model_file import ModelFile, ValueInfo, numpy_dtype
 
 MASK_INPUT = "attention_mask"
 _KV_HEADS_AXIS = 1
@@ -59,15 +60,15 @@ class ModelPorts:
     fixed_dims: dict[str, int]
 
 
-def model_ports(model: ir.Model, plan: ChunkPlan, capacity: int, *,
+def model_ports(model: ModelFile, plan: ChunkPlan, capacity: int, *,
                 head_size: int | None = None, window_slack: int = 0) -> ModelPorts:
     """Resolve the ports of `model` for `capacity`; ModelStructureError when one cannot be.
 
     `head_size` (genai_config.json's) sizes a head axis the graph leaves free; a window-sized
     cache gets `window + window_slack` positions, at most `capacity`.
     """
-    inputs = {value.name: value for value in model.graph.inputs}
-    outputs = {value.name: value for value in model.graph.outputs}
+    inputs = {value.name: value for value in model.inputs}
+    outputs = {value.name: value for value in model.outputs}
     token = _required(inputs, plan.token_input, "token input")
     mask = _required(inputs, MASK_INPUT, "attention mask input")
     logits = _required(outputs, LOGITS_OUTPUT, "logits output")
@@ -140,39 +141,50 @@ def model_ports(model: ir.Model, plan: ChunkPlan, capacity: int, *,
     )
 
 
-def _last_row_only(logits: ir.Value) -> bool:
+def _last_row_only(logits: ValueInfo) -> bool:
     """Whether the logits output keeps one row whatever the query width (a fixed 1)."""
     return logits.shape is not None and len(logits.shape) == 3 and logits.shape[1] == 1
 
 
-def _required(values: dict[str, ir.Value], name: str, what: str) -> ir.Value:
+def _required(values: dict[str, ValueInfo], name: str, what: str) -> ValueInfo:
     if name not in values:
         raise ModelStructureError(f"the decoder has no {what} named {name!r}; found "
                                   f"{', '.join(sorted(values))}")
     return values[name]
 
 
-def _param(value: ir.Value, axis: int) -> str | None:
+def _shape_text(shape: tuple[int | str | None, ...] | None) -> str:
+    if shape is None:
+        return "None"
+    return "[" + ",".join("?" if dim is None else str(dim) for dim in shape) + "]"
+
+
+def _param(value: ValueInfo, axis: int) -> str | None:
     if value.shape is None or len(value.shape) <= axis:
         return None
     dim = value.shape[axis]
-    return dim.value if isinstance(dim, ir.SymbolicDim) else None
+    return dim if isinstance(dim, str) else None
 
 
-def _int_dim(value: ir.Value, axis: int, what: str) -> int:
+def _int_dim(value: ValueInfo, axis: int, what: str) -> int:
     if value.shape is None or not isinstance(value.shape[axis], int):
         raise ModelStructureError(f"{value.name!r} has no fixed {what} size (shape "
-                                  f"{value.shape}); the runtime needs it to allocate buffers")
-    return int(value.shape[axis])
+                                  f"{_shape_text(value.shape)}); the runtime needs it to "
+                                  "allocate buffers")
+    return value.shape[axis]
 
 
-def _dtype(value: ir.Value) -> np.dtype:
-    if value.dtype is None:
+def _dtype(value: ValueInfo) -> np.dtype:
+    if value.elem_type is None:
         raise ModelStructureError(f"{value.name!r} declares no element type")
-    return np.dtype(value.dtype.numpy())
+    try:
+        return numpy_dtype(value.elem_type)
+    except ValueError as error:
+        raise ModelStructureError(f"{value.name!r} has an element type the runtime does not "
+                                  f"know ({error}); export the decoder again") from error
 
 
-def _buffer_shape(value: ir.Value, batch_dim: str | None,
+def _buffer_shape(value: ValueInfo, batch_dim: str | None,
                   sizes: dict[int, int]) -> tuple[int, ...]:
     if value.shape is None:
         raise ModelStructureError(f"{value.name!r} declares no shape; the runtime allocates its "
@@ -183,12 +195,13 @@ def _buffer_shape(value: ir.Value, batch_dim: str | None,
             shape.append(sizes[axis])
         elif isinstance(dim, int):
             shape.append(dim)
-        elif axis == 0 or (batch_dim is not None and dim.value == batch_dim):
+        elif axis == 0 or (batch_dim is not None and dim == batch_dim):
             shape.append(1)
         else:
             raise ModelStructureError(
-                f"{value.name!r} has a free dimension {dim.value!r} at axis {axis} (shape "
-                f"{value.shape}) that nothing in the graph sizes, and no genai_config.json "
-                "head_size does; its buffer is allocated once before any forward: give the "
-                "axis a size in the export, or a head_size in genai_config.json")
+                f"{value.name!r} has a free dimension {dim!r} at axis {axis} (shape "
+                f"{_shape_text(value.shape)}) that nothing in the graph sizes, and no "
+                "genai_config.json head_size does; its buffer is allocated once before any "
+                "forward: give the axis a size in the export, or a head_size in "
+                "genai_config.json")
     return tuple(shape)

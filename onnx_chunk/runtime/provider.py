@@ -51,7 +51,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import onnxruntime as ort
-from onnx import TensorProto, helper
 
 from onnx_chunk.errors import ConfigError, ProviderError
 
@@ -64,6 +63,11 @@ _CPU_EP = "CPUExecutionProvider"
 _ENABLE_CUDA_GRAPH = "enable_cuda_graph"
 _CUDA_SESSION_OPTIONS = {"arena_extend_strategy": "kSameAsRequested"}
 _ORT_DEFAULT_SEVERITY = 2  # warnings and above, ONNX Runtime's own default
+# The probe's model, serialized: a float [1] Identity (IR 8, opset 17), as onnx.helper writes
+# it (tests/runtime/test_provider.py rebuilds it), so that loading a model imports no onnx.
+PROBE_MODEL = bytes.fromhex(
+    "08083a3b0a100a017812017922084964656e74697479120570726f62655a0f0a0178120a0a08080112040a02"
+    "0801620f0a0179120a0a08080112040a02080142040a001011")
 
 
 class MaskPolicy(str, enum.Enum):
@@ -208,11 +212,6 @@ def probe_cuda(device_id: int = 0, *, quiet: bool = True) -> str | None:
 
 def _probe_cuda(device_id: int) -> str | None:
     _preload_cuda_libraries()
-    graph = helper.make_graph(
-        [helper.make_node("Identity", ["x"], ["y"])], "probe",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
-    probe = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     options = ort.SessionOptions()
     options.log_severity_level = 4
     # The provider factory logs its failure through the default logger before any session
@@ -220,7 +219,7 @@ def _probe_cuda(device_id: int) -> str | None:
     ort.set_default_logger_severity(4)
     try:
         session = ort.InferenceSession(
-            probe.SerializeToString(), options,
+            PROBE_MODEL, options,
             providers=[(_CUDA_EP, {"device_id": str(device_id)}), _CPU_EP])
     except Exception as error:  # ORT raises its own exception types, one per failure
         return f"creating a CUDA session failed ({error})"

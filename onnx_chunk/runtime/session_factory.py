@@ -64,11 +64,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import onnx_ir as ir
 import onnxruntime as ort
 
 from onnx_chunk.errors import ModelLoadError, ProviderError
-from onnx_chunk.model_io import load_model
+from onnx_chunk.model_file import ExternalData, ModelFile, TensorRef, numpy_dtype, tensor_nbytes
 from onnx_chunk.runtime.logits_row import select_row
 from onnx_chunk.runtime.memory import MemoryMeter, measured
 from onnx_chunk.runtime.provider import Device
@@ -102,7 +101,7 @@ class SharedWeights:
     _keep_alive: tuple[np.ndarray, ...] = field(repr=False, default=())
 
 
-def load_shared_weights(model: ir.Model, device: Device,
+def load_shared_weights(model: ModelFile, device: Device,
                         meter: MemoryMeter | None = None) -> SharedWeights:
     """Load every external initializer of `model` once, as host OrtValues all sessions share.
 
@@ -126,34 +125,30 @@ def load_shared_weights(model: ir.Model, device: Device,
                          copied_per_session=not on_host, _keep_alive=arrays)
 
 
-def _load_values(model: ir.Model, device: Device, fault_in: bool) -> tuple[
+def _load_values(model: ModelFile, device: Device, fault_in: bool) -> tuple[
         tuple[str, ...], tuple[ort.OrtValue, ...], int, tuple[np.ndarray, ...]]:
     names: list[str] = []
     values: list[ort.OrtValue] = []
     arrays: list[np.ndarray] = []
     nbytes = 0
-    for graph in model.graphs():
-        for name, value in graph.initializers.items():
-            tensor = value.const_value
-            if not isinstance(tensor, ir.ExternalTensor):
-                continue
-            array = _map_external(tensor)
-            if fault_in:
-                _fault_in(array)
-            arrays.append(array)
-            names.append(name)
-            values.append(ort.OrtValue.ortvalue_from_numpy(array))
-            nbytes += array.nbytes
+    for tensor, where in model.external_initializers():
+        array = _map_external(tensor, where)
+        if fault_in:
+            _fault_in(array)
+        arrays.append(array)
+        names.append(tensor.name)
+        values.append(ort.OrtValue.ortvalue_from_numpy(array))
+        nbytes += array.nbytes
     logger.info("loaded %d external initializers (%d bytes) once in host memory for all "
                 "sessions on %s", len(names), nbytes, device.label)
     return tuple(names), tuple(values), nbytes, tuple(arrays)
 
 
-def owned_by_session(model: ir.Model) -> SharedWeights:
+def owned_by_session(model: ModelFile) -> SharedWeights:
     """No shared weights: the one session loads `model`'s own; `nbytes` says their size."""
-    nbytes = sum(value.const_value.nbytes for graph in model.graphs()
-                 for value in graph.initializers.values()
-                 if isinstance(value.const_value, ir.ExternalTensor))
+    # check_tensors refused every external tensor without a fixed width.
+    nbytes = sum(tensor_nbytes(tensor.data_type, tensor.dims) or 0
+                 for tensor, _ in model.external_initializers())
     return SharedWeights((), (), nbytes, shared=False)
 
 
@@ -162,22 +157,21 @@ def _fault_in(array: np.ndarray) -> int:
     return int(array.reshape(-1).view(np.uint8)[::_PAGE_SIZE].sum(dtype=np.uint64))
 
 
-def _map_external(tensor: ir.ExternalTensor) -> np.ndarray:
-    dtype = tensor.dtype.numpy()
-    shape = tuple(int(dim) for dim in tensor.shape)
+def _map_external(tensor: TensorRef, where: ExternalData) -> np.ndarray:
+    dtype = numpy_dtype(tensor.data_type)
+    shape = tensor.dims
     count = int(np.prod(shape, dtype=np.int64))
-    if tensor.length is not None and tensor.length != count * dtype.itemsize:
+    if where.length is not None and where.length != count * dtype.itemsize:
         raise ModelLoadError(
-            f"external tensor {tensor.name!r} declares {tensor.length} bytes but its shape "
+            f"external tensor {tensor.name!r} declares {where.length} bytes but its shape "
             f"{list(shape)} of {dtype} needs {count * dtype.itemsize}; export the model again")
     if count == 0:
         return np.zeros(shape, dtype)
     try:
-        return np.memmap(tensor.path, dtype=dtype, mode="c", offset=tensor.offset or 0,
-                         shape=shape)
+        return np.memmap(where.path, dtype=dtype, mode="c", offset=where.offset, shape=shape)
     except (OSError, ValueError) as error:
         raise ModelLoadError(f"cannot map external data of {tensor.name!r} from "
-                             f"{str(tensor.path)!r}: {error}") from error
+                             f"{str(where.path)!r}: {error}") from error
 
 
 class SessionFactory:
@@ -229,8 +223,7 @@ class SessionFactory:
             return str(self.model_path)
         with self._lock:
             if self._row_model is None:
-                model = select_row(load_model(self.model_path))
-                self._row_model = ir.to_proto(model).SerializeToString()
+                self._row_model = select_row(self.model_path.read_bytes())
             return self._row_model
 
     def _create(self, width: int | None, prepack: bool, capture: bool,

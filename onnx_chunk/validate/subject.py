@@ -15,8 +15,8 @@ import onnx
 import onnx_ir as ir
 
 from onnx_chunk.errors import ModelLoadError
-from onnx_chunk.model_folder import locate_model
-from onnx_chunk.model_io import check_utf8_path, load_model
+from onnx_chunk.model_folder import check_utf8_path, locate_model
+from onnx_chunk.model_io import load_model
 from onnx_chunk.static.model import StaticGraphShape, static_shape
 
 

@@ -5,7 +5,7 @@ import pytest
 from onnx import helper
 
 from onnx_chunk.cli import main
-from onnx_chunk.model_io import tensor_nbytes
+from onnx_chunk.model_file import tensor_nbytes
 
 from tests.passes.test_cli_bad_input import _one_error_line, _save_external
 
@@ -125,5 +125,4 @@ def test_convert_in_place_keeps_a_model_with_sparse_initializers(tmp_path, make_
     (onnx.TensorProto.STRING, [2], None),
 ])
 def test_tensor_nbytes_follows_dtype_and_shape(data_type, dims, expected):
-    tensor = onnx.TensorProto(data_type=data_type, dims=dims)
-    assert tensor_nbytes(tensor) == expected
+    assert tensor_nbytes(data_type, tuple(dims)) == expected

@@ -1,15 +1,20 @@
 """select_row: the logits output becomes the one row an input picks (numerics: the device-path
 test in tests/cuda/test_graph_lifecycle.py)."""
 
+import onnx
+import onnx_ir as ir
 import pytest
 
 from onnx_chunk.errors import ModelStructureError
-from onnx_chunk.model_io import load_model
 from onnx_chunk.runtime.logits_row import ALL_ROWS, ROW_INPUT, select_row
 
 
+def _selected(path):
+    return ir.serde.deserialize_model(onnx.load_from_string(select_row(path.read_bytes())))
+
+
 def test_logits_become_a_gather_of_the_full_rows(reference_model):
-    model = select_row(load_model(reference_model()))
+    model = _selected(reference_model())
     outputs = {value.name: value for value in model.graph.outputs}
     assert list(outputs)[0] == "logits" and ALL_ROWS in outputs
     picked = outputs["logits"]
@@ -23,4 +28,25 @@ def test_logits_become_a_gather_of_the_full_rows(reference_model):
 
 def test_a_model_returning_one_row_is_refused(reference_model):
     with pytest.raises(ModelStructureError, match="one row already"):
-        select_row(load_model(reference_model("last_token_logits")))
+        _selected(reference_model("last_token_logits"))
+
+
+def test_every_other_field_keeps_its_bytes(reference_model):
+    original = onnx.load(str(reference_model()), load_external_data=False)
+    selected = onnx.load_from_string(select_row(reference_model().read_bytes()))
+    assert selected.metadata_props == original.metadata_props
+    assert selected.graph.initializer == original.graph.initializer
+    assert list(selected.graph.input)[:-1] == list(original.graph.input)
+    assert list(selected.graph.node)[-1].op_type == "Gather"
+    renamed = [node for node in original.graph.node if "logits" in node.output]
+    assert [list(node.output) for node in selected.graph.node if ALL_ROWS in node.output] == [
+        [ALL_ROWS if name == "logits" else name for name in node.output] for node in renamed]
+
+
+def test_a_model_without_logits_is_refused(reference_model):
+    proto = onnx.load(str(reference_model()), load_external_data=False)
+    for value in proto.graph.output:
+        if value.name == "logits":
+            value.name = "scores"
+    with pytest.raises(ModelStructureError, match="no 'logits' output"):
+        select_row(proto.SerializeToString())

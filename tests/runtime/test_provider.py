@@ -89,3 +89,14 @@ def test_the_cuda_probe_prints_nothing_and_logs_why(monkeypatch, capfd, caplog):
     assert "CUDA wasn't able to be loaded" in caplog.text
     assert any(record.levelname == "INFO" and "CUDA unusable" in record.getMessage()
                for record in caplog.records)
+
+
+def test_the_probe_model_is_the_identity_model_onnx_writes():
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])], "probe",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    assert provider_module.PROBE_MODEL == model.SerializeToString()

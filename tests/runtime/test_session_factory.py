@@ -48,7 +48,7 @@ def test_weights_are_mapped_not_copied(reference_model):
 
 def test_weights_for_another_device_are_not_faulted_in_and_say_they_are_copied(
         reference_model, monkeypatch):
-    from onnx_chunk.model_io import load_model
+    from onnx_chunk.model_file import read_model_file
     from onnx_chunk.runtime import session_factory
     from onnx_chunk.runtime.provider import device_for
 
@@ -56,7 +56,7 @@ def test_weights_for_another_device_are_not_faulted_in_and_say_they_are_copied(
     original = session_factory._fault_in
     monkeypatch.setattr(session_factory, "_fault_in",
                         lambda array: faulted.append(array.nbytes) or original(array))
-    model = load_model(reference_model("base"))
+    model = read_model_file(reference_model("base"))
     cuda = session_factory.load_shared_weights(model, device_for("cuda"))
     assert faulted == [] and cuda.copied_per_session and cuda.nbytes > 0
     cpu = session_factory.load_shared_weights(model, device_for("cpu"))

@@ -1,0 +1,436 @@
+"""What loading a decoder needs from its .onnx file, read without onnx and checked.
+
+`read_model_file(path)` maps the file and reads, from the protobuf wire format
+(`onnx_wire`), the IR version, the metadata (the chunked-prefill plan), the main graph's inputs
+and outputs, the operators used, and every tensor stored outside the file, without touching a
+weight; then it applies the checks every command applies before any work (`check_tensors`):
+
+1. No sparse tensor anywhere (initializers, attributes, subgraphs, functions): onnx_ir drops
+   them when it reads a model and the runtime cannot use them, so they are refused, not lost.
+2. Every external tensor names a location inside the model's folder (not absolute, not through
+   `..`), of a file that exists.
+3. Its offset and length are byte counts; its length matches its dtype and shape (no length:
+   the bytes to the end of the file must not be more than it needs); offset plus size lies
+   inside the file.
+4. External tensors have a fixed-width dtype (ONNX stores strings inline only).
+
+These run before any session, with one message per failure for every command. The field
+numbers are onnx.proto's, stable since they were assigned.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from onnx_chunk.errors import ModelLoadError
+from onnx_chunk.onnx_wire import LEN, VARINT, Span, WireError, fields, packed_varints, signed64, text
+
+# onnx.proto field numbers of the messages read here.
+_MODEL_IR_VERSION, _MODEL_GRAPH, _MODEL_METADATA, _MODEL_FUNCTIONS = 1, 7, 14, 25
+_GRAPH_NODE, _GRAPH_INITIALIZER, _GRAPH_INPUT, _GRAPH_OUTPUT = 1, 5, 11, 12
+_GRAPH_SPARSE_INITIALIZER = 15
+_NODE_OP_TYPE, _NODE_NAME, _NODE_ATTRIBUTE, _NODE_DOMAIN = 4, 3, 5, 7
+_ATTR_NAME, _ATTR_T, _ATTR_G, _ATTR_TENSORS, _ATTR_GRAPHS = 1, 5, 6, 10, 11
+_ATTR_SPARSE_TENSOR, _ATTR_SPARSE_TENSORS = 22, 23
+_FUNCTION_NODE = 7
+_TENSOR_DIMS, _TENSOR_DATA_TYPE, _TENSOR_NAME = 1, 2, 8
+_TENSOR_EXTERNAL_DATA, _TENSOR_DATA_LOCATION = 13, 14
+_SPARSE_VALUES = 1
+_ENTRY_KEY, _ENTRY_VALUE = 1, 2
+_VALUE_NAME, _VALUE_TYPE = 1, 2
+_TYPE_TENSOR = 1
+_TENSOR_TYPE_ELEM, _TENSOR_TYPE_SHAPE = 1, 2
+_SHAPE_DIM = 1
+_DIM_VALUE, _DIM_PARAM = 1, 2
+_EXTERNAL = 1
+
+# TensorProto.DataType -> (name, bits per element (None: no fixed width), numpy dtype name;
+# the names numpy lacks are ml_dtypes', as onnx_ir maps them).
+DATA_TYPES: dict[int, tuple[str, int | None, str]] = {
+    1: ("FLOAT", 32, "float32"), 2: ("UINT8", 8, "uint8"), 3: ("INT8", 8, "int8"),
+    4: ("UINT16", 16, "uint16"), 5: ("INT16", 16, "int16"), 6: ("INT32", 32, "int32"),
+    7: ("INT64", 64, "int64"), 8: ("STRING", None, "object"), 9: ("BOOL", 8, "bool"),
+    10: ("FLOAT16", 16, "float16"), 11: ("DOUBLE", 64, "float64"),
+    12: ("UINT32", 32, "uint32"), 13: ("UINT64", 64, "uint64"),
+    14: ("COMPLEX64", 64, "complex64"), 15: ("COMPLEX128", 128, "complex128"),
+    16: ("BFLOAT16", 16, "bfloat16"), 17: ("FLOAT8E4M3FN", 8, "float8_e4m3fn"),
+    18: ("FLOAT8E4M3FNUZ", 8, "float8_e4m3fnuz"), 19: ("FLOAT8E5M2", 8, "float8_e5m2"),
+    20: ("FLOAT8E5M2FNUZ", 8, "float8_e5m2fnuz"), 21: ("UINT4", 4, "uint4"),
+    22: ("INT4", 4, "int4"), 23: ("FLOAT4E2M1", 4, "float4_e2m1fn"),
+    24: ("FLOAT8E8M0", 8, "float8_e8m0fnu"), 25: ("UINT2", 2, "uint2"), 26: ("INT2", 2, "int2"),
+}
+
+Dim = int | str | None
+
+
+@dataclass(frozen=True)
+class ValueInfo:
+    """A graph input or output: its name, element type (None: not a tensor, or undeclared)
+    and shape (None: undeclared; a dim is its size, its symbolic name, or None: unknown)."""
+
+    name: str
+    elem_type: int | None
+    shape: tuple[Dim, ...] | None
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor as the file stores it, without its data: `external` holds its external-data
+    entries (location, offset, length...) when its bytes lie in another file, else None.
+    `initializer`: an initializer of the main graph or a subgraph (not a function's)."""
+
+    name: str
+    data_type: int
+    dims: tuple[int, ...]
+    external: dict[str, str] | None
+    initializer: bool
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """The parts of an .onnx file that loading reads (see the module docstring)."""
+
+    path: Path
+    ir_version: int
+    metadata: dict[str, str]
+    inputs: tuple[ValueInfo, ...]
+    outputs: tuple[ValueInfo, ...]
+    operators: frozenset[tuple[str, str]]
+    tensors: tuple[TensorRef, ...]
+    sparse: tuple[str, ...]
+
+    def uses(self, op_type: str, domain: str = "") -> bool:
+        """Whether a node of the main graph or a subgraph runs (domain, op_type)."""
+        return (domain, op_type) in self.operators
+
+    def external_initializers(self) -> Iterator[tuple[TensorRef, ExternalData]]:
+        """Every initializer stored outside the file, with where its bytes are."""
+        for tensor in self.tensors:
+            if tensor.initializer and tensor.external is not None:
+                yield tensor, external_data(tensor, self.path.parent)
+
+
+@dataclass(frozen=True)
+class ExternalData:
+    """Where an external tensor's bytes are: a file inside the model's folder."""
+
+    location: str
+    path: Path
+    offset: int
+    length: int | None
+
+
+def tensor_nbytes(data_type: int, dims: tuple[int, ...]) -> int | None:
+    """The bytes a tensor's data takes by its dtype and shape (4-bit types packed two a byte).
+
+    None for types without a fixed width (strings) and unknown types.
+    """
+    bits = DATA_TYPES.get(data_type, ("", None, ""))[1]
+    if bits is None:
+        return None
+    return math.ceil(math.prod(dims) * bits / 8)
+
+
+def data_type_name(data_type: int) -> str:
+    """TensorProto.DataType's name of `data_type`."""
+    return DATA_TYPES.get(data_type, (f"data type {data_type}", None, ""))[0]
+
+
+def numpy_dtype(data_type: int) -> np.dtype:
+    """The numpy dtype of a TensorProto.DataType (ml_dtypes' for the types numpy lacks);
+    ValueError for an unknown one."""
+    if data_type not in DATA_TYPES:
+        raise ValueError(f"unknown ONNX data type {data_type}")
+    name = DATA_TYPES[data_type][2]
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))
+
+
+def read_model_file(path: str | os.PathLike) -> ModelFile:
+    """The file's metadata, I/O, operators and external tensor index, checked.
+
+    ModelLoadError when the file is missing, a folder, not an ONNX protobuf (or truncated), or
+    when a check of `check_tensors` fails.
+    """
+    model_path = Path(path)
+    if not model_path.exists():
+        raise ModelLoadError(f"model file {str(model_path)!r} does not exist; expected the path "
+                             "of an exported decoder's .onnx file")
+    if model_path.is_dir():
+        raise ModelLoadError(f"{str(model_path)!r} is a folder; pass the .onnx file inside it")
+    try:
+        with model_path.open("rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            if size == 0:
+                model = _Reader(b"").model(model_path)
+            else:
+                with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                    model = _Reader(data).model(model_path)
+    except (WireError, OSError) as error:
+        raise unreadable(model_path, error) from error
+    check_tensors(model)
+    return model
+
+
+def unreadable(path: Path, error: Exception) -> ModelLoadError:
+    """The error for a model file that cannot be read (OSError) or parsed (any other)."""
+    if isinstance(error, OSError):
+        return ModelLoadError(f"cannot read {str(path)!r}: {error.strerror}")
+    return ModelLoadError(
+        f"{str(path)!r} is not a readable ONNX protobuf ({error}); the file may be "
+        "truncated or not a model at all: export or copy it again")
+
+
+class _Reader:
+    """Reads the messages of one file's bytes; collects tensors and operators as it goes."""
+
+    def __init__(self, data) -> None:
+        self.data = data
+        self.tensors: list[TensorRef] = []
+        self.sparse: list[str] = []
+        self.operators: set[tuple[str, str]] = set()
+
+    def model(self, path: Path) -> ModelFile:
+        data = self.data
+        ir_version = 0
+        graph: Span | None = None
+        metadata: dict[str, str] = {}
+        functions: list[Span] = []
+        for number, wire, value in fields(data, 0, len(data)):
+            if number == _MODEL_IR_VERSION and wire == VARINT:
+                ir_version = value
+            elif number == _MODEL_GRAPH and wire == LEN:
+                graph = value
+            elif number == _MODEL_METADATA and wire == LEN:
+                key, entry = self._entry(value)
+                metadata[key] = entry
+            elif number == _MODEL_FUNCTIONS and wire == LEN:
+                functions.append(value)
+        if ir_version == 0 or graph is None:
+            raise ModelLoadError(
+                f"{str(path)!r} parsed as a protobuf but holds no ONNX model (no IR version "
+                "or no graph); the file may be truncated or of another format")
+        inputs, outputs = self._graph(graph, top=True)
+        for function in functions:
+            for number, wire, value in fields(data, *function):
+                if number == _FUNCTION_NODE and wire == LEN:
+                    self._node(value, in_function=True)
+        return ModelFile(path=path, ir_version=ir_version, metadata=metadata,
+                         inputs=tuple(inputs), outputs=tuple(outputs),
+                         operators=frozenset(self.operators), tensors=tuple(self.tensors),
+                         sparse=tuple(self.sparse))
+
+    def _entry(self, span: Span) -> tuple[str, str]:
+        key = value = ""
+        for number, wire, field in fields(self.data, *span):
+            if wire == LEN and number == _ENTRY_KEY:
+                key = text(self.data, field)
+            elif wire == LEN and number == _ENTRY_VALUE:
+                value = text(self.data, field)
+        return key, value
+
+    def _graph(self, span: Span, *, top: bool = False,
+               in_function: bool = False) -> tuple[list[ValueInfo], list[ValueInfo]]:
+        inputs: list[ValueInfo] = []
+        outputs: list[ValueInfo] = []
+        for number, wire, value in fields(self.data, *span):
+            if wire != LEN:
+                continue
+            if number == _GRAPH_NODE:
+                self._node(value, in_function)
+            elif number == _GRAPH_INITIALIZER:
+                self.tensors.append(self._tensor(value, initializer=not in_function))
+            elif number == _GRAPH_SPARSE_INITIALIZER:
+                self.sparse.append(self._sparse_name(value))
+            elif top and number == _GRAPH_INPUT:
+                inputs.append(self._value_info(value))
+            elif top and number == _GRAPH_OUTPUT:
+                outputs.append(self._value_info(value))
+        return inputs, outputs
+
+    def _node(self, span: Span, in_function: bool) -> None:
+        op_type = name = domain = ""
+        attributes: list[Span] = []
+        for number, wire, value in fields(self.data, *span):
+            if wire != LEN:
+                continue
+            if number == _NODE_OP_TYPE:
+                op_type = text(self.data, value)
+            elif number == _NODE_NAME:
+                name = text(self.data, value)
+            elif number == _NODE_DOMAIN:
+                domain = text(self.data, value)
+            elif number == _NODE_ATTRIBUTE:
+                attributes.append(value)
+        if not in_function:
+            self.operators.add(("" if domain == "ai.onnx" else domain, op_type))
+        for attribute in attributes:
+            self._attribute(attribute, op_type, name, in_function)
+
+    def _attribute(self, span: Span, op_type: str, node: str, in_function: bool) -> None:
+        name = ""
+        sparse = False
+        for number, wire, value in fields(self.data, *span):
+            if wire != LEN:
+                continue
+            if number == _ATTR_NAME:
+                name = text(self.data, value)
+            elif number in (_ATTR_T, _ATTR_TENSORS):
+                self.tensors.append(self._tensor(value, initializer=False))
+            elif number in (_ATTR_G, _ATTR_GRAPHS):
+                self._graph(value, in_function=in_function)
+            elif number in (_ATTR_SPARSE_TENSOR, _ATTR_SPARSE_TENSORS):
+                sparse = True
+        if sparse:
+            self.sparse.append(f"{op_type} node {node!r} attribute {name!r}")
+
+    def _tensor(self, span: Span, *, initializer: bool) -> TensorRef:
+        name = ""
+        data_type = 0
+        dims: list[int] = []
+        entries: dict[str, str] = {}
+        location = 0
+        for number, wire, value in fields(self.data, *span):
+            if number == _TENSOR_DIMS:
+                dims.extend(signed64(dim) for dim in packed_varints(self.data, wire, value))
+            elif number == _TENSOR_DATA_TYPE and wire == VARINT:
+                data_type = value
+            elif number == _TENSOR_NAME and wire == LEN:
+                name = text(self.data, value)
+            elif number == _TENSOR_EXTERNAL_DATA and wire == LEN:
+                key, entry = self._entry(value)
+                entries[key] = entry
+            elif number == _TENSOR_DATA_LOCATION and wire == VARINT:
+                location = value
+        return TensorRef(name, data_type, tuple(dims),
+                         entries if location == _EXTERNAL else None, initializer)
+
+    def _sparse_name(self, span: Span) -> str:
+        for number, wire, value in fields(self.data, *span):
+            if number == _SPARSE_VALUES and wire == LEN:
+                return self._tensor(value, initializer=False).name
+        return ""
+
+    def _value_info(self, span: Span) -> ValueInfo:
+        name = ""
+        elem_type: int | None = None
+        shape: tuple[Dim, ...] | None = None
+        for number, wire, value in fields(self.data, *span):
+            if number == _VALUE_NAME and wire == LEN:
+                name = text(self.data, value)
+            elif number == _VALUE_TYPE and wire == LEN:
+                for kind, kind_wire, tensor_type in fields(self.data, *value):
+                    if kind == _TYPE_TENSOR and kind_wire == LEN:
+                        elem_type, shape = self._tensor_type(tensor_type)
+        return ValueInfo(name, elem_type, shape)
+
+    def _tensor_type(self, span: Span) -> tuple[int | None, tuple[Dim, ...] | None]:
+        elem_type: int | None = None
+        shape: tuple[Dim, ...] | None = None
+        for number, wire, value in fields(self.data, *span):
+            if number == _TENSOR_TYPE_ELEM and wire == VARINT:
+                elem_type = value or None
+            elif number == _TENSOR_TYPE_SHAPE and wire == LEN:
+                shape = tuple(self._dim(dim) for dim_number, dim_wire, dim
+                              in fields(self.data, *value)
+                              if dim_number == _SHAPE_DIM and dim_wire == LEN)
+        return elem_type, shape
+
+    def _dim(self, span: Span) -> Dim:
+        dim: Dim = None
+        for number, wire, value in fields(self.data, *span):
+            if number == _DIM_VALUE and wire == VARINT:
+                dim = signed64(value)
+            elif number == _DIM_PARAM and wire == LEN:
+                dim = text(self.data, value) or None
+        return dim
+
+
+def read_value_info(data, span: Span) -> ValueInfo:
+    """The ValueInfoProto at `span` of `data` (a graph input or output)."""
+    return _Reader(data)._value_info(span)
+
+
+def external_data(tensor: TensorRef, base_dir: Path) -> ExternalData:
+    """Where `tensor`'s external bytes are; ModelLoadError when a field is malformed or the
+    location leaves `base_dir`."""
+    assert tensor.external is not None
+    fields_ = tensor.external
+    location = fields_.get("location", "")
+    if not location:
+        raise ModelLoadError(f"tensor {tensor.name!r} is stored externally but names no "
+                             "location; export the model again")
+    numbers: dict[str, int | None] = {}
+    for key in ("offset", "length"):
+        value = fields_.get(key)
+        if value is None or value == "":
+            numbers[key] = None
+            continue
+        if not (value.isascii() and value.isdigit()):
+            raise ModelLoadError(
+                f"tensor {tensor.name!r}: external data {key} {value!r} is not a non-negative "
+                "integer (a byte count); the model file is corrupt: export it again")
+        numbers[key] = int(value)
+    root = base_dir.resolve()
+    path = (root / location).resolve()
+    if Path(location).is_absolute() or not path.is_relative_to(root):
+        raise ModelLoadError(
+            f"tensor {tensor.name!r} points to external data {location!r}, outside the "
+            f"model's folder {str(root)!r}; external data must sit beside the model")
+    return ExternalData(location, path, numbers["offset"] or 0, numbers["length"])
+
+
+def check_tensors(model: ModelFile) -> None:
+    """Apply the rules of the module docstring to every tensor of `model`, reading none."""
+    if model.sparse:
+        names = model.sparse
+        raise ModelLoadError(
+            f"{str(model.path)!r} holds sparse tensors ({', '.join(map(repr, names[:3]))}"
+            f"{', ...' if len(names) > 3 else ''}); onnx-chunk keeps dense tensors only: "
+            "densify them first (onnx.numpy_helper.to_array of each sparse tensor, saved as a "
+            "dense initializer)")
+    root = model.path.parent.resolve()
+    sizes: dict[Path, int] = {}
+    for tensor in model.tensors:
+        if tensor.external is None:
+            continue
+        name = tensor.name
+        where = external_data(tensor, root)
+        if where.path not in sizes:
+            if not where.path.is_file():
+                raise ModelLoadError(
+                    f"tensor {name!r} needs external data file {where.location!r}, which "
+                    f"is missing from {str(root)!r}; copy it next to the model")
+            sizes[where.path] = where.path.stat().st_size
+        size = sizes[where.path]
+        expected = tensor_nbytes(tensor.data_type, tensor.dims)
+        if expected is None:
+            raise ModelLoadError(
+                f"tensor {name!r} is a {data_type_name(tensor.data_type)} tensor stored as "
+                "external data, which ONNX does not allow (only fixed-width types can be); "
+                "export the model again with it inline")
+        stored = where.length if where.length is not None else size - where.offset
+        if stored != expected and (where.length is not None or stored > expected):
+            raise ModelLoadError(
+                f"tensor {name!r} ({data_type_name(tensor.data_type)} {list(tensor.dims)}) "
+                f"needs {expected} bytes, but its external data "
+                + (f"length is {where.length}" if where.length is not None
+                   else f"runs {stored} bytes from offset {where.offset} to the end of "
+                        f"{where.location!r} (no length given)")
+                + "; the model and its data do not match: export or copy them again")
+        end = where.offset + expected
+        if end > size:
+            raise ModelLoadError(
+                f"tensor {name!r} needs bytes up to {end} of {where.location!r}, but the "
+                f"file has {size}; the external data is truncated: copy it again")

@@ -1,0 +1,255 @@
+"""A runtime's options, resolved once from the user's arguments, the plan, genai_config.json,
+the decoder's ports and the device, before anything is loaded on the device.
+
+`checked_arguments` refuses an argument of the wrong type or range (ConfigError) before the
+model is read; `resolve_options` turns the arguments into a `RuntimeOptions` that `Runtime` only reads.
+Both are pure: no ONNX Runtime call (the device is resolved by the caller).
+
+Rules of `resolve_options`:
+1. Capacity: the argument, else genai's search.max_length, else the smallest of the plan's
+   maximum sequence length and genai's model.context_length; never more than either limit.
+2. Chunk size: the argument, else the plan's, else the capacity (no chunking); at most the
+   capacity.
+3. Ports are resolved for that capacity; a window-sized cache gets a chunk of slack where the
+   device allows it.
+4. A float32 KV cache cannot run CUDA's GroupQueryAttention: "auto" falls back to CPU, "cuda"
+   (or a given CUDA device) refuses. More than one slot turns CUDA graphs off.
+5. Ladder: the plan's when its chunk size is kept and no max_variants is given, else one built
+   for the chunk size and the variant cap (the plan's, or the argument).
+6. Specialisation: the argument, else the device's default; padding: the argument, the
+   environment or the mode's default (on unless shape-generic), and the plan may refuse it.
+7. Fixed dims: the ports', less the batch axis above one slot, plus a capacity-wide mask under
+   the capacity mask policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from onnx_chunk import arguments
+from onnx_chunk.errors import ConfigError, ModelLoadError, ProviderError
+from onnx_chunk.metadata import ChunkPlan
+from onnx_chunk.model_file import ModelFile
+from onnx_chunk.model_folder import GenaiConfig
+from onnx_chunk.runtime.batch_engine import DEFAULT_MAX_QUEUE
+from onnx_chunk.ladder import DECODE_WIDTH, ladder_tiers
+from onnx_chunk.runtime.padding import resolve_padding
+from onnx_chunk.runtime.ports import ModelPorts, model_ports
+from onnx_chunk.runtime.provider import Device, MaskPolicy, device_for
+from onnx_chunk.runtime.sequence_pool import DEFAULT_IDLE_SLOTS
+from onnx_chunk.runtime.variant_cache import EXACT, Specialize, VariantKey, variant_key
+
+logger = logging.getLogger(__name__)
+
+# The dtypes ONNX Runtime's CUDA GroupQueryAttention kernel is registered for.
+CUDA_ATTENTION_DTYPES = ("float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class LoadArguments:
+    """What the caller of `load` asked for (None: the default); see `Runtime`."""
+
+    provider: str = "auto"
+    device_id: int = 0
+    capacity: int | None = None
+    chunk_size: int | None = None
+    padding: bool | None = None
+    specialize: Specialize | None = None
+    max_variants: int | None = None
+    mask_policy: MaskPolicy | str | None = None
+    intra_op_threads: int | None = None
+    cuda_graphs: bool | None = None
+    device: Device | None = None
+    idle_sequences: int = DEFAULT_IDLE_SLOTS
+    max_batch: int = 1
+    max_queue: int = DEFAULT_MAX_QUEUE
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """Everything a runtime runs with, resolved once (the rules of the module docstring)."""
+
+    device: Device
+    capacity: int
+    chunk_size: int
+    ports: ModelPorts
+    tiers: tuple[int, ...]
+    max_variants: int
+    specialize: Specialize
+    decode_key: VariantKey
+    padding: bool
+    padding_refused: str | None
+    fixed_dims: dict[str, int]
+    select_rows: bool
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None
+    max_batch: int
+    max_queue: int
+    idle_sequences: int
+    intra_op_threads: int | None
+
+
+def checked_arguments(args: LoadArguments) -> LoadArguments:
+    """`args` with its counts as ints; ConfigError for an argument of the wrong type or range,
+    before anything is loaded."""
+    arguments.optional_integer(args.capacity, "the capacity (capacity)", minimum=2,
+                               error=ConfigError)
+    arguments.optional_integer(args.chunk_size, "the chunk size (chunk_size)", minimum=1,
+                               error=ConfigError)
+    arguments.optional_integer(args.max_variants, "max_variants", minimum=1, error=ConfigError)
+    arguments.integer(args.device_id, "device_id", minimum=0, error=ConfigError)
+    arguments.optional_integer(args.intra_op_threads, "intra_op_threads", minimum=0,
+                               error=ConfigError)
+    for name, value in (("padding", args.padding), ("cuda_graphs", args.cuda_graphs)):
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(f"{name} must be True, False or None, got {value!r}")
+    return dataclasses.replace(
+        args,
+        idle_sequences=arguments.integer(args.idle_sequences, "idle_sequences", minimum=0,
+                                         error=ConfigError),
+        max_batch=arguments.integer(args.max_batch, "max_batch", minimum=1, error=ConfigError),
+        max_queue=arguments.integer(args.max_queue, "max_queue", minimum=1, error=ConfigError))
+
+
+def resolve_options(args: LoadArguments, *, plan: ChunkPlan, genai: GenaiConfig,
+                    model: ModelFile, device: Device) -> RuntimeOptions:
+    """The options of a runtime of `model` on `device` (the given one, or the one resolved
+    from the arguments); ConfigError, ProviderError or ModelLoadError when they cannot be."""
+    capacity = resolve_capacity(args.capacity, plan, genai)
+    chunk_size = resolve_chunk_size(args.chunk_size, plan, capacity)
+    ports = model_ports(model, plan, capacity, head_size=genai.head_size,
+                        window_slack=chunk_size if device.window_slack else 0)
+    if args.max_batch > 1 and ports.batch_dim is None:
+        raise ConfigError(
+            f"max_batch={args.max_batch} needs a decoder whose batch axis is free, and "
+            f"{model.path.name} fixes it to 1 (its {ports.token_input!r} input); "
+            "load it with max_batch=1 or export it with a symbolic batch size")
+    eos_token_ids = checked_token_ids(genai.eos_token_ids, ports.vocab_size, genai.path)
+    if args.device is None:
+        device = attention_device(device, ports, args.provider, args.mask_policy)
+    else:
+        attention_device(device, ports, device.provider, args.mask_policy)
+    if args.max_batch > 1 and device.cuda_graphs:
+        logger.info("max_batch %d: CUDA graphs off (the batched bindings capture none)",
+                    args.max_batch)
+        device = dataclasses.replace(device, cuda_graphs=False)
+    variants = plan.max_variants if args.max_variants is None else args.max_variants
+    tiers = (plan.ladder if plan.ladder and plan.chunk_size == chunk_size
+             and args.max_variants is None else ladder_tiers(chunk_size, variants))
+    specialize = device.specialize if args.specialize is None else args.specialize
+    if specialize not in (True, False, EXACT):
+        raise ConfigError(f"specialize must be True, False or {EXACT!r}, got {specialize!r}")
+    # Padding pays only where a padded chunk reuses a variant built for its width.
+    padding, refused = resolve_padding(plan.padding, args.padding,
+                                       default=specialize is not False)
+    return RuntimeOptions(
+        device=device,
+        capacity=capacity,
+        chunk_size=chunk_size,
+        ports=ports,
+        tiers=tiers,
+        max_variants=variants,
+        specialize=specialize,
+        decode_key=variant_key(DECODE_WIDTH, tiers, specialize),
+        padding=padding,
+        padding_refused=refused,
+        fixed_dims=fixed_dims(ports, device, capacity, args.max_batch),
+        # Off the host, a specialised prefill width returns only the logits row a forward
+        # needs (logits_row), so no sequence keeps a [1, W, vocab] buffer per width.
+        select_rows=(not device.host_visible and specialize is not False
+                     and not ports.last_row_logits),
+        eos_token_ids=eos_token_ids,
+        pad_token_id=genai.pad_token_id,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        idle_sequences=args.idle_sequences,
+        intra_op_threads=args.intra_op_threads,
+    )
+
+
+def fixed_dims(ports: ModelPorts, device: Device, capacity: int,
+               max_batch: int) -> dict[str, int]:
+    """The free dimensions every session overrides (rule 7)."""
+    dims = dict(ports.fixed_dims)
+    if max_batch > 1 and ports.batch_dim is not None:
+        # Decode runs max_batch rows, prefill one: the batch axis stays free.
+        dims.pop(ports.batch_dim, None)
+    if device.mask_policy is MaskPolicy.CAPACITY and ports.mask_dim is not None:
+        dims[ports.mask_dim] = capacity
+    return dims
+
+
+def attention_device(device: Device, ports: ModelPorts, provider: str,
+                     mask_policy: MaskPolicy | str | None) -> Device:
+    """`device`, unless CUDA cannot run this decoder's attention.
+
+    ONNX Runtime's CUDA GroupQueryAttention runs float16 and bfloat16 only; a float32 decoder's
+    attention would fall back to the CPU provider, copying the whole KV cache both ways every
+    step (and no CUDA graph can be captured). "auto" then runs on CPU and says why; "cuda"
+    refuses.
+    """
+    if device.provider != "cuda" or not ports.kv:
+        return device
+    dtype = ports.kv[0].dtype.name
+    if dtype in CUDA_ATTENTION_DTYPES:
+        return device
+    reason = (f"ONNX Runtime's CUDA GroupQueryAttention runs {' and '.join(CUDA_ATTENTION_DTYPES)}"
+              f" only, and this decoder's KV cache is {dtype}: its attention would run on the "
+              "CPU with the cache copied every step")
+    if provider == "auto":
+        logger.warning("%s; running on CPU instead (export the decoder in float16 for CUDA)",
+                       reason)
+        return device_for("cpu", mask_policy=mask_policy)
+    raise ProviderError(f"{reason}; export it in float16 (onnx-chunk build-model --dtype "
+                        "float16 for the reference decoders) or use --provider cpu")
+
+
+def resolve_capacity(capacity: int | None, plan: ChunkPlan, genai: GenaiConfig) -> int:
+    """The KV capacity (rule 1)."""
+    limits = [(limit, why) for limit, why in (
+        (plan.max_sequence_length, "the model's maximum sequence length {} (its position "
+                                   "tables end there)"),
+        (genai.context_length, f"the model.context_length {{}} of {genai.path.name}"),
+    ) if limit is not None]
+    if capacity is None:
+        capacity = genai.max_length
+        if capacity is None:
+            if not limits:
+                raise ConfigError("the model declares no maximum sequence length; pass a "
+                                  "capacity (--capacity) to size the KV buffers")
+            return min(limit for limit, _ in limits)
+        capacity = min([capacity, *(limit for limit, _ in limits)])
+        if capacity < 2:
+            raise ConfigError(f"{genai.path.name}'s search.max_length gives a capacity of "
+                              f"{capacity}; the KV cache needs at least 2 positions: pass a "
+                              "capacity (--capacity)")
+        return capacity
+    if capacity < 2:
+        raise ConfigError(f"the capacity must be at least 2 positions, got {capacity}")
+    for limit, why in limits:
+        if capacity > limit:
+            raise ConfigError(f"capacity {capacity} exceeds {why.format(limit)}; use at most "
+                              f"{limit}")
+    return capacity
+
+
+def resolve_chunk_size(chunk_size: int | None, plan: ChunkPlan, capacity: int) -> int:
+    """The prefill chunk width (rule 2)."""
+    width = chunk_size if chunk_size is not None else plan.chunk_size
+    if width is None:
+        return capacity
+    if width < 1:
+        raise ConfigError(f"the chunk size must be at least 1, got {width}")
+    return min(width, capacity)
+
+
+def checked_token_ids(ids: tuple[int, ...], vocab_size: int, source: Path) -> tuple[int, ...]:
+    """`ids` (genai_config.json's EOS ids), each inside the vocabulary, else ModelLoadError."""
+    outside = [token for token in ids if token >= vocab_size]
+    if outside:
+        raise ModelLoadError(f"{str(source)!r} names EOS token id(s) {outside} outside the "
+                             f"model's vocabulary of {vocab_size}; fix the config")
+    return ids
