@@ -12,14 +12,13 @@ as chunk.onnx and decode.onnx; a folder names its graph as `model_folder.locate_
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import onnx_ir as ir
-
 from onnx_chunk.errors import ConfigError, ModelLoadError, ModelStructureError
+from onnx_chunk.model_file import ValueInfo, data_type_name, read_model_file
 from onnx_chunk.model_folder import locate_model
-from onnx_chunk.model_io import load_model
 from onnx_chunk.static.runner import CacheLayout, StaticRunner
 
 DECODE_FILE = "decode.onnx"
@@ -36,15 +35,25 @@ class StaticGraphShape:
     layout: CacheLayout
 
 
-def _fixed_dims(value: ir.Value) -> list[int] | None:
+def _fixed_dims(value: ValueInfo) -> list[int] | None:
     shape = value.shape
-    if shape is None or not all(isinstance(dim, int) for dim in shape.dims):
+    if shape is None or not all(isinstance(dim, int) for dim in shape):
         return None
-    return [int(dim) for dim in shape.dims]
+    return [int(dim) for dim in shape]
 
 
-def static_shape(model: ir.Model) -> StaticGraphShape | None:
-    """The static decoder's sizes when the graph is one, else None.
+def _floating(value: ValueInfo) -> bool:
+    if value.elem_type is None:
+        return False
+    try:
+        name = data_type_name(value.elem_type)
+    except ValueError:
+        return False
+    return name.startswith(("FLOAT", "BFLOAT")) or name == "DOUBLE"
+
+
+def static_shape(inputs: Iterable[ValueInfo]) -> StaticGraphShape | None:
+    """The static decoder's sizes when the graph with these inputs is one, else None.
 
     Rules:
     1. Any input with a free (or unknown) dimension: not static.
@@ -57,14 +66,12 @@ def static_shape(model: ir.Model) -> StaticGraphShape | None:
     4. Anything else is not static.
     """
     dims: dict[str, list[int]] = {}
-    for value in model.graph.inputs:
+    for value in inputs:
         fixed = _fixed_dims(value)
         if fixed is None:
             return None
         dims[value.name] = fixed
-        dtype = value.dtype
-        if (dtype is not None and dtype.is_floating_point() and len(fixed) == 4
-                and fixed[:2] == [1, 1]):
+        if _floating(value) and len(fixed) == 4 and fixed[:2] == [1, 1]:
             return StaticGraphShape(value.name, fixed[2], fixed[3], CacheLayout.ROLLING)
     mask, tokens = dims.get("attention_mask"), dims.get("input_ids", dims.get("inputs_embeds"))
     pasts = [shape for name, shape in dims.items() if name.startswith("past_key_values.")]
@@ -80,9 +87,9 @@ def static_shape(model: ir.Model) -> StaticGraphShape | None:
 def is_static_model(path: str | os.PathLike) -> bool:
     """Whether MODEL (a file, or a folder as `locate_model` resolves it) is a static decoder.
 
-    Reads the graph only, never the weights; ModelLoadError when it cannot be read.
+    Reads the graph's inputs only, never the weights; ModelLoadError when it cannot be read.
     """
-    return static_shape(load_model(locate_model(path).onnx_path)) is not None
+    return static_shape(read_model_file(locate_model(path).onnx_path).inputs) is not None
 
 
 def check_fixed_sizes(shape: StaticGraphShape, model: str | os.PathLike, *,
@@ -129,7 +136,7 @@ def load_static(
     strict: refuse (CapacityError) requests that would lose context instead of warning.
     """
     chunk = locate_model(model).onnx_path
-    shape = static_shape(load_model(chunk))
+    shape = static_shape(read_model_file(chunk).inputs)
     if shape is None:
         raise ModelStructureError(
             f"{str(chunk)!r} is not a static decoder: some input has a free dimension, or it "

@@ -40,8 +40,6 @@ from onnx_chunk.errors import (
     ModelStructureError,
     ProviderError,
 )
-from onnx_chunk.model_io import load_model
-from onnx_chunk.passes.kv_capacity import find_kv_capacity
 from onnx_chunk.runtime.provider import Device, resolve_device
 from onnx_chunk.static.alignment import AlignedPrompt, PadSide, StaticLimits, align_prompt
 from onnx_chunk.static.bound_kv import BoundKVCache
@@ -288,8 +286,7 @@ class StaticRunner:
                 f"graph written with the chunk graph"
             )
         self.layout = chunk.layout
-        windows = {binding.window for binding in find_kv_capacity(load_model(chunk_path)).bindings
-                   if binding.window is not None}
+        windows = _windows(chunk_path)
         problem = window_capacity_problem(windows, chunk.capacity, self.device)
         if problem is not None:
             raise ProviderError(f"{chunk_path}: {problem}")
@@ -467,3 +464,13 @@ class StaticRunner:
         after `max_new_tokens` or at `eos_token_id`."""
         return self.decode(self.start(prompt_ids, max_new_tokens), max_new_tokens,
                            eos_token_id=eos_token_id)
+
+
+def _windows(chunk_path: Path) -> set[int]:
+    """The sliding windows of the chunk graph's KV inputs, read by the passes' analysis (which
+    imports onnx_ir: only a static model being opened pays for it)."""
+    from onnx_chunk.model_io import load_model
+    from onnx_chunk.passes.kv_capacity import find_kv_capacity
+
+    return {binding.window for binding in find_kv_capacity(load_model(chunk_path)).bindings
+            if binding.window is not None}

@@ -15,6 +15,7 @@ import onnx
 import onnx_ir as ir
 
 from onnx_chunk.errors import ModelLoadError
+from onnx_chunk.model_file import ValueInfo
 from onnx_chunk.model_folder import check_utf8_path, locate_model
 from onnx_chunk.model_io import load_model
 from onnx_chunk.static.model import StaticGraphShape, static_shape
@@ -40,7 +41,15 @@ def load_subject(path: str | os.PathLike) -> Subject:
     except ModelLoadError as error:
         model = _graph_only(model_path, error)
         external_error = str(error)
-    return Subject(model_path, model, external_error, static_shape(model))
+    return Subject(model_path, model, external_error, static_shape(_inputs(model)))
+
+
+def _inputs(model: ir.Model) -> list[ValueInfo]:
+    """The graph's inputs as the static detection reads them from a file."""
+    return [ValueInfo(value.name, None if value.dtype is None else int(value.dtype),
+                      None if value.shape is None
+                      else tuple(dim if isinstance(dim, int) else None for dim in value.shape.dims))
+            for value in model.graph.inputs]
 
 
 def _graph_only(model_path: Path, load_error: ModelLoadError) -> ir.Model:

@@ -64,3 +64,32 @@ def test_a_converted_model_runs_without_the_graph_libraries(converted, model, mo
 
 def test_an_unconverted_model_runs_the_passes_with_onnx_ir(reference_model):
     assert {"onnx", "onnx_ir"} <= set(_imported(reference_model(), "default"))
+
+
+# Runs `onnx-chunk generate` in-process on sys.argv[1] with the rest of its arguments, then
+# prints the graph libraries in sys.modules.
+_CLI_CHILD = """
+import json, sys
+from onnx_chunk.cli import main
+
+code = main(["generate", *sys.argv[1:-{libraries}]])
+assert code == 0, code
+print(json.dumps(sorted({{name.split(".")[0] for name in sys.modules}}
+                        & set(sys.argv[-{libraries}:]))))
+""".format(libraries=len(GRAPH_LIBRARIES))
+
+
+@pytest.mark.parametrize("arguments", [
+    ["--max-new-tokens", "2"], ["--max-new-tokens", "2", "--batch", "2"],
+    ["--max-new-tokens", "2", "--prompt", "Hello there"]], ids=["ids", "batch", "prompt"])
+def test_the_generate_command_runs_a_converted_model_without_the_graph_libraries(
+        converted, tmp_path, arguments):
+    ids = tmp_path / "ids.txt"
+    ids.write_text("1 2 3 4 5\n6 7 8\n")
+    if "--prompt" not in arguments:
+        arguments = [*arguments, "--ids-file", str(ids)]
+    done = subprocess.run([sys.executable, "-c", _CLI_CHILD, str(converted["folder"]), *arguments,
+                           *GRAPH_LIBRARIES], capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == []
