@@ -123,8 +123,8 @@ class CapacityMask(AttentionMask):
         return self.capacity
 
     def set_rows(self, io: ort.IOBinding, lengths: list[int]) -> None:
-        # Bound for good already (`bind`). A batch's mask is rewritten whole each step: it
-        # never takes `set`, whose host copy this leaves behind.
+        # Bound for good already (`bind`). A batch's mask is rewritten whole each step and
+        # never takes `set` (whose host copy covers one row).
         self._write_rows(lengths, self.capacity)
 
 

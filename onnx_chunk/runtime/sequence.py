@@ -17,7 +17,6 @@ may run in parallel. A stream holds the sequence until it ends, is closed or is 
 from __future__ import annotations
 
 import copy
-import logging
 import threading
 import time
 import weakref
@@ -44,7 +43,6 @@ from onnx_chunk.runtime.scheduler import prefill_chunks
 from onnx_chunk.runtime.stats import ChunkRecord, GenerationStats, SequenceStats
 from onnx_chunk.sampling import GREEDY, Sampler, Sampling
 
-logger = logging.getLogger(__name__)
 
 class Sequence:
     """An independent sequence: its own KV buffers and logical length on a shared model."""
