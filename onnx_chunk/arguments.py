@@ -46,3 +46,29 @@ def token_ids(value: object, name: str, vocab_size: int) -> tuple[int, ...]:
         value = value.tolist() if value.ndim else value.item()
     items = value if isinstance(value, Sequence) else (value,)
     return tuple(integer(item, name, minimum=0, maximum=vocab_size - 1) for item in items)
+
+
+def prompt_ids(value: object, vocab: int) -> np.ndarray:
+    """A prompt's token ids as int64, checked: 1-D, not empty, integers in [0, vocab)
+    (InputError)."""
+    ids = np.asarray(value)
+    if ids.size == 0:
+        raise InputError("the prompt is empty; pass at least one token id")
+    if ids.ndim != 1:
+        raise InputError(f"expected a 1-D sequence of token ids, got shape {list(ids.shape)}")
+    if ids.dtype == np.bool_ or not np.issubdtype(ids.dtype, np.integer):
+        raise InputError(f"token ids must be integers, got dtype {ids.dtype}; convert them "
+                         "with int() or numpy's astype(np.int64)")
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab))
+    if bad.size:
+        raise InputError(f"token id {int(ids[bad[0]])} at position {int(bad[0])} is outside "
+                         f"the vocabulary [0, {vocab}); {bad.size} id(s) out of range")
+    return ids.astype(np.int64, copy=False)
+
+
+def stop_ids(eos_token_id: object, default: tuple[int, ...], vocab: int) -> tuple[int, ...]:
+    """The EOS ids a generation stops at: `eos_token_id` checked (one id or several, each in
+    [0, vocab)), or the model's own (`default`) when it is None."""
+    if eos_token_id is None:
+        return default
+    return token_ids(eos_token_id, "eos_token_id", vocab)

@@ -36,7 +36,7 @@ import numpy as np
 
 import onnx_chunk
 from onnx_chunk.models import build_decoder
-from onnx_chunk.runtime.sequence import prefill_chunks
+from onnx_chunk.runtime.scheduler import prefill_chunks
 
 DEFAULT_LENGTHS = (104, 146, 311, 378, 229)
 

@@ -51,8 +51,8 @@ import onnxruntime as ort
 
 import onnx_chunk
 from onnx_chunk.models import build_decoder
-from onnx_chunk.runtime import variant_sessions
 from onnx_chunk.ladder import DECODE_WIDTH
+from onnx_chunk.runtime import variant_pool
 from onnx_chunk.runtime.memory import cudart, cuda_used_bytes, meter_for
 from onnx_chunk.runtime.provider import Device, MaskPolicy, device_for, probe_cuda
 from onnx_chunk.runtime.session_factory import SessionFactory, SharedWeights
@@ -199,12 +199,12 @@ def _marked_capturing(enabled: bool) -> Iterator[None]:
     if not enabled:
         yield
         return
-    original = variant_sessions.session_captures
-    variant_sessions.session_captures = lambda session: True
+    original = variant_pool.session_captures
+    variant_pool.session_captures = lambda session: True
     try:
         yield
     finally:
-        variant_sessions.session_captures = original
+        variant_pool.session_captures = original
 
 
 def _run(label: str, model: Path, device: Device, prompts, args, logs: Path, *,
@@ -218,7 +218,7 @@ def _run(label: str, model: Path, device: Device, prompts, args, logs: Path, *,
         runtime = onnx_chunk.load(model, device=device, capacity=args["capacity"],
                                   chunk_size=args["chunk_size"], max_variants=max_variants,
                                   padding=padding)
-        runtime.sessions.factory.log_severity = INFO_SEVERITY
+        runtime.variants.factory.log_severity = INFO_SEVERITY
         record.weights_bytes = runtime.weights.nbytes
         record.ids_per_slot = 2 if runtime.ports.state else 1
         memory["after load"] = meter.used_bytes()
@@ -262,7 +262,7 @@ def _run(label: str, model: Path, device: Device, prompts, args, logs: Path, *,
         keys = {variant_key(width, runtime.tiers, runtime.specialize)
                 for width in record.widths_used}
         factory, weights = runtime.factory, runtime.weights
-        select_rows = runtime.sessions.select_rows
+        select_rows = runtime.variants.select_rows
         runtime.close()
         del runtime, sequence, second
         memory["after close"] = meter.used_bytes()

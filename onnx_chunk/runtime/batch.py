@@ -6,8 +6,8 @@ Inputs at a fixed batch width (the engine's slots): `input_ids [slots, 1]` (or
 `BatchBuffers` bound whole as past and present, and an attention mask whose row `i` holds
 `length_i + 1` ones and zeros after: GroupQueryAttention derives each row's seqlens_k from its
 row sum, so each row reads its own prefix and writes its new KV entry at its own length.
-Under the logical mask policy the mask is as wide as the longest row needs; under the capacity
-policy it is capacity-wide.
+The mask policy's `set_rows` writes it (`attention_mask`): as wide as the longest row needs
+under the logical policy, capacity-wide under the capacity policy.
 
 Rows that do not decode this step (a free slot, a slot between prefill chunks) still run:
 1. their KV write lands at their own length, which their next forward overwrites (a free
@@ -25,10 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
+from onnx_chunk.runtime.attention_mask import AttentionMask
 from onnx_chunk.runtime.buffers import BatchBuffers, DeviceBuffer, device_zeros
 from onnx_chunk.runtime.cuda_graphs import session_captures, uncaptured
-from onnx_chunk.runtime.ports import LOGITS_OUTPUT, MASK_INPUT, ModelPorts
-from onnx_chunk.runtime.provider import Device, MaskPolicy
+from onnx_chunk.runtime.ports import LOGITS_OUTPUT, ModelPorts
+from onnx_chunk.runtime.provider import Device
 
 BATCH_BINDING = "batch"
 
@@ -42,17 +43,6 @@ class DecodeBinding:
     graphs: None = None
 
 
-def decode_mask(lengths: list[int], width: int, dtype: np.dtype) -> np.ndarray:
-    """The [rows, width] attention mask of a decode step: row i has lengths[i] + 1 ones."""
-    columns = np.arange(width)
-    return (columns[None, :] <= np.asarray(lengths)[:, None]).astype(dtype)
-
-
-def mask_width(lengths: list[int], policy: MaskPolicy, capacity: int) -> int:
-    """How wide the decode step's mask is bound: the longest row's need, or the capacity."""
-    return capacity if policy is MaskPolicy.CAPACITY else max(lengths) + 1
-
-
 def evicting_rows(lengths: list[int], idle: list[int], rows: int, window: int | None) -> list[int]:
     """The idle rows whose window-sized cache (of `rows` rows) one more position would evict."""
     if window is None:
@@ -63,11 +53,12 @@ def evicting_rows(lengths: list[int], idle: list[int], rows: int, window: int | 
 class BatchDecoder:
     """Runs the decode forward of every slot of a `BatchBuffers` (see the module docstring)."""
 
-    def __init__(self, ports: ModelPorts, device: Device, capacity: int,
-                 buffers: BatchBuffers, embeddings: np.ndarray | None) -> None:
+    def __init__(self, ports: ModelPorts, device: Device, buffers: BatchBuffers,
+                 embeddings: np.ndarray | None, mask: AttentionMask) -> None:
+        """`mask`: a `[slots, capacity]` mask of the runtime's mask policy."""
         self.ports = ports
         self.device = device
-        self.capacity = capacity
+        self.mask = mask
         self.buffers = buffers
         self.embeddings = embeddings
         self._no_capture = uncaptured().first
@@ -78,7 +69,6 @@ class BatchDecoder:
         self._host_tokens = np.zeros(token_shape, dtype=ports.token_dtype)
         self._positions = (device_zeros((slots, 1), np.int64, device)
                            if ports.position_ids is not None else None)
-        self._mask = device_zeros((slots * capacity,), ports.mask_dtype, device)
         self._logits = device_zeros((slots, 1, ports.vocab_size), ports.logits_dtype, device)
 
     def binding(self, session: ort.InferenceSession, kept: dict) -> ort.IOBinding:
@@ -87,14 +77,12 @@ class BatchDecoder:
         if found is not None:
             return found.io
         io = session.io_binding()
-        device = self.device
         io.bind_ortvalue_output(LOGITS_OUTPUT, self._logits.value)
         self.buffers.bind_kv(io)
         io.bind_ortvalue_input(self.ports.token_input, self._tokens.value)
         if self._positions is not None:
             io.bind_ortvalue_input(self.ports.position_ids, self._positions.value)
-        if device.mask_policy is MaskPolicy.CAPACITY:
-            self._bind_mask(io, self.capacity)
+        self.mask.bind(io)
         kept[BATCH_BINDING] = DecodeBinding(io)
         return io
 
@@ -111,11 +99,7 @@ class BatchDecoder:
         self._tokens.write(self._host_tokens)
         if self._positions is not None:
             self._positions.write(np.asarray(lengths, dtype=np.int64).reshape(slots, 1))
-        width = mask_width(lengths, self.device.mask_policy, self.capacity)
-        mask = decode_mask(lengths, width, self.ports.mask_dtype)
-        self._mask.write_range(mask.reshape(-1), 0, mask.size)
-        if self.device.mask_policy is MaskPolicy.LOGICAL:
-            self._bind_mask(io, width)
+        self.mask.set_rows(io, lengths)
         saved = self._save_windows(lengths, idle)
         self.buffers.bind_state(io)
         # The batched binding never captures a CUDA graph (a capturing session would take its
@@ -127,11 +111,6 @@ class BatchDecoder:
             self.buffers.write_row(buffer, row, array)
         vocab = self.ports.vocab_size
         return self._logits.read(0, slots * vocab).reshape(slots, vocab)
-
-    def _bind_mask(self, io: ort.IOBinding, width: int) -> None:
-        device = self.device
-        io.bind_input(MASK_INPUT, device.device_type, device.device_id, self._mask.dtype,
-                      [self.buffers.slots, width], self._mask.value.data_ptr())
 
     def _save_windows(self, lengths: list[int],
                       idle: list[int]) -> list[tuple[DeviceBuffer, int, np.ndarray]]:

@@ -6,8 +6,8 @@ when nothing is queued or running, stopped by `Runtime.close()`) runs steps. A s
    to the queue's head requests (`scheduler.admit`);
 2. runs prefill chunks of the prompts being admitted, in admission order, under a token budget
    of one chunk width W (`scheduler.prefill_picks`): each chunk is a batch-1 forward of that
-   slot's own sequence (a `Sequence` on a row of the engine's buffers, with the ladder padding
-   and variant cache of any sequence), and a prompt's last chunk gives its first token;
+   slot (the forward runner's, on a row of the engine's buffers, with the ladder padding and
+   variant cache of any sequence), and a prompt's last chunk gives its first token;
 3. runs one batched decode forward of every slot (`batch.BatchDecoder`): each decoding row
    feeds its last token, and every other row is run but left as it was.
 A failure in a forward fails the requests of that forward with the exception (their slots are
@@ -35,10 +35,10 @@ import numpy as np
 from onnx_chunk.errors import ClosedError
 from onnx_chunk.runtime.batch import BatchDecoder
 from onnx_chunk.runtime.buffers import BatchBuffers
+from onnx_chunk.runtime.kv_state import LogicalLength
 from onnx_chunk.runtime.request import FinishReason, Request
-from onnx_chunk.runtime.scheduler import RequestQueue, admit, prefill_picks
-from onnx_chunk.runtime.sequence import Sequence, prefill_chunks
-from onnx_chunk.runtime.sequence_pool import SequenceSlot, slot_mask
+from onnx_chunk.runtime.scheduler import RequestQueue, admit, prefill_chunks, prefill_picks
+from onnx_chunk.runtime.sequence_pool import SequenceSlot, new_slot
 from onnx_chunk.runtime.stats import EngineCounters, EngineStats
 from onnx_chunk.sampling import Sampler
 
@@ -54,10 +54,13 @@ _IDLE_EXIT_S = 1.0
 
 @dataclass
 class _Row:
-    """A request in a slot: its sequence, its sampler, the prefill chunks still to run."""
+    """A request in a slot: its length, its sampler, the prefill chunks still to run."""
 
     request: Request
-    sequence: Sequence
+    # The runtime, held while the request runs (the engine holds it weakly).
+    runtime: Runtime
+    slot: SequenceSlot
+    length: LogicalLength
     sampler: Sampler
     order: int
     chunks: collections.deque = field(default_factory=collections.deque)
@@ -68,17 +71,19 @@ class BatchEngine:
     """The engine of one runtime (see the module docstring)."""
 
     def __init__(self, runtime: Runtime, slots: int, max_queue: int = DEFAULT_MAX_QUEUE) -> None:
-        # Weak: the runtime owns the engine, and is freed with its last reference (the rows'
-        # sequences hold it while they run).
+        # Weak: the runtime owns the engine, and is freed with its last reference (the rows
+        # hold it while they run).
         self._runtime = weakref.ref(runtime)
         ports, device = runtime.ports, runtime.device
         self.slots = slots
         self.budget = runtime.chunk_size
         self._buffers = BatchBuffers(ports.kv, ports.state, device, slots)
-        self._decoder = BatchDecoder(ports, device, runtime.capacity, self._buffers,
-                                     runtime.embeddings)
-        self._slots = [SequenceSlot(runtime.pool.take_number(), self._buffers.slot(index),
-                                    slot_mask(ports, runtime.capacity, device))
+        self._decoder = BatchDecoder(ports, device, self._buffers, runtime.embeddings,
+                                     runtime.masks(slots, runtime.capacity, ports.mask_dtype,
+                                                   device))
+        self._slots = [new_slot(ports, runtime.capacity, device, runtime.masks,
+                                runtime.pool.take_number(), buffers=self._buffers.slot(index),
+                                captures=False)
                        for index in range(slots)]
         self._decode_number = runtime.pool.take_number()
         self._rows: list[_Row | None] = [None] * slots
@@ -145,7 +150,7 @@ class BatchEngine:
             for index, row in enumerate(self._rows):
                 if row is not None:
                     self._fail(row.request, error)
-                    self._free(index)
+                    self._rows[index] = None
         runtime = self._runtime()
         if runtime is not None:
             for slot in self._slots:
@@ -202,35 +207,25 @@ class BatchEngine:
         """Free the slots of ended requests, then admit queued ones (the lock is held)."""
         for index, row in enumerate(self._rows):
             if row is not None and row.request.done:
-                try:
-                    self._free(index)
-                except Exception:  # the slot stays out of use; the other requests go on
-                    logger.exception("freeing engine slot %d failed", index)
+                self._rows[index] = None
         free = [index for index, row in enumerate(self._rows) if row is None]
         for index in admit(free, len(self._queue)):
             request = self._queue.pop()
             sampler = self._samplers.pop(request.id)
             try:
                 slot = self._slots[index]
-                slot.reset(runtime.device.mask_policy)
-                sequence = Sequence(runtime, slot)
+                slot.reset()
             except Exception as error:  # this request fails alone; the slot stays free
                 logger.exception("admitting request %d failed", request.id)
                 self._fail(request, error)
                 continue
-            row = _Row(request, sequence, sampler, self._admitted,
-                       collections.deque(prefill_chunks(len(request.prompt),
-                                                        runtime.chunk_size)))
+            chunks = prefill_chunks(len(request.prompt), runtime.chunk_size)
+            row = _Row(request, runtime, slot, LogicalLength(runtime.capacity), sampler,
+                       self._admitted, collections.deque(chunks))
             self._admitted += 1
             self._rows[index] = row
             request.admitted()
         self._cond.notify_all()
-
-    def _free(self, index: int) -> None:
-        row = self._rows[index]
-        if row is not None:
-            row.sequence.close()
-            self._rows[index] = None
 
     def _step(self, runtime: Runtime) -> None:
         rows = [(index, row) for index, row in enumerate(self._rows) if row is not None]
@@ -244,7 +239,7 @@ class BatchEngine:
             for _ in range(count):
                 if row.request.done:
                     break
-                self._prefill_chunk(row)
+                self._prefill_chunk(runtime, row)
                 ran += 1
         decoding = [index for index, row in rows if not row.chunks and not row.request.done]
         with self._cond:
@@ -256,12 +251,13 @@ class BatchEngine:
         else:
             self._last_decode = None
 
-    def _prefill_chunk(self, row: _Row) -> None:
+    def _prefill_chunk(self, runtime: Runtime, row: _Row) -> None:
         begin, end = row.chunks.popleft()
         request = row.request
         began = time.perf_counter()
         try:
-            logits = row.sequence.prefill(request.prompt[begin:end])
+            logits = runtime.runner.prefill(row.slot, row.length, request.prompt[begin:end],
+                                            "last").logits
         except Exception as error:  # any failure of this forward fails its request alone
             row.chunks.clear()
             self._fail(request, error)
@@ -278,14 +274,15 @@ class BatchEngine:
                 self._fail(request, error)
 
     def _decode(self, runtime: Runtime, decoding: list[int]) -> None:
-        lengths = [row.sequence.length if row is not None else 0 for row in self._rows]
+        lengths = [row.length.length if row is not None else 0 for row in self._rows]
         tokens = [row.token if row is not None and index in decoding else 0
                   for index, row in enumerate(self._rows)]
         began = time.perf_counter()
         try:
-            with runtime.cache.acquire(runtime.decode_key) as session:
+            runner = runtime.runner
+            with runner.variants.cache.acquire(runner.decode_key) as session:
                 io = self._decoder.binding(
-                    session, runtime.sessions.bindings(session, self._decode_number))
+                    session, runner.variants.bindings(session, self._decode_number))
                 logits = self._decoder.run(session, io, lengths, tokens, decoding)
         except Exception as error:  # the forward failed: every row of it fails with it
             for index in decoding:
@@ -294,7 +291,7 @@ class BatchEngine:
         for index in decoding:
             row = self._rows[index]
             try:
-                row.sequence.advance_batched()
+                row.length.advance(1)
                 self._deliver(row, row.sampler.choose(logits[index]))
             except Exception as error:  # one row's token choice fails that request alone
                 self._fail(row.request, error)

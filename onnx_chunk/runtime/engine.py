@@ -14,7 +14,6 @@ import functools
 import logging
 import os
 import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as SequenceOf
 from functools import cached_property
@@ -29,14 +28,16 @@ from onnx_chunk.errors import CapacityError, ClosedError, ModelLoadError
 from onnx_chunk.metadata import ChunkPlan, read_plan
 from onnx_chunk.model_file import read_model_file
 from onnx_chunk.model_folder import GenaiConfig, check_utf8_path, locate_model
+from onnx_chunk.runtime.attention_mask import AttentionMask, mask_kind
 from onnx_chunk.runtime.batch_engine import DEFAULT_MAX_QUEUE, BatchEngine
+from onnx_chunk.runtime.forward import ForwardRunner
 from onnx_chunk.runtime.memory import meter_for
 from onnx_chunk.runtime.options import (LoadArguments, RuntimeOptions, checked_arguments,
                                         resolve_options)
 from onnx_chunk.runtime.ports import ModelPorts
 from onnx_chunk.runtime.provider import Device, MaskPolicy, resolve_device
 from onnx_chunk.runtime.request import Request
-from onnx_chunk.runtime.sequence import Sequence, checked_token_ids
+from onnx_chunk.runtime.sequence import Sequence
 from onnx_chunk.runtime.sequence_pool import DEFAULT_IDLE_SLOTS, SequencePool, new_slot
 from onnx_chunk.runtime.session_factory import (
     QUANTIZED_MATMUL,
@@ -47,7 +48,7 @@ from onnx_chunk.runtime.session_factory import (
 )
 from onnx_chunk.runtime.stats import RuntimeStats
 from onnx_chunk.runtime.variant_cache import Specialize, VariantCache, VariantKey
-from onnx_chunk.runtime.variant_sessions import VariantSessions
+from onnx_chunk.runtime.variant_pool import VariantPool
 from onnx_chunk.sampling import GREEDY, Sampler
 
 if TYPE_CHECKING:
@@ -162,12 +163,9 @@ class Runtime:
         self.specialize: Specialize = options.specialize
         self.decode_key: VariantKey = options.decode_key
         self.embeddings = self._embeddings(embeddings)
-        self._padding = options.padding
-        self._padding_lock = threading.Lock()
         # The names the wiring below reads.
         specialize = options.specialize
         variants = options.max_variants
-        refused = options.padding_refused
         fixed_dims = options.fixed_dims
         idle_sequences = options.idle_sequences
         quantized = model.uses(QUANTIZED_MATMUL, "com.microsoft")
@@ -179,22 +177,27 @@ class Runtime:
         self.factory = SessionFactory(self.model_path, self.weights, self.device,
                                       query_dim=self.ports.query_dim, fixed_dims=fixed_dims,
                                       intra_op_threads=intra_op_threads)
-        # Neither the cache nor the pool refers back to the runtime: no reference cycle.
-        select_rows = options.select_rows
-        self.sessions = VariantSessions(self.factory, specialize=specialize, quantized=quantized,
-                                        select_rows=select_rows)
-        self.cache: VariantCache[ort.InferenceSession] = VariantCache(
-            self.sessions.build, self.sessions.release, cap=variants, meter=meter)
-        self.cache.note_padding_refused(refused)
+        # The variant pool, the sequence pool and the forward runner (what a sequence runs
+        # on) never refer back to the runtime: no reference cycle.
+        self.variants = VariantPool(self.factory, specialize=specialize, quantized=quantized,
+                                    cap=variants, meter=meter, select_rows=options.select_rows,
+                                    padding=options.padding,
+                                    padding_refused=options.padding_refused)
+        self.cache: VariantCache[ort.InferenceSession] = self.variants.cache
+        # The mask policy, chosen once: the class of every slot's and batch's mask.
+        self.masks: type[AttentionMask] = mask_kind(self.device.mask_policy)
         self.pool = SequencePool(
-            functools.partial(new_slot, self.ports, self.capacity, self.device),
-            self.sessions.release_slot, self.device.mask_policy, keep=idle_sequences)
+            functools.partial(new_slot, self.ports, self.capacity, self.device, self.masks),
+            self.variants.release_slot, keep=idle_sequences)
+        self.runner = ForwardRunner(self.variants, self.ports, self.device,
+                                    capacity=self.capacity, tiers=self.tiers,
+                                    specialize=specialize, embeddings=self.embeddings)
         self._engine: BatchEngine | None = None
         self._engine_lock = threading.Lock()
         self._closed = False
         logger.info("loaded %s on %s: capacity %d, chunk %d, ladder %s, padding %s",
                     self.model_path, self.device.label, self.capacity, self.chunk_size,
-                    self.tiers, "on" if self._padding else f"off ({refused})")
+                    self.tiers, "on" if options.padding else f"off ({options.padding_refused})")
 
     @property
     def provider(self) -> str:
@@ -204,7 +207,7 @@ class Runtime:
     @property
     def padding(self) -> bool:
         """Whether prefill chunks are padded up the ladder."""
-        return self._padding
+        return self.variants.padding
 
     def open_sequence(self) -> Sequence:
         """A new, empty sequence with its own KV buffers, sharing this model's sessions.
@@ -214,7 +217,8 @@ class Runtime:
         """
         if self._closed:
             raise ClosedError("this runtime was closed; load the model again to open sequences")
-        return Sequence(self)
+        return Sequence(self.runner, self.pool, chunk_size=self.chunk_size,
+                        eos_token_ids=self.eos_token_ids)
 
     def submit(self, prompt_ids: SequenceOf[int] | np.ndarray, max_new_tokens: int, *,
                eos_token_id: int | SequenceOf[int] | None = None,
@@ -248,9 +252,7 @@ class Runtime:
     def stop_ids(self, eos_token_id: int | SequenceOf[int] | None) -> tuple[int, ...]:
         """The EOS ids a generation stops at: `eos_token_id` checked (one id or several, each
         in the vocabulary), or the runtime's own when it is None."""
-        if eos_token_id is None:
-            return self.eos_token_ids
-        return arguments.token_ids(eos_token_id, "eos_token_id", self.ports.vocab_size)
+        return arguments.stop_ids(eos_token_id, self.eos_token_ids, self.ports.vocab_size)
 
     def check_request(self, prompt_ids: SequenceOf[int] | np.ndarray,
                       max_new_tokens: int) -> np.ndarray:
@@ -263,7 +265,7 @@ class Runtime:
         if self._closed:
             raise ClosedError("this runtime was closed; load the model again to submit")
         vocab = self.ports.vocab_size
-        ids = checked_token_ids(prompt_ids, vocab)
+        ids = arguments.prompt_ids(prompt_ids, vocab)
         new_tokens = arguments.integer(max_new_tokens, "max_new_tokens", minimum=1)
         if len(ids) + new_tokens > self.capacity:
             raise CapacityError(
@@ -299,7 +301,7 @@ class Runtime:
         if engine is not None:
             engine.close()
         self.pool.close()
-        self.cache.close()
+        self.variants.close()
         logger.info("closed the runtime of %s", self.model_path)
 
     @property
@@ -351,34 +353,22 @@ class Runtime:
             chunk_size=self.chunk_size,
             ladder=self.tiers,
             specialize=self.specialize,
-            padding=self._padding,
+            padding=self.padding,
             weights_bytes=self.weights.nbytes,
             weights_shared=self.weights.shared and not self.weights.copied_per_session,
             weights_copied_per_variant=self.weights.copied_per_session,
             weights_resident_bytes=self.weights.resident_bytes,
             sessions_created=self.factory.sessions_created,
             cache=self.cache.snapshot(),
-            graph_widths=tuple(sorted(self.sessions.graph_widths)),
-            graphs_captured=self.sessions.graphs.captured,
-            graphs_by_width=dict(self.sessions.graphs.by_width),
-            graphs_released=self.sessions.graphs.released,
-            graph_fallbacks=dict(self.sessions.graphs.fallbacks),
+            graph_widths=tuple(sorted(self.variants.graph_widths)),
+            graphs_captured=self.variants.graphs.captured,
+            graphs_by_width=dict(self.variants.graphs.by_width),
+            graphs_released=self.variants.graphs.released,
+            graph_fallbacks=dict(self.variants.graphs.fallbacks),
             sequences=self.pool.stats(),
             max_batch=self.max_batch,
             engine=None if self._engine is None else self._engine.stats(),
         )
-
-    def disable_padding(self, reason: str) -> None:
-        """Switch padding off for good (the run-time self-check found it unsafe)."""
-        with self._padding_lock:
-            if self._padding:
-                logger.warning("padding switched off: %s", reason)
-                self._padding = False
-                self.cache.note_padding_refused(reason)
-
-    def bindings(self, session: ort.InferenceSession, sequence: Sequence) -> OrderedDict:
-        """The IOBindings `sequence` keeps on a live `session`, by width (the caller fills it)."""
-        return self.sessions.bindings(session, sequence.slot)
 
     def _embeddings(self, given: np.ndarray | None) -> np.ndarray | None:
         if self.ports.token_input != "inputs_embeds":

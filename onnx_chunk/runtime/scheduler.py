@@ -16,6 +16,7 @@ Rules:
    budget; the first pending chunk always runs, so a chunk wider than the budget still makes
    progress; the first chunk that does not fit ends the step's prefill, and nothing later
    skips ahead of it (`prefill_picks`).
+4. A prompt is fed in the chunks a lone sequence feeds it in (`prefill_chunks`).
 """
 
 from __future__ import annotations
@@ -94,3 +95,23 @@ def prefill_picks(pending: Sequence[Sequence[int]], budget: int) -> list[int]:
             picks[index] += 1
             used += rows
     return picks
+
+
+def prefill_chunks(length: int, width: int) -> list[tuple[int, int]]:
+    """The [begin, end) row ranges a prompt of `length` tokens is fed in, at chunk width `width`.
+
+    Rules:
+    1. Chunks of `width` rows; the last one takes the remainder.
+    2. A remainder of one row after a full chunk borrows a row from it (..., width - 1, 2): a
+       one-row forward runs ONNX Runtime's single-row CPU kernels, which sum in another order
+       (its logits differ from the whole-prompt forward's by ~1e-6), while forwards of two or
+       more rows give the whole-prompt forward's logits bit for bit.
+    """
+    if length < 1 or width < 1:
+        raise ConfigError(f"a prefill needs at least one token and a chunk width of at least 1, "
+                          f"got {length} tokens at width {width}")
+    bounds = [(begin, min(begin + width, length)) for begin in range(0, length, width)]
+    if width > 2 and len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
+        begin, end = bounds[-2]
+        bounds[-2:] = [(begin, end - 1), (end - 1, length)]
+    return bounds

@@ -32,13 +32,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 
 from onnx_chunk.errors import ClosedError, ConfigError
-from onnx_chunk.runtime.buffers import DeviceBuffer, SequenceBuffers, device_zeros
+from onnx_chunk.runtime.attention_mask import AttentionMask
+from onnx_chunk.runtime.buffers import SequenceBuffers, SlotBuffers
 from onnx_chunk.runtime.cuda_graphs import SlotNumbers
 from onnx_chunk.runtime.ports import ModelPorts
-from onnx_chunk.runtime.provider import Device, MaskPolicy
+from onnx_chunk.runtime.provider import Device
 
 logger = logging.getLogger(__name__)
 
@@ -47,34 +47,35 @@ DEFAULT_IDLE_SLOTS = 4
 
 @dataclass
 class SequenceSlot:
-    """One sequence's device buffers and the graph slot number its bindings run under."""
+    """One sequence's device buffers and the graph slot number its bindings run under.
+
+    `captures`: whether its bindings may capture CUDA graphs (a row of the batch engine never
+    does: its state buffers are the batch's, whose parity the engine's decode flips, and its
+    thread may change between steps).
+    """
 
     number: int
-    buffers: SequenceBuffers
-    mask: DeviceBuffer
+    buffers: SequenceBuffers | SlotBuffers
+    mask: AttentionMask
+    captures: bool = True
     thread: int = 0
 
-    def reset(self, policy: MaskPolicy) -> None:
+    def reset(self) -> None:
         """Make the buffers those of an empty sequence (KV past the length is never read)."""
-        if policy is MaskPolicy.CAPACITY:
-            self.mask.write(np.zeros(self.mask.shape, dtype=self.mask.dtype))
+        self.mask.reset()
         if self.buffers.state_ports:
             self.buffers.reset_state()
 
 
-def new_slot(ports: ModelPorts, capacity: int, device: Device, number: int) -> SequenceSlot:
-    """Fresh buffers for a sequence of `capacity` positions on `device`."""
-    return SequenceSlot(number, SequenceBuffers(ports.kv, ports.state, device),
-                        slot_mask(ports, capacity, device))
-
-
-def slot_mask(ports: ModelPorts, capacity: int, device: Device) -> DeviceBuffer:
-    """The [1, capacity] attention-mask buffer of one sequence, as its mask policy starts it."""
-    mask = device_zeros((1, capacity), ports.mask_dtype, device)
-    if device.mask_policy is MaskPolicy.LOGICAL:
-        # All ones, bound at the width of each forward (see kv_state).
-        mask.write(np.ones((1, capacity), dtype=ports.mask_dtype))
-    return mask
+def new_slot(ports: ModelPorts, capacity: int, device: Device, masks: type[AttentionMask],
+             number: int, *, buffers: SlotBuffers | None = None,
+             captures: bool = True) -> SequenceSlot:
+    """A slot for a sequence of `capacity` positions on `device`: fresh buffers, or `buffers`
+    (a row of the batch engine's), and a mask of the runtime's policy (`masks`)."""
+    if buffers is None:
+        buffers = SequenceBuffers(ports.kv, ports.state, device)
+    return SequenceSlot(number, buffers, masks(1, capacity, ports.mask_dtype, device),
+                        captures=captures)
 
 
 @dataclass
@@ -91,13 +92,11 @@ class SequencePool:
     """Idle sequence slots, handed out again; see the module docstring for the rules."""
 
     def __init__(self, make: Callable[[int], SequenceSlot],
-                 free: Callable[[int], None], policy: MaskPolicy,
-                 keep: int = DEFAULT_IDLE_SLOTS) -> None:
+                 free: Callable[[int], None], keep: int = DEFAULT_IDLE_SLOTS) -> None:
         if keep < 0:
             raise ConfigError(f"the number of idle sequences kept must be at least 0, got {keep}")
         self._make = make
         self._free = free
-        self._policy = policy
         self.keep = keep
         self._numbers = SlotNumbers()
         self._returned: collections.deque[SequenceSlot] = collections.deque()
@@ -122,7 +121,7 @@ class SequencePool:
             if slot.thread != thread:
                 self._free(slot.number)
             slot.thread = thread
-            slot.reset(self._policy)
+            slot.reset()
             return slot
         slot = self._make(self._numbers.take())
         slot.thread = thread

@@ -7,7 +7,7 @@ import onnxruntime as ort
 import pytest
 
 from onnx_chunk.errors import ConfigError, ModelLoadError
-from onnx_chunk.runtime import load, variant_sessions
+from onnx_chunk.runtime import load, variant_pool
 from onnx_chunk.runtime.cuda_graphs import (SKIP_CAPTURE, capturable, graph_id, graph_runs,
                                             session_captures)
 from onnx_chunk.runtime.provider import MaskPolicy, device_for
@@ -104,7 +104,7 @@ def test_graph_runs_on_cpu_sessions_marked_capturing(reference_model, monkeypatc
                                  mask_policy=MaskPolicy.CAPACITY, specialize=True)
     reference = load(path, device=device, capacity=96, chunk_size=16)
     expected = [reference.open_sequence().generate(PROMPT, 5) for _ in range(2)]
-    monkeypatch.setattr(variant_sessions, "session_captures", lambda session: True)
+    monkeypatch.setattr(variant_pool, "session_captures", lambda session: True)
     runtime = load(path, device=device, capacity=96, chunk_size=16, padding=False)
     recorded_runs.clear()
     first, second = runtime.open_sequence(), runtime.open_sequence()

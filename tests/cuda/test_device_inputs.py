@@ -63,8 +63,8 @@ def test_inputs_are_bound_once_at_fixed_addresses(reference_model, variant):
     sequence = runtime.open_sequence()
     sequence.generate(PROMPT, 2)
     with runtime.cache.acquire(1) as session:
-        binding = runtime.bindings(session, sequence)[1]
-    addresses = (binding.tokens.value.data_ptr(), sequence._mask.value.data_ptr(),
+        binding = runtime.variants.bindings(session, sequence.slot)[1]
+    addresses = (binding.tokens.value.data_ptr(), sequence._slot.mask.buffer.value.data_ptr(),
                  binding.logits.value.data_ptr(),
                  None if binding.positions is None else binding.positions.value.data_ptr())
     bound = dict(binding.io._bound_inputs)
@@ -72,8 +72,8 @@ def test_inputs_are_bound_once_at_fixed_addresses(reference_model, variant):
     for _ in range(3):
         logits = sequence.decode(int(np.argmax(logits)))
     with runtime.cache.acquire(1) as session:
-        assert runtime.bindings(session, sequence)[1] is binding
-    assert addresses == (binding.tokens.value.data_ptr(), sequence._mask.value.data_ptr(),
+        assert runtime.variants.bindings(session, sequence.slot)[1] is binding
+    assert addresses == (binding.tokens.value.data_ptr(), sequence._slot.mask.buffer.value.data_ptr(),
                          binding.logits.value.data_ptr(),
                          None if binding.positions is None
                          else binding.positions.value.data_ptr())
@@ -86,7 +86,7 @@ def test_inputs_are_bound_once_at_fixed_addresses(reference_model, variant):
         {name: value for name, value in bound.items() if name not in state_inputs}
     mask = np.zeros((1, 96), dtype=np.int64)
     mask[0, :sequence.length] = 1
-    sequence_mask = sequence._mask.value.numpy()
+    sequence_mask = sequence._slot.mask.buffer.value.numpy()
     assert sequence_mask.shape == (1, 96)
     assert np.array_equal(sequence_mask, mask)
 

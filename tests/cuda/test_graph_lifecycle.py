@@ -1,7 +1,7 @@
 """CUDA graph and device-memory lifecycle on CPU: pooled sequence slots, graph release, the
 capture gate, input synchronisation, capture fallback, freeing evicted sessions and runtimes.
 
-CPU sessions never capture, so the sessions are marked capturing (`variant_sessions.
+CPU sessions never capture, so the sessions are marked capturing (`variant_pool.
 session_captures`) and the graph bookkeeping runs on the graph ids and run counts alone.
 """
 
@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 
 from onnx_chunk.errors import ClosedError, ConfigError
-from onnx_chunk.runtime import load, variant_sessions
+from onnx_chunk.runtime import load, variant_pool
 from onnx_chunk.runtime.cuda_graphs import (RUNS_BEFORE_CAPTURE, SKIP_CAPTURE, CaptureGate,
                                             graph_id)
 from onnx_chunk.runtime.provider import Device
@@ -28,7 +28,7 @@ from tests.cuda.test_device_inputs import DEVICE, PROMPT
 @pytest.fixture
 def capturing(monkeypatch):
     """Every specialised session counts as capturing CUDA graphs."""
-    monkeypatch.setattr(variant_sessions, "session_captures", lambda session: True)
+    monkeypatch.setattr(variant_pool, "session_captures", lambda session: True)
 
 
 @pytest.fixture
@@ -113,7 +113,7 @@ def test_pool_rules():
         made.append(number)
         return _FakeSlot(number)
 
-    pool = SequencePool(make, freed.append, DEVICE.mask_policy, keep=1)
+    pool = SequencePool(make, freed.append, keep=1)
     a, b = pool.take(), pool.take()
     assert (a.number, b.number) == (0, 1)
     pool.give_back(a)
@@ -128,7 +128,7 @@ def test_pool_rules():
     with pytest.raises(ClosedError):
         pool.take()
     with pytest.raises(ConfigError, match="at least 0"):
-        SequencePool(make, freed.append, DEVICE.mask_policy, keep=-1)
+        SequencePool(make, freed.append, keep=-1)
 
 
 @dataclasses.dataclass
@@ -136,7 +136,7 @@ class _FakeSlot:
     number: int
     resets: int = 0
 
-    def reset(self, policy):
+    def reset(self):
         self.resets += 1
 
 
@@ -292,7 +292,7 @@ def test_captured_prefill_widths_keep_one_logits_row(reference_model, capturing)
     assert sequence.generate(PROMPT, 4) == host.open_sequence().generate(PROMPT, 4)
     vocab = runtime.ports.vocab_size
     with runtime.cache.acquire(16) as session:
-        kept = runtime.bindings(session, sequence)[16].logits
+        kept = runtime.variants.bindings(session, sequence.slot)[16].logits
     assert kept.shape == (1, 1, vocab)  # not [1, 16, vocab] per sequence
     # A caller that needs every row gets them all, padded chunks included (45 = 16 + 16 + 13).
     sequence.rewind(sequence.length)
@@ -316,7 +316,7 @@ def test_a_slot_taken_by_another_thread_drops_its_graphs_first(reference_model, 
     assert taken[0].slot == first.slot
     assert released_graphs == [graph_id(first.slot, 0, False)]
     with runtime.cache.acquire(1) as session:
-        assert not runtime.bindings(session, taken[0])
+        assert not runtime.variants.bindings(session, taken[0].slot)
 
 
 def test_a_stream_stops_once_its_sequence_is_closed(reference_model):

@@ -12,8 +12,10 @@ from onnx_chunk.runtime import engine, load
 from onnx_chunk.runtime.batch import BatchDecoder
 from onnx_chunk.runtime.buffers import BatchBuffers
 from onnx_chunk.runtime.provider import MaskPolicy, device_for
-from onnx_chunk.runtime.sequence import Sequence
-from onnx_chunk.runtime.sequence_pool import SequenceSlot, slot_mask
+from onnx_chunk.runtime.forward import ForwardRunner
+from onnx_chunk.runtime.kv_state import LogicalLength
+from onnx_chunk.runtime.scheduler import prefill_chunks
+from onnx_chunk.runtime.sequence_pool import SequenceSlot, new_slot
 from onnx_chunk.sampling import Sampling
 from tests.exports.corpus import builder_gqa_fixtures
 
@@ -76,14 +78,26 @@ def test_greedy_parity_on_the_real_exports(fixture):
         assert batched.generate_many(prompts, 12, eos_token_id=[]) == expected
 
 
+def _row_slot(runtime, buffers, index):
+    """Row `index` of `buffers` as a slot, the way the engine makes its rows' slots."""
+    return new_slot(runtime.ports, runtime.capacity, runtime.device, runtime.masks,
+                    runtime.pool.take_number(), buffers=buffers.slot(index), captures=False)
+
+
+def _prefill(runtime, slot, prompt):
+    """Feed `prompt` into `slot` chunk by chunk, as the engine does."""
+    length, ids = LogicalLength(runtime.capacity), np.asarray(prompt)
+    for begin, end in prefill_chunks(len(ids), runtime.chunk_size):
+        runtime.runner.prefill(slot, length, ids[begin:end], "last")
+
+
 def test_a_slots_prefill_writes_in_place_into_its_row_of_the_batch_buffers(reference_model):
     runtime = load(reference_model("base"), provider="cpu", capacity=64, chunk_size=W)
     ports = runtime.ports
     buffers = BatchBuffers(ports.kv, ports.state, runtime.device, 3)
-    slot = SequenceSlot(runtime.pool.take_number(), buffers.slot(1),
-                        slot_mask(ports, runtime.capacity, runtime.device))
+    slot = _row_slot(runtime, buffers, 1)
     prompt = list(range(3, 30))
-    Sequence(runtime, slot).prefill(prompt)
+    _prefill(runtime, slot, prompt)
     with runtime.open_sequence() as reference:
         reference.prefill(prompt)
         for batch, own in zip(buffers.kv, reference.buffers.kv):
@@ -96,14 +110,12 @@ def test_a_decode_step_leaves_idle_rows_state_as_it_was(reference_model):
                    max_batch=2)
     ports = runtime.ports
     buffers = BatchBuffers(ports.kv, ports.state, runtime.device, 2)
-    slots = [SequenceSlot(runtime.pool.take_number(), buffers.slot(index),
-                          slot_mask(ports, runtime.capacity, runtime.device))
-             for index in range(2)]
-    sequences = [Sequence(runtime, slot) for slot in slots]
-    sequences[0].prefill([1, 2, 3])
-    sequences[1].prefill([4, 5, 6, 7])
+    slots = [_row_slot(runtime, buffers, index) for index in range(2)]
+    _prefill(runtime, slots[0], [1, 2, 3])
+    _prefill(runtime, slots[1], [4, 5, 6, 7])
     before = buffers.slot(1).snapshot_state()
-    decoder = BatchDecoder(ports, runtime.device, runtime.capacity, buffers, None)
+    decoder = BatchDecoder(ports, runtime.device, buffers, None,
+                           runtime.masks(2, runtime.capacity, ports.mask_dtype, runtime.device))
     with runtime.cache.acquire(runtime.decode_key) as session:
         io = decoder.binding(session, {})
         decoder.run(session, io, [3, 4], [9, 0], decoding=[0])
@@ -217,14 +229,14 @@ def test_a_failing_forward_fails_its_requests_and_the_engine_goes_on(batched, mo
 
 
 def test_a_failing_prefill_fails_that_request_alone(batched, monkeypatch):
-    prefill = Sequence.prefill
+    prefill = ForwardRunner.prefill
 
-    def fail_long(self, ids, **kwargs):
-        if len(ids) == 11:
+    def fail_long(self, slot, length, chunk, need):
+        if len(chunk) == 11:
             raise RuntimeError("prefill forward failed")
-        return prefill(self, ids, **kwargs)
+        return prefill(self, slot, length, chunk, need)
 
-    monkeypatch.setattr(Sequence, "prefill", fail_long)
+    monkeypatch.setattr(ForwardRunner, "prefill", fail_long)
     good, bad = (batched.submit(list(range(1, 6)), 4, eos_token_id=[]),
                  batched.submit(list(range(1, 12)), 4, eos_token_id=[]))
     assert len(good.result(timeout=30)) == 4

@@ -7,7 +7,7 @@ from onnx_chunk.model_io import load_model, save_model
 from onnx_chunk.models.reference import ReferenceDecoder
 from onnx_chunk.passes import convert_model
 from onnx_chunk.runtime import load
-from onnx_chunk.runtime.sequence import prefill_chunks
+from onnx_chunk.runtime.scheduler import prefill_chunks
 
 W = 16
 CAPACITY = 256

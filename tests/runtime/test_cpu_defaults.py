@@ -93,6 +93,9 @@ def test_an_abandoned_stream_releases_its_decode_variant(reference_model):
     stream = runtime.open_sequence().stream(PROMPT[:4], 5)
     next(stream), next(stream)  # the decode variant is pinned now
     stream.close()
+    # No pin left: every variant, the decode one included, can be released now.
+    assert runtime.stats().cache.variants == 2
+    assert runtime.cache.clear() == 2 and runtime.stats().cache.variants == 0
     runtime.open_sequence().generate(PROMPT, 3)  # needs both slots: 16 and dynamic, then 1
     assert runtime.stats().cache.peak_variants <= 2
 

@@ -10,7 +10,6 @@ import pytest
 from onnx_chunk.errors import ModelLoadError
 from onnx_chunk.runtime import engine, load
 from onnx_chunk.runtime.buffers import device_zeros
-from onnx_chunk.runtime.kv_state import LogicalLength
 from onnx_chunk.runtime.provider import MaskPolicy, device_for
 from onnx_chunk.runtime.session_factory import SessionFactory, SharedWeights
 
@@ -52,19 +51,6 @@ def test_write_range_writes_only_the_range(host_visible):
     assert buffer.read(0, 8).tolist() == [0, 0, 2, 3, 4, 0, 0, 0]
     buffer.write_range(source, 5, 5)
     assert buffer.read(0, 8).tolist() == [0, 0, 2, 3, 4, 0, 0, 0]
-
-
-def test_the_capacity_mask_reports_the_columns_it_changed():
-    state = LogicalLength(10, MaskPolicy.CAPACITY)
-    state.mask_for(4)
-    assert state.changed == (0, 4)
-    state.advance(4)
-    state.mask_for(1)
-    assert state.changed == (4, 5)
-    state.advance(1)
-    state.rewind(3)
-    state.mask_for(1)
-    assert state.changed == (3, 5)
 
 
 def test_reads_off_the_host_can_reuse_one_row_buffer():

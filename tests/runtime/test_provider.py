@@ -42,14 +42,42 @@ def test_auto_and_cuda_follow_the_probe(monkeypatch):
     assert resolve_device("auto", 2).label == "cuda:2"
 
 
-def test_probe_checks_the_created_session():
-    """onnxruntime-gpu lists CUDA as available without a GPU; the probe must not trust that."""
-    failure = provider_module._cuda_failure(0)
-    chosen = resolve_device("auto")
-    assert (chosen.provider == "cuda") == (failure is None)
-    if failure is not None:
-        with pytest.raises(ProviderError, match="cannot run on this machine"):
-            resolve_device("cuda")
+class _CreatedSession:
+    """A session as ONNX Runtime creates it: `runs_on` is the provider it really got."""
+
+    runs_on = "CPUExecutionProvider"
+
+    def __init__(self, model, options, providers):
+        self.asked = providers
+
+    def get_providers(self):
+        return [self.runs_on, "CPUExecutionProvider"]
+
+
+@pytest.fixture
+def cuda_listed(monkeypatch):
+    """An onnxruntime build that lists CUDA as available, whose sessions are `_CreatedSession`."""
+    module_ort = provider_module.ort
+    monkeypatch.setattr(module_ort, "get_available_providers",
+                        lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(module_ort, "preload_dlls", lambda: None, raising=False)
+    monkeypatch.setattr(module_ort, "InferenceSession", _CreatedSession)
+    provider_module._cuda_failure.cache_clear()
+    yield monkeypatch
+    provider_module._cuda_failure.cache_clear()
+
+
+def test_probe_checks_the_created_session(cuda_listed):
+    """onnxruntime-gpu lists CUDA as available without a GPU; the probe must not trust that:
+    a CUDA session that ONNX Runtime created on the CPU provider means no CUDA."""
+    assert "fell back to the CPU provider" in provider_module.probe_cuda(0)
+    assert resolve_device("auto").provider == "cpu"
+    with pytest.raises(ProviderError, match="cannot run on this machine.*fell back to the CPU"):
+        resolve_device("cuda")
+    cuda_listed.setattr(_CreatedSession, "runs_on", "CUDAExecutionProvider")
+    provider_module._cuda_failure.cache_clear()
+    assert provider_module.probe_cuda(0) is None
+    assert resolve_device("auto", 3).label == "cuda:3"
 
 
 def test_specialisation_default_lives_in_the_device():

@@ -71,15 +71,15 @@ def test_a_failing_forward_leaves_the_sequence_as_it_was(runtime, monkeypatch):
     expected = runtime.open_sequence()
     expected.prefill([4, 5, 6])
     calls = []
-    original = sequence._forward
+    original = runtime.runner.prefill
 
-    def failing(chunk, need):
+    def failing(slot, length, chunk, need):
         calls.append(len(chunk))
         if len(calls) == 2:
             raise RuntimeError("device lost")
-        return original(chunk, need)
+        return original(slot, length, chunk, need)
 
-    monkeypatch.setattr(sequence, "_forward", failing)
+    monkeypatch.setattr(runtime.runner, "prefill", failing)
     with pytest.raises(RuntimeError):
         sequence.prefill(list(range(1, 40)))
     monkeypatch.undo()

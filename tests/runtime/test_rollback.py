@@ -16,15 +16,15 @@ def test_a_generation_failing_in_decode_leaves_the_sequence_as_it_was(reference_
     expected = runtime.open_sequence()
     expected.prefill(list(range(3, 12)))
     steps = []
-    original = sequence._step_on
+    original = runtime.runner.decode_on
 
-    def failing(session, binding, token):
+    def failing(session, binding, slot, length, token):
         steps.append(token)
         if len(steps) == 3:
             raise RuntimeError("device lost")
-        return original(session, binding, token)
+        return original(session, binding, slot, length, token)
 
-    monkeypatch.setattr(sequence, "_step_on", failing)
+    monkeypatch.setattr(runtime.runner, "decode_on", failing)
     with pytest.raises(RuntimeError, match="device lost"):
         sequence.generate(list(range(20, 50)), 6)
     monkeypatch.undo()

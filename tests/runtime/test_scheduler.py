@@ -7,7 +7,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from onnx_chunk.errors import ConfigError, QueueFullError
-from onnx_chunk.runtime.batch import decode_mask, evicting_rows, mask_width
+from onnx_chunk.runtime.attention_mask import decode_mask, mask_kind
+from onnx_chunk.runtime.batch import evicting_rows
+from onnx_chunk.runtime.provider import device_for
 from onnx_chunk.runtime.provider import MaskPolicy
 from onnx_chunk.runtime.scheduler import RequestQueue, admit, prefill_picks
 
@@ -64,8 +66,9 @@ def test_prefill_picks_stay_within_the_budget_and_make_progress(pending, budget)
 def test_the_decode_mask_gives_each_row_its_own_length_plus_one():
     mask = decode_mask([0, 3, 1], 5, np.int64)
     assert mask.tolist() == [[1, 0, 0, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 0]]
-    assert mask_width([0, 3, 1], MaskPolicy.LOGICAL, 64) == 4
-    assert mask_width([0, 3, 1], MaskPolicy.CAPACITY, 64) == 64
+    device = device_for("cpu")
+    assert mask_kind(MaskPolicy.LOGICAL)(3, 64, np.int64, device).width([0, 3, 1]) == 4
+    assert mask_kind(MaskPolicy.CAPACITY)(3, 64, np.int64, device).width([0, 3, 1]) == 64
 
 
 def test_idle_rows_are_protected_only_where_one_more_position_would_evict():

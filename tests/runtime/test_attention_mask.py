@@ -1,0 +1,109 @@
+"""The two mask policies: a prefix of ones bound per forward, or a capacity-wide mask
+rewritten in place, column by column."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from onnx_chunk.runtime.attention_mask import CapacityMask, LogicalMask, decode_mask, mask_kind
+from onnx_chunk.runtime.buffers import DeviceBuffer
+from onnx_chunk.runtime.ports import MASK_INPUT
+from onnx_chunk.runtime.provider import MaskPolicy, device_for
+
+
+class _Binding:
+    """What a mask binds: (name, shape, address) per bind_input, the OrtValue per bind."""
+
+    def __init__(self):
+        self.inputs, self.values = [], []
+
+    def bind_input(self, name, device_type, device_id, dtype, shape, address):
+        self.inputs.append((name, tuple(shape), address))
+
+    def bind_ortvalue_input(self, name, value):
+        self.values.append((name, value))
+
+
+@pytest.fixture(params=[True, False], ids=["host", "device"])
+def device(request):
+    return dataclasses.replace(device_for("cpu"), host_visible=request.param)
+
+
+@pytest.fixture
+def written(monkeypatch):
+    """The flat [start, stop) ranges written into any device buffer."""
+    ranges = []
+    original = DeviceBuffer.write_range
+
+    def write_range(self, array, start, stop):
+        ranges.append((start, stop))
+        return original(self, array, start, stop)
+
+    monkeypatch.setattr(DeviceBuffer, "write_range", write_range)
+    return ranges
+
+
+def _contents(mask):
+    return mask.buffer.read(0, mask.rows * mask.capacity).reshape(mask.rows, mask.capacity)
+
+
+def test_the_policy_is_chosen_by_name():
+    assert mask_kind(MaskPolicy.LOGICAL) is LogicalMask
+    assert mask_kind("capacity") is CapacityMask
+
+
+def test_the_logical_mask_binds_a_prefix_of_ones_and_writes_nothing(device, written):
+    mask = LogicalMask(1, 10, np.int64, device)
+    io = _Binding()
+    mask.bind(io)
+    assert io.values == [] and io.inputs == []
+    for end in (7, 8, 3):
+        mask.set(io, end)
+    address = mask.buffer.value.data_ptr()
+    assert io.inputs == [(MASK_INPUT, (1, end), address) for end in (7, 8, 3)]
+    assert written == [] and _contents(mask).all()
+    mask.reset()
+    assert _contents(mask).all()
+
+
+@pytest.mark.parametrize("ends", [[3, 7, 8], [10], [1, 2, 3, 4]])
+def test_the_capacity_mask_is_bound_once_and_rewritten_in_place(device, ends):
+    mask = CapacityMask(1, 10, np.int64, device)
+    io = _Binding()
+    mask.bind(io)
+    assert io.values == [(MASK_INPUT, mask.buffer.value)]
+    for end in ends:
+        mask.set(io, end)
+        row = _contents(mask)[0]
+        assert row[:end].all() and not row[end:].any()
+    assert io.inputs == []
+
+
+def test_the_capacity_mask_writes_only_the_columns_that_change(device, written):
+    mask = CapacityMask(1, 10, np.int64, device)
+    io = _Binding()
+    mask.set(io, 4)
+    mask.set(io, 5)  # a decode step: one column
+    mask.set(io, 2)  # after a rewind: the columns past the new end are cleared
+    assert written == [(0, 4), (4, 5), (2, 5)]
+    assert _contents(mask).tolist() == [[1, 1, 0, 0, 0, 0, 0, 0, 0, 0]]
+    mask.reset()
+    assert not _contents(mask).any()
+    written.clear()
+    mask.set(io, 3)
+    assert written == [(0, 3)]
+
+
+def test_a_batched_decode_step_gives_each_row_its_own_length(device):
+    lengths = [0, 3, 1]
+    logical, capacity = LogicalMask(3, 8, np.int64, device), CapacityMask(3, 8, np.int64, device)
+    logical_io, capacity_io = _Binding(), _Binding()
+    capacity.bind(capacity_io)
+    logical.set_rows(logical_io, lengths)
+    capacity.set_rows(capacity_io, lengths)
+    assert logical_io.inputs == [(MASK_INPUT, (3, 4), logical.buffer.value.data_ptr())]
+    assert capacity_io.inputs == [] and len(capacity_io.values) == 1
+    flat = logical.buffer.read(0, 12).reshape(3, 4)
+    assert np.array_equal(flat, decode_mask(lengths, 4, np.int64))
+    assert np.array_equal(_contents(capacity), decode_mask(lengths, 8, np.int64))
