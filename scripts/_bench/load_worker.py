@@ -12,10 +12,12 @@ Stages, each stamped with `time.monotonic()` (the clock the parent stamps the sp
 - imported: onnx-chunk `import onnx_chunk` and the access to `onnx_chunk.load` (which imports
   what `load` needs at module level); genai `import numpy, onnxruntime_genai` (genai takes
   its prompts as numpy arrays);
-- ready: the model is loaded and ready for a first generation (onnx-chunk: `load(model,
-  provider="cpu", capacity=prompt + new tokens)` returned, its decode session created; genai:
-  `og.Model` of the folder's config with its providers cleared, the CPU);
-- generated: one greedy generation of new_tokens after the prompt, stopping at EOS (both).
+- ready: the load call returned (onnx-chunk: `load(model, provider="cpu", capacity=prompt +
+  new tokens)`, which on CPU creates its session on the first forward; genai: `og.Model` of
+  the folder's config with its providers cleared, the CPU, which creates its session);
+- first_token: the first token of one greedy generation (so every load work a system defers
+  to its first forward is done by then, on both sides);
+- generated: the rest of that generation, new_tokens in all, stopping at EOS (both).
 Each stage reports the resident set (VmRSS) and whether `onnx` and `onnx_ir` are in
 sys.modules. Prints one JSON object.
 """
@@ -55,7 +57,10 @@ def _onnx_chunk(request: dict, stages: dict) -> list[int]:
                    capacity=len(prompt) + new_tokens)
     stages["ready"] = _stage()
     with runtime.open_sequence() as sequence:
-        tokens = sequence.generate(prompt, new_tokens, eos_token_id=EOS_TOKEN_ID)
+        stream = sequence.stream(prompt, new_tokens, eos_token_id=EOS_TOKEN_ID)
+        tokens = [next(stream)]
+        stages["first_token"] = _stage()
+        tokens += list(stream)
     stages["generated"] = _stage()
     return tokens
 
@@ -78,7 +83,9 @@ def _genai(request: dict, stages: dict) -> list[int]:
     params.set_search_options(max_length=len(prompt) + new_tokens, do_sample=False)
     generator = og.Generator(model, params)
     generator.append_tokens(np.array([prompt], dtype=np.int32))
-    tokens: list[int] = []
+    generator.generate_next_token()
+    tokens = [int(generator.get_next_tokens()[0])]
+    stages["first_token"] = _stage()
     while not generator.is_done() and len(tokens) < new_tokens:
         generator.generate_next_token()
         tokens.append(int(generator.get_next_tokens()[0]))

@@ -154,12 +154,13 @@ def test_the_engine_benchmark_quick_mode_runs_every_part(tmp_path):
     memory = json.loads((tmp_path / "engine_memory_quick.json").read_text())["runs"]
     assert set(memory["load"]) == {"onnx-chunk"}
     load, imported = memory["load"]["onnx-chunk"][0], memory["import"]["onnx-chunk"][0]
-    assert 0 < load["startup_s"] < load["ready_s"]
+    assert 0 < load["startup_s"] < load["ready_s"] < load["first_token_s"]
     assert load["ready_s"] == pytest.approx(load["startup_s"] + load["import_s"]
                                             + load["load_s"])
+    assert load["first_token_s"] == pytest.approx(load["ready_s"] + load["to_first_token_s"])
     assert len(load["tokens"]) == 4 and imported["tokens"] == []
     assert load["peak_rss_mb"] >= load["rss_ready_mb"] > imported["rss_started_mb"] > 5
-    assert set(load["modules"]) == {"started", "imported", "ready", "generated"}
+    assert set(load["modules"]) == {"started", "imported", "ready", "first_token", "generated"}
     assert load["modules"]["started"] == []
     assert "genai left out" in (tmp_path / "engine_memory_quick.md").read_text()
 
@@ -214,7 +215,7 @@ def test_the_load_worker_runs_genai_without_importing_onnx_chunk(reference_model
         "system": "genai", "mode": "load", "model": str(reference_model("base")),
         "prompt": seeded_prompt(12, 256), "new_tokens": 3, "chunk_size": 8}), timeout_s=120)
     stages = child.payload["stages"]
-    assert list(stages) == ["started", "imported", "ready", "generated"]
+    assert list(stages) == ["started", "imported", "ready", "first_token", "generated"]
     moments = [child.started_at] + [stage["at"] for stage in stages.values()]
     assert moments == sorted(moments)
     assert all(stage["modules"] == [] for stage in stages.values())
