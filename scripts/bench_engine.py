@@ -1,4 +1,4 @@
-"""The batch engine: throughput at --batch 8 against --batch 1, and the stall a long prompt causes.
+"""The batch engine: throughput, decode stall, memory and load, single request, prefill batching.
 
 Throughput: 16 seeded prompts of 40-900 tokens, 64 new tokens each (no EOS stop), on the
 `bench` reference decoder, CPU, W = 512: `generate --batch 8` (one batched decode forward of
@@ -13,8 +13,9 @@ against whole-prompt admission (W >= the prompt: one forward); goal: the chunked
 1.5x one chunk's forward (the longest prefill forward of that prompt run alone).
 
 Memory and load (`_bench/engine_memory.py`): peak RSS and load time of onnx-chunk against
-onnxruntime-genai on the converted bench decoder, a fresh process per measurement; and the
-import alone. Goal <= 1.0x both.
+onnxruntime-genai on the converted bench decoder, a fresh process per measurement (load
+time: from the spawn to the first token of a 40-token prompt, the same span for both); and
+the import alone. Goal <= 1.0x both.
 
 Single request (`_bench/engine_single.py`, needs `--baseline PATH`, another checkout of this
 repository): TTFT and decode tokens/s of one request (`Sequence.generate`, and `submit` with
