@@ -38,6 +38,12 @@ def measure(model: Path, plan: dict, repetitions: int) -> dict:
     return {"plan": plan, "seconds": seconds}
 
 
+def _gflop(flops: int) -> str:
+    """GFLOP with a thousands separator, or 3 significant digits below 1."""
+    gflop = flops / GIGA
+    return f"{gflop:,.1f}" if gflop >= 1 else f"{gflop:.3g}"
+
+
 def _name(case: list[int]) -> str:
     return f"{case[0]}x{case[1]}"
 
@@ -75,7 +81,7 @@ def table(data: dict, config: DecoderConfig,
         flops = forward_flops(config, width, batch=batch)
         rows.append([f"[{batch}, {width}] against {batch} x [1, {width}]",
                      format_value(batched, 3), format_value(serial, 3),
-                     f"{batched.median / serial.median:.2f}x", f"{flops / GIGA:.3g}",
+                     f"{batched.median / serial.median:.2f}x", _gflop(flops),
                      f"{flops / GIGA / batched.median:.1f}",
                      f"{flops / GIGA / serial.median:.1f}"])
     first = markdown_table(
@@ -85,11 +91,11 @@ def table(data: dict, config: DecoderConfig,
     past = plan["decode_past"]
     decode = summarize(seconds["decode"])
     achieved = [[f"probe: one decode forward [1, 1] after {past} cached tokens",
-                 f"{forward_flops(config, 1, past) / GIGA:.3g}", format_value(decode, 4),
+                 _gflop(forward_flops(config, 1, past)), format_value(decode, 4),
                  f"{forward_flops(config, 1, past) / GIGA / decode.median:.1f}",
                  f"{weights / GIGA / decode.median:.1f}"]]
     for label, flops, spent, forwards in phases:
-        achieved.append([label, f"{flops / GIGA:.3g}", format_value(spent, 2),
+        achieved.append([label, _gflop(flops), format_value(spent, 2),
                          f"{flops / GIGA / spent.median:.1f}",
                          f"{forwards * weights / GIGA / spent.median:.1f}" if forwards
                          else "-"])
