@@ -26,11 +26,17 @@ class ChildFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class ChildResult:
-    """What one measurement process reported, with its peak RSS and wall time."""
+    """What one measurement process reported, with its peak RSS and wall time.
+
+    `started_at`: `time.monotonic()` just before the process was spawned (CLOCK_MONOTONIC,
+    the same clock in every process of the machine, so a child's own `time.monotonic()`
+    stamps minus it are seconds since its spawn).
+    """
 
     payload: dict
     peak_rss_mb: float
     wall_s: float
+    started_at: float
 
 
 LAUNCHER = Path(__file__).resolve().parent / "peak_launcher.py"
@@ -44,6 +50,7 @@ def run_child(argv: list[str], *, timeout_s: float, env: dict[str, str] | None =
             tempfile.NamedTemporaryFile(prefix="peak.") as peak:
         child_env = dict(os.environ if env is None else env)
         child_env[PEAK_FILE_ENV] = peak.name
+        started_at = time.monotonic()
         began = time.perf_counter()
         process = subprocess.Popen([argv[0], str(LAUNCHER), *argv[1:]], stdout=out,
                                    stderr=err, env=child_env)
@@ -73,7 +80,7 @@ def run_child(argv: list[str], *, timeout_s: float, env: dict[str, str] | None =
     if not peak_kib:
         raise ChildFailed(f"{' '.join(argv[:2])} reported no peak resident set (it left "
                           "without running its exit handlers)")
-    return ChildResult(json.loads(lines[-1]), int(peak_kib) / 1024, wall)
+    return ChildResult(json.loads(lines[-1]), int(peak_kib) / 1024, wall, started_at)
 
 
 def measure_prompt(argv: list[str], label: str, *, timeout_s: float = 600) -> dict:

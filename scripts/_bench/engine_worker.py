@@ -4,7 +4,8 @@ argv[1] is a JSON object: model, mode, chunk_size, capacity, batch, and per mode
 - "throughput": prompts, new_tokens. batch 1 serves them one after another on one sequence
   (what `generate --batch 1` does); above 1 through `generate_many`. No EOS stop, so every
   system produces the same number of tokens. Prints wall_s of the generation (the load and a
-  one-prompt warm-up excluded) and the tokens of each prompt.
+  one-prompt warm-up excluded), the tokens of each prompt, and the time in prefill and in
+  decode forwards with the count of decode forwards.
 - "stall": running (the running requests' prompt length), long (the admitted prompt). The
   running requests decode until the long prompt's first token; prints the longest gap
   between two tokens of a running request (`Request.token_times`: when the engine produced
@@ -43,6 +44,7 @@ def _throughput(runtime: rt.Runtime, request: dict) -> dict:
     if engine is not None:
         phases = {"prefill_s": engine.prefill_s - before.prefill_s,
                   "decode_s": engine.decode_s - before.decode_s,
+                  "decode_forwards": engine.decode_steps - before.decode_steps,
                   "rows_per_decode_step": (engine.decode_rows - before.decode_rows)
                   / (engine.decode_steps - before.decode_steps)}
     return {"wall_s": wall, "tokens": tokens, **phases}
@@ -62,7 +64,9 @@ def _generate(runtime: rt.Runtime, batch: int, prompts: list,
             generation = sequence.stats.last_generation
             prefill_s += generation.ttft_s
             decode_s += generation.decode_s
-    return tokens, {"prefill_s": prefill_s, "decode_s": decode_s, "rows_per_decode_step": 1.0}
+    return tokens, {"prefill_s": prefill_s, "decode_s": decode_s,
+                    "decode_forwards": len(prompts) * (new_tokens - 1),
+                    "rows_per_decode_step": 1.0}
 
 
 def _stall(runtime: rt.Runtime, request: dict) -> dict:

@@ -48,6 +48,19 @@ def build_model(out: Path, preset: str, variant: str = "base") -> Path:
     return model
 
 
+def converted_model(out: Path, preset: str, variant: str = "base") -> Path:
+    """The reference decoder `preset`/`variant` converted by `onnx-chunk convert` into
+    out/models/<name>-converted (a genai folder: convert writes the genai_config.json beside
+    it); built and converted once, then reused."""
+    source = build_model(out, preset, variant)
+    folder = source.parent.with_name(f"{source.parent.name}-converted")
+    model = folder / "model.onnx"
+    if not (model.is_file() and (folder / "genai_config.json").is_file()):
+        subprocess.run([sys.executable, "-m", "onnx_chunk", "convert", str(source), "-o",
+                        str(model)], check=True)
+    return model
+
+
 def model_config(model: Path) -> dict:
     """Vocabulary size, context length and EOS token id from the model's genai_config.json."""
     config = json.loads((model.parent / "genai_config.json").read_text())["model"]
@@ -77,5 +90,5 @@ def genai_python(venv: Path) -> Path:
 
 
 def worker_argv(python: Path | str, worker: str, request: dict) -> list[str]:
-    """The command line of one measurement by `worker` (chunk_worker or genai_worker)."""
+    """The command line of one measurement by `worker` (a module of scripts/_bench)."""
     return [str(python), str(WORKERS / f"{worker}.py"), json.dumps(request)]

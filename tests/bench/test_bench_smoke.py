@@ -130,20 +130,121 @@ def test_a_small_child_of_a_large_parent_reports_its_own_small_peak():
     assert 1 < child.peak_rss_mb < 100, child.peak_rss_mb
 
 
-def test_the_engine_benchmark_quick_mode_runs_and_checks_its_tokens(tmp_path):
-    """scripts/bench_engine.py --quick: the tiny decoder, one round, both tables."""
+def test_the_engine_benchmark_quick_mode_runs_every_part(tmp_path):
+    """scripts/bench_engine.py --quick: every part on the tiny decoder, one round; the
+    single-request part compares this checkout with itself as the baseline."""
     import json
     import subprocess
 
     script = env.ROOT / "scripts" / "bench_engine.py"
     result = subprocess.run([sys.executable, str(script), "--quick", "--no-genai", "--out",
-                             str(tmp_path)], capture_output=True, text=True, timeout=300,
-                            check=False)
+                             str(tmp_path), "--baseline", str(env.ROOT)], capture_output=True,
+                            text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
-    table = (tmp_path / "engine_quick.md").read_text()
-    assert "batched (batch 4)" in table and "admission of a 300-token prompt" in table
-    data = json.loads((tmp_path / "engine_quick.json").read_text())
+    assert "batched (batch 4)" in (tmp_path / "engine_throughput_quick.md").read_text()
+    assert "admission of a 300-token prompt" in (tmp_path / "engine_stall_quick.md").read_text()
+    data = json.loads((tmp_path / "engine_throughput_quick.json").read_text())
     batched, alone = data["throughput"]["batched"][0], data["throughput"]["batch 1"][0]
     assert batched["tokens"] == alone["tokens"] and len(batched["tokens"]) == 6
     assert batched["rows_per_decode_step"] > 1
-    assert data["stall"]["chunked"][0]["chunks"] == 10
+    assert alone["decode_forwards"] == 6 * 7 and batched["decode_forwards"] < 6 * 7
+    stall = json.loads((tmp_path / "engine_stall_quick.json").read_text())
+    assert stall["stall"]["chunked"][0]["chunks"] == 10
+
+    memory = json.loads((tmp_path / "engine_memory_quick.json").read_text())["runs"]
+    assert set(memory["load"]) == {"onnx-chunk"}
+    load, imported = memory["load"]["onnx-chunk"][0], memory["import"]["onnx-chunk"][0]
+    assert 0 < load["startup_s"] < load["ready_s"] < load["first_token_s"]
+    assert load["ready_s"] == pytest.approx(load["startup_s"] + load["import_s"]
+                                            + load["load_s"])
+    assert load["first_token_s"] == pytest.approx(load["ready_s"] + load["to_first_token_s"])
+    assert len(load["tokens"]) == 4 and imported["tokens"] == []
+    assert load["peak_rss_mb"] >= load["rss_ready_mb"] > imported["rss_started_mb"] > 5
+    assert set(load["modules"]) == {"started", "imported", "ready", "first_token", "generated"}
+    assert load["modules"]["started"] == []
+    assert "genai left out" in (tmp_path / "engine_memory_quick.md").read_text()
+
+    single = json.loads((tmp_path / "engine_single_quick.json").read_text())
+    assert single["baseline"] == str(env.ROOT)
+    for path in ("generate", "submit"):
+        current, baseline = single["runs"][path]["current"], single["runs"][path]["baseline"]
+        assert [len(result["tokens"]) for result in current[0]] == [8, 8]
+        assert current[0][1]["tokens"] == baseline[0][1]["tokens"]
+        assert all(result["ttft_s"] > 0 and result["decode_tokens_per_s"] > 0
+                   for result in current[0] + baseline[0])
+    assert "tokens identical" in (tmp_path / "engine_single_quick.md").read_text()
+
+    probe = json.loads((tmp_path / "engine_prefill_batching_quick.json").read_text())
+    assert set(probe["seconds"]) == {"2x32", "4x10", "decode"}
+    table = (tmp_path / "engine_prefill_batching_quick.md").read_text()
+    assert "[2, 32] against 2 x [1, 32]" in table
+    assert "throughput part, batch 1: decode phase" in table
+
+
+def test_the_engine_benchmark_skips_the_single_part_without_a_baseline(tmp_path):
+    import subprocess
+
+    script = env.ROOT / "scripts" / "bench_engine.py"
+    result = subprocess.run([sys.executable, str(script), "--quick", "--part", "single", "--out",
+                             str(tmp_path), "--no-genai"], capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "single-request part skipped: no --baseline PATH" in result.stdout
+    assert not (tmp_path / "engine_single_quick.json").exists()
+    refused = subprocess.run([sys.executable, str(script), "--quick", "--part", "single",
+                              "--baseline", str(tmp_path), "--out", str(tmp_path)],
+                             capture_output=True, text=True, timeout=60, check=False)
+    assert refused.returncode == 2
+    assert "holds no onnx_chunk/__init__.py" in refused.stderr
+
+
+def test_the_single_request_child_refuses_an_onnx_chunk_from_outside_its_checkout(
+        reference_model, tmp_path):
+    """A checkout without onnx_chunk/ lets the child import the installed one: refused."""
+    from scripts._bench import engine_single
+
+    with pytest.raises(ChildFailed, match="not from the checkout"):
+        engine_single._child(tmp_path.resolve(), {
+            "model": str(reference_model("base")), "path": "generate",
+            "prompts": [seeded_prompt(12, 256)], "new_tokens": 2, "chunk_size": 8,
+            "capacity": 16})
+
+
+def test_the_load_worker_runs_genai_without_importing_onnx_chunk(reference_model, peer_python):
+    child = run_child(env.worker_argv(peer_python, "load_worker", {
+        "system": "genai", "mode": "load", "model": str(reference_model("base")),
+        "prompt": seeded_prompt(12, 256), "new_tokens": 3, "chunk_size": 8}), timeout_s=120)
+    stages = child.payload["stages"]
+    assert list(stages) == ["started", "imported", "ready", "first_token", "generated"]
+    moments = [child.started_at] + [stage["at"] for stage in stages.values()]
+    assert moments == sorted(moments)
+    assert all(stage["modules"] == [] for stage in stages.values())
+    assert 1 <= len(child.payload["tokens"]) <= 3
+
+
+def test_forward_flops_count_every_weight_once_per_row_and_causal_keys():
+    from onnx_chunk.models.config import config_for
+    from scripts._bench.flops import (attention_flops_per_key, forward_flops,
+                                      generation_flops, linear_flops_per_row)
+
+    for config in (config_for("bench"), config_for("tiny"), config_for("tiny", conv_layers=(0,))):
+        h = config.hidden_size
+        # Every weight but the embedding table and the norms is one multiply-add per row.
+        matrices = (config.parameter_count() - config.vocab_size * h
+                    - 2 * h * config.num_layers - h)
+        assert linear_flops_per_row(config) == 2 * matrices
+        # A prompt costs the same however it is chunked (causal attention).
+        assert forward_flops(config, 900) == (forward_flops(config, 512)
+                                              + forward_flops(config, 388, past=512))
+        assert forward_flops(config, 8, batch=3) == 3 * forward_flops(config, 8)
+        assert (forward_flops(config, 1, past=40) - forward_flops(config, 1)
+                == 40 * attention_flops_per_key(config))
+    tiny = config_for("tiny")
+    # 2 attention layers x (QK^T + AV) x 4 heads x 16 per key; rows 3 see 1 + 2 + 3 keys.
+    assert attention_flops_per_key(tiny) == 2 * 2 * 2 * 4 * 16
+    assert forward_flops(tiny, 3) == 3 * linear_flops_per_row(tiny) + 6 * 512
+    prefill, decode = generation_flops(tiny, 10, 4)
+    assert prefill == forward_flops(tiny, 10)
+    assert decode == sum(forward_flops(tiny, 1, past=past) for past in (10, 11, 12))
+    with pytest.raises(ValueError):
+        forward_flops(tiny, 0)

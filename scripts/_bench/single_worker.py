@@ -1,0 +1,50 @@
+"""One request at a time on the onnx_chunk found first on sys.path (the tree under test).
+
+The parent runs it with PYTHONPATH set to a checkout of the repository, so the checkout's
+onnx_chunk is imported (this tree's or a baseline's); the result names `onnx_chunk.__file__`
+for the parent to check. argv[1] is a JSON object: model, path ("generate": a `Sequence`'s
+`generate`, one sequence per prompt; "submit": `runtime.submit` on a runtime loaded with
+max_batch=1), prompts, new_tokens, chunk_size, capacity. No EOS stop. After load, one
+8-token prompt with 2 new tokens warms the path up; then every prompt once, in order.
+Prints the TTFT, decode tokens/s and tokens of each.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import onnx_chunk
+
+
+def _generate(runtime, prompt: list[int], new_tokens: int) -> dict:
+    with runtime.open_sequence() as sequence:
+        tokens = sequence.generate(prompt, new_tokens, eos_token_id=[])
+        generation = sequence.stats.last_generation
+    return {"tokens": tokens, "ttft_s": generation.ttft_s,
+            "decode_tokens_per_s": generation.decode_tokens_per_s}
+
+
+def _submit(runtime, prompt: list[int], new_tokens: int) -> dict:
+    request = runtime.submit(prompt, new_tokens, eos_token_id=[])
+    tokens = request.result()
+    stats = request.stats
+    return {"tokens": tokens, "ttft_s": stats.ttft_s,
+            "decode_tokens_per_s": stats.decode_tokens_per_s}
+
+
+PATHS = {"generate": _generate, "submit": _submit}
+
+
+def main() -> None:
+    request = json.loads(sys.argv[1])
+    run = PATHS[request["path"]]
+    with onnx_chunk.load(request["model"], provider="cpu", chunk_size=request["chunk_size"],
+                         capacity=request["capacity"], max_batch=1) as runtime:
+        run(runtime, request["prompts"][0][:8], 2)
+        results = [run(runtime, prompt, request["new_tokens"]) for prompt in request["prompts"]]
+    print(json.dumps({"onnx_chunk_file": onnx_chunk.__file__, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
