@@ -34,10 +34,10 @@ import numpy as np
 import onnxruntime as ort
 
 from onnx_chunk.errors import ModelStructureError
+from onnx_chunk.ladder import DECODE_WIDTH
 from onnx_chunk.runtime.buffers import DeviceBuffer, device_zeros
 from onnx_chunk.runtime.cuda_graphs import CAPTURE_GATE, GraphRuns
 from onnx_chunk.runtime.kv_state import LogicalLength
-from onnx_chunk.ladder import DECODE_WIDTH
 from onnx_chunk.runtime.logits_row import ALL_ROWS, ROW_INPUT
 from onnx_chunk.runtime.padding import QueryAxisShrunk, plan_forward
 from onnx_chunk.runtime.ports import LOGITS_OUTPUT, ModelPorts

@@ -31,11 +31,11 @@ from pathlib import Path
 
 from onnx_chunk import arguments
 from onnx_chunk.errors import ConfigError, ModelLoadError, ProviderError
+from onnx_chunk.ladder import DECODE_WIDTH, ladder_tiers
 from onnx_chunk.metadata import ChunkPlan
 from onnx_chunk.model_file import ModelFile
 from onnx_chunk.model_folder import GenaiConfig
 from onnx_chunk.runtime.batch_engine import DEFAULT_MAX_QUEUE
-from onnx_chunk.ladder import DECODE_WIDTH, ladder_tiers
 from onnx_chunk.runtime.padding import resolve_padding
 from onnx_chunk.runtime.ports import ModelPorts, model_ports
 from onnx_chunk.runtime.provider import Device, MaskPolicy, device_for
