@@ -50,8 +50,9 @@ def token_ids(value: object, name: str, vocab_size: int) -> tuple[int, ...]:
 
 def prompt_ids(value: object, vocab: int) -> np.ndarray:
     """A prompt's token ids as int64, checked: 1-D, not empty, integers in [0, vocab)
-    (InputError)."""
-    ids = np.asarray(value)
+    (InputError). A copy: the caller may change its array after the check, and a queued
+    request runs later."""
+    ids = np.array(value)
     if ids.size == 0:
         raise InputError("the prompt is empty; pass at least one token id")
     if ids.ndim != 1:

@@ -127,6 +127,11 @@ class ExternalData:
     length: int | None
 
 
+# The most dimensions a stored tensor may have (onnx's checker allows any; real weights have
+# at most a handful).
+_MAX_RANK = 64
+
+
 def tensor_nbytes(data_type: int, dims: tuple[int, ...]) -> int | None:
     """The bytes a tensor's data takes by its dtype and shape (4-bit types packed two a byte).
 
@@ -135,7 +140,7 @@ def tensor_nbytes(data_type: int, dims: tuple[int, ...]) -> int | None:
     bits = DATA_TYPES.get(data_type, ("", None, ""))[1]
     if bits is None:
         return None
-    return math.ceil(math.prod(dims) * bits / 8)
+    return (math.prod(dims) * bits + 7) // 8
 
 
 def data_type_name(data_type: int) -> str:
@@ -192,11 +197,17 @@ def unreadable(path: Path, error: Exception) -> ModelLoadError:
         "truncated or not a model at all: export or copy it again")
 
 
+# How deep graphs may nest in one another (a node's graph attribute): protobuf's own parser
+# stops at 100 nested messages, which a graph nesting this deep (3 messages a level) reaches.
+MAX_GRAPH_DEPTH = 32
+
+
 class _Reader:
     """Reads the messages of one file's bytes; collects tensors and operators as it goes."""
 
     def __init__(self, data) -> None:
         self.data = data
+        self.depth = 0
         self.tensors: list[TensorRef] = []
         self.sparse: list[str] = []
         self.operators: set[tuple[str, str]] = set()
@@ -244,6 +255,9 @@ class _Reader:
                in_function: bool = False) -> tuple[list[ValueInfo], list[ValueInfo]]:
         inputs: list[ValueInfo] = []
         outputs: list[ValueInfo] = []
+        self.depth += 1
+        if self.depth > MAX_GRAPH_DEPTH:
+            raise WireError(f"graphs nest more than {MAX_GRAPH_DEPTH} levels deep")
         for number, wire, value in fields(self.data, *span):
             if wire != LEN:
                 continue
@@ -257,6 +271,7 @@ class _Reader:
                 inputs.append(self._value_info(value))
             elif top and number == _GRAPH_OUTPUT:
                 outputs.append(self._value_info(value))
+        self.depth -= 1
         return inputs, outputs
 
     def _node(self, span: Span, in_function: bool) -> None:
@@ -382,6 +397,9 @@ def external_data(tensor: TensorRef, base_dir: Path) -> ExternalData:
                 f"tensor {tensor.name!r}: external data {key} {value!r} is not a non-negative "
                 "integer (a byte count); the model file is corrupt: export it again")
         numbers[key] = int(value)
+    if "\x00" in location:
+        raise ModelLoadError(f"tensor {tensor.name!r} names external data {location!r}, with a "
+                             "NUL character no file name can hold; the model file is corrupt")
     root = base_dir.resolve()
     path = (root / location).resolve()
     if Path(location).is_absolute() or not path.is_relative_to(root):
@@ -414,6 +432,15 @@ def check_tensors(model: ModelFile) -> None:
                     f"is missing from {str(root)!r}; copy it next to the model")
             sizes[where.path] = where.path.stat().st_size
         size = sizes[where.path]
+        if any(dim < 0 for dim in tensor.dims) or len(tensor.dims) > _MAX_RANK:
+            raise ModelLoadError(
+                f"tensor {name!r} has the shape {list(tensor.dims)[:_MAX_RANK + 1]}: a stored "
+                f"tensor needs at most {_MAX_RANK} dimensions, none negative; the model file "
+                "is corrupt: export it again")
+        if where.offset > size:
+            raise ModelLoadError(
+                f"tensor {name!r} starts at byte {where.offset} of {where.location!r}, past "
+                f"its end ({size} bytes); the external data is truncated: copy it again")
         expected = tensor_nbytes(tensor.data_type, tensor.dims)
         if expected is None:
             raise ModelLoadError(

@@ -8,6 +8,7 @@ import pytest
 from onnx_chunk.cli import main
 from onnx_chunk.errors import ModelLoadError
 from onnx_chunk.model_file import read_model_file
+from onnx_chunk.onnx_wire import encode_len_field, encode_varint_field
 from tests.exports.corpus import fixtures
 
 
@@ -92,3 +93,43 @@ def test_a_model_cut_anywhere_is_refused_where_onnx_refuses_it(reference_model, 
             assert "\n" not in str(error)
             refused = True
         assert refused == onnx_refuses, cut
+
+
+def test_graphs_nested_too_deep_are_one_clear_error_not_a_recursion_error(tmp_path):
+    graph = b""
+    for _ in range(400):
+        attribute = encode_len_field(1, "then_branch") + encode_len_field(6, graph)
+        graph = encode_len_field(1, encode_len_field(4, "If") + encode_len_field(5, attribute))
+    path = tmp_path / "model.onnx"
+    path.write_bytes(encode_varint_field(1, 8) + encode_len_field(7, graph))
+    with pytest.raises(ModelLoadError, match="nest more than") as caught:
+        read_model_file(path)
+    assert "\n" not in str(caught.value)
+
+
+def _external_model(tmp_path, dims, *, offset=0, location="weights.bin", data_bytes=64):
+    tensor = onnx.TensorProto(name="w", data_type=onnx.TensorProto.FLOAT, dims=dims)
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", str(offset))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Identity", ["w"], ["y"])], "g", [],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], [tensor])
+    (tmp_path / "weights.bin").write_bytes(bytes(data_bytes))
+    path = tmp_path / "model.onnx"
+    path.write_bytes(onnx.helper.make_model(graph).SerializeToString())
+    return path
+
+
+@pytest.mark.parametrize(("dims", "offset", "location", "match"), [
+    ([-4], 80, "weights.bin", "none negative"),
+    ([2 ** 62] * 5, 0, "weights.bin", "needs bytes up to"),
+    ([4], 100, "weights.bin", "past its end"),
+    ([4], 0, "weights\x00.bin", "NUL"),
+], ids=["negative-dim", "huge-shape", "offset-past-end", "nul-in-location"])
+def test_bad_external_tensor_fields_are_one_clear_error(tmp_path, dims, offset, location, match):
+    path = _external_model(tmp_path, dims, offset=offset, location=location)
+    with pytest.raises(ModelLoadError, match=match) as caught:
+        read_model_file(path)
+    assert "\n" not in str(caught.value)

@@ -280,7 +280,8 @@ class BatchEngine:
         began = time.perf_counter()
         try:
             runner = runtime.runner
-            with runner.variants.cache.acquire(runner.decode_key) as session:
+            with runner.variants.cache.acquire(runner.decode_key) as session, \
+                    runner.shared_gate():
                 io = self._decoder.binding(
                     session, runner.variants.bindings(session, self._decode_number))
                 logits = self._decoder.run(session, io, lengths, tokens, decoding)

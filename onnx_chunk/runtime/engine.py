@@ -296,12 +296,13 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
+        # First, so that no sequence starts a forward while the engine stops.
+        self.variants.close()
         with self._engine_lock:
             engine = self._engine
         if engine is not None:
             engine.close()
         self.pool.close()
-        self.variants.close()
         logger.info("closed the runtime of %s", self.model_path)
 
     @property

@@ -197,7 +197,12 @@ class ForwardRunner:
         """
         return self._gate_for(slot, self.variants.bindings(session, slot.number).get(width))
 
-    def _gate_for(self, slot: SequenceSlot,
+    def shared_gate(self) -> contextlib.AbstractContextManager:
+        """The capture gate for a forward that never captures (the batch engine's decode):
+        shared where anything in the process may capture, else nothing."""
+        return self._gate_for(None, None)
+
+    def _gate_for(self, slot: SequenceSlot | None,
                   binding: _Binding | None) -> contextlib.AbstractContextManager:
         """`_gate` for a binding already at hand (the decode loop's: no lookup per token)."""
         if binding is not None and binding.graphs is not None:

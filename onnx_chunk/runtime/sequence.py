@@ -38,8 +38,8 @@ from onnx_chunk.runtime.buffers import SequenceBuffers
 from onnx_chunk.runtime.forward import ForwardRunner
 from onnx_chunk.runtime.kv_state import LogicalLength
 from onnx_chunk.runtime.kv_window import rewind_is_exact
-from onnx_chunk.runtime.sequence_pool import SequencePool
 from onnx_chunk.runtime.scheduler import prefill_chunks
+from onnx_chunk.runtime.sequence_pool import SequencePool
 from onnx_chunk.runtime.stats import ChunkRecord, GenerationStats, SequenceStats
 from onnx_chunk.sampling import GREEDY, Sampler, Sampling
 

@@ -45,10 +45,7 @@ def _fixed_dims(value: ValueInfo) -> list[int] | None:
 def _floating(value: ValueInfo) -> bool:
     if value.elem_type is None:
         return False
-    try:
-        name = data_type_name(value.elem_type)
-    except ValueError:
-        return False
+    name = data_type_name(value.elem_type)
     return name.startswith(("FLOAT", "BFLOAT")) or name == "DOUBLE"
 
 

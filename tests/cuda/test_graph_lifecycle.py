@@ -17,8 +17,8 @@ import pytest
 
 from onnx_chunk.errors import ClosedError, ConfigError
 from onnx_chunk.runtime import load, variant_pool
-from onnx_chunk.runtime.cuda_graphs import (RUNS_BEFORE_CAPTURE, SKIP_CAPTURE, CaptureGate,
-                                            graph_id)
+from onnx_chunk.runtime.cuda_graphs import (CAPTURE_GATE, RUNS_BEFORE_CAPTURE, SKIP_CAPTURE,
+                                            CaptureGate, graph_id)
 from onnx_chunk.runtime.provider import Device
 from onnx_chunk.runtime.sequence_pool import SequencePool
 from onnx_chunk.runtime.session_factory import SessionFactory
@@ -328,3 +328,23 @@ def test_a_stream_stops_once_its_sequence_is_closed(reference_model):
     sequence.close()
     with pytest.raises(ClosedError, match="closed"):
         next(stream)
+
+
+def test_the_batch_engine_decode_shares_the_capture_gate(reference_model, capturing,
+                                                         monkeypatch):
+    # Every run of the engine (its prefill chunks and its batched decode) holds the gate, so
+    # no other thread's capture can start while it runs.
+    runtime = load(reference_model(), device=dataclasses.replace(DEVICE, cuda_graphs=True),
+                   capacity=96, chunk_size=16, padding=False)
+    held = []
+    original = ort.InferenceSession.run_with_iobinding
+
+    def run(self, iobinding, run_options=None):
+        held.append(CAPTURE_GATE._shared > 0 or CAPTURE_GATE.capturing)
+        return original(self, iobinding, run_options)
+
+    monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding", run)
+    assert runtime.device.cuda_graphs
+    runtime.submit(PROMPT, 6).result()
+    assert held and all(held)
+    runtime.close()

@@ -5,7 +5,8 @@ import threading
 import numpy as np
 import pytest
 
-from onnx_chunk.errors import CapacityError, ConfigError, InputError, SequenceBusyError
+from onnx_chunk.errors import (CapacityError, ClosedError, ConfigError, InputError,
+                               SequenceBusyError)
 from onnx_chunk.runtime import load
 
 W = 16
@@ -304,3 +305,36 @@ def test_idle_sequences_and_a_tiny_genai_max_length_are_refused_at_load(referenc
     (folder / "genai_config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="max_length gives a capacity of 1"):
         load(folder, provider="cpu")
+
+
+def test_a_prompt_changed_after_submit_runs_as_it_was_checked(reference_model):
+    runtime = load(reference_model(), capacity=64, chunk_size=8)
+    prompt = np.array([5, 6, 7, 8, 9], dtype=np.int64)
+    expected = runtime.generate_many([prompt], 3)[0]
+    # The first request holds the engine's one slot, so the second waits in the queue.
+    first = runtime.submit([1, 2, 3], 40)
+    request = runtime.submit(prompt, 3)
+    prompt[:] = 10 ** 6
+    first.result()
+    assert request.result() == expected
+    runtime.close()
+
+
+def test_a_sequence_cannot_start_a_forward_while_its_runtime_closes(reference_model):
+    runtime = load(reference_model(), capacity=64, chunk_size=8)
+    runtime.generate_many([[1, 2, 3]], 1)
+    sequence = runtime.open_sequence()
+    refused = []
+    engine = runtime._engine
+    stop = engine.close
+
+    def close_while_a_sequence_runs():
+        # Another thread's forward, while the engine stops (close joins its thread).
+        with pytest.raises(ClosedError):
+            sequence.prefill([1, 2, 3])
+        refused.append(True)
+        stop()
+
+    engine.close = close_while_a_sequence_runs
+    runtime.close()
+    assert refused == [True]
