@@ -20,7 +20,7 @@ the import alone. Goal <= 1.0x both.
 Single request (`_bench/engine_single.py`, needs `--baseline PATH`, another checkout of this
 repository): TTFT and decode tokens/s of one request (`Sequence.generate`, and `submit` with
 max_batch=1) of this checkout against the baseline's, prompts of 40, 512 and 900 tokens, 64
-new; goal: within 5% (TTFT ratio <= 1.05, decode ratio >= 0.95).
+new, each run 3 times in a row per process (medians); goal: within 5% (TTFT ratio <= 1.05, decode ratio >= 0.95).
 
 Prefill batching (`_bench/engine_prefill.py`): plain ONNX Runtime on the converted decoder,
 one [2, 512] forward against two [1, 512], [8, 40] against eight [1, 40], with the FLOPs
@@ -54,12 +54,12 @@ PARTS = ("throughput", "stall", "memory", "single", "prefill-batching")
 FULL = {"preset": "bench", "count": 16, "shortest": 40, "longest": 900, "new_tokens": 64,
         "chunk": 512, "long": 4000, "capacity": 4096, "batch": 8, "running": 40,
         "memory": {"prompt": 40, "new_tokens": 8},
-        "single": {"prompts": [40, 512, 900], "new_tokens": 64},
+        "single": {"prompts": [40, 512, 900], "new_tokens": 64, "repeats": 3},
         "probe": {"cases": [[2, 512], [8, 40]], "decode_past": 512}}
 QUICK = {"preset": "tiny", "count": 6, "shortest": 10, "longest": 120, "new_tokens": 8,
          "chunk": 32, "long": 300, "capacity": 512, "batch": 4, "running": 10,
          "memory": {"prompt": 10, "new_tokens": 4},
-         "single": {"prompts": [10, 60], "new_tokens": 8},
+         "single": {"prompts": [10, 60], "new_tokens": 8, "repeats": 1},
          "probe": {"cases": [[2, 32], [4, 10]], "decode_past": 32}}
 THROUGHPUT_GOAL = 3.0
 STALL_GOAL = 1.5

@@ -1,6 +1,8 @@
 """Table 1: onnx-chunk against onnxruntime-genai at the same chunk width, side by side.
 
-Both systems get the same seeded prompts, chunk width 512 (genai's `search.chunk_size`), greedy
+Both systems load the same converted model (the bench decoder after `onnx-chunk convert`, a
+genai folder: what a deployment serves, and what onnx-chunk loads without the graph libraries)
+and get the same seeded prompts, chunk width 512 (genai's `search.chunk_size`), greedy
 search, stop at EOS, and each measurement runs in a fresh process of its own (peak RSS is that
 process's). Runs are interleaved round by round. Reported as ratios onnx-chunk / genai of the
 medians: TTFT (target <= 1.0), decode tokens/s (>= 1.0), peak RSS (<= 1.0), and whether every
@@ -33,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     lengths = ([int(value) for value in args.lengths.split(",")] if args.lengths
                else [40, 300] if args.quick else list(PROMPT_LENGTHS))
     genai = env.genai_python(args.genai_venv)
-    model = env.build_model(args.out, "bench", args.variant)
+    model = env.converted_model(args.out, "bench", args.variant)
     config = env.model_config(model)
     lengths = capped_lengths(lengths, config["context_length"], new_tokens)
 

@@ -37,7 +37,8 @@ def measure(model: Path, baseline: Path, plan: dict, repetitions: int) -> dict:
                 results = _child(trees[tree], {
                     "model": str(model), "path": path, "prompts": prompts,
                     "new_tokens": plan["new_tokens"], "chunk_size": plan["chunk"],
-                    "capacity": max(plan["prompts"]) + plan["new_tokens"]})
+                    "capacity": max(plan["prompts"]) + plan["new_tokens"],
+                    "repeats": plan["repeats"]})
                 runs[path][tree].append(results)
                 print(f"round {round_index + 1}/{repetitions} single {path:<8} {tree:<8} ttft "
                       + " ".join(f"{result['ttft_s']:.3f}" for result in results) + " s",

@@ -4,14 +4,17 @@ The parent runs it with PYTHONPATH set to a checkout of the repository, so the c
 onnx_chunk is imported (this tree's or a baseline's); the result names `onnx_chunk.__file__`
 for the parent to check. argv[1] is a JSON object: model, path ("generate": a `Sequence`'s
 `generate`, one sequence per prompt; "submit": `runtime.submit` on a runtime loaded with
-max_batch=1), prompts, new_tokens, chunk_size, capacity. No EOS stop. After load, one
-8-token prompt with 2 new tokens warms the path up; then every prompt once, in order.
-Prints the TTFT, decode tokens/s and tokens of each.
+max_batch=1), prompts, new_tokens, chunk_size, capacity, repeats. No EOS stop. After load,
+one 8-token prompt with 2 new tokens warms the path up; then every prompt `repeats` times in a
+row (one 64-token decode is too short to time alone on a noisy machine). Prints the median
+TTFT and decode tokens/s of each prompt's runs, and its tokens (the same in every run, or
+the worker fails).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 
 import onnx_chunk
@@ -36,13 +39,24 @@ def _submit(runtime, prompt: list[int], new_tokens: int) -> dict:
 PATHS = {"generate": _generate, "submit": _submit}
 
 
+def _repeated(run, runtime, prompt: list[int], new_tokens: int, repeats: int) -> dict:
+    runs = [run(runtime, prompt, new_tokens) for _ in range(repeats)]
+    if any(each["tokens"] != runs[0]["tokens"] for each in runs):
+        raise SystemExit("the same prompt gave different greedy tokens in one process")
+    return {"tokens": runs[0]["tokens"],
+            "ttft_s": statistics.median(each["ttft_s"] for each in runs),
+            "decode_tokens_per_s": statistics.median(each["decode_tokens_per_s"]
+                                                     for each in runs)}
+
+
 def main() -> None:
     request = json.loads(sys.argv[1])
     run = PATHS[request["path"]]
     with onnx_chunk.load(request["model"], provider="cpu", chunk_size=request["chunk_size"],
                          capacity=request["capacity"], max_batch=1) as runtime:
         run(runtime, request["prompts"][0][:8], 2)
-        results = [run(runtime, prompt, request["new_tokens"]) for prompt in request["prompts"]]
+        results = [_repeated(run, runtime, prompt, request["new_tokens"],
+                             request.get("repeats", 1)) for prompt in request["prompts"]]
     print(json.dumps({"onnx_chunk_file": onnx_chunk.__file__, "results": results}))
 
 
