@@ -136,3 +136,18 @@ def field_bytes(data, number: int, wire: int, value: int | Span) -> bytes:
     if wire == LEN:
         return encode_len_field(number, bytes(data[start:end]))
     return encode_varint(number << 3 | wire) + bytes(data[start:end])
+
+
+def len_header(number: int, size: int) -> bytes:
+    """The tag and length of a LEN field whose payload of `size` bytes follows."""
+    return encode_varint(number << 3 | LEN) + encode_varint(size)
+
+
+def field_pieces(view: memoryview, number: int, wire: int, value: int | Span) -> list:
+    """`field_bytes` as pieces to join later: a small header and a view of the payload, so a
+    large field (a weight) is copied once, by the final join."""
+    if wire == VARINT:
+        return [encode_varint_field(number, value)]
+    start, end = value
+    header = len_header(number, end - start) if wire == LEN else encode_varint(number << 3 | wire)
+    return [header, view[start:end]]

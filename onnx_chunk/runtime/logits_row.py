@@ -24,7 +24,7 @@ from __future__ import annotations
 from onnx_chunk.errors import ModelLoadError, ModelStructureError
 from onnx_chunk.model_file import read_value_info
 from onnx_chunk.onnx_wire import (LEN, Span, WireError, encode_len_field, encode_varint_field,
-                                  field_bytes, fields, text)
+                                  field_bytes, field_pieces, fields, len_header, text)
 from onnx_chunk.runtime.ports import LOGITS_OUTPUT
 
 ROW_INPUT = "logits_row"
@@ -50,39 +50,46 @@ def select_row(model: bytes) -> bytes:
 
 
 def _select_row(data: bytes) -> bytes:
-    out = bytearray()
+    # Unchanged fields stay views of `data` until the one join at the end: the weights of a
+    # model stored inline are copied once, not once per nesting level.
+    view = memoryview(data)
+    pieces: list = []
     graphs = 0
     for number, wire, value in fields(data, 0, len(data)):
         if number == _MODEL_GRAPH and wire == LEN:
             graphs += 1
-            out += encode_len_field(_MODEL_GRAPH, _graph(data, value))
+            graph = _graph(data, view, value)
+            pieces.append(len_header(_MODEL_GRAPH, sum(len(piece) for piece in graph)))
+            pieces += graph
         else:
-            out += field_bytes(data, number, wire, value)
+            pieces += field_pieces(view, number, wire, value)
     if graphs != 1:
         raise ModelStructureError(f"expected one graph in the decoder, found {graphs}")
-    return bytes(out)
+    return b"".join(pieces)
 
 
-def _graph(data: bytes, span: Span) -> bytes:
-    out = bytearray()
+def _graph(data: bytes, view: memoryview, span: Span) -> list:
+    """The pieces of the graph at `span`, rewritten."""
+    out: list = []
     found = False
     for number, wire, value in fields(data, *span):
         if wire == LEN and number == _GRAPH_OUTPUT and _value_name(data, value) == LOGITS_OUTPUT:
             found = True
-            out += encode_len_field(_GRAPH_OUTPUT, _picked_output(data, value))
-            out += encode_len_field(_GRAPH_OUTPUT, _renamed(data, value, (_VALUE_NAME,)))
+            out.append(encode_len_field(_GRAPH_OUTPUT, _picked_output(data, value)))
+            out.append(encode_len_field(_GRAPH_OUTPUT, _renamed(data, value, (_VALUE_NAME,))))
         elif wire == LEN and number == _GRAPH_VALUE_INFO and \
                 _value_name(data, value) == LOGITS_OUTPUT:
-            out += encode_len_field(number, _renamed(data, value, (_VALUE_NAME,)))
-        elif wire == LEN and number == _GRAPH_NODE and LOGITS_OUTPUT.encode() in \
-                data[value[0]:value[1]]:
-            out += encode_len_field(number, _renamed(data, value, (_NODE_INPUT, _NODE_OUTPUT)))
+            out.append(encode_len_field(number, _renamed(data, value, (_VALUE_NAME,))))
+        elif wire == LEN and number == _GRAPH_NODE and \
+                data.find(LOGITS_OUTPUT.encode(), *value) != -1:
+            out.append(encode_len_field(number,
+                                        _renamed(data, value, (_NODE_INPUT, _NODE_OUTPUT))))
         else:
-            out += field_bytes(data, number, wire, value)
+            out += field_pieces(view, number, wire, value)
     if not found:
         raise ModelStructureError(f"the decoder has no {LOGITS_OUTPUT!r} output to pick a row of")
     row_shape = encode_len_field(_SHAPE_DIM, encode_varint_field(_DIM_VALUE, 1))
-    out += encode_len_field(_GRAPH_INPUT, _value_info(ROW_INPUT, _INT64, row_shape))
+    out.append(encode_len_field(_GRAPH_INPUT, _value_info(ROW_INPUT, _INT64, row_shape)))
     axis = (encode_len_field(_ATTR_NAME, "axis") + encode_varint_field(_ATTR_I, 1)
             + encode_varint_field(_ATTR_TYPE, _ATTR_TYPE_INT))
     gather = (encode_len_field(_NODE_INPUT, ALL_ROWS) + encode_len_field(_NODE_INPUT, ROW_INPUT)
@@ -90,8 +97,8 @@ def _graph(data: bytes, span: Span) -> bytes:
               + encode_len_field(_NODE_NAME, "select_logits_row")
               + encode_len_field(_NODE_OP_TYPE, "Gather")
               + encode_len_field(_NODE_ATTRIBUTE, axis))
-    out += encode_len_field(_GRAPH_NODE, gather)
-    return bytes(out)
+    out.append(encode_len_field(_GRAPH_NODE, gather))
+    return out
 
 
 def _value_name(data: bytes, span: Span) -> str | None:

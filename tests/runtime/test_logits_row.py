@@ -1,6 +1,9 @@
 """select_row: the logits output becomes the one row an input picks (numerics: the device-path
 test in tests/cuda/test_graph_lifecycle.py)."""
 
+import tracemalloc
+
+import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
@@ -50,3 +53,23 @@ def test_a_model_without_logits_is_refused(reference_model):
             value.name = "scores"
     with pytest.raises(ModelStructureError, match="no 'logits' output"):
         select_row(proto.SerializeToString())
+
+
+def test_inline_weights_are_copied_once(tmp_path):
+    # A decoder stored inline (as exporters write models under 2 GB): the rewrite keeps the
+    # unchanged fields as views until one join, so it allocates about the model once.
+    weights = onnx.numpy_helper.from_array(np.zeros((1024, 4096), dtype=np.float32), "w")
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "w"], ["logits"])], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["b", "s", 1024])],
+        [onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["b", "s", 4096])],
+        [weights])
+    data = onnx.helper.make_model(graph).SerializeToString()
+    tracemalloc.start()
+    try:
+        selected = select_row(data)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert onnx.load_from_string(selected).graph.initializer[0] == weights
+    assert peak < 1.2 * len(data), (peak, len(data))
