@@ -31,6 +31,7 @@ MODES = ("import", "load")
 
 def measure(model: Path, genai: Path | None, plan: dict, repetitions: int) -> dict:
     """Every run of both modes of both systems: {mode: {system: [run, ...]}}."""
+    env.compile_package()
     systems = (ONNX_CHUNK, GENAI) if genai else (ONNX_CHUNK,)
     python = {ONNX_CHUNK: Path(sys.executable), GENAI: genai}
     prompt = seeded_prompt(plan["prompt"], env.model_config(model)["vocab_size"])

@@ -48,6 +48,16 @@ def build_model(out: Path, preset: str, variant: str = "base") -> Path:
     return model
 
 
+def compile_package() -> None:
+    """Write the bytecode of this checkout's onnx_chunk, as `pip install` does for an installed
+    package (and did for genai's venv): an editable checkout run with PYTHONDONTWRITEBYTECODE
+    set compiles every module from source at each import (measured here: 0.19 against 0.15 s
+    for `import onnx_chunk` + `load`), which a load-time comparison must not charge."""
+    import compileall
+
+    compileall.compile_dir(ROOT / "onnx_chunk", quiet=1)
+
+
 def converted_model(out: Path, preset: str, variant: str = "base") -> Path:
     """The reference decoder `preset`/`variant` converted by `onnx-chunk convert` into
     out/models/<name>-converted (a genai folder: convert writes the genai_config.json beside
