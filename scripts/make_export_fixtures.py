@@ -151,6 +151,15 @@ _COMMON = {
     "bos_token_id": BOS,
 }
 
+# What gemma2 and gemma3 share: one sliding-window layer, then one full-attention layer.
+_GEMMA = dict(
+    _COMMON,
+    head_dim=HEAD_DIM,
+    query_pre_attn_scalar=HEAD_DIM,
+    sliding_window=SLIDING_WINDOW,
+    layer_types=["sliding_attention", "full_attention"],
+)
+
 FAMILIES: dict[str, Family] = {
     "llama": Family(
         "llama",
@@ -182,15 +191,8 @@ FAMILIES: dict[str, Family] = {
     ),
     "gemma2": Family(
         "gemma2",
-        dict(
-            _COMMON,
-            head_dim=HEAD_DIM,
-            query_pre_attn_scalar=HEAD_DIM,
-            sliding_window=SLIDING_WINDOW,
-            layer_types=["sliding_attention", "full_attention"],
-            # Tied, gemma's sqrt(hidden) embedding scale makes random weights echo the last token.
-            tie_word_embeddings=False,
-        ),
+        # Tied, gemma's sqrt(hidden) embedding scale makes random weights echo the last token.
+        dict(_GEMMA, tie_word_embeddings=False),
         eos=(EOS, EOT),
         chat_template=LLAMA3_TEMPLATE,
     ),
@@ -198,14 +200,7 @@ FAMILIES: dict[str, Family] = {
     # (KeyError 'rope_type'); the attempt stays in FIXTURES so the manifest records it.
     "gemma3": Family(
         "gemma3_text",
-        dict(
-            _COMMON,
-            head_dim=HEAD_DIM,
-            query_pre_attn_scalar=HEAD_DIM,
-            sliding_window=SLIDING_WINDOW,
-            layer_types=["sliding_attention", "full_attention"],
-            tie_word_embeddings=True,
-        ),
+        dict(_GEMMA, tie_word_embeddings=True),
         eos=(EOS, EOT),
         chat_template=LLAMA3_TEMPLATE,
     ),
