@@ -2,7 +2,8 @@
 
 Builder exports with GroupQueryAttention: inspect, convert, validate (structure.checker
 included), generate and the API on the file and on the folder, fix-shapes and its output, the
-model's EOS as the default stop, and the converted folder in onnxruntime-genai. The builder's
+model's EOS as the default stop, the converted folder in onnxruntime-genai, and CUDA's
+device-memory path run on CPU (the same tokens as the host path). The builder's
 fp16 CPU export (MultiHeadAttention over a concatenated KV) is refused with one clear line.
 """
 
@@ -18,6 +19,7 @@ from onnx_chunk.static import load_static
 from scripts._bench import environment
 from scripts._bench.child import run_child
 from tests.cli_output import validate_passes
+from tests.cuda.test_device_inputs import DEVICE
 from tests.exports.corpus import GENAI, builder_gqa_fixtures, fixtures
 
 CHUNK = 128
@@ -95,6 +97,19 @@ def test_generate_on_the_file_the_folder_and_the_api_agree(export, capsys):
         runs.append(json.loads(out))
     assert runs[0]["tokens"] == runs[1]["tokens"]
     assert runtime.open_sequence().generate(prompt, NEW_TOKENS) == runs[0]["tokens"]
+
+
+def test_the_device_memory_path_gives_the_host_paths_tokens(export, converted):
+    # CUDA's path, run on CPU: buffers off the host, per-width variants sharing one copy of the
+    # weights, the capacity mask, and prefill widths that return one logits row (logits_row's
+    # rewrite of the serialized export), alone and through the batch engine.
+    host = load(converted, provider="cpu")
+    device = load(converted, device=DEVICE)
+    assert device.options.select_rows
+    prompts = [_prompt(host, length) for length in (40, 300)]
+    expected = [host.open_sequence().generate(prompt, NEW_TOKENS) for prompt in prompts]
+    assert [device.open_sequence().generate(prompt, NEW_TOKENS) for prompt in prompts] == expected
+    assert device.generate_many(prompts, NEW_TOKENS) == expected
 
 
 def test_the_models_eos_ids_are_the_default_stop(export, tmp_path):
