@@ -763,7 +763,8 @@ def main(argv: list[str] | None = None) -> int:
     pythons = {"genai": args.genai_python, "optimum": args.optimum_python}
     with tempfile.TemporaryDirectory(prefix="export-fixtures-") as tmp:
         # The checks run in the genai venv; only the exporters of the chosen fixtures run.
-        used = {"genai"} | ({LAYOUT_VENV[f.layout] for f in chosen} if not args.check_only else set())
+        exporters = set() if args.check_only else {LAYOUT_VENV[f.layout] for f in chosen}
+        used = {"genai"} | exporters
         driver = Driver(out, Path(tmp), pythons, used)
         if not args.check_only:
             for fixture in chosen:

@@ -125,7 +125,8 @@ def _decode_counters(runtime: Runtime) -> tuple[int, int]:
     return (0, 0) if engine is None else (engine.decode_steps, engine.decode_rows)
 
 
-def _one_sequence(runtime: Runtime, prompt: np.ndarray, new_tokens: int) -> tuple[list[int], list[float]]:
+def _one_sequence(runtime: Runtime, prompt: np.ndarray,
+                  new_tokens: int) -> tuple[list[int], list[float]]:
     """Greedy tokens of `prompt` through one sequence, and the top-1 minus top-2 logit margin
     of every step."""
     with runtime.open_sequence() as sequence:
