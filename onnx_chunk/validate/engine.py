@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from onnx_chunk import Runtime, load
-from onnx_chunk.runtime import Request
 from onnx_chunk.errors import OnnxChunkError
+from onnx_chunk.runtime import Request
 from onnx_chunk.validate.checks import ENGINE
 from onnx_chunk.validate.prompts import seeded_prompt
 from onnx_chunk.validate.report import CheckResult, Outcome

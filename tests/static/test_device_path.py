@@ -31,12 +31,12 @@ def _prompt(length: int) -> list[int]:
     return np.random.default_rng(length).integers(3, 256, length).tolist()
 
 
-@pytest.mark.parametrize("length, new_tokens", [(1, 8), (6, 8), (14, 11), (14, 20)])
+@pytest.mark.parametrize("length, new_tokens", [(1, 8), (6, 8), (14, 20)])
 def test_the_device_path_gives_the_host_paths_tokens_and_logits(pair, length, new_tokens):
     host = StaticRunner(*pair, max_input_len=MAX_INPUT, provider="cpu")
     device = StaticRunner(*pair, max_input_len=MAX_INPUT, device=DEVICE_LIKE)
-    if host.layout.value == "bound" and length + new_tokens - 1 > CAPACITY:
-        pytest.skip("a cache bound at capacity refuses to slide")
+    if host.layout.value == "bound":  # a cache bound at capacity refuses to slide
+        new_tokens = min(new_tokens, CAPACITY - length + 1)
     prefill = device.start(_prompt(length), new_tokens)
     assert all(buffer.host is None for buffer in (*prefill.cache.key_buffers,
                                                   *prefill.cache.value_buffers))
