@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -57,6 +58,9 @@ logger = logging.getLogger(__name__)
 
 # Seconds a client told "queue full" (429) waits before it retries.
 RETRY_AFTER_S = 1
+# Temperatures below this (a request's or the config's) are greedy: dividing the logits by a
+# smaller one overflows them.
+GREEDY_TEMPERATURE = 1e-5
 # The largest request body read (413 beyond): a prompt that fills a 128k-token context is at
 # most about 3 MB of JSON (4 characters a token, each escaped as 6 bytes: `\\u00e9`), its
 # token ids about 1 MB; 8 MiB leaves room for those and caps what one request makes the
@@ -234,6 +238,8 @@ class _Service:
                                 "shorten the prompt")
         sampling = Sampling.from_search(self.search, temperature=params.temperature,
                                         top_p=params.top_p, seed=params.seed)
+        if 0 < sampling.temperature < GREEDY_TEMPERATURE:
+            sampling = dataclasses.replace(sampling, temperature=0.0)
         request = runtime.submit(ids, params.max_tokens or room,
                                  eos_token_id=tokenizer.eos_token_ids or None,
                                  sampling=sampling)

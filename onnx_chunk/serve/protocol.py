@@ -7,7 +7,7 @@ Pure functions (no ONNX Runtime, no HTTP): a decoded JSON body in, a `Generation
    either (one prompt per request: `n` and batched prompts are refused).
 2. `max_tokens` (or chat's `max_completion_tokens`, which wins unless it is null) is an
    integer >= 1, or absent (then the room left in the context); `temperature` a number in
-   [0, 2] (under 1e-5: greedy, as 0); `top_p` a number in (0, 1];
+   [0, 2]; `top_p` a number in (0, 1];
    `seed` an integer >= 0; `stop` a string or up to 4 strings; `n` 1; `stream` a boolean;
    `stream_options.include_usage` a boolean.
 3. Booleans are not numbers; fields the server does not use (`user`, `presence_penalty`, ...)
@@ -27,8 +27,6 @@ from typing import Any
 from onnx_chunk.errors import InputError
 
 MAX_STOPS = 4
-# Temperatures below this are greedy: dividing logits by a smaller one overflows them.
-GREEDY_TEMPERATURE = 1e-5
 _REFUSED = ("logprobs", "top_logprobs", "echo", "tools", "functions", "suffix")
 
 
@@ -126,7 +124,8 @@ def _params(body: Mapping[str, Any], max_tokens: int | None, *,
                            f"{_shown(include_usage)}", param="stream_options")
     return GenerationParams(
         prompt=prompt, messages=messages, max_tokens=max_tokens,
-        temperature=_temperature(body.get("temperature")),
+        temperature=_number(body.get("temperature"), "temperature", "in [0, 2]",
+                            lambda value: 0 <= value <= 2),
         top_p=_number(body.get("top_p"), "top_p", "in (0, 1]", lambda value: 0 < value <= 1),
         seed=_seed(body.get("seed")), stop=_stops(body.get("stop")), stream=stream,
         include_usage=include_usage, model=model)
@@ -209,13 +208,6 @@ def _stops(value: object) -> tuple[str, ...]:
         raise RequestError(f"'stop' must be a non-empty string or a list of at most "
                            f"{MAX_STOPS} of them, got {_shown(value)}", param="stop")
     return tuple(_text(stop, "stop") for stop in stops)
-
-
-def _temperature(value: object) -> float | None:
-    temperature = _number(value, "temperature", "in [0, 2]", lambda number: 0 <= number <= 2)
-    if temperature is not None and temperature < GREEDY_TEMPERATURE:
-        return 0.0
-    return temperature
 
 
 def _text(value: str, param: str) -> str:

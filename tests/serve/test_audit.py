@@ -203,15 +203,31 @@ def test_7_a_body_nested_100000_deep_is_a_400(live, body):
     assert "deep" in data["error"]["message"]
 
 
-# 8. `temperature: 1e-310` answered 500: a temperature under 1e-5 is greedy.
-def test_8_a_vanishing_temperature_is_greedy(live):
+# 8. `temperature: 1e-310` answered 500: a temperature under 1e-5 is greedy (a request's, or
+# the config's default).
+def test_8_a_vanishing_temperature_is_greedy(live, monkeypatch):
+    submitted = []
+    submit = live.runtime.submit
+
+    def recording(*args, **kwargs):
+        submitted.append(kwargs["sampling"])
+        return submit(*args, **kwargs)
+
+    monkeypatch.setattr(live.runtime, "submit", recording)
     answers = []
-    for temperature in (0, 1e-310, 9e-6):
+    for temperature in (0, 1e-310, 9e-6, None):
+        if temperature is None:
+            monkeypatch.setattr(live.app.state.service, "search",
+                                {"do_sample": True, "temperature": 1e-300})
         status, _, data = exchange(live, "POST", COMPLETIONS, {
             "prompt": LONG_PROMPT, "max_tokens": 6, "temperature": temperature})
         assert status == 200, data
         answers.append(data["choices"][0]["text"])
-    assert answers[0] == answers[1] == answers[2]
+    assert len(set(answers)) == 1
+    assert all(sampling.greedy for sampling in submitted)
+    exchange(live, "POST", COMPLETIONS, {"prompt": LONG_PROMPT, "max_tokens": 1,
+                                         "temperature": 1e-5})
+    assert submitted[-1].temperature == 1e-5
 
 
 def _leave_mid_upload(live) -> None:
