@@ -62,7 +62,7 @@ RETRY_AFTER_S = 1
 # smaller one overflows them.
 GREEDY_TEMPERATURE = 1e-5
 # The largest request body read (413 beyond): a prompt that fills a 128k-token context is at
-# most about 3 MB of JSON (4 characters a token, each escaped as 6 bytes: `\\u00e9`), its
+# most about 3 MB of JSON (4 characters a token, each escaped as 6 bytes: `\u00e9`), its
 # token ids about 1 MB; 8 MiB leaves room for those and caps what one request makes the
 # server hold and parse.
 DEFAULT_MAX_BODY_BYTES = 8 << 20
