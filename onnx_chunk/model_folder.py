@@ -20,6 +20,10 @@ from typing import Any
 from onnx_chunk.errors import ModelLoadError, OutputError
 
 GENAI_CONFIG = "genai_config.json"
+# The `search` fields onnx-chunk reads, by the JSON type each must have.
+_SEARCH_FLAGS = ("do_sample",)
+_SEARCH_NUMBERS = ("temperature", "top_p", "repetition_penalty")
+_SEARCH_INTEGERS = ("top_k", "random_seed")
 HF_CONFIG = "config.json"
 DEFAULT_DECODER = "model.onnx"
 STATIC_CHUNK_DECODER = "chunk.onnx"
@@ -85,6 +89,7 @@ def read_genai_config(path: Path) -> GenaiConfig | None:
     model = reader.section(document, "model")
     decoder = reader.section(model, "decoder")
     search = reader.section(document, "search")
+    reader.search_types(search)
     eos = model.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     for value in eos_ids:
@@ -128,6 +133,9 @@ def read_json_object(path: Path, what: str, expected: str) -> dict[str, Any] | N
     except (OSError, UnicodeDecodeError, ValueError) as error:
         raise ModelLoadError(f"cannot read {str(path)!r} as JSON ({error}); fix or remove "
                              "the file") from error
+    except RecursionError as error:
+        raise ModelLoadError(f"cannot read {str(path)!r}: its arrays or objects nest too deep "
+                             "to be read; fix or remove the file") from error
     if not isinstance(document, dict):
         raise ModelLoadError(f"{str(path)!r} holds no JSON object; expected {expected}")
     return document
@@ -176,6 +184,22 @@ class _Reader:
         if not isinstance(value, dict):
             raise self._fail(key, "an object", value)
         return value
+
+    def search_types(self, search: dict) -> None:
+        """The `search` fields onnx-chunk reads have their JSON types (ranges are checked
+        where they are used: `Sampling.from_search`)."""
+        for key in _SEARCH_FLAGS:
+            if search.get(key) is not None and not isinstance(search[key], bool):
+                raise self._fail(f"search.{key}", "true or false", search[key])
+        for key in _SEARCH_NUMBERS:
+            value = search.get(key)
+            if value is not None and (isinstance(value, bool) or
+                                      not isinstance(value, (int, float))):
+                raise self._fail(f"search.{key}", "a number", value)
+        for key in _SEARCH_INTEGERS:
+            value = search.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise self._fail(f"search.{key}", "an integer", value)
 
     def string(self, parent: dict, key: str, name: str) -> str | None:
         value = parent.get(key)

@@ -114,3 +114,22 @@ def test_an_unreadable_config_is_one_clear_error(tmp_path, content):
     (tmp_path / "genai_config.json").write_bytes(content)
     with pytest.raises(ModelLoadError, match="genai_config.json"):
         read_genai_config(tmp_path / "genai_config.json")
+
+
+@pytest.mark.parametrize(("search", "message"), [
+    ({"do_sample": "yes"}, "search.do_sample must be true or false"),
+    ({"temperature": "hot"}, "search.temperature must be a number"),
+    ({"top_p": True}, "search.top_p must be a number"),
+    ({"top_k": 2.5}, "search.top_k must be an integer"),
+    ({"random_seed": "1"}, "search.random_seed must be an integer"),
+])
+def test_search_fields_of_a_wrong_type_are_one_clear_error(tmp_path, search, message):
+    with pytest.raises(ModelLoadError, match=message):
+        read_genai_config(_config(tmp_path, search=search))
+
+
+def test_a_config_nested_too_deep_is_one_clear_error(tmp_path):
+    path = tmp_path / "genai_config.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ModelLoadError, match="nest too deep"):
+        read_genai_config(path)

@@ -3,7 +3,9 @@
 The listening socket is bound before the model loads, so a busy port is one error line; the
 line `listening on http://HOST:PORT` (stderr) gives the port actually bound (`--port 0` picks a
 free one). SIGTERM or SIGINT drains: no new request is admitted, running streams end with an
-error event, and the command exits 0 once every connection has closed.
+error event, and the command exits 0 once every connection has closed. A model folder that
+would fail every request (a chat template that does not compile, a bad `search` section) is
+one error line at start.
 """
 
 from __future__ import annotations
@@ -40,10 +42,18 @@ _CACHE_MODES = {"auto": {}, "ladder": {"specialize": True, "padding": True},
               show_default=True)
 @click.option("--capacity", type=click.IntRange(min=2), default=None,
               help="The KV capacity (context) of each slot; default the model's.")
+@click.option("--max-body-bytes", type=click.IntRange(min=1), default=None,
+              help="The largest request body read; larger ones are answered 413 "
+                   "(default 8 MiB: a prompt filling a 128k-token context fits).")
+@click.option("--parse-special-in-content", is_flag=True,
+              help="Turn special tokens typed in messages into control tokens, as transformers' "
+                   "apply_chat_template does (default: they are text, as in OpenAI's API, so a "
+                   "user cannot forge a turn).")
 @click.option("--cache", "cache_mode", type=click.Choice(sorted(_CACHE_MODES)), default="auto",
               hidden=True, help="Development: the variant cache's keying (exact: per shape).")
 def serve(model: Path, host: str, port: int, batch: int, queue: int, api_key: str | None,
-          provider: str, capacity: int | None, cache_mode: str) -> None:
+          provider: str, capacity: int | None, max_body_bytes: int | None,
+          parse_special_in_content: bool, cache_mode: str) -> None:
     try:
         from onnx_chunk.serve import create_app
         from onnx_chunk.serve.server import DrainingServer, bind
@@ -62,7 +72,9 @@ def serve(model: Path, host: str, port: int, batch: int, queue: int, api_key: st
     with contextlib.closing(listener), load(model, provider=provider, capacity=capacity,
                                             max_batch=batch, max_queue=queue,
                                             **_CACHE_MODES[cache_mode]) as runtime:
-        app = create_app(runtime, api_key=api_key)
+        body_limit = {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
+        app = create_app(runtime, api_key=api_key,
+                         parse_special_in_content=parse_special_in_content, **body_limit)
         server = DrainingServer(app, log_level=logging.getLogger().level)
         bound_host, bound_port = listener.getsockname()[:2]
         click.echo(f"listening on http://{bound_host}:{bound_port} ({runtime.provider}, "

@@ -3,12 +3,18 @@
 `create_app(runtime)` gives an ASGI app; `onnx-chunk serve` runs it under uvicorn. Every
 generation is one `Runtime.submit`; the answers:
 - 200: chat.completion / text_completion, or an event stream of chunks ending in `[DONE]`;
-- 400: a malformed body, a field of the wrong type or range, a prompt over the context (with
-  the numbers); 401: a missing or wrong `Authorization: Bearer KEY` (when the app has a key;
-  /health and /metrics stay open); 404: an unknown route or model; 429 with Retry-After: the
-  engine's queue is full; 503: the server is draining; 500: a defect (logged here, never sent
-  as a traceback). Every error body has OpenAI's shape.
-A client that disconnects cancels its request (its slot is freed at once). `drain()` (SIGTERM
+- 400: a malformed body (not JSON, nested too deep, a lone surrogate), a field of the wrong
+  type or range, a prompt over the context (with the numbers); 401: a missing or wrong
+  `Authorization: Bearer KEY` (when the app has a key; /health and /metrics stay open); 404: an
+  unknown route or model; 413: a body over `max_body_bytes`; 429 with Retry-After: the
+  engine's queue is full; 503: the server is draining; 500: a defect, or the model's chat
+  template failing (logged here, never sent as a traceback). Every error body has OpenAI's
+  shape.
+The event loop only moves bytes and tokens: a request's body is parsed, its template rendered
+and its prompt encoded on a worker thread, each bounded by the context before the whole
+prompt is encoded (the tokenizer's `check_fits`, the template's `max_chars`).
+A client that disconnects cancels its request (its slot is freed at once); one that leaves
+while it uploads its body is logged (info) and not counted as an error. `drain()` (SIGTERM
 in `onnx-chunk serve`) stops admitting and ends the running requests; a stream then gets an
 error event in place of its last chunk.
 """
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -27,7 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request as HttpRequest
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -39,7 +47,7 @@ from onnx_chunk.serve.generation import ServedGeneration
 from onnx_chunk.serve.metrics import CONTENT_TYPE, ServerMetrics
 from onnx_chunk.serve.protocol import (GenerationParams, RequestError, error_body, parse_chat,
                                        parse_completion)
-from onnx_chunk.text.generation import prompt_ids
+from onnx_chunk.text.chat_template import ChatTemplateFault
 from onnx_chunk.text.token_text import TokenText
 
 if TYPE_CHECKING:
@@ -50,13 +58,34 @@ logger = logging.getLogger(__name__)
 
 # Seconds a client told "queue full" (429) waits before it retries.
 RETRY_AFTER_S = 1
+# Temperatures below this (a request's or the config's) are greedy: dividing the logits by a
+# smaller one overflows them.
+GREEDY_TEMPERATURE = 1e-5
+# The largest request body read (413 beyond): a prompt that fills a 128k-token context is at
+# most about 3 MB of JSON (4 characters a token, each escaped as 6 bytes: `\u00e9`), its
+# token ids about 1 MB; 8 MiB leaves room for those and caps what one request makes the
+# server hold and parse.
+DEFAULT_MAX_BODY_BYTES = 8 << 20
 
 
-def create_app(runtime: Runtime, *, model_name: str | None = None,
-               api_key: str | None = None) -> Starlette:
+def create_app(runtime: Runtime, *, model_name: str | None = None, api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               parse_special_in_content: bool = False) -> Starlette:
     """The ASGI app serving `runtime` (see the module docstring); `app.state.service.drain()`
-    stops it admitting. The caller owns the runtime (and closes it after the server)."""
-    service = _Service(runtime, model_name or runtime.model_path.parent.name, api_key)
+    stops it admitting. The caller owns the runtime (and closes it after the server).
+
+    max_body_bytes: bodies larger are refused (413).
+    parse_special_in_content: special tokens typed in messages become control tokens, as
+        transformers' apply_chat_template makes them; by default they are text, as OpenAI's
+        API treats them (a user cannot forge a turn).
+    Faults of the model folder that would fail every request (a chat template that does not
+    compile, genai_config's `search` out of range) raise here, at start.
+    """
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) \
+            or max_body_bytes < 1:
+        raise ConfigError(f"max_body_bytes must be an integer >= 1, got {max_body_bytes!r}")
+    service = _Service(runtime, model_name or runtime.model_path.parent.name, api_key,
+                       max_body_bytes, parse_special_in_content)
     routes = [
         Route("/v1/chat/completions", service.endpoint(service.chat_completions),
               methods=["POST"]),
@@ -73,11 +102,17 @@ def create_app(runtime: Runtime, *, model_name: str | None = None,
 class _Service:
     """The app's state: the runtime, its tokenizer, the metrics, the live generations."""
 
-    def __init__(self, runtime: Runtime, model_name: str, api_key: str | None) -> None:
+    def __init__(self, runtime: Runtime, model_name: str, api_key: str | None,
+                 max_body_bytes: int, parse_special_in_content: bool) -> None:
         self.runtime = runtime
         self.model_name = model_name
-        # Read now: a model folder without a tokenizer fails at start, not per request.
+        # Read now: a model folder without a tokenizer, with a chat template that does not
+        # compile or with a bad `search` fails at start, not at every request.
         self.tokenizer: Tokenizer = runtime.tokenizer
+        _ = self.tokenizer.chat_template, self.tokenizer.max_token_chars
+        self.search = _checked_search(runtime)
+        self.max_body_bytes = max_body_bytes
+        self.parse_special_in_content = parse_special_in_content
         self.metrics = ServerMetrics(runtime)
         self._api_key = api_key
         self._created = int(time.time())
@@ -98,19 +133,29 @@ class _Service:
             try:
                 self._authorize(request)
                 return await handler(request)
+            except ClientDisconnect:  # nobody is left to answer; not the server's failure
+                logger.info("a client left during its upload to %s", request.url.path)
+                return Response(status_code=499)
             except Exception as error:  # every failure becomes one OpenAI-shaped answer
                 return self._error_response(error)
         return run
 
     async def chat_completions(self, request: HttpRequest) -> Response:
-        arrived = time.perf_counter()
-        params = parse_chat(await _json_body(request))
-        return await self._serve(request, params, arrived, chat=True)
+        return await self._generate(request, chat=True)
 
     async def completions(self, request: HttpRequest) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request: HttpRequest, *, chat: bool) -> Response:
         arrived = time.perf_counter()
-        params = parse_completion(await _json_body(request))
-        return await self._serve(request, params, arrived, chat=False)
+        body = await self._body(request)
+        try:
+            params, ids = await run_in_threadpool(self._prepare, body, chat)
+            generation = self._start(params, ids, arrived)
+        except CapacityError as error:
+            raise RequestError(str(error), param="messages" if chat else "prompt",
+                               code="context_length_exceeded") from error
+        return await self._serve(request, params, generation, chat=chat)
 
     async def models(self, request: HttpRequest) -> Response:
         return JSONResponse({"object": "list", "data": [
@@ -125,13 +170,43 @@ class _Service:
     async def metrics_page(self, request: HttpRequest) -> Response:
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
 
-    async def _serve(self, request: HttpRequest, params: GenerationParams, arrived: float, *,
-                     chat: bool) -> Response:
-        try:
-            generation = self._start(params, arrived)
-        except CapacityError as error:
-            raise RequestError(str(error), param="messages" if chat else "prompt",
-                               code="context_length_exceeded") from error
+    async def _body(self, request: HttpRequest) -> bytes:
+        """The request's body, read up to `max_body_bytes` (413 beyond)."""
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise _too_large(f"{int(declared)} bytes", limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(f"more than {limit} bytes", limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _prepare(self, body: bytes, chat: bool) -> tuple[GenerationParams, list[int]]:
+        """Parse, check and encode one request (on a worker thread: this is the work whose
+        size the client chooses); every refusal raised before any generation."""
+        params = parse_chat(_json(body)) if chat else parse_completion(_json(body))
+        if self.draining:
+            raise ClosedError("the server is shutting down")
+        if params.model is not None and params.model != self.model_name:
+            raise RequestError(f"the model {params.model!r} is not served here; this server "
+                               f"serves {self.model_name!r} (GET /v1/models)", param="model",
+                               code="model_not_found", status=404)
+        tokenizer, capacity = self.tokenizer, self.runtime.capacity
+        if params.messages:
+            ids = tokenizer.encode_chat(list(params.messages), max_tokens=capacity,
+                                        special_in_content=self.parse_special_in_content)
+        elif isinstance(params.prompt, str):
+            tokenizer.check_fits(params.prompt, capacity)
+            ids = tokenizer.encode(params.prompt)
+        else:
+            ids = list(params.prompt)
+        return params, ids
+
+    async def _serve(self, request: HttpRequest, params: GenerationParams,
+                     generation: ServedGeneration, *, chat: bool) -> Response:
         answer = _ChatAnswer(self.model_name) if chat else _TextAnswer(self.model_name)
         self._live.add(generation)
         if params.stream:
@@ -150,29 +225,21 @@ class _Service:
         generation.close()
         self._live.discard(generation)
 
-    def _start(self, params: GenerationParams, arrived: float) -> ServedGeneration:
-        """Check, tokenize and submit one request (every refusal raised before any work)."""
+    def _start(self, params: GenerationParams, ids: list[int],
+               arrived: float) -> ServedGeneration:
+        """Submit one prepared request (every refusal raised before any work)."""
         if self.draining:
             raise ClosedError("the server is shutting down")
-        if params.model is not None and params.model != self.model_name:
-            raise RequestError(f"the model {params.model!r} is not served here; this server "
-                               f"serves {self.model_name!r} (GET /v1/models)", param="model",
-                               code="model_not_found", status=404)
         runtime, tokenizer = self.runtime, self.tokenizer
-        if params.messages:
-            ids = prompt_ids(tokenizer, list(params.messages))
-        elif isinstance(params.prompt, str):
-            ids = prompt_ids(tokenizer, params.prompt)
-        else:
-            ids = list(params.prompt)
         room = runtime.capacity - len(ids)
         if params.max_tokens is None and room < 1:
             raise CapacityError(f"the prompt has {len(ids)} tokens and the context holds "
                                 f"{runtime.capacity}, leaving no room for a new token; "
                                 "shorten the prompt")
-        search = {} if runtime.genai is None else runtime.genai.search
-        sampling = Sampling.from_search(search, temperature=params.temperature,
+        sampling = Sampling.from_search(self.search, temperature=params.temperature,
                                         top_p=params.top_p, seed=params.seed)
+        if 0 < sampling.temperature < GREEDY_TEMPERATURE:
+            sampling = dataclasses.replace(sampling, temperature=0.0)
         request = runtime.submit(ids, params.max_tokens or room,
                                  eos_token_id=tokenizer.eos_token_ids or None,
                                  sampling=sampling)
@@ -220,6 +287,9 @@ def _error_answer(error: Exception) -> tuple[int, dict[str, Any], dict[str, str]
     if isinstance(error, RequestError):
         return error.status, error_body(str(error), error.error_type, param=error.param,
                                         code=error.code), {}
+    if isinstance(error, ChatTemplateFault):  # the model's template: the server's fault
+        logger.error("the chat template failed a request: %s", error, exc_info=error)
+        return 500, error_body(str(error), "server_error", code="chat_template_failed"), {}
     if isinstance(error, (InputError, ConfigError)):
         return 400, error_body(str(error), "invalid_request_error"), {}
     if isinstance(error, QueueFullError):
@@ -239,13 +309,34 @@ async def _http_error(request: HttpRequest, error: HTTPException) -> Response:
                         status_code=error.status_code, headers=error.headers)
 
 
-async def _json_body(request: HttpRequest) -> object:
-    raw = await request.body()
+def _json(raw: bytes) -> object:
     try:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise RequestError(f"the request body is not valid JSON ({error}); send a JSON object",
                            code="invalid_json") from error
+    except RecursionError as error:
+        raise RequestError("the request body nests arrays or objects too deep to be read; "
+                           "send a flatter JSON object", code="invalid_json") from error
+
+
+def _too_large(size: str, limit: int) -> RequestError:
+    return RequestError(f"the request body has {size}, more than the {limit} bytes this "
+                        "server reads (its --max-body-bytes); send a smaller request",
+                        code="request_too_large", status=413)
+
+
+def _checked_search(runtime: Runtime) -> dict[str, Any]:
+    """genai_config.json's `search` section, once checked as every request would read it."""
+    genai = runtime.genai
+    if genai is None:
+        return {}
+    try:
+        Sampling.from_search(genai.search)
+    except ConfigError as error:
+        raise ConfigError(f"{str(genai.path)!r}: its search section is not usable ({error}); "
+                          "fix the config") from error
+    return genai.search
 
 
 async def _collect(pieces: AsyncIterator[str]) -> str:

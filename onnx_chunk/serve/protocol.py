@@ -5,14 +5,17 @@ Pure functions (no ONNX Runtime, no HTTP): a decoded JSON body in, a `Generation
 1. `messages` (chat) is a non-empty list of {"role": str, "content": str or a list of text
    parts}; `prompt` (completions) is a string, a list of token ids, or a list holding one of
    either (one prompt per request: `n` and batched prompts are refused).
-2. `max_tokens` (or chat's `max_completion_tokens`) is an integer >= 1, or absent (then the
-   room left in the context); `temperature` a number in [0, 2]; `top_p` a number in (0, 1];
+2. `max_tokens` (or chat's `max_completion_tokens`, which wins unless it is null) is an
+   integer >= 1, or absent (then the room left in the context); `temperature` a number in
+   [0, 2]; `top_p` a number in (0, 1];
    `seed` an integer >= 0; `stop` a string or up to 4 strings; `n` 1; `stream` a boolean;
    `stream_options.include_usage` a boolean.
 3. Booleans are not numbers; fields the server does not use (`user`, `presence_penalty`, ...)
    are ignored as OpenAI's own server ignores what a model does not support; options that
    would change the answer's shape and are not implemented (`logprobs`, `echo`,
    `best_of` > 1, `tools`) are refused, never silently dropped.
+4. Text (prompt, roles, contents, stop strings) must be encodable as UTF-8: JSON's `\ud800`
+   escapes can spell a lone surrogate, which is no text (refused, naming the field).
 """
 
 from __future__ import annotations
@@ -69,8 +72,9 @@ def parse_chat(body: object) -> GenerationParams:
     if not isinstance(messages, list) or not messages:
         raise RequestError(f"'messages' must be a non-empty list of messages, got "
                            f"{_shown(messages)}", param="messages")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    param = "max_tokens" if body.get("max_completion_tokens") is None \
+        else "max_completion_tokens"
+    max_tokens = body.get(param)
     return _params(body, _max_tokens(max_tokens, param), messages=tuple(
         _message(message, index) for index, message in enumerate(messages)))
 
@@ -136,13 +140,14 @@ def _message(message: object, index: int) -> Mapping[str, str]:
     if not isinstance(role, str) or not role:
         raise RequestError(f"{where}.role must be a non-empty string, got {_shown(role)}",
                            param=f"{where}.role")
+    _text(role, f"{where}.role")
     if isinstance(content, list):
         content = "".join(_text_part(part, f"{where}.content[{number}]")
                           for number, part in enumerate(content))
     if not isinstance(content, str):
         raise RequestError(f"{where}.content must be a string or a list of text parts, got "
                            f"{_shown(content)}", param=f"{where}.content")
-    return {"role": role, "content": content}
+    return {"role": role, "content": _text(content, f"{where}.content")}
 
 
 def _text_part(part: object, where: str) -> str:
@@ -150,7 +155,7 @@ def _text_part(part: object, where: str) -> str:
             or not isinstance(part.get("text"), str):
         raise RequestError(f"{where} must be a text part {{'type': 'text', 'text': str}} "
                            f"(this server reads text only), got {_shown(part)}", param=where)
-    return part["text"]
+    return _text(part["text"], where)
 
 
 def _prompt(prompt: object) -> str | tuple[int, ...]:
@@ -159,7 +164,7 @@ def _prompt(prompt: object) -> str | tuple[int, ...]:
     if isinstance(prompt, str):
         if not prompt:
             raise RequestError("'prompt' must not be empty", param="prompt")
-        return prompt
+        return _text(prompt, "prompt")
     if isinstance(prompt, list) and prompt and all(
             not _not_integer(item) and item >= 0 for item in prompt):
         return tuple(prompt)
@@ -202,7 +207,19 @@ def _stops(value: object) -> tuple[str, ...]:
             isinstance(stop, str) and stop for stop in stops):
         raise RequestError(f"'stop' must be a non-empty string or a list of at most "
                            f"{MAX_STOPS} of them, got {_shown(value)}", param="stop")
-    return tuple(stops)
+    return tuple(_text(stop, "stop") for stop in stops)
+
+
+def _text(value: str, param: str) -> str:
+    """`value`, when it is text (no lone surrogate: JSON's escapes can spell one)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise RequestError(f"'{param}' holds a lone surrogate (\\u{ord(value[error.start]):04x} "
+                           f"at character {error.start}), which is not text; escape a "
+                           "character outside the BMP as a surrogate pair, or send it as "
+                           "UTF-8", param=param) from error
+    return value
 
 
 def _not_integer(value: object) -> bool:

@@ -20,13 +20,15 @@ from typing import Any
 from ray import serve
 
 from onnx_chunk.errors import ConfigError
+from onnx_chunk.serve.app import DEFAULT_MAX_BODY_BYTES
 
 
 def application(model: str | os.PathLike, *, replicas: int = 1, gpus_per_replica: float = 0,
                 cpus_per_replica: float = 1, provider: str = "auto", batch: int = 4,
                 queue: int = 64, capacity: int | None = None,
                 intra_op_threads: int | None = None, api_key: str | None = None,
-                name: str = "onnx-chunk") -> Any:
+                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                parse_special_in_content: bool = False, name: str = "onnx-chunk") -> Any:
     """A Ray Serve application of `replicas` replicas of the server on `model` (bind()ed;
     pass it to `serve.run`). Every option but the Ray resources is `load`'s or the server's."""
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
@@ -40,7 +42,9 @@ def application(model: str | os.PathLike, *, replicas: int = 1, gpus_per_replica
         from onnx_chunk.runtime import load
         from onnx_chunk.serve import create_app
 
-        return create_app(load(model_path, **load_options), api_key=api_key)
+        return create_app(load(model_path, **load_options), api_key=api_key,
+                          max_body_bytes=max_body_bytes,
+                          parse_special_in_content=parse_special_in_content)
 
     @serve.deployment(name=name, num_replicas=replicas,
                       ray_actor_options={"num_gpus": gpus_per_replica,

@@ -10,6 +10,12 @@ HTML-escaping filter; `strftime_now(format)` is the local time; the variables ar
 `tools` and `documents` (None), `add_generation_prompt`, and every declared special token
 (bos_token, eos_token, unk_token, sep_token, pad_token, cls_token, mask_token) by name, as
 transformers 5 passes them (no additional_special_tokens).
+
+What a render raises: the template's `raise_exception` refuses the messages
+(ChatTemplateError, an input error); any other failure while rendering (a TypeError, an
+OverflowError, an undefined name, the sandbox's refusal...) is the template's fault, not the
+messages' (ChatTemplateFault); a rendering longer than `max_chars` stops there (RenderTooLong),
+so a template that loops cannot build an unbounded prompt.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from onnx_chunk.errors import InputError, ModelLoadError
+from onnx_chunk.errors import CapacityError, InputError, ModelLoadError
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 DEFAULT_TEMPLATE_NAME = "default"
@@ -28,6 +34,23 @@ DEFAULT_TEMPLATE_NAME = "default"
 
 class ChatTemplateError(InputError):
     """The chat template refused the messages (its raise_exception), or failed rendering them."""
+
+
+class ChatTemplateFault(ChatTemplateError):
+    """The chat template failed while rendering (a TypeError, an OverflowError, ...): a fault of
+    the model's template, not of the messages (a server answers it as its own fault)."""
+
+
+class RenderTooLong(CapacityError):
+    """A rendering passed the `max_chars` it was given (it stopped there)."""
+
+    def __init__(self, message: str, max_chars: int) -> None:
+        super().__init__(message)
+        self.max_chars = max_chars
+
+
+class _Refused(Exception):
+    """What the template's raise_exception raises."""
 
 
 class ChatTemplate:
@@ -46,18 +69,33 @@ class ChatTemplate:
                                  f"{error.lineno}: {error.message}); fix the template") from error
 
     def render(self, messages: Sequence[Mapping[str, Any]], *,
-               add_generation_prompt: bool = False) -> str:
-        """The prompt text of `messages` ([{"role", "content"}, ...])."""
-        import jinja2
-
+               add_generation_prompt: bool = False, max_chars: int | None = None) -> str:
+        """The prompt text of `messages` ([{"role", "content"}, ...]); RenderTooLong as soon
+        as it passes `max_chars` characters (None: no bound)."""
         _check_messages(messages)
+        pieces: list[str] = []
+        length = 0
         try:
-            return self._template.render(
-                messages=[dict(message) for message in messages], tools=None, documents=None,
-                add_generation_prompt=add_generation_prompt, **self._special_tokens)
-        except jinja2.TemplateError as error:
+            for piece in self._template.generate(
+                    messages=[dict(message) for message in messages], tools=None,
+                    documents=None, add_generation_prompt=add_generation_prompt,
+                    **self._special_tokens):
+                length += len(piece)
+                if max_chars is not None and length > max_chars:
+                    raise RenderTooLong(f"the chat template's rendering passed {max_chars} "
+                                        "characters", max_chars)
+                pieces.append(piece)
+        except _Refused as error:
             raise ChatTemplateError(f"the chat template of {self.origin} refused the messages: "
                                     f"{error}") from error
+        except (RenderTooLong, MemoryError):
+            raise
+        except Exception as error:  # anything else is the template's own failure
+            raise ChatTemplateFault(
+                f"the chat template of {self.origin} failed rendering the messages "
+                f"({type(error).__name__}: {error}); the template is at fault, not the "
+                "messages: fix the model's chat template") from error
+        return "".join(pieces)
 
 
 def find_chat_template(folder: Path, config: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -94,7 +132,7 @@ def _environment():
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
+        raise _Refused(message)
 
     def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,

@@ -11,20 +11,30 @@ replaces it (measured against transformers 5.24 in tests/text/test_parity.py). A
 switched off, as transformers does for a plain `encode`.
 The EOS ids are genai_config.json's `eos_token_id` when it has one (onnxruntime-genai stops
 on those), else the tokenizer's EOS token.
+
+Encoding releases the GIL (the Rust batch call), so a long text encoded on a worker thread
+leaves the other threads (a server's event loop) running. `max_token_chars` bounds the text a
+token can stand for, so a text too long for a context is refused before it is encoded.
+`encode_chat` can keep the special tokens typed into messages as text (a user cannot forge a
+turn): the strings the client typed are swapped for placeholders before rendering, and each
+placeholder left in the rendering is encoded as the plain text of what it stands for.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import re
+import uuid
 from collections.abc import Mapping, Sequence
 from functools import cached_property
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from onnx_chunk.errors import InputError, ModelLoadError
+from onnx_chunk.errors import CapacityError, InputError, ModelLoadError
 from onnx_chunk.model_folder import GenaiConfig, locate_model, read_json_object
-from onnx_chunk.text.chat_template import ChatTemplate, find_chat_template
+from onnx_chunk.text.chat_template import ChatTemplate, RenderTooLong, find_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +52,19 @@ SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 # SPECIAL_TOKENS_ATTRIBUTES), in its order.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                        "cls_token", "mask_token")
+
+# The parts of a tokenizer.json pipeline that never make the text shorter, so that a token
+# stands for at most its own length in characters of the text (pre-tokenizers that drop
+# whitespace, normalizers that strip, models that fuse unknown characters into one token do
+# not: no bound holds for them). Unicode composition joins at most 4 code points into one.
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts",
+                           "Split"}
+_KEEPING_NORMALIZERS = {"Prepend", "Lowercase", "NFD", "NFKD", "Replace"}
+_COMPOSING_NORMALIZERS = {"NFC", "NFKC"}
+_COMPOSED_CODE_POINTS = 4
+
+# The message fields whose special tokens `encode_chat` keeps as text.
+_TYPED_FIELDS = ("role", "content")
 
 
 @dataclass(frozen=True)
@@ -112,8 +135,101 @@ class Tokenizer:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """The ids of `text`; with `add_special_tokens` what the post-processor adds (BOS...)."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """The ids of `text`; with `add_special_tokens` what the post-processor adds (BOS...).
+        (The batch call: it releases the GIL while it encodes.)"""
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters of a text one token stands for (None: no bound holds, see
+        `_KEEPING_PRE_TOKENIZERS`); read from tokenizer.json's pipeline and vocabulary."""
+        return _max_token_chars(json.loads(self._backend.to_str()),
+                                self._backend.get_vocab(with_added_tokens=True))
+
+    def check_fits(self, text: str, max_tokens: int, what: str = "the prompt") -> None:
+        """CapacityError, before any encoding, when `text` is too long to be `max_tokens`
+        tokens or fewer (when `max_token_chars` bounds it)."""
+        span = self.max_token_chars
+        if span is not None and len(text) > max_tokens * span:
+            raise CapacityError(
+                f"{what} has {len(text)} characters, more than {max_tokens} tokens can hold "
+                f"(a token of this tokenizer stands for at most {span} characters; the KV "
+                f"capacity is {max_tokens}); shorten it")
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *,
+                    add_generation_prompt: bool = True, special_in_content: bool = False,
+                    max_tokens: int | None = None) -> list[int]:
+        """The ids of a conversation rendered through the chat template (no special tokens
+        added, as transformers' apply_chat_template(tokenize=True)).
+
+        special_in_content: the special tokens typed in the messages' role and content become
+            control tokens (transformers' behaviour); False keeps them as text.
+        max_tokens: a rendering too long to be that many tokens is refused (CapacityError)
+            as it renders, before it is encoded.
+        """
+        messages = [dict(message) for message in messages]
+        typed: list[str] = []
+        nonce = uuid.uuid4().hex
+        if not special_in_content:
+            messages = self._special_as_placeholders(messages, typed, nonce)
+        span = self.max_token_chars
+        max_chars = None if max_tokens is None or span is None else max_tokens * span
+        try:
+            text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                            max_chars=max_chars)
+        except RenderTooLong as error:
+            raise CapacityError(
+                f"the chat template renders these messages into more than {error.max_chars} "
+                f"characters, more than {max_tokens} tokens can hold (a token of this tokenizer "
+                f"stands for at most {span} characters; the KV capacity is {max_tokens}); "
+                "shorten the conversation") from error
+        if not typed:
+            return self.encode(text, add_special_tokens=False)
+        pieces = re.split(f"\ue000{nonce}(\\d+)\ue001", text)
+        ids: list[int] = []
+        for index, piece in enumerate(pieces):
+            if index % 2:
+                ids += self._as_text.encode_batch([typed[int(piece)]],
+                                                  add_special_tokens=False)[0].ids
+            elif piece:
+                ids += self.encode(piece, add_special_tokens=False)
+        return ids
+
+    def _special_as_placeholders(self, messages: list[dict[str, Any]], typed: list[str],
+                                 nonce: str) -> list[dict[str, Any]]:
+        """`messages` with each special token in their typed fields swapped for a placeholder
+        (its index in `typed`, which collects them)."""
+        pattern = self._special_pattern
+        if pattern is None:
+            return messages
+
+        def placeholder(match: re.Match) -> str:
+            typed.append(match.group())
+            return f"\ue000{nonce}{len(typed) - 1}\ue001"
+
+        for message in messages:
+            for field in _TYPED_FIELDS:
+                if isinstance(message.get(field), str):
+                    message[field] = pattern.sub(placeholder, message[field])
+        return messages
+
+    @cached_property
+    def _special_pattern(self) -> re.Pattern | None:
+        strings = sorted({token.content for token in
+                          self._backend.get_added_tokens_decoder().values() if token.special},
+                         key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, strings))) if strings else None
+
+    @cached_property
+    def _as_text(self) -> Any:
+        """A copy of the backend that encodes special tokens as plain text."""
+        from tokenizers import Tokenizer as Backend
+
+        backend = Backend.from_str(self._backend.to_str())
+        backend.no_padding()
+        backend.no_truncation()
+        backend.encode_special_tokens = True
+        return backend
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """The text of `token_ids` (special tokens dropped with `skip_special_tokens`)."""
@@ -129,15 +245,18 @@ class Tokenizer:
         return ChatTemplate(source, self.special_tokens.template_variables(), origin)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
-                            add_generation_prompt: bool = True) -> str:
-        """The prompt text of a conversation, through the model's chat template."""
+                            add_generation_prompt: bool = True,
+                            max_chars: int | None = None) -> str:
+        """The prompt text of a conversation, through the model's chat template (a rendering
+        past `max_chars` characters stops there: RenderTooLong)."""
         template = self.chat_template
         if template is None:
             raise InputError(
                 f"the model folder {str(self.folder)!r} has no chat template (no "
                 f"chat_template.jinja, no chat_template in {TOKENIZER_CONFIG}); pass the prompt "
                 "as text instead of messages")
-        return template.render(messages, add_generation_prompt=add_generation_prompt)
+        return template.render(messages, add_generation_prompt=add_generation_prompt,
+                               max_chars=max_chars)
 
     def token_id(self, token: str | None) -> int | None:
         """The id of one token string (None when it is not in the vocabulary)."""
@@ -180,6 +299,50 @@ def _special_tokens(config: dict[str, Any], folder: Path) -> SpecialTokens:
                             for name in SPECIAL_TOKEN_NAMES})
 
 
+
+
+def _max_token_chars(document: Mapping[str, Any], vocab: Mapping[str, int]) -> int | None:
+    """The most characters of a text one token of this tokenizer.json stands for (None: no
+    bound holds for its pipeline)."""
+    factor = 1
+    for normalizer in _pipeline(document.get("normalizer"), "normalizers"):
+        kind = normalizer.get("type")
+        if kind in _COMPOSING_NORMALIZERS:
+            factor = _COMPOSED_CODE_POINTS
+        elif kind not in _KEEPING_NORMALIZERS or (kind == "Replace" and not _lengthening(
+                normalizer)):
+            return None
+    for pre_tokenizer in _pipeline(document.get("pre_tokenizer"), "pretokenizers"):
+        if pre_tokenizer.get("type") not in _KEEPING_PRE_TOKENIZERS or \
+                pre_tokenizer.get("behavior") == "Removed":
+            return None
+    model = document.get("model") or {}
+    kind = model.get("type")
+    if kind == "BPE":
+        fused = model.get("unk_token") is not None and model.get("fuse_unk")
+        if fused and not model.get("byte_fallback"):
+            return None
+    elif kind != "Unigram" or not model.get("byte_fallback"):
+        return None  # WordPiece, WordLevel, Unigram without byte fallback: unknowns fuse
+    return factor * max(map(len, vocab), default=1)
+
+
+def _pipeline(step: Mapping[str, Any] | None, key: str) -> list[Mapping[str, Any]]:
+    """The steps of a normalizer or pre-tokenizer (a Sequence's, flattened)."""
+    if step is None:
+        return []
+    if step.get("type") == "Sequence":
+        return [inner for part in step.get(key) or [] for inner in _pipeline(part, key)]
+    return [step]
+
+
+def _lengthening(replace: Mapping[str, Any]) -> bool:
+    """Whether a Replace normalizer never shortens the text (a string pattern replaced by
+    something at least as long)."""
+    pattern = (replace.get("pattern") or {}).get("String")
+    content = replace.get("content")
+    return isinstance(pattern, str) and isinstance(content, str) and \
+        len(content) >= len(pattern) > 0
 
 
 def _rebuild_post_processor(backend: Any, config: dict[str, Any], special: SpecialTokens) -> None:

@@ -69,3 +69,25 @@ def test_absent_and_null_options_take_the_defaults():
 def test_the_error_body_has_openais_four_fields():
     assert error_body("no", "invalid_request_error", param="n", code="c") == {
         "error": {"message": "no", "type": "invalid_request_error", "param": "n", "code": "c"}}
+
+
+def test_a_null_max_completion_tokens_falls_back_to_max_tokens():
+    assert parse_chat({"messages": MESSAGES, "max_tokens": 5,
+                       "max_completion_tokens": None}).max_tokens == 5
+    assert parse_chat({"messages": MESSAGES, "max_tokens": 5,
+                       "max_completion_tokens": 7}).max_tokens == 7
+    with pytest.raises(RequestError) as caught:
+        parse_chat({"messages": MESSAGES, "max_tokens": 0, "max_completion_tokens": None})
+    assert caught.value.param == "max_tokens"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": "a\ud800"}, "prompt"),
+    ({"prompt": "a", "stop": "\udfff"}, "stop"),
+    ({"messages": [{"role": "us\ud800er", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "\udc00"}]}, "messages[0].content"),
+])
+def test_a_lone_surrogate_is_refused_naming_its_field(body, param):
+    with pytest.raises(RequestError, match="lone surrogate") as caught:
+        (parse_chat if "messages" in body else parse_completion)(body)
+    assert caught.value.param == param and caught.value.status == 400
