@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from onnx_chunk.runtime.engine import Runtime, load
-from onnx_chunk.runtime.provider import Device, MaskPolicy, resolve_device
-from onnx_chunk.runtime.request import Request, RequestStats
-from onnx_chunk.runtime.sequence import Sequence
+from onnx_chunk.runtime.model import Runtime, load
+from onnx_chunk.runtime.device.provider import Device, MaskPolicy, resolve_device
+from onnx_chunk.runtime.engine.request import Request, RequestStats
+from onnx_chunk.runtime.engine.sequence import Sequence
 from onnx_chunk.runtime.stats import (ChunkRecord, EngineStats, GenerationStats, RuntimeStats,
                                       SequenceStats)
 

@@ -35,12 +35,12 @@ from onnx_chunk.ladder import DECODE_WIDTH, ladder_tiers
 from onnx_chunk.metadata import ChunkPlan
 from onnx_chunk.model_file import ModelFile
 from onnx_chunk.model_folder import GenaiConfig
-from onnx_chunk.runtime.batch_engine import DEFAULT_MAX_QUEUE
-from onnx_chunk.runtime.padding import resolve_padding
-from onnx_chunk.runtime.ports import ModelPorts, model_ports
-from onnx_chunk.runtime.provider import Device, MaskPolicy, device_for
-from onnx_chunk.runtime.sequence_pool import DEFAULT_IDLE_SLOTS
-from onnx_chunk.runtime.variant_cache import EXACT, Specialize, VariantKey, variant_key
+from onnx_chunk.runtime.engine.batch_engine import DEFAULT_MAX_QUEUE
+from onnx_chunk.runtime.runner.padding import resolve_padding
+from onnx_chunk.runtime.runner.ports import ModelPorts, model_ports
+from onnx_chunk.runtime.device.provider import Device, MaskPolicy, device_for
+from onnx_chunk.runtime.engine.sequence_pool import DEFAULT_IDLE_SLOTS
+from onnx_chunk.runtime.caches.variant_cache import EXACT, Specialize, VariantKey, variant_key
 
 logger = logging.getLogger(__name__)
 

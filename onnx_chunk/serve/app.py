@@ -43,7 +43,7 @@ from onnx_chunk.text.generation import prompt_ids
 from onnx_chunk.text.token_text import TokenText
 
 if TYPE_CHECKING:
-    from onnx_chunk.runtime.engine import Runtime
+    from onnx_chunk.runtime.model import Runtime
     from onnx_chunk.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class _Service:
     async def models(self, request: HttpRequest) -> Response:
         return JSONResponse({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": self._created,
-             "owned_by": "onnx-chunk", "max_model_len": self.runtime.capacity}]})
+             "owned_by": "onnx-chunk", "max_model_len": self.runtime.options.capacity}]})
 
     async def health(self, request: HttpRequest) -> Response:
         if self.draining or self.runtime.closed:
@@ -165,10 +165,10 @@ class _Service:
             ids = prompt_ids(tokenizer, params.prompt)
         else:
             ids = list(params.prompt)
-        room = runtime.capacity - len(ids)
+        room = runtime.options.capacity - len(ids)
         if params.max_tokens is None and room < 1:
             raise CapacityError(f"the prompt has {len(ids)} tokens and the context holds "
-                                f"{runtime.capacity}, leaving no room for a new token; "
+                                f"{runtime.options.capacity}, leaving no room for a new token; "
                                 "shorten the prompt")
         search = {} if runtime.genai is None else runtime.genai.search
         sampling = Sampling.from_search(search, temperature=params.temperature,

@@ -15,8 +15,8 @@ from onnx_chunk.passes import analyze
 from onnx_chunk.ladder import ladder_tiers
 from onnx_chunk.runtime.options import (LoadArguments, checked_arguments, resolve_capacity,
                                         resolve_chunk_size, resolve_options)
-from onnx_chunk.runtime.padding import PADDING_ENV_VARS
-from onnx_chunk.runtime.provider import MaskPolicy, device_for
+from onnx_chunk.runtime.runner.padding import PADDING_ENV_VARS
+from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,7 @@ from typing import Generic, Literal, TypeVar
 
 from onnx_chunk.errors import ClosedError, ConfigError
 from onnx_chunk.ladder import DECODE_WIDTH
-from onnx_chunk.runtime.memory import MemoryMeter, measured
+from onnx_chunk.runtime.device.memory import MemoryMeter, measured
 
 logger = logging.getLogger(__name__)
 
