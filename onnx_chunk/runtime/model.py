@@ -99,8 +99,8 @@ class Runtime:
         are kept for the next sequences to reuse (see sequence_pool).
     max_batch: the slots of the batch engine behind `submit` and `generate_many`: how many
         sequences it serves at once (default 1). Above 1 every session leaves the batch axis
-        free (prefill chunks run at batch 1, decode at `max_batch` rows) and CUDA graphs are
-        off (the batched bindings capture none; see docs/engine.md).
+        free (prefill chunks run at batch 1, decode at `max_batch` rows); the batched decode
+        captures a CUDA graph like any other binding (see docs/engine.md).
     max_queue: how many submitted requests may wait for a slot (QueueFullError beyond).
 
     `close()` (or leaving a `with` block) frees the sessions and buffers at once; a runtime is

@@ -13,7 +13,7 @@ Rules of `resolve_options`:
 3. Ports are resolved for that capacity; a window-sized cache gets a chunk of slack where the
    device allows it.
 4. A float32 KV cache cannot run CUDA's GroupQueryAttention: "auto" falls back to CPU, "cuda"
-   (or a given CUDA device) refuses. More than one slot turns CUDA graphs off.
+   (or a given CUDA device) refuses.
 5. Ladder: the plan's when its chunk size is kept and no max_variants is given, else one built
    for the chunk size and the variant cap (the plan's, or the argument).
 6. Specialisation: the argument, else the device's default; padding: the argument, the
@@ -132,10 +132,6 @@ def resolve_options(args: LoadArguments, *, plan: ChunkPlan, genai: GenaiConfig,
         device = attention_device(device, ports, args.provider, args.mask_policy)
     else:
         attention_device(device, ports, device.provider, args.mask_policy)
-    if args.max_batch > 1 and device.cuda_graphs:
-        logger.info("max_batch %d: CUDA graphs off (the batched bindings capture none)",
-                    args.max_batch)
-        device = dataclasses.replace(device, cuda_graphs=False)
     variants = plan.max_variants if args.max_variants is None else args.max_variants
     tiers = (plan.ladder if plan.ladder and plan.chunk_size == chunk_size
              and args.max_variants is None else ladder_tiers(chunk_size, variants))
