@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
-from onnx_chunk.errors import ModelStructureError
+from onnx_chunk.errors import ConfigError, ModelStructureError
 
 if TYPE_CHECKING:
     import onnx
@@ -153,6 +153,43 @@ class ChunkPlan:
             "max_sequence_length": self.max_sequence_length,
             "problems": list(self.problems),
         }
+
+
+def widest_window(bindings: Iterable[KVBinding]) -> KVBinding | None:
+    """The window-sized KV input of `bindings` with the widest window, or None when no cache
+    is window-sized."""
+    windowed = [binding for binding in bindings if binding.window is not None]
+    return max(windowed, key=lambda binding: binding.window or 0, default=None)
+
+
+def window_capacity(bindings: Iterable[KVBinding], limit: int | None = None) -> int:
+    """The smallest KV capacity that holds every sliding window of `bindings`: the widest
+    window, or 0 when no cache is window-sized.
+
+    GroupQueryAttention refuses a window-sized cache (`sliding_window_cache=1`) shorter than
+    its window, so no capacity below this runs the model. ConfigError when the model's own
+    `limit` (its maximum sequence length) is below it: no capacity can run it.
+    """
+    binding = widest_window(bindings)
+    if binding is None or binding.window is None:
+        return 0
+    if limit is not None and binding.window > limit:
+        raise ConfigError(f"{binding.input!r} keeps a sliding window of {binding.window} "
+                          f"positions, which needs a KV capacity of at least {binding.window}, "
+                          f"but the model's maximum sequence length is {limit}; re-export it "
+                          "with a window no wider than its context")
+    return binding.window
+
+
+def check_window_capacity(bindings: Iterable[KVBinding], capacity: int) -> None:
+    """ConfigError when `capacity` is below a sliding window of `bindings` (see
+    `window_capacity`)."""
+    binding = widest_window(bindings)
+    if binding is not None and binding.window is not None and capacity < binding.window:
+        raise ConfigError(f"capacity {capacity} is below the sliding window of {binding.window} "
+                          f"positions of {binding.input!r}, and a window-sized KV cache cannot "
+                          f"be shorter than its window: use a capacity of at least "
+                          f"{binding.window} (--capacity)")
 
 
 def _encode(value: Any) -> str:

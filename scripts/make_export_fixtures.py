@@ -61,6 +61,9 @@ INTERMEDIATE = 96
 LAYERS = 2
 MAX_POSITIONS = 2048
 SLIDING_WINDOW = 32
+# A window as wide as a real model's (gemma2's 4096) over a context of the same length: the
+# cache of its sliding layer must hold 4096 positions whatever capacity a runtime picks.
+WIDE_WINDOW = 4096
 INIT_RANGE = 0.15
 SIZE_LIMIT = 8 * 1024 * 1024
 CHECK_PROMPT = [1, 40, 41, 42, 43, 44]  # <s> and five byte tokens
@@ -196,6 +199,17 @@ FAMILIES: dict[str, Family] = {
         eos=(EOS, EOT),
         chat_template=LLAMA3_TEMPLATE,
     ),
+    "gemma2-w4096": Family(
+        "gemma2",
+        dict(
+            _GEMMA,
+            tie_word_embeddings=False,
+            sliding_window=WIDE_WINDOW,
+            max_position_embeddings=WIDE_WINDOW,
+        ),
+        eos=(EOS, EOT),
+        chat_template=LLAMA3_TEMPLATE,
+    ),
     # transformers 5 nests gemma3's rope settings per layer type, which builder 0.18 cannot read
     # (KeyError 'rope_type'); the attempt stays in FIXTURES so the manifest records it.
     "gemma3": Family(
@@ -240,6 +254,7 @@ FIXTURES: list[Fixture] = [
         for family in ("llama", "qwen3", "phi3", "gemma2", "lfm2")
         for precision in ("fp32", "int4")
     ],
+    Fixture("genai-gemma2-w4096-fp32", "gemma2-w4096", "genai", "fp32"),
     Fixture("genai-gemma3-fp32", "gemma3", "genai", "fp32"),
     Fixture(
         "genai-llama-fp16",
@@ -337,7 +352,7 @@ def train_tokenizer(family: Family):
         eos_token=SPECIAL_TOKENS[family.eos_ids()[0]],
         pad_token=SPECIAL_TOKENS[PAD],
         additional_special_tokens=SPECIAL_TOKENS[IM_START:],
-        model_max_length=MAX_POSITIONS,
+        model_max_length=family.config["max_position_embeddings"],
         clean_up_tokenization_spaces=False,
     )
     if family.chat_template is not None:
@@ -468,19 +483,18 @@ def check_fixture(folder: Path, layout: str) -> dict[str, Any]:
 
     result: dict[str, Any] = {}
     session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+    head, window = HEAD_DIM, SLIDING_WINDOW
     if (folder / "genai_config.json").exists():
-        head = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"][
-            "head_size"
-        ]
-    else:
-        head = HEAD_DIM
+        decoder = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
+        head = decoder["head_size"]
+        window = decoder.get("sliding_window", {}).get("window_size", SLIDING_WINDOW)
     rows = len(CHECK_PROMPT)
     sizes = {
         "batch_size": 1,
         "batch": 1,
         "sequence_length": rows,
         "past_sequence_length": 0,
-        "past_sliding_length": SLIDING_WINDOW,
+        "past_sliding_length": window,
         "total_sequence_length": rows,
         "kv_cache_dim": head,
         "past_sequence_length + sequence_length": rows,
@@ -552,7 +566,10 @@ def _genai_greedy(folder: Path) -> list[int]:
     prompt = CHECK_PROMPT
     params = og.GeneratorParams(model)
     # max_length sets genai's KV capacity, which a sliding-window cache needs >= the window.
-    params.set_search_options(max_length=2 * SLIDING_WINDOW, do_sample=False)
+    config = json.loads((folder / "genai_config.json").read_text())["model"]
+    window = config["decoder"].get("sliding_window", {}).get("window_size", SLIDING_WINDOW)
+    params.set_search_options(max_length=min(2 * window, config["context_length"]),
+                              do_sample=False)
     generator = og.Generator(model, params)
     generator.append_tokens(prompt)
     for _ in range(8):
@@ -583,7 +600,7 @@ def features(fixture: Fixture) -> dict[str, Any]:
         "num_attention_heads": HEADS,
         "num_key_value_heads": KV_HEADS,
         "head_dim": HEAD_DIM,
-        "max_position_embeddings": MAX_POSITIONS,
+        "max_position_embeddings": cfg["max_position_embeddings"],
     }
 
 
@@ -602,11 +619,13 @@ def file_entries(folder: Path) -> list[dict[str, Any]]:
 class Driver:
     """Runs each step in a child of the venv that owns it, staging exports in a temp folder."""
 
-    def __init__(self, out: Path, work: Path, pythons: dict[str, Path]):
+    def __init__(self, out: Path, work: Path, pythons: dict[str, Path], venvs: set[str]):
+        """`venvs`: the venvs this run uses (their versions are read; the others need not
+        exist)."""
         self.out = out
         self.work = work
         self.pythons = pythons
-        self.versions = {venv: json.loads(self._child(venv, "--versions")) for venv in pythons}
+        self.versions = {venv: json.loads(self._child(venv, "--versions")) for venv in venvs}
 
     def _child(self, venv: str, *args: str) -> str:
         return self._run([str(self.pythons[venv]), str(Path(__file__).resolve()), *args])
@@ -743,7 +762,10 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [f for f in FIXTURES if not args.only or f.name in args.only]
     pythons = {"genai": args.genai_python, "optimum": args.optimum_python}
     with tempfile.TemporaryDirectory(prefix="export-fixtures-") as tmp:
-        driver = Driver(out, Path(tmp), pythons)
+        # The checks run in the genai venv; only the exporters of the chosen fixtures run.
+        exporters = set() if args.check_only else {LAYOUT_VENV[f.layout] for f in chosen}
+        used = {"genai"} | exporters
+        driver = Driver(out, Path(tmp), pythons, used)
         if not args.check_only:
             for fixture in chosen:
                 _log(fixture.name)
@@ -765,7 +787,8 @@ def main(argv: list[str] | None = None) -> int:
             order = [f.name for f in FIXTURES]
             manifest = {
                 "generator": "scripts/make_export_fixtures.py",
-                "versions": driver.versions,
+                # A venv this run did not use keeps the versions its fixtures were built with.
+                "versions": previous.get("versions", {}) | driver.versions,
                 "fixtures": sorted(entries.values(), key=lambda e: order.index(e["name"])),
                 "failures": sorted(failures.values(), key=lambda e: order.index(e["name"])),
             }

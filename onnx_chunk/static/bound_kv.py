@@ -7,14 +7,19 @@ forward's rows written at positions [length, length + rows), and an integer `att
 and the causal limit from its sum). Positions sit at their own index, so this cache cannot
 slide: a request that would pass C is refused before it runs. Rows written after the last real
 row (right padding of the last chunk) are not counted; the next forward overwrites them.
+
+On the device each buffer is bound as both the past input and the present output, so the
+attention writes the new rows in place and nothing is copied between forwards.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import onnxruntime as ort
 
 from onnx_chunk.errors import CapacityError, InputError
-from onnx_chunk.static.kv_buffers import StaticKVBuffers
+from onnx_chunk.runtime.provider import Device
+from onnx_chunk.static.kv_buffers import StaticKVBuffers, bind_in_place
 
 
 class BoundKVCache(StaticKVBuffers):
@@ -30,9 +35,9 @@ class BoundKVCache(StaticKVBuffers):
 
     def __init__(
         self, num_layers: int, kv_heads: int, capacity: int, head_size: int,
-        dtype: np.dtype | type = np.float32,
+        dtype: np.dtype | type = np.float32, device: Device | None = None,
     ) -> None:
-        super().__init__(num_layers, kv_heads, capacity, head_size, dtype)
+        super().__init__(num_layers, kv_heads, capacity, head_size, dtype, device)
         self.length = 0
 
     @property
@@ -55,33 +60,47 @@ class BoundKVCache(StaticKVBuffers):
 
     def write(self, keys: list[np.ndarray], values: list[np.ndarray], real_rows: int) -> None:
         """Take one forward's present K/V (the whole buffers) and count its real rows."""
-        if len(keys) != len(self.keys) or len(values) != len(self.values):
+        if len(keys) != self.num_layers or len(values) != self.num_layers:
             raise InputError(
-                f"expected present K/V for {len(self.keys)} layers, got {len(keys)} keys and "
+                f"expected present K/V for {self.num_layers} layers, got {len(keys)} keys and "
                 f"{len(values)} values"
             )
-        expected = self.keys[0].shape
+        expected = self.shape
         for layer, (key, value) in enumerate(zip(keys, values)):
             if key.shape != expected or value.shape != expected:
                 raise InputError(
                     f"layer {layer}: expected present K/V of shape {expected} (the whole "
                     f"buffer), got {key.shape} and {value.shape}"
                 )
+        self._check_rows(real_rows)
+        for buffers, arrays in ((self.key_buffers, keys), (self.value_buffers, values)):
+            for buffer, array in zip(buffers, arrays):
+                buffer.write(array)
+        self.length += real_rows
+
+    def _check_rows(self, real_rows: int) -> None:
         if not 0 <= real_rows <= self.capacity - self.length:
             raise InputError(f"cannot count {real_rows} new positions after {self.length} in a "
                              f"cache of capacity {self.capacity}")
-        self.keys, self.values = list(keys), list(values)
-        self.length += real_rows
 
     def forward_mask(self, valid: np.ndarray, start: int, rows: int,
                      dtype: np.dtype | type) -> np.ndarray:
         """`mask(rows)`: the length is the cache's own, padding only ever trails it."""
         return self.mask(rows, dtype)
 
-    def absorb(self, keys: list[np.ndarray], values: list[np.ndarray],
-               new_valid: np.ndarray) -> None:
-        """`write` the present buffers, counting the real rows."""
-        self.write(keys, values, int(np.count_nonzero(new_valid)))
+    def bind(self, binding: ort.IOBinding, rows: int) -> None:
+        """Each buffer as its layer's past input and present output: written in place."""
+        for layer in range(self.num_layers):
+            bind_in_place(binding, layer, "key", self.key_buffers[layer],
+                          self.key_buffers[layer])
+            bind_in_place(binding, layer, "value", self.value_buffers[layer],
+                          self.value_buffers[layer])
+
+    def after_forward(self, new_valid: np.ndarray) -> None:
+        """Count the forward's real rows (the attention wrote them in place)."""
+        real_rows = int(np.count_nonzero(new_valid))
+        self._check_rows(real_rows)
+        self.length += real_rows
 
     def _recent_slots(self, count: int) -> slice:
         return slice(self.length - count, self.length)

@@ -37,7 +37,7 @@ import onnx_ir as ir
 from onnxruntime.tools.onnx_model_utils import fix_output_shapes, make_dim_param_fixed
 
 from onnx_chunk.errors import ConfigError, ModelLoadError, ModelStructureError, OutputError
-from onnx_chunk.metadata import KVCapacityFindings
+from onnx_chunk.metadata import KVCapacityFindings, check_window_capacity
 from onnx_chunk.model_io import Staging, external_data_files, load_model, staged_write
 from onnx_chunk.ort_schemas import register_runtime_schemas
 from onnx_chunk.passes.kv_capacity import find_kv_capacity
@@ -329,6 +329,8 @@ def fix_shapes(
     capacity = _resolve_capacity(capacity, {param: extra.pop(param) for param in
                                             capacity_params if param in extra},
                                  capacity_params, rows, max_length)
+    if capacity is not None:
+        check_window_capacity(kv.bindings, capacity)
     values: dict[str, int] = {}
     if batch:
         values[batch] = 1

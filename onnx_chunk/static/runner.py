@@ -16,6 +16,12 @@ written in place, prompts padded on the right, no sliding). A window-sized cache
 (GroupQueryAttention `sliding_window_cache=1`) in the bound layout holds C positions and evicts
 only past C, which the bound layout never reaches; ONNX Runtime's CUDA kernel takes such a cache
 only at capacity == window (`Device.window_slack`), so other capacities are refused there.
+
+Every forward runs through IOBinding on the runner's device (`Device.run`): the KV cache lives
+in device buffers allocated once per request and never crosses to the host (the bound layout
+is written in place by the attention, the rolling one is rolled by device-to-device copies);
+the host sends the token ids, positions and mask, and reads back one row of logits when a token
+is chosen.
 """
 
 from __future__ import annotations
@@ -40,17 +46,16 @@ from onnx_chunk.errors import (
     ModelStructureError,
     ProviderError,
 )
+from onnx_chunk.runtime.buffers import DeviceBuffer
 from onnx_chunk.runtime.provider import Device, resolve_device
 from onnx_chunk.static.alignment import AlignedPrompt, PadSide, StaticLimits, align_prompt
 from onnx_chunk.static.bound_kv import BoundKVCache
-from onnx_chunk.static.kv_buffers import StaticKVBuffers
+from onnx_chunk.static.kv_buffers import PAST, PRESENT, StaticKVBuffers
 from onnx_chunk.static.rolling_kv import RollingKVCache
 
 logger = logging.getLogger(__name__)
 
-_PAST = "past_key_values.{}.{}"
 _PAST_NAME = re.compile(r"^past_key_values\.\d+\.(key|value)$")
-_PRESENT = "present.{}.{}"
 FED_INPUTS = ("input_ids", "position_ids", "attention_mask")
 """The inputs besides past_key_values.N.key|value that the runner feeds."""
 METADATA_PREFIX = "onnx_chunk.static."
@@ -125,6 +130,9 @@ class _GraphSpec:
     layout: CacheLayout
     position_ids: bool
     """Whether the graph takes position_ids (the rolling layout always does)."""
+    logits: str
+    """The logits output's name (the graph's first output)."""
+    logits_dtype: np.dtype
 
 
 def _session(path: Path, device: Device) -> ort.InferenceSession:
@@ -153,7 +161,7 @@ def _graph_spec(session: ort.InferenceSession, path: Path) -> _GraphSpec:
     missing = [name for name in ("input_ids", "attention_mask") if name not in inputs]
     found_kv = {name for name in inputs if _PAST_NAME.match(name)}
     num_layers = len(found_kv) // 2
-    expected_kv = {_PAST.format(layer, kind) for layer in range(num_layers)
+    expected_kv = {PAST.format(layer, kind) for layer in range(num_layers)
                    for kind in ("key", "value")}
     if missing or not found_kv or found_kv != expected_kv:
         raise ModelStructureError(
@@ -170,7 +178,7 @@ def _graph_spec(session: ort.InferenceSession, path: Path) -> _GraphSpec:
             f"{path} has free dimensions on {', '.join(free)}; a static decoder has every "
             f"dimension fixed"
         )
-    past_shape = shapes[_PAST.format(0, "key")]
+    past_shape = shapes[PAST.format(0, "key")]
     if len(past_shape) != 4 or len(shapes["input_ids"]) != 2:
         raise ModelStructureError(
             f"{path}: input_ids is {shapes['input_ids']} and past_key_values.0.key is "
@@ -197,7 +205,7 @@ def _graph_spec(session: ort.InferenceSession, path: Path) -> _GraphSpec:
     outputs = {port.name: port.shape for port in session.get_outputs()}
     expected_present = [1, kv_heads, present_len, head_size]
     wrong = [f"{name} is {outputs.get(name)}" for layer in range(num_layers)
-             for name in (_PRESENT.format(layer, "key"), _PRESENT.format(layer, "value"))
+             for name in (PRESENT.format(layer, "key"), PRESENT.format(layer, "value"))
              if outputs.get(name) != expected_present]
     if wrong:
         raise ModelStructureError(
@@ -205,10 +213,12 @@ def _graph_spec(session: ort.InferenceSession, path: Path) -> _GraphSpec:
             + ("the forward's new K/V" if layout is CacheLayout.ROLLING
                else "the whole buffer, GroupQueryAttention bound at capacity") + ")"
         )
+    logits = session.get_outputs()[0]
     return _GraphSpec(rows, capacity, num_layers, kv_heads, head_size,
                       _numpy_dtype(inputs["attention_mask"].type),
-                      _numpy_dtype(inputs[_PAST.format(0, "key")].type),
-                      layout, "position_ids" in inputs)
+                      _numpy_dtype(inputs[PAST.format(0, "key")].type),
+                      layout, "position_ids" in inputs, logits.name,
+                      _numpy_dtype(logits.type))
 
 
 _ORT_DTYPES = {"tensor(float16)": np.float16, "tensor(float)": np.float32,
@@ -224,8 +234,14 @@ def _numpy_dtype(ort_type: str) -> np.dtype:
 
 
 def window_capacity_problem(windows: set[int], capacity: int, device: Device) -> str | None:
-    """Why `device` cannot run window-sized caches of `windows` at `capacity`, else None: its
-    kernel takes no cache larger than the window (`Device.window_slack` False, CUDA)."""
+    """Why `device` cannot run window-sized caches of `windows` at `capacity`, else None: no
+    kernel takes a cache shorter than its window, and CUDA's none larger either
+    (`Device.window_slack` False)."""
+    shorter = sorted(window for window in windows if window > capacity)
+    if shorter:
+        return (f"the graph keeps window-sized KV caches (window {', '.join(map(str, shorter))}) "
+                f"at the capacity C={capacity}, and a window-sized cache cannot be shorter than "
+                f"its window: fix the shapes with --capacity {shorter[-1]} or more")
     wider = sorted(window for window in windows if window != capacity)
     if device.window_slack or not wider:
         return None
@@ -245,7 +261,9 @@ class StaticRunner:
 
     `max_input_len` is L, the longest aligned prompt; by default the largest multiple of c below
     C. `provider` is "auto", "cuda" or "cpu" (`resolve_device`, shared with the dynamic
-    runtime). `strict` refuses (CapacityError) any request that would lose context, by
+    runtime); `device`, a resolved `Device`, replaces provider and device_id (for example the
+    CPU device marked not host-visible, which runs the device-memory path on CPU). `strict`
+    refuses (CapacityError) any request that would lose context, by
     truncation or by the cache sliding, instead of warning.
     """
 
@@ -258,9 +276,10 @@ class StaticRunner:
         provider: str = "auto",
         device_id: int = 0,
         strict: bool = False,
+        device: Device | None = None,
     ) -> None:
         chunk_path, decode_path = Path(chunk_model), Path(decode_model)
-        self.device = resolve_device(provider, device_id)
+        self.device = device if device is not None else resolve_device(provider, device_id)
         self.chunk_session = _session(chunk_path, self.device)
         self.decode_session = _session(decode_path, self.device)
         self.chunk_spec = _graph_spec(self.chunk_session, chunk_path)
@@ -334,27 +353,33 @@ class StaticRunner:
         """An empty KV cache of the graphs' layout."""
         spec = self.chunk_spec
         return self.layout.cache_type(spec.num_layers, spec.kv_heads, spec.capacity,
-                                      spec.head_size, dtype=spec.kv_dtype)
+                                      spec.head_size, dtype=spec.kv_dtype, device=self.device)
 
     def run_forward(
         self, session: ort.InferenceSession, spec: _GraphSpec,
         cache: StaticKVBuffers, valid: np.ndarray, input_ids: np.ndarray,
-        position_ids: np.ndarray, start: int,
-    ) -> np.ndarray:
-        """One forward of `spec.rows` positions starting at sequence index `start`; updates the
-        cache (rolled, or written in place) and returns the logits [rows, vocab]."""
-        feeds = {"input_ids": input_ids[None],
-                 "attention_mask": cache.forward_mask(valid, start, spec.rows, spec.mask_dtype)}
+        position_ids: np.ndarray, start: int, logits_row: int | None = None,
+    ) -> np.ndarray | None:
+        """One forward of `spec.rows` positions starting at sequence index `start`, bound on the
+        device; updates the cache there (rolled, or written in place) and returns row
+        `logits_row` of the logits ([vocab], a host copy of that row only), or None."""
+        binding = session.io_binding()
+        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids[None]))
+        binding.bind_cpu_input("attention_mask",
+                               cache.forward_mask(valid, start, spec.rows, spec.mask_dtype))
         if spec.position_ids:
-            feeds["position_ids"] = position_ids[None]
-        for layer in range(spec.num_layers):
-            feeds[_PAST.format(layer, "key")] = cache.keys[layer]
-            feeds[_PAST.format(layer, "value")] = cache.values[layer]
-        names = ["logits"] + [_PRESENT.format(layer, kind) for layer in range(spec.num_layers)
-                              for kind in ("key", "value")]
-        logits, *present = session.run(names, feeds)
-        cache.absorb(present[0::2], present[1::2], valid[start:start + spec.rows])
-        return logits[0]
+            binding.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids[None]))
+        # Bound first, so that it is the binding's first output (outputs come in bind order).
+        binding.bind_output(spec.logits, self.device.device_type, self.device.device_id)
+        cache.bind(binding, spec.rows)
+        self.device.run(session, binding, None)
+        if not self.device.host_visible:
+            binding.synchronize_outputs()
+        cache.after_forward(valid[start:start + spec.rows])
+        if logits_row is None:
+            return None
+        logits = DeviceBuffer(binding.get_outputs()[0], None, spec.logits_dtype)
+        return np.array(logits.read(logits_row * self.vocab_size, self.vocab_size))
 
     def prefill(self, aligned: AlignedPrompt,
                 cache: StaticKVBuffers) -> tuple[np.ndarray, int]:
@@ -362,16 +387,16 @@ class StaticRunner:
         number of chunks run."""
         rows = self.chunk_spec.rows
         chunks = aligned.aligned_len // rows
+        last_real = int(np.flatnonzero(aligned.valid[-rows:])[-1])
         logits = None
         for index in range(chunks):
             start = index * rows
             window = slice(start, start + rows)
             logits = self.run_forward(self.chunk_session, self.chunk_spec, cache, aligned.valid,
                                       aligned.input_ids[window], aligned.position_ids[window],
-                                      start)
+                                      start, last_real if index == chunks - 1 else None)
         assert logits is not None
-        last_real = int(np.flatnonzero(aligned.valid[-rows:])[-1])
-        return logits[last_real], chunks
+        return logits, chunks
 
     def start(
         self, prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int
@@ -430,10 +455,11 @@ class StaticRunner:
             valid = np.append(valid, True)
             logits = self.run_forward(self.decode_session, self.decode_spec, cache, valid,
                                       np.array([tokens[-1]], dtype=np.int64),
-                                      np.array([position], dtype=np.int64), start)
-            tokens.append(int(np.argmax(logits[-1])))
+                                      np.array([position], dtype=np.int64), start, 0)
+            assert logits is not None
+            tokens.append(int(np.argmax(logits)))
             if keep_logits:
-                step_logits.append(logits[-1])
+                step_logits.append(logits)
             position += 1
             steps += 1
         decode_s = time.perf_counter() - decode_began

@@ -9,6 +9,7 @@ from onnx_chunk.errors import ConfigError
 STRUCTURE = "structure"
 NUMERICS = "numerics"
 CACHE = "cache"
+ENGINE = "engine"
 STATIC = "static"
 
 # Group -> its checks, in the order they are reported. A check's full name is group.check.
@@ -17,6 +18,7 @@ CHECKS: dict[str, tuple[str, ...]] = {
                 "recurrent_state", "padding", "metadata", "ladder"),
     NUMERICS: ("greedy_tokens", "logits", "kv_prefix"),
     CACHE: ("second_pass", "variant_cap"),
+    ENGINE: ("batched_decode",),
     STATIC: ("graph", "limits", "decode_graph", "chunked_vs_whole"),
 }
 

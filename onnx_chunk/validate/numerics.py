@@ -114,12 +114,12 @@ def _compare_modes(model_path: Path, settings: RunSettings,
 
 def _summary(settings: RunSettings, notes: dict[str, str]) -> str:
     lengths = ", ".join(map(str, settings.lengths))
-    return f"lengths {lengths}; {notes[CHUNKED]}; {notes[PADDED]}"
+    return f"lengths {lengths}; capacity {settings.capacity}; {notes[CHUNKED]}; {notes[PADDED]}"
 
 
 def _greedy_tokens(comparisons: list[LengthComparison], settings: RunSettings,
                    notes: dict[str, str]) -> tuple[Outcome, str, dict]:
-    details: dict = {"lengths": list(settings.lengths),
+    details: dict = {"lengths": list(settings.lengths), "capacity": settings.capacity,
                      "tokens": {mode: [list(comparison.tokens[mode])
                                        for comparison in comparisons] for mode in MODES}}
     for mode in (CHUNKED, PADDED):
@@ -140,8 +140,8 @@ def _compare(comparisons: list[LengthComparison], settings: RunSettings,
     per_length = {mode: [differences(comparison)[mode] for comparison in comparisons]
                   for mode in (CHUNKED, PADDED)}
     worst = {mode: max(values) for mode, values in per_length.items()}
-    details = {"lengths": list(settings.lengths), "atol": settings.atol,
-               "max_abs_difference": per_length}
+    details = {"lengths": list(settings.lengths), "capacity": settings.capacity,
+               "atol": settings.atol, "max_abs_difference": per_length}
     measured = ", ".join(f"{mode} {worst[mode]:.3g}" for mode in (CHUNKED, PADDED))
     scope = f" ({notes['logits']})" if what == "logits" and "logits" in notes else ""
     for mode in (CHUNKED, PADDED):

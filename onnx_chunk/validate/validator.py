@@ -17,7 +17,7 @@ from typing import Protocol
 
 from onnx_chunk import arguments
 from onnx_chunk.errors import ConfigError
-from onnx_chunk.metadata import ChunkPlan
+from onnx_chunk.metadata import ChunkPlan, window_capacity
 from onnx_chunk.passes import DEFAULT_CHUNK_SIZE
 from onnx_chunk.runtime.device.provider import PROVIDER_CHOICES, resolve_device
 from onnx_chunk.static.model import check_fixed_sizes
@@ -25,12 +25,14 @@ from onnx_chunk.validate.cache import cache_checks
 from onnx_chunk.validate.checks import (
     CACHE,
     CHECKS,
+    ENGINE,
     NUMERICS,
     STATIC,
     STATIC_STRUCTURE,
     STRUCTURE,
     full_name,
 )
+from onnx_chunk.validate.engine import engine_checks, engine_runs_planned
 from onnx_chunk.validate.numerics import MODES, numerics_checks
 from onnx_chunk.validate.prompts import boundary_lengths
 from onnx_chunk.validate.report import CheckResult, Outcome, Report
@@ -141,28 +143,32 @@ def validate_model(path: str | os.PathLike, options: ValidationOptions | None = 
             _keep(results, _not_runnable(STATIC, selected, "the weights cannot be loaded (see "
                                          "structure.external_data)"))
     else:
-        names = [full_name(group, check) for group in (STRUCTURE, NUMERICS, CACHE)
+        names = [full_name(group, check) for group in (STRUCTURE, NUMERICS, CACHE, ENGINE)
                  for check in CHECKS[group]]
         structure, plan = structure_checks(subject, _selected(options, STRUCTURE))
         _keep(results, structure)
         blocker = _runtime_blocker(subject, plan)
         numerics, cache = _selected(options, NUMERICS), _selected(options, CACHE)
+        engine = _selected(options, ENGINE)
         wants_numerics = any(numerics(check) for check in CHECKS[NUMERICS])
         wants_cache = any(cache(check) for check in CHECKS[CACHE])
+        wants_engine = any(engine(check) for check in CHECKS[ENGINE])
         if blocker is not None:
             if progress is not None:
                 progress.start(0)
-            _keep(results, _not_runnable(NUMERICS, numerics, blocker))
-            _keep(results, _not_runnable(CACHE, cache, blocker))
-        elif wants_numerics or wants_cache:
+            for group, selected in ((NUMERICS, numerics), (CACHE, cache), (ENGINE, engine)):
+                _keep(results, _not_runnable(group, selected, blocker))
+        elif wants_numerics or wants_cache or wants_engine:
             assert plan is not None
             settings = _run_settings(plan, options, device.provider,
                                      CPU_ATOL if on_cpu else DEVICE_ATOL)
             if progress is not None:
                 runs = len(settings.lengths)
-                progress.start(len(MODES) * runs * wants_numerics + 2 * runs * wants_cache)
+                progress.start(len(MODES) * runs * wants_numerics + 2 * runs * wants_cache
+                               + engine_runs_planned(settings) * wants_engine)
             _keep(results, numerics_checks(subject.path, settings, numerics, advance))
             _keep(results, cache_checks(subject.path, settings, cache, advance))
+            _keep(results, engine_checks(subject.path, settings, engine, advance))
     report = Report(model=str(path))
     for name in names:
         report.checks.append(results.get(name) or CheckResult(
@@ -229,10 +235,12 @@ def _run_settings(plan: ChunkPlan, options: ValidationOptions, provider: str,
                               f"length {limit}; use lengths up to {longest}")
         lengths = tuple(sorted(set(options.lengths)))
     # Room for the longest prompt, its new tokens and a whole ladder tier past them, so that a
-    # padded last chunk never has to fall back to its exact width for lack of room.
+    # padded last chunk never has to fall back to its exact width for lack of room; and room
+    # for every sliding window, whose cache may not be shorter than the window.
     capacity = max(lengths) + new_tokens + chunk_size
     if limit is not None:
         capacity = min(capacity, limit)
+    capacity = max(capacity, window_capacity(plan.capacity_inputs, limit))
     return RunSettings(provider=provider, capacity=max(capacity, 2),
                        chunk_size=min(chunk_size, capacity), lengths=lengths,
                        new_tokens=new_tokens, seed=options.seed,

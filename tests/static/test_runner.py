@@ -174,3 +174,9 @@ def test_a_window_sized_cache_wider_than_its_window_is_refused_where_the_kernel_
     assert window_capacity_problem({512}, 512, cuda) is None
     problem = window_capacity_problem({32}, 512, cuda)
     assert "window 32" in problem and "--capacity 32" in problem and "--provider cpu" in problem
+
+
+def test_a_window_sized_cache_shorter_than_its_window_is_refused_everywhere():
+    for device in (device_for("cpu"), device_for("cuda")):  # described, never opened
+        problem = window_capacity_problem({32, 4096}, 512, device)
+        assert "window 4096" in problem and "--capacity 4096 or more" in problem

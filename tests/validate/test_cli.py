@@ -32,7 +32,7 @@ def test_a_good_model_folder_exits_0_with_a_table(converted_model, capsys):
     assert code == 0
     lines = out.splitlines()
     assert lines[0].split() == ["check", "result", "reason"]
-    assert lines[-1] == "14 passed, 0 failed, 0 skipped"
+    assert lines[-1] == "15 passed, 0 failed, 0 skipped"
     assert any(line.startswith("numerics.logits") and " passed " in line for line in lines)
 
 
@@ -42,7 +42,7 @@ def test_json_is_one_object_with_model_checks_summary(base, capsys):
     data = json.loads(out)
     assert code == 0 and set(data) == {"model", "checks", "summary"}
     assert data["model"] == str(base)
-    assert data["summary"] == {"passed": 10, "failed": 0, "skipped": 4, "ok": True}
+    assert data["summary"] == {"passed": 11, "failed": 0, "skipped": 4, "ok": True}
     check = next(item for item in data["checks"] if item["name"] == "numerics.greedy_tokens")
     assert set(check) == {"name", "group", "outcome", "reason", "seconds", "details"}
     assert check["details"]["lengths"] == [3, 9]
@@ -62,8 +62,8 @@ def test_junit_is_written_atomically_and_lists_failures(base, tmp_path, capsys):
                for line in out.splitlines())
     assert sorted(path.name for path in report.parent.iterdir()) == ["report.xml"]
     suite = ET.parse(report).getroot().find("testsuite")
-    assert suite.get("tests") == "14" and suite.get("failures") == "2"
-    assert suite.get("skipped") == "7"
+    assert suite.get("tests") == "15" and suite.get("failures") == "2"
+    assert suite.get("skipped") == "8"
     cases = {case.get("name"): case for case in suite.iter("testcase")}
     failure = cases["structure.external_data"].find("failure")
     assert failure is not None and "missing" in failure.get("message")

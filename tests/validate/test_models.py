@@ -68,7 +68,7 @@ def test_unconverted_good_variants_pass_with_the_plan_checks_skipped(reference_m
 
 def test_a_converted_model_passes_every_check(converted_model, report_of):
     report = report_of(converted_model("base"), ValidationOptions(provider="cpu"))
-    assert report.summary() == {"passed": 14, "failed": 0, "skipped": 0}
+    assert report.summary() == {"passed": 15, "failed": 0, "skipped": 0}
     checks = _by_name(report)
     assert "tiers 3, 6, 8 plus the decode shape" in checks["structure.ladder"].reason
     assert "4 KV inputs annotated" in checks["structure.kv_capacity"].reason
