@@ -7,7 +7,8 @@ Both are pure: no ONNX Runtime call (the device is resolved by the caller).
 
 Rules of `resolve_options`:
 1. Capacity: the argument, else genai's search.max_length, else the smallest of the plan's
-   maximum sequence length and genai's model.context_length; never more than either limit.
+   maximum sequence length and genai's model.context_length; never more than either limit,
+   never below the widest sliding window (a window-sized cache cannot be shorter).
 2. Chunk size: the argument, else the plan's, else the capacity (no chunking); at most the
    capacity.
 3. Ports are resolved for that capacity; a window-sized cache gets a chunk of slack where the
@@ -32,7 +33,7 @@ from pathlib import Path
 from onnx_chunk import arguments
 from onnx_chunk.errors import ConfigError, ModelLoadError, ProviderError
 from onnx_chunk.ladder import DECODE_WIDTH, ladder_tiers
-from onnx_chunk.metadata import ChunkPlan
+from onnx_chunk.metadata import ChunkPlan, check_window_capacity
 from onnx_chunk.model_file import ModelFile
 from onnx_chunk.model_folder import GenaiConfig
 from onnx_chunk.runtime.engine.batch_engine import DEFAULT_MAX_QUEUE
@@ -119,6 +120,7 @@ def resolve_options(args: LoadArguments, *, plan: ChunkPlan, genai: GenaiConfig,
     """The options of a runtime of `model` on `device` (the given one, or the one resolved
     from the arguments); ConfigError, ProviderError or ModelLoadError when they cannot be."""
     capacity = resolve_capacity(args.capacity, plan, genai)
+    check_window_capacity(plan.capacity_inputs, capacity)
     chunk_size = resolve_chunk_size(args.chunk_size, plan, capacity)
     ports = model_ports(model, plan, capacity, head_size=genai.head_size,
                         window_slack=chunk_size if device.window_slack else 0)
