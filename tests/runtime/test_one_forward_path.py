@@ -5,14 +5,18 @@ rule; `stats` a property everywhere, the old call kept through a deprecation."""
 import sys
 from pathlib import Path
 
+import numpy as np
 import onnxruntime as ort
 import pytest
 
 import onnx_chunk
 from onnx_chunk.runtime import Request, RequestStats, RuntimeStats, SequenceStats, load
+from onnx_chunk.runtime.device.buffers import BatchBuffers
 from onnx_chunk.runtime.device.provider import Device
+from onnx_chunk.runtime.engine.kv_state import LogicalLength
 from onnx_chunk.runtime.engine.request import finish_reason
-from onnx_chunk.runtime.runner.model_runner import ModelRunner
+from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot
+from onnx_chunk.runtime.runner.model_runner import Forward, ModelRunner, Row
 
 PACKAGE = Path(onnx_chunk.__file__).parent
 RUNNER = "onnx_chunk.runtime.runner.model_runner"
@@ -77,6 +81,18 @@ def test_a_sequence_and_the_engine_run_through_the_one_runner(reference_model, r
     # The engine's decode was a runner forward of both batch rows; prefill chunks one row.
     assert (2, 1) in recorded["forwards"]
     assert {(1, 16), (1, 7)} <= set(recorded["forwards"])
+
+
+def test_a_batched_forward_of_several_tokens_per_row_is_refused(reference_model):
+    runtime = load(reference_model("base"), provider="cpu", capacity=96, chunk_size=16)
+    buffers = BatchBuffers(runtime.ports.kv, runtime.ports.state, runtime.device, 2)
+    batch = SequenceSlot(runtime.pool.take_number(), buffers,
+                         runtime.masks(2, 96, runtime.ports.mask_dtype, runtime.device))
+    rows = [Row(np.array([1, 2]), LogicalLength(96)), Row(np.array([3, 4]), LogicalLength(96))]
+    with pytest.raises(ValueError, match="one token per row"):
+        runtime.runner.run(batch, Forward(rows))
+    with pytest.raises(ValueError, match="2 batch rows"):
+        runtime.runner.run(batch, Forward(rows[:1]))
 
 
 def test_finish_rule():

@@ -145,6 +145,10 @@ class ModelRunner:
         if len(forward.rows) != slot.mask.rows:
             raise ValueError(f"a forward on a slot of {slot.mask.rows} batch rows needs as many "
                              f"rows, got {len(forward.rows)}")
+        if len(forward.rows) > 1 and any(len(row.tokens) != 1 for row in forward.rows):
+            # The batched mask (`set_rows`) holds each row's length + 1 ones: one new token.
+            raise ValueError("a batched forward feeds one token per row; several tokens per row "
+                             "need a mask of each row's length + width ones")
         plan = self._plan(forward) if len(forward.rows) == 1 else None
         width = forward.width if plan is None else plan.width
         key = variant_key(width, self.tiers, self.specialize)
