@@ -20,8 +20,8 @@ import numpy as np
 
 import onnx_chunk.runtime as rt
 from onnx_chunk.ladder import DECODE_WIDTH
-from onnx_chunk.runtime.provider import MaskPolicy
-from onnx_chunk.runtime.variant_cache import variant_key
+from onnx_chunk.runtime.device.provider import MaskPolicy
+from onnx_chunk.runtime.caches.variant_cache import variant_key
 
 from _bench import environment as env
 from _bench.child import write_json, write_text
@@ -53,14 +53,14 @@ def _bare(runtime: rt.Runtime, prompt: list[int], new_tokens: int) -> float:
     for step in range(new_tokens - 1):
         width = past + step + 1
         if runtime.device.mask_policy is MaskPolicy.CAPACITY:
-            mask = np.zeros((1, runtime.capacity), dtype=np.int64)
+            mask = np.zeros((1, runtime.options.capacity), dtype=np.int64)
             mask[0, :width] = 1
         else:
             mask = np.ones((1, width), dtype=np.int64)
         masks.append(mask)
     elapsed = 0.0
-    with runtime.cache.acquire(variant_key(DECODE_WIDTH, runtime.tiers,
-                                           runtime.specialize)) as session:
+    with runtime.cache.acquire(variant_key(DECODE_WIDTH, runtime.options.tiers,
+                                           runtime.options.specialize)) as session:
         io = session.io_binding()
         sequence.buffers.bind_kv(io)
         io.bind_input("input_ids", "cpu", 0, np.int64, list(token.shape), token.ctypes.data)

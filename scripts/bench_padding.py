@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 
-from onnx_chunk.runtime.provider import MaskPolicy
+from onnx_chunk.runtime.device.provider import MaskPolicy
 
 from _bench import environment as env
 from _bench.child import publish, run_child

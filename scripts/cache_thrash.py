@@ -36,7 +36,7 @@ import numpy as np
 
 import onnx_chunk
 from onnx_chunk.models import build_decoder
-from onnx_chunk.runtime.scheduler import prefill_chunks
+from onnx_chunk.runtime.engine.scheduler import prefill_chunks
 
 DEFAULT_LENGTHS = (104, 146, 311, 378, 229)
 
@@ -67,7 +67,7 @@ def _run_prompt(runtime, ids: np.ndarray, new_tokens: int, record: _Pass) -> Non
     sequence = runtime.open_sequence()
     start = time.perf_counter()
     logits = None
-    for begin, end in prefill_chunks(len(ids), runtime.chunk_size):
+    for begin, end in prefill_chunks(len(ids), runtime.options.chunk_size):
         before = runtime.cache.snapshot()
         padded_before = sequence.stats.padded_rows
         logits = sequence.prefill(ids[begin:end])
@@ -110,8 +110,8 @@ def _run_mode(model: Path, padding: bool, specialize, lengths, chunk_size: int, 
 
 
 def _print_mode(title: str, runtime, passes: list[_Pass]) -> None:
-    click.echo(f"\n== {title} (provider {runtime.provider}, W={runtime.chunk_size}, "
-               f"ladder {list(runtime.tiers)}, cap {runtime.cache.cap})")
+    click.echo(f"\n== {title} (provider {runtime.provider}, W={runtime.options.chunk_size}, "
+               f"ladder {list(runtime.options.tiers)}, cap {runtime.cache.cap})")
     click.echo(f"{'pass':>4} {'prompt':>6} {'rows':>5} {'width':>5} {'built':>5} "
                f"{'evictions':>9}")
     for number, record in enumerate(passes, 1):

@@ -52,11 +52,11 @@ import onnxruntime as ort
 import onnx_chunk
 from onnx_chunk.models import build_decoder
 from onnx_chunk.ladder import DECODE_WIDTH
-from onnx_chunk.runtime import variant_pool
-from onnx_chunk.runtime.memory import cudart, cuda_used_bytes, meter_for
-from onnx_chunk.runtime.provider import Device, MaskPolicy, device_for, probe_cuda
-from onnx_chunk.runtime.session_factory import SessionFactory, SharedWeights
-from onnx_chunk.runtime.variant_cache import variant_key
+from onnx_chunk.runtime.caches import variant_pool
+from onnx_chunk.runtime.device.memory import cudart, cuda_used_bytes, meter_for
+from onnx_chunk.runtime.device.provider import Device, MaskPolicy, device_for, probe_cuda
+from onnx_chunk.runtime.device.session_factory import SessionFactory, SharedWeights
+from onnx_chunk.runtime.caches.variant_cache import variant_key
 
 MIB = 1 << 20
 # float16 device logits against float32 CPU logits: allowed |diff| as a fraction of the largest
@@ -225,7 +225,7 @@ def _run(label: str, model: Path, device: Device, prompts, args, logs: Path, *,
         sequence = runtime.open_sequence()
         slug = label.replace(" ", "-")
         for number in range(1, passes + 1):
-            before = dict(runtime.stats().graphs_by_width)
+            before = dict(runtime.stats.graphs_by_width)
             with _stderr_to(logs / f"{slug}-pass{number}.log") as log:
                 for ids in prompts:
                     sequence.rewind(sequence.length)
@@ -239,7 +239,7 @@ def _run(label: str, model: Path, device: Device, prompts, args, logs: Path, *,
                     if len(tokens) > 1:
                         record.widths_used.add(DECODE_WIDTH)
             record.capture_lines.append(_count_lines(log, CAPTURE_LINE))
-            after = runtime.stats().graphs_by_width
+            after = runtime.stats.graphs_by_width
             record.captures.append({width: count - before.get(width, 0)
                                     for width, count in after.items()
                                     if count != before.get(width, 0)})
@@ -247,19 +247,19 @@ def _run(label: str, model: Path, device: Device, prompts, args, logs: Path, *,
         record.ttft_s = generation.ttft_s
         record.decode_tokens_per_s = generation.decode_tokens_per_s
         sequence.close()
-        captured = runtime.stats().graphs_captured
+        captured = runtime.stats.graphs_captured
         with runtime.open_sequence() as second, \
                 _stderr_to(logs / f"{slug}-second-sequence.log") as log:
             second.generate(prompts[-1], args["new_tokens"])
             record.second_ttft_s = second.stats.last_generation.ttft_s
         record.capture_lines.append(_count_lines(log, CAPTURE_LINE))
-        stats = runtime.stats()
+        stats = runtime.stats
         record.second_captures = stats.graphs_captured - captured
         record.graph_widths = stats.graph_widths
         record.fallbacks = dict(stats.graph_fallbacks)
         record.variant_bytes = dict(stats.cache.variant_bytes)
         record.evictions = stats.cache.evictions
-        keys = {variant_key(width, runtime.tiers, runtime.specialize)
+        keys = {variant_key(width, runtime.options.tiers, runtime.options.specialize)
                 for width in record.widths_used}
         factory, weights = runtime.factory, runtime.weights
         select_rows = runtime.variants.select_rows
@@ -440,7 +440,7 @@ def _weights_experiment(model: Path, device: Device, args, logs: Path) -> dict:
     meter = meter_for(device.device_type, device.device_id)
     runtime = onnx_chunk.load(model, device=device, capacity=args["capacity"],
                               chunk_size=args["chunk_size"])
-    width = runtime.chunk_size
+    width = runtime.options.chunk_size
     factory = runtime.factory
     host = runtime.weights
     owned, views = [], []
@@ -552,7 +552,7 @@ def _check(report: _Report, dry_run: bool, preset: str, chunk_size: int, capacit
     args = {"capacity": capacity, "chunk_size": chunk_size, "new_tokens": new_tokens}
     with onnx_chunk.load(models[CPU_DTYPE], device=device_for("cpu"), capacity=capacity,
                          chunk_size=chunk_size) as probe:
-        prompts = _prompts(probe.chunk_size, probe.capacity, new_tokens,
+        prompts = _prompts(probe.options.chunk_size, probe.options.capacity, new_tokens,
                            probe.ports.vocab_size)
     report.add("setup", "info", f"{on.label}{', dry run on CPU' if dry_run else ''}; preset "
                f"{preset}; prompts {[len(p) for p in prompts]}, W={chunk_size}, capacity "

@@ -18,7 +18,7 @@ import click
 from onnx_chunk.cli.text_generate import sampling_from, sampling_options
 from onnx_chunk.errors import InputError
 from onnx_chunk.runtime import load
-from onnx_chunk.runtime.provider import PROVIDER_CHOICES
+from onnx_chunk.runtime.device.provider import PROVIDER_CHOICES
 from onnx_chunk.text.conversation import Conversation
 
 USER_MARK = "> "

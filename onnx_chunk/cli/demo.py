@@ -15,8 +15,8 @@ from onnx_chunk.model_io import load_model, save_model
 from onnx_chunk.models import PRESETS, build_decoder
 from onnx_chunk.passes import convert_model
 from onnx_chunk.runtime import GenerationStats, RuntimeStats, load
-from onnx_chunk.runtime.variant_cache import CacheStats
-from onnx_chunk.runtime.provider import PROVIDER_CHOICES
+from onnx_chunk.runtime.caches.variant_cache import CacheStats
+from onnx_chunk.runtime.device.provider import PROVIDER_CHOICES
 
 
 def _chunks(generation: GenerationStats) -> str:
@@ -41,16 +41,16 @@ def _run(converted: Path, provider: str, specialize: bool | None, prompts: list[
          max_new_tokens: int) -> _Run:
     runtime = load(converted, provider=provider, specialize=specialize)
     for request in prompts:
-        if len(request) + max_new_tokens > runtime.capacity:
+        if len(request) + max_new_tokens > runtime.options.capacity:
             raise ConfigError(f"a {len(request)}-token prompt plus {max_new_tokens} new "
-                              f"tokens exceeds the model's {runtime.capacity} positions; "
+                              f"tokens exceeds the model's {runtime.options.capacity} positions; "
                               "use a smaller --prompt-tokens")
     sequence = runtime.open_sequence()
     tokens = sequence.generate(prompts[0], max_new_tokens)
-    after_first = runtime.stats().cache
+    after_first = runtime.stats.cache
     again = runtime.open_sequence()
     again.generate(prompts[1], max_new_tokens)
-    stats = runtime.stats()
+    stats = runtime.stats
     title = ("per-width variants" if stats.specialize else "one shape-generic session")
     if specialize is None:
         title += " (provider default)"

@@ -19,8 +19,8 @@ from onnx_chunk.cli.text_generate import (
 from onnx_chunk.errors import InputError
 from onnx_chunk.model_folder import check_utf8_path
 from onnx_chunk.runtime import GenerationStats, RuntimeStats, load
-from onnx_chunk.runtime.provider import PROVIDER_CHOICES
-from onnx_chunk.runtime.request import Request
+from onnx_chunk.runtime.device.provider import PROVIDER_CHOICES
+from onnx_chunk.runtime.engine.request import Request
 from onnx_chunk.static import is_static_model, load_static
 
 _SEPARATORS = re.compile(r"[\s,]+")
@@ -222,7 +222,7 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
     for prompt in prompts:
         sequence.check_request(prompt, max_new_tokens)
     if not as_json:
-        stats = runtime.stats()
+        stats = runtime.stats
         click.echo(f"provider {stats.provider} ({stats.device}), capacity {stats.capacity}, "
                    f"chunk {stats.chunk_size}, ladder {','.join(map(str, stats.ladder))}, "
                    f"padding {'on' if stats.padding else 'off'}, "
@@ -234,14 +234,14 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
                     for prompt in prompts]
         for index, request in enumerate(requests):
             request.result()
-            entry = batch_record(index, request, runtime.stats())
+            entry = batch_record(index, request, runtime.stats)
             click.echo(json.dumps(entry) if as_json else _format(entry))
         runtime.close()
         return
     for index, prompt in enumerate(prompts):
         sequence.rewind(sequence.length)
         tokens = sequence.generate(prompt, max_new_tokens, stop or None)
-        entry = record(index, prompt, tokens, sequence.stats.last_generation, runtime.stats())
+        entry = record(index, prompt, tokens, sequence.stats.last_generation, runtime.stats)
         click.echo(json.dumps(entry) if as_json else _format(entry))
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 
 from onnx_chunk.errors import ConfigError
-from onnx_chunk.runtime.provider import PROVIDER_CHOICES
+from onnx_chunk.runtime.device.provider import PROVIDER_CHOICES
 
 # --cache (a development option): how the variant cache keys prefill widths.
 # auto: the provider's default; ladder: a variant per ladder tier, remainders padded up;
@@ -78,6 +78,6 @@ def serve(model: Path, host: str, port: int, batch: int, queue: int, api_key: st
         server = DrainingServer(app, log_level=logging.getLogger().level)
         bound_host, bound_port = listener.getsockname()[:2]
         click.echo(f"listening on http://{bound_host}:{bound_port} ({runtime.provider}, "
-                   f"batch {batch}, capacity {runtime.capacity})", err=True)
+                   f"batch {batch}, capacity {runtime.options.capacity})", err=True)
         server.run(sockets=[listener])
     click.echo("stopped", err=True)

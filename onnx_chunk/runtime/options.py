@@ -7,13 +7,14 @@ Both are pure: no ONNX Runtime call (the device is resolved by the caller).
 
 Rules of `resolve_options`:
 1. Capacity: the argument, else genai's search.max_length, else the smallest of the plan's
-   maximum sequence length and genai's model.context_length; never more than either limit.
+   maximum sequence length and genai's model.context_length; never more than either limit,
+   never below the widest sliding window (a window-sized cache cannot be shorter).
 2. Chunk size: the argument, else the plan's, else the capacity (no chunking); at most the
    capacity.
 3. Ports are resolved for that capacity; a window-sized cache gets a chunk of slack where the
    device allows it.
 4. A float32 KV cache cannot run CUDA's GroupQueryAttention: "auto" falls back to CPU, "cuda"
-   (or a given CUDA device) refuses. More than one slot turns CUDA graphs off.
+   (or a given CUDA device) refuses.
 5. Ladder: the plan's when its chunk size is kept and no max_variants is given, else one built
    for the chunk size and the variant cap (the plan's, or the argument).
 6. Specialisation: the argument, else the device's default; padding: the argument, the
@@ -32,15 +33,15 @@ from pathlib import Path
 from onnx_chunk import arguments
 from onnx_chunk.errors import ConfigError, ModelLoadError, ProviderError
 from onnx_chunk.ladder import DECODE_WIDTH, ladder_tiers
-from onnx_chunk.metadata import ChunkPlan
+from onnx_chunk.metadata import ChunkPlan, check_window_capacity
 from onnx_chunk.model_file import ModelFile
 from onnx_chunk.model_folder import GenaiConfig
-from onnx_chunk.runtime.batch_engine import DEFAULT_MAX_QUEUE
-from onnx_chunk.runtime.padding import resolve_padding
-from onnx_chunk.runtime.ports import ModelPorts, model_ports
-from onnx_chunk.runtime.provider import Device, MaskPolicy, device_for
-from onnx_chunk.runtime.sequence_pool import DEFAULT_IDLE_SLOTS
-from onnx_chunk.runtime.variant_cache import EXACT, Specialize, VariantKey, variant_key
+from onnx_chunk.runtime.engine.batch_engine import DEFAULT_MAX_QUEUE
+from onnx_chunk.runtime.runner.padding import resolve_padding
+from onnx_chunk.runtime.runner.ports import ModelPorts, model_ports
+from onnx_chunk.runtime.device.provider import Device, MaskPolicy, device_for
+from onnx_chunk.runtime.engine.sequence_pool import DEFAULT_IDLE_SLOTS
+from onnx_chunk.runtime.caches.variant_cache import EXACT, Specialize, VariantKey, variant_key
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ def resolve_options(args: LoadArguments, *, plan: ChunkPlan, genai: GenaiConfig,
     """The options of a runtime of `model` on `device` (the given one, or the one resolved
     from the arguments); ConfigError, ProviderError or ModelLoadError when they cannot be."""
     capacity = resolve_capacity(args.capacity, plan, genai)
+    check_window_capacity(plan.capacity_inputs, capacity)
     chunk_size = resolve_chunk_size(args.chunk_size, plan, capacity)
     ports = model_ports(model, plan, capacity, head_size=genai.head_size,
                         window_slack=chunk_size if device.window_slack else 0)
@@ -132,10 +134,6 @@ def resolve_options(args: LoadArguments, *, plan: ChunkPlan, genai: GenaiConfig,
         device = attention_device(device, ports, args.provider, args.mask_policy)
     else:
         attention_device(device, ports, device.provider, args.mask_policy)
-    if args.max_batch > 1 and device.cuda_graphs:
-        logger.info("max_batch %d: CUDA graphs off (the batched bindings capture none)",
-                    args.max_batch)
-        device = dataclasses.replace(device, cuda_graphs=False)
     variants = plan.max_variants if args.max_variants is None else args.max_variants
     tiers = (plan.ladder if plan.ladder and plan.chunk_size == chunk_size
              and args.max_variants is None else ladder_tiers(chunk_size, variants))

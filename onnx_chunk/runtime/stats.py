@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
-from onnx_chunk.runtime.sequence_pool import PoolStats
-from onnx_chunk.runtime.variant_cache import CacheStats
+from onnx_chunk.runtime.engine.sequence_pool import PoolStats
+from onnx_chunk.runtime.caches.variant_cache import CacheStats
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,13 @@ class RuntimeStats:
     max_batch: int = 1
     engine: EngineStats | None = None
 
+    def __call__(self) -> RuntimeStats:
+        """The stats themselves: `runtime.stats` is a property now, and the old call
+        `runtime.stats` still works while it warns (DeprecationWarning)."""
+        warnings.warn("Runtime.stats is a property: read runtime.stats, not runtime.stats",
+                      DeprecationWarning, stacklevel=2)
+        return self
+
 
 @dataclass
 class EngineCounters:
@@ -113,7 +121,7 @@ class EngineCounters:
 
 @dataclass
 class EngineStats(EngineCounters):
-    """The batch engine's counters (`Runtime.stats().engine`; None before the first submit).
+    """The batch engine's counters (`Runtime.stats.engine`; None before the first submit).
 
     `slots`: sequences served at once (max_batch); `running`: slots holding a request now;
     `queued`: requests waiting for a slot (at most `queue_limit`); `steps`: engine steps run;

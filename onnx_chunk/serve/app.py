@@ -51,7 +51,7 @@ from onnx_chunk.text.chat_template import ChatTemplateFault
 from onnx_chunk.text.token_text import TokenText
 
 if TYPE_CHECKING:
-    from onnx_chunk.runtime.engine import Runtime
+    from onnx_chunk.runtime.model import Runtime
     from onnx_chunk.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ class _Service:
     async def models(self, request: HttpRequest) -> Response:
         return JSONResponse({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": self._created,
-             "owned_by": "onnx-chunk", "max_model_len": self.runtime.capacity}]})
+             "owned_by": "onnx-chunk", "max_model_len": self.runtime.options.capacity}]})
 
     async def health(self, request: HttpRequest) -> Response:
         if self.draining or self.runtime.closed:
@@ -194,7 +194,7 @@ class _Service:
             raise RequestError(f"the model {params.model!r} is not served here; this server "
                                f"serves {self.model_name!r} (GET /v1/models)", param="model",
                                code="model_not_found", status=404)
-        tokenizer, capacity = self.tokenizer, self.runtime.capacity
+        tokenizer, capacity = self.tokenizer, self.runtime.options.capacity
         if params.messages:
             ids = tokenizer.encode_chat(list(params.messages), max_tokens=capacity,
                                         special_in_content=self.parse_special_in_content)
@@ -231,10 +231,10 @@ class _Service:
         if self.draining:
             raise ClosedError("the server is shutting down")
         runtime, tokenizer = self.runtime, self.tokenizer
-        room = runtime.capacity - len(ids)
+        room = runtime.options.capacity - len(ids)
         if params.max_tokens is None and room < 1:
             raise CapacityError(f"the prompt has {len(ids)} tokens and the context holds "
-                                f"{runtime.capacity}, leaving no room for a new token; "
+                                f"{runtime.options.capacity}, leaving no room for a new token; "
                                 "shorten the prompt")
         sampling = Sampling.from_search(self.search, temperature=params.temperature,
                                         top_p=params.top_p, seed=params.seed)

@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator
 
 from onnx_chunk.errors import ClosedError
-from onnx_chunk.runtime.request import Request
+from onnx_chunk.runtime.engine.request import Request
 from onnx_chunk.serve.metrics import ServerMetrics
 from onnx_chunk.text.token_text import TokenText
 

@@ -2,7 +2,7 @@
 
 Every number comes from an event: the latency histograms and request counters are observed by
 the server as tokens arrive and requests end; the variant cache's and the engine's numbers are
-read from `Runtime.stats()` at each scrape (the cache bumps each counter by the event it names),
+read from `Runtime.stats` at each scrape (the cache bumps each counter by the event it names),
 never estimated. Each app has its own registry, so several apps live in one process.
 """
 
@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from onnx_chunk.runtime.engine import Runtime
+    from onnx_chunk.runtime.model import Runtime
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Seconds: from a tiny CPU model's decode step to a long prompt's prefill under load.
@@ -56,7 +56,7 @@ class _RuntimeCollector(Collector):
         self._runtime = runtime
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._runtime.stats()
+        stats = self._runtime.stats
         cache, engine = stats.cache, stats.engine
         yield _counter("onnx_chunk_variant_compiles", "Variants built (session creations).",
                        cache.compiles)

@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 
 from onnx_chunk.errors import CapacityError, InputError
-from onnx_chunk.runtime.provider import Device
+from onnx_chunk.runtime.device.provider import Device
 from onnx_chunk.static.kv_buffers import StaticKVBuffers, bind_in_place
 
 

@@ -17,9 +17,9 @@ import numpy as np
 import onnxruntime as ort
 
 from onnx_chunk.errors import ConfigError, ProviderError
-from onnx_chunk.runtime.buffers import DeviceBuffer, device_zeros
-from onnx_chunk.runtime.memory import cudart
-from onnx_chunk.runtime.provider import Device, device_for
+from onnx_chunk.runtime.device.buffers import DeviceBuffer, device_zeros
+from onnx_chunk.runtime.device.memory import cudart
+from onnx_chunk.runtime.device.provider import Device, device_for
 
 PAST = "past_key_values.{}.{}"
 PRESENT = "present.{}.{}"

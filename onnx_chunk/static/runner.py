@@ -46,8 +46,8 @@ from onnx_chunk.errors import (
     ModelStructureError,
     ProviderError,
 )
-from onnx_chunk.runtime.buffers import DeviceBuffer
-from onnx_chunk.runtime.provider import Device, resolve_device
+from onnx_chunk.runtime.device.buffers import DeviceBuffer
+from onnx_chunk.runtime.device.provider import Device, resolve_device
 from onnx_chunk.static.alignment import AlignedPrompt, PadSide, StaticLimits, align_prompt
 from onnx_chunk.static.bound_kv import BoundKVCache
 from onnx_chunk.static.kv_buffers import PAST, PRESENT, StaticKVBuffers

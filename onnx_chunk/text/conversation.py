@@ -22,7 +22,7 @@ from onnx_chunk.text.generation import (Completion, SequenceTokens, TextGenerati
 from onnx_chunk.text.stops import check_stops
 
 if TYPE_CHECKING:
-    from onnx_chunk.runtime.engine import Runtime
+    from onnx_chunk.runtime.model import Runtime
 
 logger = logging.getLogger(__name__)
 

@@ -22,15 +22,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
 from onnx_chunk.errors import CapacityError
-from onnx_chunk.runtime.request import RequestStats
+from onnx_chunk.runtime.engine.request import RequestStats
 from onnx_chunk.runtime.stats import GenerationStats
 from onnx_chunk.sampling import GREEDY, Sampling
 from onnx_chunk.text.stops import check_stops
 from onnx_chunk.text.token_text import TokenText
 
 if TYPE_CHECKING:
-    from onnx_chunk.runtime.engine import Runtime
-    from onnx_chunk.runtime.sequence import Sequence
+    from onnx_chunk.runtime.model import Runtime
+    from onnx_chunk.runtime.engine.sequence import Sequence
     from onnx_chunk.text.tokenizer import Tokenizer
 
 # Text, or a conversation: [{"role": ..., "content": ...}, ...].
@@ -86,6 +86,7 @@ class SequenceTokens:
         finally:
             steps.close()
 
+    @property
     def stats(self) -> Any:
         return self.sequence.stats.last_generation
 
@@ -99,7 +100,7 @@ class EngineTokens:
         self._request = None
 
     def room(self) -> int:
-        return self.runtime.capacity
+        return self.runtime.options.capacity
 
     def check(self, ids: SequenceOf[int], max_new_tokens: int) -> Any:
         return self.runtime.check_request(ids, max_new_tokens)
@@ -113,6 +114,7 @@ class EngineTokens:
         finally:
             self._request.cancel()  # a stop string or a closed stream ends it; no-op at its end
 
+    @property
     def stats(self) -> Any:
         return None if self._request is None else self._request.stats
 
@@ -173,7 +175,7 @@ class TextGeneration:
             yield piece
         self.completion = Completion(text="".join(pieces), tokens=tuple(text.tokens),
                                      finish_reason="stop" if text.stopped else at_budget,
-                                     prompt_tokens=self.prompt_tokens, stats=source.stats())
+                                     prompt_tokens=self.prompt_tokens, stats=source.stats)
 
 
 def stream_text(source: SequenceTokens | EngineTokens, tokenizer: Tokenizer, prompt: Prompt,

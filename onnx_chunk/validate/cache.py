@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from onnx_chunk.errors import OnnxChunkError
-from onnx_chunk.runtime.variant_cache import CacheStats
+from onnx_chunk.runtime.caches.variant_cache import CacheStats
 from onnx_chunk.validate.checks import CACHE
 from onnx_chunk.validate.report import CheckResult, Outcome
 from onnx_chunk.validate.runs import Advance, RunSettings, generate_prompt, load_runtime
@@ -33,13 +33,13 @@ def cache_checks(model_path: Path, settings: RunSettings, selected: Callable[[st
                 generate_prompt(runtime, length, settings)
                 advance(f"cache pass {pass_number} {length}")
             if pass_number == 1:
-                first = runtime.stats().cache
-        second = runtime.stats().cache
+                first = runtime.stats.cache
+        second = runtime.stats.cache
     except OnnxChunkError as error:
         verdicts = {name: (Outcome.FAILED, f"the runtime cannot run the model: {error}", {})
                     for name in names}
     else:
-        ladder = ", ".join(map(str, runtime.tiers))
+        ladder = ", ".join(map(str, runtime.options.tiers))
         padding = ("padding on" if runtime.padding
                    else f"padding off: {second.padding_refused}")
         context = f"ladder {ladder}, {padding}"

@@ -85,7 +85,7 @@ def _run_engine(model_path: Path, settings: RunSettings, advance: Advance) -> En
               chunk_size=settings.chunk_size, max_batch=slots) as runtime:
         prompts = [seeded_prompt(runtime.ports.vocab_size, length, settings.seed)
                    for length in settings.lengths]
-        counts = engine_new_tokens(settings, runtime.chunk_size, runtime.capacity)
+        counts = engine_new_tokens(settings, runtime.options.chunk_size, runtime.options.capacity)
         alone = []
         for length, prompt, count in zip(settings.lengths, prompts, counts):
             alone.append(_submit(runtime, prompt, count).result())
@@ -121,7 +121,7 @@ def _submit(runtime: Runtime, prompt: np.ndarray, new_tokens: int) -> Request:
 
 def _decode_counters(runtime: Runtime) -> tuple[int, int]:
     """The engine's batched decode forwards and the rows that really decoded in them."""
-    engine = runtime.stats().engine
+    engine = runtime.stats.engine
     return (0, 0) if engine is None else (engine.decode_steps, engine.decode_rows)
 
 

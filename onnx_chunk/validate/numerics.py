@@ -102,9 +102,9 @@ def _compare_modes(model_path: Path, settings: RunSettings,
         comparisons.append(LengthComparison(length, tokens, logits, kv))
     padded = runtimes[PADDED]
     notes = {
-        CHUNKED: f"chunked at W={runtimes[CHUNKED].chunk_size}",
-        PADDED: (f"padded up the ladder {', '.join(map(str, padded.tiers))}" if padded.padding
-                 else f"padding refused ({padded.stats().cache.padding_refused}), so the "
+        CHUNKED: f"chunked at W={runtimes[CHUNKED].options.chunk_size}",
+        PADDED: (f"padded up the ladder {', '.join(map(str, padded.options.tiers))}" if padded.padding
+                 else f"padding refused ({padded.stats.cache.padding_refused}), so the "
                       "padded run is chunked only"),
     }
     if runtimes[WHOLE].ports.last_row_logits:

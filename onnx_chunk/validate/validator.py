@@ -19,7 +19,7 @@ from onnx_chunk import arguments
 from onnx_chunk.errors import ConfigError
 from onnx_chunk.metadata import ChunkPlan, window_capacity
 from onnx_chunk.passes import DEFAULT_CHUNK_SIZE
-from onnx_chunk.runtime.provider import PROVIDER_CHOICES, resolve_device
+from onnx_chunk.runtime.device.provider import PROVIDER_CHOICES, resolve_device
 from onnx_chunk.static.model import check_fixed_sizes
 from onnx_chunk.validate.cache import cache_checks
 from onnx_chunk.validate.checks import (

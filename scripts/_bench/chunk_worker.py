@@ -18,13 +18,13 @@ import time
 
 import onnx_chunk.runtime as rt
 from onnx_chunk.ladder import DECODE_WIDTH
-from onnx_chunk.runtime.variant_cache import variant_key
+from onnx_chunk.runtime.caches.variant_cache import variant_key
 
 
 def _warm(runtime: rt.Runtime) -> None:
-    widths = (*runtime.tiers, DECODE_WIDTH) if runtime.padding else (DECODE_WIDTH,)
+    widths = (*runtime.options.tiers, DECODE_WIDTH) if runtime.padding else (DECODE_WIDTH,)
     for width in widths:
-        with runtime.cache.acquire(variant_key(width, runtime.tiers, runtime.specialize)):
+        with runtime.cache.acquire(variant_key(width, runtime.options.tiers, runtime.options.specialize)):
             pass
 
 
@@ -52,9 +52,9 @@ def main() -> None:
             "tokens": tokens,
             "chunks": [[chunk.rows, chunk.width] for chunk in generation.chunks],
         })
-    stats = runtime.stats()
+    stats = runtime.stats
     print(json.dumps({"load_s": load_s, "results": results, "padding": runtime.padding,
-                      "specialize": runtime.specialize,
+                      "specialize": runtime.options.specialize,
                       "mask_policy": stats.mask_policy, "compiles": stats.cache.compiles,
                       "evictions": stats.cache.evictions}))
 

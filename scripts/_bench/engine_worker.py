@@ -36,11 +36,11 @@ def main() -> None:
 def _throughput(runtime: rt.Runtime, request: dict) -> dict:
     prompts, new_tokens = request["prompts"], request["new_tokens"]
     _generate(runtime, request["batch"], [prompts[0][:8]], 2)
-    before = runtime.stats().engine
+    before = runtime.stats.engine
     began = time.perf_counter()
     tokens, phases = _generate(runtime, request["batch"], prompts, new_tokens)
     wall = time.perf_counter() - began
-    engine = runtime.stats().engine
+    engine = runtime.stats.engine
     if engine is not None:
         phases = {"prefill_s": engine.prefill_s - before.prefill_s,
                   "decode_s": engine.decode_s - before.decode_s,
@@ -78,7 +78,7 @@ def _stall(runtime: rt.Runtime, request: dict) -> dict:
     for _ in range(request["batch"] - 1):
         submitted_s = time.perf_counter()
         running.append((submitted_s, runtime.submit(
-            running_prompt, runtime.capacity - len(running_prompt), eos_token_id=[])))
+            running_prompt, runtime.options.capacity - len(running_prompt), eos_token_id=[])))
     for _, submitted in running:
         next(submitted.tokens())
     submit_s = time.perf_counter()
@@ -95,7 +95,7 @@ def _stall(runtime: rt.Runtime, request: dict) -> dict:
         stamps = [submitted_s + offset for offset in submitted.token_times]
         gaps += [later - earlier for earlier, later in zip(stamps, stamps[1:])
                  if later > submit_s and earlier < first_s]
-    engine = runtime.stats().engine
+    engine = runtime.stats.engine
     with runtime.open_sequence() as alone:
         alone.generate(long, 1, [])
         chunks = alone.stats.last_generation.chunks

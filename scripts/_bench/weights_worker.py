@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import onnxruntime as ort
 
-from onnx_chunk.runtime.memory import process_rss_bytes
+from onnx_chunk.runtime.device.memory import process_rss_bytes
 
 
 def _onnx_chunk(model: str, widths: list[int], specialize: bool) -> list[dict]:
@@ -35,7 +35,7 @@ def _onnx_chunk(model: str, widths: list[int], specialize: bool) -> list[dict]:
         stats = runtime.cache.snapshot()
         rows.append({"width": width, "rss": process_rss_bytes(), "variants": stats.variants,
                      "bytes_held": stats.bytes_held,
-                     "weights_resident": runtime.stats().weights_resident_bytes})
+                     "weights_resident": runtime.stats.weights_resident_bytes})
     return rows
 
 

@@ -3,7 +3,7 @@
 import onnxruntime as ort
 import pytest
 
-from onnx_chunk.runtime import cuda_graphs
+from onnx_chunk.runtime.caches import cuda_graphs
 
 
 @pytest.fixture

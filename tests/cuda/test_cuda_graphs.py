@@ -7,11 +7,12 @@ import onnxruntime as ort
 import pytest
 
 from onnx_chunk.errors import ConfigError, ModelLoadError
-from onnx_chunk.runtime import load, variant_pool
-from onnx_chunk.runtime.cuda_graphs import (SKIP_CAPTURE, capturable, graph_id, graph_runs,
+from onnx_chunk.runtime import load
+from onnx_chunk.runtime.caches import variant_pool
+from onnx_chunk.runtime.caches.cuda_graphs import (SKIP_CAPTURE, capturable, graph_id, graph_runs,
                                             session_captures)
-from onnx_chunk.runtime.provider import MaskPolicy, device_for
-from onnx_chunk.runtime.session_factory import SessionFactory
+from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
+from onnx_chunk.runtime.device.session_factory import SessionFactory
 
 PROMPT = np.random.default_rng(11).integers(0, 256, 45).tolist()
 
@@ -68,7 +69,7 @@ def test_a_cpu_session_does_not_capture(reference_model):
     runtime.open_sequence().generate(PROMPT, 3)
     with runtime.cache.acquire(1) as session:
         assert not session_captures(session)
-    stats = runtime.stats()
+    stats = runtime.stats
     assert stats.cuda_graphs is False and stats.graph_widths == ()
 
 
@@ -127,4 +128,4 @@ def test_graph_runs_on_cpu_sessions_marked_capturing(reference_model, monkeypatc
     # runs on the shape-generic session, without run options.
     assert len({session for session, graph in recorded_runs if graph is not None}) == 2
     assert len({session for session, graph in recorded_runs if graph is None}) == 1
-    assert runtime.stats().graph_widths == (1, 16)
+    assert runtime.stats.graph_widths == (1, 16)

@@ -9,9 +9,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from onnx_chunk.runtime import buffers, load
-from onnx_chunk.runtime.buffers import device_zeros
-from onnx_chunk.runtime.provider import MaskPolicy, device_for
+from onnx_chunk.runtime import load
+from onnx_chunk.runtime.device import buffers
+from onnx_chunk.runtime.device.buffers import device_zeros
+from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 
 PROMPT = np.random.default_rng(3).integers(0, 256, 45).tolist()
 # The CUDA path's shape on CPU: device memory, the capacity mask, per-width variants.

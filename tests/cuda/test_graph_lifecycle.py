@@ -16,12 +16,13 @@ import onnxruntime as ort
 import pytest
 
 from onnx_chunk.errors import ClosedError, ConfigError
-from onnx_chunk.runtime import load, variant_pool
-from onnx_chunk.runtime.cuda_graphs import (CAPTURE_GATE, RUNS_BEFORE_CAPTURE, SKIP_CAPTURE,
+from onnx_chunk.runtime import load
+from onnx_chunk.runtime.caches import variant_pool
+from onnx_chunk.runtime.caches.cuda_graphs import (CAPTURE_GATE, RUNS_BEFORE_CAPTURE, SKIP_CAPTURE,
                                             CaptureGate, graph_id)
-from onnx_chunk.runtime.provider import Device
-from onnx_chunk.runtime.sequence_pool import SequencePool
-from onnx_chunk.runtime.session_factory import SessionFactory
+from onnx_chunk.runtime.device.provider import Device
+from onnx_chunk.runtime.engine.sequence_pool import SequencePool
+from onnx_chunk.runtime.device.session_factory import SessionFactory
 from tests.cuda.test_device_inputs import DEVICE, PROMPT
 
 
@@ -70,7 +71,7 @@ def test_a_closed_sequence_hands_its_buffers_and_graphs_to_the_next(reference_mo
     # Every binding is already there: nothing runs a first (uncaptured) run again.
     graphs = [graph for _, graph in recorded_runs if graph is not None]
     assert SKIP_CAPTURE not in graphs and set(graphs) == {graph_id(slot, 0, False)}
-    stats = runtime.stats().sequences
+    stats = runtime.stats.sequences
     assert (stats.created, stats.reused) == (1, 1)
 
 
@@ -81,7 +82,7 @@ def test_a_collected_sequence_gives_its_slot_back(reference_model, no_gc):
     slot = sequence.slot
     del sequence
     assert runtime.open_sequence().slot == slot
-    assert runtime.stats().sequences.reused == 1
+    assert runtime.stats.sequences.reused == 1
 
 
 def test_slots_beyond_the_idle_ones_kept_release_their_graphs(reference_model, capturing,
@@ -92,13 +93,13 @@ def test_slots_beyond_the_idle_ones_kept_release_their_graphs(reference_model, c
     for sequence in sequences:
         # Decode runs: one first run, two warm-ups, then the capture and replays.
         sequence.generate(PROMPT, RUNS_BEFORE_CAPTURE + 3)
-    stats = runtime.stats()
+    stats = runtime.stats
     assert stats.graphs_captured == 3 and stats.graphs_by_width == {1: 3}
     for sequence in sequences:
         sequence.close()
     # One slot stays idle (the last closed, warm); the other two release their decode graphs.
     assert sorted(released_graphs) == [graph_id(0, 0, False), graph_id(1, 0, False)]
-    stats = runtime.stats()
+    stats = runtime.stats
     assert (stats.graphs_released, stats.sequences.freed, stats.sequences.idle) == (2, 2, 1)
     again = runtime.open_sequence()
     # A freed slot number is handed out again.
@@ -184,7 +185,7 @@ def test_close_frees_at_once_and_refuses_later_calls(reference_model, no_gc):
         runtime.open_sequence()
     with pytest.raises(ClosedError, match="closed"):
         sequence.generate(PROMPT, 2)
-    assert runtime.stats().cache.variants == 0
+    assert runtime.stats.cache.variants == 0
 
 
 def test_capture_gate_excludes_other_device_work():
@@ -273,7 +274,7 @@ def test_a_failed_capture_falls_back_to_running_without_a_graph(reference_model,
     runtime = load(reference_model(), device=device, capacity=96, chunk_size=16, padding=False)
     expected = _load(reference_model()).open_sequence().generate(PROMPT, 8)
     assert runtime.open_sequence().generate(PROMPT, 8) == expected
-    stats = runtime.stats()
+    stats = runtime.stats
     assert list(stats.graph_fallbacks) == [1]
     assert "stream is capturing" in stats.graph_fallbacks[1]
     assert stats.graphs_captured == 0
@@ -307,7 +308,7 @@ def test_a_slot_taken_by_another_thread_drops_its_graphs_first(reference_model, 
     runtime = _load(reference_model())
     with runtime.open_sequence() as first:
         first.generate(PROMPT, RUNS_BEFORE_CAPTURE + 3)
-    assert runtime.stats().graphs_captured == 1
+    assert runtime.stats.graphs_captured == 1
     taken = []
     # The CUDA provider keeps graphs per thread: another thread's sequence captures anew.
     worker = threading.Thread(target=lambda: taken.append(runtime.open_sequence()))

@@ -72,11 +72,11 @@ def test_convert_declares_the_chunk_width_to_genai_and_genai_runs_the_folder(
     config = json.loads((converted / "genai_config.json").read_text())
     assert config["search"]["chunk_size"] == CHUNK
     runtime = load(converted, provider="cpu")
-    assert runtime.chunk_size == CHUNK
+    assert runtime.options.chunk_size == CHUNK
     prompt = _prompt(runtime)
     results = [run_child(environment.worker_argv(peer_python, "genai_worker", {
         "model": str(folder), "prompts": [prompt], "new_tokens": NEW_TOKENS, "chunk_size": 0,
-        "max_length": runtime.capacity}), timeout_s=300).payload["results"][0]["tokens"]
+        "max_length": runtime.options.capacity}), timeout_s=300).payload["results"][0]["tokens"]
         for folder in (export.folder, converted)]
     assert results[0] == results[1] == runtime.open_sequence().generate(prompt, NEW_TOKENS)
 
@@ -116,12 +116,12 @@ def test_the_models_eos_ids_are_the_default_stop(export, tmp_path):
     folder = export.copy_to(tmp_path / "model")
     runtime = load(folder, provider="cpu", chunk_size=CHUNK)
     eos = export.features["eos_token_id"]
-    assert runtime.eos_token_ids == (tuple(eos) if isinstance(eos, list) else (eos,))
+    assert runtime.options.eos_token_ids == (tuple(eos) if isinstance(eos, list) else (eos,))
     prompt = _prompt(runtime, 60)
     free = runtime.open_sequence().generate(prompt, 12, eos_token_id=[])
     config_path = folder / "genai_config.json"
     config = json.loads(config_path.read_text())
-    config["model"]["eos_token_id"] = [free[4], *runtime.eos_token_ids]
+    config["model"]["eos_token_id"] = [free[4], *runtime.options.eos_token_ids]
     config_path.write_text(json.dumps(config))
     stopped = load(folder, provider="cpu", chunk_size=CHUNK).open_sequence().generate(prompt, 12)
     assert stopped == free[:free.index(free[4]) + 1]

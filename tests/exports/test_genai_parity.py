@@ -50,7 +50,7 @@ def first_difference(ours: list[int], theirs: list[int]) -> int:
 def test_greedy_tokens_equal_genai_at_every_length(fixture, width, peer_python):
     runtime = load(fixture.folder, provider="cpu", chunk_size=width)
     prompts = _prompts(fixture, width, runtime.ports.vocab_size)
-    theirs = genai_tokens(peer_python, fixture.folder, prompts, width, runtime.capacity)
+    theirs = genai_tokens(peer_python, fixture.folder, prompts, width, runtime.options.capacity)
     sequence = runtime.open_sequence()
     differences, near_ties = [], []
     for prompt, reference in zip(prompts, theirs):

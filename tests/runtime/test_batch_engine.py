@@ -8,14 +8,13 @@ import numpy as np
 import pytest
 
 from onnx_chunk.errors import CapacityError, ClosedError, ConfigError, InputError, QueueFullError
-from onnx_chunk.runtime import engine, load
-from onnx_chunk.runtime.batch import BatchDecoder
-from onnx_chunk.runtime.buffers import BatchBuffers
-from onnx_chunk.runtime.provider import MaskPolicy, device_for
-from onnx_chunk.runtime.forward import ForwardRunner
-from onnx_chunk.runtime.kv_state import LogicalLength
-from onnx_chunk.runtime.scheduler import prefill_chunks
-from onnx_chunk.runtime.sequence_pool import SequenceSlot, new_slot
+from onnx_chunk.runtime import load, model as runtime_model
+from onnx_chunk.runtime.device.buffers import BatchBuffers
+from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
+from onnx_chunk.runtime.runner.model_runner import Forward, ModelRunner, Row
+from onnx_chunk.runtime.engine.kv_state import LogicalLength
+from onnx_chunk.runtime.engine.scheduler import prefill_chunks
+from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot, new_slot
 from onnx_chunk.sampling import Sampling
 from tests.exports.corpus import builder_gqa_fixtures
 
@@ -45,7 +44,7 @@ def assert_batched_equals_alone(path, max_batch: int):
     expected = alone(single, prompts)
     with load(path, provider="cpu", capacity=128, chunk_size=W, max_batch=max_batch) as batched:
         assert batched.generate_many(prompts, NEW_TOKENS, eos_token_id=[]) == expected
-        return batched.stats().engine
+        return batched.stats.engine
 
 
 @pytest.mark.parametrize("variant", ["base", "int4", "position_ids", "conv_hybrid",
@@ -63,7 +62,7 @@ def test_parity_on_the_device_path_with_the_capacity_mask(reference_model, monke
     the capacity-wide mask, per-width variants with ladder padding."""
     device = dataclasses.replace(device_for("cpu"), host_visible=False,
                                  mask_policy=MaskPolicy.CAPACITY, specialize=True)
-    monkeypatch.setattr(engine, "resolve_device", lambda *args: device)
+    monkeypatch.setattr(runtime_model, "resolve_device", lambda *args: device)
     assert_batched_equals_alone(reference_model(variant), max_batch=4)
 
 
@@ -80,15 +79,15 @@ def test_greedy_parity_on_the_real_exports(fixture):
 
 def _row_slot(runtime, buffers, index):
     """Row `index` of `buffers` as a slot, the way the engine makes its rows' slots."""
-    return new_slot(runtime.ports, runtime.capacity, runtime.device, runtime.masks,
+    return new_slot(runtime.ports, runtime.options.capacity, runtime.device, runtime.masks,
                     runtime.pool.take_number(), buffers=buffers.slot(index), captures=False)
 
 
 def _prefill(runtime, slot, prompt):
     """Feed `prompt` into `slot` chunk by chunk, as the engine does."""
-    length, ids = LogicalLength(runtime.capacity), np.asarray(prompt)
-    for begin, end in prefill_chunks(len(ids), runtime.chunk_size):
-        runtime.runner.prefill(slot, length, ids[begin:end], "last")
+    length, ids = LogicalLength(runtime.options.capacity), np.asarray(prompt)
+    for begin, end in prefill_chunks(len(ids), runtime.options.chunk_size):
+        runtime.runner.run(slot, Forward([Row(ids[begin:end], length)]))
 
 
 def test_a_slots_prefill_writes_in_place_into_its_row_of_the_batch_buffers(reference_model):
@@ -114,11 +113,15 @@ def test_a_decode_step_leaves_idle_rows_state_as_it_was(reference_model):
     _prefill(runtime, slots[0], [1, 2, 3])
     _prefill(runtime, slots[1], [4, 5, 6, 7])
     before = buffers.slot(1).snapshot_state()
-    decoder = BatchDecoder(ports, runtime.device, buffers, None,
-                           runtime.masks(2, runtime.capacity, ports.mask_dtype, runtime.device))
-    with runtime.cache.acquire(runtime.decode_key) as session:
-        io = decoder.binding(session, {})
-        decoder.run(session, io, [3, 4], [9, 0], decoding=[0])
+    capacity = runtime.options.capacity
+    batch = SequenceSlot(runtime.pool.take_number(), buffers,
+                         runtime.masks(2, capacity, ports.mask_dtype, runtime.device))
+    lengths = [LogicalLength(capacity), LogicalLength(capacity)]
+    lengths[0].advance(3)
+    lengths[1].advance(4)
+    runtime.runner.run(batch, Forward([Row(np.array([9]), lengths[0]),
+                                       Row(np.array([0]), lengths[1], steps=False)]))
+    assert [length.length for length in lengths] == [4, 4]
     after = buffers.slot(1).snapshot_state()
     assert all(np.array_equal(a, b) for a, b in zip(before, after))
     assert not all(np.array_equal(a, b) for a, b in
@@ -133,11 +136,11 @@ def test_a_long_mixed_run_builds_no_variant_after_warm_up(reference_model):
         vocab = runtime.ports.vocab_size
         warm = prompts_for(vocab, (2, 6, 11, 16, 1))
         runtime.generate_many(warm, 4, eos_token_id=[])
-        built = runtime.stats().cache.compiles
+        built = runtime.stats.cache.compiles
         assert built == 4
         lengths = np.random.default_rng(5).integers(1, 90, 40).tolist()
         runtime.generate_many(prompts_for(vocab, lengths, seed=2), 6, eos_token_id=[])
-        cache = runtime.stats().cache
+        cache = runtime.stats.cache
     assert cache.compiles == built and cache.evictions == 0 and cache.peak_variants <= 4
 
 
@@ -190,7 +193,7 @@ def test_a_full_queue_is_a_typed_error_and_cancel_frees_a_slot_at_once(batched):
     queued = [batched.submit([7, 8], 3, eos_token_id=[]) for _ in range(2)]
     with pytest.raises(QueueFullError, match="2 requests wait"):
         batched.submit([7, 8], 3)
-    assert batched.stats().engine.queued == 2
+    assert batched.stats.engine.queued == 2
     queued[1].cancel()
     assert queued[1].finish_reason == "cancelled" and queued[1].result() == []
     running[0].cancel()
@@ -217,7 +220,14 @@ def test_a_failing_forward_fails_its_requests_and_the_engine_goes_on(batched, mo
     def fail(*args, **kwargs):
         raise broken
 
-    monkeypatch.setattr(BatchDecoder, "run", fail)
+    run = ModelRunner.run
+
+    def fail_batched(self, slot, forward):
+        if len(forward.rows) > 1:
+            raise broken
+        return run(self, slot, forward)
+
+    monkeypatch.setattr(ModelRunner, "run", fail_batched)
     request = batched.submit([1, 2, 3], 4, eos_token_id=[])
     with pytest.raises(RuntimeError, match="decode forward failed"):
         request.result(timeout=30)
@@ -229,20 +239,20 @@ def test_a_failing_forward_fails_its_requests_and_the_engine_goes_on(batched, mo
 
 
 def test_a_failing_prefill_fails_that_request_alone(batched, monkeypatch):
-    prefill = ForwardRunner.prefill
+    run = ModelRunner.run
 
-    def fail_long(self, slot, length, chunk, need):
-        if len(chunk) == 11:
+    def fail_long(self, slot, forward):
+        if forward.width == 11:
             raise RuntimeError("prefill forward failed")
-        return prefill(self, slot, length, chunk, need)
+        return run(self, slot, forward)
 
-    monkeypatch.setattr(ForwardRunner, "prefill", fail_long)
+    monkeypatch.setattr(ModelRunner, "run", fail_long)
     good, bad = (batched.submit(list(range(1, 6)), 4, eos_token_id=[]),
                  batched.submit(list(range(1, 12)), 4, eos_token_id=[]))
     assert len(good.result(timeout=30)) == 4
     with pytest.raises(RuntimeError, match="prefill forward failed"):
         bad.result(timeout=30)
-    assert batched.stats().engine.failed >= 1
+    assert batched.stats.engine.failed >= 1
 
 
 def test_submit_from_many_threads(batched):

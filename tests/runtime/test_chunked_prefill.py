@@ -7,7 +7,7 @@ from onnx_chunk.model_io import load_model, save_model
 from onnx_chunk.models.reference import ReferenceDecoder
 from onnx_chunk.passes import convert_model
 from onnx_chunk.runtime import load
-from onnx_chunk.runtime.scheduler import prefill_chunks
+from onnx_chunk.runtime.engine.scheduler import prefill_chunks
 
 W = 16
 CAPACITY = 256
@@ -76,7 +76,7 @@ def test_chunks_run_at_the_chunk_width_and_the_remainder_pads_up_the_ladder(chun
         (W, W), (W, W), (5, 5)]
     sequence = padded.open_sequence()
     sequence.generate(prompt, 2)
-    tier = min(t for t in padded.tiers if t >= 5)
+    tier = min(t for t in padded.options.tiers if t >= 5)
     assert [(c.rows, c.width) for c in sequence.stats.last_generation.chunks] == [
         (W, W), (W, W), (5, tier)]
     assert sequence.stats.padded_rows == tier - 5
@@ -89,7 +89,7 @@ def test_kv_buffers_are_allocated_once_at_capacity_and_written_in_place(padded):
     pointers = [buffer.value.data_ptr() for buffer in buffers]
     assert all(buffer.host.shape[2] == CAPACITY for buffer in buffers)
     # A pooled buffer set may hold an earlier sequence's entries past the length (masked).
-    reach = 2 * W + max(padded.tiers)
+    reach = 2 * W + max(padded.options.tiers)
     beyond = [buffer.host[:, :, reach:].copy() for buffer in buffers]
     sequence.generate(_prompt(40), 5)
     assert sequence.buffers.kv is buffers
@@ -179,12 +179,12 @@ def test_variant_cache_holds_the_ladder_and_stops_compiling(base):
         for length in lengths:
             runtime.open_sequence().generate(_prompt(length), 2)
         if _ == 0:
-            compiles = runtime.stats().cache.compiles
-    cache = runtime.stats().cache
+            compiles = runtime.stats.cache.compiles
+    cache = runtime.stats.cache
     assert cache.compiles == compiles
-    assert set(cache.widths) <= {1, *runtime.tiers}
+    assert set(cache.widths) <= {1, *runtime.options.tiers}
     assert cache.variants <= cache.cap and cache.evictions == 0
-    assert runtime.stats().sessions_created == cache.compiles
+    assert runtime.stats.sessions_created == cache.compiles
 
 
 def test_converted_model_declares_its_chunk_width(base, tmp_path, whole):
@@ -193,9 +193,9 @@ def test_converted_model_declares_its_chunk_width(base, tmp_path, whole):
     target = tmp_path / "model.onnx"
     save_model(model, target)
     runtime = load(target, provider="cpu")
-    assert runtime.chunk_size == 24
-    assert runtime.tiers == runtime.plan.ladder
-    assert runtime.capacity == runtime.plan.max_sequence_length
+    assert runtime.options.chunk_size == 24
+    assert runtime.options.tiers == runtime.plan.ladder
+    assert runtime.options.capacity == runtime.plan.max_sequence_length
     prompt = _prompt(60)
     assert runtime.open_sequence().generate(prompt, 4) == whole.open_sequence().generate(prompt, 4)
 
@@ -206,10 +206,10 @@ def test_padding_switches(base, monkeypatch):
         monkeypatch.setenv(variable, "0")
         runtime = _load(base, chunk_size=W)
         assert not runtime.padding
-        assert variable in runtime.stats().cache.padding_refused
+        assert variable in runtime.stats.cache.padding_refused
         monkeypatch.delenv(variable)
     refused = _load(base, chunk_size=W, padding=False)
-    assert not refused.padding and refused.stats().cache.padding_refused
+    assert not refused.padding and refused.stats.cache.padding_refused
 
 
 def test_a_small_cache_evicts_and_results_stay_exact(base, whole):
@@ -219,7 +219,7 @@ def test_a_small_cache_evicts_and_results_stay_exact(base, whole):
         prompt = _prompt(length, seed=length)
         sequence.rewind(sequence.length)
         assert sequence.generate(prompt, 3) == whole.open_sequence().generate(prompt, 3)
-    cache = runtime.stats().cache
+    cache = runtime.stats.cache
     assert cache.evictions > 0 and cache.variants <= 2 and cache.peak_variants <= 2
 
 
@@ -246,7 +246,7 @@ def test_evicted_sessions_are_freed_and_exact_keys_thrash(reference_model):
     for length in (5, 7, 9, 5, 7, 9):
         sequence.generate(list(range(1, length + 1)), max_new_tokens=2)
         sequence.rewind(sequence.length)
-    stats = runtime.stats().cache
+    stats = runtime.stats.cache
     assert stats.variants <= 2
     assert stats.evictions == stats.compiles - stats.variants > 0
     gc.collect()

@@ -10,8 +10,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from onnx_chunk.runtime import engine, load
-from onnx_chunk.runtime.provider import MaskPolicy, device_for
+from onnx_chunk.runtime import load, model as runtime_model
+from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 
 PROMPT = np.random.default_rng(5).integers(0, 256, 45).tolist()
 
@@ -20,7 +20,7 @@ PROMPT = np.random.default_rng(5).integers(0, 256, 45).tolist()
 def device_like(monkeypatch):
     device = dataclasses.replace(device_for("cpu"), host_visible=False,
                                  mask_policy=MaskPolicy.CAPACITY)
-    monkeypatch.setattr(engine, "resolve_device", lambda *args: device)
+    monkeypatch.setattr(runtime_model, "resolve_device", lambda *args: device)
     return device
 
 

@@ -8,10 +8,10 @@ import onnxruntime as ort
 import pytest
 
 from onnx_chunk.errors import ModelLoadError
-from onnx_chunk.runtime import engine, load
-from onnx_chunk.runtime.buffers import device_zeros
-from onnx_chunk.runtime.provider import MaskPolicy, device_for
-from onnx_chunk.runtime.session_factory import SessionFactory, SharedWeights
+from onnx_chunk.runtime import load, model as runtime_model
+from onnx_chunk.runtime.device.buffers import device_zeros
+from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
+from onnx_chunk.runtime.device.session_factory import SessionFactory, SharedWeights
 
 from .test_requests import generate_in_threads
 
@@ -22,7 +22,7 @@ DEVICE_LIKE = dataclasses.replace(device_for("cpu"), host_visible=False,
 @pytest.mark.parametrize("variant", ["base", "conv_hybrid"])
 def test_two_threads_on_per_width_variants_on_the_device_path(reference_model, monkeypatch,
                                                               variant):
-    monkeypatch.setattr(engine, "resolve_device", lambda *args: DEVICE_LIKE)
+    monkeypatch.setattr(runtime_model, "resolve_device", lambda *args: DEVICE_LIKE)
     runtime = load(reference_model(variant), provider="cpu", capacity=96, chunk_size=16,
                    max_variants=3)
     prompts = [list(range(1, 40)), list(range(100, 121))]
@@ -30,7 +30,7 @@ def test_two_threads_on_per_width_variants_on_the_device_path(reference_model, m
     results, errors = generate_in_threads(runtime, prompts, rounds=3, new_tokens=5)
     assert not errors
     assert results[0] == [alone[0]] * 3 and results[1] == [alone[1]] * 3
-    assert runtime.stats().cache.peak_variants <= 3
+    assert runtime.stats.cache.peak_variants <= 3
 
 
 def test_weights_that_onnxruntime_owns_are_refused_with_a_clear_error(reference_model):

@@ -3,7 +3,7 @@
 import pytest
 
 from onnx_chunk.errors import CapacityError, ConfigError, InputError
-from onnx_chunk.runtime.kv_state import LogicalLength
+from onnx_chunk.runtime.engine.kv_state import LogicalLength
 
 
 def test_room_and_capacity_errors_carry_the_numbers():

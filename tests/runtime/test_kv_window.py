@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from onnx_chunk.errors import ConfigError
-from onnx_chunk.runtime.kv_window import resident_rows, rewind_is_exact
+from onnx_chunk.runtime.engine.kv_window import resident_rows, rewind_is_exact
 
 
 def _simulate(total: int, capacity: int, window: int) -> int:

@@ -26,7 +26,7 @@ options = {}
 if sys.argv[2] in ("specialize", "device"):
     options["specialize"] = True
 if sys.argv[2] == "device":
-    from onnx_chunk.runtime.provider import device_for
+    from onnx_chunk.runtime.device.provider import device_for
     options["device"] = dataclasses.replace(device_for("cpu"), host_visible=False)
 runtime = onnx_chunk.load(sys.argv[1], **options)
 with runtime.open_sequence() as sequence:

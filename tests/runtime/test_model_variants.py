@@ -56,7 +56,7 @@ def test_conv_state_is_carried_across_chunks_in_ping_pong_buffers(reference_mode
     path = reference_model("conv_hybrid")
     chunked, whole = _pair(path)
     assert chunked.ports.state and not chunked.padding
-    assert "refused by the model" in chunked.stats().cache.padding_refused
+    assert "refused by the model" in chunked.stats.cache.padding_refused
     sequence = chunked.open_sequence()
     tokens = sequence.generate(PROMPT, 6)
     assert tokens == whole.open_sequence().generate(PROMPT, 6)
@@ -88,7 +88,7 @@ def test_last_token_logits_switches_padding_off_and_reruns(reference_model, capl
     sequence = chunked.open_sequence()
     tokens = sequence.generate(PROMPT, 5)
     assert not chunked.padding
-    assert "shrinks the query axis" in chunked.stats().cache.padding_refused
+    assert "shrinks the query axis" in chunked.stats.cache.padding_refused
     assert tokens == whole.open_sequence().generate(PROMPT, 5)
     assert sequence.stats.padded_rows == 0
     with pytest.raises(ModelStructureError, match="last row"):

@@ -15,8 +15,8 @@ from onnx_chunk.passes import analyze
 from onnx_chunk.ladder import ladder_tiers
 from onnx_chunk.runtime.options import (LoadArguments, checked_arguments, resolve_capacity,
                                         resolve_chunk_size, resolve_options)
-from onnx_chunk.runtime.padding import PADDING_ENV_VARS
-from onnx_chunk.runtime.provider import MaskPolicy, device_for
+from onnx_chunk.runtime.runner.padding import PADDING_ENV_VARS
+from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 
 
 @pytest.fixture(scope="module")
@@ -99,10 +99,11 @@ def test_a_float32_cache_on_cuda_falls_back_or_is_refused(decoder):
         _resolve(decoder, capacity=128, device=cuda)
 
 
-def test_more_than_one_slot_turns_cuda_graphs_off(decoder):
+def test_more_than_one_slot_keeps_cuda_graphs_on(decoder):
+    # The batched decode is a binding of the one runner: it captures like any other.
     graphs = dataclasses.replace(device_for("cpu"), cuda_graphs=True)
     assert _resolve(decoder, capacity=128, device=graphs).device.cuda_graphs
-    assert not _resolve(decoder, capacity=128, device=graphs, max_batch=2).device.cuda_graphs
+    assert _resolve(decoder, capacity=128, device=graphs, max_batch=2).device.cuda_graphs
 
 
 def test_eos_ids_outside_the_vocabulary_are_refused(decoder):

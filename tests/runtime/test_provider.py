@@ -3,8 +3,8 @@
 import pytest
 
 from onnx_chunk.errors import ConfigError, ProviderError
-from onnx_chunk.runtime import provider as provider_module
-from onnx_chunk.runtime.provider import MaskPolicy, device_for, resolve_device
+from onnx_chunk.runtime.device import provider as provider_module
+from onnx_chunk.runtime.device.provider import MaskPolicy, device_for, resolve_device
 
 
 def test_cpu_device():

@@ -1,5 +1,6 @@
 """Bad requests fail clearly before any work and leave the sequence usable; threads agree."""
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -72,15 +73,15 @@ def test_a_failing_forward_leaves_the_sequence_as_it_was(runtime, monkeypatch):
     expected = runtime.open_sequence()
     expected.prefill([4, 5, 6])
     calls = []
-    original = runtime.runner.prefill
+    original = runtime.runner.run
 
-    def failing(slot, length, chunk, need):
-        calls.append(len(chunk))
+    def failing(slot, forward):
+        calls.append(forward.width)
         if len(calls) == 2:
             raise RuntimeError("device lost")
-        return original(slot, length, chunk, need)
+        return original(slot, forward)
 
-    monkeypatch.setattr(runtime.runner, "prefill", failing)
+    monkeypatch.setattr(runtime.runner, "run", failing)
     with pytest.raises(RuntimeError):
         sequence.prefill(list(range(1, 40)))
     monkeypatch.undo()
@@ -221,7 +222,7 @@ def test_load_refuses_options_of_the_wrong_type(reference_model, options):
 def test_load_takes_numpy_integers(reference_model):
     loaded = load(reference_model("base"), provider="cpu", capacity=np.int64(64),
                   chunk_size=np.int32(16))
-    assert loaded.capacity == 64 and loaded.chunk_size == 16
+    assert loaded.options.capacity == 64 and loaded.options.chunk_size == 16
 
 
 @pytest.mark.parametrize("eos", [-1, 256, "2", 1e30, 2.0, True, [1, -1], ["2"]])
@@ -247,10 +248,10 @@ def test_generate_stops_at_any_of_several_eos_ids(runtime):
 
 def test_generate_without_eos_ids_stops_at_the_runtimes(reference_model):
     loaded = load(reference_model("base"), provider="cpu", capacity=64, chunk_size=W)
-    assert loaded.eos_token_ids == (2,)  # the reference decoder's genai_config.json
+    assert loaded.options.eos_token_ids == (2,)  # the reference decoder's genai_config.json
     prompt = list(range(1, 40))
     free = loaded.open_sequence().generate(prompt, 8, eos_token_id=[])
-    loaded.eos_token_ids = (free[2],)
+    loaded.options = dataclasses.replace(loaded.options, eos_token_ids=(free[2],))
     sequence = loaded.open_sequence()
     assert sequence.generate(prompt, 8) == free[:free.index(free[2]) + 1]
     assert sequence.stats.last_generation.stopped_by_eos
@@ -288,7 +289,7 @@ def test_after_the_runtime_closes_every_forward_and_submit_is_a_closed_error(ref
                  lambda: loaded.submit([5], 2), lambda: loaded.open_sequence()):
         with pytest.raises(ClosedError, match="closed"):
             call()
-    assert loaded.stats().capacity == 64
+    assert loaded.stats.capacity == 64
 
 
 def test_idle_sequences_and_a_tiny_genai_max_length_are_refused_at_load(reference_model,

@@ -16,7 +16,7 @@ def test_a_generation_failing_in_decode_leaves_the_sequence_as_it_was(reference_
     expected = runtime.open_sequence()
     expected.prefill(list(range(3, 12)))
     steps = []
-    original = runtime.runner.decode_on
+    original = runtime.runner._step
 
     def failing(session, binding, slot, length, token):
         steps.append(token)
@@ -24,7 +24,7 @@ def test_a_generation_failing_in_decode_leaves_the_sequence_as_it_was(reference_
             raise RuntimeError("device lost")
         return original(session, binding, slot, length, token)
 
-    monkeypatch.setattr(runtime.runner, "decode_on", failing)
+    monkeypatch.setattr(runtime.runner, "_step", failing)
     with pytest.raises(RuntimeError, match="device lost"):
         sequence.generate(list(range(20, 50)), 6)
     monkeypatch.undo()

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from onnx_chunk.runtime import load
-from onnx_chunk.runtime.session_factory import DISABLE_PREPACKING_KEY
+from onnx_chunk.runtime.device.session_factory import DISABLE_PREPACKING_KEY
 
 
 def _prepacks(session):
@@ -49,8 +49,8 @@ def test_weights_are_mapped_not_copied(reference_model):
 def test_weights_for_another_device_are_not_faulted_in_and_say_they_are_copied(
         reference_model, monkeypatch):
     from onnx_chunk.model_file import read_model_file
-    from onnx_chunk.runtime import session_factory
-    from onnx_chunk.runtime.provider import device_for
+    from onnx_chunk.runtime.device import session_factory
+    from onnx_chunk.runtime.device.provider import device_for
 
     faulted = []
     original = session_factory._fault_in

@@ -76,7 +76,7 @@ def test_token_ids_outside_the_vocabulary_are_a_400(live):
 
 
 def test_a_prompt_over_the_context_is_a_400_with_the_numbers(live):
-    capacity = live.runtime.capacity
+    capacity = live.runtime.options.capacity
     status, _, answer = exchange(live, "POST", COMPLETIONS,
                                  {"prompt": [5] * (capacity + 3), "max_tokens": 4})
     error = _error(answer, 400, "prompt")
@@ -119,7 +119,7 @@ def test_a_full_queue_is_a_429_with_retry_after():
             live_server(runtime) as live:
         ids = runtime.tokenizer.encode(LONG_PROMPT)
         running = runtime.submit(ids, LONG_TOKENS, eos_token_id=[])
-        wait_for(lambda: runtime.stats().engine.running == 1, what="the first slot")
+        wait_for(lambda: runtime.stats.engine.running == 1, what="the first slot")
         queued = runtime.submit(ids, LONG_TOKENS, eos_token_id=[])
         try:
             status, headers, answer = exchange(live, "POST", CHAT, {"messages": MESSAGES})
@@ -143,7 +143,7 @@ def test_an_api_key_is_required_when_set(served_runtime):
 
 
 def _cancelled(runtime) -> int:
-    return runtime.stats().engine.cancelled
+    return runtime.stats.engine.cancelled
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
@@ -155,13 +155,13 @@ def test_a_client_that_disconnects_cancels_its_request_and_frees_its_slot(live, 
     connection = http.client.HTTPConnection(live.url.removeprefix("http://"), timeout=30)
     connection.request("POST", COMPLETIONS, body=json.dumps(
         {"prompt": ids, "max_tokens": LONG_TOKENS, "temperature": 0, "stream": stream}))
-    wait_for(lambda: runtime.stats().engine.running == 1, what="the request's slot")
+    wait_for(lambda: runtime.stats.engine.running == 1, what="the request's slot")
     if stream:
         response = connection.getresponse()
         assert response.status == 200 and response.readline().startswith(b"data: ")
     connection.sock.shutdown(socket.SHUT_RDWR)
     connection.close()
-    wait_for(lambda: runtime.stats().engine.running == 0, timeout=0.5, what="the freed slot")
+    wait_for(lambda: runtime.stats.engine.running == 0, timeout=0.5, what="the freed slot")
     assert _cancelled(runtime) == before + 1
 
 

@@ -69,7 +69,7 @@ def test_a_draining_server_ends_streams_and_refuses_new_requests_with_503(served
         status, _, answer = exchange(live, "POST", COMPLETIONS, {"prompt": "hi"})
         assert status == 503 and answer["error"]["code"] == "server_shutting_down"
         assert exchange(live, "GET", "/health")[0] == 503
-        wait_for(lambda: served_runtime.stats().engine.running == 0, what="the freed slot")
+        wait_for(lambda: served_runtime.stats.engine.running == 0, what="the freed slot")
 
 
 def _metrics(live) -> dict[str, float]:
@@ -94,7 +94,7 @@ def test_metrics_count_requests_tokens_and_the_cache(live):
         == before["onnx_chunk_time_to_first_token_seconds_count"] + 1
     assert after["onnx_chunk_inter_token_seconds_count"] \
         == before["onnx_chunk_inter_token_seconds_count"] + answer.usage.completion_tokens - 1
-    cache = live.runtime.stats().cache
+    cache = live.runtime.stats.cache
     assert after["onnx_chunk_variant_compiles_total"] == cache.compiles >= 1
     assert after["onnx_chunk_variant_cache_hits_total"] > before["onnx_chunk_variant_cache_hits_total"]
     assert after["onnx_chunk_variants"] == cache.variants

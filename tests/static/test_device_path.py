@@ -10,8 +10,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from onnx_chunk.runtime.buffers import DeviceBuffer
-from onnx_chunk.runtime.provider import device_for
+from onnx_chunk.runtime.device.buffers import DeviceBuffer
+from onnx_chunk.runtime.device.provider import device_for
 from onnx_chunk.static.runner import StaticRunner
 
 from .static_sizes import CAPACITY, CHUNK, MAX_INPUT, SEED

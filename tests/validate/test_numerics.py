@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -48,7 +49,8 @@ def test_each_length_is_compared_as_its_runs_finish_and_no_run_is_kept(monkeypat
 
     class _Runtime:
         def __init__(self, chunk_size, padding):
-            self.chunk_size, self.padding, self.tiers = chunk_size, padding, (4, 8)
+            self.options = SimpleNamespace(chunk_size=chunk_size, tiers=(4, 8))
+            self.padding = padding
             self.ports = type("Ports", (), {"last_row_logits": False})()
 
     def fake_load(model_path, run_settings, *, chunk_size, padding):
@@ -58,7 +60,7 @@ def test_each_length_is_compared_as_its_runs_finish_and_no_run_is_kept(monkeypat
         nonlocal most_alive_at_a_call
         most_alive_at_a_call = max(most_alive_at_a_call, sum(ref() is not None for ref in live))
         logits = np.zeros((length, vocab), np.float32)
-        if runtime.chunk_size == CHUNK and not runtime.padding and length == 9:
+        if runtime.options.chunk_size == CHUNK and not runtime.padding and length == 9:
             logits[5, 11] = 0.5
         run = PromptRun(length, (1, 2), (logits, np.zeros((1, vocab), np.float32)),
                         (np.zeros((1, 2, length, 4), np.float32),))

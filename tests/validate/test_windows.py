@@ -73,10 +73,6 @@ def test_the_capacity_a_model_needs_is_its_widest_window():
         check_window_capacity(bindings, 1711)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="issue 22: load() resolves the capacity in runtime/options.py, which "
-                          "does not call metadata.check_window_capacity yet; ONNX Runtime "
-                          "refuses the cache at the first forward instead")
 def test_load_refuses_a_capacity_below_a_window_before_running_anything():
     with pytest.raises(ConfigError, match=f"at least {WINDOW}"):
         runtime = load(WIDE, provider="cpu", capacity=1000)

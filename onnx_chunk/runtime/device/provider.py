@@ -5,7 +5,7 @@ for sessions, where OrtValues are allocated (device type and id), whether that m
 readable from the host without a copy, and the attention-mask width policy. The rest of the
 runtime takes a `Device` and never asks which provider it is.
 
-Mask policy, by measurement (DESIGN.md fact 3, CPU provider, GQA decoder):
+Mask policy, by measurement (CPU provider, GQA decoder):
 1. `logical`: the mask is `past + rows` wide. On CPU this is what runs fastest: a 171-row chunk
    at past 100 took 22 ms against 34 ms with a 4096-wide mask, one decode row 0.37 ms against
    0.50 ms, because the CPU kernel's work follows the mask width.

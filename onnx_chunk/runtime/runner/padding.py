@@ -1,6 +1,7 @@
 """The padding plan: a forward's real rows widened to a ladder tier, and its logits cut back.
 
-Seed 000, section four. A chunk of `rows` real rows runs at `padded_width(rows, tiers, room)`;
+Remainder chunks reuse the ladder's variants instead of building one per width: a chunk of
+`rows` real rows runs at `padded_width(rows, tiers, room)`;
 the extra rows repeat the last real token (or embedding row), every other per-token port
 ([1, rows, ...]) is widened the same way, and position_ids continue the sequence (past + i).
 Padded rows cannot change a real result: they sit after every real row, so the causal mask

@@ -5,7 +5,9 @@ read it: `tokens()` yields the tokens as they are produced, `result()` waits for
 returns them all, `cancel()` ends it (its slot is freed before the engine's next step).
 A request ends with one `finish_reason`: "stop" (an end-of-sequence id came), "length"
 (`max_new_tokens` reached), "cancelled" or "error" (a forward of its step failed, or the
-runtime closed: `result()` and `tokens()` raise that exception).
+runtime closed: `result()` and `tokens()` raise that exception). `finish_reason` is the one
+rule for "stop" and "length", which every generation loop (the engine's, a lone sequence's)
+applies after each token.
 """
 
 from __future__ import annotations
@@ -46,6 +48,20 @@ class RequestStats:
             return None
         decode_s = self.total_s - self.ttft_s
         return (self.new_tokens - 1) / decode_s if decode_s > 0 else None
+
+
+def finish_reason(token: int, produced: int, max_new_tokens: int,
+                  eos_token_ids: tuple[int, ...]) -> FinishReason | None:
+    """Why a generation ends with `token`, its `produced`-th new token (None: it goes on).
+
+    Rules: 1. an end-of-sequence id ends it ("stop"), even as the last allowed token;
+    2. else the `max_new_tokens`-th token ends it ("length").
+    """
+    if token in eos_token_ids:
+        return "stop"
+    if produced >= max_new_tokens:
+        return "length"
+    return None
 
 
 class Request:
@@ -139,11 +155,8 @@ class Request:
             if self._stats.ttft_s is None:
                 self._stats.ttft_s = self._times[0]
             self._changed.notify_all()
-        if token in self.eos_token_ids:
-            return "stop"
-        if len(self._tokens) >= self.max_new_tokens:
-            return "length"
-        return None
+            produced = len(self._tokens)
+        return finish_reason(token, produced, self.max_new_tokens, self.eos_token_ids)
 
     def finish(self, reason: FinishReason, error: BaseException | None = None) -> bool:
         """End the request with `reason` (and `error`); False when it had already ended."""

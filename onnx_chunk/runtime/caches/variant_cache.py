@@ -1,6 +1,6 @@
 """The bounded, LRU, thread-safe cache of variants: one built session per query-width key.
 
-Seed 000, sections three and five. A provider builds a variant for every input shape it sees (an
+Why a bounded, shape-keyed cache: a provider builds a variant for every input shape it sees (an
 ORT session specialised for one query width; on CUDA one whose graph gets captured), and every
 variant keeps memory of its own. Remainder chunks bring a new width per request, so an unbounded
 cache grows without end and a bounded one that is smaller than its working set thrashes. The
@@ -47,7 +47,7 @@ from typing import Generic, Literal, TypeVar
 
 from onnx_chunk.errors import ClosedError, ConfigError
 from onnx_chunk.ladder import DECODE_WIDTH
-from onnx_chunk.runtime.memory import MemoryMeter, measured
+from onnx_chunk.runtime.device.memory import MemoryMeter, measured
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +69,8 @@ def variant_key(width: int, tiers: Sequence[int], specialize: Specialize = True)
 
     Rules:
     1. `specialize=False`: every width shares the shape-generic variant (None).
-    2. `specialize="exact"`: every width gets a variant of its own — the naive per-shape cache of
-       seed 000's section three, kept to show (and measure) the thrash the ladder prevents.
+    2. `specialize="exact"`: every width gets a variant of its own — the naive per-shape cache
+       (one variant per width seen), kept to show (and measure) the thrash the ladder prevents.
     3. Otherwise the decode width and the ladder tiers get a variant specialised for their width,
        and any other width (a remainder when padding is refused, an exact width near capacity)
        goes to the shape-generic variant, so widths off the ladder never build new variants.

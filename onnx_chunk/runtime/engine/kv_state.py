@@ -2,7 +2,7 @@
 
 The KV buffers are allocated once at capacity and never move; what a sequence holds is the
 logical length: how many leading positions of those buffers are valid. GQA learns it from the
-attention mask (`onnx_chunk.runtime.attention_mask`), so the mask is the only input that
+attention mask (`onnx_chunk.runtime.runner.attention_mask`), so the mask is the only input that
 changes when the length does. Rewinding is moving the length back: the entries past it are
 overwritten by the next forward.
 """

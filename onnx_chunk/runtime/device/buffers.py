@@ -31,9 +31,9 @@ import numpy as np
 import onnxruntime as ort
 
 from onnx_chunk.errors import ProviderError
-from onnx_chunk.runtime.memory import cudart
-from onnx_chunk.runtime.ports import BufferPort
-from onnx_chunk.runtime.provider import Device
+from onnx_chunk.runtime.device.memory import cudart
+from onnx_chunk.runtime.runner.ports import BufferPort
+from onnx_chunk.runtime.device.provider import Device
 
 logger = logging.getLogger(__name__)
 

@@ -34,11 +34,11 @@ from dataclasses import dataclass
 
 
 from onnx_chunk.errors import ClosedError, ConfigError
-from onnx_chunk.runtime.attention_mask import AttentionMask
-from onnx_chunk.runtime.buffers import SequenceBuffers, SlotBuffers
-from onnx_chunk.runtime.cuda_graphs import SlotNumbers
-from onnx_chunk.runtime.ports import ModelPorts
-from onnx_chunk.runtime.provider import Device
+from onnx_chunk.runtime.runner.attention_mask import AttentionMask
+from onnx_chunk.runtime.device.buffers import SequenceBuffers, SlotBuffers
+from onnx_chunk.runtime.caches.cuda_graphs import SlotNumbers
+from onnx_chunk.runtime.runner.ports import ModelPorts
+from onnx_chunk.runtime.device.provider import Device
 
 logger = logging.getLogger(__name__)
 

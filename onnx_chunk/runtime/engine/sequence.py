@@ -1,8 +1,9 @@
 """One sequence on a loaded decoder: chunked prefill, decode, generation, rewind.
 
 A sequence is request state: its slot of buffers (`sequence_pool`), its logical length, its
-stats, and the busy/closed rules below; the forward runner (`forward`) runs each of its
-forwards. A prompt longer than the chunk width W is fed chunk by chunk (the last one at the
+stats, and the busy/closed rules below; it is a thin view over the model runner
+(`model_runner`), which runs each of its forwards as it runs the batch engine's, and its
+generation ends by the requests' one rule (`request.finish_reason`). A prompt longer than the chunk width W is fed chunk by chunk (the last one at the
 remainder width, `scheduler.prefill_chunks`), and only the last chunk's logits reach the host.
 
 A sequence's buffers are a slot of the runtime's sequence pool: `close()` (or leaving a `with`
@@ -34,12 +35,13 @@ from onnx_chunk.errors import (
     ModelStructureError,
     SequenceBusyError,
 )
-from onnx_chunk.runtime.buffers import SequenceBuffers
-from onnx_chunk.runtime.forward import ForwardRunner
-from onnx_chunk.runtime.kv_state import LogicalLength
-from onnx_chunk.runtime.kv_window import rewind_is_exact
-from onnx_chunk.runtime.scheduler import prefill_chunks
-from onnx_chunk.runtime.sequence_pool import SequencePool
+from onnx_chunk.runtime.device.buffers import SequenceBuffers
+from onnx_chunk.runtime.engine.kv_state import LogicalLength
+from onnx_chunk.runtime.engine.kv_window import rewind_is_exact
+from onnx_chunk.runtime.engine.request import finish_reason
+from onnx_chunk.runtime.engine.scheduler import prefill_chunks
+from onnx_chunk.runtime.engine.sequence_pool import SequencePool
+from onnx_chunk.runtime.runner.model_runner import Forward, ModelRunner, Row
 from onnx_chunk.runtime.stats import ChunkRecord, GenerationStats, SequenceStats
 from onnx_chunk.sampling import GREEDY, Sampler, Sampling
 
@@ -47,7 +49,7 @@ from onnx_chunk.sampling import GREEDY, Sampler, Sampling
 class Sequence:
     """An independent sequence: its own KV buffers and logical length on a shared model."""
 
-    def __init__(self, runner: ForwardRunner, slots: SequencePool, *, chunk_size: int,
+    def __init__(self, runner: ModelRunner, slots: SequencePool, *, chunk_size: int,
                  eos_token_ids: tuple[int, ...]) -> None:
         """A sequence on a slot taken from `slots` (given back at close), run by `runner`,
         feeding prompts in chunks of `chunk_size`; `eos_token_ids`: where a generation stops
@@ -166,7 +168,7 @@ class Sequence:
         """Generation: the new tokens (stopping after an end-of-sequence id if one comes).
 
         `eos_token_id`: one id or a sequence of ids, each in [0, vocab); None: the runtime's
-        (`Runtime.eos_token_ids`). `sampling` chooses each token (default greedy: the argmax).
+        (`Runtime.options.eos_token_ids`). `sampling` chooses each token (default greedy: the argmax).
         The last token returned is not fed back, so the sequence then holds
         len(prompt) + len(tokens) - 1 positions more than before.
         """
@@ -212,7 +214,7 @@ class Sequence:
         A decoder with recurrent state cannot go back partway (its state holds no history):
         there only rewind(0) and rewinding everything are allowed. A window-sized KV cache
         (sliding-window layers) can go back only as far as it has evicted nothing still needed
-        (onnx_chunk.runtime.kv_window).
+        (onnx_chunk.runtime.engine.kv_window).
         """
         self._check_open()
         count = arguments.integer(count, "the rewind count", minimum=0, maximum=self._length.length)
@@ -305,12 +307,13 @@ class Sequence:
         generation.ttft_s = time.perf_counter() - start
         generation.new_tokens = 1
         yield token
-        if max_new_tokens == 1 or token in eos_ids:
-            generation.stopped_by_eos = token in eos_ids
+        reason = finish_reason(token, 1, max_new_tokens, eos_ids)
+        if reason is not None:
+            generation.stopped_by_eos = reason == "stop"
             return
         # The decode variant is pinned for the whole loop (it cannot be evicted meanwhile).
         with self._runner.decoding(self._slot, self._length) as step:
-            for _ in range(max_new_tokens - 1):
+            while reason is None:
                 # A sequence closed between two tokens: its stream raises ClosedError here; the
                 # buffers go back to the pool once the stream lets the sequence go.
                 self._check_open()
@@ -321,9 +324,8 @@ class Sequence:
                 generation.decode_s += time.perf_counter() - began
                 generation.new_tokens += 1
                 yield token
-                if token in eos_ids:
-                    break
-        generation.stopped_by_eos = token in eos_ids
+                reason = finish_reason(token, generation.new_tokens, max_new_tokens, eos_ids)
+        generation.stopped_by_eos = reason == "stop"
 
     def _prefill(self, ids: np.ndarray, all_logits: bool,
                  records: list[ChunkRecord] | None) -> np.ndarray:
@@ -333,13 +335,13 @@ class Sequence:
             chunk = ids[begin:end]
             need = "all" if all_logits else ("last" if end == len(ids) else "none")
             began = time.perf_counter()
-            forward = self._runner.prefill(self._slot, self._length, chunk, need)
+            forward = self._runner.run(self._slot, Forward([Row(chunk, self._length)], need))
             self._stats.prefill_forwards += 1
             self._stats.padded_rows += forward.padded_rows
             if records is not None:
                 records.append(ChunkRecord(len(chunk), forward.width,
                                            time.perf_counter() - began))
             if forward.logits is not None:
-                rows_out.append(forward.logits)
+                rows_out.append(forward.logits[0])
         return np.concatenate(rows_out, axis=0) if all_logits else rows_out[-1]
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import onnxruntime as ort
 
-from onnx_chunk.runtime.provider import Device, MaskPolicy
+from onnx_chunk.runtime.device.provider import Device, MaskPolicy
 
 logger = logging.getLogger(__name__)
 

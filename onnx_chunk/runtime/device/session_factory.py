@@ -28,8 +28,9 @@ back to a path that is far slower (the `small` reference decoder, INT4: one row 
 against 12.6 ms unpacked, 64 rows 5.7 ms against 14.9 ms), and its packed copy is about as
 small as the 4-bit weights themselves. Sessions of a model with MatMulNBits all pre-pack.
 
-Sessions are specialised per width with `add_free_dimension_override_by_name` (DESIGN.md fact
-4: 3-8% faster on CPU than the dynamic session, 20-35 ms to create for a 4M-parameter model).
+Sessions are specialised per width with `add_free_dimension_override_by_name`
+(measured 3-8% faster on CPU than the dynamic session, 20-35 ms to create for a 4M-parameter
+model).
 
 The shared weights are the runtime's, not a variant's: on CPU they are faulted in (one byte read
 per page) when they are loaded, with the resident set read around it (`SharedWeights.
@@ -68,9 +69,9 @@ import onnxruntime as ort
 
 from onnx_chunk.errors import ModelLoadError, ProviderError
 from onnx_chunk.model_file import ExternalData, ModelFile, TensorRef, numpy_dtype, tensor_nbytes
-from onnx_chunk.runtime.logits_row import select_row
-from onnx_chunk.runtime.memory import MemoryMeter, measured
-from onnx_chunk.runtime.provider import Device
+from onnx_chunk.runtime.runner.logits_row import select_row
+from onnx_chunk.runtime.device.memory import MemoryMeter, measured
+from onnx_chunk.runtime.device.provider import Device
 
 logger = logging.getLogger(__name__)
 

@@ -1,22 +1,26 @@
 """The batch engine: many sequences on one loaded decoder, advanced together step by step.
 
 `Runtime.submit` queues a `Request`; a background thread (started by the first submit, left
-when nothing is queued or running, stopped by `Runtime.close()`) runs steps. A step:
+when nothing is queued or running, stopped by `Runtime.close()`) runs steps. The engine sees
+its runtime through an `EngineContext` (the model runner, ports, device, sizes, the mask
+policy and graph slot numbers), never the runtime itself. A step:
 1. frees the slots of requests that ended (finished, failed, cancelled) and gives free slots
    to the queue's head requests (`scheduler.admit`);
 2. runs prefill chunks of the prompts being admitted, in admission order, under a token budget
-   of one chunk width W (`scheduler.prefill_picks`): each chunk is a batch-1 forward of that
-   slot (the forward runner's, on a row of the engine's buffers, with the ladder padding and
+   of one chunk width W (`scheduler.prefill_picks`): each chunk is a one-row forward of that
+   slot (the model runner's, on a row of the engine's buffers, with the ladder padding and
    variant cache of any sequence), and a prompt's last chunk gives its first token;
-3. runs one batched decode forward of every slot (`batch.BatchDecoder`): each decoding row
-   feeds its last token, and every other row is run but left as it was.
+3. runs one batched decode forward of every slot through the same runner: each decoding row
+   feeds its last token, and every other row is run but left as it was (`idle_rows`). On a
+   capturing session the batched binding captures and replays a CUDA graph like any other.
 A failure in a forward fails the requests of that forward with the exception (their slots are
 freed); the other requests go on.
 
 Shapes per provider: prefill chunks run at batch 1 at the ladder widths (or the shape-generic
 session on CPU), decode at one fixed batch width of `slots` rows on the decode variant; the
 batch axis is left free in every session, so the variant cache holds what a lone sequence's
-holds (CUDA: the prefill tiers and one decode variant within the cap).
+holds (CUDA: the prefill tiers and one decode variant within the cap). The CUDA provider keeps
+its graphs per thread, so a new engine thread drops the batched binding's graphs first.
 """
 
 from __future__ import annotations
@@ -26,24 +30,23 @@ import dataclasses
 import logging
 import threading
 import time
-import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from onnx_chunk.errors import ClosedError
-from onnx_chunk.runtime.batch import BatchDecoder
-from onnx_chunk.runtime.buffers import BatchBuffers
-from onnx_chunk.runtime.kv_state import LogicalLength
-from onnx_chunk.runtime.request import FinishReason, Request
-from onnx_chunk.runtime.scheduler import RequestQueue, admit, prefill_chunks, prefill_picks
-from onnx_chunk.runtime.sequence_pool import SequenceSlot, new_slot
+from onnx_chunk.runtime.device.buffers import BatchBuffers
+from onnx_chunk.runtime.device.provider import Device
+from onnx_chunk.runtime.engine.kv_state import LogicalLength
+from onnx_chunk.runtime.engine.request import FinishReason, Request
+from onnx_chunk.runtime.engine.scheduler import RequestQueue, admit, prefill_chunks, prefill_picks
+from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot, new_slot
+from onnx_chunk.runtime.runner.attention_mask import AttentionMask
+from onnx_chunk.runtime.runner.model_runner import Forward, ModelRunner, Row
+from onnx_chunk.runtime.runner.ports import ModelPorts
 from onnx_chunk.runtime.stats import EngineCounters, EngineStats
 from onnx_chunk.sampling import Sampler
-
-if TYPE_CHECKING:
-    from onnx_chunk.runtime.engine import Runtime
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +55,30 @@ DEFAULT_MAX_QUEUE = 256
 _IDLE_EXIT_S = 1.0
 
 
+@dataclass(frozen=True)
+class EngineContext:
+    """What the batch engine uses of its runtime: the runner and what its slots are made of.
+
+    `take_number` / `give_number`: graph slot numbers for the engine's buffers;
+    `release_graphs(number)`: drop the bindings and CUDA graphs held under a number.
+    """
+
+    runner: ModelRunner
+    ports: ModelPorts
+    device: Device
+    capacity: int
+    chunk_size: int
+    masks: type[AttentionMask]
+    take_number: Callable[[], int]
+    give_number: Callable[[int], None]
+    release_graphs: Callable[[int], None]
+
+
 @dataclass
 class _Row:
     """A request in a slot: its length, its sampler, the prefill chunks still to run."""
 
     request: Request
-    # The runtime, held while the request runs (the engine holds it weakly).
-    runtime: Runtime
     slot: SequenceSlot
     length: LogicalLength
     sampler: Sampler
@@ -70,22 +90,21 @@ class _Row:
 class BatchEngine:
     """The engine of one runtime (see the module docstring)."""
 
-    def __init__(self, runtime: Runtime, slots: int, max_queue: int = DEFAULT_MAX_QUEUE) -> None:
-        # Weak: the runtime owns the engine, and is freed with its last reference (the rows
-        # hold it while they run).
-        self._runtime = weakref.ref(runtime)
-        ports, device = runtime.ports, runtime.device
+    def __init__(self, context: EngineContext, slots: int,
+                 max_queue: int = DEFAULT_MAX_QUEUE) -> None:
+        self._context = context
+        ports, device, capacity = context.ports, context.device, context.capacity
         self.slots = slots
-        self.budget = runtime.chunk_size
-        self._buffers = BatchBuffers(ports.kv, ports.state, device, slots)
-        self._decoder = BatchDecoder(ports, device, self._buffers, runtime.embeddings,
-                                     runtime.masks(slots, runtime.capacity, ports.mask_dtype,
-                                                   device))
-        self._slots = [new_slot(ports, runtime.capacity, device, runtime.masks,
-                                runtime.pool.take_number(), buffers=self._buffers.slot(index),
-                                captures=False)
+        self.budget = context.chunk_size
+        buffers = BatchBuffers(ports.kv, ports.state, device, slots)
+        self._slots = [new_slot(ports, capacity, device, context.masks, context.take_number(),
+                                buffers=buffers.slot(index), captures=False)
                        for index in range(slots)]
-        self._decode_number = runtime.pool.take_number()
+        # The batched decode's slot: every row of the buffers, a [slots, capacity] mask.
+        self._batch = SequenceSlot(context.take_number(), buffers,
+                                   context.masks(slots, capacity, ports.mask_dtype, device))
+        # The length an idle free row runs at (never advanced).
+        self._free_length = LogicalLength(capacity)
         self._rows: list[_Row | None] = [None] * slots
         self._queue: RequestQueue[Request] = RequestQueue(max_queue)
         self._samplers: dict[int, Sampler] = {}
@@ -125,6 +144,7 @@ class BatchEngine:
                 del self._samplers[request.id]
             self._cond.notify_all()
 
+    @property
     def stats(self) -> EngineStats:
         with self._cond:
             return EngineStats(slots=self.slots,
@@ -151,11 +171,8 @@ class BatchEngine:
                 if row is not None:
                     self._fail(row.request, error)
                     self._rows[index] = None
-        runtime = self._runtime()
-        if runtime is not None:
-            for slot in self._slots:
-                runtime.pool.give_number(slot.number)
-            runtime.pool.give_number(self._decode_number)
+        for slot in (*self._slots, self._batch):
+            self._context.give_number(slot.number)
 
     def _loop(self) -> None:
         try:
@@ -174,27 +191,18 @@ class BatchEngine:
 
     def _turn(self) -> bool:
         """One step, or one wait for work; False when the thread is to leave."""
-        # The runtime is held for this turn only: never while the thread waits idle.
-        runtime = self._runtime()
         with self._cond:
-            if runtime is None:
-                self._closed = True
-                for request in self._queue.drain():
-                    self._fail(request, ClosedError("the runtime was freed before this "
-                                                    "request started"))
-            else:
-                self._settle(runtime)
+            self._settle()
             if self._closed:
                 self._thread = None
                 return False
             if not any(self._rows):
-                del runtime
                 if not self._cond.wait(_IDLE_EXIT_S) and not self._queue:
                     self._thread = None
                     return False
                 return True
         try:
-            self._step(runtime)
+            self._step()
         except Exception as error:  # a defect in the step itself: fail, never hang
             logger.exception("an engine step failed")
             with self._cond:
@@ -203,7 +211,7 @@ class BatchEngine:
                         self._fail(row.request, error)
         return True
 
-    def _settle(self, runtime: Runtime) -> None:
+    def _settle(self) -> None:
         """Free the slots of ended requests, then admit queued ones (the lock is held)."""
         for index, row in enumerate(self._rows):
             if row is not None and row.request.done:
@@ -219,15 +227,15 @@ class BatchEngine:
                 logger.exception("admitting request %d failed", request.id)
                 self._fail(request, error)
                 continue
-            chunks = prefill_chunks(len(request.prompt), runtime.chunk_size)
-            row = _Row(request, runtime, slot, LogicalLength(runtime.capacity), sampler,
+            chunks = prefill_chunks(len(request.prompt), self._context.chunk_size)
+            row = _Row(request, slot, LogicalLength(self._context.capacity), sampler,
                        self._admitted, collections.deque(chunks))
             self._admitted += 1
             self._rows[index] = row
             request.admitted()
         self._cond.notify_all()
 
-    def _step(self, runtime: Runtime) -> None:
+    def _step(self) -> None:
         rows = [(index, row) for index, row in enumerate(self._rows) if row is not None]
         prefilling = sorted((entry for entry in rows if entry[1].chunks),
                             key=lambda entry: entry[1].order)
@@ -239,7 +247,7 @@ class BatchEngine:
             for _ in range(count):
                 if row.request.done:
                     break
-                self._prefill_chunk(runtime, row)
+                self._prefill_chunk(row)
                 ran += 1
         decoding = [index for index, row in rows if not row.chunks and not row.request.done]
         with self._cond:
@@ -247,17 +255,17 @@ class BatchEngine:
             if ran and decoding_before:
                 self._counters.decode_stalls += 1
         if decoding:
-            self._decode(runtime, decoding)
+            self._decode(decoding)
         else:
             self._last_decode = None
 
-    def _prefill_chunk(self, runtime: Runtime, row: _Row) -> None:
+    def _prefill_chunk(self, row: _Row) -> None:
         begin, end = row.chunks.popleft()
         request = row.request
         began = time.perf_counter()
         try:
-            logits = runtime.runner.prefill(row.slot, row.length, request.prompt[begin:end],
-                                            "last").logits
+            logits = self._context.runner.run(
+                row.slot, Forward([Row(request.prompt[begin:end], row.length)])).logits[0]
         except Exception as error:  # any failure of this forward fails its request alone
             row.chunks.clear()
             self._fail(request, error)
@@ -273,18 +281,15 @@ class BatchEngine:
             except Exception as error:  # this request's token choice failed: it fails alone
                 self._fail(request, error)
 
-    def _decode(self, runtime: Runtime, decoding: list[int]) -> None:
-        lengths = [row.length.length if row is not None else 0 for row in self._rows]
-        tokens = [row.token if row is not None and index in decoding else 0
-                  for index, row in enumerate(self._rows)]
+    def _decode(self, decoding: list[int]) -> None:
+        steps = set(decoding)
+        rows = [Row(np.array([row.token if index in steps else 0]),
+                    row.length if row is not None else self._free_length, index in steps)
+                for index, row in enumerate(self._rows)]
         began = time.perf_counter()
         try:
-            runner = runtime.runner
-            with runner.variants.cache.acquire(runner.decode_key) as session, \
-                    runner.shared_gate():
-                io = self._decoder.binding(
-                    session, runner.variants.bindings(session, self._decode_number))
-                logits = self._decoder.run(session, io, lengths, tokens, decoding)
+            self._claim_batch()
+            logits = self._context.runner.run(self._batch, Forward(rows)).logits
         except Exception as error:  # the forward failed: every row of it fails with it
             for index in decoding:
                 self._fail(self._rows[index].request, error)
@@ -292,7 +297,6 @@ class BatchEngine:
         for index in decoding:
             row = self._rows[index]
             try:
-                row.length.advance(1)
                 self._deliver(row, row.sampler.choose(logits[index]))
             except Exception as error:  # one row's token choice fails that request alone
                 self._fail(row.request, error)
@@ -305,6 +309,15 @@ class BatchEngine:
                 self._counters.longest_decode_gap_s = max(
                     self._counters.longest_decode_gap_s, now - self._last_decode)
         self._last_decode = now
+
+    def _claim_batch(self) -> None:
+        """Run the batched decode in this thread: the CUDA provider keeps graphs per thread, so
+        those an earlier engine thread captured on the batch's bindings are dropped first."""
+        thread = threading.get_ident()
+        if self._batch.thread != thread:
+            if self._batch.thread:
+                self._context.release_graphs(self._batch.number)
+            self._batch.thread = thread
 
     def _deliver(self, row: _Row, token: int) -> None:
         row.token = token

@@ -28,18 +28,18 @@ from onnx_chunk.errors import CapacityError, ClosedError, ModelLoadError
 from onnx_chunk.metadata import ChunkPlan, read_plan
 from onnx_chunk.model_file import read_model_file
 from onnx_chunk.model_folder import GenaiConfig, check_utf8_path, locate_model
-from onnx_chunk.runtime.attention_mask import AttentionMask, mask_kind
-from onnx_chunk.runtime.batch_engine import DEFAULT_MAX_QUEUE, BatchEngine
-from onnx_chunk.runtime.forward import ForwardRunner
-from onnx_chunk.runtime.memory import meter_for
+from onnx_chunk.runtime.runner.attention_mask import AttentionMask, mask_kind
+from onnx_chunk.runtime.engine.batch_engine import DEFAULT_MAX_QUEUE, BatchEngine, EngineContext
+from onnx_chunk.runtime.runner.model_runner import ModelRunner
+from onnx_chunk.runtime.device.memory import meter_for
 from onnx_chunk.runtime.options import (LoadArguments, RuntimeOptions, checked_arguments,
                                         resolve_options)
-from onnx_chunk.runtime.ports import ModelPorts
-from onnx_chunk.runtime.provider import Device, MaskPolicy, resolve_device
-from onnx_chunk.runtime.request import Request
-from onnx_chunk.runtime.sequence import Sequence
-from onnx_chunk.runtime.sequence_pool import DEFAULT_IDLE_SLOTS, SequencePool, new_slot
-from onnx_chunk.runtime.session_factory import (
+from onnx_chunk.runtime.runner.ports import ModelPorts
+from onnx_chunk.runtime.device.provider import Device, MaskPolicy, resolve_device
+from onnx_chunk.runtime.engine.request import Request
+from onnx_chunk.runtime.engine.sequence import Sequence
+from onnx_chunk.runtime.engine.sequence_pool import DEFAULT_IDLE_SLOTS, SequencePool, new_slot
+from onnx_chunk.runtime.device.session_factory import (
     QUANTIZED_MATMUL,
     SessionFactory,
     SharedWeights,
@@ -47,8 +47,8 @@ from onnx_chunk.runtime.session_factory import (
     owned_by_session,
 )
 from onnx_chunk.runtime.stats import RuntimeStats
-from onnx_chunk.runtime.variant_cache import Specialize, VariantCache, VariantKey
-from onnx_chunk.runtime.variant_pool import VariantPool
+from onnx_chunk.runtime.caches.variant_cache import Specialize, VariantCache
+from onnx_chunk.runtime.caches.variant_pool import VariantPool
 from onnx_chunk.sampling import GREEDY, Sampler
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ class Runtime:
     embeddings: the [vocab, hidden] table of an inputs_embeds decoder (default the
         embeddings.npy beside the model).
     cuda_graphs: capture a CUDA graph per fixed-width variant (default: on for CUDA with the
-        capacity mask; see onnx_chunk.runtime.cuda_graphs).
+        capacity mask; see onnx_chunk.runtime.caches.cuda_graphs).
     device: a resolved `Device` to run on, in place of provider, device_id, mask_policy and
         cuda_graphs (for example the CPU device marked not host-visible, which runs the
         device-memory path of CUDA on CPU).
@@ -99,8 +99,8 @@ class Runtime:
         are kept for the next sequences to reuse (see sequence_pool).
     max_batch: the slots of the batch engine behind `submit` and `generate_many`: how many
         sequences it serves at once (default 1). Above 1 every session leaves the batch axis
-        free (prefill chunks run at batch 1, decode at `max_batch` rows) and CUDA graphs are
-        off (the batched bindings capture none; see docs/engine.md).
+        free (prefill chunks run at batch 1, decode at `max_batch` rows); the batched decode
+        captures a CUDA graph like any other binding (see docs/engine.md).
     max_queue: how many submitted requests may wait for a slot (QueueFullError beyond).
 
     `close()` (or leaving a `with` block) frees the sessions and buffers at once; a runtime is
@@ -151,17 +151,7 @@ class Runtime:
                     else resolve_device(provider, device_id, mask_policy, cuda_graphs)))
         options = self.options
         self.device: Device = options.device
-        self.capacity = options.capacity
-        self.chunk_size = options.chunk_size
         self.ports: ModelPorts = options.ports
-        self.max_batch = options.max_batch
-        self.max_queue = options.max_queue
-        # Generation stops at these unless a call names its own (genai_config.json's list).
-        self.eos_token_ids: tuple[int, ...] = options.eos_token_ids
-        self.pad_token_id: int | None = options.pad_token_id
-        self.tiers: tuple[int, ...] = options.tiers
-        self.specialize: Specialize = options.specialize
-        self.decode_key: VariantKey = options.decode_key
         self.embeddings = self._embeddings(embeddings)
         # The names the wiring below reads.
         specialize = options.specialize
@@ -187,17 +177,17 @@ class Runtime:
         # The mask policy, chosen once: the class of every slot's and batch's mask.
         self.masks: type[AttentionMask] = mask_kind(self.device.mask_policy)
         self.pool = SequencePool(
-            functools.partial(new_slot, self.ports, self.capacity, self.device, self.masks),
+            functools.partial(new_slot, self.ports, options.capacity, self.device, self.masks),
             self.variants.release_slot, keep=idle_sequences)
-        self.runner = ForwardRunner(self.variants, self.ports, self.device,
-                                    capacity=self.capacity, tiers=self.tiers,
-                                    specialize=specialize, embeddings=self.embeddings)
+        self.runner = ModelRunner(self.variants, self.ports, self.device,
+                                  capacity=options.capacity, tiers=options.tiers,
+                                  specialize=specialize, embeddings=self.embeddings)
         self._engine: BatchEngine | None = None
         self._engine_lock = threading.Lock()
         self._closed = False
         logger.info("loaded %s on %s: capacity %d, chunk %d, ladder %s, padding %s",
-                    self.model_path, self.device.label, self.capacity, self.chunk_size,
-                    self.tiers, "on" if options.padding else f"off ({options.padding_refused})")
+                    self.model_path, self.device.label, options.capacity, options.chunk_size,
+                    options.tiers, "on" if options.padding else f"off ({options.padding_refused})")
 
     @property
     def provider(self) -> str:
@@ -217,8 +207,8 @@ class Runtime:
         """
         if self._closed:
             raise ClosedError("this runtime was closed; load the model again to open sequences")
-        return Sequence(self.runner, self.pool, chunk_size=self.chunk_size,
-                        eos_token_ids=self.eos_token_ids)
+        return Sequence(self.runner, self.pool, chunk_size=self.options.chunk_size,
+                        eos_token_ids=self.options.eos_token_ids)
 
     def submit(self, prompt_ids: SequenceOf[int] | np.ndarray, max_new_tokens: int, *,
                eos_token_id: int | SequenceOf[int] | None = None,
@@ -252,7 +242,8 @@ class Runtime:
     def stop_ids(self, eos_token_id: int | SequenceOf[int] | None) -> tuple[int, ...]:
         """The EOS ids a generation stops at: `eos_token_id` checked (one id or several, each
         in the vocabulary), or the runtime's own when it is None."""
-        return arguments.stop_ids(eos_token_id, self.eos_token_ids, self.ports.vocab_size)
+        return arguments.stop_ids(eos_token_id, self.options.eos_token_ids,
+                                  self.ports.vocab_size)
 
     def check_request(self, prompt_ids: SequenceOf[int] | np.ndarray,
                       max_new_tokens: int) -> np.ndarray:
@@ -267,11 +258,12 @@ class Runtime:
         vocab = self.ports.vocab_size
         ids = arguments.prompt_ids(prompt_ids, vocab)
         new_tokens = arguments.integer(max_new_tokens, "max_new_tokens", minimum=1)
-        if len(ids) + new_tokens > self.capacity:
+        capacity = self.options.capacity
+        if len(ids) + new_tokens > capacity:
             raise CapacityError(
                 f"a prompt of {len(ids)} tokens plus {new_tokens} new tokens needs "
                 f"{len(ids) + new_tokens} positions, more than the KV capacity "
-                f"{self.capacity}; shorten it or load the model with a larger capacity")
+                f"{capacity}; shorten it or load the model with a larger capacity")
         stop = self.stop_ids(eos_token_id)
         sampler = Sampler(GREEDY if sampling is None else sampling, vocab)
         sampler.observe(ids)
@@ -282,8 +274,18 @@ class Runtime:
             if self._closed:
                 raise ClosedError("this runtime was closed; load the model again to submit")
             if self._engine is None:
-                self._engine = BatchEngine(self, self.max_batch, self.max_queue)
+                self._engine = BatchEngine(self._engine_context(), self.options.max_batch,
+                                           self.options.max_queue)
             return self._engine
+
+    def _engine_context(self) -> EngineContext:
+        """What the batch engine uses of this runtime (it never holds the runtime itself)."""
+        options = self.options
+        return EngineContext(runner=self.runner, ports=self.ports, device=self.device,
+                             capacity=options.capacity, chunk_size=options.chunk_size,
+                             masks=self.masks, take_number=self.pool.take_number,
+                             give_number=self.pool.give_number,
+                             release_graphs=self.variants.release_slot)
 
     def close(self) -> None:
         """Free the sessions, the pooled sequence buffers and their CUDA graphs now.
@@ -343,17 +345,22 @@ class Runtime:
         return stream_text(EngineTokens(self), self.tokenizer, prompt, max_new_tokens,
                            sampling=sampling, stop=stop)
 
+    @property
     def stats(self) -> RuntimeStats:
-        """The runtime's configuration and its variant cache's counters, now."""
+        """The runtime's configuration and its variant cache's counters, now (a snapshot).
+
+        A property; the old call `runtime.stats` still works and warns (DeprecationWarning).
+        """
+        options = self.options
         return RuntimeStats(
             provider=self.provider,
             device=self.device.label,
             mask_policy=self.device.mask_policy.value,
             cuda_graphs=self.device.cuda_graphs,
-            capacity=self.capacity,
-            chunk_size=self.chunk_size,
-            ladder=self.tiers,
-            specialize=self.specialize,
+            capacity=options.capacity,
+            chunk_size=options.chunk_size,
+            ladder=options.tiers,
+            specialize=options.specialize,
             padding=self.padding,
             weights_bytes=self.weights.nbytes,
             weights_shared=self.weights.shared and not self.weights.copied_per_session,
@@ -367,8 +374,8 @@ class Runtime:
             graphs_released=self.variants.graphs.released,
             graph_fallbacks=dict(self.variants.graphs.fallbacks),
             sequences=self.pool.stats(),
-            max_batch=self.max_batch,
-            engine=None if self._engine is None else self._engine.stats(),
+            max_batch=options.max_batch,
+            engine=None if self._engine is None else self._engine.stats,
         )
 
     def _embeddings(self, given: np.ndarray | None) -> np.ndarray | None:

@@ -23,9 +23,9 @@ import abc
 import numpy as np
 import onnxruntime as ort
 
-from onnx_chunk.runtime.buffers import device_zeros
-from onnx_chunk.runtime.ports import MASK_INPUT
-from onnx_chunk.runtime.provider import Device, MaskPolicy
+from onnx_chunk.runtime.device.buffers import device_zeros
+from onnx_chunk.runtime.runner.ports import MASK_INPUT
+from onnx_chunk.runtime.device.provider import Device, MaskPolicy
 
 
 class AttentionMask(abc.ABC):

@@ -1,0 +1,1 @@
+"""The caches: the bounded variant cache, the sessions hung off it and their CUDA graphs."""

@@ -1,0 +1,1 @@
+"""The device: the provider, buffers on it, its memory readings and the session factory."""

@@ -1,0 +1,445 @@
+"""The model runner: every forward of a dynamic decoder, through one path for every shape.
+
+A forward (`Forward`) is a set of rows over one slot's buffers (`SequenceSlot`): per batch row
+of the slot (one for a sequence or an engine row's prefill, the engine's width for its batched
+decode) the token ids it feeds from its logical length and whether it steps, plus which logits
+rows come back: "none", "last" (each batch row's last real row) or "all" (every real row).
+`run` takes it through one pipeline:
+
+1. Width: a forward of one batch row is widened to its ladder width by `plan_forward` (or left
+   as it is when padding is off); a batched forward runs its rows as they are.
+2. Variant: the session for that width comes from the variant cache, pinned while it runs
+   (`decoding` pins the decode variant for a whole loop, so each step costs no lookup).
+3. Binding: per (session, slot, width) an IOBinding whose every input lives in a buffer on the
+   runtime's device, allocated and bound once (fixed addresses, what a CUDA graph replays):
+   token and position buffers per binding, KV, state and mask per slot. A forward writes its
+   tokens, positions and mask (through the mask policy, `attention_mask`) in place.
+4. Run: on a session that captures CUDA graphs each binding runs under its own graph ids
+   (`cuda_graphs`); a capture holds the process's capture gate alone, every other forward
+   holds it shared, and a capture that fails falls back to running that width without a graph.
+5. Idle rows of a batched forward run but are left as they were (`idle_rows`).
+6. Logits: only the rows asked for reach the host. A prefill width takes the logits ONNX
+   Runtime allocated for it, copies the wanted rows and lets the rest go; the decode width
+   and bindings that replay a graph keep a logits buffer of their own, allocated once.
+7. Lengths: each stepping row's logical length advances by its real rows, which rewinds any
+   padded rows. A padded forward whose logits show the padding changed the real rows'
+   results switches padding off for good and runs again unpadded (the padding self-check).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+import numpy as np
+import onnxruntime as ort
+
+from onnx_chunk.errors import ModelStructureError
+from onnx_chunk.ladder import DECODE_WIDTH
+from onnx_chunk.runtime.caches.cuda_graphs import CAPTURE_GATE, GraphRuns
+from onnx_chunk.runtime.caches.variant_cache import Specialize, VariantKey, variant_key
+from onnx_chunk.runtime.caches.variant_pool import VariantPool
+from onnx_chunk.runtime.device.buffers import DeviceBuffer, device_zeros
+from onnx_chunk.runtime.device.provider import Device
+from onnx_chunk.runtime.engine.kv_state import LogicalLength
+from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot
+from onnx_chunk.runtime.runner.idle_rows import evicting_rows
+from onnx_chunk.runtime.runner.logits_row import ALL_ROWS, ROW_INPUT
+from onnx_chunk.runtime.runner.padding import PaddedForward, QueryAxisShrunk, plan_forward
+from onnx_chunk.runtime.runner.ports import LOGITS_OUTPUT, ModelPorts
+
+LogitsRows = Literal["none", "last", "all"]
+
+# Widths whose bindings (and logits buffers) a slot keeps on one shape-generic session:
+# the decode width and the latest prefill width.
+_BINDINGS_PER_SESSION = 2
+
+
+@dataclass
+class Row:
+    """One batch row of a forward: the ids it feeds from its logical length.
+
+    `steps=False`: an idle row (a free slot, a prompt between prefill chunks), run at its own
+    length and left as it was.
+    """
+
+    tokens: np.ndarray
+    length: LogicalLength
+    steps: bool = True
+
+
+@dataclass
+class Forward:
+    """One forward: a row per batch row of the slot, and which logits rows come back."""
+
+    rows: list[Row]
+    logits: LogitsRows = "last"
+
+    @property
+    def width(self) -> int:
+        """The real query rows each batch row feeds."""
+        return len(self.rows[0].tokens)
+
+
+class Ran(NamedTuple):
+    """What a forward gave: the logits asked for, its query width and its padded rows.
+
+    `logits`: "last": [batch, vocab]; "all": [batch, rows, vocab]; "none": None.
+    """
+
+    logits: np.ndarray | None
+    width: int
+    padded_rows: int
+
+
+@dataclass
+class _Binding:
+    """An IOBinding of one session at one width: every buffer bound once, at a fixed address."""
+
+    io: ort.IOBinding
+    tokens: DeviceBuffer
+    positions: DeviceBuffer | None
+    graphs: GraphRuns | None
+    # A logits buffer of its own, bound for good: for the decode width (the hot loop) and for a
+    # captured CUDA graph (fixed addresses). Other widths take ONNX Runtime's output of each
+    # run and let it go once the wanted row is read, so no prefill-sized logits stay held.
+    keeps_logits: bool
+    # The logits output bound: "logits", or every row's ("logits_all") on a row-selecting
+    # session asked for all rows.
+    output: str = LOGITS_OUTPUT
+    # On a row-selecting session (`logits_row`): the index of the row its logits return.
+    row_index: DeviceBuffer | None = None
+    logits: DeviceBuffer | None = None
+    # Off the host: the host copy of one logits row, allocated with the logits buffer.
+    row: np.ndarray | None = None
+    # The host arrays a forward's tokens and positions are staged in (unpadded forwards).
+    step_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    step_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+
+class ModelRunner:
+    """Runs every forward of a dynamic decoder on a variant pool (see the module docstring)."""
+
+    def __init__(self, variants: VariantPool, ports: ModelPorts, device: Device, *,
+                 capacity: int, tiers: tuple[int, ...], specialize: Specialize,
+                 embeddings: np.ndarray | None) -> None:
+        self.variants = variants
+        self.ports = ports
+        self.device = device
+        self.capacity = capacity
+        self.tiers = tiers
+        self.specialize = specialize
+        self.embeddings = embeddings
+        self.decode_key: VariantKey = variant_key(DECODE_WIDTH, tiers, specialize)
+
+    @property
+    def closed(self) -> bool:
+        """Whether the variant pool was closed (no forward runs any more)."""
+        return self.variants.closed
+
+    def run(self, slot: SequenceSlot, forward: Forward) -> Ran:
+        """Run `forward` on `slot`'s buffers (one row per batch row of the slot)."""
+        if len(forward.rows) != slot.mask.rows:
+            raise ValueError(f"a forward on a slot of {slot.mask.rows} batch rows needs as many "
+                             f"rows, got {len(forward.rows)}")
+        if len(forward.rows) > 1 and any(len(row.tokens) != 1 for row in forward.rows):
+            # The batched mask (`set_rows`) holds each row's length + 1 ones: one new token.
+            raise ValueError("a batched forward feeds one token per row; several tokens per row "
+                             "need a mask of each row's length + width ones")
+        plan = self._plan(forward) if len(forward.rows) == 1 else None
+        width = forward.width if plan is None else plan.width
+        key = variant_key(width, self.tiers, self.specialize)
+        shrunk: QueryAxisShrunk | None = None
+        # The logits are cut, read and released while the variant is still pinned, so no other
+        # thread can evict it (and count its memory as freed) while its output is in use.
+        with self.variants.cache.acquire(key) as session, self._gate(session, slot, width):
+            binding = self._binding(session, slot, width, all_rows=forward.logits == "all")
+            try:
+                logits = self._forward(key, session, binding, slot, forward, plan, view=False)
+            except QueryAxisShrunk as error:
+                shrunk = error
+        if shrunk is not None:
+            # Rerun unpadded, with no variant pinned by this thread any more.
+            self.variants.disable_padding(str(shrunk))
+            return self.run(slot, forward)
+        return Ran(logits, width, 0 if plan is None else plan.width - plan.real_rows)
+
+    @contextlib.contextmanager
+    def decoding(self, slot: SequenceSlot,
+                 length: LogicalLength) -> Iterator[Callable[[int], np.ndarray]]:
+        """Pin the decode variant for the block; yields a step: token -> its logits row.
+
+        Each step is a one-row `Forward` of `slot` run on the pinned session, with the binding
+        `run` would use. The row is a view (or, off the host, the binding's row buffer): copy
+        it to keep it past the next step.
+        """
+        with self.variants.cache.acquire(self.decode_key) as session:
+            binding = self._binding(session, slot, DECODE_WIDTH)
+            yield functools.partial(self._step, session, binding, slot, length)
+
+    def _step(self, session: ort.InferenceSession, binding: _Binding, slot: SequenceSlot,
+              length: LogicalLength, token: int) -> np.ndarray:
+        forward = Forward([Row(np.array([token]), length)])
+        with self._gate_for(slot, binding):
+            return self._forward(self.decode_key, session, binding, slot, forward, None,
+                                 view=True)[0]
+
+    def _plan(self, forward: Forward) -> PaddedForward | None:
+        """A one-row forward of several tokens, widened up the ladder (None: one token, which
+        runs at the decode width as it is)."""
+        row = forward.rows[0]
+        if len(row.tokens) == DECODE_WIDTH:
+            return None
+        ports = self.ports
+        past = row.length.length
+        extra = {}
+        if ports.position_ids is not None:
+            extra[ports.position_ids] = np.arange(past, past + len(row.tokens),
+                                                  dtype=np.int64).reshape(1, -1)
+        return plan_forward(self._embedded(row.tokens), extra, past=past, tiers=self.tiers,
+                            room=row.length.room, position_ids=ports.position_ids,
+                            enabled=self.variants.padding)
+
+    def _embedded(self, ids: np.ndarray) -> np.ndarray:
+        """The token input of `ids`: the ids, or their rows of the embedding table."""
+        if self.embeddings is None:
+            return np.asarray(ids).astype(self.ports.token_dtype, copy=False)
+        return np.asarray(self.embeddings[ids], dtype=self.ports.token_dtype)
+
+    def _forward(self, key: VariantKey, session: ort.InferenceSession, binding: _Binding,
+                 slot: SequenceSlot, forward: Forward,
+                 plan: PaddedForward | None, *, view: bool) -> np.ndarray | None:
+        """Write the inputs, run, keep idle rows, advance the lengths; the logits asked for
+        (`view`: a one-row forward's last row may be a view of the binding's buffers)."""
+        width = forward.width if plan is None else plan.width
+        self._write_inputs(binding, slot, forward, plan)
+        idle = [index for index, row in enumerate(forward.rows) if not row.steps]
+        saved = self._save_windows(slot, forward, idle)
+        slot.buffers.bind_state(binding.io)
+        logits = self._run_bound(key, session, binding, slot, width)
+        try:
+            # cut_logits applies the shape rules (and the padding self-check) to a view that
+            # holds the shape only: no logits are read here. A row-selecting session returned
+            # the last real row alone.
+            real_rows = forward.width
+            returned = (1 if binding.output == LOGITS_OUTPUT and binding.row_index is not None
+                        else real_rows if plan is None
+                        else plan.cut_logits(_shape_only(logits)).shape[1])
+            if idle:
+                slot.buffers.keep_state(idle)
+            slot.buffers.swap_state()
+            for buffer, index, array in saved:
+                slot.buffers.write_row(buffer, index, array)
+            for row in forward.rows:
+                if row.steps:
+                    row.length.advance(real_rows)
+            return _read(logits, returned, real_rows, len(forward.rows), forward.logits,
+                         binding.row, view)
+        finally:
+            self._release_output(binding, slot)
+
+    def _write_inputs(self, binding: _Binding, slot: SequenceSlot, forward: Forward,
+                      plan: PaddedForward | None) -> None:
+        """Tokens, positions, logits row and mask of `forward`, into the binding's buffers."""
+        ports = self.ports
+        if plan is not None:
+            binding.tokens.write(plan.tokens.reshape(binding.tokens.shape))
+            if binding.positions is not None:
+                binding.positions.write(plan.ports[ports.position_ids])
+            if binding.row_index is not None:
+                binding.row_index.write(np.full(1, plan.real_rows - 1, dtype=np.int64))
+            slot.mask.set(binding.io, forward.rows[0].length.end(plan.width))
+            return
+        tokens, positions = binding.step_tokens, binding.step_positions
+        for index, row in enumerate(forward.rows):
+            tokens[index] = self._embedded(row.tokens)
+            positions[index] = row.length.length + np.arange(len(row.tokens))
+        binding.tokens.write(tokens)
+        if binding.positions is not None:
+            binding.positions.write(positions)
+        if len(forward.rows) == 1:
+            slot.mask.set(binding.io, forward.rows[0].length.end(forward.width))
+        else:
+            slot.mask.set_rows(binding.io, [row.length.length for row in forward.rows])
+
+    def _save_windows(self, slot: SequenceSlot, forward: Forward,
+                      idle: list[int]) -> list[tuple[DeviceBuffer, int, np.ndarray]]:
+        """The window-cache rows of idle rows that this forward would evict (`idle_rows`)."""
+        if not idle:
+            return []
+        buffers = slot.buffers
+        lengths = [row.length.length for row in forward.rows]
+        return [(buffer, index, buffers.read_row(buffer, index))
+                for port, buffer in zip(self.ports.kv, buffers.kv)
+                for index in evicting_rows(lengths, idle, port.shape[2], port.window)]
+
+    def _gate(self, session: ort.InferenceSession, slot: SequenceSlot,
+              width: int) -> contextlib.AbstractContextManager:
+        """The capture gate as the next run of `slot` at `width` needs it.
+
+        Alone for the run that captures a graph (CUDA's global capture mode fails on device
+        work from any other thread); shared for every other forward of a runtime that may
+        capture; not at all where nothing captures.
+        """
+        return self._gate_for(slot, self.variants.bindings(session, slot.number).get(width))
+
+    def _gate_for(self, slot: SequenceSlot,
+                  binding: _Binding | None) -> contextlib.AbstractContextManager:
+        """`_gate` for a binding already at hand (the decode loop's: no lookup per token)."""
+        if binding is not None and binding.graphs is not None:
+            if binding.graphs.captures_next(binding.logits is None, slot.buffers.parity):
+                return CAPTURE_GATE.exclusive()
+            return CAPTURE_GATE.shared()
+        if self.device.cuda_graphs:
+            return CAPTURE_GATE.shared()
+        return contextlib.nullcontext()
+
+    def _run_bound(self, key: VariantKey, session: ort.InferenceSession, binding: _Binding,
+                   slot: SequenceSlot, width: int) -> DeviceBuffer:
+        """Run the bound forward; the logits buffer."""
+        if binding.logits is not None:
+            self._run(session, binding, slot, width, first_run=False)
+            return binding.logits
+        if self.device.host_visible:
+            self._run(session, binding, slot, width, first_run=True)
+        else:
+            # Off the host, a variant's arena and CUDA graph come with its first run: the
+            # cache charges that growth to the variant (on CPU the resident set would also
+            # take in this slot's KV pages, written for the first time here).
+            self.variants.cache.measure_growth(
+                key, session, lambda: self._run(session, binding, slot, width, first_run=True))
+        if not binding.keeps_logits:
+            return _output_buffer(binding.io.get_outputs()[0], self.ports.logits_dtype)
+        self._adopt_logits(binding)
+        return binding.logits
+
+    def _run(self, session: ort.InferenceSession, binding: _Binding, slot: SequenceSlot,
+             width: int, first_run: bool) -> None:
+        """Run `binding` once, under its graph id; a capture that fails runs without a graph.
+
+        The one call of ONNX Runtime's run for a dynamic decoder (through `Device.run`).
+        """
+        device = self.device
+        graphs = binding.graphs
+        if graphs is None:
+            device.run(session, binding.io, None)
+            return
+        parity = slot.buffers.parity
+        capture = graphs.captures_next(first_run, parity)
+        try:
+            device.run(session, binding.io, graphs.options(first_run, parity))
+        except Exception as error:  # ORT's own exception types
+            if not capture:
+                raise
+            self.variants.note_fallback(session, width, f"{type(error).__name__}: {error}")
+            device.run(session, binding.io, graphs.options(first_run, parity))
+            return
+        if graphs.ran(first_run, parity):
+            self.variants.note_capture(width)
+
+    def _release_output(self, binding: _Binding, slot: SequenceSlot) -> None:
+        """Drop the logits ONNX Runtime allocated for a run of `binding` (when it keeps none)."""
+        if binding.keeps_logits:
+            return
+        device = self.device
+        binding.io.clear_binding_outputs()
+        binding.io.bind_output(binding.output, device.device_type, device.device_id)
+        slot.buffers.bind_kv(binding.io)
+
+    def _binding(self, session: ort.InferenceSession, slot: SequenceSlot, width: int,
+                 all_rows: bool = False) -> _Binding:
+        # The variant pool holds the bindings per live session and drops them when the cache
+        # releases that session. A specialised session sees one width; the shape-generic one
+        # keeps the last few widths it ran at. A row-selecting session asked for every row
+        # gets a binding of the full logits beside, which never captures.
+        selects = self.variants.selects_row(session)
+        every_row = all_rows and selects
+        name = (ALL_ROWS, width) if every_row else width
+        bindings = self.variants.bindings(session, slot.number)
+        binding = bindings.get(name)
+        if binding is not None:
+            bindings.move_to_end(name)
+            return binding
+        ports = self.ports
+        device = self.device
+        batch = slot.mask.rows
+        io = session.io_binding()
+        output = ALL_ROWS if every_row else LOGITS_OUTPUT
+        # Bound first so that it is output 0; ONNX Runtime allocates it on the first run (never
+        # captured), which tells the rows the model really returns, and a buffer of that shape
+        # replaces it for good.
+        io.bind_output(output, device.device_type, device.device_id)
+        slot.buffers.bind_kv(io)
+        token_shape = ((batch, width) if ports.hidden_size is None
+                       else (batch, width, ports.hidden_size))
+        tokens = device_zeros(token_shape, ports.token_dtype, device)
+        io.bind_ortvalue_input(ports.token_input, tokens.value)
+        positions = None
+        if ports.position_ids is not None:
+            positions = device_zeros((batch, width), np.int64, device)
+            io.bind_ortvalue_input(ports.position_ids, positions.value)
+        slot.mask.bind(io)
+        row_index = None
+        if selects:
+            row_index = device_zeros((1,), np.int64, device)
+            io.bind_ortvalue_input(ROW_INPUT, row_index.value)
+        graphs = self.variants.graph_runs(session, slot.number,
+                                          stateful=bool(slot.buffers.state_ports),
+                                          capture=not every_row and slot.captures)
+        keeps = width == DECODE_WIDTH or (graphs is not None and not every_row)
+        binding = _Binding(io, tokens, positions, graphs, keeps_logits=keeps, output=output,
+                           row_index=row_index,
+                           step_tokens=np.zeros(token_shape, dtype=ports.token_dtype),
+                           step_positions=np.zeros((batch, width), dtype=np.int64))
+        bindings[name] = binding
+        while len(bindings) > _BINDINGS_PER_SESSION:
+            bindings.popitem(last=False)
+        return binding
+
+    def _adopt_logits(self, binding: _Binding) -> None:
+        produced = binding.io.get_outputs()[0]
+        binding.logits = device_zeros(tuple(produced.shape()), self.ports.logits_dtype,
+                                      self.device)
+        binding.logits.value.update_inplace(produced)
+        binding.io.bind_ortvalue_output(LOGITS_OUTPUT, binding.logits.value)
+        if binding.logits.host is None:
+            binding.row = np.empty(binding.logits.shape[-1], dtype=binding.logits.dtype)
+
+
+def _read(logits: DeviceBuffer, returned: int, real_rows: int, batch: int, need: LogitsRows,
+          out: np.ndarray | None, view: bool) -> np.ndarray | None:
+    """The rows wanted of `returned` real-row logits per batch row: none, the last or all.
+
+    A one-row forward's last row is read alone (off the host into `out` when given); `view`:
+    it may stay a view valid until the next forward of the binding, else it is a copy. A
+    batched forward's rows are read at once.
+    """
+    if need == "none":
+        return None
+    vocab = logits.shape[-1]
+    if need == "last":
+        if batch == 1:
+            row = logits.read((returned - 1) * vocab, vocab, out)
+            return (row if view else np.array(row))[None]
+        per_row = logits.shape[1]
+        every = logits.read(0, batch * per_row * vocab).reshape(batch, per_row, vocab)
+        return np.array(every[:, returned - 1])
+    if returned != real_rows:
+        raise ModelStructureError(
+            f"a forward of {real_rows} rows returned {returned} logits rows: the "
+            "decoder does not return every row's logits, so ask for the last row only")
+    per_row = logits.shape[1]
+    every = logits.read(0, batch * per_row * vocab).reshape(batch, per_row, vocab)
+    return np.array(every[:, :returned])
+
+
+def _output_buffer(value: ort.OrtValue, dtype: np.dtype) -> DeviceBuffer:
+    """An output ONNX Runtime allocated, read through partial copies like any device buffer."""
+    return DeviceBuffer(value, None, np.dtype(dtype))
+
+
+def _shape_only(buffer: DeviceBuffer) -> np.ndarray:
+    return np.broadcast_to(np.zeros((), dtype=buffer.dtype), buffer.shape)
