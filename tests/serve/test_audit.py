@@ -161,7 +161,7 @@ def test_4_a_prompt_over_the_context_is_refused_before_it_is_encoded(live, monke
     error = _error(data, 400, "prompt")
     assert status == 400 and error["code"] == "context_length_exceeded"
     assert str(len(prompt)) in error["message"]
-    assert str(live.runtime.capacity) in error["message"]
+    assert str(live.runtime.options.capacity) in error["message"]
     assert all(length < 100_000 for length in encoded), encoded
     status, _, data = exchange(live, "POST", CHAT, {"messages": [
         {"role": "user", "content": prompt}]})
