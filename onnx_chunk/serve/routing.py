@@ -25,19 +25,27 @@ forgets the least recently used beyond `memory`.
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
-from onnx_chunk.errors import ConfigError
+from onnx_chunk.errors import ConfigError, OnnxChunkError
+from onnx_chunk.serve.protocol import parse_chat, parse_completion
+
+if TYPE_CHECKING:
+    from onnx_chunk.text.tokenizer import Tokenizer
 
 R = TypeVar("R", bound=Hashable)
 
 # Characters a block of a text key spans (about 8 tokens of a BPE vocabulary).
 BLOCK_CHARS = 32
 _DIGEST_BYTES = 8
+# The longest prompt (characters) given a key: longer ones are routed by load alone, which
+# bounds the router's work and memory per request.
+MAX_KEY_CHARS = 1 << 20
 
 
 def prefix_blocks(key: str, block_chars: int = BLOCK_CHARS) -> tuple[bytes, ...]:
@@ -164,3 +172,26 @@ class PrefixAffinity(Generic[R]):
                 del holders[replica]
                 if not holders:
                     del self._index[digest]
+
+
+def request_key(path: str, body: bytes, tokenizer: Tokenizer | None, *,
+                max_chars: int = MAX_KEY_CHARS) -> str:
+    """The text a request's prompt starts with, as the replica's engine will hold it: a chat's
+    messages rendered through the model's chat template (with the generation prompt), a
+    completion's prompt, or its token ids written as text. "" (no affinity: power of two
+    choices) for other paths, a body the replica will refuse, or a prompt over `max_chars`
+    characters; the replica gives the answer, the key only steers where it is computed."""
+    try:
+        if path.endswith("/chat/completions"):
+            if tokenizer is None:
+                return ""
+            messages = [dict(message) for message in parse_chat(json.loads(body)).messages]
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 max_chars=max_chars)
+        if path.endswith("/completions"):
+            prompt = parse_completion(json.loads(body)).prompt
+            key = prompt if isinstance(prompt, str) else "".join(f"{i} " for i in prompt)
+            return key if len(key) <= max_chars else ""
+    except (OnnxChunkError, ValueError, RecursionError, MemoryError):
+        return ""
+    return ""
