@@ -3,12 +3,13 @@ the router's memory of each replica."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 
 from onnx_chunk.errors import ConfigError
-from onnx_chunk.serve.routing import PrefixAffinity, prefix_blocks
+from onnx_chunk.serve.routing import PrefixAffinity, prefix_blocks, request_key
 
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
 
@@ -147,3 +148,54 @@ def test_bad_options_are_refused(options):
 def test_no_candidates_is_a_clear_error():
     with pytest.raises(ConfigError, match="no replica"):
         _router().choose((), {})
+
+
+def _tokenizer():
+    from onnx_chunk.text.tokenizer import load_tokenizer
+    from tests.serve.conftest import EXPORT
+
+    return load_tokenizer(EXPORT)
+
+
+def test_a_chat_key_is_its_rendering_and_the_next_turn_extends_it():
+    tokenizer = _tokenizer()
+    first = [{"role": "user", "content": "Hi there, tell me about lighthouses."}]
+    later = first + [{"role": "assistant", "content": "They guide ships."},
+                     {"role": "user", "content": "Who keeps them?"}]
+
+    def key(messages: list[dict[str, str]]) -> str:
+        return request_key("/v1/chat/completions",
+                           json.dumps({"messages": messages}).encode(), tokenizer)
+
+    assert key(first) == tokenizer.apply_chat_template(first, add_generation_prompt=True)
+    assert key(later).startswith(key(first))
+    shared = len(prefix_blocks(key(first)))
+    assert shared > 0
+    assert prefix_blocks(key(later))[:shared] == prefix_blocks(key(first))
+
+
+def test_a_completion_key_is_its_prompt_or_its_ids_as_text():
+    body = json.dumps({"prompt": "Once upon a time"}).encode()
+    assert request_key("/v1/completions", body, None) == "Once upon a time"
+    body = json.dumps({"prompt": [5, 17, 3]}).encode()
+    assert request_key("/v1/completions", body, None) == "5 17 3 "
+    assert request_key("/v1/completions", json.dumps({"prompt": "x" * 100}).encode(), None,
+                       max_chars=99) == ""
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", b"not json"),
+    ("/v1/chat/completions", b'{"messages": []}'),
+    ("/v1/chat/completions", b"[" * 100_000),
+    ("/v1/completions", b'{"prompt": 7}'),
+    ("/v1/models", b""),
+    ("/health", b""),
+])
+def test_a_body_the_replica_will_refuse_or_another_path_has_no_key(path, body):
+    assert request_key(path, body, _tokenizer()) == ""
+
+
+def test_a_chat_rendering_over_the_bound_has_no_key():
+    messages = [{"role": "user", "content": "y" * 5000}]
+    assert request_key("/v1/chat/completions", json.dumps({"messages": messages}).encode(),
+                       _tokenizer(), max_chars=4000) == ""
