@@ -13,7 +13,7 @@ chats whose turn landed on the replica of their previous turn (`x-onnx-chunk-rep
 Latencies are left out: on a shared machine they measure the neighbours.
 
     .venv/bin/python scripts/bench_routing.py [MODEL] [--replicas 2] [--chats 8] [--turns 8]
-        [--max-tokens 32] [--user-words 60] [--batch 4] [--routings prefix,power-of-two]
+        [--max-tokens 32] [--user-words 40] [--batch 4] [--routings prefix,power-of-two]
         [--json out.json]
 """
 
@@ -25,6 +25,7 @@ import random
 import socket
 import statistics
 import sys
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -109,10 +110,12 @@ def table(results: dict[str, list[list[dict]]], turns: int) -> str:
 
 
 def totals(results: dict[str, list[list[dict]]]) -> str:
-    """Cached over prompt tokens of every turn, per routing."""
+    """Turns per replica, and cached over prompt tokens of every turn, per routing."""
     lines = []
     for routing, chats in results.items():
         turns = [turn for chat in chats for turn in chat]
+        served = sorted(Counter(turn["replica"] for turn in turns).values(), reverse=True)
+        lines.append(f"{routing}: turns per replica {served}")
         prompt = sum(turn["prompt_tokens"] for turn in turns)
         if any(turn["cached_tokens"] is None for turn in turns):
             lines.append(f"{routing}: {prompt} prompt tokens, cached tokens not reported by "
@@ -131,7 +134,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chats", type=int, default=8)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--user-words", type=int, default=60)
+    parser.add_argument("--user-words", type=int, default=40)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--cpus-per-replica", type=float, default=0.5)
     parser.add_argument("--routings", default=",".join(ROUTINGS))

@@ -26,6 +26,7 @@ import asyncio
 import logging
 import os
 import random
+import time
 from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -36,8 +37,8 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from onnx_chunk.errors import ConfigError
 from onnx_chunk.serve.app import DEFAULT_MAX_BODY_BYTES
-from onnx_chunk.serve.routing import (BLOCK_CHARS, MAX_KEY_CHARS, PrefixAffinity, prefix_blocks,
-                                      request_key)
+from onnx_chunk.serve.routing import (BLOCK_CHARS, MAX_KEY_CHARS, InFlight, PrefixAffinity,
+                                      prefix_blocks, request_key)
 
 logger = logging.getLogger(__name__)
 
@@ -103,13 +104,15 @@ class PrefixAffinityRouter(RequestRouter):
     `routing.PrefixAffinity`: the replica that holds the deepest prefix of the request's prompt
     unless it holds `max_excess` requests more than the least loaded candidate, else power of
     two choices. A replica's load is its queue length as Ray counts it (requests sent to it and
-    not finished), from Ray's cache or probed. The request's block digests come from the
+    not finished), from Ray's cache or probed, plus the requests this router chose for it that
+    Ray has not sent yet (`InFlight`). The request's block digests come from the
     ingress (the `prefix` keyword of the call); a routed request is recorded on its replica."""
 
     def initialize_state(self, memory: int, max_excess: int) -> None:
         self._rule: PrefixAffinity[ReplicaID] = PrefixAffinity(memory=memory,
                                                                max_excess=max_excess)
         self._rng = random.Random()
+        self._in_flight: InFlight[ReplicaID] = InFlight()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -120,7 +123,14 @@ class PrefixAffinityRouter(RequestRouter):
         loads = await self._loads(candidate_replicas)
         if not loads:  # no replica answered: let Ray probe two at random
             return [self._rng.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+        now = time.monotonic()
+        for replica_id, count in self._in_flight.counts(now).items():
+            if replica_id in loads:
+                loads[replica_id] += count
         choice = self._rule.choose(_blocks(pending_request), loads)
+        if pending_request is not None:
+            self._in_flight.add(pending_request.metadata.internal_request_id, choice.replica,
+                                now)
         others = [replica for replica in candidate_replicas
                   if replica.replica_id != choice.replica]
         ranks = [[by_id[choice.replica]]]
@@ -130,6 +140,7 @@ class PrefixAffinityRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:
+        self._in_flight.confirm(pending_request.metadata.internal_request_id)
         self._rule.record(replica_id, _blocks(pending_request))
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:

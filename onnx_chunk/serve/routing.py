@@ -174,6 +174,36 @@ class PrefixAffinity(Generic[R]):
                     del self._index[digest]
 
 
+class InFlight(Generic[R]):
+    """Choices made and not yet confirmed (the request sent to the replica and accepted),
+    counted into the loads: requests routed at the same instant then spread instead of all
+    seeing the same loads. A choice unconfirmed after `ttl_s` (its request was cancelled
+    before it was sent) is dropped."""
+
+    def __init__(self, ttl_s: float = 10.0) -> None:
+        self.ttl_s = ttl_s
+        self._choices: dict[Hashable, tuple[R, float]] = {}
+
+    def add(self, request: Hashable, replica: R, now: float) -> None:
+        """`request` was routed to `replica` (a later choice for it replaces this one)."""
+        self._choices[request] = (replica, now)
+
+    def confirm(self, request: Hashable) -> None:
+        """`request` reached its replica: the replica's own count has it now."""
+        self._choices.pop(request, None)
+
+    def counts(self, now: float) -> dict[R, int]:
+        """Unconfirmed choices per replica."""
+        expired = [request for request, (_, when) in self._choices.items()
+                   if now - when > self.ttl_s]
+        for request in expired:
+            del self._choices[request]
+        counts: dict[R, int] = {}
+        for replica, _ in self._choices.values():
+            counts[replica] = counts.get(replica, 0) + 1
+        return counts
+
+
 def request_key(path: str, body: bytes, tokenizer: Tokenizer | None, *,
                 max_chars: int = MAX_KEY_CHARS) -> str:
     """The text a request's prompt starts with, as the replica's engine will hold it: a chat's

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from onnx_chunk.errors import ConfigError
-from onnx_chunk.serve.routing import PrefixAffinity, prefix_blocks, request_key
+from onnx_chunk.serve.routing import InFlight, PrefixAffinity, prefix_blocks, request_key
 
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
 
@@ -199,3 +199,30 @@ def test_a_chat_rendering_over_the_bound_has_no_key():
     messages = [{"role": "user", "content": "y" * 5000}]
     assert request_key("/v1/chat/completions", json.dumps({"messages": messages}).encode(),
                        _tokenizer(), max_chars=4000) == ""
+
+
+def test_in_flight_choices_count_until_confirmed_or_expired():
+    in_flight: InFlight[str] = InFlight(ttl_s=5.0)
+    in_flight.add("a", "r0", now=0.0)
+    in_flight.add("b", "r0", now=1.0)
+    in_flight.add("c", "r1", now=1.0)
+    in_flight.add("c", "r2", now=2.0)  # routed again: the later choice counts
+    assert in_flight.counts(now=2.0) == {"r0": 2, "r2": 1}
+    in_flight.confirm("b")
+    in_flight.confirm("unknown")
+    assert in_flight.counts(now=3.0) == {"r0": 1, "r2": 1}
+    assert in_flight.counts(now=6.5) == {"r2": 1}  # "a" was never confirmed: dropped
+    assert in_flight.counts(now=8.0) == {}
+
+
+def test_requests_routed_at_once_spread_when_the_router_counts_its_own_choices():
+    router = _router(5)
+    in_flight: InFlight[str] = InFlight()
+    seen = {"r0": 0, "r1": 0}  # the loads the replicas reported: none sent yet
+    for chat in range(8):
+        loads = dict(seen)
+        for replica, count in in_flight.counts(now=0.0).items():
+            loads[replica] += count
+        choice = router.choose(prefix_blocks(f"chat {chat} " * 10), loads)
+        in_flight.add(chat, choice.replica, now=0.0)
+    assert in_flight.counts(now=0.0) == {"r0": 4, "r1": 4}
