@@ -12,7 +12,11 @@ Rules of `PrefixAffinity.choose(blocks, loads)`:
    digests are equal.
 2. The affinity replicas are the candidates (the keys of `loads`) that hold the deepest prefix
    of the prompt; among them the least loaded (ties: a random one).
-3. Affinity needs at least `min_match_blocks` matched blocks; without it, power of two choices.
+3. Affinity needs at least `min_match_blocks` matched blocks, and a prefix that is not common
+   to several prompts a replica was sent: a prefix shared by many conversations (a system
+   prompt) soon sits on every replica, and preferring the few that hold it first would pile
+   conversations onto them (their slots then evict each other's history). Otherwise power of
+   two choices.
 4. The load guard: the affinity replica is taken only if its load (requests running or queued
    there) is at most the lowest load among the candidates plus `max_excess`; otherwise power
    of two choices (two distinct random candidates, the less loaded): a hot prefix spills over
@@ -63,7 +67,8 @@ def prefix_blocks(key: str, block_chars: int = BLOCK_CHARS) -> tuple[bytes, ...]
 @dataclass(frozen=True)
 class Choice(Generic[R]):
     """A routing decision: the replica, the prompt blocks it holds, and why it was chosen
-    ("affinity", "balance": the affinity replica was too loaded, "no-match")."""
+    ("affinity"; "balance": the affinity replica was too loaded; "shared": the prefix matched
+    is common to several prompts; "no-match")."""
 
     replica: R
     matched_blocks: int
@@ -76,6 +81,7 @@ class RoutingStats:
 
     affinity: int = 0
     balance: int = 0
+    shared: int = 0
     no_match: int = 0
 
 
@@ -103,16 +109,19 @@ class PrefixAffinity(Generic[R]):
         requests running or queued there)."""
         if not loads:
             raise ConfigError("no replica to route to: the candidate loads are empty")
-        holders, depth = self._deepest_holders(blocks, loads)
-        if depth >= self.min_match_blocks:
-            target = self._least_loaded(holders, loads)
-            if loads[target] <= min(loads.values()) + self.max_excess:
-                self.stats.affinity += 1
-                return Choice(target, depth, "affinity")
-            self.stats.balance += 1
-            return Choice(self.power_of_two(loads), depth, "balance")
-        self.stats.no_match += 1
-        return Choice(self.power_of_two(loads), depth, "no-match")
+        holders, depth, shared = self._deepest_holders(blocks, loads)
+        if depth < self.min_match_blocks:
+            self.stats.no_match += 1
+            return Choice(self.power_of_two(loads), depth, "no-match")
+        if shared:
+            self.stats.shared += 1
+            return Choice(self.power_of_two(loads), depth, "shared")
+        target = self._least_loaded(holders, loads)
+        if loads[target] <= min(loads.values()) + self.max_excess:
+            self.stats.affinity += 1
+            return Choice(target, depth, "affinity")
+        self.stats.balance += 1
+        return Choice(self.power_of_two(loads), depth, "balance")
 
     def power_of_two(self, loads: Mapping[R, int]) -> R:
         """Two distinct random candidates, the less loaded (the first drawn on a tie)."""
@@ -150,15 +159,18 @@ class PrefixAffinity(Generic[R]):
         return len(self._remembered.get(replica, ()))
 
     def _deepest_holders(self, blocks: Sequence[Hashable], loads: Mapping[R, int]
-                         ) -> tuple[list[R], int]:
+                         ) -> tuple[list[R], int, bool]:
+        """The candidates holding the deepest prefix of `blocks`, its depth, and whether a
+        replica holds it in several remembered prompts (a prefix common to prompts)."""
         holders: list[R] = []
-        depth = 0
+        depth, prompts = 0, 0
         for index, digest in enumerate(blocks):
-            found = [replica for replica in self._index.get(digest, ()) if replica in loads]
+            held = self._index.get(digest, {})
+            found = [replica for replica in held if replica in loads]
             if not found:
                 break
-            holders, depth = found, index + 1
-        return holders, depth
+            holders, depth, prompts = found, index + 1, max(held.values())
+        return holders, depth, prompts > 1
 
     def _least_loaded(self, replicas: list[R], loads: Mapping[R, int]) -> R:
         lowest = min(loads[replica] for replica in replicas)

@@ -95,6 +95,20 @@ def test_a_hot_prefix_spreads_over_the_replicas_instead_of_piling_on_one():
     assert min(guarded.values()) >= 20
 
 
+def test_a_prefix_common_to_several_prompts_is_no_affinity():
+    router = _router(4)
+    for n in range(3):  # three conversations under one system prompt, all on r0
+        router.record("r0", prefix_blocks(_chat(f"conversation {n} starts here")))
+    loads = {"r0": 0, "r1": 0, "r2": 0, "r3": 0}
+    picks = [router.choose(prefix_blocks(_chat(f"a new one, number {n}")), loads)
+             for n in range(40)]
+    assert {choice.reason for choice in picks} == {"shared"}
+    assert {choice.replica for choice in picks} == set(loads)  # spread, not all on r0
+    # a conversation's own history still is affinity
+    own = router.choose(prefix_blocks(_chat("conversation 1 starts here", "and goes on")), loads)
+    assert (own.replica, own.reason) == ("r0", "affinity")
+
+
 def test_without_a_match_it_is_power_of_two_choices():
     router = _router(3)
     loads = {"r0": 5, "r1": 0, "r2": 5, "r3": 5}
