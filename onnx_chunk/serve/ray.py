@@ -37,6 +37,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from onnx_chunk.errors import ConfigError
 from onnx_chunk.serve.app import DEFAULT_MAX_BODY_BYTES
+from onnx_chunk.serve.protocol import error_body
 from onnx_chunk.serve.routing import (BLOCK_CHARS, MAX_KEY_CHARS, InFlight, PrefixAffinity,
                                       prefix_blocks, request_key)
 
@@ -289,15 +290,27 @@ class _Ingress:
 
     async def __call__(self, request: Any) -> Any:
         from starlette.concurrency import run_in_threadpool
-        from starlette.responses import StreamingResponse
+        from starlette.requests import ClientDisconnect
+        from starlette.responses import JSONResponse, Response, StreamingResponse
 
-        body = await self._body(request)
+        try:
+            body = await self._body(request)
+        except ClientDisconnect:  # nobody is left to answer; not the server's failure
+            logger.info("a client left during its upload to %s", request.url.path)
+            return Response(status_code=499)
         prefix = await run_in_threadpool(self._prefix, request.url.path, body)
         client = tuple(request.client) if request.client else None
         call = _Call(request.method, request.url.path, request.url.query.encode(),
                      tuple(request.headers.raw), body, client)
         answer = self._engines.remote(call, prefix=prefix)
-        head = await answer.__anext__()
+        try:
+            head = await answer.__anext__()
+        except Exception as error:  # a replica that failed or died: the server's fault
+            logger.error("no answer from a replica for %s", request.url.path, exc_info=error)
+            answer.cancel()
+            return JSONResponse(error_body("the server failed this request (logged on the "
+                                           "server)", "server_error", code="internal_error"),
+                                status_code=500)
         headers = {key: value for key, value in head.headers
                    if key.lower() not in ("content-length", "transfer-encoding")}
         return StreamingResponse(_rest(answer), status_code=head.status, headers=headers)

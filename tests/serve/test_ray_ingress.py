@@ -1,0 +1,94 @@
+"""The Ray ingress on its own (no Ray running): what it forwards, and a replica's failure as an
+OpenAI-shaped 500 with no traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.serve.conftest import EXPORT
+
+pytest.importorskip("ray", reason="ray is not installed (pip install 'onnx-chunk[ray]')")
+
+from starlette.applications import Starlette  # noqa: E402
+from starlette.routing import Route  # noqa: E402
+from starlette.testclient import TestClient  # noqa: E402
+
+from onnx_chunk.serve.ray import _Head, _Ingress  # noqa: E402
+from onnx_chunk.serve.routing import prefix_blocks, request_key  # noqa: E402
+from onnx_chunk.text.tokenizer import load_tokenizer  # noqa: E402
+
+
+class _Answer:
+    def __init__(self, items):
+        self._items = list(items)
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self._items:
+            raise StopAsyncIteration
+        item = self._items.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _Handle:
+    """A deployment handle that records calls and answers with the given items."""
+
+    def __init__(self, items):
+        self.items = items
+        self.calls = []
+        self.answers = []
+
+    def options(self, **options):
+        assert options == {"stream": True}
+        return self
+
+    def remote(self, call, prefix):
+        self.calls.append((call, prefix))
+        self.answers.append(_Answer(self.items))
+        return self.answers[-1]
+
+
+def _client(handle, max_body_bytes=1 << 20):
+    ingress = _Ingress(handle, str(EXPORT), max_body_bytes)
+    app = Starlette(routes=[Route("/{path:path}", ingress.__call__, methods=["GET", "POST"])])
+    return TestClient(app)
+
+
+def test_it_forwards_the_request_with_its_prefix_digests_and_streams_the_answer_back():
+    handle = _Handle([_Head(201, (("content-type", "application/json"),
+                                  ("x-onnx-chunk-replica", "abc"))), b'{"a": ', b"1}"])
+    body = {"messages": [{"role": "user", "content": "Tell me about the harbour lights."}]}
+    answer = _client(handle).post("/v1/chat/completions?x=1", json=body)
+    assert (answer.status_code, answer.json()) == (201, {"a": 1})
+    assert answer.headers["x-onnx-chunk-replica"] == "abc"
+    call, prefix = handle.calls[0]
+    assert (call.method, call.path, call.query_string) == ("POST", "/v1/chat/completions",
+                                                           b"x=1")
+    assert json.loads(call.body) == body
+    key = request_key(call.path, call.body, load_tokenizer(EXPORT))
+    assert key and prefix == prefix_blocks(key)
+
+
+def test_a_body_over_the_limit_is_cut_one_byte_past_it_for_the_replica_to_refuse():
+    handle = _Handle([_Head(413, ()), b""])
+    _client(handle, max_body_bytes=100).post("/v1/completions", content=b"x" * 5000)
+    assert len(handle.calls[0][0].body) == 101
+
+
+def test_a_replica_failure_is_an_openai_shaped_500_without_a_traceback():
+    handle = _Handle([RuntimeError("Traceback (most recent call last): secret")])
+    answer = _client(handle).post("/v1/completions", json={"prompt": "hi"})
+    assert answer.status_code == 500
+    assert answer.json()["error"]["code"] == "internal_error"
+    assert "secret" not in answer.text and "Traceback" not in answer.text
+    assert handle.answers[0].cancelled
