@@ -92,3 +92,16 @@ def test_a_replica_failure_is_an_openai_shaped_500_without_a_traceback():
     assert answer.json()["error"]["code"] == "internal_error"
     assert "secret" not in answer.text and "Traceback" not in answer.text
     assert handle.answers[0].cancelled
+
+
+@pytest.mark.parametrize("options, named", [({"routing": "random"}, "routing"),
+                                            ({"max_excess": -1}, "max_excess"),
+                                            ({"memory": 0}, "memory"),
+                                            ({"replicas": 0}, "replicas")])
+def test_application_refuses_bad_options_before_ray_starts(options, named):
+    from onnx_chunk.errors import ConfigError
+    from onnx_chunk.serve.ray import application
+
+    with pytest.raises(ConfigError, match=named):
+        application(EXPORT, **options)
+
