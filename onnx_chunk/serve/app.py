@@ -34,12 +34,14 @@ from starlette.types import Receive, Scope, Send
 
 from onnx_chunk.errors import (CapacityError, ClosedError, ConfigError, InputError,
                                OnnxChunkError, QueueFullError)
-from onnx_chunk.sampling import Sampling
 from onnx_chunk.serve.generation import ServedGeneration
 from onnx_chunk.serve.metrics import CONTENT_TYPE, ServerMetrics
+from onnx_chunk.serve.parameters import RequestOptions, parse_options, request_sampling
 from onnx_chunk.serve.protocol import (GenerationParams, RequestError, error_body, parse_chat,
                                        parse_completion)
-from onnx_chunk.text.generation import prompt_ids
+from onnx_chunk.serve.tokenize import detokenize, tokenize
+from onnx_chunk.serve.tools import check_auto, tool_message
+from onnx_chunk.text.generation import end_ids, prompt_ids
 from onnx_chunk.text.token_text import TokenText
 
 if TYPE_CHECKING:
@@ -62,6 +64,8 @@ def create_app(runtime: Runtime, *, model_name: str | None = None,
               methods=["POST"]),
         Route("/v1/completions", service.endpoint(service.completions), methods=["POST"]),
         Route("/v1/models", service.endpoint(service.models), methods=["GET"]),
+        Route("/tokenize", service.endpoint(service.tokenize), methods=["POST"]),
+        Route("/detokenize", service.endpoint(service.detokenize), methods=["POST"]),
         Route("/health", service.health, methods=["GET"]),
         Route("/metrics", service.metrics_page, methods=["GET"]),
     ]
@@ -104,13 +108,25 @@ class _Service:
 
     async def chat_completions(self, request: HttpRequest) -> Response:
         arrived = time.perf_counter()
-        params = parse_chat(await _json_body(request))
-        return await self._serve(request, params, arrived, chat=True)
+        body = await _json_body(request)
+        params = parse_chat(body)
+        return await self._serve(request, params, parse_options(body, chat=True), arrived,
+                                 chat=True)
 
     async def completions(self, request: HttpRequest) -> Response:
         arrived = time.perf_counter()
-        params = parse_completion(await _json_body(request))
-        return await self._serve(request, params, arrived, chat=False)
+        body = await _json_body(request)
+        params = parse_completion(body)
+        return await self._serve(request, params, parse_options(body, chat=False), arrived,
+                                 chat=False)
+
+    async def tokenize(self, request: HttpRequest) -> Response:
+        return JSONResponse(tokenize(await _json_body(request), self.tokenizer,
+                                     self.runtime.capacity, self._check_model))
+
+    async def detokenize(self, request: HttpRequest) -> Response:
+        return JSONResponse(detokenize(await _json_body(request), self.tokenizer,
+                                       self._check_model))
 
     async def models(self, request: HttpRequest) -> Response:
         return JSONResponse({"object": "list", "data": [
@@ -125,14 +141,15 @@ class _Service:
     async def metrics_page(self, request: HttpRequest) -> Response:
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
 
-    async def _serve(self, request: HttpRequest, params: GenerationParams, arrived: float, *,
-                     chat: bool) -> Response:
+    async def _serve(self, request: HttpRequest, params: GenerationParams,
+                     options: RequestOptions, arrived: float, *, chat: bool) -> Response:
         try:
-            generation = self._start(params, arrived)
+            generation = self._start(params, options, arrived)
         except CapacityError as error:
             raise RequestError(str(error), param="messages" if chat else "prompt",
                                code="context_length_exceeded") from error
-        answer = _ChatAnswer(self.model_name) if chat else _TextAnswer(self.model_name)
+        answer = (_ChatAnswer(self.model_name, options.tool_choice) if chat
+                  else _TextAnswer(self.model_name))
         self._live.add(generation)
         if params.stream:
             return _EventStream(self._events(generation, answer, params.include_usage),
@@ -146,21 +163,29 @@ class _Service:
         return JSONResponse(answer.whole(text, generation.finish_reason,
                                          _usage(generation)))
 
+    def _check_model(self, model: object) -> None:
+        if model is not None and model != self.model_name:
+            raise RequestError(f"the model {model!r} is not served here; this server serves "
+                               f"{self.model_name!r} (GET /v1/models)", param="model",
+                               code="model_not_found", status=404)
+
     def _ended(self, generation: ServedGeneration) -> None:
         generation.close()
         self._live.discard(generation)
 
-    def _start(self, params: GenerationParams, arrived: float) -> ServedGeneration:
+    def _start(self, params: GenerationParams, options: RequestOptions,
+               arrived: float) -> ServedGeneration:
         """Check, tokenize and submit one request (every refusal raised before any work)."""
         if self.draining:
             raise ClosedError("the server is shutting down")
-        if params.model is not None and params.model != self.model_name:
-            raise RequestError(f"the model {params.model!r} is not served here; this server "
-                               f"serves {self.model_name!r} (GET /v1/models)", param="model",
-                               code="model_not_found", status=404)
+        self._check_model(params.model)
         runtime, tokenizer = self.runtime, self.tokenizer
+        if options.tool_choice == "auto":
+            template = tokenizer.chat_template
+            check_auto(None if template is None else template.source)
         if params.messages:
-            ids = prompt_ids(tokenizer, list(params.messages))
+            tools = options.tools if options.tool_choice != "none" else None
+            ids = prompt_ids(tokenizer, list(params.messages), tools=tools)
         elif isinstance(params.prompt, str):
             ids = prompt_ids(tokenizer, params.prompt)
         else:
@@ -171,21 +196,34 @@ class _Service:
                                 f"{runtime.capacity}, leaving no room for a new token; "
                                 "shorten the prompt")
         search = {} if runtime.genai is None else runtime.genai.search
-        sampling = Sampling.from_search(search, temperature=params.temperature,
-                                        top_p=params.top_p, seed=params.seed)
-        request = runtime.submit(ids, params.max_tokens or room,
-                                 eos_token_id=tokenizer.eos_token_ids or None,
+        if not tokenizer.eos_token_ids and not options.ignore_eos:
+            ends = tuple(options.stop_token_ids) + runtime.eos_token_ids
+        else:
+            ends = end_ids(tokenizer, ignore_eos=options.ignore_eos,
+                           stop_token_ids=options.stop_token_ids)
+        sampling = request_sampling(options, temperature=params.temperature, top_p=params.top_p,
+                                    seed=params.seed, search=search, tokenizer=tokenizer,
+                                    vocab_size=runtime.ports.vocab_size, ends=ends)
+        request = runtime.submit(ids, params.max_tokens or room, eos_token_id=ends,
                                  sampling=sampling)
-        return ServedGeneration(request, TokenText(tokenizer, params.stop), len(ids), arrived,
-                                self.metrics)
+        return ServedGeneration(request, TokenText(tokenizer, params.stop, end_ids=ends),
+                                len(ids), arrived, self.metrics)
 
     async def _events(self, generation: ServedGeneration, answer: _Answer,
                       include_usage: bool) -> AsyncIterator[bytes]:
         try:
             yield _event(answer.chunk(answer.opening, None))
-            async for piece in generation.pieces():
-                yield _event(answer.chunk(piece, None))
-            yield _event(answer.chunk(answer.closing, generation.finish_reason))
+            if answer.whole_output:
+                # A tool answer is known once the output is whole: it comes as one delta.
+                message, reason = answer.message(await _collect(generation.pieces()),
+                                                 generation.finish_reason)
+                message.pop("role")
+                yield _event(answer.chunk(_delta(message), None))
+            else:
+                async for piece in generation.pieces():
+                    yield _event(answer.chunk(piece, None))
+                reason = generation.finish_reason
+            yield _event(answer.chunk(answer.closing, reason))
             if include_usage:
                 yield _event(answer.usage_chunk(_usage(generation)))
             yield b"data: [DONE]\n\n"
@@ -303,6 +341,14 @@ class _EventStream:
         return ""
 
 
+def _delta(message: dict[str, Any]) -> dict[str, Any]:
+    """A whole message as one streamed delta (tool calls with their index)."""
+    calls = message.get("tool_calls")
+    if calls:
+        message["tool_calls"] = [{"index": index, **call} for index, call in enumerate(calls)]
+    return message
+
+
 def _event(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
@@ -322,6 +368,9 @@ class _Answer(abc.ABC):
     prefix: str
     opening: Any
     closing: Any
+
+    # Whether the answer is made from the whole output (tool calls), not piece by piece.
+    whole_output = False
 
     def __init__(self, model: str) -> None:
         self.model = model
@@ -359,9 +408,20 @@ class _ChatAnswer(_Answer):
     opening = {"role": "assistant", "content": ""}
     closing: dict[str, str] = {}
 
+    def __init__(self, model: str, tool_choice: str = "none") -> None:
+        super().__init__(model)
+        self.tool_choice = tool_choice
+        self.whole_output = tool_choice != "none"
+
+    def message(self, text: str, finish_reason: str | None
+                ) -> tuple[dict[str, Any], str | None]:
+        """The assistant message of the whole output and its finish reason (tool calls)."""
+        return tool_message(text, finish_reason, self.tool_choice)
+
     def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": finish_reason}
+        message, finish_reason = self.message(text, finish_reason)
+        return {"index": 0, "message": message, "logprobs": None,
+                "finish_reason": finish_reason}
 
     def chunk_choice(self, piece: Any, finish_reason: str | None) -> dict[str, Any]:
         delta = {"content": piece} if isinstance(piece, str) else piece

@@ -129,7 +129,8 @@ class Tokenizer:
         return ChatTemplate(source, self.special_tokens.template_variables(), origin)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
-                            add_generation_prompt: bool = True) -> str:
+                            add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """The prompt text of a conversation, through the model's chat template."""
         template = self.chat_template
         if template is None:
@@ -137,11 +138,16 @@ class Tokenizer:
                 f"the model folder {str(self.folder)!r} has no chat template (no "
                 f"chat_template.jinja, no chat_template in {TOKENIZER_CONFIG}); pass the prompt "
                 "as text instead of messages")
-        return template.render(messages, add_generation_prompt=add_generation_prompt)
+        return template.render(messages, add_generation_prompt=add_generation_prompt,
+                               tools=tools)
 
     def token_id(self, token: str | None) -> int | None:
         """The id of one token string (None when it is not in the vocabulary)."""
         return None if token is None else self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary's string of one id, as stored (byte-level BPE: 'Ġ' for a space)."""
+        return self._backend.id_to_token(int(token_id))
 
     def is_special(self, token_id: int) -> bool:
         """Whether `token_id` is a special added token (what skip_special_tokens drops)."""
