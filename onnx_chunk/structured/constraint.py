@@ -62,7 +62,7 @@ class GrammarConstraint:
         llguidance = _library()
         problem = llguidance.LLMatcher.validate_grammar(grammar, grammar_tokenizer)
         if problem:
-            raise InputError(f"the grammar is refused: {problem}")
+            raise InputError(f"the grammar compiled from the JSON schema is refused: {problem}")
         if grammar_tokenizer.vocab_size > vocab_size:
             raise ConfigError(f"the tokenizer has {grammar_tokenizer.vocab_size} tokens, more "
                               f"than the model's {vocab_size} logits")
