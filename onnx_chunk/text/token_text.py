@@ -3,9 +3,9 @@
 The one rule set of text generation, apart from where the tokens come from (a sequence's
 token loop, or a `Request` of the batch engine): each id is detokenized incrementally
 (`TextStream`, special tokens skipped), the text goes through `StopMatcher`, and the text
-ends at an EOS id (the id is counted, its text is not shown), at another end id (a request's
-`stop_token_ids`: its text is shown, as vLLM does, unless it is a special token) or at a stop
-string (the text ends before it). Once `stopped` is set the caller stops feeding ids; `finish` gives what is
+ends at an end id (EOS, or a request's `stop_token_ids`: the id is counted, its text is not
+shown, as vLLM's detokenizer drops a stop token) or at a stop string (the text ends before
+it). Once `stopped` is set the caller stops feeding ids; `finish` gives what is
 still held.
 """
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 class TokenText:
     """Feeds generated ids through detokenization and stop strings (see the module docstring).
 
-    `tokens`: every id pushed; `stopped`: an EOS id or a stop string ended the text.
+    `tokens`: every id pushed; `stopped`: an end id or a stop string ended the text.
     """
 
     def __init__(self, tokenizer: Tokenizer, stop: str | Iterable[str] | None = None, *,
@@ -32,12 +32,9 @@ class TokenText:
         """`end_ids`: the ids the generation ends at (None: the tokenizer's EOS ids)."""
         self._text = TextStream(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
         self._stops = StopMatcher(check_stops(stop))
-        ends = frozenset(tokenizer.eos_token_ids if end_ids is None else end_ids)
-        self._eos = ends & frozenset(tokenizer.eos_token_ids)
-        self._ends = ends - self._eos
+        self._eos = frozenset(tokenizer.eos_token_ids if end_ids is None else end_ids)
         self.tokens: list[int] = []
         self.stopped = False
-        self._finished = False
 
     def push(self, token: int) -> str:
         """The text `token` makes safe to show ("" while held); sets `stopped` at the end."""
@@ -47,16 +44,12 @@ class TokenText:
             return ""
         piece = self._stops.feed(self._text.push(token))
         self.stopped = self._stops.stopped
-        if token in self._ends and not self.stopped:
-            piece += self.finish()
-            self.stopped = True
         return piece
 
     def finish(self) -> str:
         """What is still held, once no more ids come (nothing after a stop string)."""
-        if self._stops.stopped or self._finished:
+        if self._stops.stopped:
             return ""
-        self._finished = True
         piece = self._stops.feed(self._text.finish())
         if self._stops.stopped:
             self.stopped = True
