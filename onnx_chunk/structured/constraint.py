@@ -127,9 +127,16 @@ def _grammar_tokenizer(tokenizer: Tokenizer) -> Any:
                 raise ConfigError("the tokenizer has no EOS token, so a constrained output "
                                   "cannot end; set eos_token in tokenizer_config.json")
             path = tokenizer.folder / TOKENIZER_FILE
-            built = llguidance.LLTokenizer(path.read_text(encoding="utf-8"),
-                                           n_vocab=tokenizer.vocab_size,
-                                           eos_token=list(tokenizer.eos_token_ids))
+            try:
+                built = llguidance.LLTokenizer(path.read_text(encoding="utf-8"),
+                                               n_vocab=tokenizer.vocab_size,
+                                               eos_token=list(tokenizer.eos_token_ids))
+            except BaseException as error:  # its Rust panics derive from BaseException
+                if isinstance(error, (KeyboardInterrupt, SystemExit)):
+                    raise
+                raise ConfigError(f"the grammar library cannot read {str(path)!r} "
+                                  f"({type(error).__name__}: {error}); structured output is "
+                                  "unavailable for this tokenizer") from error
             _grammar_tokenizers[tokenizer] = built
         return built
 
