@@ -40,11 +40,11 @@ _INERT = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_
 _READ = frozenset({"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
                    "top_p", "seed", "stop", "n", "presence_penalty", "frequency_penalty",
                    "logit_bias", "response_format", "tools", "tool_choice", "top_k", "min_p",
-                   "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens",
-                   "best_of"})
+                   "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens"})
 # Fields refused unless they hold their default (the values listed).
 _REFUSED: dict[str, tuple[Any, ...]] = {
     "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
+    "best_of": (None, 1),
     "suffix": (None, ""), "functions": (None, []), "function_call": (None, "none"),
     "prompt_logprobs": (None,), "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0), "include_stop_str_in_output": (None, False),
@@ -89,6 +89,11 @@ class RequestOptions:
     # "none", "auto", "required", or the name of the function to call.
     tool_choice: str = "none"
 
+    @property
+    def constrained(self) -> bool:
+        """Whether the output is generated under a grammar (response_format, a forced call)."""
+        return self.response_format is not None or self.tool_choice not in ("none", "auto")
+
 
 def parse_options(body: Mapping[str, Any], *, chat: bool) -> RequestOptions:
     """The options of a request body (see the module docstring)."""
@@ -112,8 +117,7 @@ def parse_options(body: Mapping[str, Any], *, chat: bool) -> RequestOptions:
         min_tokens=_count(body, "min_tokens"),
         response_format=_response_format(body.get("response_format")),
         tools=tools, tool_choice=tool_choice)
-    constrained = options.response_format is not None or tool_choice not in ("none", "auto")
-    if constrained and (options.ignore_eos or options.min_tokens):
+    if options.constrained and (options.ignore_eos or options.min_tokens):
         name = "ignore_eos" if options.ignore_eos else "min_tokens"
         raise RequestError(f"'{name}' cannot be combined with a grammar (response_format or a "
                            "forced tool call): the grammar decides where the output ends",

@@ -5,6 +5,6 @@
 the tokens the grammar forbids before every choice. Needs the `[structured]` extra.
 """
 
-from onnx_chunk.structured.constraint import GrammarConstraint, json_constraint
+from onnx_chunk.structured.constraint import GrammarConstraint, json_constraint, prepare
 
-__all__ = ["GrammarConstraint", "json_constraint"]
+__all__ = ["GrammarConstraint", "json_constraint", "prepare"]

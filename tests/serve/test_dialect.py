@@ -289,6 +289,11 @@ def test_unbuilt_fields_are_refused_by_name(live, field, value):
     assert _refusal(live, "/v1/completions", {"prompt": "x", field: value})["param"] == field
 
 
+def test_chat_refuses_best_of(live):
+    assert _refusal(live, "/v1/chat/completions", {"messages": USER, "best_of": 2}
+                    )["param"] == "best_of"
+
+
 def test_chat_refuses_top_logprobs(live):
     error = _refusal(live, "/v1/chat/completions", {"messages": USER, "logprobs": True,
                                                     "top_logprobs": 2})
