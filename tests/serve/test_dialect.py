@@ -203,7 +203,8 @@ def test_assistant_tool_calls_and_tool_results_reach_the_template(hermes):
     history = USER + [
         {"role": "assistant", "content": None, "tool_calls": [{
             "id": "call_1", "type": "function", "function": {
-                "name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}}]},
+                "name": "get_weather",
+                "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}]
     status, _, answer = exchange(hermes, "POST", "/tokenize",
                                  {"messages": history, "return_token_strs": True})
