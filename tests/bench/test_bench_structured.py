@@ -21,3 +21,13 @@ def test_the_structured_benchmark_quick_mode(tmp_path):
         assert all(run["tokens_per_s"] > 0 and run["tokens"] > 0 for run in runs)
     assert data["ratio"] > 0 and len(data["load_average"]) == 2
     assert "JSON schema" in (tmp_path / "structured_quick.md").read_text()
+
+
+def test_the_grammar_library_comparison_runs_what_is_installed():
+    script = SCRIPT.with_name("bench_grammar_libraries.py")
+    tokenizer = SCRIPT.parents[1] / "tests" / "fixtures" / "exports" / "genai-qwen3-fp32"
+    result = subprocess.run([sys.executable, str(script), "--tokenizer",
+                             str(tokenizer / "tokenizer.json"), "--repetitions", "1"],
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "llguidance (" in result.stdout and "mask per token mean" in result.stdout
