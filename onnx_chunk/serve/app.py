@@ -216,8 +216,8 @@ class _Service:
                                     vocab_size=runtime.ports.vocab_size, ends=ends)
         request = runtime.submit(ids, params.max_tokens or room, eos_token_id=ends,
                                  sampling=sampling)
-        return ServedGeneration(request, TokenText(tokenizer, params.stop, end_ids=ends),
-                                len(ids), arrived, self.metrics)
+        text = TokenText(tokenizer, params.stop, end_ids=ends, min_tokens=options.min_tokens)
+        return ServedGeneration(request, text, len(ids), arrived, self.metrics)
 
     async def _events(self, generation: ServedGeneration, answer: _Answer,
                       include_usage: bool) -> AsyncIterator[bytes]:

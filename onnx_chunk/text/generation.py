@@ -134,7 +134,8 @@ class TextGeneration:
     sequence). Every check (the prompt's ids, max_new_tokens, the stop strings, the room left)
     runs at construction, before any work. `completion` is set once the iteration has ended.
     `ignore_eos`, `stop_token_ids` and `min_tokens` are vLLM's: the EOS ids do not end it,
-    these ids end it too, and none of the end ids comes before `min_tokens` new tokens.
+    these ids end it too, and neither an end id nor a stop string ends it before
+    `min_tokens` new tokens.
     """
 
     def __init__(self, source: SequenceTokens | EngineTokens, tokenizer: Tokenizer,
@@ -143,6 +144,7 @@ class TextGeneration:
                  stop_token_ids: Iterable[int] = (), min_tokens: int = 0) -> None:
         self._stops = check_stops(stop)
         self._ends = end_ids(tokenizer, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
+        self._min_tokens = min_tokens
         if min_tokens and self._ends:
             sampling = replace(sampling, min_tokens=min_tokens, held_token_ids=self._ends)
         self.prompt_tokens = len(ids)
@@ -169,7 +171,8 @@ class TextGeneration:
 
     def _run(self, source: SequenceTokens | EngineTokens, tokenizer: Tokenizer, ids,
              budget: int, at_budget: str, sampling: Sampling) -> Iterator[str]:
-        text = TokenText(tokenizer, self._stops, end_ids=self._ends)
+        text = TokenText(tokenizer, self._stops, end_ids=self._ends,
+                         min_tokens=self._min_tokens)
         pieces: list[str] = []
         # The source stops on the same ids, so its stats agree with the finish reason.
         steps = source.stream(ids, budget, self._ends, sampling)

@@ -232,6 +232,14 @@ def test_ignore_eos_and_min_tokens(live):
     assert (held.usage.completion_tokens, held.choices[0].finish_reason) == (6, "stop")
 
 
+def test_min_tokens_defers_stop_strings(live):
+    options = dict(max_tokens=8, temperature=0, logit_bias={"50": 100}, stop="K")
+    assert _complete(live, **options).choices[0].text == ""
+    held = _complete(live, **options, extra_body={"min_tokens": 3})
+    assert held.choices[0].text == "KKK" and held.usage.completion_tokens == 4
+    assert held.choices[0].finish_reason == "stop"
+
+
 def test_stop_token_ids_end_the_text_without_their_text(live):
     answer = _complete(live, max_tokens=8, temperature=0, logit_bias={"50": 100},
                        extra_body={"stop_token_ids": [50]})

@@ -83,3 +83,13 @@ def test_cli_refuses_ignore_eos_with_token_ids(folder, capsys):
     code = main(["generate", str(path), "--provider", "cpu", "--ids", "5,6",
                  "--max-new-tokens", "2", "--ignore-eos"])
     assert code == 2 and "--ignore-eos" in capsys.readouterr().err
+
+
+def test_min_tokens_defers_stop_strings(runtime, folder):
+    _, free = folder
+    text = runtime.tokenizer.decode(free[:6], skip_special_tokens=True)
+    stop = text[1:3]
+    early = _text(runtime, ignore_eos=True, stop=stop)
+    assert len(early.tokens) < 6 and early.finish_reason == "stop"
+    deferred = _text(runtime, ignore_eos=True, stop=stop, min_tokens=6)
+    assert len(deferred.tokens) > len(early.tokens)
