@@ -74,7 +74,10 @@ def tool_message(text: str, finish_reason: str | None, choice: str
     if choice == "auto":
         content, calls = _hermes_calls(text)
     else:
-        content, calls = None, [_call(*_forced(json.loads(text), choice))]
+        try:  # complete under the grammar unless a stop string cut it
+            content, calls = None, [_call(*_forced(json.loads(text), choice))]
+        except json.JSONDecodeError:
+            content, calls = text, []
     if not calls:
         return {"role": "assistant", "content": text}, finish_reason
     return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"

@@ -38,6 +38,9 @@ def test_text_without_a_parsable_call_stays_content(text):
 def test_a_cut_output_is_not_read_as_a_call():
     text = '{"name": "a", "arguments": {"x": 1'
     assert tool_message(text, "length", "required")[1] == "length"
+    # A stop string can cut a forced call before the grammar completes it.
+    assert tool_message(text, "stop", "required") == (
+        {"role": "assistant", "content": text}, "stop")
 
 
 def test_forced_calls():
