@@ -41,7 +41,7 @@ from onnx_chunk.serve.protocol import (GenerationParams, RequestError, error_bod
                                        parse_completion)
 from onnx_chunk.serve.tokenize import detokenize, tokenize
 from onnx_chunk.serve.tools import check_auto, tool_message
-from onnx_chunk.text.generation import end_ids, prompt_ids
+from onnx_chunk.text.generation import prompt_ids
 from onnx_chunk.text.token_text import TokenText
 
 if TYPE_CHECKING:
@@ -206,11 +206,7 @@ class _Service:
                                 f"{runtime.capacity}, leaving no room for a new token; "
                                 "shorten the prompt")
         search = {} if runtime.genai is None else runtime.genai.search
-        if not tokenizer.eos_token_ids and not options.ignore_eos:
-            ends = tuple(options.stop_token_ids) + runtime.eos_token_ids
-        else:
-            ends = end_ids(tokenizer, ignore_eos=options.ignore_eos,
-                           stop_token_ids=options.stop_token_ids)
+        ends = options.end_ids(tokenizer.eos_token_ids or runtime.eos_token_ids)
         sampling = request_sampling(options, temperature=params.temperature, top_p=params.top_p,
                                     seed=params.seed, search=search, tokenizer=tokenizer,
                                     vocab_size=runtime.ports.vocab_size, ends=ends)

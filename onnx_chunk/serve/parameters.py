@@ -89,6 +89,10 @@ class RequestOptions:
     # "none", "auto", "required", or the name of the function to call.
     tool_choice: str = "none"
 
+    def end_ids(self, eos: tuple[int, ...]) -> tuple[int, ...]:
+        """The ids the request ends at: its `stop_token_ids`, and `eos` unless `ignore_eos`."""
+        return tuple(dict.fromkeys((*self.stop_token_ids, *(() if self.ignore_eos else eos))))
+
     @property
     def constrained(self) -> bool:
         """Whether the output is generated under a grammar (response_format, a forced call)."""
