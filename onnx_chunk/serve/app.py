@@ -45,8 +45,11 @@ from onnx_chunk.errors import (CapacityError, ClosedError, ConfigError, InputErr
 from onnx_chunk.sampling import Sampling
 from onnx_chunk.serve.generation import ServedGeneration
 from onnx_chunk.serve.metrics import CONTENT_TYPE, ServerMetrics
+from onnx_chunk.serve.parameters import RequestOptions, parse_options, request_sampling
 from onnx_chunk.serve.protocol import (GenerationParams, RequestError, error_body, parse_chat,
                                        parse_completion)
+from onnx_chunk.serve.tokenize import detokenize, tokenize
+from onnx_chunk.serve.tools import check_auto, tool_message
 from onnx_chunk.text.chat_template import ChatTemplateFault
 from onnx_chunk.text.token_text import TokenText
 
@@ -91,12 +94,25 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, api_key: str 
               methods=["POST"]),
         Route("/v1/completions", service.endpoint(service.completions), methods=["POST"]),
         Route("/v1/models", service.endpoint(service.models), methods=["GET"]),
+        Route("/tokenize", service.endpoint(service.tokenize), methods=["POST"]),
+        Route("/detokenize", service.endpoint(service.detokenize), methods=["POST"]),
         Route("/health", service.health, methods=["GET"]),
         Route("/metrics", service.metrics_page, methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     app.state.service = service
     return app
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """A request parsed, checked and encoded, with its sampling and end tokens."""
+
+    params: GenerationParams
+    options: RequestOptions
+    ids: list[int]
+    sampling: Sampling
+    ends: tuple[int, ...]
 
 
 class _Service:
@@ -150,12 +166,22 @@ class _Service:
         arrived = time.perf_counter()
         body = await self._body(request)
         try:
-            params, ids = await run_in_threadpool(self._prepare, body, chat)
-            generation = self._start(params, ids, arrived)
+            prepared = await run_in_threadpool(self._prepare, body, chat)
+            generation = self._start(prepared, arrived)
         except CapacityError as error:
             raise RequestError(str(error), param="messages" if chat else "prompt",
                                code="context_length_exceeded") from error
-        return await self._serve(request, params, generation, chat=chat)
+        return await self._serve(request, prepared, generation, chat=chat)
+
+    async def tokenize(self, request: HttpRequest) -> Response:
+        body = _json(await self._body(request))
+        return JSONResponse(await run_in_threadpool(
+            tokenize, body, self.tokenizer, self.runtime.options.capacity, self._check_model))
+
+    async def detokenize(self, request: HttpRequest) -> Response:
+        body = _json(await self._body(request))
+        return JSONResponse(await run_in_threadpool(detokenize, body, self.tokenizer,
+                                                    self._check_model))
 
     async def models(self, request: HttpRequest) -> Response:
         return JSONResponse({"object": "list", "data": [
@@ -184,30 +210,47 @@ class _Service:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _prepare(self, body: bytes, chat: bool) -> tuple[GenerationParams, list[int]]:
-        """Parse, check and encode one request (on a worker thread: this is the work whose
-        size the client chooses); every refusal raised before any generation."""
-        params = parse_chat(_json(body)) if chat else parse_completion(_json(body))
+    def _prepare(self, body: bytes, chat: bool) -> _Prepared:
+        """Parse, check and encode one request and build its sampling (on a worker thread:
+        this is the work whose size the client chooses, the grammar's compilation included);
+        every refusal raised before any generation."""
+        document = _json(body)
+        params = parse_chat(document) if chat else parse_completion(document)
+        options = parse_options(document, chat=chat)
         if self.draining:
             raise ClosedError("the server is shutting down")
-        if params.model is not None and params.model != self.model_name:
-            raise RequestError(f"the model {params.model!r} is not served here; this server "
-                               f"serves {self.model_name!r} (GET /v1/models)", param="model",
-                               code="model_not_found", status=404)
+        self._check_model(params.model)
         tokenizer, capacity = self.tokenizer, self.runtime.options.capacity
+        if options.constrained:
+            from onnx_chunk.structured import prepare
+
+            prepare(tokenizer)
+        if options.tool_choice == "auto":
+            template = tokenizer.chat_template
+            check_auto(None if template is None else template.source)
         if params.messages:
+            tools = options.tools if options.tool_choice != "none" else None
             ids = tokenizer.encode_chat(list(params.messages), max_tokens=capacity,
-                                        special_in_content=self.parse_special_in_content)
+                                        special_in_content=self.parse_special_in_content,
+                                        tools=tools)
         elif isinstance(params.prompt, str):
             tokenizer.check_fits(params.prompt, capacity)
             ids = tokenizer.encode(params.prompt)
         else:
             ids = list(params.prompt)
-        return params, ids
+        ends = options.end_ids(tokenizer.eos_token_ids or self.runtime.options.eos_token_ids)
+        sampling = request_sampling(options, temperature=params.temperature, top_p=params.top_p,
+                                    seed=params.seed, search=self.search, tokenizer=tokenizer,
+                                    vocab_size=self.runtime.ports.vocab_size, ends=ends)
+        if 0 < sampling.temperature < GREEDY_TEMPERATURE:
+            sampling = dataclasses.replace(sampling, temperature=0.0)
+        return _Prepared(params, options, ids, sampling, ends)
 
-    async def _serve(self, request: HttpRequest, params: GenerationParams,
+    async def _serve(self, request: HttpRequest, prepared: _Prepared,
                      generation: ServedGeneration, *, chat: bool) -> Response:
-        answer = _ChatAnswer(self.model_name) if chat else _TextAnswer(self.model_name)
+        params = prepared.params
+        answer = (_ChatAnswer(self.model_name, prepared.options.tool_choice) if chat
+                  else _TextAnswer(self.model_name))
         self._live.add(generation)
         if params.stream:
             return _EventStream(self._events(generation, answer, params.include_usage),
@@ -221,38 +264,48 @@ class _Service:
         return JSONResponse(answer.whole(text, generation.finish_reason,
                                          _usage(generation)))
 
+    def _check_model(self, model: object) -> None:
+        if model is not None and model != self.model_name:
+            raise RequestError(f"the model {model!r} is not served here; this server serves "
+                               f"{self.model_name!r} (GET /v1/models)", param="model",
+                               code="model_not_found", status=404)
+
     def _ended(self, generation: ServedGeneration) -> None:
         generation.close()
         self._live.discard(generation)
 
-    def _start(self, params: GenerationParams, ids: list[int],
-               arrived: float) -> ServedGeneration:
+    def _start(self, prepared: _Prepared, arrived: float) -> ServedGeneration:
         """Submit one prepared request (every refusal raised before any work)."""
         if self.draining:
             raise ClosedError("the server is shutting down")
         runtime, tokenizer = self.runtime, self.tokenizer
+        params, ids = prepared.params, prepared.ids
         room = runtime.options.capacity - len(ids)
         if params.max_tokens is None and room < 1:
             raise CapacityError(f"the prompt has {len(ids)} tokens and the context holds "
                                 f"{runtime.options.capacity}, leaving no room for a new token; "
                                 "shorten the prompt")
-        sampling = Sampling.from_search(self.search, temperature=params.temperature,
-                                        top_p=params.top_p, seed=params.seed)
-        if 0 < sampling.temperature < GREEDY_TEMPERATURE:
-            sampling = dataclasses.replace(sampling, temperature=0.0)
-        request = runtime.submit(ids, params.max_tokens or room,
-                                 eos_token_id=tokenizer.eos_token_ids or None,
+        request = runtime.submit(ids, params.max_tokens or room, eos_token_id=prepared.ends,
                                  sampling=sampling)
-        return ServedGeneration(request, TokenText(tokenizer, params.stop), len(ids), arrived,
-                                self.metrics)
+        text = TokenText(tokenizer, params.stop, end_ids=prepared.ends,
+                         min_tokens=prepared.options.min_tokens)
+        return ServedGeneration(request, text, len(ids), arrived, self.metrics)
 
     async def _events(self, generation: ServedGeneration, answer: _Answer,
                       include_usage: bool) -> AsyncIterator[bytes]:
         try:
             yield _event(answer.chunk(answer.opening, None))
-            async for piece in generation.pieces():
-                yield _event(answer.chunk(piece, None))
-            yield _event(answer.chunk(answer.closing, generation.finish_reason))
+            if answer.whole_output:
+                # A tool answer is known once the output is whole: it comes as one delta.
+                message, reason = answer.message(await _collect(generation.pieces()),
+                                                 generation.finish_reason)
+                message.pop("role")
+                yield _event(answer.chunk(_delta(message), None))
+            else:
+                async for piece in generation.pieces():
+                    yield _event(answer.chunk(piece, None))
+                reason = generation.finish_reason
+            yield _event(answer.chunk(answer.closing, reason))
             if include_usage:
                 yield _event(answer.usage_chunk(_usage(generation)))
             yield b"data: [DONE]\n\n"
@@ -394,6 +447,14 @@ class _EventStream:
         return ""
 
 
+def _delta(message: dict[str, Any]) -> dict[str, Any]:
+    """A whole message as one streamed delta (tool calls with their index)."""
+    calls = message.get("tool_calls")
+    if calls:
+        message["tool_calls"] = [{"index": index, **call} for index, call in enumerate(calls)]
+    return message
+
+
 def _event(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
@@ -413,6 +474,9 @@ class _Answer(abc.ABC):
     prefix: str
     opening: Any
     closing: Any
+
+    # Whether the answer is made from the whole output (tool calls), not piece by piece.
+    whole_output = False
 
     def __init__(self, model: str) -> None:
         self.model = model
@@ -450,9 +514,20 @@ class _ChatAnswer(_Answer):
     opening = {"role": "assistant", "content": ""}
     closing: dict[str, str] = {}
 
+    def __init__(self, model: str, tool_choice: str = "none") -> None:
+        super().__init__(model)
+        self.tool_choice = tool_choice
+        self.whole_output = tool_choice != "none"
+
+    def message(self, text: str, finish_reason: str | None
+                ) -> tuple[dict[str, Any], str | None]:
+        """The assistant message of the whole output and its finish reason (tool calls)."""
+        return tool_message(text, finish_reason, self.tool_choice)
+
     def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": finish_reason}
+        message, finish_reason = self.message(text, finish_reason)
+        return {"index": 0, "message": message, "logprobs": None,
+                "finish_reason": finish_reason}
 
     def chunk_choice(self, piece: Any, finish_reason: str | None) -> dict[str, Any]:
         delta = {"content": piece} if isinstance(piece, str) else piece

@@ -18,7 +18,7 @@ is the decode of the new tokens without special tokens, streamed through `TextSt
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence as SequenceOf
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Union
 
 from onnx_chunk.errors import CapacityError
@@ -49,12 +49,22 @@ class Completion:
     stats: GenerationStats | RequestStats | None = field(default=None, compare=False)
 
 
-def prompt_ids(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
-    """The ids a prompt (text or messages) is fed as."""
+def prompt_ids(tokenizer: Tokenizer, prompt: Prompt, *,
+               tools: SequenceOf[Mapping[str, Any]] | None = None) -> list[int]:
+    """The ids a prompt (text or messages, with the `tools` the template shows) is fed as."""
     if isinstance(prompt, str):
         return tokenizer.encode(prompt)
-    return tokenizer.encode(tokenizer.apply_chat_template(prompt, add_generation_prompt=True),
+    return tokenizer.encode(tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
+                                                          tools=tools),
                             add_special_tokens=False)
+
+
+def end_ids(tokenizer: Tokenizer, *, ignore_eos: bool = False,
+            stop_token_ids: Iterable[int] = ()) -> tuple[int, ...]:
+    """The ids a generation ends at: `stop_token_ids`, and the tokenizer's EOS ids unless
+    `ignore_eos` (then only max_new_tokens, the capacity or a stop string end it)."""
+    eos = () if ignore_eos else tokenizer.eos_token_ids
+    return tuple(dict.fromkeys((*(int(token) for token in stop_token_ids), *eos)))
 
 
 def default_sampling(tokenizer: Tokenizer, sampling: Sampling | None) -> Sampling:
@@ -125,12 +135,20 @@ class TextGeneration:
     `source` gives the tokens (`EngineTokens`: the batch engine; `SequenceTokens`: one
     sequence). Every check (the prompt's ids, max_new_tokens, the stop strings, the room left)
     runs at construction, before any work. `completion` is set once the iteration has ended.
+    `ignore_eos`, `stop_token_ids` and `min_tokens` are vLLM's: the EOS ids do not end it,
+    these ids end it too, and neither an end id nor a stop string ends it before
+    `min_tokens` new tokens.
     """
 
     def __init__(self, source: SequenceTokens | EngineTokens, tokenizer: Tokenizer,
                  ids: SequenceOf[int], max_new_tokens: int, *, sampling: Sampling,
-                 stop: str | Iterable[str] | None = None) -> None:
+                 stop: str | Iterable[str] | None = None, ignore_eos: bool = False,
+                 stop_token_ids: Iterable[int] = (), min_tokens: int = 0) -> None:
         self._stops = check_stops(stop)
+        self._ends = end_ids(tokenizer, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
+        self._min_tokens = min_tokens
+        if min_tokens and self._ends:
+            sampling = replace(sampling, min_tokens=min_tokens, held_token_ids=self._ends)
         self.prompt_tokens = len(ids)
         try:
             checked = source.check(ids, max_new_tokens)
@@ -155,10 +173,11 @@ class TextGeneration:
 
     def _run(self, source: SequenceTokens | EngineTokens, tokenizer: Tokenizer, ids,
              budget: int, at_budget: str, sampling: Sampling) -> Iterator[str]:
-        text = TokenText(tokenizer, self._stops)
+        text = TokenText(tokenizer, self._stops, end_ids=self._ends,
+                         min_tokens=self._min_tokens)
         pieces: list[str] = []
         # The source stops on the same ids, so its stats agree with the finish reason.
-        steps = source.stream(ids, budget, tokenizer.eos_token_ids, sampling)
+        steps = source.stream(ids, budget, self._ends, sampling)
         try:
             for token in steps:
                 piece = text.push(token)
@@ -180,18 +199,19 @@ class TextGeneration:
 
 def stream_text(source: SequenceTokens | EngineTokens, tokenizer: Tokenizer, prompt: Prompt,
                 max_new_tokens: int, *, sampling: Sampling | None = None,
-                stop: str | Iterable[str] | None = None) -> TextGeneration:
-    """A text generation of `prompt` from `source` (checked now, run as it is iterated)."""
+                stop: str | Iterable[str] | None = None, **ends: Any) -> TextGeneration:
+    """A text generation of `prompt` from `source` (checked now, run as it is iterated);
+    `ends`: TextGeneration's ignore_eos, stop_token_ids, min_tokens."""
     return TextGeneration(source, tokenizer, prompt_ids(tokenizer, prompt), max_new_tokens,
-                          sampling=default_sampling(tokenizer, sampling), stop=stop)
+                          sampling=default_sampling(tokenizer, sampling), stop=stop, **ends)
 
 
 def generate_text(source: SequenceTokens | EngineTokens, tokenizer: Tokenizer, prompt: Prompt,
                   max_new_tokens: int, *, sampling: Sampling | None = None,
-                  stop: str | Iterable[str] | None = None) -> Completion:
+                  stop: str | Iterable[str] | None = None, **ends: Any) -> Completion:
     """Run a text generation to its end; its Completion."""
     generation = stream_text(source, tokenizer, prompt, max_new_tokens, sampling=sampling,
-                             stop=stop)
+                             stop=stop, **ends)
     for _ in generation:
         pass
     return generation.completion

@@ -158,9 +158,11 @@ class Tokenizer:
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], *,
                     add_generation_prompt: bool = True, special_in_content: bool = False,
-                    max_tokens: int | None = None) -> list[int]:
+                    max_tokens: int | None = None,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """The ids of a conversation rendered through the chat template (no special tokens
-        added, as transformers' apply_chat_template(tokenize=True)).
+        added, as transformers' apply_chat_template(tokenize=True)); `tools` as
+        `apply_chat_template` takes them.
 
         special_in_content: the special tokens typed in the messages' role and content become
             control tokens (transformers' behaviour); False keeps them as text.
@@ -176,7 +178,7 @@ class Tokenizer:
         max_chars = None if max_tokens is None or span is None else max_tokens * span
         try:
             text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                            max_chars=max_chars)
+                                            max_chars=max_chars, tools=tools)
         except RenderTooLong as error:
             raise CapacityError(
                 f"the chat template renders these messages into more than {error.max_chars} "
@@ -246,7 +248,8 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
                             add_generation_prompt: bool = True,
-                            max_chars: int | None = None) -> str:
+                            max_chars: int | None = None,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """The prompt text of a conversation, through the model's chat template (a rendering
         past `max_chars` characters stops there: RenderTooLong)."""
         template = self.chat_template
@@ -256,11 +259,15 @@ class Tokenizer:
                 f"chat_template.jinja, no chat_template in {TOKENIZER_CONFIG}); pass the prompt "
                 "as text instead of messages")
         return template.render(messages, add_generation_prompt=add_generation_prompt,
-                               max_chars=max_chars)
+                               max_chars=max_chars, tools=tools)
 
     def token_id(self, token: str | None) -> int | None:
         """The id of one token string (None when it is not in the vocabulary)."""
         return None if token is None else self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary's string of one id, as stored (byte-level BPE: 'Ġ' for a space)."""
+        return self._backend.id_to_token(int(token_id))
 
     def is_special(self, token_id: int) -> bool:
         """Whether `token_id` is a special added token (what skip_special_tokens drops)."""
