@@ -286,7 +286,7 @@ class _Service:
                                 f"{runtime.options.capacity}, leaving no room for a new token; "
                                 "shorten the prompt")
         request = runtime.submit(ids, params.max_tokens or room, eos_token_id=prepared.ends,
-                                 sampling=sampling)
+                                 sampling=prepared.sampling)
         text = TokenText(tokenizer, params.stop, end_ids=prepared.ends,
                          min_tokens=prepared.options.min_tokens)
         return ServedGeneration(request, text, len(ids), arrived, self.metrics)

@@ -329,7 +329,7 @@ def test_unknown_fields_are_ignored_and_logged_once(live, caplog):
 def test_tokenize_and_detokenize_round_trip(live):
     status, _, tokens = exchange(live, "POST", "/tokenize", {"prompt": "Paris is"})
     assert status == 200 and tokens["count"] == len(tokens["tokens"])
-    assert tokens["max_model_len"] == live.runtime.capacity and tokens["token_strs"] is None
+    assert tokens["max_model_len"] == live.runtime.options.capacity and tokens["token_strs"] is None
     assert _complete(live, max_tokens=1).usage.prompt_tokens == tokens["count"]
     status, _, text = exchange(live, "POST", "/detokenize", {"tokens": tokens["tokens"]})
     assert (status, text) == (200, {"prompt": "Paris is"})

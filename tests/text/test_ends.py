@@ -93,3 +93,16 @@ def test_min_tokens_defers_stop_strings(runtime, folder):
     assert len(early.tokens) < 6 and early.finish_reason == "stop"
     deferred = _text(runtime, ignore_eos=True, stop=stop, min_tokens=6)
     assert len(deferred.tokens) > len(early.tokens)
+
+
+def test_the_runtime_text_api_takes_the_end_options(runtime, folder):
+    _, free = folder
+    assert list(runtime.generate_text(PROMPT, NEW, sampling=Sampling()).tokens) == free[:1]
+    ignored = runtime.generate_text(PROMPT, NEW, sampling=Sampling(), ignore_eos=True)
+    assert list(ignored.tokens) == free and ignored.finish_reason == "length"
+    streamed = "".join(runtime.stream_text(PROMPT, NEW, sampling=Sampling(), ignore_eos=True))
+    assert streamed == ignored.text
+    stopped = runtime.generate_text(PROMPT, NEW, sampling=Sampling(), ignore_eos=True,
+                                    stop_token_ids=[free[2]])
+    first = free.index(free[2])
+    assert list(stopped.tokens) == free[:first + 1] and stopped.finish_reason == "stop"
