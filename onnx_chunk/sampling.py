@@ -59,6 +59,15 @@ class Sampling:
     held_token_ids: the ids `min_tokens` holds back; required when min_tokens > 0.
     constraint: a grammar the output follows (structured output); None: free text.
     seed: the random generator's seed (None: fresh entropy, not reproducible).
+    logprobs: give each chosen token's log-probability and the `logprobs` most likely tokens'
+        (0: the chosen token's only; None: none). The log-probabilities are those of the
+        distribution the token was chosen from (vLLM's "processed" mode): the log-softmax of
+        the logits after every processor above; for a draw also divided by the temperature and
+        cut by top-k, top-p and min-p (a token they cut has -inf); for a greedy choice without
+        temperature or cut (the argmax is the same).
+    prompt_logprobs: give every prompt token's log-probability under the raw logits of the
+        position before it and the `prompt_logprobs` most likely tokens' there (None: none;
+        the first prompt token has none). Asks the prefill for every row's logits.
     The penalties, the bias, min_tokens and the grammar apply in greedy choice too.
     """
 
@@ -74,6 +83,8 @@ class Sampling:
     held_token_ids: tuple[int, ...] = ()
     constraint: Constraint | None = None
     seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _number(self.temperature, "temperature", "a number >= 0 (0 is greedy)",
@@ -102,6 +113,11 @@ class Sampling:
         if not all(_is_count(token) for token in held):
             raise ConfigError(f"held_token_ids must be token ids (integers >= 0), got {held!r}")
         object.__setattr__(self, "held_token_ids", tuple(int(token) for token in held))
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not _is_count(value):
+                raise ConfigError(f"{name} must be None or an integer >= 0 (the most likely "
+                                  f"tokens given beside the chosen one), got {value!r}")
         if self.min_tokens and not held:
             raise ConfigError("min_tokens needs held_token_ids: the ids it keeps out until then "
                               "(the request's EOS and stop token ids)")
@@ -139,6 +155,51 @@ class Sampling:
                            seed=None if seed == -1 else seed)
         given = {name: value for name, value in overrides.items() if value is not None}
         return replace(base, **given)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A token's log-probability and the `top` most likely tokens' at its position.
+
+    `top`: (token id, log-probability) pairs, most likely first (ties: the lower id first).
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def logprobs_of(scores: np.ndarray, token: int, top: int,
+                scratch: np.ndarray | None = None) -> TokenLogprobs:
+    """The log-softmax of `scores` (a [vocab] row) at `token`, and its `top` largest entries.
+
+    Vectorized: one exp over the row (into `scratch` when given) and an argpartition for the
+    top entries, never a vocabulary-sized Python loop.
+    """
+    peak = float(scores.max())
+    if scratch is None:
+        scratch = np.empty(scores.size, dtype=np.float64)
+    np.subtract(scores, peak, out=scratch)
+    np.exp(scratch, out=scratch)
+    norm = peak + math.log(float(scratch.sum()))
+    return TokenLogprobs(int(token), float(scores[token]) - norm, _top(scores, top, norm))
+
+
+def _top(scores: np.ndarray, top: int, norm: float) -> tuple[tuple[int, float], ...]:
+    if top <= 0:
+        return ()
+    top = min(top, scores.size)
+    ids = np.argpartition(scores, scores.size - top)[scores.size - top:]
+    ids = ids[np.lexsort((ids, -scores[ids]))]
+    return tuple((int(index), float(scores[index]) - norm) for index in ids)
+
+
+def prompt_logprobs_of(rows: np.ndarray, following: np.ndarray,
+                       top: int) -> list[TokenLogprobs]:
+    """For logits `rows` [n, vocab], each row's log-softmax at the token `following` it
+    (`following[i]`: the prompt token after row i) and its `top` largest entries."""
+    scratch = np.empty(rows.shape[1], dtype=np.float64)
+    return [logprobs_of(row, int(token), top, scratch) for row, token in zip(rows, following)]
 
 
 _NO_CHOICE = ("the logits hold no finite maximum ({top}) after the request's processors: the "
@@ -184,6 +245,12 @@ class Sampler:
         self._work = (None if sampling.greedy and not sampling.processes
                       else np.empty((3, vocab_size), dtype=np.float64))
         self._mask = None if self._work is None else np.empty(vocab_size, dtype=bool)
+        # With logprobs: the distribution the token is chosen from, and an exp scratch row.
+        self._top = sampling.logprobs
+        self._dist = (None if self._top is None
+                      else np.empty((2, vocab_size), dtype=np.float64))
+        self.last: TokenLogprobs | None = None
+        """The logprobs of the latest token `choose` returned (None unless asked for)."""
 
     def observe(self, token_ids: Iterable[int]) -> None:
         """Count `token_ids` as seen (for the repetition penalty)."""
@@ -199,8 +266,13 @@ class Sampler:
         """The next token for a [vocab] logits row; it counts as seen and generated from now
         on (and the grammar moves past it)."""
         if self._work is None:
-            return int(np.argmax(logits))
+            token = int(np.argmax(logits))
+            if self._dist is not None:
+                self.last = logprobs_of(logits, token, self._top, self._dist[1])
+            return token
         token = self._choose(self._processed(logits))
+        if self._dist is not None:
+            self.last = logprobs_of(self._dist[0], token, self._top, self._dist[1])
         self.observe((token,))
         self._generated += 1
         if self._counting:
@@ -239,6 +311,8 @@ class Sampler:
             token = int(np.argmax(scores))
             if not math.isfinite(scores[token]):
                 raise ValueError(_NO_CHOICE.format(top=scores[token]))
+            if self._dist is not None:
+                np.copyto(self._dist[0], scores)
             return token
         scores /= sampling.temperature
         top = float(scores.max())
@@ -257,6 +331,10 @@ class Sampler:
         if not math.isfinite(top):
             raise ValueError(_NO_CHOICE.format(top=top))
         np.greater_equal(scores, cutoff, out=self._mask)
+        if self._dist is not None:
+            # The distribution drawn from: what the cut-offs kept (the draw reuses `scores`).
+            self._dist[0].fill(-math.inf)
+            np.copyto(self._dist[0], scores, where=self._mask)
         if np.count_nonzero(self._mask) > _GATHERED_DRAW:
             # Many tokens left: draw over the whole row in place (the dropped ones weigh 0).
             scores -= top

@@ -257,7 +257,10 @@ class Runtime:
             raise ClosedError("this runtime was closed; load the model again to submit")
         vocab = self.ports.vocab_size
         ids = arguments.prompt_ids(prompt_ids, vocab)
-        new_tokens = arguments.integer(max_new_tokens, "max_new_tokens", minimum=1)
+        # 0 new tokens: a request for its prompt's logprobs alone (lm-evaluation-harness's).
+        scoring = sampling is not None and sampling.prompt_logprobs is not None
+        new_tokens = arguments.integer(max_new_tokens, "max_new_tokens",
+                                       minimum=0 if scoring else 1)
         capacity = self.options.capacity
         if len(ids) + new_tokens > capacity:
             raise CapacityError(

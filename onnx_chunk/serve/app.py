@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
@@ -42,8 +43,9 @@ from starlette.types import Receive, Scope, Send
 
 from onnx_chunk.errors import (CapacityError, ClosedError, ConfigError, InputError,
                                OnnxChunkError, QueueFullError)
-from onnx_chunk.sampling import Sampling
+from onnx_chunk.sampling import Sampling, TokenLogprobs
 from onnx_chunk.serve.generation import ServedGeneration
+from onnx_chunk.serve.logprobs import CompletionLogprobs, TokenStrings, chat_content, joined
 from onnx_chunk.serve.metrics import CONTENT_TYPE, ServerMetrics
 from onnx_chunk.serve.parameters import RequestOptions, parse_options, request_sampling
 from onnx_chunk.serve.protocol import (GenerationParams, RequestError, error_body, parse_chat,
@@ -110,7 +112,8 @@ class _Prepared:
 
     params: GenerationParams
     options: RequestOptions
-    ids: list[int]
+    # The token ids of each prompt (chat: one).
+    prompts: list[list[int]]
     sampling: Sampling
     ends: tuple[int, ...]
 
@@ -130,6 +133,7 @@ class _Service:
         self.max_body_bytes = max_body_bytes
         self.parse_special_in_content = parse_special_in_content
         self.metrics = ServerMetrics(runtime)
+        self.strings = TokenStrings(self.tokenizer)
         self._api_key = api_key
         self._created = int(time.time())
         self._live: set[ServedGeneration] = set()
@@ -167,11 +171,11 @@ class _Service:
         body = await self._body(request)
         try:
             prepared = await run_in_threadpool(self._prepare, body, chat)
-            generation = self._start(prepared, arrived)
+            generations = self._start(prepared, arrived)
         except CapacityError as error:
             raise RequestError(str(error), param="messages" if chat else "prompt",
                                code="context_length_exceeded") from error
-        return await self._serve(request, prepared, generation, chat=chat)
+        return await self._serve(request, prepared, generations, chat=chat)
 
     async def tokenize(self, request: HttpRequest) -> Response:
         body = _json(await self._body(request))
@@ -230,39 +234,60 @@ class _Service:
             check_auto(None if template is None else template.source)
         if params.messages:
             tools = options.tools if options.tool_choice != "none" else None
-            ids = tokenizer.encode_chat(list(params.messages), max_tokens=capacity,
-                                        special_in_content=self.parse_special_in_content,
-                                        tools=tools)
-        elif isinstance(params.prompt, str):
-            tokenizer.check_fits(params.prompt, capacity)
-            ids = tokenizer.encode(params.prompt)
+            prompts = [tokenizer.encode_chat(list(params.messages), max_tokens=capacity,
+                                             special_in_content=self.parse_special_in_content,
+                                             tools=tools)]
         else:
-            ids = list(params.prompt)
+            prompts = [self._encoded(prompt) for prompt in params.prompts]
         ends = options.end_ids(tokenizer.eos_token_ids or self.runtime.options.eos_token_ids)
         sampling = request_sampling(options, temperature=params.temperature, top_p=params.top_p,
                                     seed=params.seed, search=self.search, tokenizer=tokenizer,
                                     vocab_size=self.runtime.ports.vocab_size, ends=ends)
         if 0 < sampling.temperature < GREEDY_TEMPERATURE:
             sampling = dataclasses.replace(sampling, temperature=0.0)
-        return _Prepared(params, options, ids, sampling, ends)
+        if params.max_tokens == 0 and sampling.prompt_logprobs is None:
+            # An echo of 0 new tokens without logprobs: the engine still runs the prompt once
+            # (a request that generates nothing is one that scores its prompt).
+            sampling = dataclasses.replace(sampling, prompt_logprobs=0)
+        return _Prepared(params, options, prompts, sampling, ends)
+
+    def _encoded(self, prompt: str | tuple[int, ...]) -> list[int]:
+        if isinstance(prompt, str):
+            self.tokenizer.check_fits(prompt, self.runtime.options.capacity)
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
 
     async def _serve(self, request: HttpRequest, prepared: _Prepared,
-                     generation: ServedGeneration, *, chat: bool) -> Response:
+                     generations: list[ServedGeneration], *, chat: bool) -> Response:
         params = prepared.params
-        answer = (_ChatAnswer(self.model_name, prepared.options.tool_choice) if chat
-                  else _TextAnswer(self.model_name))
-        self._live.add(generation)
+        top = prepared.options.logprobs
+        answer = (_ChatAnswer(self.model_name, self.strings, top, prepared.options.tool_choice)
+                  if chat else
+                  _TextAnswer(self.model_name, self.strings, top,
+                              self._echoes(prepared) if prepared.options.echo else None,
+                              params.n))
+        self._live.update(generations)
         if params.stream:
-            return _EventStream(self._events(generation, answer, params.include_usage),
-                                lambda: self._ended(generation))
+            return _EventStream(self._events(generations, answer, params.include_usage,
+                                             params.n),
+                                lambda: self._ended(generations))
         try:
-            text = await _unless_disconnected(_collect(generation.pieces()), request.receive)
+            outputs = await _unless_disconnected(
+                asyncio.gather(*(_collect_chunks(generation) for generation in generations)),
+                request.receive)
         finally:
-            self._ended(generation)
-        if text is None:
+            self._ended(generations)
+        if outputs is None:
             return Response(status_code=499)
-        return JSONResponse(answer.whole(text, generation.finish_reason,
-                                         _usage(generation)))
+        return JSONResponse(answer.whole(
+            [answer.choice(generation, text, entries)
+             for generation, (text, entries) in zip(generations, outputs)],
+            _usage(generations, params.n)))
+
+    def _echoes(self, prepared: _Prepared) -> list[str]:
+        """Each prompt's text as `echo` shows it (token-id prompts decoded)."""
+        return [prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+                for prompt, ids in zip(prepared.params.prompts, prepared.prompts)]
 
     def _check_model(self, model: object) -> None:
         if model is not None and model != self.model_name:
@@ -270,44 +295,61 @@ class _Service:
                                f"{self.model_name!r} (GET /v1/models)", param="model",
                                code="model_not_found", status=404)
 
-    def _ended(self, generation: ServedGeneration) -> None:
-        generation.close()
-        self._live.discard(generation)
+    def _ended(self, generations: list[ServedGeneration]) -> None:
+        for generation in generations:
+            generation.close()
+            self._live.discard(generation)
 
-    def _start(self, prepared: _Prepared, arrived: float) -> ServedGeneration:
-        """Submit one prepared request (every refusal raised before any work)."""
+    def _start(self, prepared: _Prepared, arrived: float) -> list[ServedGeneration]:
+        """Submit every choice of a prepared request: `n` per prompt, choice i of a seeded
+        request with seed + i (every refusal raised before any work; a refusal of a later
+        choice cancels the earlier ones)."""
         if self.draining:
             raise ClosedError("the server is shutting down")
-        runtime, tokenizer = self.runtime, self.tokenizer
-        params, ids = prepared.params, prepared.ids
-        room = runtime.options.capacity - len(ids)
-        if params.max_tokens is None and room < 1:
-            raise CapacityError(f"the prompt has {len(ids)} tokens and the context holds "
-                                f"{runtime.options.capacity}, leaving no room for a new token; "
-                                "shorten the prompt")
-        request = runtime.submit(ids, params.max_tokens or room, eos_token_id=prepared.ends,
-                                 sampling=prepared.sampling)
-        text = TokenText(tokenizer, params.stop, end_ids=prepared.ends,
-                         min_tokens=prepared.options.min_tokens)
-        return ServedGeneration(request, text, len(ids), arrived, self.metrics)
-
-    async def _events(self, generation: ServedGeneration, answer: _Answer,
-                      include_usage: bool) -> AsyncIterator[bytes]:
+        params, sampling = prepared.params, prepared.sampling
+        capacity = self.runtime.options.capacity
+        for ids in prepared.prompts:
+            if params.max_tokens is None and capacity - len(ids) < 1:
+                raise CapacityError(f"the prompt has {len(ids)} tokens and the context holds "
+                                    f"{capacity}, leaving no room for a new token; shorten "
+                                    "the prompt")
+        generations: list[ServedGeneration] = []
         try:
-            yield _event(answer.chunk(answer.opening, None))
-            if answer.whole_output:
-                # A tool answer is known once the output is whole: it comes as one delta.
-                message, reason = answer.message(await _collect(generation.pieces()),
-                                                 generation.finish_reason)
-                message.pop("role")
-                yield _event(answer.chunk(_delta(message), None))
-            else:
-                async for piece in generation.pieces():
-                    yield _event(answer.chunk(piece, None))
-                reason = generation.finish_reason
-            yield _event(answer.chunk(answer.closing, reason))
+            for number, ids in enumerate(prepared.prompts):
+                for choice in range(params.n):
+                    seeded = sampling if sampling.seed is None else dataclasses.replace(
+                        sampling, seed=sampling.seed + choice)
+                    generations.append(self._submit(prepared, ids, seeded, arrived,
+                                                    number * params.n + choice))
+        except BaseException:
+            for generation in generations:
+                generation.request.cancel()
+            raise
+        return generations
+
+    def _submit(self, prepared: _Prepared, ids: list[int], sampling: Sampling, arrived: float,
+                index: int) -> ServedGeneration:
+        params = prepared.params
+        room = self.runtime.options.capacity - len(ids)
+        request = self.runtime.submit(
+            ids, room if params.max_tokens is None else params.max_tokens,
+            eos_token_id=prepared.ends, sampling=sampling)
+        text = TokenText(self.tokenizer, params.stop, end_ids=prepared.ends,
+                         min_tokens=prepared.options.min_tokens)
+        return ServedGeneration(request, text, len(ids), arrived, self.metrics, index)
+
+    async def _events(self, generations: list[ServedGeneration], answer: _Answer,
+                      include_usage: bool, n: int) -> AsyncIterator[bytes]:
+        """The event stream: the choices one after the other (all run at once in the engine),
+        each opened, streamed and closed with its index."""
+        generation = generations[0]
+        try:
+            for generation in generations:
+                async with contextlib.aclosing(self._choice_events(generation, answer)) as events:
+                    async for event in events:
+                        yield event
             if include_usage:
-                yield _event(answer.usage_chunk(_usage(generation)))
+                yield _event(answer.usage_chunk(_usage(generations, n)))
             yield b"data: [DONE]\n\n"
         except ClosedError as error:
             yield _event(error_body(str(error), "server_error", code="server_shutting_down"))
@@ -318,6 +360,24 @@ class _Service:
             logger.exception("request %d failed", generation.request.id)
             yield _event(error_body("the server failed this request (logged on the server)",
                                     "server_error", code="internal_error"))
+
+    @staticmethod
+    async def _choice_events(generation: ServedGeneration,
+                             answer: _Answer) -> AsyncIterator[bytes]:
+        index = generation.index
+        yield _event(answer.chunk(index, answer.opening, None))
+        if answer.whole_output:
+            # A tool answer is known once the output is whole: it comes as one delta.
+            text, entries = await _collect_chunks(generation)
+            message, reason = answer.message(text, generation.finish_reason)
+            message.pop("role")
+            yield _event(answer.chunk(index, _delta(message), None, answer.logprobs(entries)))
+        else:
+            async with contextlib.aclosing(answer.stream(generation)) as pieces:
+                async for piece, logprobs in pieces:
+                    yield _event(answer.chunk(index, piece, None, logprobs))
+            reason = generation.finish_reason
+        yield _event(answer.chunk(index, answer.closing, reason))
 
     def _authorize(self, request: HttpRequest) -> None:
         if self._api_key is None:
@@ -392,8 +452,15 @@ def _checked_search(runtime: Runtime) -> dict[str, Any]:
     return genai.search
 
 
-async def _collect(pieces: AsyncIterator[str]) -> str:
-    return "".join([piece async for piece in pieces])
+async def _collect_chunks(generation: ServedGeneration) -> tuple[str, list[TokenLogprobs]]:
+    """A choice's whole text and its tokens' logprobs."""
+    texts: list[str] = []
+    entries: list[TokenLogprobs] = []
+    async with contextlib.aclosing(generation.chunks()) as chunks:
+        async for piece, logprobs in chunks:
+            texts.append(piece)
+            entries.extend(logprobs)
+    return "".join(texts), entries
 
 
 async def _unless_disconnected(work: Awaitable[str], receive: Receive) -> str | None:
@@ -459,15 +526,20 @@ def _event(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
 
-def _usage(generation: ServedGeneration) -> dict[str, int]:
-    return {"prompt_tokens": generation.prompt_tokens,
-            "completion_tokens": generation.completion_tokens,
-            "total_tokens": generation.prompt_tokens + generation.completion_tokens}
+def _usage(generations: list[ServedGeneration], n: int) -> dict[str, int]:
+    """Tokens of every prompt (once, however many of its `n` choices there are) and of every
+    choice."""
+    prompt = sum(generation.prompt_tokens for generation in generations
+                 if generation.index % n == 0)
+    completion = sum(generation.completion_tokens for generation in generations)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
 
 
 class _Answer(abc.ABC):
     """The response objects of one endpoint (one id and creation time per request):
-    `opening` and `closing` are the first and last chunks' contents."""
+    `opening` and `closing` are the first and last chunks' contents; `top`: the request's
+    logprobs count (None: no logprobs)."""
 
     object_name: str
     chunk_name: str
@@ -478,33 +550,40 @@ class _Answer(abc.ABC):
     # Whether the answer is made from the whole output (tool calls), not piece by piece.
     whole_output = False
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, strings: TokenStrings, top: int | None) -> None:
         self.model = model
+        self.strings = strings
+        self.top = top
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
     def _head(self, name: str) -> dict[str, Any]:
         return {"id": self.id, "object": name, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str | None, usage: dict[str, int]
-              ) -> dict[str, Any]:
-        return {**self._head(self.object_name), "choices": [self.choice(text, finish_reason)],
-                "usage": usage}
+    def whole(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
+        return {**self._head(self.object_name), "choices": choices, "usage": usage}
 
-    def chunk(self, piece: Any, finish_reason: str | None) -> dict[str, Any]:
+    def chunk(self, index: int, piece: Any, finish_reason: str | None,
+              logprobs: Any = None) -> dict[str, Any]:
         return {**self._head(self.chunk_name),
-                "choices": [self.chunk_choice(piece, finish_reason)]}
+                "choices": [self.chunk_choice(index, piece, finish_reason, logprobs)]}
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         return {**self._head(self.chunk_name), "choices": [], "usage": usage}
 
     @abc.abstractmethod
-    def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def choice(self, generation: ServedGeneration, text: str,
+               entries: list[TokenLogprobs]) -> dict[str, Any]:
         """The choice of the whole answer."""
 
     @abc.abstractmethod
-    def chunk_choice(self, piece: Any, finish_reason: str | None) -> dict[str, Any]:
+    def chunk_choice(self, index: int, piece: Any, finish_reason: str | None,
+                     logprobs: Any) -> dict[str, Any]:
         """The choice of one streamed chunk."""
+
+    @abc.abstractmethod
+    def stream(self, generation: ServedGeneration) -> AsyncIterator[tuple[str, Any]]:
+        """A streamed choice's pieces, each with its chunk's logprobs."""
 
 
 class _ChatAnswer(_Answer):
@@ -514,8 +593,9 @@ class _ChatAnswer(_Answer):
     opening = {"role": "assistant", "content": ""}
     closing: dict[str, str] = {}
 
-    def __init__(self, model: str, tool_choice: str = "none") -> None:
-        super().__init__(model)
+    def __init__(self, model: str, strings: TokenStrings, top: int | None,
+                 tool_choice: str = "none") -> None:
+        super().__init__(model, strings, top)
         self.tool_choice = tool_choice
         self.whole_output = tool_choice != "none"
 
@@ -524,25 +604,84 @@ class _ChatAnswer(_Answer):
         """The assistant message of the whole output and its finish reason (tool calls)."""
         return tool_message(text, finish_reason, self.tool_choice)
 
-    def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        message, finish_reason = self.message(text, finish_reason)
-        return {"index": 0, "message": message, "logprobs": None,
+    def logprobs(self, entries: list[TokenLogprobs]) -> dict[str, Any] | None:
+        """Chat's `logprobs` of these tokens (None when the request asked for none)."""
+        return None if self.top is None else {"content": chat_content(entries, self.strings)}
+
+    def choice(self, generation: ServedGeneration, text: str,
+               entries: list[TokenLogprobs]) -> dict[str, Any]:
+        message, finish_reason = self.message(text, generation.finish_reason)
+        return {"index": generation.index, "message": message,
+                "logprobs": self.logprobs(entries), "finish_reason": finish_reason}
+
+    def chunk_choice(self, index: int, piece: Any, finish_reason: str | None,
+                     logprobs: Any) -> dict[str, Any]:
+        delta = {"content": piece} if isinstance(piece, str) else piece
+        return {"index": index, "delta": delta, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
-    def chunk_choice(self, piece: Any, finish_reason: str | None) -> dict[str, Any]:
-        delta = {"content": piece} if isinstance(piece, str) else piece
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    async def stream(self, generation: ServedGeneration) -> AsyncIterator[tuple[str, Any]]:
+        async with contextlib.aclosing(generation.chunks()) as chunks:
+            async for piece, entries in chunks:
+                yield piece, self.logprobs(entries)
 
 
 class _TextAnswer(_Answer):
+    """Completions' answer; `echoes`: each prompt's text when the request echoes them; `n`:
+    the choices per prompt."""
+
     object_name = "text_completion"
     chunk_name = "text_completion"
     prefix = "cmpl"
     opening = ""
     closing = ""
 
-    def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def __init__(self, model: str, strings: TokenStrings, top: int | None,
+                 echoes: list[str] | None, n: int) -> None:
+        super().__init__(model, strings, top)
+        self.echoes = echoes
+        self.n = n
 
-    def chunk_choice(self, piece: Any, finish_reason: str | None) -> dict[str, Any]:
-        return self.choice(piece, finish_reason)
+    def choice(self, generation: ServedGeneration, text: str,
+               entries: list[TokenLogprobs]) -> dict[str, Any]:
+        builder = CompletionLogprobs(self.strings)
+        echo, parts = self._echo(generation, builder)
+        if self.top is not None:
+            parts.append(builder.part(entries))
+        return {"index": generation.index, "text": echo + text,
+                "logprobs": None if self.top is None else joined(parts),
+                "finish_reason": generation.finish_reason}
+
+    def _echo(self, generation: ServedGeneration,
+              builder: CompletionLogprobs) -> tuple[str, list[dict[str, list[Any]]]]:
+        """The echoed prompt's text and its logprobs (when asked for); the builder's offsets
+        then go on after that text."""
+        if self.echoes is None:
+            return "", []
+        request = generation.request
+        echo = self.echoes[generation.index // self.n]
+        parts = []
+        if self.top is not None:
+            parts.append(builder.part(request.prompt_logprobs, request.prompt.tolist()))
+        builder.offset = len(echo)
+        return echo, parts
+
+    def chunk_choice(self, index: int, piece: Any, finish_reason: str | None,
+                     logprobs: Any) -> dict[str, Any]:
+        return {"index": index, "text": piece, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+
+    async def stream(self, generation: ServedGeneration) -> AsyncIterator[tuple[str, Any]]:
+        builder = CompletionLogprobs(self.strings)
+        echoed = self.echoes is None
+        async with contextlib.aclosing(generation.chunks()) as chunks:
+            async for piece, entries in chunks:
+                if not echoed:
+                    # The prompt's logprobs are whole once its first token came.
+                    echoed = True
+                    echo, parts = self._echo(generation, builder)
+                    yield echo, joined(parts) if self.top is not None else None
+                yield piece, None if self.top is None else builder.part(entries)
+        if not echoed:
+            echo, parts = self._echo(generation, builder)
+            yield echo, joined(parts) if self.top is not None else None

@@ -4,13 +4,16 @@ Pure functions (no ONNX Runtime, no HTTP): a decoded JSON body in, `RequestOptio
 `RequestError` out. Every field the server knows is honoured or refused by name:
 - honoured: OpenAI's `presence_penalty`, `frequency_penalty` (numbers in [-2, 2]),
   `logit_bias` ({"token id": bias}, clamped to [-100, 100]), `response_format` (text,
-  json_object, json_schema), `tools` and `tool_choice` (chat); vLLM's `top_k` (-1 or 0: all),
-  `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`, `min_tokens`;
+  json_object, json_schema), `tools` and `tool_choice` (chat), `logprobs` (chat: a boolean,
+  with `top_logprobs` in [0, MAX_TOP_LOGPROBS]; completions: the count of most likely tokens,
+  in the same range) and `echo` (completions: the prompt comes first in the text, and with
+  `logprobs` its tokens' logprobs); vLLM's `top_k` (-1 or 0: all), `min_p`,
+  `repetition_penalty`, `stop_token_ids`, `ignore_eos`, `min_tokens`;
 - accepted with no effect on the output: `user`, `metadata`, `store`, `service_tier`,
   `parallel_tool_calls` (at most one tool call is made, which either value allows);
 - refused (400 naming the field) when set to anything but their default: what is not built
-  yet (`logprobs`, `top_logprobs`, `echo`, `n` > 1, `best_of` > 1, `suffix`, `prompt_logprobs`,
-  beam search, guided decoding fields of older vLLM, ...).
+  yet (`best_of` > 1, `suffix`, vLLM's `prompt_logprobs`, beam search, guided decoding
+  fields of older vLLM, ...).
 A field the server does not know is ignored and logged once per name, as vLLM does.
 """
 
@@ -40,10 +43,10 @@ _INERT = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_
 _READ = frozenset({"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
                    "top_p", "seed", "stop", "n", "presence_penalty", "frequency_penalty",
                    "logit_bias", "response_format", "tools", "tool_choice", "top_k", "min_p",
-                   "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens"})
+                   "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens",
+                   "logprobs", "top_logprobs", "echo"})
 # Fields refused unless they hold their default (the values listed).
 _REFUSED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""), "functions": (None, []), "function_call": (None, "none"),
     "prompt_logprobs": (None,), "use_beam_search": (None, False),
@@ -58,6 +61,8 @@ _REFUSED: dict[str, tuple[Any, ...]] = {
     "web_search_options": (None,), "documents": (None,),
 }
 TOOL_CHOICES = ("none", "auto", "required")
+# The most likely tokens given per position at most (OpenAI's limit for chat).
+MAX_TOP_LOGPROBS = 20
 
 _logged: set[str] = set()
 _logged_lock = threading.Lock()
@@ -88,6 +93,9 @@ class RequestOptions:
     tools: tuple[Mapping[str, Any], ...] = ()
     # "none", "auto", "required", or the name of the function to call.
     tool_choice: str = "none"
+    # The most likely tokens given beside each chosen one (None: no logprobs).
+    logprobs: int | None = None
+    echo: bool = False
 
     def end_ids(self, eos: tuple[int, ...]) -> tuple[int, ...]:
         """The ids the request ends at: its `stop_token_ids`, and `eos` unless `ignore_eos`."""
@@ -104,8 +112,11 @@ def parse_options(body: Mapping[str, Any], *, chat: bool) -> RequestOptions:
     _refuse_unbuilt(body)
     _log_unknown(body)
     tools, tool_choice = _tools(body) if chat else ((), "none")
+    if chat and body.get("echo") not in (None, False):
+        raise RequestError("'echo' belongs to /v1/completions; send the request there",
+                           param="echo")
     if not chat:
-        for name in ("tools", "tool_choice"):
+        for name in ("tools", "tool_choice", "top_logprobs"):
             if body.get(name) is not None:
                 raise RequestError(f"'{name}' belongs to /v1/chat/completions; send the "
                                    "request there", param=name)
@@ -120,7 +131,9 @@ def parse_options(body: Mapping[str, Any], *, chat: bool) -> RequestOptions:
         ignore_eos=_boolean(body, "ignore_eos"),
         min_tokens=_count(body, "min_tokens"),
         response_format=_response_format(body.get("response_format")),
-        tools=tools, tool_choice=tool_choice)
+        tools=tools, tool_choice=tool_choice,
+        logprobs=_chat_logprobs(body) if chat else _top_count(body, "logprobs"),
+        echo=_boolean(body, "echo"))
     if options.constrained and (options.ignore_eos or options.min_tokens):
         name = "ignore_eos" if options.ignore_eos else "min_tokens"
         raise RequestError(f"'{name}' cannot be combined with a grammar (response_format or a "
@@ -130,6 +143,26 @@ def parse_options(body: Mapping[str, Any], *, chat: bool) -> RequestOptions:
         raise RequestError("'response_format' and a forced 'tool_choice' both constrain the "
                            "output; send one of them", param="response_format")
     return options
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Chat's `logprobs` (a boolean) and `top_logprobs` as one count (None: no logprobs)."""
+    wanted = _boolean(body, "logprobs")
+    top = _top_count(body, "top_logprobs")
+    if top is not None and not wanted:
+        raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _top_count(body: Mapping[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) \
+            or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"'{name}' must be an integer in [0, {MAX_TOP_LOGPROBS}], got "
+                           f"{shown(value)}", param=name)
+    return value
 
 
 def _refuse_unbuilt(body: Mapping[str, Any]) -> None:
@@ -311,4 +344,5 @@ def request_sampling(options: RequestOptions, *, temperature: float | None,
         presence_penalty=options.presence_penalty,
         frequency_penalty=options.frequency_penalty, logit_bias=options.logit_bias,
         min_tokens=options.min_tokens if held else 0, held_token_ids=held,
-        constraint=constraint)
+        constraint=constraint, logprobs=options.logprobs,
+        prompt_logprobs=options.logprobs if options.echo else None)

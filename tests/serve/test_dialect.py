@@ -291,7 +291,7 @@ def test_bad_sampling_values_are_refused(live, field, value):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("logprobs", 2), ("echo", True), ("n", 2), ("best_of", 3), ("suffix", "end"),
+    ("best_of", 3), ("suffix", "end"), ("prompt_logprobs", 2),
     ("use_beam_search", True), ("guided_json", {"type": "object"}),
 ])
 def test_unbuilt_fields_are_refused_by_name(live, field, value):
@@ -303,10 +303,14 @@ def test_chat_refuses_best_of(live):
                     )["param"] == "best_of"
 
 
-def test_chat_refuses_top_logprobs(live):
-    error = _refusal(live, "/v1/chat/completions", {"messages": USER, "logprobs": True,
-                                                    "top_logprobs": 2})
-    assert error["param"] in ("logprobs", "top_logprobs")
+def test_chat_refuses_echo_and_top_logprobs_without_logprobs(live):
+    assert _refusal(live, "/v1/chat/completions", {"messages": USER, "echo": True}
+                    )["param"] == "echo"
+    assert _refusal(live, "/v1/chat/completions", {"messages": USER, "top_logprobs": 2}
+                    )["param"] == "top_logprobs"
+    assert _refusal(live, "/v1/chat/completions", {"messages": USER, "logprobs": True,
+                                                   "top_logprobs": 21})["param"] == \
+        "top_logprobs"
 
 
 def test_a_grammar_with_ignore_eos_is_refused(live):
@@ -357,4 +361,4 @@ def test_tokenize_refuses_another_model(live):
 
 def test_the_openai_client_raises_on_a_refusal(live):
     with pytest.raises(openai.BadRequestError):
-        _complete(live, max_tokens=2, extra_body={"echo": True})
+        _complete(live, max_tokens=2, extra_body={"best_of": 2})

@@ -46,7 +46,7 @@ from onnx_chunk.runtime.runner.attention_mask import AttentionMask
 from onnx_chunk.runtime.runner.model_runner import Forward, ModelRunner, Row
 from onnx_chunk.runtime.runner.ports import ModelPorts
 from onnx_chunk.runtime.stats import EngineCounters, EngineStats
-from onnx_chunk.sampling import Sampler
+from onnx_chunk.sampling import Sampler, prompt_logprobs_of
 
 logger = logging.getLogger(__name__)
 
@@ -262,10 +262,14 @@ class BatchEngine:
     def _prefill_chunk(self, row: _Row) -> None:
         begin, end = row.chunks.popleft()
         request = row.request
+        top = row.sampler.sampling.prompt_logprobs
         began = time.perf_counter()
         try:
             logits = self._context.runner.run(
-                row.slot, Forward([Row(request.prompt[begin:end], row.length)])).logits[0]
+                row.slot, Forward([Row(request.prompt[begin:end], row.length)],
+                                  "last" if top is None else "all")).logits[0]
+            if top is not None:
+                logits = self._prompt_logprobs(request, begin, end, logits, top)
         except Exception as error:  # any failure of this forward fails its request alone
             row.chunks.clear()
             self._fail(request, error)
@@ -275,11 +279,23 @@ class BatchEngine:
             self._counters.prefill_chunks += 1
             self._counters.prefill_rows += end - begin
             self._counters.prefill_s += time.perf_counter() - began
-        if not row.chunks:
+        if not row.chunks and request.max_new_tokens == 0:
+            self._finish(request, "length")  # its prompt's logprobs were all it asked for
+        elif not row.chunks:
             try:
                 self._deliver(row, row.sampler.choose(logits))
             except Exception as error:  # this request's token choice failed: it fails alone
                 self._fail(request, error)
+
+    @staticmethod
+    def _prompt_logprobs(request: Request, begin: int, end: int, logits: np.ndarray,
+                         top: int) -> np.ndarray:
+        """Give `request` the logprobs of the prompt tokens after rows [begin, end) (each
+        row's logits predict the next token); the last row's logits."""
+        following = request.prompt[begin + 1:end + 1]
+        entries = prompt_logprobs_of(logits[:len(following)], following, top)
+        request.add_prompt_logprobs(([None] if begin == 0 else []) + entries)
+        return logits[-1]
 
     def _decode(self, decoding: list[int]) -> None:
         steps = set(decoding)
@@ -321,7 +337,7 @@ class BatchEngine:
 
     def _deliver(self, row: _Row, token: int) -> None:
         row.token = token
-        reason = row.request.deliver(token)
+        reason = row.request.deliver(token, row.sampler.last)
         if reason is not None:
             self._finish(row.request, reason)
 

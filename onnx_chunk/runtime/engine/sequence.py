@@ -185,6 +185,10 @@ class Sequence:
         """
         ids = self.check_request(token_ids, max_new_tokens)
         stop_ids = arguments.stop_ids(eos_token_id, self._eos_token_ids, self._vocab)
+        if sampling is not None and (sampling.logprobs is not None
+                                     or sampling.prompt_logprobs is not None):
+            raise InputError("a sequence's generation gives tokens only; ask for logprobs "
+                             "through the batch engine (Runtime.submit or generate_text)")
         sampler = Sampler(GREEDY if sampling is None else sampling, self._vocab)
         sampler.observe(ids)
         release = self._hold("stream")
