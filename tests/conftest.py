@@ -41,3 +41,15 @@ def peer_python() -> Path:
 
     venv = Path(os.environ.get("ONNX_CHUNK_GENAI_VENV", environment.ROOT / ".venv-genai"))
     return environment.genai_python(venv)
+
+
+@pytest.fixture(scope="session")
+def lmeval_python() -> Path:
+    """The interpreter of the lm-evaluation-harness venv: `.venv-lmeval` at the repository
+    root (or $ONNX_CHUNK_LMEVAL_VENV), created and installed on first use."""
+    import os
+
+    from scripts._bench import environment
+
+    venv = Path(os.environ.get("ONNX_CHUNK_LMEVAL_VENV", environment.ROOT / ".venv-lmeval"))
+    return environment.lmeval_python(venv)

@@ -177,8 +177,8 @@ class _FailingRequest:
     def __init__(self, token: int) -> None:
         self._token = token
 
-    def tokens(self):
-        yield self._token
+    def steps(self):
+        yield self._token, None
         raise RuntimeError("the forward failed: device lost")
 
     def cancel(self) -> None:
