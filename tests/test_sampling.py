@@ -298,3 +298,55 @@ def test_nothing_left_to_choose_is_an_error_not_token_zero():
     row[0] = -np.inf
     with pytest.raises(ValueError, match="no finite maximum"):
         Sampler(sampling, 4).choose(row)
+
+
+# Logprobs: those of the distribution each token is chosen from.
+
+def _log_softmax(row: np.ndarray) -> np.ndarray:
+    row = np.asarray(row, dtype=np.float64)
+    return row - row.max() - np.log(np.exp(row - row.max()).sum())
+
+
+def test_greedy_logprobs_are_the_log_softmax_of_the_logits():
+    logits = np.random.default_rng(0).normal(size=50).astype(np.float32)
+    sampler = Sampler(Sampling(logprobs=4), 50)
+    token = sampler.choose(logits)
+    expected = _log_softmax(logits)
+    assert sampler.last.token == token == int(np.argmax(logits))
+    assert sampler.last.logprob == pytest.approx(expected[token])
+    assert [index for index, _ in sampler.last.top] == list(np.argsort(-expected)[:4])
+    assert [value for _, value in sampler.last.top] == pytest.approx(np.sort(expected)[::-1][:4])
+
+
+def test_processed_logprobs_follow_bias_and_penalties():
+    logits = np.zeros(10, dtype=np.float32)
+    sampler = Sampler(Sampling(logit_bias={3: 2.0}, logprobs=0), 10)
+    assert sampler.choose(logits) == 3
+    assert sampler.last.logprob == pytest.approx(_log_softmax(np.eye(10)[3] * 2.0)[3])
+    assert sampler.last.top == ()
+
+
+def test_drawn_logprobs_are_those_of_the_cut_and_scaled_distribution():
+    logits = np.random.default_rng(1).normal(size=30)
+    sampler = Sampler(Sampling(temperature=0.5, top_k=3, seed=4, logprobs=5), 30)
+    token = sampler.choose(logits)
+    scaled = logits / 0.5
+    kept = np.argsort(-scaled)[:3]
+    expected = scaled[kept] - scaled[kept].max() - np.log(
+        np.exp(scaled[kept] - scaled[kept].max()).sum())
+    assert token in kept
+    assert sampler.last.logprob == pytest.approx(expected[list(kept).index(token)])
+    assert [value for _, value in sampler.last.top[:3]] == pytest.approx(expected)
+    assert [value for _, value in sampler.last.top[3:]] == [-np.inf, -np.inf]
+
+
+def test_a_sampler_without_logprobs_keeps_none():
+    sampler = Sampler(Sampling(), 10)
+    sampler.choose(np.arange(10.0))
+    assert sampler.last is None
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_logprob_counts_are_checked(field):
+    with pytest.raises(ConfigError, match=field):
+        Sampling(**{field: -1})

@@ -8,6 +8,7 @@ goes to stderr, so stdout holds the text alone. `--json` prints one object inste
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 import click
 
-from onnx_chunk.sampling import Sampling
+from onnx_chunk.sampling import Sampling, TokenLogprobs
 
 # The sampling options: (flag, (type, help)).
 _SAMPLING_OPTIONS = (
@@ -31,7 +32,7 @@ _SAMPLING_OPTIONS = (
 )
 TEXT_ONLY = ("--prompt", "--chat", "--system", "--temperature", "--top-k", "--top-p",
              "--min-p", "--repetition-penalty", "--presence-penalty", "--frequency-penalty",
-             "--stop", "--ignore-eos", "--min-tokens")
+             "--stop", "--ignore-eos", "--min-tokens", "--logprobs")
 
 
 def sampling_options(command: Callable) -> Callable:
@@ -49,6 +50,10 @@ def text_options(command: Callable) -> Callable:
     """`generate`'s text options: --prompt, --chat, --system, --ignore-eos, --min-tokens and
     the sampling options."""
     command = sampling_options(command)
+    command = click.option("--logprobs", type=click.IntRange(min=0, max=20), default=None,
+                           help="Give each token's log-probability and those of the N most "
+                                "likely tokens at its position (in --json's 'logprobs'; else "
+                                "one line a token on stderr).")(command)
     command = click.option("--min-tokens", type=click.IntRange(min=0), default=None,
                            help="No EOS before this many new tokens.")(command)
     command = click.option("--ignore-eos", is_flag=True,
@@ -95,7 +100,8 @@ def run_text_generate(model: Path, options: dict[str, Any], *, max_new_tokens: i
     generation = stream_text(EngineTokens(runtime), tokenizer, prompt, max_new_tokens,
                              sampling=sampling, stop=options.get("stop") or None,
                              ignore_eos=bool(options.get("ignore_eos")),
-                             min_tokens=options.get("min_tokens") or 0)
+                             min_tokens=options.get("min_tokens") or 0,
+                             logprobs=options.get("logprobs"))
     for piece in generation:
         if not as_json:
             click.echo(piece, nl=False)
@@ -107,14 +113,38 @@ def run_text_generate(model: Path, options: dict[str, Any], *, max_new_tokens: i
              "prompt_tokens": completion.prompt_tokens,
              "ttft_s": stats.ttft_s, "decode_tokens_per_s": stats.decode_tokens_per_s,
              "sampling": _sampling_record(sampling)}
+    if options.get("logprobs") is not None:
+        entry["logprobs"] = [_logprobs_record(tokenizer, logprobs)
+                             for logprobs in completion.logprobs]
     if as_json:
         click.echo(json.dumps(entry, ensure_ascii=False))
         return
     click.echo()
+    for record in entry.get("logprobs", ()):
+        tops = " ".join(f"{json.dumps(text, ensure_ascii=False)}={_shown(logprob)}"
+                        for _, text, logprob in record["top"])
+        click.echo(f"{json.dumps(record['text'], ensure_ascii=False)}\t"
+                   f"{_shown(record['logprob'])}\t{tops}", err=True)
     speed = entry["decode_tokens_per_s"]
     click.echo(f"[{completion.finish_reason}: {len(completion.tokens)} tokens after a "
                f"{completion.prompt_tokens}-token prompt | ttft {stats.ttft_s * 1000:.1f} ms | "
                f"decode {'-' if speed is None else f'{speed:.1f}'} tok/s]", err=True)
+
+
+def _logprobs_record(tokenizer: Any, logprobs: TokenLogprobs) -> dict[str, Any]:
+    """One token's logprobs as --json prints them: id, text, logprob, top [id, text, logprob];
+    a log-probability of -inf (a token the sampling cut) is null."""
+    def number(value: float) -> float | None:
+        return value if math.isfinite(value) else None
+
+    return {"token": logprobs.token, "text": tokenizer.decode([logprobs.token]),
+            "logprob": number(logprobs.logprob),
+            "top": [[token, tokenizer.decode([token]), number(value)]
+                    for token, value in logprobs.top]}
+
+
+def _shown(logprob: float | None) -> str:
+    return "-inf" if logprob is None else f"{logprob:.4f}"
 
 
 def _sampling_record(sampling: Sampling) -> dict[str, Any]:

@@ -331,27 +331,33 @@ class Runtime:
     def generate_text(self, prompt: Prompt, max_new_tokens: int, *,
                       sampling: Sampling | None = None,
                       stop: str | Iterable[str] | None = None, ignore_eos: bool = False,
-                      stop_token_ids: Iterable[int] = (), min_tokens: int = 0) -> Completion:
+                      stop_token_ids: Iterable[int] = (), min_tokens: int = 0,
+                      logprobs: int | None = None) -> Completion:
         """Text (or messages, through the chat template) in, a Completion out, through the batch
         engine (`submit`, as every request); `sampling` defaults to genai_config.json's search
         options (see docs/text.md). `ignore_eos`, `stop_token_ids` and `min_tokens` end the
-        text as vLLM's options of those names do."""
+        text as vLLM's options of those names do; `logprobs`: each token's logprob and the
+        `logprobs` most likely tokens' in `Completion.logprobs` (as `Sampling.logprobs`)."""
         from onnx_chunk.text.generation import EngineTokens, generate_text
 
         return generate_text(EngineTokens(self), self.tokenizer, prompt, max_new_tokens,
                              sampling=sampling, stop=stop, ignore_eos=ignore_eos,
-                             stop_token_ids=stop_token_ids, min_tokens=min_tokens)
+                             stop_token_ids=stop_token_ids, min_tokens=min_tokens,
+                             logprobs=logprobs)
 
     def stream_text(self, prompt: Prompt, max_new_tokens: int, *,
                     sampling: Sampling | None = None,
                     stop: str | Iterable[str] | None = None, ignore_eos: bool = False,
-                    stop_token_ids: Iterable[int] = (), min_tokens: int = 0) -> Iterator[str]:
-        """Like `generate_text`, yielding the text as it is produced (checked before any work)."""
+                    stop_token_ids: Iterable[int] = (), min_tokens: int = 0,
+                    logprobs: int | None = None) -> Iterator[str]:
+        """Like `generate_text`, yielding the text as it is produced (checked before any work;
+        the Completion, with its logprobs, is the stream's `completion` once it ended)."""
         from onnx_chunk.text.generation import EngineTokens, stream_text
 
         return stream_text(EngineTokens(self), self.tokenizer, prompt, max_new_tokens,
                            sampling=sampling, stop=stop, ignore_eos=ignore_eos,
-                           stop_token_ids=stop_token_ids, min_tokens=min_tokens)
+                           stop_token_ids=stop_token_ids, min_tokens=min_tokens,
+                           logprobs=logprobs)
 
     @property
     def stats(self) -> RuntimeStats:

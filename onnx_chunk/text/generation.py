@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Union
 from onnx_chunk.errors import CapacityError
 from onnx_chunk.runtime.engine.request import RequestStats
 from onnx_chunk.runtime.stats import GenerationStats
-from onnx_chunk.sampling import GREEDY, Sampling
+from onnx_chunk.sampling import GREEDY, Sampling, TokenLogprobs
 from onnx_chunk.text.stops import check_stops
 from onnx_chunk.text.token_text import TokenText
 
@@ -47,6 +47,8 @@ class Completion:
     finish_reason: str
     prompt_tokens: int
     stats: GenerationStats | RequestStats | None = field(default=None, compare=False)
+    # Per token of `tokens`, its logprobs (when the request asked for them).
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 def prompt_ids(tokenizer: Tokenizer, prompt: Prompt, *,
@@ -100,6 +102,11 @@ class SequenceTokens:
     def stats(self) -> Any:
         return self.sequence.stats.last_generation
 
+    @property
+    def logprobs(self) -> tuple[TokenLogprobs, ...]:
+        """None come from a sequence (it refuses a sampling that asks for them)."""
+        return ()
+
 
 class EngineTokens:
     """Where a text request's tokens come from: a `Request` of the runtime's batch engine
@@ -128,6 +135,10 @@ class EngineTokens:
     def stats(self) -> Any:
         return None if self._request is None else self._request.stats
 
+    @property
+    def logprobs(self) -> tuple[TokenLogprobs, ...]:
+        return () if self._request is None else self._request.logprobs
+
 
 class TextGeneration:
     """One text request; iterate it for the text as it is produced.
@@ -143,8 +154,11 @@ class TextGeneration:
     def __init__(self, source: SequenceTokens | EngineTokens, tokenizer: Tokenizer,
                  ids: SequenceOf[int], max_new_tokens: int, *, sampling: Sampling,
                  stop: str | Iterable[str] | None = None, ignore_eos: bool = False,
-                 stop_token_ids: Iterable[int] = (), min_tokens: int = 0) -> None:
+                 stop_token_ids: Iterable[int] = (), min_tokens: int = 0,
+                 logprobs: int | None = None) -> None:
         self._stops = check_stops(stop)
+        if logprobs is not None:
+            sampling = replace(sampling, logprobs=logprobs)
         self._ends = end_ids(tokenizer, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
         self._min_tokens = min_tokens
         if min_tokens and self._ends:
@@ -194,14 +208,15 @@ class TextGeneration:
             yield piece
         self.completion = Completion(text="".join(pieces), tokens=tuple(text.tokens),
                                      finish_reason="stop" if text.stopped else at_budget,
-                                     prompt_tokens=self.prompt_tokens, stats=source.stats)
+                                     prompt_tokens=self.prompt_tokens, stats=source.stats,
+                                     logprobs=source.logprobs[:len(text.tokens)])
 
 
 def stream_text(source: SequenceTokens | EngineTokens, tokenizer: Tokenizer, prompt: Prompt,
                 max_new_tokens: int, *, sampling: Sampling | None = None,
                 stop: str | Iterable[str] | None = None, **ends: Any) -> TextGeneration:
     """A text generation of `prompt` from `source` (checked now, run as it is iterated);
-    `ends`: TextGeneration's ignore_eos, stop_token_ids, min_tokens."""
+    `ends`: TextGeneration's ignore_eos, stop_token_ids, min_tokens, logprobs."""
     return TextGeneration(source, tokenizer, prompt_ids(tokenizer, prompt), max_new_tokens,
                           sampling=default_sampling(tokenizer, sampling), stop=stop, **ends)
 
