@@ -24,7 +24,7 @@ import numpy as np
 import onnxruntime as ort
 
 from onnx_chunk import arguments
-from onnx_chunk.errors import CapacityError, ClosedError, ModelLoadError
+from onnx_chunk.errors import CapacityError, ClosedError, InputError, ModelLoadError
 from onnx_chunk.metadata import ChunkPlan, read_plan
 from onnx_chunk.model_file import read_model_file
 from onnx_chunk.model_folder import GenaiConfig, check_utf8_path, locate_model
@@ -222,6 +222,22 @@ class Runtime:
         """
         return self._engine_for().submit(
             *self._checked(prompt_ids, max_new_tokens, eos_token_id, sampling), wait=wait)
+
+    def submit_choices(self, prompt_ids: SequenceOf[int] | np.ndarray, max_new_tokens: int,
+                       samplings: SequenceOf[Sampling], *,
+                       eos_token_id: int | SequenceOf[int] | None = None,
+                       wait: bool = False) -> list[Request]:
+        """Several generations of one prompt (OpenAI's `n`), one per sampling, prefilled once:
+        the others start from a device copy of the first's KV after its prefill (see
+        docs/engine.md). Checked and queued as `submit`; a `Request` per sampling, in order."""
+        if not samplings:
+            raise InputError("submit_choices needs at least one sampling (one per choice)")
+        checked = [self._checked(prompt_ids, max_new_tokens, eos_token_id, sampling)
+                   for sampling in samplings]
+        ids, new_tokens, stop, _ = checked[0]
+        return self._engine_for().submit_choices(ids, new_tokens, stop,
+                                                 [sampler for *_, sampler in checked],
+                                                 wait=wait)
 
     def generate_many(self, prompts: Iterable[SequenceOf[int] | np.ndarray],
                       max_new_tokens: int, *, eos_token_id: int | SequenceOf[int] | None = None,

@@ -301,9 +301,9 @@ class _Service:
             self._live.discard(generation)
 
     def _start(self, prepared: _Prepared, arrived: float) -> list[ServedGeneration]:
-        """Submit every choice of a prepared request: `n` per prompt, choice i of a seeded
-        request with seed + i (every refusal raised before any work; a refusal of a later
-        choice cancels the earlier ones)."""
+        """Submit every choice of a prepared request: `n` per prompt, prefilled once
+        (`Runtime.submit_choices`), choice i of a seeded request with seed + i (every refusal
+        raised before any work; a refusal of a later prompt cancels the earlier ones)."""
         if self.draining:
             raise ClosedError("the server is shutting down")
         params, sampling = prepared.params, prepared.sampling
@@ -316,27 +316,22 @@ class _Service:
         generations: list[ServedGeneration] = []
         try:
             for number, ids in enumerate(prepared.prompts):
-                for choice in range(params.n):
-                    seeded = sampling if sampling.seed is None else dataclasses.replace(
-                        sampling, seed=sampling.seed + choice)
-                    generations.append(self._submit(prepared, ids, seeded, arrived,
-                                                    number * params.n + choice))
+                samplings = [sampling if sampling.seed is None else dataclasses.replace(
+                    sampling, seed=sampling.seed + choice) for choice in range(params.n)]
+                room = capacity - len(ids)
+                requests = self.runtime.submit_choices(
+                    ids, room if params.max_tokens is None else params.max_tokens, samplings,
+                    eos_token_id=prepared.ends)
+                for choice, request in enumerate(requests):
+                    text = TokenText(self.tokenizer, params.stop, end_ids=prepared.ends,
+                                     min_tokens=prepared.options.min_tokens)
+                    generations.append(ServedGeneration(request, text, len(ids), arrived,
+                                                        self.metrics, number * params.n + choice))
         except BaseException:
             for generation in generations:
                 generation.request.cancel()
             raise
         return generations
-
-    def _submit(self, prepared: _Prepared, ids: list[int], sampling: Sampling, arrived: float,
-                index: int) -> ServedGeneration:
-        params = prepared.params
-        room = self.runtime.options.capacity - len(ids)
-        request = self.runtime.submit(
-            ids, room if params.max_tokens is None else params.max_tokens,
-            eos_token_id=prepared.ends, sampling=sampling)
-        text = TokenText(self.tokenizer, params.stop, end_ids=prepared.ends,
-                         min_tokens=prepared.options.min_tokens)
-        return ServedGeneration(request, text, len(ids), arrived, self.metrics, index)
 
     async def _events(self, generations: list[ServedGeneration], answer: _Answer,
                       include_usage: bool, n: int) -> AsyncIterator[bytes]:

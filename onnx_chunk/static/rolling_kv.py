@@ -25,7 +25,8 @@ import onnxruntime as ort
 from onnx_chunk.errors import InputError
 from onnx_chunk.runtime.device.buffers import DeviceBuffer
 from onnx_chunk.runtime.device.provider import Device
-from onnx_chunk.static.kv_buffers import StaticKVBuffers, bind_in_place, copy_on_device
+from onnx_chunk.runtime.device.buffers import copy_on_device
+from onnx_chunk.static.kv_buffers import StaticKVBuffers, bind_in_place
 from onnx_chunk.static.mask import chunk_mask
 
 logger = logging.getLogger(__name__)

@@ -16,6 +16,14 @@ policy and graph slot numbers), never the runtime itself. A step:
 A failure in a forward fails the requests of that forward with the exception (their slots are
 freed); the other requests go on.
 
+Choices of one prompt (`submit_choices`, OpenAI's `n`): the first is queued and prefilled like
+any request; the others wait beside it. When its last prefill chunk has run, each other choice
+takes a free slot, the first's KV and state rows are copied into it on the device
+(`BatchBuffers.copy_slot`), and it chooses its first token from the same logits with its own
+sampler; from then on every choice decodes as a request of its own. A choice that finds no
+free slot, or whose first choice ended before its prefill did, is queued at the head as a
+request of its own (it runs its own prefill).
+
 Shapes per provider: prefill chunks run at batch 1 at the ladder widths (or the shape-generic
 session on CPU), decode at one fixed batch width of `slots` rows on the decode variant; the
 batch axis is left free in every session, so the variant cache holds what a lone sequence's
@@ -108,6 +116,8 @@ class BatchEngine:
         self._rows: list[_Row | None] = [None] * slots
         self._queue: RequestQueue[Request] = RequestQueue(max_queue)
         self._samplers: dict[int, Sampler] = {}
+        # The other choices of a queued or prefilling request, by its id (`submit_choices`).
+        self._forks: dict[int, list[tuple[Request, Sampler]]] = {}
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -134,6 +144,19 @@ class BatchEngine:
             self._cond.notify_all()
         return request
 
+    def submit_choices(self, prompt: np.ndarray, max_new_tokens: int,
+                       eos_token_ids: tuple[int, ...], samplers: list[Sampler], *,
+                       wait: bool = False) -> list[Request]:
+        """Queue one request per sampler on the same prompt, prefilled once (see the module
+        docstring); QueueFullError as `submit` (the group takes one place in the queue)."""
+        others = [(Request(prompt, max_new_tokens, eos_token_ids, self.cancel), sampler)
+                  for sampler in samplers[1:]]
+        with self._cond:
+            first = self.submit(prompt, max_new_tokens, eos_token_ids, samplers[0], wait=wait)
+            if others:
+                self._forks[first.id] = others
+        return [first, *(request for request, _ in others)]
+
     def cancel(self, request: Request) -> None:
         """End `request` now; its slot (or its place in the queue) is freed at once."""
         with self._cond:
@@ -142,6 +165,7 @@ class BatchEngine:
             self._counters.cancelled += 1
             if self._queue.remove(request):
                 del self._samplers[request.id]
+                self._queue_forks(request)
             self._cond.notify_all()
 
     @property
@@ -166,6 +190,10 @@ class BatchEngine:
         with self._cond:
             for request in self._queue.drain():
                 self._fail(request, error)
+            for others in self._forks.values():
+                for request, _ in others:
+                    self._fail(request, error)
+            self._forks.clear()
             self._samplers.clear()
             for index, row in enumerate(self._rows):
                 if row is not None:
@@ -216,6 +244,7 @@ class BatchEngine:
         for index, row in enumerate(self._rows):
             if row is not None and row.request.done:
                 self._rows[index] = None
+                self._queue_forks(row.request)
         free = [index for index, row in enumerate(self._rows) if row is None]
         for index in admit(free, len(self._queue)):
             request = self._queue.pop()
@@ -279,13 +308,58 @@ class BatchEngine:
             self._counters.prefill_chunks += 1
             self._counters.prefill_rows += end - begin
             self._counters.prefill_s += time.perf_counter() - began
-        if not row.chunks and request.max_new_tokens == 0:
-            self._finish(request, "length")  # its prompt's logprobs were all it asked for
-        elif not row.chunks:
-            try:
-                self._deliver(row, row.sampler.choose(logits))
-            except Exception as error:  # this request's token choice failed: it fails alone
-                self._fail(request, error)
+        if row.chunks:
+            return
+        for fork in self._fork(row):
+            self._first_token(fork, logits)
+        self._first_token(row, logits)
+
+    def _first_token(self, row: _Row, logits: np.ndarray) -> None:
+        if row.request.max_new_tokens == 0:
+            self._finish(row.request, "length")  # its prompt's logprobs were all it asked for
+            return
+        try:
+            self._deliver(row, row.sampler.choose(logits))
+        except Exception as error:  # this request's token choice failed: it fails alone
+            self._fail(row.request, error)
+
+    def _fork(self, row: _Row) -> list[_Row]:
+        """The other choices of `row`'s request, each in a free slot holding a device copy of
+        `row`'s KV and state (those that find none are queued on their own)."""
+        with self._cond:
+            others = [(request, sampler) for request, sampler
+                      in self._forks.pop(row.request.id, ()) if not request.done]
+            source = self._rows.index(row)
+            free = [index for index, held in enumerate(self._rows) if held is None]
+            forks = []
+            for (request, sampler), index in zip(others, free):
+                slot = self._slots[index]
+                try:
+                    slot.reset()
+                    self._batch.buffers.copy_slot(source, index)
+                except Exception as error:  # this choice fails alone; the slot stays free
+                    self._fail(request, error)
+                    continue
+                length = LogicalLength(self._context.capacity)
+                length.advance(row.length.length)
+                fork = _Row(request, slot, length, sampler, self._admitted)
+                self._admitted += 1
+                self._rows[index] = fork
+                request.admitted()
+                request.add_prompt_logprobs(list(row.request.prompt_logprobs))
+                forks.append(fork)
+            for request, sampler in reversed(others[len(free):]):
+                self._queue.push_front(request)
+                self._samplers[request.id] = sampler
+        return forks
+
+    def _queue_forks(self, request: Request) -> None:
+        """`request` ended before its prefill did: its other choices queue on their own (the
+        lock is held)."""
+        for other, sampler in reversed(self._forks.pop(request.id, ())):
+            if not other.done:
+                self._queue.push_front(other)
+                self._samplers[other.id] = sampler
 
     @staticmethod
     def _prompt_logprobs(request: Request, begin: int, end: int, logits: np.ndarray,

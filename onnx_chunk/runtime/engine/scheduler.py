@@ -54,6 +54,11 @@ class RequestQueue(Generic[T]):
                 "later, or load the model with a larger max_queue or max_batch")
         self._items.append(item)
 
+    def push_front(self, item: T) -> None:
+        """Queue `item` at the head, past the limit: a request already accepted (a choice of
+        a group that found no free slot to fork into)."""
+        self._items.appendleft(item)
+
     def pop(self) -> T:
         """The request at the head."""
         return self._items.popleft()
