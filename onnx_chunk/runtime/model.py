@@ -232,6 +232,9 @@ class Runtime:
         docs/engine.md). Checked and queued as `submit`; a `Request` per sampling, in order."""
         if not samplings:
             raise InputError("submit_choices needs at least one sampling (one per choice)")
+        if len(samplings) == 1:  # one choice is one request
+            return [self.submit(prompt_ids, max_new_tokens, eos_token_id=eos_token_id,
+                                sampling=samplings[0], wait=wait)]
         checked = [self._checked(prompt_ids, max_new_tokens, eos_token_id, sampling)
                    for sampling in samplings]
         ids, new_tokens, stop, _ = checked[0]

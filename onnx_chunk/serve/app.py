@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP server on a runtime's batch engine (Starlette, SSE streaming).
 
 `create_app(runtime)` gives an ASGI app; `onnx-chunk serve` runs it under uvicorn. Every
-generation is one `Runtime.submit`; the answers:
+prompt of a request is one `Runtime.submit_choices` of its `n` choices (one prefill); the
+answers:
 - 200: chat.completion / text_completion, or an event stream of chunks ending in `[DONE]`;
 - 400: a malformed body (not JSON, nested too deep, a lone surrogate), a field of the wrong
   type or range, a prompt over the context (with the numbers); 401: a missing or wrong
