@@ -1,7 +1,7 @@
 """A plain ONNX Runtime forward of a whole sequence through an unmodified genai export.
 
 The reference for prompt and token logprobs: the export run once over every token, with an
-empty past and a mask of ones, its logits log-softmaxed in float64.
+empty past (zero recurrent state) and a mask of ones, its logits log-softmaxed in float64.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ def full_sequence_logprobs(folder: Path, ids: list[int]) -> np.ndarray:
                                          np.float32)
         elif value.name == "position_ids":
             feeds[value.name] = np.arange(len(ids))[None]
+        elif value.name.startswith("past."):  # recurrent state (conv): zeros at the start
+            feeds[value.name] = np.zeros((1, *value.shape[1:]), np.float32)
     logits = run(sess, feeds)["logits"][0].astype(np.float64)
     peak = logits.max(axis=-1, keepdims=True)
     return logits - peak - np.log(np.exp(logits - peak).sum(axis=-1, keepdims=True))

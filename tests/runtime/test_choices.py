@@ -7,10 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from onnx_chunk.runtime import load
+from onnx_chunk.runtime import load, model as runtime_model
 from onnx_chunk.runtime.engine.scheduler import prefill_chunks
 from onnx_chunk.sampling import Sampling
 from tests.exports.corpus import ROOT
+from tests.exports.full_forward import full_sequence_logprobs
+from tests.runtime.test_device_path import DEVICE_LIKE
 
 NEW_TOKENS = 6
 CHUNK = 16
@@ -62,3 +64,23 @@ def test_choices_share_the_prompt_logprobs_and_a_cancel_ends_one():
         requests[1].cancel()
         assert len(requests[0].result()) == 50
         assert requests[1].finish_reason == "cancelled"
+
+
+@pytest.mark.parametrize("name", ["genai-qwen3-fp32", "genai-lfm2-fp32"])
+def test_choices_and_logprobs_on_the_device_path(name, monkeypatch):
+    """The CPU marked not host-visible, as CUDA looks: the fork's copy runs through the device
+    buffers' addresses (no host view), prompt logprobs through the runner's "all" rows."""
+    monkeypatch.setattr(runtime_model, "resolve_device", lambda *args: DEVICE_LIKE)
+    with load(ROOT / name, provider="cpu", max_batch=3, chunk_size=CHUNK) as runtime:
+        assert not runtime.device.host_visible
+        vocab = runtime.ports.vocab_size
+        prompt = list(np.random.default_rng(2).integers(5, vocab, CHUNK + 7))
+        samplings = _samplings(2, logprobs=2, prompt_logprobs=1)
+        expected = [_alone(runtime, prompt, sampling) for sampling in samplings]
+        requests = runtime.submit_choices(prompt, NEW_TOKENS, samplings, eos_token_id=[])
+        assert [request.result() for request in requests] == expected
+        reference = full_sequence_logprobs(ROOT / name, prompt)
+        scored = requests[1].prompt_logprobs
+        assert np.allclose([entry.logprob for entry in scored[1:]],
+                           [reference[position - 1, prompt[position]]
+                            for position in range(1, len(prompt))], atol=1e-4)
