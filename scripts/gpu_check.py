@@ -50,10 +50,10 @@ import numpy as np
 import onnxruntime as ort
 
 import onnx_chunk
-from onnx_chunk.models import build_decoder
 from onnx_chunk.ladder import DECODE_WIDTH
+from onnx_chunk.models import build_decoder
 from onnx_chunk.runtime import variant_pool
-from onnx_chunk.runtime.memory import cudart, cuda_used_bytes, meter_for
+from onnx_chunk.runtime.memory import cuda_used_bytes, cudart, meter_for
 from onnx_chunk.runtime.provider import Device, MaskPolicy, device_for, probe_cuda
 from onnx_chunk.runtime.session_factory import SessionFactory, SharedWeights
 from onnx_chunk.runtime.variant_cache import variant_key

@@ -11,10 +11,13 @@ from onnx_chunk.cli.inspect import plan_summary
 from onnx_chunk.errors import ConfigError
 from onnx_chunk.metadata import read_plan
 from onnx_chunk.model_folder import locate_model, read_max_positions
-from onnx_chunk.model_io import (external_data_files, load_model, output_locations,
-                                 save_model)
-from onnx_chunk.passes import (DEFAULT_CHUNK_SIZE, DEFAULT_MAX_VARIANTS, KV_CACHE_TARGETS,
-                               convert_model)
+from onnx_chunk.model_io import external_data_files, load_model, output_locations, save_model
+from onnx_chunk.passes import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_MAX_VARIANTS,
+    KV_CACHE_TARGETS,
+    convert_model,
+)
 
 # Copies of at least this much external data get a progress bar.
 _PROGRESS_BYTES = 64 << 20

@@ -15,8 +15,8 @@ from onnx_chunk.model_io import load_model, save_model
 from onnx_chunk.models import PRESETS, build_decoder
 from onnx_chunk.passes import convert_model
 from onnx_chunk.runtime import GenerationStats, RuntimeStats, load
-from onnx_chunk.runtime.variant_cache import CacheStats
 from onnx_chunk.runtime.provider import PROVIDER_CHOICES
+from onnx_chunk.runtime.variant_cache import CacheStats
 
 
 def _chunks(generation: GenerationStats) -> str:

@@ -39,7 +39,8 @@ def fix_shapes(model: str, out_dir: str, rows: int, capacity: int | None,
     from onnx_chunk.model_folder import locate_model
     from onnx_chunk.static.fix_shapes import fix_shapes as fix
 
-    result = fix(locate_model(model).onnx_path, out_dir, rows=rows, capacity=capacity, dims=_parse_dims(dims))
+    result = fix(locate_model(model).onnx_path, out_dir, rows=rows, capacity=capacity,
+                 dims=_parse_dims(dims))
     click.echo(f"chunk graph:  {result.chunk_model} (rows {result.chunk_rows})")
     click.echo(f"decode graph: {result.decode_model} (rows {result.decode_rows})")
     if result.capacity is not None:

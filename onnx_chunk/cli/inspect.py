@@ -13,7 +13,6 @@ from onnx_chunk.model_folder import locate_model, read_max_positions
 from onnx_chunk.model_io import load_model
 from onnx_chunk.passes import analyze, find_concat_kv_attention
 
-
 _LISTED_NAMES = 4
 
 

@@ -71,6 +71,8 @@ def write_junit(report: Report, target: Path) -> None:
         with staged_write(target.parent, target.name) as staging:
             (staging.path / target.name).write_text(report.to_junit(), encoding="utf-8")
             staging.publish([target.name])
+    except OutputError:  # already says what to do; an OSError too, not to be wrapped
+        raise
     except OSError as error:
         raise OutputError(f"cannot write the JUnit report {str(target)!r}: "
                           f"{error.strerror or error}; choose a writable path") from error

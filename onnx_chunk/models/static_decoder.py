@@ -233,7 +233,8 @@ def _static_graph(
         normed = _rms_norm_nodes(graph, hidden, c(prefix + "input_norm.weight",
                                                   layer_weights.input_norm), eps, last_axis)
 
-        def project(name: str, weight: np.ndarray, shape_name: str) -> str:
+        def project(name: str, weight: np.ndarray, shape_name: str, normed: str = normed,
+                    prefix: str = prefix) -> str:
             flat = graph.op("MatMul", [normed, c(prefix + name + ".weight", weight)])
             return graph.op("Transpose", [graph.op("Reshape", [flat, shape_name])],
                             perm=[0, 2, 1, 3])
@@ -383,6 +384,8 @@ def _staged_write(out: Path) -> Iterator[Staging]:
     try:
         with staged_write(out, MODEL_FILE) as staging:
             yield staging
+    except OutputError:  # already says what to do; an OSError too, not to be wrapped
+        raise
     except OSError as error:
         raise OutputError(f"cannot write into {out}: {error}; check the folder is writable") \
             from error

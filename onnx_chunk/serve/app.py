@@ -32,13 +32,24 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from onnx_chunk.errors import (CapacityError, ClosedError, ConfigError, InputError,
-                               OnnxChunkError, QueueFullError)
+from onnx_chunk.errors import (
+    CapacityError,
+    ClosedError,
+    ConfigError,
+    InputError,
+    OnnxChunkError,
+    QueueFullError,
+)
 from onnx_chunk.sampling import Sampling
 from onnx_chunk.serve.generation import ServedGeneration
 from onnx_chunk.serve.metrics import CONTENT_TYPE, ServerMetrics
-from onnx_chunk.serve.protocol import (GenerationParams, RequestError, error_body, parse_chat,
-                                       parse_completion)
+from onnx_chunk.serve.protocol import (
+    GenerationParams,
+    RequestError,
+    error_body,
+    parse_chat,
+    parse_completion,
+)
 from onnx_chunk.text.generation import prompt_ids
 from onnx_chunk.text.token_text import TokenText
 

@@ -372,6 +372,8 @@ def fix_shapes(
     try:
         with staged_write(out, CHUNK_MODEL) as staging:
             written = _write_outputs(staging, data_files, chunk, decode)
+    except OutputError:  # already says what to do; an OSError too, not to be wrapped
+        raise
     except OSError as error:
         raise OutputError(f"cannot write into {out}: {error}; choose a writable folder") \
             from error

@@ -17,9 +17,10 @@ is the decode of the new tokens without special tokens, streamed through `TextSt
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence as SequenceOf
+from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 from onnx_chunk.errors import CapacityError
 from onnx_chunk.runtime.request import RequestStats
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from onnx_chunk.text.tokenizer import Tokenizer
 
 # Text, or a conversation: [{"role": ..., "content": ...}, ...].
-Prompt = Union[str, SequenceOf[Mapping[str, Any]]]
+Prompt = str | SequenceOf[Mapping[str, Any]]
 
 
 @dataclass(frozen=True)

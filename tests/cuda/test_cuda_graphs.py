@@ -8,8 +8,13 @@ import pytest
 
 from onnx_chunk.errors import ConfigError, ModelLoadError
 from onnx_chunk.runtime import load, variant_pool
-from onnx_chunk.runtime.cuda_graphs import (SKIP_CAPTURE, capturable, graph_id, graph_runs,
-                                            session_captures)
+from onnx_chunk.runtime.cuda_graphs import (
+    SKIP_CAPTURE,
+    capturable,
+    graph_id,
+    graph_runs,
+    session_captures,
+)
 from onnx_chunk.runtime.provider import MaskPolicy, device_for
 from onnx_chunk.runtime.session_factory import SessionFactory
 

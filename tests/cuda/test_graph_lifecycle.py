@@ -17,8 +17,13 @@ import pytest
 
 from onnx_chunk.errors import ClosedError, ConfigError
 from onnx_chunk.runtime import load, variant_pool
-from onnx_chunk.runtime.cuda_graphs import (CAPTURE_GATE, RUNS_BEFORE_CAPTURE, SKIP_CAPTURE,
-                                            CaptureGate, graph_id)
+from onnx_chunk.runtime.cuda_graphs import (
+    CAPTURE_GATE,
+    RUNS_BEFORE_CAPTURE,
+    SKIP_CAPTURE,
+    CaptureGate,
+    graph_id,
+)
 from onnx_chunk.runtime.provider import Device
 from onnx_chunk.runtime.sequence_pool import SequencePool
 from onnx_chunk.runtime.session_factory import SessionFactory

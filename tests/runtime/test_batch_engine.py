@@ -11,9 +11,9 @@ from onnx_chunk.errors import CapacityError, ClosedError, ConfigError, InputErro
 from onnx_chunk.runtime import engine, load
 from onnx_chunk.runtime.batch import BatchDecoder
 from onnx_chunk.runtime.buffers import BatchBuffers
-from onnx_chunk.runtime.provider import MaskPolicy, device_for
 from onnx_chunk.runtime.forward import ForwardRunner
 from onnx_chunk.runtime.kv_state import LogicalLength
+from onnx_chunk.runtime.provider import MaskPolicy, device_for
 from onnx_chunk.runtime.scheduler import prefill_chunks
 from onnx_chunk.runtime.sequence_pool import SequenceSlot, new_slot
 from onnx_chunk.sampling import Sampling

@@ -9,8 +9,7 @@ from hypothesis import strategies as st
 from onnx_chunk.errors import ConfigError, QueueFullError
 from onnx_chunk.runtime.attention_mask import decode_mask, mask_kind
 from onnx_chunk.runtime.batch import evicting_rows
-from onnx_chunk.runtime.provider import device_for
-from onnx_chunk.runtime.provider import MaskPolicy
+from onnx_chunk.runtime.provider import MaskPolicy, device_for
 from onnx_chunk.runtime.scheduler import RequestQueue, admit, prefill_picks
 
 

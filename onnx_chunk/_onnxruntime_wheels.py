@@ -1,0 +1,50 @@
+"""Which ONNX Runtime wheels are installed: exactly one must be, for the provider wanted.
+
+Every ONNX Runtime wheel (the CPU one, the CUDA one, DirectML, OpenVINO...) writes the same
+`onnxruntime` module. Two of them in one environment overwrite each other's files, and the
+module then loads whichever files won, which breaks the CUDA provider in ways that show only at
+run time; so two are refused at once with the command that repairs the environment.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+from onnx_chunk.errors import InstallError
+
+# The distributions on PyPI that install the `onnxruntime` module.
+ONNXRUNTIME_WHEELS = (
+    "onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "onnxruntime-openvino",
+    "onnxruntime-qnn", "onnxruntime-rocm", "onnxruntime-migraphx", "onnxruntime-training",
+)
+
+
+def installed_wheels() -> list[str]:
+    """The ONNX Runtime distributions installed in this environment, in ONNXRUNTIME_WHEELS order."""
+    found = []
+    for name in ONNXRUNTIME_WHEELS:
+        try:
+            metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        found.append(name)
+    return found
+
+
+def check_one_wheel() -> None:
+    """InstallError when more than one ONNX Runtime wheel is installed, naming the fix."""
+    found = installed_wheels()
+    if len(found) > 1:
+        keep = "onnxruntime-gpu" if "onnxruntime-gpu" in found else found[0]
+        extra = "cuda" if keep == "onnxruntime-gpu" else "cpu"
+        raise InstallError(
+            f"{' and '.join(found)} are both installed and overwrite each other's `onnxruntime` "
+            f"module; keep one: pip uninstall -y {' '.join(found)} && pip install "
+            f"'onnx-chunk[{extra}]'")
+
+
+def missing_message() -> str:
+    """What to install when no ONNX Runtime wheel is there."""
+    return ("ONNX Runtime is not installed; install onnx-chunk with one of its wheels: "
+            "pip install 'onnx-chunk[cuda]' (NVIDIA GPU, Linux or Windows) or "
+            "pip install 'onnx-chunk[cpu]' (any machine)")
