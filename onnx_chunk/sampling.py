@@ -8,7 +8,7 @@ allocates nothing the size of the vocabulary.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -108,7 +108,8 @@ class Sampler:
         # top-p weights, then the mask of the tokens kept.
         self._work = (None if sampling.greedy and not self._penalize
                       else np.empty((3, vocab_size), dtype=np.float64))
-        self._mask = None if self._work is None else np.empty(vocab_size, dtype=bool)
+        self._mask: np.ndarray | None = (None if self._work is None
+                                         else np.empty(vocab_size, dtype=bool))
 
     def observe(self, token_ids: Iterable[int]) -> None:
         """Count `token_ids` as seen (for the repetition penalty)."""
@@ -130,7 +131,9 @@ class Sampler:
 
     def _choose(self, logits: np.ndarray) -> int:
         sampling = self.sampling
-        scores, ascending, scratch = self._work
+        work, mask = self._work, self._mask
+        assert work is not None and mask is not None  # choose() comes here only with them
+        scores, ascending, scratch = work
         np.copyto(scores, logits)
         if self._penalize and self._seen_ids.size:
             seen = scores[self._seen_ids]
@@ -149,22 +152,22 @@ class Sampler:
             cutoff = float(ascending[vocab - sampling.top_k])
         if sampling.top_p < 1.0:
             cutoff = _top_p_cutoff(scores, cutoff, top, sampling.top_p, ascending, scratch,
-                                   self._mask)
+                                   mask)
         if sampling.min_p > 0.0:
             cutoff = max(cutoff, top + math.log(sampling.min_p))
         if not math.isfinite(top):
             raise ValueError(f"the logits hold no finite maximum ({top}): the model's output is "
                              "broken at this step (NaN or infinities), nothing can be sampled")
-        np.greater_equal(scores, cutoff, out=self._mask)
-        if np.count_nonzero(self._mask) > _GATHERED_DRAW:
+        np.greater_equal(scores, cutoff, out=mask)
+        if np.count_nonzero(mask) > _GATHERED_DRAW:
             # Many tokens left: draw over the whole row in place (the dropped ones weigh 0).
             scores -= top
             np.exp(scores, out=scores)
-            scores *= self._mask
+            scores *= mask
             np.cumsum(scores, out=scores)
             return int(np.searchsorted(scores, self._rng.random() * scores[-1], side="right"))
         # A few left: draw among them only, in id order (the same choice as the whole row).
-        kept = np.flatnonzero(self._mask)
+        kept = np.flatnonzero(mask)
         weights = np.exp(scores[kept] - top)
         np.cumsum(weights, out=weights)
         target = self._rng.random() * weights[-1]
@@ -217,7 +220,7 @@ def _first_kept(largest: np.ndarray, shares: np.ndarray, rest: float, limit: flo
     return max(cutoff, float(largest[min(first, largest.size - 1)]))
 
 
-def _number(value: object, name: str, expected: str, valid) -> None:
+def _number(value: object, name: str, expected: str, valid: Callable[[Any], bool]) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
             or not math.isfinite(value) or not valid(value):
         raise ConfigError(f"{name} must be {expected}, got {value!r}")

@@ -22,7 +22,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
@@ -102,10 +102,10 @@ class _Service:
             generation.end_for_shutdown()
         logger.info("draining: %d running request(s) ended", len(self._live))
 
-    def endpoint(self, handler: Callable[[HttpRequest], Awaitable[Response]]
-                 ) -> Callable[[HttpRequest], Awaitable[Response]]:
+    def endpoint(self, handler: Callable[[HttpRequest], Awaitable[_Reply]]
+                 ) -> Callable[[HttpRequest], Awaitable[_Reply]]:
         """`handler` behind the key check, with every failure turned into an error body."""
-        async def run(request: HttpRequest) -> Response:
+        async def run(request: HttpRequest) -> _Reply:
             try:
                 self._authorize(request)
                 return await handler(request)
@@ -113,12 +113,12 @@ class _Service:
                 return self._error_response(error)
         return run
 
-    async def chat_completions(self, request: HttpRequest) -> Response:
+    async def chat_completions(self, request: HttpRequest) -> _Reply:
         arrived = time.perf_counter()
         params = parse_chat(await _json_body(request))
         return await self._serve(request, params, arrived, chat=True)
 
-    async def completions(self, request: HttpRequest) -> Response:
+    async def completions(self, request: HttpRequest) -> _Reply:
         arrived = time.perf_counter()
         params = parse_completion(await _json_body(request))
         return await self._serve(request, params, arrived, chat=False)
@@ -137,7 +137,7 @@ class _Service:
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
 
     async def _serve(self, request: HttpRequest, params: GenerationParams, arrived: float, *,
-                     chat: bool) -> Response:
+                     chat: bool) -> _Reply:
         try:
             generation = self._start(params, arrived)
         except CapacityError as error:
@@ -191,7 +191,7 @@ class _Service:
                                 self.metrics)
 
     async def _events(self, generation: ServedGeneration, answer: _Answer,
-                      include_usage: bool) -> AsyncIterator[bytes]:
+                      include_usage: bool) -> AsyncGenerator[bytes, None]:
         try:
             yield _event(answer.chunk(answer.opening, None))
             async for piece in generation.pieces():
@@ -243,8 +243,9 @@ def _error_answer(error: Exception) -> tuple[int, dict[str, Any], dict[str, str]
                            "server_error", code="internal_error"), {}
 
 
-async def _http_error(request: HttpRequest, error: HTTPException) -> Response:
+async def _http_error(request: HttpRequest, error: Exception) -> Response:
     """Starlette's own refusals (unknown route, wrong method) in OpenAI's shape."""
+    assert isinstance(error, HTTPException)  # the handler is registered for it alone
     return JSONResponse(error_body(f"{request.method} {request.url.path}: {error.detail}",
                                    "invalid_request_error", code=str(error.status_code)),
                         status_code=error.status_code, headers=error.headers)
@@ -291,7 +292,7 @@ class _EventStream:
     a disconnect cancels the stream at once (Starlette's StreamingResponse only notices one
     at its next write), then `on_end` runs."""
 
-    def __init__(self, events: AsyncIterator[bytes], on_end: Callable[[], None]) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None], on_end: Callable[[], None]) -> None:
         self._events = events
         self._on_end = on_end
 
@@ -312,6 +313,10 @@ class _EventStream:
             await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return ""
+
+
+# What an endpoint replies: a whole response, or a stream of events.
+_Reply = Response | _EventStream
 
 
 def _event(payload: dict[str, Any]) -> bytes:

@@ -8,9 +8,8 @@ uses it only to track assistant tokens); `raise_exception(message)` raises; `toj
 json.dumps with ensure_ascii=False (indent, separators, sort_keys passed through) in place of
 jinja's HTML-escaping filter; `strftime_now(format)` is the local time; the variables are
 `messages`, `tools` and `documents` (None), `add_generation_prompt`, and every declared special
-token
-(bos_token, eos_token, unk_token, sep_token, pad_token, cls_token, mask_token) by name, as
-transformers 5 passes them (no additional_special_tokens).
+token (bos_token, eos_token, unk_token, sep_token, pad_token, cls_token, mask_token) by name,
+as transformers 5 passes them (no additional_special_tokens).
 """
 
 from __future__ import annotations

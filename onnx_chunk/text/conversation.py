@@ -125,6 +125,7 @@ class Conversation:
         self._cached_ids, self._cached_text = [], ""
         yield from generation
         completion = generation.completion
+        assert completion is not None  # set when the iteration ended
         self.last_completion = completion
         self.messages = [*messages, {"role": "assistant", "content": completion.text}]
         reply = list(completion.tokens[:-1])

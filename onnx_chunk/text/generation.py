@@ -17,10 +17,10 @@ is the decode of the new tokens without special tokens, streamed through `TextSt
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from onnx_chunk.errors import CapacityError
 from onnx_chunk.runtime.request import RequestStats
@@ -31,6 +31,7 @@ from onnx_chunk.text.token_text import TokenText
 
 if TYPE_CHECKING:
     from onnx_chunk.runtime.engine import Runtime
+    from onnx_chunk.runtime.request import Request
     from onnx_chunk.runtime.sequence import Sequence
     from onnx_chunk.text.tokenizer import Tokenizer
 
@@ -80,8 +81,9 @@ class SequenceTokens:
         return self.sequence.check_request(ids, max_new_tokens)
 
     def stream(self, ids: Any, max_new_tokens: int, eos: tuple[int, ...],
-               sampling: Sampling) -> Iterator[int]:
-        steps = self.sequence.stream(ids, max_new_tokens, eos_token_id=eos, sampling=sampling)
+               sampling: Sampling) -> Generator[int, None, None]:
+        steps = cast(Generator[int, None, None], self.sequence.stream(
+            ids, max_new_tokens, eos_token_id=eos, sampling=sampling))
         try:
             yield from steps
         finally:
@@ -97,7 +99,7 @@ class EngineTokens:
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        self._request = None
+        self._request: Request | None = None
 
     def room(self) -> int:
         return self.runtime.capacity
@@ -106,13 +108,13 @@ class EngineTokens:
         return self.runtime.check_request(ids, max_new_tokens)
 
     def stream(self, ids: Any, max_new_tokens: int, eos: tuple[int, ...],
-               sampling: Sampling) -> Iterator[int]:
-        self._request = self.runtime.submit(ids, max_new_tokens, eos_token_id=eos,
-                                            sampling=sampling, wait=True)
+               sampling: Sampling) -> Generator[int, None, None]:
+        request = self._request = self.runtime.submit(ids, max_new_tokens, eos_token_id=eos,
+                                                      sampling=sampling, wait=True)
         try:
-            yield from self._request.tokens()
+            yield from request.tokens()
         finally:
-            self._request.cancel()  # a stop string or a closed stream ends it; no-op at its end
+            request.cancel()  # a stop string or a closed stream ends it; no-op at its end
 
     def stats(self) -> Any:
         return None if self._request is None else self._request.stats
@@ -152,8 +154,8 @@ class TextGeneration:
         """Stop early (what was generated stays in the sequence)."""
         self._steps.close()
 
-    def _run(self, source: SequenceTokens | EngineTokens, tokenizer: Tokenizer, ids,
-             budget: int, at_budget: str, sampling: Sampling) -> Iterator[str]:
+    def _run(self, source: SequenceTokens | EngineTokens, tokenizer: Tokenizer, ids: Any,
+             budget: int, at_budget: str, sampling: Sampling) -> Generator[str, None, None]:
         text = TokenText(tokenizer, self._stops)
         pieces: list[str] = []
         # The source stops on the same ids, so its stats agree with the finish reason.
@@ -193,4 +195,5 @@ def generate_text(source: SequenceTokens | EngineTokens, tokenizer: Tokenizer, p
                              stop=stop)
     for _ in generation:
         pass
+    assert generation.completion is not None  # set when the iteration ended
     return generation.completion
