@@ -2,9 +2,29 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _installed_package_first() -> None:
+    """Test the installed onnx_chunk, not the checkout's copy of it.
+
+    pytest (and `python -m`) put the checkout first on sys.path, where its `onnx_chunk` folder
+    would shadow the package pip installed; an editable install hides missing package data that
+    way. Moved to the end, the checkout still provides `tests` and `scripts`.
+    """
+    assert "onnx_chunk" not in sys.modules, "onnx_chunk was imported before the conftest"
+    root = str(ROOT)
+    sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or ".") != root]
+    sys.path.append(root)
+
+
+_installed_package_first()
 
 
 @pytest.fixture(scope="session")
