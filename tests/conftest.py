@@ -14,9 +14,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def _installed_package_first() -> None:
     """Test the installed onnx_chunk, not the checkout's copy of it.
 
-    pytest (and `python -m`) put the checkout first on sys.path, where its `onnx_chunk` folder
-    would shadow the package pip installed; an editable install hides missing package data that
-    way. Moved to the end, the checkout still provides `tests` and `scripts`.
+    `python -m pytest` puts the checkout first on sys.path, where its `onnx_chunk` folder would
+    shadow the package pip installed (and hide missing package data, as an editable install
+    does); pytest's import mode `append` (pyproject.toml) keeps it last, where it still
+    provides `tests` and `scripts`.
     """
     assert "onnx_chunk" not in sys.modules, "onnx_chunk was imported before the conftest"
     root = str(ROOT)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import click
 
 from onnx_chunk.cli.generate import parse_ids
+from onnx_chunk.cli.json_output import dumps as json_dumps
 from onnx_chunk.errors import OutputError
 from onnx_chunk.model_folder import locate_model
 from onnx_chunk.model_io import COMPANION_FILES, referenced_data_files, staged_write
@@ -135,7 +135,7 @@ def validate(ctx: click.Context, model_path: Path, as_json: bool, junit: Path | 
     if junit is not None:
         write_junit(report, junit)
     if as_json:
-        click.echo(json.dumps(report.to_json(), indent=2, default=str))
+        click.echo(json_dumps(report.to_json(), indent=2, default=str))
     else:
         click.echo(report.to_table())
     ctx.exit(1 if report.failed else 0)

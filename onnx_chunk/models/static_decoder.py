@@ -1,6 +1,6 @@
 """The static reference decoder: every dimension fixed, explicit attention over a rolling cache.
 
-Seed 001's edge-accelerator contract, built from the same seeded weights as the dynamic GQA
+The contract of an edge accelerator that runs fixed shapes only, built from the same seeded weights as the dynamic GQA
 reference decoder (`make_weights`), so both agree token for token on prompts that fit.
 
 Graph contract (rows c = `chunk_size`, capacity C, all dims fixed, no dim_params):
