@@ -129,3 +129,15 @@ def test_markers_are_evaluated_for_the_target_platform(wheel):
     assert [Requirement(r).name for r in selected(requires, "cuda", windows)] == \
         ["onnxruntime-gpu"]
     assert [Requirement(r).name for r in selected(requires, "cuda", mac)] == ["onnxruntime"]
+
+
+def test_the_wheel_ships_the_type_marker_license_and_version(wheel):
+    import onnx_chunk
+
+    with ZipFile(wheel) as archive:
+        names = archive.namelist()
+        metadata = archive.read(next(n for n in names if n.endswith(".dist-info/METADATA")))
+    assert "onnx_chunk/py.typed" in names
+    assert any(name.endswith(".dist-info/licenses/LICENSE") for name in names), names
+    assert f"Version: {onnx_chunk.__version__}\n".encode() in metadata
+    assert wheel.name.startswith(f"onnx_chunk-{onnx_chunk.__version__}-")
