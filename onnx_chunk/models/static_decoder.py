@@ -1,7 +1,8 @@
 """The static reference decoder: every dimension fixed, explicit attention over a rolling cache.
 
-The contract of an edge accelerator that runs fixed shapes only, built from the same seeded weights as the dynamic GQA
-reference decoder (`make_weights`), so both agree token for token on prompts that fit.
+The contract of an edge accelerator that runs fixed shapes only, built from the same seeded
+weights as the dynamic GQA reference decoder (`make_weights`), so both agree token for token on
+prompts that fit.
 
 Graph contract (rows c = `chunk_size`, capacity C, all dims fixed, no dim_params):
 - inputs `input_ids` int64 [1, c], `position_ids` int64 [1, c], `attention_mask` float32
