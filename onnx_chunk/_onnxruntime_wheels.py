@@ -8,6 +8,7 @@ run time; so two are refused at once with the command that repairs the environme
 
 from __future__ import annotations
 
+import functools
 from importlib import metadata
 
 from onnx_chunk.errors import InstallError
@@ -19,8 +20,10 @@ ONNXRUNTIME_WHEELS = (
 )
 
 
-def installed_wheels() -> list[str]:
-    """The ONNX Runtime distributions installed in this environment, in ONNXRUNTIME_WHEELS order."""
+@functools.cache
+def installed_wheels() -> tuple[str, ...]:
+    """The ONNX Runtime distributions installed in this environment, in ONNXRUNTIME_WHEELS order
+    (looked up once per process)."""
     found = []
     for name in ONNXRUNTIME_WHEELS:
         try:
@@ -28,7 +31,7 @@ def installed_wheels() -> list[str]:
         except metadata.PackageNotFoundError:
             continue
         found.append(name)
-    return found
+    return tuple(found)
 
 
 def check_one_wheel() -> None:
