@@ -155,5 +155,5 @@ def test_the_readme_test_command_installs_the_wheel_not_an_editable_checkout():
     commands = [line.strip() for line in (ROOT / "README.md").read_text().splitlines()
                 if line.strip().startswith("python3 -m venv")]
     assert len(commands) == 2 and all(" -e " not in command for command in commands), commands
-    assert "'.[test]'" in commands[1] and "pytest" in commands[1]
+    assert "test]'" in commands[1] and "pytest" in commands[1]
     assert "onnx-chunk demo" in commands[0]
