@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from importlib import metadata
+from pathlib import Path
 
 from onnx_chunk.errors import InstallError
 
@@ -21,29 +22,32 @@ ONNXRUNTIME_WHEELS = (
 
 
 @functools.cache
-def installed_wheels() -> tuple[str, ...]:
-    """The ONNX Runtime distributions installed in this environment, in ONNXRUNTIME_WHEELS order
-    (looked up once per process)."""
-    found = []
+def installed_wheels() -> dict[str, tuple[str, ...]]:
+    """The ONNX Runtime distributions installed, by the folder they are installed in, in
+    ONNXRUNTIME_WHEELS order (looked up once per process)."""
+    found: dict[str, list[str]] = {}
     for name in ONNXRUNTIME_WHEELS:
-        try:
-            metadata.distribution(name)
-        except metadata.PackageNotFoundError:
-            continue
-        found.append(name)
-    return tuple(found)
+        for distribution in metadata.distributions(name=name):
+            folder = str(Path(str(distribution.locate_file(""))).resolve())
+            if name not in found.setdefault(folder, []):
+                found[folder].append(name)
+    return {folder: tuple(names) for folder, names in found.items()}
 
 
 def check_one_wheel() -> None:
-    """InstallError when more than one ONNX Runtime wheel is installed, naming the fix."""
-    found = installed_wheels()
-    if len(found) > 1:
-        keep = "onnxruntime-gpu" if "onnxruntime-gpu" in found else found[0]
-        extra = "cuda" if keep == "onnxruntime-gpu" else "cpu"
-        raise InstallError(
-            f"{' and '.join(found)} are both installed and overwrite each other's `onnxruntime` "
-            f"module; keep one: pip uninstall -y {' '.join(found)} && pip install "
-            f"'onnx-chunk[{extra}]'")
+    """InstallError when two ONNX Runtime wheels are installed in one folder, naming the fix.
+
+    Wheels in different folders (one on PYTHONPATH, say) do not overwrite each other: the
+    first on sys.path is imported whole, so they are left alone.
+    """
+    for folder, found in installed_wheels().items():
+        if len(found) > 1:
+            keep = "onnxruntime-gpu" if "onnxruntime-gpu" in found else found[0]
+            extra = "cuda" if keep == "onnxruntime-gpu" else "cpu"
+            raise InstallError(
+                f"{' and '.join(found)} are both installed (in {folder}) and overwrite each "
+                f"other's `onnxruntime` module; keep one: pip uninstall -y {' '.join(found)} "
+                f"&& pip install 'onnx-chunk[{extra}]'")
 
 
 def missing_message() -> str:

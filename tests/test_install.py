@@ -37,6 +37,7 @@ def _fake_distribution(folder: Path, name: str) -> Path:
 
 def test_two_onnxruntime_wheels_are_one_clear_error_naming_the_fix(tmp_path, reference_model):
     fake = _fake_distribution(tmp_path / "site", "onnxruntime-gpu")
+    _fake_distribution(fake, "onnxruntime")  # both in one folder: their files overwrite
     done = _python(f"""
         import sys
         from onnx_chunk.cli import main
@@ -45,8 +46,9 @@ def test_two_onnxruntime_wheels_are_one_clear_error_naming_the_fix(tmp_path, ref
         """, path=fake)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: onnxruntime and onnxruntime-gpu are "
-                                                   "both installed"), done.stderr
+    assert len(lines) == 1 and lines[0].startswith(
+        f"error: onnxruntime and onnxruntime-gpu are both installed (in {fake.resolve()})"), \
+        done.stderr
     assert "pip uninstall -y onnxruntime onnxruntime-gpu && pip install 'onnx-chunk[cuda]'" \
         in lines[0]
     api = _python("""
@@ -56,14 +58,28 @@ def test_two_onnxruntime_wheels_are_one_clear_error_naming_the_fix(tmp_path, ref
         except ImportError as error:
             print(type(error).__name__, error)
         """, path=fake)
-    assert api.stdout.startswith("InstallError onnxruntime and onnxruntime-gpu are both"), api
+    assert api.stdout.startswith("InstallError onnxruntime and onnxruntime-gpu are both "
+                                 "installed"), api
 
 
 def test_one_onnxruntime_wheel_passes_the_check():
     from onnx_chunk._onnxruntime_wheels import check_one_wheel, installed_wheels
 
-    assert len(installed_wheels()) == 1
+    assert [len(names) for names in installed_wheels().values()] == [1]
     check_one_wheel()
+
+
+def test_a_wheel_in_another_folder_shadows_without_conflict(tmp_path, reference_model):
+    """onnxruntime-gpu on PYTHONPATH beside the venv's onnxruntime (how a GPU machine gets the
+    CUDA wheel staged) writes no file of the other: it runs."""
+    fake = _fake_distribution(tmp_path / "site", "onnxruntime-gpu")
+    done = _python("""
+        from onnx_chunk._onnxruntime_wheels import check_one_wheel, installed_wheels
+        check_one_wheel()
+        print(sorted(name for names in installed_wheels().values() for name in names))
+        """, path=fake)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['onnxruntime', 'onnxruntime-gpu']"
 
 
 def test_a_missing_onnxruntime_is_one_line_naming_the_extras(reference_model):
