@@ -9,7 +9,7 @@ up front, so a decode step allocates nothing the size of the vocabulary.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol
 
@@ -183,7 +183,8 @@ class Sampler:
         # top-p weights, then the mask of the tokens kept.
         self._work = (None if sampling.greedy and not sampling.processes
                       else np.empty((3, vocab_size), dtype=np.float64))
-        self._mask = None if self._work is None else np.empty(vocab_size, dtype=bool)
+        self._mask: np.ndarray | None = (None if self._work is None
+                                         else np.empty(vocab_size, dtype=bool))
 
     def observe(self, token_ids: Iterable[int]) -> None:
         """Count `token_ids` as seen (for the repetition penalty)."""
@@ -209,11 +210,16 @@ class Sampler:
             self._matcher.advance(token)
         return token
 
+    def _work_row(self) -> np.ndarray:
+        work = self._work
+        assert work is not None  # choose() comes here only with it
+        return work[0]
+
     def _processed(self, logits: np.ndarray) -> np.ndarray:
         """The logits after the grammar, min_tokens, the bias and the penalties (in the work
         buffer's row 0)."""
         sampling = self.sampling
-        scores = self._work[0]
+        scores = self._work_row()
         np.copyto(scores, logits)
         if self._matcher is not None:
             self._matcher.restrict(scores)
@@ -234,7 +240,9 @@ class Sampler:
 
     def _choose(self, scores: np.ndarray) -> int:
         sampling = self.sampling
-        _, ascending, scratch = self._work
+        work, mask = self._work, self._mask
+        assert work is not None and mask is not None  # choose() comes here only with them
+        _, ascending, scratch = work
         if sampling.greedy:
             token = int(np.argmax(scores))
             if not math.isfinite(scores[token]):
@@ -251,21 +259,21 @@ class Sampler:
             cutoff = float(ascending[vocab - sampling.top_k])
         if sampling.top_p < 1.0:
             cutoff = _top_p_cutoff(scores, cutoff, top, sampling.top_p, ascending, scratch,
-                                   self._mask)
+                                   mask)
         if sampling.min_p > 0.0:
             cutoff = max(cutoff, top + math.log(sampling.min_p))
         if not math.isfinite(top):
             raise ValueError(_NO_CHOICE.format(top=top))
-        np.greater_equal(scores, cutoff, out=self._mask)
-        if np.count_nonzero(self._mask) > _GATHERED_DRAW:
+        np.greater_equal(scores, cutoff, out=mask)
+        if np.count_nonzero(mask) > _GATHERED_DRAW:
             # Many tokens left: draw over the whole row in place (the dropped ones weigh 0).
             scores -= top
             np.exp(scores, out=scores)
-            scores *= self._mask
+            scores *= mask
             np.cumsum(scores, out=scores)
             return int(np.searchsorted(scores, self._rng.random() * scores[-1], side="right"))
         # A few left: draw among them only, in id order (the same choice as the whole row).
-        kept = np.flatnonzero(self._mask)
+        kept = np.flatnonzero(mask)
         weights = np.exp(scores[kept] - top)
         np.cumsum(weights, out=weights)
         target = self._rng.random() * weights[-1]
@@ -318,7 +326,7 @@ def _first_kept(largest: np.ndarray, shares: np.ndarray, rest: float, limit: flo
     return max(cutoff, float(largest[min(first, largest.size - 1)]))
 
 
-def _number(value: object, name: str, expected: str, valid) -> None:
+def _number(value: object, name: str, expected: str, valid: Callable[[Any], bool]) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
             or not math.isfinite(value) or not valid(value):
         raise ConfigError(f"{name} must be {expected}, got {value!r}")

@@ -50,8 +50,8 @@ import numpy as np
 import onnxruntime as ort
 
 import onnx_chunk
-from onnx_chunk.models import build_decoder
 from onnx_chunk.ladder import DECODE_WIDTH
+from onnx_chunk.models import build_decoder
 from onnx_chunk.runtime.caches import variant_pool
 from onnx_chunk.runtime.device.memory import cudart, cuda_used_bytes, meter_for
 from onnx_chunk.runtime.device.provider import Device, MaskPolicy, device_for, probe_cuda

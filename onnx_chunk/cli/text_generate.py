@@ -7,7 +7,6 @@ goes to stderr, so stdout holds the text alone. `--json` prints one object inste
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 
 import click
 
+from onnx_chunk.cli.json_output import dumps as json_dumps
 from onnx_chunk.sampling import Sampling
 
 # The sampling options: (flag, (type, help)).
@@ -108,7 +108,7 @@ def run_text_generate(model: Path, options: dict[str, Any], *, max_new_tokens: i
              "ttft_s": stats.ttft_s, "decode_tokens_per_s": stats.decode_tokens_per_s,
              "sampling": _sampling_record(sampling)}
     if as_json:
-        click.echo(json.dumps(entry, ensure_ascii=False))
+        click.echo(json_dumps(entry, ensure_ascii=False))
         return
     click.echo()
     speed = entry["decode_tokens_per_s"]

@@ -29,7 +29,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
@@ -40,8 +40,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from onnx_chunk.errors import (CapacityError, ClosedError, ConfigError, InputError,
-                               OnnxChunkError, QueueFullError)
+from onnx_chunk.errors import (
+    CapacityError,
+    ClosedError,
+    ConfigError,
+    InputError,
+    OnnxChunkError,
+    QueueFullError,
+)
 from onnx_chunk.sampling import Sampling
 from onnx_chunk.serve.generation import ServedGeneration
 from onnx_chunk.serve.metrics import CONTENT_TYPE, ServerMetrics
@@ -142,10 +148,10 @@ class _Service:
             generation.end_for_shutdown()
         logger.info("draining: %d running request(s) ended", len(self._live))
 
-    def endpoint(self, handler: Callable[[HttpRequest], Awaitable[Response]]
-                 ) -> Callable[[HttpRequest], Awaitable[Response]]:
+    def endpoint(self, handler: Callable[[HttpRequest], Awaitable[_Reply]]
+                 ) -> Callable[[HttpRequest], Awaitable[_Reply]]:
         """`handler` behind the key check, with every failure turned into an error body."""
-        async def run(request: HttpRequest) -> Response:
+        async def run(request: HttpRequest) -> _Reply:
             try:
                 self._authorize(request)
                 return await handler(request)
@@ -156,13 +162,13 @@ class _Service:
                 return self._error_response(error)
         return run
 
-    async def chat_completions(self, request: HttpRequest) -> Response:
+    async def chat_completions(self, request: HttpRequest) -> _Reply:
         return await self._generate(request, chat=True)
 
-    async def completions(self, request: HttpRequest) -> Response:
+    async def completions(self, request: HttpRequest) -> _Reply:
         return await self._generate(request, chat=False)
 
-    async def _generate(self, request: HttpRequest, *, chat: bool) -> Response:
+    async def _generate(self, request: HttpRequest, *, chat: bool) -> _Reply:
         arrived = time.perf_counter()
         body = await self._body(request)
         try:
@@ -247,7 +253,7 @@ class _Service:
         return _Prepared(params, options, ids, sampling, ends)
 
     async def _serve(self, request: HttpRequest, prepared: _Prepared,
-                     generation: ServedGeneration, *, chat: bool) -> Response:
+                     generation: ServedGeneration, *, chat: bool) -> _Reply:
         params = prepared.params
         answer = (_ChatAnswer(self.model_name, prepared.options.tool_choice) if chat
                   else _TextAnswer(self.model_name))
@@ -292,7 +298,7 @@ class _Service:
         return ServedGeneration(request, text, len(ids), arrived, self.metrics)
 
     async def _events(self, generation: ServedGeneration, answer: _Answer,
-                      include_usage: bool) -> AsyncIterator[bytes]:
+                      include_usage: bool) -> AsyncGenerator[bytes, None]:
         try:
             yield _event(answer.chunk(answer.opening, None))
             if answer.whole_output:
@@ -355,8 +361,9 @@ def _error_answer(error: Exception) -> tuple[int, dict[str, Any], dict[str, str]
                            "server_error", code="internal_error"), {}
 
 
-async def _http_error(request: HttpRequest, error: HTTPException) -> Response:
+async def _http_error(request: HttpRequest, error: Exception) -> Response:
     """Starlette's own refusals (unknown route, wrong method) in OpenAI's shape."""
+    assert isinstance(error, HTTPException)  # the handler is registered for it alone
     return JSONResponse(error_body(f"{request.method} {request.url.path}: {error.detail}",
                                    "invalid_request_error", code=str(error.status_code)),
                         status_code=error.status_code, headers=error.headers)
@@ -424,7 +431,7 @@ class _EventStream:
     a disconnect cancels the stream at once (Starlette's StreamingResponse only notices one
     at its next write), then `on_end` runs."""
 
-    def __init__(self, events: AsyncIterator[bytes], on_end: Callable[[], None]) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None], on_end: Callable[[], None]) -> None:
         self._events = events
         self._on_end = on_end
 
@@ -453,6 +460,10 @@ def _delta(message: dict[str, Any]) -> dict[str, Any]:
     if calls:
         message["tool_calls"] = [{"index": index, **call} for index, call in enumerate(calls)]
     return message
+
+
+# What an endpoint replies: a whole response, or a stream of events.
+_Reply = Response | _EventStream
 
 
 def _event(payload: dict[str, Any]) -> bytes:

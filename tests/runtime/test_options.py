@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from onnx_chunk.errors import ConfigError, ModelLoadError, ProviderError
+from onnx_chunk.ladder import ladder_tiers
 from onnx_chunk.model_file import read_model_file
 from onnx_chunk.model_folder import GenaiConfig
 from onnx_chunk.model_io import load_model
