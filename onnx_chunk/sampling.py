@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -107,6 +107,11 @@ class Sampling:
                               "(the request's EOS and stop token ids)")
 
     @property
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as checked at construction: sorted (id, clamped bias) pairs."""
+        return cast(tuple[tuple[int, float], ...], self.logit_bias)
+
+    @property
     def greedy(self) -> bool:
         """Whether the choice is the argmax (temperature 0 or top_k 1): no draw."""
         return self.temperature == 0 or self.top_k == 1
@@ -166,13 +171,14 @@ class Sampler:
         self._penalize = sampling.repetition_penalty != 1.0
         self._seen: set[int] = set()
         self._seen_ids = np.empty(0, dtype=np.int64)
-        outside = [token for token, _ in sampling.logit_bias if token >= vocab_size] + [
+        bias = sampling.bias_pairs
+        outside = [token for token, _ in bias if token >= vocab_size] + [
             token for token in sampling.held_token_ids if token >= vocab_size]
         if outside:
             raise ConfigError(f"token id {outside[0]} (in logit_bias or the held ids) is outside "
                               f"the vocabulary [0, {vocab_size})")
-        self._bias_ids = np.array([token for token, _ in sampling.logit_bias], dtype=np.int64)
-        self._bias = np.array([bias for _, bias in sampling.logit_bias], dtype=np.float64)
+        self._bias_ids = np.array([token for token, _ in bias], dtype=np.int64)
+        self._bias = np.array([value for _, value in bias], dtype=np.float64)
         self._held = np.array(sampling.held_token_ids, dtype=np.int64)
         self._counting = sampling.presence_penalty != 0.0 or sampling.frequency_penalty != 0.0
         # How often each generated token came (for the presence and frequency penalties).
@@ -334,14 +340,14 @@ def _number(value: object, name: str, expected: str, valid: Callable[[Any], bool
 
 def _is_count(value: object) -> bool:
     return (not isinstance(value, bool) and isinstance(value, (int, np.integer))
-            and value >= 0)
+            and bool(value >= 0))
 
 
 def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
     """logit_bias as sorted (id, bias) pairs, each bias clamped to [-100, 100]."""
-    pairs = value.items() if isinstance(value, Mapping) else value
+    items: Any = value.items() if isinstance(value, Mapping) else value
     try:
-        pairs = [(token, bias) for token, bias in pairs]
+        pairs = [(token, bias) for token, bias in items]
     except (TypeError, ValueError) as error:
         raise ConfigError(f"logit_bias must map token ids to numbers, got {value!r}") from error
     for token, bias in pairs:

@@ -33,8 +33,8 @@ from _bench.harness import (
 
 import onnx_chunk.runtime as rt
 from onnx_chunk.ladder import DECODE_WIDTH
-from onnx_chunk.runtime.device.provider import MaskPolicy
 from onnx_chunk.runtime.caches.variant_cache import variant_key
+from onnx_chunk.runtime.device.provider import MaskPolicy
 
 PROMPT_TOKENS = 40
 TARGET = 1.05

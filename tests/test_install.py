@@ -60,6 +60,15 @@ def test_two_onnxruntime_wheels_are_one_clear_error_naming_the_fix(tmp_path, ref
         """, path=fake)
     assert api.stdout.startswith("InstallError onnxruntime and onnxruntime-gpu are both "
                                  "installed"), api
+    direct = _python(f"""
+        from onnx_chunk.runtime import load
+        try:
+            load({str(reference_model())!r}, provider="cpu")
+        except ImportError as error:
+            print(type(error).__name__, error)
+        """, path=fake)
+    assert direct.stdout.startswith("InstallError onnxruntime and onnxruntime-gpu are both "
+                                    "installed"), direct
 
 
 def test_one_onnxruntime_wheel_passes_the_check():

@@ -30,12 +30,13 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import ClientDisconnect, Request as HttpRequest
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -52,8 +53,13 @@ from onnx_chunk.sampling import Sampling
 from onnx_chunk.serve.generation import ServedGeneration
 from onnx_chunk.serve.metrics import CONTENT_TYPE, ServerMetrics
 from onnx_chunk.serve.parameters import RequestOptions, parse_options, request_sampling
-from onnx_chunk.serve.protocol import (GenerationParams, RequestError, error_body, parse_chat,
-                                       parse_completion)
+from onnx_chunk.serve.protocol import (
+    GenerationParams,
+    RequestError,
+    error_body,
+    parse_chat,
+    parse_completion,
+)
 from onnx_chunk.serve.tokenize import detokenize, tokenize
 from onnx_chunk.serve.tools import check_auto, tool_message
 from onnx_chunk.text.chat_template import ChatTemplateFault
@@ -222,7 +228,8 @@ class _Service:
         every refusal raised before any generation."""
         document = _json(body)
         params = parse_chat(document) if chat else parse_completion(document)
-        options = parse_options(document, chat=chat)
+        # parse_chat and parse_completion refused anything but a JSON object.
+        options = parse_options(cast(dict[str, Any], document), chat=chat)
         if self.draining:
             raise ClosedError("the server is shutting down")
         self._check_model(params.model)
@@ -488,6 +495,12 @@ class _Answer(abc.ABC):
 
     # Whether the answer is made from the whole output (tool calls), not piece by piece.
     whole_output = False
+
+    def message(self, text: str, finish_reason: str | None
+                ) -> tuple[dict[str, Any], str | None]:
+        """The message of the whole output and its finish reason (`whole_output` answers)."""
+        raise TypeError(f"{type(self).__name__} answers piece by piece, not from the whole "
+                        "output")
 
     def __init__(self, model: str) -> None:
         self.model = model

@@ -81,7 +81,8 @@ class ChatTemplate:
         try:
             for piece in self._template.generate(
                     messages=[dict(message) for message in messages],
-                    tools=None if not tools else [dict(tool) for tool in tools], documents=None, add_generation_prompt=add_generation_prompt,
+                    tools=None if not tools else [dict(tool) for tool in tools], documents=None,
+                    add_generation_prompt=add_generation_prompt,
                     **self._special_tokens):
                 length += len(piece)
                 if max_chars is not None and length > max_chars:

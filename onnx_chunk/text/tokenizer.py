@@ -172,15 +172,15 @@ class Tokenizer:
         max_tokens: a rendering too long to be that many tokens is refused (CapacityError)
             as it renders, before it is encoded.
         """
-        messages = [dict(message) for message in messages]
+        rendered: list[dict[str, Any]] = [dict(message) for message in messages]
         typed: list[str] = []
         nonce = uuid.uuid4().hex
         if not special_in_content:
-            messages = self._special_as_placeholders(messages, typed, nonce)
+            rendered = self._special_as_placeholders(rendered, typed, nonce)
         span = self.max_token_chars
         max_chars = None if max_tokens is None or span is None else max_tokens * span
         try:
-            text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+            text = self.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
                                             max_chars=max_chars, tools=tools)
         except RenderTooLong as error:
             raise CapacityError(

@@ -24,7 +24,8 @@ from onnx_chunk.runtime.caches.variant_cache import variant_key
 def _warm(runtime: rt.Runtime) -> None:
     widths = (*runtime.options.tiers, DECODE_WIDTH) if runtime.padding else (DECODE_WIDTH,)
     for width in widths:
-        with runtime.cache.acquire(variant_key(width, runtime.options.tiers, runtime.options.specialize)):
+        options = runtime.options
+        with runtime.cache.acquire(variant_key(width, options.tiers, options.specialize)):
             pass
 
 
