@@ -9,9 +9,9 @@ up front, so a decode step allocates nothing the size of the vocabulary.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -123,6 +123,11 @@ class Sampling:
                               "(the request's EOS and stop token ids)")
 
     @property
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as checked at construction: sorted (id, clamped bias) pairs."""
+        return cast(tuple[tuple[int, float], ...], self.logit_bias)
+
+    @property
     def greedy(self) -> bool:
         """Whether the choice is the argmax (temperature 0 or top_k 1): no draw."""
         return self.temperature == 0 or self.top_k == 1
@@ -227,13 +232,14 @@ class Sampler:
         self._penalize = sampling.repetition_penalty != 1.0
         self._seen: set[int] = set()
         self._seen_ids = np.empty(0, dtype=np.int64)
-        outside = [token for token, _ in sampling.logit_bias if token >= vocab_size] + [
+        bias = sampling.bias_pairs
+        outside = [token for token, _ in bias if token >= vocab_size] + [
             token for token in sampling.held_token_ids if token >= vocab_size]
         if outside:
             raise ConfigError(f"token id {outside[0]} (in logit_bias or the held ids) is outside "
                               f"the vocabulary [0, {vocab_size})")
-        self._bias_ids = np.array([token for token, _ in sampling.logit_bias], dtype=np.int64)
-        self._bias = np.array([bias for _, bias in sampling.logit_bias], dtype=np.float64)
+        self._bias_ids = np.array([token for token, _ in bias], dtype=np.int64)
+        self._bias = np.array([value for _, value in bias], dtype=np.float64)
         self._held = np.array(sampling.held_token_ids, dtype=np.int64)
         self._counting = sampling.presence_penalty != 0.0 or sampling.frequency_penalty != 0.0
         # How often each generated token came (for the presence and frequency penalties).
@@ -244,10 +250,11 @@ class Sampler:
         # top-p weights, then the mask of the tokens kept.
         self._work = (None if sampling.greedy and not sampling.processes
                       else np.empty((3, vocab_size), dtype=np.float64))
-        self._mask = None if self._work is None else np.empty(vocab_size, dtype=bool)
+        self._mask: np.ndarray | None = (None if self._work is None
+                                         else np.empty(vocab_size, dtype=bool))
         # With logprobs: the distribution the token is chosen from, and an exp scratch row.
-        self._top = sampling.logprobs
-        self._dist = (None if self._top is None
+        self._top = sampling.logprobs or 0
+        self._dist = (None if sampling.logprobs is None
                       else np.empty((2, vocab_size), dtype=np.float64))
         self.last: TokenLogprobs | None = None
         """The logprobs of the latest token `choose` returned (None unless asked for)."""
@@ -281,11 +288,16 @@ class Sampler:
             self._matcher.advance(token)
         return token
 
+    def _work_row(self) -> np.ndarray:
+        work = self._work
+        assert work is not None  # choose() comes here only with it
+        return work[0]
+
     def _processed(self, logits: np.ndarray) -> np.ndarray:
         """The logits after the grammar, min_tokens, the bias and the penalties (in the work
         buffer's row 0)."""
         sampling = self.sampling
-        scores = self._work[0]
+        scores = self._work_row()
         np.copyto(scores, logits)
         if self._matcher is not None:
             self._matcher.restrict(scores)
@@ -306,7 +318,9 @@ class Sampler:
 
     def _choose(self, scores: np.ndarray) -> int:
         sampling = self.sampling
-        _, ascending, scratch = self._work
+        work, mask = self._work, self._mask
+        assert work is not None and mask is not None  # choose() comes here only with them
+        _, ascending, scratch = work
         if sampling.greedy:
             token = int(np.argmax(scores))
             if not math.isfinite(scores[token]):
@@ -325,25 +339,25 @@ class Sampler:
             cutoff = float(ascending[vocab - sampling.top_k])
         if sampling.top_p < 1.0:
             cutoff = _top_p_cutoff(scores, cutoff, top, sampling.top_p, ascending, scratch,
-                                   self._mask)
+                                   mask)
         if sampling.min_p > 0.0:
             cutoff = max(cutoff, top + math.log(sampling.min_p))
         if not math.isfinite(top):
             raise ValueError(_NO_CHOICE.format(top=top))
-        np.greater_equal(scores, cutoff, out=self._mask)
+        np.greater_equal(scores, cutoff, out=mask)
         if self._dist is not None:
             # The distribution drawn from: what the cut-offs kept (the draw reuses `scores`).
             self._dist[0].fill(-math.inf)
-            np.copyto(self._dist[0], scores, where=self._mask)
-        if np.count_nonzero(self._mask) > _GATHERED_DRAW:
+            np.copyto(self._dist[0], scores, where=mask)
+        if np.count_nonzero(mask) > _GATHERED_DRAW:
             # Many tokens left: draw over the whole row in place (the dropped ones weigh 0).
             scores -= top
             np.exp(scores, out=scores)
-            scores *= self._mask
+            scores *= mask
             np.cumsum(scores, out=scores)
             return int(np.searchsorted(scores, self._rng.random() * scores[-1], side="right"))
         # A few left: draw among them only, in id order (the same choice as the whole row).
-        kept = np.flatnonzero(self._mask)
+        kept = np.flatnonzero(mask)
         weights = np.exp(scores[kept] - top)
         np.cumsum(weights, out=weights)
         target = self._rng.random() * weights[-1]
@@ -396,7 +410,7 @@ def _first_kept(largest: np.ndarray, shares: np.ndarray, rest: float, limit: flo
     return max(cutoff, float(largest[min(first, largest.size - 1)]))
 
 
-def _number(value: object, name: str, expected: str, valid) -> None:
+def _number(value: object, name: str, expected: str, valid: Callable[[Any], bool]) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
             or not math.isfinite(value) or not valid(value):
         raise ConfigError(f"{name} must be {expected}, got {value!r}")
@@ -404,14 +418,14 @@ def _number(value: object, name: str, expected: str, valid) -> None:
 
 def _is_count(value: object) -> bool:
     return (not isinstance(value, bool) and isinstance(value, (int, np.integer))
-            and value >= 0)
+            and bool(value >= 0))
 
 
 def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
     """logit_bias as sorted (id, bias) pairs, each bias clamped to [-100, 100]."""
-    pairs = value.items() if isinstance(value, Mapping) else value
+    items: Any = value.items() if isinstance(value, Mapping) else value
     try:
-        pairs = [(token, bias) for token, bias in pairs]
+        pairs = [(token, bias) for token, bias in items]
     except (TypeError, ValueError) as error:
         raise ConfigError(f"logit_bias must map token ids to numbers, got {value!r}") from error
     for token, bias in pairs:

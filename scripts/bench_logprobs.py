@@ -20,10 +20,9 @@ import os
 import sys
 
 import numpy as np
-
 from _bench import environment as env
-from _bench.harness import format_value, markdown_table, ratio, round_order, summarize, verdict
 from _bench.child import publish
+from _bench.harness import format_value, markdown_table, ratio, round_order, summarize, verdict
 
 PLAIN, LOGPROBS = "no logprobs", "top_logprobs 5"
 GOAL = 0.9

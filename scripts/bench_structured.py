@@ -26,8 +26,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from _bench import environment as env
-from _bench.harness import format_value, markdown_table, ratio, round_order, summarize, verdict
 from _bench.child import publish
+from _bench.harness import format_value, markdown_table, ratio, round_order, summarize, verdict
 
 FREE, SCHEMA = "free text", "JSON schema"
 GOAL = 0.8

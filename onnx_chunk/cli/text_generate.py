@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 
+from onnx_chunk.cli.json_output import dumps as json_dumps
 from onnx_chunk.sampling import Sampling, TokenLogprobs
 
 # The sampling options: (flag, (type, help)).
@@ -107,20 +108,21 @@ def run_text_generate(model: Path, options: dict[str, Any], *, max_new_tokens: i
             click.echo(piece, nl=False)
             sys.stdout.flush()
     completion = generation.completion
+    assert completion is not None  # set once the iteration ended
     stats = completion.stats
-    entry = {"text": completion.text, "tokens": list(completion.tokens),
-             "finish_reason": completion.finish_reason,
-             "prompt_tokens": completion.prompt_tokens,
-             "ttft_s": stats.ttft_s, "decode_tokens_per_s": stats.decode_tokens_per_s,
-             "sampling": _sampling_record(sampling)}
+    entry: dict[str, Any] = {
+        "text": completion.text, "tokens": list(completion.tokens),
+        "finish_reason": completion.finish_reason, "prompt_tokens": completion.prompt_tokens,
+        "ttft_s": stats.ttft_s, "decode_tokens_per_s": stats.decode_tokens_per_s,
+        "sampling": _sampling_record(sampling)}
+    records = [_logprobs_record(tokenizer, logprobs) for logprobs in completion.logprobs]
     if options.get("logprobs") is not None:
-        entry["logprobs"] = [_logprobs_record(tokenizer, logprobs)
-                             for logprobs in completion.logprobs]
+        entry["logprobs"] = records
     if as_json:
-        click.echo(json.dumps(entry, ensure_ascii=False))
+        click.echo(json_dumps(entry, ensure_ascii=False))
         return
     click.echo()
-    for record in entry.get("logprobs", ()):
+    for record in records:
         tops = " ".join(f"{json.dumps(text, ensure_ascii=False)}={_shown(logprob)}"
                         for _, text, logprob in record["top"])
         click.echo(f"{json.dumps(record['text'], ensure_ascii=False)}\t"

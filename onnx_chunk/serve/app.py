@@ -31,26 +31,38 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import ClientDisconnect, Request as HttpRequest
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from onnx_chunk.errors import (CapacityError, ClosedError, ConfigError, InputError,
-                               OnnxChunkError, QueueFullError)
+from onnx_chunk.errors import (
+    CapacityError,
+    ClosedError,
+    ConfigError,
+    InputError,
+    OnnxChunkError,
+    QueueFullError,
+)
 from onnx_chunk.sampling import Sampling, TokenLogprobs
 from onnx_chunk.serve.generation import ServedGeneration
 from onnx_chunk.serve.logprobs import CompletionLogprobs, TokenStrings, chat_content, joined
 from onnx_chunk.serve.metrics import CONTENT_TYPE, ServerMetrics
 from onnx_chunk.serve.parameters import RequestOptions, parse_options, request_sampling
-from onnx_chunk.serve.protocol import (GenerationParams, RequestError, error_body, parse_chat,
-                                       parse_completion)
+from onnx_chunk.serve.protocol import (
+    GenerationParams,
+    RequestError,
+    error_body,
+    parse_chat,
+    parse_completion,
+)
 from onnx_chunk.serve.tokenize import detokenize, tokenize
 from onnx_chunk.serve.tools import check_auto, tool_message
 from onnx_chunk.text.chat_template import ChatTemplateFault
@@ -61,6 +73,8 @@ if TYPE_CHECKING:
     from onnx_chunk.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 # Seconds a client told "queue full" (429) waits before it retries.
 RETRY_AFTER_S = 1
@@ -147,10 +161,10 @@ class _Service:
             generation.end_for_shutdown()
         logger.info("draining: %d running request(s) ended", len(self._live))
 
-    def endpoint(self, handler: Callable[[HttpRequest], Awaitable[Response]]
-                 ) -> Callable[[HttpRequest], Awaitable[Response]]:
+    def endpoint(self, handler: Callable[[HttpRequest], Awaitable[_Reply]]
+                 ) -> Callable[[HttpRequest], Awaitable[_Reply]]:
         """`handler` behind the key check, with every failure turned into an error body."""
-        async def run(request: HttpRequest) -> Response:
+        async def run(request: HttpRequest) -> _Reply:
             try:
                 self._authorize(request)
                 return await handler(request)
@@ -161,13 +175,13 @@ class _Service:
                 return self._error_response(error)
         return run
 
-    async def chat_completions(self, request: HttpRequest) -> Response:
+    async def chat_completions(self, request: HttpRequest) -> _Reply:
         return await self._generate(request, chat=True)
 
-    async def completions(self, request: HttpRequest) -> Response:
+    async def completions(self, request: HttpRequest) -> _Reply:
         return await self._generate(request, chat=False)
 
-    async def _generate(self, request: HttpRequest, *, chat: bool) -> Response:
+    async def _generate(self, request: HttpRequest, *, chat: bool) -> _Reply:
         arrived = time.perf_counter()
         body = await self._body(request)
         try:
@@ -221,7 +235,8 @@ class _Service:
         every refusal raised before any generation."""
         document = _json(body)
         params = parse_chat(document) if chat else parse_completion(document)
-        options = parse_options(document, chat=chat)
+        # parse_chat and parse_completion refused anything but a JSON object.
+        options = parse_options(cast(dict[str, Any], document), chat=chat)
         if self.draining:
             raise ClosedError("the server is shutting down")
         self._check_model(params.model)
@@ -259,7 +274,7 @@ class _Service:
         return list(prompt)
 
     async def _serve(self, request: HttpRequest, prepared: _Prepared,
-                     generations: list[ServedGeneration], *, chat: bool) -> Response:
+                     generations: list[ServedGeneration], *, chat: bool) -> _Reply:
         params = prepared.params
         top = prepared.options.logprobs
         answer = (_ChatAnswer(self.model_name, self.strings, top, prepared.options.tool_choice)
@@ -335,7 +350,7 @@ class _Service:
         return generations
 
     async def _events(self, generations: list[ServedGeneration], answer: _Answer,
-                      include_usage: bool, n: int) -> AsyncIterator[bytes]:
+                      include_usage: bool, n: int) -> AsyncGenerator[bytes, None]:
         """The event stream: the choices one after the other (all run at once in the engine),
         each opened, streamed and closed with its index."""
         generation = generations[0]
@@ -359,7 +374,7 @@ class _Service:
 
     @staticmethod
     async def _choice_events(generation: ServedGeneration,
-                             answer: _Answer) -> AsyncIterator[bytes]:
+                             answer: _Answer) -> AsyncGenerator[bytes, None]:
         index = generation.index
         yield _event(answer.chunk(index, answer.opening, None))
         if answer.whole_output:
@@ -411,8 +426,9 @@ def _error_answer(error: Exception) -> tuple[int, dict[str, Any], dict[str, str]
                            "server_error", code="internal_error"), {}
 
 
-async def _http_error(request: HttpRequest, error: HTTPException) -> Response:
+async def _http_error(request: HttpRequest, error: Exception) -> Response:
     """Starlette's own refusals (unknown route, wrong method) in OpenAI's shape."""
+    assert isinstance(error, HTTPException)  # the handler is registered for it alone
     return JSONResponse(error_body(f"{request.method} {request.url.path}: {error.detail}",
                                    "invalid_request_error", code=str(error.status_code)),
                         status_code=error.status_code, headers=error.headers)
@@ -459,7 +475,7 @@ async def _collect_chunks(generation: ServedGeneration) -> tuple[str, list[Token
     return "".join(texts), entries
 
 
-async def _unless_disconnected(work: Awaitable[str], receive: Receive) -> str | None:
+async def _unless_disconnected(work: Awaitable[_T], receive: Receive) -> _T | None:
     """`work`'s result, or None when the client disconnected first (`work` is cancelled)."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_disconnect(receive))
@@ -487,7 +503,7 @@ class _EventStream:
     a disconnect cancels the stream at once (Starlette's StreamingResponse only notices one
     at its next write), then `on_end` runs."""
 
-    def __init__(self, events: AsyncIterator[bytes], on_end: Callable[[], None]) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None], on_end: Callable[[], None]) -> None:
         self._events = events
         self._on_end = on_end
 
@@ -518,6 +534,10 @@ def _delta(message: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
+# What an endpoint replies: a whole response, or a stream of events.
+_Reply = Response | _EventStream
+
+
 def _event(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
@@ -545,6 +565,17 @@ class _Answer(abc.ABC):
 
     # Whether the answer is made from the whole output (tool calls), not piece by piece.
     whole_output = False
+
+    def message(self, text: str, finish_reason: str | None
+                ) -> tuple[dict[str, Any], str | None]:
+        """The message of the whole output and its finish reason (`whole_output` answers)."""
+        raise TypeError(f"{type(self).__name__} answers piece by piece, not from the whole "
+                        "output")
+
+    def logprobs(self, entries: list[TokenLogprobs]) -> Any:
+        """The logprobs of a whole output's tokens (`whole_output` answers)."""
+        raise TypeError(f"{type(self).__name__} answers piece by piece, not from the whole "
+                        "output")
 
     def __init__(self, model: str, strings: TokenStrings, top: int | None) -> None:
         self.model = model
@@ -578,7 +609,7 @@ class _Answer(abc.ABC):
         """The choice of one streamed chunk."""
 
     @abc.abstractmethod
-    def stream(self, generation: ServedGeneration) -> AsyncIterator[tuple[str, Any]]:
+    def stream(self, generation: ServedGeneration) -> AsyncGenerator[tuple[str, Any], None]:
         """A streamed choice's pieces, each with its chunk's logprobs."""
 
 
@@ -616,7 +647,8 @@ class _ChatAnswer(_Answer):
         return {"index": index, "delta": delta, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
-    async def stream(self, generation: ServedGeneration) -> AsyncIterator[tuple[str, Any]]:
+    async def stream(self, generation: ServedGeneration
+                     ) -> AsyncGenerator[tuple[str, Any], None]:
         async with contextlib.aclosing(generation.chunks()) as chunks:
             async for piece, entries in chunks:
                 yield piece, self.logprobs(entries)
@@ -667,7 +699,8 @@ class _TextAnswer(_Answer):
         return {"index": index, "text": piece, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
-    async def stream(self, generation: ServedGeneration) -> AsyncIterator[tuple[str, Any]]:
+    async def stream(self, generation: ServedGeneration
+                     ) -> AsyncGenerator[tuple[str, Any], None]:
         builder = CompletionLogprobs(self.strings)
         echoed = self.echoes is None
         async with contextlib.aclosing(generation.chunks()) as chunks:

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from onnx_chunk.errors import ClosedError
 from onnx_chunk.runtime.engine.request import Request
@@ -58,7 +58,7 @@ class ServedGeneration:
         self.shutdown = True
         self.request.cancel()
 
-    async def pieces(self) -> AsyncIterator[str]:
+    async def pieces(self) -> AsyncGenerator[str, None]:
         """The text as it is produced; raises the request's error, or ShuttingDown."""
         chunks = self.chunks()
         try:
@@ -68,7 +68,7 @@ class ServedGeneration:
         finally:
             await chunks.aclose()
 
-    async def chunks(self) -> AsyncIterator[tuple[str, list[TokenLogprobs]]]:
+    async def chunks(self) -> AsyncGenerator[tuple[str, list[TokenLogprobs]], None]:
         """The text as it is produced, each piece with the logprobs of the tokens pushed since
         the previous piece (empty when the request asked for none; the last piece may be ""
         to carry the last tokens' logprobs); raises the request's error, or ShuttingDown."""

@@ -111,7 +111,8 @@ class CompletionLogprobs:
         """The next tokens' lists; `tokens` gives the ids where an entry is None (the first
         prompt token of an echo)."""
         entries = list(entries)
-        ids = list(tokens) if tokens is not None else [entry.token for entry in entries]
+        ids = list(tokens) if tokens is not None else [
+            entry.token for entry in entries if entry is not None]
         part: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                       "text_offset": []}
         for token, entry in zip(ids, entries):

@@ -232,7 +232,7 @@ def _response_format(value: object) -> ResponseFormat | None:
     if kind == "json_object":
         return ResponseFormat({"type": "object"})
     if kind == "json_schema":
-        spec = value.get("json_schema")
+        spec = value.get("json_schema") if isinstance(value, dict) else None
         if isinstance(spec, dict) and isinstance(spec.get("schema", {}), (dict, bool)):
             return ResponseFormat(spec.get("schema", {}), str(spec.get("name", "response")))
         raise RequestError("'response_format.json_schema' must be {\"name\": str, \"schema\": "

@@ -19,7 +19,7 @@ import json
 import re
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from onnx_chunk.serve.protocol import RequestError, _shown
 
@@ -121,7 +121,7 @@ def _template_call(call: object, where: str) -> dict[str, Any]:
         except json.JSONDecodeError as error:
             raise RequestError(f"{where}.function.arguments is not JSON ({error})",
                                param=where) from error
-    return {**call, "function": {**function, "arguments": arguments}}
+    return {**cast(dict[str, Any], call), "function": {**function, "arguments": arguments}}
 
 
 def _function(tools: Sequence[Mapping[str, Any]], name: str) -> Mapping[str, Any]:

@@ -10,7 +10,6 @@ and `recent` read the cache back, for callers that inspect it (tests, `validate`
 
 from __future__ import annotations
 
-
 import numpy as np
 import onnxruntime as ort
 

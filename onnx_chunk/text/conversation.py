@@ -11,14 +11,14 @@ sequence is emptied and the whole rendering is fed again, with the reason logged
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence as SequenceOf
+from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from onnx_chunk.errors import CapacityError
 from onnx_chunk.sampling import Sampling
-from onnx_chunk.text.generation import (Completion, SequenceTokens, TextGeneration,
-                                        default_sampling)
+from onnx_chunk.text.generation import Completion, SequenceTokens, TextGeneration, default_sampling
 from onnx_chunk.text.stops import check_stops
 
 if TYPE_CHECKING:
@@ -125,6 +125,7 @@ class Conversation:
         self._cached_ids, self._cached_text = [], ""
         yield from generation
         completion = generation.completion
+        assert completion is not None  # set when the iteration ended
         self.last_completion = completion
         self.messages = [*messages, {"role": "assistant", "content": completion.text}]
         reply = list(completion.tokens[:-1])

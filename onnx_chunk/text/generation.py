@@ -17,9 +17,10 @@ is the decode of the new tokens without special tokens, streamed through `TextSt
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence as SequenceOf
+from collections.abc import Generator, Iterable, Iterator, Mapping
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, cast
 
 from onnx_chunk.errors import CapacityError
 from onnx_chunk.runtime.engine.request import RequestStats
@@ -29,12 +30,13 @@ from onnx_chunk.text.stops import check_stops
 from onnx_chunk.text.token_text import TokenText
 
 if TYPE_CHECKING:
-    from onnx_chunk.runtime.model import Runtime
+    from onnx_chunk.runtime.engine.request import Request
     from onnx_chunk.runtime.engine.sequence import Sequence
+    from onnx_chunk.runtime.model import Runtime
     from onnx_chunk.text.tokenizer import Tokenizer
 
 # Text, or a conversation: [{"role": ..., "content": ...}, ...].
-Prompt = Union[str, SequenceOf[Mapping[str, Any]]]
+Prompt = str | SequenceOf[Mapping[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -91,8 +93,9 @@ class SequenceTokens:
         return self.sequence.check_request(ids, max_new_tokens)
 
     def stream(self, ids: Any, max_new_tokens: int, eos: tuple[int, ...],
-               sampling: Sampling) -> Iterator[int]:
-        steps = self.sequence.stream(ids, max_new_tokens, eos_token_id=eos, sampling=sampling)
+               sampling: Sampling) -> Generator[int, None, None]:
+        steps = cast(Generator[int, None, None], self.sequence.stream(
+            ids, max_new_tokens, eos_token_id=eos, sampling=sampling))
         try:
             yield from steps
         finally:
@@ -114,7 +117,7 @@ class EngineTokens:
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        self._request = None
+        self._request: Request | None = None
 
     def room(self) -> int:
         return self.runtime.options.capacity
@@ -123,13 +126,13 @@ class EngineTokens:
         return self.runtime.check_request(ids, max_new_tokens)
 
     def stream(self, ids: Any, max_new_tokens: int, eos: tuple[int, ...],
-               sampling: Sampling) -> Iterator[int]:
-        self._request = self.runtime.submit(ids, max_new_tokens, eos_token_id=eos,
-                                            sampling=sampling, wait=True)
+               sampling: Sampling) -> Generator[int, None, None]:
+        request = self._request = self.runtime.submit(ids, max_new_tokens, eos_token_id=eos,
+                                                      sampling=sampling, wait=True)
         try:
-            yield from self._request.tokens()
+            yield from request.tokens()
         finally:
-            self._request.cancel()  # a stop string or a closed stream ends it; no-op at its end
+            request.cancel()  # a stop string or a closed stream ends it; no-op at its end
 
     @property
     def stats(self) -> Any:
@@ -185,8 +188,8 @@ class TextGeneration:
         """Stop early (what was generated stays in the sequence)."""
         self._steps.close()
 
-    def _run(self, source: SequenceTokens | EngineTokens, tokenizer: Tokenizer, ids,
-             budget: int, at_budget: str, sampling: Sampling) -> Iterator[str]:
+    def _run(self, source: SequenceTokens | EngineTokens, tokenizer: Tokenizer, ids: Any,
+             budget: int, at_budget: str, sampling: Sampling) -> Generator[str, None, None]:
         text = TokenText(tokenizer, self._stops, end_ids=self._ends,
                          min_tokens=self._min_tokens)
         pieces: list[str] = []
@@ -229,4 +232,5 @@ def generate_text(source: SequenceTokens | EngineTokens, tokenizer: Tokenizer, p
                              stop=stop, **ends)
     for _ in generation:
         pass
+    assert generation.completion is not None  # set when the iteration ended
     return generation.completion

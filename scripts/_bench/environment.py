@@ -13,8 +13,8 @@ WORKERS = Path(__file__).resolve().parent
 DEFAULT_OUT = ROOT / "bench-out"
 GENAI_VERSION = "0.18.0"
 # The peer venv: onnxruntime-genai with the CPU onnxruntime it needs, and transformers (no
-# torch; jinja2 renders its chat templates) for the tokenizer and chat-template parity checks. Pinned, so a peer's answer only
-# changes when these lines do.
+# torch; jinja2 renders its chat templates) for the tokenizer and chat-template parity checks.
+# Pinned, so a peer's answer only changes when these lines do.
 PEER_REQUIREMENTS = (f"onnxruntime-genai=={GENAI_VERSION}", "onnxruntime==1.31.1",
                      "transformers==5.24.0", "jinja2==3.1.6")
 _PEER_PROBE = ("import importlib.metadata as m; "
@@ -108,8 +108,8 @@ _LMEVAL_PROBE = ("import importlib.metadata as m; "
 
 def lmeval_python(venv: Path) -> Path:
     """The interpreter of the harness's venv (created, and LMEVAL_REQUIREMENTS installed, if
-    missing: about 4.5 minutes and 930 MB, measured on this 2-core machine). What it creates or installs is
-    said on stderr."""
+    missing: about 4.5 minutes and 930 MB, measured on this 2-core machine). What it creates
+    or installs is said on stderr."""
     python = venv / "bin" / "python"
     if not python.exists():
         print(f"creating {venv}", file=sys.stderr)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from onnx_chunk.runtime import load, model as runtime_model
+from onnx_chunk.runtime import load
+from onnx_chunk.runtime import model as runtime_model
 from onnx_chunk.runtime.engine.scheduler import prefill_chunks
 from onnx_chunk.sampling import Sampling
 from tests.exports.corpus import ROOT

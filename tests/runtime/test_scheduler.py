@@ -7,11 +7,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from onnx_chunk.errors import ConfigError, QueueFullError
+from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
+from onnx_chunk.runtime.engine.scheduler import RequestQueue, admit, prefill_picks
 from onnx_chunk.runtime.runner.attention_mask import decode_mask, mask_kind
 from onnx_chunk.runtime.runner.idle_rows import evicting_rows
-from onnx_chunk.runtime.device.provider import device_for
-from onnx_chunk.runtime.device.provider import MaskPolicy
-from onnx_chunk.runtime.engine.scheduler import RequestQueue, admit, prefill_picks
 
 
 def test_the_queue_is_fifo_bounded_and_says_when_it_is_full():

@@ -105,6 +105,7 @@ class BatchEngine:
         self.slots = slots
         self.budget = context.chunk_size
         buffers = BatchBuffers(ports.kv, ports.state, device, slots)
+        self._buffers = buffers
         self._slots = [new_slot(ports, capacity, device, context.masks, context.take_number(),
                                 buffers=buffers.slot(index), captures=False)
                        for index in range(slots)]
@@ -272,7 +273,7 @@ class BatchEngine:
         picks = prefill_picks([[end - begin for begin, end in row.chunks]
                                for _, row in prefilling], self.budget)
         ran = 0
-        for (index, row), count in zip(prefilling, picks):
+        for (_, row), count in zip(prefilling, picks):
             for _ in range(count):
                 if row.request.done:
                     break
@@ -336,7 +337,7 @@ class BatchEngine:
                 slot = self._slots[index]
                 try:
                     slot.reset()
-                    self._batch.buffers.copy_slot(source, index)
+                    self._buffers.copy_slot(source, index)
                 except Exception as error:  # this choice fails alone; the slot stays free
                     self._fail(request, error)
                     continue
