@@ -22,7 +22,9 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import onnxruntime as ort
@@ -81,6 +83,17 @@ def _build(factory: SessionFactory, kept: _Kept, specialize: bool | str, quantiz
         if capture and session_captures(session):
             kept.capturing.add(session)
     return session
+
+
+def _drop_binding(kept_ref: weakref.ref, session: ort.InferenceSession, slot: int, name: object,
+                  runs: GraphRuns) -> None:
+    kept = kept_ref()
+    if kept is None:
+        return
+    with kept.lock:
+        held = kept.bindings.get(session, {}).get(slot)
+        if held is not None and name in held and held[name].graphs is runs:
+            del held[name]
 
 
 class VariantPool:
@@ -165,14 +178,13 @@ class VariantPool:
             return uncaptured()
         return self.graphs.new_runs(stateful)
 
-    def drop_binding(self, session: ort.InferenceSession, slot: int, name: object,
-                     runs: GraphRuns) -> None:
-        """Forget the binding `name` of `slot` on `session` whose graphs are `runs` (the graph
-        cache evicted them): the next forward there binds fresh buffers."""
-        with self._kept.lock:
-            held = self._kept.bindings.get(session, {}).get(slot)
-            if held is not None and name in held and held[name].graphs is runs:
-                del held[name]
+    def dropper(self, session: ort.InferenceSession, slot: int, name: object,
+                runs: GraphRuns) -> Callable[[], None]:
+        """What forgets the binding `name` of `slot` on `session` whose graphs are `runs`, when
+        the graph cache evicts them: the next forward there binds fresh buffers. It refers to
+        what the pool keeps weakly (the graph cache holds it: no reference cycle)."""
+        return functools.partial(_drop_binding, weakref.ref(self._kept), session, slot, name,
+                                 runs)
 
     def note_fallback(self, session: ort.InferenceSession, width: int, reason: str) -> None:
         """A capture at `width` on `session` failed: that width runs without a graph there,

@@ -247,8 +247,10 @@ class SessionFactory:
             try:
                 return self._create(width, prepack, capture=True, last_row=last_row)
             except ModelLoadError as error:
+                # The reason as text: a logged exception would keep its traceback's frames
+                # (and the sessions they come to hold) alive in whatever keeps the record.
                 logger.warning("width %s cannot capture a CUDA graph, running it without: %s",
-                               width, error)
+                               width, str(error))
         return self._create(width, prepack, capture=False, last_row=last_row)
 
     def _model_source(self, last_row: bool) -> str | bytes:

@@ -341,8 +341,7 @@ class ModelRunner:
             self.variants.graphs.capture(
                 session, graphs, parity, width,
                 lambda options: device.run(session, binding.io, options),
-                functools.partial(self.variants.drop_binding, session, slot.number, width,
-                                  graphs))
+                self.variants.dropper(session, slot.number, width, graphs))
         except Exception as error:  # ORT's own exception types
             self.variants.note_fallback(session, width, f"{type(error).__name__}: {error}")
             device.run(session, binding.io, graphs.options(first_run, parity))
