@@ -142,11 +142,6 @@ class VariantPool:
         """Whether `close()` was called."""
         return self._closed
 
-    @property
-    def graph_widths(self) -> set[int]:
-        """The query widths at which graphs were captured."""
-        return set(self.graphs.snapshot().by_width)
-
     def selects_row(self, session: ort.InferenceSession) -> bool:
         """Whether `session`'s logits are the one row its `logits_row` input picks."""
         with self._kept.lock:
