@@ -66,9 +66,11 @@ def test_one_session_serves_every_width_and_batch(reference_model, graph_model, 
 
 def test_weights_copies_and_sessions_are_counted_from_sessions(reference_model):
     path = reference_model()
-    for runtime in (_host(path), _load(path)):  # CPU default; the device-memory path
+    # CPU default and the device-memory path: five remainder widths, then a batch of 8.
+    for runtime in (_host(path, max_batch=8), _load(path, max_batch=8)):
         assert (runtime.stats.sessions, runtime.stats.weights_copies) == (0, 0)
         _generate(runtime, PROMPTS)
+        runtime.generate_many(BATCH, 4, eos_token_id=[])
         assert (runtime.stats.sessions, runtime.stats.weights_copies) == (1, 1)
     per_width = _host(path, specialize="exact", padding=False, max_variants=2)
     _generate(per_width, PROMPTS)
