@@ -71,6 +71,31 @@ def converted_model(out: Path, preset: str, variant: str = "base") -> Path:
     return model
 
 
+def export_folder(value: str, root: Path | None = None) -> tuple[str, Path]:
+    """(name, folder) of a builder export given as a benchmark model name (``qwen05-int4``,
+    built by scripts/make_bench_models.py) or as a folder holding genai_config.json."""
+    from .models import ONNX_PRECISIONS, BenchModelMissing, bench_model, parse_name
+
+    folder = Path(value)
+    if (folder / "genai_config.json").is_file():
+        return folder.resolve().name, folder.resolve()
+    if parse_name(value)[1] not in ONNX_PRECISIONS:
+        raise BenchModelMissing(f"{value} is a GGUF model; name an ONNX one (e.g. qwen05-int4)")
+    return value, bench_model(value, root).parent
+
+
+def converted_export(out: Path, name: str, folder: Path, chunk_size: int) -> Path:
+    """The builder export `folder` converted by `onnx-chunk convert --chunk-size` into
+    out/models/<name>-converted-<chunk_size> (converted once, then reused)."""
+    target = out / "models" / f"{name}-converted-{chunk_size}" / "model.onnx"
+    if not (target.is_file() and (target.parent / "genai_config.json").is_file()):
+        print(f"converting {folder} -> {target.parent}", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "onnx_chunk", "convert", str(folder / "model.onnx"),
+                        "-o", str(target), "--chunk-size", str(chunk_size)], check=True,
+                       stdout=subprocess.DEVNULL)
+    return target
+
+
 def model_config(model: Path) -> dict:
     """Vocabulary size, context length and EOS token id from the model's genai_config.json."""
     config = json.loads((model.parent / "genai_config.json").read_text())["model"]
