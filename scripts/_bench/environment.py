@@ -97,11 +97,15 @@ def converted_export(out: Path, name: str, folder: Path, chunk_size: int) -> Pat
 
 
 def model_config(model: Path) -> dict:
-    """Vocabulary size, context length and EOS token id from the model's genai_config.json."""
+    """Vocabulary size, context length and EOS token ids from the model's genai_config.json
+    (`eos_token_id`: the first id, `eos_token_ids`: all of them; builder exports may list
+    several)."""
     config = json.loads((model.parent / "genai_config.json").read_text())["model"]
+    eos = config["eos_token_id"]
+    eos_ids = [int(value) for value in eos] if isinstance(eos, list) else [int(eos)]
     return {"vocab_size": int(config["vocab_size"]),
             "context_length": int(config["context_length"]),
-            "eos_token_id": int(config["eos_token_id"])}
+            "eos_token_id": eos_ids[0], "eos_token_ids": eos_ids}
 
 
 def genai_python(venv: Path) -> Path:
