@@ -17,11 +17,18 @@ weights rarely emit) and the same prefill chunk width:
 Every measurement is a fresh process (peak RSS is its own VmHWM); systems are interleaved round
 by round, medians with their spread ((max-min)/median), the 1-minute load average before every
 measurement. Ratios are onnx-chunk's over each system's: TTFT and peak RSS under 1 and decode
-tokens/s over 1 favour onnx-chunk. The weights differ across runtimes: the INT4 export is
-MatMulNBits (4 bits, block 32, a float scale per block, zero point 8 by default; the embedding
-and tied lm_head as the builder quantizes them), Q4_0 is llama.cpp's 4-bit block of 32 with a
-fp16 scale (its quantizer keeps the output/embedding at a higher type), Q8_0 is 8-bit blocks of
-32; so speed and memory are compared, tokens are not. Without the llama.cpp venv or GGUF files
+tokens/s over 1 favour onnx-chunk. The weights differ across runtimes (docs/benchmarks.md,
+part 7, gives the detail): the INT4 export holds every matrix, the tied embedding and lm_head
+included, as 4-bit blocks of 32 (MatMulNBits, accuracy level 4); Q4_0 holds the layers' matrices
+as 4-bit blocks of 32 but the tied embedding/output at Q8_0; Q8_0 is 8-bit blocks of 32. So
+speed and memory are compared, tokens are not.
+
+llama.cpp's threads are OpenMP's (llama-cpp-python builds ggml with OpenMP), whose default
+active wait spins at every barrier: with more runnable threads than cores, a descheduled
+spinner stalls each barrier for a time slice (measured at load average 9 on 2 cores: Q4_0 decode
+1.0 tok/s with the default wait, 20 tok/s with OMP_WAIT_POLICY=PASSIVE, 17 tok/s on one
+thread). So the children run with `--omp-wait-policy passive` unless told otherwise; ONNX
+Runtime's own thread pool is not OpenMP. Without the llama.cpp venv or GGUF files
 the llama.cpp rows are left out, and the output says so at its top.
 
     .venv/bin/python scripts/bench_vs_llamacpp.py --model qwen05-int4 [--lengths 128,1000]
@@ -70,6 +77,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--chunk-size", type=int, default=512)
+    parser.add_argument("--omp-wait-policy", choices=("passive", "active", "unset"),
+                        default="passive",
+                        help="OMP_WAIT_POLICY for every child (llama.cpp's threads are OpenMP's; "
+                             "default passive, see the module's docstring)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 2 short prompts, 1 round, 8 new tokens")
     return parser
@@ -146,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     repetitions, new_tokens = (1, 8) if args.quick else (args.repetitions, args.new_tokens or 64)
     lengths = ([int(value) for value in args.lengths.split(",")] if args.lengths
                else [40, 300] if args.quick else [128, 1000])
+    if args.omp_wait_policy == "unset":
+        os.environ.pop("OMP_WAIT_POLICY", None)
+    else:
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
     ggufs, left_out = _gguf_systems(args, name)
     if left_out:
         print(f"\n*** {left_out} ***\n", file=sys.stderr)
@@ -165,12 +180,14 @@ def main(argv: list[str] | None = None) -> int:
                                         f"tokens {system:<15}")
                 runs.setdefault((length, system), []).append(dict(result, load_1m=loads[-1]))
     header = (f"model {name} ({folder}), CPU, {args.threads} threads, prefill chunk "
-              f"{args.chunk_size}, {new_tokens} new tokens, {repetitions} rounds; 1-minute load "
+              f"{args.chunk_size}, {new_tokens} new tokens, {repetitions} rounds, OMP_WAIT_POLICY "
+              f"{args.omp_wait_policy}; 1-minute load "
               f"average before each measurement: min {min(loads):.2f}, median "
               f"{sorted(loads)[len(loads) // 2]:.2f}, max {max(loads):.2f}")
     table = "\n\n".join(filter(None, [
         f"**{left_out}**" if left_out else "", header, _table(systems, lengths, runs)]))
     results = {"model": name, "folder": str(folder), "threads": args.threads,
+               "omp_wait_policy": args.omp_wait_policy,
                "chunk_size": args.chunk_size, "new_tokens": new_tokens, "lengths": lengths,
                "repetitions": repetitions, "systems": systems, "left_out": left_out,
                "gguf": {system: str(path) for system, path in ggufs.items()},
