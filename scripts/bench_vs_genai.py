@@ -22,7 +22,6 @@ from pathlib import Path
 
 from _bench import environment as env
 from _bench.child import measure_prompt, publish
-from _bench.models import BenchModelMissing
 from _bench.harness import (CHUNK_SIZE, NEW_TOKENS, PROMPT_LENGTHS, capped_lengths,
                             format_value, markdown_table, ratio, round_order, seeded_prompt,
                             summarize, verdict)
@@ -35,25 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--genai-venv", type=Path, default=env.ROOT / ".venv-genai",
                         help="venv holding onnxruntime-genai (created when missing)")
     parser.add_argument("--lengths", default=None, help="comma-separated prompt lengths")
-    parser.add_argument("--model", default=None,
-                        help="a benchmark model (qwen05-int4, ...) or builder-export folder "
-                             "instead of the bench decoder")
     args = parser.parse_args(argv)
     repetitions, new_tokens = (2, 8) if args.quick else (args.repetitions, NEW_TOKENS)
     lengths = ([int(value) for value in args.lengths.split(",")] if args.lengths
                else [40, 300] if args.quick else list(PROMPT_LENGTHS))
     genai = env.genai_python(args.genai_venv)
+    model = env.served_model(args, "bench", CHUNK_SIZE)
     if args.model is None:
-        model, label = env.converted_model(args.out, "bench", args.variant), args.variant
-        eos = env.EOS_TOKEN_ID
+        label, eos = args.variant, env.EOS_TOKEN_ID
     else:
-        try:
-            label, folder = env.export_folder(args.model)
-        except BenchModelMissing as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 2
-        model = env.converted_export(args.out, label, folder, CHUNK_SIZE)
-        eos = env.model_config(model)["eos_token_ids"]
+        label, eos = env.named_export(args.model)[0], env.model_config(model)["eos_token_ids"]
     config = env.model_config(model)
     lengths = capped_lengths(lengths, config["context_length"], new_tokens)
 

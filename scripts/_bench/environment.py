@@ -34,7 +34,39 @@ def common_parser(description: str) -> argparse.ArgumentParser:
                         help="smoke run: short prompts, 2 repetitions, 8 new tokens")
     parser.add_argument("--variant", default="base", choices=("base", "int4"),
                         help="the bench decoder's weights: fp32 (base) or INT4")
+    parser.add_argument("--model", default=None,
+                        help="measure a real-size benchmark model (qwen05-int4, ...; built by "
+                             "scripts/make_bench_models.py) or a builder-export folder instead "
+                             "of the reference decoder")
     return parser
+
+
+def named_export(value: str) -> tuple[str, Path]:
+    """`export_folder(value)`, or one error line and exit 2 when it is not built or unknown."""
+    from .models import BenchModelMissing
+
+    try:
+        return export_folder(value)
+    except BenchModelMissing as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def source_model(args: argparse.Namespace, preset: str) -> Path:
+    """The model a benchmark measures as its exporter wrote it: --model's export, else the
+    reference decoder `preset` at --variant."""
+    if args.model is None:
+        return build_model(args.out, preset, args.variant)
+    return named_export(args.model)[1] / "model.onnx"
+
+
+def served_model(args: argparse.Namespace, preset: str, chunk_size: int) -> Path:
+    """The model after `onnx-chunk convert`: --model's export converted at `chunk_size`, else
+    the reference decoder `preset` at --variant, converted."""
+    if args.model is None:
+        return converted_model(args.out, preset, args.variant)
+    name, folder = named_export(args.model)
+    return converted_export(args.out, name, folder, chunk_size)
 
 
 def build_model(out: Path, preset: str, variant: str = "base") -> Path:
