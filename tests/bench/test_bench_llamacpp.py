@@ -85,3 +85,18 @@ def test_an_unknown_model_is_one_clear_line_and_exit_2(tmp_path):
         f"error: benchmark model qwen05-int4 is not built in {tmp_path}; build it with "
         "`nice -n 10 /work/exporters-venv/bin/python scripts/make_bench_models.py qwen05-int4` "
         "(see its --help)"]
+
+
+def test_bench_vs_genai_takes_a_builder_export_with_model(tmp_path, peer_python):
+    """--model: the export converted once, both systems stopping at its own EOS ids."""
+    result = subprocess.run(
+        [sys.executable, str(env.ROOT / "scripts" / "bench_vs_genai.py"), "--quick", "--model",
+         str(EXPORT), "--lengths", "40", "--out", str(tmp_path), "--genai-venv",
+         str(peer_python.parents[1])], capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "models" / "genai-llama-int4-converted-512" / "model.onnx").is_file()
+    data = json.loads((tmp_path / "vs_genai_genai-llama-int4_quick.json").read_text())
+    assert data["model"] == str(EXPORT) and data["lengths"] == [40]
+    runs = data["runs"]["40/onnx-chunk"] + data["runs"]["40/genai"]
+    assert len(runs) == 4 and all(run["tokens"] == runs[0]["tokens"] for run in runs)
+    assert "| 40 |" in (tmp_path / "vs_genai_genai-llama-int4_quick.md").read_text()
