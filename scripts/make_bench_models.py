@@ -134,6 +134,8 @@ def _llama_cpp_tree(root: Path, sdist: Path) -> Path:
             if not inner.startswith(SDIST_VENDOR) or not member.isfile():
                 continue
             relative = inner.removeprefix(SDIST_VENDOR)
+            if ".." in Path(relative).parts:
+                raise SystemExit(f"{sdist}: member {member.name!r} leaves its folder")
             if relative.startswith(("convert_hf_to_gguf.py", "conversion/", "gguf-py/")):
                 target = stage / relative
                 target.parent.mkdir(parents=True, exist_ok=True)
@@ -195,11 +197,10 @@ def build(root: Path, name: str, args: argparse.Namespace) -> None:
     _log(f"{name}: building")
     if precision in ONNX_PRECISIONS:
         build_onnx(root, shape, precision, stage)
-        artifact = stage
     else:
         stage.mkdir(parents=True)
-        artifact = stage / f"{name}.gguf"
-        build_gguf(root, shape, precision, artifact, args.llama_cpp_sdist, args.llama_cpp_python)
+        build_gguf(root, shape, precision, stage / f"{name}.gguf", args.llama_cpp_sdist,
+                   args.llama_cpp_python)
     record = {"name": name, "shape": shape, "precision": precision, "seed": SEED,
               "config": SHAPES[shape].config, "max_length": MAX_LENGTH,
               "bytes": _folder_bytes(stage), "build_s": round(time.monotonic() - started, 1),
