@@ -23,12 +23,14 @@ included, as 4-bit blocks of 32 (MatMulNBits, accuracy level 4); Q4_0 holds the 
 as 4-bit blocks of 32 but the tied embedding/output at Q8_0; Q8_0 is 8-bit blocks of 32. So
 speed and memory are compared, tokens are not.
 
-llama.cpp's threads are OpenMP's (llama-cpp-python builds ggml with OpenMP), whose default
-active wait spins at every barrier: with more runnable threads than cores, a descheduled
-spinner stalls each barrier for a time slice (measured at load average 9 on 2 cores: Q4_0 decode
-1.0 tok/s with the default wait, 20 tok/s with OMP_WAIT_POLICY=PASSIVE, 17 tok/s on one
-thread). So the children run with `--omp-wait-policy passive` unless told otherwise; ONNX
-Runtime's own thread pool is not OpenMP. Without the llama.cpp venv or GGUF files
+Every runtime keeps its own thread-pool defaults, spin-waiting included, as a user gets them:
+measure on a quiet machine. On a loaded one the spinning distorts every system, llama.cpp's most
+(its threads are OpenMP's): at load average 9-14 on 2 cores, Q4_0 decode ran 1.0 tok/s with
+OpenMP's default active wait and 20 tok/s with OMP_WAIT_POLICY=PASSIVE, and the bare ORT loop
+10 tok/s with ORT's default spinning and 17.5 with `session.intra_op.allow_spinning` 0.
+`--omp-wait-policy passive` sets OMP_WAIT_POLICY for every child (only llama.cpp uses OpenMP);
+onnx-chunk's `load` offers no switch for ORT's spinning, so that is not a like-for-like fix.
+Without the llama.cpp venv or GGUF files
 the llama.cpp rows are left out, and the output says so at its top.
 
     .venv/bin/python scripts/bench_vs_llamacpp.py --model qwen05-int4 [--lengths 128,1000]
@@ -78,9 +80,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--chunk-size", type=int, default=512)
     parser.add_argument("--omp-wait-policy", choices=("passive", "active", "unset"),
-                        default="passive",
+                        default="unset",
                         help="OMP_WAIT_POLICY for every child (llama.cpp's threads are OpenMP's; "
-                             "default passive, see the module's docstring)")
+                             "default unset: OpenMP's own; see the module's docstring)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 2 short prompts, 1 round, 8 new tokens")
     return parser
