@@ -9,8 +9,8 @@ per generated token, the gap between the two largest logits genai chose from, wh
 near-tie from a real difference) and max_length (genai's search.max_length for every prompt;
 default the prompt plus new_tokens; genai 0.18 refuses a sliding-window export whose
 max_length is under the window), threads (optional: the decoder session's
-intra_op_num_threads; default ORT's, one per core). Prompts are served in order by one model on the CPU;
-generation stops at new_tokens or at EOS. Prints one JSON object shaped like chunk_worker's:
+intra_op_num_threads; default ORT's, one per core). Prompts are served in order by one model on
+the CPU; generation stops at new_tokens or at EOS. Prints one JSON object shaped like chunk_worker's:
 TTFT runs from handing over the prompt to the first token; decode tokens/s counts the tokens
 after the first over the time after the first, as onnx-chunk does.
 """
