@@ -52,8 +52,6 @@ from _bench.harness import (format_value, markdown_table, ratio, round_order, se
 from _bench.models import BenchModelMissing, bench_model, gguf_twins
 
 OURS, GENAI, ORT_LOOP = "onnx-chunk", "genai", "ort-loop"
-LLAMA_PYTHON = Path(os.environ.get("ONNX_CHUNK_LLAMACPP_PYTHON",
-                                   "/work/llamacpp-venv/bin/python"))
 FIELDS = (("ttft_s", "TTFT s", 3, False), ("decode_tokens_per_s", "decode tok/s", 1, True),
           ("peak_rss_mb", "peak RSS MB", 0, False))
 
@@ -71,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=env.DEFAULT_OUT,
                         help="folder for converted models, JSON results and tables")
     parser.add_argument("--genai-venv", type=Path, default=env.ROOT / ".venv-genai")
-    parser.add_argument("--llama-python", type=Path, default=LLAMA_PYTHON,
+    parser.add_argument("--llama-python", type=Path, default=env.LLAMA_PYTHON,
                         help="interpreter of the llama-cpp-python venv "
                              "(or $ONNX_CHUNK_LLAMACPP_PYTHON)")
     parser.add_argument("--lengths", default=None, help="comma-separated prompt lengths")

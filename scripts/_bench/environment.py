@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,9 @@ _PEER_PROBE = ("import importlib.metadata as m; "
                "print(' '.join(f'{p}=={m.version(p)}' for p in "
                "('onnxruntime-genai', 'onnxruntime', 'transformers', 'jinja2')))")
 EOS_TOKEN_ID = 2
+# llama-cpp-python's venv for the llama.cpp part (docs/benchmarks.md, part 7, builds it).
+LLAMA_PYTHON = Path(os.environ.get("ONNX_CHUNK_LLAMACPP_PYTHON",
+                                   "/work/llamacpp-venv/bin/python"))
 
 
 def common_parser(description: str) -> argparse.ArgumentParser:

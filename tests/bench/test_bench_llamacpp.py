@@ -100,3 +100,23 @@ def test_bench_vs_genai_takes_a_builder_export_with_model(tmp_path, peer_python)
     runs = data["runs"]["40/onnx-chunk"] + data["runs"]["40/genai"]
     assert len(runs) == 4 and all(run["tokens"] == runs[0]["tokens"] for run in runs)
     assert "| 40 |" in (tmp_path / "vs_genai_genai-llama-int4_quick.md").read_text()
+
+
+def test_the_llamacpp_worker_runs_a_real_size_gguf_greedily():
+    """Where the llama.cpp venv and qwen05-q4_0 are built (docs/benchmarks.md, part 7): the
+    worker decodes the prompt in chunks and gives the same greedy tokens for the same prompt."""
+    try:
+        gguf = bench_model("qwen05-q4_0")
+    except BenchModelMissing as error:
+        pytest.skip(f"LLAMA.CPP NOT TESTED: {error}")
+    if not env.LLAMA_PYTHON.exists():
+        pytest.skip(f"LLAMA.CPP NOT TESTED: no llama-cpp-python interpreter at {env.LLAMA_PYTHON}")
+    prompt = seeded_prompt(40, 151936)
+    payload = run_child(env.worker_argv(env.LLAMA_PYTHON, "llamacpp_worker", {
+        "model": str(gguf), "prompts": [prompt, prompt], "new_tokens": 4, "chunk_size": 16,
+        "threads": 2}), timeout_s=300).payload
+    first, second = payload["results"]
+    assert len(first["tokens"]) == 4 and first["tokens"] == second["tokens"]
+    assert all(3 <= token < 151936 for token in first["tokens"])
+    assert first["ttft_s"] > 0 and first["decode_tokens_per_s"] > 0
+    assert payload["system_info"].startswith("CPU")
