@@ -30,8 +30,8 @@ OpenMP's default active wait and 20 tok/s with OMP_WAIT_POLICY=PASSIVE, and the 
 10 tok/s with ORT's default spinning and 17.5 with `session.intra_op.allow_spinning` 0.
 `--omp-wait-policy passive` sets OMP_WAIT_POLICY for every child (only llama.cpp uses OpenMP);
 onnx-chunk's `load` offers no switch for ORT's spinning, so that is not a like-for-like fix.
-Without the llama.cpp venv or GGUF files
-the llama.cpp rows are left out, and the output says so at its top.
+Without the llama.cpp venv or GGUF files the llama.cpp rows are left out, and the output says
+so at its top.
 
     .venv/bin/python scripts/bench_vs_llamacpp.py --model qwen05-int4 [--lengths 128,1000]
         [--new-tokens 64] [--repetitions 3] [--threads 2] [--chunk-size 512] [--quick]
