@@ -93,11 +93,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.single_tolerance < 1:
         parser.error(f"--single-tolerance must be between 0 and 1, got {args.single_tolerance}")
-    parts = tuple(part for part in PARTS if part in (args.part or PARTS))
+    if args.model is not None and "prefill-batching" in (args.part or ()):
+        parser.error("--part prefill-batching counts a reference decoder's FLOPs; it does not "
+                     "run with --model")
+    default_parts = PARTS if args.model is None else tuple(
+        part for part in PARTS if part != "prefill-batching")
+    if args.model is not None and args.part is None:
+        print("prefill-batching part left out: it counts a reference decoder's FLOPs, and "
+              "--model names another model", file=sys.stderr)
+    parts = tuple(part for part in PARTS if part in (args.part or default_parts))
     if args.baseline is not None and not (args.baseline / "onnx_chunk" / "__init__.py").is_file():
         parser.error(f"--baseline {args.baseline} holds no onnx_chunk/__init__.py; pass a "
                      "checkout of this repository (git worktree add PATH COMMIT)")
     plan = QUICK if args.quick else FULL
+    if args.model is not None:
+        plan = dict(plan, preset=env.named_export(args.model)[0])
     repetitions = 1 if args.quick else args.repetitions
     suffix = "_quick" if args.quick else ""
     genai = None if args.no_genai else env.genai_python(args.genai_venv)
@@ -105,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
 
     throughput: dict[str, list[dict]] = {}
     if "throughput" in parts or "stall" in parts:
-        model = env.build_model(args.out, plan["preset"])
+        model = (env.build_model(args.out, plan["preset"]) if args.model is None
+                 else env.source_model(args, plan["preset"]))
         vocab = env.model_config(model)["vocab_size"]
         prompts = [seeded_prompt(length, vocab) for length in _lengths(plan)]
         systems = (BATCHED, ONE, GENAI) if genai else (BATCHED, ONE)
@@ -134,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                 "plan": plan, "repetitions": repetitions, "stall": stall},
                 _stall_table(stall, plan)))
 
-    converted = (env.converted_model(args.out, plan["preset"])
+    converted = ((env.converted_model(args.out, plan["preset"]) if args.model is None
+                  else env.served_model(args, plan["preset"], plan["chunk"]))
                  if {"memory", "single", "prefill-batching"} & set(parts) else None)
     if "memory" in parts:
         data = engine_memory.measure(converted, genai, {
