@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
          "peak RSS MB onnx-chunk", "peak RSS MB genai", "RSS ratio", "tokens identical"], rows)
     name = f"vs_genai_{label}{'_quick' if args.quick else ''}"
     results = {
-        "variant": args.variant, "model": args.model, "repetitions": repetitions, "new_tokens": new_tokens,
+        "variant": args.variant, "model": args.model, "repetitions": repetitions,
+        "new_tokens": new_tokens,
         "chunk_size": CHUNK_SIZE, "lengths": lengths,
         "runs": {f"{length}/{system}": values for (length, system), values in runs.items()}}
     publish(args.out, name, results, table)

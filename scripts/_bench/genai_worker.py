@@ -10,7 +10,8 @@ near-tie from a real difference) and max_length (genai's search.max_length for e
 default the prompt plus new_tokens; genai 0.18 refuses a sliding-window export whose
 max_length is under the window), threads (optional: the decoder session's
 intra_op_num_threads; default ORT's, one per core). Prompts are served in order by one model on
-the CPU; generation stops at new_tokens or at EOS. Prints one JSON object shaped like chunk_worker's:
+the CPU; generation stops at new_tokens or at EOS. Prints one JSON object shaped like
+chunk_worker's:
 TTFT runs from handing over the prompt to the first token; decode tokens/s counts the tokens
 after the first over the time after the first, as onnx-chunk does.
 """
