@@ -7,7 +7,6 @@ goes to stderr, so stdout holds the text alone. `--json` prints one object inste
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from collections.abc import Callable
@@ -123,10 +122,8 @@ def run_text_generate(model: Path, options: dict[str, Any], *, max_new_tokens: i
         return
     click.echo()
     for record in records:
-        tops = " ".join(f"{json.dumps(text, ensure_ascii=False)}={_shown(logprob)}"
-                        for _, text, logprob in record["top"])
-        click.echo(f"{json.dumps(record['text'], ensure_ascii=False)}\t"
-                   f"{_shown(record['logprob'])}\t{tops}", err=True)
+        tops = " ".join(f"{text!r}={_shown(logprob)}" for _, text, logprob in record["top"])
+        click.echo(f"{record['text']!r}\t{_shown(record['logprob'])}\t{tops}", err=True)
     speed = entry["decode_tokens_per_s"]
     click.echo(f"[{completion.finish_reason}: {len(completion.tokens)} tokens after a "
                f"{completion.prompt_tokens}-token prompt | ttft {stats.ttft_s * 1000:.1f} ms | "
