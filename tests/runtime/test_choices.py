@@ -70,10 +70,12 @@ def test_choices_share_the_prompt_logprobs_and_a_cancel_ends_one():
 @pytest.mark.parametrize("name", ["genai-qwen3-fp32", "genai-lfm2-fp32"])
 def test_choices_and_logprobs_on_the_device_path(name, monkeypatch):
     """The CPU marked not host-visible, as CUDA looks: the fork's copy runs through the device
-    buffers' addresses (no host view), prompt logprobs through the runner's "all" rows."""
+    buffers' addresses (no host view), prompt logprobs through the runner's "all" rows of
+    row-selecting prefill sessions."""
     monkeypatch.setattr(runtime_model, "resolve_device", lambda *args: DEVICE_LIKE)
     with load(ROOT / name, provider="cpu", max_batch=3, chunk_size=CHUNK) as runtime:
-        assert not runtime.device.host_visible
+        # Prefill widths return one logits row there: "all" binds their full output instead.
+        assert not runtime.device.host_visible and runtime.options.select_rows
         vocab = runtime.ports.vocab_size
         prompt = list(np.random.default_rng(2).integers(5, vocab, CHUNK + 7))
         samplings = _samplings(2, logprobs=2, prompt_logprobs=1)

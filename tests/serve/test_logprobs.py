@@ -200,3 +200,22 @@ def test_a_streamed_prompt_list_carries_every_index(live):
     assert events[-1].usage.completion_tokens == 8
     assert json.loads(events[-1].model_dump_json())["usage"]["prompt_tokens"] == \
         len(PROMPT) + 3
+
+
+def test_n_choices_under_a_json_schema_each_follow_it(live):
+    """Each choice has its own sampler and grammar matcher: every one parses and validates."""
+    import jsonschema
+
+    from tests.serve.test_dialect import SCHEMA
+
+    answer = live.client().chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Tell me about Paris."}],
+        max_tokens=150, n=3, temperature=1.0, seed=3, logprobs=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "city",
+                                                                "schema": SCHEMA}})
+    contents = [choice.message.content for choice in answer.choices]
+    for choice in answer.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+        assert len(choice.logprobs.content) > 0
+    assert len(set(contents)) > 1
