@@ -10,6 +10,7 @@ import numpy as np
 
 from onnx_chunk import arguments
 from onnx_chunk.cli.json_output import dumps as json_dumps
+from onnx_chunk.cli.progress import QUIET_OPTION, wanted
 from onnx_chunk.cli.static_generate import run_static_generate
 from onnx_chunk.cli.text_generate import (
     given_text_options,
@@ -169,13 +170,14 @@ def _format(entry: dict) -> str:
               help="Serve the prompts through the batch engine, at most N at once (one "
                    "batched decode forward for all); 1 runs them one after another.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt per line.")
+@QUIET_OPTION
 @text_options
 def generate(model: Path, ids_text: str | None, ids_file: Path | None,
              random_prompt: int | None, seed: int, max_new_tokens: int,
              eos_token_ids: tuple[int, ...], chunk_size: int | None, provider: str,
              capacity: int | None, no_padding: bool, specialize: bool | None, static: bool,
              max_input_len: int | None, kv_capacity: int | None, decode_model: Path | None,
-             strict: bool, batch: int, as_json: bool, **text: object) -> None:
+             strict: bool, batch: int, as_json: bool, quiet: bool, **text: object) -> None:
     """Generate from MODEL with chunked prefill (dynamic or static decoders): token ids in and
     out greedily, or with --prompt text in, text streamed out (see docs/text.md)."""
     check_utf8_path(model)
@@ -183,7 +185,7 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
         _refuse("--prompt", {"--batch": batch if batch > 1 else None})
         _route_text(model, text, ids_text, ids_file, random_prompt, seed, max_new_tokens,
                     eos_token_ids or None, chunk_size, provider, capacity, no_padding, specialize,
-                    static, as_json)
+                    static, as_json, wanted(quiet))
         return
     _refuse("token ids", dict.fromkeys(given_text_options(text), True))
     given = [name for name, value in (("--ids", ids_text), ("--ids-file", ids_file),
@@ -247,7 +249,8 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
 
 def _route_text(model: Path, text: dict, ids_text, ids_file, random_prompt, seed: int,
                 max_new_tokens: int, eos_token_id, chunk_size, provider: str, capacity,
-                no_padding: bool, specialize, static: bool, as_json: bool) -> None:
+                no_padding: bool, specialize, static: bool, as_json: bool,
+                progress: bool) -> None:
     """--prompt: the text path (cli/text_generate.py), on a dynamic decoder."""
     _refuse("--prompt", {"--ids": ids_text, "--ids-file": ids_file,
                          "--random-prompt": random_prompt, "--eos-token-id": eos_token_id,
@@ -262,7 +265,7 @@ def _route_text(model: Path, text: dict, ids_text, ids_file, random_prompt, seed
                                        chunk_size=chunk_size,
                                        padding=False if no_padding else None,
                                        specialize=specialize),
-        as_json=as_json)
+        as_json=as_json, progress=progress)
 
 
 def _refuse(kind: str, options: dict[str, object]) -> None:

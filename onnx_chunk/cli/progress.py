@@ -4,6 +4,7 @@ user did not pass --quiet, so piped and scripted runs print nothing but their re
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -42,3 +43,33 @@ def byte_progress(label: str, show: bool) -> Iterator[Callable[[int, int], None]
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)
+
+
+@contextmanager
+def prefill_progress(prefilled: Callable[[], int], total: int, show: bool) -> Iterator[None]:
+    """A bar of prompt tokens prefilled, read from `prefilled()` (the engine's own count of
+    prefill rows run) every tenth of a second until the block ends; nothing when not shown."""
+    if not show:
+        yield
+        return
+    done = threading.Event()
+
+    def follow() -> None:
+        shown = 0
+        with click.progressbar(length=max(total, 1), label="prefilling prompt",
+                               file=sys.stderr) as bar:
+            while True:
+                ended = done.wait(0.1)
+                now = min(prefilled(), total)
+                bar.update(now - shown)
+                shown = now
+                if ended or now >= total:
+                    return
+
+    thread = threading.Thread(target=follow, name="onnx-chunk-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()

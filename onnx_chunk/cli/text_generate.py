@@ -7,6 +7,7 @@ goes to stderr, so stdout holds the text alone. `--json` prints one object inste
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from typing import Any
 import click
 
 from onnx_chunk.cli.json_output import dumps as json_dumps
+from onnx_chunk.cli.progress import prefill_progress
 from onnx_chunk.sampling import Sampling, TokenLogprobs
 
 # The sampling options: (flag, (type, help)).
@@ -83,8 +85,9 @@ def given_text_options(options: dict[str, Any]) -> list[str]:
 
 def run_text_generate(model: Path, options: dict[str, Any], *, max_new_tokens: int,
                       seed: int | None, load_runtime: Callable[[Path], Any],
-                      as_json: bool) -> None:
-    """Generate from the text prompt in `options` and print it (streamed, or one JSON line)."""
+                      as_json: bool, progress: bool = False) -> None:
+    """Generate from the text prompt in `options` and print it (streamed, or one JSON line);
+    `progress`: a bar of the prefill while a prompt longer than one chunk is fed."""
     from onnx_chunk.text.generation import EngineTokens, stream_text
 
     if options.get("system") is not None and not options.get("chat"):
@@ -102,7 +105,12 @@ def run_text_generate(model: Path, options: dict[str, Any], *, max_new_tokens: i
                              ignore_eos=bool(options.get("ignore_eos")),
                              min_tokens=options.get("min_tokens") or 0,
                              logprobs=options.get("logprobs"))
-    for piece in generation:
+    pieces = iter(generation)
+    long_prompt = generation.prompt_tokens > runtime.options.chunk_size
+    with prefill_progress(_prefill_rows(runtime), generation.prompt_tokens,
+                          progress and long_prompt):
+        first = next(pieces, None)
+    for piece in itertools.chain(() if first is None else (first,), pieces):
         if not as_json:
             click.echo(piece, nl=False)
             sys.stdout.flush()
@@ -128,6 +136,17 @@ def run_text_generate(model: Path, options: dict[str, Any], *, max_new_tokens: i
     click.echo(f"[{completion.finish_reason}: {len(completion.tokens)} tokens after a "
                f"{completion.prompt_tokens}-token prompt | ttft {stats.ttft_s * 1000:.1f} ms | "
                f"decode {'-' if speed is None else f'{speed:.1f}'} tok/s]", err=True)
+
+
+def _prefill_rows(runtime: Any) -> Callable[[], int]:
+    """The prompt rows the engine prefilled since now (its own counter)."""
+
+    def rows() -> int:
+        engine = runtime.stats.engine
+        return 0 if engine is None else engine.prefill_rows
+
+    start = rows()
+    return lambda: rows() - start
 
 
 def _logprobs_record(tokenizer: Any, logprobs: TokenLogprobs) -> dict[str, Any]:

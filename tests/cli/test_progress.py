@@ -57,3 +57,21 @@ def test_validate_quiet_hides_the_bar(reference_model, capsys, monkeypatch):
     assert main(["validate", model, "--provider", "cpu", "--lengths", "5", "--json",
                  "--quiet"]) == 0
     assert "validating" not in capsys.readouterr().err
+
+
+def test_generate_shows_the_prefill_of_a_long_prompt_on_a_terminal(capsys, monkeypatch):
+    from tests.exports.corpus import ROOT
+
+    model = str(ROOT / "genai-qwen3-fp32")
+    prompt = "the quick brown fox jumps over the lazy dog " * 40
+    arguments = ["generate", model, "--prompt", prompt, "--max-new-tokens", "2",
+                 "--chunk-size", "64", "--provider", "cpu"]
+    _terminal(monkeypatch)
+    assert main(arguments) == 0
+    err = capsys.readouterr().err
+    assert "prefilling prompt" in err and "100%" in err
+    assert main([*arguments, "--quiet"]) == 0
+    assert "prefilling" not in capsys.readouterr().err
+    short = ["generate", model, "--prompt", "hi", "--max-new-tokens", "2", "--provider", "cpu"]
+    assert main(short) == 0
+    assert "prefilling" not in capsys.readouterr().err
