@@ -398,10 +398,13 @@ def _event(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
 
-def _usage(generation: ServedGeneration) -> dict[str, int]:
+def _usage(generation: ServedGeneration) -> dict[str, Any]:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens`: the prompt ids whose KV a
+    slot kept from an earlier request (prefix reuse), as OpenAI and vLLM report them."""
     return {"prompt_tokens": generation.prompt_tokens,
             "completion_tokens": generation.completion_tokens,
-            "total_tokens": generation.prompt_tokens + generation.completion_tokens}
+            "total_tokens": generation.prompt_tokens + generation.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": generation.request.stats.cached_tokens}}
 
 
 class _Answer(abc.ABC):
@@ -422,7 +425,7 @@ class _Answer(abc.ABC):
     def _head(self, name: str) -> dict[str, Any]:
         return {"id": self.id, "object": name, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str | None, usage: dict[str, int]
+    def whole(self, text: str, finish_reason: str | None, usage: dict[str, Any]
               ) -> dict[str, Any]:
         return {**self._head(self.object_name), "choices": [self.choice(text, finish_reason)],
                 "usage": usage}
@@ -431,7 +434,7 @@ class _Answer(abc.ABC):
         return {**self._head(self.chunk_name),
                 "choices": [self.chunk_choice(piece, finish_reason)]}
 
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         return {**self._head(self.chunk_name), "choices": [], "usage": usage}
 
     @abc.abstractmethod
