@@ -1,8 +1,9 @@
 """`onnx-chunk chat MODEL`: an interactive multi-turn chat in the terminal.
 
 Each turn runs on the batch engine, whose prefix reuse keeps the conversation in a slot's KV
-cache, so each turn prefills only its own tokens (onnx_chunk.text.conversation). Lines come from stdin (typed, or piped: then each is echoed
-after the prompt marker so the transcript reads as a dialogue); `/reset` starts a new
+cache, so each turn prefills only its own tokens (onnx_chunk.text.conversation). Lines come
+from stdin (typed, or piped: then each is echoed after the prompt marker so the transcript
+reads as a dialogue); `/reset` starts a new
 conversation, `/exit` or the end of input quits. The reply streams to stdout; a line of
 statistics per turn goes to stderr. A turn the model cannot take (the conversation outgrew
 the capacity, the template refused a message) prints one `error:` line and the chat goes on.
