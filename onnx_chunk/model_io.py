@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import stat
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -159,7 +160,9 @@ def _copy_file(source: Path, target: Path, progress: Callable[[int], None] | Non
     buffer = bytearray(_COPY_BLOCK_BYTES)
     view = memoryview(buffer)
     with source.open("rb") as src, target.open("wb") as dst:
-        os.chmod(dst.fileno(), stat.S_IMODE(os.fstat(src.fileno()).st_mode))
+        # Windows before Python 3.13 has no fchmod: the path there.
+        os.chmod(dst.fileno() if os.chmod in os.supports_fd else target,
+                 stat.S_IMODE(os.fstat(src.fileno()).st_mode))
         while count := src.readinto(buffer):
             dst.write(view[:count])
             if progress is not None:
@@ -204,6 +207,8 @@ def _staging_pattern(target_name: str) -> str:
 
 
 def _process_alive(pid: int) -> bool:
+    if sys.platform == "win32":  # os.kill(pid, 0) there ends the process: never called
+        return True  # so on Windows staging left by a killed writer stays (remove it by hand)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -406,6 +411,8 @@ def save_model(
     try:
         with staged_write(target.parent, target.name) as staging:
             return _save_staged(model, target, staging, progress, companions_from, chunk_size)
+    except OutputError:  # already says what to do; an OSError too, not to be wrapped
+        raise
     except OSError as error:
         raise OutputError(
             f"cannot write {str(target)!r}: {error.strerror or error}; choose a writable "

@@ -15,8 +15,17 @@ import sys
 
 from _bench import environment as env
 from _bench.child import measure_prompt, publish
-from _bench.harness import (CHUNK_SIZE, PROMPT_LENGTHS, capped_lengths, format_value,
-                            markdown_table, ratio, round_order, seeded_prompt, summarize)
+from _bench.harness import (
+    CHUNK_SIZE,
+    PROMPT_LENGTHS,
+    capped_lengths,
+    format_value,
+    markdown_table,
+    ratio,
+    round_order,
+    seeded_prompt,
+    summarize,
+)
 
 SYSTEMS = ("chunked", "whole")
 NEW_TOKENS = 1

@@ -20,7 +20,8 @@ the import alone. Goal <= 1.0x both.
 Single request (`_bench/engine_single.py`, needs `--baseline PATH`, another checkout of this
 repository): TTFT and decode tokens/s of one request (`Sequence.generate`, and `submit` with
 max_batch=1) of this checkout against the baseline's, prompts of 40, 512 and 900 tokens, 64
-new, each run 3 times in a row per process (medians); goal: within 5% (TTFT ratio <= 1.05, decode ratio >= 0.95).
+new, each run 3 times in a row per process (medians); goal: within 5% (TTFT ratio <= 1.05,
+decode ratio >= 0.95).
 
 Prefill batching (`_bench/engine_prefill.py`): plain ONNX Runtime on the converted decoder,
 one [2, 512] forward against two [1, 512], [8, 40] against eight [1, 40], with the FLOPs
@@ -43,8 +44,15 @@ from pathlib import Path
 from _bench import engine_memory, engine_prefill, engine_single
 from _bench import environment as env
 from _bench.child import ChildFailed, publish, run_child
-from _bench.harness import (format_value, markdown_table, ratio, round_order, seeded_prompt,
-                            summarize, verdict)
+from _bench.harness import (
+    format_value,
+    markdown_table,
+    ratio,
+    round_order,
+    seeded_prompt,
+    summarize,
+    verdict,
+)
 
 from onnx_chunk.models.config import config_for
 

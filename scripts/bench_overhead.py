@@ -17,16 +17,24 @@ import time
 from collections import defaultdict
 
 import numpy as np
+from _bench import environment as env
+from _bench.child import write_json, write_text
+from _bench.harness import (
+    CHUNK_SIZE,
+    NEW_TOKENS,
+    format_value,
+    markdown_table,
+    ratio,
+    round_order,
+    seeded_prompt,
+    summarize,
+    verdict,
+)
 
 import onnx_chunk.runtime as rt
 from onnx_chunk.ladder import DECODE_WIDTH
-from onnx_chunk.runtime.device.provider import MaskPolicy
 from onnx_chunk.runtime.caches.variant_cache import variant_key
-
-from _bench import environment as env
-from _bench.child import write_json, write_text
-from _bench.harness import (CHUNK_SIZE, NEW_TOKENS, format_value, markdown_table, ratio,
-                            round_order, seeded_prompt, summarize, verdict)
+from onnx_chunk.runtime.device.provider import MaskPolicy
 
 PROMPT_TOKENS = 40
 TARGET = 1.05

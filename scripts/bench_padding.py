@@ -15,12 +15,20 @@ from __future__ import annotations
 
 import sys
 
-from onnx_chunk.runtime.device.provider import MaskPolicy
-
 from _bench import environment as env
 from _bench.child import publish, run_child
-from _bench.harness import (CHUNK_SIZE, NEW_TOKENS, format_value, markdown_table, ratio,
-                            round_order, seeded_prompt, summarize)
+from _bench.harness import (
+    CHUNK_SIZE,
+    NEW_TOKENS,
+    format_value,
+    markdown_table,
+    ratio,
+    round_order,
+    seeded_prompt,
+    summarize,
+)
+
+from onnx_chunk.runtime.device.provider import MaskPolicy
 
 WORKLOAD = (40, 150, 300, 600, 900)
 # Session modes: the label in the table and the `specialize` handed to the runtime.

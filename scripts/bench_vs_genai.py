@@ -18,9 +18,19 @@ from pathlib import Path
 
 from _bench import environment as env
 from _bench.child import measure_prompt, publish
-from _bench.harness import (CHUNK_SIZE, NEW_TOKENS, PROMPT_LENGTHS, capped_lengths,
-                            format_value, markdown_table, ratio, round_order, seeded_prompt,
-                            summarize, verdict)
+from _bench.harness import (
+    CHUNK_SIZE,
+    NEW_TOKENS,
+    PROMPT_LENGTHS,
+    capped_lengths,
+    format_value,
+    markdown_table,
+    ratio,
+    round_order,
+    seeded_prompt,
+    summarize,
+    verdict,
+)
 
 SYSTEMS = ("onnx-chunk", "genai")
 

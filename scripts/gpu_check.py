@@ -50,13 +50,13 @@ import numpy as np
 import onnxruntime as ort
 
 import onnx_chunk
-from onnx_chunk.models import build_decoder
 from onnx_chunk.ladder import DECODE_WIDTH
+from onnx_chunk.models import build_decoder
 from onnx_chunk.runtime.caches import variant_pool
-from onnx_chunk.runtime.device.memory import cudart, cuda_used_bytes, meter_for
+from onnx_chunk.runtime.caches.variant_cache import variant_key
+from onnx_chunk.runtime.device.memory import cuda_used_bytes, cudart, meter_for
 from onnx_chunk.runtime.device.provider import Device, MaskPolicy, device_for, probe_cuda
 from onnx_chunk.runtime.device.session_factory import SessionFactory, SharedWeights
-from onnx_chunk.runtime.caches.variant_cache import variant_key
 
 MIB = 1 << 20
 # float16 device logits against float32 CPU logits: allowed |diff| as a fraction of the largest

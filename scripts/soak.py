@@ -236,7 +236,8 @@ class Soak:
         return {
             "mode": self.mode, "requests": len(self.outcomes), "seconds": seconds,
             "requests_per_s": len(self.outcomes) / seconds, "tokens_per_s": tokens / seconds,
-            "ttft_p50_ms": _percentile(ttft, 50) * 1000, "ttft_p99_ms": _percentile(ttft, 99) * 1000,
+            "ttft_p50_ms": _percentile(ttft, 50) * 1000,
+            "ttft_p99_ms": _percentile(ttft, 99) * 1000,
             "itl_p50_ms": _percentile(gaps, 50) * 1000, "itl_p99_ms": _percentile(gaps, 99) * 1000,
             "errors": len(errors), "first_errors": errors[:3],
             "compiles_after_warmup": end.compiles - warm.compiles,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import click
 import numpy as np
 
 from onnx_chunk import arguments
+from onnx_chunk.cli.json_output import dumps as json_dumps
 from onnx_chunk.cli.static_generate import run_static_generate
 from onnx_chunk.cli.text_generate import (
     given_text_options,
@@ -235,14 +235,14 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
         for index, request in enumerate(requests):
             request.result()
             entry = batch_record(index, request, runtime.stats)
-            click.echo(json.dumps(entry) if as_json else _format(entry))
+            click.echo(json_dumps(entry) if as_json else _format(entry))
         runtime.close()
         return
     for index, prompt in enumerate(prompts):
         sequence.rewind(sequence.length)
         tokens = sequence.generate(prompt, max_new_tokens, stop or None)
         entry = record(index, prompt, tokens, sequence.stats.last_generation, runtime.stats)
-        click.echo(json.dumps(entry) if as_json else _format(entry))
+        click.echo(json_dumps(entry) if as_json else _format(entry))
 
 
 def _route_text(model: Path, text: dict, ids_text, ids_file, random_prompt, seed: int,

@@ -7,7 +7,6 @@ goes to stderr, so stdout holds the text alone. `--json` prints one object inste
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 
 import click
 
+from onnx_chunk.cli.json_output import dumps as json_dumps
 from onnx_chunk.sampling import Sampling
 
 # The sampling options: (flag, (type, help)).
@@ -24,13 +24,19 @@ _SAMPLING_OPTIONS = (
     ("--top-p", (float, "Keep the most likely tokens up to this mass.")),
     ("--min-p", (float, "Drop tokens below this fraction of the top one's probability.")),
     ("--repetition-penalty", (float, "Penalise the tokens already seen (1: off).")),
+    ("--presence-penalty", (float, "Subtract from the logits of the tokens generated so far, "
+                                   "in [-2, 2] (0: off).")),
+    ("--frequency-penalty", (float, "Subtract once per time a token was generated, in "
+                                    "[-2, 2] (0: off).")),
 )
 TEXT_ONLY = ("--prompt", "--chat", "--system", "--temperature", "--top-k", "--top-p",
-             "--min-p", "--repetition-penalty", "--stop")
+             "--min-p", "--repetition-penalty", "--presence-penalty", "--frequency-penalty",
+             "--stop", "--ignore-eos", "--min-tokens")
 
 
 def sampling_options(command: Callable) -> Callable:
-    """Add --temperature, --top-k, --top-p, --min-p, --repetition-penalty and --stop."""
+    """Add --temperature, --top-k, --top-p, --min-p, --repetition-penalty,
+    --presence-penalty, --frequency-penalty and --stop."""
     command = click.option("--stop", multiple=True,
                            help="Stop before this text (repeatable).")(command)
     for name, (kind, text) in reversed(_SAMPLING_OPTIONS):
@@ -40,8 +46,14 @@ def sampling_options(command: Callable) -> Callable:
 
 
 def text_options(command: Callable) -> Callable:
-    """`generate`'s text options: --prompt, --chat, --system, and the sampling options."""
+    """`generate`'s text options: --prompt, --chat, --system, --ignore-eos, --min-tokens and
+    the sampling options."""
     command = sampling_options(command)
+    command = click.option("--min-tokens", type=click.IntRange(min=0), default=None,
+                           help="No EOS before this many new tokens.")(command)
+    command = click.option("--ignore-eos", is_flag=True,
+                           help="Do not stop at the EOS token (only --max-new-tokens, the "
+                                "capacity or --stop end the text).")(command)
     command = click.option("--system", default=None,
                            help="With --chat: a system message before the prompt.")(command)
     command = click.option("--chat", is_flag=True,
@@ -81,7 +93,9 @@ def run_text_generate(model: Path, options: dict[str, Any], *, max_new_tokens: i
         prompt.append({"role": "user", "content": options["prompt"]})
     sampling = sampling_from(tokenizer.genai, options, seed)
     generation = stream_text(EngineTokens(runtime), tokenizer, prompt, max_new_tokens,
-                             sampling=sampling, stop=options.get("stop") or None)
+                             sampling=sampling, stop=options.get("stop") or None,
+                             ignore_eos=bool(options.get("ignore_eos")),
+                             min_tokens=options.get("min_tokens") or 0)
     for piece in generation:
         if not as_json:
             click.echo(piece, nl=False)
@@ -94,7 +108,7 @@ def run_text_generate(model: Path, options: dict[str, Any], *, max_new_tokens: i
              "ttft_s": stats.ttft_s, "decode_tokens_per_s": stats.decode_tokens_per_s,
              "sampling": _sampling_record(sampling)}
     if as_json:
-        click.echo(json.dumps(entry, ensure_ascii=False))
+        click.echo(json_dumps(entry, ensure_ascii=False))
         return
     click.echo()
     speed = entry["decode_tokens_per_s"]
@@ -106,7 +120,9 @@ def run_text_generate(model: Path, options: dict[str, Any], *, max_new_tokens: i
 def _sampling_record(sampling: Sampling) -> dict[str, Any]:
     return {"temperature": sampling.temperature, "top_k": sampling.top_k,
             "top_p": sampling.top_p, "min_p": sampling.min_p,
-            "repetition_penalty": sampling.repetition_penalty, "seed": sampling.seed}
+            "repetition_penalty": sampling.repetition_penalty,
+            "presence_penalty": sampling.presence_penalty,
+            "frequency_penalty": sampling.frequency_penalty, "seed": sampling.seed}
 
 
 def _key(option: str) -> str:

@@ -4,7 +4,8 @@
 onnx_chunk.model_folder), reads the chunked-prefill plan, the ports and the external data index
 from the file's protobuf (`model_file`: a converted model loads without onnx or onnx_ir; an
 unconverted one runs the passes in memory) and the genai_config.json that applies to it,
-resolves the options once (`options`), loads the weights once and sets up the variant cache. `Runtime.open_sequence()` gives independent sequences that share all of it.
+resolves the options once (`options`), loads the weights once and sets up the variant cache.
+`Runtime.open_sequence()` gives independent sequences that share all of it.
 """
 
 from __future__ import annotations
@@ -24,21 +25,15 @@ import numpy as np
 import onnxruntime as ort
 
 from onnx_chunk import arguments
+from onnx_chunk._onnxruntime_wheels import check_one_wheel
 from onnx_chunk.errors import CapacityError, ClosedError, ModelLoadError
 from onnx_chunk.metadata import ChunkPlan, read_plan
 from onnx_chunk.model_file import read_model_file
 from onnx_chunk.model_folder import GenaiConfig, check_utf8_path, locate_model
-from onnx_chunk.runtime.runner.attention_mask import AttentionMask, mask_kind
-from onnx_chunk.runtime.engine.batch_engine import DEFAULT_MAX_QUEUE, BatchEngine, EngineContext
-from onnx_chunk.runtime.runner.model_runner import ModelRunner
+from onnx_chunk.runtime.caches.variant_cache import Specialize, VariantCache
+from onnx_chunk.runtime.caches.variant_pool import VariantPool
 from onnx_chunk.runtime.device.memory import meter_for
-from onnx_chunk.runtime.options import (LoadArguments, RuntimeOptions, checked_arguments,
-                                        resolve_options)
-from onnx_chunk.runtime.runner.ports import ModelPorts
 from onnx_chunk.runtime.device.provider import Device, MaskPolicy, resolve_device
-from onnx_chunk.runtime.engine.request import Request
-from onnx_chunk.runtime.engine.sequence import Sequence
-from onnx_chunk.runtime.engine.sequence_pool import DEFAULT_IDLE_SLOTS, SequencePool, new_slot
 from onnx_chunk.runtime.device.session_factory import (
     QUANTIZED_MATMUL,
     SessionFactory,
@@ -46,9 +41,20 @@ from onnx_chunk.runtime.device.session_factory import (
     load_shared_weights,
     owned_by_session,
 )
+from onnx_chunk.runtime.engine.batch_engine import DEFAULT_MAX_QUEUE, BatchEngine, EngineContext
+from onnx_chunk.runtime.engine.request import Request
+from onnx_chunk.runtime.engine.sequence import Sequence
+from onnx_chunk.runtime.engine.sequence_pool import DEFAULT_IDLE_SLOTS, SequencePool, new_slot
+from onnx_chunk.runtime.options import (
+    LoadArguments,
+    RuntimeOptions,
+    checked_arguments,
+    resolve_options,
+)
+from onnx_chunk.runtime.runner.attention_mask import AttentionMask, mask_kind
+from onnx_chunk.runtime.runner.model_runner import ModelRunner
+from onnx_chunk.runtime.runner.ports import ModelPorts
 from onnx_chunk.runtime.stats import RuntimeStats
-from onnx_chunk.runtime.caches.variant_cache import Specialize, VariantCache
-from onnx_chunk.runtime.caches.variant_pool import VariantPool
 from onnx_chunk.sampling import GREEDY, Sampler
 
 if TYPE_CHECKING:
@@ -131,6 +137,8 @@ class Runtime:
         max_queue: int = DEFAULT_MAX_QUEUE,
         prefix_reuse: bool = True,
     ) -> None:
+        # Two ONNX Runtime wheels in one folder overwrite each other's module: say so first.
+        check_one_wheel()
         args = checked_arguments(LoadArguments(
             provider=provider, device_id=device_id, capacity=capacity, chunk_size=chunk_size,
             padding=padding, specialize=specialize, max_variants=max_variants,
@@ -332,23 +340,28 @@ class Runtime:
 
     def generate_text(self, prompt: Prompt, max_new_tokens: int, *,
                       sampling: Sampling | None = None,
-                      stop: str | Iterable[str] | None = None) -> Completion:
+                      stop: str | Iterable[str] | None = None, ignore_eos: bool = False,
+                      stop_token_ids: Iterable[int] = (), min_tokens: int = 0) -> Completion:
         """Text (or messages, through the chat template) in, a Completion out, through the batch
         engine (`submit`, as every request); `sampling` defaults to genai_config.json's search
-        options (see docs/text.md)."""
+        options (see docs/text.md). `ignore_eos`, `stop_token_ids` and `min_tokens` end the
+        text as vLLM's options of those names do."""
         from onnx_chunk.text.generation import EngineTokens, generate_text
 
         return generate_text(EngineTokens(self), self.tokenizer, prompt, max_new_tokens,
-                             sampling=sampling, stop=stop)
+                             sampling=sampling, stop=stop, ignore_eos=ignore_eos,
+                             stop_token_ids=stop_token_ids, min_tokens=min_tokens)
 
     def stream_text(self, prompt: Prompt, max_new_tokens: int, *,
                     sampling: Sampling | None = None,
-                    stop: str | Iterable[str] | None = None) -> Iterator[str]:
+                    stop: str | Iterable[str] | None = None, ignore_eos: bool = False,
+                    stop_token_ids: Iterable[int] = (), min_tokens: int = 0) -> Iterator[str]:
         """Like `generate_text`, yielding the text as it is produced (checked before any work)."""
         from onnx_chunk.text.generation import EngineTokens, stream_text
 
         return stream_text(EngineTokens(self), self.tokenizer, prompt, max_new_tokens,
-                           sampling=sampling, stop=stop)
+                           sampling=sampling, stop=stop, ignore_eos=ignore_eos,
+                           stop_token_ids=stop_token_ids, min_tokens=min_tokens)
 
     @property
     def stats(self) -> RuntimeStats:

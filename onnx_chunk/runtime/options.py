@@ -2,7 +2,8 @@
 the decoder's ports and the device, before anything is loaded on the device.
 
 `checked_arguments` refuses an argument of the wrong type or range (ConfigError) before the
-model is read; `resolve_options` turns the arguments into a `RuntimeOptions` that `Runtime` only reads.
+model is read; `resolve_options` turns the arguments into a `RuntimeOptions` that `Runtime`
+only reads.
 Both are pure: no ONNX Runtime call (the device is resolved by the caller).
 
 Rules of `resolve_options`:
@@ -36,12 +37,12 @@ from onnx_chunk.ladder import DECODE_WIDTH, ladder_tiers
 from onnx_chunk.metadata import ChunkPlan, check_window_capacity
 from onnx_chunk.model_file import ModelFile
 from onnx_chunk.model_folder import GenaiConfig
+from onnx_chunk.runtime.caches.variant_cache import EXACT, Specialize, VariantKey, variant_key
+from onnx_chunk.runtime.device.provider import Device, MaskPolicy, device_for
 from onnx_chunk.runtime.engine.batch_engine import DEFAULT_MAX_QUEUE
+from onnx_chunk.runtime.engine.sequence_pool import DEFAULT_IDLE_SLOTS
 from onnx_chunk.runtime.runner.padding import resolve_padding
 from onnx_chunk.runtime.runner.ports import ModelPorts, model_ports
-from onnx_chunk.runtime.device.provider import Device, MaskPolicy, device_for
-from onnx_chunk.runtime.engine.sequence_pool import DEFAULT_IDLE_SLOTS
-from onnx_chunk.runtime.caches.variant_cache import EXACT, Specialize, VariantKey, variant_key
 
 logger = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
-from onnx_chunk.runtime.engine.sequence_pool import PoolStats
 from onnx_chunk.runtime.caches.variant_cache import CacheStats
+from onnx_chunk.runtime.engine.sequence_pool import PoolStats
 
 
 @dataclass(frozen=True)

@@ -29,24 +29,39 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, cast
 
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import ClientDisconnect, Request as HttpRequest
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from onnx_chunk.errors import (CapacityError, ClosedError, ConfigError, InputError,
-                               OnnxChunkError, QueueFullError)
+from onnx_chunk.errors import (
+    CapacityError,
+    ClosedError,
+    ConfigError,
+    InputError,
+    OnnxChunkError,
+    QueueFullError,
+)
 from onnx_chunk.sampling import Sampling
 from onnx_chunk.serve.generation import ServedGeneration
 from onnx_chunk.serve.metrics import CONTENT_TYPE, ServerMetrics
-from onnx_chunk.serve.protocol import (GenerationParams, RequestError, error_body, parse_chat,
-                                       parse_completion)
+from onnx_chunk.serve.parameters import RequestOptions, parse_options, request_sampling
+from onnx_chunk.serve.protocol import (
+    GenerationParams,
+    RequestError,
+    error_body,
+    parse_chat,
+    parse_completion,
+)
+from onnx_chunk.serve.tokenize import detokenize, tokenize
+from onnx_chunk.serve.tools import check_auto, tool_message
 from onnx_chunk.text.chat_template import ChatTemplateFault
 from onnx_chunk.text.token_text import TokenText
 
@@ -91,12 +106,25 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, api_key: str 
               methods=["POST"]),
         Route("/v1/completions", service.endpoint(service.completions), methods=["POST"]),
         Route("/v1/models", service.endpoint(service.models), methods=["GET"]),
+        Route("/tokenize", service.endpoint(service.tokenize), methods=["POST"]),
+        Route("/detokenize", service.endpoint(service.detokenize), methods=["POST"]),
         Route("/health", service.health, methods=["GET"]),
         Route("/metrics", service.metrics_page, methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     app.state.service = service
     return app
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """A request parsed, checked and encoded, with its sampling and end tokens."""
+
+    params: GenerationParams
+    options: RequestOptions
+    ids: list[int]
+    sampling: Sampling
+    ends: tuple[int, ...]
 
 
 class _Service:
@@ -126,10 +154,10 @@ class _Service:
             generation.end_for_shutdown()
         logger.info("draining: %d running request(s) ended", len(self._live))
 
-    def endpoint(self, handler: Callable[[HttpRequest], Awaitable[Response]]
-                 ) -> Callable[[HttpRequest], Awaitable[Response]]:
+    def endpoint(self, handler: Callable[[HttpRequest], Awaitable[_Reply]]
+                 ) -> Callable[[HttpRequest], Awaitable[_Reply]]:
         """`handler` behind the key check, with every failure turned into an error body."""
-        async def run(request: HttpRequest) -> Response:
+        async def run(request: HttpRequest) -> _Reply:
             try:
                 self._authorize(request)
                 return await handler(request)
@@ -140,22 +168,32 @@ class _Service:
                 return self._error_response(error)
         return run
 
-    async def chat_completions(self, request: HttpRequest) -> Response:
+    async def chat_completions(self, request: HttpRequest) -> _Reply:
         return await self._generate(request, chat=True)
 
-    async def completions(self, request: HttpRequest) -> Response:
+    async def completions(self, request: HttpRequest) -> _Reply:
         return await self._generate(request, chat=False)
 
-    async def _generate(self, request: HttpRequest, *, chat: bool) -> Response:
+    async def _generate(self, request: HttpRequest, *, chat: bool) -> _Reply:
         arrived = time.perf_counter()
         body = await self._body(request)
         try:
-            params, ids = await run_in_threadpool(self._prepare, body, chat)
-            generation = self._start(params, ids, arrived)
+            prepared = await run_in_threadpool(self._prepare, body, chat)
+            generation = self._start(prepared, arrived)
         except CapacityError as error:
             raise RequestError(str(error), param="messages" if chat else "prompt",
                                code="context_length_exceeded") from error
-        return await self._serve(request, params, generation, chat=chat)
+        return await self._serve(request, prepared, generation, chat=chat)
+
+    async def tokenize(self, request: HttpRequest) -> Response:
+        body = _json(await self._body(request))
+        return JSONResponse(await run_in_threadpool(
+            tokenize, body, self.tokenizer, self.runtime.options.capacity, self._check_model))
+
+    async def detokenize(self, request: HttpRequest) -> Response:
+        body = _json(await self._body(request))
+        return JSONResponse(await run_in_threadpool(detokenize, body, self.tokenizer,
+                                                    self._check_model))
 
     async def models(self, request: HttpRequest) -> Response:
         return JSONResponse({"object": "list", "data": [
@@ -184,30 +222,48 @@ class _Service:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _prepare(self, body: bytes, chat: bool) -> tuple[GenerationParams, list[int]]:
-        """Parse, check and encode one request (on a worker thread: this is the work whose
-        size the client chooses); every refusal raised before any generation."""
-        params = parse_chat(_json(body)) if chat else parse_completion(_json(body))
+    def _prepare(self, body: bytes, chat: bool) -> _Prepared:
+        """Parse, check and encode one request and build its sampling (on a worker thread:
+        this is the work whose size the client chooses, the grammar's compilation included);
+        every refusal raised before any generation."""
+        document = _json(body)
+        params = parse_chat(document) if chat else parse_completion(document)
+        # parse_chat and parse_completion refused anything but a JSON object.
+        options = parse_options(cast(dict[str, Any], document), chat=chat)
         if self.draining:
             raise ClosedError("the server is shutting down")
-        if params.model is not None and params.model != self.model_name:
-            raise RequestError(f"the model {params.model!r} is not served here; this server "
-                               f"serves {self.model_name!r} (GET /v1/models)", param="model",
-                               code="model_not_found", status=404)
+        self._check_model(params.model)
         tokenizer, capacity = self.tokenizer, self.runtime.options.capacity
+        if options.constrained:
+            from onnx_chunk.structured import prepare
+
+            prepare(tokenizer)
+        if options.tool_choice == "auto":
+            template = tokenizer.chat_template
+            check_auto(None if template is None else template.source)
         if params.messages:
+            tools = options.tools if options.tool_choice != "none" else None
             ids = tokenizer.encode_chat(list(params.messages), max_tokens=capacity,
-                                        special_in_content=self.parse_special_in_content)
+                                        special_in_content=self.parse_special_in_content,
+                                        tools=tools)
         elif isinstance(params.prompt, str):
             tokenizer.check_fits(params.prompt, capacity)
             ids = tokenizer.encode(params.prompt)
         else:
             ids = list(params.prompt)
-        return params, ids
+        ends = options.end_ids(tokenizer.eos_token_ids or self.runtime.options.eos_token_ids)
+        sampling = request_sampling(options, temperature=params.temperature, top_p=params.top_p,
+                                    seed=params.seed, search=self.search, tokenizer=tokenizer,
+                                    vocab_size=self.runtime.ports.vocab_size, ends=ends)
+        if 0 < sampling.temperature < GREEDY_TEMPERATURE:
+            sampling = dataclasses.replace(sampling, temperature=0.0)
+        return _Prepared(params, options, ids, sampling, ends)
 
-    async def _serve(self, request: HttpRequest, params: GenerationParams,
-                     generation: ServedGeneration, *, chat: bool) -> Response:
-        answer = _ChatAnswer(self.model_name) if chat else _TextAnswer(self.model_name)
+    async def _serve(self, request: HttpRequest, prepared: _Prepared,
+                     generation: ServedGeneration, *, chat: bool) -> _Reply:
+        params = prepared.params
+        answer = (_ChatAnswer(self.model_name, prepared.options.tool_choice) if chat
+                  else _TextAnswer(self.model_name))
         self._live.add(generation)
         if params.stream:
             return _EventStream(self._events(generation, answer, params.include_usage),
@@ -221,38 +277,48 @@ class _Service:
         return JSONResponse(answer.whole(text, generation.finish_reason,
                                          _usage(generation)))
 
+    def _check_model(self, model: object) -> None:
+        if model is not None and model != self.model_name:
+            raise RequestError(f"the model {model!r} is not served here; this server serves "
+                               f"{self.model_name!r} (GET /v1/models)", param="model",
+                               code="model_not_found", status=404)
+
     def _ended(self, generation: ServedGeneration) -> None:
         generation.close()
         self._live.discard(generation)
 
-    def _start(self, params: GenerationParams, ids: list[int],
-               arrived: float) -> ServedGeneration:
+    def _start(self, prepared: _Prepared, arrived: float) -> ServedGeneration:
         """Submit one prepared request (every refusal raised before any work)."""
         if self.draining:
             raise ClosedError("the server is shutting down")
         runtime, tokenizer = self.runtime, self.tokenizer
+        params, ids = prepared.params, prepared.ids
         room = runtime.options.capacity - len(ids)
         if params.max_tokens is None and room < 1:
             raise CapacityError(f"the prompt has {len(ids)} tokens and the context holds "
                                 f"{runtime.options.capacity}, leaving no room for a new token; "
                                 "shorten the prompt")
-        sampling = Sampling.from_search(self.search, temperature=params.temperature,
-                                        top_p=params.top_p, seed=params.seed)
-        if 0 < sampling.temperature < GREEDY_TEMPERATURE:
-            sampling = dataclasses.replace(sampling, temperature=0.0)
-        request = runtime.submit(ids, params.max_tokens or room,
-                                 eos_token_id=tokenizer.eos_token_ids or None,
-                                 sampling=sampling)
-        return ServedGeneration(request, TokenText(tokenizer, params.stop), len(ids), arrived,
-                                self.metrics)
+        request = runtime.submit(ids, params.max_tokens or room, eos_token_id=prepared.ends,
+                                 sampling=prepared.sampling)
+        text = TokenText(tokenizer, params.stop, end_ids=prepared.ends,
+                         min_tokens=prepared.options.min_tokens)
+        return ServedGeneration(request, text, len(ids), arrived, self.metrics)
 
     async def _events(self, generation: ServedGeneration, answer: _Answer,
-                      include_usage: bool) -> AsyncIterator[bytes]:
+                      include_usage: bool) -> AsyncGenerator[bytes, None]:
         try:
             yield _event(answer.chunk(answer.opening, None))
-            async for piece in generation.pieces():
-                yield _event(answer.chunk(piece, None))
-            yield _event(answer.chunk(answer.closing, generation.finish_reason))
+            if answer.whole_output:
+                # A tool answer is known once the output is whole: it comes as one delta.
+                message, reason = answer.message(await _collect(generation.pieces()),
+                                                 generation.finish_reason)
+                message.pop("role")
+                yield _event(answer.chunk(_delta(message), None))
+            else:
+                async for piece in generation.pieces():
+                    yield _event(answer.chunk(piece, None))
+                reason = generation.finish_reason
+            yield _event(answer.chunk(answer.closing, reason))
             if include_usage:
                 yield _event(answer.usage_chunk(_usage(generation)))
             yield b"data: [DONE]\n\n"
@@ -302,8 +368,9 @@ def _error_answer(error: Exception) -> tuple[int, dict[str, Any], dict[str, str]
                            "server_error", code="internal_error"), {}
 
 
-async def _http_error(request: HttpRequest, error: HTTPException) -> Response:
+async def _http_error(request: HttpRequest, error: Exception) -> Response:
     """Starlette's own refusals (unknown route, wrong method) in OpenAI's shape."""
+    assert isinstance(error, HTTPException)  # the handler is registered for it alone
     return JSONResponse(error_body(f"{request.method} {request.url.path}: {error.detail}",
                                    "invalid_request_error", code=str(error.status_code)),
                         status_code=error.status_code, headers=error.headers)
@@ -371,7 +438,7 @@ class _EventStream:
     a disconnect cancels the stream at once (Starlette's StreamingResponse only notices one
     at its next write), then `on_end` runs."""
 
-    def __init__(self, events: AsyncIterator[bytes], on_end: Callable[[], None]) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None], on_end: Callable[[], None]) -> None:
         self._events = events
         self._on_end = on_end
 
@@ -392,6 +459,18 @@ class _EventStream:
             await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return ""
+
+
+def _delta(message: dict[str, Any]) -> dict[str, Any]:
+    """A whole message as one streamed delta (tool calls with their index)."""
+    calls = message.get("tool_calls")
+    if calls:
+        message["tool_calls"] = [{"index": index, **call} for index, call in enumerate(calls)]
+    return message
+
+
+# What an endpoint replies: a whole response, or a stream of events.
+_Reply = Response | _EventStream
 
 
 def _event(payload: dict[str, Any]) -> bytes:
@@ -416,6 +495,15 @@ class _Answer(abc.ABC):
     prefix: str
     opening: Any
     closing: Any
+
+    # Whether the answer is made from the whole output (tool calls), not piece by piece.
+    whole_output = False
+
+    def message(self, text: str, finish_reason: str | None
+                ) -> tuple[dict[str, Any], str | None]:
+        """The message of the whole output and its finish reason (`whole_output` answers)."""
+        raise TypeError(f"{type(self).__name__} answers piece by piece, not from the whole "
+                        "output")
 
     def __init__(self, model: str) -> None:
         self.model = model
@@ -453,9 +541,20 @@ class _ChatAnswer(_Answer):
     opening = {"role": "assistant", "content": ""}
     closing: dict[str, str] = {}
 
+    def __init__(self, model: str, tool_choice: str = "none") -> None:
+        super().__init__(model)
+        self.tool_choice = tool_choice
+        self.whole_output = tool_choice != "none"
+
+    def message(self, text: str, finish_reason: str | None
+                ) -> tuple[dict[str, Any], str | None]:
+        """The assistant message of the whole output and its finish reason (tool calls)."""
+        return tool_message(text, finish_reason, self.tool_choice)
+
     def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": finish_reason}
+        message, finish_reason = self.message(text, finish_reason)
+        return {"index": 0, "message": message, "logprobs": None,
+                "finish_reason": finish_reason}
 
     def chunk_choice(self, piece: Any, finish_reason: str | None) -> dict[str, Any]:
         delta = {"content": piece} if isinstance(piece, str) else piece

@@ -10,10 +10,9 @@ Pure functions (no ONNX Runtime, no HTTP): a decoded JSON body in, a `Generation
    [0, 2]; `top_p` a number in (0, 1];
    `seed` an integer >= 0; `stop` a string or up to 4 strings; `n` 1; `stream` a boolean;
    `stream_options.include_usage` a boolean.
-3. Booleans are not numbers; fields the server does not use (`user`, `presence_penalty`, ...)
-   are ignored as OpenAI's own server ignores what a model does not support; options that
-   would change the answer's shape and are not implemented (`logprobs`, `echo`,
-   `best_of` > 1, `tools`) are refused, never silently dropped.
+3. Booleans are not numbers; the sampling, structured-output and tool fields, the fields
+   refused until they are built, and unknown fields are read by `parameters.parse_options`.
+   Messages keep their tool fields (`tool_calls`, `tool_call_id`, `name`; see tools.py).
 4. Text (prompt, roles, contents, stop strings) must be encodable as UTF-8: JSON's `\ud800`
    escapes can spell a lone surrogate, which is no text (refused, naming the field).
 """
@@ -27,7 +26,7 @@ from typing import Any
 from onnx_chunk.errors import InputError
 
 MAX_STOPS = 4
-_REFUSED = ("logprobs", "top_logprobs", "echo", "tools", "functions", "suffix")
+_REFUSED = ("logprobs", "top_logprobs", "echo", "functions", "suffix")
 
 
 class RequestError(InputError):
@@ -141,13 +140,18 @@ def _message(message: object, index: int) -> Mapping[str, str]:
         raise RequestError(f"{where}.role must be a non-empty string, got {_shown(role)}",
                            param=f"{where}.role")
     _text(role, f"{where}.role")
+    if role == "assistant" and message.get("tool_calls") and content is None:
+        content = ""
     if isinstance(content, list):
         content = "".join(_text_part(part, f"{where}.content[{number}]")
                           for number, part in enumerate(content))
     if not isinstance(content, str):
         raise RequestError(f"{where}.content must be a string or a list of text parts, got "
                            f"{_shown(content)}", param=f"{where}.content")
-    return {"role": role, "content": _text(content, f"{where}.content")}
+    from onnx_chunk.serve.tools import tool_fields  # tools.py reads this module's errors
+
+    return {"role": role, "content": _text(content, f"{where}.content"),
+            **tool_fields(message, where)}
 
 
 def _text_part(part: object, where: str) -> str:

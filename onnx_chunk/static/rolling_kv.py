@@ -1,6 +1,6 @@
 """A KV cache of fixed capacity C whose valid content is right-aligned: a conveyor belt.
 
-Seed 001, sections two and three. A static decoder takes past K/V of exactly C positions per
+A static decoder takes past K/V of exactly C positions per
 layer. Each forward's new K/V (c positions) goes in on the right and the same number of oldest
 positions drops off the left: concatenate, then keep the last C. While at most C positions have
 been seen nothing real is lost and the result equals ordinary prefill; beyond that the cache is a

@@ -14,14 +14,14 @@ handed the slot to another request; the turn then prefills more, with the same t
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence as SequenceOf
+from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from onnx_chunk.errors import CapacityError
 from onnx_chunk.sampling import Sampling
-from onnx_chunk.text.generation import (Completion, EngineTokens, TextGeneration,
-                                        default_sampling)
+from onnx_chunk.text.generation import Completion, EngineTokens, TextGeneration, default_sampling
 from onnx_chunk.text.stops import check_stops
 
 if TYPE_CHECKING:
@@ -135,6 +135,7 @@ class Conversation:
         yield from generation
         self._reply_open = False
         completion = generation.completion
+        assert completion is not None and completion.stats is not None  # set at the end
         reused = completion.stats.cached_tokens
         self.last_turn = TurnStats(tuple(fed[reused:]), reused, how)
         self.last_completion = completion

@@ -2,9 +2,9 @@
 
 argv[1] is a JSON object: model, prompts (lists of token ids), new_tokens, chunk_size,
 padding (true/false/null), mask_policy (null: the provider's), specialize (null: the
-provider's default, on CPU one shape-generic session; true: per-width variants), warm (create the decode
-variant, and every ladder variant when padding is on, before the first request, as a server
-does at start; the widths of unpadded chunks cannot be known before), eos, capacity (null:
+provider's default, on CPU one shape-generic session; true: per-width variants), warm (create
+the decode variant, and every ladder variant when padding is on, before the first request, as a
+server does at start; the widths of unpadded chunks cannot be known before), eos, capacity (null:
 the model's maximum sequence length).
 Prints one JSON object: load_s (load and warm-up) and one result per prompt, served in order
 by one runtime.
@@ -24,7 +24,8 @@ from onnx_chunk.runtime.caches.variant_cache import variant_key
 def _warm(runtime: rt.Runtime) -> None:
     widths = (*runtime.options.tiers, DECODE_WIDTH) if runtime.padding else (DECODE_WIDTH,)
     for width in widths:
-        with runtime.cache.acquire(variant_key(width, runtime.options.tiers, runtime.options.specialize)):
+        options = runtime.options
+        with runtime.cache.acquire(variant_key(width, options.tiers, options.specialize)):
             pass
 
 

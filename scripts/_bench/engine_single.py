@@ -15,8 +15,15 @@ from pathlib import Path
 
 from . import environment as env
 from .child import ChildFailed, run_child
-from .harness import (format_value, markdown_table, ratio, round_order, seeded_prompt,
-                      summarize, verdict)
+from .harness import (
+    format_value,
+    markdown_table,
+    ratio,
+    round_order,
+    seeded_prompt,
+    summarize,
+    verdict,
+)
 
 CURRENT, BASELINE = "current", "baseline"
 PATHS = ("generate", "submit")

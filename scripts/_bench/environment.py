@@ -13,8 +13,8 @@ WORKERS = Path(__file__).resolve().parent
 DEFAULT_OUT = ROOT / "bench-out"
 GENAI_VERSION = "0.18.0"
 # The peer venv: onnxruntime-genai with the CPU onnxruntime it needs, and transformers (no
-# torch; jinja2 renders its chat templates) for the tokenizer and chat-template parity checks. Pinned, so a peer's answer only
-# changes when these lines do.
+# torch; jinja2 renders its chat templates) for the tokenizer and chat-template parity checks.
+# Pinned, so a peer's answer only changes when these lines do.
 PEER_REQUIREMENTS = (f"onnxruntime-genai=={GENAI_VERSION}", "onnxruntime==1.31.1",
                      "transformers==5.24.0", "jinja2==3.1.6")
 _PEER_PROBE = ("import importlib.metadata as m; "

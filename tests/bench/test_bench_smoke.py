@@ -224,8 +224,12 @@ def test_the_load_worker_runs_genai_without_importing_onnx_chunk(reference_model
 
 def test_forward_flops_count_every_weight_once_per_row_and_causal_keys():
     from onnx_chunk.models.config import config_for
-    from scripts._bench.flops import (attention_flops_per_key, forward_flops,
-                                      generation_flops, linear_flops_per_row)
+    from scripts._bench.flops import (
+        attention_flops_per_key,
+        forward_flops,
+        generation_flops,
+        linear_flops_per_row,
+    )
 
     for config in (config_for("bench"), config_for("tiny"), config_for("tiny", conv_layers=(0,))):
         h = config.hidden_size

@@ -9,8 +9,13 @@ import pytest
 from onnx_chunk.errors import ConfigError, ModelLoadError
 from onnx_chunk.runtime import load
 from onnx_chunk.runtime.caches import variant_pool
-from onnx_chunk.runtime.caches.cuda_graphs import (SKIP_CAPTURE, capturable, graph_id, graph_runs,
-                                            session_captures)
+from onnx_chunk.runtime.caches.cuda_graphs import (
+    SKIP_CAPTURE,
+    capturable,
+    graph_id,
+    graph_runs,
+    session_captures,
+)
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 from onnx_chunk.runtime.device.session_factory import SessionFactory
 

@@ -18,11 +18,16 @@ import pytest
 from onnx_chunk.errors import ClosedError, ConfigError
 from onnx_chunk.runtime import load
 from onnx_chunk.runtime.caches import variant_pool
-from onnx_chunk.runtime.caches.cuda_graphs import (CAPTURE_GATE, RUNS_BEFORE_CAPTURE, SKIP_CAPTURE,
-                                            CaptureGate, graph_id)
+from onnx_chunk.runtime.caches.cuda_graphs import (
+    CAPTURE_GATE,
+    RUNS_BEFORE_CAPTURE,
+    SKIP_CAPTURE,
+    CaptureGate,
+    graph_id,
+)
 from onnx_chunk.runtime.device.provider import Device
-from onnx_chunk.runtime.engine.sequence_pool import SequencePool
 from onnx_chunk.runtime.device.session_factory import SessionFactory
+from onnx_chunk.runtime.engine.sequence_pool import SequencePool
 from tests.cuda.test_device_inputs import DEVICE, PROMPT
 
 

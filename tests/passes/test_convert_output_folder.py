@@ -13,7 +13,6 @@ import pytest
 
 from onnx_chunk import model_io
 from onnx_chunk.cli import main
-
 from tests.cli_output import one_error_line
 
 DATA = "model.onnx.data"

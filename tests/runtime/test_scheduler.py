@@ -7,10 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from onnx_chunk.errors import ConfigError, QueueFullError
-from onnx_chunk.runtime.runner.attention_mask import decode_mask, mask_kind
-from onnx_chunk.runtime.runner.idle_rows import evicting_rows
-from onnx_chunk.runtime.device.provider import device_for
-from onnx_chunk.runtime.device.provider import MaskPolicy
+from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 from onnx_chunk.runtime.engine.kv_window import rewind_is_exact
 from onnx_chunk.runtime.engine.scheduler import (
     KeptPrefix,
@@ -20,6 +17,8 @@ from onnx_chunk.runtime.engine.scheduler import (
     prefill_picks,
     shared_prefix,
 )
+from onnx_chunk.runtime.runner.attention_mask import decode_mask, mask_kind
+from onnx_chunk.runtime.runner.idle_rows import evicting_rows
 
 
 def test_the_queue_is_fifo_bounded_and_says_when_it_is_full():

@@ -5,8 +5,13 @@ from __future__ import annotations
 import pytest
 
 from onnx_chunk.errors import InputError
-from onnx_chunk.serve.protocol import (GenerationParams, RequestError, error_body, parse_chat,
-                                       parse_completion)
+from onnx_chunk.serve.protocol import (
+    GenerationParams,
+    RequestError,
+    error_body,
+    parse_chat,
+    parse_completion,
+)
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -14,7 +19,8 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 def test_a_chat_body_with_every_option():
     params = parse_chat({"model": "m", "messages": [
         {"role": "system", "content": "be terse"},
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        {"role": "user",
+         "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
         "max_completion_tokens": 9, "temperature": 0, "top_p": 0.5, "seed": 3, "stop": "x",
         "stream": True, "stream_options": {"include_usage": True}, "n": 1, "user": "ignored"})
     assert params == GenerationParams(

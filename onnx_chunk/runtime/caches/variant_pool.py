@@ -27,11 +27,18 @@ from dataclasses import dataclass, field
 import onnxruntime as ort
 
 from onnx_chunk.ladder import DECODE_WIDTH
-from onnx_chunk.runtime.caches.cuda_graphs import (CAPTURE_GATE, GraphRuns, capturable, graph_runs,
-                                            release_graphs, session_captures, uncaptured)
+from onnx_chunk.runtime.caches.cuda_graphs import (
+    CAPTURE_GATE,
+    GraphRuns,
+    capturable,
+    graph_runs,
+    release_graphs,
+    session_captures,
+    uncaptured,
+)
+from onnx_chunk.runtime.caches.variant_cache import VariantCache, VariantKey, key_label
 from onnx_chunk.runtime.device.memory import MemoryMeter
 from onnx_chunk.runtime.device.session_factory import SessionFactory
-from onnx_chunk.runtime.caches.variant_cache import VariantCache, VariantKey, key_label
 
 logger = logging.getLogger(__name__)
 

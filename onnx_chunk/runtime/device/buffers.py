@@ -32,8 +32,8 @@ import onnxruntime as ort
 
 from onnx_chunk.errors import ProviderError
 from onnx_chunk.runtime.device.memory import cudart
-from onnx_chunk.runtime.runner.ports import BufferPort
 from onnx_chunk.runtime.device.provider import Device
+from onnx_chunk.runtime.runner.ports import BufferPort
 
 logger = logging.getLogger(__name__)
 

@@ -192,7 +192,7 @@ def resolve_device(provider: str = "auto", device_id: int = 0,
     return chosen
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_failure(device_id: int) -> str | None:
     """None when a CUDA session can be created on `device_id`, else why it cannot."""
     return probe_cuda(device_id)

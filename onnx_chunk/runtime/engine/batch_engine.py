@@ -310,7 +310,7 @@ class BatchEngine:
         picks = prefill_picks([[end - begin for begin, end in row.chunks]
                                for _, row in prefilling], self.budget)
         ran = 0
-        for (index, row), count in zip(prefilling, picks):
+        for (_, row), count in zip(prefilling, picks):
             for _ in range(count):
                 if row.request.done:
                     break

@@ -3,7 +3,8 @@
 A sequence is request state: its slot of buffers (`sequence_pool`), its logical length, its
 stats, and the busy/closed rules below; it is a thin view over the model runner
 (`model_runner`), which runs each of its forwards as it runs the batch engine's, and its
-generation ends by the requests' one rule (`request.finish_reason`). A prompt longer than the chunk width W is fed chunk by chunk (the last one at the
+generation ends by the requests' one rule (`request.finish_reason`). A prompt longer than the
+chunk width W is fed chunk by chunk (the last one at the
 remainder width, `scheduler.prefill_chunks`), and only the last chunk's logits reach the host.
 
 A sequence's buffers are a slot of the runtime's sequence pool: `close()` (or leaving a `with`
@@ -168,7 +169,8 @@ class Sequence:
         """Generation: the new tokens (stopping after an end-of-sequence id if one comes).
 
         `eos_token_id`: one id or a sequence of ids, each in [0, vocab); None: the runtime's
-        (`Runtime.options.eos_token_ids`). `sampling` chooses each token (default greedy: the argmax).
+        (`Runtime.options.eos_token_ids`). `sampling` chooses each token (default greedy: the
+        argmax).
         The last token returned is not fed back, so the sequence then holds
         len(prompt) + len(tokens) - 1 positions more than before.
         """
