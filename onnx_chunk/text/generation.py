@@ -107,9 +107,9 @@ class TextGeneration:
 
     `source` gives the tokens (`EngineTokens`: the batch engine). Every check (the prompt's
     ids, max_new_tokens, the stop strings, the room left) runs at construction, before any
-    work. `completion` is set once the iteration has ended. `ignore_eos`, `stop_token_ids` and `min_tokens` are vLLM's: the EOS ids do not end it,
-    these ids end it too, and neither an end id nor a stop string ends it before
-    `min_tokens` new tokens.
+    work. `completion` is set once the iteration has ended. `ignore_eos`, `stop_token_ids`
+    and `min_tokens` are vLLM's: the EOS ids do not end it, these ids end it too, and neither
+    an end id nor a stop string ends it before `min_tokens` new tokens.
     """
 
     def __init__(self, source: EngineTokens, tokenizer: Tokenizer,

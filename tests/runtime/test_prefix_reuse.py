@@ -11,7 +11,8 @@ import pytest
 
 from onnx_chunk.cli import main
 from onnx_chunk.errors import ConfigError
-from onnx_chunk.runtime import load, model as runtime_model
+from onnx_chunk.runtime import load
+from onnx_chunk.runtime import model as runtime_model
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 from tests.exports.corpus import GENAI, fixtures
 
