@@ -124,11 +124,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="reference decoder presets to measure (default bench and tiny)")
     args = parser.parse_args(argv)
     repetitions, new_tokens = (2, 8) if args.quick else (args.repetitions, NEW_TOKENS)
-    presets = args.preset or ["bench", "tiny"]
+    if args.model is not None and args.preset:
+        parser.error("--model and --preset name the model twice; pass one of them")
+    models = ({env.named_export(args.model)[0]: env.source_model(args, "bench")} if args.model
+              else {preset: env.build_model(args.out, preset, args.variant)
+                    for preset in args.preset or ["bench", "tiny"]})
     rows, results = [], {}
     profiles = []
-    for preset in presets:
-        model = env.build_model(args.out, preset, args.variant)
+    for preset, model in models.items():
         config = env.model_config(model)
         prompt = seeded_prompt(PROMPT_TOKENS, config["vocab_size"])
         runtime = rt.load(model, provider="cpu", chunk_size=CHUNK_SIZE)

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     repetitions, new_tokens = (2, 8) if args.quick else (args.repetitions, NEW_TOKENS)
     workload = (40, 150, 300) if args.quick else WORKLOAD
-    model = env.build_model(args.out, "bench", args.variant)
+    model = env.source_model(args, "bench")
     config = env.model_config(model)
     prompts = [seeded_prompt(length, config["vocab_size"]) for length in workload]
     policies = [policy.value for policy in MaskPolicy]
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             child = run_child(env.worker_argv(sys.executable, "chunk_worker", {
                 "model": str(model), "prompts": prompts, "new_tokens": new_tokens,
                 "chunk_size": CHUNK_SIZE, "padding": switch == "on", "mask_policy": policy,
-                "specialize": MODES[mode], "warm": False, "eos": env.EOS_TOKEN_ID}),
+                "specialize": MODES[mode], "warm": False, "eos": config["eos_token_ids"]}),
                 timeout_s=900)
             payload = child.payload
             runs[system].append({"total_s": [r["total_s"] for r in payload["results"]],

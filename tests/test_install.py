@@ -117,7 +117,7 @@ def test_without_posix_only_modules_the_package_converts_and_generates(reference
             sys.modules[name] = None
         del signal.SIGHUP
         from onnx_chunk.cli import main
-        from onnx_chunk.runtime import memory
+        from onnx_chunk.runtime.device import memory
         assert memory.peak_rss_bytes() is None
         assert main(["convert", {str(reference_model())!r}, "-o", {str(converted)!r},
                      "--chunk-size", "8"]) == 0

@@ -86,9 +86,6 @@ def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants
         click.echo(f"{model_path} is already converted with these settings; nothing written")
         return
     to_copy = _bytes_to_copy(external_data_files(model), output.parent.resolve() / output.name)
-    # onnxruntime-genai reads search.chunk_size from the output's genai_config.json, so it
-    # prefills that folder in the same chunks.
-    chunk_width = plan.chunk_size if plan is not None else None
     with byte_progress("copying weights", wanted(quiet) and to_copy >= _PROGRESS_BYTES) as bar:
         copied = 0
 
@@ -99,7 +96,7 @@ def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants
                 bar(copied, to_copy)
 
         companions = save_model(model, output, progress=progress,
-                                companions_from=model_path.parent, chunk_size=chunk_width)
+                                companions_from=model_path.parent)
     click.echo(f"wrote {output}" + (f" (with {', '.join(companions)})" if companions else ""))
     for line in plan_summary(plan):
         click.echo(f"  {line}")

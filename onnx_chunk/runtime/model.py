@@ -370,6 +370,7 @@ class Runtime:
         A property; the old call `runtime.stats` still works and warns (DeprecationWarning).
         """
         options = self.options
+        graphs = self.variants.graphs.snapshot()
         return RuntimeStats(
             provider=self.provider,
             device=self.device.label,
@@ -386,11 +387,14 @@ class Runtime:
             weights_resident_bytes=self.weights.resident_bytes,
             sessions_created=self.factory.sessions_created,
             cache=self.cache.snapshot(),
-            graph_widths=tuple(sorted(self.variants.graph_widths)),
-            graphs_captured=self.variants.graphs.captured,
-            graphs_by_width=dict(self.variants.graphs.by_width),
-            graphs_released=self.variants.graphs.released,
-            graph_fallbacks=dict(self.variants.graphs.fallbacks),
+            sessions=self.factory.sessions_alive,
+            weights_copies=self.factory.weights_copies,
+            graphs=graphs,
+            graph_widths=tuple(sorted(graphs.by_width)),
+            graphs_captured=graphs.captures,
+            graphs_by_width=dict(graphs.by_width),
+            graphs_released=graphs.released + graphs.evictions,
+            graph_fallbacks=dict(graphs.fallbacks),
             sequences=self.pool.stats(),
             max_batch=options.max_batch,
             prefix_reuse=options.prefix_reuse,

@@ -19,7 +19,8 @@ Rules of `resolve_options`:
 5. Ladder: the plan's when its chunk size is kept and no max_variants is given, else one built
    for the chunk size and the variant cap (the plan's, or the argument).
 6. Specialisation: the argument, else the device's default; padding: the argument, the
-   environment or the mode's default (on unless shape-generic), and the plan may refuse it.
+   environment or the mode's default (on with per-width sessions or CUDA graphs, whose ladder
+   tiers capture; off on the one CPU session), and the plan may refuse it.
 7. Fixed dims: the ports', less the batch axis above one slot, plus a capacity-wide mask under
    the capacity mask policy.
 """
@@ -37,6 +38,7 @@ from onnx_chunk.ladder import DECODE_WIDTH, ladder_tiers
 from onnx_chunk.metadata import ChunkPlan, check_window_capacity
 from onnx_chunk.model_file import ModelFile
 from onnx_chunk.model_folder import GenaiConfig
+from onnx_chunk.runtime.caches.cuda_graphs import capturable
 from onnx_chunk.runtime.caches.variant_cache import EXACT, Specialize, VariantKey, variant_key
 from onnx_chunk.runtime.device.provider import Device, MaskPolicy, device_for
 from onnx_chunk.runtime.engine.batch_engine import DEFAULT_MAX_QUEUE
@@ -145,9 +147,11 @@ def resolve_options(args: LoadArguments, *, plan: ChunkPlan, genai: GenaiConfig,
     specialize = device.specialize if args.specialize is None else args.specialize
     if specialize not in (True, False, EXACT):
         raise ConfigError(f"specialize must be True, False or {EXACT!r}, got {specialize!r}")
-    # Padding pays only where a padded chunk reuses a variant built for its width.
+    # Padding pays only where a padded chunk reuses a variant built for its width, or a CUDA
+    # graph captured at it (the ladder tiers capture on the one CUDA session).
+    graphs = capturable(device)
     padding, refused = resolve_padding(plan.padding, args.padding,
-                                       default=specialize is not False)
+                                       default=specialize is not False or graphs)
     return RuntimeOptions(
         device=device,
         capacity=capacity,
@@ -160,9 +164,10 @@ def resolve_options(args: LoadArguments, *, plan: ChunkPlan, genai: GenaiConfig,
         padding=padding,
         padding_refused=refused,
         fixed_dims=fixed_dims(ports, device, capacity, args.max_batch),
-        # Off the host, a specialised prefill width returns only the logits row a forward
-        # needs (logits_row), so no sequence keeps a [1, W, vocab] buffer per width.
-        select_rows=(not device.host_visible and specialize is not False
+        # Off the host, a prefill width of a specialised session, or of a session that captures
+        # graphs, returns only the logits row a forward needs (logits_row), so no sequence
+        # keeps a [1, W, vocab] buffer per width.
+        select_rows=(not device.host_visible and (specialize is not False or graphs)
                      and not ports.last_row_logits),
         eos_token_ids=eos_token_ids,
         pad_token_id=genai.pad_token_id,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
+from onnx_chunk.runtime.caches.graph_cache import GraphStats
 from onnx_chunk.runtime.caches.variant_cache import CacheStats
 from onnx_chunk.runtime.engine.sequence_pool import PoolStats
 
@@ -60,10 +61,15 @@ class RuntimeStats:
     `weights_copied_per_variant`, every CUDA session copies them to the device; either way
     the cache's reading of a session includes its copy); `weights_resident_bytes`: what
     loading the shared weights made the process (CPU) or the device (CUDA) hold.
-    `graph_widths`: the variant widths whose sessions were built to capture CUDA graphs;
-    `graphs_captured` / `graphs_released`: graphs captured and released so far (a graph freed
-    with its evicted session is not counted as released), `graphs_by_width` the captures per
-    width; `graph_fallbacks`: the widths whose
+    `sessions`: ONNX Runtime sessions alive now (created and not yet freed);
+    `weights_copies`: copies of the weights held now, on the device and on the host, counted
+    from the sessions that own one (a session given shared initializers owns none, unless it
+    copies them to its device or pre-packs them) plus the shared host copy (see
+    session_factory). `graphs`: the CUDA graph cache's counters (alive, captures, replays,
+    evictions, bytes; see graph_cache); `graph_widths`: the widths at which graphs were
+    captured; `graphs_captured` / `graphs_released`: graphs captured and released so far
+    (evicted or with their slot; a graph freed with its session is not counted as released),
+    `graphs_by_width` the captures per width; `graph_fallbacks`: the widths whose
     capture failed, with the reason (they run without a graph); `sequences`: the sequence
     pool's counters (buffer sets made, reused, freed, idle); `max_batch`: the batch engine's
     slots, `prefix_reuse` whether its slots keep their prefix for later requests, `engine` its
@@ -85,6 +91,9 @@ class RuntimeStats:
     weights_shared: bool = True
     weights_resident_bytes: int | None = None
     weights_copied_per_variant: bool = False
+    sessions: int = 0
+    weights_copies: int = 0
+    graphs: GraphStats = field(default_factory=lambda: GraphStats(cap=0))
     graph_widths: tuple[int, ...] = ()
     graphs_captured: int = 0
     graphs_released: int = 0
