@@ -22,7 +22,8 @@ ratios (medians over rounds, with their spread), with the load average before an
         [--max-tokens 16] [--rounds 3] [--batch 2] [--capacity 2048] [--json out.json]
 
 MODEL defaults to the 0.5B-shaped builder export `qwen05-int4` of the bench models
-(~/.cache/onnx-chunk/bench-models/); it needs a tokenizer and a chat template.
+(scripts/_bench/models.py: $ONNX_CHUNK_BENCH_MODELS or ~/.cache/onnx-chunk/bench-models/;
+scripts/make_bench_models.py builds it); it needs a tokenizer and a chat template.
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ from scripts._bench.harness import (  # noqa: E402
     summarize,
     verdict,
 )
+from scripts._bench.models import BenchModelMissing, bench_model  # noqa: E402
 
-DEFAULT_MODEL = Path.home() / ".cache" / "onnx-chunk" / "bench-models" / "qwen05-int4"
+DEFAULT_MODEL = "qwen05-int4"
 SYSTEMS = ("reuse", "no reuse")
 TTFT_SUM = "onnx_chunk_time_to_first_token_seconds_sum"
 REUSE_GOAL = 5.0
@@ -139,7 +141,8 @@ def conversation(server: Server, users: list[str], max_tokens: int) -> list[dict
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                        help="a model folder, or a bench model's name (default qwen05-int4)")
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=150)
     parser.add_argument("--max-tokens", type=int, default=16)
@@ -149,6 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--provider", default="cpu", choices=("cpu", "cuda", "auto"))
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
+    if Path(args.model).is_dir():
+        args.model = Path(args.model)
+    else:
+        try:
+            args.model = bench_model(args.model).parent
+        except BenchModelMissing as error:
+            parser.error(str(error))
     if not (args.model / "tokenizer.json").is_file():
         parser.error(f"{args.model} has no tokenizer.json: pass a model folder with a "
                      "tokenizer and a chat template")
