@@ -108,6 +108,9 @@ class Runtime:
         free (prefill chunks run at batch 1, decode at `max_batch` rows); the batched decode
         captures a CUDA graph like any other binding (see docs/engine.md).
     max_queue: how many submitted requests may wait for a slot (QueueFullError beyond).
+    prefix_reuse: whether an engine slot keeps its KV after its request ends, for a later
+        request whose prompt starts with the same ids to reuse (default True; see
+        docs/engine.md, "Prefix reuse").
 
     `close()` (or leaving a `with` block) frees the sessions and buffers at once; a runtime is
     also freed as soon as its last reference (and every sequence's) goes.
@@ -132,6 +135,7 @@ class Runtime:
         idle_sequences: int = DEFAULT_IDLE_SLOTS,
         max_batch: int = 1,
         max_queue: int = DEFAULT_MAX_QUEUE,
+        prefix_reuse: bool = True,
     ) -> None:
         # Two ONNX Runtime wheels in one folder overwrite each other's module: say so first.
         check_one_wheel()
@@ -140,7 +144,7 @@ class Runtime:
             padding=padding, specialize=specialize, max_variants=max_variants,
             mask_policy=mask_policy, intra_op_threads=intra_op_threads, cuda_graphs=cuda_graphs,
             device=device, idle_sequences=idle_sequences, max_batch=max_batch,
-            max_queue=max_queue))
+            max_queue=max_queue, prefix_reuse=prefix_reuse))
         check_utf8_path(model_path)
         location = locate_model(model_path)
         self.model_path: Path = location.onnx_path
@@ -315,7 +319,8 @@ class Runtime:
                              capacity=options.capacity, chunk_size=options.chunk_size,
                              masks=self.masks, take_number=self.pool.take_number,
                              give_number=self.pool.give_number,
-                             release_graphs=self.variants.release_slot)
+                             release_graphs=self.variants.release_slot,
+                             prefix_reuse=options.prefix_reuse)
 
     def close(self) -> None:
         """Free the sessions, the pooled sequence buffers and their CUDA graphs now.
@@ -420,6 +425,7 @@ class Runtime:
             graph_fallbacks=dict(graphs.fallbacks),
             sequences=self.pool.stats(),
             max_batch=options.max_batch,
+            prefix_reuse=options.prefix_reuse,
             engine=None if self._engine is None else self._engine.stats,
         )
 

@@ -70,6 +70,7 @@ class LoadArguments:
     idle_sequences: int = DEFAULT_IDLE_SLOTS
     max_batch: int = 1
     max_queue: int = DEFAULT_MAX_QUEUE
+    prefix_reuse: bool = True
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ class RuntimeOptions:
     max_queue: int
     idle_sequences: int
     intra_op_threads: int | None
+    prefix_reuse: bool = True
 
 
 def checked_arguments(args: LoadArguments) -> LoadArguments:
@@ -110,6 +112,8 @@ def checked_arguments(args: LoadArguments) -> LoadArguments:
     for name, value in (("padding", args.padding), ("cuda_graphs", args.cuda_graphs)):
         if value is not None and not isinstance(value, bool):
             raise ConfigError(f"{name} must be True, False or None, got {value!r}")
+    if not isinstance(args.prefix_reuse, bool):
+        raise ConfigError(f"prefix_reuse must be True or False, got {args.prefix_reuse!r}")
     return dataclasses.replace(
         args,
         idle_sequences=arguments.integer(args.idle_sequences, "idle_sequences", minimum=0,
@@ -171,6 +175,7 @@ def resolve_options(args: LoadArguments, *, plan: ChunkPlan, genai: GenaiConfig,
         max_queue=args.max_queue,
         idle_sequences=args.idle_sequences,
         intra_op_threads=args.intra_op_threads,
+        prefix_reuse=args.prefix_reuse,
     )
 
 

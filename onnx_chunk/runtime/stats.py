@@ -72,7 +72,8 @@ class RuntimeStats:
     `graphs_by_width` the captures per width; `graph_fallbacks`: the widths whose
     capture failed, with the reason (they run without a graph); `sequences`: the sequence
     pool's counters (buffer sets made, reused, freed, idle); `max_batch`: the batch engine's
-    slots, `engine` its counters (None until the first submit).
+    slots, `prefix_reuse` whether its slots keep their prefix for later requests, `engine` its
+    counters (None until the first submit).
     """
 
     provider: str
@@ -100,6 +101,7 @@ class RuntimeStats:
     graph_fallbacks: dict[int | str, str] = field(default_factory=dict)
     sequences: PoolStats = field(default_factory=PoolStats)
     max_batch: int = 1
+    prefix_reuse: bool = True
     engine: EngineStats | None = None
 
     def __call__(self) -> RuntimeStats:
@@ -126,6 +128,9 @@ class EngineCounters:
     completed: int = 0
     cancelled: int = 0
     failed: int = 0
+    prefix_hits: int = 0
+    prefix_reused_tokens: int = 0
+    prefix_refused: int = 0
 
 
 @dataclass
@@ -140,7 +145,11 @@ class EngineStats(EngineCounters):
     `longest_decode_gap_s`: the longest time between two decode forwards while sequences
     were decoding (what a running request sees as its slowest token); `prefill_s` /
     `decode_s`: the time spent in prefill chunks and in batched decode steps; `completed`,
-    `cancelled`, `failed`: requests that ended so.
+    `cancelled`, `failed`: requests that ended so; `prefix_hits`: requests admitted to a slot
+    whose kept prefix they reused, `prefix_reused_tokens` the prompt ids not fed again for
+    them; `prefix_refused`: requests whose prompt shared more kept ids with their slot than
+    they could reuse (a recurrent state kept for another length, a window-sized cache that
+    evicted what the shorter prefix needs).
     """
 
     slots: int = 0

@@ -542,14 +542,17 @@ def _event(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
 
-def _usage(generations: list[ServedGeneration], n: int) -> dict[str, int]:
+def _usage(generations: list[ServedGeneration], n: int) -> dict[str, Any]:
     """Tokens of every prompt (once, however many of its `n` choices there are) and of every
-    choice."""
-    prompt = sum(generation.prompt_tokens for generation in generations
-                 if generation.index % n == 0)
+    choice; `prompt_tokens_details.cached_tokens`: the prompt ids whose KV a slot kept from an
+    earlier request (prefix reuse), as OpenAI and vLLM report them."""
+    firsts = [generation for generation in generations if generation.index % n == 0]
+    prompt = sum(generation.prompt_tokens for generation in firsts)
+    cached = sum(generation.request.stats.cached_tokens for generation in firsts)
     completion = sum(generation.completion_tokens for generation in generations)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class _Answer(abc.ABC):
@@ -587,7 +590,7 @@ class _Answer(abc.ABC):
     def _head(self, name: str) -> dict[str, Any]:
         return {"id": self.id, "object": name, "created": self.created, "model": self.model}
 
-    def whole(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
+    def whole(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
         return {**self._head(self.object_name), "choices": choices, "usage": usage}
 
     def chunk(self, index: int, piece: Any, finish_reason: str | None,
@@ -595,7 +598,7 @@ class _Answer(abc.ABC):
         return {**self._head(self.chunk_name),
                 "choices": [self.chunk_choice(index, piece, finish_reason, logprobs)]}
 
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         return {**self._head(self.chunk_name), "choices": [], "usage": usage}
 
     @abc.abstractmethod

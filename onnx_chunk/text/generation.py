@@ -1,8 +1,7 @@
 """Text generation around a token source: prompt to ids, ids to streamed text, stops.
 
 The tokens come from the batch engine (`EngineTokens`: `runtime.submit`, the path of
-`runtime.generate_text`, `stream_text`, `generate --prompt` and the server) or from one
-sequence's own loop (`SequenceTokens`: chat turns that keep the conversation in its KV cache).
+`runtime.generate_text`, `stream_text`, `generate --prompt`, chat turns and the server).
 
 A prompt is text (encoded with the tokenizer's special tokens, BOS where it adds one) or a
 list of messages (rendered through the chat template with add_generation_prompt=True, then
@@ -20,18 +19,16 @@ from __future__ import annotations
 from collections.abc import Generator, Iterable, Iterator, Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from onnx_chunk.errors import CapacityError
 from onnx_chunk.runtime.engine.request import RequestStats
-from onnx_chunk.runtime.stats import GenerationStats
 from onnx_chunk.sampling import GREEDY, Sampling, TokenLogprobs
 from onnx_chunk.text.stops import check_stops
 from onnx_chunk.text.token_text import TokenText
 
 if TYPE_CHECKING:
     from onnx_chunk.runtime.engine.request import Request
-    from onnx_chunk.runtime.engine.sequence import Sequence
     from onnx_chunk.runtime.model import Runtime
     from onnx_chunk.text.tokenizer import Tokenizer
 
@@ -48,7 +45,7 @@ class Completion:
     tokens: tuple[int, ...]
     finish_reason: str
     prompt_tokens: int
-    stats: GenerationStats | RequestStats | None = field(default=None, compare=False)
+    stats: RequestStats | None = field(default=None, compare=False)
     # Per token of `tokens`, its logprobs (when the request asked for them).
     logprobs: tuple[TokenLogprobs, ...] = ()
 
@@ -77,38 +74,6 @@ def default_sampling(tokenizer: Tokenizer, sampling: Sampling | None) -> Samplin
         return sampling
     genai = tokenizer.genai
     return GREEDY if genai is None else Sampling.from_search(genai.search)
-
-
-class SequenceTokens:
-    """Where a text request's tokens come from: one sequence's own token loop (chat turns,
-    which keep the conversation in that sequence's KV cache)."""
-
-    def __init__(self, sequence: Sequence) -> None:
-        self.sequence = sequence
-
-    def room(self) -> int:
-        return self.sequence.capacity - self.sequence.length
-
-    def check(self, ids: SequenceOf[int], max_new_tokens: int) -> Any:
-        return self.sequence.check_request(ids, max_new_tokens)
-
-    def stream(self, ids: Any, max_new_tokens: int, eos: tuple[int, ...],
-               sampling: Sampling) -> Generator[int, None, None]:
-        steps = cast(Generator[int, None, None], self.sequence.stream(
-            ids, max_new_tokens, eos_token_id=eos, sampling=sampling))
-        try:
-            yield from steps
-        finally:
-            steps.close()
-
-    @property
-    def stats(self) -> Any:
-        return self.sequence.stats.last_generation
-
-    @property
-    def logprobs(self) -> tuple[TokenLogprobs, ...]:
-        """None come from a sequence (it refuses a sampling that asks for them)."""
-        return ()
 
 
 class EngineTokens:
@@ -146,15 +111,14 @@ class EngineTokens:
 class TextGeneration:
     """One text request; iterate it for the text as it is produced.
 
-    `source` gives the tokens (`EngineTokens`: the batch engine; `SequenceTokens`: one
-    sequence). Every check (the prompt's ids, max_new_tokens, the stop strings, the room left)
-    runs at construction, before any work. `completion` is set once the iteration has ended.
-    `ignore_eos`, `stop_token_ids` and `min_tokens` are vLLM's: the EOS ids do not end it,
-    these ids end it too, and neither an end id nor a stop string ends it before
-    `min_tokens` new tokens.
+    `source` gives the tokens (`EngineTokens`: the batch engine). Every check (the prompt's
+    ids, max_new_tokens, the stop strings, the room left) runs at construction, before any
+    work. `completion` is set once the iteration has ended. `ignore_eos`, `stop_token_ids`
+    and `min_tokens` are vLLM's: the EOS ids do not end it, these ids end it too, and neither
+    an end id nor a stop string ends it before `min_tokens` new tokens.
     """
 
-    def __init__(self, source: SequenceTokens | EngineTokens, tokenizer: Tokenizer,
+    def __init__(self, source: EngineTokens, tokenizer: Tokenizer,
                  ids: SequenceOf[int], max_new_tokens: int, *, sampling: Sampling,
                  stop: str | Iterable[str] | None = None, ignore_eos: bool = False,
                  stop_token_ids: Iterable[int] = (), min_tokens: int = 0,
@@ -185,10 +149,10 @@ class TextGeneration:
         return next(self._steps)
 
     def close(self) -> None:
-        """Stop early (what was generated stays in the sequence)."""
+        """Stop early (the request is cancelled; its slot keeps what it was fed)."""
         self._steps.close()
 
-    def _run(self, source: SequenceTokens | EngineTokens, tokenizer: Tokenizer, ids: Any,
+    def _run(self, source: EngineTokens, tokenizer: Tokenizer, ids: Any,
              budget: int, at_budget: str, sampling: Sampling) -> Generator[str, None, None]:
         text = TokenText(tokenizer, self._stops, end_ids=self._ends,
                          min_tokens=self._min_tokens)
@@ -215,7 +179,7 @@ class TextGeneration:
                                      logprobs=source.logprobs[:len(text.tokens)])
 
 
-def stream_text(source: SequenceTokens | EngineTokens, tokenizer: Tokenizer, prompt: Prompt,
+def stream_text(source: EngineTokens, tokenizer: Tokenizer, prompt: Prompt,
                 max_new_tokens: int, *, sampling: Sampling | None = None,
                 stop: str | Iterable[str] | None = None, **ends: Any) -> TextGeneration:
     """A text generation of `prompt` from `source` (checked now, run as it is iterated);
@@ -224,7 +188,7 @@ def stream_text(source: SequenceTokens | EngineTokens, tokenizer: Tokenizer, pro
                           sampling=default_sampling(tokenizer, sampling), stop=stop, **ends)
 
 
-def generate_text(source: SequenceTokens | EngineTokens, tokenizer: Tokenizer, prompt: Prompt,
+def generate_text(source: EngineTokens, tokenizer: Tokenizer, prompt: Prompt,
                   max_new_tokens: int, *, sampling: Sampling | None = None,
                   stop: str | Iterable[str] | None = None, **ends: Any) -> Completion:
     """Run a text generation to its end; its Completion."""

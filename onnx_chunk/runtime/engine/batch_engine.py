@@ -4,8 +4,10 @@
 when nothing is queued or running, stopped by `Runtime.close()`) runs steps. The engine sees
 its runtime through an `EngineContext` (the model runner, ports, device, sizes, the mask
 policy and graph slot numbers), never the runtime itself. A step:
-1. frees the slots of requests that ended (finished, failed, cancelled) and gives free slots
-   to the queue's head requests (`scheduler.admit`);
+1. frees the slots of requests that ended (finished, failed, cancelled), each keeping the ids
+   whose KV it holds, and gives each of the queue's head requests the free slot whose kept ids
+   share the longest usable prefix with its prompt (`scheduler.choose_slot`): the slot is
+   rewound to that prefix and only the rest of the prompt is prefilled (prefix reuse);
 2. runs prefill chunks of the prompts being admitted, in admission order, under a token budget
    of one chunk width W (`scheduler.prefill_picks`): each chunk is a one-row forward of that
    slot (the model runner's, on a row of the engine's buffers, with the ladder padding and
@@ -14,7 +16,14 @@ policy and graph slot numbers), never the runtime itself. A step:
    feeds its last token, and every other row is run but left as it was (`idle_rows`). On a
    capturing session the batched binding captures and replays a CUDA graph like any other.
 A failure in a forward fails the requests of that forward with the exception (their slots are
-freed); the other requests go on.
+freed, keeping nothing); the other requests go on.
+
+What a slot keeps: its logical length (one `LogicalLength` per slot, lent to the request it
+serves) and the ids fed to it, the prompt then the generated tokens up to that length
+(`KeptPrefix`): copying a slot's KV rows and state rows to another slot with its kept prefix
+makes that slot hold the same prefix. A free slot's row runs in the batched decode at its kept
+length, so its write lands past the kept positions (and a window-sized cache's rows are
+protected as any idle row's).
 
 Choices of one prompt (`submit_choices`, OpenAI's `n`): the first is queued and prefilled like
 any request; the others wait beside it. When its last prefill chunk has run, each other choice
@@ -48,7 +57,15 @@ from onnx_chunk.runtime.device.buffers import BatchBuffers
 from onnx_chunk.runtime.device.provider import Device
 from onnx_chunk.runtime.engine.kv_state import LogicalLength
 from onnx_chunk.runtime.engine.request import FinishReason, Request
-from onnx_chunk.runtime.engine.scheduler import RequestQueue, admit, prefill_chunks, prefill_picks
+from onnx_chunk.runtime.engine.scheduler import (
+    KeptPrefix,
+    PrefixRule,
+    RequestQueue,
+    SlotChoice,
+    choose_slot,
+    prefill_chunks,
+    prefill_picks,
+)
 from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot, new_slot
 from onnx_chunk.runtime.runner.attention_mask import AttentionMask
 from onnx_chunk.runtime.runner.model_runner import Forward, ModelRunner, Row
@@ -61,6 +78,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_QUEUE = 256
 # The engine thread leaves after this long with nothing to do (the next submit starts one).
 _IDLE_EXIT_S = 1.0
+_NO_IDS = np.zeros(0, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -68,7 +86,9 @@ class EngineContext:
     """What the batch engine uses of its runtime: the runner and what its slots are made of.
 
     `take_number` / `give_number`: graph slot numbers for the engine's buffers;
-    `release_graphs(number)`: drop the bindings and CUDA graphs held under a number.
+    `release_graphs(number)`: drop the bindings and CUDA graphs held under a number;
+    `prefix_reuse`: whether a slot keeps its prefix for later requests (see the module
+    docstring).
     """
 
     runner: ModelRunner
@@ -80,6 +100,7 @@ class EngineContext:
     take_number: Callable[[], int]
     give_number: Callable[[int], None]
     release_graphs: Callable[[int], None]
+    prefix_reuse: bool = True
 
 
 @dataclass
@@ -112,8 +133,15 @@ class BatchEngine:
         # The batched decode's slot: every row of the buffers, a [slots, capacity] mask.
         self._batch = SequenceSlot(context.take_number(), buffers,
                                    context.masks(slots, capacity, ports.mask_dtype, device))
-        # The length an idle free row runs at (never advanced).
-        self._free_length = LogicalLength(capacity)
+        # Each slot's logical length, lent to the request it serves and kept after it, with
+        # the ids it holds (prefix reuse).
+        self._lengths = [LogicalLength(capacity) for _ in range(slots)]
+        self._kept = [KeptPrefix(_NO_IDS)] * slots
+        self._rule = PrefixRule(
+            windows=tuple((port.shape[2], port.window) for port in ports.kv
+                          if port.window is not None),
+            recurrent=bool(ports.state), enabled=context.prefix_reuse)
+        self._released = 0
         self._rows: list[_Row | None] = [None] * slots
         self._queue: RequestQueue[Request] = RequestQueue(max_queue)
         self._samplers: dict[int, Sampler] = {}
@@ -245,25 +273,64 @@ class BatchEngine:
         for index, row in enumerate(self._rows):
             if row is not None and row.request.done:
                 self._rows[index] = None
+                self._keep(index, row.request)
                 self._queue_forks(row.request)
-        free = [index for index, row in enumerate(self._rows) if row is None]
-        for index in admit(free, len(self._queue)):
+        free = {index: self._kept[index] for index, row in enumerate(self._rows)
+                if row is None}
+        while free and self._queue:
             request = self._queue.pop()
             sampler = self._samplers.pop(request.id)
+            choice = choose_slot(free, request.prompt, self._rule)
+            del free[choice.slot]
             try:
-                slot = self._slots[index]
-                slot.reset()
+                self._start(choice)
             except Exception as error:  # this request fails alone; the slot stays free
                 logger.exception("admitting request %d failed", request.id)
+                self._drop(choice.slot)
                 self._fail(request, error)
                 continue
-            chunks = prefill_chunks(len(request.prompt), self._context.chunk_size)
-            row = _Row(request, slot, LogicalLength(self._context.capacity), sampler,
+            self._count_reuse(choice)
+            chunks = [(begin + choice.reused, end + choice.reused) for begin, end in
+                      prefill_chunks(len(request.prompt) - choice.reused,
+                                     self._context.chunk_size)]
+            row = _Row(request, self._slots[choice.slot], self._lengths[choice.slot], sampler,
                        self._admitted, collections.deque(chunks))
             self._admitted += 1
-            self._rows[index] = row
-            request.admitted()
+            self._rows[choice.slot] = row
+            request.admitted(choice.reused)
         self._cond.notify_all()
+
+    def _start(self, choice: SlotChoice) -> None:
+        """Rewind the chosen slot to the prefix it reuses (an empty slot: reset it)."""
+        length = self._lengths[choice.slot]
+        if choice.reused == 0:
+            self._slots[choice.slot].reset()
+        length.rewind(length.length - choice.reused)
+
+    def _keep(self, index: int, request: Request) -> None:
+        """What the slot of an ended request keeps: the ids fed to it (the prompt, then the
+        generated tokens, up to its length); nothing after a failure or with reuse off."""
+        length = self._lengths[index].length
+        fed = np.concatenate([request.prompt, np.asarray(request.produced, dtype=np.int64)])
+        if (not self._rule.enabled or request.finish_reason == "error"
+                or len(fed) < length):
+            self._drop(index)
+            return
+        self._released += 1
+        self._kept[index] = KeptPrefix(fed[:length], self._released)
+
+    def _drop(self, index: int) -> None:
+        """The slot keeps nothing: its next request starts it empty."""
+        self._kept[index] = KeptPrefix(_NO_IDS)
+        self._lengths[index].rewind(self._lengths[index].length)
+
+    def _count_reuse(self, choice: SlotChoice) -> None:
+        counters = self._counters
+        if choice.reused:
+            counters.prefix_hits += 1
+            counters.prefix_reused_tokens += choice.reused
+        if choice.shared > choice.reused:
+            counters.prefix_refused += 1
 
     def _step(self) -> None:
         rows = [(index, row) for index, row in enumerate(self._rows) if row is not None]
@@ -339,9 +406,13 @@ class BatchEngine:
                     slot.reset()
                     self._buffers.copy_slot(source, index)
                 except Exception as error:  # this choice fails alone; the slot stays free
+                    self._drop(index)
                     self._fail(request, error)
                     continue
-                length = LogicalLength(self._context.capacity)
+                # The slot's own length (the batched decode runs every slot at its length),
+                # now the source's: the copy replaced what the slot kept.
+                length = self._lengths[index]
+                length.rewind(length.length)
                 length.advance(row.length.length)
                 fork = _Row(request, slot, length, sampler, self._admitted)
                 self._admitted += 1
@@ -374,8 +445,9 @@ class BatchEngine:
 
     def _decode(self, decoding: list[int]) -> None:
         steps = set(decoding)
-        rows = [Row(np.array([row.token if index in steps else 0]),
-                    row.length if row is not None else self._free_length, index in steps)
+        # A free slot's row runs at its kept length: its write lands past what it keeps.
+        rows = [Row(np.array([row.token if index in steps else 0]), self._lengths[index],
+                    index in steps)
                 for index, row in enumerate(self._rows)]
         began = time.perf_counter()
         try:

@@ -33,12 +33,15 @@ class RequestStats:
     """One request's timings and counts (seconds from its submit).
 
     `queued_s`: until a slot took it; `ttft_s`: until its first token; `total_s`: until it
-    ended; `prefill_chunks`: the prefill forwards its prompt took.
+    ended; `prefill_chunks`: the prefill forwards its prompt took; `cached_tokens`: the
+    leading prompt ids whose KV its slot kept from an earlier request (prefix reuse), which
+    were not fed again.
     """
 
     prompt_tokens: int
     new_tokens: int = 0
     prefill_chunks: int = 0
+    cached_tokens: int = 0
     queued_s: float | None = None
     ttft_s: float | None = None
     total_s: float | None = None
@@ -122,6 +125,12 @@ class Request:
         with self._changed:
             return tuple(self._prompt_logprobs)
 
+    @property
+    def produced(self) -> tuple[int, ...]:
+        """The tokens produced so far (a copy)."""
+        with self._changed:
+            return tuple(self._tokens)
+
     def tokens(self) -> Iterator[int]:
         """The tokens as they are produced; raises the request's error after its last token."""
         for token, _ in self.steps():
@@ -161,9 +170,10 @@ class Request:
 
     # The engine's side: only the engine thread (or a cancel) calls these.
 
-    def admitted(self) -> None:
+    def admitted(self, cached_tokens: int = 0) -> None:
         with self._changed:
             self._stats.queued_s = time.perf_counter() - self._submitted
+            self._stats.cached_tokens = cached_tokens
 
     def note_chunk(self) -> None:
         with self._changed:
