@@ -29,7 +29,9 @@ def _alone(runtime, prompt, sampling) -> list[int]:
 
 @pytest.mark.parametrize("name", ["genai-qwen3-fp32", "genai-lfm2-fp32"])
 def test_choices_equal_requests_of_their_own_after_one_prefill(name):
-    with load(ROOT / name, provider="cpu", max_batch=4, chunk_size=CHUNK) as runtime:
+    # Prefix reuse off: the requests alone would leave the prompt kept for the choices.
+    with load(ROOT / name, provider="cpu", max_batch=4, chunk_size=CHUNK,
+              prefix_reuse=False) as runtime:
         vocab = runtime.ports.vocab_size
         prompt = list(np.random.default_rng(1).integers(5, vocab, 2 * CHUNK + 5))
         samplings = _samplings(3, logprobs=1)
@@ -44,7 +46,8 @@ def test_choices_equal_requests_of_their_own_after_one_prefill(name):
 
 
 def test_choices_without_a_free_slot_run_on_their_own():
-    with load(ROOT / "genai-qwen3-fp32", provider="cpu", max_batch=1) as runtime:
+    with load(ROOT / "genai-qwen3-fp32", provider="cpu", max_batch=1,
+              prefix_reuse=False) as runtime:
         prompt = [5, 17, 200, 42, 99, 7]
         samplings = _samplings(3)
         expected = [_alone(runtime, prompt, sampling) for sampling in samplings]

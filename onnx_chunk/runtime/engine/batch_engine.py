@@ -280,7 +280,11 @@ class BatchEngine:
         while free and self._queue:
             request = self._queue.pop()
             sampler = self._samplers.pop(request.id)
-            choice = choose_slot(free, request.prompt, self._rule)
+            # A request for its prompt's logprobs needs every prompt row's logits: it reuses
+            # no kept prefix (it still takes the slot the rule would pick otherwise).
+            rule = (self._rule if sampler.sampling.prompt_logprobs is None
+                    else dataclasses.replace(self._rule, enabled=False))
+            choice = choose_slot(free, request.prompt, rule)
             del free[choice.slot]
             try:
                 self._start(choice)
