@@ -120,15 +120,21 @@ class Sampler:
             self._seen_ids = np.fromiter(sorted(self._seen), dtype=np.int64,
                                          count=len(self._seen))
 
-    def choose(self, logits: np.ndarray) -> int:
-        """The next token for a [vocab] logits row; it counts as seen from now on."""
+    def choose(self, logits: np.ndarray, draft: int | None = None) -> int:
+        """The next token for a [vocab] logits row; it counts as seen from now on.
+
+        `draft`: a token proposed for this position (speculative decoding). A greedy choice
+        ignores it (the argmax either is the draft or is not); a draw keeps it with its
+        probability p(draft) and otherwise draws from p with the draft removed, so the token
+        returned is distributed exactly as without a draft.
+        """
         if self._work is None:
             return int(np.argmax(logits))
-        token = self._choose(logits)
+        token = self._choose(logits, draft)
         self.observe((token,))
         return token
 
-    def _choose(self, logits: np.ndarray) -> int:
+    def _choose(self, logits: np.ndarray, draft: int | None) -> int:
         sampling = self.sampling
         scores, ascending, scratch = self._work
         np.copyto(scores, logits)
@@ -161,15 +167,31 @@ class Sampler:
             scores -= top
             np.exp(scores, out=scores)
             scores *= self._mask
+            if draft is not None and self._keeps_draft(scores, draft):
+                return draft
             np.cumsum(scores, out=scores)
             return int(np.searchsorted(scores, self._rng.random() * scores[-1], side="right"))
         # A few left: draw among them only, in id order (the same choice as the whole row).
         kept = np.flatnonzero(self._mask)
         weights = np.exp(scores[kept] - top)
+        if draft is not None:
+            where = int(np.searchsorted(kept, draft))
+            if where < kept.size and kept[where] == draft:
+                if self._keeps_draft(weights, where):
+                    return draft
         np.cumsum(weights, out=weights)
         target = self._rng.random() * weights[-1]
         return int(kept[min(int(np.searchsorted(weights, target, side="right")),
                             kept.size - 1)])
+
+    def _keeps_draft(self, weights: np.ndarray, index: int) -> bool:
+        """Keep the drafted token at `index` of `weights` with its probability; else zero its
+        weight, so the draw that follows is from the rest renormalised (the rejection rule)."""
+        weight = float(weights[index])
+        if self._rng.random() * float(weights.sum()) < weight:
+            return True
+        weights[index] = 0.0
+        return False
 
 
 def _top_p_cutoff(scores: np.ndarray, cutoff: float, top: float, top_p: float,

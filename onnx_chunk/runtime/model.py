@@ -102,6 +102,10 @@ class Runtime:
         free (prefill chunks run at batch 1, decode at `max_batch` rows); the batched decode
         captures a CUDA graph like any other binding (see docs/engine.md).
     max_queue: how many submitted requests may wait for a slot (QueueFullError beyond).
+    speculative: "prompt-lookup" drafts tokens from the prompt and the text so far and
+        verifies them in one forward (greedy output identical to plain decoding, sampled
+        output exact in distribution; see docs/speculative.md); None (default) decodes one
+        token per forward. A decoder with recurrent state or last-row logits is refused.
 
     `close()` (or leaving a `with` block) frees the sessions and buffers at once; a runtime is
     also freed as soon as its last reference (and every sequence's) goes.
@@ -126,13 +130,14 @@ class Runtime:
         idle_sequences: int = DEFAULT_IDLE_SLOTS,
         max_batch: int = 1,
         max_queue: int = DEFAULT_MAX_QUEUE,
+        speculative: str | None = None,
     ) -> None:
         args = checked_arguments(LoadArguments(
             provider=provider, device_id=device_id, capacity=capacity, chunk_size=chunk_size,
             padding=padding, specialize=specialize, max_variants=max_variants,
             mask_policy=mask_policy, intra_op_threads=intra_op_threads, cuda_graphs=cuda_graphs,
             device=device, idle_sequences=idle_sequences, max_batch=max_batch,
-            max_queue=max_queue))
+            max_queue=max_queue, speculative=speculative))
         check_utf8_path(model_path)
         location = locate_model(model_path)
         self.model_path: Path = location.onnx_path
@@ -208,7 +213,8 @@ class Runtime:
         if self._closed:
             raise ClosedError("this runtime was closed; load the model again to open sequences")
         return Sequence(self.runner, self.pool, chunk_size=self.options.chunk_size,
-                        eos_token_ids=self.options.eos_token_ids)
+                        eos_token_ids=self.options.eos_token_ids,
+                        speculative=self.options.speculative is not None)
 
     def submit(self, prompt_ids: SequenceOf[int] | np.ndarray, max_new_tokens: int, *,
                eos_token_id: int | SequenceOf[int] | None = None,
@@ -285,7 +291,8 @@ class Runtime:
                              capacity=options.capacity, chunk_size=options.chunk_size,
                              masks=self.masks, take_number=self.pool.take_number,
                              give_number=self.pool.give_number,
-                             release_graphs=self.variants.release_slot)
+                             release_graphs=self.variants.release_slot,
+                             speculative=options.speculative is not None)
 
     def close(self) -> None:
         """Free the sessions, the pooled sequence buffers and their CUDA graphs now.
@@ -376,6 +383,7 @@ class Runtime:
             sequences=self.pool.stats(),
             max_batch=options.max_batch,
             engine=None if self._engine is None else self._engine.stats,
+            speculative=options.speculative,
         )
 
     def _embeddings(self, given: np.ndarray | None) -> np.ndarray | None:

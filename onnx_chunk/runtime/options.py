@@ -21,6 +21,8 @@ Rules of `resolve_options`:
    environment or the mode's default (on unless shape-generic), and the plan may refuse it.
 7. Fixed dims: the ports', less the batch axis above one slot, plus a capacity-wide mask under
    the capacity mask policy.
+8. Speculative decoding ("prompt-lookup") is refused for a decoder that cannot take a
+   rejected draft back (recurrent state) or verify it per row (last-row logits only).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from onnx_chunk.runtime.runner.padding import resolve_padding
 from onnx_chunk.runtime.runner.ports import ModelPorts, model_ports
 from onnx_chunk.runtime.device.provider import Device, MaskPolicy, device_for
 from onnx_chunk.runtime.engine.sequence_pool import DEFAULT_IDLE_SLOTS
+from onnx_chunk.runtime.engine.speculation import SPECULATIVE_CHOICES, speculation_refused
 from onnx_chunk.runtime.caches.variant_cache import EXACT, Specialize, VariantKey, variant_key
 
 logger = logging.getLogger(__name__)
@@ -67,6 +70,7 @@ class LoadArguments:
     idle_sequences: int = DEFAULT_IDLE_SLOTS
     max_batch: int = 1
     max_queue: int = DEFAULT_MAX_QUEUE
+    speculative: str | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,7 @@ class RuntimeOptions:
     max_queue: int
     idle_sequences: int
     intra_op_threads: int | None
+    speculative: str | None = None
 
 
 def checked_arguments(args: LoadArguments) -> LoadArguments:
@@ -107,6 +112,9 @@ def checked_arguments(args: LoadArguments) -> LoadArguments:
     for name, value in (("padding", args.padding), ("cuda_graphs", args.cuda_graphs)):
         if value is not None and not isinstance(value, bool):
             raise ConfigError(f"{name} must be True, False or None, got {value!r}")
+    if args.speculative is not None and args.speculative not in SPECULATIVE_CHOICES:
+        raise ConfigError(f"speculative must be one of {', '.join(SPECULATIVE_CHOICES)} or "
+                          f"None (plain decoding), got {args.speculative!r}")
     return dataclasses.replace(
         args,
         idle_sequences=arguments.integer(args.idle_sequences, "idle_sequences", minimum=0,
@@ -130,6 +138,10 @@ def resolve_options(args: LoadArguments, *, plan: ChunkPlan, genai: GenaiConfig,
             f"{model.path.name} fixes it to 1 (its {ports.token_input!r} input); "
             "load it with max_batch=1 or export it with a symbolic batch size")
     eos_token_ids = checked_token_ids(genai.eos_token_ids, ports.vocab_size, genai.path)
+    refused = None if args.speculative is None else speculation_refused(ports)
+    if refused is not None:
+        raise ConfigError(f"speculative={args.speculative!r} cannot run on {model.path.name}: "
+                          f"{refused}; load it without speculative decoding")
     if args.device is None:
         device = attention_device(device, ports, args.provider, args.mask_policy)
     else:
@@ -165,6 +177,7 @@ def resolve_options(args: LoadArguments, *, plan: ChunkPlan, genai: GenaiConfig,
         max_queue=args.max_queue,
         idle_sequences=args.idle_sequences,
         intra_op_threads=args.intra_op_threads,
+        speculative=args.speculative,
     )
 
 

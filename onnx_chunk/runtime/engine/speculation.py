@@ -1,0 +1,151 @@
+"""Prompt-lookup speculative decoding: drafts from the text so far, verified in one forward.
+
+A draft is the continuation of the latest earlier occurrence of the last few tokens (the
+prompt and the tokens generated so far, no second model). The target decoder verifies the
+last token and the k drafted ones in one forward of k + 1 rows with every row's logits; the
+request's own `Sampler` then chooses a token per row (`Sampler.choose(logits, draft=...)`):
+greedy takes the argmax, sampling the standard rejection rule for a deterministic draft
+(accept the drafted token t with probability p(t), else draw from p with t removed), so every
+chosen token is distributed exactly as plain decoding's. The tokens up to the first one that
+differs from the draft are kept, that one included; the KV entries of the rejected rows are
+rewound (the logical length goes back, the next forward overwrites them).
+
+Rules:
+1. `propose_draft`: the longest n-gram (from `max_ngram` down to `min_ngram`) ending the
+   history that occurred before, its latest occurrence, and up to k tokens that followed it;
+   nothing when no n-gram recurs.
+2. `DraftBackoff`: a verification that accepts nothing doubles the plain decode steps run
+   before the next draft (1, 2, 4, ... up to `MAX_BACKOFF`); one that accepts a token resets
+   it, so text the drafts cannot predict costs at most one wasted verification per back-off.
+3. `speculation_refused`: a decoder with recurrent state (its state holds no history, so the
+   rejected rows cannot be taken back) or one that returns the last row's logits only (no
+   per-row verification) is refused at load with the reason. A window-sized KV cache is
+   handled exactly: a draft runs only when rewinding all its rows would lose nothing the
+   window still needs (`kv_window.rewind_is_exact`), else that step decodes plainly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+
+import numpy as np
+
+from onnx_chunk.runtime.engine.kv_window import rewind_is_exact
+from onnx_chunk.runtime.runner.ports import ModelPorts
+from onnx_chunk.sampling import Sampler
+
+PROMPT_LOOKUP = "prompt-lookup"
+SPECULATIVE_CHOICES = (PROMPT_LOOKUP,)
+# Tokens drafted per verification, and the n-gram sizes looked up.
+DRAFT_TOKENS = 4
+MAX_NGRAM = 3
+MIN_NGRAM = 1
+# The most plain decode steps a request runs between two drafts after failed verifications.
+MAX_BACKOFF = 32
+
+
+def propose_draft(history: np.ndarray, k: int = DRAFT_TOKENS, *, max_ngram: int = MAX_NGRAM,
+                  min_ngram: int = MIN_NGRAM) -> np.ndarray:
+    """Up to `k` tokens that followed the latest earlier occurrence of the longest n-gram
+    ending `history` (rule 1); an empty array when none recurs."""
+    size = len(history)
+    for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
+        tail = history[size - n:]
+        # Starts of earlier occurrences: the n-gram ends before the history's last token.
+        starts = np.flatnonzero(history[:size - n] == tail[0])
+        for start in starts[::-1]:
+            if np.array_equal(history[start:start + n], tail):
+                return history[start + n:start + n + k].copy()
+    return np.empty(0, dtype=history.dtype)
+
+
+class DraftBackoff:
+    """When a request drafts next (rule 2): exponential back-off on failed verifications."""
+
+    def __init__(self) -> None:
+        self._wait = 0
+        self._penalty = 1
+
+    def ready(self) -> bool:
+        """Whether this step may draft (else it is a plain decode step, counted down)."""
+        if self._wait > 0:
+            self._wait -= 1
+            return False
+        return True
+
+    def verified(self, accepted: int) -> None:
+        """Record a verification that accepted `accepted` drafted tokens."""
+        if accepted:
+            self._penalty = 1
+            return
+        self._wait = self._penalty
+        self._penalty = min(2 * self._penalty, MAX_BACKOFF)
+
+
+class Drafter:
+    """One request's prompt-lookup drafting: its history and its back-off."""
+
+    def __init__(self, prompt: np.ndarray, windows: SequenceOf[tuple[int, int]]) -> None:
+        self._history = np.empty(max(16, 2 * len(prompt)), dtype=np.int64)
+        self._history[:len(prompt)] = prompt
+        self._size = len(prompt)
+        self._windows = tuple(windows)
+        self.backoff = DraftBackoff()
+
+    def extend(self, tokens: SequenceOf[int]) -> None:
+        """Append generated tokens to the history drafts are looked up in."""
+        end = self._size + len(tokens)
+        if end > len(self._history):
+            grown = np.empty(2 * end, dtype=np.int64)
+            grown[:self._size] = self._history[:self._size]
+            self._history = grown
+        self._history[self._size:end] = tokens
+        self._size = end
+
+    def draft(self, length: int, room: int) -> np.ndarray:
+        """The draft for the next step of a sequence at `length` positions with `room` new
+        tokens left to generate after the next one (empty: decode plainly)."""
+        k = min(DRAFT_TOKENS, room)
+        if k < 1 or not self.backoff.ready():
+            return np.empty(0, dtype=np.int64)
+        draft = propose_draft(self._history[:self._size], k)
+        total = length + 1 + len(draft)
+        if any(not rewind_is_exact(total, len(draft), capacity, window)
+               for capacity, window in self._windows):
+            return np.empty(0, dtype=np.int64)
+        return draft
+
+    def verified(self, sampler: Sampler, logits: np.ndarray, draft: np.ndarray) -> list[int]:
+        """`verify`, with the back-off told how many drafted tokens were kept."""
+        tokens = verify(sampler, logits, draft)
+        self.backoff.verified(len(tokens) - 1)
+        return tokens
+
+
+def speculation_refused(ports: ModelPorts) -> str | None:
+    """Why this decoder cannot verify drafts (rule 3), or None when it can."""
+    if ports.state:
+        return ("this decoder carries recurrent state, which holds no history, so the rows "
+                "of a rejected draft cannot be taken back")
+    if ports.last_row_logits:
+        return ("the decoder returns the last row's logits only, so a draft's rows cannot be "
+                "verified in one forward")
+    return None
+
+
+def window_caches(ports: ModelPorts) -> tuple[tuple[int, int], ...]:
+    """(rows, window) of every window-sized KV cache of `ports` (for `Drafter`)."""
+    return tuple((port.shape[2], port.window) for port in ports.kv if port.window is not None)
+
+
+def verify(sampler: Sampler, logits: np.ndarray, draft: np.ndarray) -> list[int]:
+    """The tokens a verification gives: one per row of `logits` ([len(draft) + 1, vocab]) up
+    to and including the first that differs from the draft."""
+    tokens: list[int] = []
+    for index, row in enumerate(logits):
+        drafted = int(draft[index]) if index < len(draft) else None
+        token = sampler.choose(row, draft=drafted)
+        tokens.append(token)
+        if token != drafted:
+            break
+    return tokens
