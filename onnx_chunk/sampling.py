@@ -134,6 +134,19 @@ class Sampler:
         self.observe((token,))
         return token
 
+    def lead(self, logits: np.ndarray) -> float:
+        """How far the best processed score of a [vocab] row leads the runner-up (the
+        repetition penalty applied; before temperature)."""
+        scores = logits
+        if self._penalize and self._seen_ids.size:
+            scores = self._work[0]
+            np.copyto(scores, logits)
+            seen = scores[self._seen_ids]
+            penalty = self.sampling.repetition_penalty
+            scores[self._seen_ids] = np.where(seen > 0, seen / penalty, seen * penalty)
+        top = np.partition(scores, scores.size - 2)[-2:]
+        return float(top[1] - top[0])
+
     def _choose(self, logits: np.ndarray, draft: int | None) -> int:
         sampling = self.sampling
         scores, ascending, scratch = self._work

@@ -39,6 +39,7 @@ from onnx_chunk.runtime.device.provider import Device, MaskPolicy, resolve_devic
 from onnx_chunk.runtime.engine.request import Request
 from onnx_chunk.runtime.engine.sequence import Sequence
 from onnx_chunk.runtime.engine.sequence_pool import DEFAULT_IDLE_SLOTS, SequencePool, new_slot
+from onnx_chunk.runtime.engine.speculation import Speculation
 from onnx_chunk.runtime.device.session_factory import (
     QUANTIZED_MATMUL,
     SessionFactory,
@@ -187,6 +188,8 @@ class Runtime:
         self.runner = ModelRunner(self.variants, self.ports, self.device,
                                   capacity=options.capacity, tiers=options.tiers,
                                   specialize=specialize, embeddings=self.embeddings)
+        self._speculation = (None if options.speculative is None
+                             else Speculation.for_ports(self.ports, quantized))
         self._engine: BatchEngine | None = None
         self._engine_lock = threading.Lock()
         self._closed = False
@@ -214,7 +217,7 @@ class Runtime:
             raise ClosedError("this runtime was closed; load the model again to open sequences")
         return Sequence(self.runner, self.pool, chunk_size=self.options.chunk_size,
                         eos_token_ids=self.options.eos_token_ids,
-                        speculative=self.options.speculative is not None)
+                        speculation=self._speculation)
 
     def submit(self, prompt_ids: SequenceOf[int] | np.ndarray, max_new_tokens: int, *,
                eos_token_id: int | SequenceOf[int] | None = None,
@@ -292,7 +295,7 @@ class Runtime:
                              masks=self.masks, take_number=self.pool.take_number,
                              give_number=self.pool.give_number,
                              release_graphs=self.variants.release_slot,
-                             speculative=options.speculative is not None)
+                             speculation=self._speculation)
 
     def close(self) -> None:
         """Free the sessions, the pooled sequence buffers and their CUDA graphs now.

@@ -45,7 +45,7 @@ from onnx_chunk.runtime.engine.kv_state import LogicalLength
 from onnx_chunk.runtime.engine.request import FinishReason, Request
 from onnx_chunk.runtime.engine.scheduler import RequestQueue, admit, prefill_chunks, prefill_picks
 from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot, new_slot
-from onnx_chunk.runtime.engine.speculation import Drafter, window_caches
+from onnx_chunk.runtime.engine.speculation import Drafter, Speculation, accepted
 from onnx_chunk.runtime.runner.attention_mask import AttentionMask
 from onnx_chunk.runtime.runner.model_runner import Forward, ModelRunner, Row
 from onnx_chunk.runtime.runner.ports import ModelPorts
@@ -76,7 +76,7 @@ class EngineContext:
     take_number: Callable[[], int]
     give_number: Callable[[int], None]
     release_graphs: Callable[[int], None]
-    speculative: bool = False
+    speculation: Speculation | None = None
 
 
 @dataclass
@@ -236,8 +236,8 @@ class BatchEngine:
             chunks = prefill_chunks(len(request.prompt), self._context.chunk_size)
             row = _Row(request, slot, LogicalLength(self._context.capacity), sampler,
                        self._admitted, collections.deque(chunks),
-                       drafter=(Drafter(request.prompt, window_caches(self._context.ports))
-                                if self._context.speculative else None))
+                       drafter=(None if self._context.speculation is None
+                                else Drafter(request.prompt, self._context.speculation)))
             self._admitted += 1
             self._rows[index] = row
             request.admitted()
@@ -351,7 +351,7 @@ class BatchEngine:
         with self._cond:
             self._counters.verify_forwards += 1
             self._counters.draft_tokens += len(draft)
-            self._counters.accepted_tokens += len(tokens) - 1
+            self._counters.accepted_tokens += accepted(tokens, draft)
             self._counters.decode_s += time.perf_counter() - began
         return True
 

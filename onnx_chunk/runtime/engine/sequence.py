@@ -41,7 +41,7 @@ from onnx_chunk.runtime.engine.kv_window import rewind_is_exact
 from onnx_chunk.runtime.engine.request import finish_reason
 from onnx_chunk.runtime.engine.scheduler import prefill_chunks
 from onnx_chunk.runtime.engine.sequence_pool import SequencePool
-from onnx_chunk.runtime.engine.speculation import Drafter, window_caches
+from onnx_chunk.runtime.engine.speculation import Drafter, Speculation, accepted
 from onnx_chunk.runtime.runner.model_runner import Forward, ModelRunner, Row
 from onnx_chunk.runtime.stats import ChunkRecord, GenerationStats, SequenceStats
 from onnx_chunk.sampling import GREEDY, Sampler, Sampling
@@ -51,13 +51,14 @@ class Sequence:
     """An independent sequence: its own KV buffers and logical length on a shared model."""
 
     def __init__(self, runner: ModelRunner, slots: SequencePool, *, chunk_size: int,
-                 eos_token_ids: tuple[int, ...], speculative: bool = False) -> None:
+                 eos_token_ids: tuple[int, ...],
+                 speculation: Speculation | None = None) -> None:
         """A sequence on a slot taken from `slots` (given back at close), run by `runner`,
         feeding prompts in chunks of `chunk_size`; `eos_token_ids`: where a generation stops
-        unless it names its own; `speculative`: generations draft by prompt lookup and verify
-        the drafts (`speculation`; the caller checked that the decoder allows it)."""
+        unless it names its own; `speculation`: generations draft by prompt lookup and verify
+        the drafts (the caller checked that the decoder allows it)."""
         self._runner = runner
-        self._speculative = speculative
+        self._speculation = speculation
         self._chunk_size = chunk_size
         self._eos_token_ids = eos_token_ids
         self._vocab = runner.ports.vocab_size
@@ -315,8 +316,8 @@ class Sequence:
             generation.stopped_by_eos = reason == "stop"
             return
         drafter = None
-        if self._speculative:
-            drafter = Drafter(ids, window_caches(self._runner.ports))
+        if self._speculation is not None:
+            drafter = Drafter(ids, self._speculation)
             drafter.extend((token,))
         # The decode variant is pinned for the whole loop (it cannot be evicted meanwhile).
         with self._runner.decoding(self._slot, self._length) as step:
@@ -358,7 +359,7 @@ class Sequence:
         logits = self._runner.run(self._slot, Forward([Row(rows, self._length)], "all")).logits
         tokens = drafter.verified(sampler, logits[0], draft)
         self._stats.draft_tokens += len(draft)
-        self._stats.accepted_tokens += len(tokens) - 1
+        self._stats.accepted_tokens += accepted(tokens, draft)
         for index, chosen in enumerate(tokens):
             if finish_reason(chosen, produced + index + 1, max_new_tokens, eos_ids) is not None:
                 tokens = tokens[:index + 1]

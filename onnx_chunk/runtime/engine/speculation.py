@@ -17,16 +17,24 @@ Rules:
 2. `DraftBackoff`: a verification that accepts nothing doubles the plain decode steps run
    before the next draft (1, 2, 4, ... up to `MAX_BACKOFF`); one that accepts a token resets
    it, so text the drafts cannot predict costs at most one wasted verification per back-off.
-3. `speculation_refused`: a decoder with recurrent state (its state holds no history, so the
+3. Greedy verification is exact only where the verification's argmax is the one a decode step
+   would pick. ONNX Runtime computes a one-row forward with other kernels than a multi-row one
+   (INT4 MatMulNBits: logits differ by up to about 0.06 on a Qwen2.5-0.5B-shaped export, float
+   decoders by about 1e-5; multi-row widths agree exactly among themselves), so a greedy row
+   counts only when its best score leads the runner-up by `Speculation.margin` (0.25 for a
+   quantized decoder, 1e-3 for a float one); a closer row ends the verification without a
+   token, and the next step decodes it plainly, at one row.
+4. `speculation_refused`: a decoder with recurrent state (its state holds no history, so the
    rejected rows cannot be taken back) or one that returns the last row's logits only (no
    per-row verification) is refused at load with the reason. A window-sized KV cache is
-   handled exactly: a draft runs only when rewinding all its rows would lose nothing the
-   window still needs (`kv_window.rewind_is_exact`), else that step decodes plainly.
+   handled exactly: a draft runs only when rewinding every row of its verification would lose
+   nothing the window still needs (`kv_window.rewind_is_exact`), else that step decodes plainly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -42,6 +50,25 @@ MAX_NGRAM = 3
 MIN_NGRAM = 1
 # The most plain decode steps a request runs between two drafts after failed verifications.
 MAX_BACKOFF = 32
+# The lead of a greedy row's best score over the runner-up below which the verification's
+# choice is not trusted (rule 3): quantized (MatMulNBits) and float decoders.
+QUANTIZED_MARGIN = 0.25
+FLOAT_MARGIN = 1e-3
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How a runtime's requests draft and verify: the window-sized caches a draft must be able
+    to rewind ((rows, window) each) and the greedy margin (rule 3)."""
+
+    windows: tuple[tuple[int, int], ...] = ()
+    margin: float = FLOAT_MARGIN
+
+    @classmethod
+    def for_ports(cls, ports: ModelPorts, quantized: bool) -> Speculation:
+        return cls(tuple((port.shape[2], port.window) for port in ports.kv
+                         if port.window is not None),
+                   QUANTIZED_MARGIN if quantized else FLOAT_MARGIN)
 
 
 def propose_draft(history: np.ndarray, k: int = DRAFT_TOKENS, *, max_ngram: int = MAX_NGRAM,
@@ -85,11 +112,11 @@ class DraftBackoff:
 class Drafter:
     """One request's prompt-lookup drafting: its history and its back-off."""
 
-    def __init__(self, prompt: np.ndarray, windows: SequenceOf[tuple[int, int]]) -> None:
+    def __init__(self, prompt: np.ndarray, speculation: Speculation) -> None:
         self._history = np.empty(max(16, 2 * len(prompt)), dtype=np.int64)
         self._history[:len(prompt)] = prompt
         self._size = len(prompt)
-        self._windows = tuple(windows)
+        self._speculation = speculation
         self.backoff = DraftBackoff()
 
     def extend(self, tokens: SequenceOf[int]) -> None:
@@ -109,16 +136,17 @@ class Drafter:
         if k < 1 or not self.backoff.ready():
             return np.empty(0, dtype=np.int64)
         draft = propose_draft(self._history[:self._size], k)
+        # A verification may keep no row at all (rule 3): all its rows must rewind exactly.
         total = length + 1 + len(draft)
-        if any(not rewind_is_exact(total, len(draft), capacity, window)
-               for capacity, window in self._windows):
+        if any(not rewind_is_exact(total, total - length, capacity, window)
+               for capacity, window in self._speculation.windows):
             return np.empty(0, dtype=np.int64)
         return draft
 
     def verified(self, sampler: Sampler, logits: np.ndarray, draft: np.ndarray) -> list[int]:
         """`verify`, with the back-off told how many drafted tokens were kept."""
-        tokens = verify(sampler, logits, draft)
-        self.backoff.verified(len(tokens) - 1)
+        tokens = verify(sampler, logits, draft, self._speculation.margin)
+        self.backoff.verified(accepted(tokens, draft))
         return tokens
 
 
@@ -133,19 +161,23 @@ def speculation_refused(ports: ModelPorts) -> str | None:
     return None
 
 
-def window_caches(ports: ModelPorts) -> tuple[tuple[int, int], ...]:
-    """(rows, window) of every window-sized KV cache of `ports` (for `Drafter`)."""
-    return tuple((port.shape[2], port.window) for port in ports.kv if port.window is not None)
-
-
-def verify(sampler: Sampler, logits: np.ndarray, draft: np.ndarray) -> list[int]:
+def verify(sampler: Sampler, logits: np.ndarray, draft: np.ndarray,
+           margin: float = 0.0) -> list[int]:
     """The tokens a verification gives: one per row of `logits` ([len(draft) + 1, vocab]) up
-    to and including the first that differs from the draft."""
+    to and including the first that differs from the draft; a greedy row whose best score
+    leads by less than `margin` ends them without a token (rule 3)."""
     tokens: list[int] = []
     for index, row in enumerate(logits):
         drafted = int(draft[index]) if index < len(draft) else None
+        if sampler.sampling.greedy and margin > 0 and sampler.lead(row) < margin:
+            break
         token = sampler.choose(row, draft=drafted)
         tokens.append(token)
         if token != drafted:
             break
     return tokens
+
+
+def accepted(tokens: list[int], draft: np.ndarray) -> int:
+    """How many drafted tokens `tokens` (what `verify` gave) kept."""
+    return sum(1 for token, drafted in zip(tokens, draft) if token == drafted)
