@@ -4,13 +4,16 @@ and real exports), sampled output exact in distribution, the refusals and the co
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from onnx_chunk.errors import ConfigError
-from onnx_chunk.runtime import load
+from onnx_chunk.runtime import load, model as runtime_model
+from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 from onnx_chunk.runtime.engine import speculation
 from onnx_chunk.runtime.engine.speculation import (MAX_BACKOFF, DraftBackoff, accepted,
                                                    propose_draft, verify)
@@ -147,6 +150,25 @@ def test_greedy_output_equals_plain_decoding_with_drafts_kept_and_rejected(
         assert spec.generate_many(prompts, 40, eos_token_id=[]) == expected
         engine = spec.stats.engine
         assert 0 < engine.accepted_tokens < engine.draft_tokens and engine.verify_forwards
+
+
+def test_greedy_parity_on_the_device_path(reference_model, monkeypatch):
+    """The CPU marked not host-visible, as CUDA looks: the capacity mask, per-width variants
+    with padding, row-selecting sessions (a verification binds every row's logits)."""
+    device = dataclasses.replace(device_for("cpu"), host_visible=False,
+                                 mask_policy=MaskPolicy.CAPACITY, specialize=True)
+    monkeypatch.setattr(runtime_model, "resolve_device", lambda *args: device)
+    path = reference_model("base")
+    plain = load(path, provider="cpu", capacity=160, chunk_size=W)
+    prompts = _prompts(plain.ports.vocab_size)
+    expected = _alone(plain, prompts, 30)
+    monkeypatch.setattr(speculation, "propose_draft", _Oracle(prompts, expected))
+    with load(path, provider="cpu", capacity=160, chunk_size=W, max_batch=2,
+              speculative=SPEC) as spec:
+        assert spec.options.select_rows
+        assert _alone(spec, prompts, 30) == expected
+        assert spec.generate_many(prompts, 30, eos_token_id=[]) == expected
+        assert spec.stats.engine.accepted_tokens > 0
 
 
 def test_the_engine_mixes_rows_with_drafts_and_rows_without(reference_model, monkeypatch):
