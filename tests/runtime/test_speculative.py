@@ -15,8 +15,9 @@ from onnx_chunk.errors import ConfigError
 from onnx_chunk.runtime import load, model as runtime_model
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 from onnx_chunk.runtime.engine import speculation
-from onnx_chunk.runtime.engine.speculation import (MAX_BACKOFF, DraftBackoff, accepted,
-                                                   propose_draft, verify)
+from onnx_chunk.runtime.engine.speculation import (MAX_BACKOFF, DraftBackoff, Drafter,
+                                                   Speculation, accepted, propose_draft,
+                                                   verify)
 from onnx_chunk.sampling import GREEDY, Sampler, Sampling
 from tests.exports.corpus import builder_gqa_fixtures
 
@@ -93,6 +94,26 @@ def test_a_greedy_row_closer_than_the_margin_ends_the_verification_without_a_tok
     assert len(verify(Sampler(Sampling(temperature=1.0, seed=0), 6), logits, draft, 0.25)) >= 1
 
 
+def test_the_draft_length_grows_while_drafts_are_kept_and_shrinks_when_they_are_not():
+    drafter = Drafter(np.array([1, 2, 3, 4] * 6), Speculation())
+    logits = np.zeros((9, 6), dtype=np.float32)
+    assert len(drafter.draft(24, 100)) == 4
+    for want in (6, 8, 8):
+        draft = drafter.draft(24, 100)
+        rows = logits[:len(draft) + 1].copy()
+        rows[np.arange(len(draft)), draft] = 1.0
+        rows[len(draft), 0] = 1.0
+        assert drafter.verified(Sampler(GREEDY, 6), rows, draft) == [*draft, 0]
+        assert drafter.length == want
+    draft = drafter.draft(24, 100)
+    rows = logits[:len(draft) + 1].copy()
+    rows[:, 5] = 1.0
+    assert drafter.verified(Sampler(GREEDY, 6), rows, draft) == [5]
+    assert drafter.length == 7
+    assert len(drafter.draft(24, 3)) == 0  # backed off for one step
+    assert len(drafter.draft(24, 3)) == 3  # then capped by the tokens left
+
+
 def _prompts(vocab: int, lengths=(5, 23, 1, 40), seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, length).tolist() for length in lengths]
@@ -138,15 +159,17 @@ def test_greedy_output_equals_plain_decoding_with_drafts_kept_and_rejected(
     oracle = _Oracle(prompts, expected)
     monkeypatch.setattr(speculation, "propose_draft", oracle)
     with load(path, provider="cpu", capacity=160, chunk_size=W, speculative=SPEC) as spec:
-        results = []
+        results, kept, drafted = [], 0, 0
         for prompt in prompts:
             with spec.open_sequence() as sequence:
                 results.append(sequence.generate(prompt, 40, []))
                 stats = sequence.stats
                 # The KV holds the prompt and every token but the last, as plain decoding's.
                 assert stats.length == len(prompt) + 39
-                assert 0 < stats.accepted_tokens < stats.draft_tokens
+                kept += stats.accepted_tokens
+                drafted += stats.draft_tokens
         assert results == expected
+        assert 0 < kept < drafted
         assert spec.generate_many(prompts, 40, eos_token_id=[]) == expected
         engine = spec.stats.engine
         assert 0 < engine.accepted_tokens < engine.draft_tokens and engine.verify_forwards

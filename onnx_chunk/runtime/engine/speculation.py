@@ -17,6 +17,10 @@ Rules:
 2. `DraftBackoff`: a verification that accepts nothing doubles the plain decode steps run
    before the next draft (1, 2, 4, ... up to `MAX_BACKOFF`); one that accepts a token resets
    it, so text the drafts cannot predict costs at most one wasted verification per back-off.
+   The draft length adapts too: a verification that keeps the whole draft lengthens the next
+   one by 2 (up to `MAX_DRAFT_TOKENS`), any other shortens it by 1 (down to 1), so a
+   verification's extra rows are spent where the drafts have been right (a k + 1-row forward
+   costs more than a decode step on a CPU, `scripts/bench_speculative.py` verify-cost).
 3. Greedy verification is exact only where the verification's argmax is the one a decode step
    would pick. ONNX Runtime computes a one-row forward with other kernels than a multi-row one
    (INT4 MatMulNBits: logits differ by up to about 0.06 on a Qwen2.5-0.5B-shaped export, float
@@ -44,8 +48,9 @@ from onnx_chunk.sampling import Sampler
 
 PROMPT_LOOKUP = "prompt-lookup"
 SPECULATIVE_CHOICES = (PROMPT_LOOKUP,)
-# Tokens drafted per verification, and the n-gram sizes looked up.
+# Tokens drafted per verification (at first, and at most), and the n-gram sizes looked up.
 DRAFT_TOKENS = 4
+MAX_DRAFT_TOKENS = 8
 MAX_NGRAM = 3
 MIN_NGRAM = 1
 # The most plain decode steps a request runs between two drafts after failed verifications.
@@ -118,6 +123,7 @@ class Drafter:
         self._size = len(prompt)
         self._speculation = speculation
         self.backoff = DraftBackoff()
+        self.length = DRAFT_TOKENS
 
     def extend(self, tokens: SequenceOf[int]) -> None:
         """Append generated tokens to the history drafts are looked up in."""
@@ -132,7 +138,7 @@ class Drafter:
     def draft(self, length: int, room: int) -> np.ndarray:
         """The draft for the next step of a sequence at `length` positions with `room` new
         tokens left to generate after the next one (empty: decode plainly)."""
-        k = min(DRAFT_TOKENS, room)
+        k = min(self.length, room)
         if k < 1 or not self.backoff.ready():
             return np.empty(0, dtype=np.int64)
         draft = propose_draft(self._history[:self._size], k)
@@ -146,7 +152,10 @@ class Drafter:
     def verified(self, sampler: Sampler, logits: np.ndarray, draft: np.ndarray) -> list[int]:
         """`verify`, with the back-off told how many drafted tokens were kept."""
         tokens = verify(sampler, logits, draft, self._speculation.margin)
-        self.backoff.verified(accepted(tokens, draft))
+        kept = accepted(tokens, draft)
+        self.backoff.verified(kept)
+        self.length = (min(self.length + 2, MAX_DRAFT_TOKENS) if kept == len(draft)
+                       else max(self.length - 1, 1))
         return tokens
 
 
