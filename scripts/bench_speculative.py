@@ -11,6 +11,11 @@
 3. hits: a workload where drafts hit: a decoder whose greedy output repeats itself (default
    the `tiny` reference decoder, as random small decoders do; `--hit-model` for another) with
    the same seeded prompts: decode tokens/s against plain and the acceptance rate (goal >= 2x).
+4. engine-verify: how the batch engine should verify the drafts of B rows, on plain ONNX
+   Runtime with the real-size export (one CPU session, memory patterns off, past KV of
+   `past` positions): B forwards of [1, k + 1] (what the engine does: each drafted row on its
+   own slot) against one [B, k + 1] forward (the batched alternative), with one [B, 1] decode
+   forward as the unit; B = 4, k = 2.
 
 Every ratio is the median over rounds with its spread (lowest-highest), and the tokens of both
 systems are compared (greedy output must be identical). The load average is printed before and
@@ -22,6 +27,7 @@ after; on a loaded machine (load above ~2.5 on 2 cores) the numbers are not conc
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -34,13 +40,15 @@ from _bench.harness import markdown_table, round_order, seeded_prompt, summarize
 
 import onnx_chunk
 
-PARTS = ("random", "verify-cost", "hits")
+PARTS = ("random", "verify-cost", "hits", "engine-verify")
 SPEC, PLAIN = "prompt-lookup", "plain"
 BENCH_MODELS = (Path.home() / ".cache" / "onnx-chunk" / "bench-models", Path("/work/bench-models"))
 FULL = {"prompts": [128, 1000], "new_tokens": 128, "capacity": 2048, "ks": [1, 2, 4, 8],
-        "past": 1000, "forwards": 10, "hit_prompts": [16, 64, 200], "hit_new_tokens": 256}
+        "past": 1000, "forwards": 10, "hit_prompts": [16, 64, 200], "hit_new_tokens": 256,
+        "engine": {"batch": 4, "k": 2, "past": 300}}
 QUICK = {"prompts": [16], "new_tokens": 16, "capacity": 256, "ks": [1, 4], "past": 32,
-         "forwards": 3, "hit_prompts": [16], "hit_new_tokens": 32}
+         "forwards": 3, "hit_prompts": [16], "hit_new_tokens": 32,
+         "engine": {"batch": 2, "k": 2, "past": 16}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
                                      plan, rounds)
         sections.append(f"### drafts that hit ({hit_model})\n\n"
                         + _ratio_table(data["hits"], 2.0))
+    if "engine-verify" in parts:
+        data["engine_verify"] = _engine_verify(model, plan["engine"], rounds * 3)
+        sections.append("### verifying several rows' drafts\n\n"
+                        + _engine_table(data["engine_verify"]))
     data["load_after"] = os.getloadavg()
     sections.append(f"load average after {_load()}")
     publish(args.out, "speculative" + ("_quick" if args.quick else ""), data,
@@ -150,6 +162,64 @@ def _verify_cost(model: Path, plan: dict, rounds: int) -> dict:
                     sequence.rewind(rows)
     runtime.close()
     return {"times": times, "past": plan["past"]}
+
+
+def _engine_verify(model: Path, plan: dict, repetitions: int) -> dict:
+    """Seconds of B [1, k + 1] forwards, one [B, k + 1] forward and one [B, 1] decode."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.enable_mem_pattern = False
+    path = model / "model.onnx" if model.is_dir() else model
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    batch, rows, past = plan["batch"], plan["k"] + 1, plan["past"]
+    head = json.loads((path.parent / "genai_config.json").read_text())["model"]["decoder"][
+        "head_size"]
+    forms = {"own forwards": (_feeds(session, 1, rows, past, head), batch),
+             "one batched forward": (_feeds(session, batch, rows, past, head), 1),
+             "decode": (_feeds(session, batch, 1, past, head), 1)}
+    refused = None
+    try:
+        session.run(["logits"], forms["one batched forward"][0])
+    except Exception as error:  # ORT's own types: the kernel refuses the batched form
+        refused = str(error).splitlines()[0]
+        del forms["one batched forward"]
+    for feeds, _ in forms.values():
+        session.run(["logits"], feeds)
+    seconds: dict[str, list[float]] = {name: [] for name in forms}
+    for repetition in range(repetitions):
+        for name in round_order(list(forms), repetition):
+            feeds, times = forms[name]
+            began = time.perf_counter()
+            for _ in range(times):
+                session.run(["logits"], feeds)
+            seconds[name].append(time.perf_counter() - began)
+    return {"plan": plan, "seconds": seconds, "batched_refused": refused}
+
+
+def _feeds(session, batch: int, rows: int, past: int, head_size: int) -> dict:
+    """Inputs of one forward of `rows` new tokens per row after `past` cached positions."""
+    dtypes = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+    feeds = {"input_ids": np.full((batch, rows), 3, np.int64),
+             "attention_mask": np.ones((batch, past + rows), np.int64)}
+    for value in session.get_inputs():
+        if value.name.startswith("past_key_values."):
+            feeds[value.name] = np.zeros((batch, value.shape[1], past, head_size),
+                                         dtypes[value.type])
+    return feeds
+
+
+def _engine_table(result: dict) -> str:
+    plan = result["plan"]
+    decode = summarize(result["seconds"]["decode"])
+    rows = [[name, f"{summarize(values).median * 1000:.1f}",
+             f"{summarize(values).median / decode.median:.2f}x"]
+            for name, values in result["seconds"].items()]
+    return (markdown_table(["form", "ms (median)", f"against a [{plan['batch']}, 1] decode"],
+                           rows)
+            + f"\n\nB = {plan['batch']} rows, k = {plan['k']}, past {plan['past']} positions"
+            + ("" if result["batched_refused"] is None
+               else f"; one batched forward: refused by ONNX Runtime ({result['batched_refused']})"))
 
 
 def _ratio_table(result: dict, goal: float) -> str:

@@ -265,4 +265,5 @@ def test_the_speculative_benchmark_quick_mode_runs_every_part(tmp_path, referenc
     data = json.loads((tmp_path / "speculative_quick.json").read_text())
     assert data["random"]["identical"] and data["hits"]["identical"]
     assert set(data["verify_cost"]["times"]) == {"decode", "k=1", "k=4"}
+    assert {"own forwards", "decode"} <= set(data["engine_verify"]["seconds"])
     assert "verify k=4 (5 rows)" in (tmp_path / "speculative_quick.md").read_text()
