@@ -332,11 +332,10 @@ class Sequence:
                 if len(draft):
                     tokens = self._verified(drafter, token, draft, sampler,
                                             generation.new_tokens, max_new_tokens, eos_ids)
-                    drafter.extend(tokens)
                 else:
                     tokens = [sampler.choose(step(token))]
-                    if drafter is not None:
-                        drafter.extend(tokens)
+                if drafter is not None:
+                    drafter.extend(tokens)
                 self._stats.decode_forwards += 1
                 # Only the step is timed: a stream's consumer may take its time between tokens.
                 generation.decode_s += time.perf_counter() - began
