@@ -295,3 +295,22 @@ def test_sampled_output_is_exact_in_distribution(reference_model, monkeypatch):
     # The upper 0.1% point of chi-square, by the Wilson-Hilferty approximation.
     bound = degrees * (1 - 2 / (9 * degrees) + 3.09 * (2 / (9 * degrees)) ** 0.5) ** 3
     assert statistic < bound, (keys, table)
+
+
+def test_a_stream_closed_inside_a_verified_run_keeps_what_it_took(reference_model, monkeypatch):
+    """The consumer stops after some tokens of a verification: the KV holds the prompt and
+    the tokens it took but the last, as after plain decoding, and the next call continues."""
+    path = reference_model("base")
+    plain = load(path, provider="cpu", capacity=160, chunk_size=W)
+    prompt = _prompts(plain.ports.vocab_size, (12,))[0]
+    tokens = _alone(plain, [prompt], 30)[0]
+    monkeypatch.setattr(speculation, "propose_draft", lambda history, k=4, **_: np.array(
+        (prompt + tokens)[len(history):len(history) + k]))
+    with load(path, provider="cpu", capacity=160, chunk_size=W, speculative=SPEC) as spec:
+        for taken in (3, 6, 7):
+            with spec.open_sequence() as sequence:
+                stream = sequence.stream(prompt, 30, [])
+                assert [next(stream) for _ in range(taken)] == tokens[:taken]
+                stream.close()
+                assert sequence.length == len(prompt) + taken - 1
+                assert sequence.stats.accepted_tokens > 0
