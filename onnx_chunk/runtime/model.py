@@ -48,7 +48,7 @@ from onnx_chunk.runtime.device.session_factory import (
     owned_by_session,
 )
 from onnx_chunk.runtime.stats import RuntimeStats
-from onnx_chunk.runtime.caches.variant_cache import Specialize, VariantCache, VariantKey
+from onnx_chunk.runtime.caches.variant_cache import Specialize, VariantCache
 from onnx_chunk.runtime.caches.variant_pool import VariantPool
 from onnx_chunk.sampling import GREEDY, Sampler
 
@@ -193,15 +193,11 @@ class Runtime:
         self._engine: BatchEngine | None = None
         self._engine_lock = threading.Lock()
         self._closed = False
-        # The one shape-generic session (the CPU default) is built from here on in a thread
-        # of its own, while the caller goes on (tokenizer, server start, the first prompt);
-        # the first forward waits for it (docs/runtime.md, "Cold start").
-        self._warming: threading.Thread | None = None
+        # The one shape-generic session (the CPU default) serves every forward: it is built
+        # here, so that `load` returns a runtime ready to run (docs/runtime.md, "Cold start").
         if specialize is False:
-            self._warming = threading.Thread(target=_build_in_background,
-                                             args=(self.cache, options.decode_key),
-                                             name="onnx-chunk-session-build")
-            self._warming.start()
+            with self.cache.acquire(options.decode_key):
+                pass
         logger.info("loaded %s on %s: capacity %d, chunk %d, ladder %s, padding %s",
                     self.model_path, self.device.label, options.capacity, options.chunk_size,
                     options.tiers, "on" if options.padding else f"off ({options.padding_refused})")
@@ -317,8 +313,6 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
-        if self._warming is not None:
-            self._warming.join()
         # First, so that no sequence starts a forward while the engine stops.
         self.variants.close()
         with self._engine_lock:
@@ -416,17 +410,6 @@ class Runtime:
                                  f"{list(given.shape)}")
         return given
 
-
-
-def _build_in_background(cache: VariantCache, key: VariantKey) -> None:
-    """Build the variant for `key` now (the thread `Runtime` starts at load). A failure is
-    left to the first forward, which builds it again and raises the error to its caller."""
-    try:
-        with cache.acquire(key):
-            pass
-    except Exception as error:  # ORT's own types and ours alike: the first forward reports it
-        logger.debug("building the session at load failed; the first forward builds it "
-                     "again: %s", error)
 
 
 # The public entry point: `onnx_chunk.load(path, provider="auto", ...)` builds a Runtime.
