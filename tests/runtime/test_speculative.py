@@ -15,9 +15,9 @@ from onnx_chunk.errors import ConfigError
 from onnx_chunk.runtime import load, model as runtime_model
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 from onnx_chunk.runtime.engine import speculation
-from onnx_chunk.runtime.engine.speculation import (MAX_BACKOFF, DraftBackoff, Drafter,
-                                                   Speculation, accepted, propose_draft,
-                                                   verify)
+from onnx_chunk.runtime.engine.speculation import (DRAFT_TOKENS, MAX_BACKOFF, DraftBackoff,
+                                                   Drafter, Speculation, accepted,
+                                                   draft_length, propose_draft, verify)
 from onnx_chunk.sampling import GREEDY, Sampler, Sampling
 from tests.exports.corpus import builder_gqa_fixtures
 
@@ -94,24 +94,41 @@ def test_a_greedy_row_closer_than_the_margin_ends_the_verification_without_a_tok
     assert len(verify(Sampler(Sampling(temperature=1.0, seed=0), 6), logits, draft, 0.25)) >= 1
 
 
-def test_the_draft_length_grows_while_drafts_are_kept_and_shrinks_when_they_are_not():
+def test_the_draft_length_gives_most_tokens_per_cost():
+    assert draft_length(0.0) == 0 and draft_length(0.15) == 0
+    assert draft_length(0.5) == 1
+    lengths = [draft_length(rate) for rate in (0.3, 0.5, 0.7, 0.8, 0.9, 0.97)]
+    assert lengths == sorted(lengths) and lengths[-1] == DRAFT_TOKENS
+    assert draft_length(0.99, most=3) == 3
+
+
+def test_drafts_lengthen_while_kept_and_back_off_when_rejected():
     drafter = Drafter(np.array([1, 2, 3, 4] * 6), Speculation())
-    logits = np.zeros((9, 6), dtype=np.float32)
-    assert len(drafter.draft(24, 100)) == 2
-    for want in (4, 6, 8, 8):
+    logits = np.zeros((DRAFT_TOKENS + 1, 6), dtype=np.float32)
+    lengths = []
+    for _ in range(6):
         draft = drafter.draft(24, 100)
+        lengths.append(len(draft))
         rows = logits[:len(draft) + 1].copy()
         rows[np.arange(len(draft)), draft] = 1.0
         rows[len(draft), 0] = 1.0
         assert drafter.verified(Sampler(GREEDY, 6), rows, draft) == [*draft, 0]
-        assert drafter.length == want
-    draft = drafter.draft(24, 100)
-    rows = logits[:len(draft) + 1].copy()
-    rows[:, 5] = 1.0
-    assert drafter.verified(Sampler(GREEDY, 6), rows, draft) == [5]
-    assert drafter.length == 7
-    assert len(drafter.draft(24, 3)) == 0  # backed off for one step
-    assert len(drafter.draft(24, 3)) == 3  # then capped by the tokens left
+    # (the history's period, 4, bounds what a lookup can draft here)
+    assert lengths[0] == 1 and lengths == sorted(lengths) and lengths[-1] == 4
+    assert draft_length(drafter.acceptance) > 4
+    waits = []
+    for _ in range(16):
+        wait = 0
+        while not len(draft := drafter.draft(24, 100)):
+            wait += 1
+        waits.append(wait)
+        rows = logits[:len(draft) + 1].copy()
+        rows[:, 5] = 1.0
+        assert drafter.verified(Sampler(GREEDY, 6), rows, draft) == [5]
+    # Rejections: the drafts shrink to a one-token probe, then wait ever longer between probes.
+    assert waits[0] == 0 and waits == sorted(waits) and waits[-1] > 2
+    assert draft_length(drafter.acceptance) == 0
+    assert len(drafter.draft(24, 0)) == 0  # nothing left to draft for
 
 
 def _prompts(vocab: int, lengths=(5, 23, 1, 40), seed: int = 0) -> list[list[int]]:

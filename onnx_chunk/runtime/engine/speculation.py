@@ -17,10 +17,12 @@ Rules:
 2. `DraftBackoff`: a verification that accepts nothing doubles the plain decode steps run
    before the next draft (1, 2, 4, ... up to `MAX_BACKOFF`); one that accepts a token resets
    it, so text the drafts cannot predict costs at most one wasted verification per back-off.
-   The draft length adapts too: a verification that keeps the whole draft lengthens the next
-   one by 2 (up to `MAX_DRAFT_TOKENS`), any other shortens it by 1 (down to 1), so a
-   verification's extra rows are spent where the drafts have been right (a k + 1-row forward
-   costs more than a decode step on a CPU, `scripts/bench_speculative.py` verify-cost).
+   The draft length follows the request's record (`draft_length`): with an acceptance rate a
+   per drafted token (kept over kept plus rejections, recent verifications weighing most), a
+   draft of k tokens gives 1 + a + ... + a^k tokens for a forward that costs about
+   1 + `VERIFY_ROW_COST` * k decode steps; the k that gives most per cost is drafted, and when
+   none gives more than a decode step the request backs off and later drafts one token as a
+   probe. So drafting pays where the drafts have been right and stops where they have not.
 3. Greedy verification is exact only where the verification's argmax is the one a decode step
    would pick. ONNX Runtime computes a one-row forward with other kernels than a multi-row one
    (INT4 MatMulNBits: logits differ by up to about 0.06 on a Qwen2.5-0.5B-shaped export, float
@@ -48,11 +50,15 @@ from onnx_chunk.sampling import Sampler
 
 PROMPT_LOOKUP = "prompt-lookup"
 SPECULATIVE_CHOICES = (PROMPT_LOOKUP,)
-# Tokens drafted per verification (at first, and at most), and the n-gram sizes looked up. On
-# 2 CPU cores a Qwen2.5-0.5B-shaped INT4 verification of k + 1 rows costs 1.09x a decode step
-# for k = 1, 1.22x for 2, 1.71x for 4, 2.28x for 8: a request starts at 2 and earns more.
-DRAFT_TOKENS = 2
-MAX_DRAFT_TOKENS = 8
+# The most tokens drafted per verification, and the n-gram sizes looked up.
+DRAFT_TOKENS = 8
+# What each drafted row adds to a verification, in decode steps: on 2 CPU cores a
+# Qwen2.5-0.5B-shaped INT4 verification of k + 1 rows after 1000 cached tokens cost 1.25x a
+# decode step for k = 1, 1.35x for 2, 1.74x for 4, 2.52x for 8.
+VERIFY_ROW_COST = 0.25
+# The acceptance record: a prior of one kept and one rejected token, older verifications
+# decaying by this factor at each new one.
+_RECORD_DECAY = 0.8
 MAX_NGRAM = 3
 MIN_NGRAM = 1
 # The most plain decode steps a request runs between two drafts after failed verifications.
@@ -116,8 +122,19 @@ class DraftBackoff:
         self._penalty = min(2 * self._penalty, MAX_BACKOFF)
 
 
+def draft_length(acceptance: float, most: int = DRAFT_TOKENS) -> int:
+    """The draft length (1 to `most`) that gives most tokens per cost at this acceptance
+    rate, or 0 when none gives more than a plain decode step (rule 2)."""
+    best, best_gain = 0, 1.0
+    for k in range(1, most + 1):
+        gain = sum(acceptance ** i for i in range(k + 1)) / (1 + VERIFY_ROW_COST * k)
+        if gain > best_gain:
+            best, best_gain = k, gain
+    return best
+
+
 class Drafter:
-    """One request's prompt-lookup drafting: its history and its back-off."""
+    """One request's prompt-lookup drafting: its history, its acceptance record, its back-off."""
 
     def __init__(self, prompt: np.ndarray, speculation: Speculation) -> None:
         self._history = np.empty(max(16, 2 * len(prompt)), dtype=np.int64)
@@ -125,7 +142,13 @@ class Drafter:
         self._size = len(prompt)
         self._speculation = speculation
         self.backoff = DraftBackoff()
-        self.length = DRAFT_TOKENS
+        self._kept = 1.0
+        self._rejected = 1.0
+
+    @property
+    def acceptance(self) -> float:
+        """The estimated chance that a drafted token is kept (recent verifications weigh most)."""
+        return self._kept / (self._kept + self._rejected)
 
     def extend(self, tokens: SequenceOf[int]) -> None:
         """Append generated tokens to the history drafts are looked up in."""
@@ -140,7 +163,8 @@ class Drafter:
     def draft(self, length: int, room: int) -> np.ndarray:
         """The draft for the next step of a sequence at `length` positions with `room` new
         tokens left to generate after the next one (empty: decode plainly)."""
-        k = min(self.length, room)
+        # A request whose drafts do not pay probes with one token after its back-off.
+        k = min(max(draft_length(self.acceptance), 1), room)
         if k < 1 or not self.backoff.ready():
             return np.empty(0, dtype=np.int64)
         draft = propose_draft(self._history[:self._size], k)
@@ -152,12 +176,12 @@ class Drafter:
         return draft
 
     def verified(self, sampler: Sampler, logits: np.ndarray, draft: np.ndarray) -> list[int]:
-        """`verify`, with the back-off told how many drafted tokens were kept."""
+        """`verify`, with the record and the back-off updated (rule 2)."""
         tokens = verify(sampler, logits, draft, self._speculation.margin)
         kept = accepted(tokens, draft)
-        self.backoff.verified(kept)
-        self.length = (min(self.length + 2, MAX_DRAFT_TOKENS) if kept == len(draft)
-                       else max(self.length - 1, 1))
+        self._kept = _RECORD_DECAY * self._kept + kept
+        self._rejected = _RECORD_DECAY * self._rejected + (kept < len(draft))
+        self.backoff.verified(1 if draft_length(self.acceptance) else 0)
         return tokens
 
 
