@@ -269,15 +269,21 @@ class Sampler:
             self._seen_ids = np.fromiter(sorted(self._seen), dtype=np.int64,
                                          count=len(self._seen))
 
-    def choose(self, logits: np.ndarray) -> int:
+    def choose(self, logits: np.ndarray, draft: int | None = None) -> int:
         """The next token for a [vocab] logits row; it counts as seen and generated from now
-        on (and the grammar moves past it)."""
+        on (and the grammar moves past it).
+
+        `draft`: a token proposed for this position (speculative decoding). A greedy choice
+        ignores it (the argmax either is the draft or is not); a draw keeps it with its
+        probability p(draft) and otherwise draws from p with the draft removed, so the token
+        returned is distributed exactly as without a draft.
+        """
         if self._work is None:
             token = int(np.argmax(logits))
             if self._dist is not None:
                 self.last = logprobs_of(logits, token, self._top, self._dist[1])
             return token
-        token = self._choose(self._processed(logits))
+        token = self._choose(self._processed(logits), draft)
         if self._dist is not None:
             self.last = logprobs_of(self._dist[0], token, self._top, self._dist[1])
         self.observe((token,))
@@ -287,6 +293,13 @@ class Sampler:
         if self._matcher is not None:
             self._matcher.advance(token)
         return token
+
+    def lead(self, logits: np.ndarray) -> float:
+        """How far the best processed score of a [vocab] row leads the runner-up (every
+        processor applied; before temperature)."""
+        scores = logits if self._work is None else self._processed(logits)
+        top = np.partition(scores, scores.size - 2)[-2:]
+        return float(top[1] - top[0])
 
     def _work_row(self) -> np.ndarray:
         work = self._work
@@ -316,7 +329,7 @@ class Sampler:
             scores[ids] -= sampling.frequency_penalty * counts + sampling.presence_penalty
         return scores
 
-    def _choose(self, scores: np.ndarray) -> int:
+    def _choose(self, scores: np.ndarray, draft: int | None) -> int:
         sampling = self.sampling
         work, mask = self._work, self._mask
         assert work is not None and mask is not None  # choose() comes here only with them
@@ -354,15 +367,31 @@ class Sampler:
             scores -= top
             np.exp(scores, out=scores)
             scores *= mask
+            if draft is not None and self._keeps_draft(scores, draft):
+                return draft
             np.cumsum(scores, out=scores)
             return int(np.searchsorted(scores, self._rng.random() * scores[-1], side="right"))
         # A few left: draw among them only, in id order (the same choice as the whole row).
         kept = np.flatnonzero(mask)
         weights = np.exp(scores[kept] - top)
+        if draft is not None:
+            where = int(np.searchsorted(kept, draft))
+            if where < kept.size and kept[where] == draft:
+                if self._keeps_draft(weights, where):
+                    return draft
         np.cumsum(weights, out=weights)
         target = self._rng.random() * weights[-1]
         return int(kept[min(int(np.searchsorted(weights, target, side="right")),
                             kept.size - 1)])
+
+    def _keeps_draft(self, weights: np.ndarray, index: int) -> bool:
+        """Keep the drafted token at `index` of `weights` with its probability; else zero its
+        weight, so the draw that follows is from the rest renormalised (the rejection rule)."""
+        weight = float(weights[index])
+        if self._rng.random() * float(weights.sum()) < weight:
+            return True
+        weights[index] = 0.0
+        return False
 
 
 def _top_p_cutoff(scores: np.ndarray, cutoff: float, top: float, top_p: float,

@@ -30,11 +30,12 @@ and GFLOP/s of each forward and of the throughput part's phases.
 Each measurement runs in a process of its own (the probe: one process); systems are
 interleaved round by round and reported as medians. `--part` picks parts (repeatable;
 default all); each part writes bench-out/engine_<part>.md and .json. `--quick` is a smoke
-run of every part on the tiny decoder (CI).
+run of every part on the tiny decoder (CI). `--mix decode-heavy` runs the throughput part on
+16 prompts of 100-300 tokens with 256 new tokens each (files suffixed _decode_heavy).
 
     .venv/bin/python scripts/bench_engine.py [--quick] [--repetitions 3] [--no-genai]
         [--part throughput|stall|memory|single|prefill-batching ...] [--baseline PATH]
-        [--single-tolerance 0.05]
+        [--single-tolerance 0.05] [--mix prefill-heavy|decode-heavy]
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ QUICK = {"preset": "tiny", "count": 6, "shortest": 10, "longest": 120, "new_toke
          "memory": {"prompt": 10, "new_tokens": 4},
          "single": {"prompts": [10, 60], "new_tokens": 8, "repeats": 1},
          "probe": {"cases": [[2, 32], [4, 10]], "decode_past": 32}}
+# --mix decode-heavy: the throughput part on prompts of 100-300 tokens with 256 new tokens each,
+# where the batched decode, not the prefill, carries the work.
+DECODE_HEAVY = {"shortest": 100, "longest": 300, "new_tokens": 256}
 THROUGHPUT_GOAL = 3.0
 STALL_GOAL = 1.5
 
@@ -81,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-genai", action="store_true",
                         help="leave onnxruntime-genai out (og.Engine and the memory part's "
                              "genai rows)")
+    parser.add_argument("--mix", choices=("prefill-heavy", "decode-heavy"),
+                        default="prefill-heavy",
+                        help="the throughput part's workload: prompts of 40-900 tokens and 64 "
+                             "new (default), or of 100-300 tokens and 256 new")
     parser.add_argument("--part", action="append", choices=PARTS,
                         help="run this part (repeatable; default every part)")
     parser.add_argument("--baseline", type=Path, default=None,
@@ -108,8 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     plan = QUICK if args.quick else FULL
     if args.model is not None:
         plan = dict(plan, preset=env.named_export(args.model)[0])
+    if args.mix == "decode-heavy" and not args.quick:
+        plan = {**plan, **DECODE_HEAVY}
     repetitions = 1 if args.quick else args.repetitions
-    suffix = "_quick" if args.quick else ""
+    suffix = ("_quick" if args.quick else "") + ("_decode_heavy" if args.mix == "decode-heavy"
+                                                  else "")
     genai = None if args.no_genai else env.genai_python(args.genai_venv)
     tables = []
 

@@ -350,3 +350,52 @@ def test_a_sampler_without_logprobs_keeps_none():
 def test_logprob_counts_are_checked(field):
     with pytest.raises(ConfigError, match=field):
         Sampling(**{field: -1})
+
+
+@pytest.mark.parametrize("draft", [0, 4, 9], ids=lambda draft: f"draft{draft}")
+@pytest.mark.parametrize("sampling", [
+    Sampling(temperature=1.0, seed=31),
+    Sampling(temperature=1.0, top_k=4, seed=32),
+    Sampling(temperature=0.8, top_p=0.8, repetition_penalty=1.3, seed=33),
+], ids=repr)
+def test_a_drafted_token_leaves_the_distribution_exact(sampling, draft):
+    """The rejection rule for a deterministic draft (keep it with p(draft), else draw from p
+    without it): the tokens are distributed as without a draft, whichever token is drafted
+    (the most likely one, a middling one, one the filters drop)."""
+    draws = 20000
+    sampler = Sampler(sampling, LOGITS.size)
+    sampler.observe(SEEN)
+    counts = np.bincount([sampler.choose(LOGITS, draft=draft) for _ in range(draws)],
+                         minlength=LOGITS.size)
+    expected = _expected(LOGITS, sampling, SEEN if sampling.repetition_penalty != 1 else ())
+    kept = expected > 0
+    assert counts[~kept].sum() == 0, "a token the filters drop was drawn"
+    statistic = float((((counts - draws * expected) ** 2)[kept]
+                       / (draws * expected[kept])).sum())
+    assert statistic < _CHI2_999[int(kept.sum()) - 1], (counts, draws * expected)
+
+
+def test_a_draft_over_a_large_vocabulary_is_kept_with_its_probability():
+    """The whole-row draw (more tokens kept than the gathered path takes): a draft of
+    probability p is returned p of the time, and the rest follow p without it."""
+    vocab = 6000
+    logits = np.zeros(vocab, dtype=np.float32)
+    logits[:3] = (8.0, 7.0, 6.5)
+    expected = np.exp(logits - logits.max())
+    expected /= expected.sum()
+    sampler = Sampler(Sampling(temperature=1.0, seed=5), vocab)
+    draws = 20000
+    tokens = np.array([sampler.choose(logits, draft=1) for _ in range(draws)])
+    head = np.array([np.count_nonzero(tokens == index) for index in range(3)]
+                    + [np.count_nonzero(tokens >= 3)])
+    want = np.append(expected[:3], expected[3:].sum()) * draws
+    statistic = float(((head - want) ** 2 / want).sum())
+    assert statistic < _CHI2_999[3], (head, want)
+
+
+def test_a_greedy_choice_ignores_the_draft():
+    sampler = Sampler(GREEDY, LOGITS.size)
+    assert sampler.choose(LOGITS, draft=3) == 0
+    penalized = Sampler(Sampling(repetition_penalty=5.0), LOGITS.size)
+    penalized.observe((0,))
+    assert penalized.choose(LOGITS, draft=0) == 10

@@ -18,6 +18,7 @@ import click
 
 from onnx_chunk.errors import ConfigError
 from onnx_chunk.runtime.device.provider import PROVIDER_CHOICES
+from onnx_chunk.runtime.engine.speculation import SPECULATIVE_CHOICES
 
 # --cache (a development option): how the variant cache keys prefill widths.
 # auto: the provider's default; ladder: a variant per ladder tier, remainders padded up;
@@ -53,11 +54,15 @@ _CACHE_MODES = {"auto": {}, "ladder": {"specialize": True, "padding": True},
               help="Start every request on an empty slot (default: a slot keeps its KV after "
                    "a request, and a later prompt starting with the same tokens prefills only "
                    "the rest).")
+@click.option("--speculative", type=click.Choice(SPECULATIVE_CHOICES), default=None,
+              help="Draft tokens by prompt lookup and verify them in one forward (greedy "
+                   "output unchanged, sampled output exact in distribution).")
 @click.option("--cache", "cache_mode", type=click.Choice(sorted(_CACHE_MODES)), default="auto",
               hidden=True, help="Development: the variant cache's keying (exact: per shape).")
 def serve(model: Path, host: str, port: int, batch: int, queue: int, api_key: str | None,
           provider: str, capacity: int | None, max_body_bytes: int | None,
-          parse_special_in_content: bool, prefix_reuse: bool, cache_mode: str) -> None:
+          parse_special_in_content: bool, prefix_reuse: bool, speculative: str | None,
+          cache_mode: str) -> None:
     try:
         from onnx_chunk.serve import create_app
         from onnx_chunk.serve.server import DrainingServer, bind
@@ -76,6 +81,7 @@ def serve(model: Path, host: str, port: int, batch: int, queue: int, api_key: st
     with contextlib.closing(listener), load(model, provider=provider, capacity=capacity,
                                             max_batch=batch, max_queue=queue,
                                             prefix_reuse=prefix_reuse,
+                                            speculative=speculative,
                                             **_CACHE_MODES[cache_mode]) as runtime:
         body_limit = {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
         app = create_app(runtime, api_key=api_key,

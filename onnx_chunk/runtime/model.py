@@ -45,6 +45,7 @@ from onnx_chunk.runtime.engine.batch_engine import DEFAULT_MAX_QUEUE, BatchEngin
 from onnx_chunk.runtime.engine.request import Request
 from onnx_chunk.runtime.engine.sequence import Sequence
 from onnx_chunk.runtime.engine.sequence_pool import DEFAULT_IDLE_SLOTS, SequencePool, new_slot
+from onnx_chunk.runtime.engine.speculation import Speculation
 from onnx_chunk.runtime.options import (
     LoadArguments,
     RuntimeOptions,
@@ -111,6 +112,10 @@ class Runtime:
     prefix_reuse: whether an engine slot keeps its KV after its request ends, for a later
         request whose prompt starts with the same ids to reuse (default True; see
         docs/engine.md, "Prefix reuse").
+    speculative: "prompt-lookup" drafts tokens from the prompt and the text so far and
+        verifies them in one forward (greedy output identical to plain decoding, sampled
+        output exact in distribution; see docs/speculative.md); None (default) decodes one
+        token per forward. A decoder with recurrent state or last-row logits is refused.
 
     `close()` (or leaving a `with` block) frees the sessions and buffers at once; a runtime is
     also freed as soon as its last reference (and every sequence's) goes.
@@ -136,6 +141,7 @@ class Runtime:
         max_batch: int = 1,
         max_queue: int = DEFAULT_MAX_QUEUE,
         prefix_reuse: bool = True,
+        speculative: str | None = None,
     ) -> None:
         # Two ONNX Runtime wheels in one folder overwrite each other's module: say so first.
         check_one_wheel()
@@ -144,7 +150,7 @@ class Runtime:
             padding=padding, specialize=specialize, max_variants=max_variants,
             mask_policy=mask_policy, intra_op_threads=intra_op_threads, cuda_graphs=cuda_graphs,
             device=device, idle_sequences=idle_sequences, max_batch=max_batch,
-            max_queue=max_queue, prefix_reuse=prefix_reuse))
+            max_queue=max_queue, prefix_reuse=prefix_reuse, speculative=speculative))
         check_utf8_path(model_path)
         location = locate_model(model_path)
         self.model_path: Path = location.onnx_path
@@ -194,9 +200,16 @@ class Runtime:
         self.runner = ModelRunner(self.variants, self.ports, self.device,
                                   capacity=options.capacity, tiers=options.tiers,
                                   specialize=specialize, embeddings=self.embeddings)
+        self._speculation = (None if options.speculative is None
+                             else Speculation.for_ports(self.ports, quantized))
         self._engine: BatchEngine | None = None
         self._engine_lock = threading.Lock()
         self._closed = False
+        # The one shape-generic session (the CPU default) serves every forward: it is built
+        # here, so that `load` returns a runtime ready to run (docs/runtime.md, "Cold start").
+        if specialize is False:
+            with self.cache.acquire(options.decode_key):
+                pass
         logger.info("loaded %s on %s: capacity %d, chunk %d, ladder %s, padding %s",
                     self.model_path, self.device.label, options.capacity, options.chunk_size,
                     options.tiers, "on" if options.padding else f"off ({options.padding_refused})")
@@ -220,7 +233,8 @@ class Runtime:
         if self._closed:
             raise ClosedError("this runtime was closed; load the model again to open sequences")
         return Sequence(self.runner, self.pool, chunk_size=self.options.chunk_size,
-                        eos_token_ids=self.options.eos_token_ids)
+                        eos_token_ids=self.options.eos_token_ids,
+                        speculation=self._speculation)
 
     def submit(self, prompt_ids: SequenceOf[int] | np.ndarray, max_new_tokens: int, *,
                eos_token_id: int | SequenceOf[int] | None = None,
@@ -320,7 +334,8 @@ class Runtime:
                              masks=self.masks, take_number=self.pool.take_number,
                              give_number=self.pool.give_number,
                              release_graphs=self.variants.release_slot,
-                             prefix_reuse=options.prefix_reuse)
+                             prefix_reuse=options.prefix_reuse,
+                             speculation=self._speculation)
 
     def close(self) -> None:
         """Free the sessions, the pooled sequence buffers and their CUDA graphs now.
@@ -427,6 +442,7 @@ class Runtime:
             max_batch=options.max_batch,
             prefix_reuse=options.prefix_reuse,
             engine=None if self._engine is None else self._engine.stats,
+            speculative=options.speculative,
         )
 
     def _embeddings(self, given: np.ndarray | None) -> np.ndarray | None:

@@ -23,6 +23,8 @@ Rules of `resolve_options`:
    tiers capture; off on the one CPU session), and the plan may refuse it.
 7. Fixed dims: the ports', less the batch axis above one slot, plus a capacity-wide mask under
    the capacity mask policy.
+8. Speculative decoding ("prompt-lookup") is refused for a decoder that cannot take a
+   rejected draft back (recurrent state) or verify it per row (last-row logits only).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from onnx_chunk.runtime.caches.variant_cache import EXACT, Specialize, VariantKe
 from onnx_chunk.runtime.device.provider import Device, MaskPolicy, device_for
 from onnx_chunk.runtime.engine.batch_engine import DEFAULT_MAX_QUEUE
 from onnx_chunk.runtime.engine.sequence_pool import DEFAULT_IDLE_SLOTS
+from onnx_chunk.runtime.engine.speculation import SPECULATIVE_CHOICES, speculation_refused
 from onnx_chunk.runtime.runner.padding import resolve_padding
 from onnx_chunk.runtime.runner.ports import ModelPorts, model_ports
 
@@ -71,6 +74,7 @@ class LoadArguments:
     max_batch: int = 1
     max_queue: int = DEFAULT_MAX_QUEUE
     prefix_reuse: bool = True
+    speculative: str | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,7 @@ class RuntimeOptions:
     idle_sequences: int
     intra_op_threads: int | None
     prefix_reuse: bool = True
+    speculative: str | None = None
 
 
 def checked_arguments(args: LoadArguments) -> LoadArguments:
@@ -114,6 +119,9 @@ def checked_arguments(args: LoadArguments) -> LoadArguments:
             raise ConfigError(f"{name} must be True, False or None, got {value!r}")
     if not isinstance(args.prefix_reuse, bool):
         raise ConfigError(f"prefix_reuse must be True or False, got {args.prefix_reuse!r}")
+    if args.speculative is not None and args.speculative not in SPECULATIVE_CHOICES:
+        raise ConfigError(f"speculative must be one of {', '.join(SPECULATIVE_CHOICES)} or "
+                          f"None (plain decoding), got {args.speculative!r}")
     return dataclasses.replace(
         args,
         idle_sequences=arguments.integer(args.idle_sequences, "idle_sequences", minimum=0,
@@ -137,6 +145,10 @@ def resolve_options(args: LoadArguments, *, plan: ChunkPlan, genai: GenaiConfig,
             f"{model.path.name} fixes it to 1 (its {ports.token_input!r} input); "
             "load it with max_batch=1 or export it with a symbolic batch size")
     eos_token_ids = checked_token_ids(genai.eos_token_ids, ports.vocab_size, genai.path)
+    refused = None if args.speculative is None else speculation_refused(ports)
+    if refused is not None:
+        raise ConfigError(f"speculative={args.speculative!r} cannot run on {model.path.name}: "
+                          f"{refused}; load it without speculative decoding")
     if args.device is None:
         device = attention_device(device, ports, args.provider, args.mask_policy)
     else:
@@ -176,6 +188,7 @@ def resolve_options(args: LoadArguments, *, plan: ChunkPlan, genai: GenaiConfig,
         idle_sequences=args.idle_sequences,
         intra_op_threads=args.intra_op_threads,
         prefix_reuse=args.prefix_reuse,
+        speculative=args.speculative,
     )
 
 

@@ -41,7 +41,11 @@ class GenerationStats:
 
 @dataclass
 class SequenceStats:
-    """Counters of one sequence since it was opened."""
+    """Counters of one sequence since it was opened.
+
+    `decode_forwards` counts plain decode steps and draft verifications; `draft_tokens`: the
+    tokens drafted (speculative decoding), `accepted_tokens`: those the verifications kept.
+    """
 
     length: int
     capacity: int
@@ -49,6 +53,8 @@ class SequenceStats:
     prefill_forwards: int = 0
     decode_forwards: int = 0
     padded_rows: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
     last_generation: GenerationStats | None = None
 
 
@@ -73,7 +79,8 @@ class RuntimeStats:
     capture failed, with the reason (they run without a graph); `sequences`: the sequence
     pool's counters (buffer sets made, reused, freed, idle); `max_batch`: the batch engine's
     slots, `prefix_reuse` whether its slots keep their prefix for later requests, `engine` its
-    counters (None until the first submit).
+    counters (None until the first submit); `speculative`: the drafting method
+    ("prompt-lookup") or None.
     """
 
     provider: str
@@ -103,6 +110,7 @@ class RuntimeStats:
     max_batch: int = 1
     prefix_reuse: bool = True
     engine: EngineStats | None = None
+    speculative: str | None = None
 
     def __call__(self) -> RuntimeStats:
         """The stats themselves: `runtime.stats` is a property now, and the old call
@@ -125,6 +133,9 @@ class EngineCounters:
     longest_decode_gap_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    verify_forwards: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
     completed: int = 0
     cancelled: int = 0
     failed: int = 0
@@ -144,12 +155,14 @@ class EngineStats(EngineCounters):
     `decode_stalls`: steps in which running decodes waited for prefill chunks first;
     `longest_decode_gap_s`: the longest time between two decode forwards while sequences
     were decoding (what a running request sees as its slowest token); `prefill_s` /
-    `decode_s`: the time spent in prefill chunks and in batched decode steps; `completed`,
-    `cancelled`, `failed`: requests that ended so; `prefix_hits`: requests admitted to a slot
-    whose kept prefix they reused, `prefix_reused_tokens` the prompt ids not fed again for
-    them; `prefix_refused`: requests whose prompt shared more kept ids with their slot than
-    they could reuse (a recurrent state kept for another length, a window-sized cache that
-    evicted what the shorter prefix needs).
+    `decode_s`: the time spent in prefill chunks and in batched decode steps (draft
+    verifications included); `verify_forwards`: the forwards that verified a row's draft
+    (speculative decoding), `draft_tokens` the tokens they verified and `accepted_tokens`
+    those kept; `completed`, `cancelled`, `failed`: requests that ended so; `prefix_hits`:
+    requests admitted to a slot whose kept prefix they reused, `prefix_reused_tokens` the
+    prompt ids not fed again for them; `prefix_refused`: requests whose prompt shared more
+    kept ids with their slot than they could reuse (a recurrent state kept for another length,
+    a window-sized cache that evicted what the shorter prefix needs).
     """
 
     slots: int = 0

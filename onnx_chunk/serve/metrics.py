@@ -82,6 +82,11 @@ class _RuntimeCollector(Collector):
                        "Requests that shared more kept tokens with a free slot than a window "
                        "cache or recurrent state let them reuse.",
                        0 if engine is None else engine.prefix_refused)
+        yield _counter("onnx_chunk_draft_tokens", "Tokens drafted by speculative decoding.",
+                       0 if engine is None else engine.draft_tokens)
+        yield _counter("onnx_chunk_accepted_tokens",
+                       "Drafted tokens the verifications kept.",
+                       0 if engine is None else engine.accepted_tokens)
 
 
 def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:

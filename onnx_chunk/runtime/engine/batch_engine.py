@@ -12,9 +12,12 @@ policy and graph slot numbers), never the runtime itself. A step:
    of one chunk width W (`scheduler.prefill_picks`): each chunk is a one-row forward of that
    slot (the model runner's, on a row of the engine's buffers, with the ladder padding and
    variant cache of any sequence), and a prompt's last chunk gives its first token;
-3. runs one batched decode forward of every slot through the same runner: each decoding row
-   feeds its last token, and every other row is run but left as it was (`idle_rows`). On a
-   capturing session the batched binding captures and replays a CUDA graph like any other.
+3. with speculative decoding, verifies each decoding row's draft (if it has one this step) in
+   a forward of its own slot, as a prefill chunk runs (`speculation`);
+4. runs one batched decode forward of every slot through the same runner: each decoding row
+   without a draft feeds its last token, and every other row is run but left as it was
+   (`idle_rows`). On a capturing session the batched binding captures and replays a CUDA
+   graph like any other.
 A failure in a forward fails the requests of that forward with the exception (their slots are
 freed, keeping nothing); the other requests go on.
 
@@ -67,6 +70,7 @@ from onnx_chunk.runtime.engine.scheduler import (
     prefill_picks,
 )
 from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot, new_slot
+from onnx_chunk.runtime.engine.speculation import Drafter, Speculation, accepted
 from onnx_chunk.runtime.runner.attention_mask import AttentionMask
 from onnx_chunk.runtime.runner.model_runner import Forward, ModelRunner, Row
 from onnx_chunk.runtime.runner.ports import ModelPorts
@@ -101,6 +105,7 @@ class EngineContext:
     give_number: Callable[[int], None]
     release_graphs: Callable[[int], None]
     prefix_reuse: bool = True
+    speculation: Speculation | None = None
 
 
 @dataclass
@@ -114,6 +119,7 @@ class _Row:
     order: int
     chunks: collections.deque = field(default_factory=collections.deque)
     token: int = 0
+    drafter: Drafter | None = None
 
 
 class BatchEngine:
@@ -298,7 +304,9 @@ class BatchEngine:
                       prefill_chunks(len(request.prompt) - choice.reused,
                                      self._context.chunk_size)]
             row = _Row(request, self._slots[choice.slot], self._lengths[choice.slot], sampler,
-                       self._admitted, collections.deque(chunks))
+                       self._admitted, collections.deque(chunks),
+                       drafter=(None if self._context.speculation is None
+                                else Drafter(request.prompt, self._context.speculation)))
             self._admitted += 1
             self._rows[choice.slot] = row
             request.admitted(choice.reused)
@@ -355,9 +363,11 @@ class BatchEngine:
             self._counters.steps += 1
             if ran and decoding_before:
                 self._counters.decode_stalls += 1
+        verified = [index for index in decoding if self._verify(self._rows[index])]
+        decoding = [index for index in decoding if index not in verified]
         if decoding:
             self._decode(decoding)
-        else:
+        elif not verified:
             self._last_decode = None
 
     def _prefill_chunk(self, row: _Row) -> None:
@@ -477,6 +487,41 @@ class BatchEngine:
                     self._counters.longest_decode_gap_s, now - self._last_decode)
         self._last_decode = now
 
+    def _verify(self, row: _Row) -> bool:
+        """Verify the row's draft, if it has one, in a forward of its own slot (its last token
+        and the draft, every row's logits): deliver the tokens the verification gives and
+        rewind the rows it did not keep. False when the row has no draft this step (it runs
+        in the batched decode)."""
+        if row.drafter is None:
+            return False
+        request = row.request
+        left = request.max_new_tokens - request.stats.new_tokens
+        draft = row.drafter.draft(row.length.length, left - 1)
+        if not len(draft):
+            return False
+        fed = np.concatenate([np.array([row.token], dtype=np.int64), draft])
+        began = time.perf_counter()
+        try:
+            logits = self._context.runner.run(row.slot, Forward([Row(fed, row.length)],
+                                                                "all")).logits[0]
+            tokens = row.drafter.verified(row.sampler, logits, draft)
+        except Exception as error:  # this row's forward or choice failed: it fails alone
+            self._fail(request, error)
+            return True
+        delivered = 0
+        for token in tokens:
+            delivered += 1
+            self._deliver(row, token)
+            if request.done:
+                break
+        row.length.rewind(len(fed) - delivered)
+        with self._cond:
+            self._counters.verify_forwards += 1
+            self._counters.draft_tokens += len(draft)
+            self._counters.accepted_tokens += accepted(tokens, draft)
+            self._counters.decode_s += time.perf_counter() - began
+        return True
+
     def _claim_batch(self) -> None:
         """Run the batched decode in this thread: the CUDA provider keeps graphs per thread, so
         those an earlier engine thread captured on the batch's bindings are dropped first."""
@@ -488,6 +533,8 @@ class BatchEngine:
 
     def _deliver(self, row: _Row, token: int) -> None:
         row.token = token
+        if row.drafter is not None:
+            row.drafter.extend((token,))
         reason = row.request.deliver(token, row.sampler.last)
         if reason is not None:
             self._finish(row.request, reason)

@@ -42,6 +42,7 @@ from onnx_chunk.runtime.engine.kv_window import rewind_is_exact
 from onnx_chunk.runtime.engine.request import finish_reason
 from onnx_chunk.runtime.engine.scheduler import prefill_chunks
 from onnx_chunk.runtime.engine.sequence_pool import SequencePool
+from onnx_chunk.runtime.engine.speculation import Drafter, Speculation, accepted
 from onnx_chunk.runtime.runner.model_runner import Forward, ModelRunner, Row
 from onnx_chunk.runtime.stats import ChunkRecord, GenerationStats, SequenceStats
 from onnx_chunk.sampling import GREEDY, Sampler, Sampling
@@ -51,11 +52,14 @@ class Sequence:
     """An independent sequence: its own KV buffers and logical length on a shared model."""
 
     def __init__(self, runner: ModelRunner, slots: SequencePool, *, chunk_size: int,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...],
+                 speculation: Speculation | None = None) -> None:
         """A sequence on a slot taken from `slots` (given back at close), run by `runner`,
         feeding prompts in chunks of `chunk_size`; `eos_token_ids`: where a generation stops
-        unless it names its own."""
+        unless it names its own; `speculation`: generations draft by prompt lookup and verify
+        the drafts (the caller checked that the decoder allows it)."""
         self._runner = runner
+        self._speculation = speculation
         self._chunk_size = chunk_size
         self._eos_token_ids = eos_token_ids
         self._vocab = runner.ports.vocab_size
@@ -317,6 +321,10 @@ class Sequence:
         if reason is not None:
             generation.stopped_by_eos = reason == "stop"
             return
+        drafter = None
+        if self._speculation is not None:
+            drafter = Drafter(ids, self._speculation)
+            drafter.extend((token,))
         # The decode variant is pinned for the whole loop (it cannot be evicted meanwhile).
         with self._runner.decoding(self._slot, self._length) as step:
             while reason is None:
@@ -324,14 +332,45 @@ class Sequence:
                 # buffers go back to the pool once the stream lets the sequence go.
                 self._check_open()
                 began = time.perf_counter()
-                token = sampler.choose(step(token))
+                left = max_new_tokens - generation.new_tokens
+                draft = (drafter.draft(self._length.length, left - 1) if drafter is not None
+                         else ())
+                if len(draft):
+                    tokens = self._verified(drafter, token, draft, sampler,
+                                            generation.new_tokens, max_new_tokens, eos_ids)
+                else:
+                    tokens = [sampler.choose(step(token))]
+                if drafter is not None:
+                    drafter.extend(tokens)
                 self._stats.decode_forwards += 1
                 # Only the step is timed: a stream's consumer may take its time between tokens.
                 generation.decode_s += time.perf_counter() - began
-                generation.new_tokens += 1
-                yield token
+                for index, token in enumerate(tokens):
+                    generation.new_tokens += 1
+                    try:
+                        yield token
+                    except GeneratorExit:
+                        # The consumer stops: the verified tokens it did not take are dropped.
+                        self._length.rewind(len(tokens) - 1 - index)
+                        raise
                 reason = finish_reason(token, generation.new_tokens, max_new_tokens, eos_ids)
         generation.stopped_by_eos = reason == "stop"
+
+    def _verified(self, drafter: Drafter, token: int, draft: np.ndarray, sampler: Sampler,
+                  produced: int, max_new_tokens: int, eos_ids: tuple[int, ...]) -> list[int]:
+        """Feed `token` and `draft` in one forward; the tokens the verification gives, cut by
+        the finish rule, with the length rewound to hold all but the last of them."""
+        rows = np.concatenate([np.array([token], dtype=np.int64), draft])
+        logits = self._runner.run(self._slot, Forward([Row(rows, self._length)], "all")).logits
+        tokens = drafter.verified(sampler, logits[0], draft)
+        self._stats.draft_tokens += len(draft)
+        self._stats.accepted_tokens += accepted(tokens, draft)
+        for index, chosen in enumerate(tokens):
+            if finish_reason(chosen, produced + index + 1, max_new_tokens, eos_ids) is not None:
+                tokens = tokens[:index + 1]
+                break
+        self._length.rewind(len(rows) - len(tokens))
+        return tokens
 
     def _prefill(self, ids: np.ndarray, all_logits: bool,
                  records: list[ChunkRecord] | None) -> np.ndarray:
