@@ -219,7 +219,8 @@ def _engine_table(result: dict) -> str:
                            rows)
             + f"\n\nB = {plan['batch']} rows, k = {plan['k']}, past {plan['past']} positions"
             + ("" if result["batched_refused"] is None
-               else f"; one batched forward: refused by ONNX Runtime ({result['batched_refused']})"))
+               else "; one batched forward: refused by ONNX Runtime "
+                    f"({result['batched_refused']})"))
 
 
 def _ratio_table(result: dict, goal: float) -> str:
