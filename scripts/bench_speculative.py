@@ -22,7 +22,7 @@ systems are compared (greedy output must be identical). The load average is prin
 after; on a loaded machine (load above ~2.5 on 2 cores) the numbers are not conclusions.
 
     .venv/bin/python scripts/bench_speculative.py [--quick] [--repetitions 5]
-        [--model FOLDER] [--hit-model FOLDER] [--part random|verify-cost|hits ...]
+        [--model NAME|FOLDER] [--hit-model FOLDER] [--part random|verify-cost|hits ...]
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ import numpy as np
 from _bench import environment as env
 from _bench.child import publish
 from _bench.harness import markdown_table, round_order, seeded_prompt, summarize
+from _bench.models import BenchModelMissing
 
 import onnx_chunk
 
 PARTS = ("random", "verify-cost", "hits", "engine-verify")
 SPEC, PLAIN = "prompt-lookup", "plain"
-BENCH_MODELS = (Path.home() / ".cache" / "onnx-chunk" / "bench-models", Path("/work/bench-models"))
 FULL = {"prompts": [128, 1000], "new_tokens": 128, "capacity": 2048, "ks": [1, 2, 4, 8],
         "past": 1000, "forwards": 10, "hit_prompts": [16, 64, 200], "hit_new_tokens": 256,
         "engine": {"batch": 4, "k": 2, "past": 300}}
@@ -53,9 +53,6 @@ QUICK = {"prompts": [16], "new_tokens": 16, "capacity": 256, "ks": [1, 4], "past
 
 def main(argv: list[str] | None = None) -> int:
     parser = env.common_parser(__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=None,
-                        help="the real-size export (default qwen05-int4 from the bench-model "
-                             "cache; the `bench` reference decoder when that is absent)")
     parser.add_argument("--hit-model", type=Path, default=None,
                         help="the decoder whose output repeats (default the tiny reference)")
     parser.add_argument("--part", action="append", choices=PARTS)
@@ -92,11 +89,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _real_size(args) -> tuple[Path, str]:
+    """--model (a bench-model name or an export folder), else qwen05-int4 when it is built,
+    else the `bench` reference decoder."""
     if args.model is not None:
-        return args.model, ""
-    for root in BENCH_MODELS:
-        if (root / "qwen05-int4" / "model.onnx").is_file():
-            return root / "qwen05-int4", "(Qwen2.5-0.5B shape, INT4, random weights)"
+        return env.named_export(args.model)[1], ""
+    try:
+        return env.export_folder("qwen05-int4")[1], "(Qwen2.5-0.5B shape, INT4, random weights)"
+    except BenchModelMissing:
+        pass
     return (env.build_model(args.out, "bench").parent,
             "(qwen05-int4 absent: the `bench` reference decoder instead)")
 
