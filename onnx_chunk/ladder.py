@@ -1,6 +1,6 @@
 """The query-axis ladder: a small, fixed set of prefill widths that remainder chunks round up to.
 
-Seed 000, sections four to six. A per-shape variant cache only stops thrashing when the set of
+A per-shape variant cache only stops thrashing when the set of
 query widths it sees is bounded and fits under its cap. With a cap of K variants, one slot is kept
 for the single-row decode shape and the other K - 1 become equally spaced prefill tiers whose top
 tier is exactly the chunk width W (the step is rounded up, so no stray fourth width appears just

@@ -331,6 +331,8 @@ def _read_section(model: ir.Model | Mapping[str, str], key: str, build: Any) -> 
         return None
     try:
         return build(_decode(props, key))
+    except ModelStructureError:  # _decode's own error (a ValueError too): not re-wrapped
+        raise
     except (KeyError, TypeError, ValueError) as error:
         raise ModelStructureError(
             f"metadata key {key!r} is malformed ({type(error).__name__}: {error}); re-run "
@@ -395,6 +397,8 @@ def read_plan(model: ir.Model | onnx.ModelProto | Mapping[str, str]) -> ChunkPla
                   if LADDER_KEY in props else ())
         max_variants = int(props[MAX_VARIANTS_KEY])
         eligibility = PaddingEligibility(bool(padding["eligible"]), tuple(padding["reasons"]))
+    except ModelStructureError:  # _decode's own error (a ValueError too): not re-wrapped
+        raise
     except (KeyError, TypeError, ValueError) as error:
         raise ModelStructureError(
             f"the model's chunked-prefill declaration is malformed ({type(error).__name__}: "

@@ -30,7 +30,16 @@ from pathlib import Path
 import numpy as np
 
 from onnx_chunk.errors import ModelLoadError
-from onnx_chunk.onnx_wire import LEN, VARINT, Span, WireError, fields, packed_varints, signed64, text
+from onnx_chunk.onnx_wire import (
+    LEN,
+    VARINT,
+    Span,
+    WireError,
+    fields,
+    packed_varints,
+    signed64,
+    text,
+)
 
 # onnx.proto field numbers of the messages read here.
 _MODEL_IR_VERSION, _MODEL_GRAPH, _MODEL_METADATA, _MODEL_FUNCTIONS = 1, 7, 14, 25

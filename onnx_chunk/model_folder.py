@@ -80,7 +80,8 @@ def locate_model(path: str | os.PathLike) -> ModelLocation:
 
 
 def read_genai_config(path: Path) -> GenaiConfig | None:
-    """Read `path` (None when absent); ModelLoadError when it is unreadable or contradicts itself."""
+    """Read `path` (None when absent); ModelLoadError when it is unreadable or contradicts
+    itself."""
     document = read_json_object(path, "the genai config", "onnxruntime-genai's config "
                                 "({\"model\": {...}, \"search\": {...}})")
     if document is None:

@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import stat
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -159,7 +160,9 @@ def _copy_file(source: Path, target: Path, progress: Callable[[int], None] | Non
     buffer = bytearray(_COPY_BLOCK_BYTES)
     view = memoryview(buffer)
     with source.open("rb") as src, target.open("wb") as dst:
-        os.chmod(dst.fileno(), stat.S_IMODE(os.fstat(src.fileno()).st_mode))
+        # Windows before Python 3.13 has no fchmod: the path there.
+        os.chmod(dst.fileno() if os.chmod in os.supports_fd else target,
+                 stat.S_IMODE(os.fstat(src.fileno()).st_mode))
         while count := src.readinto(buffer):
             dst.write(view[:count])
             if progress is not None:
@@ -204,6 +207,8 @@ def _staging_pattern(target_name: str) -> str:
 
 
 def _process_alive(pid: int) -> bool:
+    if sys.platform == "win32":  # os.kill(pid, 0) there ends the process: never called
+        return True  # so on Windows staging left by a killed writer stays (remove it by hand)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -382,7 +387,6 @@ def save_model(
     progress: Callable[[int], None] | None = None,
     *,
     companions_from: str | os.PathLike | None = None,
-    chunk_size: int | None = None,
 ) -> list[str]:
     """Write `model` to `path`, keeping its external data external; return the companions copied.
 
@@ -390,10 +394,10 @@ def save_model(
     names them; the tensors' locations are rewritten to match) unless they already are the
     files there, so an in-place rewrite copies no weights. With `companions_from`, the
     COMPANION_FILES found in that folder are copied too (none when it is the target folder);
-    a companion must be a plain file inside that folder. The genai config written (copied, or
-    already there for this model) names `path`'s file as its decoder and, with `chunk_size`,
-    carries it as `search.chunk_size`. Nothing that belongs to another model in the target
-    folder is overwritten (OutputError). Copies keep their source's permission bits.
+    a companion must be a plain file inside that folder. A copied genai config names `path`'s
+    file as its decoder and is otherwise kept as it is (see `_output_config`). Nothing that
+    belongs to another model in the target folder is overwritten (OutputError). Copies keep
+    their source's permission bits.
 
     Everything is staged in a temporary folder beside `path` (with an owner file; staging left
     by a writer that died is removed on the next write of the same target) and renamed into
@@ -405,7 +409,9 @@ def save_model(
     target = Path(path)
     try:
         with staged_write(target.parent, target.name) as staging:
-            return _save_staged(model, target, staging, progress, companions_from, chunk_size)
+            return _save_staged(model, target, staging, progress, companions_from)
+    except OutputError:  # already says what to do; an OSError too, not to be wrapped
+        raise
     except OSError as error:
         raise OutputError(
             f"cannot write {str(target)!r}: {error.strerror or error}; choose a writable "
@@ -415,8 +421,7 @@ def save_model(
 
 def _save_staged(model: ir.Model, target: Path, staging: Staging,
                  progress: Callable[[int], None] | None,
-                 companions_from: str | os.PathLike | None,
-                 chunk_size: int | None) -> list[str]:
+                 companions_from: str | os.PathLike | None) -> list[str]:
     """`save_model`'s work once the target folder and the staging folder exist."""
     target_dir = target.parent.resolve()
     resolved_target = target_dir / target.name
@@ -429,7 +434,7 @@ def _save_staged(model: ir.Model, target: Path, staging: Staging,
     companions = _refuse_foreign(resolved_target, [locations[name] for name in copies],
                                  sources, None if companions_from is None
                                  else Path(companions_from))
-    config = _output_config(sources, companions_from, resolved_target, chunk_size)
+    config = _output_config(sources, companions_from, resolved_target)
     staged: list[str] = []
     for location, source in copies.items():
         written = locations[location]
@@ -490,27 +495,25 @@ def _companion_sources(source_dir: str | os.PathLike | None, target_dir: Path) -
 
 
 def _output_config(companions: list[str], companions_from: str | os.PathLike | None,
-                   target: Path, chunk_size: int | None) -> tuple[dict, Path] | None:
-    """The genai config to write beside `target` and its source, or None to leave it as it is.
+                   target: Path) -> tuple[dict, Path] | None:
+    """The genai config to write beside `target` and its source, or None when none is copied.
 
-    The copied config (or, with none copied, the one already beside `target` for it) names
-    `target`'s file as its decoder and carries `chunk_size` as search.chunk_size.
+    The copied config names `target`'s file as its decoder; every other setting is kept as the
+    source has it. The chunk width is not written as `search.chunk_size`: onnxruntime-genai's
+    `og.Engine` with static batching (the only batching a contiguous-KV export runs with)
+    refuses every request whose search options carry a chunk size, so the converted folder
+    would no longer run where the original ran. The width stays in the model's metadata
+    (`runtime_configurable.chunked_prefill.chunk_size`), which onnx-chunk reads first; a
+    genai user who wants the same chunks passes `chunk_size` in the generator's search options.
     """
-    if GENAI_CONFIG in companions:
-        source = Path(companions_from) / GENAI_CONFIG
-    else:
-        source = target.parent / GENAI_CONFIG
-        if not source.is_file() or _config_is_foreign(source, target) or chunk_size is None:
-            return None
+    if GENAI_CONFIG not in companions:
+        return None
+    source = Path(companions_from) / GENAI_CONFIG
     document, named = _config_decoder(source)
     updated = json.loads(json.dumps(document))
     if (named or DEFAULT_DECODER) != target.name:
         model = updated.setdefault("model", {})
         model.setdefault("decoder", {})["filename"] = target.name
-    if chunk_size is not None:
-        updated.setdefault("search", {})["chunk_size"] = chunk_size
-    if updated == document and source.parent == target.parent:
-        return None
     return updated, source
 
 

@@ -1,20 +1,41 @@
 """Token choice: greedy, or a seeded draw after the logits processors transformers applies.
 
 `Sampling` is the configuration (validated once, at construction); a `Sampler` is one request's
-state: its own random generator and one work buffer allocated up front, so a decode step
-allocates nothing the size of the vocabulary.
+state: its own random generator, the counts of the tokens it generated (for the presence and
+frequency penalties), its grammar matcher (structured output), and one work buffer allocated
+up front, so a decode step allocates nothing the size of the vocabulary.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 
 from onnx_chunk.errors import ConfigError
+
+# OpenAI's range of logit_bias values; a bias outside it is clamped (as vLLM does).
+MAX_LOGIT_BIAS = 100.0
+
+
+class ConstraintMatcher(Protocol):
+    """One request's place in a grammar: which tokens may come next, advanced token by token."""
+
+    def restrict(self, scores: np.ndarray) -> None:
+        """Set the scores of the tokens the grammar forbids now to -inf (in place)."""
+
+    def advance(self, token: int) -> None:
+        """Move past `token` (one the last `restrict` allowed)."""
+
+
+class Constraint(Protocol):
+    """A compiled grammar the output must follow (onnx_chunk.structured builds them)."""
+
+    def matcher(self) -> ConstraintMatcher:
+        """A new matcher at the grammar's start, for one request."""
 
 
 @dataclass(frozen=True)
@@ -28,7 +49,26 @@ class Sampling:
     min_p: drop tokens whose probability is below min_p times the top token's (0: none).
     repetition_penalty: on the tokens already seen (prompt and generated), divide positive
         logits and multiply negative ones by it (1: off); applied in greedy choice too.
+    presence_penalty: subtracted from the logit of every token generated so far, in [-2, 2]
+        (OpenAI's; the prompt does not count).
+    frequency_penalty: subtracted once per time a token was generated so far, in [-2, 2].
+    logit_bias: {token id: bias} added to the logits, each bias clamped to [-100, 100] (a
+        mapping is stored as sorted (id, bias) pairs).
+    min_tokens: no id of `held_token_ids` (the request's EOS and stop token ids) is chosen
+        before this many new tokens.
+    held_token_ids: the ids `min_tokens` holds back; required when min_tokens > 0.
+    constraint: a grammar the output follows (structured output); None: free text.
     seed: the random generator's seed (None: fresh entropy, not reproducible).
+    logprobs: give each chosen token's log-probability and the `logprobs` most likely tokens'
+        (0: the chosen token's only; None: none). The log-probabilities are those of the
+        distribution the token was chosen from (vLLM's "processed" mode): the log-softmax of
+        the logits after every processor above; for a draw also divided by the temperature and
+        cut by top-k, top-p and min-p (a token they cut has -inf); for a greedy choice without
+        temperature or cut (the argmax is the same).
+    prompt_logprobs: give every prompt token's log-probability under the raw logits of the
+        position before it and the `prompt_logprobs` most likely tokens' there (None: none;
+        the first prompt token has none). Asks the prefill for every row's logits.
+    The penalties, the bias, min_tokens and the grammar apply in greedy choice too.
     """
 
     temperature: float = 0.0
@@ -36,7 +76,15 @@ class Sampling:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    held_token_ids: tuple[int, ...] = ()
+    constraint: Constraint | None = None
     seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _number(self.temperature, "temperature", "a number >= 0 (0 is greedy)",
@@ -55,11 +103,41 @@ class Sampling:
                                       not isinstance(self.seed, (int, np.integer))
                                       or self.seed < 0):
             raise ConfigError(f"seed must be a non-negative integer or None, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _number(getattr(self, name), name, "a number in [-2, 2] (0 is off)",
+                    lambda value: -2 <= value <= 2)
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if not _is_count(self.min_tokens):
+            raise ConfigError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        held = tuple(self.held_token_ids)
+        if not all(_is_count(token) for token in held):
+            raise ConfigError(f"held_token_ids must be token ids (integers >= 0), got {held!r}")
+        object.__setattr__(self, "held_token_ids", tuple(int(token) for token in held))
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not _is_count(value):
+                raise ConfigError(f"{name} must be None or an integer >= 0 (the most likely "
+                                  f"tokens given beside the chosen one), got {value!r}")
+        if self.min_tokens and not held:
+            raise ConfigError("min_tokens needs held_token_ids: the ids it keeps out until then "
+                              "(the request's EOS and stop token ids)")
+
+    @property
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as checked at construction: sorted (id, clamped bias) pairs."""
+        return cast(tuple[tuple[int, float], ...], self.logit_bias)
 
     @property
     def greedy(self) -> bool:
         """Whether the choice is the argmax (temperature 0 or top_k 1): no draw."""
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def processes(self) -> bool:
+        """Whether anything changes the logits before the choice (penalties, bias, grammar)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0 or bool(self.logit_bias)
+                or self.min_tokens > 0 or self.constraint is not None)
 
     @classmethod
     def from_search(cls, search: Mapping[str, Any], **overrides: Any) -> Sampling:
@@ -84,6 +162,55 @@ class Sampling:
         return replace(base, **given)
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A token's log-probability and the `top` most likely tokens' at its position.
+
+    `top`: (token id, log-probability) pairs, most likely first (ties: the lower id first).
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def logprobs_of(scores: np.ndarray, token: int, top: int,
+                scratch: np.ndarray | None = None) -> TokenLogprobs:
+    """The log-softmax of `scores` (a [vocab] row) at `token`, and its `top` largest entries.
+
+    Vectorized: one exp over the row (into `scratch` when given) and an argpartition for the
+    top entries, never a vocabulary-sized Python loop.
+    """
+    peak = float(scores.max())
+    if scratch is None:
+        scratch = np.empty(scores.size, dtype=np.float64)
+    np.subtract(scores, peak, out=scratch)
+    np.exp(scratch, out=scratch)
+    norm = peak + math.log(float(scratch.sum()))
+    return TokenLogprobs(int(token), float(scores[token]) - norm, _top(scores, top, norm))
+
+
+def _top(scores: np.ndarray, top: int, norm: float) -> tuple[tuple[int, float], ...]:
+    if top <= 0:
+        return ()
+    top = min(top, scores.size)
+    ids = np.argpartition(scores, scores.size - top)[scores.size - top:]
+    ids = ids[np.lexsort((ids, -scores[ids]))]
+    return tuple((int(index), float(scores[index]) - norm) for index in ids)
+
+
+def prompt_logprobs_of(rows: np.ndarray, following: np.ndarray,
+                       top: int) -> list[TokenLogprobs]:
+    """For logits `rows` [n, vocab], each row's log-softmax at the token `following` it
+    (`following[i]`: the prompt token after row i) and its `top` largest entries."""
+    scratch = np.empty(rows.shape[1], dtype=np.float64)
+    return [logprobs_of(row, int(token), top, scratch) for row, token in zip(rows, following)]
+
+
+_NO_CHOICE = ("the logits hold no finite maximum ({top}) after the request's processors: the "
+              "model's output is broken at this step (NaN or infinities), or the grammar, "
+              "min_tokens and logit_bias together left no token; nothing can be chosen")
+
 # Kept tokens up to which a draw gathers them (a [kept] allocation) instead of running over
 # the whole row in place.
 _GATHERED_DRAW = 4096
@@ -92,10 +219,11 @@ _GATHERED_DRAW = 4096
 class Sampler:
     """One request's token choice under a `Sampling`: seeded, with a preallocated work buffer.
 
-    The order of operations is transformers' logits processors: repetition penalty on the
-    tokens seen, temperature, top-k, top-p, min-p, then a draw from what is left. Every token
-    whose processed logit reaches the strictest of the three cut-offs stays (ties at a cut-off
-    are kept together).
+    The order of operations: the grammar's mask, min_tokens' hold, the logit bias, the
+    repetition penalty on the tokens seen, the presence and frequency penalties on the tokens
+    generated (vLLM's order), then transformers' warpers: temperature, top-k, top-p, min-p,
+    and a draw from what is left. Every token whose processed logit reaches the strictest of
+    the three cut-offs stays (ties at a cut-off are kept together).
     """
 
     def __init__(self, sampling: Sampling, vocab_size: int) -> None:
@@ -104,11 +232,32 @@ class Sampler:
         self._penalize = sampling.repetition_penalty != 1.0
         self._seen: set[int] = set()
         self._seen_ids = np.empty(0, dtype=np.int64)
+        bias = sampling.bias_pairs
+        outside = [token for token, _ in bias if token >= vocab_size] + [
+            token for token in sampling.held_token_ids if token >= vocab_size]
+        if outside:
+            raise ConfigError(f"token id {outside[0]} (in logit_bias or the held ids) is outside "
+                              f"the vocabulary [0, {vocab_size})")
+        self._bias_ids = np.array([token for token, _ in bias], dtype=np.int64)
+        self._bias = np.array([value for _, value in bias], dtype=np.float64)
+        self._held = np.array(sampling.held_token_ids, dtype=np.int64)
+        self._counting = sampling.presence_penalty != 0.0 or sampling.frequency_penalty != 0.0
+        # How often each generated token came (for the presence and frequency penalties).
+        self._counts: dict[int, int] = {}
+        self._generated = 0
+        self._matcher = None if sampling.constraint is None else sampling.constraint.matcher()
         # Row 0: the processed logits, then the weights; row 1: their sorted copy; row 2: the
         # top-p weights, then the mask of the tokens kept.
-        self._work = (None if sampling.greedy and not self._penalize
+        self._work = (None if sampling.greedy and not sampling.processes
                       else np.empty((3, vocab_size), dtype=np.float64))
-        self._mask = None if self._work is None else np.empty(vocab_size, dtype=bool)
+        self._mask: np.ndarray | None = (None if self._work is None
+                                         else np.empty(vocab_size, dtype=bool))
+        # With logprobs: the distribution the token is chosen from, and an exp scratch row.
+        self._top = sampling.logprobs or 0
+        self._dist = (None if sampling.logprobs is None
+                      else np.empty((2, vocab_size), dtype=np.float64))
+        self.last: TokenLogprobs | None = None
+        """The logprobs of the latest token `choose` returned (None unless asked for)."""
 
     def observe(self, token_ids: Iterable[int]) -> None:
         """Count `token_ids` as seen (for the repetition penalty)."""
@@ -120,24 +269,78 @@ class Sampler:
             self._seen_ids = np.fromiter(sorted(self._seen), dtype=np.int64,
                                          count=len(self._seen))
 
-    def choose(self, logits: np.ndarray) -> int:
-        """The next token for a [vocab] logits row; it counts as seen from now on."""
+    def choose(self, logits: np.ndarray, draft: int | None = None) -> int:
+        """The next token for a [vocab] logits row; it counts as seen and generated from now
+        on (and the grammar moves past it).
+
+        `draft`: a token proposed for this position (speculative decoding). A greedy choice
+        ignores it (the argmax either is the draft or is not); a draw keeps it with its
+        probability p(draft) and otherwise draws from p with the draft removed, so the token
+        returned is distributed exactly as without a draft.
+        """
         if self._work is None:
-            return int(np.argmax(logits))
-        token = self._choose(logits)
+            token = int(np.argmax(logits))
+            if self._dist is not None:
+                self.last = logprobs_of(logits, token, self._top, self._dist[1])
+            return token
+        token = self._choose(self._processed(logits), draft)
+        if self._dist is not None:
+            self.last = logprobs_of(self._dist[0], token, self._top, self._dist[1])
         self.observe((token,))
+        self._generated += 1
+        if self._counting:
+            self._counts[token] = self._counts.get(token, 0) + 1
+        if self._matcher is not None:
+            self._matcher.advance(token)
         return token
 
-    def _choose(self, logits: np.ndarray) -> int:
+    def lead(self, logits: np.ndarray) -> float:
+        """How far the best processed score of a [vocab] row leads the runner-up (every
+        processor applied; before temperature)."""
+        scores = logits if self._work is None else self._processed(logits)
+        top = np.partition(scores, scores.size - 2)[-2:]
+        return float(top[1] - top[0])
+
+    def _work_row(self) -> np.ndarray:
+        work = self._work
+        assert work is not None  # choose() comes here only with it
+        return work[0]
+
+    def _processed(self, logits: np.ndarray) -> np.ndarray:
+        """The logits after the grammar, min_tokens, the bias and the penalties (in the work
+        buffer's row 0)."""
         sampling = self.sampling
-        scores, ascending, scratch = self._work
+        scores = self._work_row()
         np.copyto(scores, logits)
+        if self._matcher is not None:
+            self._matcher.restrict(scores)
+        if self._generated < sampling.min_tokens:
+            scores[self._held] = -math.inf
+        if self._bias_ids.size:
+            scores[self._bias_ids] += self._bias
         if self._penalize and self._seen_ids.size:
             seen = scores[self._seen_ids]
             penalty = sampling.repetition_penalty
             scores[self._seen_ids] = np.where(seen > 0, seen / penalty, seen * penalty)
+        if self._counts:
+            ids = np.fromiter(self._counts, dtype=np.int64, count=len(self._counts))
+            counts = np.fromiter(self._counts.values(), dtype=np.float64,
+                                 count=len(self._counts))
+            scores[ids] -= sampling.frequency_penalty * counts + sampling.presence_penalty
+        return scores
+
+    def _choose(self, scores: np.ndarray, draft: int | None) -> int:
+        sampling = self.sampling
+        work, mask = self._work, self._mask
+        assert work is not None and mask is not None  # choose() comes here only with them
+        _, ascending, scratch = work
         if sampling.greedy:
-            return int(np.argmax(scores))
+            token = int(np.argmax(scores))
+            if not math.isfinite(scores[token]):
+                raise ValueError(_NO_CHOICE.format(top=scores[token]))
+            if self._dist is not None:
+                np.copyto(self._dist[0], scores)
+            return token
         scores /= sampling.temperature
         top = float(scores.max())
         cutoff = -math.inf
@@ -149,27 +352,46 @@ class Sampler:
             cutoff = float(ascending[vocab - sampling.top_k])
         if sampling.top_p < 1.0:
             cutoff = _top_p_cutoff(scores, cutoff, top, sampling.top_p, ascending, scratch,
-                                   self._mask)
+                                   mask)
         if sampling.min_p > 0.0:
             cutoff = max(cutoff, top + math.log(sampling.min_p))
         if not math.isfinite(top):
-            raise ValueError(f"the logits hold no finite maximum ({top}): the model's output is "
-                             "broken at this step (NaN or infinities), nothing can be sampled")
-        np.greater_equal(scores, cutoff, out=self._mask)
-        if np.count_nonzero(self._mask) > _GATHERED_DRAW:
+            raise ValueError(_NO_CHOICE.format(top=top))
+        np.greater_equal(scores, cutoff, out=mask)
+        if self._dist is not None:
+            # The distribution drawn from: what the cut-offs kept (the draw reuses `scores`).
+            self._dist[0].fill(-math.inf)
+            np.copyto(self._dist[0], scores, where=mask)
+        if np.count_nonzero(mask) > _GATHERED_DRAW:
             # Many tokens left: draw over the whole row in place (the dropped ones weigh 0).
             scores -= top
             np.exp(scores, out=scores)
-            scores *= self._mask
+            scores *= mask
+            if draft is not None and self._keeps_draft(scores, draft):
+                return draft
             np.cumsum(scores, out=scores)
             return int(np.searchsorted(scores, self._rng.random() * scores[-1], side="right"))
         # A few left: draw among them only, in id order (the same choice as the whole row).
-        kept = np.flatnonzero(self._mask)
+        kept = np.flatnonzero(mask)
         weights = np.exp(scores[kept] - top)
+        if draft is not None:
+            where = int(np.searchsorted(kept, draft))
+            if where < kept.size and kept[where] == draft:
+                if self._keeps_draft(weights, where):
+                    return draft
         np.cumsum(weights, out=weights)
         target = self._rng.random() * weights[-1]
         return int(kept[min(int(np.searchsorted(weights, target, side="right")),
                             kept.size - 1)])
+
+    def _keeps_draft(self, weights: np.ndarray, index: int) -> bool:
+        """Keep the drafted token at `index` of `weights` with its probability; else zero its
+        weight, so the draw that follows is from the rest renormalised (the rejection rule)."""
+        weight = float(weights[index])
+        if self._rng.random() * float(weights.sum()) < weight:
+            return True
+        weights[index] = 0.0
+        return False
 
 
 def _top_p_cutoff(scores: np.ndarray, cutoff: float, top: float, top_p: float,
@@ -217,10 +439,33 @@ def _first_kept(largest: np.ndarray, shares: np.ndarray, rest: float, limit: flo
     return max(cutoff, float(largest[min(first, largest.size - 1)]))
 
 
-def _number(value: object, name: str, expected: str, valid) -> None:
+def _number(value: object, name: str, expected: str, valid: Callable[[Any], bool]) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
             or not math.isfinite(value) or not valid(value):
         raise ConfigError(f"{name} must be {expected}, got {value!r}")
+
+
+def _is_count(value: object) -> bool:
+    return (not isinstance(value, bool) and isinstance(value, (int, np.integer))
+            and bool(value >= 0))
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (id, bias) pairs, each bias clamped to [-100, 100]."""
+    items: Any = value.items() if isinstance(value, Mapping) else value
+    try:
+        pairs = [(token, bias) for token, bias in items]
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"logit_bias must map token ids to numbers, got {value!r}") from error
+    for token, bias in pairs:
+        if not _is_count(token):
+            raise ConfigError(f"logit_bias keys must be token ids (integers >= 0), got "
+                              f"{token!r}")
+        _number(bias, f"logit_bias[{token}]", "a number", lambda _: True)
+    if len({int(token) for token, _ in pairs}) < len(pairs):
+        raise ConfigError(f"logit_bias names a token id twice: {value!r}")
+    return tuple(sorted((int(token), min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(bias))))
+                        for token, bias in pairs))
 
 
 def _search_value(search: Mapping[str, Any], key: str, default: Any) -> Any:

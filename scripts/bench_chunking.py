@@ -15,8 +15,17 @@ import sys
 
 from _bench import environment as env
 from _bench.child import measure_prompt, publish
-from _bench.harness import (CHUNK_SIZE, PROMPT_LENGTHS, capped_lengths, format_value,
-                            markdown_table, ratio, round_order, seeded_prompt, summarize)
+from _bench.harness import (
+    CHUNK_SIZE,
+    PROMPT_LENGTHS,
+    capped_lengths,
+    format_value,
+    markdown_table,
+    ratio,
+    round_order,
+    seeded_prompt,
+    summarize,
+)
 
 SYSTEMS = ("chunked", "whole")
 NEW_TOKENS = 1
@@ -29,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     repetitions = 2 if args.quick else args.repetitions
     lengths = ([int(value) for value in args.lengths.split(",")] if args.lengths
                else [300, 900] if args.quick else list(PROMPT_LENGTHS))
-    model = env.build_model(args.out, "bench", args.variant)
+    model = env.source_model(args, "bench")
     config = env.model_config(model)
     capacity = config["context_length"]
     lengths = capped_lengths(lengths, capacity, NEW_TOKENS)
@@ -43,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                 result = measure_prompt(env.worker_argv(sys.executable, "chunk_worker", {
                     "model": str(model), "prompts": [prompt], "new_tokens": NEW_TOKENS,
                     "chunk_size": CHUNK_SIZE if chunked else capacity,
-                    "padding": None if chunked else False, "eos": env.EOS_TOKEN_ID}),
+                    "padding": None if chunked else False, "eos": config["eos_token_ids"]}),
                     f"round {round_index + 1}/{repetitions} {length:>5} tokens {system:<8}")
                 runs.setdefault((length, system), []).append(result)
 

@@ -20,7 +20,8 @@ the import alone. Goal <= 1.0x both.
 Single request (`_bench/engine_single.py`, needs `--baseline PATH`, another checkout of this
 repository): TTFT and decode tokens/s of one request (`Sequence.generate`, and `submit` with
 max_batch=1) of this checkout against the baseline's, prompts of 40, 512 and 900 tokens, 64
-new, each run 3 times in a row per process (medians); goal: within 5% (TTFT ratio <= 1.05, decode ratio >= 0.95).
+new, each run 3 times in a row per process (medians); goal: within 5% (TTFT ratio <= 1.05,
+decode ratio >= 0.95), or within `--single-tolerance` (the one-session change is held to 0.03).
 
 Prefill batching (`_bench/engine_prefill.py`): plain ONNX Runtime on the converted decoder,
 one [2, 512] forward against two [1, 512], [8, 40] against eight [1, 40], with the FLOPs
@@ -29,10 +30,12 @@ and GFLOP/s of each forward and of the throughput part's phases.
 Each measurement runs in a process of its own (the probe: one process); systems are
 interleaved round by round and reported as medians. `--part` picks parts (repeatable;
 default all); each part writes bench-out/engine_<part>.md and .json. `--quick` is a smoke
-run of every part on the tiny decoder (CI).
+run of every part on the tiny decoder (CI). `--mix decode-heavy` runs the throughput part on
+16 prompts of 100-300 tokens with 256 new tokens each (files suffixed _decode_heavy).
 
     .venv/bin/python scripts/bench_engine.py [--quick] [--repetitions 3] [--no-genai]
         [--part throughput|stall|memory|single|prefill-batching ...] [--baseline PATH]
+        [--single-tolerance 0.05] [--mix prefill-heavy|decode-heavy]
 """
 
 from __future__ import annotations
@@ -43,8 +46,15 @@ from pathlib import Path
 from _bench import engine_memory, engine_prefill, engine_single
 from _bench import environment as env
 from _bench.child import ChildFailed, publish, run_child
-from _bench.harness import (format_value, markdown_table, ratio, round_order, seeded_prompt,
-                            summarize, verdict)
+from _bench.harness import (
+    format_value,
+    markdown_table,
+    ratio,
+    round_order,
+    seeded_prompt,
+    summarize,
+    verdict,
+)
 
 from onnx_chunk.models.config import config_for
 
@@ -61,6 +71,9 @@ QUICK = {"preset": "tiny", "count": 6, "shortest": 10, "longest": 120, "new_toke
          "memory": {"prompt": 10, "new_tokens": 4},
          "single": {"prompts": [10, 60], "new_tokens": 8, "repeats": 1},
          "probe": {"cases": [[2, 32], [4, 10]], "decode_past": 32}}
+# --mix decode-heavy: the throughput part on prompts of 100-300 tokens with 256 new tokens each,
+# where the batched decode, not the prefill, carries the work.
+DECODE_HEAVY = {"shortest": 100, "longest": 300, "new_tokens": 256}
 THROUGHPUT_GOAL = 3.0
 STALL_GOAL = 1.5
 
@@ -72,26 +85,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-genai", action="store_true",
                         help="leave onnxruntime-genai out (og.Engine and the memory part's "
                              "genai rows)")
+    parser.add_argument("--mix", choices=("prefill-heavy", "decode-heavy"),
+                        default="prefill-heavy",
+                        help="the throughput part's workload: prompts of 40-900 tokens and 64 "
+                             "new (default), or of 100-300 tokens and 256 new")
     parser.add_argument("--part", action="append", choices=PARTS,
                         help="run this part (repeatable; default every part)")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="another checkout of this repository for the single-request part "
                              "(its onnx_chunk is imported through PYTHONPATH); without it "
                              "that part is skipped")
+    parser.add_argument("--single-tolerance", type=float, default=engine_single.DEFAULT_TOLERANCE,
+                        help="the single-request part's goal: TTFT and decode within this "
+                             "fraction of the baseline's")
     args = parser.parse_args(argv)
-    parts = tuple(part for part in PARTS if part in (args.part or PARTS))
+    if not 0 < args.single_tolerance < 1:
+        parser.error(f"--single-tolerance must be between 0 and 1, got {args.single_tolerance}")
+    if args.model is not None and "prefill-batching" in (args.part or ()):
+        parser.error("--part prefill-batching counts a reference decoder's FLOPs; it does not "
+                     "run with --model")
+    default_parts = PARTS if args.model is None else tuple(
+        part for part in PARTS if part != "prefill-batching")
+    if args.model is not None and args.part is None:
+        print("prefill-batching part left out: it counts a reference decoder's FLOPs, and "
+              "--model names another model", file=sys.stderr)
+    parts = tuple(part for part in PARTS if part in (args.part or default_parts))
     if args.baseline is not None and not (args.baseline / "onnx_chunk" / "__init__.py").is_file():
         parser.error(f"--baseline {args.baseline} holds no onnx_chunk/__init__.py; pass a "
                      "checkout of this repository (git worktree add PATH COMMIT)")
     plan = QUICK if args.quick else FULL
+    if args.model is not None:
+        plan = dict(plan, preset=env.named_export(args.model)[0])
+    if args.mix == "decode-heavy" and not args.quick:
+        plan = {**plan, **DECODE_HEAVY}
     repetitions = 1 if args.quick else args.repetitions
-    suffix = "_quick" if args.quick else ""
+    suffix = ("_quick" if args.quick else "") + ("_decode_heavy" if args.mix == "decode-heavy"
+                                                  else "")
     genai = None if args.no_genai else env.genai_python(args.genai_venv)
     tables = []
 
     throughput: dict[str, list[dict]] = {}
     if "throughput" in parts or "stall" in parts:
-        model = env.build_model(args.out, plan["preset"])
+        model = (env.build_model(args.out, plan["preset"]) if args.model is None
+                 else env.source_model(args, plan["preset"]))
         vocab = env.model_config(model)["vocab_size"]
         prompts = [seeded_prompt(length, vocab) for length in _lengths(plan)]
         systems = (BATCHED, ONE, GENAI) if genai else (BATCHED, ONE)
@@ -120,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                 "plan": plan, "repetitions": repetitions, "stall": stall},
                 _stall_table(stall, plan)))
 
-    converted = (env.converted_model(args.out, plan["preset"])
+    converted = ((env.converted_model(args.out, plan["preset"]) if args.model is None
+                  else env.served_model(args, plan["preset"], plan["chunk"]))
                  if {"memory", "single", "prefill-batching"} & set(parts) else None)
     if "memory" in parts:
         data = engine_memory.measure(converted, genai, {
@@ -135,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             tables.append(skipped)
         else:
             data = engine_single.measure(converted, args.baseline, {
-                "preset": plan["preset"], "chunk": plan["chunk"], **plan["single"]},
-                repetitions)
+                "preset": plan["preset"], "chunk": plan["chunk"], **plan["single"],
+                "tolerance": args.single_tolerance}, repetitions)
             tables.append(_publish(args.out, f"engine_single{suffix}", data,
                                    engine_single.table(data)))
     if "prefill-batching" in parts:

@@ -17,16 +17,24 @@ import time
 from collections import defaultdict
 
 import numpy as np
+from _bench import environment as env
+from _bench.child import write_json, write_text
+from _bench.harness import (
+    CHUNK_SIZE,
+    NEW_TOKENS,
+    format_value,
+    markdown_table,
+    ratio,
+    round_order,
+    seeded_prompt,
+    summarize,
+    verdict,
+)
 
 import onnx_chunk.runtime as rt
 from onnx_chunk.ladder import DECODE_WIDTH
-from onnx_chunk.runtime.device.provider import MaskPolicy
 from onnx_chunk.runtime.caches.variant_cache import variant_key
-
-from _bench import environment as env
-from _bench.child import write_json, write_text
-from _bench.harness import (CHUNK_SIZE, NEW_TOKENS, format_value, markdown_table, ratio,
-                            round_order, seeded_prompt, summarize, verdict)
+from onnx_chunk.runtime.device.provider import MaskPolicy
 
 PROMPT_TOKENS = 40
 TARGET = 1.05
@@ -116,11 +124,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="reference decoder presets to measure (default bench and tiny)")
     args = parser.parse_args(argv)
     repetitions, new_tokens = (2, 8) if args.quick else (args.repetitions, NEW_TOKENS)
-    presets = args.preset or ["bench", "tiny"]
+    if args.model is not None and args.preset:
+        parser.error("--model and --preset name the model twice; pass one of them")
+    models = ({env.named_export(args.model)[0]: env.source_model(args, "bench")} if args.model
+              else {preset: env.build_model(args.out, preset, args.variant)
+                    for preset in args.preset or ["bench", "tiny"]})
     rows, results = [], {}
     profiles = []
-    for preset in presets:
-        model = env.build_model(args.out, preset, args.variant)
+    for preset, model in models.items():
         config = env.model_config(model)
         prompt = seeded_prompt(PROMPT_TOKENS, config["vocab_size"])
         runtime = rt.load(model, provider="cpu", chunk_size=CHUNK_SIZE)

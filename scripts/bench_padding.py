@@ -15,12 +15,20 @@ from __future__ import annotations
 
 import sys
 
-from onnx_chunk.runtime.device.provider import MaskPolicy
-
 from _bench import environment as env
 from _bench.child import publish, run_child
-from _bench.harness import (CHUNK_SIZE, NEW_TOKENS, format_value, markdown_table, ratio,
-                            round_order, seeded_prompt, summarize)
+from _bench.harness import (
+    CHUNK_SIZE,
+    NEW_TOKENS,
+    format_value,
+    markdown_table,
+    ratio,
+    round_order,
+    seeded_prompt,
+    summarize,
+)
+
+from onnx_chunk.runtime.device.provider import MaskPolicy
 
 WORKLOAD = (40, 150, 300, 600, 900)
 # Session modes: the label in the table and the `specialize` handed to the runtime.
@@ -36,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     repetitions, new_tokens = (2, 8) if args.quick else (args.repetitions, NEW_TOKENS)
     workload = (40, 150, 300) if args.quick else WORKLOAD
-    model = env.build_model(args.out, "bench", args.variant)
+    model = env.source_model(args, "bench")
     config = env.model_config(model)
     prompts = [seeded_prompt(length, config["vocab_size"]) for length in workload]
     policies = [policy.value for policy in MaskPolicy]
@@ -50,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             child = run_child(env.worker_argv(sys.executable, "chunk_worker", {
                 "model": str(model), "prompts": prompts, "new_tokens": new_tokens,
                 "chunk_size": CHUNK_SIZE, "padding": switch == "on", "mask_policy": policy,
-                "specialize": MODES[mode], "warm": False, "eos": env.EOS_TOKEN_ID}),
+                "specialize": MODES[mode], "warm": False, "eos": config["eos_token_ids"]}),
                 timeout_s=900)
             payload = child.payload
             runs[system].append({"total_s": [r["total_s"] for r in payload["results"]],

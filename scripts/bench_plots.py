@@ -14,7 +14,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend is chosen before pyplot loads)
-
 from _bench import environment as env  # noqa: E402
 from _bench.harness import summarize  # noqa: E402
 

@@ -9,6 +9,10 @@ medians: TTFT (target <= 1.0), decode tokens/s (>= 1.0), peak RSS (<= 1.0), and 
 run of both systems produced the same greedy tokens.
 
     .venv/bin/python scripts/bench_vs_genai.py [--variant int4] [--genai-venv /work/genai-venv]
+
+`--model NAME` measures a real-size benchmark model (scripts/make_bench_models.py, e.g.
+qwen05-int4) or a builder-export folder instead of the bench decoder: converted once with
+`onnx-chunk convert --chunk-size 512`, both systems stop at the model's own EOS ids.
 """
 
 from __future__ import annotations
@@ -18,9 +22,19 @@ from pathlib import Path
 
 from _bench import environment as env
 from _bench.child import measure_prompt, publish
-from _bench.harness import (CHUNK_SIZE, NEW_TOKENS, PROMPT_LENGTHS, capped_lengths,
-                            format_value, markdown_table, ratio, round_order, seeded_prompt,
-                            summarize, verdict)
+from _bench.harness import (
+    CHUNK_SIZE,
+    NEW_TOKENS,
+    PROMPT_LENGTHS,
+    capped_lengths,
+    format_value,
+    markdown_table,
+    ratio,
+    round_order,
+    seeded_prompt,
+    summarize,
+    verdict,
+)
 
 SYSTEMS = ("onnx-chunk", "genai")
 
@@ -35,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     lengths = ([int(value) for value in args.lengths.split(",")] if args.lengths
                else [40, 300] if args.quick else list(PROMPT_LENGTHS))
     genai = env.genai_python(args.genai_venv)
-    model = env.converted_model(args.out, "bench", args.variant)
+    model = env.served_model(args, "bench", CHUNK_SIZE)
+    if args.model is None:
+        label, eos = args.variant, env.EOS_TOKEN_ID
+    else:
+        label, eos = env.named_export(args.model)[0], env.model_config(model)["eos_token_ids"]
     config = env.model_config(model)
     lengths = capped_lengths(lengths, config["context_length"], new_tokens)
 
@@ -53,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                     # both systems size their cache for the same request.
                     argv_ = env.worker_argv(sys.executable, "chunk_worker", {
                         "model": str(model), "prompts": [prompt], "new_tokens": new_tokens,
-                        "chunk_size": CHUNK_SIZE, "eos": env.EOS_TOKEN_ID,
+                        "chunk_size": CHUNK_SIZE, "eos": eos,
                         "capacity": len(prompt) + new_tokens})
                 result = measure_prompt(
                     argv_, f"round {round_index + 1}/{repetitions} {length:>5} tokens "
@@ -78,9 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         ["prompt", "TTFT s onnx-chunk", "TTFT s genai", "TTFT ratio",
          "decode tok/s onnx-chunk", "decode tok/s genai", "decode ratio",
          "peak RSS MB onnx-chunk", "peak RSS MB genai", "RSS ratio", "tokens identical"], rows)
-    name = f"vs_genai_{args.variant}{'_quick' if args.quick else ''}"
+    name = f"vs_genai_{label}{'_quick' if args.quick else ''}"
     results = {
-        "variant": args.variant, "repetitions": repetitions, "new_tokens": new_tokens,
+        "variant": args.variant, "model": args.model, "repetitions": repetitions,
+        "new_tokens": new_tokens,
         "chunk_size": CHUNK_SIZE, "lengths": lengths,
         "runs": {f"{length}/{system}": values for (length, system), values in runs.items()}}
     publish(args.out, name, results, table)

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = env.common_parser(__doc__.splitlines()[0])
     args = parser.parse_args(argv)
     repetitions = 2 if args.quick else args.repetitions
-    model = env.build_model(args.out, "bench", args.variant)
+    model = env.source_model(args, "bench")
     weights_mib = sum(path.stat().st_size for path in model.parent.glob("*.data")) / MIB
     samples: dict[str, list[list[dict]]] = {mode: [] for mode in MODES}
     for round_index in range(repetitions):

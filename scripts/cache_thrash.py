@@ -1,4 +1,5 @@
-"""Does the variant cache still build variants once the prompts repeat? (seed 000, sections 3-5)
+"""Does the variant cache still build variants once the prompts repeat? (a per-shape cache
+rebuilds on every request; the ladder's bounded widths stop that)
 
 Five prompts of different lengths, whose last chunks leave five different remainders, each run
 twice in one runtime, in three modes:

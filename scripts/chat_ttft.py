@@ -1,9 +1,11 @@
 """Turn-two time to first token of a chat: the KV cache kept, or the whole conversation re-fed.
 
-A conversation (a system message, a first user turn and the model's reply) is held in one
-sequence; turn two then feeds only its own tokens (`onnx_chunk.text.conversation`). The
-comparison feeds the whole rendered conversation again for turn two. Each repeat starts a new
-conversation on the same warm runtime; the medians are printed with their ratio.
+A conversation (a system message, a first user turn and the model's reply) runs on the batch
+engine, whose prefix reuse keeps it in a slot; turn two then prefills only its own tokens
+(`onnx_chunk.text.conversation`). The comparison runs the same conversation on a second
+runtime loaded with prefix_reuse=False, which feeds the whole rendered conversation again for
+turn two. Each repeat starts a new conversation on the same warm runtimes; the medians are
+printed with their ratio.
 
 Without MODEL the script builds a reference decoder (random weights) and trains the test
 suite's byte-level BPE tokenizer beside it (run it from the repository root).
@@ -65,13 +67,15 @@ def main(model: Path | None, preset: str, repeats: int, reply_tokens: int, provi
         path = (locate_model(model).onnx_path if model is not None
                 else _reference_model(Path(scratch), preset))
         runtime = onnx_chunk.load(path, provider=provider, capacity=2048, chunk_size=chunk_size)
+        plain = onnx_chunk.load(path, provider=provider, capacity=2048, chunk_size=chunk_size,
+                                prefix_reuse=False)
         _turn_two_ttft(runtime, True, reply_tokens)  # warm-up: sessions and arenas
-        _turn_two_ttft(runtime, False, reply_tokens)
+        _turn_two_ttft(plain, False, reply_tokens)
         kept, refed = [], []
         for _ in range(repeats):
             seconds, fed_kept, reused = _turn_two_ttft(runtime, True, reply_tokens)
             kept.append(seconds)
-            seconds, fed_all, _ = _turn_two_ttft(runtime, False, reply_tokens)
+            seconds, fed_all, _ = _turn_two_ttft(plain, False, reply_tokens)
             refed.append(seconds)
         kept_ms, refed_ms = statistics.median(kept) * 1e3, statistics.median(refed) * 1e3
         print(f"model {path} on {runtime.provider}, chunk {runtime.options.chunk_size}, "

@@ -122,9 +122,11 @@ LLAMA3_TEMPLATE = (
     "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
     "{{ raise_exception('Unknown role: ' + message['role']) }}"
     "{% endif %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' "
+    "+ message['content'] | trim + '<|eot_id|>' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+    "{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )
 
 
@@ -262,8 +264,9 @@ FIXTURES: list[Fixture] = [
         "genai",
         "fp16",
         note="for CPU the builder writes fp16 I/O, position_ids and MultiHeadAttention with "
-        "repeat_kv instead of GroupQueryAttention, and past_present_share_buffer false; onnxruntime "
-        "runs a forward, but onnxruntime-genai 0.18 fails on the first decode step (ORT 1.32 CPU: "
+        "repeat_kv instead of GroupQueryAttention, and past_present_share_buffer false; "
+        "onnxruntime runs a forward, but onnxruntime-genai 0.18 fails on the first decode step "
+        "(ORT 1.32 CPU: "
         "'Shape mismatch attempting to re-use buffer' in an inserted fp16 Cast)",
     ),
     Fixture("optimum-llama-fp32", "llama", "optimum", "fp32"),
@@ -808,7 +811,8 @@ def main(argv: list[str] | None = None) -> int:
             _print_checks(rows)
     total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     _log(
-        f"wall time {time.monotonic() - started:.0f}s; {out}: {total} bytes ({total / 2**20:.2f} MiB)"
+        f"wall time {time.monotonic() - started:.0f}s; {out}: {total} bytes "
+        f"({total / 2**20:.2f} MiB)"
     )
     if total >= SIZE_LIMIT:
         _log(f"ERROR: the corpus is over {SIZE_LIMIT} bytes")

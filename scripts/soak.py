@@ -16,7 +16,14 @@ the warm-up; targets: 0 errors, 0 compiles after the warm-up, RSS at the end wit
 after the warm-up. Exit 1 when any mode had errors, or (in a full run) when a mode other than
 exact misses a target.
 
+`--chat-mix F`: each client holds a conversation, and with probability F its next request
+resends that conversation's prompt with 16 to 200 new ids after it (capped by the longest
+prompt) instead of taking the next fresh prompt: the server's prefix reuse serves these from
+the KV a slot kept. Then the targets add prefix hits (the server's /metrics) and the report
+gives the prompt tokens reused (each response's `usage.prompt_tokens_details.cached_tokens`).
+
     .venv/bin/python scripts/soak.py [MODEL] [--requests 2000] [--clients 8] [--quick]
+        [--chat-mix 0.5]
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -55,6 +63,8 @@ class Outcome:
     ttft_s: float | None = None
     gaps_s: list[float] = field(default_factory=list)
     completion_tokens: int = 0
+    cached_tokens: int = 0
+    continued: bool = False
     error: str | None = None
 
 
@@ -65,6 +75,7 @@ class Checkpoint:
     evictions: int
     variants: int
     rss_mib: float
+    prefix_hits: int = 0
 
 
 def one_request(connection: http.client.HTTPConnection, ids: list[int],
@@ -94,6 +105,7 @@ def one_request(connection: http.client.HTTPConnection, ids: list[int],
             continue
         if event.get("usage"):
             outcome.completion_tokens = event["usage"]["completion_tokens"]
+            outcome.cached_tokens = event["usage"]["prompt_tokens_details"]["cached_tokens"]
         if not event["choices"] or not event["choices"][0]["text"]:
             continue
         now = time.perf_counter()
@@ -132,8 +144,10 @@ def rss_mib(pid: int) -> float:
 class Soak:
     """One mode's run: the server, the clients, the checkpoints."""
 
-    def __init__(self, model: Path, mode: str, args: argparse.Namespace) -> None:
+    def __init__(self, model: Path, mode: str, args: argparse.Namespace, vocab: int,
+                 longest: int) -> None:
         self.model, self.mode, self.args = model, mode, args
+        self.vocab, self.longest = vocab, longest
         self.outcomes: list[Outcome] = []
         self.checkpoints: list[Checkpoint] = []
         self._lock = threading.Lock()
@@ -152,8 +166,8 @@ class Soak:
                 raise SystemExit(f"the server did not start: {line}{server.stderr.read()}")
             self.address, self.pid = found.group(1), server.pid
             started = time.perf_counter()
-            clients = [threading.Thread(target=self._client, args=(prompts,))
-                       for _ in range(self.args.clients)]
+            clients = [threading.Thread(target=self._client, args=(prompts, number))
+                       for number in range(self.args.clients)]
             for client in clients:
                 client.start()
             for client in clients:
@@ -164,16 +178,26 @@ class Soak:
             code = server.wait(timeout=60)
         return self._summary(seconds, code)
 
-    def _client(self, prompts: list[list[int]]) -> None:
+    def _client(self, prompts: list[list[int]], number: int) -> None:
         connection = http.client.HTTPConnection(self.address, timeout=300)
+        rng = np.random.default_rng((self.args.seed, number))
+        conversation: list[int] = []
         while True:
             with self._lock:
                 if self._next >= len(prompts):
                     break
-                ids = prompts[self._next]
+                index = self._next
+                ids = prompts[index]
                 self._next += 1
+            tail = int(rng.integers(16, 201))
+            continued = (bool(conversation) and rng.random() < self.args.chat_mix
+                         and len(conversation) + tail <= self.longest)
+            if continued:
+                ids = conversation + seeded_prompt(tail, self.vocab, self.args.seed + index)
+            conversation = ids
             try:
                 outcome = one_request(connection, ids, self.args.max_tokens)
+                outcome.continued = continued
             except (OSError, http.client.HTTPException, ValueError) as error:
                 outcome = Outcome(prompt_tokens=len(ids), error=f"{type(error).__name__}: {error}")
                 connection.close()
@@ -190,7 +214,8 @@ class Soak:
         self.checkpoints.append(Checkpoint(
             requests=count, compiles=int(metrics["onnx_chunk_variant_compiles_total"]),
             evictions=int(metrics["onnx_chunk_variant_evictions_total"]),
-            variants=int(metrics["onnx_chunk_variants"]), rss_mib=rss_mib(self.pid)))
+            variants=int(metrics["onnx_chunk_variants"]), rss_mib=rss_mib(self.pid),
+            prefix_hits=int(metrics["onnx_chunk_prefix_hits_total"])))
 
     def _summary(self, seconds: float, exit_code: int) -> dict:
         warm = next(point for point in self.checkpoints if point.requests == self.args.warmup)
@@ -200,19 +225,28 @@ class Soak:
         errors = [outcome.error for outcome in self.outcomes if outcome.error]
         tokens = sum(outcome.completion_tokens for outcome in self.outcomes)
         rss_change = (end.rss_mib - warm.rss_mib) / warm.rss_mib
+        verdicts = {"errors": "ok" if not errors else "MISS",
+                    "compiles": "ok" if end.compiles == warm.compiles else "MISS",
+                    "rss": "ok" if abs(rss_change) <= RSS_TOLERANCE else "MISS",
+                    "clean exit": "ok" if exit_code == 0 else "MISS"}
+        if self.args.chat_mix:
+            verdicts["prefix hits"] = "ok" if end.prefix_hits > 0 else "MISS"
+        prompt_tokens = sum(outcome.prompt_tokens for outcome in self.outcomes)
+        cached = sum(outcome.cached_tokens for outcome in self.outcomes)
         return {
             "mode": self.mode, "requests": len(self.outcomes), "seconds": seconds,
             "requests_per_s": len(self.outcomes) / seconds, "tokens_per_s": tokens / seconds,
-            "ttft_p50_ms": _percentile(ttft, 50) * 1000, "ttft_p99_ms": _percentile(ttft, 99) * 1000,
+            "ttft_p50_ms": _percentile(ttft, 50) * 1000,
+            "ttft_p99_ms": _percentile(ttft, 99) * 1000,
             "itl_p50_ms": _percentile(gaps, 50) * 1000, "itl_p99_ms": _percentile(gaps, 99) * 1000,
             "errors": len(errors), "first_errors": errors[:3],
             "compiles_after_warmup": end.compiles - warm.compiles,
             "rss_warm_mib": warm.rss_mib, "rss_end_mib": end.rss_mib,
             "rss_change": rss_change, "server_exit_code": exit_code,
-            "verdicts": {"errors": "ok" if not errors else "MISS",
-                         "compiles": "ok" if end.compiles == warm.compiles else "MISS",
-                         "rss": "ok" if abs(rss_change) <= RSS_TOLERANCE else "MISS",
-                         "clean exit": "ok" if exit_code == 0 else "MISS"},
+            "continued": sum(outcome.continued for outcome in self.outcomes),
+            "prefix_hits": end.prefix_hits, "prompt_tokens": prompt_tokens,
+            "cached_tokens": cached, "cached_share": cached / prompt_tokens,
+            "verdicts": verdicts,
             "checkpoints": [asdict(point) for point in self.checkpoints],
         }
 
@@ -223,7 +257,7 @@ def _percentile(values: list[float], percent: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[percent - 1]
 
 
-def _prompts(model: Path, args: argparse.Namespace) -> tuple[list[list[int]], int]:
+def _prompts(model: Path, args: argparse.Namespace) -> tuple[list[list[int]], int, int]:
     from onnx_chunk.runtime import load
 
     with load(model, provider="cpu") as runtime:
@@ -232,18 +266,28 @@ def _prompts(model: Path, args: argparse.Namespace) -> tuple[list[list[int]], in
     rng = np.random.default_rng(args.seed)
     lengths = rng.integers(1, longest + 1, size=args.requests)
     return [seeded_prompt(int(length), vocab, args.seed + index)
-            for index, length in enumerate(lengths)], longest
+            for index, length in enumerate(lengths)], longest, vocab
 
 
 def _report(results: list[dict], args: argparse.Namespace, longest: int) -> str:
     lines = [f"{args.requests} requests, {args.clients} clients, prompts of 1 to {longest} "
              f"tokens, {args.max_tokens} new tokens each, server batch {args.batch}, "
-             f"provider {args.provider}; warm-up: the first {args.warmup} requests", ""]
+             f"provider {args.provider}, chat mix {args.chat_mix}; warm-up: the first "
+             f"{args.warmup} requests; load average at the start "
+             f"{' '.join(f'{value:.2f}' for value in args.load_average)}", ""]
     for result in results:
         lines += [f"### {result['mode']}", "", markdown_table(
-            ["requests", "compiles", "evictions", "variants", "RSS MiB"],
+            ["requests", "compiles", "evictions", "variants", "RSS MiB", "prefix hits"],
             [[point["requests"], point["compiles"], point["evictions"], point["variants"],
-              round(point["rss_mib"], 1)] for point in result["checkpoints"]]), ""]
+              round(point["rss_mib"], 1), point["prefix_hits"]]
+             for point in result["checkpoints"]]), ""]
+    if args.chat_mix:
+        lines += [markdown_table(
+            ["mode", "continued requests", "prefix hits", "prompt tokens", "cached tokens",
+             "cached share"],
+            [[result["mode"], result["continued"], result["prefix_hits"],
+              result["prompt_tokens"], result["cached_tokens"], result["cached_share"]]
+             for result in results]), ""]
     lines += [markdown_table(
         ["mode", "req/s", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
          "errors", "compiles after warm-up", "RSS warm→end MiB", "verdicts"],
@@ -274,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma-separated modes (auto, ladder, exact)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chat-mix", type=float, default=0.0,
+                        help="the share of requests that continue their client's conversation")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--quick", action="store_true",
                         help="a small run for CI: " + ", ".join(f"{key}={value}"
@@ -287,8 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not 1 <= args.warmup < args.requests:
         parser.error(f"unknown modes {unknown}" if unknown
                      else "--warmup must be at least 1 and below --requests")
-    prompts, longest = _prompts(args.model, args)
-    results = [Soak(args.model, mode, args).run(prompts) for mode in modes]
+    if not 0.0 <= args.chat_mix <= 1.0:
+        parser.error("--chat-mix must be between 0 and 1")
+    args.load_average = os.getloadavg()
+    prompts, longest, vocab = _prompts(args.model, args)
+    results = [Soak(args.model, mode, args, vocab, longest).run(prompts) for mode in modes]
     print(_report(results, args, longest))
     if args.json is not None:
         args.json.write_text(json.dumps({"args": {key: str(value) for key, value in

@@ -2,9 +2,30 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _installed_package_first() -> None:
+    """Test the installed onnx_chunk, not the checkout's copy of it.
+
+    `python -m pytest` puts the checkout first on sys.path, where its `onnx_chunk` folder would
+    shadow the package pip installed (and hide missing package data, as an editable install
+    does); pytest's import mode `append` (pyproject.toml) keeps it last, where it still
+    provides `tests` and `scripts`.
+    """
+    assert "onnx_chunk" not in sys.modules, "onnx_chunk was imported before the conftest"
+    root = str(ROOT)
+    sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or ".") != root]
+    sys.path.append(root)
+
+
+_installed_package_first()
 
 
 @pytest.fixture(scope="session")
@@ -41,3 +62,15 @@ def peer_python() -> Path:
 
     venv = Path(os.environ.get("ONNX_CHUNK_GENAI_VENV", environment.ROOT / ".venv-genai"))
     return environment.genai_python(venv)
+
+
+@pytest.fixture(scope="session")
+def lmeval_python() -> Path:
+    """The interpreter of the lm-evaluation-harness venv: `.venv-lmeval` at the repository
+    root (or $ONNX_CHUNK_LMEVAL_VENV), created and installed on first use."""
+    import os
+
+    from scripts._bench import environment
+
+    venv = Path(os.environ.get("ONNX_CHUNK_LMEVAL_VENV", environment.ROOT / ".venv-lmeval"))
+    return environment.lmeval_python(venv)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import tracemalloc
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -183,3 +184,218 @@ def test_logits_without_a_finite_maximum_are_a_clear_error(bad):
     row[5] = bad
     with pytest.raises(ValueError, match="no finite maximum"):
         Sampler(Sampling(temperature=0.7, seed=0), 64).choose(row)
+
+
+def _greedy_run(sampling: Sampling, logits: np.ndarray, steps: int,
+                prompt: tuple[int, ...] = ()) -> list[int]:
+    sampler = Sampler(sampling, logits.size)
+    sampler.observe(prompt)
+    return [sampler.choose(logits) for _ in range(steps)]
+
+
+ROW = np.array([2.0, 1.5, 0.0, -1.0], dtype=np.float32)
+
+
+def test_frequency_penalty_counts_every_generated_occurrence():
+    # 0 first; then 0 drops by 1 per use, so 0 and 1 alternate.
+    assert _greedy_run(Sampling(frequency_penalty=1.0), ROW, 4) == [0, 1, 0, 1]
+
+
+def test_presence_penalty_applies_once_per_generated_token():
+    # 0 and 1 each lose 1 once they have come: 1.0 against 0.5, so 0 stays ahead.
+    assert _greedy_run(Sampling(presence_penalty=1.0), ROW, 5) == [0, 1, 0, 0, 0]
+
+
+def test_presence_and_frequency_penalties_ignore_the_prompt():
+    assert _greedy_run(Sampling(presence_penalty=2.0, frequency_penalty=2.0), ROW, 1,
+                       prompt=(0, 0, 0)) == [0]
+
+
+def test_draws_follow_the_penalized_softmax():
+    # Each sampler first generates token 2 three times (forced), then draws once from LOGITS:
+    # token 2's logit is lowered by presence + 3 * frequency.
+    draws = 8000
+    forced = np.full(LOGITS.size, -50.0, dtype=np.float32)
+    forced[2] = 50.0
+    counts = np.zeros(LOGITS.size, dtype=np.int64)
+    for seed in range(draws):
+        sampler = Sampler(Sampling(temperature=1.0, presence_penalty=0.5,
+                                   frequency_penalty=0.4, seed=seed), LOGITS.size)
+        assert [sampler.choose(forced) for _ in range(3)] == [2, 2, 2]
+        counts[sampler.choose(LOGITS)] += 1
+    scores = LOGITS.astype(np.float64)
+    scores[2] -= 0.5 + 3 * 0.4
+    expected = np.exp(scores - scores.max())
+    expected /= expected.sum()
+    statistic = float(((counts - draws * expected) ** 2 / (draws * expected)).sum())
+    assert statistic < _CHI2_999[LOGITS.size - 1], (counts, draws * expected)
+
+
+def test_logit_bias_adds_and_clamps():
+    assert Sampling(logit_bias={3: 1000, 1: -7}).logit_bias == ((1, -7.0), (3, 100.0))
+    assert _greedy_run(Sampling(logit_bias={3: 5.0}), ROW, 2) == [3, 3]
+    assert _greedy_run(Sampling(logit_bias={0: -100}), ROW, 1) == [1]
+
+
+@pytest.mark.parametrize("bad", [{-1: 1.0}, {"3": 1.0}, {1: "x"}, {1: math.nan}, [(1, 1.0),
+                                                                                   (1, 2.0)]])
+def test_logit_bias_refuses_what_is_not_ids_to_numbers(bad):
+    with pytest.raises(ConfigError, match="logit_bias"):
+        Sampling(logit_bias=bad)
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused_by_the_sampler():
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        Sampler(Sampling(logit_bias={ROW.size: 1.0}), ROW.size)
+
+
+def test_min_tokens_holds_the_end_ids_back():
+    sampling = Sampling(min_tokens=3, held_token_ids=(0,))
+    assert _greedy_run(sampling, ROW, 5) == [1, 1, 1, 0, 0]
+
+
+def test_min_tokens_needs_the_ids_it_holds():
+    with pytest.raises(ConfigError, match="held_token_ids"):
+        Sampling(min_tokens=2)
+
+
+@pytest.mark.parametrize("name", ["presence_penalty", "frequency_penalty"])
+@pytest.mark.parametrize("value", [-2.5, 2.01, True, math.inf])
+def test_penalties_are_checked(name, value):
+    with pytest.raises(ConfigError, match=name):
+        Sampling(**{name: value})
+
+
+class _OnlyEven:
+    """A constraint allowing even ids only, recording what it was advanced by."""
+
+    def __init__(self) -> None:
+        self.advanced: list[int] = []
+
+    def matcher(self):
+        return self
+
+    def restrict(self, scores: np.ndarray) -> None:
+        scores[1::2] = -np.inf
+
+    def advance(self, token: int) -> None:
+        self.advanced.append(token)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=1.5, seed=3)], ids=repr)
+def test_a_constraint_masks_every_choice_and_sees_every_token(sampling):
+    logits = np.random.default_rng(0).normal(size=64).astype(np.float32)
+    constraint = _OnlyEven()
+    sampler = Sampler(replace(sampling, constraint=constraint), logits.size)
+    chosen = [sampler.choose(logits) for _ in range(200)]
+    assert all(token % 2 == 0 for token in chosen)
+    assert constraint.advanced == chosen
+
+
+def test_nothing_left_to_choose_is_an_error_not_token_zero():
+    sampling = Sampling(logit_bias={0: -100}, min_tokens=1, held_token_ids=(1, 2, 3))
+    row = np.array([0.0, 0.0, 0.0, 0.0], dtype=np.float32)
+    row[0] = -np.inf
+    with pytest.raises(ValueError, match="no finite maximum"):
+        Sampler(sampling, 4).choose(row)
+
+
+# Logprobs: those of the distribution each token is chosen from.
+
+def _log_softmax(row: np.ndarray) -> np.ndarray:
+    row = np.asarray(row, dtype=np.float64)
+    return row - row.max() - np.log(np.exp(row - row.max()).sum())
+
+
+def test_greedy_logprobs_are_the_log_softmax_of_the_logits():
+    logits = np.random.default_rng(0).normal(size=50).astype(np.float32)
+    sampler = Sampler(Sampling(logprobs=4), 50)
+    token = sampler.choose(logits)
+    expected = _log_softmax(logits)
+    assert sampler.last.token == token == int(np.argmax(logits))
+    assert sampler.last.logprob == pytest.approx(expected[token])
+    assert [index for index, _ in sampler.last.top] == list(np.argsort(-expected)[:4])
+    assert [value for _, value in sampler.last.top] == pytest.approx(np.sort(expected)[::-1][:4])
+
+
+def test_processed_logprobs_follow_bias_and_penalties():
+    logits = np.zeros(10, dtype=np.float32)
+    sampler = Sampler(Sampling(logit_bias={3: 2.0}, logprobs=0), 10)
+    assert sampler.choose(logits) == 3
+    assert sampler.last.logprob == pytest.approx(_log_softmax(np.eye(10)[3] * 2.0)[3])
+    assert sampler.last.top == ()
+
+
+def test_drawn_logprobs_are_those_of_the_cut_and_scaled_distribution():
+    logits = np.random.default_rng(1).normal(size=30)
+    sampler = Sampler(Sampling(temperature=0.5, top_k=3, seed=4, logprobs=5), 30)
+    token = sampler.choose(logits)
+    scaled = logits / 0.5
+    kept = np.argsort(-scaled)[:3]
+    expected = scaled[kept] - scaled[kept].max() - np.log(
+        np.exp(scaled[kept] - scaled[kept].max()).sum())
+    assert token in kept
+    assert sampler.last.logprob == pytest.approx(expected[list(kept).index(token)])
+    assert [value for _, value in sampler.last.top[:3]] == pytest.approx(expected)
+    assert [value for _, value in sampler.last.top[3:]] == [-np.inf, -np.inf]
+
+
+def test_a_sampler_without_logprobs_keeps_none():
+    sampler = Sampler(Sampling(), 10)
+    sampler.choose(np.arange(10.0))
+    assert sampler.last is None
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_logprob_counts_are_checked(field):
+    with pytest.raises(ConfigError, match=field):
+        Sampling(**{field: -1})
+
+
+@pytest.mark.parametrize("draft", [0, 4, 9], ids=lambda draft: f"draft{draft}")
+@pytest.mark.parametrize("sampling", [
+    Sampling(temperature=1.0, seed=31),
+    Sampling(temperature=1.0, top_k=4, seed=32),
+    Sampling(temperature=0.8, top_p=0.8, repetition_penalty=1.3, seed=33),
+], ids=repr)
+def test_a_drafted_token_leaves_the_distribution_exact(sampling, draft):
+    """The rejection rule for a deterministic draft (keep it with p(draft), else draw from p
+    without it): the tokens are distributed as without a draft, whichever token is drafted
+    (the most likely one, a middling one, one the filters drop)."""
+    draws = 20000
+    sampler = Sampler(sampling, LOGITS.size)
+    sampler.observe(SEEN)
+    counts = np.bincount([sampler.choose(LOGITS, draft=draft) for _ in range(draws)],
+                         minlength=LOGITS.size)
+    expected = _expected(LOGITS, sampling, SEEN if sampling.repetition_penalty != 1 else ())
+    kept = expected > 0
+    assert counts[~kept].sum() == 0, "a token the filters drop was drawn"
+    statistic = float((((counts - draws * expected) ** 2)[kept]
+                       / (draws * expected[kept])).sum())
+    assert statistic < _CHI2_999[int(kept.sum()) - 1], (counts, draws * expected)
+
+
+def test_a_draft_over_a_large_vocabulary_is_kept_with_its_probability():
+    """The whole-row draw (more tokens kept than the gathered path takes): a draft of
+    probability p is returned p of the time, and the rest follow p without it."""
+    vocab = 6000
+    logits = np.zeros(vocab, dtype=np.float32)
+    logits[:3] = (8.0, 7.0, 6.5)
+    expected = np.exp(logits - logits.max())
+    expected /= expected.sum()
+    sampler = Sampler(Sampling(temperature=1.0, seed=5), vocab)
+    draws = 20000
+    tokens = np.array([sampler.choose(logits, draft=1) for _ in range(draws)])
+    head = np.array([np.count_nonzero(tokens == index) for index in range(3)]
+                    + [np.count_nonzero(tokens >= 3)])
+    want = np.append(expected[:3], expected[3:].sum()) * draws
+    statistic = float(((head - want) ** 2 / want).sum())
+    assert statistic < _CHI2_999[3], (head, want)
+
+
+def test_a_greedy_choice_ignores_the_draft():
+    sampler = Sampler(GREEDY, LOGITS.size)
+    assert sampler.choose(LOGITS, draft=3) == 0
+    penalized = Sampler(Sampling(repetition_penalty=5.0), LOGITS.size)
+    penalized.observe((0,))
+    assert penalized.choose(LOGITS, draft=0) == 10

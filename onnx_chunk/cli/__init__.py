@@ -13,7 +13,9 @@ from contextlib import contextmanager
 
 import click
 
-from onnx_chunk.errors import OnnxChunkError
+from onnx_chunk import __version__
+from onnx_chunk._onnxruntime_wheels import check_one_wheel, missing_message
+from onnx_chunk.errors import InstallError, OnnxChunkError
 
 # Command name -> ("module:attribute", one-line help). Modules are imported only when their
 # command runs, so `onnx-chunk --help` does not pay for importing ONNX Runtime.
@@ -46,8 +48,10 @@ class _LazyGroup(click.Group):
         entry = _COMMANDS.get(cmd_name)
         if entry is None:
             return None
+        check_one_wheel()
         module_name, attribute = entry[0].split(":")
-        return getattr(importlib.import_module(module_name), attribute)
+        command: click.Command = getattr(importlib.import_module(module_name), attribute)
+        return command
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         with formatter.section("Commands"):
@@ -56,6 +60,8 @@ class _LazyGroup(click.Group):
 
 
 @click.group(cls=_LazyGroup)
+@click.version_option(__version__, "-V", "--version", prog_name="onnx-chunk",
+                      message="%(prog)s %(version)s")
 @click.option("-v", "--verbose", is_flag=True, help="Log what the passes and the runtime do.")
 def cli(verbose: bool) -> None:
     """Prepare ONNX LLM decoders for chunked prefill and run them on ONNX Runtime."""
@@ -77,14 +83,18 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated(signum)
 
 
+# SIGHUP (the terminal closed) is POSIX-only: on Windows only SIGTERM unwinds.
+_TERMINATING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP")
+                     if hasattr(signal, name))
+
+
 @contextmanager
 def _termination_unwinds() -> Iterator[None]:
     """Turn SIGTERM and SIGHUP into `Terminated` while a command runs (main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {signum: signal.signal(signum, _raise_terminated)
-                for signum in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {signum: signal.signal(signum, _raise_terminated) for signum in _TERMINATING}
     try:
         yield
     finally:
@@ -103,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     except OnnxChunkError as error:
         click.echo(f"error: {error}", err=True)
         return error.exit_code
+    except ModuleNotFoundError as error:
+        if error.name != "onnxruntime":
+            return _internal_error(error)
+        click.echo(f"error: {InstallError(missing_message())}", err=True)
+        return InstallError.exit_code
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         return 130
@@ -116,16 +131,20 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Exit as error:
         return error.exit_code
     except Exception as error:  # the last line of defence: a CLI user never sees a traceback
-        if os.environ.get("ONNX_CHUNK_DEBUG"):
-            raise
-        click.echo(
-            f"internal error: {type(error).__name__}: {error} "
-            "(set ONNX_CHUNK_DEBUG=1 for the traceback)",
-            err=True,
-        )
-        return 70
+        return _internal_error(error)
     # With standalone_mode=False click returns a command's exit code (ctx.exit) as the result.
     return result if isinstance(result, int) else 0
+
+
+def _internal_error(error: Exception) -> int:
+    if os.environ.get("ONNX_CHUNK_DEBUG"):
+        raise error
+    click.echo(
+        f"internal error: {type(error).__name__}: {error} "
+        "(set ONNX_CHUNK_DEBUG=1 for the traceback)",
+        err=True,
+    )
+    return 70
 
 
 def run() -> None:

@@ -1,8 +1,9 @@
 """`onnx-chunk chat MODEL`: an interactive multi-turn chat in the terminal.
 
-One conversation stays in one sequence's KV cache, so each turn feeds only its own tokens
-(onnx_chunk.text.conversation). Lines come from stdin (typed, or piped: then each is echoed
-after the prompt marker so the transcript reads as a dialogue); `/reset` starts a new
+Each turn runs on the batch engine, whose prefix reuse keeps the conversation in a slot's KV
+cache, so each turn prefills only its own tokens (onnx_chunk.text.conversation). Lines come
+from stdin (typed, or piped: then each is echoed after the prompt marker so the transcript
+reads as a dialogue); `/reset` starts a new
 conversation, `/exit` or the end of input quits. The reply streams to stdout; a line of
 statistics per turn goes to stderr. A turn the model cannot take (the conversation outgrew
 the capacity, the template refused a message) prints one `error:` line and the chat goes on.
@@ -34,7 +35,8 @@ RESET, EXIT = "/reset", "/exit"
 @click.option("--seed", type=int, default=None,
               help="Seed of sampling (default: genai_config.json's random_seed).")
 @click.option("--no-cache-reuse", is_flag=True,
-              help="Feed the whole conversation every turn (for comparison).")
+              help="Feed the whole conversation every turn (for comparison): the engine's "
+                   "prefix reuse off, the rendering encoded again each turn.")
 @click.option("--provider", type=click.Choice(PROVIDER_CHOICES), default="auto",
               show_default=True)
 @click.option("--capacity", type=click.IntRange(min=2), default=None,
@@ -47,7 +49,7 @@ def chat(model: Path, system: str | None, max_new_tokens: int, seed: int | None,
          **options: object) -> None:
     """Chat with MODEL in the terminal, the conversation kept in the KV cache."""
     runtime = load(model, provider=provider, capacity=capacity,
-                   chunk_size=chunk_size)
+                   chunk_size=chunk_size, prefix_reuse=not no_cache_reuse)
     tokenizer = runtime.tokenizer
     if tokenizer.chat_template is None:
         raise InputError(f"the model folder {str(tokenizer.folder)!r} has no chat template; "

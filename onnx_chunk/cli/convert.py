@@ -8,13 +8,17 @@ from pathlib import Path
 import click
 
 from onnx_chunk.cli.inspect import plan_summary
+from onnx_chunk.cli.progress import QUIET_OPTION, byte_progress, wanted
 from onnx_chunk.errors import ConfigError
 from onnx_chunk.metadata import read_plan
 from onnx_chunk.model_folder import locate_model, read_max_positions
-from onnx_chunk.model_io import (external_data_files, load_model, output_locations,
-                                 save_model)
-from onnx_chunk.passes import (DEFAULT_CHUNK_SIZE, DEFAULT_MAX_VARIANTS, KV_CACHE_TARGETS,
-                               convert_model)
+from onnx_chunk.model_io import external_data_files, load_model, output_locations, save_model
+from onnx_chunk.passes import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_MAX_VARIANTS,
+    KV_CACHE_TARGETS,
+    convert_model,
+)
 
 # Copies of at least this much external data get a progress bar.
 _PROGRESS_BYTES = 64 << 20
@@ -60,8 +64,9 @@ def _bytes_to_copy(model_files: dict[str, Path], target: Path) -> int:
               show_default=True,
               help="What a concat-KV decoder is rewritten into: com.microsoft "
                    "GroupQueryAttention, or standard opset 24 TensorScatter + Attention.")
+@QUIET_OPTION
 def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants: int,
-            in_place: bool, kv_cache: str) -> None:
+            in_place: bool, kv_cache: str, quiet: bool) -> None:
     """Annotate MODEL_PATH for chunked prefill and write it to OUTPUT.
 
     A standard-ONNX decoder whose KV grows by Concat (Optimum, torch.onnx) is first rewritten
@@ -81,16 +86,17 @@ def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants
         click.echo(f"{model_path} is already converted with these settings; nothing written")
         return
     to_copy = _bytes_to_copy(external_data_files(model), output.parent.resolve() / output.name)
-    # onnxruntime-genai reads search.chunk_size from the output's genai_config.json, so it
-    # prefills that folder in the same chunks.
-    chunk_width = plan.chunk_size if plan is not None else None
-    if to_copy >= _PROGRESS_BYTES:
-        with click.progressbar(length=to_copy, label="copying weights") as bar:
-            companions = save_model(model, output, progress=bar.update,
-                                    companions_from=model_path.parent, chunk_size=chunk_width)
-    else:
-        companions = save_model(model, output, companions_from=model_path.parent,
-                                chunk_size=chunk_width)
+    with byte_progress("copying weights", wanted(quiet) and to_copy >= _PROGRESS_BYTES) as bar:
+        copied = 0
+
+        def progress(count: int) -> None:
+            nonlocal copied
+            copied += count
+            if bar is not None:
+                bar(copied, to_copy)
+
+        companions = save_model(model, output, progress=progress,
+                                companions_from=model_path.parent)
     click.echo(f"wrote {output}" + (f" (with {', '.join(companions)})" if companions else ""))
     for line in plan_summary(plan):
         click.echo(f"  {line}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from onnx_chunk.cli.progress import QUIET_OPTION, byte_progress, wanted
 from onnx_chunk.errors import ConfigError
 
 
@@ -30,8 +31,9 @@ def _parse_dims(entries: tuple[str, ...]) -> dict[str, int]:
 @click.option("--dim", "dims", multiple=True, metavar="NAME=VALUE",
               help="Fix any other free dim_param by name (repeatable); the rows are set by "
                    "--rows only.")
+@QUIET_OPTION
 def fix_shapes(model: str, out_dir: str, rows: int, capacity: int | None,
-               dims: tuple[str, ...]) -> None:
+               dims: tuple[str, ...], quiet: bool) -> None:
     """Fix MODEL's free dimensions: a chunk graph (rows c) and a decode graph (rows 1).
 
     MODEL is a .onnx file or its folder.
@@ -39,7 +41,9 @@ def fix_shapes(model: str, out_dir: str, rows: int, capacity: int | None,
     from onnx_chunk.model_folder import locate_model
     from onnx_chunk.static.fix_shapes import fix_shapes as fix
 
-    result = fix(locate_model(model).onnx_path, out_dir, rows=rows, capacity=capacity, dims=_parse_dims(dims))
+    with byte_progress("hashing and copying weights", wanted(quiet)) as progress:
+        result = fix(locate_model(model).onnx_path, out_dir, rows=rows, capacity=capacity,
+                     dims=_parse_dims(dims), progress=progress)
     click.echo(f"chunk graph:  {result.chunk_model} (rows {result.chunk_rows})")
     click.echo(f"decode graph: {result.decode_model} (rows {result.decode_rows})")
     if result.capacity is not None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -10,6 +9,8 @@ import click
 import numpy as np
 
 from onnx_chunk import arguments
+from onnx_chunk.cli.json_output import dumps as json_dumps
+from onnx_chunk.cli.progress import QUIET_OPTION, wanted
 from onnx_chunk.cli.static_generate import run_static_generate
 from onnx_chunk.cli.text_generate import (
     given_text_options,
@@ -21,6 +22,7 @@ from onnx_chunk.model_folder import check_utf8_path
 from onnx_chunk.runtime import GenerationStats, RuntimeStats, load
 from onnx_chunk.runtime.device.provider import PROVIDER_CHOICES
 from onnx_chunk.runtime.engine.request import Request
+from onnx_chunk.runtime.engine.speculation import SPECULATIVE_CHOICES
 from onnx_chunk.static import is_static_model, load_static
 
 _SEPARATORS = re.compile(r"[\s,]+")
@@ -92,7 +94,9 @@ def batch_record(index: int, request: Request, stats: RuntimeStats) -> dict:
         "stopped_by_eos": request.finish_reason == "stop",
         "stats": {**_stats_entry(stats), "max_batch": stats.max_batch,
                   "decode_steps": engine.decode_steps if engine else 0,
-                  "rows_per_decode_step": engine.rows_per_decode_step if engine else None},
+                  "rows_per_decode_step": engine.rows_per_decode_step if engine else None,
+                  "draft_tokens": engine.draft_tokens if engine else 0,
+                  "accepted_tokens": engine.accepted_tokens if engine else 0},
     }
 
 
@@ -106,6 +110,7 @@ def _stats_entry(stats: RuntimeStats) -> dict:
             "padding": stats.padding,
             "padding_refused": cache.padding_refused,
             "specialize": stats.specialize,
+            "speculative": stats.speculative,
             "weights_bytes": stats.weights_bytes,
             "weights_shared": stats.weights_shared,
             "compiles": cache.compiles,
@@ -168,14 +173,19 @@ def _format(entry: dict) -> str:
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
               help="Serve the prompts through the batch engine, at most N at once (one "
                    "batched decode forward for all); 1 runs them one after another.")
+@click.option("--speculative", type=click.Choice(SPECULATIVE_CHOICES), default=None,
+              help="Draft tokens by prompt lookup and verify them in one forward (greedy "
+                   "output unchanged, sampled output exact in distribution).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt per line.")
+@QUIET_OPTION
 @text_options
 def generate(model: Path, ids_text: str | None, ids_file: Path | None,
              random_prompt: int | None, seed: int, max_new_tokens: int,
              eos_token_ids: tuple[int, ...], chunk_size: int | None, provider: str,
              capacity: int | None, no_padding: bool, specialize: bool | None, static: bool,
              max_input_len: int | None, kv_capacity: int | None, decode_model: Path | None,
-             strict: bool, batch: int, as_json: bool, **text: object) -> None:
+             strict: bool, batch: int, speculative: str | None, as_json: bool, quiet: bool,
+             **text: object) -> None:
     """Generate from MODEL with chunked prefill (dynamic or static decoders): token ids in and
     out greedily, or with --prompt text in, text streamed out (see docs/text.md)."""
     check_utf8_path(model)
@@ -183,7 +193,7 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
         _refuse("--prompt", {"--batch": batch if batch > 1 else None})
         _route_text(model, text, ids_text, ids_file, random_prompt, seed, max_new_tokens,
                     eos_token_ids or None, chunk_size, provider, capacity, no_padding, specialize,
-                    static, as_json)
+                    static, as_json, speculative, wanted(quiet))
         return
     _refuse("token ids", dict.fromkeys(given_text_options(text), True))
     given = [name for name, value in (("--ids", ids_text), ("--ids-file", ids_file),
@@ -193,7 +203,7 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
                                + (f" (got {', '.join(given)})" if given else ""))
     dynamic_only = {"--capacity": capacity, "--no-padding": no_padding or None,
                     "--specialize/--no-specialize": specialize,
-                    "--batch": batch if batch > 1 else None}
+                    "--batch": batch if batch > 1 else None, "--speculative": speculative}
     static_only = {"--max-input-len": max_input_len, "--kv-capacity": kv_capacity,
                    "--decode-model": decode_model, "--strict": strict or None}
     if static or is_static_model(model):
@@ -212,7 +222,7 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
     _refuse("a dynamic decoder", static_only)
     runtime = load(model, provider=provider, capacity=capacity, chunk_size=chunk_size,
                    padding=False if no_padding else None, specialize=specialize,
-                   max_batch=batch)
+                   max_batch=batch, speculative=speculative)
     prompts = _prompts(runtime.ports.vocab_size, ids_text, ids_file, random_prompt, seed)
     # One sequence serves the prompts in turn, rewound to empty before each: its KV buffers
     # (and, on CUDA, the graphs captured at their addresses) are reused. Every prompt is
@@ -235,19 +245,23 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
         for index, request in enumerate(requests):
             request.result()
             entry = batch_record(index, request, runtime.stats)
-            click.echo(json.dumps(entry) if as_json else _format(entry))
+            click.echo(json_dumps(entry) if as_json else _format(entry))
         runtime.close()
         return
     for index, prompt in enumerate(prompts):
         sequence.rewind(sequence.length)
         tokens = sequence.generate(prompt, max_new_tokens, stop or None)
-        entry = record(index, prompt, tokens, sequence.stats.last_generation, runtime.stats)
-        click.echo(json.dumps(entry) if as_json else _format(entry))
+        counts = sequence.stats
+        entry = record(index, prompt, tokens, counts.last_generation, runtime.stats)
+        entry["stats"].update(draft_tokens=counts.draft_tokens,
+                              accepted_tokens=counts.accepted_tokens)
+        click.echo(json_dumps(entry) if as_json else _format(entry))
 
 
 def _route_text(model: Path, text: dict, ids_text, ids_file, random_prompt, seed: int,
                 max_new_tokens: int, eos_token_id, chunk_size, provider: str, capacity,
-                no_padding: bool, specialize, static: bool, as_json: bool) -> None:
+                no_padding: bool, specialize, static: bool, as_json: bool,
+                speculative: str | None, progress: bool) -> None:
     """--prompt: the text path (cli/text_generate.py), on a dynamic decoder."""
     _refuse("--prompt", {"--ids": ids_text, "--ids-file": ids_file,
                          "--random-prompt": random_prompt, "--eos-token-id": eos_token_id,
@@ -261,8 +275,8 @@ def _route_text(model: Path, text: dict, ids_text, ids_file, random_prompt, seed
         load_runtime=lambda path: load(path, provider=provider, capacity=capacity,
                                        chunk_size=chunk_size,
                                        padding=False if no_padding else None,
-                                       specialize=specialize),
-        as_json=as_json)
+                                       specialize=specialize, speculative=speculative),
+        as_json=as_json, progress=progress)
 
 
 def _refuse(kind: str, options: dict[str, object]) -> None:

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import click
 
+from onnx_chunk.cli.json_output import dumps as json_dumps
 from onnx_chunk.metadata import ChunkPlan, read_plan
 from onnx_chunk.model_folder import locate_model, read_max_positions
 from onnx_chunk.model_io import load_model
 from onnx_chunk.passes import analyze, find_concat_kv_attention
-
 
 _LISTED_NAMES = 4
 
@@ -75,7 +74,7 @@ def inspect(model_path: Path, as_json: bool) -> None:
                                    "refusal": rewrite.refusal,
                                    "layers": [dataclasses.asdict(layer)
                                               for layer in rewrite.layers]}
-        click.echo(json.dumps(report, indent=2))
+        click.echo(json_dumps(report, indent=2))
         return
     click.echo(f"{model_path} ({'converted' if converted else 'not converted'})")
     for line in rewrite.summary() + plan_summary(plan):

@@ -18,6 +18,7 @@ import click
 
 from onnx_chunk.errors import ConfigError
 from onnx_chunk.runtime.device.provider import PROVIDER_CHOICES
+from onnx_chunk.runtime.engine.speculation import SPECULATIVE_CHOICES
 
 # --cache (a development option): how the variant cache keys prefill widths.
 # auto: the provider's default; ladder: a variant per ladder tier, remainders padded up;
@@ -49,11 +50,19 @@ _CACHE_MODES = {"auto": {}, "ladder": {"specialize": True, "padding": True},
               help="Turn special tokens typed in messages into control tokens, as transformers' "
                    "apply_chat_template does (default: they are text, as in OpenAI's API, so a "
                    "user cannot forge a turn).")
+@click.option("--no-prefix-reuse", "prefix_reuse", is_flag=True, flag_value=False, default=True,
+              help="Start every request on an empty slot (default: a slot keeps its KV after "
+                   "a request, and a later prompt starting with the same tokens prefills only "
+                   "the rest).")
+@click.option("--speculative", type=click.Choice(SPECULATIVE_CHOICES), default=None,
+              help="Draft tokens by prompt lookup and verify them in one forward (greedy "
+                   "output unchanged, sampled output exact in distribution).")
 @click.option("--cache", "cache_mode", type=click.Choice(sorted(_CACHE_MODES)), default="auto",
               hidden=True, help="Development: the variant cache's keying (exact: per shape).")
 def serve(model: Path, host: str, port: int, batch: int, queue: int, api_key: str | None,
           provider: str, capacity: int | None, max_body_bytes: int | None,
-          parse_special_in_content: bool, cache_mode: str) -> None:
+          parse_special_in_content: bool, prefix_reuse: bool, speculative: str | None,
+          cache_mode: str) -> None:
     try:
         from onnx_chunk.serve import create_app
         from onnx_chunk.serve.server import DrainingServer, bind
@@ -71,6 +80,8 @@ def serve(model: Path, host: str, port: int, batch: int, queue: int, api_key: st
                           "another --host or --port (0: a free one)") from error
     with contextlib.closing(listener), load(model, provider=provider, capacity=capacity,
                                             max_batch=batch, max_queue=queue,
+                                            prefix_reuse=prefix_reuse,
+                                            speculative=speculative,
                                             **_CACHE_MODES[cache_mode]) as runtime:
         body_limit = {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
         app = create_app(runtime, api_key=api_key,
@@ -78,6 +89,7 @@ def serve(model: Path, host: str, port: int, batch: int, queue: int, api_key: st
         server = DrainingServer(app, log_level=logging.getLogger().level)
         bound_host, bound_port = listener.getsockname()[:2]
         click.echo(f"listening on http://{bound_host}:{bound_port} ({runtime.provider}, "
-                   f"batch {batch}, capacity {runtime.options.capacity})", err=True)
+                   f"batch {batch}, capacity {runtime.options.capacity}, prefix reuse "
+                   f"{'on' if prefix_reuse else 'off'})", err=True)
         server.run(sockets=[listener])
     click.echo("stopped", err=True)

@@ -11,9 +11,9 @@ and hands it to `run_static_generate`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 
+from onnx_chunk.cli.json_output import dumps as json_dumps
 from onnx_chunk.static import StaticGenerationResult, StaticRunner
 
 
@@ -70,6 +70,6 @@ def run_static_generate(
         result = runner.decode(runner.run_prefill(request), max_new_tokens,
                                eos_token_id=eos_token_id)
         entry = static_record(index, prompt, result)
-        echo(json.dumps(entry) if as_json else _format(entry))
+        echo(json_dumps(entry) if as_json else _format(entry))
         results.append(result)
     return results

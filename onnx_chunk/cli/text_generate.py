@@ -7,7 +7,8 @@ goes to stderr, so stdout holds the text alone. `--json` prints one object inste
 
 from __future__ import annotations
 
-import json
+import itertools
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +16,9 @@ from typing import Any
 
 import click
 
-from onnx_chunk.sampling import Sampling
+from onnx_chunk.cli.json_output import dumps as json_dumps
+from onnx_chunk.cli.progress import prefill_progress
+from onnx_chunk.sampling import Sampling, TokenLogprobs
 
 # The sampling options: (flag, (type, help)).
 _SAMPLING_OPTIONS = (
@@ -24,13 +27,19 @@ _SAMPLING_OPTIONS = (
     ("--top-p", (float, "Keep the most likely tokens up to this mass.")),
     ("--min-p", (float, "Drop tokens below this fraction of the top one's probability.")),
     ("--repetition-penalty", (float, "Penalise the tokens already seen (1: off).")),
+    ("--presence-penalty", (float, "Subtract from the logits of the tokens generated so far, "
+                                   "in [-2, 2] (0: off).")),
+    ("--frequency-penalty", (float, "Subtract once per time a token was generated, in "
+                                    "[-2, 2] (0: off).")),
 )
 TEXT_ONLY = ("--prompt", "--chat", "--system", "--temperature", "--top-k", "--top-p",
-             "--min-p", "--repetition-penalty", "--stop")
+             "--min-p", "--repetition-penalty", "--presence-penalty", "--frequency-penalty",
+             "--stop", "--ignore-eos", "--min-tokens", "--logprobs")
 
 
 def sampling_options(command: Callable) -> Callable:
-    """Add --temperature, --top-k, --top-p, --min-p, --repetition-penalty and --stop."""
+    """Add --temperature, --top-k, --top-p, --min-p, --repetition-penalty,
+    --presence-penalty, --frequency-penalty and --stop."""
     command = click.option("--stop", multiple=True,
                            help="Stop before this text (repeatable).")(command)
     for name, (kind, text) in reversed(_SAMPLING_OPTIONS):
@@ -40,8 +49,18 @@ def sampling_options(command: Callable) -> Callable:
 
 
 def text_options(command: Callable) -> Callable:
-    """`generate`'s text options: --prompt, --chat, --system, and the sampling options."""
+    """`generate`'s text options: --prompt, --chat, --system, --ignore-eos, --min-tokens and
+    the sampling options."""
     command = sampling_options(command)
+    command = click.option("--logprobs", type=click.IntRange(min=0, max=20), default=None,
+                           help="Give each token's log-probability and those of the N most "
+                                "likely tokens at its position (in --json's 'logprobs'; else "
+                                "one line a token on stderr).")(command)
+    command = click.option("--min-tokens", type=click.IntRange(min=0), default=None,
+                           help="No EOS before this many new tokens.")(command)
+    command = click.option("--ignore-eos", is_flag=True,
+                           help="Do not stop at the EOS token (only --max-new-tokens, the "
+                                "capacity or --stop end the text).")(command)
     command = click.option("--system", default=None,
                            help="With --chat: a system message before the prompt.")(command)
     command = click.option("--chat", is_flag=True,
@@ -66,8 +85,9 @@ def given_text_options(options: dict[str, Any]) -> list[str]:
 
 def run_text_generate(model: Path, options: dict[str, Any], *, max_new_tokens: int,
                       seed: int | None, load_runtime: Callable[[Path], Any],
-                      as_json: bool) -> None:
-    """Generate from the text prompt in `options` and print it (streamed, or one JSON line)."""
+                      as_json: bool, progress: bool = False) -> None:
+    """Generate from the text prompt in `options` and print it (streamed, or one JSON line);
+    `progress`: a bar of the prefill while a prompt longer than one chunk is fed."""
     from onnx_chunk.text.generation import EngineTokens, stream_text
 
     if options.get("system") is not None and not options.get("chat"):
@@ -81,32 +101,76 @@ def run_text_generate(model: Path, options: dict[str, Any], *, max_new_tokens: i
         prompt.append({"role": "user", "content": options["prompt"]})
     sampling = sampling_from(tokenizer.genai, options, seed)
     generation = stream_text(EngineTokens(runtime), tokenizer, prompt, max_new_tokens,
-                             sampling=sampling, stop=options.get("stop") or None)
-    for piece in generation:
+                             sampling=sampling, stop=options.get("stop") or None,
+                             ignore_eos=bool(options.get("ignore_eos")),
+                             min_tokens=options.get("min_tokens") or 0,
+                             logprobs=options.get("logprobs"))
+    pieces = iter(generation)
+    long_prompt = generation.prompt_tokens > runtime.options.chunk_size
+    with prefill_progress(_prefill_rows(runtime), generation.prompt_tokens,
+                          progress and long_prompt):
+        first = next(pieces, None)
+    for piece in itertools.chain(() if first is None else (first,), pieces):
         if not as_json:
             click.echo(piece, nl=False)
             sys.stdout.flush()
     completion = generation.completion
+    assert completion is not None  # set once the iteration ended
     stats = completion.stats
-    entry = {"text": completion.text, "tokens": list(completion.tokens),
-             "finish_reason": completion.finish_reason,
-             "prompt_tokens": completion.prompt_tokens,
-             "ttft_s": stats.ttft_s, "decode_tokens_per_s": stats.decode_tokens_per_s,
-             "sampling": _sampling_record(sampling)}
+    entry: dict[str, Any] = {
+        "text": completion.text, "tokens": list(completion.tokens),
+        "finish_reason": completion.finish_reason, "prompt_tokens": completion.prompt_tokens,
+        "ttft_s": stats.ttft_s, "decode_tokens_per_s": stats.decode_tokens_per_s,
+        "sampling": _sampling_record(sampling)}
+    records = [_logprobs_record(tokenizer, logprobs) for logprobs in completion.logprobs]
+    if options.get("logprobs") is not None:
+        entry["logprobs"] = records
     if as_json:
-        click.echo(json.dumps(entry, ensure_ascii=False))
+        click.echo(json_dumps(entry, ensure_ascii=False))
         return
     click.echo()
+    for record in records:
+        tops = " ".join(f"{text!r}={_shown(logprob)}" for _, text, logprob in record["top"])
+        click.echo(f"{record['text']!r}\t{_shown(record['logprob'])}\t{tops}", err=True)
     speed = entry["decode_tokens_per_s"]
     click.echo(f"[{completion.finish_reason}: {len(completion.tokens)} tokens after a "
                f"{completion.prompt_tokens}-token prompt | ttft {stats.ttft_s * 1000:.1f} ms | "
                f"decode {'-' if speed is None else f'{speed:.1f}'} tok/s]", err=True)
 
 
+def _prefill_rows(runtime: Any) -> Callable[[], int]:
+    """The prompt rows the engine prefilled since now (its own counter)."""
+
+    def rows() -> int:
+        engine = runtime.stats.engine
+        return 0 if engine is None else engine.prefill_rows
+
+    start = rows()
+    return lambda: rows() - start
+
+
+def _logprobs_record(tokenizer: Any, logprobs: TokenLogprobs) -> dict[str, Any]:
+    """One token's logprobs as --json prints them: id, text, logprob, top [id, text, logprob];
+    a log-probability of -inf (a token the sampling cut) is null."""
+    def number(value: float) -> float | None:
+        return value if math.isfinite(value) else None
+
+    return {"token": logprobs.token, "text": tokenizer.decode([logprobs.token]),
+            "logprob": number(logprobs.logprob),
+            "top": [[token, tokenizer.decode([token]), number(value)]
+                    for token, value in logprobs.top]}
+
+
+def _shown(logprob: float | None) -> str:
+    return "-inf" if logprob is None else f"{logprob:.4f}"
+
+
 def _sampling_record(sampling: Sampling) -> dict[str, Any]:
     return {"temperature": sampling.temperature, "top_k": sampling.top_k,
             "top_p": sampling.top_p, "min_p": sampling.min_p,
-            "repetition_penalty": sampling.repetition_penalty, "seed": sampling.seed}
+            "repetition_penalty": sampling.repetition_penalty,
+            "presence_penalty": sampling.presence_penalty,
+            "frequency_penalty": sampling.frequency_penalty, "seed": sampling.seed}
 
 
 def _key(option: str) -> str:

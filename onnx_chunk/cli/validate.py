@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -10,6 +9,8 @@ from pathlib import Path
 import click
 
 from onnx_chunk.cli.generate import parse_ids
+from onnx_chunk.cli.json_output import dumps as json_dumps
+from onnx_chunk.cli.progress import QUIET_OPTION, wanted
 from onnx_chunk.errors import OutputError
 from onnx_chunk.model_folder import locate_model
 from onnx_chunk.model_io import COMPANION_FILES, referenced_data_files, staged_write
@@ -71,6 +72,8 @@ def write_junit(report: Report, target: Path) -> None:
         with staged_write(target.parent, target.name) as staging:
             (staging.path / target.name).write_text(report.to_junit(), encoding="utf-8")
             staging.publish([target.name])
+    except OutputError:  # already says what to do; an OSError too, not to be wrapped
+        raise
     except OSError as error:
         raise OutputError(f"cannot write the JUnit report {str(target)!r}: "
                           f"{error.strerror or error}; choose a writable path") from error
@@ -106,11 +109,12 @@ def write_junit(report: Report, target: Path) -> None:
                    "the model.")
 @click.option("--progress/--no-progress", default=None,
               help="Show a progress bar on stderr (default: when stderr is a terminal).")
+@QUIET_OPTION
 @click.pass_context
 def validate(ctx: click.Context, model_path: Path, as_json: bool, junit: Path | None,
              skip: tuple[str, ...], lengths: str | None, new_tokens: int, provider: str,
              seed: int, chunk_size: int | None, atol: float | None, max_input_len: int | None,
-             decode_model: Path | None, progress: bool | None) -> None:
+             decode_model: Path | None, progress: bool | None, quiet: bool) -> None:
     """Check that MODEL_PATH (a .onnx file or its folder) is safe for chunked prefill.
 
     Exit code 0 when every check passed (or was skipped), 1 when one failed, 2 when the model
@@ -123,7 +127,7 @@ def validate(ctx: click.Context, model_path: Path, as_json: bool, junit: Path | 
         atol=atol, max_input_len=max_input_len, decode_model=decode_model)
     if junit is not None:
         check_report_path(junit, model_files(model_path, decode_model))
-    show = progress if progress is not None else sys.stderr.isatty()
+    show = progress if progress is not None else wanted(quiet)
     bar = _ProgressBar() if show else None
     try:
         report = validate_model(model_path, options, bar)
@@ -133,7 +137,7 @@ def validate(ctx: click.Context, model_path: Path, as_json: bool, junit: Path | 
     if junit is not None:
         write_junit(report, junit)
     if as_json:
-        click.echo(json.dumps(report.to_json(), indent=2, default=str))
+        click.echo(json_dumps(report.to_json(), indent=2, default=str))
     else:
         click.echo(report.to_table())
     ctx.exit(1 if report.failed else 0)

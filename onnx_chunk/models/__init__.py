@@ -62,6 +62,8 @@ def build_decoder(out_dir: str | os.PathLike, preset: str = "tiny", variant: str
     try:
         with staged_write(out, MODEL_FILENAME) as staging:
             _write_decoder(staging, config, spec, seed, dtype)
+    except OutputError:  # already says what to do; an OSError too, not to be wrapped
+        raise
     except OSError as error:
         raise OutputError(f"cannot write the model into {out}: {error.strerror or error}; "
                           "check the folder's permissions and free space") from error

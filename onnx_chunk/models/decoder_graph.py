@@ -23,8 +23,7 @@ import onnx_ir as ir
 from onnx_chunk.models.config import DecoderConfig
 from onnx_chunk.models.precision import float_dtype
 from onnx_chunk.models.variants import ROW_SCALE_INPUT, VariantSpec
-from onnx_chunk.models.weights import (AttentionWeights, ConvWeights, DecoderWeights,
-                                       LayerWeights)
+from onnx_chunk.models.weights import AttentionWeights, ConvWeights, DecoderWeights, LayerWeights
 
 OPSET = 21
 MS_DOMAIN = "com.microsoft"

@@ -1,7 +1,8 @@
 """The static reference decoder: every dimension fixed, explicit attention over a rolling cache.
 
-Seed 001's edge-accelerator contract, built from the same seeded weights as the dynamic GQA
-reference decoder (`make_weights`), so both agree token for token on prompts that fit.
+The contract of an edge accelerator that runs fixed shapes only, built from the same seeded
+weights as the dynamic GQA reference decoder (`make_weights`), so both agree token for token on
+prompts that fit.
 
 Graph contract (rows c = `chunk_size`, capacity C, all dims fixed, no dim_params):
 - inputs `input_ids` int64 [1, c], `position_ids` int64 [1, c], `attention_mask` float32
@@ -233,7 +234,8 @@ def _static_graph(
         normed = _rms_norm_nodes(graph, hidden, c(prefix + "input_norm.weight",
                                                   layer_weights.input_norm), eps, last_axis)
 
-        def project(name: str, weight: np.ndarray, shape_name: str) -> str:
+        def project(name: str, weight: np.ndarray, shape_name: str, normed: str = normed,
+                    prefix: str = prefix) -> str:
             flat = graph.op("MatMul", [normed, c(prefix + name + ".weight", weight)])
             return graph.op("Transpose", [graph.op("Reshape", [flat, shape_name])],
                             perm=[0, 2, 1, 3])
@@ -383,6 +385,8 @@ def _staged_write(out: Path) -> Iterator[Staging]:
     try:
         with staged_write(out, MODEL_FILE) as staging:
             yield staging
+    except OutputError:  # already says what to do; an OSError too, not to be wrapped
+        raise
     except OSError as error:
         raise OutputError(f"cannot write into {out}: {error}; check the folder is writable") \
             from error

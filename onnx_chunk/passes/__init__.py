@@ -95,7 +95,8 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
     opset 24 TensorScatter + Attention) at capacity; `max_sequence_length` (config.json's
     max_position_embeddings) is its longest sequence. Any other model is converted in place.
     Raises ModelStructureError for a model without GroupQueryAttention or TensorScatter after
-    that (KV capacity annotation does not apply to it), a concat-KV layer the rewrite does not recognise, or
+    that (KV capacity annotation does not apply to it), a concat-KV layer the rewrite does not
+    recognise, or
     opsets or domains ORT cannot run, and ConfigError for an impossible chunk size or variant
     cap.
     """

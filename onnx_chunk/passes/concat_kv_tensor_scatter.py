@@ -11,8 +11,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from onnx_chunk.passes import value_tracing
-from onnx_chunk.passes.concat_kv_attention import (ConcatKVLayer, ConcatKVRewritePass,
-                                                   RewriteBuilder)
+from onnx_chunk.passes.concat_kv_attention import ConcatKVLayer, ConcatKVRewritePass, RewriteBuilder
 
 OPSET = 24
 # TensorScatter and Attention's nonpad_kv_seqlen need IR version 11 (ONNX 1.19).
@@ -76,7 +75,8 @@ def _rewrite(model: ir.Model, layers: tuple[ConcatKVLayer, ...]) -> None:
                                "row_positions")
     # [batch, 1, rows, 1] query positions against [capacity] key positions.
     query_positions = build.node(
-        "Unsqueeze", [build.node("Add", [build.node("Unsqueeze", [past, one], "past_column"), row_positions], "query_positions_2d"),
+        "Unsqueeze", [build.node("Add", [build.node("Unsqueeze", [past, one], "past_column"),
+                                         row_positions], "query_positions_2d"),
                       build.constant("query_axes", [1, 3])], "query_positions")
     attention_mask = build.node("LessOrEqual", [key_positions, query_positions], "causal")
     for index, layer in enumerate(layers):

@@ -36,10 +36,10 @@ class PerTokenPortsPass(ir.passes.InPlacePass):
        input a Gather reads as indices (an embedding lookup). Its axis 1 is the query axis.
     2. A graph input shaped [batch, rows, ...] whose axis 0 and axis 1 have the token input's
        symbolic names is per-token; the token input itself is one.
-    3. KV past inputs (GQA or TensorScatter), `attention_mask` and recurrent state are not request-fed rows and are
-       left alone. Every other input voids the padding plan, named in the reason. Recurrent
-       state is what the recurrent state pass stored in the metadata; the pass refuses to run
-       before it.
+    3. KV past inputs (GQA or TensorScatter), `attention_mask` and recurrent state are not
+       request-fed rows and are left alone. Every other input voids the padding plan, named in
+       the reason. Recurrent state is what the recurrent state pass stored in the metadata; the
+       pass refuses to run before it.
     4. A query axis that is fixed or unnamed cannot be matched, and voids the plan.
     5. position_ids is the integer per-token port named so, or the one that feeds GQA
        position_ids (input 9) or a RotaryEmbedding's position_ids (input 1); padded rows

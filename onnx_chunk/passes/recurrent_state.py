@@ -37,9 +37,10 @@ class RecurrentStatePass(ir.passes.InPlacePass):
        paired with the output named `present.<rest>` when there is one.
     3. In a graph with a token input, an input paired with a graph output of the same dtype
        and the same shape (symbolic names included) is state, unless that output is a GQA
-       (or TensorScatter) present. Several candidates are told apart by name (`present.<rest>` first, then the
-       longest common suffix). A graph without a token input is no decoder step, so nothing
-       in it is carried from step to step: equal shapes alone (`c = a + b`) prove nothing.
+       (or TensorScatter) present. Several candidates are told apart by name (`present.<rest>`
+       first, then the longest common suffix). A graph without a token input is no decoder
+       step, so nothing in it is carried from step to step: equal shapes alone (`c = a + b`)
+       prove nothing.
     4. Each output pairs with one input at most.
     5. The findings go to the inference metadata; the pass reports a modification only when
        they differ from what is stored.

@@ -13,8 +13,13 @@ from onnx_chunk.runtime.engine.request import Request, RequestStats
 from onnx_chunk.runtime.engine.sequence import Sequence
 from onnx_chunk.runtime.model import Runtime, load
 from onnx_chunk.runtime.options import RuntimeOptions
-from onnx_chunk.runtime.stats import (ChunkRecord, EngineStats, GenerationStats, RuntimeStats,
-                                      SequenceStats)
+from onnx_chunk.runtime.stats import (
+    ChunkRecord,
+    EngineStats,
+    GenerationStats,
+    RuntimeStats,
+    SequenceStats,
+)
 
 __all__ = ["PROVIDER_CHOICES", "ChunkRecord", "Device", "EngineStats", "GenerationStats",
            "MaskPolicy", "Request", "RequestStats", "Runtime", "RuntimeOptions", "RuntimeStats",

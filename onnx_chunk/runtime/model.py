@@ -4,7 +4,8 @@
 onnx_chunk.model_folder), reads the chunked-prefill plan, the ports and the external data index
 from the file's protobuf (`model_file`: a converted model loads without onnx or onnx_ir; an
 unconverted one runs the passes in memory) and the genai_config.json that applies to it,
-resolves the options once (`options`), loads the weights once and sets up the variant cache. `Runtime.open_sequence()` gives independent sequences that share all of it.
+resolves the options once (`options`), loads the weights once and sets up the variant cache.
+`Runtime.open_sequence()` gives independent sequences that share all of it.
 """
 
 from __future__ import annotations
@@ -24,21 +25,15 @@ import numpy as np
 import onnxruntime as ort
 
 from onnx_chunk import arguments
-from onnx_chunk.errors import CapacityError, ClosedError, ModelLoadError
+from onnx_chunk._onnxruntime_wheels import check_one_wheel
+from onnx_chunk.errors import CapacityError, ClosedError, InputError, ModelLoadError
 from onnx_chunk.metadata import ChunkPlan, read_plan
 from onnx_chunk.model_file import read_model_file
 from onnx_chunk.model_folder import GenaiConfig, check_utf8_path, locate_model
-from onnx_chunk.runtime.runner.attention_mask import AttentionMask, mask_kind
-from onnx_chunk.runtime.engine.batch_engine import DEFAULT_MAX_QUEUE, BatchEngine, EngineContext
-from onnx_chunk.runtime.runner.model_runner import ModelRunner
+from onnx_chunk.runtime.caches.variant_cache import Specialize, VariantCache
+from onnx_chunk.runtime.caches.variant_pool import VariantPool
 from onnx_chunk.runtime.device.memory import meter_for
-from onnx_chunk.runtime.options import (LoadArguments, RuntimeOptions, checked_arguments,
-                                        resolve_options)
-from onnx_chunk.runtime.runner.ports import ModelPorts
 from onnx_chunk.runtime.device.provider import Device, MaskPolicy, resolve_device
-from onnx_chunk.runtime.engine.request import Request
-from onnx_chunk.runtime.engine.sequence import Sequence
-from onnx_chunk.runtime.engine.sequence_pool import DEFAULT_IDLE_SLOTS, SequencePool, new_slot
 from onnx_chunk.runtime.device.session_factory import (
     QUANTIZED_MATMUL,
     SessionFactory,
@@ -46,9 +41,21 @@ from onnx_chunk.runtime.device.session_factory import (
     load_shared_weights,
     owned_by_session,
 )
+from onnx_chunk.runtime.engine.batch_engine import DEFAULT_MAX_QUEUE, BatchEngine, EngineContext
+from onnx_chunk.runtime.engine.request import Request
+from onnx_chunk.runtime.engine.sequence import Sequence
+from onnx_chunk.runtime.engine.sequence_pool import DEFAULT_IDLE_SLOTS, SequencePool, new_slot
+from onnx_chunk.runtime.engine.speculation import Speculation
+from onnx_chunk.runtime.options import (
+    LoadArguments,
+    RuntimeOptions,
+    checked_arguments,
+    resolve_options,
+)
+from onnx_chunk.runtime.runner.attention_mask import AttentionMask, mask_kind
+from onnx_chunk.runtime.runner.model_runner import ModelRunner
+from onnx_chunk.runtime.runner.ports import ModelPorts
 from onnx_chunk.runtime.stats import RuntimeStats
-from onnx_chunk.runtime.caches.variant_cache import Specialize, VariantCache
-from onnx_chunk.runtime.caches.variant_pool import VariantPool
 from onnx_chunk.sampling import GREEDY, Sampler
 
 if TYPE_CHECKING:
@@ -102,6 +109,13 @@ class Runtime:
         free (prefill chunks run at batch 1, decode at `max_batch` rows); the batched decode
         captures a CUDA graph like any other binding (see docs/engine.md).
     max_queue: how many submitted requests may wait for a slot (QueueFullError beyond).
+    prefix_reuse: whether an engine slot keeps its KV after its request ends, for a later
+        request whose prompt starts with the same ids to reuse (default True; see
+        docs/engine.md, "Prefix reuse").
+    speculative: "prompt-lookup" drafts tokens from the prompt and the text so far and
+        verifies them in one forward (greedy output identical to plain decoding, sampled
+        output exact in distribution; see docs/speculative.md); None (default) decodes one
+        token per forward. A decoder with recurrent state or last-row logits is refused.
 
     `close()` (or leaving a `with` block) frees the sessions and buffers at once; a runtime is
     also freed as soon as its last reference (and every sequence's) goes.
@@ -126,13 +140,17 @@ class Runtime:
         idle_sequences: int = DEFAULT_IDLE_SLOTS,
         max_batch: int = 1,
         max_queue: int = DEFAULT_MAX_QUEUE,
+        prefix_reuse: bool = True,
+        speculative: str | None = None,
     ) -> None:
+        # Two ONNX Runtime wheels in one folder overwrite each other's module: say so first.
+        check_one_wheel()
         args = checked_arguments(LoadArguments(
             provider=provider, device_id=device_id, capacity=capacity, chunk_size=chunk_size,
             padding=padding, specialize=specialize, max_variants=max_variants,
             mask_policy=mask_policy, intra_op_threads=intra_op_threads, cuda_graphs=cuda_graphs,
             device=device, idle_sequences=idle_sequences, max_batch=max_batch,
-            max_queue=max_queue))
+            max_queue=max_queue, prefix_reuse=prefix_reuse, speculative=speculative))
         check_utf8_path(model_path)
         location = locate_model(model_path)
         self.model_path: Path = location.onnx_path
@@ -182,9 +200,16 @@ class Runtime:
         self.runner = ModelRunner(self.variants, self.ports, self.device,
                                   capacity=options.capacity, tiers=options.tiers,
                                   specialize=specialize, embeddings=self.embeddings)
+        self._speculation = (None if options.speculative is None
+                             else Speculation.for_ports(self.ports, quantized))
         self._engine: BatchEngine | None = None
         self._engine_lock = threading.Lock()
         self._closed = False
+        # The one shape-generic session (the CPU default) serves every forward: it is built
+        # here, so that `load` returns a runtime ready to run (docs/runtime.md, "Cold start").
+        if specialize is False:
+            with self.cache.acquire(options.decode_key):
+                pass
         logger.info("loaded %s on %s: capacity %d, chunk %d, ladder %s, padding %s",
                     self.model_path, self.device.label, options.capacity, options.chunk_size,
                     options.tiers, "on" if options.padding else f"off ({options.padding_refused})")
@@ -208,7 +233,8 @@ class Runtime:
         if self._closed:
             raise ClosedError("this runtime was closed; load the model again to open sequences")
         return Sequence(self.runner, self.pool, chunk_size=self.options.chunk_size,
-                        eos_token_ids=self.options.eos_token_ids)
+                        eos_token_ids=self.options.eos_token_ids,
+                        speculation=self._speculation)
 
     def submit(self, prompt_ids: SequenceOf[int] | np.ndarray, max_new_tokens: int, *,
                eos_token_id: int | SequenceOf[int] | None = None,
@@ -222,6 +248,25 @@ class Runtime:
         """
         return self._engine_for().submit(
             *self._checked(prompt_ids, max_new_tokens, eos_token_id, sampling), wait=wait)
+
+    def submit_choices(self, prompt_ids: SequenceOf[int] | np.ndarray, max_new_tokens: int,
+                       samplings: SequenceOf[Sampling], *,
+                       eos_token_id: int | SequenceOf[int] | None = None,
+                       wait: bool = False) -> list[Request]:
+        """Several generations of one prompt (OpenAI's `n`), one per sampling, prefilled once:
+        the others start from a device copy of the first's KV after its prefill (see
+        docs/engine.md). Checked and queued as `submit`; a `Request` per sampling, in order."""
+        if not samplings:
+            raise InputError("submit_choices needs at least one sampling (one per choice)")
+        if len(samplings) == 1:  # one choice is one request
+            return [self.submit(prompt_ids, max_new_tokens, eos_token_id=eos_token_id,
+                                sampling=samplings[0], wait=wait)]
+        checked = [self._checked(prompt_ids, max_new_tokens, eos_token_id, sampling)
+                   for sampling in samplings]
+        ids, new_tokens, stop, _ = checked[0]
+        return self._engine_for().submit_choices(ids, new_tokens, stop,
+                                                 [sampler for *_, sampler in checked],
+                                                 wait=wait)
 
     def generate_many(self, prompts: Iterable[SequenceOf[int] | np.ndarray],
                       max_new_tokens: int, *, eos_token_id: int | SequenceOf[int] | None = None,
@@ -257,7 +302,10 @@ class Runtime:
             raise ClosedError("this runtime was closed; load the model again to submit")
         vocab = self.ports.vocab_size
         ids = arguments.prompt_ids(prompt_ids, vocab)
-        new_tokens = arguments.integer(max_new_tokens, "max_new_tokens", minimum=1)
+        # 0 new tokens: a request for its prompt's logprobs alone (lm-evaluation-harness's).
+        scoring = sampling is not None and sampling.prompt_logprobs is not None
+        new_tokens = arguments.integer(max_new_tokens, "max_new_tokens",
+                                       minimum=0 if scoring else 1)
         capacity = self.options.capacity
         if len(ids) + new_tokens > capacity:
             raise CapacityError(
@@ -285,7 +333,9 @@ class Runtime:
                              capacity=options.capacity, chunk_size=options.chunk_size,
                              masks=self.masks, take_number=self.pool.take_number,
                              give_number=self.pool.give_number,
-                             release_graphs=self.variants.release_slot)
+                             release_graphs=self.variants.release_slot,
+                             prefix_reuse=options.prefix_reuse,
+                             speculation=self._speculation)
 
     def close(self) -> None:
         """Free the sessions, the pooled sequence buffers and their CUDA graphs now.
@@ -327,23 +377,34 @@ class Runtime:
 
     def generate_text(self, prompt: Prompt, max_new_tokens: int, *,
                       sampling: Sampling | None = None,
-                      stop: str | Iterable[str] | None = None) -> Completion:
+                      stop: str | Iterable[str] | None = None, ignore_eos: bool = False,
+                      stop_token_ids: Iterable[int] = (), min_tokens: int = 0,
+                      logprobs: int | None = None) -> Completion:
         """Text (or messages, through the chat template) in, a Completion out, through the batch
         engine (`submit`, as every request); `sampling` defaults to genai_config.json's search
-        options (see docs/text.md)."""
+        options (see docs/text.md). `ignore_eos`, `stop_token_ids` and `min_tokens` end the
+        text as vLLM's options of those names do; `logprobs`: each token's logprob and the
+        `logprobs` most likely tokens' in `Completion.logprobs` (as `Sampling.logprobs`)."""
         from onnx_chunk.text.generation import EngineTokens, generate_text
 
         return generate_text(EngineTokens(self), self.tokenizer, prompt, max_new_tokens,
-                             sampling=sampling, stop=stop)
+                             sampling=sampling, stop=stop, ignore_eos=ignore_eos,
+                             stop_token_ids=stop_token_ids, min_tokens=min_tokens,
+                             logprobs=logprobs)
 
     def stream_text(self, prompt: Prompt, max_new_tokens: int, *,
                     sampling: Sampling | None = None,
-                    stop: str | Iterable[str] | None = None) -> Iterator[str]:
-        """Like `generate_text`, yielding the text as it is produced (checked before any work)."""
+                    stop: str | Iterable[str] | None = None, ignore_eos: bool = False,
+                    stop_token_ids: Iterable[int] = (), min_tokens: int = 0,
+                    logprobs: int | None = None) -> Iterator[str]:
+        """Like `generate_text`, yielding the text as it is produced (checked before any work;
+        the Completion, with its logprobs, is the stream's `completion` once it ended)."""
         from onnx_chunk.text.generation import EngineTokens, stream_text
 
         return stream_text(EngineTokens(self), self.tokenizer, prompt, max_new_tokens,
-                           sampling=sampling, stop=stop)
+                           sampling=sampling, stop=stop, ignore_eos=ignore_eos,
+                           stop_token_ids=stop_token_ids, min_tokens=min_tokens,
+                           logprobs=logprobs)
 
     @property
     def stats(self) -> RuntimeStats:
@@ -352,6 +413,7 @@ class Runtime:
         A property; the old call `runtime.stats` still works and warns (DeprecationWarning).
         """
         options = self.options
+        graphs = self.variants.graphs.snapshot()
         return RuntimeStats(
             provider=self.provider,
             device=self.device.label,
@@ -368,14 +430,19 @@ class Runtime:
             weights_resident_bytes=self.weights.resident_bytes,
             sessions_created=self.factory.sessions_created,
             cache=self.cache.snapshot(),
-            graph_widths=tuple(sorted(self.variants.graph_widths)),
-            graphs_captured=self.variants.graphs.captured,
-            graphs_by_width=dict(self.variants.graphs.by_width),
-            graphs_released=self.variants.graphs.released,
-            graph_fallbacks=dict(self.variants.graphs.fallbacks),
+            sessions=self.factory.sessions_alive,
+            weights_copies=self.factory.weights_copies,
+            graphs=graphs,
+            graph_widths=tuple(sorted(graphs.by_width)),
+            graphs_captured=graphs.captures,
+            graphs_by_width=dict(graphs.by_width),
+            graphs_released=graphs.released + graphs.evictions,
+            graph_fallbacks=dict(graphs.fallbacks),
             sequences=self.pool.stats(),
             max_batch=options.max_batch,
+            prefix_reuse=options.prefix_reuse,
             engine=None if self._engine is None else self._engine.stats,
+            speculative=options.speculative,
         )
 
     def _embeddings(self, given: np.ndarray | None) -> np.ndarray | None:

@@ -2,7 +2,8 @@
 the decoder's ports and the device, before anything is loaded on the device.
 
 `checked_arguments` refuses an argument of the wrong type or range (ConfigError) before the
-model is read; `resolve_options` turns the arguments into a `RuntimeOptions` that `Runtime` only reads.
+model is read; `resolve_options` turns the arguments into a `RuntimeOptions` that `Runtime`
+only reads.
 Both are pure: no ONNX Runtime call (the device is resolved by the caller).
 
 Rules of `resolve_options`:
@@ -18,9 +19,12 @@ Rules of `resolve_options`:
 5. Ladder: the plan's when its chunk size is kept and no max_variants is given, else one built
    for the chunk size and the variant cap (the plan's, or the argument).
 6. Specialisation: the argument, else the device's default; padding: the argument, the
-   environment or the mode's default (on unless shape-generic), and the plan may refuse it.
+   environment or the mode's default (on with per-width sessions or CUDA graphs, whose ladder
+   tiers capture; off on the one CPU session), and the plan may refuse it.
 7. Fixed dims: the ports', less the batch axis above one slot, plus a capacity-wide mask under
    the capacity mask policy.
+8. Speculative decoding ("prompt-lookup") is refused for a decoder that cannot take a
+   rejected draft back (recurrent state) or verify it per row (last-row logits only).
 """
 
 from __future__ import annotations
@@ -36,12 +40,14 @@ from onnx_chunk.ladder import DECODE_WIDTH, ladder_tiers
 from onnx_chunk.metadata import ChunkPlan, check_window_capacity
 from onnx_chunk.model_file import ModelFile
 from onnx_chunk.model_folder import GenaiConfig
+from onnx_chunk.runtime.caches.cuda_graphs import capturable
+from onnx_chunk.runtime.caches.variant_cache import EXACT, Specialize, VariantKey, variant_key
+from onnx_chunk.runtime.device.provider import Device, MaskPolicy, device_for
 from onnx_chunk.runtime.engine.batch_engine import DEFAULT_MAX_QUEUE
+from onnx_chunk.runtime.engine.sequence_pool import DEFAULT_IDLE_SLOTS
+from onnx_chunk.runtime.engine.speculation import SPECULATIVE_CHOICES, speculation_refused
 from onnx_chunk.runtime.runner.padding import resolve_padding
 from onnx_chunk.runtime.runner.ports import ModelPorts, model_ports
-from onnx_chunk.runtime.device.provider import Device, MaskPolicy, device_for
-from onnx_chunk.runtime.engine.sequence_pool import DEFAULT_IDLE_SLOTS
-from onnx_chunk.runtime.caches.variant_cache import EXACT, Specialize, VariantKey, variant_key
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +73,8 @@ class LoadArguments:
     idle_sequences: int = DEFAULT_IDLE_SLOTS
     max_batch: int = 1
     max_queue: int = DEFAULT_MAX_QUEUE
+    prefix_reuse: bool = True
+    speculative: str | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,8 @@ class RuntimeOptions:
     max_queue: int
     idle_sequences: int
     intra_op_threads: int | None
+    prefix_reuse: bool = True
+    speculative: str | None = None
 
 
 def checked_arguments(args: LoadArguments) -> LoadArguments:
@@ -107,6 +117,11 @@ def checked_arguments(args: LoadArguments) -> LoadArguments:
     for name, value in (("padding", args.padding), ("cuda_graphs", args.cuda_graphs)):
         if value is not None and not isinstance(value, bool):
             raise ConfigError(f"{name} must be True, False or None, got {value!r}")
+    if not isinstance(args.prefix_reuse, bool):
+        raise ConfigError(f"prefix_reuse must be True or False, got {args.prefix_reuse!r}")
+    if args.speculative is not None and args.speculative not in SPECULATIVE_CHOICES:
+        raise ConfigError(f"speculative must be one of {', '.join(SPECULATIVE_CHOICES)} or "
+                          f"None (plain decoding), got {args.speculative!r}")
     return dataclasses.replace(
         args,
         idle_sequences=arguments.integer(args.idle_sequences, "idle_sequences", minimum=0,
@@ -130,6 +145,10 @@ def resolve_options(args: LoadArguments, *, plan: ChunkPlan, genai: GenaiConfig,
             f"{model.path.name} fixes it to 1 (its {ports.token_input!r} input); "
             "load it with max_batch=1 or export it with a symbolic batch size")
     eos_token_ids = checked_token_ids(genai.eos_token_ids, ports.vocab_size, genai.path)
+    refused = None if args.speculative is None else speculation_refused(ports)
+    if refused is not None:
+        raise ConfigError(f"speculative={args.speculative!r} cannot run on {model.path.name}: "
+                          f"{refused}; load it without speculative decoding")
     if args.device is None:
         device = attention_device(device, ports, args.provider, args.mask_policy)
     else:
@@ -140,9 +159,11 @@ def resolve_options(args: LoadArguments, *, plan: ChunkPlan, genai: GenaiConfig,
     specialize = device.specialize if args.specialize is None else args.specialize
     if specialize not in (True, False, EXACT):
         raise ConfigError(f"specialize must be True, False or {EXACT!r}, got {specialize!r}")
-    # Padding pays only where a padded chunk reuses a variant built for its width.
+    # Padding pays only where a padded chunk reuses a variant built for its width, or a CUDA
+    # graph captured at it (the ladder tiers capture on the one CUDA session).
+    graphs = capturable(device)
     padding, refused = resolve_padding(plan.padding, args.padding,
-                                       default=specialize is not False)
+                                       default=specialize is not False or graphs)
     return RuntimeOptions(
         device=device,
         capacity=capacity,
@@ -155,9 +176,10 @@ def resolve_options(args: LoadArguments, *, plan: ChunkPlan, genai: GenaiConfig,
         padding=padding,
         padding_refused=refused,
         fixed_dims=fixed_dims(ports, device, capacity, args.max_batch),
-        # Off the host, a specialised prefill width returns only the logits row a forward
-        # needs (logits_row), so no sequence keeps a [1, W, vocab] buffer per width.
-        select_rows=(not device.host_visible and specialize is not False
+        # Off the host, a prefill width of a specialised session, or of a session that captures
+        # graphs, returns only the logits row a forward needs (logits_row), so no sequence
+        # keeps a [1, W, vocab] buffer per width.
+        select_rows=(not device.host_visible and (specialize is not False or graphs)
                      and not ports.last_row_logits),
         eos_token_ids=eos_token_ids,
         pad_token_id=genai.pad_token_id,
@@ -165,6 +187,8 @@ def resolve_options(args: LoadArguments, *, plan: ChunkPlan, genai: GenaiConfig,
         max_queue=args.max_queue,
         idle_sequences=args.idle_sequences,
         intra_op_threads=args.intra_op_threads,
+        prefix_reuse=args.prefix_reuse,
+        speculative=args.speculative,
     )
 
 

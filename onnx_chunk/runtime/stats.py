@@ -5,8 +5,9 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
-from onnx_chunk.runtime.engine.sequence_pool import PoolStats
+from onnx_chunk.runtime.caches.graph_cache import GraphStats
 from onnx_chunk.runtime.caches.variant_cache import CacheStats
+from onnx_chunk.runtime.engine.sequence_pool import PoolStats
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,11 @@ class GenerationStats:
 
 @dataclass
 class SequenceStats:
-    """Counters of one sequence since it was opened."""
+    """Counters of one sequence since it was opened.
+
+    `decode_forwards` counts plain decode steps and draft verifications; `draft_tokens`: the
+    tokens drafted (speculative decoding), `accepted_tokens`: those the verifications kept.
+    """
 
     length: int
     capacity: int
@@ -48,6 +53,8 @@ class SequenceStats:
     prefill_forwards: int = 0
     decode_forwards: int = 0
     padded_rows: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
     last_generation: GenerationStats | None = None
 
 
@@ -60,13 +67,20 @@ class RuntimeStats:
     `weights_copied_per_variant`, every CUDA session copies them to the device; either way
     the cache's reading of a session includes its copy); `weights_resident_bytes`: what
     loading the shared weights made the process (CPU) or the device (CUDA) hold.
-    `graph_widths`: the variant widths whose sessions were built to capture CUDA graphs;
-    `graphs_captured` / `graphs_released`: graphs captured and released so far (a graph freed
-    with its evicted session is not counted as released), `graphs_by_width` the captures per
-    width; `graph_fallbacks`: the widths whose
+    `sessions`: ONNX Runtime sessions alive now (created and not yet freed);
+    `weights_copies`: copies of the weights held now, on the device and on the host, counted
+    from the sessions that own one (a session given shared initializers owns none, unless it
+    copies them to its device or pre-packs them) plus the shared host copy (see
+    session_factory). `graphs`: the CUDA graph cache's counters (alive, captures, replays,
+    evictions, bytes; see graph_cache); `graph_widths`: the widths at which graphs were
+    captured; `graphs_captured` / `graphs_released`: graphs captured and released so far
+    (evicted or with their slot; a graph freed with its session is not counted as released),
+    `graphs_by_width` the captures per width; `graph_fallbacks`: the widths whose
     capture failed, with the reason (they run without a graph); `sequences`: the sequence
     pool's counters (buffer sets made, reused, freed, idle); `max_batch`: the batch engine's
-    slots, `engine` its counters (None until the first submit).
+    slots, `prefix_reuse` whether its slots keep their prefix for later requests, `engine` its
+    counters (None until the first submit); `speculative`: the drafting method
+    ("prompt-lookup") or None.
     """
 
     provider: str
@@ -84,6 +98,9 @@ class RuntimeStats:
     weights_shared: bool = True
     weights_resident_bytes: int | None = None
     weights_copied_per_variant: bool = False
+    sessions: int = 0
+    weights_copies: int = 0
+    graphs: GraphStats = field(default_factory=lambda: GraphStats(cap=0))
     graph_widths: tuple[int, ...] = ()
     graphs_captured: int = 0
     graphs_released: int = 0
@@ -91,7 +108,9 @@ class RuntimeStats:
     graph_fallbacks: dict[int | str, str] = field(default_factory=dict)
     sequences: PoolStats = field(default_factory=PoolStats)
     max_batch: int = 1
+    prefix_reuse: bool = True
     engine: EngineStats | None = None
+    speculative: str | None = None
 
     def __call__(self) -> RuntimeStats:
         """The stats themselves: `runtime.stats` is a property now, and the old call
@@ -114,9 +133,15 @@ class EngineCounters:
     longest_decode_gap_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    verify_forwards: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
     completed: int = 0
     cancelled: int = 0
     failed: int = 0
+    prefix_hits: int = 0
+    prefix_reused_tokens: int = 0
+    prefix_refused: int = 0
 
 
 @dataclass
@@ -130,8 +155,14 @@ class EngineStats(EngineCounters):
     `decode_stalls`: steps in which running decodes waited for prefill chunks first;
     `longest_decode_gap_s`: the longest time between two decode forwards while sequences
     were decoding (what a running request sees as its slowest token); `prefill_s` /
-    `decode_s`: the time spent in prefill chunks and in batched decode steps; `completed`,
-    `cancelled`, `failed`: requests that ended so.
+    `decode_s`: the time spent in prefill chunks and in batched decode steps (draft
+    verifications included); `verify_forwards`: the forwards that verified a row's draft
+    (speculative decoding), `draft_tokens` the tokens they verified and `accepted_tokens`
+    those kept; `completed`, `cancelled`, `failed`: requests that ended so; `prefix_hits`:
+    requests admitted to a slot whose kept prefix they reused, `prefix_reused_tokens` the
+    prompt ids not fed again for them; `prefix_refused`: requests whose prompt shared more
+    kept ids with their slot than they could reuse (a recurrent state kept for another length,
+    a window-sized cache that evicted what the shorter prefix needs).
     """
 
     slots: int = 0

@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP server on a runtime's batch engine (Starlette, SSE streaming).
 
 `create_app(runtime)` gives an ASGI app; `onnx-chunk serve` runs it under uvicorn. Every
-generation is one `Runtime.submit`; the answers:
+prompt of a request is one `Runtime.submit_choices` of its `n` choices (one prefill); the
+answers:
 - 200: chat.completion / text_completion, or an event stream of chunks ending in `[DONE]`;
 - 400: a malformed body (not JSON, nested too deep, a lone surrogate), a field of the wrong
   type or range, a prompt over the context (with the numbers); 401: a missing or wrong
@@ -23,30 +24,47 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import ClientDisconnect, Request as HttpRequest
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from onnx_chunk.errors import (CapacityError, ClosedError, ConfigError, InputError,
-                               OnnxChunkError, QueueFullError)
-from onnx_chunk.sampling import Sampling
+from onnx_chunk.errors import (
+    CapacityError,
+    ClosedError,
+    ConfigError,
+    InputError,
+    OnnxChunkError,
+    QueueFullError,
+)
+from onnx_chunk.sampling import Sampling, TokenLogprobs
 from onnx_chunk.serve.generation import ServedGeneration
+from onnx_chunk.serve.logprobs import CompletionLogprobs, TokenStrings, chat_content, joined
 from onnx_chunk.serve.metrics import CONTENT_TYPE, ServerMetrics
-from onnx_chunk.serve.protocol import (GenerationParams, RequestError, error_body, parse_chat,
-                                       parse_completion)
+from onnx_chunk.serve.parameters import RequestOptions, parse_options, request_sampling
+from onnx_chunk.serve.protocol import (
+    GenerationParams,
+    RequestError,
+    error_body,
+    parse_chat,
+    parse_completion,
+)
+from onnx_chunk.serve.tokenize import detokenize, tokenize
+from onnx_chunk.serve.tools import check_auto, tool_message
 from onnx_chunk.text.chat_template import ChatTemplateFault
 from onnx_chunk.text.token_text import TokenText
 
@@ -55,6 +73,8 @@ if TYPE_CHECKING:
     from onnx_chunk.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 # Seconds a client told "queue full" (429) waits before it retries.
 RETRY_AFTER_S = 1
@@ -91,12 +111,26 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, api_key: str 
               methods=["POST"]),
         Route("/v1/completions", service.endpoint(service.completions), methods=["POST"]),
         Route("/v1/models", service.endpoint(service.models), methods=["GET"]),
+        Route("/tokenize", service.endpoint(service.tokenize), methods=["POST"]),
+        Route("/detokenize", service.endpoint(service.detokenize), methods=["POST"]),
         Route("/health", service.health, methods=["GET"]),
         Route("/metrics", service.metrics_page, methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     app.state.service = service
     return app
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """A request parsed, checked and encoded, with its sampling and end tokens."""
+
+    params: GenerationParams
+    options: RequestOptions
+    # The token ids of each prompt (chat: one).
+    prompts: list[list[int]]
+    sampling: Sampling
+    ends: tuple[int, ...]
 
 
 class _Service:
@@ -114,6 +148,7 @@ class _Service:
         self.max_body_bytes = max_body_bytes
         self.parse_special_in_content = parse_special_in_content
         self.metrics = ServerMetrics(runtime)
+        self.strings = TokenStrings(self.tokenizer)
         self._api_key = api_key
         self._created = int(time.time())
         self._live: set[ServedGeneration] = set()
@@ -126,10 +161,10 @@ class _Service:
             generation.end_for_shutdown()
         logger.info("draining: %d running request(s) ended", len(self._live))
 
-    def endpoint(self, handler: Callable[[HttpRequest], Awaitable[Response]]
-                 ) -> Callable[[HttpRequest], Awaitable[Response]]:
+    def endpoint(self, handler: Callable[[HttpRequest], Awaitable[_Reply]]
+                 ) -> Callable[[HttpRequest], Awaitable[_Reply]]:
         """`handler` behind the key check, with every failure turned into an error body."""
-        async def run(request: HttpRequest) -> Response:
+        async def run(request: HttpRequest) -> _Reply:
             try:
                 self._authorize(request)
                 return await handler(request)
@@ -140,22 +175,32 @@ class _Service:
                 return self._error_response(error)
         return run
 
-    async def chat_completions(self, request: HttpRequest) -> Response:
+    async def chat_completions(self, request: HttpRequest) -> _Reply:
         return await self._generate(request, chat=True)
 
-    async def completions(self, request: HttpRequest) -> Response:
+    async def completions(self, request: HttpRequest) -> _Reply:
         return await self._generate(request, chat=False)
 
-    async def _generate(self, request: HttpRequest, *, chat: bool) -> Response:
+    async def _generate(self, request: HttpRequest, *, chat: bool) -> _Reply:
         arrived = time.perf_counter()
         body = await self._body(request)
         try:
-            params, ids = await run_in_threadpool(self._prepare, body, chat)
-            generation = self._start(params, ids, arrived)
+            prepared = await run_in_threadpool(self._prepare, body, chat)
+            generations = self._start(prepared, arrived)
         except CapacityError as error:
             raise RequestError(str(error), param="messages" if chat else "prompt",
                                code="context_length_exceeded") from error
-        return await self._serve(request, params, generation, chat=chat)
+        return await self._serve(request, prepared, generations, chat=chat)
+
+    async def tokenize(self, request: HttpRequest) -> Response:
+        body = _json(await self._body(request))
+        return JSONResponse(await run_in_threadpool(
+            tokenize, body, self.tokenizer, self.runtime.options.capacity, self._check_model))
+
+    async def detokenize(self, request: HttpRequest) -> Response:
+        body = _json(await self._body(request))
+        return JSONResponse(await run_in_threadpool(detokenize, body, self.tokenizer,
+                                                    self._check_model))
 
     async def models(self, request: HttpRequest) -> Response:
         return JSONResponse({"object": "list", "data": [
@@ -184,77 +229,138 @@ class _Service:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _prepare(self, body: bytes, chat: bool) -> tuple[GenerationParams, list[int]]:
-        """Parse, check and encode one request (on a worker thread: this is the work whose
-        size the client chooses); every refusal raised before any generation."""
-        params = parse_chat(_json(body)) if chat else parse_completion(_json(body))
+    def _prepare(self, body: bytes, chat: bool) -> _Prepared:
+        """Parse, check and encode one request and build its sampling (on a worker thread:
+        this is the work whose size the client chooses, the grammar's compilation included);
+        every refusal raised before any generation."""
+        document = _json(body)
+        params = parse_chat(document) if chat else parse_completion(document)
+        # parse_chat and parse_completion refused anything but a JSON object.
+        options = parse_options(cast(dict[str, Any], document), chat=chat)
         if self.draining:
             raise ClosedError("the server is shutting down")
-        if params.model is not None and params.model != self.model_name:
-            raise RequestError(f"the model {params.model!r} is not served here; this server "
-                               f"serves {self.model_name!r} (GET /v1/models)", param="model",
-                               code="model_not_found", status=404)
+        self._check_model(params.model)
         tokenizer, capacity = self.tokenizer, self.runtime.options.capacity
+        if options.constrained:
+            from onnx_chunk.structured import prepare
+
+            prepare(tokenizer)
+        if options.tool_choice == "auto":
+            template = tokenizer.chat_template
+            check_auto(None if template is None else template.source)
         if params.messages:
-            ids = tokenizer.encode_chat(list(params.messages), max_tokens=capacity,
-                                        special_in_content=self.parse_special_in_content)
-        elif isinstance(params.prompt, str):
-            tokenizer.check_fits(params.prompt, capacity)
-            ids = tokenizer.encode(params.prompt)
+            tools = options.tools if options.tool_choice != "none" else None
+            prompts = [tokenizer.encode_chat(list(params.messages), max_tokens=capacity,
+                                             special_in_content=self.parse_special_in_content,
+                                             tools=tools)]
         else:
-            ids = list(params.prompt)
-        return params, ids
-
-    async def _serve(self, request: HttpRequest, params: GenerationParams,
-                     generation: ServedGeneration, *, chat: bool) -> Response:
-        answer = _ChatAnswer(self.model_name) if chat else _TextAnswer(self.model_name)
-        self._live.add(generation)
-        if params.stream:
-            return _EventStream(self._events(generation, answer, params.include_usage),
-                                lambda: self._ended(generation))
-        try:
-            text = await _unless_disconnected(_collect(generation.pieces()), request.receive)
-        finally:
-            self._ended(generation)
-        if text is None:
-            return Response(status_code=499)
-        return JSONResponse(answer.whole(text, generation.finish_reason,
-                                         _usage(generation)))
-
-    def _ended(self, generation: ServedGeneration) -> None:
-        generation.close()
-        self._live.discard(generation)
-
-    def _start(self, params: GenerationParams, ids: list[int],
-               arrived: float) -> ServedGeneration:
-        """Submit one prepared request (every refusal raised before any work)."""
-        if self.draining:
-            raise ClosedError("the server is shutting down")
-        runtime, tokenizer = self.runtime, self.tokenizer
-        room = runtime.options.capacity - len(ids)
-        if params.max_tokens is None and room < 1:
-            raise CapacityError(f"the prompt has {len(ids)} tokens and the context holds "
-                                f"{runtime.options.capacity}, leaving no room for a new token; "
-                                "shorten the prompt")
-        sampling = Sampling.from_search(self.search, temperature=params.temperature,
-                                        top_p=params.top_p, seed=params.seed)
+            prompts = [self._encoded(prompt) for prompt in params.prompts]
+        ends = options.end_ids(tokenizer.eos_token_ids or self.runtime.options.eos_token_ids)
+        sampling = request_sampling(options, temperature=params.temperature, top_p=params.top_p,
+                                    seed=params.seed, search=self.search, tokenizer=tokenizer,
+                                    vocab_size=self.runtime.ports.vocab_size, ends=ends)
         if 0 < sampling.temperature < GREEDY_TEMPERATURE:
             sampling = dataclasses.replace(sampling, temperature=0.0)
-        request = runtime.submit(ids, params.max_tokens or room,
-                                 eos_token_id=tokenizer.eos_token_ids or None,
-                                 sampling=sampling)
-        return ServedGeneration(request, TokenText(tokenizer, params.stop), len(ids), arrived,
-                                self.metrics)
+        if params.max_tokens == 0 and sampling.prompt_logprobs is None:
+            # An echo of 0 new tokens without logprobs: the engine still runs the prompt once
+            # (a request that generates nothing is one that scores its prompt).
+            sampling = dataclasses.replace(sampling, prompt_logprobs=0)
+        return _Prepared(params, options, prompts, sampling, ends)
 
-    async def _events(self, generation: ServedGeneration, answer: _Answer,
-                      include_usage: bool) -> AsyncIterator[bytes]:
+    def _encoded(self, prompt: str | tuple[int, ...]) -> list[int]:
+        if isinstance(prompt, str):
+            self.tokenizer.check_fits(prompt, self.runtime.options.capacity)
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    async def _serve(self, request: HttpRequest, prepared: _Prepared,
+                     generations: list[ServedGeneration], *, chat: bool) -> _Reply:
+        params = prepared.params
+        top = prepared.options.logprobs
+        answer = (_ChatAnswer(self.model_name, self.strings, top, prepared.options.tool_choice)
+                  if chat else
+                  _TextAnswer(self.model_name, self.strings, top,
+                              self._echoes(prepared) if prepared.options.echo else None,
+                              params.n))
+        self._live.update(generations)
+        if params.stream:
+            return _EventStream(self._events(generations, answer, params.include_usage,
+                                             params.n),
+                                lambda: self._ended(generations))
         try:
-            yield _event(answer.chunk(answer.opening, None))
-            async for piece in generation.pieces():
-                yield _event(answer.chunk(piece, None))
-            yield _event(answer.chunk(answer.closing, generation.finish_reason))
+            outputs = await _unless_disconnected(
+                asyncio.gather(*(_collect_chunks(generation) for generation in generations)),
+                request.receive)
+        finally:
+            self._ended(generations)
+        if outputs is None:
+            return Response(status_code=499)
+        return JSONResponse(answer.whole(
+            [answer.choice(generation, text, entries)
+             for generation, (text, entries) in zip(generations, outputs)],
+            _usage(generations, params.n)))
+
+    def _echoes(self, prepared: _Prepared) -> list[str]:
+        """Each prompt's text as `echo` shows it (token-id prompts decoded)."""
+        return [prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+                for prompt, ids in zip(prepared.params.prompts, prepared.prompts)]
+
+    def _check_model(self, model: object) -> None:
+        if model is not None and model != self.model_name:
+            raise RequestError(f"the model {model!r} is not served here; this server serves "
+                               f"{self.model_name!r} (GET /v1/models)", param="model",
+                               code="model_not_found", status=404)
+
+    def _ended(self, generations: list[ServedGeneration]) -> None:
+        for generation in generations:
+            generation.close()
+            self._live.discard(generation)
+
+    def _start(self, prepared: _Prepared, arrived: float) -> list[ServedGeneration]:
+        """Submit every choice of a prepared request: `n` per prompt, prefilled once
+        (`Runtime.submit_choices`), choice i of a seeded request with seed + i (every refusal
+        raised before any work; a refusal of a later prompt cancels the earlier ones)."""
+        if self.draining:
+            raise ClosedError("the server is shutting down")
+        params, sampling = prepared.params, prepared.sampling
+        capacity = self.runtime.options.capacity
+        for ids in prepared.prompts:
+            if params.max_tokens is None and capacity - len(ids) < 1:
+                raise CapacityError(f"the prompt has {len(ids)} tokens and the context holds "
+                                    f"{capacity}, leaving no room for a new token; shorten "
+                                    "the prompt")
+        generations: list[ServedGeneration] = []
+        try:
+            for number, ids in enumerate(prepared.prompts):
+                samplings = [sampling if sampling.seed is None else dataclasses.replace(
+                    sampling, seed=sampling.seed + choice) for choice in range(params.n)]
+                room = capacity - len(ids)
+                requests = self.runtime.submit_choices(
+                    ids, room if params.max_tokens is None else params.max_tokens, samplings,
+                    eos_token_id=prepared.ends)
+                for choice, request in enumerate(requests):
+                    text = TokenText(self.tokenizer, params.stop, end_ids=prepared.ends,
+                                     min_tokens=prepared.options.min_tokens)
+                    generations.append(ServedGeneration(request, text, len(ids), arrived,
+                                                        self.metrics, number * params.n + choice))
+        except BaseException:
+            for generation in generations:
+                generation.request.cancel()
+            raise
+        return generations
+
+    async def _events(self, generations: list[ServedGeneration], answer: _Answer,
+                      include_usage: bool, n: int) -> AsyncGenerator[bytes, None]:
+        """The event stream: the choices one after the other (all run at once in the engine),
+        each opened, streamed and closed with its index."""
+        generation = generations[0]
+        try:
+            for generation in generations:
+                async with contextlib.aclosing(self._choice_events(generation, answer)) as events:
+                    async for event in events:
+                        yield event
             if include_usage:
-                yield _event(answer.usage_chunk(_usage(generation)))
+                yield _event(answer.usage_chunk(_usage(generations, n)))
             yield b"data: [DONE]\n\n"
         except ClosedError as error:
             yield _event(error_body(str(error), "server_error", code="server_shutting_down"))
@@ -265,6 +371,24 @@ class _Service:
             logger.exception("request %d failed", generation.request.id)
             yield _event(error_body("the server failed this request (logged on the server)",
                                     "server_error", code="internal_error"))
+
+    @staticmethod
+    async def _choice_events(generation: ServedGeneration,
+                             answer: _Answer) -> AsyncGenerator[bytes, None]:
+        index = generation.index
+        yield _event(answer.chunk(index, answer.opening, None))
+        if answer.whole_output:
+            # A tool answer is known once the output is whole: it comes as one delta.
+            text, entries = await _collect_chunks(generation)
+            message, reason = answer.message(text, generation.finish_reason)
+            message.pop("role")
+            yield _event(answer.chunk(index, _delta(message), None, answer.logprobs(entries)))
+        else:
+            async with contextlib.aclosing(answer.stream(generation)) as pieces:
+                async for piece, logprobs in pieces:
+                    yield _event(answer.chunk(index, piece, None, logprobs))
+            reason = generation.finish_reason
+        yield _event(answer.chunk(index, answer.closing, reason))
 
     def _authorize(self, request: HttpRequest) -> None:
         if self._api_key is None:
@@ -302,8 +426,9 @@ def _error_answer(error: Exception) -> tuple[int, dict[str, Any], dict[str, str]
                            "server_error", code="internal_error"), {}
 
 
-async def _http_error(request: HttpRequest, error: HTTPException) -> Response:
+async def _http_error(request: HttpRequest, error: Exception) -> Response:
     """Starlette's own refusals (unknown route, wrong method) in OpenAI's shape."""
+    assert isinstance(error, HTTPException)  # the handler is registered for it alone
     return JSONResponse(error_body(f"{request.method} {request.url.path}: {error.detail}",
                                    "invalid_request_error", code=str(error.status_code)),
                         status_code=error.status_code, headers=error.headers)
@@ -339,11 +464,18 @@ def _checked_search(runtime: Runtime) -> dict[str, Any]:
     return genai.search
 
 
-async def _collect(pieces: AsyncIterator[str]) -> str:
-    return "".join([piece async for piece in pieces])
+async def _collect_chunks(generation: ServedGeneration) -> tuple[str, list[TokenLogprobs]]:
+    """A choice's whole text and its tokens' logprobs."""
+    texts: list[str] = []
+    entries: list[TokenLogprobs] = []
+    async with contextlib.aclosing(generation.chunks()) as chunks:
+        async for piece, logprobs in chunks:
+            texts.append(piece)
+            entries.extend(logprobs)
+    return "".join(texts), entries
 
 
-async def _unless_disconnected(work: Awaitable[str], receive: Receive) -> str | None:
+async def _unless_disconnected(work: Awaitable[_T], receive: Receive) -> _T | None:
     """`work`'s result, or None when the client disconnected first (`work` is cancelled)."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_disconnect(receive))
@@ -371,7 +503,7 @@ class _EventStream:
     a disconnect cancels the stream at once (Starlette's StreamingResponse only notices one
     at its next write), then `on_end` runs."""
 
-    def __init__(self, events: AsyncIterator[bytes], on_end: Callable[[], None]) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None], on_end: Callable[[], None]) -> None:
         self._events = events
         self._on_end = on_end
 
@@ -394,19 +526,39 @@ class _EventStream:
         return ""
 
 
+def _delta(message: dict[str, Any]) -> dict[str, Any]:
+    """A whole message as one streamed delta (tool calls with their index)."""
+    calls = message.get("tool_calls")
+    if calls:
+        message["tool_calls"] = [{"index": index, **call} for index, call in enumerate(calls)]
+    return message
+
+
+# What an endpoint replies: a whole response, or a stream of events.
+_Reply = Response | _EventStream
+
+
 def _event(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
 
-def _usage(generation: ServedGeneration) -> dict[str, int]:
-    return {"prompt_tokens": generation.prompt_tokens,
-            "completion_tokens": generation.completion_tokens,
-            "total_tokens": generation.prompt_tokens + generation.completion_tokens}
+def _usage(generations: list[ServedGeneration], n: int) -> dict[str, Any]:
+    """Tokens of every prompt (once, however many of its `n` choices there are) and of every
+    choice; `prompt_tokens_details.cached_tokens`: the prompt ids whose KV a slot kept from an
+    earlier request (prefix reuse), as OpenAI and vLLM report them."""
+    firsts = [generation for generation in generations if generation.index % n == 0]
+    prompt = sum(generation.prompt_tokens for generation in firsts)
+    cached = sum(generation.request.stats.cached_tokens for generation in firsts)
+    completion = sum(generation.completion_tokens for generation in generations)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class _Answer(abc.ABC):
     """The response objects of one endpoint (one id and creation time per request):
-    `opening` and `closing` are the first and last chunks' contents."""
+    `opening` and `closing` are the first and last chunks' contents; `top`: the request's
+    logprobs count (None: no logprobs)."""
 
     object_name: str
     chunk_name: str
@@ -414,33 +566,54 @@ class _Answer(abc.ABC):
     opening: Any
     closing: Any
 
-    def __init__(self, model: str) -> None:
+    # Whether the answer is made from the whole output (tool calls), not piece by piece.
+    whole_output = False
+
+    def message(self, text: str, finish_reason: str | None
+                ) -> tuple[dict[str, Any], str | None]:
+        """The message of the whole output and its finish reason (`whole_output` answers)."""
+        raise TypeError(f"{type(self).__name__} answers piece by piece, not from the whole "
+                        "output")
+
+    def logprobs(self, entries: list[TokenLogprobs]) -> Any:
+        """The logprobs of a whole output's tokens (`whole_output` answers)."""
+        raise TypeError(f"{type(self).__name__} answers piece by piece, not from the whole "
+                        "output")
+
+    def __init__(self, model: str, strings: TokenStrings, top: int | None) -> None:
         self.model = model
+        self.strings = strings
+        self.top = top
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
     def _head(self, name: str) -> dict[str, Any]:
         return {"id": self.id, "object": name, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str | None, usage: dict[str, int]
-              ) -> dict[str, Any]:
-        return {**self._head(self.object_name), "choices": [self.choice(text, finish_reason)],
-                "usage": usage}
+    def whole(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
+        return {**self._head(self.object_name), "choices": choices, "usage": usage}
 
-    def chunk(self, piece: Any, finish_reason: str | None) -> dict[str, Any]:
+    def chunk(self, index: int, piece: Any, finish_reason: str | None,
+              logprobs: Any = None) -> dict[str, Any]:
         return {**self._head(self.chunk_name),
-                "choices": [self.chunk_choice(piece, finish_reason)]}
+                "choices": [self.chunk_choice(index, piece, finish_reason, logprobs)]}
 
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         return {**self._head(self.chunk_name), "choices": [], "usage": usage}
 
     @abc.abstractmethod
-    def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def choice(self, generation: ServedGeneration, text: str,
+               entries: list[TokenLogprobs]) -> dict[str, Any]:
         """The choice of the whole answer."""
 
     @abc.abstractmethod
-    def chunk_choice(self, piece: Any, finish_reason: str | None) -> dict[str, Any]:
+    def chunk_choice(self, index: int, piece: Any, finish_reason: str | None,
+                     logprobs: Any) -> dict[str, Any]:
         """The choice of one streamed chunk."""
+
+    @abc.abstractmethod
+    def stream(self, generation: ServedGeneration) -> AsyncGenerator[tuple[str, Any], None]:
+        """A streamed choice's pieces, each with its chunk's logprobs."""
 
 
 class _ChatAnswer(_Answer):
@@ -450,24 +623,97 @@ class _ChatAnswer(_Answer):
     opening = {"role": "assistant", "content": ""}
     closing: dict[str, str] = {}
 
-    def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": finish_reason}
+    def __init__(self, model: str, strings: TokenStrings, top: int | None,
+                 tool_choice: str = "none") -> None:
+        super().__init__(model, strings, top)
+        self.tool_choice = tool_choice
+        self.whole_output = tool_choice != "none"
 
-    def chunk_choice(self, piece: Any, finish_reason: str | None) -> dict[str, Any]:
+    def message(self, text: str, finish_reason: str | None
+                ) -> tuple[dict[str, Any], str | None]:
+        """The assistant message of the whole output and its finish reason (tool calls)."""
+        return tool_message(text, finish_reason, self.tool_choice)
+
+    def logprobs(self, entries: list[TokenLogprobs]) -> dict[str, Any] | None:
+        """Chat's `logprobs` of these tokens (None when the request asked for none)."""
+        return None if self.top is None else {"content": chat_content(entries, self.strings)}
+
+    def choice(self, generation: ServedGeneration, text: str,
+               entries: list[TokenLogprobs]) -> dict[str, Any]:
+        message, finish_reason = self.message(text, generation.finish_reason)
+        return {"index": generation.index, "message": message,
+                "logprobs": self.logprobs(entries), "finish_reason": finish_reason}
+
+    def chunk_choice(self, index: int, piece: Any, finish_reason: str | None,
+                     logprobs: Any) -> dict[str, Any]:
         delta = {"content": piece} if isinstance(piece, str) else piece
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "delta": delta, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+
+    async def stream(self, generation: ServedGeneration
+                     ) -> AsyncGenerator[tuple[str, Any], None]:
+        async with contextlib.aclosing(generation.chunks()) as chunks:
+            async for piece, entries in chunks:
+                yield piece, self.logprobs(entries)
 
 
 class _TextAnswer(_Answer):
+    """Completions' answer; `echoes`: each prompt's text when the request echoes them; `n`:
+    the choices per prompt."""
+
     object_name = "text_completion"
     chunk_name = "text_completion"
     prefix = "cmpl"
     opening = ""
     closing = ""
 
-    def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def __init__(self, model: str, strings: TokenStrings, top: int | None,
+                 echoes: list[str] | None, n: int) -> None:
+        super().__init__(model, strings, top)
+        self.echoes = echoes
+        self.n = n
 
-    def chunk_choice(self, piece: Any, finish_reason: str | None) -> dict[str, Any]:
-        return self.choice(piece, finish_reason)
+    def choice(self, generation: ServedGeneration, text: str,
+               entries: list[TokenLogprobs]) -> dict[str, Any]:
+        builder = CompletionLogprobs(self.strings)
+        echo, parts = self._echo(generation, builder)
+        if self.top is not None:
+            parts.append(builder.part(entries))
+        return {"index": generation.index, "text": echo + text,
+                "logprobs": None if self.top is None else joined(parts),
+                "finish_reason": generation.finish_reason}
+
+    def _echo(self, generation: ServedGeneration,
+              builder: CompletionLogprobs) -> tuple[str, list[dict[str, list[Any]]]]:
+        """The echoed prompt's text and its logprobs (when asked for); the builder's offsets
+        then go on after that text."""
+        if self.echoes is None:
+            return "", []
+        request = generation.request
+        echo = self.echoes[generation.index // self.n]
+        parts = []
+        if self.top is not None:
+            parts.append(builder.part(request.prompt_logprobs, request.prompt.tolist()))
+        builder.offset = len(echo)
+        return echo, parts
+
+    def chunk_choice(self, index: int, piece: Any, finish_reason: str | None,
+                     logprobs: Any) -> dict[str, Any]:
+        return {"index": index, "text": piece, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+
+    async def stream(self, generation: ServedGeneration
+                     ) -> AsyncGenerator[tuple[str, Any], None]:
+        builder = CompletionLogprobs(self.strings)
+        echoed = self.echoes is None
+        async with contextlib.aclosing(generation.chunks()) as chunks:
+            async for piece, entries in chunks:
+                if not echoed:
+                    # The prompt's logprobs are whole once its first token came.
+                    echoed = True
+                    echo, parts = self._echo(generation, builder)
+                    yield echo, joined(parts) if self.top is not None else None
+                yield piece, None if self.top is None else builder.part(entries)
+        if not echoed:
+            echo, parts = self._echo(generation, builder)
+            yield echo, joined(parts) if self.top is not None else None

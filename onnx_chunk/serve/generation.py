@@ -13,10 +13,11 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from onnx_chunk.errors import ClosedError
 from onnx_chunk.runtime.engine.request import Request
+from onnx_chunk.sampling import TokenLogprobs
 from onnx_chunk.serve.metrics import ServerMetrics
 from onnx_chunk.text.token_text import TokenText
 
@@ -37,8 +38,10 @@ class ServedGeneration:
     """
 
     def __init__(self, request: Request, text: TokenText, prompt_tokens: int, arrived: float,
-                 metrics: ServerMetrics) -> None:
+                 metrics: ServerMetrics, index: int = 0) -> None:
+        """`index`: the choice's index in the answer."""
         self.request = request
+        self.index = index
         self.prompt_tokens = prompt_tokens
         self.finish_reason: str | None = None
         self.shutdown = False
@@ -55,14 +58,27 @@ class ServedGeneration:
         self.shutdown = True
         self.request.cancel()
 
-    async def pieces(self) -> AsyncIterator[str]:
+    async def pieces(self) -> AsyncGenerator[str, None]:
         """The text as it is produced; raises the request's error, or ShuttingDown."""
+        chunks = self.chunks()
+        try:
+            async for piece, _ in chunks:
+                if piece:
+                    yield piece
+        finally:
+            await chunks.aclose()
+
+    async def chunks(self) -> AsyncGenerator[tuple[str, list[TokenLogprobs]], None]:
+        """The text as it is produced, each piece with the logprobs of the tokens pushed since
+        the previous piece (empty when the request asked for none; the last piece may be ""
+        to carry the last tokens' logprobs); raises the request's error, or ShuttingDown."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         threading.Thread(target=_bridge, args=(self.request, loop, queue),
                          name=f"onnx-chunk-serve-{self.request.id}", daemon=True).start()
         reason = "cancelled"
         last: float | None = None
+        pending: list[TokenLogprobs] = []
         try:
             while not self._text.stopped:
                 item = await queue.get()
@@ -71,7 +87,9 @@ class ServedGeneration:
                 if isinstance(item, BaseException):
                     reason = "error"
                     raise item
-                token, at = item
+                token, logprobs, at = item
+                if logprobs is not None:
+                    pending.append(logprobs)
                 if last is None:
                     self._metrics.ttft.observe(at - self._arrived)
                 else:
@@ -79,10 +97,11 @@ class ServedGeneration:
                 last = at
                 piece = self._text.push(token)
                 if piece:
-                    yield piece
+                    yield piece, pending
+                    pending = []
             piece = self._text.finish()
-            if piece:
-                yield piece
+            if piece or pending:
+                yield piece, pending
             reason = self._reason()
         finally:
             self._end(reason)
@@ -114,8 +133,8 @@ def _bridge(request: Request, loop: asyncio.AbstractEventLoop, queue: asyncio.Qu
             request.cancel()
 
     try:
-        for token in request.tokens():
-            put((token, time.perf_counter()))
+        for token, logprobs in request.steps():
+            put((token, logprobs, time.perf_counter()))
     except Exception as error:  # the request failed: its reader raises it
         put(error)
     else:

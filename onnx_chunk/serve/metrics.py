@@ -72,6 +72,21 @@ class _RuntimeCollector(Collector):
         yield _gauge("onnx_chunk_running_slots", "Slots holding a request now.",
                      0 if engine is None else engine.running)
         yield _gauge("onnx_chunk_slots", "Slots of the batch engine.", stats.max_batch)
+        yield _counter("onnx_chunk_prefix_hits",
+                       "Requests that reused a prefix their slot kept from an earlier request.",
+                       0 if engine is None else engine.prefix_hits)
+        yield _counter("onnx_chunk_prefix_reused_tokens",
+                       "Prompt tokens not prefilled again: reused from a slot's kept prefix.",
+                       0 if engine is None else engine.prefix_reused_tokens)
+        yield _counter("onnx_chunk_prefix_refused",
+                       "Requests that shared more kept tokens with a free slot than a window "
+                       "cache or recurrent state let them reuse.",
+                       0 if engine is None else engine.prefix_refused)
+        yield _counter("onnx_chunk_draft_tokens", "Tokens drafted by speculative decoding.",
+                       0 if engine is None else engine.draft_tokens)
+        yield _counter("onnx_chunk_accepted_tokens",
+                       "Drafted tokens the verifications kept.",
+                       0 if engine is None else engine.accepted_tokens)
 
 
 def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:

@@ -3,17 +3,16 @@
 Pure functions (no ONNX Runtime, no HTTP): a decoded JSON body in, a `GenerationParams` or a
 `RequestError` out. Rules:
 1. `messages` (chat) is a non-empty list of {"role": str, "content": str or a list of text
-   parts}; `prompt` (completions) is a string, a list of token ids, or a list holding one of
-   either (one prompt per request: `n` and batched prompts are refused).
+   parts}; `prompt` (completions) is a string, a list of token ids, or a list of up to
+   MAX_PROMPTS of either (several prompts: a choice per prompt and `n`).
 2. `max_tokens` (or chat's `max_completion_tokens`, which wins unless it is null) is an
-   integer >= 1, or absent (then the room left in the context); `temperature` a number in
-   [0, 2]; `top_p` a number in (0, 1];
-   `seed` an integer >= 0; `stop` a string or up to 4 strings; `n` 1; `stream` a boolean;
-   `stream_options.include_usage` a boolean.
-3. Booleans are not numbers; fields the server does not use (`user`, `presence_penalty`, ...)
-   are ignored as OpenAI's own server ignores what a model does not support; options that
-   would change the answer's shape and are not implemented (`logprobs`, `echo`,
-   `best_of` > 1, `tools`) are refused, never silently dropped.
+   integer >= 1 (0 on completions with `echo`: the prompt's logprobs alone), or absent (then
+   the room left in the context); `temperature` a number in [0, 2]; `top_p` a number in
+   (0, 1]; `seed` an integer >= 0; `stop` a string or up to 4 strings; `n` an integer in
+   [1, MAX_N]; `stream` a boolean; `stream_options.include_usage` a boolean.
+3. Booleans are not numbers; the sampling, structured-output and tool fields, the fields
+   refused until they are built, and unknown fields are read by `parameters.parse_options`.
+   Messages keep their tool fields (`tool_calls`, `tool_call_id`, `name`; see tools.py).
 4. Text (prompt, roles, contents, stop strings) must be encodable as UTF-8: JSON's `\ud800`
    escapes can spell a lone surrogate, which is no text (refused, naming the field).
 """
@@ -27,7 +26,10 @@ from typing import Any
 from onnx_chunk.errors import InputError
 
 MAX_STOPS = 4
-_REFUSED = ("logprobs", "top_logprobs", "echo", "tools", "functions", "suffix")
+# The most choices per prompt (`n`) and prompts per request: each is one engine request.
+MAX_N = 16
+MAX_PROMPTS = 64
+_REFUSED = ("functions", "suffix")
 
 
 class RequestError(InputError):
@@ -48,6 +50,8 @@ class GenerationParams:
     """One checked request: its prompt (text or token ids; chat: its messages) and options."""
 
     prompt: str | tuple[int, ...] = ""
+    # Every prompt of a completions request (`prompt` is the first).
+    prompts: tuple[str | tuple[int, ...], ...] = ()
     messages: tuple[Mapping[str, str], ...] = ()
     max_tokens: int | None = None
     temperature: float | None = None
@@ -57,6 +61,7 @@ class GenerationParams:
     stream: bool = False
     include_usage: bool = False
     model: str | None = None
+    n: int = 1
 
 
 def error_body(message: str, error_type: str, *, param: str | None = None,
@@ -84,8 +89,11 @@ def parse_completion(body: object) -> GenerationParams:
     body = _object(body)
     if body.get("best_of") not in (None, 1):
         raise RequestError("best_of other than 1 is not supported", param="best_of")
-    return _params(body, _max_tokens(body.get("max_tokens"), "max_tokens"),
-                   prompt=_prompt(body.get("prompt")))
+    prompts = _prompts(body.get("prompt"))
+    echo = body.get("echo") is True
+    return _params(body, _max_tokens(body.get("max_tokens"), "max_tokens",
+                                     minimum=0 if echo else 1),
+                   prompt=prompts[0], prompts=prompts)
 
 
 def _object(body: object) -> Mapping[str, Any]:
@@ -100,11 +108,13 @@ def _object(body: object) -> Mapping[str, Any]:
 
 def _params(body: Mapping[str, Any], max_tokens: int | None, *,
             prompt: str | tuple[int, ...] = "",
+            prompts: tuple[str | tuple[int, ...], ...] = (),
             messages: tuple[Mapping[str, str], ...] = ()) -> GenerationParams:
     n = body.get("n", 1)
-    if n is not None and (_not_integer(n) or n != 1):
-        raise RequestError(f"'n' must be 1 (one choice per request), got {_shown(n)}",
-                           param="n")
+    n = 1 if n is None else n
+    if _not_integer(n) or not 1 <= n <= MAX_N:
+        raise RequestError(f"'n' must be an integer in [1, {MAX_N}] (choices per prompt), got "
+                           f"{_shown(n)}", param="n")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError(f"'model' must be a string, got {_shown(model)}", param="model")
@@ -123,7 +133,7 @@ def _params(body: Mapping[str, Any], max_tokens: int | None, *,
         raise RequestError(f"'stream_options.include_usage' must be a boolean, got "
                            f"{_shown(include_usage)}", param="stream_options")
     return GenerationParams(
-        prompt=prompt, messages=messages, max_tokens=max_tokens,
+        prompt=prompt, prompts=prompts, messages=messages, max_tokens=max_tokens, n=n,
         temperature=_number(body.get("temperature"), "temperature", "in [0, 2]",
                             lambda value: 0 <= value <= 2),
         top_p=_number(body.get("top_p"), "top_p", "in (0, 1]", lambda value: 0 < value <= 1),
@@ -141,13 +151,18 @@ def _message(message: object, index: int) -> Mapping[str, str]:
         raise RequestError(f"{where}.role must be a non-empty string, got {_shown(role)}",
                            param=f"{where}.role")
     _text(role, f"{where}.role")
+    if role == "assistant" and message.get("tool_calls") and content is None:
+        content = ""
     if isinstance(content, list):
         content = "".join(_text_part(part, f"{where}.content[{number}]")
                           for number, part in enumerate(content))
     if not isinstance(content, str):
         raise RequestError(f"{where}.content must be a string or a list of text parts, got "
                            f"{_shown(content)}", param=f"{where}.content")
-    return {"role": role, "content": _text(content, f"{where}.content")}
+    from onnx_chunk.serve.tools import tool_fields  # tools.py reads this module's errors
+
+    return {"role": role, "content": _text(content, f"{where}.content"),
+            **tool_fields(message, where)}
 
 
 def _text_part(part: object, where: str) -> str:
@@ -158,9 +173,18 @@ def _text_part(part: object, where: str) -> str:
     return _text(part["text"], where)
 
 
+def _prompts(prompt: object) -> tuple[str | tuple[int, ...], ...]:
+    """A prompt, or a list of prompts (strings or token-id lists)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(item, (str, list))
+                                                   for item in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise RequestError(f"'prompt' holds {len(prompt)} prompts, more than the "
+                               f"{MAX_PROMPTS} a request may; split it", param="prompt")
+        return tuple(_prompt(item) for item in prompt)
+    return (_prompt(prompt),)
+
+
 def _prompt(prompt: object) -> str | tuple[int, ...]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
             raise RequestError("'prompt' must not be empty", param="prompt")
@@ -169,16 +193,17 @@ def _prompt(prompt: object) -> str | tuple[int, ...]:
             not _not_integer(item) and item >= 0 for item in prompt):
         return tuple(prompt)
     raise RequestError(f"'prompt' must be a non-empty string or a list of token ids "
-                       f"(integers >= 0), one prompt per request, got {_shown(prompt)}",
+                       f"(integers >= 0), or a list of those, got {_shown(prompt)}",
                        param="prompt")
 
 
-def _max_tokens(value: object, param: str) -> int | None:
+def _max_tokens(value: object, param: str, minimum: int = 1) -> int | None:
     if value is None:
         return None
-    if _not_integer(value) or value < 1:
-        raise RequestError(f"'{param}' must be an integer >= 1, got {_shown(value)}",
-                           param=param)
+    if _not_integer(value) or value < minimum:
+        extra = "" if minimum else " (0: the prompt's logprobs alone, with echo)"
+        raise RequestError(f"'{param}' must be an integer >= {minimum}{extra}, got "
+                           f"{_shown(value)}", param=param)
     return value
 
 

@@ -1,4 +1,5 @@
-"""The static-graph system: serving decoders whose every dimension is fixed (seed 001).
+"""The static-graph system: serving decoders whose every dimension is fixed (accelerators that
+run fixed shapes only).
 
 A pair of graphs with one KV capacity C, a chunk graph (rows c) and a decode graph (rows 1), is
 detected by structure and opened (`model`), a prompt is aligned to whole chunks (`alignment`), the

@@ -1,6 +1,6 @@
 """Aligning a prompt to a static decoder: left-pad a short prompt, left-truncate a long one.
 
-Seed 001, sections five to seven. A decoder exported with fixed shapes takes chunks of exactly c
+A decoder exported with fixed shapes takes chunks of exactly c
 rows, so a prompt is aligned before it is cut into chunks: rounded up to a multiple of c by
 left padding, and capped at the longest input L (max_input_len) by left truncation. Three sizes
 pull against each other and are checked once, up front (`StaticLimits`):

@@ -28,7 +28,7 @@ import copy
 import hashlib
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -144,7 +144,8 @@ def _written_from(path: Path) -> str | None:
     return {prop.key: prop.value for prop in model.metadata_props}.get(SOURCE_KEY)
 
 
-def source_digest(model: onnx.ModelProto, data_files: Mapping[str, Path]) -> str:
+def source_digest(model: onnx.ModelProto, data_files: Mapping[str, Path],
+                  progress: Callable[[int], None] | None = None) -> str:
     """"sha256:" + the hex sha256 of the serialized graph, then of each external data file's
     relative name, size and bytes (in name order): what identifies a source model without its
     path. Fine-tunes of one architecture share their graph bytes and data sizes, so the weights'
@@ -156,6 +157,8 @@ def source_digest(model: onnx.ModelProto, data_files: Mapping[str, Path]) -> str
         with path.open("rb") as data:
             while block := data.read(_DIGEST_BLOCK):
                 digest.update(block)
+                if progress is not None:
+                    progress(len(block))
     return "sha256:" + digest.hexdigest()
 
 
@@ -233,7 +236,8 @@ def _fixed_copy(model: onnx.ModelProto, values: Mapping[str, int]) -> onnx.Model
 
 
 def _write_outputs(staging: Staging, data_files: Mapping[str, Path], chunk: onnx.ModelProto,
-                   decode: onnx.ModelProto) -> list[Path]:
+                   decode: onnx.ModelProto, progress: Callable[[int], None] | None
+                   ) -> list[Path]:
     """Stage the data files (with their permission bits) and both graphs, then publish them
     (data first, graphs last); return the data files' paths in the output folder."""
     out = staging.target_dir
@@ -242,7 +246,7 @@ def _write_outputs(staging: Staging, data_files: Mapping[str, Path], chunk: onnx
         target = out / location
         written.append(target)
         if not (target.exists() and os.path.samefile(source, target)):
-            staging.copy(source, location)
+            staging.copy(source, location, progress)
             names.append(location)
     for model, name in ((chunk, CHUNK_MODEL), (decode, DECODE_MODEL)):
         (staging.path / name).write_bytes(model.SerializeToString())
@@ -258,6 +262,7 @@ def fix_shapes(
     rows: int,
     capacity: int | None = None,
     dims: Mapping[str, int] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> FixedShapes:
     """Write `out_dir/chunk.onnx` (rows = `rows`) and `out_dir/decode.onnx` (rows = 1).
 
@@ -287,6 +292,8 @@ def fix_shapes(
        (`_refuse_state`).
     10. The capacity axis of each GQA present output (the past's buffer, written in place)
        is a capacity dimension too: a window-sized cache's `total_sliding_length` becomes C.
+    11. `progress(done, total)` follows the bytes of external data read: hashed once, then
+       copied (total counts both passes; a file already in place is not copied).
     """
     source = Path(model_path)
     if rows < 2:
@@ -359,8 +366,9 @@ def fix_shapes(
     if free_outputs:
         logger.warning("outputs %s keep free dimensions that shape inference cannot resolve",
                        ", ".join(free_outputs))
+    advance = _progress_counter(progress, data_files, out_dir)
     try:
-        digest = source_digest(model, data_files)
+        digest = source_digest(model, data_files, advance)
     except OSError as error:
         raise ModelLoadError(f"cannot read {source}'s weights: {error}; check its external "
                              f"data files") from error
@@ -373,7 +381,9 @@ def fix_shapes(
     _check_targets(source, digest, out, data_files)
     try:
         with staged_write(out, CHUNK_MODEL) as staging:
-            written = _write_outputs(staging, data_files, chunk, decode)
+            written = _write_outputs(staging, data_files, chunk, decode, advance)
+    except OutputError:  # already says what to do; an OSError too, not to be wrapped
+        raise
     except OSError as error:
         raise OutputError(f"cannot write into {out}: {error}; choose a writable folder") \
             from error
@@ -422,3 +432,26 @@ def _resolve_capacity(capacity: int | None, from_dims: Mapping[str, int],
             f"capacity {value} exceeds the model's maximum sequence length {max_length} (its "
             f"rotary tables end there); use --capacity {max_length} or less")
     return value
+
+
+def _progress_counter(progress: Callable[[int, int], None] | None,
+                      data_files: Mapping[str, Path], out_dir: str | os.PathLike
+                      ) -> Callable[[int], None] | None:
+    """`progress(done, total)` fed from byte counts: every data file hashed, and copied unless
+    it already is the file in `out_dir`."""
+    if progress is None:
+        return None
+    out = Path(out_dir)
+    total = 0
+    for location, source in data_files.items():
+        size = source.stat().st_size
+        target = out / location
+        total += size if target.exists() and os.path.samefile(source, target) else 2 * size
+    done = 0
+
+    def advance(count: int) -> None:
+        nonlocal done
+        done += count
+        progress(done, total)
+
+    return advance

@@ -10,20 +10,15 @@ and `recent` read the cache back, for callers that inspect it (tests, `validate`
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import numpy as np
 import onnxruntime as ort
 
-from onnx_chunk.errors import ConfigError, ProviderError
+from onnx_chunk.errors import ConfigError
 from onnx_chunk.runtime.device.buffers import DeviceBuffer, device_zeros
-from onnx_chunk.runtime.device.memory import cudart
 from onnx_chunk.runtime.device.provider import Device, device_for
 
 PAST = "past_key_values.{}.{}"
 PRESENT = "present.{}.{}"
-_CUDA_MEMCPY_DEVICE_TO_DEVICE = 3
 
 
 class StaticKVBuffers:
@@ -110,40 +105,3 @@ def host_array(buffer: DeviceBuffer) -> np.ndarray:
         return buffer.host
     size = int(np.prod(buffer.shape, dtype=np.int64))
     return np.array(buffer.read(0, size)).reshape(buffer.shape)
-
-
-def copy_on_device(target: DeviceBuffer, target_start: int, source: DeviceBuffer,
-                   source_start: int, count: int) -> None:
-    """Copy `count` flat elements of `source` from `source_start` into `target` from
-    `target_start`: two buffers of one device (same dtype, not overlapping), never through the
-    host (a memory copy on CPU, cudaMemcpy device to device on CUDA)."""
-    if count <= 0:
-        return
-    itemsize = source.dtype.itemsize
-    nbytes = count * itemsize
-    destination = target.value.data_ptr() + target_start * itemsize
-    origin = source.value.data_ptr() + source_start * itemsize
-    device = target.value.device_name().lower()
-    if device == "cpu":
-        ctypes.memmove(destination, origin, nbytes)
-        return
-    memcpy = _cuda_memcpy() if device == "cuda" else None
-    if memcpy is None:
-        raise ProviderError(f"no device-to-device copy on {device}; the static runner supports "
-                            "CPU and CUDA devices")
-    status = memcpy(destination, origin, nbytes, _CUDA_MEMCPY_DEVICE_TO_DEVICE)
-    if status != 0:
-        raise ProviderError(f"copying {nbytes} bytes of KV cache on the GPU failed (CUDA error "
-                            f"{status}); the device is in a bad state, restart the process")
-
-
-@functools.lru_cache(maxsize=1)
-def _cuda_memcpy():
-    """cudaMemcpy of the CUDA runtime, or None without one."""
-    library = cudart()
-    if library is None:
-        return None
-    memcpy = library.cudaMemcpy
-    memcpy.restype = ctypes.c_int
-    memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return memcpy

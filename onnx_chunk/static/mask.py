@@ -1,6 +1,6 @@
 """Additive attention masks for static-graph chunks: c query rows against a right-aligned cache.
 
-Seed 001, section four. A static decoder attends each chunk's c query rows to a fixed key axis of
+A static decoder attends each chunk's c query rows to a fixed key axis of
 C slots: the KV cache after this chunk's own K/V were rolled in on the right. The chunk's mask is
 therefore the chunk's c rows of the whole sequence's causal-plus-padding mask, with the key axis
 cut to the last C positions seen and right-aligned to C; every other cell holds a large finite

@@ -1,6 +1,6 @@
 """A KV cache of fixed capacity C whose valid content is right-aligned: a conveyor belt.
 
-Seed 001, sections two and three. A static decoder takes past K/V of exactly C positions per
+A static decoder takes past K/V of exactly C positions per
 layer. Each forward's new K/V (c positions) goes in on the right and the same number of oldest
 positions drops off the left: concatenate, then keep the last C. While at most C positions have
 been seen nothing real is lost and the result equals ordinary prefill; beyond that the cache is a
@@ -23,9 +23,9 @@ import numpy as np
 import onnxruntime as ort
 
 from onnx_chunk.errors import InputError
-from onnx_chunk.runtime.device.buffers import DeviceBuffer
+from onnx_chunk.runtime.device.buffers import DeviceBuffer, copy_on_device
 from onnx_chunk.runtime.device.provider import Device
-from onnx_chunk.static.kv_buffers import StaticKVBuffers, bind_in_place, copy_on_device
+from onnx_chunk.static.kv_buffers import StaticKVBuffers, bind_in_place
 from onnx_chunk.static.mask import chunk_mask
 
 logger = logging.getLogger(__name__)

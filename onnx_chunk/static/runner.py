@@ -1,7 +1,7 @@
 """Greedy generation on a pair of static decoders: a chunk graph (rows c) and a decode graph
 (rows 1) that share weights and the KV capacity C.
 
-Seed 001, section five, as a pipeline: align the prompt (left pad / left truncate to whole
+As a pipeline: align the prompt (left pad / left truncate to whole
 chunks), run the chunks in order, each with its slice of position_ids, its rows of the
 causal-plus-padding mask right-aligned to C, and the rolling cache as past; the last real row of
 the last chunk gives the first generated token; decode continues one row at a time on the same

@@ -4,12 +4,13 @@ Where it is: `chat_template.jinja` in the model folder, else `tokenizer_config.j
 `chat_template` (a string, or a list of {"name", "template"} of which "default" is used).
 How it renders: jinja2's ImmutableSandboxedEnvironment with trim_blocks, lstrip_blocks, the
 loopcontrols extension and the `{% generation %}` block (rendered as its body: transformers
-uses it only to track assistant tokens); `raise_exception(message)` raises; `tojson` is json.dumps with
-ensure_ascii=False (indent, separators, sort_keys passed through) in place of jinja's
-HTML-escaping filter; `strftime_now(format)` is the local time; the variables are `messages`,
-`tools` and `documents` (None), `add_generation_prompt`, and every declared special token
-(bos_token, eos_token, unk_token, sep_token, pad_token, cls_token, mask_token) by name, as
-transformers 5 passes them (no additional_special_tokens).
+uses it only to track assistant tokens); `raise_exception(message)` raises; `tojson` is
+json.dumps with ensure_ascii=False (indent, separators, sort_keys passed through) in place of
+jinja's HTML-escaping filter; `strftime_now(format)` is the local time; the variables are
+`messages`, `tools` (the caller's list of tool schemas, or None) and `documents` (None),
+`add_generation_prompt`, and every declared special token (bos_token, eos_token, unk_token,
+sep_token, pad_token, cls_token, mask_token) by name, as transformers 5 passes them (no
+additional_special_tokens).
 
 What a render raises: the template's `raise_exception` refuses the messages
 (ChatTemplateError, an input error); any other failure while rendering (a TypeError, an
@@ -69,16 +70,19 @@ class ChatTemplate:
                                  f"{error.lineno}: {error.message}); fix the template") from error
 
     def render(self, messages: Sequence[Mapping[str, Any]], *,
-               add_generation_prompt: bool = False, max_chars: int | None = None) -> str:
-        """The prompt text of `messages` ([{"role", "content"}, ...]); RenderTooLong as soon
-        as it passes `max_chars` characters (None: no bound)."""
+               add_generation_prompt: bool = False, max_chars: int | None = None,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The prompt text of `messages` ([{"role", "content"}, ...]); `tools` as transformers
+        passes them (OpenAI's {"type": "function", "function": {...}} objects); RenderTooLong
+        as soon as it passes `max_chars` characters (None: no bound)."""
         _check_messages(messages)
         pieces: list[str] = []
         length = 0
         try:
             for piece in self._template.generate(
-                    messages=[dict(message) for message in messages], tools=None,
-                    documents=None, add_generation_prompt=add_generation_prompt,
+                    messages=[dict(message) for message in messages],
+                    tools=None if not tools else [dict(tool) for tool in tools], documents=None,
+                    add_generation_prompt=add_generation_prompt,
                     **self._special_tokens):
                 length += len(piece)
                 if max_chars is not None and length > max_chars:

@@ -1,8 +1,7 @@
 """Text generation around a token source: prompt to ids, ids to streamed text, stops.
 
 The tokens come from the batch engine (`EngineTokens`: `runtime.submit`, the path of
-`runtime.generate_text`, `stream_text`, `generate --prompt` and the server) or from one
-sequence's own loop (`SequenceTokens`: chat turns that keep the conversation in its KV cache).
+`runtime.generate_text`, `stream_text`, `generate --prompt`, chat turns and the server).
 
 A prompt is text (encoded with the tokenizer's special tokens, BOS where it adds one) or a
 list of messages (rendered through the chat template with add_generation_prompt=True, then
@@ -17,24 +16,24 @@ is the decode of the new tokens without special tokens, streamed through `TextSt
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence as SequenceOf
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Union
+from collections.abc import Generator, Iterable, Iterator, Mapping
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from onnx_chunk.errors import CapacityError
 from onnx_chunk.runtime.engine.request import RequestStats
-from onnx_chunk.runtime.stats import GenerationStats
-from onnx_chunk.sampling import GREEDY, Sampling
+from onnx_chunk.sampling import GREEDY, Sampling, TokenLogprobs
 from onnx_chunk.text.stops import check_stops
 from onnx_chunk.text.token_text import TokenText
 
 if TYPE_CHECKING:
+    from onnx_chunk.runtime.engine.request import Request
     from onnx_chunk.runtime.model import Runtime
-    from onnx_chunk.runtime.engine.sequence import Sequence
     from onnx_chunk.text.tokenizer import Tokenizer
 
 # Text, or a conversation: [{"role": ..., "content": ...}, ...].
-Prompt = Union[str, SequenceOf[Mapping[str, Any]]]
+Prompt = str | SequenceOf[Mapping[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -46,15 +45,27 @@ class Completion:
     tokens: tuple[int, ...]
     finish_reason: str
     prompt_tokens: int
-    stats: GenerationStats | RequestStats | None = field(default=None, compare=False)
+    stats: RequestStats | None = field(default=None, compare=False)
+    # Per token of `tokens`, its logprobs (when the request asked for them).
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
-def prompt_ids(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
-    """The ids a prompt (text or messages) is fed as."""
+def prompt_ids(tokenizer: Tokenizer, prompt: Prompt, *,
+               tools: SequenceOf[Mapping[str, Any]] | None = None) -> list[int]:
+    """The ids a prompt (text or messages, with the `tools` the template shows) is fed as."""
     if isinstance(prompt, str):
         return tokenizer.encode(prompt)
-    return tokenizer.encode(tokenizer.apply_chat_template(prompt, add_generation_prompt=True),
+    return tokenizer.encode(tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
+                                                          tools=tools),
                             add_special_tokens=False)
+
+
+def end_ids(tokenizer: Tokenizer, *, ignore_eos: bool = False,
+            stop_token_ids: Iterable[int] = ()) -> tuple[int, ...]:
+    """The ids a generation ends at: `stop_token_ids`, and the tokenizer's EOS ids unless
+    `ignore_eos` (then only max_new_tokens, the capacity or a stop string end it)."""
+    eos = () if ignore_eos else tokenizer.eos_token_ids
+    return tuple(dict.fromkeys((*(int(token) for token in stop_token_ids), *eos)))
 
 
 def default_sampling(tokenizer: Tokenizer, sampling: Sampling | None) -> Sampling:
@@ -65,39 +76,13 @@ def default_sampling(tokenizer: Tokenizer, sampling: Sampling | None) -> Samplin
     return GREEDY if genai is None else Sampling.from_search(genai.search)
 
 
-class SequenceTokens:
-    """Where a text request's tokens come from: one sequence's own token loop (chat turns,
-    which keep the conversation in that sequence's KV cache)."""
-
-    def __init__(self, sequence: Sequence) -> None:
-        self.sequence = sequence
-
-    def room(self) -> int:
-        return self.sequence.capacity - self.sequence.length
-
-    def check(self, ids: SequenceOf[int], max_new_tokens: int) -> Any:
-        return self.sequence.check_request(ids, max_new_tokens)
-
-    def stream(self, ids: Any, max_new_tokens: int, eos: tuple[int, ...],
-               sampling: Sampling) -> Iterator[int]:
-        steps = self.sequence.stream(ids, max_new_tokens, eos_token_id=eos, sampling=sampling)
-        try:
-            yield from steps
-        finally:
-            steps.close()
-
-    @property
-    def stats(self) -> Any:
-        return self.sequence.stats.last_generation
-
-
 class EngineTokens:
     """Where a text request's tokens come from: a `Request` of the runtime's batch engine
     (`runtime.submit`), the path every single request and batch of requests takes."""
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        self._request = None
+        self._request: Request | None = None
 
     def room(self) -> int:
         return self.runtime.options.capacity
@@ -106,31 +91,45 @@ class EngineTokens:
         return self.runtime.check_request(ids, max_new_tokens)
 
     def stream(self, ids: Any, max_new_tokens: int, eos: tuple[int, ...],
-               sampling: Sampling) -> Iterator[int]:
-        self._request = self.runtime.submit(ids, max_new_tokens, eos_token_id=eos,
-                                            sampling=sampling, wait=True)
+               sampling: Sampling) -> Generator[int, None, None]:
+        request = self._request = self.runtime.submit(ids, max_new_tokens, eos_token_id=eos,
+                                                      sampling=sampling, wait=True)
         try:
-            yield from self._request.tokens()
+            yield from request.tokens()
         finally:
-            self._request.cancel()  # a stop string or a closed stream ends it; no-op at its end
+            request.cancel()  # a stop string or a closed stream ends it; no-op at its end
 
     @property
     def stats(self) -> Any:
         return None if self._request is None else self._request.stats
 
+    @property
+    def logprobs(self) -> tuple[TokenLogprobs, ...]:
+        return () if self._request is None else self._request.logprobs
+
 
 class TextGeneration:
     """One text request; iterate it for the text as it is produced.
 
-    `source` gives the tokens (`EngineTokens`: the batch engine; `SequenceTokens`: one
-    sequence). Every check (the prompt's ids, max_new_tokens, the stop strings, the room left)
-    runs at construction, before any work. `completion` is set once the iteration has ended.
+    `source` gives the tokens (`EngineTokens`: the batch engine). Every check (the prompt's
+    ids, max_new_tokens, the stop strings, the room left) runs at construction, before any
+    work. `completion` is set once the iteration has ended. `ignore_eos`, `stop_token_ids`
+    and `min_tokens` are vLLM's: the EOS ids do not end it, these ids end it too, and neither
+    an end id nor a stop string ends it before `min_tokens` new tokens.
     """
 
-    def __init__(self, source: SequenceTokens | EngineTokens, tokenizer: Tokenizer,
+    def __init__(self, source: EngineTokens, tokenizer: Tokenizer,
                  ids: SequenceOf[int], max_new_tokens: int, *, sampling: Sampling,
-                 stop: str | Iterable[str] | None = None) -> None:
+                 stop: str | Iterable[str] | None = None, ignore_eos: bool = False,
+                 stop_token_ids: Iterable[int] = (), min_tokens: int = 0,
+                 logprobs: int | None = None) -> None:
         self._stops = check_stops(stop)
+        if logprobs is not None:
+            sampling = replace(sampling, logprobs=logprobs)
+        self._ends = end_ids(tokenizer, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
+        self._min_tokens = min_tokens
+        if min_tokens and self._ends:
+            sampling = replace(sampling, min_tokens=min_tokens, held_token_ids=self._ends)
         self.prompt_tokens = len(ids)
         try:
             checked = source.check(ids, max_new_tokens)
@@ -150,15 +149,16 @@ class TextGeneration:
         return next(self._steps)
 
     def close(self) -> None:
-        """Stop early (what was generated stays in the sequence)."""
+        """Stop early (the request is cancelled; its slot keeps what it was fed)."""
         self._steps.close()
 
-    def _run(self, source: SequenceTokens | EngineTokens, tokenizer: Tokenizer, ids,
-             budget: int, at_budget: str, sampling: Sampling) -> Iterator[str]:
-        text = TokenText(tokenizer, self._stops)
+    def _run(self, source: EngineTokens, tokenizer: Tokenizer, ids: Any,
+             budget: int, at_budget: str, sampling: Sampling) -> Generator[str, None, None]:
+        text = TokenText(tokenizer, self._stops, end_ids=self._ends,
+                         min_tokens=self._min_tokens)
         pieces: list[str] = []
         # The source stops on the same ids, so its stats agree with the finish reason.
-        steps = source.stream(ids, budget, tokenizer.eos_token_ids, sampling)
+        steps = source.stream(ids, budget, self._ends, sampling)
         try:
             for token in steps:
                 piece = text.push(token)
@@ -175,23 +175,26 @@ class TextGeneration:
             yield piece
         self.completion = Completion(text="".join(pieces), tokens=tuple(text.tokens),
                                      finish_reason="stop" if text.stopped else at_budget,
-                                     prompt_tokens=self.prompt_tokens, stats=source.stats)
+                                     prompt_tokens=self.prompt_tokens, stats=source.stats,
+                                     logprobs=source.logprobs[:len(text.tokens)])
 
 
-def stream_text(source: SequenceTokens | EngineTokens, tokenizer: Tokenizer, prompt: Prompt,
+def stream_text(source: EngineTokens, tokenizer: Tokenizer, prompt: Prompt,
                 max_new_tokens: int, *, sampling: Sampling | None = None,
-                stop: str | Iterable[str] | None = None) -> TextGeneration:
-    """A text generation of `prompt` from `source` (checked now, run as it is iterated)."""
+                stop: str | Iterable[str] | None = None, **ends: Any) -> TextGeneration:
+    """A text generation of `prompt` from `source` (checked now, run as it is iterated);
+    `ends`: TextGeneration's ignore_eos, stop_token_ids, min_tokens, logprobs."""
     return TextGeneration(source, tokenizer, prompt_ids(tokenizer, prompt), max_new_tokens,
-                          sampling=default_sampling(tokenizer, sampling), stop=stop)
+                          sampling=default_sampling(tokenizer, sampling), stop=stop, **ends)
 
 
-def generate_text(source: SequenceTokens | EngineTokens, tokenizer: Tokenizer, prompt: Prompt,
+def generate_text(source: EngineTokens, tokenizer: Tokenizer, prompt: Prompt,
                   max_new_tokens: int, *, sampling: Sampling | None = None,
-                  stop: str | Iterable[str] | None = None) -> Completion:
+                  stop: str | Iterable[str] | None = None, **ends: Any) -> Completion:
     """Run a text generation to its end; its Completion."""
     generation = stream_text(source, tokenizer, prompt, max_new_tokens, sampling=sampling,
-                             stop=stop)
+                             stop=stop, **ends)
     for _ in generation:
         pass
+    assert generation.completion is not None  # set when the iteration ended
     return generation.completion

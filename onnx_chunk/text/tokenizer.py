@@ -1,4 +1,5 @@
-"""The model folder's tokenizer (`tokenizer.json`, HF's Rust tokenizer) read as transformers reads it.
+"""The model folder's tokenizer (`tokenizer.json`, HF's Rust tokenizer) read as transformers
+reads it.
 
 transformers' tokenizer (version 5, the one onnxruntime-genai's builder exports with) is the
 `tokenizers` model of `tokenizer.json` plus the special tokens `tokenizer_config.json` names
@@ -6,9 +7,10 @@ transformers' tokenizer (version 5, the one onnxruntime-genai's builder exports 
 no added tokens). What `encode` adds is `tokenizer.json`'s own post-processor: with a
 `tokenizer.json` present, transformers 5 drops `add_bos_token`/`add_eos_token` from the config;
 only a class that rebuilds the post-processor in its constructor (GPT-NeoX: no BOS, no EOS)
-replaces it (measured against transformers 5.24 in tests/text/test_parity.py). A chat template gets the named special tokens only (transformers
-5 passes no `additional_special_tokens`). Padding and truncation stored in `tokenizer.json` are
-switched off, as transformers does for a plain `encode`.
+replaces it (measured against transformers 5.24 in tests/text/test_parity.py). A chat template
+gets the named special tokens only (transformers 5 passes no `additional_special_tokens`).
+Padding and truncation stored in `tokenizer.json` are switched off, as transformers does for a
+plain `encode`.
 The EOS ids are genai_config.json's `eos_token_id` when it has one (onnxruntime-genai stops
 on those), else the tokenizer's EOS token.
 
@@ -27,8 +29,8 @@ import logging
 import re
 import uuid
 from collections.abc import Mapping, Sequence
-from functools import cached_property
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +97,8 @@ class Tokenizer:
         self.folder = folder
         self.genai = genai
         self._special_ids = frozenset(
-            int(index) for index, token in backend.get_added_tokens_decoder().items() if token.special)
+            int(index) for index, token in backend.get_added_tokens_decoder().items()
+            if token.special)
         own_eos = self.token_id(special.eos_token)
         genai_eos = genai.eos_token_ids if genai is not None else ()
         if genai_eos and own_eos is not None and own_eos not in genai_eos:
@@ -158,25 +161,27 @@ class Tokenizer:
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], *,
                     add_generation_prompt: bool = True, special_in_content: bool = False,
-                    max_tokens: int | None = None) -> list[int]:
+                    max_tokens: int | None = None,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """The ids of a conversation rendered through the chat template (no special tokens
-        added, as transformers' apply_chat_template(tokenize=True)).
+        added, as transformers' apply_chat_template(tokenize=True)); `tools` as
+        `apply_chat_template` takes them.
 
         special_in_content: the special tokens typed in the messages' role and content become
             control tokens (transformers' behaviour); False keeps them as text.
         max_tokens: a rendering too long to be that many tokens is refused (CapacityError)
             as it renders, before it is encoded.
         """
-        messages = [dict(message) for message in messages]
+        rendered: list[dict[str, Any]] = [dict(message) for message in messages]
         typed: list[str] = []
         nonce = uuid.uuid4().hex
         if not special_in_content:
-            messages = self._special_as_placeholders(messages, typed, nonce)
+            rendered = self._special_as_placeholders(rendered, typed, nonce)
         span = self.max_token_chars
         max_chars = None if max_tokens is None or span is None else max_tokens * span
         try:
-            text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                            max_chars=max_chars)
+            text = self.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
+                                            max_chars=max_chars, tools=tools)
         except RenderTooLong as error:
             raise CapacityError(
                 f"the chat template renders these messages into more than {error.max_chars} "
@@ -246,7 +251,8 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
                             add_generation_prompt: bool = True,
-                            max_chars: int | None = None) -> str:
+                            max_chars: int | None = None,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """The prompt text of a conversation, through the model's chat template (a rendering
         past `max_chars` characters stops there: RenderTooLong)."""
         template = self.chat_template
@@ -256,11 +262,15 @@ class Tokenizer:
                 f"chat_template.jinja, no chat_template in {TOKENIZER_CONFIG}); pass the prompt "
                 "as text instead of messages")
         return template.render(messages, add_generation_prompt=add_generation_prompt,
-                               max_chars=max_chars)
+                               max_chars=max_chars, tools=tools)
 
     def token_id(self, token: str | None) -> int | None:
         """The id of one token string (None when it is not in the vocabulary)."""
         return None if token is None else self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary's string of one id, as stored (byte-level BPE: 'Ġ' for a space)."""
+        return self._backend.id_to_token(int(token_id))
 
     def is_special(self, token_id: int) -> bool:
         """Whether `token_id` is a special added token (what skip_special_tokens drops)."""

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -65,6 +66,7 @@ def engine_checks(model_path: Path, settings: RunSettings, selected: Callable[[s
     if not selected("batched_decode"):
         return []
     started = time.perf_counter()
+    details: dict[str, Any]
     try:
         runs = _run_engine(model_path, settings, advance)
     except OnnxChunkError as error:

@@ -103,7 +103,8 @@ def _compare_modes(model_path: Path, settings: RunSettings,
     padded = runtimes[PADDED]
     notes = {
         CHUNKED: f"chunked at W={runtimes[CHUNKED].options.chunk_size}",
-        PADDED: (f"padded up the ladder {', '.join(map(str, padded.options.tiers))}" if padded.padding
+        PADDED: (f"padded up the ladder {', '.join(map(str, padded.options.tiers))}"
+                 if padded.padding
                  else f"padding refused ({padded.stats.cache.padding_refused}), so the "
                       "padded run is chunked only"),
     }

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from onnx_chunk.runtime.engine.kv_window import resident_rows
 from onnx_chunk.runtime import Runtime, load
 from onnx_chunk.runtime.device.buffers import SequenceBuffers
+from onnx_chunk.runtime.engine.kv_window import resident_rows
 from onnx_chunk.validate.prompts import seeded_prompt
 
 Advance = Callable[[str], None]

@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_NEW_TOKENS = 4
 # Default tolerances on logits and KV. On the CPU provider a chunked prefill reproduces the
-# whole-prompt forward bit for bit for most splits (DESIGN.md facts 1 and 2; 91 of 94 prompt
+# whole-prompt forward bit for bit for most splits (measured: 91 of 94 prompt
 # lengths from 2 to 1200 at W=64 and 512 on the tiny decoder, 1137 at W=512 among them), but
 # not all: a query row whose key count is 2^k + 1 (the row after a full chunk of W = 512, say)
 # can come out 1-2 ulp apart (at most 2.4e-6 on logits near 1), because ONNX Runtime's CPU
@@ -160,15 +160,15 @@ def validate_model(path: str | os.PathLike, options: ValidationOptions | None = 
                 _keep(results, _not_runnable(group, selected, blocker))
         elif wants_numerics or wants_cache or wants_engine:
             assert plan is not None
-            settings = _run_settings(plan, options, device.provider,
+            run_settings = _run_settings(plan, options, device.provider,
                                      CPU_ATOL if on_cpu else DEVICE_ATOL)
             if progress is not None:
-                runs = len(settings.lengths)
+                runs = len(run_settings.lengths)
                 progress.start(len(MODES) * runs * wants_numerics + 2 * runs * wants_cache
-                               + engine_runs_planned(settings) * wants_engine)
-            _keep(results, numerics_checks(subject.path, settings, numerics, advance))
-            _keep(results, cache_checks(subject.path, settings, cache, advance))
-            _keep(results, engine_checks(subject.path, settings, engine, advance))
+                               + engine_runs_planned(run_settings) * wants_engine)
+            _keep(results, numerics_checks(subject.path, run_settings, numerics, advance))
+            _keep(results, cache_checks(subject.path, run_settings, cache, advance))
+            _keep(results, engine_checks(subject.path, run_settings, engine, advance))
     report = Report(model=str(path))
     for name in names:
         report.checks.append(results.get(name) or CheckResult(

@@ -2,10 +2,11 @@
 
 argv[1] is a JSON object: model, prompts (lists of token ids), new_tokens, chunk_size,
 padding (true/false/null), mask_policy (null: the provider's), specialize (null: the
-provider's default, on CPU one shape-generic session; true: per-width variants), warm (create the decode
-variant, and every ladder variant when padding is on, before the first request, as a server
-does at start; the widths of unpadded chunks cannot be known before), eos, capacity (null:
-the model's maximum sequence length).
+provider's default, on CPU one shape-generic session; true: per-width variants), warm (create
+the decode variant, and every ladder variant when padding is on, before the first request, as a
+server does at start; the widths of unpadded chunks cannot be known before), eos, capacity (null:
+the model's maximum sequence length), threads (optional: ORT's intra-op threads; default
+ORT's, one per core).
 Prints one JSON object: load_s (load and warm-up) and one result per prompt, served in order
 by one runtime.
 """
@@ -24,7 +25,8 @@ from onnx_chunk.runtime.caches.variant_cache import variant_key
 def _warm(runtime: rt.Runtime) -> None:
     widths = (*runtime.options.tiers, DECODE_WIDTH) if runtime.padding else (DECODE_WIDTH,)
     for width in widths:
-        with runtime.cache.acquire(variant_key(width, runtime.options.tiers, runtime.options.specialize)):
+        options = runtime.options
+        with runtime.cache.acquire(variant_key(width, options.tiers, options.specialize)):
             pass
 
 
@@ -33,7 +35,8 @@ def main() -> None:
     began = time.perf_counter()
     runtime = rt.load(request["model"], provider="cpu", chunk_size=request["chunk_size"],
                       padding=request.get("padding"), mask_policy=request.get("mask_policy"),
-                      specialize=request.get("specialize"), capacity=request.get("capacity"))
+                      specialize=request.get("specialize"), capacity=request.get("capacity"),
+                      intra_op_threads=request.get("threads"))
     if request.get("warm", True):
         _warm(runtime)
     load_s = time.perf_counter() - began

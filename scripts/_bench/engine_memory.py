@@ -21,8 +21,15 @@ from pathlib import Path
 
 from . import environment as env
 from .child import ChildResult, run_child
-from .harness import (format_value, markdown_table, ratio, round_order, seeded_prompt,
-                      summarize, verdict)
+from .harness import (
+    format_value,
+    markdown_table,
+    ratio,
+    round_order,
+    seeded_prompt,
+    summarize,
+    verdict,
+)
 
 ONNX_CHUNK, GENAI = "onnx-chunk", "genai"
 GOAL = 1.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,14 +14,17 @@ WORKERS = Path(__file__).resolve().parent
 DEFAULT_OUT = ROOT / "bench-out"
 GENAI_VERSION = "0.18.0"
 # The peer venv: onnxruntime-genai with the CPU onnxruntime it needs, and transformers (no
-# torch; jinja2 renders its chat templates) for the tokenizer and chat-template parity checks. Pinned, so a peer's answer only
-# changes when these lines do.
+# torch; jinja2 renders its chat templates) for the tokenizer and chat-template parity checks.
+# Pinned, so a peer's answer only changes when these lines do.
 PEER_REQUIREMENTS = (f"onnxruntime-genai=={GENAI_VERSION}", "onnxruntime==1.31.1",
                      "transformers==5.24.0", "jinja2==3.1.6")
 _PEER_PROBE = ("import importlib.metadata as m; "
                "print(' '.join(f'{p}=={m.version(p)}' for p in "
                "('onnxruntime-genai', 'onnxruntime', 'transformers', 'jinja2')))")
 EOS_TOKEN_ID = 2
+# llama-cpp-python's venv for the llama.cpp part (docs/benchmarks.md, part 7, builds it).
+LLAMA_PYTHON = Path(os.environ.get("ONNX_CHUNK_LLAMACPP_PYTHON",
+                                   "/work/llamacpp-venv/bin/python"))
 
 
 def common_parser(description: str) -> argparse.ArgumentParser:
@@ -34,7 +38,39 @@ def common_parser(description: str) -> argparse.ArgumentParser:
                         help="smoke run: short prompts, 2 repetitions, 8 new tokens")
     parser.add_argument("--variant", default="base", choices=("base", "int4"),
                         help="the bench decoder's weights: fp32 (base) or INT4")
+    parser.add_argument("--model", default=None,
+                        help="measure a real-size benchmark model (qwen05-int4, ...; built by "
+                             "scripts/make_bench_models.py) or a builder-export folder instead "
+                             "of the reference decoder")
     return parser
+
+
+def named_export(value: str) -> tuple[str, Path]:
+    """`export_folder(value)`, or one error line and exit 2 when it is not built or unknown."""
+    from .models import BenchModelMissing
+
+    try:
+        return export_folder(value)
+    except BenchModelMissing as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def source_model(args: argparse.Namespace, preset: str) -> Path:
+    """The model a benchmark measures as its exporter wrote it: --model's export, else the
+    reference decoder `preset` at --variant."""
+    if args.model is None:
+        return build_model(args.out, preset, args.variant)
+    return named_export(args.model)[1] / "model.onnx"
+
+
+def served_model(args: argparse.Namespace, preset: str, chunk_size: int) -> Path:
+    """The model after `onnx-chunk convert`: --model's export converted at `chunk_size`, else
+    the reference decoder `preset` at --variant, converted."""
+    if args.model is None:
+        return converted_model(args.out, preset, args.variant)
+    name, folder = named_export(args.model)
+    return converted_export(args.out, name, folder, chunk_size)
 
 
 def build_model(out: Path, preset: str, variant: str = "base") -> Path:
@@ -71,12 +107,41 @@ def converted_model(out: Path, preset: str, variant: str = "base") -> Path:
     return model
 
 
+def export_folder(value: str, root: Path | None = None) -> tuple[str, Path]:
+    """(name, folder) of a builder export given as a benchmark model name (``qwen05-int4``,
+    built by scripts/make_bench_models.py) or as a folder holding genai_config.json."""
+    from .models import ONNX_PRECISIONS, BenchModelMissing, bench_model, parse_name
+
+    folder = Path(value)
+    if (folder / "genai_config.json").is_file():
+        return folder.resolve().name, folder.resolve()
+    if parse_name(value)[1] not in ONNX_PRECISIONS:
+        raise BenchModelMissing(f"{value} is a GGUF model; name an ONNX one (e.g. qwen05-int4)")
+    return value, bench_model(value, root).parent
+
+
+def converted_export(out: Path, name: str, folder: Path, chunk_size: int) -> Path:
+    """The builder export `folder` converted by `onnx-chunk convert --chunk-size` into
+    out/models/<name>-converted-<chunk_size> (converted once, then reused)."""
+    target = out / "models" / f"{name}-converted-{chunk_size}" / "model.onnx"
+    if not (target.is_file() and (target.parent / "genai_config.json").is_file()):
+        print(f"converting {folder} -> {target.parent}", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "onnx_chunk", "convert", str(folder / "model.onnx"),
+                        "-o", str(target), "--chunk-size", str(chunk_size)], check=True,
+                       stdout=subprocess.DEVNULL)
+    return target
+
+
 def model_config(model: Path) -> dict:
-    """Vocabulary size, context length and EOS token id from the model's genai_config.json."""
+    """Vocabulary size, context length and EOS token ids from the model's genai_config.json
+    (`eos_token_id`: the first id, `eos_token_ids`: all of them; builder exports may list
+    several)."""
     config = json.loads((model.parent / "genai_config.json").read_text())["model"]
+    eos = config["eos_token_id"]
+    eos_ids = [int(value) for value in eos] if isinstance(eos, list) else [int(eos)]
     return {"vocab_size": int(config["vocab_size"]),
             "context_length": int(config["context_length"]),
-            "eos_token_id": int(config["eos_token_id"])}
+            "eos_token_id": eos_ids[0], "eos_token_ids": eos_ids}
 
 
 def genai_python(venv: Path) -> Path:
@@ -96,6 +161,31 @@ def genai_python(venv: Path) -> Path:
         print(f"installing {' '.join(PEER_REQUIREMENTS)} into {venv}", file=sys.stderr)
         subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
                         *PEER_REQUIREMENTS], check=True)
+    return python
+
+
+# The evaluation harness's venv: lm-evaluation-harness with its API models (no torch: the
+# `api` extra talks to a server; transformers reads the export's tokenizer), pinned.
+LMEVAL_REQUIREMENTS = ("lm-eval[api]==0.4.13", "transformers==5.24.0")
+_LMEVAL_PROBE = ("import importlib.metadata as m; "
+                 "print(' '.join(f'{p}=={m.version(p)}' for p in ('lm-eval', 'transformers')))")
+
+
+def lmeval_python(venv: Path) -> Path:
+    """The interpreter of the harness's venv (created, and LMEVAL_REQUIREMENTS installed, if
+    missing: about 4.5 minutes and 930 MB, measured on this 2-core machine). What it creates
+    or installs is said on stderr."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        print(f"creating {venv}", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    probe = subprocess.run([str(python), "-c", _LMEVAL_PROBE], capture_output=True, text=True,
+                           check=False)
+    expected = [requirement.replace("[api]", "") for requirement in LMEVAL_REQUIREMENTS]
+    if probe.returncode != 0 or probe.stdout.split() != expected:
+        print(f"installing {' '.join(LMEVAL_REQUIREMENTS)} into {venv}", file=sys.stderr)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                        *LMEVAL_REQUIREMENTS], check=True)
     return python
 
 

@@ -8,8 +8,10 @@ JSON object: model (folder with genai_config.json), prompts, new_tokens, chunk_s
 per generated token, the gap between the two largest logits genai chose from, which tells a
 near-tie from a real difference) and max_length (genai's search.max_length for every prompt;
 default the prompt plus new_tokens; genai 0.18 refuses a sliding-window export whose
-max_length is under the window). Prompts are served in order by one model on the CPU;
-generation stops at new_tokens or at EOS. Prints one JSON object shaped like chunk_worker's:
+max_length is under the window), threads (optional: the decoder session's
+intra_op_num_threads; default ORT's, one per core). Prompts are served in order by one model on
+the CPU; generation stops at new_tokens or at EOS. Prints one JSON object shaped like
+chunk_worker's:
 TTFT runs from handing over the prompt to the first token; decode tokens/s counts the tokens
 after the first over the time after the first, as onnx-chunk does.
 """
@@ -31,6 +33,9 @@ def main() -> None:
     config.clear_providers()
     if request["chunk_size"] > 0:
         config.overlay(json.dumps({"search": {"chunk_size": request["chunk_size"]}}))
+    if request.get("threads"):
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+            "intra_op_num_threads": request["threads"]}}}}))
     model = og.Model(config)
     load_s = time.perf_counter() - began
     want_margins = bool(request.get("margins"))

@@ -14,18 +14,22 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
 
-def _feeds(session: ort.InferenceSession, batch: int, rows: int, past: int) -> dict:
+def _feeds(session: ort.InferenceSession, batch: int, rows: int, past: int,
+           head_size: int | None = None) -> dict:
     feeds = {"input_ids": np.full((batch, rows), 3, np.int64),
              "attention_mask": np.ones((batch, past + rows), np.int64)}
     for value in session.get_inputs():
         if value.name.startswith("past_key_values."):
-            heads, head_size = value.shape[1], value.shape[3]
-            feeds[value.name] = np.zeros((batch, heads, past, head_size), np.float32)
+            heads, size = value.shape[1], value.shape[3]
+            # The builder's exports leave the head size symbolic (kv_cache_dim).
+            size = size if isinstance(size, int) else head_size
+            feeds[value.name] = np.zeros((batch, heads, past, size), np.float32)
     return feeds
 
 
@@ -42,11 +46,14 @@ def main() -> None:
     options.enable_mem_pattern = False
     session = ort.InferenceSession(request["model"], options,
                                    providers=["CPUExecutionProvider"])
+    config = Path(request["model"]).parent / "genai_config.json"
+    head = (json.loads(config.read_text())["model"]["decoder"].get("head_size")
+            if config.is_file() else None)
     forms = {}
     for batch, rows in request["cases"]:
-        forms[f"{batch}x{rows}"] = {"batched": (_feeds(session, batch, rows, 0), 1),
-                                    "serial": (_feeds(session, 1, rows, 0), batch)}
-    decode = _feeds(session, 1, 1, request["decode_past"])
+        forms[f"{batch}x{rows}"] = {"batched": (_feeds(session, batch, rows, 0, head), 1),
+                                    "serial": (_feeds(session, 1, rows, 0, head), batch)}
+    decode = _feeds(session, 1, 1, request["decode_past"], head)
     for form in forms.values():
         for feeds, _ in form.values():
             session.run(["logits"], feeds)

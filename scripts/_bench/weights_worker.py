@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -53,11 +54,18 @@ def _naive(model: str, widths: list[int]) -> list[dict]:
         for value in session.get_inputs():
             if value.name.startswith("past_key_values."):
                 heads, head_size = value.shape[1], value.shape[3]
+                if not isinstance(head_size, int):  # a builder export's symbolic kv_cache_dim
+                    head_size = _genai_head_size(model)
                 feeds[value.name] = np.zeros((1, heads, 0, head_size), np.float32)
         session.run(["logits"], feeds)
         rows.append({"width": width, "rss": process_rss_bytes(), "variants": len(sessions),
                      "bytes_held": None})
     return rows
+
+
+def _genai_head_size(model: str) -> int:
+    config = json.loads((Path(model).parent / "genai_config.json").read_text())
+    return int(config["model"]["decoder"]["head_size"])
 
 
 def main() -> None:

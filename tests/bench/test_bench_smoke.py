@@ -224,8 +224,12 @@ def test_the_load_worker_runs_genai_without_importing_onnx_chunk(reference_model
 
 def test_forward_flops_count_every_weight_once_per_row_and_causal_keys():
     from onnx_chunk.models.config import config_for
-    from scripts._bench.flops import (attention_flops_per_key, forward_flops,
-                                      generation_flops, linear_flops_per_row)
+    from scripts._bench.flops import (
+        attention_flops_per_key,
+        forward_flops,
+        generation_flops,
+        linear_flops_per_row,
+    )
 
     for config in (config_for("bench"), config_for("tiny"), config_for("tiny", conv_layers=(0,))):
         h = config.hidden_size
@@ -248,3 +252,22 @@ def test_forward_flops_count_every_weight_once_per_row_and_causal_keys():
     assert decode == sum(forward_flops(tiny, 1, past=past) for past in (10, 11, 12))
     with pytest.raises(ValueError):
         forward_flops(tiny, 0)
+
+
+def test_the_speculative_benchmark_quick_mode_runs_every_part(tmp_path, reference_model):
+    """scripts/bench_speculative.py --quick on the tiny decoder: every part, one round, the
+    greedy tokens of both systems identical."""
+    import json
+    import subprocess
+
+    folder = str(reference_model("base").parent)
+    script = env.ROOT / "scripts" / "bench_speculative.py"
+    result = subprocess.run([sys.executable, str(script), "--quick", "--out", str(tmp_path),
+                             "--model", folder, "--hit-model", folder], capture_output=True,
+                            text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads((tmp_path / "speculative_quick.json").read_text())
+    assert data["random"]["identical"] and data["hits"]["identical"]
+    assert set(data["verify_cost"]["times"]) == {"decode", "k=1", "k=4"}
+    assert {"own forwards", "decode"} <= set(data["engine_verify"]["seconds"])
+    assert "verify k=4 (5 rows)" in (tmp_path / "speculative_quick.md").read_text()

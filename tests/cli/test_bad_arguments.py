@@ -8,7 +8,6 @@ import pytest
 
 from onnx_chunk import models
 from onnx_chunk.cli import main
-
 from tests.cli_output import one_error_line
 
 

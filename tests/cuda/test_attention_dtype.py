@@ -4,7 +4,8 @@
 import pytest
 
 from onnx_chunk.errors import ProviderError
-from onnx_chunk.runtime import load, model as runtime_model
+from onnx_chunk.runtime import load
+from onnx_chunk.runtime import model as runtime_model
 from onnx_chunk.runtime.device.provider import device_for
 
 

@@ -4,6 +4,8 @@ Run on CPU through the device-memory path, with sessions marked capturing (CPU s
 capture): the graph ids and run counts are the runtime's own bookkeeping.
 """
 
+import dataclasses
+
 import pytest
 
 from onnx_chunk.runtime import load
@@ -21,7 +23,8 @@ def test_the_batched_decode_captures_and_replays(reference_model, monkeypatch, r
     host = load(path, provider="cpu", capacity=96, chunk_size=16, max_batch=2)
     expected = host.generate_many(PROMPTS, 8, eos_token_id=[])
     monkeypatch.setattr(variant_pool, "session_captures", lambda session: True)
-    runtime = load(path, device=DEVICE, capacity=96, chunk_size=16, padding=False, max_batch=2)
+    runtime = load(path, device=dataclasses.replace(DEVICE, cuda_graphs=True), capacity=96,
+                   chunk_size=16, padding=False, max_batch=2)
     recorded_runs.clear()
     assert runtime.generate_many(PROMPTS, 8, eos_token_id=[]) == expected
     graphs = [(session, graph) for session, graph in recorded_runs

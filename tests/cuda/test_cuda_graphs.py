@@ -1,4 +1,4 @@
-"""CUDA graph planning on CPU: which variants capture, provider options, graph ids per binding."""
+"""CUDA graph planning on CPU: which sessions capture, provider options, graph ids per binding."""
 
 import dataclasses
 
@@ -9,21 +9,26 @@ import pytest
 from onnx_chunk.errors import ConfigError, ModelLoadError
 from onnx_chunk.runtime import load
 from onnx_chunk.runtime.caches import variant_pool
-from onnx_chunk.runtime.caches.cuda_graphs import (SKIP_CAPTURE, capturable, graph_id, graph_runs,
-                                            session_captures)
+from onnx_chunk.runtime.caches.cuda_graphs import (
+    SKIP_CAPTURE,
+    capturable,
+    graph_runs,
+    session_captures,
+)
+from onnx_chunk.runtime.caches.graph_cache import GraphCache
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 from onnx_chunk.runtime.device.session_factory import SessionFactory
 
 PROMPT = np.random.default_rng(11).integers(0, 256, 45).tolist()
 
 
-def test_cuda_device_captures_fixed_widths_only():
+def test_cuda_device_runs_one_capturing_session():
     device = device_for("cuda", 1)
     assert device.cuda_graphs and device.mask_policy is MaskPolicy.CAPACITY
-    assert capturable(device, 1) and capturable(device, 64)
-    assert not capturable(device, None)
-    assert not capturable(device_for("cuda", cuda_graphs=False), 64)
-    assert not capturable(device_for("cpu"), 64)
+    # One session per model on CUDA (one copy of the weights), capturing graphs per shape.
+    assert device.specialize is False and capturable(device)
+    assert not capturable(device_for("cuda", cuda_graphs=False))
+    assert not capturable(device_for("cpu"))
 
 
 def test_logical_mask_switches_graphs_off_or_conflicts():
@@ -47,21 +52,19 @@ def test_provider_options_of_a_capturing_session():
         device_for("cpu").providers(capture=True)
 
 
-def test_graph_ids_per_slot_and_parity_never_use_the_reserved_id_0():
+def test_graph_ids_are_fresh_per_binding_and_never_use_the_reserved_id_0():
     # ONNX Runtime reserves gpu_graph_id 0 for internal use; ids start at 1.
-    assert [graph_id(slot, 0, False) for slot in range(3)] == [1, 2, 3]
-    ids = {graph_id(slot, parity, True) for slot in range(4) for parity in (0, 1)}
-    assert ids == set(range(1, 9))
+    cache = GraphCache(cap=4)
+    first, second = cache.new_runs(stateful=True), cache.new_runs(stateful=True)
+    stateless = cache.new_runs(stateful=False)
+    assert (first.ids, second.ids, stateless.ids) == ((1, 2), (3, 4), (5,))
     with pytest.raises(ValueError):
-        graph_id(0, 2, True)
-    first, second = graph_runs(0, stateful=True), graph_runs(1, stateful=True)
-    assert (first.ids, second.ids) == ((1, 2), (3, 4))
+        graph_runs((0,))
     entry = "gpu_graph_id"
     assert first.options(True, 1).get_run_config_entry(entry) == str(SKIP_CAPTURE)
     assert first.options(False, 0).get_run_config_entry(entry) == "1"
     assert second.options(False, 1).get_run_config_entry(entry) == "4"
-    stateless = graph_runs(0, stateful=False)
-    assert stateless.options(False, 1).get_run_config_entry(entry) == "1"
+    assert stateless.options(False, 1).get_run_config_entry(entry) == "5"
 
 
 def test_a_cpu_session_does_not_capture(reference_model):
@@ -94,7 +97,8 @@ def test_factory_falls_back_when_capture_is_refused(reference_model, monkeypatch
 @pytest.mark.parametrize("variant", ["base", "conv_hybrid"])
 def test_graph_runs_on_cpu_sessions_marked_capturing(reference_model, monkeypatch,
                                                      recorded_runs, variant):
-    """The graph-id plumbing of the CUDA path, run on CPU sessions marked as capturing.
+    """The graph-id plumbing of per-width CUDA sessions (`specialize=True`), run on CPU
+    sessions marked as capturing.
 
     Each binding's first run skips capture; a stateless model runs every later forward of a
     binding under one graph id, a stateful one alternates two (its state buffers alternate);
@@ -106,7 +110,8 @@ def test_graph_runs_on_cpu_sessions_marked_capturing(reference_model, monkeypatc
     reference = load(path, device=device, capacity=96, chunk_size=16)
     expected = [reference.open_sequence().generate(PROMPT, 5) for _ in range(2)]
     monkeypatch.setattr(variant_pool, "session_captures", lambda session: True)
-    runtime = load(path, device=device, capacity=96, chunk_size=16, padding=False)
+    runtime = load(path, device=dataclasses.replace(device, cuda_graphs=True), capacity=96,
+                   chunk_size=16, padding=False)
     recorded_runs.clear()
     first, second = runtime.open_sequence(), runtime.open_sequence()
     assert first.generate(PROMPT, 5) == expected[0]
@@ -118,14 +123,13 @@ def test_graph_runs_on_cpu_sessions_marked_capturing(reference_model, monkeypatc
                    if session == decode_session]
     stateful = variant == "conv_hybrid"
     assert decode_runs[0] == SKIP_CAPTURE and second_runs[0] == SKIP_CAPTURE
+    assert len(set(decode_runs[1:])) == len(set(second_runs[1:])) == (2 if stateful else 1)
+    assert not set(decode_runs[1:]) & set(second_runs[1:])
     if stateful:
-        assert set(decode_runs[1:]) == {1, 2}
         assert all(a != b for a, b in zip(decode_runs[1:], decode_runs[2:]))
-        assert set(second_runs[1:]) == {3, 4}
-    else:
-        assert set(decode_runs[1:]) == {1} and set(second_runs[1:]) == {2}
     # Width 16 (full chunks) and the decode width capture; the 13-row remainder (padding off)
-    # runs on the shape-generic session, without run options.
-    assert len({session for session, graph in recorded_runs if graph is not None}) == 2
-    assert len({session for session, graph in recorded_runs if graph is None}) == 1
-    assert runtime.stats.graph_widths == (1, 16)
+    # runs on the shape-generic session, under -1 only.
+    captured = {session for session, graph in recorded_runs if graph != SKIP_CAPTURE}
+    assert len(captured) == 2
+    assert len({session for session, _ in recorded_runs} - captured) == 1
+    assert set(runtime.stats.graph_widths) <= {1, 16}

@@ -74,7 +74,8 @@ def test_inputs_are_bound_once_at_fixed_addresses(reference_model, variant):
         logits = sequence.decode(int(np.argmax(logits)))
     with runtime.cache.acquire(1) as session:
         assert runtime.variants.bindings(session, sequence.slot)[1] is binding
-    assert addresses == (binding.tokens.value.data_ptr(), sequence._slot.mask.buffer.value.data_ptr(),
+    assert addresses == (binding.tokens.value.data_ptr(),
+                         sequence._slot.mask.buffer.value.data_ptr(),
                          binding.logits.value.data_ptr(),
                          None if binding.positions is None
                          else binding.positions.value.data_ptr())

@@ -25,16 +25,21 @@ def test_dry_run_prints_the_table_last_and_writes_the_logs(tmp_path):
     for check in ("greedy tokens cpu vs device", "graphs off vs on",
                   "second pass (replay) vs first", "captures in pass 1", "captures in pass 2",
                   "captured widths = widths used", "second sequence", "node placement",
-                  "cap 2 with evictions", "weights per variant", "cache thrash (cpu)"):
+                  "cap 2 with evictions", "weights copies", "one session per model",
+                  "engine at batch 8", "cache thrash (cpu)"):
         assert rows[check][0] == "ok", table
     for check in ("onnxruntime", "providers", "preload_dlls", "libcudart", "gpu",
                   "cuda probe", "capture log lines", "memory graphs on (rss)",
-                  "memory cap 2 (rss)", "weights experiment"):
+                  "memory cap 2 (rss)", "weights experiment", "bytes after load (rss)",
+                  "bytes as widths arrive (rss)"):
         assert rows[check][0] == "info", table
     assert not [line for line in table if line.startswith("error")], table
     # The dry run's stand-in captures per width once in pass 1 and never after.
     assert "expected {1: 1, 11: 1, 32: 1}" in rows["captures in pass 1"][1]
     assert "0 captures" in rows["second sequence"][1]
+    assert "1 sessions, 1 weights copies" in rows["one session per model"][1]
+    assert "tokens equal graphs off" in rows["engine at batch 8"][1]
+    assert "at most 2 graphs alive" in rows["cap 2 with evictions"][1]
     assert lines.index(table[0]) == len(lines) - len(table)  # the table is printed last
     parity = rows["greedy tokens cpu vs device"][1]
     assert "5/5 prompts identical" in parity and "float32 vs float16" in parity

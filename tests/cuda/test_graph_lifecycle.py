@@ -18,11 +18,15 @@ import pytest
 from onnx_chunk.errors import ClosedError, ConfigError
 from onnx_chunk.runtime import load
 from onnx_chunk.runtime.caches import variant_pool
-from onnx_chunk.runtime.caches.cuda_graphs import (CAPTURE_GATE, RUNS_BEFORE_CAPTURE, SKIP_CAPTURE,
-                                            CaptureGate, graph_id)
+from onnx_chunk.runtime.caches.cuda_graphs import (
+    CAPTURE_GATE,
+    RUNS_BEFORE_CAPTURE,
+    SKIP_CAPTURE,
+    CaptureGate,
+)
 from onnx_chunk.runtime.device.provider import Device
-from onnx_chunk.runtime.engine.sequence_pool import SequencePool
 from onnx_chunk.runtime.device.session_factory import SessionFactory
+from onnx_chunk.runtime.engine.sequence_pool import SequencePool
 from tests.cuda.test_device_inputs import DEVICE, PROMPT
 
 
@@ -49,8 +53,20 @@ def no_gc():
     gc.enable()
 
 
+# Per-width sessions of the CUDA path with graphs on (CPU sessions are created without capture
+# and marked capturing by `capturing`).
+GRAPH_DEVICE = dataclasses.replace(DEVICE, cuda_graphs=True)
+
+
 def _load(path, **options):
-    return load(path, device=DEVICE, capacity=96, chunk_size=16, **{"padding": False, **options})
+    return load(path, device=GRAPH_DEVICE, capacity=96, chunk_size=16,
+                **{"padding": False, **options})
+
+
+def _decode_ids(runtime, slot):
+    """The graph ids of `slot`'s decode binding."""
+    with runtime.cache.acquire(1) as session:
+        return runtime.variants.bindings(session, slot)[1].graphs.ids
 
 
 def test_a_closed_sequence_hands_its_buffers_and_graphs_to_the_next(reference_model, capturing,
@@ -63,14 +79,17 @@ def test_a_closed_sequence_hands_its_buffers_and_graphs_to_the_next(reference_mo
     assert first.closed
     with pytest.raises(ClosedError, match="closed"):
         first.generate(PROMPT, 2)
+    first_ids = {graph for _, graph in recorded_runs if graph not in (None, SKIP_CAPTURE)}
     recorded_runs.clear()
     second = runtime.open_sequence()
     assert (second.slot, second.buffers.kv) == (slot, kv)
     assert second.length == 0
     assert second.generate(PROMPT, 5) == expected
-    # Every binding is already there: nothing runs a first (uncaptured) run again.
+    # Every binding is already there: nothing runs a first run again; only the 13-row
+    # remainder (45 = 16 + 16 + 13, padding off) runs uncaptured, under -1.
     graphs = [graph for _, graph in recorded_runs if graph is not None]
-    assert SKIP_CAPTURE not in graphs and set(graphs) == {graph_id(slot, 0, False)}
+    assert graphs.count(SKIP_CAPTURE) == 1
+    assert {graph for graph in graphs if graph != SKIP_CAPTURE} == first_ids
     stats = runtime.stats.sequences
     assert (stats.created, stats.reused) == (1, 1)
 
@@ -95,10 +114,11 @@ def test_slots_beyond_the_idle_ones_kept_release_their_graphs(reference_model, c
         sequence.generate(PROMPT, RUNS_BEFORE_CAPTURE + 3)
     stats = runtime.stats
     assert stats.graphs_captured == 3 and stats.graphs_by_width == {1: 3}
+    ids = [_decode_ids(runtime, slot) for slot in range(3)]
     for sequence in sequences:
         sequence.close()
     # One slot stays idle (the last closed, warm); the other two release their decode graphs.
-    assert sorted(released_graphs) == [graph_id(0, 0, False), graph_id(1, 0, False)]
+    assert sorted(released_graphs) == sorted(ids[0] + ids[1])
     stats = runtime.stats
     assert (stats.graphs_released, stats.sequences.freed, stats.sequences.idle) == (2, 2, 1)
     again = runtime.open_sequence()
@@ -269,8 +289,8 @@ _FailingCapture.counts = {}
 
 def test_a_failed_capture_falls_back_to_running_without_a_graph(reference_model, capturing,
                                                                 recorded_runs):
-    device = _FailingCapture(**{field.name: getattr(DEVICE, field.name)
-                                for field in dataclasses.fields(DEVICE)})
+    device = _FailingCapture(**{field.name: getattr(GRAPH_DEVICE, field.name)
+                                for field in dataclasses.fields(GRAPH_DEVICE)})
     runtime = load(reference_model(), device=device, capacity=96, chunk_size=16, padding=False)
     expected = _load(reference_model()).open_sequence().generate(PROMPT, 8)
     assert runtime.open_sequence().generate(PROMPT, 8) == expected
@@ -309,13 +329,14 @@ def test_a_slot_taken_by_another_thread_drops_its_graphs_first(reference_model, 
     with runtime.open_sequence() as first:
         first.generate(PROMPT, RUNS_BEFORE_CAPTURE + 3)
     assert runtime.stats.graphs_captured == 1
+    ids = _decode_ids(runtime, first.slot)
     taken = []
     # The CUDA provider keeps graphs per thread: another thread's sequence captures anew.
     worker = threading.Thread(target=lambda: taken.append(runtime.open_sequence()))
     worker.start()
     worker.join(10)
     assert taken[0].slot == first.slot
-    assert released_graphs == [graph_id(first.slot, 0, False)]
+    assert released_graphs == list(ids)
     with runtime.cache.acquire(1) as session:
         assert not runtime.variants.bindings(session, taken[0].slot)
 

@@ -67,18 +67,31 @@ def test_inspect_reads_the_plan_from_the_file_and_the_folder(export, capsys):
                         if export.features.get("sliding_window") else set())
 
 
-def test_convert_declares_the_chunk_width_to_genai_and_genai_runs_the_folder(
+def test_the_converted_folder_runs_in_genai_generator_and_engine_as_the_original_did(
         export, converted, peer_python):
+    """The chunk width lives in the model's metadata, not in search.chunk_size, which genai's
+    static-batching og.Engine refuses: og.Generator and og.Engine run the converted folder
+    wherever they ran the original, with the same greedy tokens as onnx-chunk."""
     config = json.loads((converted / "genai_config.json").read_text())
-    assert config["search"]["chunk_size"] == CHUNK
+    assert "chunk_size" not in config["search"]
     runtime = load(converted, provider="cpu")
     assert runtime.options.chunk_size == CHUNK
     prompt = _prompt(runtime)
-    results = [run_child(environment.worker_argv(peer_python, "genai_worker", {
+    ours = runtime.open_sequence().generate(prompt, NEW_TOKENS)
+    generated = [run_child(environment.worker_argv(peer_python, "genai_worker", {
         "model": str(folder), "prompts": [prompt], "new_tokens": NEW_TOKENS, "chunk_size": 0,
         "max_length": runtime.options.capacity}), timeout_s=300).payload["results"][0]["tokens"]
         for folder in (export.folder, converted)]
-    assert results[0] == results[1] == runtime.open_sequence().generate(prompt, NEW_TOKENS)
+    assert generated[0] == generated[1] == ours
+    served = [run_child(environment.worker_argv(peer_python, "genai_engine_worker", {
+        "model": str(folder), "prompts": [prompt], "new_tokens": NEW_TOKENS, "batch": 1}),
+        timeout_s=300).payload for folder in (export.folder, converted)]
+    original, ours_served = served
+    if "error" in original:
+        assert ours_served == original
+    else:
+        assert "error" not in ours_served, ours_served["error"]
+        assert original["tokens"] == ours_served["tokens"] == [ours]
 
 
 def test_validate_passes_with_the_checker(export, converted, capsys):

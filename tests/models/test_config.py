@@ -54,10 +54,13 @@ def test_conv_hybrid_makes_even_layers_conv():
 def test_weights_are_seeded_shaped_and_counted():
     config = config_for("tiny", num_layers=3, conv_layers=(1,))
     first, again, other = make_weights(config, 3), make_weights(config, 3), make_weights(config, 4)
-    arrays = lambda w: [w.embedding, w.final_norm, w.lm_head] + [
-        a for layer in w.layers for a in dataclasses.astuple(layer)
-        if isinstance(a, np.ndarray)] + [a for layer in w.layers
-                                          for a in dataclasses.astuple(layer.mixer)]
+
+    def arrays(w):
+        return [w.embedding, w.final_norm, w.lm_head] + [
+            a for layer in w.layers for a in dataclasses.astuple(layer)
+            if isinstance(a, np.ndarray)] + [a for layer in w.layers
+                                              for a in dataclasses.astuple(layer.mixer)]
+
     assert all(np.array_equal(a, b) for a, b in zip(arrays(first), arrays(again)))
     assert not np.array_equal(first.lm_head, other.lm_head)
     assert all(a.dtype == np.float32 for a in arrays(first))

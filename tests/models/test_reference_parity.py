@@ -31,7 +31,7 @@ def test_prompt_and_decode_steps_match_the_reference(reference_model, variant):
     rng = np.random.default_rng(5)
     ids = rng.integers(0, ref.config.vocab_size, size=(1, 9))
     state_feeds, state, past = empty_state_feeds(ref), None, 0
-    for step in range(5):
+    for _ in range(5):
         rows = ids.shape[1]
         feeds, kwargs = request_feeds(ref, ids, past, _positions(past, rows),
                                       _row_scale(past, rows))

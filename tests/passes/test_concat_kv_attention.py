@@ -9,9 +9,13 @@ from onnx_chunk import metadata
 from onnx_chunk.cli import main
 from onnx_chunk.errors import ModelStructureError
 from onnx_chunk.passes import value_tracing
-from onnx_chunk.passes.concat_kv_attention import (FORM_ATTENTION, FORM_SOFTMAX,
-                                                   ConcatKVToGQAPass, _reads_sequence_axis,
-                                                   find_concat_kv_attention)
+from onnx_chunk.passes.concat_kv_attention import (
+    FORM_ATTENTION,
+    FORM_SOFTMAX,
+    ConcatKVToGQAPass,
+    _reads_sequence_axis,
+    find_concat_kv_attention,
+)
 from onnx_chunk.passes.kv_capacity import find_kv_capacity
 from tests.exports.corpus import GENAI, fixtures
 from tests.passes.export_graphs import insert_after, load_export

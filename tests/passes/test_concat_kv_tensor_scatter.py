@@ -7,8 +7,11 @@ import pytest
 
 from onnx_chunk.errors import ConfigError, ModelStructureError
 from onnx_chunk.passes import convert_model, value_tracing
-from onnx_chunk.passes.concat_kv_tensor_scatter import (IR_VERSION, OPSET,
-                                                        ConcatKVToTensorScatterPass)
+from onnx_chunk.passes.concat_kv_tensor_scatter import (
+    IR_VERSION,
+    OPSET,
+    ConcatKVToTensorScatterPass,
+)
 from onnx_chunk.passes.kv_capacity import find_kv_capacity, kv_past_inputs, kv_present_outputs
 from onnx_chunk.passes.recurrent_state import find_recurrent_state
 from tests.exports.corpus import GENAI, fixtures

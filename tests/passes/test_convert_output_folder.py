@@ -13,7 +13,8 @@ import pytest
 
 from onnx_chunk import model_io
 from onnx_chunk.cli import main
-
+from onnx_chunk.metadata import read_plan
+from onnx_chunk.model_io import load_model
 from tests.cli_output import one_error_line
 
 DATA = "model.onnx.data"
@@ -85,27 +86,40 @@ def test_convert_refuses_a_data_file_another_model_references(model_a, model_b, 
     assert _snapshot(model_a) == before
 
 
-def test_convert_names_the_output_and_the_chunk_size_in_the_copied_genai_config(model_a,
+def test_convert_names_the_output_in_the_copied_genai_config_and_keeps_the_rest(model_a,
                                                                                tmp_path):
+    """The chunk width goes into the model's metadata, never into search.chunk_size, which
+    onnxruntime-genai's static-batching og.Engine refuses."""
     out = tmp_path / "out"
     assert main(["convert", str(model_a / "model.onnx"), "-o", str(out / "b.onnx"),
                  "--chunk-size", "16"]) == 0
     source = json.loads((model_a / "genai_config.json").read_text())
     written = json.loads((out / "genai_config.json").read_text())
     assert written["model"]["decoder"]["filename"] == "b.onnx"
-    assert written["search"]["chunk_size"] == 16
+    assert "chunk_size" not in written["search"]
     source["model"]["decoder"]["filename"] = "b.onnx"
-    source["search"]["chunk_size"] = 16
     assert written == source
     assert sorted(os.listdir(out)) == ["b.onnx", "b.onnx.data", "genai_config.json"]
+    assert read_plan(load_model(out / "b.onnx")).chunk_size == 16
 
 
-def test_convert_in_place_writes_the_chunk_size_into_genai_config(model_a):
-    source = json.loads((model_a / "genai_config.json").read_text())
+def test_convert_in_place_leaves_genai_config_as_it_is(model_a):
+    before = (model_a / "genai_config.json").read_bytes()
     assert main(["convert", str(model_a / "model.onnx"), "--in-place", "--chunk-size", "16"]) == 0
-    written = json.loads((model_a / "genai_config.json").read_text())
-    source["search"]["chunk_size"] = 16
-    assert written == source
+    assert (model_a / "genai_config.json").read_bytes() == before
+    assert read_plan(load_model(model_a / "model.onnx")).chunk_size == 16
+
+
+def test_convert_keeps_a_chunk_size_the_source_config_sets(model_a, tmp_path):
+    """A search.chunk_size the user wrote is theirs: copied as it is, not changed to the
+    converted width."""
+    path = model_a / "genai_config.json"
+    source = json.loads(path.read_text())
+    source["search"]["chunk_size"] = 24
+    path.write_text(json.dumps(source))
+    assert main(["convert", str(model_a / "model.onnx"), "-o", str(tmp_path / "o" / "model.onnx"),
+                 "--chunk-size", "16"]) == 0
+    assert json.loads((tmp_path / "o" / "genai_config.json").read_text()) == source
 
 
 def test_convert_refuses_a_symlinked_companion(model_a, tmp_path, capsys):

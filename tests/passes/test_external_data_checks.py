@@ -6,7 +6,6 @@ from onnx import helper
 
 from onnx_chunk.cli import main
 from onnx_chunk.model_file import tensor_nbytes
-
 from tests.passes.test_cli_bad_input import _one_error_line, _save_external
 
 

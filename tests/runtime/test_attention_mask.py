@@ -6,10 +6,15 @@ import dataclasses
 import numpy as np
 import pytest
 
-from onnx_chunk.runtime.runner.attention_mask import CapacityMask, LogicalMask, decode_mask, mask_kind
 from onnx_chunk.runtime.device.buffers import DeviceBuffer
-from onnx_chunk.runtime.runner.ports import MASK_INPUT
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
+from onnx_chunk.runtime.runner.attention_mask import (
+    CapacityMask,
+    LogicalMask,
+    decode_mask,
+    mask_kind,
+)
+from onnx_chunk.runtime.runner.ports import MASK_INPUT
 
 
 class _Binding:

@@ -1,4 +1,5 @@
-"""scripts/cache_thrash.py reproduces seed 000's table: its own checks pass on the tiny model."""
+"""scripts/cache_thrash.py reproduces the thrashing table (per-shape cache vs ladder): its own
+checks pass on the tiny model."""
 
 import subprocess
 import sys

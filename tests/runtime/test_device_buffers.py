@@ -10,7 +10,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from onnx_chunk.runtime import load, model as runtime_model
+from onnx_chunk.runtime import load
+from onnx_chunk.runtime import model as runtime_model
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 
 PROMPT = np.random.default_rng(5).integers(0, 256, 45).tolist()

@@ -8,7 +8,8 @@ import onnxruntime as ort
 import pytest
 
 from onnx_chunk.errors import ModelLoadError
-from onnx_chunk.runtime import load, model as runtime_model
+from onnx_chunk.runtime import load
+from onnx_chunk.runtime import model as runtime_model
 from onnx_chunk.runtime.device.buffers import device_zeros
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 from onnx_chunk.runtime.device.session_factory import SessionFactory, SharedWeights

@@ -109,3 +109,31 @@ def test_generate_takes_the_providers_specialisation_default(reference_model, ca
     assert stats["specialize"] is specialize and stats["weights_shared"] is specialize
     assert stats["widths"] == widths and stats["padding"] is specialize
     assert stats["weights_bytes"] > 0
+
+
+def test_generate_speculative_gives_the_plain_tokens_and_counts_drafts(capsys):
+    from tests.exports.corpus import ROOT
+
+    folder = ROOT / "genai-qwen3-int4"
+    argv = ["generate", str(folder), "--random-prompt", "30", "--seed", "1",
+            "--max-new-tokens", "150", "--provider", "cpu", "--chunk-size", "16", "--json",
+            "--eos-token-id", "0"]
+    assert main(argv) == 0
+    (plain,) = _json_lines(capsys.readouterr().out)
+    for batch in ("1", "2"):
+        assert main(argv + ["--speculative", "prompt-lookup", "--batch", batch]) == 0
+        (entry,) = _json_lines(capsys.readouterr().out)
+        assert entry["tokens"] == plain["tokens"]
+        stats = entry["stats"]
+        assert stats["speculative"] == "prompt-lookup"
+        assert 0 < stats["accepted_tokens"] <= stats["draft_tokens"]
+        assert plain["stats"]["speculative"] is None
+
+
+def test_generate_speculative_is_refused_for_a_decoder_with_recurrent_state(
+        reference_model, capsys):
+    code = main(["generate", str(reference_model("conv_hybrid")), "--ids", "1,2",
+                 "--max-new-tokens", "2", "--provider", "cpu", "--speculative",
+                 "prompt-lookup"])
+    assert code == 2
+    assert "recurrent state" in capsys.readouterr().err

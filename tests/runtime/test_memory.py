@@ -5,8 +5,15 @@ import pytest
 
 from onnx_chunk.errors import ConfigError
 from onnx_chunk.runtime.device import memory
-from onnx_chunk.runtime.device.memory import (CudaMeter, RssMeter, cuda_used_bytes, measured, meter_for,
-                                       peak_rss_bytes, process_rss_bytes)
+from onnx_chunk.runtime.device.memory import (
+    CudaMeter,
+    RssMeter,
+    cuda_used_bytes,
+    measured,
+    meter_for,
+    peak_rss_bytes,
+    process_rss_bytes,
+)
 
 MIB = 1 << 20
 

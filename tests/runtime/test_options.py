@@ -8,15 +8,20 @@ import dataclasses
 import pytest
 
 from onnx_chunk.errors import ConfigError, ModelLoadError, ProviderError
+from onnx_chunk.ladder import ladder_tiers
 from onnx_chunk.model_file import read_model_file
 from onnx_chunk.model_folder import GenaiConfig
 from onnx_chunk.model_io import load_model
 from onnx_chunk.passes import analyze
-from onnx_chunk.ladder import ladder_tiers
-from onnx_chunk.runtime.options import (LoadArguments, checked_arguments, resolve_capacity,
-                                        resolve_chunk_size, resolve_options)
-from onnx_chunk.runtime.runner.padding import PADDING_ENV_VARS
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
+from onnx_chunk.runtime.options import (
+    LoadArguments,
+    checked_arguments,
+    resolve_capacity,
+    resolve_chunk_size,
+    resolve_options,
+)
+from onnx_chunk.runtime.runner.padding import PADDING_ENV_VARS
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,12 @@ from hypothesis import strategies as st
 from onnx_chunk.errors import CapacityError, ConfigError, InputError, ModelStructureError
 from onnx_chunk.ladder import ladder_tiers, padded_width
 from onnx_chunk.metadata import PaddingEligibility
-from onnx_chunk.runtime.runner.padding import (PADDING_ENV_VARS, QueryAxisShrunk, plan_forward,
-                                        resolve_padding)
+from onnx_chunk.runtime.runner.padding import (
+    PADDING_ENV_VARS,
+    QueryAxisShrunk,
+    plan_forward,
+    resolve_padding,
+)
 
 SEED_TIERS = ladder_tiers(512, 4)
 

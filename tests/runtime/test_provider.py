@@ -81,8 +81,9 @@ def test_probe_checks_the_created_session(cuda_listed):
 
 
 def test_specialisation_default_lives_in_the_device():
+    # One session per model on both: CUDA's fixed shapes are graphs on it, not sessions.
     assert device_for("cpu").specialize is False
-    assert device_for("cuda").specialize is True
+    assert device_for("cuda").specialize is False
 
 
 class _NoisyLibraryFailure(Exception):

@@ -6,8 +6,7 @@ import threading
 import numpy as np
 import pytest
 
-from onnx_chunk.errors import (CapacityError, ClosedError, ConfigError, InputError,
-                               SequenceBusyError)
+from onnx_chunk.errors import CapacityError, ClosedError, ConfigError, InputError, SequenceBusyError
 from onnx_chunk.runtime import load
 
 W = 16
@@ -266,7 +265,7 @@ def test_closing_a_sequence_under_its_stream_never_hands_its_buffers_to_another(
         expected = fresh.generate(other, 6, eos_token_id=[])
     first = loaded.open_sequence()
     stream = first.stream(prompt, 6, eos_token_id=[])
-    taken = [next(stream)]
+    next(stream)
     first.close()
     second = loaded.open_sequence()
     assert second.buffers is not first.buffers  # still the stream's until it lets go

@@ -7,11 +7,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from onnx_chunk.errors import ConfigError, QueueFullError
+from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
+from onnx_chunk.runtime.engine.kv_window import rewind_is_exact
+from onnx_chunk.runtime.engine.scheduler import (
+    KeptPrefix,
+    PrefixRule,
+    RequestQueue,
+    choose_slot,
+    prefill_picks,
+    shared_prefix,
+)
 from onnx_chunk.runtime.runner.attention_mask import decode_mask, mask_kind
 from onnx_chunk.runtime.runner.idle_rows import evicting_rows
-from onnx_chunk.runtime.device.provider import device_for
-from onnx_chunk.runtime.device.provider import MaskPolicy
-from onnx_chunk.runtime.engine.scheduler import RequestQueue, admit, prefill_picks
 
 
 def test_the_queue_is_fifo_bounded_and_says_when_it_is_full():
@@ -29,10 +36,103 @@ def test_the_queue_is_fifo_bounded_and_says_when_it_is_full():
         RequestQueue(0)
 
 
-def test_free_slots_take_waiting_requests_smallest_slot_first():
-    assert admit([3, 1, 2], 2) == [1, 2]
-    assert admit([0, 1], 5) == [0, 1]
-    assert admit([0, 1], 0) == []
+def _kept(ids, last_used=0):
+    return KeptPrefix(np.asarray(ids, dtype=np.int64), last_used)
+
+
+def test_a_request_takes_the_free_slot_with_the_longest_shared_prefix():
+    prompt = np.array([1, 2, 3, 4, 5])
+    free = {0: _kept([1, 2, 9], 1), 1: _kept([1, 2, 3, 4], 2), 2: _kept([])}
+    choice = choose_slot(free, prompt, PrefixRule())
+    assert (choice.slot, choice.reused, choice.shared) == (1, 4, 4)
+    # One prompt id is always left to feed: the same prompt again reuses all but its last.
+    assert choose_slot({0: _kept([1, 2, 3, 4, 5, 6])}, prompt, PrefixRule()).reused == 4
+    assert choose_slot({0: _kept([7, 8])}, np.array([7]), PrefixRule()).reused == 0
+
+
+def test_no_shared_prefix_takes_an_empty_slot_then_the_least_recently_used():
+    prompt = np.array([5, 6, 7])
+    assert choose_slot({0: _kept([1], 3), 2: _kept([]), 1: _kept([])}, prompt,
+                       PrefixRule()).slot == 1
+    assert choose_slot({0: _kept([1], 3), 1: _kept([2], 1), 2: _kept([3], 2)}, prompt,
+                       PrefixRule()).slot == 1
+    # Equal reuse: the least recently used of them.
+    assert choose_slot({0: _kept([5, 6], 3), 1: _kept([5, 6], 1)}, prompt,
+                       PrefixRule()).slot == 1
+    # Reuse off: nothing is reused, and an empty slot (the smallest) comes first.
+    choice = choose_slot({0: _kept([5, 6], 3), 1: _kept([]), 3: _kept([])}, prompt,
+                         PrefixRule(enabled=False))
+    assert (choice.slot, choice.reused, choice.shared) == (1, 0, 0)
+
+
+def test_recurrent_state_reuses_only_the_whole_kept_prefix():
+    rule = PrefixRule(recurrent=True)
+    prompt = np.array([1, 2, 3, 4, 5])
+    assert choose_slot({0: _kept([1, 2, 3])}, prompt, rule).reused == 3
+    # A prompt that leaves the kept ids partway cannot roll the state back: nothing reused.
+    choice = choose_slot({0: _kept([1, 2, 3, 9]), 1: _kept([])}, prompt, rule)
+    assert (choice.slot, choice.reused, choice.shared) == (1, 0, 3)
+    # The same prompt again: its state is kept one id too far.
+    assert choose_slot({0: _kept([1, 2, 3, 4, 5])}, prompt, rule).reused == 0
+
+
+def test_a_window_cache_reuses_only_what_its_evictions_left_exact():
+    # 12 rows for a window of 8: 5 positions are reclaimed per eviction.
+    rule = PrefixRule(windows=((12, 8),))
+    kept = list(range(20))
+    # At 20 positions it has evicted twice; a rewind to 19 or 18 stays in the same eviction.
+    assert rule.usable(20, 20) == 20 and rule.usable(20, 19) == 19
+    assert not rewind_is_exact(20, 20 - 17, 12, 8)
+    prompt = np.array(kept[:17] + [99, 98])
+    choice = choose_slot({0: _kept(kept)}, prompt, rule)
+    assert choice.reused < choice.shared == 17
+    assert choice.reused == 0 or rewind_is_exact(20, 20 - choice.reused, 12, 8)
+
+
+def _usable_by_brute_force(kept, prompt, rule):
+    best = 0
+    for length in range(0, min(len(kept), len(prompt) - 1) + 1):
+        if list(kept[:length]) != list(prompt[:length]) or length == 0:
+            continue
+        if rule.recurrent and length != len(kept):
+            continue
+        if all(rewind_is_exact(len(kept), len(kept) - length, rows, window)
+               for rows, window in rule.windows):
+            best = length
+    return best if rule.enabled else 0
+
+
+_ids = st.lists(st.integers(0, 2), max_size=24)
+
+
+@given(st.dictionaries(st.integers(0, 7), st.tuples(_ids, st.integers(0, 20)), min_size=1,
+                       max_size=5),
+       st.lists(st.integers(0, 2), min_size=1, max_size=24),
+       st.sampled_from([PrefixRule(), PrefixRule(recurrent=True), PrefixRule(enabled=False),
+                        PrefixRule(windows=((12, 8),)), PrefixRule(windows=((9, 4), (16, 16)))]))
+def test_the_chosen_slot_reuses_the_longest_exact_prefix_there_is(slots, prompt, rule):
+    free = {slot: _kept(ids, used) for slot, (ids, used) in slots.items()}
+    prompt = np.array(prompt)
+    choice = choose_slot(free, prompt, rule)
+    kept = free[choice.slot].tokens
+    usable = {slot: _usable_by_brute_force(kept_prefix.tokens, prompt, rule)
+              for slot, kept_prefix in free.items()}
+    # The longest usable prefix of any free slot, and a true prefix of both.
+    assert choice.reused == max(usable.values()) == usable[choice.slot]
+    assert choice.reused <= len(prompt) - 1
+    assert list(kept[:choice.reused]) == list(prompt[:choice.reused])
+    assert choice.shared >= choice.reused
+    if rule.enabled:
+        assert choice.shared == max(shared_prefix(kept_prefix.tokens, prompt[:-1])
+                                    for kept_prefix in free.values())
+    # Ties (and no reuse at all): an empty slot first, then the least recently used.
+    tied = [slot for slot, length in usable.items() if length == choice.reused]
+    empty = sorted(slot for slot in tied if len(free[slot].tokens) == 0)
+    if empty:
+        assert choice.slot == empty[0]
+    else:
+        oldest = min(free[slot].last_used for slot in tied)
+        assert free[choice.slot].last_used == oldest
 
 
 def test_prefill_fills_the_budget_in_admission_order_and_never_skips_ahead():

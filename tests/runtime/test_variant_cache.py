@@ -11,7 +11,13 @@ from hypothesis import strategies as st
 
 from onnx_chunk.errors import ClosedError, ConfigError
 from onnx_chunk.ladder import DECODE_WIDTH, ladder_tiers
-from onnx_chunk.runtime.caches.variant_cache import DYNAMIC, EXACT, VariantCache, key_label, variant_key
+from onnx_chunk.runtime.caches.variant_cache import (
+    DYNAMIC,
+    EXACT,
+    VariantCache,
+    key_label,
+    variant_key,
+)
 
 
 class _Variant:

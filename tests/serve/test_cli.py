@@ -44,3 +44,10 @@ def test_without_the_serve_extra_the_command_says_what_to_install(monkeypatch, c
 def test_serve_is_listed_in_the_help(capsys):
     assert main(["--help"]) == 0
     assert "serve" in capsys.readouterr().out
+
+
+def test_speculative_decoding_on_a_decoder_that_cannot_take_drafts_back_is_refused(capsys):
+    lfm2 = EXPORT.parent / "genai-lfm2-fp32"
+    assert main(["serve", str(lfm2), "--provider", "cpu", "--port", "0",
+                 "--speculative", "prompt-lookup"]) == 2
+    one_error_line(capsys, "speculative", "recurrent state")

@@ -46,13 +46,16 @@ def _error(body: object, status: int, param: str | None = None) -> dict:
     (CHAT, {"messages": MESSAGES, "temperature": 3}, "temperature"),
     (CHAT, {"messages": MESSAGES, "top_p": 0}, "top_p"),
     (CHAT, {"messages": MESSAGES, "seed": -4}, "seed"),
-    (CHAT, {"messages": MESSAGES, "n": 2}, "n"),
+    (CHAT, {"messages": MESSAGES, "n": 17}, "n"),
+    (CHAT, {"messages": MESSAGES, "n": 0}, "n"),
     (CHAT, {"messages": MESSAGES, "stream": "yes"}, "stream"),
     (CHAT, {"messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     (CHAT, {"messages": MESSAGES, "stop": [""]}, "stop"),
-    (CHAT, {"messages": MESSAGES, "logprobs": True}, "logprobs"),
+    (CHAT, {"messages": MESSAGES, "logprobs": 2}, "logprobs"),
+    (COMPLETIONS, {"prompt": "hi", "logprobs": True}, "logprobs"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     (COMPLETIONS, {"prompt": 12}, "prompt"),
-    (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt"),
+    (COMPLETIONS, {"prompt": ["a", 2]}, "prompt"),
     (COMPLETIONS, {"prompt": [1, -2]}, "prompt"),
     (COMPLETIONS, {"prompt": "hi", "max_tokens": True}, "max_tokens"),
     (COMPLETIONS, {"prompt": "hi", "best_of": 3}, "best_of"),
@@ -174,8 +177,8 @@ class _FailingRequest:
     def __init__(self, token: int) -> None:
         self._token = token
 
-    def tokens(self):
-        yield self._token
+    def steps(self):
+        yield self._token, None
         raise RuntimeError("the forward failed: device lost")
 
     def cancel(self) -> None:

@@ -5,8 +5,13 @@ from __future__ import annotations
 import pytest
 
 from onnx_chunk.errors import InputError
-from onnx_chunk.serve.protocol import (GenerationParams, RequestError, error_body, parse_chat,
-                                       parse_completion)
+from onnx_chunk.serve.protocol import (
+    GenerationParams,
+    RequestError,
+    error_body,
+    parse_chat,
+    parse_completion,
+)
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -14,7 +19,8 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 def test_a_chat_body_with_every_option():
     params = parse_chat({"model": "m", "messages": [
         {"role": "system", "content": "be terse"},
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        {"role": "user",
+         "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
         "max_completion_tokens": 9, "temperature": 0, "top_p": 0.5, "seed": 3, "stop": "x",
         "stream": True, "stream_options": {"include_usage": True}, "n": 1, "user": "ignored"})
     assert params == GenerationParams(
@@ -32,11 +38,12 @@ def test_a_completion_prompt_is_text_or_token_ids(prompt, expected):
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"prompt": ""}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": [True]}, "prompt"),
-    ({"prompt": [[1], [2]]}, "prompt"), ({"prompt": None}, "prompt"),
+    ({"prompt": [[1], []]}, "prompt"), ({"prompt": None}, "prompt"),
     ({"prompt": "a", "temperature": True}, "temperature"),
     ({"prompt": "a", "top_p": 1.5}, "top_p"), ({"prompt": "a", "seed": 1.0}, "seed"),
     ({"prompt": "a", "n": True}, "n"), ({"prompt": "a", "model": 3}, "model"),
-    ({"prompt": "a", "stop": 5}, "stop"), ({"prompt": "a", "echo": True}, "echo"),
+    ({"prompt": "a", "stop": 5}, "stop"), ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "a", "n": 17}, "n"), ({"prompt": ["a"] * 65}, "prompt"),
     ({"prompt": "a", "stream_options": []}, "stream_options"),
     ({"prompt": "a", "stream_options": {"include_usage": 1}}, "stream_options"),
 ])
@@ -91,3 +98,10 @@ def test_a_lone_surrogate_is_refused_naming_its_field(body, param):
     with pytest.raises(RequestError, match="lone surrogate") as caught:
         (parse_chat if "messages" in body else parse_completion)(body)
     assert caught.value.param == param and caught.value.status == 400
+
+
+def test_a_completion_takes_a_list_of_prompts_and_n():
+    params = parse_completion({"prompt": ["one", [4, 5], "two"], "n": 3, "echo": True,
+                               "max_tokens": 0})
+    assert params.prompts == ("one", (4, 5), "two") and params.prompt == "one"
+    assert params.n == 3 and params.max_tokens == 0

@@ -25,3 +25,18 @@ def test_the_quick_soak_has_no_errors_and_the_ladder_stops_compiling(tmp_path):
     assert results["ladder"]["compiles_after_warmup"] == 0
     assert results["exact"]["compiles_after_warmup"] > 0
     assert "| mode | req/s |" in done.stdout
+
+
+def test_a_chat_mix_soak_reuses_prefixes_with_no_errors(tmp_path):
+    out = tmp_path / "soak.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--modes", "auto",
+                           "--chat-mix", "0.5", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text())["results"][0]
+    assert result["errors"] == 0 and result["continued"] > 0
+    # The server's counters and the responses' usage agree that prefixes were reused.
+    assert result["prefix_hits"] > 0 and result["cached_tokens"] > 0
+    assert result["checkpoints"][-1]["prefix_hits"] == result["prefix_hits"]
+    assert result["verdicts"]["prefix hits"] == "ok"
+    assert "| mode | continued requests |" in done.stdout

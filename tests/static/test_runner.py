@@ -12,8 +12,8 @@ from onnx_chunk.errors import CapacityError, ConfigError, InputError, ModelStruc
 from onnx_chunk.models.config import config_for
 from onnx_chunk.models.static_decoder import reference_forward
 from onnx_chunk.models.weights import make_weights
-from onnx_chunk.static.alignment import StaticLimits, align_prompt
 from onnx_chunk.runtime.device.provider import device_for
+from onnx_chunk.static.alignment import StaticLimits, align_prompt
 from onnx_chunk.static.mask import mask_fill_value
 from onnx_chunk.static.runner import StaticRunner, window_capacity_problem
 

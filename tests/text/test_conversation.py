@@ -1,4 +1,5 @@
-"""Chat turns keep the conversation in the KV cache and feed only what it lacks."""
+"""Chat turns run on the batch engine, whose prefix reuse keeps the conversation in a slot's
+KV cache, so each turn prefills only what the slot lacks."""
 
 from __future__ import annotations
 
@@ -38,7 +39,6 @@ def test_turn_two_feeds_only_the_new_turn_and_continues_the_cache(text_runtime):
     assert first == conversation.last_completion.text
     assert conversation.last_turn.reused_tokens == 0
     before = conversation.cached_ids
-    assert len(before) == conversation._sequence.length
     "".join(conversation.say("And then?", 12))
     turn = conversation.last_turn
     rendered = text_runtime.tokenizer.apply_chat_template(conversation.messages[:-1])
@@ -51,14 +51,28 @@ def test_turn_two_feeds_only_the_new_turn_and_continues_the_cache(text_runtime):
         "system", "user", "assistant", "user", "assistant"]
 
 
-def test_without_reuse_every_turn_feeds_the_whole_conversation(text_runtime):
-    conversation = Conversation(text_runtime, reuse_cache=False)
+def test_without_reuse_every_turn_feeds_the_whole_conversation(text_model):
+    runtime = load(text_model, provider="cpu", capacity=512, chunk_size=32, prefix_reuse=False)
+    conversation = Conversation(runtime, reuse_cache=False)
     "".join(conversation.say("Hello", 6))
     "".join(conversation.say("Again", 6))
-    rendered = text_runtime.tokenizer.apply_chat_template(conversation.messages[:-1])
+    rendered = runtime.tokenizer.apply_chat_template(conversation.messages[:-1])
     assert conversation.last_turn.fed_ids == tuple(
-        text_runtime.tokenizer.encode(rendered, add_special_tokens=False))
+        runtime.tokenizer.encode(rendered, add_special_tokens=False))
     assert conversation.last_turn.reused_tokens == 0
+
+
+def test_every_turn_gives_the_tokens_of_its_whole_prompt_fed_at_once(text_model, text_runtime):
+    """Each turn's prompt (the kept ids and the new ones) on a runtime that reuses nothing:
+    the same reply tokens, though the turn prefilled only what its slot lacked."""
+    plain = load(text_model, provider="cpu", capacity=512, chunk_size=32, prefix_reuse=False)
+    conversation = Conversation(text_runtime)
+    for content in ("Hello there", "And then, and then?", "Bye."):
+        "".join(conversation.say(content, 10))
+        completion = conversation.last_completion
+        prompt = list(conversation.cached_ids[:completion.prompt_tokens])
+        assert list(completion.tokens) == plain.submit(prompt, 10).result()
+    assert conversation.last_turn.reused_tokens > completion.prompt_tokens // 2
 
 
 def test_a_template_that_rewrites_earlier_turns_falls_back_with_a_logged_reason(
@@ -73,11 +87,13 @@ def test_a_template_that_rewrites_earlier_turns_falls_back_with_a_logged_reason(
     runtime = load(folder / "model.onnx", provider="cpu", capacity=256, chunk_size=32)
     conversation = Conversation(runtime)
     "".join(conversation.say("one", 4))
+    first = conversation.cached_ids
     with caplog.at_level(logging.INFO, logger="onnx_chunk.text.conversation"):
         "".join(conversation.say("two", 4))
-    assert conversation.last_turn.reused_tokens == 0
-    assert "feeding the whole conversation again" in caplog.text
-    assert conversation._sequence.length == len(conversation.cached_ids)
+    assert "submitting the whole conversation again" in caplog.text
+    assert "no prefix" in conversation.last_turn.how
+    # The engine reuses only the head both renderings share ("user: "), not the first turn.
+    assert conversation.last_turn.reused_tokens < len(first)
 
 
 def test_a_reply_left_unread_is_not_counted_as_cached(text_runtime):
@@ -86,8 +102,9 @@ def test_a_reply_left_unread_is_not_counted_as_cached(text_runtime):
     next(reply)
     reply.close()
     "".join(conversation.say("Hello", 12))
-    assert conversation.last_turn.reused_tokens == 0
     assert conversation.last_turn.how == "the last reply was not read to its end"
+    # The whole rendering was submitted; the engine reused what the slot held of it.
+    assert 0 < conversation.last_turn.reused_tokens < len(conversation.cached_ids)
 
 
 @pytest.mark.parametrize("reuse_cache", [True, False])
@@ -96,7 +113,12 @@ def test_a_refused_turn_leaves_the_cache_as_it_was(text_runtime, reuse_cache):
 
     chat = Conversation(text_runtime, reuse_cache=reuse_cache)
     "".join(chat.say("Hello there", 4))
-    length, cached = chat._sequence.length, chat.cached_ids
+    cached = chat.cached_ids
     with pytest.raises(InputError):
         chat.say("again", 4, stop="")
-    assert (chat._sequence.length, chat.cached_ids) == (length, cached) and length > 0
+    assert chat.cached_ids == cached and cached
+    "".join(chat.say("again", 4))
+    # The slot still holds the first turn (reuse_cache=False encodes the reply again, which
+    # may split it otherwise: then less of it is reused).
+    assert (chat.last_turn.reused_tokens == len(cached) if reuse_cache
+            else 0 < chat.last_turn.reused_tokens <= len(cached))

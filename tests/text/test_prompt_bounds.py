@@ -14,11 +14,16 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from onnx_chunk.errors import CapacityError
-from onnx_chunk.text.chat_template import (ChatTemplate, ChatTemplateError, ChatTemplateFault,
-                                           RenderTooLong)
+from onnx_chunk.text.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    ChatTemplateFault,
+    RenderTooLong,
+)
 from onnx_chunk.text.tokenizer import Tokenizer, load_tokenizer
 from tests.exports.corpus import fixtures
 from tests.text.conftest import CORPUS, train_metaspace, write_tokenizer

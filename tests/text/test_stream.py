@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from onnx_chunk.text.stream import REPLACEMENT, TextStream
 from tests.text.conftest import CORPUS, train_metaspace

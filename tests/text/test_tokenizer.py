@@ -33,7 +33,8 @@ def test_special_tokens_and_ids(folder):
                                                                          "<|pad|>")
     assert tokenizer.bos_token_id == 1 and tokenizer.eos_token_ids == (2,)
     assert tokenizer.vocab_size == 512 and tokenizer.token_id("<|im_start|>") == 3
-    assert tokenizer.encode("hi")[0] == 1 and tokenizer.encode("hi", add_special_tokens=False)[0] != 1
+    assert tokenizer.encode("hi")[0] == 1
+    assert tokenizer.encode("hi", add_special_tokens=False)[0] != 1
     assert tokenizer.decode(tokenizer.encode("日本 hi"), skip_special_tokens=True) == "日本 hi"
     assert tokenizer.is_special(2) and not tokenizer.is_special(100)
     assert special.template_variables() == {"bos_token": "<s>", "eos_token": "<|im_end|>",

@@ -40,7 +40,7 @@ def test_json_is_one_object_with_model_checks_summary(base, capsys):
     code, out, _ = _run(capsys, base, "--json", "--chunk-size", CHUNK, "--provider", "cpu",
                         "--lengths", "3,9", "--new-tokens", 2, "--skip", "cache")
     data = json.loads(out)
-    assert code == 0 and set(data) == {"model", "checks", "summary"}
+    assert code == 0 and set(data) == {"schema", "model", "checks", "summary"}
     assert data["model"] == str(base)
     assert data["summary"] == {"passed": 11, "failed": 0, "skipped": 4, "ok": True}
     check = next(item for item in data["checks"] if item["name"] == "numerics.greedy_tokens")

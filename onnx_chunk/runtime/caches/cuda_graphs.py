@@ -1,26 +1,28 @@
-"""CUDA graph capture per variant: which sessions capture, the graph ids, the capture gate.
+"""CUDA graph capture: which sessions capture, the run options per graph id, the capture gate.
 
-ONNX Runtime's CUDA provider captures a CUDA graph when a session is created with the provider
-option `enable_cuda_graph=1`; every later run with the same run option `gpu_graph_id` replays
-it without launching a kernel from the host. What ONNX Runtime requires, and how the runtime
-meets it (docs/cuda.md has the whole story):
+ONNX Runtime's CUDA provider captures CUDA graphs when a session is created with the provider
+option `enable_cuda_graph=1`. Since ONNX Runtime 1.18 one session holds several graphs, each
+under its own annotation id (the run option `gpu_graph_id`) with its own fixed shapes and
+addresses; a run with id -1 runs without capture, and `release_captured_graph(id)` frees one.
+What ONNX Runtime requires, and how the runtime meets it (docs/cuda.md has the whole story):
 
 1. Every input and output is bound through IOBinding to an OrtValue on the device that never
    moves: replay re-issues the addresses recorded at capture and skips the input copies.
-2. Shapes are fixed per graph: a session specialised for one query width with the
-   capacity-wide mask (`capturable`). The shape-generic session never captures.
+2. Shapes and addresses are fixed per graph id: each binding (one slot's buffers at one width
+   and batch) that captures gets ids of its own from the graph cache (`graph_cache`), never
+   shared with another binding. Widths that do not capture run under SKIP_CAPTURE on the same
+   session.
 3. Every compute node runs on the CUDA provider; a session that cannot capture fails to be
    created with the option on, and the factory creates it without.
 4. Graph id 0 is reserved by ONNX Runtime: ids start at FIRST_GRAPH_ID. A graph id runs
    RUNS_BEFORE_CAPTURE times uncaptured (allocations), is captured on the next run and
    replayed from then on; a binding's very first run passes SKIP_CAPTURE (it learns the
    logits shape). `GraphRuns` counts the runs, so the runtime knows which run captures.
-5. A graph records one set of addresses: each sequence slot gets its own ids on a session, and
-   a model with recurrent state two per slot (its state buffers alternate): `graph_id`.
+5. A model with recurrent state gets two ids per binding: its state buffers alternate.
 6. ONNX Runtime captures in CUDA's global capture mode, which any device work from another
    thread breaks: a capture run holds `CAPTURE_GATE` alone, all other device work shares it.
-7. Graphs are freed with their session, or by `release_graphs` when their slot is freed
-   (`sequence_pool`).
+7. Graphs are freed by `release_graphs` (the graph cache's eviction, a freed sequence slot) or
+   with their session.
 """
 
 from __future__ import annotations
@@ -48,23 +50,16 @@ FIRST_GRAPH_ID = 1
 RUNS_BEFORE_CAPTURE = 2
 
 
-def capturable(device: Device, width: int | None) -> bool:
-    """Whether a variant of query width `width` (None: shape-generic) captures a CUDA graph."""
-    return (device.cuda_graphs and device.mask_policy is MaskPolicy.CAPACITY
-            and width is not None)
+def capturable(device: Device) -> bool:
+    """Whether the sessions of `device` are created to capture CUDA graphs (every one of them,
+    the shape-generic one included: the bindings decide which shapes capture)."""
+    return device.cuda_graphs and device.mask_policy is MaskPolicy.CAPACITY
 
 
 def session_captures(session: ort.InferenceSession) -> bool:
     """Whether `session` was created with CUDA graph capture on (as ONNX Runtime reports it)."""
     options = session.get_provider_options().get("CUDAExecutionProvider", {})
     return options.get(ENABLE_CUDA_GRAPH) == "1"
-
-
-def graph_id(slot: int, parity: int, stateful: bool) -> int:
-    """The graph id of a binding in `slot` whose state buffers are at `parity` (0 or 1)."""
-    if slot < 0 or parity not in (0, 1):
-        raise ValueError(f"slot must be >= 0 and parity 0 or 1, got {slot} and {parity}")
-    return FIRST_GRAPH_ID + (2 * slot + parity if stateful else slot)
 
 
 def run_options(graph: int) -> ort.RunOptions:
@@ -79,7 +74,8 @@ class GraphRuns:
     """The run options of one binding: a first run without capture, then its graphs.
 
     `runs[i]` counts the runs made under graph `ids[i]`: the run after RUNS_BEFORE_CAPTURE of
-    them is the capture. `failure` (set by `fall_back`) makes every later run skip capture.
+    them is the capture. `failure` (set by `fall_back`: a capture failed, or the graph cache
+    evicted the binding's graphs) makes every later run skip capture.
     """
 
     first: ort.RunOptions
@@ -111,6 +107,15 @@ class GraphRuns:
         self.runs[index] += 1
         return self.runs[index] == RUNS_BEFORE_CAPTURE + 1
 
+    def replays_next(self, first_run: bool, parity: int) -> bool:
+        """Whether the next run (at `parity`) replays a captured graph."""
+        return (not first_run and self.failure is None
+                and self.runs[parity % len(self.ids)] > RUNS_BEFORE_CAPTURE)
+
+    def graph(self, parity: int) -> int:
+        """The graph id of runs at `parity`."""
+        return self.ids[parity % len(self.ids)]
+
     @property
     def captured(self) -> tuple[int, ...]:
         """The graph ids captured so far (what `release_captured_graph` must free)."""
@@ -121,9 +126,11 @@ class GraphRuns:
         self.failure = reason
 
 
-def graph_runs(slot: int, stateful: bool) -> GraphRuns:
-    """The run options of a binding in `slot` (one graph, two for a stateful model)."""
-    ids = tuple(graph_id(slot, parity, stateful) for parity in ((0, 1) if stateful else (0,)))
+def graph_runs(ids: tuple[int, ...]) -> GraphRuns:
+    """The run options of a binding whose graphs run under `ids` (one, two for a model whose
+    state buffers alternate)."""
+    if not ids or min(ids) < FIRST_GRAPH_ID:
+        raise ValueError(f"graph ids start at {FIRST_GRAPH_ID}, got {ids}")
     return GraphRuns(run_options(SKIP_CAPTURE), tuple(run_options(i) for i in ids), ids)
 
 

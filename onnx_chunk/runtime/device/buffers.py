@@ -32,13 +32,14 @@ import onnxruntime as ort
 
 from onnx_chunk.errors import ProviderError
 from onnx_chunk.runtime.device.memory import cudart
-from onnx_chunk.runtime.runner.ports import BufferPort
 from onnx_chunk.runtime.device.provider import Device
+from onnx_chunk.runtime.runner.ports import BufferPort
 
 logger = logging.getLogger(__name__)
 
 _CUDA_MEMCPY_HOST_TO_DEVICE = 1
 _CUDA_MEMCPY_DEVICE_TO_HOST = 2
+_CUDA_MEMCPY_DEVICE_TO_DEVICE = 3
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,32 @@ def _copy_to_host(value: ort.OrtValue, offset: int, out: np.ndarray) -> None:
     if status != 0:
         raise ProviderError(f"copying {out.nbytes} bytes of logits from the GPU failed (CUDA "
                             f"error {status}); the device is in a bad state, restart the process")
+
+
+def copy_on_device(target: DeviceBuffer, target_start: int, source: DeviceBuffer,
+                   source_start: int, count: int) -> None:
+    """Copy `count` flat elements of `source` from `source_start` into `target` from
+    `target_start`: two buffers (or two parts of one) on one device, same dtype, not
+    overlapping, never through the host (a memory copy on CPU, cudaMemcpy device to device on
+    CUDA)."""
+    if count <= 0:
+        return
+    itemsize = source.dtype.itemsize
+    nbytes = count * itemsize
+    destination = target.value.data_ptr() + target_start * itemsize
+    origin = source.value.data_ptr() + source_start * itemsize
+    device = target.value.device_name().lower()
+    if device == "cpu":
+        ctypes.memmove(destination, origin, nbytes)
+        return
+    memcpy = _cuda_memcpy() if device == "cuda" else None
+    if memcpy is None:
+        raise ProviderError(f"no device-to-device copy on {device}; the runtime supports CPU "
+                            "and CUDA devices")
+    status = memcpy(destination, origin, nbytes, _CUDA_MEMCPY_DEVICE_TO_DEVICE)
+    if status != 0:
+        raise ProviderError(f"copying {nbytes} bytes of KV cache on the GPU failed (CUDA error "
+                            f"{status}); the device is in a bad state, restart the process")
 
 
 class SequenceBuffers:
@@ -266,6 +293,14 @@ class BatchBuffers(SequenceBuffers):
         """A host copy of row `row` of `buffer`."""
         start, stop = self.row_range(buffer, row)
         return np.array(buffer.read(start, stop - start)).reshape((1, *buffer.shape[1:]))
+
+    def copy_slot(self, source: int, target: int) -> None:
+        """Make slot `target`'s KV and current state rows a copy of slot `source`'s, on the
+        device (`copy_on_device`): a sequence forked after its prefill."""
+        for buffer in (*self.kv, *(pair[self._current] for pair in self._state)):
+            start, stop = self.row_range(buffer, source)
+            copy_on_device(buffer, self.row_range(buffer, target)[0], buffer, start,
+                           stop - start)
 
     def write_row(self, buffer: DeviceBuffer, row: int, array: np.ndarray) -> None:
         """Copy `array` (one row) into row `row` of `buffer`."""

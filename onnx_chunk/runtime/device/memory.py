@@ -13,13 +13,17 @@ import ctypes
 import functools
 import logging
 import os
-import resource
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, TypeVar
 
 from onnx_chunk.errors import ConfigError
+
+try:
+    import resource
+except ImportError:  # Windows has no getrusage: peak_rss_bytes gives no reading there
+    resource = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +47,13 @@ def process_rss_bytes() -> int | None:
     return int(fields[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def peak_rss_bytes() -> int:
+def peak_rss_bytes() -> int | None:
     """The process's peak resident set size so far, in bytes (getrusage's ru_maxrss).
 
-    Linux reports ru_maxrss in KiB, macOS in bytes.
+    Linux reports ru_maxrss in KiB, macOS in bytes; None on Windows (no getrusage).
     """
+    if resource is None:
+        return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 

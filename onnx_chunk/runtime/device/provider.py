@@ -29,7 +29,10 @@ the table; bench decoder, ~100M parameters fp32, CPU provider, 2 cores):
    a session build and (the decode session) a pre-packed copy of the weights. Bench decoder:
    per-width variants 993 MiB resident, TTFT 288 ms for 40 tokens, 85-92 decode tokens/s;
    one session that owns its weights 588 MiB, 64 ms, 76-83 tokens/s.
-2. CUDA: per-width variants (`specialize=True`): CUDA graphs replay fixed shapes only.
+2. CUDA: one session as well (`specialize=False`), holding one copy of the weights on the
+   device; the fixed shapes CUDA graphs need are graphs captured on it per width and batch
+   (`caches/graph_cache`), not sessions. Per-width CUDA sessions (`specialize=True`) each copy
+   the weights to the device.
 
 The CUDA probe of `provider="auto"` asks ONNX Runtime for a CUDA session; on a machine without
 the CUDA libraries ORT's C++ loader prints its dlopen failures straight to file descriptor 2.
@@ -143,7 +146,7 @@ def device_for(provider: str, device_id: int = 0,
     elif provider == "cuda":
         options = {"device_id": str(device_id)}
         device = Device("cuda", "cuda", device_id, ((_CUDA_EP, options), (_CPU_EP, {})), False,
-                        MaskPolicy.CAPACITY, cuda_graphs=True, specialize=True,
+                        MaskPolicy.CAPACITY, cuda_graphs=True, specialize=False,
                         window_slack=False)
     else:
         raise ConfigError(f"unknown provider {provider!r}; expected 'cpu' or 'cuda'")
@@ -192,7 +195,7 @@ def resolve_device(provider: str = "auto", device_id: int = 0,
     return chosen
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_failure(device_id: int) -> str | None:
     """None when a CUDA session can be created on `device_id`, else why it cannot."""
     return probe_cuda(device_id)

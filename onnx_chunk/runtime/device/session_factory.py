@@ -45,14 +45,22 @@ way, pre-packs them and frees the originals (bench decoder after one decode step
 resident, a plain ORT session 392 MiB, per-width variants 804 MiB: 381 MiB of shared maps plus
 a 295 MiB packed copy).
 
-On CUDA the shared OrtValues stay in host memory (`add_initializer` refuses a buffer ONNX Runtime
-allocated, and the CUDA session copies a host initializer to the device: "Cannot use user
-supplied initializer ... because the ORT planned memory location for the initializer is
-different"), so each per-width CUDA session holds its own device copy of the weights, which its
-build reading charges to it (`SharedWeights.copied_per_session`; docs/cuda.md, "Weights", says
-which design would hold one copy and what the GPU check measures). A session asked to capture a CUDA
-graph that ONNX Runtime refuses to create (a compute node it cannot place on the CUDA provider)
-is created again without capture, with a warning; `cuda_graphs.session_captures` tells which.
+On CUDA the runtime holds one session per model (`specialize=False`, the default there), which
+loads its own weights onto the device: one copy, with CUDA graphs per shape on it instead of a
+session per width. Per-width CUDA sessions (`specialize=True` asked for) get the shared
+OrtValues in host memory (`add_initializer` refuses a buffer ONNX Runtime allocated), and each
+copies them to the device ("Cannot use user supplied initializer ... because the ORT planned
+memory location for the initializer is different"): one device copy per session
+(`SharedWeights.copied_per_session`), which its build reading charges to it. A session asked to
+capture a CUDA graph that ONNX Runtime refuses to create (a compute node it cannot place on the
+CUDA provider) is created again without capture, with a warning;
+`cuda_graphs.session_captures` tells which.
+
+Counted from events (`sessions_alive`, `weights_copies`): a session is alive from its creation
+until ONNX Runtime's session object is freed (a `weakref.finalize` on it), and it owns a copy of
+the weights when it loads its own (no shared weights), copies the shared host values to its
+device, or pre-packs the shared values (a packed copy of the MatMul weights, as measured
+above). The shared host values count as one copy while loaded and faulted in (on CPU).
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,9 +78,9 @@ import onnxruntime as ort
 
 from onnx_chunk.errors import ModelLoadError, ProviderError
 from onnx_chunk.model_file import ExternalData, ModelFile, TensorRef, numpy_dtype, tensor_nbytes
-from onnx_chunk.runtime.runner.logits_row import select_row
 from onnx_chunk.runtime.device.memory import MemoryMeter, measured
 from onnx_chunk.runtime.device.provider import Device
+from onnx_chunk.runtime.runner.logits_row import select_row
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +99,8 @@ class SharedWeights:
     in) made the meter grow by, None without a meter or a reading. `owned_by_session` gives
     the weights of a runtime whose one session loads its own (no values, `shared` False).
     `copied_per_session`: the values are host memory and the sessions run on another device,
-    so every session copies them to its device (one device copy per variant).
+    so every session copies them to its device (one device copy per variant). `host_copy`:
+    the values are a resident copy in host memory (on CPU, faulted in at load).
     """
 
     names: tuple[str, ...]
@@ -99,6 +109,7 @@ class SharedWeights:
     resident_bytes: int | None = None
     shared: bool = True
     copied_per_session: bool = False
+    host_copy: bool = False
     _keep_alive: tuple[np.ndarray, ...] = field(repr=False, default=())
 
 
@@ -123,7 +134,8 @@ def load_shared_weights(model: ModelFile, device: Device,
         loaded, grown = measured(meter, lambda: _load_values(model, device, on_host))
     names, values, nbytes, arrays = loaded
     return SharedWeights(names, values, nbytes, resident_bytes=grown,
-                         copied_per_session=not on_host, _keep_alive=arrays)
+                         copied_per_session=not on_host, host_copy=on_host and bool(names),
+                         _keep_alive=arrays)
 
 
 def _load_values(model: ModelFile, device: Device, fault_in: bool) -> tuple[
@@ -189,6 +201,8 @@ class SessionFactory:
        GPU check reads ONNX Runtime's capture log lines and node placement through them).
     5. `last_row` builds the session from the model with a chosen logits row (`logits_row`),
        made once per factory and handed to ONNX Runtime as bytes.
+    6. `sessions_alive` and `weights_copies` count sessions created and not yet freed, and the
+       copies of the weights they own (see the module docstring), from those events.
     """
 
     def __init__(self, model_path: Path, weights: SharedWeights, device: Device, *,
@@ -206,6 +220,24 @@ class SessionFactory:
         self._lock = threading.Lock()
         self._row_model: bytes | None = None
         self.sessions_created = 0
+        self.sessions_alive = 0
+        self._owned_copies = 0
+
+    @property
+    def weights_copies(self) -> int:
+        """Copies of the weights held now: the shared host copy, plus one per live session
+        that owns one."""
+        with self._lock:
+            return self._owned_copies + int(self.weights.host_copy)
+
+    def _owns_copy(self, prepack: bool) -> bool:
+        weights = self.weights
+        return not weights.shared or weights.copied_per_session or (prepack and bool(weights.names))
+
+    def _freed(self, owns: bool) -> None:
+        with self._lock:
+            self.sessions_alive -= 1
+            self._owned_copies -= int(owns)
 
     def create(self, width: int | None, *, prepack: bool, capture: bool = False,
                last_row: bool = False) -> ort.InferenceSession:
@@ -215,8 +247,10 @@ class SessionFactory:
             try:
                 return self._create(width, prepack, capture=True, last_row=last_row)
             except ModelLoadError as error:
+                # The reason as text: a logged exception would keep its traceback's frames
+                # (and the sessions they come to hold) alive in whatever keeps the record.
                 logger.warning("width %s cannot capture a CUDA graph, running it without: %s",
-                               width, error)
+                               width, str(error))
         return self._create(width, prepack, capture=False, last_row=last_row)
 
     def _model_source(self, last_row: bool) -> str | bytes:
@@ -270,8 +304,12 @@ class SessionFactory:
         if used != expected:
             raise ProviderError(f"a session asked for {expected} came up on {used}; the device "
                                 f"{self.device.label} is not usable, choose another provider")
+        owns = self._owns_copy(prepack)
         with self._lock:
             self.sessions_created += 1
+            self.sessions_alive += 1
+            self._owned_copies += int(owns)
+        weakref.finalize(session, self._freed, owns)
         logger.debug("created session width=%s prepack=%s capture=%s last_row=%s dims=%s",
                      width, prepack, capture, last_row, dims)
         return session

@@ -21,6 +21,8 @@ from typing import Literal
 
 import numpy as np
 
+from onnx_chunk.sampling import TokenLogprobs
+
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 _ids = itertools.count()
@@ -31,12 +33,15 @@ class RequestStats:
     """One request's timings and counts (seconds from its submit).
 
     `queued_s`: until a slot took it; `ttft_s`: until its first token; `total_s`: until it
-    ended; `prefill_chunks`: the prefill forwards its prompt took.
+    ended; `prefill_chunks`: the prefill forwards its prompt took; `cached_tokens`: the
+    leading prompt ids whose KV its slot kept from an earlier request (prefix reuse), which
+    were not fed again.
     """
 
     prompt_tokens: int
     new_tokens: int = 0
     prefill_chunks: int = 0
+    cached_tokens: int = 0
     queued_s: float | None = None
     ttft_s: float | None = None
     total_s: float | None = None
@@ -55,7 +60,8 @@ def finish_reason(token: int, produced: int, max_new_tokens: int,
     """Why a generation ends with `token`, its `produced`-th new token (None: it goes on).
 
     Rules: 1. an end-of-sequence id ends it ("stop"), even as the last allowed token;
-    2. else the `max_new_tokens`-th token ends it ("length").
+    2. else the `max_new_tokens`-th token ends it ("length"). (A request of 0 new tokens, for
+    its prompt's logprobs, ends "length" after its prefill without choosing any.)
     """
     if token in eos_token_ids:
         return "stop"
@@ -77,6 +83,8 @@ class Request:
         self._submitted = time.perf_counter()
         self._tokens: list[int] = []
         self._times: list[float] = []
+        self._logprobs: list[TokenLogprobs] = []
+        self._prompt_logprobs: list[TokenLogprobs | None] = []
         self._changed = threading.Condition()
         self._error: BaseException | None = None
         self._reason: FinishReason | None = None
@@ -103,16 +111,42 @@ class Request:
         with self._changed:
             return tuple(self._times)
 
+    @property
+    def logprobs(self) -> tuple[TokenLogprobs, ...]:
+        """The logprobs of each token so far (when its `Sampling.logprobs` asked for them;
+        else empty). Token i's entry is there as soon as token i is."""
+        with self._changed:
+            return tuple(self._logprobs)
+
+    @property
+    def prompt_logprobs(self) -> tuple[TokenLogprobs | None, ...]:
+        """Per prompt token, its logprobs (None for the first), when `Sampling.prompt_logprobs`
+        asked for them; complete once the first token (or, with 0 new tokens, the end) came."""
+        with self._changed:
+            return tuple(self._prompt_logprobs)
+
+    @property
+    def produced(self) -> tuple[int, ...]:
+        """The tokens produced so far (a copy)."""
+        with self._changed:
+            return tuple(self._tokens)
+
     def tokens(self) -> Iterator[int]:
         """The tokens as they are produced; raises the request's error after its last token."""
+        for token, _ in self.steps():
+            yield token
+
+    def steps(self) -> Iterator[tuple[int, TokenLogprobs | None]]:
+        """Like `tokens()`, each token with its logprobs (None when they were not asked for)."""
         seen = 0
         while True:
             with self._changed:
                 while seen == len(self._tokens) and self._reason is None:
                     self._changed.wait()
                 ready = self._tokens[seen:]
+                logprobs = self._logprobs[seen:seen + len(ready)]
                 ended = self._reason is not None
-            yield from ready
+            yield from zip(ready, logprobs + [None] * (len(ready) - len(logprobs)))
             seen += len(ready)
             if ended and seen == len(self._tokens):
                 if self._error is not None:
@@ -136,19 +170,28 @@ class Request:
 
     # The engine's side: only the engine thread (or a cancel) calls these.
 
-    def admitted(self) -> None:
+    def admitted(self, cached_tokens: int = 0) -> None:
         with self._changed:
             self._stats.queued_s = time.perf_counter() - self._submitted
+            self._stats.cached_tokens = cached_tokens
 
     def note_chunk(self) -> None:
         with self._changed:
             self._stats.prefill_chunks += 1
 
-    def deliver(self, token: int) -> FinishReason | None:
-        """Add a produced token; the reason the request ends with it, if it does."""
+    def add_prompt_logprobs(self, entries: list[TokenLogprobs | None]) -> None:
+        """Add the logprobs of the next prompt tokens (a prefill chunk's)."""
+        with self._changed:
+            self._prompt_logprobs.extend(entries)
+
+    def deliver(self, token: int, logprobs: TokenLogprobs | None = None) -> FinishReason | None:
+        """Add a produced token (and its logprobs); the reason the request ends with it, if
+        it does."""
         with self._changed:
             if self._reason is not None:
                 return self._reason
+            if logprobs is not None:
+                self._logprobs.append(logprobs)
             self._tokens.append(token)
             self._times.append(time.perf_counter() - self._submitted)
             self._stats.new_tokens = len(self._tokens)

@@ -9,7 +9,8 @@ prompt.
 Rules:
 1. Waiting requests form one FIFO queue of bounded length; a submit to a full queue is a
    QueueFullError, never a silent drop or a wait (`RequestQueue`).
-2. A free slot takes the request at the head of the queue (`admit`): first come, first served.
+2. A free slot takes the request at the head of the queue: first come, first served (which
+   free slot: rule 5).
    Nothing is preempted: a slot is freed only by its request finishing, failing or being
    cancelled, and a request freed so gives its slot to the next one at the next step.
 3. Per step, prefill chunks run in admission order while the rows they add stay within the
@@ -17,15 +18,27 @@ Rules:
    progress; the first chunk that does not fit ends the step's prefill, and nothing later
    skips ahead of it (`prefill_picks`).
 4. A prompt is fed in the chunks a lone sequence feeds it in (`prefill_chunks`).
+5. Prefix reuse (`choose_slot`): a free slot keeps the ids whose KV it holds from its last
+   request (`KeptPrefix`). An arriving request takes the free slot whose kept ids share the
+   longest usable prefix with its prompt; usable means at most the prompt's length less one
+   (one token is always fed, so the first token comes from a forward) and a prefix the slot's
+   KV can be rewound to (`PrefixRule`: a window-sized cache only where its eviction rule
+   allows, recurrent state only the whole kept prefix). Ties, and no usable prefix anywhere,
+   go to an empty slot first, then to the least recently used one, then to the smallest
+   number: a hot prefix is never overwritten while a colder slot is free.
 """
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+import numpy as np
+
 from onnx_chunk.errors import ConfigError, QueueFullError
+from onnx_chunk.runtime.engine.kv_window import rewind_is_exact
 
 T = TypeVar("T")
 
@@ -54,6 +67,11 @@ class RequestQueue(Generic[T]):
                 "later, or load the model with a larger max_queue or max_batch")
         self._items.append(item)
 
+    def push_front(self, item: T) -> None:
+        """Queue `item` at the head, past the limit: a request already accepted (a choice of
+        a group that found no free slot to fork into)."""
+        self._items.appendleft(item)
+
     def pop(self) -> T:
         """The request at the head."""
         return self._items.popleft()
@@ -71,11 +89,6 @@ class RequestQueue(Generic[T]):
         items = list(self._items)
         self._items.clear()
         return items
-
-
-def admit(free_slots: Sequence[int], waiting: int) -> list[int]:
-    """The slots that take a waiting request now, smallest first (rule 2)."""
-    return sorted(free_slots)[:max(0, waiting)]
 
 
 def prefill_picks(pending: Sequence[Sequence[int]], budget: int) -> list[int]:
@@ -115,3 +128,80 @@ def prefill_chunks(length: int, width: int) -> list[tuple[int, int]]:
         begin, end = bounds[-2]
         bounds[-2:] = [(begin, end - 1), (end - 1, length)]
     return bounds
+
+
+@dataclass(frozen=True)
+class KeptPrefix:
+    """What a free slot keeps from its last request: the ids whose KV (and state) it holds,
+    in the order they were fed, and `last_used`, when its last request was admitted (larger:
+    more recent)."""
+
+    tokens: np.ndarray
+    last_used: int = 0
+
+
+@dataclass(frozen=True)
+class PrefixRule:
+    """Which prefixes of a slot's kept ids its buffers can be rewound to (rule 5).
+
+    `windows`: (rows, window) of every window-sized KV cache; `recurrent`: whether the decoder
+    carries recurrent (conv or SSM) state, which holds no history; `enabled`: False reuses
+    nothing (every request starts on an empty slot).
+    """
+
+    windows: tuple[tuple[int, int], ...] = ()
+    recurrent: bool = False
+    enabled: bool = True
+
+    def usable(self, kept: int, shared: int) -> int:
+        """The longest prefix of at most `shared` ids of a slot holding `kept` ids that its
+        buffers can be rewound to exactly (0: none; starting empty is always possible)."""
+        shared = min(shared, kept)
+        if not self.enabled or shared < 1:
+            return 0
+        if self.recurrent:
+            # The state is that of all `kept` ids: only the whole kept prefix is exact.
+            return kept if shared == kept else 0
+        for length in range(shared, 0, -1):
+            if all(rewind_is_exact(kept, kept - length, rows, window)
+                   for rows, window in self.windows):
+                return length
+        return 0
+
+
+@dataclass(frozen=True)
+class SlotChoice:
+    """The slot an arriving request takes and the kept ids it reuses; `shared`: the longest
+    prefix any free slot's kept ids shared with the prompt (more than `reused` when the rule
+    allowed less)."""
+
+    slot: int
+    reused: int
+    shared: int
+
+
+def shared_prefix(kept: np.ndarray, prompt: np.ndarray) -> int:
+    """How many leading ids `kept` and `prompt` have in common."""
+    length = min(len(kept), len(prompt))
+    differ = np.flatnonzero(np.asarray(kept[:length]) != np.asarray(prompt[:length]))
+    return int(differ[0]) if differ.size else length
+
+
+def choose_slot(free: dict[int, KeptPrefix], prompt: np.ndarray,
+                rule: PrefixRule) -> SlotChoice:
+    """The free slot (numbered keys of `free`) an arriving `prompt` takes (rule 5)."""
+    if not free:
+        raise ConfigError("a request can only be admitted to a free slot, and none is free")
+    choices = []
+    longest = 0
+    for slot, kept in free.items():
+        # One prompt id is always left to feed.
+        shared = (shared_prefix(kept.tokens, prompt[:len(prompt) - 1]) if rule.enabled
+                  else 0)
+        longest = max(longest, shared)
+        reused = rule.usable(len(kept.tokens), shared)
+        empty = len(kept.tokens) == 0
+        choices.append(((-reused, not empty, 0 if empty else kept.last_used, slot),
+                         slot, reused))
+    _, slot, reused = min(choices)
+    return SlotChoice(slot, reused, longest)

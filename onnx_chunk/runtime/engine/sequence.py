@@ -3,7 +3,8 @@
 A sequence is request state: its slot of buffers (`sequence_pool`), its logical length, its
 stats, and the busy/closed rules below; it is a thin view over the model runner
 (`model_runner`), which runs each of its forwards as it runs the batch engine's, and its
-generation ends by the requests' one rule (`request.finish_reason`). A prompt longer than the chunk width W is fed chunk by chunk (the last one at the
+generation ends by the requests' one rule (`request.finish_reason`). A prompt longer than the
+chunk width W is fed chunk by chunk (the last one at the
 remainder width, `scheduler.prefill_chunks`), and only the last chunk's logits reach the host.
 
 A sequence's buffers are a slot of the runtime's sequence pool: `close()` (or leaving a `with`
@@ -41,6 +42,7 @@ from onnx_chunk.runtime.engine.kv_window import rewind_is_exact
 from onnx_chunk.runtime.engine.request import finish_reason
 from onnx_chunk.runtime.engine.scheduler import prefill_chunks
 from onnx_chunk.runtime.engine.sequence_pool import SequencePool
+from onnx_chunk.runtime.engine.speculation import Drafter, Speculation, accepted
 from onnx_chunk.runtime.runner.model_runner import Forward, ModelRunner, Row
 from onnx_chunk.runtime.stats import ChunkRecord, GenerationStats, SequenceStats
 from onnx_chunk.sampling import GREEDY, Sampler, Sampling
@@ -50,11 +52,14 @@ class Sequence:
     """An independent sequence: its own KV buffers and logical length on a shared model."""
 
     def __init__(self, runner: ModelRunner, slots: SequencePool, *, chunk_size: int,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...],
+                 speculation: Speculation | None = None) -> None:
         """A sequence on a slot taken from `slots` (given back at close), run by `runner`,
         feeding prompts in chunks of `chunk_size`; `eos_token_ids`: where a generation stops
-        unless it names its own."""
+        unless it names its own; `speculation`: generations draft by prompt lookup and verify
+        the drafts (the caller checked that the decoder allows it)."""
         self._runner = runner
+        self._speculation = speculation
         self._chunk_size = chunk_size
         self._eos_token_ids = eos_token_ids
         self._vocab = runner.ports.vocab_size
@@ -168,7 +173,8 @@ class Sequence:
         """Generation: the new tokens (stopping after an end-of-sequence id if one comes).
 
         `eos_token_id`: one id or a sequence of ids, each in [0, vocab); None: the runtime's
-        (`Runtime.options.eos_token_ids`). `sampling` chooses each token (default greedy: the argmax).
+        (`Runtime.options.eos_token_ids`). `sampling` chooses each token (default greedy: the
+        argmax).
         The last token returned is not fed back, so the sequence then holds
         len(prompt) + len(tokens) - 1 positions more than before.
         """
@@ -185,6 +191,10 @@ class Sequence:
         """
         ids = self.check_request(token_ids, max_new_tokens)
         stop_ids = arguments.stop_ids(eos_token_id, self._eos_token_ids, self._vocab)
+        if sampling is not None and (sampling.logprobs is not None
+                                     or sampling.prompt_logprobs is not None):
+            raise InputError("a sequence's generation gives tokens only; ask for logprobs "
+                             "through the batch engine (Runtime.submit or generate_text)")
         sampler = Sampler(GREEDY if sampling is None else sampling, self._vocab)
         sampler.observe(ids)
         release = self._hold("stream")
@@ -311,6 +321,10 @@ class Sequence:
         if reason is not None:
             generation.stopped_by_eos = reason == "stop"
             return
+        drafter = None
+        if self._speculation is not None:
+            drafter = Drafter(ids, self._speculation)
+            drafter.extend((token,))
         # The decode variant is pinned for the whole loop (it cannot be evicted meanwhile).
         with self._runner.decoding(self._slot, self._length) as step:
             while reason is None:
@@ -318,14 +332,45 @@ class Sequence:
                 # buffers go back to the pool once the stream lets the sequence go.
                 self._check_open()
                 began = time.perf_counter()
-                token = sampler.choose(step(token))
+                left = max_new_tokens - generation.new_tokens
+                draft = (drafter.draft(self._length.length, left - 1) if drafter is not None
+                         else ())
+                if len(draft):
+                    tokens = self._verified(drafter, token, draft, sampler,
+                                            generation.new_tokens, max_new_tokens, eos_ids)
+                else:
+                    tokens = [sampler.choose(step(token))]
+                if drafter is not None:
+                    drafter.extend(tokens)
                 self._stats.decode_forwards += 1
                 # Only the step is timed: a stream's consumer may take its time between tokens.
                 generation.decode_s += time.perf_counter() - began
-                generation.new_tokens += 1
-                yield token
+                for index, token in enumerate(tokens):
+                    generation.new_tokens += 1
+                    try:
+                        yield token
+                    except GeneratorExit:
+                        # The consumer stops: the verified tokens it did not take are dropped.
+                        self._length.rewind(len(tokens) - 1 - index)
+                        raise
                 reason = finish_reason(token, generation.new_tokens, max_new_tokens, eos_ids)
         generation.stopped_by_eos = reason == "stop"
+
+    def _verified(self, drafter: Drafter, token: int, draft: np.ndarray, sampler: Sampler,
+                  produced: int, max_new_tokens: int, eos_ids: tuple[int, ...]) -> list[int]:
+        """Feed `token` and `draft` in one forward; the tokens the verification gives, cut by
+        the finish rule, with the length rewound to hold all but the last of them."""
+        rows = np.concatenate([np.array([token], dtype=np.int64), draft])
+        logits = self._runner.run(self._slot, Forward([Row(rows, self._length)], "all")).logits
+        tokens = drafter.verified(sampler, logits[0], draft)
+        self._stats.draft_tokens += len(draft)
+        self._stats.accepted_tokens += accepted(tokens, draft)
+        for index, chosen in enumerate(tokens):
+            if finish_reason(chosen, produced + index + 1, max_new_tokens, eos_ids) is not None:
+                tokens = tokens[:index + 1]
+                break
+        self._length.rewind(len(rows) - len(tokens))
+        return tokens
 
     def _prefill(self, ids: np.ndarray, all_logits: bool,
                  records: list[ChunkRecord] | None) -> np.ndarray:

@@ -24,8 +24,8 @@ import numpy as np
 import onnxruntime as ort
 
 from onnx_chunk.runtime.device.buffers import device_zeros
-from onnx_chunk.runtime.runner.ports import MASK_INPUT
 from onnx_chunk.runtime.device.provider import Device, MaskPolicy
+from onnx_chunk.runtime.runner.ports import MASK_INPUT
 
 
 class AttentionMask(abc.ABC):

@@ -23,8 +23,18 @@ from __future__ import annotations
 
 from onnx_chunk.errors import ModelLoadError, ModelStructureError
 from onnx_chunk.model_file import read_value_info
-from onnx_chunk.onnx_wire import (LEN, Span, WireError, encode_len_field, encode_varint_field,
-                                  field_bytes, field_pieces, fields, len_header, text)
+from onnx_chunk.onnx_wire import (
+    LEN,
+    Span,
+    WireError,
+    encode_len_field,
+    encode_varint_field,
+    field_bytes,
+    field_pieces,
+    fields,
+    len_header,
+    text,
+)
 from onnx_chunk.runtime.runner.ports import LOGITS_OUTPUT
 
 ROW_INPUT = "logits_row"

@@ -14,9 +14,11 @@ rows come back: "none", "last" (each batch row's last real row) or "all" (every 
    runtime's device, allocated and bound once (fixed addresses, what a CUDA graph replays):
    token and position buffers per binding, KV, state and mask per slot. A forward writes its
    tokens, positions and mask (through the mask policy, `attention_mask`) in place.
-4. Run: on a session that captures CUDA graphs each binding runs under its own graph ids
-   (`cuda_graphs`); a capture holds the process's capture gate alone, every other forward
-   holds it shared, and a capture that fails falls back to running that width without a graph.
+4. Run: on a session that captures CUDA graphs, a binding at a width where capture pays (the
+   decode width at any batch, the ladder tiers, a specialised session's width) runs under
+   graph ids of its own from the bounded graph cache (`graph_cache`), any other under -1; a
+   capture holds the process's capture gate alone, every other forward holds it shared, and a
+   capture that fails falls back to running that width without a graph.
 5. Idle rows of a batched forward run but are left as they were (`idle_rows`).
 6. Logits: only the rows asked for reach the host. A prefill width takes the logits ONNX
    Runtime allocated for it, copies the wanted rows and lets the rest go; the decode width
@@ -53,8 +55,9 @@ from onnx_chunk.runtime.runner.ports import LOGITS_OUTPUT, ModelPorts
 
 LogitsRows = Literal["none", "last", "all"]
 
-# Widths whose bindings (and logits buffers) a slot keeps on one shape-generic session:
-# the decode width and the latest prefill width.
+# Bindings that capture no graph (and their logits buffers) a slot keeps on one shape-generic
+# session: the decode width and the latest prefill width. Capturing bindings are bounded by the
+# graph cache, which drops a binding with its graphs.
 _BINDINGS_PER_SESSION = 2
 
 
@@ -156,7 +159,7 @@ class ModelRunner:
         # The logits are cut, read and released while the variant is still pinned, so no other
         # thread can evict it (and count its memory as freed) while its output is in use.
         with self.variants.cache.acquire(key) as session, self._gate(session, slot, width):
-            binding = self._binding(session, slot, width, all_rows=forward.logits == "all")
+            binding = self._binding(session, key, slot, width, all_rows=forward.logits == "all")
             try:
                 logits = self._forward(key, session, binding, slot, forward, plan, view=False)
             except QueryAxisShrunk as error:
@@ -177,7 +180,7 @@ class ModelRunner:
         it to keep it past the next step.
         """
         with self.variants.cache.acquire(self.decode_key) as session:
-            binding = self._binding(session, slot, DECODE_WIDTH)
+            binding = self._binding(session, self.decode_key, slot, DECODE_WIDTH)
             yield functools.partial(self._step, session, binding, slot, length)
 
     def _step(self, session: ort.InferenceSession, binding: _Binding, slot: SequenceSlot,
@@ -328,17 +331,20 @@ class ModelRunner:
             device.run(session, binding.io, None)
             return
         parity = slot.buffers.parity
-        capture = graphs.captures_next(first_run, parity)
-        try:
+        if not graphs.captures_next(first_run, parity):
+            if graphs.replays_next(first_run, parity):
+                self.variants.graphs.replayed(graphs)
             device.run(session, binding.io, graphs.options(first_run, parity))
+            graphs.ran(first_run, parity)
+            return
+        try:
+            self.variants.graphs.capture(
+                session, graphs, parity, width,
+                lambda options: device.run(session, binding.io, options),
+                self.variants.dropper(session, slot.number, width, graphs))
         except Exception as error:  # ORT's own exception types
-            if not capture:
-                raise
             self.variants.note_fallback(session, width, f"{type(error).__name__}: {error}")
             device.run(session, binding.io, graphs.options(first_run, parity))
-            return
-        if graphs.ran(first_run, parity):
-            self.variants.note_capture(width)
 
     def _release_output(self, binding: _Binding, slot: SequenceSlot) -> None:
         """Drop the logits ONNX Runtime allocated for a run of `binding` (when it keeps none)."""
@@ -349,8 +355,8 @@ class ModelRunner:
         binding.io.bind_output(binding.output, device.device_type, device.device_id)
         slot.buffers.bind_kv(binding.io)
 
-    def _binding(self, session: ort.InferenceSession, slot: SequenceSlot, width: int,
-                 all_rows: bool = False) -> _Binding:
+    def _binding(self, session: ort.InferenceSession, key: VariantKey, slot: SequenceSlot,
+                 width: int, all_rows: bool = False) -> _Binding:
         # The variant pool holds the bindings per live session and drops them when the cache
         # releases that session. A specialised session sees one width; the shape-generic one
         # keeps the last few widths it ran at. A row-selecting session asked for every row
@@ -386,18 +392,26 @@ class ModelRunner:
         if selects:
             row_index = device_zeros((1,), np.int64, device)
             io.bind_ortvalue_input(ROW_INPUT, row_index.value)
-        graphs = self.variants.graph_runs(session, slot.number,
-                                          stateful=bool(slot.buffers.state_ports),
-                                          capture=not every_row and slot.captures)
+        graphs = self.variants.graph_runs(
+            session, width, stateful=bool(slot.buffers.state_ports),
+            capture=not every_row and slot.captures and self._captures(key, width))
         keeps = width == DECODE_WIDTH or (graphs is not None and not every_row)
         binding = _Binding(io, tokens, positions, graphs, keeps_logits=keeps, output=output,
                            row_index=row_index,
                            step_tokens=np.zeros(token_shape, dtype=ports.token_dtype),
                            step_positions=np.zeros((batch, width), dtype=np.int64))
         bindings[name] = binding
-        while len(bindings) > _BINDINGS_PER_SESSION:
-            bindings.popitem(last=False)
+        uncaptured = [held for held, kept in bindings.items()
+                      if kept.graphs is None or not kept.graphs.ids]
+        for held in uncaptured[:-_BINDINGS_PER_SESSION]:
+            del bindings[held]
         return binding
+
+    def _captures(self, key: VariantKey, width: int) -> bool:
+        """Whether a binding at `width` on the session of `key` captures a graph: where capture
+        pays, at the widths that recur (decode at any batch, the ladder tiers) and on a session
+        specialised for its width; other widths run uncaptured on the same session."""
+        return key is not None or width == DECODE_WIDTH or width in self.tiers
 
     def _adopt_logits(self, binding: _Binding) -> None:
         produced = binding.io.get_outputs()[0]

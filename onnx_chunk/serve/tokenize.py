@@ -1,0 +1,73 @@
+"""vLLM's /tokenize and /detokenize: the server's tokenizer and chat template over HTTP.
+
+/tokenize takes {"prompt": str, "add_special_tokens": true} or {"messages": [...],
+"add_generation_prompt": true, "add_special_tokens": false, "tools": [...]}, each with an
+optional "return_token_strs", and answers {"count", "max_model_len", "tokens", "token_strs"}
+(the ids a generation request with the same prompt is fed, through the same functions).
+/detokenize takes {"tokens": [ids]} and answers {"prompt": text}.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from onnx_chunk.serve.protocol import RequestError, _shown, parse_chat
+
+if TYPE_CHECKING:
+    from onnx_chunk.text.tokenizer import Tokenizer
+
+
+def tokenize(body: object, tokenizer: Tokenizer, capacity: int,
+             check_model: Callable[[object], None]) -> dict[str, Any]:
+    """The answer of /tokenize (see the module docstring)."""
+    body = _object(body)
+    check_model(body.get("model"))
+    if "messages" in body:
+        messages = [dict(message) for message in parse_chat(
+            {"messages": body.get("messages")}).messages]
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise RequestError(f"'tools' must be a list, got {_shown(tools)}", param="tools")
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=_flag(body, "add_generation_prompt", True),
+            tools=tools)
+        ids = tokenizer.encode(text, add_special_tokens=_flag(body, "add_special_tokens",
+                                                              False))
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise RequestError(f"'prompt' must be a string (or send 'messages'), got "
+                               f"{_shown(prompt)}", param="prompt")
+        ids = tokenizer.encode(prompt, add_special_tokens=_flag(body, "add_special_tokens",
+                                                                True))
+    strings = ([tokenizer.id_to_token(token) for token in ids]
+               if _flag(body, "return_token_strs", False) else None)
+    return {"count": len(ids), "max_model_len": capacity, "tokens": ids, "token_strs": strings}
+
+
+def detokenize(body: object, tokenizer: Tokenizer,
+               check_model: Callable[[object], None]) -> dict[str, Any]:
+    """The answer of /detokenize: {"prompt": the text of "tokens"}."""
+    body = _object(body)
+    check_model(body.get("model"))
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(
+            isinstance(token, int) and not isinstance(token, bool)
+            and 0 <= token < tokenizer.vocab_size for token in tokens):
+        raise RequestError(f"'tokens' must be a list of token ids in [0, "
+                           f"{tokenizer.vocab_size}), got {_shown(tokens)}", param="tokens")
+    return {"prompt": tokenizer.decode(tokens)}
+
+
+def _object(body: object) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got {_shown(body)}")
+    return body
+
+
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise RequestError(f"'{name}' must be a boolean, got {_shown(value)}", param=name)
+    return value

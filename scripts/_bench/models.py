@@ -1,0 +1,88 @@
+"""The real-size benchmark models: their shapes, names and where they are cached.
+
+scripts/make_bench_models.py builds them; every benchmark script finds one by name through
+`bench_model` (``--model qwen05-int4``). Standard library only: the exporters venv imports it too.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT_ENV = "ONNX_CHUNK_BENCH_MODELS"
+DEFAULT_ROOT = Path.home() / ".cache" / "onnx-chunk" / "bench-models"
+# genai's search.max_length in the exports: the longest benchmark request (4000-token prompt and
+# its new tokens) fits, and genai's preallocated KV cache is not the full context's.
+MAX_LENGTH = 8192
+ONNX_PRECISIONS = ("int4", "fp32")
+GGUF_QUANTS = ("q4_0", "q8_0")
+BUILD_COMMAND = "nice -n 10 /work/exporters-venv/bin/python scripts/make_bench_models.py"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One real model's architecture, with random weights."""
+
+    model_type: str
+    config: dict
+    tokenizer_family: str  # the export fixtures' tokenizer and chat template
+    gguf_pre_tokenizer: str  # the name llama.cpp gives the real model's pre-tokenizer
+
+
+SHAPES = {
+    "qwen05": Shape("qwen2", {
+        "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
+        "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+        "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True, "use_sliding_window": False, "initializer_range": 0.02},
+        "qwen2", "qwen2"),
+    "llama1b": Shape("llama", {
+        "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
+        "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 64, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "initializer_range": 0.02},
+        "llama", "llama-bpe"),
+}
+BENCH_MODELS = tuple(f"{shape}-{precision}" for shape in SHAPES
+                     for precision in ONNX_PRECISIONS + GGUF_QUANTS)
+
+
+class BenchModelMissing(LookupError):
+    """A benchmark model named on the command line is not built (or not a known name)."""
+
+
+def parse_name(name: str) -> tuple[str, str]:
+    """(shape, precision) of a model name such as ``qwen05-int4``."""
+    shape, _, precision = name.partition("-")
+    if shape not in SHAPES or precision not in ONNX_PRECISIONS + GGUF_QUANTS:
+        raise BenchModelMissing(f"unknown benchmark model {name!r}; known: "
+                                f"{', '.join(BENCH_MODELS)}")
+    return shape, precision
+
+
+def models_root(root: Path | None = None) -> Path:
+    """The cache folder: `root`, else $ONNX_CHUNK_BENCH_MODELS, else the default."""
+    if root is not None:
+        return root
+    return Path(os.environ[ROOT_ENV]) if os.environ.get(ROOT_ENV) else DEFAULT_ROOT
+
+
+def bench_model(name: str, root: Path | None = None) -> Path:
+    """The built model `name`: model.onnx of a builder export, or the .gguf file."""
+    _, precision = parse_name(name)
+    folder = models_root(root) / name
+    path = (folder / "model.onnx" if precision in ONNX_PRECISIONS
+            else folder / f"{name}.gguf")
+    if not ((folder / "BUILD.json").is_file() and path.is_file()):
+        raise BenchModelMissing(f"benchmark model {name} is not built in {folder.parent}; "
+                                f"build it with `{BUILD_COMMAND} {name}` (see its --help)")
+    return path
+
+
+def gguf_twins(name: str) -> list[str]:
+    """The GGUF names of an ONNX model's shape: ``qwen05-int4`` -> qwen05-q4_0, qwen05-q8_0."""
+    shape, _ = parse_name(name)
+    return [f"{shape}-{quant}" for quant in GGUF_QUANTS]

@@ -1,0 +1,256 @@
+"""Prompt-lookup speculative decoding against plain decoding: three measurements.
+
+1. random: seeded random prompts on a real-size export (default qwen05-int4, from
+   scripts/make_bench_models.py's cache; `--model` for another), greedy, EOS off: decode
+   tokens/s of `load(..., speculative="prompt-lookup")` against plain decoding, the two
+   runtimes loaded side by side in one process and run alternately (the order rotates per
+   round). Goal >= 0.97x: text the drafts cannot predict must not get slower.
+2. verify-cost: one forward of k + 1 rows with every row's logits (a verification) against
+   one decode step, at the same past length, on the same model; k = 1, 2, 4, 8 (goal <= 1.3x
+   for k = 4: what a real model's acceptance rate can buy is bounded by it).
+3. hits: a workload where drafts hit: a decoder whose greedy output repeats itself (default
+   the `tiny` reference decoder, as random small decoders do; `--hit-model` for another) with
+   the same seeded prompts: decode tokens/s against plain and the acceptance rate (goal >= 2x).
+4. engine-verify: how the batch engine should verify the drafts of B rows, on plain ONNX
+   Runtime with the real-size export (one CPU session, memory patterns off, past KV of
+   `past` positions): B forwards of [1, k + 1] (what the engine does: each drafted row on its
+   own slot) against one [B, k + 1] forward (the batched alternative), with one [B, 1] decode
+   forward as the unit; B = 4, k = 2.
+
+Every ratio is the median over rounds with its spread (lowest-highest), and the tokens of both
+systems are compared (greedy output must be identical). The load average is printed before and
+after; on a loaded machine (load above ~2.5 on 2 cores) the numbers are not conclusions.
+
+    .venv/bin/python scripts/bench_speculative.py [--quick] [--repetitions 5]
+        [--model NAME|FOLDER] [--hit-model FOLDER] [--part random|verify-cost|hits ...]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from _bench import environment as env
+from _bench.child import publish
+from _bench.harness import markdown_table, round_order, seeded_prompt, summarize
+from _bench.models import BenchModelMissing
+
+import onnx_chunk
+
+PARTS = ("random", "verify-cost", "hits", "engine-verify")
+SPEC, PLAIN = "prompt-lookup", "plain"
+FULL = {"prompts": [128, 1000], "new_tokens": 128, "capacity": 2048, "ks": [1, 2, 4, 8],
+        "past": 1000, "forwards": 10, "hit_prompts": [16, 64, 200], "hit_new_tokens": 256,
+        "engine": {"batch": 4, "k": 2, "past": 300}}
+QUICK = {"prompts": [16], "new_tokens": 16, "capacity": 256, "ks": [1, 4], "past": 32,
+         "forwards": 3, "hit_prompts": [16], "hit_new_tokens": 32,
+         "engine": {"batch": 2, "k": 2, "past": 16}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = env.common_parser(__doc__.splitlines()[0])
+    parser.add_argument("--hit-model", type=Path, default=None,
+                        help="the decoder whose output repeats (default the tiny reference)")
+    parser.add_argument("--part", action="append", choices=PARTS)
+    args = parser.parse_args(argv)
+    parts = tuple(part for part in PARTS if part in (args.part or PARTS))
+    plan = QUICK if args.quick else FULL
+    rounds = 1 if args.quick else args.repetitions
+    model, note = _real_size(args)
+    print(f"load average before: {os.getloadavg()}; model {model} {note}", file=sys.stderr)
+    sections = [f"model: {model} {note}; load average before {_load()}"]
+    data: dict = {"plan": plan, "rounds": rounds, "model": str(model), "note": note,
+                  "load_before": os.getloadavg()}
+    if "random" in parts:
+        data["random"] = _decode_ratio(model, plan["prompts"], plan["new_tokens"], plan, rounds)
+        sections.append("### random prompts\n\n" + _ratio_table(data["random"], 0.97))
+    if "verify-cost" in parts:
+        data["verify_cost"] = _verify_cost(model, plan, rounds)
+        sections.append("### verification cost\n\n" + _cost_table(data["verify_cost"]))
+    if "hits" in parts:
+        hit_model = args.hit_model or env.build_model(args.out, "tiny").parent
+        data["hits"] = _decode_ratio(hit_model, plan["hit_prompts"], plan["hit_new_tokens"],
+                                     plan, rounds)
+        sections.append(f"### drafts that hit ({hit_model})\n\n"
+                        + _ratio_table(data["hits"], 2.0))
+    if "engine-verify" in parts:
+        data["engine_verify"] = _engine_verify(model, plan["engine"], rounds * 3)
+        sections.append("### verifying several rows' drafts\n\n"
+                        + _engine_table(data["engine_verify"]))
+    data["load_after"] = os.getloadavg()
+    sections.append(f"load average after {_load()}")
+    publish(args.out, "speculative" + ("_quick" if args.quick else ""), data,
+            "\n\n".join(sections))
+    return 0
+
+
+def _real_size(args) -> tuple[Path, str]:
+    """--model (a bench-model name or an export folder), else qwen05-int4 when it is built,
+    else the `bench` reference decoder."""
+    if args.model is not None:
+        return env.named_export(args.model)[1], ""
+    try:
+        return env.export_folder("qwen05-int4")[1], "(Qwen2.5-0.5B shape, INT4, random weights)"
+    except BenchModelMissing:
+        pass
+    return (env.build_model(args.out, "bench").parent,
+            "(qwen05-int4 absent: the `bench` reference decoder instead)")
+
+
+def _load() -> str:
+    return " ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
+def _decode_ratio(model: Path, lengths: list[int], new_tokens: int, plan: dict,
+                  rounds: int) -> dict:
+    """Decode tokens/s of both systems per prompt and round, alternating; tokens compared."""
+    runtimes = {system: onnx_chunk.load(model, provider="cpu", capacity=plan["capacity"],
+                                        speculative=SPEC if system == SPEC else None)
+                for system in (SPEC, PLAIN)}
+    vocab = runtimes[PLAIN].ports.vocab_size
+    prompts = [seeded_prompt(length, vocab) for length in lengths]
+    speeds: dict[str, dict[int, list[float]]] = {SPEC: {}, PLAIN: {}}
+    accepted = drafted = 0
+    identical = True
+    for round_index in range(rounds):
+        for prompt in prompts:
+            tokens = {}
+            for system in round_order((SPEC, PLAIN), round_index):
+                with runtimes[system].open_sequence() as sequence:
+                    tokens[system] = sequence.generate(prompt, new_tokens, [])
+                    generation = sequence.stats.last_generation
+                    speeds[system].setdefault(len(prompt), []).append(
+                        generation.decode_tokens_per_s)
+                    if system == SPEC:
+                        accepted += sequence.stats.accepted_tokens
+                        drafted += sequence.stats.draft_tokens
+            identical &= tokens[SPEC] == tokens[PLAIN]
+            print(f"round {round_index + 1}/{rounds} prompt {len(prompt)}: "
+                  f"{speeds[SPEC][len(prompt)][-1]:.1f} against "
+                  f"{speeds[PLAIN][len(prompt)][-1]:.1f} tok/s", file=sys.stderr)
+    for runtime in runtimes.values():
+        runtime.close()
+    return {"speeds": speeds, "accepted": accepted, "drafted": drafted,
+            "identical": identical, "new_tokens": new_tokens}
+
+
+def _verify_cost(model: Path, plan: dict, rounds: int) -> dict:
+    """Seconds of a (k + 1)-row verification forward and of one decode step at `past`."""
+    runtime = onnx_chunk.load(model, provider="cpu", capacity=plan["capacity"])
+    vocab = runtime.ports.vocab_size
+    times: dict[str, list[float]] = {}
+    with runtime.open_sequence() as sequence:
+        sequence.prefill(seeded_prompt(plan["past"], vocab))
+        rng = np.random.default_rng(0)
+        systems = ["decode"] + [f"k={k}" for k in plan["ks"]]
+        for round_index in range(rounds):
+            for system in round_order(systems, round_index):
+                rows = 1 if system == "decode" else int(system[2:]) + 1
+                for _ in range(plan["forwards"]):
+                    ids = rng.integers(3, vocab, rows)
+                    began = time.perf_counter()
+                    if rows == 1:
+                        sequence.decode(int(ids[0]))
+                    else:
+                        # One forward of `rows` rows with every row's logits: a verification.
+                        sequence.prefill(ids, all_logits=True)
+                    times.setdefault(system, []).append(time.perf_counter() - began)
+                    sequence.rewind(rows)
+    runtime.close()
+    return {"times": times, "past": plan["past"]}
+
+
+def _engine_verify(model: Path, plan: dict, repetitions: int) -> dict:
+    """Seconds of B [1, k + 1] forwards, one [B, k + 1] forward and one [B, 1] decode."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.enable_mem_pattern = False
+    path = model / "model.onnx" if model.is_dir() else model
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    batch, rows, past = plan["batch"], plan["k"] + 1, plan["past"]
+    head = json.loads((path.parent / "genai_config.json").read_text())["model"]["decoder"][
+        "head_size"]
+    forms = {"own forwards": (_feeds(session, 1, rows, past, head), batch),
+             "one batched forward": (_feeds(session, batch, rows, past, head), 1),
+             "decode": (_feeds(session, batch, 1, past, head), 1)}
+    refused = None
+    try:
+        session.run(["logits"], forms["one batched forward"][0])
+    except Exception as error:  # ORT's own types: the kernel refuses the batched form
+        refused = str(error).splitlines()[0]
+        del forms["one batched forward"]
+    for feeds, _ in forms.values():
+        session.run(["logits"], feeds)
+    seconds: dict[str, list[float]] = {name: [] for name in forms}
+    for repetition in range(repetitions):
+        for name in round_order(list(forms), repetition):
+            feeds, times = forms[name]
+            began = time.perf_counter()
+            for _ in range(times):
+                session.run(["logits"], feeds)
+            seconds[name].append(time.perf_counter() - began)
+    return {"plan": plan, "seconds": seconds, "batched_refused": refused}
+
+
+def _feeds(session, batch: int, rows: int, past: int, head_size: int) -> dict:
+    """Inputs of one forward of `rows` new tokens per row after `past` cached positions."""
+    dtypes = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+    feeds = {"input_ids": np.full((batch, rows), 3, np.int64),
+             "attention_mask": np.ones((batch, past + rows), np.int64)}
+    for value in session.get_inputs():
+        if value.name.startswith("past_key_values."):
+            feeds[value.name] = np.zeros((batch, value.shape[1], past, head_size),
+                                         dtypes[value.type])
+    return feeds
+
+
+def _engine_table(result: dict) -> str:
+    plan = result["plan"]
+    decode = summarize(result["seconds"]["decode"])
+    rows = [[name, f"{summarize(values).median * 1000:.1f}",
+             f"{summarize(values).median / decode.median:.2f}x"]
+            for name, values in result["seconds"].items()]
+    return (markdown_table(["form", "ms (median)", f"against a [{plan['batch']}, 1] decode"],
+                           rows)
+            + f"\n\nB = {plan['batch']} rows, k = {plan['k']}, past {plan['past']} positions"
+            + ("" if result["batched_refused"] is None
+               else "; one batched forward: refused by ONNX Runtime "
+                    f"({result['batched_refused']})"))
+
+
+def _ratio_table(result: dict, goal: float) -> str:
+    rows = []
+    for length, spec in result["speeds"][SPEC].items():
+        plain = result["speeds"][PLAIN][length]
+        ratios = summarize(s / p for s, p in zip(spec, plain))
+        rows.append([length, f"{summarize(spec).median:.1f}", f"{summarize(plain).median:.1f}",
+                     f"{ratios.median:.2f}x ({ratios.low:.2f}-{ratios.high:.2f})",
+                     "met" if ratios.median >= goal else "missed"])
+    rate = result["accepted"] / result["drafted"] if result["drafted"] else 0.0
+    return (markdown_table(["prompt", "speculative tok/s", "plain tok/s",
+                            "ratio (spread)", f"goal >= {goal}x"], rows)
+            + f"\n\ndrafted {result['drafted']}, accepted {result['accepted']} "
+              f"({rate:.0%}); greedy tokens identical: {result['identical']}")
+
+
+def _cost_table(result: dict) -> str:
+    decode = summarize(result["times"]["decode"])
+    rows = [["decode (1 row)", f"{decode.median * 1000:.1f}", "1.00x"]]
+    for system, values in result["times"].items():
+        if system == "decode":
+            continue
+        cost = summarize(values)
+        rows.append([f"verify {system} ({int(system[2:]) + 1} rows)",
+                     f"{cost.median * 1000:.1f} ({cost.low * 1000:.1f}-{cost.high * 1000:.1f})",
+                     f"{cost.median / decode.median:.2f}x"])
+    return (markdown_table(["forward", "ms (spread)", "against decode"], rows)
+            + f"\n\npast {result['past']} positions; goal <= 1.3x for k=4")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""llama.cpp as the CPU anchor: onnx-chunk, onnxruntime-genai, a bare ORT loop and llama.cpp.
+
+One builder export (``--model qwen05-int4``, see scripts/make_bench_models.py; or a folder) and
+the GGUF files of the same random-weight checkpoint (``--gguf``, default the shape's Q4_0 and
+Q8_0 when built) run side by side on the CPU with the same threads, the same seeded prompt ids,
+the same new tokens (no EOS stop where the runtime allows it; genai stops at EOS, which random
+weights rarely emit) and the same prefill chunk width:
+
+* onnx-chunk: the export after `onnx-chunk convert --chunk-size W` (what it serves);
+* genai: onnxruntime-genai 0.18's og.Generator on the export as the builder wrote it, with
+  search.chunk_size W (genai venv);
+* ort-loop: a bare ONNX Runtime IOBinding loop over the same export, W rows per prefill forward
+  (`_bench/ort_loop_worker.py`): the floor a runtime on ONNX Runtime can reach;
+* llama.cpp Q4_0 / Q8_0: llama-cpp-python's C API (n_batch = n_ubatch = W), in its own venv
+  (``--llama-python``, default /work/llamacpp-venv/bin/python).
+
+Every measurement is a fresh process (peak RSS is its own VmHWM); systems are interleaved round
+by round, medians with their spread ((max-min)/median), the 1-minute load average before every
+measurement. Ratios are onnx-chunk's over each system's: TTFT and peak RSS under 1 and decode
+tokens/s over 1 favour onnx-chunk. The weights differ across runtimes (docs/benchmarks.md,
+part 7, gives the detail): the INT4 export holds every matrix, the tied embedding and lm_head
+included, as 4-bit blocks of 32 (MatMulNBits, accuracy level 4); Q4_0 holds the layers' matrices
+as 4-bit blocks of 32 but the tied embedding/output at Q8_0; Q8_0 is 8-bit blocks of 32. So
+speed and memory are compared, tokens are not.
+
+Every runtime keeps its own thread-pool defaults, spin-waiting included, as a user gets them:
+measure on a quiet machine. On a loaded one the spinning distorts every system, llama.cpp's most
+(its threads are OpenMP's): at load average 9-14 on 2 cores, Q4_0 decode ran 1.0 tok/s with
+OpenMP's default active wait and 20 tok/s with OMP_WAIT_POLICY=PASSIVE, and the bare ORT loop
+10 tok/s with ORT's default spinning and 17.5 with `session.intra_op.allow_spinning` 0.
+`--omp-wait-policy passive` sets OMP_WAIT_POLICY for every child (only llama.cpp uses OpenMP);
+onnx-chunk's `load` offers no switch for ORT's spinning, so that is not a like-for-like fix.
+Without the llama.cpp venv or GGUF files the llama.cpp rows are left out, and the output says
+so at its top.
+
+    .venv/bin/python scripts/bench_vs_llamacpp.py --model qwen05-int4 [--lengths 128,1000]
+        [--new-tokens 64] [--repetitions 3] [--threads 2] [--chunk-size 512] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from _bench import environment as env
+from _bench.child import measure_prompt, publish
+from _bench.harness import (
+    format_value,
+    markdown_table,
+    ratio,
+    round_order,
+    seeded_prompt,
+    summarize,
+)
+from _bench.models import BenchModelMissing, bench_model, gguf_twins
+
+OURS, GENAI, ORT_LOOP = "onnx-chunk", "genai", "ort-loop"
+FIELDS = (("ttft_s", "TTFT s", 3, False), ("decode_tokens_per_s", "decode tok/s", 1, True),
+          ("peak_rss_mb", "peak RSS MB", 0, False))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True,
+                        help="benchmark model name (qwen05-int4, ...) or a builder-export folder")
+    parser.add_argument("--gguf", action="append", default=None,
+                        help="GGUF model names or .gguf files for llama.cpp (repeatable; default "
+                             "the shape's q4_0 and q8_0 when built)")
+    parser.add_argument("--models-root", type=Path, default=None,
+                        help="benchmark model cache (default $ONNX_CHUNK_BENCH_MODELS or "
+                             "~/.cache/onnx-chunk/bench-models)")
+    parser.add_argument("--out", type=Path, default=env.DEFAULT_OUT,
+                        help="folder for converted models, JSON results and tables")
+    parser.add_argument("--genai-venv", type=Path, default=env.ROOT / ".venv-genai")
+    parser.add_argument("--llama-python", type=Path, default=env.LLAMA_PYTHON,
+                        help="interpreter of the llama-cpp-python venv "
+                             "(or $ONNX_CHUNK_LLAMACPP_PYTHON)")
+    parser.add_argument("--lengths", default=None, help="comma-separated prompt lengths")
+    parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--chunk-size", type=int, default=512)
+    parser.add_argument("--omp-wait-policy", choices=("passive", "active", "unset"),
+                        default="unset",
+                        help="OMP_WAIT_POLICY for every child (llama.cpp's threads are OpenMP's; "
+                             "default unset: OpenMP's own; see the module's docstring)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 2 short prompts, 1 round, 8 new tokens")
+    return parser
+
+
+def _gguf_systems(args: argparse.Namespace, name: str) -> tuple[dict[str, Path], str | None]:
+    """{system: .gguf path} for llama.cpp, and why llama.cpp is left out (None when it runs)."""
+    if not args.llama_python.exists():
+        return {}, (f"llama.cpp LEFT OUT: no llama-cpp-python interpreter at {args.llama_python} "
+                    "(--llama-python; docs/benchmarks.md says how to build it)")
+    try:
+        wanted = args.gguf if args.gguf is not None else gguf_twins(name)
+    except BenchModelMissing:
+        return {}, (f"llama.cpp LEFT OUT: {name} is not a benchmark model name, so it has no "
+                    "GGUF twin; pass --gguf FILE")
+    found, missing = {}, []
+    for value in wanted:
+        try:
+            path = Path(value) if value.endswith(".gguf") else bench_model(value,
+                                                                          args.models_root)
+        except BenchModelMissing as error:
+            missing.append(str(error))
+            continue
+        found[f"llama.cpp {path.stem.rpartition('-')[2]}"] = path
+    if not found:
+        return {}, "llama.cpp LEFT OUT: " + "; ".join(missing)
+    return found, ("llama.cpp partly left out: " + "; ".join(missing)) if missing else None
+
+
+def _argv(system: str, args, paths: dict, prompt: list[int], new_tokens: int) -> list[str]:
+    common = {"prompts": [prompt], "new_tokens": new_tokens, "chunk_size": args.chunk_size}
+    if system == OURS:
+        return env.worker_argv(sys.executable, "chunk_worker", dict(
+            common, model=str(paths[OURS]), eos=[], capacity=len(prompt) + new_tokens,
+            threads=args.threads))
+    if system == GENAI:
+        return env.worker_argv(paths["genai_python"], "genai_worker", dict(
+            common, model=str(paths["export"]), threads=args.threads))
+    if system == ORT_LOOP:
+        return env.worker_argv(sys.executable, "ort_loop_worker", dict(
+            common, model=str(paths["export"]), threads=args.threads))
+    return env.worker_argv(args.llama_python, "llamacpp_worker", dict(
+        common, model=str(paths[system]), threads=args.threads))
+
+
+def _table(systems: list[str], lengths: list[int], runs: dict) -> str:
+    rows = []
+    for length in lengths:
+        ours = runs[(length, OURS)]
+        for system in systems:
+            theirs = runs[(length, system)]
+            row: list[object] = [length, system]
+            for field, _, digits, _ in FIELDS:
+                row.append(format_value(summarize(run[field] for run in theirs), digits))
+            for field, _, _, _ in FIELDS:
+                value = ratio(summarize(run[field] for run in ours),
+                              summarize(run[field] for run in theirs))
+                row.append("-" if system == OURS else f"{value:.2f}x")
+            row.append(min(len(run["tokens"]) for run in theirs))
+            rows.append(row)
+    return markdown_table(
+        ["prompt", "system", *(label for _, label, _, _ in FIELDS),
+         *(f"onnx-chunk / this, {label}" for _, label, _, _ in FIELDS), "new tokens (min)"],
+        rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        name, folder = env.export_folder(args.model, args.models_root)
+    except BenchModelMissing as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    repetitions, new_tokens = (1, 8) if args.quick else (args.repetitions, args.new_tokens or 64)
+    lengths = ([int(value) for value in args.lengths.split(",")] if args.lengths
+               else [40, 300] if args.quick else [128, 1000])
+    if args.omp_wait_policy == "unset":
+        os.environ.pop("OMP_WAIT_POLICY", None)
+    else:
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
+    ggufs, left_out = _gguf_systems(args, name)
+    if left_out:
+        print(f"\n*** {left_out} ***\n", file=sys.stderr)
+    paths: dict = {"export": folder, "genai_python": env.genai_python(args.genai_venv),
+                   OURS: env.converted_export(args.out, name, folder, args.chunk_size), **ggufs}
+    systems = [OURS, GENAI, ORT_LOOP, *ggufs]
+    vocab = json.loads((folder / "genai_config.json").read_text())["model"]["vocab_size"]
+    runs: dict[tuple[int, str], list[dict]] = {}
+    loads: list[float] = []
+    for round_index in range(repetitions):
+        for length in lengths:
+            prompt = seeded_prompt(length, vocab)
+            for system in round_order(systems, round_index):
+                loads.append(os.getloadavg()[0])
+                result = measure_prompt(_argv(system, args, paths, prompt, new_tokens),
+                                        f"round {round_index + 1}/{repetitions} {length:>5} "
+                                        f"tokens {system:<15}")
+                runs.setdefault((length, system), []).append(dict(result, load_1m=loads[-1]))
+    header = (f"model {name} ({folder}), CPU, {args.threads} threads, prefill chunk "
+              f"{args.chunk_size}, {new_tokens} new tokens, {repetitions} rounds, OMP_WAIT_POLICY "
+              f"{args.omp_wait_policy}; 1-minute load "
+              f"average before each measurement: min {min(loads):.2f}, median "
+              f"{sorted(loads)[len(loads) // 2]:.2f}, max {max(loads):.2f}")
+    table = "\n\n".join(filter(None, [
+        f"**{left_out}**" if left_out else "", header, _table(systems, lengths, runs)]))
+    results = {"model": name, "folder": str(folder), "threads": args.threads,
+               "omp_wait_policy": args.omp_wait_policy,
+               "chunk_size": args.chunk_size, "new_tokens": new_tokens, "lengths": lengths,
+               "repetitions": repetitions, "systems": systems, "left_out": left_out,
+               "gguf": {system: str(path) for system, path in ggufs.items()},
+               "load_averages": loads,
+               "runs": {f"{length}/{system}": values for (length, system), values in runs.items()}}
+    publish(args.out, f"vs_llamacpp_{name}{'_quick' if args.quick else ''}", results, table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""Build the real-size benchmark models: builder exports and GGUF files with real models' shapes.
+
+Two shapes, random weights from a fixed torch seed, nothing downloaded (the configs are written
+here, the tokenizer is the byte-level BPE the export fixtures train):
+
+* ``qwen05``: Qwen2.5-0.5B's shape (24 layers, hidden 896, 14 query / 2 KV heads, intermediate
+  4864, vocab 151936, tied embeddings, q/k/v biases);
+* ``llama1b``: Llama-3.2-1B's shape (16 layers, hidden 2048, 32 query / 8 KV heads, intermediate
+  8192, vocab 128256, tied embeddings, llama3 rope scaling).
+
+Names are ``SHAPE-PRECISION``: ``qwen05-int4``, ``qwen05-fp32``, ``llama1b-int4`` and
+``llama1b-fp32`` are onnxruntime-genai model-builder exports for the CPU (INT4 is MatMulNBits
+with block 32), with ``search.max_length`` set to MAX_LENGTH so genai's preallocated KV cache
+matches what a benchmark asks for rather than the model's full context; ``qwen05-q4_0``,
+``qwen05-q8_0``, ``llama1b-q4_0`` and ``llama1b-q8_0`` are GGUF files of the same checkpoint,
+written by the converter shipped in llama.cpp's sources (Q8_0 directly, Q4_0 by llama.cpp's own
+quantizer from an f16 GGUF). Everything lands in a cache outside git: ``--root``, else
+$ONNX_CHUNK_BENCH_MODELS, else ~/.cache/onnx-chunk/bench-models; the benchmark scripts find a
+model by name there (``--model qwen05-int4``). A built model is reused; ``--force`` rebuilds.
+
+Run it with the exporters venv's interpreter (torch, transformers, onnxruntime-genai's builder);
+the GGUF names also need llama.cpp's sources (``--llama-cpp-sdist``: llama-cpp-python's sdist,
+which vendors them) and a llama-cpp-python install for the quantizer (``--llama-cpp-python``)::
+
+    nice -n 10 /work/exporters-venv/bin/python scripts/make_bench_models.py qwen05-int4
+    nice -n 10 /work/exporters-venv/bin/python scripts/make_bench_models.py qwen05-q4_0 \\
+        --llama-cpp-sdist /work/llamacpp-src/llama_cpp_python-0.3.36.tar.gz \\
+        --llama-cpp-python /work/llamacpp-venv/bin/python
+
+Each model's folder holds BUILD.json: the shape, seed, versions, size and build time.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bench.models import (
+    BENCH_MODELS,
+    GGUF_QUANTS,
+    MAX_LENGTH,
+    ONNX_PRECISIONS,
+    SHAPES,
+    models_root,
+    parse_name,
+)
+
+SEED = 1234
+SDIST_VENDOR = "vendor/llama.cpp/"
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _run(cmd: list[str], **kwargs) -> None:
+    _log("  $ " + " ".join(cmd))
+    result = subprocess.run(cmd, check=False, capture_output=True, text=True, **kwargs)
+    if result.returncode != 0:
+        tail = (result.stdout + result.stderr).strip().splitlines()[-20:]
+        raise SystemExit(f"`{' '.join(cmd[:4])} ...` exited {result.returncode}:\n"
+                         + "\n".join(tail))
+
+
+def _folder_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(each.stat().st_size for each in path.rglob("*") if each.is_file())
+
+
+def make_source(shape: str, dst: Path) -> None:
+    """A random-weight Hugging Face checkpoint of `shape` (bf16 safetensors, tokenizer) in dst.
+
+    bf16 halves the files; every export (fp32, INT4, GGUF) starts from these same values.
+    """
+    import torch
+    from make_export_fixtures import FAMILIES, train_tokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    spec = SHAPES[shape]
+    family = FAMILIES[spec.tokenizer_family]
+    eos = family.eos_ids()
+    config = AutoConfig.for_model(spec.model_type, **spec.config,
+                                  eos_token_id=eos if len(eos) > 1 else eos[0])
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.generation_config = GenerationConfig(eos_token_id=config.eos_token_id,
+                                               do_sample=False)
+    stage = dst.with_name(dst.name + ".partial")
+    shutil.rmtree(stage, ignore_errors=True)
+    model.save_pretrained(stage)
+    train_tokenizer(family).save_pretrained(stage)
+    os.replace(stage, dst)
+
+
+def source(root: Path, shape: str) -> Path:
+    """The shape's checkpoint under root/.sources (made once)."""
+    folder = root / ".sources" / shape
+    if not (folder / "config.json").is_file():
+        _log(f"making the random-weight {shape} checkpoint in {folder}")
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        make_source(shape, folder)
+    return folder
+
+
+def build_onnx(root: Path, shape: str, precision: str, stage: Path) -> None:
+    """The builder's CPU export of the shape's checkpoint, with search.max_length set."""
+    src = source(root, shape)
+    _run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(src), "-i",
+          str(src), "-o", str(stage), "-p", precision, "-e", "cpu", "-c",
+          str(root / ".builder-cache")])
+    config_path = stage / "genai_config.json"
+    config = json.loads(config_path.read_text())
+    config["search"]["max_length"] = MAX_LENGTH
+    config_path.write_text(json.dumps(config, indent=4) + "\n")
+
+
+def _llama_cpp_tree(root: Path, sdist: Path) -> Path:
+    """llama.cpp's converter and gguf-py, extracted from llama-cpp-python's sdist (once)."""
+    tree = root / ".llama-cpp" / sdist.name.removesuffix(".tar.gz")
+    if (tree / "convert_hf_to_gguf.py").is_file():
+        return tree
+    stage = tree.with_name(tree.name + ".partial")
+    shutil.rmtree(stage, ignore_errors=True)
+    with tarfile.open(sdist) as archive:
+        for member in archive.getmembers():
+            _, _, inner = member.name.partition("/")
+            if not inner.startswith(SDIST_VENDOR) or not member.isfile():
+                continue
+            relative = inner.removeprefix(SDIST_VENDOR)
+            if ".." in Path(relative).parts:
+                raise SystemExit(f"{sdist}: member {member.name!r} leaves its folder")
+            if relative.startswith(("convert_hf_to_gguf.py", "conversion/", "gguf-py/")):
+                target = stage / relative
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(archive.extractfile(member).read())
+    tree.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(stage, tree)
+    return tree
+
+
+def build_gguf(root: Path, shape: str, quant: str, stage: Path, sdist: Path | None,
+               llama_python: Path | None) -> None:
+    """The shape's checkpoint as a GGUF file at `quant` (q8_0 by the converter; q4_0 by
+    llama.cpp's quantizer from an f16 conversion)."""
+    if sdist is None or not sdist.is_file():
+        raise SystemExit(f"{shape}-{quant} needs llama.cpp's converter: pass --llama-cpp-sdist "
+                         "PATH (llama-cpp-python's sdist, e.g. from `pip download --no-binary "
+                         ":all: --no-deps llama-cpp-python`)")
+    tree = _llama_cpp_tree(root, sdist)
+    src = source(root, shape)
+    converter = Path(__file__).resolve().parent / "_bench" / "gguf_convert.py"
+    if quant == "q8_0":
+        _run([sys.executable, str(converter), str(tree), SHAPES[shape].gguf_pre_tokenizer,
+              str(src), "--outtype", "q8_0", "--outfile", str(stage)])
+        return
+    if llama_python is None or not llama_python.exists():
+        raise SystemExit(f"{shape}-{quant} needs llama.cpp's quantizer: pass --llama-cpp-python "
+                         "PATH (the interpreter of a venv with llama-cpp-python)")
+    f16 = stage.with_name(stage.name + ".f16")
+    _run([sys.executable, str(converter), str(tree), SHAPES[shape].gguf_pre_tokenizer, str(src),
+          "--outtype", "f16", "--outfile", str(f16)])
+    try:
+        _run([str(llama_python), str(converter.with_name("gguf_quantize.py")), str(f16),
+              str(stage), quant])
+    finally:
+        f16.unlink(missing_ok=True)
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata
+
+    found = {}
+    for dist in ("onnxruntime-genai", "torch", "transformers", "onnx", "onnxscript"):
+        try:
+            found[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def build(root: Path, name: str, args: argparse.Namespace) -> None:
+    shape, precision = parse_name(name)
+    final = root / name
+    if (final / "BUILD.json").is_file() and not args.force:
+        _log(f"{name}: already built in {final}")
+        return
+    started = time.monotonic()
+    stage = root / f".{name}.partial"
+    shutil.rmtree(stage, ignore_errors=True)
+    _log(f"{name}: building")
+    if precision in ONNX_PRECISIONS:
+        build_onnx(root, shape, precision, stage)
+    else:
+        stage.mkdir(parents=True)
+        build_gguf(root, shape, precision, stage / f"{name}.gguf", args.llama_cpp_sdist,
+                   args.llama_cpp_python)
+    record = {"name": name, "shape": shape, "precision": precision, "seed": SEED,
+              "config": SHAPES[shape].config, "max_length": MAX_LENGTH,
+              "bytes": _folder_bytes(stage), "build_s": round(time.monotonic() - started, 1),
+              "versions": _versions(),
+              "llama_cpp_sdist": args.llama_cpp_sdist.name if args.llama_cpp_sdist else None}
+    (stage / "BUILD.json").write_text(json.dumps(record, indent=1) + "\n")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(stage, final)
+    _log(f"{name}: {record['bytes'] / 2**20:.0f} MiB in {record['build_s']:.0f} s -> {final}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="+", choices=BENCH_MODELS, metavar="NAME",
+                        help=f"models to build: {', '.join(BENCH_MODELS)}")
+    parser.add_argument("--root", type=Path, default=None,
+                        help="cache folder (default $ONNX_CHUNK_BENCH_MODELS or "
+                             "~/.cache/onnx-chunk/bench-models)")
+    parser.add_argument("--force", action="store_true", help="rebuild models already built")
+    parser.add_argument("--llama-cpp-sdist", type=Path, default=None,
+                        help="llama-cpp-python's sdist (its vendored llama.cpp converter)")
+    parser.add_argument("--llama-cpp-python", type=Path, default=None,
+                        help="interpreter of a venv with llama-cpp-python (its quantizer)")
+    args = parser.parse_args(argv)
+    root = models_root(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    for name in args.names:
+        if parse_name(name)[1] in GGUF_QUANTS and args.llama_cpp_sdist is None:
+            parser.error(f"{name} needs --llama-cpp-sdist")
+    for name in args.names:
+        build(root, name, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

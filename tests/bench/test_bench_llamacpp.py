@@ -1,0 +1,127 @@
+"""The llama.cpp part of the benchmarks: model names, the bare ORT loop, and a quick run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from scripts._bench import environment as env
+from scripts._bench.child import run_child
+from scripts._bench.harness import seeded_prompt
+from scripts._bench.models import (
+    BENCH_MODELS,
+    BenchModelMissing,
+    bench_model,
+    gguf_twins,
+    parse_name,
+)
+
+EXPORT = env.ROOT / "tests" / "fixtures" / "exports" / "genai-llama-int4"
+
+
+def test_model_names_resolve_in_the_cache_and_a_missing_one_says_how_to_build_it(tmp_path):
+    assert {"qwen05-int4", "qwen05-fp32", "llama1b-int4", "qwen05-q4_0"} <= set(BENCH_MODELS)
+    assert parse_name("llama1b-q8_0") == ("llama1b", "q8_0")
+    assert gguf_twins("qwen05-int4") == ["qwen05-q4_0", "qwen05-q8_0"]
+    for bad in ("qwen05", "qwen7-int4", "qwen05-int8"):
+        with pytest.raises(BenchModelMissing, match="unknown benchmark model"):
+            parse_name(bad)
+    with pytest.raises(BenchModelMissing, match="make_bench_models.py qwen05-int4"):
+        bench_model("qwen05-int4", tmp_path)
+    folder = tmp_path / "qwen05-int4"
+    folder.mkdir()
+    (folder / "model.onnx").write_bytes(b"")
+    with pytest.raises(BenchModelMissing):  # no BUILD.json: a build that did not finish
+        bench_model("qwen05-int4", tmp_path)
+    (folder / "BUILD.json").write_text("{}")
+    assert bench_model("qwen05-int4", tmp_path) == folder / "model.onnx"
+    (tmp_path / "qwen05-q4_0").mkdir()
+    (tmp_path / "qwen05-q4_0" / "qwen05-q4_0.gguf").write_bytes(b"")
+    (tmp_path / "qwen05-q4_0" / "BUILD.json").write_text("{}")
+    assert bench_model("qwen05-q4_0", tmp_path).name == "qwen05-q4_0.gguf"
+
+
+def test_the_bare_ort_loop_gives_genai_greedy_tokens(peer_python):
+    prompt = seeded_prompt(40, 384)
+    ours = run_child(env.worker_argv(sys.executable, "ort_loop_worker", {
+        "model": str(EXPORT), "prompts": [prompt], "new_tokens": 6, "chunk_size": 16,
+        "threads": 1}), timeout_s=120).payload["results"][0]
+    theirs = run_child(env.worker_argv(peer_python, "genai_worker", {
+        "model": str(EXPORT), "prompts": [prompt], "new_tokens": 6, "chunk_size": 16,
+        "threads": 1}), timeout_s=120).payload["results"][0]
+    assert len(ours["tokens"]) == 6 and ours["ttft_s"] > 0 and ours["decode_tokens_per_s"] > 0
+    assert ours["tokens"][:len(theirs["tokens"])] == theirs["tokens"]
+
+
+def test_the_quick_run_measures_every_onnx_system_and_says_llama_cpp_is_left_out(
+        tmp_path, peer_python):
+    result = subprocess.run(
+        [sys.executable, str(env.ROOT / "scripts" / "bench_vs_llamacpp.py"), "--model",
+         str(EXPORT), "--quick", "--chunk-size", "16", "--out", str(tmp_path), "--genai-venv",
+         str(peer_python.parents[1]), "--llama-python", str(tmp_path / "no-such-python")],
+        capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "llama.cpp LEFT OUT: no llama-cpp-python interpreter" in result.stderr
+    table = (tmp_path / "vs_llamacpp_genai-llama-int4_quick.md").read_text()
+    assert table.startswith("**llama.cpp LEFT OUT")
+    assert "load average before each measurement" in table
+    data = json.loads((tmp_path / "vs_llamacpp_genai-llama-int4_quick.json").read_text())
+    assert data["systems"] == ["onnx-chunk", "genai", "ort-loop"]
+    assert data["lengths"] == [40, 300] and len(data["load_averages"]) == 6
+    for length in data["lengths"]:
+        ours, loop = data["runs"][f"{length}/onnx-chunk"][0], data["runs"][f"{length}/ort-loop"][0]
+        assert len(ours["tokens"]) == len(loop["tokens"]) == 8
+        assert ours["tokens"] == loop["tokens"]
+        for system in data["systems"]:
+            run = data["runs"][f"{length}/{system}"][0]
+            assert run["ttft_s"] > 0 and run["peak_rss_mb"] > 10
+
+
+def test_an_unknown_model_is_one_clear_line_and_exit_2(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(env.ROOT / "scripts" / "bench_vs_llamacpp.py"), "--model",
+         "qwen05-int4", "--models-root", str(tmp_path), "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: benchmark model qwen05-int4 is not built in {tmp_path}; build it with "
+        "`nice -n 10 /work/exporters-venv/bin/python scripts/make_bench_models.py qwen05-int4` "
+        "(see its --help)"]
+
+
+def test_bench_vs_genai_takes_a_builder_export_with_model(tmp_path, peer_python):
+    """--model: the export converted once, both systems stopping at its own EOS ids."""
+    result = subprocess.run(
+        [sys.executable, str(env.ROOT / "scripts" / "bench_vs_genai.py"), "--quick", "--model",
+         str(EXPORT), "--lengths", "40", "--out", str(tmp_path), "--genai-venv",
+         str(peer_python.parents[1])], capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "models" / "genai-llama-int4-converted-512" / "model.onnx").is_file()
+    data = json.loads((tmp_path / "vs_genai_genai-llama-int4_quick.json").read_text())
+    assert data["model"] == str(EXPORT) and data["lengths"] == [40]
+    runs = data["runs"]["40/onnx-chunk"] + data["runs"]["40/genai"]
+    assert len(runs) == 4 and all(run["tokens"] == runs[0]["tokens"] for run in runs)
+    assert "| 40 |" in (tmp_path / "vs_genai_genai-llama-int4_quick.md").read_text()
+
+
+def test_the_llamacpp_worker_runs_a_real_size_gguf_greedily():
+    """Where the llama.cpp venv and qwen05-q4_0 are built (docs/benchmarks.md, part 7): the
+    worker decodes the prompt in chunks and gives the same greedy tokens for the same prompt."""
+    try:
+        gguf = bench_model("qwen05-q4_0")
+    except BenchModelMissing as error:
+        pytest.skip(f"LLAMA.CPP NOT TESTED: {error}")
+    if not env.LLAMA_PYTHON.exists():
+        pytest.skip(f"LLAMA.CPP NOT TESTED: no llama-cpp-python interpreter at {env.LLAMA_PYTHON}")
+    prompt = seeded_prompt(40, 151936)
+    payload = run_child(env.worker_argv(env.LLAMA_PYTHON, "llamacpp_worker", {
+        "model": str(gguf), "prompts": [prompt, prompt], "new_tokens": 4, "chunk_size": 16,
+        "threads": 2}), timeout_s=300).payload
+    first, second = payload["results"]
+    assert len(first["tokens"]) == 4 and first["tokens"] == second["tokens"]
+    assert all(3 <= token < 151936 for token in first["tokens"])
+    assert first["ttft_s"] > 0 and first["decode_tokens_per_s"] > 0
+    assert payload["system_info"].startswith("CPU")

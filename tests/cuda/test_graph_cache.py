@@ -1,0 +1,197 @@
+"""One session per model on the CUDA path, CUDA graphs as its bounded cache: run on CPU.
+
+The CPU device marked not host-visible, with the capacity mask and CUDA graphs on, runs the
+CUDA path's code (CPU sessions are created without capture and counted as capturing); the
+`graph_model` fake counts runs per graph id as ONNX Runtime's CUDA provider does, so the
+captures, replays and releases below are what a GPU would see.
+"""
+
+import dataclasses
+import gc
+import threading
+
+import numpy as np
+import pytest
+
+from onnx_chunk.runtime import load
+from onnx_chunk.runtime.caches.cuda_graphs import SKIP_CAPTURE
+from onnx_chunk.runtime.caches.graph_cache import GraphCache
+from tests.cuda.test_device_inputs import DEVICE
+
+# The CUDA device's shape on CPU: device memory, the capacity mask, graphs on, one session.
+GRAPH_DEVICE = dataclasses.replace(DEVICE, cuda_graphs=True, specialize=False)
+RNG = np.random.default_rng(22)
+# Remainders 3, 5, 9, 13 and 15 past full 16-row chunks: five widths the ladder pads.
+PROMPTS = [RNG.integers(0, 256, n).tolist() for n in (3, 21, 41, 13, 47)]
+BATCH = [RNG.integers(0, 256, n).tolist() for n in (5, 9, 17, 30, 2, 11, 26, 40)]
+
+
+def _load(path, **options):
+    return load(path, device=GRAPH_DEVICE, capacity=96, chunk_size=16, **options)
+
+
+def _host(path, **options):
+    return load(path, provider="cpu", capacity=96, chunk_size=16, **options)
+
+
+def _generate(runtime, prompts, tokens=6):
+    out = []
+    for prompt in prompts:
+        with runtime.open_sequence() as sequence:
+            out.append(sequence.generate(prompt, tokens))
+    return out
+
+
+@pytest.mark.parametrize("variant", ["base", "conv_hybrid"])
+def test_one_session_serves_every_width_and_batch(reference_model, graph_model, variant):
+    path = reference_model(variant)
+    expected = _generate(_host(path), PROMPTS)
+    expected_batch = _host(path, max_batch=8).generate_many(BATCH, 6, eos_token_id=[])
+    runtime = _load(path, max_batch=8)
+    graph_model.runs.clear()
+    # The plan refuses padding for a model with recurrent state: its remainders run uncaptured.
+    assert runtime.padding is (variant == "base") and runtime.options.specialize is False
+    assert _generate(runtime, PROMPTS) == expected
+    assert runtime.generate_many(BATCH, 6, eos_token_id=[]) == expected_batch
+    stats = runtime.stats
+    # One ONNX Runtime session ran every forward: prefill tiers, decode, the batch of 8.
+    assert len({session for session, _ in graph_model.runs}) == 1
+    assert (stats.sessions, stats.sessions_created, stats.cache.compiles) == (1, 1, 1)
+    assert stats.weights_copies == 1
+    # Decode (lone and batched) and the ladder tiers captured; graphs replayed after.
+    assert set(stats.graphs.by_width) <= {1, *runtime.options.tiers}
+    assert 1 in stats.graphs.by_width and stats.graphs.replays > 0
+    assert stats.graphs.captures == len(graph_model.captures) and not graph_model.violations
+
+
+def test_weights_copies_and_sessions_are_counted_from_sessions(reference_model):
+    path = reference_model()
+    # CPU default and the device-memory path: five remainder widths, then a batch of 8.
+    for runtime in (_host(path, max_batch=8), _load(path, max_batch=8)):
+        # The one shape-generic session is built at load (a runtime ready to run).
+        assert (runtime.stats.sessions, runtime.stats.weights_copies) == (1, 1)
+        _generate(runtime, PROMPTS)
+        runtime.generate_many(BATCH, 4, eos_token_id=[])
+        assert (runtime.stats.sessions, runtime.stats.weights_copies) == (1, 1)
+    per_width = _host(path, specialize="exact", padding=False, max_variants=2)
+    _generate(per_width, PROMPTS)
+    stats = per_width.stats
+    # Released sessions are no longer counted once freed; the shared host copy, and the
+    # decode session's packed copy (it pre-packs) while it is alive.
+    assert stats.sessions == stats.cache.variants == 2 and stats.cache.evictions > 0
+    assert stats.weights_copies == 1 + (1 in stats.cache.variant_bytes)
+    per_width.close()
+    gc.collect()
+    assert (per_width.stats.sessions, per_width.stats.weights_copies) == (0, 1)
+
+
+def test_graph_ids_are_distinct_per_shape_and_addresses_and_reused(reference_model,
+                                                                   graph_model):
+    runtime = _load(reference_model())
+    expected = _generate(_host(reference_model()), PROMPTS)
+    graph_model.runs.clear()
+    assert _generate(runtime, PROMPTS) == expected
+    [per_slot] = runtime.variants._kept.bindings.values()
+    ids_by_binding = {}
+    for slot, bindings in per_slot.items():
+        for name, binding in bindings.items():
+            if binding.graphs is not None and binding.graphs.ids:
+                ids_by_binding[(slot, name)] = binding.graphs.ids
+    every = [graph for ids in ids_by_binding.values() for graph in ids]
+    assert len(every) == len(set(every)) and min(every) >= 1
+    assert runtime.stats.graphs.captures == len(graph_model.captures) > 0
+    # Pass 2: the same prompts on the pooled slot run the same bindings (no first run, no new
+    # id); a width run too rarely in pass 1 to reach its capture may capture now, once.
+    graph_model.runs.clear()
+    assert _generate(runtime, PROMPTS) == expected
+    ran = {graph for _, graph in graph_model.runs if graph is not None}
+    assert SKIP_CAPTURE not in ran and ran <= set(every)
+    assert len(set(graph_model.captures)) == len(graph_model.captures)
+    assert runtime.stats.graphs.captures == len(graph_model.captures)
+    assert not graph_model.violations
+
+
+@pytest.mark.parametrize("cap", [2, 3])
+def test_graphs_never_pass_the_cap_and_evicted_ones_are_released(reference_model, graph_model,
+                                                                 cap):
+    path = reference_model()
+    expected = _generate(_host(path), PROMPTS * 2)
+    runtime = _load(path, max_variants=cap)
+    graph_model.runs.clear()
+    # Three sequences open at once: three slots, each with its own decode and tier graphs.
+    sequences = [runtime.open_sequence() for _ in range(3)]
+    got = []
+    for round_ in range(2):
+        for index, sequence in enumerate(sequences):
+            sequence.rewind(sequence.length)
+            got.append(sequence.generate(PROMPTS[index + round_], 6))
+    assert got == [expected[index + round_] for round_ in range(2) for index in range(3)]
+    graphs = runtime.stats.graphs
+    assert graph_model.peak_alive <= cap and graphs.peak_alive <= cap
+    assert graphs.alive == len(graph_model.alive) <= cap
+    # Each eviction released its graph through release_captured_graph, and no binding ran
+    # an id after its release (its buffers were dropped with it).
+    assert graphs.evictions == len(graph_model.released) > 0
+    assert not graph_model.violations
+    [per_slot] = runtime.variants._kept.bindings.values()
+    held = {graph for bindings in per_slot.values()
+            for binding in bindings.values() if binding.graphs is not None
+            for graph in binding.graphs.captured}
+    assert not held & set(graph_model.released)
+
+
+def test_a_capture_never_runs_beside_another_forward(reference_model, graph_model):
+    path = reference_model()
+    runtime = _load(path, max_batch=2)
+    expected = _generate(_host(path), PROMPTS)
+    graph_model.delay = 0.002
+    results, errors = {}, []
+
+    def work(index):
+        try:
+            results[index] = _generate(runtime, PROMPTS[index:index + 1])[0]
+        except Exception as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(index,)) for index in range(len(PROMPTS))]
+    for thread in threads:
+        thread.start()
+    engine = runtime.generate_many(BATCH[:4], 6, eos_token_id=[])
+    for thread in threads:
+        thread.join(60)
+    assert not errors and [results[index] for index in range(len(PROMPTS))] == expected
+    assert engine == _host(path, max_batch=2).generate_many(BATCH[:4], 6, eos_token_id=[])
+    assert graph_model.captures and not graph_model.violations
+
+
+def test_the_graph_cache_bounds_and_measures(monkeypatch):
+    released = []
+
+    class Session:
+        def release_captured_graph(self, graph):
+            released.append(graph)
+
+    class Meter:
+        name = "fake"
+        reading = 0
+
+        def read(self):
+            Meter.reading += 100
+            return Meter.reading
+
+    monkeypatch.setattr("onnx_chunk.runtime.caches.graph_cache.measured",
+                        lambda meter, action: (action(), 64))
+    cache = GraphCache(cap=2, meter=Meter())
+    session, dropped = Session(), []
+    runs = [cache.new_runs(stateful=False) for _ in range(3)]
+    assert [r.ids for r in runs] == [(1,), (2,), (3,)]
+    for index, graph in enumerate(runs):
+        for _ in range(2):
+            graph.ran(False, 0)
+        assert cache.capture(session, graph, 0, 16, lambda options: None,
+                             lambda index=index: dropped.append(index))
+        if index == 1:
+            cache.replayed(runs[0])  # 0 is now more recent than 1
+    stats = cache.snapshot()
+    assert (stats.alive, stats.captures, stats.evictions, stats.bytes) == (2, 3, 1, 128)
+    assert released == [2] and dropped == [1] and runs[1].failure is not None
