@@ -38,8 +38,14 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from onnx_chunk.errors import ConfigError
 from onnx_chunk.serve.app import DEFAULT_MAX_BODY_BYTES
 from onnx_chunk.serve.protocol import error_body
-from onnx_chunk.serve.routing import (BLOCK_CHARS, MAX_KEY_CHARS, InFlight, PrefixAffinity,
-                                      prefix_blocks, request_key)
+from onnx_chunk.serve.routing import (
+    BLOCK_CHARS,
+    MAX_KEY_CHARS,
+    InFlight,
+    PrefixAffinity,
+    prefix_blocks,
+    request_key,
+)
 
 logger = logging.getLogger(__name__)
 
