@@ -13,6 +13,7 @@ the worker fails).
 
 from __future__ import annotations
 
+import inspect
 import json
 import statistics
 import sys
@@ -52,8 +53,12 @@ def _repeated(run, runtime, prompt: list[int], new_tokens: int, repeats: int) ->
 def main() -> None:
     request = json.loads(sys.argv[1])
     run = PATHS[request["path"]]
+    # A prompt run again would reuse its own kept prefix (prefix reuse, where the tree has it):
+    # off, so that every run prefills the whole prompt as the baseline's does.
+    reuse = ({"prefix_reuse": False}
+             if "prefix_reuse" in inspect.signature(onnx_chunk.Runtime).parameters else {})
     with onnx_chunk.load(request["model"], provider="cpu", chunk_size=request["chunk_size"],
-                         capacity=request["capacity"], max_batch=1) as runtime:
+                         capacity=request["capacity"], max_batch=1, **reuse) as runtime:
         run(runtime, request["prompts"][0][:8], 2)
         results = [_repeated(run, runtime, prompt, request["new_tokens"],
                              request.get("repeats", 1)) for prompt in request["prompts"]]
