@@ -48,7 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     repetitions = 2 if args.quick else args.repetitions
-    model = FIXTURE if args.quick else _bench_model(args.out)
+    if args.model is not None:
+        model = env.named_export(args.model)[1]
+    else:
+        model = FIXTURE if args.quick else _bench_model(args.out)
     from onnx_chunk.runtime import load
     from onnx_chunk.sampling import Sampling
     from onnx_chunk.structured import json_constraint
@@ -112,8 +115,9 @@ def _train_tokenizer(vocab_size: int):
     bench decoder's pad, BOS and EOS) trained on the standard library's sources."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    files = sorted(glob.glob(str(Path(sysconfig.get_paths()["stdlib"]) / "**" / "*.py"),
-                             recursive=True))
+    files = [path for path in sorted(glob.glob(
+        str(Path(sysconfig.get_paths()["stdlib"]) / "**" / "*.py"), recursive=True))
+        if _utf8(path)]  # a few test files of the standard library are in other encodings
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -124,6 +128,14 @@ def _train_tokenizer(vocab_size: int):
         raise SystemExit(f"the tokenizer trained to {tokenizer.get_vocab_size()} tokens, not "
                          f"{vocab_size}: the corpus is too small")
     return tokenizer
+
+
+def _utf8(path: str) -> bool:
+    try:
+        Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 if __name__ == "__main__":
