@@ -38,12 +38,16 @@ class Constraint(Protocol):
         """A new matcher at the grammar's start, for one request."""
 
 
+# Temperatures below this choose greedily: dividing logits by less overflows them (a 1e-310
+# temperature turns every logit into an infinity), and the draw would be the argmax anyway.
+GREEDY_TEMPERATURE = 1e-5
+
 @dataclass(frozen=True)
 class Sampling:
     """How the next token is chosen from a logits row.
 
-    temperature: 0 chooses greedily (argmax, the lowest id on ties); above 0 the logits are
-        divided by it and a token is drawn.
+    temperature: 0 (or anything under GREEDY_TEMPERATURE, 1e-5) chooses greedily (argmax, the
+        lowest id on ties); above it the logits are divided by it and a token is drawn.
     top_k: keep the k highest logits (0: all); 1 is greedy.
     top_p: keep the smallest set of highest-probability tokens whose mass reaches top_p (1: all).
     min_p: drop tokens whose probability is below min_p times the top token's (0: none).
@@ -129,8 +133,9 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        """Whether the choice is the argmax (temperature 0 or top_k 1): no draw."""
-        return self.temperature == 0 or self.top_k == 1
+        """Whether the choice is the argmax (temperature under GREEDY_TEMPERATURE, 0 included,
+        or top_k 1): no draw."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def processes(self) -> bool:

@@ -399,3 +399,26 @@ def test_a_greedy_choice_ignores_the_draft():
     penalized = Sampler(Sampling(repetition_penalty=5.0), LOGITS.size)
     penalized.observe((0,))
     assert penalized.choose(LOGITS, draft=0) == 10
+
+
+@pytest.mark.parametrize("temperature", [1e-310, 1e-8, 9.9e-6])
+def test_a_vanishing_temperature_chooses_greedily(temperature):
+    logits = np.array([0.5, 3.0, -1.0, 2.9], dtype=np.float32)
+    sampling = Sampling(temperature=temperature, seed=1)
+    assert sampling.greedy
+    assert [Sampler(sampling, logits.size).choose(logits) for _ in range(3)] == [1, 1, 1]
+
+
+def test_generate_with_a_vanishing_temperature_is_greedy_not_a_crash(capsys):
+    import json
+
+    from onnx_chunk.cli import main
+    from tests.exports.corpus import ROOT
+
+    base = ["generate", str(ROOT / "genai-qwen3-fp32"), "--prompt", "Paris is",
+            "--max-new-tokens", "4", "--json", "--provider", "cpu"]
+    texts = []
+    for temperature in ("0", "1e-310"):
+        assert main([*base, "--temperature", temperature]) == 0
+        texts.append(json.loads(capsys.readouterr().out)["tokens"])
+    assert texts[0] == texts[1]

@@ -78,9 +78,6 @@ _T = TypeVar("_T")
 
 # Seconds a client told "queue full" (429) waits before it retries.
 RETRY_AFTER_S = 1
-# Temperatures below this (a request's or the config's) are greedy: dividing the logits by a
-# smaller one overflows them.
-GREEDY_TEMPERATURE = 1e-5
 # The largest request body read (413 beyond): a prompt that fills a 128k-token context is at
 # most about 3 MB of JSON (4 characters a token, each escaped as 6 bytes: `\u00e9`), its
 # token ids about 1 MB; 8 MiB leaves room for those and caps what one request makes the
@@ -259,8 +256,6 @@ class _Service:
         sampling = request_sampling(options, temperature=params.temperature, top_p=params.top_p,
                                     seed=params.seed, search=self.search, tokenizer=tokenizer,
                                     vocab_size=self.runtime.ports.vocab_size, ends=ends)
-        if 0 < sampling.temperature < GREEDY_TEMPERATURE:
-            sampling = dataclasses.replace(sampling, temperature=0.0)
         if params.max_tokens == 0 and sampling.prompt_logprobs is None:
             # An echo of 0 new tokens without logprobs: the engine still runs the prompt once
             # (a request that generates nothing is one that scores its prompt).
