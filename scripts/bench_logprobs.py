@@ -22,7 +22,7 @@ import sys
 import numpy as np
 from _bench import environment as env
 from _bench.child import publish
-from _bench.harness import format_value, markdown_table, ratio, round_order, summarize, verdict
+from _bench.harness import decode_ratio_table, decode_rounds
 
 PLAIN, LOGPROBS = "no logprobs", "top_logprobs 5"
 GOAL = 0.9
@@ -42,36 +42,26 @@ def main(argv: list[str] | None = None) -> int:
     from onnx_chunk.sampling import Sampling
 
     load_before = os.getloadavg()
-    runs: dict[str, list[dict]] = {PLAIN: [], LOGPROBS: []}
     with load(model, provider="cpu") as runtime:
         vocab = runtime.ports.vocab_size
         prompts = [np.random.default_rng(seed).integers(3, vocab, plan["prompt_tokens"])
                    for seed in range(plan["requests"])]
-        for round_index in range(repetitions):
-            for system in round_order((PLAIN, LOGPROBS), round_index):
-                sampling = Sampling(logprobs=TOP if system == LOGPROBS else None)
-                rates, tokens = [], 0
-                for prompt in prompts:
-                    request = runtime.submit(prompt, plan["new_tokens"], eos_token_id=[],
-                                             sampling=sampling)
-                    tokens += len(request.result())
-                    if system == LOGPROBS and len(request.logprobs) != plan["new_tokens"]:
-                        raise SystemExit("a request with logprobs gave fewer entries than "
-                                         "tokens")
-                    rates.append(request.stats.decode_tokens_per_s)
-                rate = sum(rates) / len(rates)
-                runs[system].append({"tokens_per_s": rate, "tokens": tokens})
-                print(f"round {round_index + 1}/{repetitions} {system:<15} {rate:.1f} tok/s "
-                      f"({tokens} tokens)", file=sys.stderr)
+
+        def run_round(system: str, _: int) -> tuple[list[float], int]:
+            sampling = Sampling(logprobs=TOP if system == LOGPROBS else None)
+            rates, tokens = [], 0
+            for prompt in prompts:
+                request = runtime.submit(prompt, plan["new_tokens"], eos_token_id=[],
+                                         sampling=sampling)
+                tokens += len(request.result())
+                if system == LOGPROBS and len(request.logprobs) != plan["new_tokens"]:
+                    raise SystemExit("a request with logprobs gave fewer entries than tokens")
+                rates.append(request.stats.decode_tokens_per_s)
+            return rates, tokens
+
+        runs = decode_rounds((PLAIN, LOGPROBS), repetitions, run_round)
     load_after = os.getloadavg()
-    plain = summarize(run["tokens_per_s"] for run in runs[PLAIN])
-    scored = summarize(run["tokens_per_s"] for run in runs[LOGPROBS])
-    value = ratio(scored, plain)
-    table = markdown_table(
-        ["system", "decode tok/s (median ±spread)", "ratio to no logprobs", "goal", "verdict"],
-        [[PLAIN, format_value(plain, 1), 1.0, "", ""],
-         [LOGPROBS, format_value(scored, 1), value, f">= {GOAL}",
-          verdict(value, GOAL, True)]])
+    value, table = decode_ratio_table(runs, PLAIN, LOGPROBS, GOAL)
     table += (f"\n\nmodel {model.parent.name if model.is_file() else model.name}, vocabulary "
               f"{vocab}, {plan['requests']} requests x {plan['new_tokens']} new tokens per "
               f"round (greedy), {repetitions} rounds; load average {load_before[0]:.2f} "

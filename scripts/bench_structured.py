@@ -27,7 +27,7 @@ from pathlib import Path
 
 from _bench import environment as env
 from _bench.child import publish
-from _bench.harness import format_value, markdown_table, ratio, round_order, summarize, verdict
+from _bench.harness import decode_ratio_table, decode_rounds
 
 FREE, SCHEMA = "free text", "JSON schema"
 GOAL = 0.8
@@ -58,36 +58,28 @@ def main(argv: list[str] | None = None) -> int:
     from onnx_chunk.text.generation import EngineTokens, generate_text
 
     load_before = os.getloadavg()
-    runs: dict[str, list[dict]] = {FREE: [], SCHEMA: []}
     with load(model, provider="cpu") as runtime:
         tokenizer = runtime.tokenizer
         base = Sampling(temperature=1.0)
         json_constraint(tokenizer, DOCUMENT, runtime.ports.vocab_size)  # tokenizer prep, once
-        for round_index in range(repetitions):
-            for system in round_order((FREE, SCHEMA), round_index):
-                rates, tokens = [], 0
-                for request in range(plan["requests"]):
-                    sampling = replace(base, seed=round_index * 1000 + request)
-                    if system == SCHEMA:
-                        sampling = replace(sampling, constraint=json_constraint(
-                            tokenizer, DOCUMENT, runtime.ports.vocab_size))
-                    completion = generate_text(EngineTokens(runtime), tokenizer, "Records:",
-                                               plan["new_tokens"], sampling=sampling,
-                                               ignore_eos=system == FREE)
-                    rates.append(completion.stats.decode_tokens_per_s)
-                    tokens += len(completion.tokens)
-                rate = sum(rates) / len(rates)
-                runs[system].append({"tokens_per_s": rate, "tokens": tokens})
-                print(f"round {round_index + 1}/{repetitions} {system:<12} {rate:.1f} tok/s "
-                      f"({tokens} tokens)", file=sys.stderr)
+
+        def run_round(system: str, round_index: int) -> tuple[list[float], int]:
+            rates, tokens = [], 0
+            for request in range(plan["requests"]):
+                sampling = replace(base, seed=round_index * 1000 + request)
+                if system == SCHEMA:
+                    sampling = replace(sampling, constraint=json_constraint(
+                        tokenizer, DOCUMENT, runtime.ports.vocab_size))
+                completion = generate_text(EngineTokens(runtime), tokenizer, "Records:",
+                                           plan["new_tokens"], sampling=sampling,
+                                           ignore_eos=system == FREE)
+                rates.append(completion.stats.decode_tokens_per_s)
+                tokens += len(completion.tokens)
+            return rates, tokens
+
+        runs = decode_rounds((FREE, SCHEMA), repetitions, run_round)
     load_after = os.getloadavg()
-    free = summarize(run["tokens_per_s"] for run in runs[FREE])
-    schema = summarize(run["tokens_per_s"] for run in runs[SCHEMA])
-    value = ratio(schema, free)
-    table = markdown_table(
-        ["system", "decode tok/s (median ±spread)", "ratio to free text", "goal", "verdict"],
-        [[FREE, format_value(free, 1), 1.0, "", ""],
-         [SCHEMA, format_value(schema, 1), value, f">= {GOAL}", verdict(value, GOAL, True)]])
+    value, table = decode_ratio_table(runs, FREE, SCHEMA, GOAL)
     table += (f"\n\nmodel {model.name if model.is_dir() else model.parent.name}, "
               f"{plan['requests']} requests x {plan['new_tokens']} new tokens per round, "
               f"{repetitions} rounds; load average {load_before[0]:.2f} before, "

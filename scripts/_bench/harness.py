@@ -6,7 +6,8 @@ Nothing here touches ONNX Runtime, so every rule is tested without a model.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Sequence
+import sys
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,3 +135,36 @@ def _cell(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.2f}"
     return str(value)
+
+
+def decode_rounds(systems: Sequence[str], repetitions: int,
+                  run_round: Callable[[str, int], tuple[list[float], int]]
+                  ) -> dict[str, list[dict]]:
+    """Decode tokens/s of `systems`, interleaved round by round in rotating order:
+    `run_round(system, round_index)` serves that round's requests and gives their decode rates
+    and the tokens they made. Each round is printed on stderr; the runs, by system."""
+    runs: dict[str, list[dict]] = {system: [] for system in systems}
+    width = max(len(system) for system in systems)
+    for round_index in range(repetitions):
+        for system in round_order(systems, round_index):
+            rates, tokens = run_round(system, round_index)
+            rate = sum(rates) / len(rates)
+            runs[system].append({"tokens_per_s": rate, "tokens": tokens})
+            print(f"round {round_index + 1}/{repetitions} {system:<{width}} {rate:.1f} tok/s "
+                  f"({tokens} tokens)", file=sys.stderr)
+    return runs
+
+
+def decode_ratio_table(runs: dict[str, list[dict]], base: str, other: str,
+                       goal: float) -> tuple[float, str]:
+    """`other`'s median decode tokens/s over `base`'s, and the table of both against `goal`
+    (a ratio at least that is met)."""
+    base_speed = summarize(run["tokens_per_s"] for run in runs[base])
+    other_speed = summarize(run["tokens_per_s"] for run in runs[other])
+    value = ratio(other_speed, base_speed)
+    table = markdown_table(
+        ["system", "decode tok/s (median ±spread)", f"ratio to {base}", "goal", "verdict"],
+        [[base, format_value(base_speed, 1), 1.0, "", ""],
+         [other, format_value(other_speed, 1), value, f">= {goal}",
+          verdict(value, goal, True)]])
+    return value, table
