@@ -266,14 +266,20 @@ def test_a_stop_token_inside_an_accepted_draft_ends_the_generation_there(referen
 def test_greedy_output_equals_plain_decoding_on_the_real_exports(fixture):
     """Real prompt-lookup drafts (no oracle) on every builder export that allows them: llama,
     qwen3, phi3, gemma2 (a window-sized cache: drafts only where the rewind is exact); fp32
-    and INT4; a lone sequence and the engine."""
-    plain = load(fixture.folder, provider="cpu", chunk_size=W)
-    prompts = _prompts(plain.ports.vocab_size, (5, 64, 130), seed=1)
-    expected = _alone(plain, prompts, 120)
+    and INT4; a lone sequence and the engine.
+
+    Each is compared with plain decoding at its own slot count: a 2-slot engine decodes two
+    rows a step, and on an INT4 export MatMulNBits may pick another kernel for two rows than
+    for one, so a near-tie can fall the other way between a lone sequence and the engine
+    without any draft (it does for qwen3 and phi3 on an AMD EPYC; docs/validate.md)."""
+    with load(fixture.folder, provider="cpu", chunk_size=W, max_batch=2) as plain:
+        prompts = _prompts(plain.ports.vocab_size, (5, 64, 130), seed=1)
+        alone = _alone(plain, prompts, 120)
+        engine = plain.generate_many(prompts, 120, eos_token_id=[])
     with load(fixture.folder, provider="cpu", chunk_size=W, max_batch=2,
               speculative=SPEC) as spec:
-        assert _alone(spec, prompts, 120) == expected
-        assert spec.generate_many(prompts, 120, eos_token_id=[]) == expected
+        assert _alone(spec, prompts, 120) == alone
+        assert spec.generate_many(prompts, 120, eos_token_id=[]) == engine
         assert spec.stats.engine.draft_tokens > 0
 
 
