@@ -114,7 +114,7 @@ def test_generate_takes_the_providers_specialisation_default(reference_model, ca
 def test_generate_speculative_gives_the_plain_tokens_and_counts_drafts(capsys):
     from tests.exports.corpus import ROOT
 
-    folder = ROOT / "genai-qwen3-int4"
+    folder = ROOT / "genai-phi3-fp32"
     argv = ["generate", str(folder), "--random-prompt", "30", "--seed", "1",
             "--max-new-tokens", "150", "--provider", "cpu", "--chunk-size", "16", "--json",
             "--eos-token-id", "0"]

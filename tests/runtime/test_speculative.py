@@ -24,6 +24,7 @@ from onnx_chunk.runtime.engine.speculation import (
     Speculation,
     accepted,
     draft_length,
+    probe_may_pay,
     propose_draft,
     verify,
 )
@@ -109,6 +110,51 @@ def test_the_draft_length_gives_most_tokens_per_cost():
     lengths = [draft_length(rate) for rate in (0.3, 0.5, 0.7, 0.8, 0.9, 0.97)]
     assert lengths == sorted(lengths) and lengths[-1] == DRAFT_TOKENS
     assert draft_length(0.99, most=3) == 3
+
+
+def test_the_draft_length_weighs_how_often_a_first_row_is_trusted():
+    """A verification whose first row leads by less than the margin gives no token: with the
+    confidence rate of a random-weight INT4 export (23% of steps lead by 0.25) no draft pays,
+    not even a probe; a sure decoder drafts as before."""
+    assert draft_length(0.9, confidence=0.23) == 0 and not probe_may_pay(0.23)
+    assert draft_length(0.9, confidence=1.0) == draft_length(0.9) > 1 and probe_may_pay(0.9)
+    assert draft_length(0.9, confidence=0.8) < draft_length(0.9)
+
+
+def test_a_decoder_rarely_sure_of_its_next_token_stops_drafting_and_resumes_when_sure():
+    drafter = Drafter(np.array([1, 2, 3, 4] * 6), Speculation(margin=0.25))
+    greedy = Sampler(GREEDY, 6)
+    close = np.array([0.0, 0.1, 1.0, 0.9, 0.0, 0.0], dtype=np.float32)   # leads by 0.1
+    sure = np.array([0.0, 0.0, 2.0, 0.0, 0.0, 0.0], dtype=np.float32)    # leads by 2
+    assert len(drafter.draft(24, 100)) == 1
+    for _ in range(40):
+        drafter.observe(greedy, close)
+    assert drafter.confidence < 0.2
+    # The n-gram still recurs, but neither a draft nor a probe is tried however long it waits.
+    assert not any(len(drafter.draft(24, 100)) for _ in range(200))
+    for _ in range(40):
+        drafter.observe(greedy, sure)
+    assert drafter.confidence > 0.8
+    assert any(len(drafter.draft(24, 100)) for _ in range(40))
+    # Sampled requests and float decoders (a margin of 0) are not counted.
+    for sampler, speculation in ((Sampler(Sampling(temperature=1.0, seed=0), 6),
+                                  Speculation(margin=0.25)), (greedy, Speculation(margin=0.0))):
+        other = Drafter(np.array([1, 2, 3, 4] * 6), speculation)
+        for _ in range(40):
+            other.observe(sampler, close)
+        assert other.confidence == 1.0
+
+
+def test_the_lead_is_the_best_score_minus_the_runner_up():
+    rng = np.random.default_rng(0)
+    greedy = Sampler(GREEDY, 1000)
+    for _ in range(20):
+        row = rng.standard_normal(1000).astype(np.float32)
+        top = np.sort(row)[-2:]
+        assert greedy.lead(row) == pytest.approx(float(top[1] - top[0]))
+    row[[3, 700]] = row.max() + 1.0   # a tie at the top leads by nothing
+    assert greedy.lead(row) == 0.0
+    assert greedy.lead(np.array([0.5], dtype=np.float32)) == float("inf")
 
 
 def test_drafts_lengthen_while_kept_and_back_off_when_rejected():

@@ -474,6 +474,8 @@ class BatchEngine:
         for index in decoding:
             row = self._rows[index]
             try:
+                if row.drafter is not None:
+                    row.drafter.observe(row.sampler, logits[index])
                 self._deliver(row, row.sampler.choose(logits[index]))
             except Exception as error:  # one row's token choice fails that request alone
                 self._fail(row.request, error)

@@ -339,7 +339,10 @@ class Sequence:
                     tokens = self._verified(drafter, token, draft, sampler,
                                             generation.new_tokens, max_new_tokens, eos_ids)
                 else:
-                    tokens = [sampler.choose(step(token))]
+                    logits = step(token)
+                    tokens = [sampler.choose(logits)]
+                    if drafter is not None:
+                        drafter.observe(sampler, logits)
                 if drafter is not None:
                     drafter.extend(tokens)
                 self._stats.decode_forwards += 1

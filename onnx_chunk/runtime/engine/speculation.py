@@ -18,11 +18,20 @@ Rules:
    before the next draft (1, 2, 4, ... up to `MAX_BACKOFF`); one that accepts a token resets
    it, so text the drafts cannot predict costs at most one wasted verification per back-off.
    The draft length follows the request's record (`draft_length`): with an acceptance rate a
-   per drafted token (kept over kept plus rejections, recent verifications weighing most), a
-   draft of k tokens gives 1 + a + ... + a^k tokens for a forward that costs about
-   1 + `VERIFY_ROW_COST` * k decode steps; the k that gives most per cost is drafted, and when
+   per drafted token (kept over kept plus rejections, recent verifications weighing most) and
+   a confidence rate c (the share of recent steps whose greedy lead reached the margin of
+   rule 3: a verification's first row below it gives no token at all), a draft of k tokens
+   gives about c * (1 + ac + ... + (ac)^k) tokens (row i gives one where the drafts before
+   it were kept and every row up to it leads by the margin) for a forward that costs about
+   1 + `VERIFY_ROW_COST` * k decode steps; the k that gives most per cost is drafted. When
    none gives more than a decode step the request backs off and later drafts one token as a
-   probe. So drafting pays where the drafts have been right and stops where they have not.
+   probe, provided a probe could pay at all (c * (1 + c) > 1 + `VERIFY_ROW_COST`: a kept
+   draft, both rows above the margin). So drafting pays where the drafts have been right and
+   stops where they have not, or where the decoder is too rarely sure of its next token for
+   a verification to be trusted (a random-weight INT4 export: 23% of steps lead by 0.25).
+   The confidence is read at every plain decode step of a greedy request without
+   processors (two passes over the logits row, about 0.06 ms at vocab 151936) and at every
+   verification's first row; other requests count as always confident.
 3. Greedy verification is exact only where the verification's argmax is the one a decode step
    would pick. ONNX Runtime computes a one-row forward with other kernels than a multi-row one
    (INT4 MatMulNBits: logits differ by up to about 0.06 on a Qwen2.5-0.5B-shaped export, float
@@ -59,6 +68,9 @@ VERIFY_ROW_COST = 0.25
 # The acceptance record: a prior of one kept and one rejected token, older verifications
 # decaying by this factor at each new one.
 _RECORD_DECAY = 0.8
+# The confidence record: a prior of one confident step, older steps decaying by this factor at
+# each new one (steps are many more than verifications: about the last 20 weigh).
+_CONFIDENCE_DECAY = 0.95
 MAX_NGRAM = 3
 MIN_NGRAM = 1
 # The most plain decode steps a request runs between two drafts after failed verifications.
@@ -122,15 +134,22 @@ class DraftBackoff:
         self._penalty = min(2 * self._penalty, MAX_BACKOFF)
 
 
-def draft_length(acceptance: float, most: int = DRAFT_TOKENS) -> int:
-    """The draft length (1 to `most`) that gives most tokens per cost at this acceptance
-    rate, or 0 when none gives more than a plain decode step (rule 2)."""
+def draft_length(acceptance: float, confidence: float = 1.0, most: int = DRAFT_TOKENS) -> int:
+    """The draft length (1 to `most`) that gives most tokens per cost at this acceptance and
+    confidence rate, or 0 when none gives more than a plain decode step (rule 2)."""
     best, best_gain = 0, 1.0
     for k in range(1, most + 1):
-        gain = sum(acceptance ** i for i in range(k + 1)) / (1 + VERIFY_ROW_COST * k)
+        rate = acceptance * confidence
+        gain = confidence * sum(rate ** i for i in range(k + 1)) / (1 + VERIFY_ROW_COST * k)
         if gain > best_gain:
             best, best_gain = k, gain
     return best
+
+
+def probe_may_pay(confidence: float) -> bool:
+    """Whether a one-token probe could give more than a decode step: a kept draft and both
+    rows trusted, at this confidence rate (rule 2)."""
+    return confidence * (1 + confidence) > 1 + VERIFY_ROW_COST
 
 
 class Drafter:
@@ -144,11 +163,30 @@ class Drafter:
         self.backoff = DraftBackoff()
         self._kept = 1.0
         self._rejected = 1.0
+        self._confident = 1.0
+        self._steps = 1.0
 
     @property
     def acceptance(self) -> float:
         """The estimated chance that a drafted token is kept (recent verifications weigh most)."""
         return self._kept / (self._kept + self._rejected)
+
+    @property
+    def confidence(self) -> float:
+        """The estimated chance that a step's greedy lead reaches the margin (rule 2)."""
+        return self._confident / self._steps
+
+    def observe(self, sampler: Sampler, logits: np.ndarray) -> None:
+        """Count a plain decode step's [vocab] logits row in the confidence record (only
+        where the margin applies and the lead can be read without touching the sampler's
+        state: a greedy request without processors)."""
+        margin = self._speculation.margin
+        if margin > 0 and sampler.sampling.greedy and sampler.unprocessed_greedy:
+            self._count_step(sampler.lead(logits) >= margin)
+
+    def _count_step(self, confident: bool) -> None:
+        self._confident = _CONFIDENCE_DECAY * self._confident + confident
+        self._steps = _CONFIDENCE_DECAY * self._steps + 1
 
     def extend(self, tokens: SequenceOf[int]) -> None:
         """Append generated tokens to the history drafts are looked up in."""
@@ -163,9 +201,12 @@ class Drafter:
     def draft(self, length: int, room: int) -> np.ndarray:
         """The draft for the next step of a sequence at `length` positions with `room` new
         tokens left to generate after the next one (empty: decode plainly)."""
-        # A request whose drafts do not pay probes with one token after its back-off.
-        k = min(max(draft_length(self.acceptance), 1), room)
-        if k < 1 or not self.backoff.ready():
+        # A request whose drafts do not pay probes with one token after its back-off, where a
+        # probe could pay.
+        ready = self.backoff.ready()
+        k = min(draft_length(self.acceptance, self.confidence)
+                or (1 if probe_may_pay(self.confidence) else 0), room)
+        if k < 1 or not ready:
             return np.empty(0, dtype=np.int64)
         draft = propose_draft(self._history[:self._size], k)
         # A verification may keep no row at all (rule 3): all its rows must rewind exactly.
@@ -178,10 +219,13 @@ class Drafter:
     def verified(self, sampler: Sampler, logits: np.ndarray, draft: np.ndarray) -> list[int]:
         """`verify`, with the record and the back-off updated (rule 2)."""
         tokens = verify(sampler, logits, draft, self._speculation.margin)
+        if self._speculation.margin > 0 and sampler.sampling.greedy:
+            # No token at all: the first row's lead was below the margin.
+            self._count_step(bool(tokens))
         kept = accepted(tokens, draft)
         self._kept = _RECORD_DECAY * self._kept + kept
         self._rejected = _RECORD_DECAY * self._rejected + (kept < len(draft))
-        self.backoff.verified(1 if draft_length(self.acceptance) else 0)
+        self.backoff.verified(1 if draft_length(self.acceptance, self.confidence) else 0)
         return tokens
 
 
