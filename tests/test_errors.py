@@ -24,6 +24,8 @@ BUILT_INS = {
 REVIEWED_HANDLERS = {
     ("serve/routing.py", "ValueError"): "request_key: a body the replica will refuse gets no "
                                         "routing key; the replica answers it with the error",
+    ("_onnxruntime_wheels.py", "OSError"): "installed_wheels: only os.listdir of a sys.path "
+                                           "entry (a zip, a missing folder) is guarded",
     ("cli/validate.py", "OSError"): "an OutputError handler above re-raises ours",
     ("model_io.py", "OSError"): "an OutputError handler above re-raises ours; the rest read files",
     ("models/__init__.py", "OSError"): "an OutputError handler above re-raises ours",
