@@ -137,9 +137,9 @@ def test_a_decoder_rarely_sure_of_its_next_token_stops_drafting_and_resumes_when
     assert drafter.confidence > 0.8
     assert any(len(drafter.draft(24, 100)) for _ in range(40))
     # Sampled requests and float decoders (a margin of 0) are not counted.
-    for sampler, speculation in ((Sampler(Sampling(temperature=1.0, seed=0), 6),
-                                  Speculation(margin=0.25)), (greedy, Speculation(margin=0.0))):
-        other = Drafter(np.array([1, 2, 3, 4] * 6), speculation)
+    for sampler, rule in ((Sampler(Sampling(temperature=1.0, seed=0), 6),
+                           Speculation(margin=0.25)), (greedy, Speculation(margin=0.0))):
+        other = Drafter(np.array([1, 2, 3, 4] * 6), rule)
         for _ in range(40):
             other.observe(sampler, close)
         assert other.confidence == 1.0

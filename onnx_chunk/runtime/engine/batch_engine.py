@@ -471,8 +471,10 @@ class BatchEngine:
             for index in decoding:
                 self._fail(self._rows[index].request, error)
             return
+        assert logits is not None  # a decode forward returns every row's last logits
         for index in decoding:
             row = self._rows[index]
+            assert row is not None  # `decoding` lists busy slots only
             try:
                 if row.drafter is not None:
                     row.drafter.observe(row.sampler, logits[index])
