@@ -26,7 +26,8 @@ def test_model_names_resolve_in_the_cache_and_a_missing_one_says_how_to_build_it
     assert {"qwen05-int4", "qwen05-fp32", "llama1b-int4", "qwen05-q4_0"} <= set(BENCH_MODELS)
     assert parse_name("llama1b-q8_0") == ("llama1b", "q8_0")
     assert gguf_twins("qwen05-int4") == ["qwen05-q4_0", "qwen05-q8_0"]
-    for bad in ("qwen05", "qwen7-int4", "qwen05-int8"):
+    assert parse_name("copy-fp32") == ("copy", "fp32")  # trained here, fp32 only
+    for bad in ("qwen05", "qwen7-int4", "qwen05-int8", "copy-int4", "copy-q4_0"):
         with pytest.raises(BenchModelMissing, match="unknown benchmark model"):
             parse_name(bad)
     with pytest.raises(BenchModelMissing, match="make_bench_models.py qwen05-int4"):
