@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             hit_name, hit_model = env.named_export(args.hit_model)
         kind = args.hit_prompts or ("periodic" if hit_name.startswith("copy-") else "random")
         data["hits"] = _decode_ratio(hit_model, partial(hit_prompts, kind, plan),
-                                     plan["hit_new_tokens"], plan, rounds)
+                                     plan["hit_new_tokens"], plan, rounds,
+                                     periodic=kind == "periodic")
         data["hits"]["prompts"] = kind
         sections.append(f"### drafts that hit ({hit_model}, {kind} prompts)\n\n"
                         + _ratio_table(data["hits"], 2.0))
@@ -149,19 +150,28 @@ def random_prompts(lengths: list[int], vocab_size: int) -> list[tuple[str, list[
     return [(str(length), seeded_prompt(length, vocab_size)) for length in lengths]
 
 
+def _period(prompt: list[int]) -> int:
+    """The smallest p with prompt[i] == prompt[i - p] for every i >= p."""
+    return next(p for p in range(1, len(prompt) + 1)
+                if all(prompt[i] == prompt[i - p] for i in range(p, len(prompt))))
+
+
 def _decode_ratio(model: Path, make_prompts: Callable[[int], list[tuple[str, list[int]]]],
-                  new_tokens: int, plan: dict, rounds: int) -> dict:
+                  new_tokens: int, plan: dict, rounds: int,
+                  periodic: bool = False) -> dict:
     """Decode tokens/s of both systems per prompt and round, alternating; tokens compared.
 
     `make_prompts(vocab_size)`: the (label, prompt) pairs, a label naming its prompt in the
-    results."""
+    results. `periodic` (periodic prompts): the share of plain greedy tokens
+    that continue the prompt's period is reported too (a decoder that repeats one token also
+    has its drafts kept, without copying)."""
     runtimes = {system: onnx_chunk.load(model, provider="cpu", capacity=plan["capacity"],
                                         speculative=SPEC if system == SPEC else None)
                 for system in (SPEC, PLAIN)}
     vocab = runtimes[PLAIN].ports.vocab_size
     prompts = make_prompts(vocab)
     speeds: dict[str, dict[str, list[float]]] = {SPEC: {}, PLAIN: {}}
-    accepted = drafted = 0
+    accepted = drafted = periodic_right = periodic_total = 0
     identical = True
     for round_index in range(rounds):
         for label, prompt in prompts:
@@ -176,13 +186,20 @@ def _decode_ratio(model: Path, make_prompts: Callable[[int], list[tuple[str, lis
                         accepted += sequence.stats.accepted_tokens
                         drafted += sequence.stats.draft_tokens
             identical &= tokens[SPEC] == tokens[PLAIN]
+            if periodic:  # how much of the plain output continues the prompt's period
+                period = _period(prompt)
+                expected = [prompt[(len(prompt) + index) % period]
+                            for index in range(len(tokens[PLAIN]))]
+                periodic_right += sum(a == b for a, b in zip(tokens[PLAIN], expected))
+                periodic_total += len(expected)
             print(f"round {round_index + 1}/{rounds} prompt {label} ({len(prompt)} ids): "
                   f"{speeds[SPEC][label][-1]:.1f} against "
                   f"{speeds[PLAIN][label][-1]:.1f} tok/s", file=sys.stderr)
     for runtime in runtimes.values():
         runtime.close()
     return {"speeds": speeds, "accepted": accepted, "drafted": drafted,
-            "identical": identical, "new_tokens": new_tokens}
+            "identical": identical, "new_tokens": new_tokens,
+            "continues_period": (periodic_right / periodic_total if periodic_total else None)}
 
 
 def _verify_cost(model: Path, plan: dict, rounds: int) -> dict:
@@ -282,7 +299,10 @@ def _ratio_table(result: dict, goal: float) -> str:
     return (markdown_table(["prompt", "speculative tok/s", "plain tok/s",
                             "ratio (spread)", f"goal >= {goal}x"], rows)
             + f"\n\ndrafted {result['drafted']}, accepted {result['accepted']} "
-              f"({rate:.0%}); greedy tokens identical: {result['identical']}")
+              f"({rate:.0%}); greedy tokens identical: {result['identical']}"
+            + ("" if result.get("continues_period") is None
+               else f"; plain output continuing the prompt's period: "
+                    f"{result['continues_period']:.0%}"))
 
 
 def _cost_table(result: dict) -> str:
