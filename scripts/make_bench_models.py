@@ -19,7 +19,7 @@ quantizer from an f16 GGUF).
 ``copy-fp32`` is not random: a small Llama trained here (torch, CPU, fixed seed, minutes) to
 continue periodic sequences, the workload where prompt-lookup drafts are kept
 (scripts/bench_speculative.py --hit-model copy-fp32); its 2 trained layers are widened exactly
-and followed by 10 zero-output layers so a forward costs what a ~51M-parameter decoder costs
+and followed by 10 zero-output layers so a forward costs what a ~64M-parameter decoder costs
 (scripts/_bench/copy_decoder.py says how). Its checkpoint's TRAINING.json, copied into BUILD.json,
 records the training and the copy accuracy on held-out sequences.
 
@@ -145,12 +145,36 @@ def source(root: Path, shape: str) -> Path:
         else:
             _log(f"making the random-weight {shape} checkpoint in {folder}")
             make_source(shape, folder)
+    elif shape in TRAINED_SHAPES:  # saved at an earlier export shape: widened again, not trained
+        import importlib
+
+        importlib.import_module(f"_bench.{TRAINED_SHAPES[shape][1]}").regrow(folder, _log)
     return folder
+
+
+def lm_head_clash(config: dict) -> list[str]:
+    """The layer projections of a llama/qwen2 `config` whose output size equals vocab_size.
+
+    onnxruntime-genai's builder walks model.modules() and takes the first nn.Linear with
+    out_features == vocab_size for the lm_head (builders/base.py, `has_lm_head`); a layer's
+    projection of that size comes first, so the logits are read after that layer's norm and
+    the export computes something else, silently. An empty list: no such projection."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    sizes = {"q_proj": config["num_attention_heads"] * head_dim,
+             "k_proj/v_proj": config.get("num_key_value_heads",
+                                         config["num_attention_heads"]) * head_dim,
+             "o_proj/down_proj (hidden_size)": config["hidden_size"],
+             "gate_proj/up_proj (intermediate_size)": config["intermediate_size"]}
+    return [name for name, size in sizes.items() if size == config["vocab_size"]]
 
 
 def build_onnx(root: Path, shape: str, precision: str, stage: Path) -> None:
     """The builder's CPU export of the shape's checkpoint, with search.max_length set."""
     src = source(root, shape)
+    clash = lm_head_clash(json.loads((src / "config.json").read_text()))
+    if clash:
+        raise SystemExit(f"{src}: the genai builder would take {', '.join(clash)} (output size "
+                         "= vocab_size) for the lm_head; change the shape")
     _run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(src), "-i",
           str(src), "-o", str(stage), "-p", precision, "-e", "cpu", "-c",
           str(root / ".builder-cache")])

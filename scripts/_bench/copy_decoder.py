@@ -20,9 +20,16 @@ rescaled so the widened norms give the same values; the residual stream's extra 
 zero), followed by ZERO_LAYERS appended layers whose attention and MLP input projections are
 random (the initializer's) and whose output projections (o_proj and down_proj) are exactly zero,
 so each adds 0 to the residual stream while every forward pays their matmuls and reads their
-weights. That is "2 trained layers + 10 zero-output layers", 50.6M parameters (0.59M trained),
-203 MB in fp32; `agreement` checks the logits of both against each other (the build refuses a
+weights. That is "2 trained layers + 10 zero-output layers", 64.0M parameters (0.59M trained),
+257 MB in fp32; `agreement` checks the logits of both against each other (the build refuses a
 widened model whose greedy output differs) and BUILD.json records all of it.
+
+EXPORT_HIDDEN is 576 (18 heads of 32), not 512: onnxruntime-genai's model builder takes any
+nn.Linear whose out_features equals vocab_size for the lm_head (`has_lm_head`), and with hidden
+512 = VOCAB_SIZE it met layer 0's q_proj first and wired the logits to layer 0's
+post-attention norm (an export that repeats one token; make_bench_models.py now refuses such a
+config for any name). `regrow` re-widens a checkpoint saved at another export shape from its
+trained block (no training).
 
 Run by scripts/make_bench_models.py under the exporters venv (torch, transformers); standard
 library at import time, so the benchmark scripts can read its constants.
@@ -31,7 +38,9 @@ library at import time, so the benchmark scripts can read its constants.
 from __future__ import annotations
 
 import math
+import os
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -43,8 +52,8 @@ HEADS = 4
 INTERMEDIATE = 512
 HEAD_DIM = HIDDEN // HEADS
 TRAINED_LAYERS = 2
-EXPORT_HIDDEN = 512
-EXPORT_INTERMEDIATE = 2048
+EXPORT_HIDDEN = 576  # not VOCAB_SIZE: make_bench_models.py's lm_head_clash
+EXPORT_INTERMEDIATE = 2304
 ZERO_LAYERS = 10
 PERIODS = (8, 48)  # the block length P, inclusive
 TRAIN_LENGTH = 128
@@ -186,10 +195,11 @@ def grown(model):
     Widening: every trained tensor fills the leading block of the wider one and the rest is zero
     (embedding and lm_head columns, the extra heads' q/k/v rows and o_proj columns, the extra MLP
     units), so the residual stream's extra dimensions stay zero; the norms' gains are multiplied
-    by sqrt(HIDDEN / EXPORT_HIDDEN) = 0.5 (with eps scaled by HIDDEN / EXPORT_HIDDEN) because a
-    root mean square over 4x the dimensions, three quarters of them zero, is half the one over
-    the trained dimensions. Appended layers: random q/k/v, gate and up projections (the
-    initializer's), unit norms, o_proj and down_proj zero, so each adds 0 to the residual stream.
+    by sqrt(HIDDEN / EXPORT_HIDDEN) (with eps scaled by HIDDEN / EXPORT_HIDDEN) because a root
+    mean square over EXPORT_HIDDEN dimensions, all but HIDDEN of them zero, is that factor times
+    the one over the trained dimensions (equal up to float rounding). Appended layers: random
+    q/k/v, gate and up projections (the initializer's), unit norms, o_proj and down_proj zero, so
+    each adds 0 to the residual stream.
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -209,6 +219,79 @@ def grown(model):
                 parameter.zero_()
     wide.eval()
     return wide
+
+
+def trained_block(wide):
+    """The TRAINED_LAYERS-layer, HIDDEN-wide model inside a checkpoint `grown` made at any export
+    width: the leading block of each trained tensor, norm gains divided by the widening's
+    factor (the inverse of `grown`)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG, num_hidden_layers=TRAINED_LAYERS))
+    weights = wide.state_dict()
+    gain = math.sqrt(HIDDEN / wide.config.hidden_size)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            value = weights[name][tuple(slice(0, size) for size in parameter.shape)]
+            parameter.copy_(value / gain if name.endswith("norm.weight") else value)
+    model.eval()
+    return model
+
+
+def regrow(folder: Path, log=print) -> bool:
+    """Re-widen the checkpoint in `folder` if its shape is not export_config()'s (a checkpoint
+    saved by an earlier EXPORT_HIDDEN): its trained block, checked against it, grown again and
+    saved over it, TRAINING.json updated. No training. True if it re-widened."""
+    import json
+
+    import torch
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    saved = json.loads((folder / "config.json").read_text())
+    wanted = export_config()
+    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
+            "tie_word_embeddings")
+    if all(saved.get(key) == wanted[key] for key in keys):
+        return False
+    log(f"  re-widening {folder} (hidden {saved['hidden_size']} -> {EXPORT_HIDDEN}, "
+        "trained block kept, no training)")
+    old = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = trained_block(old)
+    sliced = agreement(model, old)
+    if not sliced["greedy_identical"] or sliced["max_logit_difference"] > 1e-3:
+        raise RuntimeError(f"the trained block of {folder} differs from it: {sliced}")
+    wide = grown(model)
+    record = json.loads((folder / "TRAINING.json").read_text())
+    record["widened"] = agreement(model, wide)
+    log(f"  widened against trained: {record['widened']}")
+    if not record["widened"]["greedy_identical"]:
+        raise RuntimeError("widening and the zero-output layers changed the greedy output")
+    record.update(_shape_record(model, wide))
+    wide.config.eos_token_id = old.config.eos_token_id
+    wide.generation_config = GenerationConfig(eos_token_id=wide.config.eos_token_id,
+                                              do_sample=False)
+    stage = folder.with_name(folder.name + ".regrow")
+    previous = folder.with_name(folder.name + ".old")
+    shutil.rmtree(stage, ignore_errors=True)
+    shutil.rmtree(previous, ignore_errors=True)
+    wide.save_pretrained(stage)
+    for each in folder.iterdir():  # tokenizer, chat template: everything the save did not write
+        if not (stage / each.name).exists():
+            shutil.copy2(each, stage / each.name)
+    (stage / "TRAINING.json").write_text(json.dumps(record, indent=1) + "\n")
+    del old
+    os.replace(folder, previous)
+    os.replace(stage, folder)
+    shutil.rmtree(previous)
+    return True
+
+
+def _shape_record(model, wide) -> dict:
+    return {"layers": f"{TRAINED_LAYERS} trained layers (hidden {HIDDEN}, widened "
+                      f"exactly to {EXPORT_HIDDEN}) + {ZERO_LAYERS} zero-output layers "
+                      "(o_proj and down_proj zero)",
+            "trained_parameters": parameters(model), "parameters": parameters(wide)}
 
 
 def agreement(model, wide) -> dict:
@@ -242,10 +325,7 @@ def make_checkpoint(dst: Path, tokenizer, eos_ids: list[int], log=print) -> dict
     if not record["widened"]["greedy_identical"]:
         raise RuntimeError("widening and the zero-output layers changed the greedy output")
     record.update({"seed": SEED, "trained_config": dict(CONFIG, num_hidden_layers=TRAINED_LAYERS),
-                   "layers": f"{TRAINED_LAYERS} trained layers (hidden {HIDDEN}, widened "
-                             f"exactly to {EXPORT_HIDDEN}) + {ZERO_LAYERS} zero-output layers "
-                             "(o_proj and down_proj zero)",
-                   "trained_parameters": parameters(model), "parameters": parameters(wide)})
+                   **_shape_record(model, wide)})
     wide.config.eos_token_id = eos_ids if len(eos_ids) > 1 else eos_ids[0]
     wide.generation_config = GenerationConfig(eos_token_id=wide.config.eos_token_id,
                                               do_sample=False)
