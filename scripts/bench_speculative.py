@@ -9,8 +9,12 @@
    one decode step, at the same past length, on the same model; k = 1, 2, 4, 8 (goal <= 1.3x
    for k = 4: what a real model's acceptance rate can buy is bounded by it).
 3. hits: a workload where drafts hit: a decoder whose greedy output repeats itself (default
-   the `tiny` reference decoder, as random small decoders do; `--hit-model` for another) with
-   the same seeded prompts: decode tokens/s against plain and the acceptance rate (goal >= 2x).
+   the `tiny` reference decoder, as random small decoders do, with the same seeded prompts) or
+   `--hit-model copy-fp32` (scripts/make_bench_models.py's decoder trained to continue periodic
+   sequences) with periodic prompts: a seeded block of P distinct ids repeated 1.5 to 2 times,
+   for several P, whose greedy continuation is the period, which prompt lookup drafts. Decode
+   tokens/s against plain and the acceptance rate, accepted/drafted (goal >= 2x).
+   `--hit-prompts` overrides the choice (periodic for a `copy-*` model, random otherwise).
 4. engine-verify: how the batch engine should verify the drafts of B rows, on plain ONNX
    Runtime with the real-size export (one CPU session, memory patterns off, past KV of
    `past` positions): B forwards of [1, k + 1] (what the engine does: each drafted row on its
@@ -22,7 +26,8 @@ systems are compared (greedy output must be identical). The load average is prin
 after; on a loaded machine (load above ~2.5 on 2 cores) the numbers are not conclusions.
 
     .venv/bin/python scripts/bench_speculative.py [--quick] [--repetitions 5]
-        [--model NAME|FOLDER] [--hit-model FOLDER] [--part random|verify-cost|hits ...]
+        [--model NAME|FOLDER] [--hit-model NAME|FOLDER] [--hit-prompts random|periodic]
+        [--part random|verify-cost|hits ...]
 """
 
 from __future__ import annotations
@@ -31,11 +36,14 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 from _bench import environment as env
 from _bench.child import publish
+from _bench.copy_decoder import FIRST_ID as PERIODIC_FIRST_ID
 from _bench.harness import markdown_table, round_order, seeded_prompt, summarize
 from _bench.models import BenchModelMissing
 
@@ -45,16 +53,21 @@ PARTS = ("random", "verify-cost", "hits", "engine-verify")
 SPEC, PLAIN = "prompt-lookup", "plain"
 FULL = {"prompts": [128, 1000], "new_tokens": 128, "capacity": 2048, "ks": [1, 2, 4, 8],
         "past": 1000, "forwards": 10, "hit_prompts": [16, 64, 200], "hit_new_tokens": 256,
+        "hit_periods": [8, 16, 32, 48],
         "engine": {"batch": 4, "k": 2, "past": 300}}
 QUICK = {"prompts": [16], "new_tokens": 16, "capacity": 256, "ks": [1, 4], "past": 32,
-         "forwards": 3, "hit_prompts": [16], "hit_new_tokens": 32,
+         "forwards": 3, "hit_prompts": [16], "hit_new_tokens": 32, "hit_periods": [12, 40],
          "engine": {"batch": 2, "k": 2, "past": 16}}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = env.common_parser(__doc__.splitlines()[0])
-    parser.add_argument("--hit-model", type=Path, default=None,
-                        help="the decoder whose output repeats (default the tiny reference)")
+    parser.add_argument("--hit-model", default=None,
+                        help="the decoder whose output repeats: a benchmark model name "
+                             "(copy-fp32) or an export folder (default the tiny reference)")
+    parser.add_argument("--hit-prompts", choices=("random", "periodic"), default=None,
+                        help="the hits part's prompts (default periodic for a copy-* model, "
+                             "random otherwise)")
     parser.add_argument("--part", action="append", choices=PARTS)
     args = parser.parse_args(argv)
     parts = tuple(part for part in PARTS if part in (args.part or PARTS))
@@ -66,16 +79,23 @@ def main(argv: list[str] | None = None) -> int:
     data: dict = {"plan": plan, "rounds": rounds, "model": str(model), "note": note,
                   "load_before": os.getloadavg()}
     if "random" in parts:
-        data["random"] = _decode_ratio(model, plan["prompts"], plan["new_tokens"], plan, rounds)
+        data["random"] = _decode_ratio(model, partial(random_prompts, plan["prompts"]),
+                                       plan["new_tokens"], plan, rounds)
         sections.append("### random prompts\n\n" + _ratio_table(data["random"], 0.97))
     if "verify-cost" in parts:
         data["verify_cost"] = _verify_cost(model, plan, rounds)
         sections.append("### verification cost\n\n" + _cost_table(data["verify_cost"]))
     if "hits" in parts:
-        hit_model = args.hit_model or env.build_model(args.out, "tiny").parent
-        data["hits"] = _decode_ratio(hit_model, plan["hit_prompts"], plan["hit_new_tokens"],
-                                     plan, rounds)
-        sections.append(f"### drafts that hit ({hit_model})\n\n"
+        if args.hit_model is None:
+            hit_name, hit_model = "tiny", env.build_model(args.out, "tiny").parent
+        else:
+            hit_name, hit_model = env.named_export(args.hit_model)
+        kind = args.hit_prompts or ("periodic" if hit_name.startswith("copy-") else "random")
+        data["hits"] = _decode_ratio(hit_model, partial(hit_prompts, kind, plan),
+                                     plan["hit_new_tokens"], plan, rounds,
+                                     periodic=kind == "periodic")
+        data["hits"]["prompts"] = kind
+        sections.append(f"### drafts that hit ({hit_model}, {kind} prompts)\n\n"
                         + _ratio_table(data["hits"], 2.0))
     if "engine-verify" in parts:
         data["engine_verify"] = _engine_verify(model, plan["engine"], rounds * 3)
@@ -105,37 +125,81 @@ def _load() -> str:
     return " ".join(f"{value:.2f}" for value in os.getloadavg())
 
 
-def _decode_ratio(model: Path, lengths: list[int], new_tokens: int, plan: dict,
-                  rounds: int) -> dict:
-    """Decode tokens/s of both systems per prompt and round, alternating; tokens compared."""
+def periodic_prompt(period: int, vocab_size: int, seed: int = 0) -> list[int]:
+    """A block of `period` distinct ids (seeded by (seed, period)) repeated to a seeded length
+    between 1.5 and 2 periods: its continuation is the period. The ids are those the copy
+    decoder is trained on (past the fixture tokenizer's special tokens)."""
+    rng = np.random.default_rng([seed, period])
+    block = rng.choice(np.arange(PERIODIC_FIRST_ID, vocab_size), period, replace=False)
+    length = int(rng.integers(period * 3 // 2, period * 2 + 1))
+    return [int(block[index % period]) for index in range(length)]
+
+
+def hit_prompts(kind: str, plan: dict, vocab_size: int) -> list[tuple[str, list[int]]]:
+    """(label, prompt) of the hits part: periodic prompts for each of the plan's periods, or the
+    seeded random prompts of its lengths."""
+    if kind == "periodic":
+        prompts = [periodic_prompt(period, vocab_size) for period in plan["hit_periods"]]
+        return [(f"{len(prompt)} (period {period})", prompt)
+                for period, prompt in zip(plan["hit_periods"], prompts)]
+    return random_prompts(plan["hit_prompts"], vocab_size)
+
+
+def random_prompts(lengths: list[int], vocab_size: int) -> list[tuple[str, list[int]]]:
+    """(label, prompt) of the seeded random prompts of `lengths`."""
+    return [(str(length), seeded_prompt(length, vocab_size)) for length in lengths]
+
+
+def _period(prompt: list[int]) -> int:
+    """The smallest p with prompt[i] == prompt[i - p] for every i >= p."""
+    return next(p for p in range(1, len(prompt) + 1)
+                if all(prompt[i] == prompt[i - p] for i in range(p, len(prompt))))
+
+
+def _decode_ratio(model: Path, make_prompts: Callable[[int], list[tuple[str, list[int]]]],
+                  new_tokens: int, plan: dict, rounds: int,
+                  periodic: bool = False) -> dict:
+    """Decode tokens/s of both systems per prompt and round, alternating; tokens compared.
+
+    `make_prompts(vocab_size)`: the (label, prompt) pairs, a label naming its prompt in the
+    results. `periodic` (periodic prompts): the share of plain greedy tokens
+    that continue the prompt's period is reported too (a decoder that repeats one token also
+    has its drafts kept, without copying)."""
     runtimes = {system: onnx_chunk.load(model, provider="cpu", capacity=plan["capacity"],
                                         speculative=SPEC if system == SPEC else None)
                 for system in (SPEC, PLAIN)}
     vocab = runtimes[PLAIN].ports.vocab_size
-    prompts = [seeded_prompt(length, vocab) for length in lengths]
-    speeds: dict[str, dict[int, list[float]]] = {SPEC: {}, PLAIN: {}}
-    accepted = drafted = 0
+    prompts = make_prompts(vocab)
+    speeds: dict[str, dict[str, list[float]]] = {SPEC: {}, PLAIN: {}}
+    accepted = drafted = periodic_right = periodic_total = 0
     identical = True
     for round_index in range(rounds):
-        for prompt in prompts:
+        for label, prompt in prompts:
             tokens = {}
             for system in round_order((SPEC, PLAIN), round_index):
                 with runtimes[system].open_sequence() as sequence:
                     tokens[system] = sequence.generate(prompt, new_tokens, [])
                     generation = sequence.stats.last_generation
-                    speeds[system].setdefault(len(prompt), []).append(
+                    speeds[system].setdefault(label, []).append(
                         generation.decode_tokens_per_s)
                     if system == SPEC:
                         accepted += sequence.stats.accepted_tokens
                         drafted += sequence.stats.draft_tokens
             identical &= tokens[SPEC] == tokens[PLAIN]
-            print(f"round {round_index + 1}/{rounds} prompt {len(prompt)}: "
-                  f"{speeds[SPEC][len(prompt)][-1]:.1f} against "
-                  f"{speeds[PLAIN][len(prompt)][-1]:.1f} tok/s", file=sys.stderr)
+            if periodic:  # how much of the plain output continues the prompt's period
+                period = _period(prompt)
+                expected = [prompt[(len(prompt) + index) % period]
+                            for index in range(len(tokens[PLAIN]))]
+                periodic_right += sum(a == b for a, b in zip(tokens[PLAIN], expected))
+                periodic_total += len(expected)
+            print(f"round {round_index + 1}/{rounds} prompt {label} ({len(prompt)} ids): "
+                  f"{speeds[SPEC][label][-1]:.1f} against "
+                  f"{speeds[PLAIN][label][-1]:.1f} tok/s", file=sys.stderr)
     for runtime in runtimes.values():
         runtime.close()
     return {"speeds": speeds, "accepted": accepted, "drafted": drafted,
-            "identical": identical, "new_tokens": new_tokens}
+            "identical": identical, "new_tokens": new_tokens,
+            "continues_period": (periodic_right / periodic_total if periodic_total else None)}
 
 
 def _verify_cost(model: Path, plan: dict, rounds: int) -> dict:
@@ -259,7 +323,10 @@ def _ratio_table(result: dict, goal: float) -> str:
     return (markdown_table(["prompt", "speculative tok/s", "plain tok/s",
                             "ratio (spread)", f"goal >= {goal}x"], rows)
             + f"\n\ndrafted {result['drafted']}, accepted {result['accepted']} "
-              f"({rate:.0%}); greedy tokens identical: {result['identical']}")
+              f"({rate:.0%}); greedy tokens identical: {result['identical']}"
+            + ("" if result.get("continues_period") is None
+               else f"; plain output continuing the prompt's period: "
+                    f"{result['continues_period']:.0%}"))
 
 
 def _cost_table(result: dict) -> str:

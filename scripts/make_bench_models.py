@@ -14,9 +14,19 @@ with block 32), with ``search.max_length`` set to MAX_LENGTH so genai's prealloc
 matches what a benchmark asks for rather than the model's full context; ``qwen05-q4_0``,
 ``qwen05-q8_0``, ``llama1b-q4_0`` and ``llama1b-q8_0`` are GGUF files of the same checkpoint,
 written by the converter shipped in llama.cpp's sources (Q8_0 directly, Q4_0 by llama.cpp's own
-quantizer from an f16 GGUF). Everything lands in a cache outside git: ``--root``, else
-$ONNX_CHUNK_BENCH_MODELS, else ~/.cache/onnx-chunk/bench-models; the benchmark scripts find a
-model by name there (``--model qwen05-int4``). A built model is reused; ``--force`` rebuilds.
+quantizer from an f16 GGUF).
+
+``copy-fp32`` is not random: a small Llama trained here (torch, CPU, fixed seed, minutes) to
+continue periodic sequences, the workload where prompt-lookup drafts are kept
+(scripts/bench_speculative.py --hit-model copy-fp32); its 2 trained layers are widened exactly
+and followed by 10 zero-output layers so a forward costs what a ~64M-parameter decoder costs
+(scripts/_bench/copy_decoder.py says how). Its checkpoint's TRAINING.json, copied into BUILD.json,
+records the training and the copy accuracy on held-out sequences.
+
+Everything lands in a cache outside git: ``--root``, else $ONNX_CHUNK_BENCH_MODELS, else
+~/.cache/onnx-chunk/bench-models; the benchmark scripts find a model by name there (``--model
+qwen05-int4``). A built model is reused; ``--force`` rebuilds (from the checkpoint under
+.sources/, which is made once: delete .sources/copy to train again).
 
 Run it with the exporters venv's interpreter (torch, transformers, onnxruntime-genai's builder);
 the GGUF names also need llama.cpp's sources (``--llama-cpp-sdist``: llama-cpp-python's sdist,
@@ -54,6 +64,7 @@ from _bench.models import (
     MAX_LENGTH,
     ONNX_PRECISIONS,
     SHAPES,
+    TRAINED_SHAPES,
     models_root,
     parse_name,
 )
@@ -106,19 +117,64 @@ def make_source(shape: str, dst: Path) -> None:
     os.replace(stage, dst)
 
 
+def make_trained_source(shape: str, dst: Path) -> None:
+    """The trained checkpoint of `shape` (fp32 safetensors, the llama fixtures' tokenizer) in
+    dst, with TRAINING.json: how it was trained and how well it does its task on held-out
+    sequences."""
+    import importlib
+
+    from make_export_fixtures import FAMILIES, train_tokenizer
+
+    trainer = importlib.import_module(f"_bench.{TRAINED_SHAPES[shape][1]}")
+    family = FAMILIES["llama"]
+    stage = dst.with_name(dst.name + ".partial")
+    shutil.rmtree(stage, ignore_errors=True)
+    record = trainer.make_checkpoint(stage, train_tokenizer(family), family.eos_ids(), _log)
+    (stage / "TRAINING.json").write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(stage, dst)
+
+
 def source(root: Path, shape: str) -> Path:
     """The shape's checkpoint under root/.sources (made once)."""
     folder = root / ".sources" / shape
     if not (folder / "config.json").is_file():
-        _log(f"making the random-weight {shape} checkpoint in {folder}")
         folder.parent.mkdir(parents=True, exist_ok=True)
-        make_source(shape, folder)
+        if shape in TRAINED_SHAPES:
+            _log(f"training the {shape} checkpoint in {folder}")
+            make_trained_source(shape, folder)
+        else:
+            _log(f"making the random-weight {shape} checkpoint in {folder}")
+            make_source(shape, folder)
+    elif shape in TRAINED_SHAPES:  # saved at an earlier export shape: widened again, not trained
+        import importlib
+
+        importlib.import_module(f"_bench.{TRAINED_SHAPES[shape][1]}").regrow(folder, _log)
     return folder
+
+
+def lm_head_clash(config: dict) -> list[str]:
+    """The layer projections of a llama/qwen2 `config` whose output size equals vocab_size.
+
+    onnxruntime-genai's builder walks model.modules() and takes the first nn.Linear with
+    out_features == vocab_size for the lm_head (builders/base.py, `has_lm_head`); a layer's
+    projection of that size comes first, so the logits are read after that layer's norm and
+    the export computes something else, silently. An empty list: no such projection."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    sizes = {"q_proj": config["num_attention_heads"] * head_dim,
+             "k_proj/v_proj": config.get("num_key_value_heads",
+                                         config["num_attention_heads"]) * head_dim,
+             "o_proj/down_proj (hidden_size)": config["hidden_size"],
+             "gate_proj/up_proj (intermediate_size)": config["intermediate_size"]}
+    return [name for name, size in sizes.items() if size == config["vocab_size"]]
 
 
 def build_onnx(root: Path, shape: str, precision: str, stage: Path) -> None:
     """The builder's CPU export of the shape's checkpoint, with search.max_length set."""
     src = source(root, shape)
+    clash = lm_head_clash(json.loads((src / "config.json").read_text()))
+    if clash:
+        raise SystemExit(f"{src}: the genai builder would take {', '.join(clash)} (output size "
+                         "= vocab_size) for the lm_head; change the shape")
     _run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(src), "-i",
           str(src), "-o", str(stage), "-p", precision, "-e", "cpu", "-c",
           str(root / ".builder-cache")])
@@ -208,8 +264,14 @@ def build(root: Path, name: str, args: argparse.Namespace) -> None:
         stage.mkdir(parents=True)
         build_gguf(root, shape, precision, stage / f"{name}.gguf", args.llama_cpp_sdist,
                    args.llama_cpp_python)
-    record = {"name": name, "shape": shape, "precision": precision, "seed": SEED,
-              "config": SHAPES[shape].config, "max_length": MAX_LENGTH,
+    if shape in TRAINED_SHAPES:
+        training = json.loads((root / ".sources" / shape / "TRAINING.json").read_text())
+        config = json.loads((root / ".sources" / shape / "config.json").read_text())
+        described = {"seed": training["seed"], "config": config, "training": training}
+    else:
+        described = {"seed": SEED, "config": SHAPES[shape].config}
+    record = {"name": name, "shape": shape, "precision": precision, **described,
+              "max_length": MAX_LENGTH,
               "bytes": _folder_bytes(stage), "build_s": round(time.monotonic() - started, 1),
               "versions": _versions(),
               "llama_cpp_sdist": args.llama_cpp_sdist.name if args.llama_cpp_sdist else None}

@@ -46,8 +46,15 @@ SHAPES = {
         "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "initializer_range": 0.02},
         "llama", "llama-bpe"),
 }
+# Decoders trained here for one behaviour rather than given random weights: shape -> the
+# precisions built (fp32 builder exports) and the module that trains the checkpoint. ``copy``:
+# a small Llama trained to continue periodic sequences (_bench/copy_decoder.py), the workload
+# where prompt-lookup drafts are kept.
+TRAINED_SHAPES = {"copy": (("fp32",), "copy_decoder")}
 BENCH_MODELS = tuple(f"{shape}-{precision}" for shape in SHAPES
-                     for precision in ONNX_PRECISIONS + GGUF_QUANTS)
+                     for precision in ONNX_PRECISIONS + GGUF_QUANTS) + tuple(
+    f"{shape}-{precision}" for shape, (precisions, _) in TRAINED_SHAPES.items()
+    for precision in precisions)
 
 
 class BenchModelMissing(LookupError):
@@ -57,7 +64,7 @@ class BenchModelMissing(LookupError):
 def parse_name(name: str) -> tuple[str, str]:
     """(shape, precision) of a model name such as ``qwen05-int4``."""
     shape, _, precision = name.partition("-")
-    if shape not in SHAPES or precision not in ONNX_PRECISIONS + GGUF_QUANTS:
+    if name not in BENCH_MODELS:
         raise BenchModelMissing(f"unknown benchmark model {name!r}; known: "
                                 f"{', '.join(BENCH_MODELS)}")
     return shape, precision

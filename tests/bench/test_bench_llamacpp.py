@@ -22,11 +22,30 @@ from scripts._bench.models import (
 EXPORT = env.ROOT / "tests" / "fixtures" / "exports" / "genai-llama-int4"
 
 
+def test_no_benchmark_shape_has_a_projection_the_builder_takes_for_the_lm_head():
+    # The genai builder takes the first nn.Linear with out_features == vocab_size for the
+    # lm_head: copy-fp32 widened to hidden 512 = vocab 512 had its logits read after layer 0.
+    from scripts._bench import copy_decoder
+    from scripts._bench.models import SHAPES
+    from scripts.make_bench_models import lm_head_clash
+
+    for shape in SHAPES.values():
+        assert lm_head_clash(shape.config) == []
+    assert lm_head_clash(copy_decoder.export_config()) == []
+    wide_512 = dict(copy_decoder.export_config(), hidden_size=512, intermediate_size=2048,
+                    num_attention_heads=16, num_key_value_heads=16)
+    assert lm_head_clash(wide_512) == ["q_proj", "k_proj/v_proj",
+                                       "o_proj/down_proj (hidden_size)"]
+    assert lm_head_clash(dict(copy_decoder.CONFIG, num_hidden_layers=2)) == [
+        "gate_proj/up_proj (intermediate_size)"]
+
+
 def test_model_names_resolve_in_the_cache_and_a_missing_one_says_how_to_build_it(tmp_path):
     assert {"qwen05-int4", "qwen05-fp32", "llama1b-int4", "qwen05-q4_0"} <= set(BENCH_MODELS)
     assert parse_name("llama1b-q8_0") == ("llama1b", "q8_0")
     assert gguf_twins("qwen05-int4") == ["qwen05-q4_0", "qwen05-q8_0"]
-    for bad in ("qwen05", "qwen7-int4", "qwen05-int8"):
+    assert parse_name("copy-fp32") == ("copy", "fp32")  # trained here, fp32 only
+    for bad in ("qwen05", "qwen7-int4", "qwen05-int8", "copy-int4", "copy-q4_0"):
         with pytest.raises(BenchModelMissing, match="unknown benchmark model"):
             parse_name(bad)
     with pytest.raises(BenchModelMissing, match="make_bench_models.py qwen05-int4"):

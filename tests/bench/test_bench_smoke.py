@@ -271,3 +271,21 @@ def test_the_speculative_benchmark_quick_mode_runs_every_part(tmp_path, referenc
     assert set(data["verify_cost"]["times"]) == {"decode", "k=1", "k=4"}
     assert {"own forwards", "decode"} <= set(data["engine_verify"]["seconds"])
     assert "verify k=4 (5 rows)" in (tmp_path / "speculative_quick.md").read_text()
+
+
+def test_the_speculative_benchmark_periodic_prompts_repeat_a_block_of_distinct_ids():
+    """--hit-model copy-fp32's prompts: a seeded block of P distinct ids (past the special
+    tokens) repeated 1.5 to 2 times, the same every run."""
+    sys.path.insert(0, str(env.ROOT / "scripts"))
+    from bench_speculative import QUICK, hit_prompts, periodic_prompt
+
+    for period in (8, 12, 40, 48):
+        prompt = periodic_prompt(period, 512)
+        block = prompt[:period]
+        assert len(set(block)) == period and min(block) >= 8 and max(block) < 512
+        assert period * 3 // 2 <= len(prompt) <= period * 2
+        assert prompt == [block[index % period] for index in range(len(prompt))]
+        assert prompt == periodic_prompt(period, 512)
+    labels = [label for label, _ in hit_prompts("periodic", QUICK, 512)]
+    assert labels == [f"{len(periodic_prompt(p, 512))} (period {p})" for p in QUICK["hit_periods"]]
+    assert [label for label, _ in hit_prompts("random", QUICK, 512)] == ["16"]
