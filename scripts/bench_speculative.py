@@ -36,7 +36,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
@@ -210,20 +210,16 @@ def _verify_cost(model: Path, plan: dict, rounds: int) -> dict:
     with runtime.open_sequence() as sequence:
         sequence.prefill(seeded_prompt(plan["past"], vocab))
         rng = np.random.default_rng(0)
-        systems = ["decode"] + [f"k={k}" for k in plan["ks"]]
-        for round_index in range(rounds):
-            for system in round_order(systems, round_index):
-                rows = 1 if system == "decode" else int(system[2:]) + 1
-                for _ in range(plan["forwards"]):
-                    ids = rng.integers(3, vocab, rows)
-                    began = time.perf_counter()
-                    if rows == 1:
-                        sequence.decode(int(ids[0]))
-                    else:
-                        # One forward of `rows` rows with every row's logits: a verification.
-                        sequence.prefill(ids, all_logits=True)
-                    times.setdefault(system, []).append(time.perf_counter() - began)
-                    sequence.rewind(rows)
+        for system, rows in _forward_schedule(plan, rounds):
+            ids = rng.integers(3, vocab, rows)
+            began = time.perf_counter()
+            if rows == 1:
+                sequence.decode(int(ids[0]))
+            else:
+                # One forward of `rows` rows with every row's logits: a verification.
+                sequence.prefill(ids, all_logits=True)
+            times.setdefault(system, []).append(time.perf_counter() - began)
+            sequence.rewind(rows)
     runtime.close()
     return {"times": times, "bare": _bare_verify_cost(model, plan, rounds), "past": plan["past"]}
 
@@ -237,19 +233,27 @@ def _bare_verify_cost(model: Path, plan: dict, rounds: int) -> dict[str, list[fl
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     head = json.loads((path.parent / "genai_config.json").read_text())["model"]["decoder"][
         "head_size"]
-    systems = ["decode"] + [f"k={k}" for k in plan["ks"]]
-    feeds = {system: _feeds(session, 1, 1 if system == "decode" else int(system[2:]) + 1,
-                            plan["past"], head) for system in systems}
+    feeds = {system: _feeds(session, 1, rows, plan["past"], head)
+             for system, rows in _forward_schedule(plan, 1)}
     for system_feeds in feeds.values():
         session.run(["logits"], system_feeds)
     times: dict[str, list[float]] = {}
+    for system, _ in _forward_schedule(plan, rounds):
+        began = time.perf_counter()
+        session.run(["logits"], feeds[system])
+        times.setdefault(system, []).append(time.perf_counter() - began)
+    return times
+
+
+def _forward_schedule(plan: dict, rounds: int) -> Iterator[tuple[str, int]]:
+    """(system, rows) of every timed forward of the verify-cost part: per round, the decode
+    step and each k + 1-row verification in rotating order, `plan["forwards"]` times each."""
+    systems = ["decode"] + [f"k={k}" for k in plan["ks"]]
     for round_index in range(rounds):
         for system in round_order(systems, round_index):
+            rows = 1 if system == "decode" else int(system[2:]) + 1
             for _ in range(plan["forwards"]):
-                began = time.perf_counter()
-                session.run(["logits"], feeds[system])
-                times.setdefault(system, []).append(time.perf_counter() - began)
-    return times
+                yield system, rows
 
 
 def _engine_verify(model: Path, plan: dict, repetitions: int) -> dict:
