@@ -79,7 +79,7 @@ STALL_GOAL = 1.5
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = env.common_parser(__doc__.splitlines()[0])
+    parser = env.common_parser(__doc__.splitlines()[0], variant=False)
     parser.add_argument("--genai-venv", type=Path, default=env.ROOT / ".venv-genai",
                         help="venv holding onnxruntime-genai (created when missing)")
     parser.add_argument("--no-genai", action="store_true",

@@ -33,11 +33,14 @@ FIXTURE = env.ROOT / "tests" / "fixtures" / "exports" / "genai-qwen3-fp32"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = env.common_parser(__doc__.splitlines()[0])
+    parser = env.common_parser(__doc__.splitlines()[0], variant=False)
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     repetitions = 2 if args.quick else args.repetitions
-    model = FIXTURE if args.quick else env.build_model(args.out, "bench")
+    if args.model is not None:
+        model = env.named_export(args.model)[1]
+    else:
+        model = FIXTURE if args.quick else env.build_model(args.out, "bench")
     from onnx_chunk.runtime import load
     from onnx_chunk.sampling import Sampling
 

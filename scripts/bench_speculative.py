@@ -61,7 +61,7 @@ QUICK = {"prompts": [16], "new_tokens": 16, "capacity": 256, "ks": [1, 4], "past
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = env.common_parser(__doc__.splitlines()[0])
+    parser = env.common_parser(__doc__.splitlines()[0], variant=False)
     parser.add_argument("--hit-model", default=None,
                         help="the decoder whose output repeats: a benchmark model name "
                              "(copy-fp32) or an export folder (default the tiny reference)")

@@ -44,7 +44,7 @@ FIXTURE = env.ROOT / "tests" / "fixtures" / "exports" / "genai-qwen3-fp32"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = env.common_parser(__doc__.splitlines()[0])
+    parser = env.common_parser(__doc__.splitlines()[0], variant=False)
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     repetitions = 2 if args.quick else args.repetitions

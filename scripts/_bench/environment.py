@@ -27,8 +27,10 @@ LLAMA_PYTHON = Path(os.environ.get("ONNX_CHUNK_LLAMACPP_PYTHON",
                                    "/work/llamacpp-venv/bin/python"))
 
 
-def common_parser(description: str) -> argparse.ArgumentParser:
-    """Options shared by the benchmark scripts."""
+def common_parser(description: str, *, variant: bool = True) -> argparse.ArgumentParser:
+    """Options shared by the benchmark scripts. `variant`: whether the script measures the bench
+    decoder's INT4 weights on `--variant int4` (a script that does not leaves the option out,
+    so argparse refuses it instead of measuring fp32 under that name)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="folder for models, JSON results and tables (default bench-out/)")
@@ -36,8 +38,9 @@ def common_parser(description: str) -> argparse.ArgumentParser:
                         help="measurements of each system at each point (default 5)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: short prompts, 2 repetitions, 8 new tokens")
-    parser.add_argument("--variant", default="base", choices=("base", "int4"),
-                        help="the bench decoder's weights: fp32 (base) or INT4")
+    if variant:
+        parser.add_argument("--variant", default="base", choices=("base", "int4"),
+                            help="the bench decoder's weights: fp32 (base) or INT4")
     parser.add_argument("--model", default=None,
                         help="measure a real-size benchmark model (qwen05-int4, ...; built by "
                              "scripts/make_bench_models.py) or a builder-export folder instead "

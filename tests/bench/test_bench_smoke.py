@@ -289,3 +289,14 @@ def test_the_speculative_benchmark_periodic_prompts_repeat_a_block_of_distinct_i
     labels = [label for label, _ in hit_prompts("periodic", QUICK, 512)]
     assert labels == [f"{len(periodic_prompt(p, 512))} (period {p})" for p in QUICK["hit_periods"]]
     assert [label for label, _ in hit_prompts("random", QUICK, 512)] == ["16"]
+
+
+@pytest.mark.parametrize("script", ["bench_engine.py", "bench_speculative.py",
+                                    "bench_logprobs.py", "bench_structured.py"])
+def test_a_script_that_measures_no_int4_bench_decoder_refuses_variant(script):
+    """--variant int4 on a script that would measure fp32 anyway: refused, not ignored."""
+    import subprocess
+
+    result = subprocess.run([sys.executable, str(env.ROOT / "scripts" / script), "--quick",
+                             "--variant", "int4"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--variant" in result.stderr, result.stderr
