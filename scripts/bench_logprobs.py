@@ -22,7 +22,7 @@ import sys
 import numpy as np
 from _bench import environment as env
 from _bench.child import publish
-from _bench.harness import decode_ratio_table, decode_rounds
+from _bench.harness import decode_ratio_result, decode_rounds
 
 PLAIN, LOGPROBS = "no logprobs", "top_logprobs 5"
 GOAL = 0.9
@@ -63,15 +63,12 @@ def main(argv: list[str] | None = None) -> int:
             return rates, tokens
 
         runs = decode_rounds((PLAIN, LOGPROBS), repetitions, run_round)
-    load_after = os.getloadavg()
-    value, table = decode_ratio_table(runs, PLAIN, LOGPROBS, GOAL)
-    table += (f"\n\nmodel {model.parent.name if model.is_file() else model.name}, vocabulary "
-              f"{vocab}, {plan['requests']} requests x {plan['new_tokens']} new tokens per "
-              f"round (greedy), {repetitions} rounds; load average {load_before[0]:.2f} "
-              f"before, {load_after[0]:.2f} after")
-    publish(args.out, "logprobs" + ("_quick" if args.quick else ""), {
-        "plan": plan, "repetitions": repetitions, "runs": runs, "ratio": value,
-        "load_average": [load_before, load_after]}, table)
+    data, table = decode_ratio_result(
+        runs, PLAIN, LOGPROBS, GOAL,
+        f"model {model.parent.name if model.is_file() else model.name}, vocabulary {vocab}, "
+        f"{plan['requests']} requests x {plan['new_tokens']} new tokens per round (greedy)",
+        plan, repetitions, load_before)
+    publish(args.out, "logprobs" + ("_quick" if args.quick else ""), data, table)
     return 0
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from _bench import environment as env
 from _bench.child import publish
-from _bench.harness import decode_ratio_table, decode_rounds
+from _bench.harness import decode_ratio_result, decode_rounds
 
 FREE, SCHEMA = "free text", "JSON schema"
 GOAL = 0.8
@@ -78,15 +78,12 @@ def main(argv: list[str] | None = None) -> int:
             return rates, tokens
 
         runs = decode_rounds((FREE, SCHEMA), repetitions, run_round)
-    load_after = os.getloadavg()
-    value, table = decode_ratio_table(runs, FREE, SCHEMA, GOAL)
-    table += (f"\n\nmodel {model.name if model.is_dir() else model.parent.name}, "
-              f"{plan['requests']} requests x {plan['new_tokens']} new tokens per round, "
-              f"{repetitions} rounds; load average {load_before[0]:.2f} before, "
-              f"{load_after[0]:.2f} after")
-    publish(args.out, "structured" + ("_quick" if args.quick else ""), {
-        "plan": plan, "repetitions": repetitions, "runs": runs, "ratio": value,
-        "load_average": [load_before, load_after]}, table)
+    data, table = decode_ratio_result(
+        runs, FREE, SCHEMA, GOAL,
+        f"model {model.name if model.is_dir() else model.parent.name}, "
+        f"{plan['requests']} requests x {plan['new_tokens']} new tokens per round",
+        plan, repetitions, load_before)
+    publish(args.out, "structured" + ("_quick" if args.quick else ""), data, table)
     return 0
 
 

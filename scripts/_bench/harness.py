@@ -5,6 +5,7 @@ Nothing here touches ONNX Runtime, so every rule is tested without a model.
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -153,6 +154,19 @@ def decode_rounds(systems: Sequence[str], repetitions: int,
             print(f"round {round_index + 1}/{repetitions} {system:<{width}} {rate:.1f} tok/s "
                   f"({tokens} tokens)", file=sys.stderr)
     return runs
+
+
+def decode_ratio_result(runs: dict[str, list[dict]], base: str, other: str, goal: float,
+                        description: str, plan: dict, repetitions: int,
+                        load_before: tuple[float, float, float]) -> tuple[dict, str]:
+    """The data to publish and the table of a `decode_rounds` run: `decode_ratio_table` with a
+    line of `description`, the rounds and the load average before and now."""
+    load_after = os.getloadavg()
+    value, table = decode_ratio_table(runs, base, other, goal)
+    table += (f"\n\n{description}, {repetitions} rounds; load average {load_before[0]:.2f} "
+              f"before, {load_after[0]:.2f} after")
+    return {"plan": plan, "repetitions": repetitions, "runs": runs, "ratio": value,
+            "load_average": [load_before, load_after]}, table
 
 
 def decode_ratio_table(runs: dict[str, list[dict]], base: str, other: str,
