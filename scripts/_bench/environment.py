@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -154,17 +155,7 @@ def genai_python(venv: Path) -> Path:
     onnxruntime-gpu, so it lives in a venv of its own. What it creates or installs is said on
     stderr.
     """
-    python = venv / "bin" / "python"
-    if not python.exists():
-        print(f"creating {venv}", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    probe = subprocess.run([str(python), "-c", _PEER_PROBE], capture_output=True, text=True,
-                           check=False)
-    if probe.returncode != 0 or probe.stdout.split() != list(PEER_REQUIREMENTS):
-        print(f"installing {' '.join(PEER_REQUIREMENTS)} into {venv}", file=sys.stderr)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                        *PEER_REQUIREMENTS], check=True)
-    return python
+    return _pinned_venv(venv, PEER_REQUIREMENTS, _PEER_PROBE, list(PEER_REQUIREMENTS))
 
 
 # The evaluation harness's venv: lm-evaluation-harness with its API models (no torch: the
@@ -178,17 +169,24 @@ def lmeval_python(venv: Path) -> Path:
     """The interpreter of the harness's venv (created, and LMEVAL_REQUIREMENTS installed, if
     missing: about 4.5 minutes and 930 MB, measured on this 2-core machine). What it creates
     or installs is said on stderr."""
+    return _pinned_venv(venv, LMEVAL_REQUIREMENTS, _LMEVAL_PROBE,
+                        [requirement.replace("[api]", "") for requirement in LMEVAL_REQUIREMENTS])
+
+
+def _pinned_venv(venv: Path, requirements: Sequence[str], probe: str,
+                 expected: list[str]) -> Path:
+    """The interpreter of `venv`, created if missing, with `requirements` installed unless
+    `probe` (a Python one-liner) already prints `expected` there."""
     python = venv / "bin" / "python"
     if not python.exists():
         print(f"creating {venv}", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    probe = subprocess.run([str(python), "-c", _LMEVAL_PROBE], capture_output=True, text=True,
+    found = subprocess.run([str(python), "-c", probe], capture_output=True, text=True,
                            check=False)
-    expected = [requirement.replace("[api]", "") for requirement in LMEVAL_REQUIREMENTS]
-    if probe.returncode != 0 or probe.stdout.split() != expected:
-        print(f"installing {' '.join(LMEVAL_REQUIREMENTS)} into {venv}", file=sys.stderr)
+    if found.returncode != 0 or found.stdout.split() != expected:
+        print(f"installing {' '.join(requirements)} into {venv}", file=sys.stderr)
         subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                        *LMEVAL_REQUIREMENTS], check=True)
+                        *requirements], check=True)
     return python
 
 
