@@ -305,15 +305,17 @@ class Sampler:
         row alone and changes no state."""
         return self._work is None
 
-    def lead(self, logits: np.ndarray) -> float:
+    def lead(self, logits: np.ndarray, best: int | None = None) -> float:
         """How far the best processed score of a [vocab] row leads the runner-up (every
-        processor applied; before temperature)."""
+        processor applied; before temperature). `best`: the row's argmax where the caller has
+        it already (the token an unprocessed greedy `choose` returned for this row)."""
         scores = logits if self._work is None else self._processed(logits)
         if scores.size < 2:
             return float("inf")
         # Two passes over the row (the best, then the best of the rest) cost a fifth of a
         # partition; the drafter reads a lead at every decode step.
-        best = int(np.argmax(scores))
+        if best is None or self._work is not None:
+            best = int(np.argmax(scores))
         runner_up = max(scores[:best].max(initial=-np.inf),
                         scores[best + 1:].max(initial=-np.inf))
         return float(scores[best] - runner_up)

@@ -128,12 +128,12 @@ def test_a_decoder_rarely_sure_of_its_next_token_stops_drafting_and_resumes_when
     sure = np.array([0.0, 0.0, 2.0, 0.0, 0.0, 0.0], dtype=np.float32)    # leads by 2
     assert len(drafter.draft(24, 100)) == 1
     for _ in range(40):
-        drafter.observe(greedy, close)
+        drafter.observe(greedy, close, 2)
     assert drafter.confidence < 0.2
     # The n-gram still recurs, but neither a draft nor a probe is tried however long it waits.
     assert not any(len(drafter.draft(24, 100)) for _ in range(200))
     for _ in range(40):
-        drafter.observe(greedy, sure)
+        drafter.observe(greedy, sure, 2)
     assert drafter.confidence > 0.8
     assert any(len(drafter.draft(24, 100)) for _ in range(40))
     # Sampled requests and float decoders (a margin of 0) are not counted.
@@ -141,7 +141,7 @@ def test_a_decoder_rarely_sure_of_its_next_token_stops_drafting_and_resumes_when
                            Speculation(margin=0.25)), (greedy, Speculation(margin=0.0))):
         other = Drafter(np.array([1, 2, 3, 4] * 6), rule)
         for _ in range(40):
-            other.observe(sampler, close)
+            other.observe(sampler, close, 2)
         assert other.confidence == 1.0
 
 

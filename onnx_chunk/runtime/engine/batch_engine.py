@@ -476,9 +476,10 @@ class BatchEngine:
             row = self._rows[index]
             assert row is not None  # `decoding` lists busy slots only
             try:
+                token = row.sampler.choose(logits[index])
                 if row.drafter is not None:
-                    row.drafter.observe(row.sampler, logits[index])
-                self._deliver(row, row.sampler.choose(logits[index]))
+                    row.drafter.observe(row.sampler, logits[index], token)
+                self._deliver(row, token)
             except Exception as error:  # one row's token choice fails that request alone
                 self._fail(row.request, error)
         now = time.perf_counter()

@@ -342,7 +342,7 @@ class Sequence:
                     logits = step(token)
                     tokens = [sampler.choose(logits)]
                     if drafter is not None:
-                        drafter.observe(sampler, logits)
+                        drafter.observe(sampler, logits, tokens[0])
                 if drafter is not None:
                     drafter.extend(tokens)
                 self._stats.decode_forwards += 1

@@ -176,13 +176,14 @@ class Drafter:
         """The estimated chance that a step's greedy lead reaches the margin (rule 2)."""
         return self._confident / self._steps
 
-    def observe(self, sampler: Sampler, logits: np.ndarray) -> None:
-        """Count a plain decode step's [vocab] logits row in the confidence record (only
-        where the margin applies and the lead can be read without touching the sampler's
-        state: a greedy request without processors)."""
+    def observe(self, sampler: Sampler, logits: np.ndarray, token: int) -> None:
+        """Count a plain decode step's [vocab] logits row, from which `sampler` chose `token`,
+        in the confidence record (only where the margin applies and the lead can be read
+        without touching the sampler's state: a greedy request without processors, whose
+        `token` is the row's argmax)."""
         margin = self._speculation.margin
         if margin > 0 and sampler.sampling.greedy and sampler.unprocessed_greedy:
-            self._count_step(sampler.lead(logits) >= margin)
+            self._count_step(sampler.lead(logits, best=token) >= margin)
 
     def _count_step(self, confident: bool) -> None:
         self._confident = _CONFIDENCE_DECAY * self._confident + confident
