@@ -71,10 +71,11 @@ class RuntimeStats:
     `weights_copies`: copies of the weights held now, on the device and on the host, counted
     from the sessions that own one (a session given shared initializers owns none, unless it
     copies them to its device or pre-packs them) plus the shared host copy (see
-    session_factory). `graphs`: the CUDA graph cache's counters (alive, captures, replays,
-    evictions, bytes; see graph_cache); `graph_widths`: the widths at which graphs were
+    session_factory). `graphs`: the CUDA graphs' counters (planned, alive, captures, replays,
+    stranded, bytes; see graph_cache); `graph_widths`: the widths at which graphs were
     captured; `graphs_captured` / `graphs_released`: graphs captured and released so far
-    (evicted or with their slot; a graph freed with its session is not counted as released),
+    (with their slot, where ONNX Runtime frees them; a graph freed with its session is not
+    counted as released),
     `graphs_by_width` the captures per width; `graph_fallbacks`: the widths whose
     capture failed, with the reason (they run without a graph); `sequences`: the sequence
     pool's counters (buffer sets made, reused, freed, idle); `max_batch`: the batch engine's
@@ -100,7 +101,7 @@ class RuntimeStats:
     weights_copied_per_variant: bool = False
     sessions: int = 0
     weights_copies: int = 0
-    graphs: GraphStats = field(default_factory=lambda: GraphStats(cap=0))
+    graphs: GraphStats = field(default_factory=GraphStats)
     graph_widths: tuple[int, ...] = ()
     graphs_captured: int = 0
     graphs_released: int = 0

@@ -25,12 +25,12 @@ def test_dry_run_prints_the_table_last_and_writes_the_logs(tmp_path):
     for check in ("greedy tokens cpu vs device", "graphs off vs on",
                   "second pass (replay) vs first", "captures in pass 1", "captures in pass 2",
                   "captured widths = widths used", "second sequence", "node placement",
-                  "cap 2 with evictions", "weights copies", "one session per model",
+                  "graphs within the plan", "weights copies", "one session per model",
                   "engine at batch 8", "cache thrash (cpu)"):
         assert rows[check][0] == "ok", table
     for check in ("onnxruntime", "providers", "preload_dlls", "libcudart", "gpu",
                   "cuda probe", "capture log lines", "memory graphs on (rss)",
-                  "memory cap 2 (rss)", "weights experiment", "bytes after load (rss)",
+                  "memory plan (rss)", "weights experiment", "bytes after load (rss)",
                   "bytes as widths arrive (rss)"):
         assert rows[check][0] == "info", table
     assert not [line for line in table if line.startswith("error")], table
@@ -39,14 +39,14 @@ def test_dry_run_prints_the_table_last_and_writes_the_logs(tmp_path):
     assert "0 captures" in rows["second sequence"][1]
     assert "1 sessions, 1 weights copies" in rows["one session per model"][1]
     assert "tokens equal graphs off" in rows["engine at batch 8"][1]
-    assert "at most 2 graphs alive" in rows["cap 2 with evictions"][1]
+    assert "0 evictions" in rows["graphs within the plan"][1]
     assert lines.index(table[0]) == len(lines) - len(table)  # the table is printed last
     parity = rows["greedy tokens cpu vs device"][1]
     assert "5/5 prompts identical" in parity and "float32 vs float16" in parity
     results = json.loads((out / "results.json").read_text())
     assert {label: run["dtype"] for label, run in results.items()
             if "dtype" in run} == {"cpu": "float32", "graphs off": "float16",
-                                   "graphs on": "float16", "cap 2": "float16"}
+                                   "graphs on": "float16", "plan": "float16"}
     assert (out / "ort-logs" / "graphs-on-pass1.log").is_file()
     assert rows["TTFT / decode, graphs on"][0] == "info"
     assert {path.name for path in out.iterdir()} >= {"gpu_check.log", "cache_thrash.log",

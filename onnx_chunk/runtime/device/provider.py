@@ -56,6 +56,7 @@ from dataclasses import dataclass
 import onnxruntime as ort
 
 from onnx_chunk.errors import ConfigError, ProviderError
+from onnx_chunk.runtime.device.run_lock import run_lock
 
 logger = logging.getLogger(__name__)
 
@@ -111,11 +112,13 @@ class Device:
 
         Off the host, the inputs were written by synchronous copies on CUDA's legacy stream,
         which ONNX Runtime's non-blocking streams do not wait for: `synchronize_inputs` makes
-        them visible first (as ONNX Runtime's own CUDA graph tests do before each run).
+        them visible first (as ONNX Runtime's own CUDA graph tests do before each run). A
+        capturing session runs one run at a time (`run_lock`).
         """
-        if not self.host_visible:
-            binding.synchronize_inputs()
-        session.run_with_iobinding(binding, options)
+        with run_lock(session):
+            if not self.host_visible:
+                binding.synchronize_inputs()
+            session.run_with_iobinding(binding, options)
 
     def providers(self, capture: bool = False) -> list[tuple[str, dict[str, str]]]:
         """The provider list of a session; `capture` turns CUDA graph capture on for it."""

@@ -340,8 +340,7 @@ class ModelRunner:
         try:
             self.variants.graphs.capture(
                 session, graphs, parity, width,
-                lambda options: device.run(session, binding.io, options),
-                self.variants.dropper(session, slot.number, width, graphs))
+                lambda options: device.run(session, binding.io, options))
         except Exception as error:  # ORT's own exception types
             self.variants.note_fallback(session, width, f"{type(error).__name__}: {error}")
             device.run(session, binding.io, graphs.options(first_run, parity))
@@ -394,7 +393,8 @@ class ModelRunner:
             io.bind_ortvalue_input(ROW_INPUT, row_index.value)
         graphs = self.variants.graph_runs(
             session, width, stateful=bool(slot.buffers.state_ports),
-            capture=not every_row and slot.captures and self._captures(key, width))
+            capture=not every_row and slot.captures and self._captures(key, width),
+            batch=batch)
         keeps = width == DECODE_WIDTH or (graphs is not None and not every_row)
         binding = _Binding(io, tokens, positions, graphs, keeps_logits=keeps, output=output,
                            row_index=row_index,
