@@ -31,6 +31,7 @@ import numpy as np
 import onnxruntime as ort
 
 from onnx_chunk.errors import ProviderError
+from onnx_chunk.runtime.device.allocation import owned_zeros
 from onnx_chunk.runtime.device.memory import cudart
 from onnx_chunk.runtime.device.provider import Device
 from onnx_chunk.runtime.runner.ports import BufferPort
@@ -95,11 +96,15 @@ class DeviceBuffer:
 
 
 def device_zeros(shape: tuple[int, ...], dtype: np.dtype, device: Device) -> DeviceBuffer:
-    """A zero-filled buffer allocated once on `device`."""
+    """A zero-filled buffer allocated once on `device`: off the host, memory the runtime owns
+    (`allocation.owned_zeros`: exactly its size, freed with its last user)."""
     dtype = np.dtype(dtype)
     if device.host_visible:
         host = np.zeros(shape, dtype=dtype)
         return DeviceBuffer(ort.OrtValue.ortvalue_from_numpy(host), host, dtype)
+    owned = owned_zeros(shape, dtype, device.device_type, device.device_id)
+    if owned is not None:
+        return DeviceBuffer(owned, None, dtype)
     value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype.type,
                                                       device.device_type, device.device_id)
     value.update_inplace(np.zeros(shape, dtype=dtype))
