@@ -441,6 +441,7 @@ class Runtime:
             graphs_by_width=dict(graphs.by_width),
             graphs_released=graphs.released + graphs.evictions,
             graph_fallbacks=dict(graphs.fallbacks),
+            transfers=self.device.transfers.snapshot(),
             sequences=self.pool.stats(),
             max_batch=options.max_batch,
             prefix_reuse=options.prefix_reuse,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from onnx_chunk.runtime.caches.graph_cache import GraphStats
 from onnx_chunk.runtime.caches.variant_cache import CacheStats
+from onnx_chunk.runtime.device.transfers import TransferStats
 from onnx_chunk.runtime.engine.sequence_pool import PoolStats
 
 
@@ -77,7 +78,9 @@ class RuntimeStats:
     (with their slot, where ONNX Runtime frees them; a graph freed with its session is not
     counted as released),
     `graphs_by_width` the captures per width; `graph_fallbacks`: the widths whose
-    capture failed, with the reason (they run without a graph); `sequences`: the sequence
+    capture failed, with the reason (they run without a graph); `transfers`: the bytes
+    copied host to device and device to host, and the input synchronisations, of this
+    runtime's device (0 on CPU's host path; see device/transfers); `sequences`: the sequence
     pool's counters (buffer sets made, reused, freed, idle); `max_batch`: the batch engine's
     slots, `prefix_reuse` whether its slots keep their prefix for later requests, `engine` its
     counters (None until the first submit); `speculative`: the drafting method
@@ -107,6 +110,7 @@ class RuntimeStats:
     graphs_released: int = 0
     graphs_by_width: dict[int, int] = field(default_factory=dict)
     graph_fallbacks: dict[int | str, str] = field(default_factory=dict)
+    transfers: TransferStats = field(default_factory=TransferStats)
     sequences: PoolStats = field(default_factory=PoolStats)
     max_batch: int = 1
     prefix_reuse: bool = True

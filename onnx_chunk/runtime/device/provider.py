@@ -57,6 +57,7 @@ import onnxruntime as ort
 
 from onnx_chunk.errors import ConfigError, ProviderError
 from onnx_chunk.runtime.device.run_lock import run_lock
+from onnx_chunk.runtime.device.transfers import Transfers
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,10 @@ class Device:
     cuda_graphs: bool = False
     specialize: bool = False
     window_slack: bool = True
+    # The host-device traffic of this device's buffers and runs (`transfers`): one counter per
+    # Device object, a fresh one for each `dataclasses.replace`.
+    transfers: Transfers = dataclasses.field(default_factory=Transfers, init=False,
+                                             compare=False, repr=False)
 
     @property
     def label(self) -> str:
@@ -118,6 +123,7 @@ class Device:
         with run_lock(session):
             if not self.host_visible:
                 binding.synchronize_inputs()
+                self.transfers.synchronized()
             session.run_with_iobinding(binding, options)
 
     def providers(self, capture: bool = False) -> list[tuple[str, dict[str, str]]]:
