@@ -70,6 +70,40 @@ def test_a_failing_step_is_one_error_row_and_the_table_still_ends_the_output(tmp
     assert (tmp_path / "table.txt").read_text().strip().splitlines() == table
 
 
+def _sh_table(tmp_path, extra_env, *args):
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "TMPDIR": str(tmp_path), **extra_env}
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run",
+                             "--python", sys.executable, *args], capture_output=True,
+                            text=True, env=env, timeout=180)
+    lines = result.stdout.strip().splitlines()
+    table = lines[lines.index(next(line for line in lines if line.startswith("check "))):]
+    assert lines.index(table[0]) == len(lines) - len(table)  # the table is printed last
+    return result, {line[:30].strip(): line[30:].split(None, 1) for line in table[1:]}
+
+
+def test_a_failed_import_is_a_row_and_the_table_still_ends_the_output(tmp_path):
+    fake = tmp_path / "fake" / "onnxruntime"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        'raise ImportError("simulated: libcudart.so.12: cannot open shared object file")\n')
+    result, rows = _sh_table(tmp_path, {"PYTHONPATH": str(fake.parent)})
+    assert result.returncode == 1
+    assert rows["import"][0] == "FAIL" and "simulated: libcudart.so.12" in rows["import"][1]
+    assert rows["thrash model build"][0] == "FAIL"
+    assert "simulated" in rows["thrash model build"][1]
+    assert rows["cache thrash (cpu)"] == ["FAIL", "not run: no thrash model"]
+
+
+def test_a_failed_model_build_is_a_row_and_the_table_still_ends_the_output(tmp_path):
+    result, rows = _sh_table(tmp_path, {"GPU_CHECK_THRASH_PRESET": "no-such-preset"},
+                             "--preset", "no-such-preset")
+    assert result.returncode == 1
+    assert rows["error: models"][0] == "FAIL" and "no-such-preset" in rows["error: models"][1]
+    assert rows["thrash model build"][0] == "FAIL"
+    assert rows["cache thrash (cpu)"] == ["FAIL", "not run: no thrash model"]
+    assert rows["onnxruntime"][0] == "info"  # the environment rows came before
+
+
 def test_unknown_argument_is_refused(tmp_path):
     result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--fast"],
                             capture_output=True, text=True, timeout=30,
