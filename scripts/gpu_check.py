@@ -255,6 +255,9 @@ def _run(label: str, model: Path, device: Device, prompts, args, logs: Path, *,
                                   chunk_size=args["chunk_size"], max_variants=max_variants,
                                   padding=padding)
         runtime.variants.factory.log_severity = INFO_SEVERITY
+        # The session load built logs at the factory's default severity: built again at INFO,
+        # so that ONNX Runtime's capture lines are in the logs.
+        runtime.cache.clear()
         record.weights_bytes = runtime.weights.nbytes
         record.ids_per_slot = 2 if runtime.ports.state else 1
         sequence = runtime.open_sequence()
