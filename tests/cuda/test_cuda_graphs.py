@@ -1,6 +1,7 @@
 """CUDA graph planning on CPU: which sessions capture, provider options, graph ids per binding."""
 
 import dataclasses
+import threading
 
 import numpy as np
 import onnxruntime as ort
@@ -92,6 +93,14 @@ def test_the_first_run_under_an_id_is_the_capture():
     runs.claim()  # another thread: the next run may capture in its provider context
     assert runs.captures_next(False, 0) and not runs.ran(False, 0)
     assert runs.replays_next(False, 0)
+    # A run in a thread other than the one that captured runs as a capture too, unclaimed.
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(
+        (runs.captures_next(False, 0), runs.ran(False, 0), runs.captures_next(False, 0))))
+    worker.start()
+    worker.join(10)
+    assert seen == [(True, False, False)]
+    assert runs.captures_next(False, 0)  # back in this thread: the worker owns it now
 
 
 def test_a_cpu_session_does_not_capture(reference_model):

@@ -376,6 +376,7 @@ def test_claimed_bindings_keep_their_ids_and_run_their_next_run_as_a_capture(
     assert runtime.generate_many(prompts, 5, eos_token_id=[]) == expected
     again = runtime.stats.graphs
     assert (again.captures, again.alive) == (first.captures, first.alive)
+    assert again.recaptures == len(batch_ids)
     after = [(graph, alone) for _, graph, alone in gated_runs if graph in batch_ids]
     assert {graph for graph, _ in after} == batch_ids
     firsts = {graph: alone for graph, alone in reversed(after)}

@@ -40,6 +40,7 @@ import contextlib
 import functools
 import logging
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -83,12 +84,12 @@ class GraphRuns:
     """The run options of one binding: a first run without capture, then its graphs.
 
     `runs[i]` counts the user runs made under graph `ids[i]`: run CAPTURE_RUN (the first) is
-    the capture, every later one a replay. `moved[i]`: the binding now runs in another thread
-    than the one that captured `ids[i]`; the CUDA provider keeps its graphs per thread
-    (cuda_execution_provider.cc, `PerThreadContext`), so the next run there may capture again
-    and is run as a capture (gate alone, fallback). `failure` (set by `fall_back`: a capture
-    failed, the binding is outside the plan, its slot was freed) makes every later run skip
-    capture.
+    the capture, every later one a replay. The CUDA provider keeps its graphs per thread
+    (cuda_execution_provider.cc, `PerThreadContext`), so a run in another thread than the one
+    that captured `ids[i]` (`owners[i]`, held weakly), or after `claim`, may capture again: it
+    is run as a capture (gate alone, measured, the fallback around it). `failure` (set by
+    `fall_back`: a capture failed, the binding is outside the plan, its slot was freed) makes
+    every later run skip capture.
     """
 
     first: ort.RunOptions
@@ -96,6 +97,7 @@ class GraphRuns:
     ids: tuple[int, ...]
     runs: list[int] = field(default_factory=list)
     moved: list[bool] = field(default_factory=list)
+    owners: list[weakref.ref | None] = field(default_factory=list)
     failure: str | None = None
 
     def __post_init__(self) -> None:
@@ -103,6 +105,8 @@ class GraphRuns:
             self.runs = [0] * len(self.ids)
         if not self.moved:
             self.moved = [False] * len(self.ids)
+        if not self.owners:
+            self.owners = [None] * len(self.ids)
 
     def options(self, first_run: bool, parity: int) -> ort.RunOptions:
         """The options of a run: no capture on the binding's first run, else its graph."""
@@ -111,20 +115,28 @@ class GraphRuns:
         return self.by_parity[parity % len(self.by_parity)]
 
     def captures_next(self, first_run: bool, parity: int) -> bool:
-        """Whether the next run (at `parity`) is one that captures its graph."""
+        """Whether the next run (at `parity`, in this thread) is one that captures."""
         if first_run or self.failure is not None:
             return False
-        index = parity % len(self.ids)
-        return self.runs[index] == CAPTURE_RUN or self.moved[index]
+        return self._capturing(parity % len(self.ids))
 
     def ran(self, first_run: bool, parity: int) -> bool:
-        """Count a finished run; True when it was the first capture of its id."""
+        """Count a finished run (in this thread); True when it was the first capture of its
+        id."""
         if first_run or self.failure is not None:
             return False
         index = parity % len(self.ids)
+        if self._capturing(index):
+            self.owners[index] = weakref.ref(threading.current_thread())
         self.runs[index] += 1
         self.moved[index] = False
         return self.runs[index] == CAPTURE_RUN + 1
+
+    def _capturing(self, index: int) -> bool:
+        if self.runs[index] == CAPTURE_RUN or self.moved[index]:
+            return True
+        owner = self.owners[index]
+        return owner is None or owner() is not threading.current_thread()
 
     def replays_next(self, first_run: bool, parity: int) -> bool:
         """Whether the next run (at `parity`) replays a captured graph."""

@@ -86,6 +86,8 @@ class GraphStats:
 
     `planned`: graphs the plan allows; `alive`: graphs captured and still held by ONNX Runtime
     (never more than `planned`); `captures`, `replays`: runs that captured or replayed a graph;
+    `recaptures`: runs of an id already captured, run as a capture in another thread (the CUDA
+    provider keeps graphs per thread context; whether it captured again is the probe's row);
     `released`: graphs ONNX Runtime freed with their slot (only where its provider frees them);
     `stranded`: graphs of freed slots that ONNX Runtime keeps until the session goes;
     `outside_plan`: bindings that ran uncaptured because their shape is outside the plan or
@@ -101,6 +103,7 @@ class GraphStats:
     peak_alive: int = 0
     captures: int = 0
     replays: int = 0
+    recaptures: int = 0
     released: int = 0
     stranded: int = 0
     outside_plan: int = 0
@@ -176,6 +179,10 @@ class GraphCache:
         else:
             size = measured(self._meter, lambda: run(options))[1]
         if not runs.ran(False, parity):
+            # An id captured before, run again as a capture in another thread (or after a
+            # claim): the CUDA provider may have captured it anew in that thread's context.
+            with self._lock:
+                self.stats.recaptures += 1
             return False
         graph = runs.graph(parity)
         with self._lock:
