@@ -38,10 +38,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from scripts._bench.harness import (  # noqa: E402
+from _bench.harness import (
     format_value,
     markdown_table,
     ratio,
@@ -49,7 +46,7 @@ from scripts._bench.harness import (  # noqa: E402
     summarize,
     verdict,
 )
-from scripts._bench.models import BenchModelMissing, bench_model  # noqa: E402
+from _bench.models import BenchModelMissing, bench_model
 
 DEFAULT_MODEL = "qwen05-int4"
 SYSTEMS = ("reuse", "no reuse")

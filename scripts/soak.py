@@ -42,10 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from scripts._bench.harness import markdown_table, seeded_prompt  # noqa: E402
+from _bench.harness import markdown_table, seeded_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "tests" / "fixtures" / "exports" / "genai-qwen3-fp32"
