@@ -18,3 +18,30 @@ def test_no_file_names_a_folder_of_one_machine():
     found = [f"{path.relative_to(ROOT)}: {match.group().decode()}"
              for path in files for match in [_MACHINE_PATH.search(path.read_bytes())] if match]
     assert not found, "\n".join(found)
+
+
+# docs/ is a manual of what holds today, not a log of runs (the history stays in git). The
+# pages' Markdown is counted; the plots and data files under docs/benchmarks/ are not.
+DOCS_LIMIT = 150_000
+BENCHMARKS_LIMIT = 25_000
+
+
+def _sizes() -> dict[str, int]:
+    return {path.relative_to(ROOT).as_posix(): path.stat().st_size
+            for path in sorted((ROOT / "docs").rglob("*.md"))}
+
+
+def test_the_benchmarks_page_keeps_verdicts_not_history():
+    size = _sizes()["docs/benchmarks.md"]
+    assert size <= BENCHMARKS_LIMIT, (
+        f"docs/benchmarks.md is {size} bytes, at most {BENCHMARKS_LIMIT}: keep the verdict "
+        "tables, the command of each and the machine they ran on")
+
+
+def test_the_docs_stay_within_their_size():
+    sizes = _sizes()
+    largest = ", ".join(f"{path} {size}" for path, size in
+                        sorted(sizes.items(), key=lambda item: -item[1])[:5])
+    assert sum(sizes.values()) <= DOCS_LIMIT, (
+        f"docs/ holds {sum(sizes.values())} bytes of Markdown, at most {DOCS_LIMIT} "
+        f"(largest: {largest})")
