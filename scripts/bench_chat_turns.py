@@ -66,11 +66,13 @@ class Server:
              "--provider", args.provider, "--batch", str(args.batch),
              "--capacity", str(args.capacity), *extra],
             stderr=subprocess.PIPE, text=True)
-        line = self.process.stderr.readline()
+        stderr = self.process.stderr
+        assert stderr is not None  # stderr=PIPE
+        line = stderr.readline()
         found = re.search(r"http://(\S+:\d+)", line)
         if found is None:
             self.process.kill()
-            raise SystemExit(f"the server did not start: {line}{self.process.stderr.read()}")
+            raise SystemExit(f"the server did not start: {line}{stderr.read()}")
         self.address = found.group(1)
 
     def metric(self, name: str) -> float:
@@ -81,6 +83,8 @@ class Server:
         finally:
             connection.close()
         found = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+        if found is None:
+            raise SystemExit(f"the server's /metrics has no {name}")
         return float(found.group(1))
 
     def chat(self, messages: list[dict], max_tokens: int) -> tuple[str, float, int, int]:

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for length in lengths:
         ours, theirs = runs[(length, "onnx-chunk")], runs[(length, "genai")]
-        row = [length]
+        row: list[object] = [length]
         for field, digits, higher in (("ttft_s", 3, False), ("decode_tokens_per_s", 2, True),
                                       ("peak_rss_mb", 0, False)):
             a = summarize(run[field] for run in ours)

@@ -227,7 +227,10 @@ def _llama_cpp_tree(root: Path, sdist: Path) -> Path:
             if relative.startswith(("convert_hf_to_gguf.py", "conversion/", "gguf-py/")):
                 target = stage / relative
                 target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(archive.extractfile(member).read())
+                extracted = archive.extractfile(member)
+                if extracted is None:
+                    raise SystemExit(f"{sdist}: member {member.name!r} cannot be read")
+                target.write_bytes(extracted.read())
     tree.parent.mkdir(parents=True, exist_ok=True)
     os.replace(stage, tree)
     return tree

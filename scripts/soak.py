@@ -135,7 +135,10 @@ def scrape(address: str) -> dict[str, float]:
 def rss_mib(pid: int) -> float:
     """The resident set of process `pid` now (VmRSS), in MiB."""
     status = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE).group(1)) / 1024
+    found = re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE)
+    if found is None:
+        raise SystemExit(f"/proc/{pid}/status has no VmRSS")
+    return int(found.group(1)) / 1024
 
 
 class Soak:
@@ -156,11 +159,13 @@ class Soak:
              "--provider", self.args.provider, "--batch", str(self.args.batch),
              "--queue", str(max(self.args.clients, 1)), "--cache", self.mode],
             stderr=subprocess.PIPE, text=True)
+        stderr = server.stderr
+        assert stderr is not None  # stderr=PIPE
         try:
-            line = server.stderr.readline()
+            line = stderr.readline()
             found = re.search(r"http://(\S+:\d+)", line)
             if found is None:
-                raise SystemExit(f"the server did not start: {line}{server.stderr.read()}")
+                raise SystemExit(f"the server did not start: {line}{stderr.read()}")
             self.address, self.pid = found.group(1), server.pid
             started = time.perf_counter()
             clients = [threading.Thread(target=self._client, args=(prompts, number))
