@@ -3,8 +3,7 @@
 Bench decoder, float16, under 3 minutes on one GPU: captures and "Start another run" lines per
 user run; replayed vs uncaptured logits; a rerun after release_captured_graph; a run from another
 thread; cudaMemGetInfo around KV, 50 captures and close; Memcpy nodes; decode tokens/s graphs
-on/off. `--dry-run`: the same on CPU (reported, not judged). Exit 1 when a row fails.
-"""
+on/off. `--dry-run`: the same on CPU (reported, not judged). Exit 1 when a row fails."""
 
 from __future__ import annotations
 
@@ -66,8 +65,9 @@ def ort_log(lines: list[tuple[int, int]]):
             yield
         finally:
             sys.stderr.flush()
-            os.dup2(saved, 2), os.close(saved), log.seek(0)
-            text = log.read().decode(errors="replace").lower()
+            os.dup2(saved, 2)
+            os.close(saved)
+            text = os.pread(log.fileno(), 1 << 26, 0).decode(errors="replace").lower()
             lines.append((text.count(CAPTURE_LINE), text.count(RERUN_LINE)))
 
 
@@ -143,7 +143,7 @@ def probe(args: argparse.Namespace) -> None:
 def extra(runtime, sequence, token: int, meter, dry: bool) -> None:
     with runtime.cache.acquire(runtime.runner.decode_key) as session:
         binding = runtime.variants.bindings(session, sequence.slot)[1]
-    graph, lines = binding.graphs.ids[0] if binding.graphs.ids else None, []
+    graph, lines = binding.graphs.ids[0] if binding.graphs.ids else None, list[tuple[int, int]]()
     with step("release and rerun"), ort_log(lines):
         session.release_captured_graph(graph)
         sequence.decode(token)

@@ -48,3 +48,8 @@ def test_a_failed_model_build_is_a_row(tmp_path):
     assert result.returncode == 1
     assert list(rows) == ["environment", "model build"]
     assert rows["model build"][0] == "FAIL" and "no-such-preset" in rows["model build"][1]
+
+
+def test_the_probe_stays_under_200_lines():
+    # Issue 29: a probe short enough to read before the GPU it runs on is lent.
+    assert len((ROOT / "scripts" / "cuda_probe.py").read_text().splitlines()) < 200
