@@ -20,7 +20,10 @@ from pathlib import Path
 
 ROOT_ENV = "ONNX_CHUNK_VENVS"
 # torch's CPU wheels (no CUDA libraries): the exports are made and checked on the CPU.
-TORCH_CPU_INDEX = ("--extra-index-url", "https://download.pytorch.org/whl/cpu")
+# $ONNX_CHUNK_TORCH_INDEX names another index, or, set empty, none (a machine that reaches only
+# PyPI, or has the wheel in its pip configuration, would otherwise retry the index per package).
+_TORCH_INDEX = os.environ.get("ONNX_CHUNK_TORCH_INDEX", "https://download.pytorch.org/whl/cpu")
+TORCH_CPU_INDEX = ("--extra-index-url", _TORCH_INDEX) if _TORCH_INDEX else ()
 
 
 @dataclass(frozen=True)

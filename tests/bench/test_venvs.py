@@ -112,3 +112,15 @@ def test_make_bench_models_without_torch_runs_in_the_exporters_venv(runs, monkey
     install = runs.commands[-1]
     assert "torch==2.13.0" in install and "onnxruntime-genai==0.18.0" in install
     assert install[6:8] == list(venvs.TORCH_CPU_INDEX)
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("", "()"), ("https://example.invalid/whl", "('--extra-index-url', 'https://example.invalid/whl')")])
+def test_the_torch_index_follows_its_environment_variable(value, expected):
+    import os
+    import sys
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", "from scripts._bench import venvs; "
+                           "print(venvs.TORCH_CPU_INDEX)"], cwd=root, capture_output=True,
+                          text=True, env={**os.environ, "ONNX_CHUNK_TORCH_INDEX": value})
+    assert done.stdout.strip() == expected, done.stderr
