@@ -319,15 +319,6 @@ def test_a_grammar_with_ignore_eos_is_refused(live):
     assert error["param"] == "ignore_eos"
 
 
-def test_unknown_fields_are_ignored_and_logged_once(live, caplog):
-    with caplog.at_level(logging.WARNING, logger="onnx_chunk.serve.parameters"):
-        for _ in range(2):
-            answer = _complete(live, max_tokens=2, temperature=0,
-                               extra_body={"frobnicate_level": 3})
-            assert answer.choices[0].finish_reason in ("stop", "length")
-    assert sum("frobnicate_level" in record.getMessage() for record in caplog.records) == 1
-
-
 # /tokenize and /detokenize.
 
 def test_tokenize_and_detokenize_round_trip(live):
