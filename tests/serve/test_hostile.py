@@ -376,3 +376,39 @@ def test_an_empty_suffix_is_the_default(live):
 
 def test_model_name_is_the_fixture_export():
     assert MODEL_NAME == EXPORT.name
+
+
+# 5. No thread per request.
+
+def test_a_request_of_16_choices_starts_no_thread_per_choice(live, monkeypatch):
+    exchange(live, "POST", COMPLETIONS, {"prompt": "warm", "max_tokens": 1, "n": 2})
+    started: list[str] = []
+    start = threading.Thread.start
+
+    def counted(self):
+        started.append(self.name)
+        return start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", counted)
+    for stream in (False, True):
+        status, _, _ = exchange(live, "POST", COMPLETIONS, {
+            "prompt": "The capital of France is", "max_tokens": 4, "n": 16,
+            "stream": stream}) if not stream else (200, None, _stream(live, {
+                "prompt": "The capital of France is", "max_tokens": 4, "n": 16,
+                "stream": True}))
+        assert status == 200
+    # A worker thread of the pool may start; never one per choice.
+    assert len(started) <= 2, started
+
+
+def _stream(live, body: dict) -> list[str]:
+    connection = http.client.HTTPConnection(live.url.removeprefix("http://"), timeout=60)
+    try:
+        connection.request("POST", COMPLETIONS, body=json.dumps(body).encode())
+        response = connection.getresponse()
+        assert response.status == 200
+        events = response.read().decode().split("\n\n")
+    finally:
+        connection.close()
+    assert events[-2] == "data: [DONE]", events[-3:]
+    return events
