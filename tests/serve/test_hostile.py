@@ -115,20 +115,20 @@ def test_n_16_matchers_of_a_schema_are_built_off_the_loop(live):
     assert status == 200 and len(answer["choices"]) == 16, answer
 
 
-def test_16_prompts_of_n_8_json_object_leave_the_event_loop_free(live):
-    body = {"prompt": [f"item {index}:" for index in range(16)], "n": 8, "max_tokens": 1,
+def test_32_prompts_of_n_8_json_object_leave_the_event_loop_free(live):
+    body = {"prompt": [f"item {index}:" for index in range(32)], "n": 8, "max_tokens": 1,
             "response_format": {"type": "json_object"}}
     status, _, answer = _held_free(live, lambda: exchange(live, "POST", COMPLETIONS, body))
-    assert status == 200 and len(answer["choices"]) == 128, answer
+    assert status == 200 and len(answer["choices"]) == 256, answer
 
 
 def test_echo_with_logprobs_is_built_off_the_loop_and_once_per_prompt(live):
-    prompts = [[(index * 7 + step) % 300 + 10 for step in range(600)] for index in range(4)]
+    prompts = [[(index * 7 + step) % 300 + 10 for step in range(600)] for index in range(8)]
     body = {"prompt": prompts, "echo": True, "logprobs": 20, "max_tokens": 0, "n": 2}
     status, _, answer = _held_free(live, lambda: exchange(live, "POST", COMPLETIONS, body))
     assert status == 200, answer
     choices = answer["choices"]
-    assert len(choices) == 8
+    assert len(choices) == 16
     # The two choices of a prompt carry the same echoed logprobs.
     assert choices[0]["logprobs"] == choices[1]["logprobs"]
     assert len(choices[0]["logprobs"]["tokens"]) == 600
