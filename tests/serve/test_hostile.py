@@ -401,7 +401,7 @@ def test_a_request_of_16_choices_starts_no_thread_per_choice(live, monkeypatch):
     assert len(started) <= 2, started
 
 
-def _stream(live, body: dict) -> list[str]:
+def _stream(live, body: dict, done: bool = True) -> list[str]:
     connection = http.client.HTTPConnection(live.url.removeprefix("http://"), timeout=60)
     try:
         connection.request("POST", COMPLETIONS, body=json.dumps(body).encode())
@@ -410,5 +410,34 @@ def _stream(live, body: dict) -> list[str]:
         events = response.read().decode().split("\n\n")
     finally:
         connection.close()
-    assert events[-2] == "data: [DONE]", events[-3:]
+    assert (events[-2] == "data: [DONE]") == done, events[-3:]
     return events
+
+
+def test_the_api_keys_come_from_the_environment_separated_by_spaces(monkeypatch):
+    from onnx_chunk.cli import main
+    from onnx_chunk.serve import server
+
+    seen: dict = {}
+    monkeypatch.setattr(server.DrainingServer, "run", lambda self, sockets=None: seen.update(
+        service=self.config.app.state.service))
+    monkeypatch.setenv("ONNX_CHUNK_API_KEY", "one two")
+    main(["serve", str(EXPORT), "--port", "0", "--provider", "cpu", "--share-prefixes"])
+    assert seen["service"]._api_keys == ["one", "two"] and seen["service"].share_prefixes
+
+
+def test_a_stream_past_max_answer_bytes_ends_with_an_error_event(served_runtime):
+    with live_server(served_runtime, max_answer_bytes=2000) as live:
+        events = _stream(live, {"prompt": "The capital of France is", "max_tokens": 200,
+                                "ignore_eos": True, "stream": True}, done=False)
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "answer_too_large"
+    assert sum(len(event) + 2 for event in events[:-2]) <= 2000
+
+
+def test_the_thread_switch_interval_is_short_while_serving(live):
+    import sys
+
+    from onnx_chunk.serve.server import SWITCH_INTERVAL_S
+
+    assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
