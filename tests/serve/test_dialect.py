@@ -6,7 +6,6 @@ checks an option by what it must change)."""
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 
 import jsonschema
