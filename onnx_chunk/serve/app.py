@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -56,14 +56,9 @@ from onnx_chunk.sampling import Sampling, TokenLogprobs
 from onnx_chunk.serve.generation import ServedGeneration
 from onnx_chunk.serve.logprobs import CompletionLogprobs, TokenStrings, chat_content, joined
 from onnx_chunk.serve.metrics import CONTENT_TYPE, ServerMetrics
-from onnx_chunk.serve.parameters import RequestOptions, parse_options, request_sampling
-from onnx_chunk.serve.protocol import (
-    GenerationParams,
-    RequestError,
-    error_body,
-    parse_chat,
-    parse_completion,
-)
+from onnx_chunk.serve.parameters import RequestOptions, request_sampling
+from onnx_chunk.serve.protocol import GenerationParams, RequestError, error_body
+from onnx_chunk.serve.requests import ChatCompletionRequest, CompletionRequest
 from onnx_chunk.serve.tokenize import detokenize, tokenize
 from onnx_chunk.serve.tools import check_auto, tool_message
 from onnx_chunk.text.chat_template import ChatTemplateFault
@@ -264,11 +259,9 @@ class _Service:
         """Parse, check and encode one request and build its sampling (on a worker thread:
         this is the work whose size the client chooses, the grammar's compilation included);
         every refusal raised before any generation."""
-        document = _json(body)
-        params = parse_chat(document) if chat else parse_completion(document)
-        # parse_chat and parse_completion refused anything but a JSON object.
-        options = parse_options(cast(dict[str, Any], document), chat=chat,
-                                vocab_size=self.runtime.ports.vocab_size)
+        model = ChatCompletionRequest if chat else CompletionRequest
+        parsed = model.parse(_json(body), vocab_size=self.runtime.ports.vocab_size)
+        params, options = parsed.params, parsed.options
         if self.draining:
             raise ClosedError("the server is shutting down")
         self._check_model(params.model)

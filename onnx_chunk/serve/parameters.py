@@ -1,8 +1,8 @@
 """The sampling, structured-output and tool fields of an OpenAI request, checked at the edge.
 
 Pure functions (no ONNX Runtime, no HTTP): a decoded JSON body in, `RequestOptions` or a
-`RequestError` out. One list of the fields the server knows (`KNOWN_FIELDS`); every other
-field is a 400 naming it (`unknown_parameter`), as OpenAI answers one:
+`RequestError` out; `requests.py`'s models (one per endpoint) hold the list of the fields each
+endpoint knows and call these rules. The fields:
 - honoured: OpenAI's `presence_penalty`, `frequency_penalty` (numbers in [-2, 2]),
   `logit_bias` ({"token id": bias}, clamped to [-100, 100]), `response_format` (text,
   json_object, json_schema), `tools` and `tool_choice` (chat), `logprobs` (chat: a boolean,
@@ -11,10 +11,10 @@ field is a 400 naming it (`unknown_parameter`), as OpenAI answers one:
   `repetition_penalty`, `stop_token_ids`, `ignore_eos`, `min_tokens`, `cache_salt`;
   llama.cpp's `repeat_penalty` (= repetition_penalty), `json_schema` (= a json_schema
   response_format) and `cache_prompt` (false: a fresh prefill);
-- informational, no effect on the output (`INFORMATIONAL`): `user`, `metadata`, `store`,
-  `service_tier`, `parallel_tool_calls` (at most one tool call is made, which either value
-  allows), `model`, `stream`, `stream_options` (read in protocol.py), `request_id`;
-- refused (400 naming the field) unless they hold their default (`_REFUSED`): what is not
+- informational, no effect on the output: `user`, `metadata`, `store`, `service_tier`,
+  `parallel_tool_calls` (at most one tool call is made, which either value allows),
+  `request_id`;
+- refused (400 naming the field) unless they hold their default (`REFUSED`): what is not
   built (`best_of` > 1, `suffix`, vLLM's `prompt_logprobs`, beam search, guided decoding,
   llama.cpp's `grammar`, `typical_p`, `logits_processors`, `priority`, ...).
 """
@@ -39,20 +39,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Fields that change nothing in the answer of this server (`model`, `stream` and
-# `stream_options` are read by protocol.py, and change only how the answer is sent).
-INFORMATIONAL = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
-                           "model", "stream", "stream_options", "request_id"})
-# Fields honoured: read by protocol.py or below.
-_READ = frozenset({"messages", "prompt", "max_tokens", "max_completion_tokens",
-                   "max_output_tokens", "n_predict", "temperature", "top_p", "seed", "stop",
-                   "n", "presence_penalty", "frequency_penalty", "logit_bias",
-                   "response_format", "json_schema", "tools", "tool_choice", "top_k", "min_p",
-                   "repetition_penalty", "repeat_penalty", "stop_token_ids", "ignore_eos",
-                   "min_tokens", "logprobs", "top_logprobs", "echo", "cache_salt",
-                   "cache_prompt"})
 # Fields refused unless they hold their default (the values listed).
-_REFUSED: dict[str, tuple[Any, ...]] = {
+REFUSED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "suffix": (None, ""), "functions": (None, []), "function_call": (None, "none"),
     "prompt_logprobs": (None,), "use_beam_search": (None, False),
@@ -72,8 +60,6 @@ _REFUSED: dict[str, tuple[Any, ...]] = {
     "n_probs": (None, 0), "return_tokens_as_token_ids": (None, False),
     "spaces_between_special_tokens": (None, True),
 }
-# Every field a request body may hold (anything else: 400 `unknown_parameter`).
-KNOWN_FIELDS = INFORMATIONAL | _READ | frozenset(_REFUSED)
 # The range of `repetition_penalty`: past it a logit divided by it overflows float32.
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 # The longest `cache_salt`.
@@ -129,7 +115,6 @@ def parse_options(body: Mapping[str, Any], *, chat: bool,
                   vocab_size: int | None = None) -> RequestOptions:
     """The options of a request body (see the module docstring); `vocab_size`: the model's
     (token ids at or past it are refused, naming their field)."""
-    _refuse_unknown(body)
     _refuse_unbuilt(body)
     tools, tool_choice = parse_tools(body) if chat else ((), "none")
     if chat and body.get("echo") not in (None, False):
@@ -191,20 +176,22 @@ def _top_count(body: Mapping[str, Any], name: str) -> int | None:
 
 
 def _refuse_unbuilt(body: Mapping[str, Any]) -> None:
-    for name, defaults in _REFUSED.items():
+    for name, defaults in REFUSED.items():
         value = body.get(name)
         if not any(value == default and type(value) is type(default) for default in defaults):
             raise RequestError(f"'{name}' is not supported by this server; leave it out",
                                param=name, code="unsupported_parameter")
 
 
-def _refuse_unknown(body: Mapping[str, Any]) -> None:
-    unknown = sorted(set(body) - KNOWN_FIELDS)
-    if unknown:
-        name = unknown[0]
-        raise RequestError(f"unrecognized request field {name[:60]!r}: this server does not "
-                           "know it, and would not honour it; leave it out (docs/serving.md "
-                           "lists the fields)", param=name[:200], code="unknown_parameter")
+def unknown_field(name: str, elsewhere: str | None = None) -> RequestError:
+    """The refusal of a field the endpoint does not know (`elsewhere`: the endpoint that
+    does)."""
+    if elsewhere is not None:
+        return RequestError(f"'{name}' belongs to {elsewhere}; send the request there",
+                            param=name, code="unknown_parameter")
+    return RequestError(f"unrecognized request field {name[:60]!r}: this server does not "
+                        "know it, and would not honour it; leave it out (docs/serving.md "
+                        "lists the fields)", param=name[:200], code="unknown_parameter")
 
 
 def alias(body: Mapping[str, Any], *names: str) -> tuple[str, Any]:

@@ -28,7 +28,7 @@ def tokenize(body: object, tokenizer: Tokenizer, capacity: int,
     policy for special tokens typed in messages (as chat applies it)."""
     from onnx_chunk.serve.parameters import parse_tools
 
-    body = _object(body)
+    body = _object(body, TOKENIZE_FIELDS)
     check_model(body.get("model"))
     try:
         if "messages" in body:
@@ -61,7 +61,7 @@ def tokenize(body: object, tokenizer: Tokenizer, capacity: int,
 def detokenize(body: object, tokenizer: Tokenizer,
                check_model: Callable[[object], None]) -> dict[str, Any]:
     """The answer of /detokenize: {"prompt": the text of "tokens"}."""
-    body = _object(body)
+    body = _object(body, DETOKENIZE_FIELDS)
     check_model(body.get("model"))
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(
@@ -72,9 +72,20 @@ def detokenize(body: object, tokenizer: Tokenizer,
     return {"prompt": tokenizer.decode(tokens)}
 
 
-def _object(body: object) -> dict[str, Any]:
+# The fields each endpoint knows (another one: 400 `unknown_parameter`).
+TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens",
+                             "add_generation_prompt", "tools", "return_token_strs"})
+DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
+
+
+def _object(body: object, known: frozenset[str]) -> dict[str, Any]:
+    from onnx_chunk.serve.parameters import unknown_field
+
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {_shown(body)}")
+    unknown = sorted(name for name in body if name not in known)
+    if unknown:
+        raise unknown_field(unknown[0])
     return body
 
 

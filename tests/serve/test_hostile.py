@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -441,3 +442,31 @@ def test_the_thread_switch_interval_is_short_while_serving(live):
     from onnx_chunk.serve.server import SWITCH_INTERVAL_S
 
     assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
+
+
+def test_every_known_field_is_in_the_docs_field_table():
+    from pathlib import Path
+
+    from onnx_chunk.serve.requests import KNOWN_FIELDS
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    table = doc[doc.index("## Request fields"):doc.index("## Prefix reuse")]
+    named = set(re.findall(r"`([a-z_]+)", table))
+    prefixes = ("guided_",)  # the table names these by their prefix
+    missing = sorted(name for name in KNOWN_FIELDS
+                     if name not in named and not name.startswith(prefixes))
+    assert not missing, f"fields the server knows that docs/serving.md does not list: {missing}"
+
+
+def test_a_field_of_the_other_endpoint_says_where_it_belongs(live):
+    status, _, answer = exchange(live, "POST", COMPLETIONS, {"prompt": "a", "tools": []})
+    assert status == 400
+    assert "/v1/chat/completions" in _error(answer, "tools", "unknown_parameter")["message"]
+
+
+@pytest.mark.parametrize("path, body", [("/tokenize", {"prompt": "a", "chat_template": "x"}),
+                                        ("/detokenize", {"tokens": [1], "skip": True})])
+def test_tokenize_and_detokenize_refuse_fields_they_do_not_know(live, path, body):
+    status, _, answer = exchange(live, "POST", path, body)
+    assert status == 400
+    _error(answer, sorted(set(body) - {"prompt", "tokens"})[0], "unknown_parameter")
