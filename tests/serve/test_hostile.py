@@ -100,6 +100,24 @@ def test_a_large_json_schema_leaves_the_event_loop_free(live):
     assert status == 200, answer
 
 
+def test_4_concurrent_large_schemas_leave_the_event_loop_free(live):
+    body = {"messages": USER, "max_tokens": 2, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "big", "schema": _schema(20)}}}
+
+    def four():
+        answers: list = []
+        senders = [threading.Thread(target=lambda: answers.append(
+            exchange(live, "POST", CHAT, body))) for _ in range(4)]
+        for sender in senders:
+            sender.start()
+        for sender in senders:
+            sender.join(120)
+        return answers
+
+    answers = _held_free(live, four)
+    assert [status for status, _, _ in answers] == [200] * 4
+
+
 def test_a_grammar_failure_is_the_requests_400_not_a_500():
     from onnx_chunk.serve.app import _error_answer
     from onnx_chunk.structured.constraint import GrammarError
