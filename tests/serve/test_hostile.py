@@ -488,3 +488,29 @@ def test_tokenize_and_detokenize_refuse_fields_they_do_not_know(live, path, body
     status, _, answer = exchange(live, "POST", path, body)
     assert status == 400
     _error(answer, sorted(set(body) - {"prompt", "tokens"})[0], "unknown_parameter")
+
+
+def test_prefix_reuse_is_kept_within_a_cache_salt():
+    import numpy as np
+
+    from onnx_chunk.runtime.engine.scheduler import KeptPrefix, PrefixRule, choose_slot
+
+    kept = {0: KeptPrefix(np.arange(10), 1, "a"), 1: KeptPrefix(np.arange(0), 0)}
+    prompt = np.arange(12)
+    assert choose_slot(kept, prompt, PrefixRule(), "a").reused == 10
+    assert choose_slot(kept, prompt, PrefixRule(), "b").reused == 0
+    assert choose_slot(kept, prompt, PrefixRule()).reused == 0
+
+
+def test_the_matchers_and_the_answer_are_built_off_the_event_loop(live, monkeypatch):
+    from onnx_chunk.structured.constraint import GrammarConstraint
+    from tests.serve.test_audit import _answered_while_held, _Held
+
+    held = _Held(monkeypatch, GrammarConstraint, "matcher")
+    health, status, _ = _answered_while_held(live, held, CHAT, {
+        "messages": USER, "max_tokens": 1, "response_format": {"type": "json_object"}})
+    assert (health, status) == (200, 200)
+    held = _Held(monkeypatch, type(live.app.state.service), "_whole")
+    health, status, _ = _answered_while_held(live, held, COMPLETIONS, {
+        "prompt": [[20] * 50], "echo": True, "logprobs": 2, "max_tokens": 0})
+    assert (health, status) == (200, 200)
