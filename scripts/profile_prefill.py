@@ -309,6 +309,154 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- paired
+
+def _forward_s(loop: Loop, ids: list[int], past: int) -> tuple[float, np.ndarray]:
+    began = time.perf_counter()
+    last = loop.forward(ids, past)
+    return time.perf_counter() - began, last
+
+
+def paired_ratios(base: list[float], candidate: list[float]) -> dict:
+    """Candidate over base: the median of the per-pair ratios, the ratio of the bests, and the
+    spread of the per-pair ratios ((max-min)/median)."""
+    ratios = sorted(mine / theirs for mine, theirs in zip(candidate, base, strict=True))
+    middle = statistics.median(ratios)
+    return {"median": middle, "best": min(candidate) / min(base),
+            "spread": (ratios[-1] - ratios[0]) / middle}
+
+
+def _paired(args: argparse.Namespace) -> int:
+    """Base and one candidate in one process, forward by forward (A B B A ...), so that both
+    meet the same load; then each decodes greedily from the same prompt."""
+    from _bench.harness import seeded_prompt
+
+    base_model = _model_path(args.model, args.models_root)
+    genai = _genai(base_model)
+    prompt = seeded_prompt(args.past + args.rows, genai["vocab_size"])
+    capacity = args.past + args.rows + args.new_tokens
+    rows = [f"prefill forward of {args.rows} rows after {args.past} rows of past, decode step "
+            f"at {args.past + args.rows}; {args.pairs} pairs per candidate (order A B, B A, "
+            f"...), {args.threads} threads unless named; ratios are candidate / base", "",
+            "| candidate | prefill ratio (median of pairs) | best / best | pair spread | "
+            "decode-step ratio | greedy agreement | base prefill s (median) | load before |",
+            "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
+    for text in args.candidate:
+        name, model, threads, config = parse_candidate(text, args.models_root)
+        load = os.getloadavg()[0]
+        sessions = {"base": _session(base_model, args.threads, {}),
+                    name: _session(model, threads or args.threads, config)}
+        loops = {key: Loop(session, genai, capacity) for key, session in sessions.items()}
+        for loop in loops.values():  # warm-up, and the past both continue from
+            for offset in range(0, args.past, args.chunk_size):
+                loop.forward(prompt[offset:min(offset + args.chunk_size, args.past)], offset)
+        chunk = prompt[args.past:]
+        times: dict[str, list[float]] = {"base": [], name: []}
+        steps: dict[str, list[float]] = {"base": [], name: []}
+        lasts: dict[str, np.ndarray] = {}
+        for index in range(args.pairs):
+            order = ("base", name) if index % 2 == 0 else (name, "base")
+            for key in order:
+                seconds, lasts[key] = _forward_s(loops[key], chunk, args.past)
+                times[key].append(seconds)
+            for key in order:
+                token = int(np.argmax(lasts[key]))
+                steps[key].append(_forward_s(loops[key], [token], args.past + args.rows)[0])
+        tokens: dict[str, list[int]] = {}
+        for key, loop in loops.items():
+            _, last = _forward_s(loop, chunk, args.past)
+            generated = [int(np.argmax(last))]
+            while len(generated) < args.new_tokens:
+                last = loop.forward(generated[-1:], args.past + args.rows + len(generated) - 1)
+                generated.append(int(np.argmax(last)))
+            tokens[key] = generated
+        prefill = paired_ratios(times["base"], times[name])
+        decode = paired_ratios(steps["base"], steps[name])
+        rows.append(f"| {name} | {prefill['median']:.2f}x | {prefill['best']:.2f}x | "
+                    f"{100 * prefill['spread']:.0f}% | {decode['median']:.2f}x | "
+                    f"{agreement(tokens[name], tokens['base'])}/{args.new_tokens} | "
+                    f"{statistics.median(times['base']):.3f} | {load:.2f} |")
+        print(rows[-1], file=sys.stderr)
+        del loops, sessions
+    rows.append(f"\n1-minute load average {os.getloadavg()[0]:.2f} at the end")
+    print("\n".join(rows))
+    return 0
+
+
+# ----------------------------------------------------------------------------- kernel
+
+def matmul_model(rows_name: str, k: int, n: int, bits: int, block: int, level: int | None,
+                 seed: int = 0):
+    """A one-node model: MatMulNBits (bits, block, accuracy level) or, with bits 32, a float
+    MatMul, of [1, rows, k] by a random [k, n] weight (symmetric, no zero points)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(seed)
+    a = helper.make_tensor_value_info("A", TensorProto.FLOAT, [1, rows_name, k])
+    y = helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, rows_name, n])
+    if bits == 32:
+        weight = onnx.numpy_helper.from_array(
+            rng.standard_normal((k, n), dtype=np.float32) * 0.02, "B")
+        node = helper.make_node("MatMul", ["A", "B"], ["Y"])
+        initializers = [weight]
+    else:
+        blocks = (k + block - 1) // block
+        packed = rng.integers(0, 256, size=(n, blocks, block * bits // 8), dtype=np.uint8)
+        scales = (rng.random(n * blocks, dtype=np.float32) * 0.01).astype(np.float32)
+        initializers = [onnx.numpy_helper.from_array(packed, "B"),
+                        onnx.numpy_helper.from_array(scales, "scales")]
+        node = helper.make_node("MatMulNBits", ["A", "B", "scales"], ["Y"], domain="com.microsoft",
+                                K=k, N=n, bits=bits, block_size=block,
+                                accuracy_level=level or 0)
+    graph = helper.make_graph([node], "kernel", [a], [y], initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                   helper.make_opsetid("com.microsoft", 1)])
+
+
+def time_kernel(model, rows: int, k: int, threads: int, repeats: int,
+                config: dict[str, str]) -> list[float]:
+    """Seconds of each of `repeats` runs (after one warm-up) of a one-node model."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    for key, value in config.items():
+        options.add_session_config_entry(key, value)
+    session = ort.InferenceSession(model.SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"])
+    a = np.random.default_rng(1).standard_normal((1, rows, k), dtype=np.float32)
+    session.run(None, {"A": a})
+    return [_timed(lambda: session.run(None, {"A": a})) for _ in range(repeats)]
+
+
+def _kernel(args: argparse.Namespace) -> int:
+    config = dict(_pair(item) for item in args.config)
+    lines = [f"one-node models, {args.rows} rows, {args.threads} threads, {args.repeats} runs "
+             f"each (best and median), session config {config}; 1-minute load average "
+             f"{os.getloadavg()[0]:.2f} before", "",
+             "| K x N | kernel | best s | median s | GOP/s (best) | of int8 roof | of fp32 roof |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for shape in args.shape:
+        k, n = (int(value) for value in shape.split("x"))
+        for variant in args.kernel:
+            bits, block, level = (int(value) for value in variant.split(":"))
+            model = matmul_model("rows", k, n, bits, block, level)
+            times = time_kernel(model, args.rows, k, args.threads, args.repeats, config)
+            rate = 2 * args.rows * k * n / min(times) / 1e9
+            name = "MatMul fp32" if bits == 32 else f"{bits}-bit block {block} level {level}"
+            lines.append(f"| {k} x {n} | {name} | {min(times):.4f} | "
+                         f"{statistics.median(times):.4f} | {rate:.1f} | "
+                         f"{_share(rate, args.int8_roof)} | {_share(rate, args.fp32_roof)} |")
+    lines.append(f"\n1-minute load average {os.getloadavg()[0]:.2f} after")
+    print("\n".join(lines))
+    return 0
+
+
+def _share(rate: float, roof: float | None) -> str:
+    return f"{100 * rate / roof:.0f}%" if roof else "-"
+
+
 # ----------------------------------------------------------------------------- variant
 
 def last_row_logits(graph) -> str:
@@ -417,7 +565,8 @@ def _compare(args: argparse.Namespace) -> int:
     from _bench.child import measure_prompt
     from _bench.harness import format_value, round_order, seeded_prompt, summarize
 
-    systems = [("base", _model_path(args.model, args.models_root), None, {})]
+    systems: list[tuple[str, Path, int | None, dict[str, str]]] = [
+        ("base", _model_path(args.model, args.models_root), None, {})]
     systems += [parse_candidate(text, args.models_root) for text in args.candidate]
     if len({name for name, *_ in systems}) != len(systems):
         print("error: candidate names must be distinct and not 'base'", file=sys.stderr)
@@ -446,8 +595,8 @@ def _compare(args: argparse.Namespace) -> int:
             f"load average before each measurement: min {min(loads):.2f}, median "
             f"{statistics.median(loads):.2f}, max {max(loads):.2f}", "",
             "| prompt | system | TTFT s | decode tok/s | peak RSS MB | TTFT ratio | decode ratio "
-            "| RSS ratio | greedy agreement |", "| ---: | --- | --- | --- | --- | ---: | ---: | ---: "
-            "| --- |"]
+            "| RSS ratio | greedy agreement |",
+            "| ---: | --- | --- | --- | --- | ---: | ---: | ---: | --- |"]
     fields = (("ttft_s", 3), ("decode_tokens_per_s", 1), ("peak_rss_mb", 0))
     for length in lengths:
         base = runs[(length, "base")]
@@ -479,6 +628,31 @@ def _parser() -> argparse.ArgumentParser:
     profile = commands.add_parser("profile", help="per-operator profile of one prefill forward")
     variant = commands.add_parser("variant", help="an export's graph with one change")
     compare = commands.add_parser("compare", help="baseline against candidates, interleaved")
+    kernel = commands.add_parser("kernel", help="one MatMulNBits node at a prefill's shape")
+    paired = commands.add_parser("paired", help="base and a candidate forward by forward")
+    paired.add_argument("--model", required=True)
+    paired.add_argument("--models-root", type=Path, default=None)
+    paired.add_argument("--candidate", action="append", required=True,
+                        help="NAME=FOLDER[,key=value...] (repeatable; one at a time)")
+    paired.add_argument("--rows", type=int, default=512)
+    paired.add_argument("--past", type=int, default=0)
+    paired.add_argument("--pairs", type=int, default=6)
+    paired.add_argument("--new-tokens", type=int, default=32)
+    paired.add_argument("--threads", type=int, default=2)
+    paired.add_argument("--chunk-size", type=int, default=512)
+    kernel.add_argument("--shape", action="append", default=None,
+                        help="KxN (repeatable; default qwen05's 896x4864 and 4864x896)")
+    kernel.add_argument("--kernel", action="append", default=None,
+                        help="BITS:BLOCK:LEVEL (32:0:0 is a float MatMul; repeatable; default "
+                             "4:32:4 4:32:1 32:0:0)")
+    kernel.add_argument("--rows", type=int, default=512)
+    kernel.add_argument("--threads", type=int, default=2)
+    kernel.add_argument("--repeats", type=int, default=10)
+    kernel.add_argument("--config", action="append", default=[])
+    kernel.add_argument("--int8-roof", type=float, default=None,
+                        help="GOP/s the machine's int8 multiply-adds reach (for the share)")
+    kernel.add_argument("--fp32-roof", type=float, default=None,
+                        help="GFLOP/s the machine's fp32 FMAs reach (for the share)")
     for command in (profile, variant, compare):
         command.add_argument("--model", required=True,
                              help="benchmark model name (qwen05-int4) or an export folder")
@@ -509,8 +683,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker(json.loads(argv[1]))))
         return 0
     args = _parser().parse_args(argv)
+    if args.command == "kernel":
+        args.shape = args.shape or ["896x4864", "4864x896"]
+        args.kernel = args.kernel or ["4:32:4", "4:32:1", "32:0:0"]
+        return _kernel(args)
     try:
-        return {"profile": _profile, "variant": _variant, "compare": _compare}[args.command](args)
+        return {"profile": _profile, "variant": _variant, "compare": _compare,
+                "paired": _paired}[args.command](args)
     except Exception as error:  # a missing model, a refused session: one line, exit 2
         from _bench.models import BenchModelMissing
 

@@ -1,4 +1,4 @@
-"""Compute the logits of chosen query rows only: a `logits_rows` input picks the lm_head's rows.
+"""Compute the logits of chosen query rows only, before the lm_head instead of after it.
 
 A builder export computes the lm_head for every query row, though a prefill chunk needs one
 row (the last real one) and a decode step has one. On qwen05-int4 (Qwen2.5-0.5B's shape, a
@@ -22,6 +22,14 @@ Rules:
 
 The runtime binds `logits_rows` per forward: the last real row of a prefill chunk, [0] for a
 decode step, every row (0..W-1) where all rows' logits are needed (speculative verification).
+Today's runtime refuses an input it does not know, so LogitsRowsPass needs that support first.
+
+LastRowLogitsPass is the variant today's runtime serves as it is: rules 1, 2 and 4 hold (its
+marker is a logits axis 1 fixed at 1), and rule 3 becomes a `Slice` of the lm_head's input to
+its last row, so `logits` is [batch, 1, vocab]. The runtime reads such a decoder as one that
+keeps the last row only (`ModelPorts.last_row_logits`): it refuses speculative decoding and
+all-row prompt logits for it and switches ladder padding off (a padded chunk's last row is a
+padded position).
 """
 
 from __future__ import annotations
@@ -50,17 +58,7 @@ class LogitsRowsPass(ir.passes.InPlacePass):
         graph = model.graph
         if any(value.name == LOGITS_ROWS for value in graph.inputs):
             return ir.passes.PassResult(model, modified=False)
-        head, chain = find_lm_head(graph)
-        output = _logits_output(graph)
-        token = token_input(graph)
-        rows_key = axis_keys(token)[1] if token is not None else None
-        logits_rows_key = (value_tracing.dim_key(output.shape[1])
-                           if output.shape is not None and len(output.shape) >= 2 else None)
-        if not isinstance(rows_key, str) or logits_rows_key != rows_key:
-            raise ModelStructureError(
-                f"the logits are shaped {value_tracing.shape_text(output.shape)} and the token "
-                f"input's query axis is {rows_key!r}: axis 1 of the logits must be the query "
-                "axis for logits rows to be chosen")
+        head, chain = _checked_head(graph)
         rows = ir.Value(name=LOGITS_ROWS, type=ir.TensorType(ir.DataType.INT64),
                         shape=ir.Shape([LOGITS_ROWS]))
         graph.inputs.append(rows)
@@ -70,25 +68,78 @@ class LogitsRowsPass(ir.passes.InPlacePass):
                          name=f"{head.name or 'lm_head'}/logits_rows")
         gathered = gather.outputs[0]
         gathered.name = f"{hidden.name}/logits_rows"
-        if hidden.dtype is not None:
-            gathered.dtype = hidden.dtype
-        if hidden.shape is not None and len(hidden.shape) >= 2:
-            gathered.shape = _with_rows(hidden.shape)
+        _copy_type(hidden, gathered, LOGITS_ROWS)
         graph.insert_before(head, gather)
         head.replace_input_with(0, gathered)
         for value in (head.outputs[0], *chain):
             if value.shape is not None and len(value.shape) >= 2:
-                value.shape = _with_rows(value.shape)
+                value.shape = _with_rows(value.shape, LOGITS_ROWS)
         logger.info("logits rows: %s reads the %s rows of %s", head.name, LOGITS_ROWS,
                     hidden.name)
         return ir.passes.PassResult(model, modified=True)
+
+
+class LastRowLogitsPass(ir.passes.InPlacePass):
+    """Slice the lm_head's input to the last query row: `logits` [batch, 1, vocab] (module
+    rules)."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        output = _logits_output(graph)
+        if output.shape is not None and len(output.shape) >= 2 and output.shape[1] == 1:
+            return ir.passes.PassResult(model, modified=False)
+        head, chain = _checked_head(graph)
+        hidden = head.inputs[0]
+        assert hidden is not None, "find_lm_head checked the head's input"
+        constants = [ir.Value(name=f"{hidden.name}/last_row/{name}",
+                              const_value=ir.tensor([value], dtype=ir.DataType.INT64))
+                     for name, value in (("starts", -1), ("ends", 2 ** 62), ("axes", 1))]
+        for constant in constants:
+            constant.shape = ir.Shape([1])
+            constant.dtype = ir.DataType.INT64
+            graph.register_initializer(constant)
+        slice_ = ir.node("Slice", inputs=[hidden, *constants],
+                         name=f"{head.name or 'lm_head'}/last_row")
+        sliced = slice_.outputs[0]
+        sliced.name = f"{hidden.name}/last_row"
+        _copy_type(hidden, sliced, 1)
+        graph.insert_before(head, slice_)
+        head.replace_input_with(0, sliced)
+        for value in (head.outputs[0], *chain):
+            if value.shape is not None and len(value.shape) >= 2:
+                value.shape = _with_rows(value.shape, 1)
+        logger.info("last-row logits: %s reads the last row of %s", head.name, hidden.name)
+        return ir.passes.PassResult(model, modified=True)
+
+
+def _checked_head(graph: ir.Graph) -> tuple[ir.Node, list[ir.Value]]:
+    """find_lm_head, with rule 2 checked."""
+    head, chain = find_lm_head(graph)
+    output = _logits_output(graph)
+    token = token_input(graph)
+    rows_key = axis_keys(token)[1] if token is not None else None
+    logits_rows_key = (value_tracing.dim_key(output.shape[1])
+                       if output.shape is not None and len(output.shape) >= 2 else None)
+    if not isinstance(rows_key, str) or logits_rows_key != rows_key:
+        raise ModelStructureError(
+            f"the logits are shaped {value_tracing.shape_text(output.shape)} and the token "
+            f"input's query axis is {rows_key!r}: axis 1 of the logits must be the query "
+            "axis for logits rows to be chosen")
+    return head, chain
+
+
+def _copy_type(source: ir.Value, target: ir.Value, rows: int | str) -> None:
+    if source.dtype is not None:
+        target.dtype = source.dtype
+    if source.shape is not None and len(source.shape) >= 2:
+        target.shape = _with_rows(source.shape, rows)
 
 
 def _logits_output(graph: ir.Graph) -> ir.Value:
     for value in graph.outputs:
         if value.name == LOGITS:
             return value
-    names = ", ".join(value.name for value in graph.outputs) or "none"
+    names = ", ".join(str(value.name) for value in graph.outputs) or "none"
     raise ModelStructureError(f"the graph has no {LOGITS!r} output (its outputs: {names})")
 
 
@@ -136,7 +187,7 @@ def _constant(value: ir.Value) -> bool:
     return value.is_initializer() or (producer is not None and producer.op_type == "Constant")
 
 
-def _with_rows(shape: ir.Shape) -> ir.Shape:
-    dims = list(shape)
-    dims[1] = ir.SymbolicDim(LOGITS_ROWS)
+def _with_rows(shape: ir.Shape, rows: int | str) -> ir.Shape:
+    dims: list[int | ir.SymbolicDim] = list(shape)
+    dims[1] = ir.SymbolicDim(rows) if isinstance(rows, str) else rows
     return ir.Shape(dims)

@@ -13,7 +13,12 @@ import pytest
 from onnx import TensorProto, helper
 
 from onnx_chunk.errors import ModelStructureError
-from onnx_chunk.passes.logits_rows import LOGITS_ROWS, LogitsRowsPass, find_lm_head
+from onnx_chunk.passes.logits_rows import (
+    LOGITS_ROWS,
+    LastRowLogitsPass,
+    LogitsRowsPass,
+    find_lm_head,
+)
 from tests.exports.corpus import fixtures
 
 ROWS = 7
@@ -71,6 +76,44 @@ def test_chosen_rows_logits_equal_the_full_forwards_rows(fixture, tmp_path):
         np.testing.assert_allclose(chosen[0], full[:, rows], rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("fixture", CORPUS, ids=str)
+def test_the_last_row_pass_gives_the_full_forwards_last_row(fixture, tmp_path):
+    folder = fixture.copy_to(tmp_path / fixture.name)
+    full_session = _session(folder / "model.onnx")
+    feeds = _feeds(full_session, folder)
+    full = full_session.run(["logits"], feeds)[0]
+    model = ir.load(folder / "model.onnx")
+    assert LastRowLogitsPass()(model).modified
+    assert not LastRowLogitsPass()(model).modified  # already one row: left as it is
+    ir.save(model, folder / "last.onnx")
+    last = _session(folder / "last.onnx").run(["logits"], feeds)[0]
+    tolerance = 2e-2 if fixture.precision == "fp16" else 1e-5
+    assert last.shape == (1, 1, full.shape[2])
+    np.testing.assert_allclose(last, full[:, -1:], rtol=tolerance, atol=tolerance)
+
+
+def test_todays_runtime_serves_a_converted_last_row_decoder_with_the_same_tokens(tmp_path):
+    from onnx_chunk.cli import main
+    from onnx_chunk.model_io import load_model, save_model
+    from onnx_chunk.runtime import load
+
+    source = next(fixture for fixture in CORPUS if fixture.name == "genai-llama-int4")
+    converted = tmp_path / "conv" / "model.onnx"
+    assert main(["convert", str(source.folder), "-o", str(converted), "--chunk-size", "32"]) == 0
+    prompt = [(7 * index + 3) % 384 for index in range(100)]
+    with load(converted, provider="cpu") as runtime:
+        expected = runtime.open_sequence().generate(prompt, 8)
+    model = load_model(converted)
+    assert LastRowLogitsPass()(model).modified
+    save_model(model, converted)
+    with load(converted, provider="cpu") as runtime:
+        assert runtime.ports.last_row_logits
+        sequence = runtime.open_sequence()
+        assert sequence.generate(prompt, 8) == expected
+        with pytest.raises(ModelStructureError, match="last row's logits only"):
+            runtime.open_sequence().prefill(prompt, all_logits=True)
+
+
 def test_a_converted_graph_is_left_as_it_is():
     model = ir.load(CORPUS[0].folder / "model.onnx")
     assert LogitsRowsPass()(model).modified
@@ -94,10 +137,11 @@ def _head_graph(between: list[onnx.NodeProto], query: str | int = "sequence_leng
     return ir.from_proto(helper.make_model(graph))
 
 
-def test_a_node_that_is_not_row_wise_before_the_logits_is_refused():
+@pytest.mark.parametrize("pass_", [LogitsRowsPass, LastRowLogitsPass])
+def test_a_node_that_is_not_row_wise_before_the_logits_is_refused(pass_):
     softmax = helper.make_node("Softmax", ["head"], ["logits"], axis=1)
     with pytest.raises(ModelStructureError, match="Softmax .* not row-wise"):
-        LogitsRowsPass()(_head_graph([softmax]))
+        pass_()(_head_graph([softmax]))
     # A constant with a row axis of its own cannot be gathered along: refused too.
     scaled = helper.make_node("Mul", ["head", "row_scale"], ["logits"])
     with pytest.raises(ModelStructureError, match="Mul .* not row-wise"):
