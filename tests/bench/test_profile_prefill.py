@@ -97,3 +97,28 @@ def test_a_variant_with_nothing_to_change_is_refused(tmp_path, capsys):
 def test_a_malformed_candidate_is_refused(text, capsys):
     with pytest.raises(SystemExit, match="expected KEY=VALUE"):
         profile_prefill.parse_candidate(text, None)
+
+
+def test_paired_ratios_are_per_pair_and_best_over_best():
+    ratios = profile_prefill.paired_ratios([1.0, 2.0, 4.0], [0.5, 1.0, 4.0])
+    assert ratios["median"] == 0.5 and ratios["best"] == 0.5
+    assert ratios["spread"] == pytest.approx((1.0 - 0.5) / 0.5)
+
+
+def test_paired_and_kernel_runs_print_their_tables(tmp_path, capsys):
+    rows = tmp_path / "lastrow"
+    assert profile_prefill.main(["variant", "--model", str(EXPORT), "--out", str(rows),
+                                 "--last-row-logits"]) == 0
+    capsys.readouterr()
+    assert profile_prefill.main(["paired", "--model", str(EXPORT), "--candidate",
+                                 f"lastrow={rows}", "--rows", "16", "--past", "8",
+                                 "--pairs", "2", "--new-tokens", "4"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines()
+                if line.startswith("| lastrow |"))
+    assert "| 4/4 |" in line  # the last row's logits: the same greedy tokens
+    assert profile_prefill.main(["kernel", "--shape", "64x96", "--rows", "8", "--repeats", "2",
+                                 "--kernel", "4:32:4", "--kernel", "8:32:4", "--kernel",
+                                 "32:0:0", "--int8-roof", "380"]) == 0
+    out = capsys.readouterr().out
+    for name in ("4-bit block 32 level 4", "8-bit block 32 level 4", "MatMul fp32"):
+        assert f"| 64 x 96 | {name} |" in out
