@@ -1,6 +1,6 @@
 """Where a CPU prefill of a builder export spends its time, and what ONNX Runtime can change.
 
-Three commands (issue 34; findings in docs/prefill_findings.md):
+Five commands (issue 34; findings in docs/prefill_findings.md):
 
 * ``profile``: one ROWS-row prefill forward (empty past) under ONNX Runtime's profiler
   (SessionOptions.enable_profiling), after warm-up forwards; time per operator type and, for
@@ -23,6 +23,13 @@ Three commands (issue 34; findings in docs/prefill_findings.md):
   candidate's ratio to the baseline (TTFT and RSS under 1, decode over 1 favour the candidate),
   the greedy agreement with the baseline (leading new tokens identical, of N), and the
   1-minute load average before each measurement.
+* ``paired``: the baseline and one candidate at a time in one process, forward by forward
+  (A B, B A, ...), so that both meet the same load: the median of the per-pair prefill ratios,
+  the ratio of the best forwards, a decode step's ratio and the greedy agreement over
+  ``--new-tokens``. For a loaded machine, where separate processes spread too widely.
+* ``kernel``: one MatMulNBits node (``BITS:BLOCK:LEVEL``; ``32:0:0`` a float MatMul) of random
+  weights at a prefill's shape, its best and median seconds and GOP/s, against the roofs
+  given (``--int8-roof``, ``--fp32-roof``).
 
     .venv/bin/python scripts/profile_prefill.py profile --model qwen05-int4 [--rows 512]
     .venv/bin/python scripts/profile_prefill.py variant --model qwen05-int4 --out DIR \\
@@ -30,6 +37,10 @@ Three commands (issue 34; findings in docs/prefill_findings.md):
     .venv/bin/python scripts/profile_prefill.py compare --model qwen05-int4 \\
         --candidate level0=DIR [--candidate nospin=BASE,session.intra_op.allow_spinning=0] \\
         [--lengths 128,1000] [--new-tokens 32] [--rounds 3]
+    .venv/bin/python scripts/profile_prefill.py paired --model qwen05-int4 \\
+        --candidate lastrow=DIR [--rows 256] [--past 0] [--pairs 4]
+    .venv/bin/python scripts/profile_prefill.py kernel [--shape 896x4864] \\
+        [--kernel 4:32:4 --kernel 32:0:0] [--rows 512] [--int8-roof 380 --fp32-roof 198]
 """
 
 from __future__ import annotations
@@ -438,9 +449,9 @@ def _kernel(args: argparse.Namespace) -> int:
              "| K x N | kernel | best s | median s | GOP/s (best) | of int8 roof | of fp32 roof |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for shape in args.shape:
-        k, n = (int(value) for value in shape.split("x"))
+        k, n = _ints(shape, "x", 2, "--shape KxN")
         for variant in args.kernel:
-            bits, block, level = (int(value) for value in variant.split(":"))
+            bits, block, level = _ints(variant, ":", 3, "--kernel BITS:BLOCK:LEVEL")
             model = matmul_model("rows", k, n, bits, block, level)
             times = time_kernel(model, args.rows, k, args.threads, args.repeats, config)
             rate = 2 * args.rows * k * n / min(times) / 1e9
@@ -451,6 +462,14 @@ def _kernel(args: argparse.Namespace) -> int:
     lines.append(f"\n1-minute load average {os.getloadavg()[0]:.2f} after")
     print("\n".join(lines))
     return 0
+
+
+def _ints(text: str, separator: str, count: int, what: str) -> list[int]:
+    parts = text.split(separator)
+    if len(parts) != count or not all(part.isdigit() for part in parts):
+        raise ValueError(f"{what}: expected {count} integers separated by {separator!r}, "
+                         f"got {text!r}")
+    return [int(part) for part in parts]
 
 
 def _share(rate: float, roof: float | None) -> str:
@@ -683,17 +702,20 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker(json.loads(argv[1]))))
         return 0
     args = _parser().parse_args(argv)
-    if args.command == "kernel":
-        args.shape = args.shape or ["896x4864", "4864x896"]
-        args.kernel = args.kernel or ["4:32:4", "4:32:1", "32:0:0"]
-        return _kernel(args)
     try:
+        if args.command == "kernel":
+            args.shape = args.shape or ["896x4864", "4864x896"]
+            args.kernel = args.kernel or ["4:32:4", "4:32:1", "32:0:0"]
+            return _kernel(args)
+        if args.command == "compare":
+            args.lengths = ",".join(str(value) for value in _ints(
+                args.lengths, ",", len(args.lengths.split(",")), "--lengths"))
         return {"profile": _profile, "variant": _variant, "compare": _compare,
                 "paired": _paired}[args.command](args)
     except Exception as error:  # a missing model, a refused session: one line, exit 2
         from _bench.models import BenchModelMissing
 
-        if isinstance(error, BenchModelMissing | FileNotFoundError):
+        if isinstance(error, BenchModelMissing | FileNotFoundError | ValueError):
             print(f"error: {error}", file=sys.stderr)
             return 2
         raise

@@ -122,3 +122,11 @@ def test_paired_and_kernel_runs_print_their_tables(tmp_path, capsys):
     out = capsys.readouterr().out
     for name in ("4-bit block 32 level 4", "8-bit block 32 level 4", "MatMul fp32"):
         assert f"| 64 x 96 | {name} |" in out
+
+
+@pytest.mark.parametrize("argv", [["kernel", "--kernel", "4:32"], ["kernel", "--shape", "896"],
+                                  ["compare", "--model", str(EXPORT), "--lengths", "12,x"]])
+def test_malformed_numbers_are_one_error_line(argv, capsys):
+    assert profile_prefill.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1
