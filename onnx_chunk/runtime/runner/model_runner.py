@@ -50,6 +50,7 @@ from onnx_chunk.runtime.engine.kv_state import LogicalLength
 from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot
 from onnx_chunk.runtime.runner.idle_rows import evicting_rows
 from onnx_chunk.runtime.runner.logits_row import ALL_ROWS, ROW_INPUT
+from onnx_chunk.runtime.runner.native_chunks import NativePlan, NativeRow, plan_native
 from onnx_chunk.runtime.runner.padding import PaddedForward, QueryAxisShrunk, plan_forward
 from onnx_chunk.runtime.runner.ports import LOGITS_OUTPUT, ModelPorts
 
@@ -121,6 +122,17 @@ class _Binding:
     # The host arrays a forward's tokens and positions are staged in (unpadded forwards).
     step_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0))
     step_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # Native chunks: the query_seqlens buffer ([batch] int32) and what it holds now.
+    query_lens: DeviceBuffer | None = None
+    held_query_lens: np.ndarray | None = None
+
+    def write_query_lens(self, lens: np.ndarray) -> None:
+        """Write query_seqlens when it changes (a decode loop writes it once)."""
+        if self.query_lens is None:
+            return
+        if self.held_query_lens is None or not np.array_equal(self.held_query_lens, lens):
+            self.query_lens.write(lens.astype(np.int32, copy=False))
+            self.held_query_lens = lens.copy()
 
 
 class ModelRunner:
@@ -137,6 +149,16 @@ class ModelRunner:
         self.specialize = specialize
         self.embeddings = embeddings
         self.decode_key: VariantKey = variant_key(DECODE_WIDTH, tiers, specialize)
+        # Native chunks (the graph feeds GroupQueryAttention's query_seqlens): padded rows and
+        # idle rows never reach the KV cache (native_chunks).
+        self.native = ports.query_seqlens is not None
+        self._windowed = bool(ports.kv) and all(port.window is not None for port in ports.kv)
+
+    @property
+    def batches_chunks(self) -> bool:
+        """Whether a forward of several batch rows may feed several tokens per row (native
+        chunks, on a decoder whose logits keep every row and a session that returns them)."""
+        return self.native and not self.ports.last_row_logits and not self.variants.select_rows
 
     @property
     def closed(self) -> bool:
@@ -148,11 +170,19 @@ class ModelRunner:
         if len(forward.rows) != slot.mask.rows:
             raise ValueError(f"a forward on a slot of {slot.mask.rows} batch rows needs as many "
                              f"rows, got {len(forward.rows)}")
-        if len(forward.rows) > 1 and any(len(row.tokens) != 1 for row in forward.rows):
+        several = len(forward.rows) > 1 and any(len(row.tokens) != 1 for row in forward.rows)
+        if several and not self.batches_chunks:
             # The batched mask (`set_rows`) holds each row's length + 1 ones: one new token.
             raise ValueError("a batched forward feeds one token per row; several tokens per row "
-                             "need a mask of each row's length + width ones")
-        plan = self._plan(forward) if len(forward.rows) == 1 else None
+                             "need native chunks (GroupQueryAttention's query_seqlens)")
+        if several and forward.logits == "all":
+            raise ValueError("a batched forward of several tokens per row returns each row's "
+                             "last logits only; ask for \"last\" or \"none\"")
+        plan: PaddedForward | NativePlan | None
+        if self.native:
+            plan = self._native_plan(forward)
+        else:
+            plan = self._plan(forward) if len(forward.rows) == 1 else None
         width = forward.width if plan is None else plan.width
         key = variant_key(width, self.tiers, self.specialize)
         shrunk: QueryAxisShrunk | None = None
@@ -168,7 +198,9 @@ class ModelRunner:
             # Rerun unpadded, with no variant pinned by this thread any more.
             self.variants.disable_padding(str(shrunk))
             return self.run(slot, forward)
-        return Ran(logits, width, 0 if plan is None else plan.width - plan.real_rows)
+        padded = (0 if plan is None else plan.padded_rows if isinstance(plan, NativePlan)
+                  else plan.width - plan.real_rows)
+        return Ran(logits, width, padded)
 
     @contextlib.contextmanager
     def decoding(self, slot: SequenceSlot,
@@ -206,6 +238,18 @@ class ModelRunner:
                             room=row.length.room, position_ids=ports.position_ids,
                             enabled=self.variants.padding)
 
+    def _native_plan(self, forward: Forward) -> NativePlan | None:
+        """A native forward's plan (None: every row feeds one token, as a decode does)."""
+        if all(len(row.tokens) == DECODE_WIDTH for row in forward.rows):
+            return None
+        rows = [NativeRow(self._embedded(row.tokens), row.length.length, row.steps)
+                for row in forward.rows]
+        # A decoder that keeps only the last logits row cannot be padded: that row would be
+        # a padded one.
+        padding = self.variants.padding and not self.ports.last_row_logits
+        return plan_native(rows, tiers=self.tiers, capacity=self.capacity,
+                           windowed=self._windowed, padding=padding)
+
     def _embedded(self, ids: np.ndarray) -> np.ndarray:
         """The token input of `ids`: the ids, or their rows of the embedding table."""
         if self.embeddings is None:
@@ -214,16 +258,22 @@ class ModelRunner:
 
     def _forward(self, key: VariantKey, session: ort.InferenceSession, binding: _Binding,
                  slot: SequenceSlot, forward: Forward,
-                 plan: PaddedForward | None, *, view: bool) -> np.ndarray | None:
+                 plan: PaddedForward | NativePlan | None, *, view: bool) -> np.ndarray | None:
         """Write the inputs, run, keep idle rows, advance the lengths; the logits asked for
         (`view`: a one-row forward's last row may be a view of the binding's buffers)."""
         width = forward.width if plan is None else plan.width
-        self._write_inputs(binding, slot, forward, plan)
+        if isinstance(plan, NativePlan):
+            self._write_native(binding, slot, plan)
+        else:
+            self._write_inputs(binding, slot, forward, plan)
         idle = [index for index, row in enumerate(forward.rows) if not row.steps]
-        saved = self._save_windows(slot, forward, idle)
+        # Natively an idle row (query_seqlens 0) leaves its cache untouched: nothing to save.
+        saved = [] if self.native else self._save_windows(slot, forward, idle)
         slot.buffers.bind_state(binding.io)
         logits = self._run_bound(key, session, binding, slot, width)
         try:
+            if isinstance(plan, NativePlan):
+                return self._native_result(binding, slot, forward, plan, logits, view)
             # cut_logits applies the shape rules (and the padding self-check) to a view that
             # holds the shape only: no logits are read here. A row-selecting session returned
             # the last real row alone.
@@ -244,6 +294,56 @@ class ModelRunner:
         finally:
             self._release_output(binding, slot)
 
+    def _native_result(self, binding: _Binding, slot: SequenceSlot, forward: Forward,
+                       plan: NativePlan, logits: DeviceBuffer,
+                       view: bool) -> np.ndarray | None:
+        """After a native forward: keep idle rows' state, advance each stepping row by its
+        real rows, read each row's logits at its last real row."""
+        returned = logits.shape[1]
+        selected = binding.output == LOGITS_OUTPUT and binding.row_index is not None
+        if not selected and returned != plan.width:
+            if returned > plan.width or len(forward.rows) > 1:
+                raise ModelStructureError(
+                    f"a forward of {plan.width} query rows returned {returned} logits rows; "
+                    "expected one row per query row")
+            if plan.padded_rows:
+                raise QueryAxisShrunk(returned, plan.width, plan.width - plan.padded_rows)
+        idle = [index for index, row in enumerate(forward.rows) if not row.steps]
+        if idle:
+            slot.buffers.keep_state(idle)
+        slot.buffers.swap_state()
+        for row, count in zip(forward.rows, plan.query_lens.tolist()):
+            if row.steps:
+                row.length.advance(count)
+        if forward.logits == "none":
+            return None
+        if forward.logits == "all":
+            count = int(plan.query_lens[0])
+            if selected or returned < count:
+                raise ModelStructureError(
+                    f"a forward of {count} rows returned {returned} logits rows: the decoder "
+                    "does not return every row's logits, so ask for the last row only")
+            every = logits.read(0, returned * logits.shape[-1]).reshape(1, returned, -1)
+            return np.array(every[:, :count])
+        vocab = logits.shape[-1]
+        if len(forward.rows) == 1:
+            index = 0 if selected or returned == 1 else int(plan.last_rows[0])
+            row = logits.read(index * vocab, vocab, binding.row)
+            return (row if view else np.array(row))[None]
+        every = logits.read(0, len(forward.rows) * returned * vocab).reshape(
+            len(forward.rows), returned, vocab)
+        return np.array(every[np.arange(len(forward.rows)), plan.last_rows])
+
+    def _write_native(self, binding: _Binding, slot: SequenceSlot, plan: NativePlan) -> None:
+        """Tokens, positions, query_seqlens, logits row and mask of a native plan."""
+        binding.tokens.write(plan.tokens.reshape(binding.tokens.shape))
+        if binding.positions is not None:
+            binding.positions.write(plan.positions)
+        binding.write_query_lens(plan.query_lens)
+        if binding.row_index is not None:
+            binding.row_index.write(np.full(1, int(plan.last_rows[0]), dtype=np.int64))
+        slot.mask.set_counts(binding.io, plan.mask_ones, plan.mask_width)  # type: ignore[attr-defined]
+
     def _write_inputs(self, binding: _Binding, slot: SequenceSlot, forward: Forward,
                       plan: PaddedForward | None) -> None:
         """Tokens, positions, logits row and mask of `forward`, into the binding's buffers."""
@@ -263,7 +363,17 @@ class ModelRunner:
         binding.tokens.write(tokens)
         if binding.positions is not None:
             binding.positions.write(positions)
-        if len(forward.rows) == 1:
+        if self.native:
+            # One token per row: a stepping row holds length + 1 positions after it, an idle
+            # row (query_seqlens 0) its length, at least 1 (the operator needs T >= 1).
+            steps = np.array([row.steps for row in forward.rows], dtype=np.int32)
+            binding.write_query_lens(steps)
+            if len(forward.rows) == 1:
+                slot.mask.set(binding.io, forward.rows[0].length.end(forward.width))
+                return
+            ones = np.maximum([row.length.length + int(row.steps) for row in forward.rows], 1)
+            slot.mask.set_counts(binding.io, ones, int(ones.max()))  # type: ignore[attr-defined]
+        elif len(forward.rows) == 1:
             slot.mask.set(binding.io, forward.rows[0].length.end(forward.width))
         else:
             slot.mask.set_rows(binding.io, [row.length.length for row in forward.rows])
@@ -392,6 +502,10 @@ class ModelRunner:
         if selects:
             row_index = device_zeros((1,), np.int64, device)
             io.bind_ortvalue_input(ROW_INPUT, row_index.value)
+        query_lens = None
+        if ports.query_seqlens is not None:
+            query_lens = device_zeros((batch,), np.int32, device)
+            io.bind_ortvalue_input(ports.query_seqlens, query_lens.value)
         graphs = self.variants.graph_runs(
             session, width, stateful=bool(slot.buffers.state_ports),
             capture=not every_row and slot.captures and self._captures(key, width))
@@ -399,7 +513,8 @@ class ModelRunner:
         binding = _Binding(io, tokens, positions, graphs, keeps_logits=keeps, output=output,
                            row_index=row_index,
                            step_tokens=np.zeros(token_shape, dtype=ports.token_dtype),
-                           step_positions=np.zeros((batch, width), dtype=np.int64))
+                           step_positions=np.zeros((batch, width), dtype=np.int64),
+                           query_lens=query_lens)
         bindings[name] = binding
         uncaptured = [held for held, kept in bindings.items()
                       if kept.graphs is None or not kept.graphs.ids]
