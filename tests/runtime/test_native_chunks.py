@@ -13,6 +13,7 @@ from onnx_chunk.runtime import load
 from onnx_chunk.runtime import options as runtime_options
 from onnx_chunk.runtime.device.buffers import BatchBuffers
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
+from onnx_chunk.runtime.engine.batch_engine import BatchEngine
 from onnx_chunk.runtime.engine.kv_state import LogicalLength
 from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot, new_slot
 from onnx_chunk.runtime.runner.chunk_mask import chunk_mask_kind
@@ -204,3 +205,35 @@ def test_the_native_engine_equals_each_prompt_alone(native_exports, name):
     for prompt, got in zip(prompts, tokens):
         with single.open_sequence() as sequence:
             assert sequence.generate(prompt, NEW_TOKENS, []) == got
+
+
+@pytest.mark.parametrize("padding", [False, True])
+@pytest.mark.parametrize("name", _corpus())
+def test_batched_prefill_equals_each_prompt_alone_at_the_same_slot_count(native_exports,
+                                                                        monkeypatch, name,
+                                                                        padding):
+    """Prompts arriving together prefill natively in forwards [slots, S] where that computes no
+    more rows (four 128-row chunks at once here); their greedy tokens equal each prompt
+    submitted alone to an engine of the same slots (the batched decode's row count is the
+    same)."""
+    batched = []
+    run_batched = BatchEngine._prefill_batched
+
+    def counted(engine, group):
+        batched.append(min(row.chunks[0][1] - row.chunks[0][0] for row in group))
+        run_batched(engine, group)
+
+    monkeypatch.setattr(BatchEngine, "_prefill_batched", counted)
+    rng = np.random.default_rng(5)
+    with load(native_exports[name], provider="cpu", chunk_size=W, max_batch=4,
+              padding=padding, prefix_reuse=False) as runtime:
+        prompts = [rng.integers(0, runtime.ports.vocab_size, n).tolist()
+                   for n in (300, 130, 128, 256, 5, 40, 250)]
+        alone = [runtime.submit(prompt, NEW_TOKENS, eos_token_id=[]).result()
+                 for prompt in prompts]
+        assert not batched
+        together = runtime.generate_many(prompts, NEW_TOKENS, eos_token_id=[])
+    assert together == alone
+    if runtime.runner.native:
+        # Forwards of several prompts' whole chunks ran (the shortest chunk in one: 128 rows).
+        assert max(batched) == W

@@ -40,7 +40,7 @@ import numpy as np
 import onnxruntime as ort
 
 from onnx_chunk.errors import ModelStructureError
-from onnx_chunk.ladder import DECODE_WIDTH
+from onnx_chunk.ladder import DECODE_WIDTH, padded_width
 from onnx_chunk.runtime.caches.cuda_graphs import CAPTURE_GATE, GraphRuns
 from onnx_chunk.runtime.caches.variant_cache import Specialize, VariantKey, variant_key
 from onnx_chunk.runtime.caches.variant_pool import VariantPool
@@ -237,6 +237,12 @@ class ModelRunner:
         return plan_forward(self._embedded(row.tokens), extra, past=past, tiers=self.tiers,
                             room=row.length.room, position_ids=ports.position_ids,
                             enabled=self.variants.padding)
+
+    def chunk_width(self, rows: int, room: int) -> int:
+        """The query width a one-row forward of `rows` tokens with `room` positions left runs
+        at (its ladder tier when padding is on)."""
+        padding = self.variants.padding and not (self.native and self.ports.last_row_logits)
+        return padded_width(rows, self.tiers, room) if padding else rows
 
     def _native_plan(self, forward: Forward) -> NativePlan | None:
         """A native forward's plan (None: every row feeds one token, as a decode does)."""
