@@ -1,6 +1,6 @@
 """The model runner: every forward of a dynamic decoder, through one path for every shape.
 
-A forward (`Forward`) is a set of rows over one slot's buffers (`SequenceSlot`): per batch row
+A forward (`Forward`) is a set of rows over one slot's buffers (`Slot`): per batch row
 of the slot (one for a sequence or an engine row's prefill, the engine's width for its batched
 decode) the token ids it feeds from its logical length and whether it steps, plus which logits
 rows come back: "none", "last" (each batch row's last real row) or "all" (every real row).
@@ -46,13 +46,12 @@ from onnx_chunk.runtime.caches.variant_cache import Specialize, VariantKey, vari
 from onnx_chunk.runtime.caches.variant_pool import VariantPool
 from onnx_chunk.runtime.device.buffers import DeviceBuffer, device_zeros
 from onnx_chunk.runtime.device.provider import Device
-from onnx_chunk.runtime.engine.kv_state import LogicalLength
-from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot
 from onnx_chunk.runtime.runner.idle_rows import evicting_rows
 from onnx_chunk.runtime.runner.logits_row import ALL_ROWS, ROW_INPUT
 from onnx_chunk.runtime.runner.native_chunks import NativePlan, NativeRow, plan_native
 from onnx_chunk.runtime.runner.padding import PaddedForward, QueryAxisShrunk, plan_forward
 from onnx_chunk.runtime.runner.ports import LOGITS_OUTPUT, ModelPorts
+from onnx_chunk.runtime.runner.slot import Length, Slot
 
 LogitsRows = Literal["none", "last", "all"]
 
@@ -71,7 +70,7 @@ class Row:
     """
 
     tokens: np.ndarray
-    length: LogicalLength
+    length: Length
     steps: bool = True
 
 
@@ -165,7 +164,7 @@ class ModelRunner:
         """Whether the variant pool was closed (no forward runs any more)."""
         return self.variants.closed
 
-    def run(self, slot: SequenceSlot, forward: Forward) -> Ran:
+    def run(self, slot: Slot, forward: Forward) -> Ran:
         """Run `forward` on `slot`'s buffers (one row per batch row of the slot)."""
         if len(forward.rows) != slot.mask.rows:
             raise ValueError(f"a forward on a slot of {slot.mask.rows} batch rows needs as many "
@@ -203,8 +202,8 @@ class ModelRunner:
         return Ran(logits, width, padded)
 
     @contextlib.contextmanager
-    def decoding(self, slot: SequenceSlot,
-                 length: LogicalLength) -> Iterator[Callable[[int], np.ndarray]]:
+    def decoding(self, slot: Slot,
+                 length: Length) -> Iterator[Callable[[int], np.ndarray]]:
         """Pin the decode variant for the block; yields a step: token -> its logits row.
 
         Each step is a one-row `Forward` of `slot` run on the pinned session, with the binding
@@ -215,8 +214,8 @@ class ModelRunner:
             binding = self._binding(session, self.decode_key, slot, DECODE_WIDTH)
             yield functools.partial(self._step, session, binding, slot, length)
 
-    def _step(self, session: ort.InferenceSession, binding: _Binding, slot: SequenceSlot,
-              length: LogicalLength, token: int) -> np.ndarray:
+    def _step(self, session: ort.InferenceSession, binding: _Binding, slot: Slot,
+              length: Length, token: int) -> np.ndarray:
         forward = Forward([Row(np.array([token]), length)])
         with self._gate_for(slot, binding):
             return self._forward(self.decode_key, session, binding, slot, forward, None,
@@ -263,7 +262,7 @@ class ModelRunner:
         return np.asarray(self.embeddings[ids], dtype=self.ports.token_dtype)
 
     def _forward(self, key: VariantKey, session: ort.InferenceSession, binding: _Binding,
-                 slot: SequenceSlot, forward: Forward,
+                 slot: Slot, forward: Forward,
                  plan: PaddedForward | NativePlan | None, *, view: bool) -> np.ndarray | None:
         """Write the inputs, run, keep idle rows, advance the lengths; the logits asked for
         (`view`: a one-row forward's last row may be a view of the binding's buffers)."""
@@ -300,7 +299,7 @@ class ModelRunner:
         finally:
             self._release_output(binding, slot)
 
-    def _native_result(self, binding: _Binding, slot: SequenceSlot, forward: Forward,
+    def _native_result(self, binding: _Binding, slot: Slot, forward: Forward,
                        plan: NativePlan, logits: DeviceBuffer,
                        view: bool) -> np.ndarray | None:
         """After a native forward: keep idle rows' state, advance each stepping row by its
@@ -340,7 +339,7 @@ class ModelRunner:
             len(forward.rows), returned, vocab)
         return np.array(every[np.arange(len(forward.rows)), plan.last_rows])
 
-    def _write_native(self, binding: _Binding, slot: SequenceSlot, plan: NativePlan) -> None:
+    def _write_native(self, binding: _Binding, slot: Slot, plan: NativePlan) -> None:
         """Tokens, positions, query_seqlens, logits row and mask of a native plan."""
         binding.tokens.write(plan.tokens.reshape(binding.tokens.shape))
         if binding.positions is not None:
@@ -350,7 +349,7 @@ class ModelRunner:
             binding.row_index.write(np.full(1, int(plan.last_rows[0]), dtype=np.int64))
         slot.mask.set_counts(binding.io, plan.mask_ones, plan.mask_width)  # type: ignore[attr-defined]
 
-    def _write_inputs(self, binding: _Binding, slot: SequenceSlot, forward: Forward,
+    def _write_inputs(self, binding: _Binding, slot: Slot, forward: Forward,
                       plan: PaddedForward | None) -> None:
         """Tokens, positions, logits row and mask of `forward`, into the binding's buffers."""
         ports = self.ports
@@ -384,7 +383,7 @@ class ModelRunner:
         else:
             slot.mask.set_rows(binding.io, [row.length.length for row in forward.rows])
 
-    def _save_windows(self, slot: SequenceSlot, forward: Forward,
+    def _save_windows(self, slot: Slot, forward: Forward,
                       idle: list[int]) -> list[tuple[DeviceBuffer, int, np.ndarray]]:
         """The window-cache rows of idle rows that this forward would evict (`idle_rows`)."""
         if not idle:
@@ -395,7 +394,7 @@ class ModelRunner:
                 for port, buffer in zip(self.ports.kv, buffers.kv)
                 for index in evicting_rows(lengths, idle, port.shape[2], port.window)]
 
-    def _gate(self, session: ort.InferenceSession, slot: SequenceSlot,
+    def _gate(self, session: ort.InferenceSession, slot: Slot,
               width: int) -> contextlib.AbstractContextManager:
         """The capture gate as the next run of `slot` at `width` needs it.
 
@@ -405,7 +404,7 @@ class ModelRunner:
         """
         return self._gate_for(slot, self.variants.bindings(session, slot.number).get(width))
 
-    def _gate_for(self, slot: SequenceSlot,
+    def _gate_for(self, slot: Slot,
                   binding: _Binding | None) -> contextlib.AbstractContextManager:
         """`_gate` for a binding already at hand (the decode loop's: no lookup per token)."""
         if binding is not None and binding.graphs is not None:
@@ -417,7 +416,7 @@ class ModelRunner:
         return contextlib.nullcontext()
 
     def _run_bound(self, key: VariantKey, session: ort.InferenceSession, binding: _Binding,
-                   slot: SequenceSlot, width: int) -> DeviceBuffer:
+                   slot: Slot, width: int) -> DeviceBuffer:
         """Run the bound forward; the logits buffer."""
         if binding.logits is not None:
             self._run(session, binding, slot, width, first_run=False)
@@ -435,7 +434,7 @@ class ModelRunner:
         self._adopt_logits(binding)
         return binding.logits
 
-    def _run(self, session: ort.InferenceSession, binding: _Binding, slot: SequenceSlot,
+    def _run(self, session: ort.InferenceSession, binding: _Binding, slot: Slot,
              width: int, first_run: bool) -> None:
         """Run `binding` once, under its graph id; a capture that fails runs without a graph.
 
@@ -462,7 +461,7 @@ class ModelRunner:
             self.variants.note_fallback(session, width, f"{type(error).__name__}: {error}")
             device.run(session, binding.io, graphs.options(first_run, parity))
 
-    def _release_output(self, binding: _Binding, slot: SequenceSlot) -> None:
+    def _release_output(self, binding: _Binding, slot: Slot) -> None:
         """Drop the logits ONNX Runtime allocated for a run of `binding` (when it keeps none)."""
         if binding.keeps_logits:
             return
@@ -471,7 +470,7 @@ class ModelRunner:
         binding.io.bind_output(binding.output, device.device_type, device.device_id)
         slot.buffers.bind_kv(binding.io)
 
-    def _binding(self, session: ort.InferenceSession, key: VariantKey, slot: SequenceSlot,
+    def _binding(self, session: ort.InferenceSession, key: VariantKey, slot: Slot,
                  width: int, all_rows: bool = False) -> _Binding:
         # The variant pool holds the bindings per live session and drops them when the cache
         # releases that session. A specialised session sees one width; the shape-generic one
