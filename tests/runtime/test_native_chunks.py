@@ -14,6 +14,9 @@ import pytest
 from onnx_chunk import metadata
 from onnx_chunk.cli import main
 from onnx_chunk.errors import CapacityError, InputError, ModelLoadError
+from onnx_chunk.model_io import load_model, save_model
+from onnx_chunk.passes import QuerySeqlensPass, convert_model
+from onnx_chunk.query_seqlens import query_seqlens_index
 from onnx_chunk.runtime import load
 from onnx_chunk.runtime import options as runtime_options
 from onnx_chunk.runtime.device.buffers import BatchBuffers
@@ -24,9 +27,6 @@ from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot, new_slot
 from onnx_chunk.runtime.runner.chunk_mask import chunk_mask_kind
 from onnx_chunk.runtime.runner.model_runner import Forward, ModelRunner, Row
 from onnx_chunk.runtime.runner.native_chunks import NativeRow, plan_native
-from onnx_chunk.model_io import load_model, save_model
-from onnx_chunk.passes import QuerySeqlensPass, convert_model
-from onnx_chunk.query_seqlens import query_seqlens_index
 from tests.exports.corpus import fixtures
 
 # Whether the installed ONNX Runtime's GroupQueryAttention takes query_seqlens.

@@ -18,8 +18,8 @@ policy and graph slot numbers), never the runtime itself. A step:
    a forward of its own slot, as a prefill chunk runs (`speculation`);
 4. runs one batched decode forward of every slot through the same runner: each decoding row
    without a draft feeds its last token, and every other row is run but left as it was
-   (natively at query_seqlens 0, which leaves its cache untouched; else `idle_rows`). On a capturing session the batched binding captures and replays a CUDA
-   graph like any other.
+   (natively at query_seqlens 0, which leaves its cache untouched; else `idle_rows`). On a
+   capturing session the batched binding captures and replays a CUDA graph like any other.
 A failure in a forward fails the requests of that forward with the exception (their slots are
 freed, keeping nothing); the other requests go on.
 
@@ -67,10 +67,10 @@ from onnx_chunk.runtime.engine.scheduler import (
     PrefixRule,
     RequestQueue,
     SlotChoice,
+    batch_pays,
     choose_slot,
     prefill_chunks,
     prefill_picks,
-    batch_pays,
 )
 from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot, new_slot
 from onnx_chunk.runtime.engine.speculation import Drafter, Speculation, accepted

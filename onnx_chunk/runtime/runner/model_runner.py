@@ -333,8 +333,8 @@ class ModelRunner:
         vocab = logits.shape[-1]
         if len(forward.rows) == 1:
             index = 0 if selected or returned == 1 else int(plan.last_rows[0])
-            row = logits.read(index * vocab, vocab, binding.row)
-            return (row if view else np.array(row))[None]
+            last = logits.read(index * vocab, vocab, binding.row)
+            return (last if view else np.array(last))[None]
         every = logits.read(0, len(forward.rows) * returned * vocab).reshape(
             len(forward.rows), returned, vocab)
         return np.array(every[np.arange(len(forward.rows)), plan.last_rows])
@@ -500,16 +500,16 @@ class ModelRunner:
         io.bind_ortvalue_input(ports.token_input, tokens.value)
         positions = None
         if ports.position_ids is not None:
-            positions = device_zeros((batch, width), np.int64, device)
+            positions = device_zeros((batch, width), np.dtype(np.int64), device)
             io.bind_ortvalue_input(ports.position_ids, positions.value)
         slot.mask.bind(io)
         row_index = None
         if selects:
-            row_index = device_zeros((1,), np.int64, device)
+            row_index = device_zeros((1,), np.dtype(np.int64), device)
             io.bind_ortvalue_input(ROW_INPUT, row_index.value)
         query_lens = None
         if ports.query_seqlens is not None:
-            query_lens = device_zeros((batch,), np.int32, device)
+            query_lens = device_zeros((batch,), np.dtype(np.int32), device)
             io.bind_ortvalue_input(ports.query_seqlens, query_lens.value)
         graphs = self.variants.graph_runs(
             session, width, stateful=bool(slot.buffers.state_ports),
