@@ -261,3 +261,23 @@ def test_batched_prefill_equals_each_prompt_alone_at_the_same_slot_count(native_
     if runtime.runner.native:
         # Forwards of several prompts' whole chunks ran (the shortest chunk in one: 128 rows).
         assert max(batched) == W
+
+
+@pytest.mark.parametrize("name", ["genai-llama-fp32", "genai-gemma2-fp32"])
+def test_every_rows_logits_and_verified_drafts_on_native_chunks(native_exports, name):
+    """Forwards asking for every row's logits (all_logits prefill, speculative verification)
+    cut each padded chunk to its real rows: equal to the unpadded run, and prompt-lookup's
+    greedy tokens equal plain decoding."""
+    path = native_exports[name]
+    padded = load(path, provider="cpu", chunk_size=W, padding=True)
+    unpadded = load(path, provider="cpu", chunk_size=W, padding=False)
+    prompt = (list(range(3, 40)) * 6)[:200]
+    with padded.open_sequence() as one, unpadded.open_sequence() as other:
+        rows = one.prefill(prompt, all_logits=True)
+        assert rows.shape[0] == len(prompt)
+        assert np.array_equal(rows, other.prefill(prompt, all_logits=True))
+    drafting = load(path, provider="cpu", chunk_size=W, padding=True,
+                    speculative="prompt-lookup")
+    with drafting.open_sequence() as one, unpadded.open_sequence() as other:
+        assert one.generate(prompt, 16, []) == other.generate(prompt, 16, [])
+        assert one.stats.draft_tokens > 0
