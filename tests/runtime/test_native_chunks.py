@@ -18,6 +18,7 @@ from onnx_chunk.model_io import load_model, save_model
 from onnx_chunk.passes import QuerySeqlensPass, convert_model
 from onnx_chunk.query_seqlens import query_seqlens_index
 from onnx_chunk.runtime import load
+from onnx_chunk.runtime import model as runtime_model
 from onnx_chunk.runtime import options as runtime_options
 from onnx_chunk.runtime.device.buffers import BatchBuffers
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
@@ -281,3 +282,30 @@ def test_every_rows_logits_and_verified_drafts_on_native_chunks(native_exports, 
     with drafting.open_sequence() as one, unpadded.open_sequence() as other:
         assert one.generate(prompt, 16, []) == other.generate(prompt, 16, [])
         assert one.stats.draft_tokens > 0
+
+
+@pytest.mark.parametrize("name", ["genai-llama-fp32", "genai-gemma2-fp32"])
+def test_native_chunks_on_the_device_path_with_the_capacity_mask(native_exports, monkeypatch,
+                                                                 name):
+    """The CPU marked not host-visible, as CUDA looks: the capacity-wide chunk mask written in
+    place, query_seqlens in a device buffer, per-width sessions that return the one logits row
+    asked for; padded tokens and the engine's equal the unpadded sequence's."""
+    device = dataclasses.replace(device_for("cpu"), host_visible=False,
+                                 mask_policy=MaskPolicy.CAPACITY, specialize=True)
+    monkeypatch.setattr(runtime_model, "resolve_device", lambda *args: device)
+    path = native_exports[name]
+    reference = load(path, provider="cpu", chunk_size=16, padding=False)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, reference.ports.vocab_size, n).tolist() for n in (5, 64, 37)]
+    expected = []
+    for prompt in prompts:
+        with reference.open_sequence() as sequence:
+            expected.append(sequence.generate(prompt, NEW_TOKENS, []))
+    with load(path, chunk_size=16, max_batch=3) as device_runtime:
+        windowed = any(port.window is not None for port in device_runtime.ports.kv)
+        assert device_runtime.stats.padding == ("native" if NATIVE else
+                                                "off" if windowed else "repeat")
+        assert device_runtime.generate_many(prompts, NEW_TOKENS, eos_token_id=[]) == expected
+        for prompt, tokens in zip(prompts, expected):
+            with device_runtime.open_sequence() as sequence:
+                assert sequence.generate(prompt, NEW_TOKENS, []) == tokens
