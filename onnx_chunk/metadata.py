@@ -32,6 +32,9 @@ PADDING_KEY = "onnx_chunk.padding"
 # Written by the concat-KV rewrite only (optional): the longest sequence of a decoder whose
 # rotary runs outside GroupQueryAttention, so no cos cache sizes it.
 MAX_POSITIONS_KEY = "onnx_chunk.max_positions"
+# Written by the query_seqlens pass only (optional): the graph input wired into every
+# GroupQueryAttention's `query_seqlens` (native right-padded chunks); absent: not wired.
+QUERY_SEQLENS_KEY = "onnx_chunk.query_seqlens"
 
 ALL_KEYS = (
     SCHEMA_VERSION_KEY,
@@ -133,6 +136,8 @@ class ChunkPlan:
     padding: PaddingEligibility
     max_sequence_length: int | None
     problems: tuple[str, ...]
+    # The graph input feeding every GroupQueryAttention's query_seqlens, None when not wired.
+    query_seqlens: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (what `onnx-chunk inspect --json` prints)."""
@@ -152,6 +157,7 @@ class ChunkPlan:
             "padding": {"eligible": self.padding.eligible, "reasons": list(self.padding.reasons)},
             "max_sequence_length": self.max_sequence_length,
             "problems": list(self.problems),
+            "query_seqlens": self.query_seqlens,
         }
 
 
@@ -235,6 +241,25 @@ def read_max_positions(model: ir.Model | Mapping[str, str]) -> int | None:
                                   "positive integer; re-run `onnx-chunk convert` on the "
                                   "original model")
     return int(text)
+
+
+def write_query_seqlens(model: ir.Model, name: str | None) -> bool:
+    """Store (or with None remove) the graph input wired into GroupQueryAttention's
+    query_seqlens; return whether the metadata changed."""
+    return _set(model.metadata_props, QUERY_SEQLENS_KEY, name)
+
+
+def read_query_seqlens(model: ir.Model | Mapping[str, str]) -> str | None:
+    """The stored query_seqlens graph input, or None; ModelStructureError when it is empty."""
+    props = _props_of(model)
+    if QUERY_SEQLENS_KEY not in props:
+        return None
+    name = props[QUERY_SEQLENS_KEY]
+    if not name:
+        raise ModelStructureError(f"metadata key {QUERY_SEQLENS_KEY!r} is empty, expected the "
+                                  "name of a graph input; re-run `onnx-chunk convert` on the "
+                                  "original model")
+    return name
 
 
 def write_recurrent_state(model: ir.Model, findings: RecurrentStateFindings) -> bool:
@@ -418,4 +443,5 @@ def read_plan(model: ir.Model | onnx.ModelProto | Mapping[str, str]) -> ChunkPla
         padding=eligibility,
         max_sequence_length=kv.max_sequence_length,
         problems=kv.problems,
+        query_seqlens=read_query_seqlens(props),
     )

@@ -17,6 +17,7 @@ from onnx_chunk.passes import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_MAX_VARIANTS,
     KV_CACHE_TARGETS,
+    NATIVE_CHUNKS_CHOICES,
     convert_model,
 )
 
@@ -64,9 +65,14 @@ def _bytes_to_copy(model_files: dict[str, Path], target: Path) -> int:
               show_default=True,
               help="What a concat-KV decoder is rewritten into: com.microsoft "
                    "GroupQueryAttention, or standard opset 24 TensorScatter + Attention.")
+@click.option("--native-chunks", type=click.Choice(NATIVE_CHUNKS_CHOICES), default="auto",
+              show_default=True,
+              help="Wire GroupQueryAttention's query_seqlens input (right-padded chunks run "
+                   "natively): auto where the installed ONNX Runtime has it, on (refused "
+                   "where it has not), off.")
 @QUIET_OPTION
 def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants: int,
-            in_place: bool, kv_cache: str, quiet: bool) -> None:
+            in_place: bool, kv_cache: str, native_chunks: str, quiet: bool) -> None:
     """Annotate MODEL_PATH for chunked prefill and write it to OUTPUT.
 
     A standard-ONNX decoder whose KV grows by Concat (Optimum, torch.onnx) is first rewritten
@@ -79,7 +85,7 @@ def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants
     output = _output_path(model_path, output, in_place)
     result = convert_model(model, chunk_size=chunk_size, max_variants=max_variants,
                            max_sequence_length=read_max_positions(model_path.parent),
-                           kv_cache=kv_cache)
+                           kv_cache=kv_cache, native_chunks=native_chunks)
     model = result.model
     plan = read_plan(model)
     if in_place and not result.modified:

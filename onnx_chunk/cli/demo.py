@@ -66,7 +66,7 @@ def _column(run: _Run, expected: list[int]) -> list[str]:
         f"{stats.provider} ({stats.device}), {stats.mask_policy}-width mask",
         f"{stats.capacity} positions, KV {run.kv_bytes} bytes",
         f"{', '.join(map(str, stats.ladder))}, padding "
-        f"{'on' if stats.padding else 'off'}",
+        f"{stats.padding}",
         f"{first.prompt_tokens} tokens -> chunks {_chunks(first)}",
         f"{first.ttft_s * 1000:.1f} ms",
         f"{'-' if speed is None else f'{speed:.1f}'} tokens/s ({first.new_tokens} tokens)",

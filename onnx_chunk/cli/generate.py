@@ -235,7 +235,7 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
         stats = runtime.stats
         click.echo(f"provider {stats.provider} ({stats.device}), capacity {stats.capacity}, "
                    f"chunk {stats.chunk_size}, ladder {','.join(map(str, stats.ladder))}, "
-                   f"padding {'on' if stats.padding else 'off'}, "
+                   f"padding {stats.padding}, "
                    + ("one shape-generic session" if stats.specialize is False
                       else "variants per width"))
     if batch > 1:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from onnx_chunk import metadata
-from onnx_chunk.errors import ConfigError, ModelStructureError
+from onnx_chunk.errors import ConfigError, ModelStructureError, OnnxChunkError
 from onnx_chunk.passes.chunked_prefill_declaration import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_MAX_VARIANTS,
@@ -20,6 +20,7 @@ from onnx_chunk.passes.concat_kv_attention import ConcatKVToGQAPass, find_concat
 from onnx_chunk.passes.concat_kv_tensor_scatter import ConcatKVToTensorScatterPass
 from onnx_chunk.passes.kv_capacity import KVCapacityPass
 from onnx_chunk.passes.per_token_ports import PerTokenPortsPass
+from onnx_chunk.passes.query_seqlens import NATIVE_CHUNKS_CHOICES, QuerySeqlensPass
 from onnx_chunk.passes.recurrent_state import RecurrentStatePass
 from onnx_chunk.passes.supported_opsets import check_supported_opsets
 from onnx_chunk.passes.value_tracing import gqa_nodes, tensor_scatter_nodes
@@ -36,27 +37,37 @@ __all__ = [
     "ConcatKVToTensorScatterPass",
     "KV_CACHE_TARGETS",
     "KVCapacityPass",
+    "NATIVE_CHUNKS_CHOICES",
     "PerTokenPortsPass",
+    "QuerySeqlensPass",
     "RecurrentStatePass",
     "analyze",
     "convert_model",
     "find_concat_kv_attention",
 ]
 
-def _run_pipeline(model: ir.Model, chunk_size: int | None,
-                  max_variants: int) -> ir.passes.PassResult:
-    # Order matters: the per-token ports pass reads the recurrent state findings, and the
-    # declaration reads all three; each checks that its inputs are in the metadata.
+def _run_pipeline(model: ir.Model, chunk_size: int | None, max_variants: int,
+                  native_chunks: str | None) -> ir.passes.PassResult:
+    # Order matters: the per-token ports pass reads the recurrent state findings and the
+    # query_seqlens input (not a per-token port), and the declaration reads all of them; each
+    # checks that its inputs are in the metadata. `native_chunks` None keeps the graph's
+    # query_seqlens wiring (and its metadata) as it is.
+    wiring = () if native_chunks is None else (QuerySeqlensPass(native_chunks),)
     passes = (
         KVCapacityPass(),
         RecurrentStatePass(),
+        *wiring,
         PerTokenPortsPass(),
         ChunkedPrefillDeclarationPass(chunk_size=chunk_size, max_variants=max_variants),
     )
-    modified = False
-    for pass_ in passes:
-        modified = pass_(model).modified or modified
-    return ir.passes.PassResult(model, modified=modified)
+    try:
+        return ir.passes.Sequential(*passes)(model)
+    except ir.passes.PassError as error:
+        # Sequential wraps what a pass raised; our own typed errors reach the caller as they
+        # are (the CLI turns them into one line).
+        if isinstance(error.__cause__, OnnxChunkError):
+            raise error.__cause__ from None
+        raise
 
 
 def analyze(model: ir.Model, *, chunk_size: int | None = None,
@@ -75,7 +86,7 @@ def analyze(model: ir.Model, *, chunk_size: int | None = None,
         model = ConcatKVToGQAPass(max_sequence_length)(model).model
     saved = dict(model.metadata_props)
     try:
-        _run_pipeline(model, chunk_size, max_variants)
+        _run_pipeline(model, chunk_size, max_variants, None)
         plan = metadata.read_plan(model)
     finally:
         model.metadata_props.clear()
@@ -87,7 +98,8 @@ def analyze(model: ir.Model, *, chunk_size: int | None = None,
 def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
                   max_variants: int = DEFAULT_MAX_VARIANTS,
                   max_sequence_length: int | None = None,
-                  kv_cache: str = "gqa") -> ir.passes.PassResult:
+                  kv_cache: str = "gqa",
+                  native_chunks: str = "auto") -> ir.passes.PassResult:
     """Run the pipeline; `modified` is False when the model was already converted so.
 
     A concat-KV decoder (Optimum, torch.onnx) is first rewritten in a copy, which the
@@ -98,7 +110,8 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
     that (KV capacity annotation does not apply to it), a concat-KV layer the rewrite does not
     recognise, or
     opsets or domains ORT cannot run, and ConfigError for an impossible chunk size or variant
-    cap.
+    cap, or `native_chunks` "on" where the query_seqlens pass cannot wire the input
+    (QuerySeqlensPass: "auto" wires it where the installed ONNX Runtime has it, "off" never).
     """
     if kv_cache not in KV_CACHE_TARGETS:
         raise ConfigError(f"unknown KV cache target {kv_cache!r}; expected one of "
@@ -113,5 +126,8 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
             "annotation does not apply; the runtime can still run it with whole-prompt prefill "
             "and a growing KV cache, without chunked-prefill padding or capacity binding"
         )
-    result = _run_pipeline(model, chunk_size, max_variants)
+    if native_chunks not in NATIVE_CHUNKS_CHOICES:
+        raise ConfigError(f"native chunks must be one of {', '.join(NATIVE_CHUNKS_CHOICES)}, "
+                          f"got {native_chunks!r}")
+    result = _run_pipeline(model, chunk_size, max_variants, native_chunks)
     return ir.passes.PassResult(model, modified=rewritten or result.modified)

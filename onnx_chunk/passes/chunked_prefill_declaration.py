@@ -26,8 +26,10 @@ class ChunkedPrefillDeclarationPass(ir.passes.InPlacePass):
        (an unconverted model then declares none, and has no ladder).
     3. The ladder is `ladder_tiers(chunk_size, max_variants)`.
     4. Padding is eligible only when the model has GQA nodes, every GQA past is bound at
-       capacity without problems, no KV cache is window-sized (it evicts as it fills), no
-       recurrent state exists and no input voids the plan; each failed condition is one reason.
+       capacity without problems, no KV cache is window-sized (it evicts as it fills) unless
+       the query_seqlens pass wired GQA's `query_seqlens` (padded rows then never enter the
+       cache), no recurrent state exists and no input voids the plan; each failed condition
+       is one reason.
     5. The pass reports a modification only when the declaration differs from what is stored.
     """
 
@@ -63,7 +65,8 @@ class ChunkedPrefillDeclarationPass(ir.passes.InPlacePass):
                 and chunk_size > kv.max_sequence_length):
             logger.warning("chunk size %d exceeds the model's maximum sequence length %d; "
                            "no chunk will ever be full", chunk_size, kv.max_sequence_length)
-        padding = padding_eligibility(kv, state, ports)
+        padding = padding_eligibility(kv, state, ports,
+                                      native=metadata.read_query_seqlens(model) is not None)
         modified = metadata.write_declaration(
             model,
             chunk_size=chunk_size,
@@ -94,15 +97,17 @@ def padding_eligibility(
     kv: metadata.KVCapacityFindings,
     state: metadata.RecurrentStateFindings,
     ports: metadata.PerTokenFindings,
+    native: bool = False,
 ) -> metadata.PaddingEligibility:
-    """The padding verdict the findings of the three analysis passes imply."""
+    """The padding verdict the findings of the three analysis passes imply (`native`: GQA
+    takes query_seqlens, so padded rows never reach a KV cache)."""
     reasons: list[str] = []
     if kv.gqa_nodes == 0 and not kv.bindings:
         reasons.append("the model has no com.microsoft::GroupQueryAttention node, so its KV "
                        "cache is not bound at capacity and padded rows could not be rewound")
     reasons.extend(kv.problems)
     windowed = [binding.input for binding in kv.bindings if binding.window is not None]
-    if windowed:
+    if windowed and not native:
         reasons.append(f"{len(windowed)} KV input(s) ({windowed[0]!r} first) hold a window-sized "
                        "cache that evicts as it fills (sliding_window_cache), so padded rows "
                        "could evict positions the next chunk still reads")

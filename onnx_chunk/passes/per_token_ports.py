@@ -36,8 +36,9 @@ class PerTokenPortsPass(ir.passes.InPlacePass):
        input a Gather reads as indices (an embedding lookup). Its axis 1 is the query axis.
     2. A graph input shaped [batch, rows, ...] whose axis 0 and axis 1 have the token input's
        symbolic names is per-token; the token input itself is one.
-    3. KV past inputs (GQA or TensorScatter), `attention_mask` and recurrent state are not
-       request-fed rows and are left alone. Every other input voids the padding plan, named in
+    3. KV past inputs (GQA or TensorScatter), `attention_mask`, recurrent state and the
+       `query_seqlens` input the query_seqlens pass wired are not request-fed rows and are
+       left alone. Every other input voids the padding plan, named in
        the reason. Recurrent state is what the recurrent state pass stored in the metadata; the
        pass refuses to run before it.
     4. A query axis that is fixed or unnamed cannot be matched, and voids the plan.
@@ -83,6 +84,9 @@ def find_per_token_ports(model: ir.Model,
         )
     skipped = kv_past_inputs(graph) | {ATTENTION_MASK}
     skipped |= {binding.input for binding in state.bindings}
+    wired = metadata.read_query_seqlens(model)
+    if wired is not None:
+        skipped.add(wired)
     batch_key, rows_key = axis_keys(token)
     if not isinstance(rows_key, str):
         return metadata.PerTokenFindings(

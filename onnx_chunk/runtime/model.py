@@ -54,6 +54,7 @@ from onnx_chunk.runtime.options import (
     resolve_options,
 )
 from onnx_chunk.runtime.runner.attention_mask import AttentionMask, mask_kind
+from onnx_chunk.runtime.runner.chunk_mask import chunk_mask_kind
 from onnx_chunk.runtime.runner.model_runner import ModelRunner
 from onnx_chunk.runtime.runner.ports import ModelPorts
 from onnx_chunk.runtime.stats import RuntimeStats
@@ -195,8 +196,11 @@ class Runtime:
                                     graph_plan=plan_graphs(options.tiers, options.max_batch,
                                                            bool(self.ports.state)))
         self.cache: VariantCache[ort.InferenceSession] = self.variants.cache
-        # The mask policy, chosen once: the class of every slot's and batch's mask.
-        self.masks: type[AttentionMask] = mask_kind(self.device.mask_policy)
+        # The mask policy, chosen once: the class of every slot's and batch's mask (native
+        # chunks: per-row counts of ones in a mask at least the padded width wide).
+        self.masks: type[AttentionMask] = (
+            mask_kind(self.device.mask_policy) if self.ports.query_seqlens is None
+            else chunk_mask_kind(self.device.mask_policy))
         self.pool = SequencePool(
             functools.partial(new_slot, self.ports, options.capacity, self.device, self.masks),
             self.variants.release_slot, keep=idle_sequences)
@@ -215,7 +219,8 @@ class Runtime:
                 pass
         logger.info("loaded %s on %s: capacity %d, chunk %d, ladder %s, padding %s",
                     self.model_path, self.device.label, options.capacity, options.chunk_size,
-                    options.tiers, "on" if options.padding else f"off ({options.padding_refused})")
+                    options.tiers, self._padding_mode if options.padding
+                    else f"off ({options.padding_refused})")
 
     @property
     def provider(self) -> str:
@@ -226,6 +231,15 @@ class Runtime:
     def padding(self) -> bool:
         """Whether prefill chunks are padded up the ladder."""
         return self.variants.padding
+
+    @property
+    def _padding_mode(self) -> str:
+        """How remainder chunks run: "native" (right-padded, GroupQueryAttention's
+        query_seqlens), "repeat" (padded rows repeat the last token and are rewound) or
+        "off" (each chunk at its own width)."""
+        if not self.padding:
+            return "off"
+        return "native" if self.runner.native else "repeat"
 
     def open_sequence(self) -> Sequence:
         """A new, empty sequence with its own KV buffers, sharing this model's sessions.
@@ -426,7 +440,7 @@ class Runtime:
             chunk_size=options.chunk_size,
             ladder=options.tiers,
             specialize=options.specialize,
-            padding=self.padding,
+            padding=self._padding_mode,
             weights_bytes=self.weights.nbytes,
             weights_shared=self.weights.shared and not self.weights.copied_per_session,
             weights_copied_per_variant=self.weights.copied_per_session,

@@ -95,7 +95,9 @@ class RuntimeStats:
     chunk_size: int
     ladder: tuple[int, ...]
     specialize: bool | str
-    padding: bool
+    # "native" (right-padded chunks through GroupQueryAttention's query_seqlens), "repeat"
+    # (padded rows repeat the last token and are rewound) or "off".
+    padding: str
     weights_bytes: int
     sessions_created: int
     cache: CacheStats

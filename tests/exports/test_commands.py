@@ -67,11 +67,22 @@ def test_inspect_reads_the_plan_from_the_file_and_the_folder(export, capsys):
                         if export.features.get("sliding_window") else set())
 
 
+@pytest.fixture
+def converted_for_genai(export, tmp_path, capsys):
+    """Converted without native chunks: onnxruntime-genai does not feed query_seqlens."""
+    code, _, err = _cli(capsys, "convert", export.folder, "-o", tmp_path / "conv",
+                        "--chunk-size", CHUNK, "--native-chunks", "off")
+    assert code == 0, err
+    return tmp_path / "conv"
+
+
 def test_the_converted_folder_runs_in_genai_generator_and_engine_as_the_original_did(
-        export, converted, peer_python):
+        export, converted_for_genai, peer_python):
     """The chunk width lives in the model's metadata, not in search.chunk_size, which genai's
-    static-batching og.Engine refuses: og.Generator and og.Engine run the converted folder
-    wherever they ran the original, with the same greedy tokens as onnx-chunk."""
+    static-batching og.Engine refuses: og.Generator and og.Engine run the folder converted with
+    --native-chunks off wherever they ran the original, with the same greedy tokens as
+    onnx-chunk."""
+    converted = converted_for_genai
     config = json.loads((converted / "genai_config.json").read_text())
     assert "chunk_size" not in config["search"]
     runtime = load(converted, provider="cpu")

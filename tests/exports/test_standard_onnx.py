@@ -113,6 +113,8 @@ def test_prompt_logits_match_the_export_at_capacity(fixture, target, converted_t
         feeds = {value.name: np.zeros((1, value.shape[1], MAX_POSITIONS, value.shape[3]),
                                       np.float32)
                  for value in rewritten.get_inputs() if value.name.startswith(PAST_PREFIX)}
+        if any(value.name == "query_seqlens" for value in rewritten.get_inputs()):
+            feeds["query_seqlens"] = np.array([len(prompt)], np.int32)  # native chunks
         outputs = run(rewritten, {"input_ids": np.asarray([prompt], np.int64),
                                   "attention_mask": np.ones((1, len(prompt)), np.int64),
                                   "position_ids": np.arange(len(prompt))[None], **feeds})

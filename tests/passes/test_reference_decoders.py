@@ -72,6 +72,8 @@ def _logits(path, length=5):
             feeds[value.name] = np.arange(1, length + 1, dtype=np.int64)[None]
         elif value.name == "attention_mask":
             feeds[value.name] = np.ones((1, length), dtype=np.int64)
+        elif value.name == "query_seqlens":
+            feeds[value.name] = np.array([length], dtype=np.int32)
         else:
             shape = [1 if not isinstance(dim, int) and dim == "batch_size" else
                      0 if not isinstance(dim, int) else dim for dim in value.shape]
@@ -80,9 +82,10 @@ def _logits(path, length=5):
 
 
 def test_converted_decoder_runs_identically(reference_model, tmp_path, capsys):
+    """With --native-chunks off, convert writes metadata only: the graph is the original."""
     source = reference_model("int4")
     out = tmp_path / "converted" / "model.onnx"
-    assert main(["convert", str(source), "-o", str(out)]) == 0
+    assert main(["convert", str(source), "-o", str(out), "--native-chunks", "off"]) == 0
     assert (out.parent / "genai_config.json").is_file()
     assert (out.parent / "model.onnx.data").read_bytes() == \
         (source.parent / "model.onnx.data").read_bytes()
@@ -90,4 +93,19 @@ def test_converted_decoder_runs_identically(reference_model, tmp_path, capsys):
     original = onnx.load(str(source), load_external_data=False)
     for field in ("node", "input", "output", "initializer"):
         assert list(getattr(converted.graph, field)) == list(getattr(original.graph, field))
+    np.testing.assert_array_equal(_logits(out), _logits(source))
+
+
+def test_native_chunks_add_only_the_query_seqlens_input(reference_model, tmp_path):
+    """Natively converted (the default where ONNX Runtime has the input): one graph input more,
+    fed to every GroupQueryAttention, and the same logits for an unpadded call."""
+    source = reference_model("int4")
+    out = tmp_path / "native" / "model.onnx"
+    assert main(["convert", str(source), "-o", str(out)]) == 0
+    converted = onnx.load(str(out), load_external_data=False).graph
+    original = onnx.load(str(source), load_external_data=False).graph
+    assert [value.name for value in converted.input] == \
+        [value.name for value in original.input] + ["query_seqlens"]
+    attention = [node for node in converted.node if node.op_type == "GroupQueryAttention"]
+    assert attention and all(node.input[16] == "query_seqlens" for node in attention)
     np.testing.assert_array_equal(_logits(out), _logits(source))

@@ -18,7 +18,7 @@ def test_cpu_defaults_to_one_session_that_owns_its_weights(reference_model):
     tokens = runtime.open_sequence().generate(PROMPT, 6)
     stats = runtime.stats
     assert stats.specialize is False and runtime.options.decode_key is None
-    assert stats.padding is False and "shape-generic" in stats.cache.padding_refused
+    assert stats.padding == "off" and "shape-generic" in stats.cache.padding_refused
     assert stats.cache.widths == ("dynamic",) and stats.sessions_created == 1
     assert stats.weights_shared is False and runtime.weights.names == ()
     assert stats.weights_bytes == sum(p.stat().st_size for p in

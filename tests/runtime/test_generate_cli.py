@@ -94,12 +94,12 @@ def test_demo_runs_and_checks_against_one_forward(tmp_path, capsys):
     assert (tmp_path / "converted" / "model.onnx").is_file()
 
 
-@pytest.mark.parametrize("flag, specialize, widths", [
-    ([], False, ["dynamic"]),
-    (["--specialize"], True, [1, 6, 16]),  # 18 tokens: 16, then 2 padded to 6
+@pytest.mark.parametrize("flag, specialize, widths, padding", [
+    ([], False, ["dynamic"], "off"),
+    (["--specialize"], True, [1, 6, 16], "repeat"),  # 18 tokens: 16, then 2 padded to 6
 ])
 def test_generate_takes_the_providers_specialisation_default(reference_model, capsys, flag,
-                                                             specialize, widths):
+                                                             specialize, widths, padding):
     code = main(["generate", str(reference_model("base")), "--ids", "3,4,5,6,7,8,9,10,11,12,"
                  "13,14,15,16,17,18,19,20", "--max-new-tokens", "3", "--chunk-size", "16",
                  "--provider", "cpu", "--capacity", "128", "--json", *flag])
@@ -107,7 +107,7 @@ def test_generate_takes_the_providers_specialisation_default(reference_model, ca
     (entry,) = _json_lines(capsys.readouterr().out)
     stats = entry["stats"]
     assert stats["specialize"] is specialize and stats["weights_shared"] is specialize
-    assert stats["widths"] == widths and stats["padding"] is specialize
+    assert stats["widths"] == widths and stats["padding"] == padding
     assert stats["weights_bytes"] > 0
 
 

@@ -13,6 +13,7 @@ from onnx_chunk.runtime.engine.scheduler import (
     KeptPrefix,
     PrefixRule,
     RequestQueue,
+    batch_pays,
     choose_slot,
     prefill_picks,
     shared_prefix,
@@ -133,6 +134,18 @@ def test_the_chosen_slot_reuses_the_longest_exact_prefix_there_is(slots, prompt,
     else:
         oldest = min(free[slot].last_used for slot in tied)
         assert free[choice.slot].last_used == oldest
+
+
+def test_with_no_decode_waiting_every_prompt_runs_its_next_chunk():
+    assert prefill_picks([[16, 16], [16], [], [3]], 16, decoding=False) == [1, 1, 0, 1]
+    assert prefill_picks([[16, 16], [16], [3]], 16) == [1, 0, 0]
+
+
+def test_a_round_runs_batched_only_where_it_computes_no_more_rows():
+    assert batch_pays([128, 128, 128, 128], 4)
+    assert not batch_pays([128, 128, 128, 43], 4)  # 512 rows for 427 alone
+    assert batch_pays([128, 128], 2) and not batch_pays([128, 128], 3)
+    assert not batch_pays([128], 1)  # one chunk runs alone
 
 
 def test_prefill_fills_the_budget_in_admission_order_and_never_skips_ahead():

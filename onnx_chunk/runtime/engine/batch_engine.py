@@ -9,15 +9,17 @@ policy and graph slot numbers), never the runtime itself. A step:
    share the longest usable prefix with its prompt (`scheduler.choose_slot`): the slot is
    rewound to that prefix and only the rest of the prompt is prefilled (prefix reuse);
 2. runs prefill chunks of the prompts being admitted, in admission order, under a token budget
-   of one chunk width W (`scheduler.prefill_picks`): each chunk is a one-row forward of that
-   slot (the model runner's, on a row of the engine's buffers, with the ladder padding and
-   variant cache of any sequence), and a prompt's last chunk gives its first token;
+   of one chunk width W (`scheduler.prefill_picks`; with native chunks and no row decoding,
+   each prompt's next chunk): each chunk is a one-row forward of that slot (the model
+   runner's, on a row of the engine's buffers, with the ladder padding and variant cache of
+   any sequence), or natively one forward [slots, S] of a round's chunks where that computes
+   no more rows (`scheduler.batch_pays`); a prompt's last chunk gives its first token;
 3. with speculative decoding, verifies each decoding row's draft (if it has one this step) in
    a forward of its own slot, as a prefill chunk runs (`speculation`);
 4. runs one batched decode forward of every slot through the same runner: each decoding row
    without a draft feeds its last token, and every other row is run but left as it was
-   (`idle_rows`). On a capturing session the batched binding captures and replays a CUDA
-   graph like any other.
+   (natively at query_seqlens 0, which leaves its cache untouched; else `idle_rows`). On a
+   capturing session the batched binding captures and replays a CUDA graph like any other.
 A failure in a forward fails the requests of that forward with the exception (their slots are
 freed, keeping nothing); the other requests go on.
 
@@ -55,7 +57,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from onnx_chunk.errors import ClosedError
+from onnx_chunk.errors import CapacityError, ClosedError
 from onnx_chunk.runtime.device.buffers import BatchBuffers
 from onnx_chunk.runtime.device.provider import Device
 from onnx_chunk.runtime.engine.kv_state import LogicalLength
@@ -65,6 +67,7 @@ from onnx_chunk.runtime.engine.scheduler import (
     PrefixRule,
     RequestQueue,
     SlotChoice,
+    batch_pays,
     choose_slot,
     prefill_chunks,
     prefill_picks,
@@ -349,15 +352,16 @@ class BatchEngine:
         prefilling = sorted((entry for entry in rows if entry[1].chunks),
                             key=lambda entry: entry[1].order)
         decoding_before = any(not row.chunks for _, row in rows)
+        batches = self._context.runner.batches_chunks
         picks = prefill_picks([[end - begin for begin, end in row.chunks]
-                               for _, row in prefilling], self.budget)
+                               for _, row in prefilling], self.budget,
+                              decoding=decoding_before or not batches)
         ran = 0
-        for (_, row), count in zip(prefilling, picks):
-            for _ in range(count):
-                if row.request.done:
-                    break
-                self._prefill_chunk(row)
-                ran += 1
+        for round_ in range(max(picks, default=0)):
+            due = [row for (_, row), count in zip(prefilling, picks)
+                   if count > round_ and row.chunks and not row.request.done]
+            ran += len(due)
+            self._prefill_round(due, batches)
         decoding = [index for index, row in rows if not row.chunks and not row.request.done]
         with self._cond:
             self._counters.steps += 1
@@ -369,6 +373,57 @@ class BatchEngine:
             self._decode(decoding)
         elif not verified:
             self._last_decode = None
+
+    def _prefill_round(self, due: list[_Row], batches: bool) -> None:
+        """Each row's next chunk: natively in one batched forward where that computes no more
+        rows (scheduler rule 6), else (and for a request for its prompt's logprobs, which
+        needs every row's logits) one forward each."""
+        alone = [row for row in due
+                 if not batches or row.sampler.sampling.prompt_logprobs is not None]
+        together = [row for row in due if row not in alone]
+        runner = self._context.runner
+        widths = [runner.chunk_width(row.chunks[0][1] - row.chunks[0][0], row.length.room)
+                  for row in together]
+        if batch_pays(widths, self.slots):
+            self._prefill_batched(together)
+        else:
+            alone.extend(together)
+        for row in sorted(alone, key=lambda row: row.order):
+            self._prefill_chunk(row)
+
+    def _prefill_batched(self, group: list[_Row]) -> None:
+        """One forward [slots, S] over the engine's buffers: each row of `group` feeds its next
+        chunk, every other slot is idle (query_seqlens 0: its cache is left as it was)."""
+        chunks = {id(row): row.chunks.popleft() for row in group}
+        members = {self._rows.index(row): row for row in group}
+        forward_rows = []
+        for index in range(self.slots):
+            row = members.get(index)
+            if row is None:
+                forward_rows.append(Row(np.array([0]), self._lengths[index], False))
+            else:
+                begin, end = chunks[id(row)]
+                forward_rows.append(Row(row.request.prompt[begin:end], row.length))
+        began = time.perf_counter()
+        try:
+            self._claim_batch()
+            logits = self._context.runner.run(self._batch, Forward(forward_rows)).logits
+        except CapacityError:
+            # A slot near the capacity leaves no room for the padded width: run them apart.
+            for row in group:
+                row.chunks.appendleft(chunks[id(row)])
+                self._prefill_chunk(row)
+            return
+        except Exception as error:  # the forward failed: every row of it fails with it
+            for row in group:
+                row.chunks.clear()
+                self._fail(row.request, error)
+            return
+        assert logits is not None  # a batched chunk forward returns each row's last logits
+        elapsed = time.perf_counter() - began
+        for index, row in members.items():
+            begin, end = chunks[id(row)]
+            self._chunk_ran(row, end - begin, elapsed / len(group), logits[index])
 
     def _prefill_chunk(self, row: _Row) -> None:
         begin, end = row.chunks.popleft()
@@ -385,11 +440,16 @@ class BatchEngine:
             row.chunks.clear()
             self._fail(request, error)
             return
-        request.note_chunk()
+        self._chunk_ran(row, end - begin, time.perf_counter() - began, logits)
+
+    def _chunk_ran(self, row: _Row, rows: int, seconds: float, logits: np.ndarray) -> None:
+        """A prefill chunk of `row` ran: count it; after its prompt's last chunk, the first
+        token (and the other choices' forks)."""
+        row.request.note_chunk()
         with self._cond:
             self._counters.prefill_chunks += 1
-            self._counters.prefill_rows += end - begin
-            self._counters.prefill_s += time.perf_counter() - began
+            self._counters.prefill_rows += rows
+            self._counters.prefill_s += seconds
         if row.chunks:
             return
         for fork in self._fork(row):

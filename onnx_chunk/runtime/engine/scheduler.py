@@ -27,6 +27,12 @@ Rules:
    go to an empty slot first, then to the least recently used one, then to the smallest
    number: a hot prefix is never overwritten while a colder slot is free. A prefix is shared
    only between requests of the same cache salt (`Sampling.cache_salt`, None included).
+6. With native chunks (GroupQueryAttention's query_seqlens) the chunks of one round (each
+   prompt's next picked chunk) run in one forward [slots, S] over the engine's buffers (idle
+   slots at query_seqlens 0, S the widest chunk's width) when that computes no more rows
+   than the chunks would alone (`batch_pays`: slots * S <= the sum of their own widths);
+   else one forward each. A step in which no row decodes stalls no decode, so every
+   prefilling prompt's next chunk runs (`prefill_picks` with `decoding=False`).
 """
 
 from __future__ import annotations
@@ -92,14 +98,18 @@ class RequestQueue(Generic[T]):
         return items
 
 
-def prefill_picks(pending: Sequence[Sequence[int]], budget: int) -> list[int]:
-    """How many of each pending prompt's next chunks run this step (rule 3).
+def prefill_picks(pending: Sequence[Sequence[int]], budget: int, *,
+                  decoding: bool = True) -> list[int]:
+    """How many of each pending prompt's next chunks run this step (rule 3; with
+    `decoding=False`, no row decoding and chunks batched natively, rule 6: one each).
 
     `pending[i]` lists the row counts of prompt i's remaining chunks, prompts in admission
     order; the result has one count per prompt.
     """
     if budget < 1:
         raise ConfigError(f"the prefill token budget must be at least 1 row, got {budget}")
+    if not decoding:
+        return [1 if chunks else 0 for chunks in pending]
     picks = [0] * len(pending)
     used = 0
     for index, chunks in enumerate(pending):
@@ -109,6 +119,12 @@ def prefill_picks(pending: Sequence[Sequence[int]], budget: int) -> list[int]:
             picks[index] += 1
             used += rows
     return picks
+
+
+def batch_pays(widths: Sequence[int], slots: int) -> bool:
+    """Whether one round's chunks, of these (padded) widths, run in one forward of `slots`
+    rows (rule 6): at least two chunks, and slots * the widest no more rows than their sum."""
+    return len(widths) >= 2 and slots * max(widths) <= sum(widths)
 
 
 def prefill_chunks(length: int, width: int) -> list[tuple[int, int]]:

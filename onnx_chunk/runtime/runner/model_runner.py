@@ -1,6 +1,6 @@
 """The model runner: every forward of a dynamic decoder, through one path for every shape.
 
-A forward (`Forward`) is a set of rows over one slot's buffers (`SequenceSlot`): per batch row
+A forward (`Forward`) is a set of rows over one slot's buffers (`Slot`): per batch row
 of the slot (one for a sequence or an engine row's prefill, the engine's width for its batched
 decode) the token ids it feeds from its logical length and whether it steps, plus which logits
 rows come back: "none", "last" (each batch row's last real row) or "all" (every real row).
@@ -40,18 +40,18 @@ import numpy as np
 import onnxruntime as ort
 
 from onnx_chunk.errors import ModelStructureError
-from onnx_chunk.ladder import DECODE_WIDTH
+from onnx_chunk.ladder import DECODE_WIDTH, padded_width
 from onnx_chunk.runtime.caches.cuda_graphs import CAPTURE_GATE, GraphRuns
 from onnx_chunk.runtime.caches.variant_cache import Specialize, VariantKey, variant_key
 from onnx_chunk.runtime.caches.variant_pool import VariantPool
 from onnx_chunk.runtime.device.buffers import DeviceBuffer, device_zeros
 from onnx_chunk.runtime.device.provider import Device
-from onnx_chunk.runtime.engine.kv_state import LogicalLength
-from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot
 from onnx_chunk.runtime.runner.idle_rows import evicting_rows
 from onnx_chunk.runtime.runner.logits_row import ALL_ROWS, ROW_INPUT
+from onnx_chunk.runtime.runner.native_chunks import NativePlan, NativeRow, plan_native
 from onnx_chunk.runtime.runner.padding import PaddedForward, QueryAxisShrunk, plan_forward
 from onnx_chunk.runtime.runner.ports import LOGITS_OUTPUT, ModelPorts
+from onnx_chunk.runtime.runner.slot import Length, Slot
 
 LogitsRows = Literal["none", "last", "all"]
 
@@ -70,7 +70,7 @@ class Row:
     """
 
     tokens: np.ndarray
-    length: LogicalLength
+    length: Length
     steps: bool = True
 
 
@@ -121,6 +121,17 @@ class _Binding:
     # The host arrays a forward's tokens and positions are staged in (unpadded forwards).
     step_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0))
     step_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # Native chunks: the query_seqlens buffer ([batch] int32) and what it holds now.
+    query_lens: DeviceBuffer | None = None
+    held_query_lens: np.ndarray | None = None
+
+    def write_query_lens(self, lens: np.ndarray) -> None:
+        """Write query_seqlens when it changes (a decode loop writes it once)."""
+        if self.query_lens is None:
+            return
+        if self.held_query_lens is None or not np.array_equal(self.held_query_lens, lens):
+            self.query_lens.write(lens.astype(np.int32, copy=False))
+            self.held_query_lens = lens.copy()
 
 
 class ModelRunner:
@@ -137,22 +148,40 @@ class ModelRunner:
         self.specialize = specialize
         self.embeddings = embeddings
         self.decode_key: VariantKey = variant_key(DECODE_WIDTH, tiers, specialize)
+        # Native chunks (the graph feeds GroupQueryAttention's query_seqlens): padded rows and
+        # idle rows never reach the KV cache (native_chunks).
+        self.native = ports.query_seqlens is not None
+        self._windowed = bool(ports.kv) and all(port.window is not None for port in ports.kv)
+
+    @property
+    def batches_chunks(self) -> bool:
+        """Whether a forward of several batch rows may feed several tokens per row (native
+        chunks, on a decoder whose logits keep every row and a session that returns them)."""
+        return self.native and not self.ports.last_row_logits and not self.variants.select_rows
 
     @property
     def closed(self) -> bool:
         """Whether the variant pool was closed (no forward runs any more)."""
         return self.variants.closed
 
-    def run(self, slot: SequenceSlot, forward: Forward) -> Ran:
+    def run(self, slot: Slot, forward: Forward) -> Ran:
         """Run `forward` on `slot`'s buffers (one row per batch row of the slot)."""
         if len(forward.rows) != slot.mask.rows:
             raise ValueError(f"a forward on a slot of {slot.mask.rows} batch rows needs as many "
                              f"rows, got {len(forward.rows)}")
-        if len(forward.rows) > 1 and any(len(row.tokens) != 1 for row in forward.rows):
+        several = len(forward.rows) > 1 and any(len(row.tokens) != 1 for row in forward.rows)
+        if several and not self.batches_chunks:
             # The batched mask (`set_rows`) holds each row's length + 1 ones: one new token.
             raise ValueError("a batched forward feeds one token per row; several tokens per row "
-                             "need a mask of each row's length + width ones")
-        plan = self._plan(forward) if len(forward.rows) == 1 else None
+                             "need native chunks (GroupQueryAttention's query_seqlens)")
+        if several and forward.logits == "all":
+            raise ValueError("a batched forward of several tokens per row returns each row's "
+                             "last logits only; ask for \"last\" or \"none\"")
+        plan: PaddedForward | NativePlan | None
+        if self.native:
+            plan = self._native_plan(forward)
+        else:
+            plan = self._plan(forward) if len(forward.rows) == 1 else None
         width = forward.width if plan is None else plan.width
         key = variant_key(width, self.tiers, self.specialize)
         shrunk: QueryAxisShrunk | None = None
@@ -168,11 +197,13 @@ class ModelRunner:
             # Rerun unpadded, with no variant pinned by this thread any more.
             self.variants.disable_padding(str(shrunk))
             return self.run(slot, forward)
-        return Ran(logits, width, 0 if plan is None else plan.width - plan.real_rows)
+        padded = (0 if plan is None else plan.padded_rows if isinstance(plan, NativePlan)
+                  else plan.width - plan.real_rows)
+        return Ran(logits, width, padded)
 
     @contextlib.contextmanager
-    def decoding(self, slot: SequenceSlot,
-                 length: LogicalLength) -> Iterator[Callable[[int], np.ndarray]]:
+    def decoding(self, slot: Slot,
+                 length: Length) -> Iterator[Callable[[int], np.ndarray]]:
         """Pin the decode variant for the block; yields a step: token -> its logits row.
 
         Each step is a one-row `Forward` of `slot` run on the pinned session, with the binding
@@ -183,8 +214,8 @@ class ModelRunner:
             binding = self._binding(session, self.decode_key, slot, DECODE_WIDTH)
             yield functools.partial(self._step, session, binding, slot, length)
 
-    def _step(self, session: ort.InferenceSession, binding: _Binding, slot: SequenceSlot,
-              length: LogicalLength, token: int) -> np.ndarray:
+    def _step(self, session: ort.InferenceSession, binding: _Binding, slot: Slot,
+              length: Length, token: int) -> np.ndarray:
         forward = Forward([Row(np.array([token]), length)])
         with self._gate_for(slot, binding):
             return self._forward(self.decode_key, session, binding, slot, forward, None,
@@ -206,6 +237,24 @@ class ModelRunner:
                             room=row.length.room, position_ids=ports.position_ids,
                             enabled=self.variants.padding)
 
+    def chunk_width(self, rows: int, room: int) -> int:
+        """The query width a one-row forward of `rows` tokens with `room` positions left runs
+        at (its ladder tier when padding is on)."""
+        padding = self.variants.padding and not (self.native and self.ports.last_row_logits)
+        return padded_width(rows, self.tiers, room) if padding else rows
+
+    def _native_plan(self, forward: Forward) -> NativePlan | None:
+        """A native forward's plan (None: every row feeds one token, as a decode does)."""
+        if all(len(row.tokens) == DECODE_WIDTH for row in forward.rows):
+            return None
+        rows = [NativeRow(self._embedded(row.tokens), row.length.length, row.steps)
+                for row in forward.rows]
+        # A decoder that keeps only the last logits row cannot be padded: that row would be
+        # a padded one.
+        padding = self.variants.padding and not self.ports.last_row_logits
+        return plan_native(rows, tiers=self.tiers, capacity=self.capacity,
+                           windowed=self._windowed, padding=padding)
+
     def _embedded(self, ids: np.ndarray) -> np.ndarray:
         """The token input of `ids`: the ids, or their rows of the embedding table."""
         if self.embeddings is None:
@@ -213,17 +262,23 @@ class ModelRunner:
         return np.asarray(self.embeddings[ids], dtype=self.ports.token_dtype)
 
     def _forward(self, key: VariantKey, session: ort.InferenceSession, binding: _Binding,
-                 slot: SequenceSlot, forward: Forward,
-                 plan: PaddedForward | None, *, view: bool) -> np.ndarray | None:
+                 slot: Slot, forward: Forward,
+                 plan: PaddedForward | NativePlan | None, *, view: bool) -> np.ndarray | None:
         """Write the inputs, run, keep idle rows, advance the lengths; the logits asked for
         (`view`: a one-row forward's last row may be a view of the binding's buffers)."""
         width = forward.width if plan is None else plan.width
-        self._write_inputs(binding, slot, forward, plan)
+        if isinstance(plan, NativePlan):
+            self._write_native(binding, slot, plan)
+        else:
+            self._write_inputs(binding, slot, forward, plan)
         idle = [index for index, row in enumerate(forward.rows) if not row.steps]
-        saved = self._save_windows(slot, forward, idle)
+        # Natively an idle row (query_seqlens 0) leaves its cache untouched: nothing to save.
+        saved = [] if self.native else self._save_windows(slot, forward, idle)
         slot.buffers.bind_state(binding.io)
         logits = self._run_bound(key, session, binding, slot, width)
         try:
+            if isinstance(plan, NativePlan):
+                return self._native_result(binding, slot, forward, plan, logits, view)
             # cut_logits applies the shape rules (and the padding self-check) to a view that
             # holds the shape only: no logits are read here. A row-selecting session returned
             # the last real row alone.
@@ -244,7 +299,57 @@ class ModelRunner:
         finally:
             self._release_output(binding, slot)
 
-    def _write_inputs(self, binding: _Binding, slot: SequenceSlot, forward: Forward,
+    def _native_result(self, binding: _Binding, slot: Slot, forward: Forward,
+                       plan: NativePlan, logits: DeviceBuffer,
+                       view: bool) -> np.ndarray | None:
+        """After a native forward: keep idle rows' state, advance each stepping row by its
+        real rows, read each row's logits at its last real row."""
+        returned = logits.shape[1]
+        selected = binding.output == LOGITS_OUTPUT and binding.row_index is not None
+        if not selected and returned != plan.width:
+            if returned > plan.width or len(forward.rows) > 1:
+                raise ModelStructureError(
+                    f"a forward of {plan.width} query rows returned {returned} logits rows; "
+                    "expected one row per query row")
+            if plan.padded_rows:
+                raise QueryAxisShrunk(returned, plan.width, plan.width - plan.padded_rows)
+        idle = [index for index, row in enumerate(forward.rows) if not row.steps]
+        if idle:
+            slot.buffers.keep_state(idle)
+        slot.buffers.swap_state()
+        for row, count in zip(forward.rows, plan.query_lens.tolist()):
+            if row.steps:
+                row.length.advance(count)
+        if forward.logits == "none":
+            return None
+        if forward.logits == "all":
+            count = int(plan.query_lens[0])
+            if selected or returned < count:
+                raise ModelStructureError(
+                    f"a forward of {count} rows returned {returned} logits rows: the decoder "
+                    "does not return every row's logits, so ask for the last row only")
+            every = logits.read(0, returned * logits.shape[-1]).reshape(1, returned, -1)
+            return np.array(every[:, :count])
+        vocab = logits.shape[-1]
+        if len(forward.rows) == 1:
+            index = 0 if selected or returned == 1 else int(plan.last_rows[0])
+            last = logits.read(index * vocab, vocab, binding.row)
+            return (last if view else np.array(last))[None]
+        every = logits.read(0, len(forward.rows) * returned * vocab).reshape(
+            len(forward.rows), returned, vocab)
+        return np.array(every[np.arange(len(forward.rows)), plan.last_rows])
+
+    def _write_native(self, binding: _Binding, slot: Slot, plan: NativePlan) -> None:
+        """Tokens, positions, query_seqlens, logits row and mask of a native plan."""
+        binding.tokens.write(plan.tokens.reshape(binding.tokens.shape))
+        if binding.positions is not None:
+            binding.positions.write(plan.positions)
+        binding.write_query_lens(plan.query_lens)
+        if binding.row_index is not None:
+            binding.row_index.write(np.full(1, int(plan.last_rows[0]), dtype=np.int64))
+        slot.mask.set_counts(binding.io, plan.mask_ones, plan.mask_width)  # type: ignore[attr-defined]
+
+    def _write_inputs(self, binding: _Binding, slot: Slot, forward: Forward,
                       plan: PaddedForward | None) -> None:
         """Tokens, positions, logits row and mask of `forward`, into the binding's buffers."""
         ports = self.ports
@@ -263,12 +368,22 @@ class ModelRunner:
         binding.tokens.write(tokens)
         if binding.positions is not None:
             binding.positions.write(positions)
-        if len(forward.rows) == 1:
+        if self.native:
+            # One token per row: a stepping row holds length + 1 positions after it, an idle
+            # row (query_seqlens 0) its length, at least 1 (the operator needs T >= 1).
+            steps = np.array([row.steps for row in forward.rows], dtype=np.int32)
+            binding.write_query_lens(steps)
+            if len(forward.rows) == 1:
+                slot.mask.set(binding.io, forward.rows[0].length.end(forward.width))
+                return
+            ones = np.maximum([row.length.length + int(row.steps) for row in forward.rows], 1)
+            slot.mask.set_counts(binding.io, ones, int(ones.max()))  # type: ignore[attr-defined]
+        elif len(forward.rows) == 1:
             slot.mask.set(binding.io, forward.rows[0].length.end(forward.width))
         else:
             slot.mask.set_rows(binding.io, [row.length.length for row in forward.rows])
 
-    def _save_windows(self, slot: SequenceSlot, forward: Forward,
+    def _save_windows(self, slot: Slot, forward: Forward,
                       idle: list[int]) -> list[tuple[DeviceBuffer, int, DeviceBuffer]]:
         """The window-cache rows of idle rows that this forward would evict (`idle_rows`),
         saved on the device (`BatchBuffers.save_row`: nothing crosses to the host)."""
@@ -280,7 +395,7 @@ class ModelRunner:
                 for port, buffer in zip(self.ports.kv, buffers.kv)
                 for index in evicting_rows(lengths, idle, port.shape[2], port.window)]
 
-    def _gate(self, session: ort.InferenceSession, slot: SequenceSlot,
+    def _gate(self, session: ort.InferenceSession, slot: Slot,
               width: int) -> contextlib.AbstractContextManager:
         """The capture gate as the next run of `slot` at `width` needs it.
 
@@ -290,7 +405,7 @@ class ModelRunner:
         """
         return self._gate_for(slot, self.variants.bindings(session, slot.number).get(width))
 
-    def _gate_for(self, slot: SequenceSlot,
+    def _gate_for(self, slot: Slot,
                   binding: _Binding | None) -> contextlib.AbstractContextManager:
         """`_gate` for a binding already at hand (the decode loop's: no lookup per token)."""
         if binding is not None and binding.graphs is not None:
@@ -302,7 +417,7 @@ class ModelRunner:
         return contextlib.nullcontext()
 
     def _run_bound(self, key: VariantKey, session: ort.InferenceSession, binding: _Binding,
-                   slot: SequenceSlot, width: int) -> DeviceBuffer:
+                   slot: Slot, width: int) -> DeviceBuffer:
         """Run the bound forward; the logits buffer."""
         if binding.logits is not None:
             self._run(session, binding, slot, width, first_run=False)
@@ -321,7 +436,7 @@ class ModelRunner:
         self._adopt_logits(binding)
         return binding.logits
 
-    def _run(self, session: ort.InferenceSession, binding: _Binding, slot: SequenceSlot,
+    def _run(self, session: ort.InferenceSession, binding: _Binding, slot: Slot,
              width: int, first_run: bool) -> None:
         """Run `binding` once, under its graph id; a capture that fails runs without a graph.
 
@@ -347,7 +462,7 @@ class ModelRunner:
             self.variants.note_fallback(session, width, f"{type(error).__name__}: {error}")
             device.run(session, binding.io, graphs.options(first_run, parity))
 
-    def _release_output(self, binding: _Binding, slot: SequenceSlot) -> None:
+    def _release_output(self, binding: _Binding, slot: Slot) -> None:
         """Drop the logits ONNX Runtime allocated for a run of `binding` (when it keeps none)."""
         if binding.keeps_logits:
             return
@@ -356,7 +471,7 @@ class ModelRunner:
         binding.io.bind_output(binding.output, device.device_type, device.device_id)
         slot.buffers.bind_kv(binding.io)
 
-    def _binding(self, session: ort.InferenceSession, key: VariantKey, slot: SequenceSlot,
+    def _binding(self, session: ort.InferenceSession, key: VariantKey, slot: Slot,
                  width: int, all_rows: bool = False) -> _Binding:
         # The variant pool holds the bindings per live session and drops them when the cache
         # releases that session. A specialised session sees one width; the shape-generic one
@@ -386,13 +501,17 @@ class ModelRunner:
         io.bind_ortvalue_input(ports.token_input, tokens.value)
         positions = None
         if ports.position_ids is not None:
-            positions = device_zeros((batch, width), np.int64, device)
+            positions = device_zeros((batch, width), np.dtype(np.int64), device)
             io.bind_ortvalue_input(ports.position_ids, positions.value)
         slot.mask.bind(io)
         row_index = None
         if selects:
-            row_index = device_zeros((1,), np.int64, device)
+            row_index = device_zeros((1,), np.dtype(np.int64), device)
             io.bind_ortvalue_input(ROW_INPUT, row_index.value)
+        query_lens = None
+        if ports.query_seqlens is not None:
+            query_lens = device_zeros((batch,), np.dtype(np.int32), device)
+            io.bind_ortvalue_input(ports.query_seqlens, query_lens.value)
         graphs = self.variants.graph_runs(
             session, width, stateful=bool(slot.buffers.state_ports),
             capture=not every_row and slot.captures and self._captures(key, width),
@@ -401,7 +520,8 @@ class ModelRunner:
         binding = _Binding(io, tokens, positions, graphs, keeps_logits=keeps, output=output,
                            row_index=row_index,
                            step_tokens=np.zeros(token_shape, dtype=ports.token_dtype),
-                           step_positions=np.zeros((batch, width), dtype=np.int64))
+                           step_positions=np.zeros((batch, width), dtype=np.int64),
+                           query_lens=query_lens)
         bindings[name] = binding
         uncaptured = [held for held, kept in bindings.items()
                       if kept.graphs is None or not kept.graphs.ids]

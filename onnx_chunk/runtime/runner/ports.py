@@ -58,6 +58,8 @@ class ModelPorts:
     batch_dim: str | None
     query_dim: str | None
     fixed_dims: dict[str, int]
+    # The graph input feeding GroupQueryAttention's query_seqlens (native chunks), or None.
+    query_seqlens: str | None = None
 
 
 def model_ports(model: ModelFile, plan: ChunkPlan, capacity: int, *,
@@ -117,6 +119,9 @@ def model_ports(model: ModelFile, plan: ChunkPlan, capacity: int, *,
     if plan.position_ids is not None:
         _required(inputs, plan.position_ids, "position_ids input")
         known.add(plan.position_ids)
+    if plan.query_seqlens is not None:
+        _required(inputs, plan.query_seqlens, "query_seqlens input (the plan names it)")
+        known.add(plan.query_seqlens)
     unknown = sorted(set(inputs) - known)
     if unknown:
         raise ModelStructureError(
@@ -138,6 +143,7 @@ def model_ports(model: ModelFile, plan: ChunkPlan, capacity: int, *,
         batch_dim=batch_dim,
         query_dim=query_dim,
         fixed_dims=fixed_dims,
+        query_seqlens=plan.query_seqlens,
     )
 
 
