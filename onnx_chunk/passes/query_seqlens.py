@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import onnx_ir as ir
 
 from onnx_chunk import metadata
@@ -37,9 +38,14 @@ class QuerySeqlensPass(ir.passes.InPlacePass):
        GroupQueryAttention, no token input to take the batch axis from, a GQA without
        past_key/past_value (the operator requires them with query_seqlens), or a GQA whose
        query_seqlens slot is already fed by something else.
-    4. Otherwise one int32 graph input `query_seqlens` [batch] (the token input's batch
-       axis) feeds input `query_seqlens` of every GQA, and the metadata names it. Running the
-       pass again changes nothing (`modified=False`).
+    4. Otherwise one int32 graph input `query_seqlens` feeds input `query_seqlens` of every
+       GQA, and the metadata names it. Running the pass again changes nothing
+       (`modified=False`).
+    5. The input is optional for the model's other callers: it is also an initializer, empty
+       by default, and GQA reads `Slice(Concat(query_seqlens, Expand(rows, [batch])), 0,
+       batch)`. Fed `[batch]` values (the runtime), those are the real rows; left out
+       (onnxruntime-genai, a plain ORT loop), every row of the chunk is real, the unpadded
+       call. ONNX lets an initializer listed among the graph inputs be overridden (IR >= 4).
     """
 
     def __init__(self, mode: str = "auto", index: int | None = None) -> None:
@@ -90,13 +96,13 @@ def wiring_refusal(graph: ir.Graph, nodes: list[ir.Node], index: int) -> str | N
         return "the model has no GroupQueryAttention node"
     if token_input(graph) is None:
         return "the model has no token input (input_ids or inputs_embeds) to size it by"
-    ours = _graph_input(graph)
+    ours = (_graph_input(graph), _fed_value(graph))
     for node in nodes:
         if (value_tracing.input_at(node, _PAST_KEY_INPUT) is None
                 or value_tracing.input_at(node, _PAST_VALUE_INPUT) is None):
             return f"GroupQueryAttention {node.name!r} has no past_key/past_value input"
         fed = value_tracing.input_at(node, index)
-        if fed is not None and fed is not ours:
+        if fed is not None and not any(fed is value for value in ours if value is not None):
             return (f"GroupQueryAttention {node.name!r} already takes {fed.name!r} as "
                     f"{QUERY_SEQLENS}")
     return None
@@ -106,22 +112,64 @@ def _graph_input(graph: ir.Graph) -> ir.Value | None:
     return next((value for value in graph.inputs if value.name == QUERY_SEQLENS), None)
 
 
+_DEFAULTED = f"{QUERY_SEQLENS}_or_all_rows"
+_NODE_PREFIX = f"onnx_chunk/{QUERY_SEQLENS}/"
+
+
+def _fed_value(graph: ir.Graph) -> ir.Value | None:
+    """What every GQA reads: the defaulted query_seqlens of rule 5, once it is built."""
+    return next((node.outputs[0] for node in graph
+                 if node.name == f"{_NODE_PREFIX}slice"), None)
+
+
+def _default_rows(graph: ir.Graph, value: ir.Value) -> ir.Value:
+    """The nodes of rule 5, inserted at the top of the graph; returns their output."""
+    token = token_input(graph)
+    assert token is not None, "wiring_refusal checked it"
+
+    def node(name: str, kind: str, inputs: list[ir.Value | None], **attributes) -> ir.Node:
+        return ir.node(kind, inputs, attributes or None, name=f"{_NODE_PREFIX}{name}")
+
+    zero = node("zero", "Constant", [], value=ir.tensor(np.array([0], dtype=np.int64)))
+    rows = node("rows", "Shape", [token], start=1, end=2)
+    batch = node("batch", "Shape", [token], start=0, end=1)
+    cast = node("cast", "Cast", [rows.outputs[0]], to=ir.DataType.INT32)
+    every = node("every", "Expand", [cast.outputs[0], batch.outputs[0]])
+    joined = node("concat", "Concat", [value, every.outputs[0]], axis=0)
+    sliced = node("slice", "Slice", [joined.outputs[0], zero.outputs[0], batch.outputs[0]])
+    out = sliced.outputs[0]
+    out.name = _DEFAULTED
+    out.type, out.shape = ir.TensorType(ir.DataType.INT32), ir.Shape([token.shape[0]])
+    built = [zero, rows, batch, cast, every, joined, sliced]
+    first = next(iter(graph), None)
+    if first is None:
+        graph.extend(built)
+    else:
+        graph.insert_before(first, built)
+    return out
+
+
 def _wire(graph: ir.Graph, nodes: list[ir.Node], index: int) -> bool:
     value = _graph_input(graph)
     modified = False
     if value is None:
-        token = token_input(graph)
-        assert token is not None and token.shape is not None, "wiring_refusal checked it"
         value = ir.Value(name=QUERY_SEQLENS, type=ir.TensorType(ir.DataType.INT32),
-                         shape=ir.Shape([token.shape[0]]))
+                         shape=ir.Shape([f"{QUERY_SEQLENS}_entries"]),
+                         const_value=ir.tensor(np.zeros((0,), dtype=np.int32),
+                                               name=QUERY_SEQLENS))
         graph.inputs.append(value)
+        graph.register_initializer(value)
+        modified = True
+    fed = _fed_value(graph)
+    if fed is None:
+        fed = _default_rows(graph, value)
         modified = True
     for node in nodes:
-        if value_tracing.input_at(node, index) is value:
+        if value_tracing.input_at(node, index) is fed:
             continue
         if len(node.inputs) <= index:
             node.resize_inputs(index + 1)
-        node.replace_input_with(index, value)
+        node.replace_input_with(index, fed)
         modified = True
     return modified
 
@@ -130,12 +178,17 @@ def _unwire(graph: ir.Graph, nodes: list[ir.Node]) -> bool:
     value = _graph_input(graph)
     if value is None:
         return False
+    fed = _fed_value(graph)
     for node in nodes:
-        for position, fed in enumerate(node.inputs):
-            if fed is value:
+        for position, source in enumerate(node.inputs):
+            if source is value or (fed is not None and source is fed):
                 node.replace_input_with(position, None)
         while node.inputs and node.inputs[-1] is None:
             node.resize_inputs(len(node.inputs) - 1)
+    ours = [node for node in graph if node.name and node.name.startswith(_NODE_PREFIX)]
+    if fed is not None and not fed.uses():
+        graph.remove(ours, safe=True)
     if not value.uses():
         graph.inputs.remove(value)
+        graph.initializers.pop(value.name, None)
     return True

@@ -35,9 +35,11 @@ def test_the_installed_onnx_runtime_has_the_input():
 def test_every_gqa_is_wired_once_and_a_second_run_changes_nothing():
     model = load_export("genai-llama-fp32")
     assert QuerySeqlensPass("auto")(model).modified
-    assert _wired(model) == [QUERY_SEQLENS] * 2
+    assert _wired(model) == [f"{QUERY_SEQLENS}_or_all_rows"] * 2
     value = next(value for value in model.graph.inputs if value.name == QUERY_SEQLENS)
-    assert value.dtype.name == "INT32" and [str(dim) for dim in value.shape] == ["batch_size"]
+    assert value.dtype.name == "INT32"
+    # Rule 5: also an initializer, empty by default, so callers that do not feed it still run.
+    assert model.graph.initializers[QUERY_SEQLENS] is value and value.const_value.size == 0
     assert metadata.read_query_seqlens(model) == QUERY_SEQLENS
     assert not QuerySeqlensPass("auto")(model).modified
     assert not QuerySeqlensPass("on")(model).modified
@@ -51,6 +53,8 @@ def test_off_takes_the_wiring_back_out():
     assert QuerySeqlensPass("off")(model).modified
     assert [value.name for value in model.graph.inputs] == names
     assert _wired(model) == [None, None]
+    assert len(list(model.graph)) == len(list(original.graph))
+    assert QUERY_SEQLENS not in model.graph.initializers
     assert metadata.read_query_seqlens(model) is None
     assert not QuerySeqlensPass("off")(model).modified
 
@@ -112,3 +116,40 @@ def test_convert_cli_writes_the_input_by_default(tmp_path):
     assert main(["convert", str(source), "-o", str(tmp_path / "out")]) == 0
     graph = onnx.load(str(tmp_path / "out" / "model.onnx"), load_external_data=False).graph
     assert QUERY_SEQLENS in [value.name for value in graph.input]
+
+
+def test_a_caller_that_does_not_feed_the_input_gets_the_unpadded_forward(tmp_path):
+    """Rule 5: onnxruntime-genai and plain ONNX Runtime loops leave query_seqlens out; the
+    wired model then gives the unwired model's logits and KV (every row real), and fed the
+    real row count it gives the same."""
+    import json
+
+    import numpy as np
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    original = load_export("genai-llama-fp32")
+    wired = load_export("genai-llama-fp32")
+    QuerySeqlensPass("on")(wired)
+    paths = []
+    for name, model in (("plain", original), ("wired", wired)):
+        path = tmp_path / f"{name}.onnx"
+        ir.save(model, path, external_data=f"{name}.onnx.data")
+        paths.append(path)
+    plain, native = (ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+                     for path in paths)
+    rows = 5
+    feeds = {"input_ids": np.arange(1, rows + 1, dtype=np.int64)[None],
+             "attention_mask": np.ones((1, rows), dtype=np.int64)}
+    folder = next(f.folder for f in fixtures() if f.name == "genai-llama-fp32")
+    head = json.loads((folder / "genai_config.json")
+                      .read_text())["model"]["decoder"]["head_size"]
+    for value in plain.get_inputs():
+        if value.name.startswith("past_key_values."):
+            feeds[value.name] = np.zeros((1, value.shape[1], 0, head), np.float32)
+    expected = plain.run(None, feeds)
+    left_out = native.run(None, feeds)
+    fed = native.run(None, {**feeds, QUERY_SEQLENS: np.array([rows], dtype=np.int32)})
+    for want, got, also in zip(expected, left_out, fed):
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(also, want)
