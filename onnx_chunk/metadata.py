@@ -33,6 +33,10 @@ PADDING_KEY = "onnx_chunk.padding"
 # rotary runs outside GroupQueryAttention, so no cos cache sizes it.
 MAX_POSITIONS_KEY = "onnx_chunk.max_positions"
 
+# Written by the KV cache quantization (optional; `convert --kv-dtype`): the cache's element
+# type and scale granularity, and what calibration ran on.
+KV_CACHE_KEY = "onnx_chunk.kv_cache"
+
 ALL_KEYS = (
     SCHEMA_VERSION_KEY,
     CHUNK_SIZE_KEY,
@@ -235,6 +239,28 @@ def read_max_positions(model: ir.Model | Mapping[str, str]) -> int | None:
                                   "positive integer; re-run `onnx-chunk convert` on the "
                                   "original model")
     return int(text)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheDeclaration:
+    """A quantized KV cache: `dtype` "int8" or "int4", `scales` "per-channel" or "per-tensor",
+    and the calibration behind the scales (prompts, tokens, source)."""
+
+    dtype: str
+    scales: str
+    calibration_prompts: int
+    calibration_tokens: int
+    calibration_source: str
+
+
+def write_kv_cache(model: ir.Model, declaration: KVCacheDeclaration) -> bool:
+    """Store the quantized KV cache declaration; return whether the metadata changed."""
+    return _set(model.metadata_props, KV_CACHE_KEY, _encode(dataclasses.asdict(declaration)))
+
+
+def read_kv_cache(model: ir.Model | Mapping[str, str]) -> KVCacheDeclaration | None:
+    """The stored quantized KV cache declaration, or None for a float cache."""
+    return _read_section(model, KV_CACHE_KEY, lambda data: KVCacheDeclaration(**data))
 
 
 def write_recurrent_state(model: ir.Model, findings: RecurrentStateFindings) -> bool:

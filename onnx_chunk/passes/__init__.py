@@ -19,6 +19,13 @@ from onnx_chunk.passes.chunked_prefill_declaration import (
 from onnx_chunk.passes.concat_kv_attention import ConcatKVToGQAPass, find_concat_kv_attention
 from onnx_chunk.passes.concat_kv_tensor_scatter import ConcatKVToTensorScatterPass
 from onnx_chunk.passes.kv_capacity import KVCapacityPass
+from onnx_chunk.passes.kv_quantization import (
+    CACHE_TYPES,
+    KV_DTYPES,
+    KV_SCALES,
+    Calibration,
+    KVCacheQuantizationPass,
+)
 from onnx_chunk.passes.per_token_ports import PerTokenPortsPass
 from onnx_chunk.passes.recurrent_state import RecurrentStatePass
 from onnx_chunk.passes.supported_opsets import check_supported_opsets
@@ -35,7 +42,10 @@ __all__ = [
     "ConcatKVToGQAPass",
     "ConcatKVToTensorScatterPass",
     "KV_CACHE_TARGETS",
+    "KVCacheQuantizationPass",
     "KVCapacityPass",
+    "KV_DTYPES",
+    "KV_SCALES",
     "PerTokenPortsPass",
     "RecurrentStatePass",
     "analyze",
@@ -87,7 +97,9 @@ def analyze(model: ir.Model, *, chunk_size: int | None = None,
 def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
                   max_variants: int = DEFAULT_MAX_VARIANTS,
                   max_sequence_length: int | None = None,
-                  kv_cache: str = "gqa") -> ir.passes.PassResult:
+                  kv_cache: str = "gqa", kv_dtype: str | None = None,
+                  kv_scales: str = "per-channel",
+                  calibration: Calibration | None = None) -> ir.passes.PassResult:
     """Run the pipeline; `modified` is False when the model was already converted so.
 
     A concat-KV decoder (Optimum, torch.onnx) is first rewritten in a copy, which the
@@ -99,10 +111,21 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
     recognise, or
     opsets or domains ORT cannot run, and ConfigError for an impossible chunk size or variant
     cap.
+
+    With `kv_dtype` ("int8" or "int4") the GroupQueryAttention KV cache is quantized
+    (KVCacheQuantizationPass) with `kv_scales` ("per-channel" or "per-tensor") scales from
+    `calibration` (`onnx_chunk.calibration.calibrate_kv` on the float model); refused
+    (ModelStructureError) when the installed ONNX Runtime's GroupQueryAttention schema takes
+    no such cache.
     """
     if kv_cache not in KV_CACHE_TARGETS:
         raise ConfigError(f"unknown KV cache target {kv_cache!r}; expected one of "
                           f"{', '.join(KV_CACHE_TARGETS)}")
+    if kv_dtype is not None:
+        check_quantized_cache_support(kv_dtype)
+        if calibration is None:
+            raise ConfigError("a quantized KV cache (kv_dtype) needs a calibration of the "
+                              "float model: onnx_chunk.calibration.calibrate_kv(model_path)")
     check_supported_opsets(model)
     rewritten = find_concat_kv_attention(model.graph).concat_kv
     if rewritten:
@@ -113,5 +136,27 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
             "annotation does not apply; the runtime can still run it with whole-prompt prefill "
             "and a growing KV cache, without chunked-prefill padding or capacity binding"
         )
+    quantized = False
+    if kv_dtype is not None:
+        assert calibration is not None
+        quantized = KVCacheQuantizationPass(calibration, kv_dtype, kv_scales)(model).modified
     result = _run_pipeline(model, chunk_size, max_variants)
-    return ir.passes.PassResult(model, modified=rewritten or result.modified)
+    return ir.passes.PassResult(model, modified=rewritten or quantized or result.modified)
+
+
+def check_quantized_cache_support(kv_dtype: str) -> None:
+    """ModelStructureError when the installed ONNX Runtime's GroupQueryAttention schema takes no
+    `kv_dtype` cache (read from its schema, never from its version)."""
+    from onnx_chunk.ort_schemas import gqa_cache_types
+
+    if kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"unknown KV cache dtype {kv_dtype!r}; expected one of "
+                          f"{', '.join(KV_DTYPES)}")
+    wanted = f"tensor({CACHE_TYPES[kv_dtype].name.lower()})"
+    if wanted not in gqa_cache_types():
+        import onnxruntime
+
+        raise ModelStructureError(
+            f"the installed ONNX Runtime ({onnxruntime.__version__}) has no GroupQueryAttention "
+            f"with a {kv_dtype} KV cache (its schema takes no {wanted} cache with k_scale and "
+            "kv_cache_bit_width); install an ONNX Runtime whose GroupQueryAttention has one")
