@@ -20,7 +20,7 @@ from onnx_chunk.passes import (
     KV_CACHE_TARGETS,
     KV_DTYPES,
     KV_SCALES,
-    check_quantized_cache_support,
+    check_kv_quantization,
     convert_model,
 )
 
@@ -93,14 +93,15 @@ def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants
         given = "--kv-scales" if kv_scales is not None else "--calibrate"
         raise ConfigError(f"{given} applies to a quantized KV cache only; add --kv-dtype "
                           "int8 or int4, or drop it")
+    model = load_model(model_path)
+    output = _output_path(model_path, output, in_place)
     calibration = None
     if kv_dtype is not None:
-        check_quantized_cache_support(kv_dtype)
+        # Every refusal before the calibration runs the float model.
+        check_kv_quantization(model, kv_dtype)
         prompts = None if calibrate_file is None else read_calibration_file(calibrate_file)
         source = "built-in prompts" if calibrate_file is None else calibrate_file.name
         calibration = calibrate_kv(model_path, prompts, source=source)
-    model = load_model(model_path)
-    output = _output_path(model_path, output, in_place)
     result = convert_model(model, chunk_size=chunk_size, max_variants=max_variants,
                            max_sequence_length=read_max_positions(model_path.parent),
                            kv_cache=kv_cache, kv_dtype=kv_dtype,

@@ -25,6 +25,7 @@ from onnx_chunk.passes.kv_quantization import (
     KV_SCALES,
     Calibration,
     KVCacheQuantizationPass,
+    find_quantizable_caches,
 )
 from onnx_chunk.passes.per_token_ports import PerTokenPortsPass
 from onnx_chunk.passes.recurrent_state import RecurrentStatePass
@@ -49,6 +50,7 @@ __all__ = [
     "PerTokenPortsPass",
     "RecurrentStatePass",
     "analyze",
+    "check_kv_quantization",
     "convert_model",
     "find_concat_kv_attention",
 ]
@@ -142,6 +144,22 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
         quantized = KVCacheQuantizationPass(calibration, kv_dtype, kv_scales)(model).modified
     result = _run_pipeline(model, chunk_size, max_variants)
     return ir.passes.PassResult(model, modified=rewritten or quantized or result.modified)
+
+
+def check_kv_quantization(model: ir.Model, kv_dtype: str) -> None:
+    """Before any calibration: ModelStructureError when the KV cache of `model` cannot be
+    quantized to `kv_dtype` (no such cache in this ONNX Runtime, attention that is not
+    GroupQueryAttention, a concat-KV decoder not yet converted, a node the rewrite cannot
+    apply to)."""
+    check_quantized_cache_support(kv_dtype)
+    findings = find_concat_kv_attention(model.graph)
+    if findings.concat_kv and findings.refusal is None:
+        raise ModelStructureError(
+            "the model grows its KV cache by Concat, and calibration runs the float model "
+            "through the runtime, which serves it converted: convert it first (onnx-chunk "
+            "convert MODEL -o FOLDER --kv-cache gqa), then quantize the converted model's cache "
+            "(onnx-chunk convert FOLDER --in-place --kv-dtype ...)")
+    find_quantizable_caches(model, kv_dtype)
 
 
 def check_quantized_cache_support(kv_dtype: str) -> None:

@@ -95,9 +95,9 @@ class _Target:
     head_size: int
 
 
-def find_quantizable_caches(model: ir.Model) -> list[_Target]:
+def find_quantizable_caches(model: ir.Model, kv_dtype: str = "int8") -> list[_Target]:
     """Every GroupQueryAttention node with its caches; ModelStructureError naming the first
-    node the rewrite cannot apply to, and why."""
+    node the rewrite to a `kv_dtype` cache cannot apply to, and why (rule 1)."""
     graph = model.graph
     nodes = value_tracing.gqa_nodes(graph)
     if not nodes:
@@ -111,9 +111,10 @@ def find_quantizable_caches(model: ir.Model) -> list[_Target]:
     for node in nodes:
         label = f"GroupQueryAttention {node.name!r}"
         query = value_tracing.input_at(node, _QUERY_INPUT)
-        if query is None or query.dtype != ir.DataType.FLOAT:
+        # A type the graph leaves undeclared (the concat-KV rewrite's) is taken as float32.
+        if query is not None and query.dtype not in (None, ir.DataType.FLOAT):
             raise ModelStructureError(
-                f"{label} computes in {query.dtype if query is not None else 'no type'}; "
+                f"{label} computes in {query.dtype}; "
                 "ONNX Runtime's CPU kernel reads a quantized KV cache in float32 attention "
                 "only: convert a float32 (or INT4-weight) export")
         caches = []
@@ -144,6 +145,13 @@ def find_quantizable_caches(model: ir.Model) -> list[_Target]:
                 f"{label} has head size {head_size}; ONNX Runtime's CPU kernel quantizes the "
                 f"KV cache in groups of {_HEAD_SIZE_MULTIPLE} channels and refuses other head "
                 "sizes")
+        window = node.attributes.get("sliding_window_cache")
+        if (kv_dtype == "int4" and window is not None and window.as_int() == 1
+                and head_size % _WINDOW_INT4_HEAD_SIZE_MULTIPLE):
+            raise ModelStructureError(
+                f"{label} keeps a window-sized cache with head size {head_size}; ONNX "
+                "Runtime's CPU kernel quantizes such a cache to int4 only for head sizes that "
+                f"are a multiple of {_WINDOW_INT4_HEAD_SIZE_MULTIPLE}: use --kv-dtype int8")
         targets.append(_Target(node, (caches[0], caches[1]), int(kv_heads.as_int()), head_size))
     return targets
 
@@ -217,7 +225,7 @@ class KVCacheQuantizationPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False
-        for target in find_quantizable_caches(model):
+        for target in find_quantizable_caches(model, self.kv_dtype):
             modified = self._rewrite(model, target) or modified
         declaration = metadata.KVCacheDeclaration(
             dtype=self.kv_dtype, scales=self.kv_scales,
@@ -231,14 +239,6 @@ class KVCacheQuantizationPass(ir.passes.InPlacePass):
 
     def _rewrite(self, model: ir.Model, target: _Target) -> bool:
         node = target.node
-        window = node.attributes.get("sliding_window_cache")
-        if (self.kv_dtype == "int4" and window is not None and window.as_int() == 1
-                and target.head_size % _WINDOW_INT4_HEAD_SIZE_MULTIPLE):
-            raise ModelStructureError(
-                f"GroupQueryAttention {node.name!r} keeps a window-sized cache with head size "
-                f"{target.head_size}; ONNX Runtime's CPU kernel quantizes such a cache to int4 "
-                f"only for head sizes that are a multiple of "
-                f"{_WINDOW_INT4_HEAD_SIZE_MULTIPLE}: use --kv-dtype int8")
         cache_type = CACHE_TYPES[self.kv_dtype]
         head = (target.head_size if self.kv_dtype == "int8" else (target.head_size + 1) // 2)
         scales = [self._scale(cache, target) for cache in target.caches]
