@@ -214,3 +214,17 @@ def test_the_schema_of_this_onnxruntime_has_both_cache_types():
     from onnx_chunk.ort_schemas import gqa_cache_types
 
     assert {"tensor(int8)", "tensor(uint8)"} <= gqa_cache_types()
+
+
+def test_a_concat_kv_decoder_is_quantized_once_converted(tmp_path, capsys):
+    """Optimum's export: convert to GroupQueryAttention first, then quantize in place; the
+    runtime runs the int8 cache."""
+    from onnx_chunk.runtime import load
+
+    optimum = fixtures("optimum")[0]
+    folder = tmp_path / "converted"
+    assert main(["convert", str(optimum.folder), "-o", str(folder)]) == 0
+    assert main(["convert", str(folder), "--in-place", "--kv-dtype", "int8"]) == 0
+    with load(folder, provider="cpu", capacity=64) as runtime:
+        assert runtime.stats.kv_dtype == "int8"
+        assert len(runtime.open_sequence().generate([5, 6, 7, 8], 4, eos_token_id=[])) == 4
