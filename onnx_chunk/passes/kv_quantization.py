@@ -169,9 +169,9 @@ def _head_size(node: ir.Node, past: ir.Value, kv_heads: int) -> int | None:
         per_token = int(heads.as_int()) + 2 * kv_heads
         return packed // per_token if packed % per_token == 0 else None
     bits = node.attributes.get("kv_cache_bit_width")
-    if past.shape is not None and isinstance(past.shape[_HEAD_AXIS], int) and not (
-            bits is not None and bits.as_int() == 4):
-        return int(past.shape[_HEAD_AXIS])
+    declared = past.shape[_HEAD_AXIS] if past.shape is not None else None
+    if isinstance(declared, int) and not (bits is not None and bits.as_int() == 4):
+        return declared
     return None
 
 
@@ -201,8 +201,9 @@ class KVCacheQuantizationPass(ir.passes.InPlacePass):
        and V of one node quantized alike.
     4. Attributes `k_quant_type` and `v_quant_type` (PER_TENSOR or PER_CHANNEL) and
        `kv_cache_bit_width` (8 or 4) are set.
-    5. A cache with no range (the calibration lacks it) is refused, and so is one whose range is zero
-       everywhere (calibration never wrote a nonzero value: the scale would be 0), naming it.
+    5. A cache with no range (the calibration lacks it) is refused, and so is one whose range
+       is zero everywhere (calibration never wrote a nonzero value: the scale would be 0),
+       naming it.
     6. The cache type, the scale granularity and the calibration's size and source go to the
        inference metadata (`onnx_chunk.kv_cache`).
     7. Running it again with the same calibration reports `modified=False`; a model whose
@@ -272,7 +273,7 @@ class KVCacheQuantizationPass(ir.passes.InPlacePass):
         return True
 
     def _scale(self, cache: _Cache, target: _Target) -> np.ndarray:
-        name = cache.past.name
+        name = cache.past.name or ""
         if name not in self.ranges:
             raise ModelStructureError(f"no calibrated range for the KV cache {name!r}; "
                                       "calibrate on the same model")

@@ -1,5 +1,6 @@
-"""KVCacheQuantizationPass and `convert --kv-dtype`: the rewrite's rules on every GroupQueryAttention
-export of the corpus, the calibration file, and every refusal in one line."""
+"""KVCacheQuantizationPass and `convert --kv-dtype`: the rewrite's rules on every
+GroupQueryAttention export of the corpus, the calibration file, and every refusal in one
+line."""
 
 from __future__ import annotations
 
@@ -228,3 +229,18 @@ def test_a_concat_kv_decoder_is_quantized_once_converted(tmp_path, capsys):
     with load(folder, provider="cpu", capacity=64) as runtime:
         assert runtime.stats.kv_dtype == "int8"
         assert len(runtime.open_sequence().generate([5, 6, 7, 8], 4, eos_token_id=[])) == 4
+
+
+def test_float16_attention_and_head_sizes_the_kernel_cannot_quantize_are_refused(monkeypatch):
+    from onnx_chunk.passes import kv_quantization
+
+    model = load_model(LLAMA.folder / "model.onnx")
+    query = _gqa(model)[0].inputs[0]
+    query.dtype = ir.DataType.FLOAT16
+    with pytest.raises(ModelStructureError, match="computes in FLOAT16"):
+        check_kv_quantization(model, "int8")
+    # The rule that a head size is a multiple of the kernel's group (8), shown at 32 on the
+    # corpus's head size 16.
+    monkeypatch.setattr(kv_quantization, "_HEAD_SIZE_MULTIPLE", 32)
+    with pytest.raises(ModelStructureError, match="head size 16.*groups of 32"):
+        check_kv_quantization(load_model(LLAMA.folder / "model.onnx"), "int8")
