@@ -35,6 +35,8 @@ from onnx_chunk.onnx_wire import (
     VARINT,
     Span,
     WireError,
+    as_int,
+    as_span,
     fields,
     packed_varints,
     signed64,
@@ -229,14 +231,14 @@ class _Reader:
         functions: list[Span] = []
         for number, wire, value in fields(data, 0, len(data)):
             if number == _MODEL_IR_VERSION and wire == VARINT:
-                ir_version = value
+                ir_version = as_int(value)
             elif number == _MODEL_GRAPH and wire == LEN:
-                graph = value
+                graph = as_span(value)
             elif number == _MODEL_METADATA and wire == LEN:
-                key, entry = self._entry(value)
+                key, entry = self._entry(as_span(value))
                 metadata[key] = entry
             elif number == _MODEL_FUNCTIONS and wire == LEN:
-                functions.append(value)
+                functions.append(as_span(value))
         if ir_version == 0 or graph is None:
             raise ModelLoadError(
                 f"{str(path)!r} parsed as a protobuf but holds no ONNX model (no IR version "
@@ -245,7 +247,7 @@ class _Reader:
         for function in functions:
             for number, wire, value in fields(data, *function):
                 if number == _FUNCTION_NODE and wire == LEN:
-                    self._node(value, in_function=True)
+                    self._node(as_span(value), in_function=True)
         return ModelFile(path=path, ir_version=ir_version, metadata=metadata,
                          inputs=tuple(inputs), outputs=tuple(outputs),
                          operators=frozenset(self.operators), tensors=tuple(self.tensors),
@@ -255,9 +257,9 @@ class _Reader:
         key = value = ""
         for number, wire, field in fields(self.data, *span):
             if wire == LEN and number == _ENTRY_KEY:
-                key = text(self.data, field)
+                key = text(self.data, as_span(field))
             elif wire == LEN and number == _ENTRY_VALUE:
-                value = text(self.data, field)
+                value = text(self.data, as_span(field))
         return key, value
 
     def _graph(self, span: Span, *, top: bool = False,
@@ -267,9 +269,10 @@ class _Reader:
         self.depth += 1
         if self.depth > MAX_GRAPH_DEPTH:
             raise WireError(f"graphs nest more than {MAX_GRAPH_DEPTH} levels deep")
-        for number, wire, value in fields(self.data, *span):
+        for number, wire, field in fields(self.data, *span):
             if wire != LEN:
                 continue
+            value = as_span(field)
             if number == _GRAPH_NODE:
                 self._node(value, in_function)
             elif number == _GRAPH_INITIALIZER:
@@ -286,9 +289,10 @@ class _Reader:
     def _node(self, span: Span, in_function: bool) -> None:
         op_type = name = domain = ""
         attributes: list[Span] = []
-        for number, wire, value in fields(self.data, *span):
+        for number, wire, field in fields(self.data, *span):
             if wire != LEN:
                 continue
+            value = as_span(field)
             if number == _NODE_OP_TYPE:
                 op_type = text(self.data, value)
             elif number == _NODE_NAME:
@@ -305,9 +309,10 @@ class _Reader:
     def _attribute(self, span: Span, op_type: str, node: str, in_function: bool) -> None:
         name = ""
         sparse = False
-        for number, wire, value in fields(self.data, *span):
+        for number, wire, field in fields(self.data, *span):
             if wire != LEN:
                 continue
+            value = as_span(field)
             if number == _ATTR_NAME:
                 name = text(self.data, value)
             elif number in (_ATTR_T, _ATTR_TENSORS):
@@ -329,21 +334,21 @@ class _Reader:
             if number == _TENSOR_DIMS:
                 dims.extend(signed64(dim) for dim in packed_varints(self.data, wire, value))
             elif number == _TENSOR_DATA_TYPE and wire == VARINT:
-                data_type = value
+                data_type = as_int(value)
             elif number == _TENSOR_NAME and wire == LEN:
-                name = text(self.data, value)
+                name = text(self.data, as_span(value))
             elif number == _TENSOR_EXTERNAL_DATA and wire == LEN:
-                key, entry = self._entry(value)
+                key, entry = self._entry(as_span(value))
                 entries[key] = entry
             elif number == _TENSOR_DATA_LOCATION and wire == VARINT:
-                location = value
+                location = as_int(value)
         return TensorRef(name, data_type, tuple(dims),
                          entries if location == _EXTERNAL else None, initializer)
 
     def _sparse_name(self, span: Span) -> str:
         for number, wire, value in fields(self.data, *span):
             if number == _SPARSE_VALUES and wire == LEN:
-                return self._tensor(value, initializer=False).name
+                return self._tensor(as_span(value), initializer=False).name
         return ""
 
     def _value_info(self, span: Span) -> ValueInfo:
@@ -352,11 +357,11 @@ class _Reader:
         shape: tuple[Dim, ...] | None = None
         for number, wire, value in fields(self.data, *span):
             if number == _VALUE_NAME and wire == LEN:
-                name = text(self.data, value)
+                name = text(self.data, as_span(value))
             elif number == _VALUE_TYPE and wire == LEN:
-                for kind, kind_wire, tensor_type in fields(self.data, *value):
+                for kind, kind_wire, tensor_type in fields(self.data, *as_span(value)):
                     if kind == _TYPE_TENSOR and kind_wire == LEN:
-                        elem_type, shape = self._tensor_type(tensor_type)
+                        elem_type, shape = self._tensor_type(as_span(tensor_type))
         return ValueInfo(name, elem_type, shape)
 
     def _tensor_type(self, span: Span) -> tuple[int | None, tuple[Dim, ...] | None]:
@@ -364,10 +369,10 @@ class _Reader:
         shape: tuple[Dim, ...] | None = None
         for number, wire, value in fields(self.data, *span):
             if number == _TENSOR_TYPE_ELEM and wire == VARINT:
-                elem_type = value or None
+                elem_type = as_int(value) or None
             elif number == _TENSOR_TYPE_SHAPE and wire == LEN:
-                shape = tuple(self._dim(dim) for dim_number, dim_wire, dim
-                              in fields(self.data, *value)
+                shape = tuple(self._dim(as_span(dim)) for dim_number, dim_wire, dim
+                              in fields(self.data, *as_span(value))
                               if dim_number == _SHAPE_DIM and dim_wire == LEN)
         return elem_type, shape
 
@@ -375,9 +380,9 @@ class _Reader:
         dim: Dim = None
         for number, wire, value in fields(self.data, *span):
             if number == _DIM_VALUE and wire == VARINT:
-                dim = signed64(value)
+                dim = signed64(as_int(value))
             elif number == _DIM_PARAM and wire == LEN:
-                dim = text(self.data, value) or None
+                dim = text(self.data, as_span(value)) or None
         return dim
 
 

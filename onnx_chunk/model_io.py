@@ -357,7 +357,7 @@ def _refuse_foreign(target: Path, data_writes: list[str], companion_writes: list
         if existing.exists():
             if name == GENAI_CONFIG:
                 foreign = _config_is_foreign(existing, target)
-            elif others:
+            elif others and companion_sources is not None:
                 if _same_bytes(existing, companion_sources / name):
                     continue
                 foreign = True
@@ -430,10 +430,10 @@ def _save_staged(model: ir.Model, target: Path, staging: Staging,
     copies = {location: source for location, source in files.items()
               if not ((target_dir / locations[location]).exists()
                       and os.path.samefile(source, target_dir / locations[location]))}
+    source_dir = None if companions_from is None else Path(companions_from)
     sources = _companion_sources(companions_from, target_dir)
     companions = _refuse_foreign(resolved_target, [locations[name] for name in copies],
-                                 sources, None if companions_from is None
-                                 else Path(companions_from))
+                                 sources, source_dir)
     config = _output_config(sources, companions_from, resolved_target)
     staged: list[str] = []
     for location, source in copies.items():
@@ -442,8 +442,9 @@ def _save_staged(model: ir.Model, target: Path, staging: Staging,
         staging.copy(source, written, progress)
         staged.append(written)
     copied = [name for name in companions if name != GENAI_CONFIG]
-    for name in copied:
-        staging.copy(Path(companions_from) / name, name)
+    if source_dir is not None:
+        for name in copied:
+            staging.copy(source_dir / name, name)
     if config is not None:
         _write_config(*config, staging.path / GENAI_CONFIG)
     proto = ir.serde.serialize_model(model)
@@ -506,7 +507,7 @@ def _output_config(companions: list[str], companions_from: str | os.PathLike | N
     (`runtime_configurable.chunked_prefill.chunk_size`), which onnx-chunk reads first; a
     genai user who wants the same chunks passes `chunk_size` in the generator's search options.
     """
-    if GENAI_CONFIG not in companions:
+    if GENAI_CONFIG not in companions or companions_from is None:
         return None
     source = Path(companions_from) / GENAI_CONFIG
     document, named = _config_decoder(source)

@@ -79,6 +79,21 @@ def fields(data, start: int, end: int) -> Iterator[tuple[int, int, int | Span]]:
         pos = stop
 
 
+def as_span(value: int | Span) -> Span:
+    """The span `fields` yields for a LEN, I64 or I32 field; WireError for a VARINT's int (a
+    field of the wrong wire type where the caller did not check it)."""
+    if isinstance(value, int):
+        raise WireError("a varint where a length-delimited field was expected")
+    return value
+
+
+def as_int(value: int | Span) -> int:
+    """The int `fields` yields for a VARINT field; WireError for a span."""
+    if not isinstance(value, int):
+        raise WireError(f"a field of bytes {value[0]}-{value[1]} where a varint was expected")
+    return value
+
+
 def signed64(value: int) -> int:
     """An int64 field's value (varints carry it in two's complement)."""
     return value - (1 << 64) if value >= 1 << 63 else value
@@ -87,10 +102,10 @@ def signed64(value: int) -> int:
 def packed_varints(data, wire: int, value: int | Span) -> list[int]:
     """The values of one occurrence of a repeated varint field, packed or not."""
     if wire == VARINT:
-        return [value]
+        return [as_int(value)]
     if wire != LEN:
         raise WireError(f"a repeated integer field has wire type {wire}")
-    start, end = value
+    start, end = as_span(value)
     values = []
     while start < end:
         number, start = read_varint(data, start, end)
@@ -131,8 +146,8 @@ def encode_len_field(number: int, payload: bytes | str) -> bytes:
 def field_bytes(data, number: int, wire: int, value: int | Span) -> bytes:
     """One field as read by `fields`, written back unchanged."""
     if wire == VARINT:
-        return encode_varint_field(number, value)
-    start, end = value
+        return encode_varint_field(number, as_int(value))
+    start, end = as_span(value)
     if wire == LEN:
         return encode_len_field(number, bytes(data[start:end]))
     return encode_varint(number << 3 | wire) + bytes(data[start:end])
@@ -147,7 +162,7 @@ def field_pieces(view: memoryview, number: int, wire: int, value: int | Span) ->
     """`field_bytes` as pieces to join later: a small header and a view of the payload, so a
     large field (a weight) is copied once, by the final join."""
     if wire == VARINT:
-        return [encode_varint_field(number, value)]
-    start, end = value
+        return [encode_varint_field(number, as_int(value))]
+    start, end = as_span(value)
     header = len_header(number, end - start) if wire == LEN else encode_varint(number << 3 | wire)
     return [header, view[start:end]]

@@ -48,7 +48,7 @@ def _as_onnx_schema(schema) -> _OpSchema:
         outputs=[_parameter(parameter) for parameter in schema.outputs],
         type_constraints=[(constraint.type_param_str, list(constraint.allowed_type_strs), "")
                           for constraint in schema.type_constraints],
-        attributes=[_OpSchema.Attribute(name, _OpSchema.AttrType[attribute.type.name],
+        attributes=[_OpSchema.Attribute(name, getattr(_OpSchema.AttrType, attribute.type.name),
                                         attribute.description or "",
                                         required=attribute.required)
                     for name, attribute in schema.attributes.items()],
@@ -58,7 +58,7 @@ def _as_onnx_schema(schema) -> _OpSchema:
 def _parameter(parameter) -> _OpSchema.FormalParameter:
     return _OpSchema.FormalParameter(
         parameter.name, parameter.typeStr, "",
-        param_option=_OpSchema.FormalParameterOption[parameter.option.name],
+        param_option=getattr(_OpSchema.FormalParameterOption, parameter.option.name),
         is_homogeneous=parameter.isHomogeneous)
 
 

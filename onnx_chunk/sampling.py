@@ -72,6 +72,8 @@ class Sampling:
     prompt_logprobs: give every prompt token's log-probability under the raw logits of the
         position before it and the `prompt_logprobs` most likely tokens' there (None: none;
         the first prompt token has none). Asks the prefill for every row's logits.
+    cache_salt: the batch engine reuses a kept prompt prefix only between requests of the
+        same salt (None: the shared one), as vLLM's `cache_salt`; it changes no choice.
     The penalties, the bias, min_tokens and the grammar apply in greedy choice too.
     """
 
@@ -89,6 +91,7 @@ class Sampling:
     seed: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         _number(self.temperature, "temperature", "a number >= 0 (0 is greedy)",
@@ -122,6 +125,8 @@ class Sampling:
             if value is not None and not _is_count(value):
                 raise ConfigError(f"{name} must be None or an integer >= 0 (the most likely "
                                   f"tokens given beside the chosen one), got {value!r}")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise ConfigError(f"cache_salt must be None or a string, got {self.cache_salt!r}")
         if self.min_tokens and not held:
             raise ConfigError("min_tokens needs held_token_ids: the ids it keeps out until then "
                               "(the request's EOS and stop token ids)")

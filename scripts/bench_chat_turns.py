@@ -38,10 +38,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from scripts._bench.harness import (  # noqa: E402
+from _bench.harness import (
     format_value,
     markdown_table,
     ratio,
@@ -49,7 +46,7 @@ from scripts._bench.harness import (  # noqa: E402
     summarize,
     verdict,
 )
-from scripts._bench.models import BenchModelMissing, bench_model  # noqa: E402
+from _bench.models import BenchModelMissing, bench_model
 
 DEFAULT_MODEL = "qwen05-int4"
 SYSTEMS = ("reuse", "no reuse")
@@ -69,11 +66,13 @@ class Server:
              "--provider", args.provider, "--batch", str(args.batch),
              "--capacity", str(args.capacity), *extra],
             stderr=subprocess.PIPE, text=True)
-        line = self.process.stderr.readline()
+        stderr = self.process.stderr
+        assert stderr is not None  # stderr=PIPE
+        line = stderr.readline()
         found = re.search(r"http://(\S+:\d+)", line)
         if found is None:
             self.process.kill()
-            raise SystemExit(f"the server did not start: {line}{self.process.stderr.read()}")
+            raise SystemExit(f"the server did not start: {line}{stderr.read()}")
         self.address = found.group(1)
 
     def metric(self, name: str) -> float:
@@ -84,6 +83,8 @@ class Server:
         finally:
             connection.close()
         found = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+        if found is None:
+            raise SystemExit(f"the server's /metrics has no {name}")
         return float(found.group(1))
 
     def chat(self, messages: list[dict], max_tokens: int) -> tuple[str, float, int, int]:

@@ -58,13 +58,13 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for length in lengths:
-        chunked, whole = runs[(length, "chunked")], runs[(length, "whole")]
+        chunked_runs, whole_runs = runs[(length, "chunked")], runs[(length, "whole")]
         row: list[object] = [length]
         for field, digits in (("peak_rss_mb", 0), ("ttft_s", 3)):
-            a = summarize(run[field] for run in chunked)
-            b = summarize(run[field] for run in whole)
+            a = summarize(run[field] for run in chunked_runs)
+            b = summarize(run[field] for run in whole_runs)
             row += [format_value(a, digits), format_value(b, digits), f"{ratio(a, b):.2f}x"]
-        row.append(" ".join(f"{rows_}/{width}" for rows_, width in chunked[0]["chunks"]))
+        row.append(" ".join(f"{rows_}/{width}" for rows_, width in chunked_runs[0]["chunks"]))
         rows.append(row)
     table = markdown_table(
         ["prompt", "peak RSS MB chunked", "peak RSS MB whole", "RSS ratio", "TTFT s chunked",

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 from _bench import engine_memory, engine_prefill, engine_single
 from _bench import environment as env
@@ -61,19 +62,21 @@ from onnx_chunk.models.config import config_for
 BATCHED, ONE, GENAI = "batched", "batch 1", "genai og.Engine"
 STALL_SYSTEMS = ("chunked", "whole")
 PARTS = ("throughput", "stall", "memory", "single", "prefill-batching")
-FULL = {"preset": "bench", "count": 16, "shortest": 40, "longest": 900, "new_tokens": 64,
+FULL: dict[str, Any] = {
+        "preset": "bench", "count": 16, "shortest": 40, "longest": 900, "new_tokens": 64,
         "chunk": 512, "long": 4000, "capacity": 4096, "batch": 8, "running": 40,
         "memory": {"prompt": 40, "new_tokens": 8},
         "single": {"prompts": [40, 512, 900], "new_tokens": 64, "repeats": 3},
         "probe": {"cases": [[2, 512], [8, 40]], "decode_past": 512}}
-QUICK = {"preset": "tiny", "count": 6, "shortest": 10, "longest": 120, "new_tokens": 8,
+QUICK: dict[str, Any] = {
+         "preset": "tiny", "count": 6, "shortest": 10, "longest": 120, "new_tokens": 8,
          "chunk": 32, "long": 300, "capacity": 512, "batch": 4, "running": 10,
          "memory": {"prompt": 10, "new_tokens": 4},
          "single": {"prompts": [10, 60], "new_tokens": 8, "repeats": 1},
          "probe": {"cases": [[2, 32], [4, 10]], "decode_past": 32}}
 # --mix decode-heavy: the throughput part on prompts of 100-300 tokens with 256 new tokens each,
 # where the batched decode, not the prefill, carries the work.
-DECODE_HEAVY = {"shortest": 100, "longest": 300, "new_tokens": 256}
+DECODE_HEAVY: dict[str, Any] = {"shortest": 100, "longest": 300, "new_tokens": 256}
 THROUGHPUT_GOAL = 3.0
 STALL_GOAL = 1.5
 
@@ -160,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                   else env.served_model(args, plan["preset"], plan["chunk"]))
                  if {"memory", "single", "prefill-batching"} & set(parts) else None)
     if "memory" in parts:
+        assert converted is not None
         data = engine_memory.measure(converted, genai, {
             "preset": plan["preset"], "chunk": plan["chunk"], **plan["memory"]}, repetitions)
         tables.append(_publish(args.out, f"engine_memory{suffix}", data,
@@ -171,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             print(skipped)
             tables.append(skipped)
         else:
+            assert converted is not None
             data = engine_single.measure(converted, args.baseline, {
                 "preset": plan["preset"], "chunk": plan["chunk"], **plan["single"],
                 "tolerance": args.single_tolerance}, repetitions)
@@ -178,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                                    engine_single.table(data)))
     if "prefill-batching" in parts:
         config = config_for(plan["preset"])
+        assert converted is not None
         data = engine_prefill.measure(converted, {"preset": plan["preset"], **plan["probe"]},
                                       repetitions)
         phases = engine_prefill.throughput_phases(
@@ -210,6 +216,7 @@ def _throughput(system: str, model: Path, prompts: list, plan: dict,
                 genai: Path | None) -> dict:
     new_tokens = plan["new_tokens"]
     if system == GENAI:
+        assert genai is not None  # GENAI is measured only with a genai venv
         argv = env.worker_argv(genai, "genai_engine_worker", {
             "model": str(model.parent), "prompts": prompts, "new_tokens": new_tokens,
             "batch": plan["batch"]})

@@ -59,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
                 tokens += len(request.result())
                 if system == LOGPROBS and len(request.logprobs) != plan["new_tokens"]:
                     raise SystemExit("a request with logprobs gave fewer entries than tokens")
-                rates.append(request.stats.decode_tokens_per_s)
+                rate = request.stats.decode_tokens_per_s
+                assert rate is not None  # more than one token, EOS off
+                rates.append(rate)
             return rates, tokens
 
         runs = decode_rounds((PLAIN, LOGPROBS), repetitions, run_round)

@@ -47,6 +47,7 @@ def _end_to_end(runtime: rt.Runtime, prompt: list[int], new_tokens: int) -> floa
     sequence = runtime.open_sequence()
     sequence.generate(prompt, new_tokens)
     generation = sequence.stats.last_generation
+    assert generation is not None  # set by generate()
     return generation.decode_s / (generation.new_tokens - 1)
 
 

@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from _bench import environment as env
@@ -51,11 +52,13 @@ import onnx_chunk
 
 PARTS = ("random", "verify-cost", "hits", "engine-verify")
 SPEC, PLAIN = "prompt-lookup", "plain"
-FULL = {"prompts": [128, 1000], "new_tokens": 128, "capacity": 2048, "ks": [1, 2, 4, 8],
+FULL: dict[str, Any] = {
+        "prompts": [128, 1000], "new_tokens": 128, "capacity": 2048, "ks": [1, 2, 4, 8],
         "past": 1000, "forwards": 10, "hit_prompts": [16, 64, 200], "hit_new_tokens": 256,
         "hit_periods": [8, 16, 32, 48],
         "engine": {"batch": 4, "k": 2, "past": 300}}
-QUICK = {"prompts": [16], "new_tokens": 16, "capacity": 256, "ks": [1, 4], "past": 32,
+QUICK: dict[str, Any] = {
+         "prompts": [16], "new_tokens": 16, "capacity": 256, "ks": [1, 4], "past": 32,
          "forwards": 3, "hit_prompts": [16], "hit_new_tokens": 32, "hit_periods": [12, 40],
          "engine": {"batch": 2, "k": 2, "past": 16}}
 
@@ -180,6 +183,7 @@ def _decode_ratio(model: Path, make_prompts: Callable[[int], list[tuple[str, lis
                 with runtimes[system].open_sequence() as sequence:
                     tokens[system] = sequence.generate(prompt, new_tokens, [])
                     generation = sequence.stats.last_generation
+                    assert generation is not None and generation.decode_tokens_per_s is not None
                     speeds[system].setdefault(label, []).append(
                         generation.decode_tokens_per_s)
                     if system == SPEC:

@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
                 completion = generate_text(EngineTokens(runtime), tokenizer, "Records:",
                                            plan["new_tokens"], sampling=sampling,
                                            ignore_eos=system == FREE)
-                rates.append(completion.stats.decode_tokens_per_s)
+                stats = completion.stats
+                assert stats is not None and stats.decode_tokens_per_s is not None
+                rates.append(stats.decode_tokens_per_s)
                 tokens += len(completion.tokens)
             return rates, tokens
 

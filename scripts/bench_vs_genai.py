@@ -8,7 +8,7 @@ process's). Runs are interleaved round by round. Reported as ratios onnx-chunk /
 medians: TTFT (target <= 1.0), decode tokens/s (>= 1.0), peak RSS (<= 1.0), and whether every
 run of both systems produced the same greedy tokens.
 
-    .venv/bin/python scripts/bench_vs_genai.py [--variant int4] [--genai-venv /work/genai-venv]
+    .venv/bin/python scripts/bench_vs_genai.py [--variant int4] [--genai-venv PATH]
 
 `--model NAME` measures a real-size benchmark model (scripts/make_bench_models.py, e.g.
 qwen05-int4) or a builder-export folder instead of the bench decoder: converted once with
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for length in lengths:
         ours, theirs = runs[(length, "onnx-chunk")], runs[(length, "genai")]
-        row = [length]
+        row: list[object] = [length]
         for field, digits, higher in (("ttft_s", 3, False), ("decode_tokens_per_s", 2, True),
                                       ("peak_rss_mb", 0, False)):
             a = summarize(run[field] for run in ours)

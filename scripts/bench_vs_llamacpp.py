@@ -12,7 +12,7 @@ weights rarely emit) and the same prefill chunk width:
 * ort-loop: a bare ONNX Runtime IOBinding loop over the same export, W rows per prefill forward
   (`_bench/ort_loop_worker.py`): the floor a runtime on ONNX Runtime can reach;
 * llama.cpp Q4_0 / Q8_0: llama-cpp-python's C API (n_batch = n_ubatch = W), in its own venv
-  (``--llama-python``, default /work/llamacpp-venv/bin/python).
+  (``--llama-python``; default the scratch venv of `_bench/venvs.py`, made on first use).
 
 Every measurement is a fresh process (peak RSS is its own VmHWM); systems are interleaved round
 by round, medians with their spread ((max-min)/median), the 1-minute load average before every
@@ -46,6 +46,7 @@ import sys
 from pathlib import Path
 
 from _bench import environment as env
+from _bench import venvs
 from _bench.child import measure_prompt, publish
 from _bench.harness import (
     format_value,
@@ -75,9 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=env.DEFAULT_OUT,
                         help="folder for converted models, JSON results and tables")
     parser.add_argument("--genai-venv", type=Path, default=env.ROOT / ".venv-genai")
-    parser.add_argument("--llama-python", type=Path, default=env.LLAMA_PYTHON,
-                        help="interpreter of the llama-cpp-python venv "
-                             "(or $ONNX_CHUNK_LLAMACPP_PYTHON)")
+    parser.add_argument("--llama-python", type=Path, default=None,
+                        help="interpreter of a llama-cpp-python venv (default "
+                             "$ONNX_CHUNK_LLAMACPP_PYTHON, else the scratch venv under the "
+                             "user's cache, made on first use)")
     parser.add_argument("--lengths", default=None, help="comma-separated prompt lengths")
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--repetitions", type=int, default=3)
@@ -93,10 +95,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _gguf_systems(args: argparse.Namespace, name: str) -> tuple[dict[str, Path], str | None]:
-    """{system: .gguf path} for llama.cpp, and why llama.cpp is left out (None when it runs)."""
-    if not args.llama_python.exists():
+    """{system: .gguf path} for llama.cpp, and why llama.cpp is left out (None when it runs).
+    Sets args.llama_python when GGUF files are found: --llama-python, else the scratch venv's
+    interpreter (made on first use)."""
+    if args.llama_python is not None and not args.llama_python.exists():
         return {}, (f"llama.cpp LEFT OUT: no llama-cpp-python interpreter at {args.llama_python} "
-                    "(--llama-python; docs/benchmarks.md says how to build it)")
+                    f"(--llama-python; `{venvs.LLAMACPP.command()}` makes one)")
     try:
         wanted = args.gguf if args.gguf is not None else gguf_twins(name)
     except BenchModelMissing:
@@ -113,6 +117,8 @@ def _gguf_systems(args: argparse.Namespace, name: str) -> tuple[dict[str, Path],
         found[f"llama.cpp {path.stem.rpartition('-')[2]}"] = path
     if not found:
         return {}, "llama.cpp LEFT OUT: " + "; ".join(missing)
+    if args.llama_python is None:
+        args.llama_python = env.llama_python(make=True)
     return found, ("llama.cpp partly left out: " + "; ".join(missing)) if missing else None
 
 

@@ -77,6 +77,7 @@ def _run_prompt(runtime, ids: np.ndarray, new_tokens: int, record: _Pass) -> Non
         record.forwards.append(_Forward(len(ids), rows,
                                         rows + sequence.stats.padded_rows - padded_before,
                                         after.compiles - before.compiles, after.evictions))
+    assert logits is not None  # the prompt has at least one chunk
     record.logits[len(ids)] = np.asarray(logits, dtype=np.float32)
     tokens = [int(np.argmax(logits))]
     before = runtime.cache.snapshot()

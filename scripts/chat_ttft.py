@@ -49,8 +49,11 @@ def _turn_two_ttft(runtime, reuse: bool, reply_tokens: int) -> tuple[float, int,
     conversation = Conversation(runtime, system=SYSTEM, reuse_cache=reuse)
     "".join(conversation.say(TURN_ONE, reply_tokens, sampling=GREEDY))
     "".join(conversation.say(TURN_TWO, 1, sampling=GREEDY))
-    turn = conversation.last_turn
-    return conversation.last_completion.stats.ttft_s, len(turn.fed_ids), turn.reused_tokens
+    turn, completion = conversation.last_turn, conversation.last_completion
+    assert turn is not None and completion is not None and completion.stats is not None
+    ttft = completion.stats.ttft_s
+    assert ttft is not None  # the turn produced its token
+    return ttft, len(turn.fed_ids), turn.reused_tokens
 
 
 @click.command()

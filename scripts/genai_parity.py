@@ -7,7 +7,7 @@ not share a venv with onnxruntime-gpu, so it runs in its own venv through
 scripts/_bench/genai_worker.py: `.venv-genai`, created when missing, unless --genai-python
 names an interpreter that already has onnxruntime-genai.
 
-    .venv/bin/python scripts/genai_parity.py [--genai-python /work/genai-venv/bin/python]
+    .venv/bin/python scripts/genai_parity.py [--genai-python PATH]
 
 Exit status 0 when every prompt gives the same tokens, 1 otherwise.
 """

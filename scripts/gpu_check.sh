@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The CUDA path on one GPU, in at most 8 minutes: scripts/gpu_check.py (environment, CPU
 # float32 / CUDA float16 parity, graphs on and off, node placement, captures per pass from ORT's
-# own log, device memory per pass and after close, a second sequence, a cap-2 run, the weights
-# experiment), then the cache-thrash sequence on the GPU. The verdict table is printed last,
-# whatever failed or timed out before it (gpu_check.py writes its rows as they come). Full logs
-# go under $OUT when it is set (else a temporary folder, named at the end).
+# own log, device memory from cudaMemGetInfo per pass and after close, a second sequence, the
+# graph plan's bound, the weights experiment), then the cache-thrash sequence on the GPU. Run
+# scripts/cuda_probe.py first: it settles what the check assumes. The verdict table is printed
+# last, whatever failed or timed out before it: an import that fails, a model that does not
+# build, a step that raises are rows with their reason (gpu_check.py writes its rows as they
+# come). Full logs go under $OUT when it is set (else a temporary folder, named at the end).
+# GPU_CHECK_THRASH_PRESET names the cache-thrash model's preset (default tiny).
 #
 #   scripts/gpu_check.sh [--dry-run] [--preset NAME] [--python PYTHON]
 #
@@ -66,18 +69,23 @@ export PYTHONUNBUFFERED=1
 # The cache-thrash sequence runs a tiny float16 decoder: in float32 its attention would run on
 # the CPU provider, not the GPU (CUDA's GroupQueryAttention is float16/bfloat16 only).
 status=0
-"$PYTHON" -m onnx_chunk build-model tiny -o "$WORK/thrash-model" --dtype float16 \
-  >"$LOGS/thrash_model.log" 2>&1 || {
+model_row=""
+if "$PYTHON" -m onnx_chunk build-model "${GPU_CHECK_THRASH_PRESET:-tiny}" \
+    -o "$WORK/thrash-model" --dtype float16 >"$LOGS/thrash_model.log" 2>&1; then
+  THRASH_ARGS+=(--model "$WORK/thrash-model/model.onnx")
+else
   echo "error: building the float16 thrash model failed; see $LOGS/thrash_model.log" >&2
-  exit 1
-}
-THRASH_ARGS+=(--model "$WORK/thrash-model/model.onnx")
+  model_row="$(tail -n 1 "$LOGS/thrash_model.log" | cut -c1-200)"
+fi
 timeout 390 "$PYTHON" scripts/gpu_check.py --preset "$PRESET" --out "$WORK" \
   ${CHECK_ARGS[@]+"${CHECK_ARGS[@]}"} >"$LOGS/gpu_check.log" 2>&1 || status=$?
 cp "$WORK/results.json" "$LOGS/results.json" 2>/dev/null || true
 cp -r "$WORK/ort-logs" "$LOGS/" 2>/dev/null || true
-timeout 90 "$PYTHON" scripts/cache_thrash.py --provider "$PROVIDER" \
-  ${THRASH_ARGS[@]+"${THRASH_ARGS[@]}"} >"$LOGS/cache_thrash.log" 2>&1 && thrash=0 || thrash=$?
+thrash=skipped
+if [ -z "$model_row" ]; then
+  timeout 90 "$PYTHON" scripts/cache_thrash.py --provider "$PROVIDER" \
+    ${THRASH_ARGS[@]+"${THRASH_ARGS[@]}"} >"$LOGS/cache_thrash.log" 2>&1 && thrash=0 || thrash=$?
+fi
 
 echo "logs: $LOGS (gpu_check.log, ort-logs/, thrash_model.log, cache_thrash.log, results.json)"
 if [ "$status" != 0 ] && [ "$status" != 1 ]; then
@@ -95,6 +103,11 @@ if [ "$status" != 0 ] && [ "$status" != 1 ]; then
 fi
 # Errors gpu_check.py printed (e.g. a graphs-on run that captured no CUDA graph), shown loudly.
 grep '^error: ' "$LOGS/gpu_check.log" >&2 || true
+if [ -n "$model_row" ]; then
+  printf '%-30s  %-6s  %s\n' "thrash model build" "FAIL" "${model_row:-no output}"
+  printf '%-30s  %-6s  %s\n' "cache thrash ($PROVIDER)" "FAIL" "not run: no thrash model"
+  exit 1
+fi
 thrash_detail="$(grep -c '^ok  ' "$LOGS/cache_thrash.log" || true) checks ok, $(grep -c '^FAIL' "$LOGS/cache_thrash.log" || true) failed"
 if [ "$thrash" = 0 ]; then verdict=ok; else verdict=FAIL; status=1; fi
 printf '%-30s  %-6s  %s\n' "cache thrash ($PROVIDER)" "$verdict" "$thrash_detail (status $thrash)"

@@ -28,14 +28,15 @@ Everything lands in a cache outside git: ``--root``, else $ONNX_CHUNK_BENCH_MODE
 qwen05-int4``). A built model is reused; ``--force`` rebuilds (from the checkpoint under
 .sources/, which is made once: delete .sources/copy to train again).
 
-Run it with the exporters venv's interpreter (torch, transformers, onnxruntime-genai's builder);
-the GGUF names also need llama.cpp's sources (``--llama-cpp-sdist``: llama-cpp-python's sdist,
-which vendors them) and a llama-cpp-python install for the quantizer (``--llama-cpp-python``)::
+It runs in the `exporters` scratch venv (torch, transformers, onnxruntime-genai's builder; see
+scripts/_bench/venvs.py): started by an interpreter without them, it makes that venv under the
+user's cache on first use and runs itself there. The GGUF names also need llama.cpp's sources
+(``--llama-cpp-sdist``, default llama-cpp-python's sdist, which vendors them, downloaded into the
+cache once) and llama-cpp-python for the quantizer (``--llama-cpp-python``, default the
+`llamacpp` scratch venv, built on first use)::
 
-    nice -n 10 /work/exporters-venv/bin/python scripts/make_bench_models.py qwen05-int4
-    nice -n 10 /work/exporters-venv/bin/python scripts/make_bench_models.py qwen05-q4_0 \\
-        --llama-cpp-sdist /work/llamacpp-src/llama_cpp_python-0.3.36.tar.gz \\
-        --llama-cpp-python /work/llamacpp-venv/bin/python
+    python scripts/make_bench_models.py qwen05-int4
+    python scripts/make_bench_models.py qwen05-q4_0
 
 Each model's folder holds BUILD.json: the shape, seed, versions, size and build time.
 """
@@ -58,9 +59,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _bench import venvs
 from _bench.models import (
     BENCH_MODELS,
-    GGUF_QUANTS,
     MAX_LENGTH,
     ONNX_PRECISIONS,
     SHAPES,
@@ -71,6 +72,30 @@ from _bench.models import (
 
 SEED = 1234
 SDIST_VENDOR = "vendor/llama.cpp/"
+
+
+def exporters_python() -> Path | None:
+    """None when this interpreter has the exporters (torch, transformers, the genai builder);
+    else the interpreter of the `exporters` scratch venv, made on first use."""
+    import importlib.util
+
+    if all(importlib.util.find_spec(name) for name in ("torch", "transformers",
+                                                        "onnxruntime_genai")):
+        return None
+    return venvs.python(venvs.EXPORTERS)
+
+
+def default_sdist(root: Path) -> Path:
+    """llama-cpp-python's sdist at the `llamacpp` venv's version under root/.llama-cpp
+    (downloaded once)."""
+    requirement = venvs.LLAMACPP.requirements[0]
+    folder = root / ".llama-cpp"
+    sdist = folder / f"llama_cpp_python-{requirement.partition('==')[2]}.tar.gz"
+    if not sdist.is_file():
+        _log(f"downloading the sdist of {requirement} into {folder}")
+        _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+              requirement, "-d", str(folder)])
+    return sdist
 
 
 def _log(message: str) -> None:
@@ -202,7 +227,10 @@ def _llama_cpp_tree(root: Path, sdist: Path) -> Path:
             if relative.startswith(("convert_hf_to_gguf.py", "conversion/", "gguf-py/")):
                 target = stage / relative
                 target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(archive.extractfile(member).read())
+                extracted = archive.extractfile(member)
+                if extracted is None:
+                    raise SystemExit(f"{sdist}: member {member.name!r} cannot be read")
+                target.write_bytes(extracted.read())
     tree.parent.mkdir(parents=True, exist_ok=True)
     os.replace(stage, tree)
     return tree
@@ -212,10 +240,11 @@ def build_gguf(root: Path, shape: str, quant: str, stage: Path, sdist: Path | No
                llama_python: Path | None) -> None:
     """The shape's checkpoint as a GGUF file at `quant` (q8_0 by the converter; q4_0 by
     llama.cpp's quantizer from an f16 conversion)."""
-    if sdist is None or not sdist.is_file():
-        raise SystemExit(f"{shape}-{quant} needs llama.cpp's converter: pass --llama-cpp-sdist "
-                         "PATH (llama-cpp-python's sdist, e.g. from `pip download --no-binary "
-                         ":all: --no-deps llama-cpp-python`)")
+    if sdist is None:
+        sdist = default_sdist(root)
+    if not sdist.is_file():
+        raise SystemExit(f"{shape}-{quant}: no llama-cpp-python sdist at {sdist} "
+                         "(--llama-cpp-sdist)")
     tree = _llama_cpp_tree(root, sdist)
     src = source(root, shape)
     converter = Path(__file__).resolve().parent / "_bench" / "gguf_convert.py"
@@ -223,9 +252,11 @@ def build_gguf(root: Path, shape: str, quant: str, stage: Path, sdist: Path | No
         _run([sys.executable, str(converter), str(tree), SHAPES[shape].gguf_pre_tokenizer,
               str(src), "--outtype", "q8_0", "--outfile", str(stage)])
         return
-    if llama_python is None or not llama_python.exists():
-        raise SystemExit(f"{shape}-{quant} needs llama.cpp's quantizer: pass --llama-cpp-python "
-                         "PATH (the interpreter of a venv with llama-cpp-python)")
+    if llama_python is None:
+        llama_python = venvs.python(venvs.LLAMACPP)
+    if not llama_python.exists():
+        raise SystemExit(f"{shape}-{quant}: no interpreter at {llama_python} "
+                         "(--llama-cpp-python)")
     f16 = stage.with_name(stage.name + ".f16")
     _run([sys.executable, str(converter), str(tree), SHAPES[shape].gguf_pre_tokenizer, str(src),
           "--outtype", "f16", "--outfile", str(f16)])
@@ -291,15 +322,18 @@ def main(argv: list[str] | None = None) -> int:
                              "~/.cache/onnx-chunk/bench-models)")
     parser.add_argument("--force", action="store_true", help="rebuild models already built")
     parser.add_argument("--llama-cpp-sdist", type=Path, default=None,
-                        help="llama-cpp-python's sdist (its vendored llama.cpp converter)")
+                        help="llama-cpp-python's sdist (its vendored llama.cpp converter; "
+                             "default: downloaded into the cache once)")
     parser.add_argument("--llama-cpp-python", type=Path, default=None,
-                        help="interpreter of a venv with llama-cpp-python (its quantizer)")
+                        help="interpreter of a venv with llama-cpp-python (its quantizer; "
+                             "default: the `llamacpp` scratch venv, built on first use)")
     args = parser.parse_args(argv)
+    python = exporters_python()
+    if python is not None:
+        return subprocess.run([str(python), str(Path(__file__).resolve()),
+                               *(sys.argv[1:] if argv is None else argv)], check=False).returncode
     root = models_root(args.root)
     root.mkdir(parents=True, exist_ok=True)
-    for name in args.names:
-        if parse_name(name)[1] in GGUF_QUANTS and args.llama_cpp_sdist is None:
-            parser.error(f"{name} needs --llama-cpp-sdist")
     for name in args.names:
         build(root, name, args)
     return 0

@@ -7,19 +7,15 @@ torch.onnx (dynamo), kept as the exporter wrote it. Nothing is downloaded: confi
 byte-identical files; MANIFEST.json lists every file with its sha256.
 
 The exporters live in two scratch venvs, never in the package's dependencies (onnxruntime and
-onnxruntime-gpu must not share a venv). Two, because onnxruntime-genai 0.18's builder imports
-classes that only transformers 5 has, while optimum-onnx 0.1 requires transformers < 4.58::
+onnxruntime-gpu must not share a venv): `exporters` and `exporters-optimum` of
+scripts/_bench/venvs.py, pinned, made under the user's cache the first time they are needed
+(said on stderr)::
 
-    python3 -m venv /work/exporters-venv
-    /work/exporters-venv/bin/pip install torch==2.13.0 'transformers==5.24.0' \\
-        onnxruntime-genai==0.18.0 onnx onnxscript tokenizers numpy
-    python3 -m venv /work/exporters-venv-optimum
-    /work/exporters-venv-optimum/bin/pip install torch==2.13.0 'transformers==4.57.6' \\
-        optimum-onnx==0.1.0 onnxruntime onnx onnxscript tokenizers numpy
-    /work/exporters-venv/bin/python scripts/make_export_fixtures.py --out tests/fixtures/exports
+    .venv/bin/python scripts/make_export_fixtures.py --out tests/fixtures/exports
 
-The driver runs each step in a child process of the venv that owns the exporter (the genai venv
-also runs torch.onnx and the checks); ``--genai-python`` and ``--optimum-python`` point elsewhere.
+The driver (any Python) runs each step in a child process of the venv that owns the exporter
+(the genai venv also runs torch.onnx and the checks); ``--genai-python`` and
+``--optimum-python`` name other interpreters.
 
 ``--only NAME`` (repeatable) regenerates some fixtures and keeps the others' manifest entries;
 ``--check-only`` runs the load-and-forward checks on an existing corpus. docs/exports.md
@@ -50,6 +46,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from _bench import venvs as scratch
 
 SEED = 1234
 VOCAB_SIZE = 384
@@ -276,10 +274,8 @@ FIXTURES: list[Fixture] = [
 ]
 
 
-GENAI_PYTHON = Path("/work/exporters-venv/bin/python")
-OPTIMUM_PYTHON = Path("/work/exporters-venv-optimum/bin/python")
-
-# Which venv runs each layout's exporter.
+# Which venv runs each layout's exporter, and the scratch venv each is by default.
+VENV_SPECS = {"genai": scratch.EXPORTERS, "optimum": scratch.EXPORTERS_OPTIMUM}
 LAYOUT_VENV = {"genai": "genai", "optimum": "optimum", "torch_onnx": "genai"}
 EXPORTER_DIST = {
     "genai": "onnxruntime-genai",
@@ -729,8 +725,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("tests/fixtures/exports"))
     parser.add_argument("--only", action="append", default=[], help="fixture name (repeatable)")
     parser.add_argument("--check-only", action="store_true", help="check the corpus, build nothing")
-    parser.add_argument("--genai-python", type=Path, default=GENAI_PYTHON)
-    parser.add_argument("--optimum-python", type=Path, default=OPTIMUM_PYTHON)
+    parser.add_argument("--genai-python", type=Path, default=None,
+                        help="interpreter with the genai builder and torch (default: the "
+                             "`exporters` scratch venv, made on first use)")
+    parser.add_argument("--optimum-python", type=Path, default=None,
+                        help="interpreter with optimum-onnx (default: the `exporters-optimum` "
+                             "scratch venv, made on first use)")
     parser.add_argument("--versions", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--make-source", nargs=2, metavar=("FAMILY", "DST"), help=argparse.SUPPRESS)
     parser.add_argument(
@@ -763,11 +763,11 @@ def main(argv: list[str] | None = None) -> int:
     entries = {entry["name"]: entry for entry in previous.get("fixtures", [])}
     failures = {entry["name"]: entry for entry in previous.get("failures", [])}
     chosen = [f for f in FIXTURES if not args.only or f.name in args.only]
-    pythons = {"genai": args.genai_python, "optimum": args.optimum_python}
+    # The checks run in the genai venv; only the exporters of the chosen fixtures run.
+    used = {"genai"} | (set() if args.check_only else {LAYOUT_VENV[f.layout] for f in chosen})
+    given = {"genai": args.genai_python, "optimum": args.optimum_python}
+    pythons = {venv: given[venv] or scratch.python(VENV_SPECS[venv]) for venv in sorted(used)}
     with tempfile.TemporaryDirectory(prefix="export-fixtures-") as tmp:
-        # The checks run in the genai venv; only the exporters of the chosen fixtures run.
-        exporters = set() if args.check_only else {LAYOUT_VENV[f.layout] for f in chosen}
-        used = {"genai"} | exporters
         driver = Driver(out, Path(tmp), pythons, used)
         if not args.check_only:
             for fixture in chosen:

@@ -156,7 +156,7 @@ def simulate(config: Config, policy: str, conversations: list[Conversation]) -> 
     """One policy over the trace; the summary of its requests after the warm-up."""
     rng = random.Random(config.seed + 1)
     excess = config.max_excess if policy == "affinity" else 1 << 30
-    rule = PrefixAffinity(memory=config.memory, max_excess=excess, rng=rng)
+    rule: PrefixAffinity[int] = PrefixAffinity(memory=config.memory, max_excess=excess, rng=rng)
     replicas = [Replica(index, [(-1, 0, 0.0)] * config.slots, list(range(config.slots)))
                 for index in range(config.replicas)]
     cutoff = _cutoff(config, conversations)
@@ -180,6 +180,7 @@ def simulate(config: Config, policy: str, conversations: list[Conversation]) -> 
             replica.requests += item.conversation.arrival >= cutoff
             replica.queue.append(item)
         else:  # a request ends on (replica, slot)
+            assert isinstance(item, tuple)
             request, index, slot = item
             done.append(request)
             replica = replicas[index]
@@ -305,8 +306,10 @@ def measure(model: Path, prompt_tokens: int = 512, new_tokens: int = 32) -> tupl
         for _ in range(3):
             request = runtime.submit(prompt, new_tokens, eos_token_id=[])
             request.result()
-            prefill.append(prompt_tokens / request.stats.ttft_s)
-            decode.append(request.stats.decode_tokens_per_s)
+            ttft, rate = request.stats.ttft_s, request.stats.decode_tokens_per_s
+            assert ttft is not None and rate is not None  # more than one token, EOS off
+            prefill.append(prompt_tokens / ttft)
+            decode.append(rate)
     return statistics.median(prefill), statistics.median(decode)
 
 

@@ -42,10 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from scripts._bench.harness import markdown_table, seeded_prompt  # noqa: E402
+from _bench.harness import markdown_table, seeded_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "tests" / "fixtures" / "exports" / "genai-qwen3-fp32"
@@ -138,7 +135,10 @@ def scrape(address: str) -> dict[str, float]:
 def rss_mib(pid: int) -> float:
     """The resident set of process `pid` now (VmRSS), in MiB."""
     status = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE).group(1)) / 1024
+    found = re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE)
+    if found is None:
+        raise SystemExit(f"/proc/{pid}/status has no VmRSS")
+    return int(found.group(1)) / 1024
 
 
 class Soak:
@@ -159,11 +159,13 @@ class Soak:
              "--provider", self.args.provider, "--batch", str(self.args.batch),
              "--queue", str(max(self.args.clients, 1)), "--cache", self.mode],
             stderr=subprocess.PIPE, text=True)
+        stderr = server.stderr
+        assert stderr is not None  # stderr=PIPE
         try:
-            line = server.stderr.readline()
+            line = stderr.readline()
             found = re.search(r"http://(\S+:\d+)", line)
             if found is None:
-                raise SystemExit(f"the server did not start: {line}{server.stderr.read()}")
+                raise SystemExit(f"the server did not start: {line}{stderr.read()}")
             self.address, self.pid = found.group(1), server.pid
             started = time.perf_counter()
             clients = [threading.Thread(target=self._client, args=(prompts, number))

@@ -69,7 +69,7 @@ def prepare(version: str, python_version: str, part_mib: int) -> int:
     manifest_path.write_text(json.dumps(manifest, indent=2))
     print(f"{manifest['wheel']}: {len(parts)} parts of at most {part_mib} MiB in {STAGE}")
     print("device calls, back to back (the machine stays warm ~30 s between calls):")
-    for line in call_plan([part["name"] for part in parts]):
+    for line in call_plan([str(part["name"]) for part in parts]):
         print(f"  {line}")
     return 0
 

@@ -59,3 +59,18 @@ def test_a_string_that_is_not_utf8_is_a_wire_error():
     (_, _, span), = onnx_wire.fields(data, 0, len(data))
     with pytest.raises(WireError, match="not UTF-8"):
         onnx_wire.text(data, span)
+
+
+def test_a_field_of_the_wrong_wire_type_is_a_wire_error():
+    varint = onnx_wire.encode_varint_field(4, 7)
+    (_, _, value), = onnx_wire.fields(varint, 0, len(varint))
+    assert onnx_wire.as_int(value) == 7
+    with pytest.raises(WireError, match="length-delimited"):
+        onnx_wire.as_span(value)
+    string = onnx_wire.encode_len_field(4, "ab")
+    (_, _, span), = onnx_wire.fields(string, 0, len(string))
+    assert onnx_wire.as_span(span) == (2, 4)
+    with pytest.raises(WireError, match="where a varint was expected"):
+        onnx_wire.as_int(span)
+    with pytest.raises(WireError, match="repeated integer"):
+        onnx_wire.packed_varints(string, onnx_wire.I32, span)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from onnx_chunk.cli.text_generate import sampling_from, sampling_options
+from onnx_chunk.cli.text_generate import milliseconds, sampling_from, sampling_options
 from onnx_chunk.errors import InputError
 from onnx_chunk.runtime import load
 from onnx_chunk.runtime.device.provider import PROVIDER_CHOICES
@@ -55,7 +55,8 @@ def chat(model: Path, system: str | None, max_new_tokens: int, seed: int | None,
         raise InputError(f"the model folder {str(tokenizer.folder)!r} has no chat template; "
                          "use `onnx-chunk generate --prompt` for plain text")
     sampling = sampling_from(tokenizer.genai, options, seed)
-    stop = options.get("stop") or None
+    given = options.get("stop")  # click's multiple=True: a tuple of strings
+    stop = tuple(str(text) for text in given) if isinstance(given, tuple) and given else None
     interactive = sys.stdin.isatty()
     conversation = Conversation(runtime, system=system, reuse_cache=not no_cache_reuse)
     turn = 0
@@ -93,7 +94,8 @@ def chat(model: Path, system: str | None, max_new_tokens: int, seed: int | None,
 def _report(turn: int, conversation: Conversation) -> None:
     stats = conversation.last_turn
     completion = conversation.last_completion
-    generation = completion.stats
+    assert stats is not None and completion is not None  # set once the reply was read
+    ttft = None if completion.stats is None else completion.stats.ttft_s
     click.echo(f"[turn {turn}: fed {len(stats.fed_ids)} tokens, {stats.reused_tokens} held in "
-               f"the cache ({stats.how}) | ttft {generation.ttft_s * 1000:.1f} ms | "
+               f"the cache ({stats.how}) | ttft {milliseconds(ttft)} | "
                f"{len(completion.tokens)} tokens, {completion.finish_reason}]", err=True)

@@ -54,8 +54,9 @@ def _run(converted: Path, provider: str, specialize: bool | None, prompts: list[
     title = ("per-width variants" if stats.specialize else "one shape-generic session")
     if specialize is None:
         title += " (provider default)"
-    return _Run(title, tokens, sequence.stats.last_generation, again.stats.last_generation,
-                after_first, stats, sequence.stats.kv_bytes)
+    first, second = sequence.stats.last_generation, again.stats.last_generation
+    assert first is not None and second is not None  # set by each generate()
+    return _Run(title, tokens, first, second, after_first, stats, sequence.stats.kv_bytes)
 
 
 def _column(run: _Run, expected: list[int]) -> list[str]:

@@ -37,8 +37,14 @@ _CACHE_MODES = {"auto": {}, "ladder": {"specialize": True, "padding": True},
               help="Sequences the batch engine serves at once.")
 @click.option("--queue", type=click.IntRange(min=1), default=64, show_default=True,
               help="Requests that may wait for a slot; beyond them the answer is 429.")
-@click.option("--api-key", default=None, envvar="ONNX_CHUNK_API_KEY",
-              help="Require 'Authorization: Bearer KEY' on /v1/* (env ONNX_CHUNK_API_KEY).")
+@click.option("--api-key", "api_keys", multiple=True, envvar="ONNX_CHUNK_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on /v1/* and /tokenize; may be given "
+                   "several times, one per tenant (env ONNX_CHUNK_API_KEY: keys separated by "
+                   "spaces). A key's requests reuse only prefixes of the same key.")
+@click.option("--share-prefixes", is_flag=True,
+              help="Let the requests of different API keys reuse each other's prompt prefixes "
+                   "(a shared cache tells one tenant, by its speed and cached_tokens, what "
+                   "another sent).")
 @click.option("--provider", type=click.Choice(PROVIDER_CHOICES), default="auto",
               show_default=True)
 @click.option("--capacity", type=click.IntRange(min=2), default=None,
@@ -46,6 +52,9 @@ _CACHE_MODES = {"auto": {}, "ladder": {"specialize": True, "padding": True},
 @click.option("--max-body-bytes", type=click.IntRange(min=1), default=None,
               help="The largest request body read; larger ones are answered 413 "
                    "(default 8 MiB: a prompt filling a 128k-token context fits).")
+@click.option("--max-answer-bytes", type=click.IntRange(min=1), default=None,
+              help="The largest answer one request may make; past it the answer is a 400 "
+                   "answer_too_large (default 32 MiB).")
 @click.option("--parse-special-in-content", is_flag=True,
               help="Turn special tokens typed in messages into control tokens, as transformers' "
                    "apply_chat_template does (default: they are text, as in OpenAI's API, so a "
@@ -59,8 +68,9 @@ _CACHE_MODES = {"auto": {}, "ladder": {"specialize": True, "padding": True},
                    "output unchanged, sampled output exact in distribution).")
 @click.option("--cache", "cache_mode", type=click.Choice(sorted(_CACHE_MODES)), default="auto",
               hidden=True, help="Development: the variant cache's keying (exact: per shape).")
-def serve(model: Path, host: str, port: int, batch: int, queue: int, api_key: str | None,
-          provider: str, capacity: int | None, max_body_bytes: int | None,
+def serve(model: Path, host: str, port: int, batch: int, queue: int,
+          api_keys: tuple[str, ...], share_prefixes: bool, provider: str,
+          capacity: int | None, max_body_bytes: int | None, max_answer_bytes: int | None,
           parse_special_in_content: bool, prefix_reuse: bool, speculative: str | None,
           cache_mode: str) -> None:
     try:
@@ -71,7 +81,7 @@ def serve(model: Path, host: str, port: int, batch: int, queue: int, api_key: st
                           "installed): pip install 'onnx-chunk[serve]'") from error
     from onnx_chunk.runtime import load
 
-    if api_key is not None and not api_key.strip():
+    if any(not key.strip() for key in api_keys):
         raise ConfigError("--api-key must not be empty; give a key or leave the option out")
     try:
         listener = bind(host, port)
@@ -83,9 +93,11 @@ def serve(model: Path, host: str, port: int, batch: int, queue: int, api_key: st
                                             prefix_reuse=prefix_reuse,
                                             speculative=speculative,
                                             **_CACHE_MODES[cache_mode]) as runtime:
-        body_limit = {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
-        app = create_app(runtime, api_key=api_key,
-                         parse_special_in_content=parse_special_in_content, **body_limit)
+        limits = {name: value for name, value in (("max_body_bytes", max_body_bytes),
+                                                  ("max_answer_bytes", max_answer_bytes))
+                  if value is not None}
+        app = create_app(runtime, api_key=list(api_keys), share_prefixes=share_prefixes,
+                         parse_special_in_content=parse_special_in_content, **limits)
         server = DrainingServer(app, log_level=logging.getLogger().level)
         bound_host, bound_port = listener.getsockname()[:2]
         click.echo(f"listening on http://{bound_host}:{bound_port} ({runtime.provider}, "

@@ -120,7 +120,8 @@ def run_text_generate(model: Path, options: dict[str, Any], *, max_new_tokens: i
     entry: dict[str, Any] = {
         "text": completion.text, "tokens": list(completion.tokens),
         "finish_reason": completion.finish_reason, "prompt_tokens": completion.prompt_tokens,
-        "ttft_s": stats.ttft_s, "decode_tokens_per_s": stats.decode_tokens_per_s,
+        "ttft_s": None if stats is None else stats.ttft_s,
+        "decode_tokens_per_s": None if stats is None else stats.decode_tokens_per_s,
         "sampling": _sampling_record(sampling)}
     records = [_logprobs_record(tokenizer, logprobs) for logprobs in completion.logprobs]
     if options.get("logprobs") is not None:
@@ -134,7 +135,7 @@ def run_text_generate(model: Path, options: dict[str, Any], *, max_new_tokens: i
         click.echo(f"{record['text']!r}\t{_shown(record['logprob'])}\t{tops}", err=True)
     speed = entry["decode_tokens_per_s"]
     click.echo(f"[{completion.finish_reason}: {len(completion.tokens)} tokens after a "
-               f"{completion.prompt_tokens}-token prompt | ttft {stats.ttft_s * 1000:.1f} ms | "
+               f"{completion.prompt_tokens}-token prompt | ttft {milliseconds(entry['ttft_s'])} | "
                f"decode {'-' if speed is None else f'{speed:.1f}'} tok/s]", err=True)
 
 
@@ -159,6 +160,11 @@ def _logprobs_record(tokenizer: Any, logprobs: TokenLogprobs) -> dict[str, Any]:
             "logprob": number(logprobs.logprob),
             "top": [[token, tokenizer.decode([token]), number(value)]
                     for token, value in logprobs.top]}
+
+
+def milliseconds(seconds: float | None) -> str:
+    """A duration for the terminal: milliseconds, or "-" when it was not measured."""
+    return "-" if seconds is None else f"{seconds * 1000:.1f} ms"
 
 
 def _shown(logprob: float | None) -> str:

@@ -15,6 +15,7 @@ SimplifiedLayerNormalization.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict
 
 import numpy as np
@@ -84,7 +85,7 @@ class _Graph:
             self._constants[key] = self.weight(name, array)
         return self._constants[key]
 
-    def op(self, name: str, op_type: str, inputs: list[ir.Value | None],
+    def op(self, name: str, op_type: str, inputs: Sequence[ir.Value | None],
            attributes: dict | None = None, *, domain: str = "", num_outputs: int = 1,
            output_names: list[str] | None = None) -> list[ir.Value]:
         names = output_names or [f"{name}/output_{i}" for i in range(num_outputs)]
@@ -95,12 +96,12 @@ class _Graph:
         self.nodes.append(node)
         return outputs
 
-    def op1(self, name: str, op_type: str, inputs: list[ir.Value | None],
+    def op1(self, name: str, op_type: str, inputs: Sequence[ir.Value | None],
             attributes: dict | None = None, **kwargs) -> ir.Value:
         return self.op(name, op_type, inputs, attributes, **kwargs)[0]
 
 
-def _tensor_value(name: str, dtype: ir.DataType, shape: list[int | str]) -> ir.Value:
+def _tensor_value(name: str, dtype: ir.DataType, shape: Sequence[int | str]) -> ir.Value:
     return ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(dtype))
 
 
@@ -131,9 +132,10 @@ def _attention(g: _Graph, config: DecoderConfig, layer: int, weights: AttentionW
                x: ir.Value, mask_info: tuple[ir.Value, ir.Value],
                caches: tuple[ir.Value, ir.Value], position_ids: ir.Value | None,
                io: dict[str, list[ir.Value]]) -> ir.Value:
-    kv_shape = ["batch_size", config.num_kv_heads, "past_sequence_length", config.head_size]
-    present_shape = ["batch_size", config.num_kv_heads, "total_sequence_length",
-                     config.head_size]
+    kv_shape: list[int | str] = ["batch_size", config.num_kv_heads, "past_sequence_length",
+                                 config.head_size]
+    present_shape: list[int | str] = ["batch_size", config.num_kv_heads,
+                                      "total_sequence_length", config.head_size]
     past_key = _tensor_value(f"past_key_values.{layer}.key", g.float_type, kv_shape)
     past_value = _tensor_value(f"past_key_values.{layer}.value", g.float_type, kv_shape)
     io["inputs"] += [past_key, past_value]
@@ -284,7 +286,7 @@ def build_graph(config: DecoderConfig, weights: DecoderWeights, spec: VariantSpe
                        [hidden, _swiglu(g, layer, normed, layer_weights)])
     hidden = _rms_norm(g, "/model/norm", hidden, g.param("model.norm.weight", weights.final_norm),
                        config.rms_norm_eps)
-    rows = "sequence_length"
+    rows: int | str = "sequence_length"
     if spec.last_token_logits:
         hidden = g.op1("/model/last_token/Slice", "Slice",
                        [hidden, g.constant([-1]), g.constant([_INT64_MAX]), g.constant([1])])

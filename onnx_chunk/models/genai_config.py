@@ -17,7 +17,7 @@ def genai_config(config: DecoderConfig, spec: VariantSpec, dtype: str = "float32
     A float16 decoder is what the builder exports for CUDA (`-p fp16 -e cuda`), and its
     config then asks for the CUDA provider; a float32 one is its CPU export, with none.
     """
-    provider_options = [{"cuda": {}}] if dtype == "float16" else []
+    provider_options: list[dict[str, dict]] = [{"cuda": {}}] if dtype == "float16" else []
     inputs = {"inputs_embeds" if spec.inputs_embeds else "input_ids":
               "inputs_embeds" if spec.inputs_embeds else "input_ids",
               "attention_mask": "attention_mask"}

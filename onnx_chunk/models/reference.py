@@ -212,7 +212,7 @@ class ReferenceDecoder:
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise InputError("pass exactly one of input_ids and inputs_embeds")
-        hidden = (self.embed(input_ids) if inputs_embeds is None
+        hidden = (self.embed(input_ids) if input_ids is not None
                   else np.asarray(inputs_embeds, dtype=np.float64))
         hidden = hidden.astype(np.float64)
         batch, rows = hidden.shape[:2]

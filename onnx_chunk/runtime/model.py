@@ -30,6 +30,7 @@ from onnx_chunk.errors import CapacityError, ClosedError, InputError, ModelLoadE
 from onnx_chunk.metadata import ChunkPlan, read_plan
 from onnx_chunk.model_file import read_model_file
 from onnx_chunk.model_folder import GenaiConfig, check_utf8_path, locate_model
+from onnx_chunk.runtime.caches.graph_cache import plan_graphs
 from onnx_chunk.runtime.caches.variant_cache import Specialize, VariantCache
 from onnx_chunk.runtime.caches.variant_pool import VariantPool
 from onnx_chunk.runtime.device.memory import meter_for
@@ -190,7 +191,9 @@ class Runtime:
         self.variants = VariantPool(self.factory, specialize=specialize, quantized=quantized,
                                     cap=variants, meter=meter, select_rows=options.select_rows,
                                     padding=options.padding,
-                                    padding_refused=options.padding_refused)
+                                    padding_refused=options.padding_refused,
+                                    graph_plan=plan_graphs(options.tiers, options.max_batch,
+                                                           bool(self.ports.state)))
         self.cache: VariantCache[ort.InferenceSession] = self.variants.cache
         # The mask policy, chosen once: the class of every slot's and batch's mask.
         self.masks: type[AttentionMask] = mask_kind(self.device.mask_policy)
@@ -333,7 +336,7 @@ class Runtime:
                              capacity=options.capacity, chunk_size=options.chunk_size,
                              masks=self.masks, take_number=self.pool.take_number,
                              give_number=self.pool.give_number,
-                             release_graphs=self.variants.release_slot,
+                             release_graphs=self.variants.claim,
                              prefix_reuse=options.prefix_reuse,
                              speculation=self._speculation)
 
@@ -438,6 +441,7 @@ class Runtime:
             graphs_by_width=dict(graphs.by_width),
             graphs_released=graphs.released + graphs.evictions,
             graph_fallbacks=dict(graphs.fallbacks),
+            transfers=self.device.transfers.snapshot(),
             sequences=self.pool.stats(),
             max_batch=options.max_batch,
             prefix_reuse=options.prefix_reuse,

@@ -10,6 +10,7 @@ import numpy as np
 
 from onnx_chunk.runtime.caches.graph_cache import GraphStats
 from onnx_chunk.runtime.caches.variant_cache import CacheStats
+from onnx_chunk.runtime.device.transfers import TransferStats
 from onnx_chunk.runtime.engine.sequence_pool import PoolStats
 
 
@@ -74,12 +75,15 @@ class RuntimeStats:
     `weights_copies`: copies of the weights held now, on the device and on the host, counted
     from the sessions that own one (a session given shared initializers owns none, unless it
     copies them to its device or pre-packs them) plus the shared host copy (see
-    session_factory). `graphs`: the CUDA graph cache's counters (alive, captures, replays,
-    evictions, bytes; see graph_cache); `graph_widths`: the widths at which graphs were
+    session_factory). `graphs`: the CUDA graphs' counters (planned, alive, captures, replays,
+    stranded, bytes; see graph_cache); `graph_widths`: the widths at which graphs were
     captured; `graphs_captured` / `graphs_released`: graphs captured and released so far
-    (evicted or with their slot; a graph freed with its session is not counted as released),
+    (with their slot, where ONNX Runtime frees them; a graph freed with its session is not
+    counted as released),
     `graphs_by_width` the captures per width; `graph_fallbacks`: the widths whose
-    capture failed, with the reason (they run without a graph); `sequences`: the sequence
+    capture failed, with the reason (they run without a graph); `transfers`: the bytes
+    copied host to device and device to host, and the input synchronisations, of this
+    runtime's device (0 on CPU's host path; see device/transfers); `sequences`: the sequence
     pool's counters (buffer sets made, reused, freed, idle); `max_batch`: the batch engine's
     slots, `prefix_reuse` whether its slots keep their prefix for later requests, `engine` its
     counters (None until the first submit); `speculative`: the drafting method
@@ -105,12 +109,13 @@ class RuntimeStats:
     weights_copied_per_variant: bool = False
     sessions: int = 0
     weights_copies: int = 0
-    graphs: GraphStats = field(default_factory=lambda: GraphStats(cap=0))
+    graphs: GraphStats = field(default_factory=GraphStats)
     graph_widths: tuple[int, ...] = ()
     graphs_captured: int = 0
     graphs_released: int = 0
     graphs_by_width: dict[int, int] = field(default_factory=dict)
     graph_fallbacks: dict[int | str, str] = field(default_factory=dict)
+    transfers: TransferStats = field(default_factory=TransferStats)
     sequences: PoolStats = field(default_factory=PoolStats)
     max_batch: int = 1
     prefix_reuse: bool = True

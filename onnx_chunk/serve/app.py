@@ -29,10 +29,11 @@ import dataclasses
 import hmac
 import json
 import logging
+import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -55,14 +56,9 @@ from onnx_chunk.sampling import Sampling, TokenLogprobs
 from onnx_chunk.serve.generation import ServedGeneration
 from onnx_chunk.serve.logprobs import CompletionLogprobs, TokenStrings, chat_content, joined
 from onnx_chunk.serve.metrics import CONTENT_TYPE, ServerMetrics
-from onnx_chunk.serve.parameters import RequestOptions, parse_options, request_sampling
-from onnx_chunk.serve.protocol import (
-    GenerationParams,
-    RequestError,
-    error_body,
-    parse_chat,
-    parse_completion,
-)
+from onnx_chunk.serve.parameters import RequestOptions, request_sampling
+from onnx_chunk.serve.protocol import GenerationParams, RequestError, error_body
+from onnx_chunk.serve.requests import ChatCompletionRequest, CompletionRequest
 from onnx_chunk.serve.tokenize import detokenize, tokenize
 from onnx_chunk.serve.tools import check_auto, tool_message
 from onnx_chunk.text.chat_template import ChatTemplateFault
@@ -83,26 +79,46 @@ RETRY_AFTER_S = 1
 # token ids about 1 MB; 8 MiB leaves room for those and caps what one request makes the
 # server hold and parse.
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+# The largest answer one request may make (400 `answer_too_large` past it): a whole answer's
+# JSON, or the bytes of a stream. A request whose logprobs alone cannot fit (at least
+# LOGPROB_ENTRY_BYTES per logprob entry: each token of the output and, with `echo`, of the
+# prompt, times 1 + its top count, times its choices) is refused before it runs.
+DEFAULT_MAX_ANSWER_BYTES = 32 << 20
+LOGPROB_ENTRY_BYTES = 8
 
 
-def create_app(runtime: Runtime, *, model_name: str | None = None, api_key: str | None = None,
+def create_app(runtime: Runtime, *, model_name: str | None = None,
+               api_key: str | Sequence[str] | None = None, share_prefixes: bool = False,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
                parse_special_in_content: bool = False) -> Starlette:
     """The ASGI app serving `runtime` (see the module docstring); `app.state.service.drain()`
     stops it admitting. The caller owns the runtime (and closes it after the server).
 
+    api_key: the key (or keys) a request must send as `Authorization: Bearer KEY`; None: any
+        request is served.
+    share_prefixes: the requests of different keys reuse each other's prompt prefixes (by
+        default a key's requests reuse only its own; `cache_salt` narrows it further).
     max_body_bytes: bodies larger are refused (413).
+    max_answer_bytes: answers larger are refused (400 `answer_too_large`; see
+        DEFAULT_MAX_ANSWER_BYTES).
     parse_special_in_content: special tokens typed in messages become control tokens, as
         transformers' apply_chat_template makes them; by default they are text, as OpenAI's
         API treats them (a user cannot forge a turn).
     Faults of the model folder that would fail every request (a chat template that does not
     compile, genai_config's `search` out of range) raise here, at start.
     """
-    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) \
-            or max_body_bytes < 1:
-        raise ConfigError(f"max_body_bytes must be an integer >= 1, got {max_body_bytes!r}")
-    service = _Service(runtime, model_name or runtime.model_path.parent.name, api_key,
+    for name, value in (("max_body_bytes", max_body_bytes),
+                        ("max_answer_bytes", max_answer_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+    if any(not isinstance(key, str) or not key.strip() for key in keys):
+        raise ConfigError("an API key must be a non-empty string")
+    service = _Service(runtime, model_name or runtime.model_path.parent.name, keys,
                        max_body_bytes, parse_special_in_content)
+    service.max_answer_bytes = max_answer_bytes
+    service.share_prefixes = share_prefixes
     routes = [
         Route("/v1/chat/completions", service.endpoint(service.chat_completions),
               methods=["POST"]),
@@ -133,7 +149,7 @@ class _Prepared:
 class _Service:
     """The app's state: the runtime, its tokenizer, the metrics, the live generations."""
 
-    def __init__(self, runtime: Runtime, model_name: str, api_key: str | None,
+    def __init__(self, runtime: Runtime, model_name: str, api_keys: list[str],
                  max_body_bytes: int, parse_special_in_content: bool) -> None:
         self.runtime = runtime
         self.model_name = model_name
@@ -143,10 +159,12 @@ class _Service:
         _ = self.tokenizer.chat_template, self.tokenizer.max_token_chars
         self.search = _checked_search(runtime)
         self.max_body_bytes = max_body_bytes
+        self.max_answer_bytes = DEFAULT_MAX_ANSWER_BYTES
         self.parse_special_in_content = parse_special_in_content
         self.metrics = ServerMetrics(runtime)
         self.strings = TokenStrings(self.tokenizer)
-        self._api_key = api_key
+        self._api_keys = api_keys
+        self.share_prefixes = False
         self._created = int(time.time())
         self._live: set[ServedGeneration] = set()
         self.draining = False
@@ -163,7 +181,7 @@ class _Service:
         """`handler` behind the key check, with every failure turned into an error body."""
         async def run(request: HttpRequest) -> _Reply:
             try:
-                self._authorize(request)
+                request.state.tenant = self._authorize(request)
                 return await handler(request)
             except ClientDisconnect:  # nobody is left to answer; not the server's failure
                 logger.info("a client left during its upload to %s", request.url.path)
@@ -182,22 +200,33 @@ class _Service:
         arrived = time.perf_counter()
         body = await self._body(request)
         try:
-            prepared = await run_in_threadpool(self._prepare, body, chat)
-            generations = self._start(prepared, arrived)
+            # Off the loop: parsing, encoding, the grammar's compilation and each choice's
+            # matcher (built with its sampler at submit) grow with what the client sends.
+            prepared, generations = await run_in_threadpool(self._admit, body, chat, arrived,
+                                                            request.state.tenant)
         except CapacityError as error:
             raise RequestError(str(error), param="messages" if chat else "prompt",
                                code="context_length_exceeded") from error
         return await self._serve(request, prepared, generations, chat=chat)
 
+    def _admit(self, body: bytes, chat: bool, arrived: float,
+               tenant: str | None) -> tuple[_Prepared, list[ServedGeneration]]:
+        prepared = self._prepare(body, chat, tenant)
+        return prepared, self._start(prepared, arrived)
+
     async def tokenize(self, request: HttpRequest) -> Response:
-        body = _json(await self._body(request))
-        return JSONResponse(await run_in_threadpool(
-            tokenize, body, self.tokenizer, self.runtime.options.capacity, self._check_model))
+        raw = await self._body(request)
+        answer = await run_in_threadpool(
+            lambda: encode_json(tokenize(_json(raw), self.tokenizer,
+                                         self.runtime.options.capacity, self._check_model,
+                                         self.parse_special_in_content)))
+        return Response(answer, media_type="application/json")
 
     async def detokenize(self, request: HttpRequest) -> Response:
-        body = _json(await self._body(request))
-        return JSONResponse(await run_in_threadpool(detokenize, body, self.tokenizer,
-                                                    self._check_model))
+        raw = await self._body(request)
+        answer = await run_in_threadpool(
+            lambda: encode_json(detokenize(_json(raw), self.tokenizer, self._check_model)))
+        return Response(answer, media_type="application/json")
 
     async def models(self, request: HttpRequest) -> Response:
         return JSONResponse({"object": "list", "data": [
@@ -226,14 +255,13 @@ class _Service:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _prepare(self, body: bytes, chat: bool) -> _Prepared:
+    def _prepare(self, body: bytes, chat: bool, tenant: str | None = None) -> _Prepared:
         """Parse, check and encode one request and build its sampling (on a worker thread:
         this is the work whose size the client chooses, the grammar's compilation included);
         every refusal raised before any generation."""
-        document = _json(body)
-        params = parse_chat(document) if chat else parse_completion(document)
-        # parse_chat and parse_completion refused anything but a JSON object.
-        options = parse_options(cast(dict[str, Any], document), chat=chat)
+        model = ChatCompletionRequest if chat else CompletionRequest
+        parsed = model.parse(_json(body), vocab_size=self.runtime.ports.vocab_size)
+        params, options = parsed.params, parsed.options
         if self.draining:
             raise ClosedError("the server is shutting down")
         self._check_model(params.model)
@@ -255,12 +283,38 @@ class _Service:
         ends = options.end_ids(tokenizer.eos_token_ids or self.runtime.options.eos_token_ids)
         sampling = request_sampling(options, temperature=params.temperature, top_p=params.top_p,
                                     seed=params.seed, search=self.search, tokenizer=tokenizer,
-                                    vocab_size=self.runtime.ports.vocab_size, ends=ends)
+                                    vocab_size=self.runtime.ports.vocab_size, ends=ends,
+                                    cache_salt=self._salt(options, tenant))
+        self._check_answer_size(params, options, prompts)
         if params.max_tokens == 0 and sampling.prompt_logprobs is None:
             # An echo of 0 new tokens without logprobs: the engine still runs the prompt once
             # (a request that generates nothing is one that scores its prompt).
             sampling = dataclasses.replace(sampling, prompt_logprobs=0)
         return _Prepared(params, options, prompts, sampling, ends)
+
+    def _salt(self, options: RequestOptions, tenant: str | None) -> str | None:
+        """The prefix namespace of a request: its key's (unless keys share prefixes) and its
+        `cache_salt`; a namespace of its own with `cache_prompt: false` (a fresh prefill)."""
+        if not options.cache_prompt:
+            return f"fresh:{uuid.uuid4().hex}"
+        parts = [] if tenant is None or self.share_prefixes else [f"key:{tenant}"]
+        if options.cache_salt is not None:
+            parts.append(f"salt:{options.cache_salt}")
+        return "\x00".join(parts) or None
+
+    def _check_answer_size(self, params: GenerationParams, options: RequestOptions,
+                           prompts: list[list[int]]) -> None:
+        """Refuse a request whose logprobs alone would make more than `max_answer_bytes`."""
+        if options.logprobs is None:
+            return
+        capacity = self.runtime.options.capacity
+        tokens = sum((len(ids) if options.echo else 0)
+                     + (capacity - len(ids) if params.max_tokens is None else params.max_tokens)
+                     for ids in prompts)
+        least = tokens * params.n * (1 + options.logprobs) * LOGPROB_ENTRY_BYTES
+        if least > self.max_answer_bytes:
+            raise _answer_too_large(f"at least {least} bytes of logprobs",
+                                    self.max_answer_bytes, param="logprobs")
 
     def _encoded(self, prompt: str | tuple[int, ...]) -> list[int]:
         if isinstance(prompt, str):
@@ -278,6 +332,9 @@ class _Service:
                               self._echoes(prepared) if prepared.options.echo else None,
                               params.n))
         self._live.update(generations)
+        if self.draining:  # drain() ran while the request was admitted off the loop
+            for generation in generations:
+                generation.end_for_shutdown()
         if params.stream:
             return _EventStream(self._events(generations, answer, params.include_usage,
                                              params.n),
@@ -290,10 +347,29 @@ class _Service:
             self._ended(generations)
         if outputs is None:
             return Response(status_code=499)
-        return JSONResponse(answer.whole(
-            [answer.choice(generation, text, entries)
-             for generation, (text, entries) in zip(generations, outputs)],
-            _usage(generations, params.n)))
+        # Off the loop: an answer with logprobs (an echoed prompt's above all) grows with the
+        # request, and so does its JSON.
+        payload = await run_in_threadpool(self._whole, answer, generations, outputs, params.n)
+        return Response(payload, media_type="application/json")
+
+    def _whole(self, answer: _Answer, generations: list[ServedGeneration],
+               outputs: list[tuple[str, list[TokenLogprobs]]], n: int) -> bytes:
+        """A whole answer's JSON (refused past `max_answer_bytes`)."""
+        # Each choice encoded alone: the encoder holds the GIL while it runs, so the event
+        # loop waits for at most one choice's encoding, never the whole answer's.
+        head, tail = encode_json(answer.whole([], _usage(generations, n))).split(
+            b'"choices":[]', 1)
+        parts, size = [head, b'"choices":['], len(head) + len(tail)
+        for number, (generation, (text, entries)) in enumerate(zip(generations, outputs)):
+            choice = encode_json(answer.choice(generation, text, entries))
+            size += len(choice) + 1
+            if size > self.max_answer_bytes:
+                break
+            parts += [b"," if number else b"", choice]
+        payload = b"".join([*parts, b"]", tail])
+        if size > self.max_answer_bytes:
+            raise _answer_too_large(f"{len(payload)} bytes", self.max_answer_bytes)
+        return payload
 
     def _echoes(self, prepared: _Prepared) -> list[str]:
         """Each prompt's text as `echo` shows it (token-id prompts decoded)."""
@@ -314,7 +390,9 @@ class _Service:
     def _start(self, prepared: _Prepared, arrived: float) -> list[ServedGeneration]:
         """Submit every choice of a prepared request: `n` per prompt, prefilled once
         (`Runtime.submit_choices`), choice i of a seeded request with seed + i (every refusal
-        raised before any work; a refusal of a later prompt cancels the earlier ones)."""
+        raised before any work; a refusal of a later prompt cancels the earlier ones). Only
+        the first prompt may find the queue full (429): the later ones wait for room (on this
+        worker thread), since the first prompt's forks may fill the queue past its limit."""
         if self.draining:
             raise ClosedError("the server is shutting down")
         params, sampling = prepared.params, prepared.sampling
@@ -332,7 +410,7 @@ class _Service:
                 room = capacity - len(ids)
                 requests = self.runtime.submit_choices(
                     ids, room if params.max_tokens is None else params.max_tokens, samplings,
-                    eos_token_id=prepared.ends)
+                    eos_token_id=prepared.ends, wait=number > 0)
                 for choice, request in enumerate(requests):
                     text = TokenText(self.tokenizer, params.stop, end_ids=prepared.ends,
                                      min_tokens=prepared.options.min_tokens)
@@ -349,14 +427,22 @@ class _Service:
         """The event stream: the choices one after the other (all run at once in the engine),
         each opened, streamed and closed with its index."""
         generation = generations[0]
+        sent = 0
         try:
             for generation in generations:
                 async with contextlib.aclosing(self._choice_events(generation, answer)) as events:
                     async for event in events:
+                        sent += len(event)
+                        if sent > self.max_answer_bytes:
+                            raise _answer_too_large(f"more than {sent} bytes",
+                                                    self.max_answer_bytes)
                         yield event
             if include_usage:
                 yield _event(answer.usage_chunk(_usage(generations, n)))
             yield b"data: [DONE]\n\n"
+        except RequestError as error:
+            yield _event(error_body(str(error), error.error_type, param=error.param,
+                                    code=error.code))
         except ClosedError as error:
             yield _event(error_body(str(error), "server_error", code="server_shutting_down"))
         except OnnxChunkError as error:
@@ -381,19 +467,27 @@ class _Service:
         else:
             async with contextlib.aclosing(answer.stream(generation)) as pieces:
                 async for piece, logprobs in pieces:
-                    yield _event(answer.chunk(index, piece, None, logprobs))
+                    chunk = answer.chunk(index, piece, None, logprobs)
+                    if isinstance(logprobs, dict) and len(logprobs.get("tokens", ())) > 64:
+                        yield await asyncio.to_thread(_event, chunk)  # an echoed prompt's
+                    else:
+                        yield _event(chunk)
             reason = generation.finish_reason
         yield _event(answer.chunk(index, answer.closing, reason))
 
-    def _authorize(self, request: HttpRequest) -> None:
-        if self._api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        expected = f"Bearer {self._api_key}"
-        if not hmac.compare_digest(given.encode(), expected.encode()):
+    def _authorize(self, request: HttpRequest) -> str | None:
+        """The request's tenant: the number of the key it sent (None: the app has no key)."""
+        if not self._api_keys:
+            return None
+        given = request.headers.get("authorization", "").encode()
+        # Every key is compared (in constant time), so the time does not tell which matched.
+        matched = [hmac.compare_digest(given, f"Bearer {key}".encode())
+                   for key in self._api_keys]
+        if not any(matched):
             raise RequestError("missing or wrong API key: send 'Authorization: Bearer KEY' "
-                               "with the key the server was started with",
+                               "with a key the server was started with",
                                code="invalid_api_key", status=401)
+        return str(matched.index(True))
 
     def _error_response(self, error: Exception) -> Response:
         status, body, headers = _error_answer(error)
@@ -406,6 +500,12 @@ def _error_answer(error: Exception) -> tuple[int, dict[str, Any], dict[str, str]
     if isinstance(error, RequestError):
         return error.status, error_body(str(error), error.error_type, param=error.param,
                                         code=error.code), {}
+    from onnx_chunk.structured.constraint import GrammarError
+
+    if isinstance(error, GrammarError):  # the request's schema beyond the grammar library
+        return 400, error_body(f"the grammar of this request's schema failed: {error}; "
+                               "simplify the schema", "invalid_request_error",
+                               param="response_format", code="grammar_failed"), {}
     if isinstance(error, ChatTemplateFault):  # the model's template: the server's fault
         logger.error("the chat template failed a request: %s", error, exc_info=error)
         return 500, error_body(str(error), "server_error", code="chat_template_failed"), {}
@@ -429,15 +529,34 @@ async def _http_error(request: HttpRequest, error: Exception) -> Response:
                         status_code=error.status_code, headers=error.headers)
 
 
+def _not_json(constant: str) -> object:
+    raise ValueError(f"{constant} is not a JSON number")
+
+
 def _json(raw: bytes) -> object:
     try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        return json.loads(raw, parse_constant=_not_json)
+    except (UnicodeDecodeError, ValueError) as error:
+        # ValueError: JSON's own errors, NaN and Infinity, and an integer of more digits than
+        # Python converts (4,300).
         raise RequestError(f"the request body is not valid JSON ({error}); send a JSON object",
                            code="invalid_json") from error
     except RecursionError as error:
         raise RequestError("the request body nests arrays or objects too deep to be read; "
                            "send a flatter JSON object", code="invalid_json") from error
+
+
+def encode_json(payload: object) -> bytes:
+    """A whole answer or an event's JSON (UTF-8, compact, as Starlette's JSONResponse)."""
+    return json.dumps(payload, ensure_ascii=False, allow_nan=False,
+                      separators=(",", ":")).encode()
+
+
+def _answer_too_large(size: str, limit: int, param: str | None = None) -> RequestError:
+    return RequestError(f"the answer would have {size}, more than the {limit} bytes this "
+                        "server sends for one request (its --max-answer-bytes); ask for fewer "
+                        "prompts, choices, tokens or logprobs", param=param,
+                        code="answer_too_large")
 
 
 def _too_large(size: str, limit: int) -> RequestError:
@@ -534,7 +653,7 @@ _Reply = Response | _EventStream
 
 
 def _event(payload: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+    return b"data: " + encode_json(payload) + b"\n\n"
 
 
 def _usage(generations: list[ServedGeneration], n: int) -> dict[str, Any]:
@@ -667,30 +786,33 @@ class _TextAnswer(_Answer):
         super().__init__(model, strings, top)
         self.echoes = echoes
         self.n = n
+        self._echoed: dict[int, tuple[str, dict[str, list[Any]] | None]] = {}
+        self._lock = threading.Lock()
 
     def choice(self, generation: ServedGeneration, text: str,
                entries: list[TokenLogprobs]) -> dict[str, Any]:
-        builder = CompletionLogprobs(self.strings)
-        echo, parts = self._echo(generation, builder)
+        echo, part = self._echo(generation)
+        logprobs = None
         if self.top is not None:
-            parts.append(builder.part(entries))
-        return {"index": generation.index, "text": echo + text,
-                "logprobs": None if self.top is None else joined(parts),
+            builder = CompletionLogprobs(self.strings, len(echo))
+            logprobs = joined([*([] if part is None else [part]), builder.part(entries)])
+        return {"index": generation.index, "text": echo + text, "logprobs": logprobs,
                 "finish_reason": generation.finish_reason}
 
-    def _echo(self, generation: ServedGeneration,
-              builder: CompletionLogprobs) -> tuple[str, list[dict[str, list[Any]]]]:
-        """The echoed prompt's text and its logprobs (when asked for); the builder's offsets
-        then go on after that text."""
+    def _echo(self, generation: ServedGeneration) -> tuple[str, dict[str, list[Any]] | None]:
+        """The echoed prompt's text and its logprobs (when asked for), built once per prompt
+        and shared by its `n` choices; the choice's own offsets go on after that text."""
         if self.echoes is None:
-            return "", []
-        request = generation.request
-        echo = self.echoes[generation.index // self.n]
-        parts = []
-        if self.top is not None:
-            parts.append(builder.part(request.prompt_logprobs, request.prompt.tolist()))
-        builder.offset = len(echo)
-        return echo, parts
+            return "", None
+        number = generation.index // self.n
+        with self._lock:
+            echoed = self._echoed.get(number)
+            if echoed is None:
+                request = generation.request
+                part = None if self.top is None else CompletionLogprobs(self.strings).part(
+                    request.prompt_logprobs, request.prompt.tolist())
+                echoed = self._echoed[number] = (self.echoes[number], part)
+        return echoed
 
     def chunk_choice(self, index: int, piece: Any, finish_reason: str | None,
                      logprobs: Any) -> dict[str, Any]:
@@ -706,9 +828,9 @@ class _TextAnswer(_Answer):
                 if not echoed:
                     # The prompt's logprobs are whole once its first token came.
                     echoed = True
-                    echo, parts = self._echo(generation, builder)
-                    yield echo, joined(parts) if self.top is not None else None
+                    echo, part = await asyncio.to_thread(self._echo, generation)
+                    builder.offset = len(echo)
+                    yield echo, part
                 yield piece, None if self.top is None else builder.part(entries)
         if not echoed:
-            echo, parts = self._echo(generation, builder)
-            yield echo, joined(parts) if self.top is not None else None
+            yield await asyncio.to_thread(self._echo, generation)

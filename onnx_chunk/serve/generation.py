@@ -1,8 +1,9 @@
 """One request of the server on the batch engine: its tokens to text, timed, ended once.
 
-The engine's `Request.tokens()` blocks its reader, so one bridge thread per request reads it
-and hands each token (with the time it came) to the event loop; the server's coroutine turns
-them into text (`TokenText`: detokenization, stop strings, EOS) and observes the latencies.
+No thread per request: the engine's thread wakes the request's coroutine after each token
+(`Request.watch`, a `loop.call_soon_threadsafe` of an asyncio event), which reads what came
+without waiting (`Request.ready`) and turns it into text (`TokenText`: detokenization, stop
+strings, EOS) and observes the latencies.
 However the coroutine ends (the text stopped, the client went away, the server is draining),
 its `finally` cancels the request, which frees its slot before the engine's next step.
 """
@@ -10,8 +11,8 @@ its `finally` cancels the request, which frees its slot before the engine's next
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import threading
 import time
 from collections.abc import AsyncGenerator
 
@@ -22,9 +23,6 @@ from onnx_chunk.serve.metrics import ServerMetrics
 from onnx_chunk.text.token_text import TokenText
 
 logger = logging.getLogger(__name__)
-
-_END = object()
-
 
 class ShuttingDown(ClosedError):
     """The server began draining while this request ran."""
@@ -73,32 +71,46 @@ class ServedGeneration:
         the previous piece (empty when the request asked for none; the last piece may be ""
         to carry the last tokens' logprobs); raises the request's error, or ShuttingDown."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        threading.Thread(target=_bridge, args=(self.request, loop, queue),
-                         name=f"onnx-chunk-serve-{self.request.id}", daemon=True).start()
+        wake = asyncio.Event()
+
+        def woken() -> None:  # on the engine's thread
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody reads it now
+                loop.call_soon_threadsafe(wake.set)
+
+        self.request.watch(woken)
         reason = "cancelled"
         last: float | None = None
         pending: list[TokenLogprobs] = []
+        seen = 0
         try:
             while not self._text.stopped:
-                item = await queue.get()
-                if item is _END:
-                    break
-                if isinstance(item, BaseException):
+                try:
+                    tokens, logprobs, ended = self.request.ready(seen)
+                except Exception:
                     reason = "error"
-                    raise item
-                token, logprobs, at = item
-                if logprobs is not None:
-                    pending.append(logprobs)
-                if last is None:
-                    self._metrics.ttft.observe(at - self._arrived)
-                else:
-                    self._metrics.inter_token.observe(at - last)
-                last = at
-                piece = self._text.push(token)
-                if piece:
-                    yield piece, pending
-                    pending = []
+                    raise
+                if not tokens:
+                    if ended:
+                        break
+                    await wake.wait()
+                    wake.clear()
+                    continue
+                seen += len(tokens)
+                at = time.perf_counter()
+                for token, entry in zip(tokens, logprobs):
+                    if entry is not None:
+                        pending.append(entry)
+                    if last is None:
+                        self._metrics.ttft.observe(at - self._arrived)
+                    else:
+                        self._metrics.inter_token.observe(at - last)
+                    last = at
+                    piece = self._text.push(token)
+                    if piece:
+                        yield piece, pending
+                        pending = []
+                    if self._text.stopped:
+                        break
             piece = self._text.finish()
             if piece or pending:
                 yield piece, pending
@@ -122,20 +134,3 @@ class ServedGeneration:
         if self._text.stopped:
             return "stop"
         return self.request.finish_reason or "cancelled"
-
-
-def _bridge(request: Request, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
-    """Hand `request`'s tokens to the event loop as they come, then its end (or its error)."""
-    def put(item: object) -> None:
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:  # the loop has closed: nobody reads this request any more
-            request.cancel()
-
-    try:
-        for token, logprobs in request.steps():
-            put((token, logprobs, time.perf_counter()))
-    except Exception as error:  # the request failed: its reader raises it
-        put(error)
-    else:
-        put(_END)

@@ -9,6 +9,7 @@ top-p or min-p cut (log-probability -inf) is sent as -9999.0, as vLLM sends it.
 
 from __future__ import annotations
 
+import codecs
 import functools
 import math
 from collections.abc import Iterable
@@ -100,11 +101,14 @@ def _chat_token(token: int, logprob: float, strings: TokenStrings) -> dict[str, 
 class CompletionLogprobs:
     """Completions' legacy `logprobs`: `tokens`, `token_logprobs`, `top_logprobs` (a
     {text: logprob} object per token, null where the token has none) and `text_offset` (each
-    token's first character in the choice's text), built token by token."""
+    token's first character in the choice's text: the characters its bytes and the earlier
+    tokens' complete, so a token holding part of a character, shown as `bytes:\\xNN`, counts
+    none of its label), built token by token."""
 
     def __init__(self, strings: TokenStrings, offset: int = 0) -> None:
         self._strings = strings
         self.offset = offset
+        self._characters = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def part(self, entries: Iterable[TokenLogprobs | None],
              tokens: Iterable[int] | None = None) -> dict[str, list[Any]]:
@@ -119,7 +123,7 @@ class CompletionLogprobs:
             text = self._strings(token)
             part["tokens"].append(text)
             part["text_offset"].append(self.offset)
-            self.offset += len(text)
+            self.offset += len(self._characters.decode(self._strings.raw(token)))
             if entry is None:
                 part["token_logprobs"].append(None)
                 part["top_logprobs"].append(None)

@@ -29,7 +29,9 @@ MAX_STOPS = 4
 # The most choices per prompt (`n`) and prompts per request: each is one engine request.
 MAX_N = 16
 MAX_PROMPTS = 64
-_REFUSED = ("functions", "suffix")
+_REFUSED = ("functions",)
+# Other servers' names of the length field (llama.cpp's: -1 is no limit; OpenAI Responses').
+_LENGTH_ALIASES = ("n_predict", "max_output_tokens")
 
 
 class RequestError(InputError):
@@ -77,9 +79,7 @@ def parse_chat(body: object) -> GenerationParams:
     if not isinstance(messages, list) or not messages:
         raise RequestError(f"'messages' must be a non-empty list of messages, got "
                            f"{_shown(messages)}", param="messages")
-    param = "max_tokens" if body.get("max_completion_tokens") is None \
-        else "max_completion_tokens"
-    max_tokens = body.get(param)
+    param, max_tokens = _length(body, ("max_completion_tokens", "max_tokens"))
     return _params(body, _max_tokens(max_tokens, param), messages=tuple(
         _message(message, index) for index, message in enumerate(messages)))
 
@@ -91,9 +91,27 @@ def parse_completion(body: object) -> GenerationParams:
         raise RequestError("best_of other than 1 is not supported", param="best_of")
     prompts = _prompts(body.get("prompt"))
     echo = body.get("echo") is True
-    return _params(body, _max_tokens(body.get("max_tokens"), "max_tokens",
-                                     minimum=0 if echo else 1),
+    param, max_tokens = _length(body, ("max_tokens",))
+    return _params(body, _max_tokens(max_tokens, param, minimum=0 if echo else 1),
                    prompt=prompts[0], prompts=prompts)
+
+
+def _length(body: Mapping[str, Any], names: tuple[str, ...]) -> tuple[str, object]:
+    """The length field the body sets and its value: the first of `names` that is not null
+    (chat's `max_completion_tokens` wins over `max_tokens`), or one of the aliases (400 when
+    an alias comes beside another length field)."""
+    param = next((name for name in names if body.get(name) is not None), names[-1])
+    aliases = [name for name in _LENGTH_ALIASES if body.get(name) is not None]
+    if aliases:
+        if body.get(param) is not None or len(aliases) > 1:
+            other = param if body.get(param) is not None else aliases[0]
+            raise RequestError(f"'{other}' and '{aliases[-1]}' both set the output's length; "
+                               "send one of them", param=aliases[-1])
+        param = aliases[0]
+    value = body.get(param)
+    if param == "n_predict" and value == -1 and not isinstance(value, bool):
+        return param, None
+    return param, value
 
 
 def _object(body: object) -> Mapping[str, Any]:

@@ -23,6 +23,7 @@ socket (`cpus_per_replica`, with `intra_op_threads` to match). Needs the `ray` e
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import random
@@ -319,7 +320,9 @@ class _Ingress:
                                 status_code=500)
         headers = {key: value for key, value in head.headers
                    if key.lower() not in ("content-length", "transfer-encoding")}
-        return StreamingResponse(_rest(answer), status_code=head.status, headers=headers)
+        events = headers.get("content-type", "").startswith("text/event-stream")
+        return StreamingResponse(_rest(answer, events), status_code=head.status,
+                                 headers=headers)
 
     async def _body(self, request: Any) -> bytes:
         """The body, read up to one byte past the limit: the replica refuses it (413) with
@@ -337,13 +340,22 @@ class _Ingress:
                              BLOCK_CHARS)
 
 
-async def _rest(answer: Any) -> AsyncIterator[bytes]:
+async def _rest(answer: Any, events: bool = False) -> AsyncIterator[bytes]:
     """The body pieces of a replica's answer; the replica's call is cancelled if the client
-    leaves first."""
+    leaves first. A replica lost mid-answer (shut down, died) ends an event stream with an
+    error event, as the server's own failures end one (a whole answer is cut short)."""
     finished = False
     try:
-        async for piece in answer:
-            yield piece
+        try:
+            async for piece in answer:
+                yield piece
+        except Exception as error:  # the replica is gone: the server's fault
+            logger.error("the replica stopped in the middle of an answer", exc_info=error)
+            if events:
+                body = error_body("the replica serving this request stopped before it "
+                                  "finished; retry", "server_error", code="replica_lost")
+                yield f"data: {json.dumps(body)}\n\n".encode()
+            return
         finished = True
     finally:
         if not finished:

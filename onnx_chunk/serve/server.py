@@ -13,6 +13,7 @@ import contextlib
 import logging
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Callable, Iterator
 
@@ -22,6 +23,11 @@ from starlette.applications import Starlette
 DRAIN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # Seconds uvicorn waits for connections to close once draining has ended their requests.
 GRACEFUL_S = 30
+# The interpreter's thread switch interval while serving (CPython's default is 5 ms): the
+# event loop gives up the GIL at each socket call, and a worker thread building an answer
+# holds it up to this long each time the loop wants it back, so a /health answer of a few
+# dozen such calls would wait 5 ms times that.
+SWITCH_INTERVAL_S = 0.0005
 
 
 class DrainingServer(uvicorn.Server):
@@ -36,7 +42,12 @@ class DrainingServer(uvicorn.Server):
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        previous = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        try:
+            await super().serve(sockets)
+        finally:
+            sys.setswitchinterval(previous)
 
     def stop(self) -> None:
         """Drain and exit, as the signal does (callable from any thread)."""

@@ -37,6 +37,9 @@ def tool_fields(message: Mapping[str, Any], where: str) -> dict[str, Any]:
                                param=f"{where}.tool_calls")
         fields["tool_calls"] = [_template_call(call, f"{where}.tool_calls[{index}]")
                                 for index, call in enumerate(calls)]
+    if message.get("role") == "tool" and message.get("tool_call_id") is None:
+        raise RequestError(f"{where}.tool_call_id is required on a tool message: the id of "
+                           "the call it answers", param=f"{where}.tool_call_id")
     for name in ("tool_call_id", "name"):
         value = message.get(name)
         if value is not None:

@@ -46,7 +46,7 @@ from onnx_chunk.errors import (
     ModelStructureError,
     ProviderError,
 )
-from onnx_chunk.runtime.device.buffers import DeviceBuffer
+from onnx_chunk.runtime.device.buffers import DeviceBuffer, device_zeros
 from onnx_chunk.runtime.device.provider import Device, resolve_device
 from onnx_chunk.static.alignment import AlignedPrompt, PadSide, StaticLimits, align_prompt
 from onnx_chunk.static.bound_kv import BoundKVCache
@@ -280,6 +280,8 @@ class StaticRunner:
     ) -> None:
         chunk_path, decode_path = Path(chunk_model), Path(decode_model)
         self.device = device if device is not None else resolve_device(provider, device_id)
+        # The device buffers of the graphs' inputs (`_bind_input`), by (graph spec, input).
+        self._inputs: dict[tuple[int, str], DeviceBuffer] = {}
         self.chunk_session = _session(chunk_path, self.device)
         self.decode_session = _session(decode_path, self.device)
         self.chunk_spec = _graph_spec(self.chunk_session, chunk_path)
@@ -364,11 +366,14 @@ class StaticRunner:
         device; updates the cache there (rolled, or written in place) and returns row
         `logits_row` of the logits ([vocab], a host copy of that row only), or None."""
         binding = session.io_binding()
-        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids[None]))
-        binding.bind_cpu_input("attention_mask",
-                               cache.forward_mask(valid, start, spec.rows, spec.mask_dtype))
+        # Inputs live in device buffers allocated once per (graph, input) and written in
+        # place: what crosses is the forward's ids, mask and positions, counted.
+        self._bind_input(binding, spec, "input_ids", np.ascontiguousarray(input_ids[None]))
+        self._bind_input(binding, spec, "attention_mask",
+                         cache.forward_mask(valid, start, spec.rows, spec.mask_dtype))
         if spec.position_ids:
-            binding.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids[None]))
+            self._bind_input(binding, spec, "position_ids",
+                             np.ascontiguousarray(position_ids[None]))
         # Bound first, so that it is the binding's first output (outputs come in bind order).
         binding.bind_output(spec.logits, self.device.device_type, self.device.device_id)
         cache.bind(binding, spec.rows)
@@ -378,8 +383,20 @@ class StaticRunner:
         cache.after_forward(valid[start:start + spec.rows])
         if logits_row is None:
             return None
-        logits = DeviceBuffer(binding.get_outputs()[0], None, spec.logits_dtype)
+        logits = DeviceBuffer(binding.get_outputs()[0], None, spec.logits_dtype,
+                              None if self.device.host_visible else self.device.transfers)
         return np.array(logits.read(logits_row * self.vocab_size, self.vocab_size))
+
+    def _bind_input(self, binding: ort.IOBinding, spec: _GraphSpec, name: str,
+                    array: np.ndarray) -> None:
+        """Write `array` into the device buffer of input `name` of `spec`'s graph (allocated
+        on first use) and bind it."""
+        key = (id(spec), name)
+        buffer = self._inputs.get(key)
+        if buffer is None or buffer.shape != array.shape or buffer.dtype != array.dtype:
+            buffer = self._inputs[key] = device_zeros(array.shape, array.dtype, self.device)
+        buffer.write(array)
+        binding.bind_ortvalue_input(name, buffer.value)
 
     def prefill(self, aligned: AlignedPrompt,
                 cache: StaticKVBuffers) -> tuple[np.ndarray, int]:

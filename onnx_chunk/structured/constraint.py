@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 # JSON as json.dumps writes it by default (", " and ": "), with no other whitespace: a model
 # cannot stall in an endless run of blanks.
-_JSON_OPTIONS = {"whitespace_flexible": False}
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _BITS = np.array([1 << bit for bit in range(8)], dtype=np.uint8)
 
 _grammar_tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -101,8 +101,7 @@ class Conversation:
         """The assistant's reply to `content`, as it is produced (checked before any work)."""
         tokenizer = self.tokenizer
         messages = [*self.messages, {"role": "user", "content": content}]
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = tokenizer.encode(rendered, add_special_tokens=False)
+        rendered, ids = tokenizer.render_chat(messages, special_in_content=True)
         if self.reuse_cache and self._cached_ids:
             plan = continuation(self._cached_ids, self._cached_text, ids, rendered,
                                 lambda text: tokenizer.encode(text, add_special_tokens=False))

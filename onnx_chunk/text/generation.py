@@ -52,12 +52,12 @@ class Completion:
 
 def prompt_ids(tokenizer: Tokenizer, prompt: Prompt, *,
                tools: SequenceOf[Mapping[str, Any]] | None = None) -> list[int]:
-    """The ids a prompt (text or messages, with the `tools` the template shows) is fed as."""
+    """The ids a prompt (text or messages, with the `tools` the template shows) is fed as:
+    messages through `Tokenizer.encode_chat`, the server's encoder, with the special tokens
+    typed in them parsed as control tokens (transformers' apply_chat_template does so)."""
     if isinstance(prompt, str):
         return tokenizer.encode(prompt)
-    return tokenizer.encode(tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
-                                                          tools=tools),
-                            add_special_tokens=False)
+    return tokenizer.encode_chat(prompt, special_in_content=True, tools=tools)
 
 
 def end_ids(tokenizer: Tokenizer, *, ignore_eos: bool = False,

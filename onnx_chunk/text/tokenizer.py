@@ -165,13 +165,25 @@ class Tokenizer:
                     tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """The ids of a conversation rendered through the chat template (no special tokens
         added, as transformers' apply_chat_template(tokenize=True)); `tools` as
-        `apply_chat_template` takes them.
+        `apply_chat_template` takes them. The one encoder of messages: text, chat, the
+        server and /tokenize feed what it gives.
 
         special_in_content: the special tokens typed in the messages' role and content become
             control tokens (transformers' behaviour); False keeps them as text.
         max_tokens: a rendering too long to be that many tokens is refused (CapacityError)
             as it renders, before it is encoded.
         """
+        return self.render_chat(messages, add_generation_prompt=add_generation_prompt,
+                                special_in_content=special_in_content, max_tokens=max_tokens,
+                                tools=tools)[1]
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], *,
+                    add_generation_prompt: bool = True, special_in_content: bool = False,
+                    max_tokens: int | None = None,
+                    tools: Sequence[Mapping[str, Any]] | None = None
+                    ) -> tuple[str, list[int]]:
+        """`encode_chat`'s ids with the rendered text they encode (the typed special tokens
+        in it as typed): for a caller that matches the text of one turn against the next."""
         rendered: list[dict[str, Any]] = [dict(message) for message in messages]
         typed: list[str] = []
         nonce = uuid.uuid4().hex
@@ -189,7 +201,7 @@ class Tokenizer:
                 f"stands for at most {span} characters; the KV capacity is {max_tokens}); "
                 "shorten the conversation") from error
         if not typed:
-            return self.encode(text, add_special_tokens=False)
+            return text, self.encode(text, add_special_tokens=False)
         pieces = re.split(f"\ue000{nonce}(\\d+)\ue001", text)
         ids: list[int] = []
         for index, piece in enumerate(pieces):
@@ -198,7 +210,8 @@ class Tokenizer:
                                                   add_special_tokens=False)[0].ids
             elif piece:
                 ids += self.encode(piece, add_special_tokens=False)
-        return ids
+        return "".join(typed[int(piece)] if index % 2 else piece
+                       for index, piece in enumerate(pieces)), ids
 
     def _special_as_placeholders(self, messages: list[dict[str, Any]], typed: list[str],
                                  nonce: str) -> list[dict[str, Any]]:

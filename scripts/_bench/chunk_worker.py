@@ -47,6 +47,7 @@ def main() -> None:
         tokens = sequence.generate(prompt, request["new_tokens"], eos_token_id=request["eos"])
         total = time.perf_counter() - start
         generation = sequence.stats.last_generation
+        assert generation is not None  # set by generate()
         results.append({
             "prompt_tokens": len(prompt),
             "ttft_s": generation.ttft_s,

@@ -40,7 +40,9 @@ def measure(model: Path, genai: Path | None, plan: dict, repetitions: int) -> di
     """Every run of both modes of both systems: {mode: {system: [run, ...]}}."""
     env.compile_package()
     systems = (ONNX_CHUNK, GENAI) if genai else (ONNX_CHUNK,)
-    python = {ONNX_CHUNK: Path(sys.executable), GENAI: genai}
+    python = {ONNX_CHUNK: Path(sys.executable)}
+    if genai is not None:
+        python[GENAI] = genai
     prompt = seeded_prompt(plan["prompt"], env.model_config(model)["vocab_size"])
     runs: dict[str, dict[str, list[dict]]] = {mode: {system: [] for system in systems}
                                               for mode in MODES}

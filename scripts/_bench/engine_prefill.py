@@ -10,6 +10,7 @@ invocation, the GFLOP/s of its prefill and decode phases.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from onnx_chunk.models.config import DecoderConfig
@@ -67,7 +68,7 @@ def throughput_phases(throughput: dict, lengths: list[int], new_tokens: int,
 
 
 def table(data: dict, config: DecoderConfig,
-          phases: list[tuple[str, int, Summary, int]] = ()) -> str:
+          phases: Sequence[tuple[str, int, Summary, int]] = ()) -> str:
     """The batched/serial ratios, then the GFLOP/s of each measured forward or phase."""
     plan, seconds = data["plan"], data["seconds"]
     # fp32 matrices: a multiply-add of one row reads one 4-byte weight (the embedding is a

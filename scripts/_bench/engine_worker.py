@@ -42,6 +42,7 @@ def _throughput(runtime: rt.Runtime, request: dict) -> dict:
     wall = time.perf_counter() - began
     engine = runtime.stats.engine
     if engine is not None:
+        assert before is not None  # the warm-up request started the engine
         phases = {"prefill_s": engine.prefill_s - before.prefill_s,
                   "decode_s": engine.decode_s - before.decode_s,
                   "decode_forwards": engine.decode_steps - before.decode_steps,
@@ -62,6 +63,7 @@ def _generate(runtime: rt.Runtime, batch: int, prompts: list,
             sequence.rewind(sequence.length)
             tokens.append(sequence.generate(prompt, new_tokens, []))
             generation = sequence.stats.last_generation
+            assert generation is not None and generation.ttft_s is not None
             prefill_s += generation.ttft_s
             decode_s += generation.decode_s
     return tokens, {"prefill_s": prefill_s, "decode_s": decode_s,
@@ -84,6 +86,7 @@ def _stall(runtime: rt.Runtime, request: dict) -> dict:
     submit_s = time.perf_counter()
     admitted = runtime.submit(long, 1, eos_token_id=[])
     admitted.result()
+    assert admitted.stats.ttft_s is not None  # its first token came
     first_s = submit_s + admitted.stats.ttft_s
     gaps = []
     for submitted_s, submitted in running:
@@ -96,9 +99,12 @@ def _stall(runtime: rt.Runtime, request: dict) -> dict:
         gaps += [later - earlier for earlier, later in zip(stamps, stamps[1:])
                  if later > submit_s and earlier < first_s]
     engine = runtime.stats.engine
+    assert engine is not None  # requests were submitted
     with runtime.open_sequence() as alone:
         alone.generate(long, 1, [])
-        chunks = alone.stats.last_generation.chunks
+        generation = alone.stats.last_generation
+        assert generation is not None  # set by generate()
+        chunks = generation.chunks
     return {"longest_gap_s": max(gaps), "gaps": len(gaps), "ttft_s": admitted.stats.ttft_s,
             "chunk_forward_s": max(chunk.seconds for chunk in chunks),
             "chunks": len(chunks), "decode_stalls": engine.decode_stalls}

@@ -7,8 +7,9 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
 from pathlib import Path
+
+from . import venvs
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent
@@ -19,13 +20,17 @@ GENAI_VERSION = "0.18.0"
 # Pinned, so a peer's answer only changes when these lines do.
 PEER_REQUIREMENTS = (f"onnxruntime-genai=={GENAI_VERSION}", "onnxruntime==1.31.1",
                      "transformers==5.24.0", "jinja2==3.1.6")
-_PEER_PROBE = ("import importlib.metadata as m; "
-               "print(' '.join(f'{p}=={m.version(p)}' for p in "
-               "('onnxruntime-genai', 'onnxruntime', 'transformers', 'jinja2')))")
 EOS_TOKEN_ID = 2
-# llama-cpp-python's venv for the llama.cpp part (docs/benchmarks.md, part 7, builds it).
-LLAMA_PYTHON = Path(os.environ.get("ONNX_CHUNK_LLAMACPP_PYTHON",
-                                   "/work/llamacpp-venv/bin/python"))
+
+
+def llama_python(make: bool = False) -> Path:
+    """The llama-cpp-python interpreter: $ONNX_CHUNK_LLAMACPP_PYTHON, else the scratch venv's
+    under the user's cache (made first when `make`; else it may not exist yet)."""
+    if os.environ.get("ONNX_CHUNK_LLAMACPP_PYTHON"):
+        return Path(os.environ["ONNX_CHUNK_LLAMACPP_PYTHON"])
+    if make:
+        return venvs.python(venvs.LLAMACPP)
+    return venvs.interpreter(venvs.location(venvs.LLAMACPP))
 
 
 def common_parser(description: str, *, variant: bool = True) -> argparse.ArgumentParser:
@@ -155,39 +160,19 @@ def genai_python(venv: Path) -> Path:
     onnxruntime-gpu, so it lives in a venv of its own. What it creates or installs is said on
     stderr.
     """
-    return _pinned_venv(venv, PEER_REQUIREMENTS, _PEER_PROBE, list(PEER_REQUIREMENTS))
+    return venvs.pinned_venv(venv, PEER_REQUIREMENTS)
 
 
 # The evaluation harness's venv: lm-evaluation-harness with its API models (no torch: the
 # `api` extra talks to a server; transformers reads the export's tokenizer), pinned.
 LMEVAL_REQUIREMENTS = ("lm-eval[api]==0.4.13", "transformers==5.24.0")
-_LMEVAL_PROBE = ("import importlib.metadata as m; "
-                 "print(' '.join(f'{p}=={m.version(p)}' for p in ('lm-eval', 'transformers')))")
 
 
 def lmeval_python(venv: Path) -> Path:
     """The interpreter of the harness's venv (created, and LMEVAL_REQUIREMENTS installed, if
     missing: about 4.5 minutes and 930 MB, measured on this 2-core machine). What it creates
     or installs is said on stderr."""
-    return _pinned_venv(venv, LMEVAL_REQUIREMENTS, _LMEVAL_PROBE,
-                        [requirement.replace("[api]", "") for requirement in LMEVAL_REQUIREMENTS])
-
-
-def _pinned_venv(venv: Path, requirements: Sequence[str], probe: str,
-                 expected: list[str]) -> Path:
-    """The interpreter of `venv`, created if missing, with `requirements` installed unless
-    `probe` (a Python one-liner) already prints `expected` there."""
-    python = venv / "bin" / "python"
-    if not python.exists():
-        print(f"creating {venv}", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    found = subprocess.run([str(python), "-c", probe], capture_output=True, text=True,
-                           check=False)
-    if found.returncode != 0 or found.stdout.split() != expected:
-        print(f"installing {' '.join(requirements)} into {venv}", file=sys.stderr)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                        *requirements], check=True)
-    return python
+    return venvs.pinned_venv(venv, LMEVAL_REQUIREMENTS)
 
 
 def worker_argv(python: Path | str, worker: str, request: dict) -> list[str]:

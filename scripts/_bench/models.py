@@ -17,7 +17,7 @@ DEFAULT_ROOT = Path.home() / ".cache" / "onnx-chunk" / "bench-models"
 MAX_LENGTH = 8192
 ONNX_PRECISIONS = ("int4", "fp32")
 GGUF_QUANTS = ("q4_0", "q8_0")
-BUILD_COMMAND = "nice -n 10 /work/exporters-venv/bin/python scripts/make_bench_models.py"
+BUILD_COMMAND = "python scripts/make_bench_models.py"
 
 
 @dataclass(frozen=True)

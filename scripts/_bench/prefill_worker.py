@@ -22,14 +22,16 @@ import onnxruntime as ort
 
 def _feeds(session: ort.InferenceSession, batch: int, rows: int, past: int,
            head_size: int | None = None) -> dict:
-    feeds = {"input_ids": np.full((batch, rows), 3, np.int64),
+    feeds: dict[str, np.ndarray] = {"input_ids": np.full((batch, rows), 3, np.int64),
              "attention_mask": np.ones((batch, past + rows), np.int64)}
     for value in session.get_inputs():
         if value.name.startswith("past_key_values."):
             heads, size = value.shape[1], value.shape[3]
             # The builder's exports leave the head size symbolic (kv_cache_dim).
             size = size if isinstance(size, int) else head_size
-            feeds[value.name] = np.zeros((batch, heads, past, size), np.float32)
+            if size is None:
+                raise SystemExit(f"{value.name}: a symbolic head size and no head_size given")
+            feeds[value.name] = np.zeros((batch, int(heads), past, size), np.float32)
     return feeds
 
 

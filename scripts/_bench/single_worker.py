@@ -17,6 +17,7 @@ import inspect
 import json
 import statistics
 import sys
+from typing import Any
 
 import onnx_chunk
 
@@ -55,7 +56,7 @@ def main() -> None:
     run = PATHS[request["path"]]
     # A prompt run again would reuse its own kept prefix (prefix reuse, where the tree has it):
     # off, so that every run prefills the whole prompt as the baseline's does.
-    reuse = ({"prefix_reuse": False}
+    reuse: dict[str, Any] = ({"prefix_reuse": False}
              if "prefix_reuse" in inspect.signature(onnx_chunk.Runtime).parameters else {})
     with onnx_chunk.load(request["model"], provider="cpu", chunk_size=request["chunk_size"],
                          capacity=request["capacity"], max_batch=1, **reuse) as runtime:

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from scripts._bench import environment as env
+from scripts._bench import venvs
 from scripts._bench.child import run_child
 from scripts._bench.harness import seeded_prompt
 from scripts._bench.models import (
@@ -107,7 +108,7 @@ def test_an_unknown_model_is_one_clear_line_and_exit_2(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"error: benchmark model qwen05-int4 is not built in {tmp_path}; build it with "
-        "`nice -n 10 /work/exporters-venv/bin/python scripts/make_bench_models.py qwen05-int4` "
+        "`python scripts/make_bench_models.py qwen05-int4` "
         "(see its --help)"]
 
 
@@ -127,16 +128,18 @@ def test_bench_vs_genai_takes_a_builder_export_with_model(tmp_path, peer_python)
 
 
 def test_the_llamacpp_worker_runs_a_real_size_gguf_greedily():
-    """Where the llama.cpp venv and qwen05-q4_0 are built (docs/benchmarks.md, part 7): the
+    """Where the llama.cpp venv and qwen05-q4_0 are built (docs/benchmarks.md says how): the
     worker decodes the prompt in chunks and gives the same greedy tokens for the same prompt."""
     try:
         gguf = bench_model("qwen05-q4_0")
     except BenchModelMissing as error:
         pytest.skip(f"LLAMA.CPP NOT TESTED: {error}")
-    if not env.LLAMA_PYTHON.exists():
-        pytest.skip(f"LLAMA.CPP NOT TESTED: no llama-cpp-python interpreter at {env.LLAMA_PYTHON}")
+    llama_python = env.llama_python()
+    if not llama_python.exists():
+        pytest.skip(f"LLAMA.CPP NOT TESTED: no llama-cpp-python interpreter at {llama_python}; "
+                    f"`{venvs.LLAMACPP.command()}` makes it")
     prompt = seeded_prompt(40, 151936)
-    payload = run_child(env.worker_argv(env.LLAMA_PYTHON, "llamacpp_worker", {
+    payload = run_child(env.worker_argv(llama_python, "llamacpp_worker", {
         "model": str(gguf), "prompts": [prompt, prompt], "new_tokens": 4, "chunk_size": 16,
         "threads": 2}), timeout_s=300).payload
     first, second = payload["results"]

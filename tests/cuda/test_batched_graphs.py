@@ -10,7 +10,7 @@ import pytest
 
 from onnx_chunk.runtime import load
 from onnx_chunk.runtime.caches import variant_pool
-from onnx_chunk.runtime.caches.cuda_graphs import RUNS_BEFORE_CAPTURE, SKIP_CAPTURE
+from onnx_chunk.runtime.caches.cuda_graphs import CAPTURE_RUN, SKIP_CAPTURE
 from tests.cuda.test_device_inputs import DEVICE
 
 PROMPTS = [list(range(3, 40)), list(range(5, 12)), list(range(9, 30))]
@@ -34,7 +34,7 @@ def test_the_batched_decode_captures_and_replays(reference_model, monkeypatch, r
     ids = {graph for _, graph in graphs}
     assert len(ids) == (2 if variant == "conv_hybrid" else 1)
     assert len({session for session, _ in graphs}) == 1
-    assert all(sum(graph == g for _, graph in graphs) > RUNS_BEFORE_CAPTURE + 1 for g in ids)
+    assert all(sum(graph == g for _, graph in graphs) > CAPTURE_RUN + 1 for g in ids)
     stats = runtime.stats
     assert stats.graphs_captured == len(ids) and stats.graphs_by_width == {1: len(ids)}
     assert not stats.graph_fallbacks

@@ -1,6 +1,7 @@
 """CUDA graph planning on CPU: which sessions capture, provider options, graph ids per binding."""
 
 import dataclasses
+import threading
 
 import numpy as np
 import onnxruntime as ort
@@ -15,7 +16,7 @@ from onnx_chunk.runtime.caches.cuda_graphs import (
     graph_runs,
     session_captures,
 )
-from onnx_chunk.runtime.caches.graph_cache import GraphCache
+from onnx_chunk.runtime.caches.graph_cache import GraphCache, GraphPlan, plan_graphs
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 from onnx_chunk.runtime.device.session_factory import SessionFactory
 
@@ -54,17 +55,52 @@ def test_provider_options_of_a_capturing_session():
 
 def test_graph_ids_are_fresh_per_binding_and_never_use_the_reserved_id_0():
     # ONNX Runtime reserves gpu_graph_id 0 for internal use; ids start at 1.
-    cache = GraphCache(cap=4)
-    first, second = cache.new_runs(stateful=True), cache.new_runs(stateful=True)
-    stateless = cache.new_runs(stateful=False)
-    assert (first.ids, second.ids, stateless.ids) == ((1, 2), (3, 4), (5,))
+    session = object()
+    cache = GraphCache(GraphPlan((((1, 1), 2), ((1, 16), 1)), parities=2))
+    assert cache.snapshot().planned == 6
+    first, second = cache.new_runs(session, 1, 1, True), cache.new_runs(session, 1, 1, True)
+    tier = cache.new_runs(session, 1, 16, True)
+    assert (first.ids, second.ids, tier.ids) == ((1, 2), (3, 4), (5, 6))
+    # Every planned key is held: the same shape again, or a shape outside the plan, runs
+    # uncaptured (no id at all).
+    held, outside = cache.new_runs(session, 1, 1, True), cache.new_runs(session, 1, 7, True)
+    assert held.ids == outside.ids == () and held.failure and outside.failure
+    assert cache.snapshot().outside_plan == 2
     with pytest.raises(ValueError):
         graph_runs((0,))
     entry = "gpu_graph_id"
     assert first.options(True, 1).get_run_config_entry(entry) == str(SKIP_CAPTURE)
     assert first.options(False, 0).get_run_config_entry(entry) == "1"
     assert second.options(False, 1).get_run_config_entry(entry) == "4"
-    assert stateless.options(False, 1).get_run_config_entry(entry) == "5"
+    assert held.options(False, 1).get_run_config_entry(entry) == str(SKIP_CAPTURE)
+
+
+def test_the_plan_counts_what_the_runtime_runs():
+    # A lone sequence's decode and tiers, the engine's decode at its slot count; at batch 1
+    # the engine's decode and a lone sequence's are two bindings of one shape.
+    assert plan_graphs((16, 32), 8, stateful=False).planned == 4
+    assert plan_graphs((16, 32), 1, stateful=False).count((1, 1)) == 2
+    assert plan_graphs((16, 32), 4, stateful=True).planned == 8
+
+
+def test_the_first_run_under_an_id_is_the_capture():
+    runs = graph_runs((3,))
+    assert not runs.captures_next(True, 0)  # the binding's first run: -1, learns shapes
+    assert runs.captures_next(False, 0) and not runs.replays_next(False, 0)
+    assert runs.ran(False, 0)  # that run captured
+    assert not runs.captures_next(False, 0) and runs.replays_next(False, 0)
+    assert not runs.ran(False, 0) and runs.captured == (3,)
+    runs.claim()  # another thread: the next run may capture in its provider context
+    assert runs.captures_next(False, 0) and not runs.ran(False, 0)
+    assert runs.replays_next(False, 0)
+    # A run in a thread other than the one that captured runs as a capture too, unclaimed.
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(
+        (runs.captures_next(False, 0), runs.ran(False, 0), runs.captures_next(False, 0))))
+    worker.start()
+    worker.join(10)
+    assert seen == [(True, False, False)]
+    assert runs.captures_next(False, 0)  # back in this thread: the worker owns it now
 
 
 def test_a_cpu_session_does_not_capture(reference_model):

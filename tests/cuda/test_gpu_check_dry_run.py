@@ -25,12 +25,12 @@ def test_dry_run_prints_the_table_last_and_writes_the_logs(tmp_path):
     for check in ("greedy tokens cpu vs device", "graphs off vs on",
                   "second pass (replay) vs first", "captures in pass 1", "captures in pass 2",
                   "captured widths = widths used", "second sequence", "node placement",
-                  "cap 2 with evictions", "weights copies", "one session per model",
+                  "graphs within the plan", "weights copies", "one session per model",
                   "engine at batch 8", "cache thrash (cpu)"):
         assert rows[check][0] == "ok", table
     for check in ("onnxruntime", "providers", "preload_dlls", "libcudart", "gpu",
                   "cuda probe", "capture log lines", "memory graphs on (rss)",
-                  "memory cap 2 (rss)", "weights experiment", "bytes after load (rss)",
+                  "memory plan (rss)", "weights experiment", "bytes after load (rss)",
                   "bytes as widths arrive (rss)"):
         assert rows[check][0] == "info", table
     assert not [line for line in table if line.startswith("error")], table
@@ -39,14 +39,14 @@ def test_dry_run_prints_the_table_last_and_writes_the_logs(tmp_path):
     assert "0 captures" in rows["second sequence"][1]
     assert "1 sessions, 1 weights copies" in rows["one session per model"][1]
     assert "tokens equal graphs off" in rows["engine at batch 8"][1]
-    assert "at most 2 graphs alive" in rows["cap 2 with evictions"][1]
+    assert "0 evictions" in rows["graphs within the plan"][1]
     assert lines.index(table[0]) == len(lines) - len(table)  # the table is printed last
     parity = rows["greedy tokens cpu vs device"][1]
     assert "5/5 prompts identical" in parity and "float32 vs float16" in parity
     results = json.loads((out / "results.json").read_text())
     assert {label: run["dtype"] for label, run in results.items()
             if "dtype" in run} == {"cpu": "float32", "graphs off": "float16",
-                                   "graphs on": "float16", "cap 2": "float16"}
+                                   "graphs on": "float16", "plan": "float16"}
     assert (out / "ort-logs" / "graphs-on-pass1.log").is_file()
     assert rows["TTFT / decode, graphs on"][0] == "info"
     assert {path.name for path in out.iterdir()} >= {"gpu_check.log", "cache_thrash.log",
@@ -68,6 +68,40 @@ def test_a_failing_step_is_one_error_row_and_the_table_still_ends_the_output(tmp
     assert table[-1].startswith("error: models") and "FAIL" in table[-1]
     assert "onnxruntime" in table[1] and "error: models" in result.stderr
     assert (tmp_path / "table.txt").read_text().strip().splitlines() == table
+
+
+def _sh_table(tmp_path, extra_env, *args):
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "TMPDIR": str(tmp_path), **extra_env}
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run",
+                             "--python", sys.executable, *args], capture_output=True,
+                            text=True, env=env, timeout=180)
+    lines = result.stdout.strip().splitlines()
+    table = lines[lines.index(next(line for line in lines if line.startswith("check "))):]
+    assert lines.index(table[0]) == len(lines) - len(table)  # the table is printed last
+    return result, {line[:30].strip(): line[30:].split(None, 1) for line in table[1:]}
+
+
+def test_a_failed_import_is_a_row_and_the_table_still_ends_the_output(tmp_path):
+    fake = tmp_path / "fake" / "onnxruntime"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        'raise ImportError("simulated: libcudart.so.12: cannot open shared object file")\n')
+    result, rows = _sh_table(tmp_path, {"PYTHONPATH": str(fake.parent)})
+    assert result.returncode == 1
+    assert rows["import"][0] == "FAIL" and "simulated: libcudart.so.12" in rows["import"][1]
+    assert rows["thrash model build"][0] == "FAIL"
+    assert "simulated" in rows["thrash model build"][1]
+    assert rows["cache thrash (cpu)"] == ["FAIL", "not run: no thrash model"]
+
+
+def test_a_failed_model_build_is_a_row_and_the_table_still_ends_the_output(tmp_path):
+    result, rows = _sh_table(tmp_path, {"GPU_CHECK_THRASH_PRESET": "no-such-preset"},
+                             "--preset", "no-such-preset")
+    assert result.returncode == 1
+    assert rows["error: models"][0] == "FAIL" and "no-such-preset" in rows["error: models"][1]
+    assert rows["thrash model build"][0] == "FAIL"
+    assert rows["cache thrash (cpu)"] == ["FAIL", "not run: no thrash model"]
+    assert rows["onnxruntime"][0] == "info"  # the environment rows came before
 
 
 def test_unknown_argument_is_refused(tmp_path):

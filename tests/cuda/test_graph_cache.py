@@ -15,7 +15,7 @@ import pytest
 
 from onnx_chunk.runtime import load
 from onnx_chunk.runtime.caches.cuda_graphs import SKIP_CAPTURE
-from onnx_chunk.runtime.caches.graph_cache import GraphCache
+from onnx_chunk.runtime.caches.graph_cache import GraphCache, GraphPlan, plan_graphs
 from tests.cuda.test_device_inputs import DEVICE
 
 # The CUDA device's shape on CPU: device memory, the capacity mask, graphs on, one session.
@@ -111,33 +111,71 @@ def test_graph_ids_are_distinct_per_shape_and_addresses_and_reused(reference_mod
     assert not graph_model.violations
 
 
-@pytest.mark.parametrize("cap", [2, 3])
-def test_graphs_never_pass_the_cap_and_evicted_ones_are_released(reference_model, graph_model,
-                                                                 cap):
+def test_a_server_like_run_captures_each_planned_key_once(reference_model, graph_model):
+    """200 requests (five remainder widths, batches of 1 to 8, slots reused), with a lone
+    sequence beside now and then: one capture per planned key, `alive <= planned` after every
+    batch, nothing released (the CUDA provider cannot), nothing ONNX Runtime would refuse."""
     path = reference_model()
-    expected = _generate(_host(path), PROMPTS * 2)
-    runtime = _load(path, max_variants=cap)
-    graph_model.runs.clear()
-    # Three sequences open at once: three slots, each with its own decode and tier graphs.
-    sequences = [runtime.open_sequence() for _ in range(3)]
-    got = []
-    for round_ in range(2):
-        for index, sequence in enumerate(sequences):
-            sequence.rewind(sequence.length)
-            got.append(sequence.generate(PROMPTS[index + round_], 6))
-    assert got == [expected[index + round_] for round_ in range(2) for index in range(3)]
+    runtime = _load(path, max_batch=8)
+    host = _host(path, max_batch=8)
+    planned = runtime.stats.graphs.planned
+    assert planned == runtime.variants.graphs.plan.planned > 0
+    served, batch = 0, 0
+    while served < 200:
+        size = min(1 + batch % 8, 200 - served)
+        prompts = [PROMPTS[(served + index) % len(PROMPTS)] for index in range(size)]
+        got = runtime.generate_many(prompts, 3, eos_token_id=[])
+        if batch % 8 == 0:
+            assert got == host.generate_many(prompts, 3, eos_token_id=[])
+        if batch % 5 == 0:
+            _generate(runtime, [PROMPTS[(batch // 5) % len(PROMPTS)]], tokens=3)
+            served += 1
+        served += size
+        batch += 1
+        graphs = runtime.stats.graphs
+        assert graphs.alive <= planned and len(graph_model.alive) <= planned
     graphs = runtime.stats.graphs
-    assert graph_model.peak_alive <= cap and graphs.peak_alive <= cap
-    assert graphs.alive == len(graph_model.alive) <= cap
-    # Each eviction released its graph through release_captured_graph, and no binding ran
-    # an id after its release (its buffers were dropped with it).
-    assert graphs.evictions == len(graph_model.released) > 0
+    assert len(graph_model.captures) == len(set(graph_model.captures)) == graphs.captures
+    assert graphs.alive == graphs.captures == len(graph_model.alive) <= planned
+    # The engine's batched decode and the lone sequence's decode and tiers captured.
+    assert graphs.by_width[1] == 2 and {1} < set(graphs.by_width) <= {1, *runtime.options.tiers}
+    assert graph_model.peak_alive <= planned and graph_model.released == []
+    assert runtime.stats.sequences.reused > 0 and not graph_model.violations
+    runtime.close()
+
+
+def test_a_failed_capture_falls_back_without_reaching_the_caller(reference_model,
+                                                                graph_model):
+    path = reference_model()
+    runtime = _load(path)
+    graph_model.fail_capture = {1, 2, 3, 4, 5, 6}
+    assert _generate(runtime, PROMPTS[:2]) == _generate(_host(path), PROMPTS[:2])
+    stats = runtime.stats.graphs
+    assert stats.captures == stats.alive == 0 and 1 in stats.fallbacks
+    assert "stream is capturing" in stats.fallbacks[1]
+
+
+def test_two_threads_on_one_capturing_runtime_are_serialised(reference_model, graph_model):
+    path = reference_model()
+    runtime = _load(path)
+    expected = _generate(_host(path), PROMPTS[:4])
+    graph_model.delay = 0.003
+    results, errors = {}, []
+
+    def work(index):
+        try:
+            results[index] = _generate(runtime, PROMPTS[index:index + 1])[0]
+        except Exception as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(index,)) for index in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors and [results[index] for index in range(4)] == expected
+    # The fake flags two runs of one session in flight at once: the run lock kept them apart.
     assert not graph_model.violations
-    [per_slot] = runtime.variants._kept.bindings.values()
-    held = {graph for bindings in per_slot.values()
-            for binding in bindings.values() if binding.graphs is not None
-            for graph in binding.graphs.captured}
-    assert not held & set(graph_model.released)
 
 
 def test_a_capture_never_runs_beside_another_forward(reference_model, graph_model):
@@ -164,34 +202,53 @@ def test_a_capture_never_runs_beside_another_forward(reference_model, graph_mode
     assert graph_model.captures and not graph_model.violations
 
 
-def test_the_graph_cache_bounds_and_measures(monkeypatch):
+def test_the_graph_cache_measures_captures_and_strands_what_it_cannot_release(monkeypatch):
     released = []
 
     class Session:
         def release_captured_graph(self, graph):
             released.append(graph)
 
-    class Meter:
-        name = "fake"
-        reading = 0
-
-        def read(self):
-            Meter.reading += 100
-            return Meter.reading
-
     monkeypatch.setattr("onnx_chunk.runtime.caches.graph_cache.measured",
                         lambda meter, action: (action(), 64))
-    cache = GraphCache(cap=2, meter=Meter())
-    session, dropped = Session(), []
-    runs = [cache.new_runs(stateful=False) for _ in range(3)]
-    assert [r.ids for r in runs] == [(1,), (2,), (3,)]
-    for index, graph in enumerate(runs):
-        for _ in range(2):
-            graph.ran(False, 0)
-        assert cache.capture(session, graph, 0, 16, lambda options: None,
-                             lambda index=index: dropped.append(index))
-        if index == 1:
-            cache.replayed(runs[0])  # 0 is now more recent than 1
+    cache = GraphCache(GraphPlan((((1, 1), 1), ((1, 16), 1))), meter=object())
+    session = Session()
+    decode, tier = cache.new_runs(session, 1, 1, False), cache.new_runs(session, 1, 16, False)
+    assert (decode.ids, tier.ids) == ((1,), (2,))
+    for runs, width in ((decode, 1), (tier, 16)):
+        assert cache.capture(session, runs, 0, width, lambda options: None)
     stats = cache.snapshot()
-    assert (stats.alive, stats.captures, stats.evictions, stats.bytes) == (2, 3, 1, 128)
-    assert released == [2] and dropped == [1] and runs[1].failure is not None
+    assert (stats.planned, stats.alive, stats.captures, stats.bytes) == (2, 2, 2, 128)
+    # A provider that cannot release: no call, the graph stays alive and its key taken.
+    monkeypatch.setattr("onnx_chunk.runtime.caches.cuda_graphs.releases_graphs",
+                        lambda session: False)
+    assert cache.release(session, decode) == 0 and released == []
+    assert cache.new_runs(session, 1, 1, False).ids == ()
+    stats = cache.snapshot()
+    assert (stats.alive, stats.stranded, stats.released) == (2, 1, 0)
+    # One that can: the key is free again.
+    monkeypatch.setattr("onnx_chunk.runtime.caches.cuda_graphs.releases_graphs",
+                        lambda session: True)
+    assert cache.release(session, tier) == 1 and released == [2]
+    assert cache.new_runs(session, 1, 16, False).ids == (3,)
+    # The session goes: every graph with it, and the plan's keys are free.
+    cache.forget_session(session)
+    stats = cache.snapshot()
+    assert (stats.alive, stats.bytes, stats.stranded) == (0, 0, 0)
+    assert cache.new_runs(session, 1, 1, False).ids == (4,)
+
+
+def test_replan_recreates_the_session(reference_model, graph_model):
+    runtime = _load(reference_model())
+    _generate(runtime, PROMPTS[:1])
+    with runtime.cache.acquire(None) as session:
+        old = session
+    assert runtime.stats.graphs.alive > 0
+    assert not runtime.variants.replan(runtime.variants.graphs.plan)
+    assert runtime.variants.replan(plan_graphs(runtime.options.tiers, 4, False))
+    graphs = runtime.stats.graphs
+    assert (graphs.recreations, graphs.alive, graphs.planned) == (1, 0, 5)
+    _generate(runtime, PROMPTS[:1])
+    with runtime.cache.acquire(None) as session:
+        assert session is not old
+    assert runtime.stats.graphs.alive > 0 and not graph_model.violations

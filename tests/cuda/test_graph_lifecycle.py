@@ -20,7 +20,7 @@ from onnx_chunk.runtime import load
 from onnx_chunk.runtime.caches import variant_pool
 from onnx_chunk.runtime.caches.cuda_graphs import (
     CAPTURE_GATE,
-    RUNS_BEFORE_CAPTURE,
+    CAPTURE_RUN,
     SKIP_CAPTURE,
     CaptureGate,
 )
@@ -104,27 +104,38 @@ def test_a_collected_sequence_gives_its_slot_back(reference_model, no_gc):
     assert runtime.stats.sequences.reused == 1
 
 
-def test_slots_beyond_the_idle_ones_kept_release_their_graphs(reference_model, capturing,
-                                                              released_graphs):
+@pytest.mark.parametrize("releases", [False, True])
+def test_freed_slots_release_graphs_only_where_the_provider_frees_them(reference_model,
+                                                                      graph_model, releases):
+    graph_model.releases = releases
     runtime = _load(reference_model(), idle_sequences=1)
     sequences = [runtime.open_sequence() for _ in range(3)]
     assert [sequence.slot for sequence in sequences] == [0, 1, 2]
     for sequence in sequences:
-        # Decode runs: one first run, two warm-ups, then the capture and replays.
-        sequence.generate(PROMPT, RUNS_BEFORE_CAPTURE + 3)
-    stats = runtime.stats
-    assert stats.graphs_captured == 3 and stats.graphs_by_width == {1: 3}
+        sequence.generate(PROMPT, 5)
+    stats = runtime.stats.graphs
+    # The plan has two decode keys at batch 1 (the engine's and a lone sequence's): slots 0
+    # and 1 capture their decode, slot 2 runs it uncaptured; one 16-row tier key (slot 0).
+    assert stats.by_width == {1: 2, 16: 1} and stats.alive == 3 <= stats.planned
+    assert stats.outside_plan == 3  # slot 1's tier, slot 2's decode and tier
     ids = [_decode_ids(runtime, slot) for slot in range(3)]
+    assert ids[2] == ()
     for sequence in sequences:
         sequence.close()
-    # One slot stays idle (the last closed, warm); the other two release their decode graphs.
-    assert sorted(released_graphs) == sorted(ids[0] + ids[1])
+    runtime.pool.settle()
+    # One slot stays idle (the last closed); the other two are freed.
     stats = runtime.stats
-    assert (stats.graphs_released, stats.sequences.freed, stats.sequences.idle) == (2, 2, 1)
-    again = runtime.open_sequence()
-    # A freed slot number is handed out again.
-    other = runtime.open_sequence()
-    assert (again.slot, other.slot) == (2, 0)
+    assert (stats.sequences.freed, stats.sequences.idle) == (2, 1)
+    if releases:
+        assert sorted(graph_model.released) == sorted(graph for _, graph in
+                                                      graph_model.captures)
+        assert stats.graphs.alive == 0 and stats.graphs.released == 3
+    else:
+        # The CUDA provider frees graphs only with the session: no release call is made,
+        # and the freed slots' graphs stay alive (and counted) with their keys taken.
+        assert graph_model.released == []
+        assert (stats.graphs.alive, stats.graphs.stranded, stats.graphs.released) == (3, 3, 0)
+    assert stats.graphs.alive == len(graph_model.alive) and not graph_model.violations
 
 
 def test_pool_rules():
@@ -250,11 +261,12 @@ def test_capture_runs_hold_the_gate_alone(reference_model, capturing, gated_runs
             per_graph.setdefault((session, graph), []).append(alone)
         else:
             assert not alone
-    # The decode graphs (one, or two for the alternating state buffers) ran past their capture.
-    assert sum(len(runs) > RUNS_BEFORE_CAPTURE for runs in per_graph.values()) == (
+    # The decode graphs (one, or two for the alternating state buffers) replayed past their
+    # capture; the first user run under every id is its capture, and it alone held the gate.
+    assert sum(len(runs) > 1 for runs in per_graph.values()) == (
         2 if variant == "conv_hybrid" else 1)
     for runs in per_graph.values():
-        assert runs == [index == RUNS_BEFORE_CAPTURE for index in range(len(runs))]
+        assert runs == [index == CAPTURE_RUN for index in range(len(runs))]
 
 
 def test_inputs_are_synchronised_before_every_run_off_the_host(reference_model, monkeypatch,
@@ -272,14 +284,15 @@ def test_inputs_are_synchronised_before_every_run_off_the_host(reference_model, 
 
 @dataclasses.dataclass(frozen=True)
 class _FailingCapture(Device):
-    """The CPU stand-in whose capture runs fail as a CUDA capture can (graph id's third run)."""
+    """The CPU stand-in whose capture runs fail as a CUDA capture can (the first user run
+    under a graph id, which is the capture)."""
 
     def run(self, session, binding, options):
         graph = None if options is None else options.get_run_config_entry("gpu_graph_id")
         if graph not in (None, str(SKIP_CAPTURE)):
             counts = _FailingCapture.counts
             counts[(id(session), graph)] = counts.get((id(session), graph), 0) + 1
-            if counts[(id(session), graph)] == RUNS_BEFORE_CAPTURE + 1:
+            if counts[(id(session), graph)] == CAPTURE_RUN + 1:
                 raise RuntimeError("operation not permitted when stream is capturing")
         super().run(session, binding, options)
 
@@ -290,12 +303,14 @@ _FailingCapture.counts = {}
 def test_a_failed_capture_falls_back_to_running_without_a_graph(reference_model, capturing,
                                                                 recorded_runs):
     device = _FailingCapture(**{field.name: getattr(GRAPH_DEVICE, field.name)
-                                for field in dataclasses.fields(GRAPH_DEVICE)})
+                                for field in dataclasses.fields(GRAPH_DEVICE) if field.init})
     runtime = load(reference_model(), device=device, capacity=96, chunk_size=16, padding=False)
     expected = _load(reference_model()).open_sequence().generate(PROMPT, 8)
     assert runtime.open_sequence().generate(PROMPT, 8) == expected
     stats = runtime.stats
-    assert list(stats.graph_fallbacks) == [1]
+    # The first user run under each id captures, so it is the one that fails: the decode
+    # width's and the 16-row tier's (the second full chunk), each falling back in that run.
+    assert set(stats.graph_fallbacks) == {1, 16}
     assert "stream is capturing" in stats.graph_fallbacks[1]
     assert stats.graphs_captured == 0
     # After the failure the decode width runs without a graph, for new sequences too.
@@ -323,22 +338,52 @@ def test_captured_prefill_widths_keep_one_logits_row(reference_model, capturing)
     np.testing.assert_allclose(every, expected, rtol=0, atol=1e-5)
 
 
-def test_a_slot_taken_by_another_thread_drops_its_graphs_first(reference_model, capturing,
-                                                              released_graphs):
+def test_a_slot_taken_by_another_thread_drops_its_bindings(reference_model, graph_model):
     runtime = _load(reference_model())
     with runtime.open_sequence() as first:
-        first.generate(PROMPT, RUNS_BEFORE_CAPTURE + 3)
-    assert runtime.stats.graphs_captured == 1
-    ids = _decode_ids(runtime, first.slot)
+        first.generate(PROMPT, 5)
+    assert runtime.stats.graphs_captured == 2  # decode and the 16-row tier
     taken = []
-    # The CUDA provider keeps graphs per thread: another thread's sequence captures anew.
+    # The sequence pool frees a slot taken by another thread (its bindings go); the CUDA
+    # provider frees graphs only with the session, so no release is called and the graphs
+    # stay alive, counted as stranded.
     worker = threading.Thread(target=lambda: taken.append(runtime.open_sequence()))
     worker.start()
     worker.join(10)
     assert taken[0].slot == first.slot
-    assert released_graphs == list(ids)
+    assert graph_model.released == []
+    graphs = runtime.stats.graphs
+    assert (graphs.alive, graphs.stranded) == (2, 2) and graphs.alive <= graphs.planned
     with runtime.cache.acquire(1) as session:
         assert not runtime.variants.bindings(session, taken[0].slot)
+
+
+def test_claimed_bindings_keep_their_ids_and_run_their_next_run_as_a_capture(
+        reference_model, graph_model, gated_runs):
+    # The batch engine's new thread claims the batched decode's bindings (EngineContext's
+    # release_graphs): same ids, no key taken, nothing released, and the first run of each id
+    # after the claim holds the gate alone (it may capture in the new thread's context).
+    runtime = _load(reference_model(), max_batch=2)
+    prompts = [PROMPT, PROMPT[:9]]
+    expected = load(reference_model(), provider="cpu", capacity=96, chunk_size=16,
+                    max_batch=2).generate_many(prompts, 5, eos_token_id=[])
+    assert runtime.generate_many(prompts, 5, eos_token_id=[]) == expected
+    first = runtime.stats.graphs
+    batch_ids = {graph for _, graph in graph_model.captures}
+    assert batch_ids and first.by_width == {1: len(batch_ids)}
+    runtime.variants.claim(runtime._engine._batch.number)
+    gated_runs.clear()
+    assert runtime.generate_many(prompts, 5, eos_token_id=[]) == expected
+    again = runtime.stats.graphs
+    assert (again.captures, again.alive) == (first.captures, first.alive)
+    assert again.recaptures == len(batch_ids)
+    after = [(graph, alone) for _, graph, alone in gated_runs if graph in batch_ids]
+    assert {graph for graph, _ in after} == batch_ids
+    firsts = {graph: alone for graph, alone in reversed(after)}
+    assert all(firsts.values())
+    assert sum(alone for _, alone in after) == len(batch_ids)
+    assert graph_model.released == [] and not graph_model.violations
+    runtime.close()
 
 
 def test_a_stream_stops_once_its_sequence_is_closed(reference_model):

@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from onnx_chunk.runtime.device.buffers import DeviceBuffer
+from onnx_chunk.runtime.device.buffers import DeviceBuffer, copy_on_device, zero_range
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 from onnx_chunk.runtime.runner.attention_mask import (
     CapacityMask,
@@ -85,19 +85,52 @@ def test_the_capacity_mask_is_bound_once_and_rewritten_in_place(device, ends):
     assert io.inputs == []
 
 
-def test_the_capacity_mask_writes_only_the_columns_that_change(device, written):
+@pytest.fixture
+def changed(monkeypatch):
+    """The flat ranges a capacity mask sets to ones or zeros on the device."""
+    ranges = []
+    from onnx_chunk.runtime.runner import attention_mask
+
+    def ones(target, start, source, source_start, count):
+        ranges.append(("ones", start, start + count))
+        return copy_on_device(target, start, source, source_start, count)
+
+    def zeros(buffer, start, stop):
+        ranges.append(("zeros", start, stop))
+        return zero_range(buffer, start, stop)
+
+    monkeypatch.setattr(attention_mask, "copy_on_device", ones)
+    monkeypatch.setattr(attention_mask, "zero_range", zeros)
+    return ranges
+
+
+def test_the_capacity_mask_changes_only_the_columns_that_change(device, written, changed):
     mask = CapacityMask(1, 10, np.int64, device)
+    written.clear()  # its row of ones, written once
+    before = device.transfers.snapshot()
     io = _Binding()
     mask.set(io, 4)
     mask.set(io, 5)  # a decode step: one column
     mask.set(io, 2)  # after a rewind: the columns past the new end are cleared
-    assert written == [(0, 4), (4, 5), (2, 5)]
+    assert changed == [("ones", 0, 4), ("ones", 4, 5), ("zeros", 2, 5)]
     assert _contents(mask).tolist() == [[1, 1, 0, 0, 0, 0, 0, 0, 0, 0]]
     mask.reset()
     assert not _contents(mask).any()
-    written.clear()
+    changed.clear()
     mask.set(io, 3)
-    assert written == [(0, 3)]
+    assert changed == [("ones", 0, 3)]
+    # Nothing crossed from the host (the reads above are the test's own).
+    assert written == [] and device.transfers.snapshot().host_to_device_bytes == (
+        before.host_to_device_bytes)
+
+
+def test_a_batched_step_changes_one_column_per_row_that_stepped(device, changed):
+    mask = CapacityMask(3, 8, np.int64, device)
+    mask.set_rows(_Binding(), [2, 0, 4])
+    changed.clear()
+    mask.set_rows(_Binding(), [3, 0, 5])  # rows 0 and 2 stepped, row 1 stayed idle
+    assert changed == [("ones", 3, 4), ("ones", 21, 22)]
+    assert np.array_equal(_contents(mask), decode_mask([3, 0, 5], 8, np.int64))
 
 
 def test_a_batched_decode_step_gives_each_row_its_own_length(device):

@@ -13,6 +13,7 @@ from onnx_chunk.runtime import model as runtime_model
 from onnx_chunk.runtime.device.buffers import device_zeros
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 from onnx_chunk.runtime.device.session_factory import SessionFactory, SharedWeights
+from onnx_chunk.runtime.device.transfers import TransferStats
 
 from .test_requests import generate_in_threads
 
@@ -61,3 +62,82 @@ def test_reads_off_the_host_can_reuse_one_row_buffer():
     row = np.empty(4, dtype=np.float32)
     assert buffer.read(4, 4, row) is row
     assert row.tolist() == [4.0, 5.0, 6.0, 7.0]
+
+
+def _device(**changes):
+    """A fresh device-like CPU device (its own transfer counters), graphs off."""
+    return dataclasses.replace(device_for("cpu"), host_visible=False,
+                               mask_policy=MaskPolicy.CAPACITY, **changes)
+
+
+@pytest.mark.parametrize("variant", ["base", "conv_hybrid"])
+def test_a_decode_step_moves_its_inputs_in_and_one_logits_row_out(reference_model, variant):
+    runtime = load(reference_model(variant), device=_device(), capacity=96, chunk_size=16)
+    ports = runtime.ports
+    vocab, logits_size = ports.vocab_size, np.dtype(ports.logits_dtype).itemsize
+    mask_column = np.dtype(ports.mask_dtype).itemsize
+    token = np.dtype(ports.token_dtype).itemsize * (ports.hidden_size or 1)
+    positions = 8 if ports.position_ids is not None else 0
+    sequence = runtime.open_sequence()
+    before = runtime.stats.transfers
+    sequence.prefill(list(range(3, 48)))  # 45 = 16 + 16 + 13 (padded to a tier)
+    after = runtime.stats.transfers
+    # Prefill: one logits row, at the last chunk (and a model with recurrent state reads its
+    # state once per prefill call: what a prefill that fails partway puts back); in: per
+    # chunk its tokens, positions and the logits row index (the mask is set on the device).
+    state = sum(int(np.prod(port.shape)) * np.dtype(port.dtype).itemsize
+                for port in ports.state)
+    assert after.device_to_host_bytes - before.device_to_host_bytes == (
+        vocab * logits_size + state)
+    chunks = sequence.stats.last_generation.chunks if sequence.stats.last_generation else None
+    widths = [16, 16, 16] if chunks is None else [chunk.width for chunk in chunks]
+    bound = sum(width * (token + positions + mask_column) + 8 for width in widths)
+    assert 0 < after.host_to_device_bytes - before.host_to_device_bytes <= bound
+    for step in range(5):
+        before = runtime.stats.transfers
+        sequence.decode(7 + step)
+        after = runtime.stats.transfers
+        sent = after.host_to_device_bytes - before.host_to_device_bytes
+        assert sent <= token + positions + mask_column, step
+        assert sent == token + positions  # the mask column is set on the device
+        assert after.device_to_host_bytes - before.device_to_host_bytes == vocab * logits_size
+        assert after.synchronizations - before.synchronizations == 1
+
+
+def test_a_batched_decode_step_moves_one_row_per_sequence(reference_model):
+    runtime = load(reference_model("base"), device=_device(), capacity=96, chunk_size=16,
+                   max_batch=4)
+    ports = runtime.ports
+    vocab, logits_size = ports.vocab_size, np.dtype(ports.logits_dtype).itemsize
+    # Tokens and positions; mask updates never cross (they are made on the device).
+    per_row = np.dtype(ports.token_dtype).itemsize + 8
+    runner, seen = runtime.runner, []
+    original = type(runner).run
+
+    def run(self, slot, forward):
+        before = runtime.stats.transfers
+        ran = original(self, slot, forward)
+        after = runtime.stats.transfers
+        if len(forward.rows) > 1:
+            seen.append((after.host_to_device_bytes - before.host_to_device_bytes,
+                         after.device_to_host_bytes - before.device_to_host_bytes,
+                         len(forward.rows)))
+        return ran
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(runner), "run", run)
+        prompts = [list(range(1 + i, 20 + 3 * i)) for i in range(4)]
+        runtime.generate_many(prompts, 6, eos_token_id=[])
+    assert seen
+    for sent, received, rows in seen:
+        # Tokens and positions in (within the one mask column per row allowed); one logits
+        # row per row out.
+        assert sent <= rows * per_row
+        assert received == rows * vocab * logits_size
+    runtime.close()
+
+
+def test_the_host_path_moves_nothing(reference_model):
+    runtime = load(reference_model("base"), provider="cpu", capacity=96, chunk_size=16)
+    runtime.open_sequence().generate(list(range(3, 30)), 4)
+    assert runtime.stats.transfers == TransferStats()

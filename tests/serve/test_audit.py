@@ -115,9 +115,9 @@ def no_serving(monkeypatch):
 
 # 1. A 3 MB prompt froze every stream and /health for 5.7 s.
 def test_1_a_3mb_prompt_leaves_the_event_loop_free(live, monkeypatch):
-    import onnx_chunk.serve.app as app_module
+    from onnx_chunk.serve import protocol
 
-    held = _Held(monkeypatch, app_module, "parse_completion")
+    held = _Held(monkeypatch, protocol, "parse_completion")
     health, status, data = _answered_while_held(
         live, held, COMPLETIONS, {"prompt": "word " * 600_000, "max_tokens": 4})
     assert health == 200

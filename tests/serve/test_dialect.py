@@ -6,7 +6,6 @@ checks an option by what it must change)."""
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 
 import jsonschema
@@ -317,15 +316,6 @@ def test_a_grammar_with_ignore_eos_is_refused(live):
     error = _refusal(live, "/v1/chat/completions", {
         "messages": USER, "ignore_eos": True, "response_format": {"type": "json_object"}})
     assert error["param"] == "ignore_eos"
-
-
-def test_unknown_fields_are_ignored_and_logged_once(live, caplog):
-    with caplog.at_level(logging.WARNING, logger="onnx_chunk.serve.parameters"):
-        for _ in range(2):
-            answer = _complete(live, max_tokens=2, temperature=0,
-                               extra_body={"frobnicate_level": 3})
-            assert answer.choices[0].finish_reason in ("stop", "length")
-    assert sum("frobnicate_level" in record.getMessage() for record in caplog.records) == 1
 
 
 # /tokenize and /detokenize.

@@ -177,8 +177,12 @@ class _FailingRequest:
     def __init__(self, token: int) -> None:
         self._token = token
 
-    def steps(self):
-        yield self._token, None
+    def watch(self, callback) -> None:
+        callback()
+
+    def ready(self, seen: int):
+        if seen == 0:
+            return [self._token], [None], False
         raise RuntimeError("the forward failed: device lost")
 
     def cancel(self) -> None:

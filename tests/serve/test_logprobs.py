@@ -61,9 +61,14 @@ def test_completion_logprobs_in_the_legacy_shape(live):
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == \
         len(logprobs.top_logprobs) == len(logprobs.text_offset) == 5
     assert logprobs.text_offset[0] == 0
+    text = answer.choices[0].text
+    # Each token's first character in the text (a label `bytes:\\xNN` counts no character).
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+    assert logprobs.text_offset[-1] < len(text)
     for offset, token, following in zip(logprobs.text_offset, logprobs.tokens,
-                                        logprobs.text_offset[1:]):
-        assert following == offset + len(token)
+                                        [*logprobs.text_offset[1:], len(text)]):
+        if not token.startswith("bytes:"):
+            assert text[offset:following] == token
     generated = [max(top, key=top.get) for top in logprobs.top_logprobs]
     assert generated == logprobs.tokens  # greedy: each chosen token is its position's top
     assert all(len(top) == 3 for top in logprobs.top_logprobs)
@@ -219,3 +224,29 @@ def test_n_choices_under_a_json_schema_each_follow_it(live):
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
         assert len(choice.logprobs.content) > 0
     assert len(set(contents)) > 1
+
+
+class _Strings:
+    """TokenStrings' interface over a fixed table: id -> (label, bytes)."""
+
+    def __init__(self, table: dict[int, tuple[str, bytes]]) -> None:
+        self._table = table
+
+    def __call__(self, token: int) -> str:
+        return self._table[token][0]
+
+    def raw(self, token: int) -> bytes:
+        return self._table[token][1]
+
+
+def test_text_offset_counts_the_characters_a_split_token_completes_not_its_label():
+    from onnx_chunk.sampling import TokenLogprobs
+    from onnx_chunk.serve.logprobs import CompletionLogprobs
+
+    # "é" (c3 a9) split over two tokens, then "x", then a whole "ab".
+    strings = _Strings({1: ("bytes:\\xc3", b"\xc3"), 2: ("bytes:\\xa9", b"\xa9"),
+                        3: ("x", b"x"), 4: ("ab", b"ab")})
+    builder = CompletionLogprobs(strings, offset=7)
+    part = builder.part([TokenLogprobs(token, -1.0, ()) for token in (1, 2, 3, 4)])
+    assert part["text_offset"] == [7, 7, 8, 9]
+    assert builder.offset == 11

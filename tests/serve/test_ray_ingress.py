@@ -105,3 +105,14 @@ def test_application_refuses_bad_options_before_ray_starts(options, named):
     with pytest.raises(ConfigError, match=named):
         application(EXPORT, **options)
 
+
+
+def test_a_replica_lost_mid_stream_ends_the_stream_with_an_error_event():
+    handle = _Handle([_Head(200, (("content-type", "text/event-stream; charset=utf-8"),)),
+                      b'data: {"choices": []}\n\n', RuntimeError("the actor died")])
+    answer = _client(handle).post("/v1/completions", json={"prompt": "hi", "stream": True})
+    events = [event for event in answer.text.split("\n\n") if event]
+    assert events[0] == 'data: {"choices": []}'
+    error = json.loads(events[-1].removeprefix("data: "))["error"]
+    assert error["code"] == "replica_lost" and "actor died" not in answer.text
+    assert handle.answers[0].cancelled

@@ -103,14 +103,21 @@ def test_a_decode_step_moves_a_logits_row_and_its_inputs_never_the_cache(pair, m
     addresses = {buffer.value.data_ptr() for buffer in (*cache.key_buffers,
                                                         *cache.value_buffers)}
     traffic = _Traffic(monkeypatch)
+    before = runner.device.transfers.snapshot()
     result = runner.decode(prefill, new_tokens)
+    after = runner.device.transfers.snapshot()
     steps = result.decode_steps
     assert steps == new_tokens - 1
-    # Each step reads one logits row back, and sends its token, position and mask.
-    assert traffic.to_host == steps * runner.vocab_size * 4
+    # Each step reads one logits row back, and writes its token, position and mask into the
+    # inputs' device buffers (the runner's own count, and every host copy this test sees).
+    to_host = after.device_to_host_bytes - before.device_to_host_bytes
+    to_device = after.host_to_device_bytes - before.host_to_device_bytes
+    assert to_host == traffic.to_host == steps * runner.vocab_size * 4
     mask_row = 8 * CAPACITY  # float32 [1, 1, 1, C] or int64 [1, C]
-    assert traffic.to_device <= steps * (8 + 8 + mask_row)
-    assert kv_bytes > 4 * (traffic.to_device + traffic.to_host) / steps  # the cache never moved
+    assert 0 < to_device <= traffic.to_device <= 2 * steps * (8 + 8 + mask_row)
+    assert to_device <= steps * (8 + 8 + mask_row)
+    assert after.synchronizations - before.synchronizations == steps
+    assert kv_bytes > 4 * (to_device + to_host) / steps  # the cache never moved
     # The cache was allocated once: bound in place, or rolled between two buffers.
     after = {buffer.value.data_ptr() for buffer in (*cache.key_buffers, *cache.value_buffers)}
     assert after == addresses if runner.layout.value == "bound" else len(after) == len(addresses)

@@ -14,22 +14,33 @@ What ONNX Runtime requires, and how the runtime meets it (docs/cuda.md has the w
    session.
 3. Every compute node runs on the CUDA provider; a session that cannot capture fails to be
    created with the option on, and the factory creates it without.
-4. Graph id 0 is reserved by ONNX Runtime: ids start at FIRST_GRAPH_ID. A graph id runs
-   RUNS_BEFORE_CAPTURE times uncaptured (allocations), is captured on the next run and
-   replayed from then on; a binding's very first run passes SKIP_CAPTURE (it learns the
-   logits shape). `GraphRuns` counts the runs, so the runtime knows which run captures.
+4. Graph id 0 is reserved by ONNX Runtime: ids start at FIRST_GRAPH_ID. The first user run
+   under a graph id IS its capture: `InferenceSession::Run`
+   (onnxruntime/core/session/inference_session.cc, "Start another run for necessary memory
+   allocation or graph capture.") calls itself until the graph of that id is captured, so that
+   one call does the CUDA provider's warm-up runs (cuda_execution_provider.cc,
+   `min_num_runs_before_cuda_graph_capture_`), the capture and a replay. Every later run under
+   the id replays. A binding's very first run passes SKIP_CAPTURE (it learns the logits
+   shape). `GraphRuns` counts the runs, so the runtime knows which run captures: that run holds
+   the gate alone, is measured, and is the one the fallback wraps.
 5. A model with recurrent state gets two ids per binding: its state buffers alternate.
 6. ONNX Runtime captures in CUDA's global capture mode, which any device work from another
    thread breaks: a capture run holds `CAPTURE_GATE` alone, all other device work shares it.
-7. Graphs are freed by `release_graphs` (the graph cache's eviction, a freed sequence slot) or
-   with their session.
+7. Graphs live as long as their session on the CUDA provider (cuda_graph.cc: "Currently all
+   the captured graphs will be tied to the session's lifecycle"): `release_graphs` calls
+   `InferenceSession.release_captured_graph` only where the installed ONNX Runtime has it
+   (1.27 on, detected once) and the provider frees graphs (`releases_graphs`); elsewhere no call
+   is made. The graph cache bounds what is alive by a plan made at load (`graph_cache`).
+8. One run at a time on a capturing session (`device.run_lock`, taken by `Device.run`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -45,9 +56,8 @@ SKIP_CAPTURE = -1
 # ONNX Runtime reserves graph id 0 ("users are not expected to set the value to 0",
 # onnxruntime_run_options_config_keys.h); its own tests and onnxruntime-genai start at 1.
 FIRST_GRAPH_ID = 1
-# The CUDA provider runs a graph id twice without capture (allocations), captures it on the
-# third run and replays it from then on.
-RUNS_BEFORE_CAPTURE = 2
+# The index of the user run under a graph id that captures it: the first one (see rule 4).
+CAPTURE_RUN = 0
 
 
 def capturable(device: Device) -> bool:
@@ -73,20 +83,30 @@ def run_options(graph: int) -> ort.RunOptions:
 class GraphRuns:
     """The run options of one binding: a first run without capture, then its graphs.
 
-    `runs[i]` counts the runs made under graph `ids[i]`: the run after RUNS_BEFORE_CAPTURE of
-    them is the capture. `failure` (set by `fall_back`: a capture failed, or the graph cache
-    evicted the binding's graphs) makes every later run skip capture.
+    `runs[i]` counts the user runs made under graph `ids[i]`: run CAPTURE_RUN (the first) is
+    the capture, every later one a replay. The CUDA provider keeps its graphs per thread
+    (cuda_execution_provider.cc, `PerThreadContext`), so a run in another thread than the one
+    that captured `ids[i]` (`owners[i]`, held weakly), or after `claim`, may capture again: it
+    is run as a capture (gate alone, measured, the fallback around it). `failure` (set by
+    `fall_back`: a capture failed, the binding is outside the plan, its slot was freed) makes
+    every later run skip capture.
     """
 
     first: ort.RunOptions
     by_parity: tuple[ort.RunOptions, ...]
     ids: tuple[int, ...]
     runs: list[int] = field(default_factory=list)
+    moved: list[bool] = field(default_factory=list)
+    owners: list[weakref.ref | None] = field(default_factory=list)
     failure: str | None = None
 
     def __post_init__(self) -> None:
         if not self.runs:
             self.runs = [0] * len(self.ids)
+        if not self.moved:
+            self.moved = [False] * len(self.ids)
+        if not self.owners:
+            self.owners = [None] * len(self.ids)
 
     def options(self, first_run: bool, parity: int) -> ort.RunOptions:
         """The options of a run: no capture on the binding's first run, else its graph."""
@@ -95,22 +115,33 @@ class GraphRuns:
         return self.by_parity[parity % len(self.by_parity)]
 
     def captures_next(self, first_run: bool, parity: int) -> bool:
-        """Whether the next run (at `parity`) is the one that captures its graph."""
-        return (not first_run and self.failure is None
-                and self.runs[parity % len(self.ids)] == RUNS_BEFORE_CAPTURE)
+        """Whether the next run (at `parity`, in this thread) is one that captures."""
+        if first_run or self.failure is not None:
+            return False
+        return self._capturing(parity % len(self.ids))
 
     def ran(self, first_run: bool, parity: int) -> bool:
-        """Count a finished run; True when it was the capture."""
+        """Count a finished run (in this thread); True when it was the first capture of its
+        id."""
         if first_run or self.failure is not None:
             return False
         index = parity % len(self.ids)
+        if self._capturing(index):
+            self.owners[index] = weakref.ref(threading.current_thread())
         self.runs[index] += 1
-        return self.runs[index] == RUNS_BEFORE_CAPTURE + 1
+        self.moved[index] = False
+        return self.runs[index] == CAPTURE_RUN + 1
+
+    def _capturing(self, index: int) -> bool:
+        if self.runs[index] == CAPTURE_RUN or self.moved[index]:
+            return True
+        owner = self.owners[index]
+        return owner is None or owner() is not threading.current_thread()
 
     def replays_next(self, first_run: bool, parity: int) -> bool:
         """Whether the next run (at `parity`) replays a captured graph."""
         return (not first_run and self.failure is None
-                and self.runs[parity % len(self.ids)] > RUNS_BEFORE_CAPTURE)
+                and not self.captures_next(first_run, parity))
 
     def graph(self, parity: int) -> int:
         """The graph id of runs at `parity`."""
@@ -118,11 +149,16 @@ class GraphRuns:
 
     @property
     def captured(self) -> tuple[int, ...]:
-        """The graph ids captured so far (what `release_captured_graph` must free)."""
-        return tuple(i for i, count in zip(self.ids, self.runs) if count > RUNS_BEFORE_CAPTURE)
+        """The graph ids captured so far."""
+        return tuple(i for i, count in zip(self.ids, self.runs) if count > CAPTURE_RUN)
+
+    def claim(self) -> None:
+        """The binding runs in a new thread from now on: each captured id's next run is run
+        as a capture (see the class docstring)."""
+        self.moved = [count > CAPTURE_RUN for count in self.runs]
 
     def fall_back(self, reason: str) -> None:
-        """Run without a graph from now on (a capture failed: `reason`)."""
+        """Run without a graph from now on (`reason`)."""
         self.failure = reason
 
 
@@ -134,17 +170,45 @@ def graph_runs(ids: tuple[int, ...]) -> GraphRuns:
     return GraphRuns(run_options(SKIP_CAPTURE), tuple(run_options(i) for i in ids), ids)
 
 
-def uncaptured() -> GraphRuns:
+def uncaptured(reason: str = "never captures") -> GraphRuns:
     """The run options of a binding on a capturing session that must never capture."""
-    return GraphRuns(run_options(SKIP_CAPTURE), (), (), failure="never captures")
+    return GraphRuns(run_options(SKIP_CAPTURE), (), (), failure=reason)
+
+
+# Providers whose captured graphs `release_captured_graph` really frees. The CUDA provider is
+# not one: its graphs live as long as the session (cuda_graph.cc, "Currently all the captured
+# graphs will be tied to the session's lifecycle"), and onnxruntime-gpu 1.31.1's Python method
+# says providers without release support treat it as a no-op. Empty until a provider the
+# runtime captures on frees its graphs.
+RELEASING_PROVIDERS: frozenset[str] = frozenset()
+
+
+@functools.lru_cache(maxsize=1)
+def release_method() -> bool:
+    """Whether the installed ONNX Runtime has `InferenceSession.release_captured_graph` (1.27
+    and later; detected once)."""
+    return callable(getattr(ort.InferenceSession, "release_captured_graph", None))
+
+
+def releases_graphs(session: ort.InferenceSession) -> bool:
+    """Whether releasing a graph captured on `session` frees it: the method exists and the
+    session's first provider is one that frees graphs."""
+    if not release_method():
+        return False
+    providers = session.get_providers()
+    return bool(providers) and providers[0] in RELEASING_PROVIDERS
 
 
 def release_graphs(session: ort.InferenceSession, ids: tuple[int, ...]) -> int:
-    """Free the graphs `ids` captured on `session`; how many were released.
+    """Free the graphs `ids` captured on `session` where ONNX Runtime frees them (see
+    `releases_graphs`); how many were released (0 elsewhere: they go with the session, and no
+    call is made, so no warning per call).
 
     A release ONNX Runtime refuses is logged and skipped: the graph is then freed with its
     session.
     """
+    if not ids or not releases_graphs(session):
+        return 0
     released = 0
     for graph in ids:
         try:

@@ -1,24 +1,26 @@
-"""The bounded cache of captured CUDA graphs, keyed by shape and addresses.
+"""The captured CUDA graphs of a runtime: planned at load, held for the session's lifetime.
 
-On CUDA the runtime holds one session per model (one copy of the weights); what a per-shape
-cache used to hold as a session per width is now a CUDA graph per binding: one slot's buffers
-(its addresses) at one query width and batch (its shape), captured on that session under graph
-ids of its own (`cuda_graphs`). Rules:
+On CUDA the runtime holds one session per model (one copy of the weights); a CUDA graph is
+captured per binding: one slot's buffers (its addresses) at one query width and batch (its
+shape), under graph ids of its own (`cuda_graphs`). ONNX Runtime's CUDA provider frees captured
+graphs only with their session (onnxruntime/core/providers/cuda/cuda_graph.cc: "Currently all
+the captured graphs will be tied to the session's lifecycle"), so a graph once captured is held
+until the session goes, and the bound holds by construction instead of by eviction:
 
-1. Ids are handed out once (`new_runs`), counting up from FIRST_GRAPH_ID: two bindings never
-   share an id, and an id is never given again, so a released id cannot be replayed by mistake.
-2. At most `cap` graphs are alive (captured, not yet released). A capture that would pass the
-   cap first evicts the least recently used binding's graphs (captured or replayed longest
-   ago): `InferenceSession.release_captured_graph` for each, its bindings dropped through the
-   entry's `drop` (so no sequence replays freed addresses), its GraphRuns marked evicted (a
-   loop still holding that binding runs it uncaptured). Eviction runs under the capture gate
-   held alone, so no forward of another thread runs meanwhile.
-3. When the cap is held by the capturing binding's own graphs alone (cap 1, a stateful model's
-   second parity), the run goes uncaptured instead (`skipped`).
-4. Each graph is charged the device bytes its capture run added (`MemoryMeter` read before and
-   after, under the gate held alone, so no other work is inside the reading).
-5. A graph freed with its slot (`release`) counts as released; one freed with its session
-   (`forget_session`: eviction of a per-width session, close) as neither.
+1. The plan (`GraphPlan`, made at load from what the runtime will run): the batch engine's
+   decode at its slot count, and a lone sequence's decode and ladder tiers, each once per state
+   parity. `planned` is how many graphs that allows.
+2. Each planned key (batch, width, parity) is captured by one binding, its holder, and never by
+   another: a second binding at a held key, and any shape outside the plan, runs uncaptured
+   (graph id -1; `outside_plan` counts such bindings). So `alive <= planned` at every moment.
+3. Ids are handed out once (`new_runs`), counting up from FIRST_GRAPH_ID: two bindings never
+   share an id, and an id is never given again.
+4. A holder whose slot is freed (`release`) gives its keys back only where ONNX Runtime really
+   frees its graphs (`cuda_graphs.releases_graphs`); elsewhere its graphs stay alive with the
+   session and its keys stay taken (`stranded`), until `recreated` (a new session: the one way
+   the CUDA provider frees graphs; `recreations` counts it).
+5. Each graph is charged the device bytes its capture run added (`MemoryMeter` read before and
+   after the first user run under its id, which is the capture; under the gate held alone).
 """
 
 from __future__ import annotations
@@ -26,8 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import onnxruntime as ort
@@ -37,34 +38,77 @@ from onnx_chunk.runtime.caches.cuda_graphs import (
     GraphRuns,
     graph_runs,
     release_graphs,
+    uncaptured,
 )
 from onnx_chunk.runtime.device.memory import MemoryMeter, measured
 
 logger = logging.getLogger(__name__)
 
-EVICTED = "evicted from the graph cache"
+OUTSIDE_PLAN = "outside the graph plan"
+KEY_HELD = "its planned graph is held by another binding"
+
+PlanKey = tuple[int, int]  # (batch rows, query width)
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """The graph keys a runtime may capture: (batch rows, query width) shapes, each with how
+    many bindings may capture it (the engine's decode at batch 1 and a lone sequence's decode
+    are two), once per state parity (two for a model whose state buffers alternate)."""
+
+    shapes: tuple[tuple[PlanKey, int], ...] = ()
+    parities: int = 1
+
+    @property
+    def planned(self) -> int:
+        """How many graphs the plan allows."""
+        return sum(count for _, count in self.shapes) * self.parities
+
+    def count(self, shape: PlanKey) -> int:
+        """How many bindings may capture `shape`."""
+        return dict(self.shapes).get(shape, 0)
+
+
+def plan_graphs(tiers: Iterable[int], engine_slots: int, stateful: bool,
+                decode_width: int = 1) -> GraphPlan:
+    """The plan of a runtime: the engine's batched decode at `engine_slots` rows, and a lone
+    sequence's decode and ladder tiers at one row."""
+    counts: dict[PlanKey, int] = {}
+    for shape in ((engine_slots, decode_width), (1, decode_width),
+                  *((1, tier) for tier in tiers if tier != decode_width)):
+        counts[shape] = counts.get(shape, 0) + 1
+    return GraphPlan(tuple(sorted(counts.items())), 2 if stateful else 1)
 
 
 @dataclass
 class GraphStats:
-    """Counters of the graph cache; every one is bumped by the event it names.
+    """Counters of the runtime's CUDA graphs; every one is bumped by the event it names.
 
-    `alive`: graphs captured and not released; `captures`, `replays`: runs that captured or
-    replayed a graph; `evictions`: graphs released to make room under `cap`; `released`:
-    graphs released with their sequence slot; `skipped`: captures not made because the cap
-    held only the capturing binding's own graphs; `bytes`: the device bytes of the alive
-    graphs as measured at their capture (`peak_bytes`, `peak_alive`: the most at once);
-    `by_width`: captures per query width; `fallbacks`: widths whose capture failed, and why.
+    `planned`: graphs the plan allows; `alive`: graphs captured and still held by ONNX Runtime
+    (never more than `planned`); `captures`, `replays`: runs that captured or replayed a graph;
+    `recaptures`: runs of an id already captured, run as a capture in another thread (the CUDA
+    provider keeps graphs per thread context; whether it captured again is the probe's row);
+    `released`: graphs ONNX Runtime freed with their slot (only where its provider frees them);
+    `stranded`: graphs of freed slots that ONNX Runtime keeps until the session goes;
+    `outside_plan`: bindings that ran uncaptured because their shape is outside the plan or
+    its key is held; `recreations`: sessions recreated to change the plan; `bytes`: the device
+    bytes of the alive graphs as measured at their capture (`peak_bytes`, `peak_alive`: the
+    most at once); `by_width`: captures per query width; `fallbacks`: widths whose capture
+    failed, and why. `evictions` stays 0 (graphs are never evicted; kept for readers of the
+    older counters).
     """
 
-    cap: int
+    planned: int = 0
     alive: int = 0
     peak_alive: int = 0
     captures: int = 0
     replays: int = 0
-    evictions: int = 0
+    recaptures: int = 0
     released: int = 0
-    skipped: int = 0
+    stranded: int = 0
+    outside_plan: int = 0
+    recreations: int = 0
+    evictions: int = 0
     bytes: int = 0
     peak_bytes: int = 0
     by_width: dict[int, int] = field(default_factory=dict)
@@ -73,39 +117,61 @@ class GraphStats:
 
 @dataclass
 class _Entry:
-    """The captured graphs of one binding, and how to drop that binding."""
+    """The planned keys one binding holds, and the graphs it captured under them."""
 
     session: ort.InferenceSession
     runs: GraphRuns
-    drop: Callable[[], None]
+    keys: tuple[tuple[int, int, int, int], ...]
     sizes: dict[int, int] = field(default_factory=dict)
 
 
 class GraphCache:
-    """Captured CUDA graphs, bounded and evicted least-recently-used; see the module docstring."""
+    """The runtime's CUDA graphs under its plan; see the module docstring."""
 
-    def __init__(self, cap: int, meter: MemoryMeter | None = None) -> None:
+    def __init__(self, plan: GraphPlan | None = None, meter: MemoryMeter | None = None) -> None:
         self._meter = meter
         self._lock = threading.Lock()
         self._ids = itertools.count(FIRST_GRAPH_ID)
-        self._entries: OrderedDict[int, _Entry] = OrderedDict()
-        self.stats = GraphStats(cap=cap)
+        self._plan = plan if plan is not None else GraphPlan()
+        # Planned keys (batch, width, holder index, parity) taken, by the binding (GraphRuns
+        # id) holding them.
+        self._held: dict[tuple[int, int, int, int], int] = {}
+        self._entries: dict[int, _Entry] = {}
+        self.stats = GraphStats(planned=self._plan.planned)
 
-    def new_runs(self, stateful: bool) -> GraphRuns:
-        """Fresh graph ids for a new binding (two when its state buffers alternate)."""
+    @property
+    def plan(self) -> GraphPlan:
+        return self._plan
+
+    def new_runs(self, session: ort.InferenceSession, batch: int, width: int,
+                 stateful: bool) -> GraphRuns:
+        """The graph runs of a new binding at (`batch`, `width`) on `session`: fresh ids under
+        the plan's keys when they are free, else a binding that never captures (rule 2)."""
+        parities = 2 if stateful else 1
         with self._lock:
-            ids = tuple(next(self._ids) for _ in range(2 if stateful else 1))
-        return graph_runs(ids)
+            count = self._plan.count((batch, width)) if parities == self._plan.parities else 0
+            free = [tuple((batch, width, holder, parity) for parity in range(parities))
+                    for holder in range(count)]
+            free = [keys for keys in free if not any(key in self._held for key in keys)]
+            if not free:
+                self.stats.outside_plan += 1
+                reason = OUTSIDE_PLAN if count == 0 else KEY_HELD
+                logger.debug("binding at batch %d, width %d runs uncaptured: %s", batch, width,
+                             reason)
+                return uncaptured(reason)
+            keys = free[0]
+            ids = tuple(next(self._ids) for _ in range(parities))
+            runs = graph_runs(ids)
+            for key in keys:
+                self._held[key] = id(runs)
+            self._entries[id(runs)] = _Entry(session, runs, keys)
+        return runs
 
     def capture(self, session: ort.InferenceSession, runs: GraphRuns, parity: int, width: int,
-                run: Callable[[ort.RunOptions], None], drop: Callable[[], None]) -> bool:
-        """The capture run of `runs` at `parity` (the caller holds the capture gate alone):
-        room made under the cap, the run measured; whether a graph was captured."""
-        if not self._make_room(runs):
-            run(runs.first)
-            with self._lock:
-                self.stats.skipped += 1
-            return False
+                run: Callable[[ort.RunOptions], None]) -> bool:
+        """The capture run of `runs` at `parity` (the caller holds the capture gate alone): the
+        first user run under its id, measured; whether a graph was captured. An exception of
+        the run reaches the caller (which falls back)."""
         options = runs.options(False, parity)
         if self._meter is None:
             run(options)
@@ -113,13 +179,16 @@ class GraphCache:
         else:
             size = measured(self._meter, lambda: run(options))[1]
         if not runs.ran(False, parity):
+            # An id captured before, run again as a capture in another thread (or after a
+            # claim): the CUDA provider may have captured it anew in that thread's context.
+            with self._lock:
+                self.stats.recaptures += 1
             return False
         graph = runs.graph(parity)
         with self._lock:
             entry = self._entries.get(id(runs))
-            if entry is None:
-                entry = self._entries[id(runs)] = _Entry(session, runs, drop)
-            self._entries.move_to_end(id(runs))
+            if entry is None:  # the plan was recreated meanwhile: not this session's any more
+                return False
             entry.sizes[graph] = size or 0
             stats = self.stats
             stats.captures += 1
@@ -133,30 +202,52 @@ class GraphCache:
         return True
 
     def replayed(self, runs: GraphRuns) -> None:
-        """A run replayed a graph of `runs`: count it, and make it the most recently used."""
+        """A run replayed a graph of `runs`."""
         with self._lock:
             self.stats.replays += 1
-            if id(runs) in self._entries:
-                self._entries.move_to_end(id(runs))
 
     def release(self, session: ort.InferenceSession, runs: GraphRuns) -> int:
-        """Free the graphs `runs` captured on `session` (its slot is freed); how many."""
+        """The binding of `runs` is dropped (its slot is freed): free its graphs where ONNX
+        Runtime can and give its keys back; else its graphs stay with the session (rule 4)."""
         with self._lock:
-            entry = self._entries.pop(id(runs), None)
-        if entry is None:
-            return 0
+            entry = self._entries.get(id(runs))
+            if entry is None or entry.session is not session:
+                return 0
         released = release_graphs(session, tuple(entry.sizes))
         with self._lock:
-            self._forgotten(entry)
-            self.stats.released += released
+            if self._entries.get(id(runs)) is not entry:
+                return 0
+            if released == len(entry.sizes):
+                del self._entries[id(runs)]
+                for key in entry.keys:
+                    self._held.pop(key, None)
+                self._forgotten(entry)
+                self.stats.released += released
+            else:
+                self.stats.stranded += len(entry.sizes)
+                runs.fall_back("its slot was freed")
         return released
 
     def forget_session(self, session: ort.InferenceSession) -> None:
-        """`session` is released: its graphs go with it (no release calls)."""
+        """`session` is released: its graphs go with it, and their keys are free again."""
         with self._lock:
             gone = [key for key, entry in self._entries.items() if entry.session is session]
             for key in gone:
-                self._forgotten(self._entries.pop(key))
+                entry = self._entries.pop(key)
+                for held in entry.keys:
+                    self._held.pop(held, None)
+                entry.runs.fall_back("its session was released")
+                self._forgotten(entry)
+            self.stats.stranded = sum(len(entry.sizes) for entry in self._entries.values()
+                                      if entry.runs.failure is not None)
+
+    def recreated(self, plan: GraphPlan) -> None:
+        """A new session replaces the capturing one under `plan` (the caller released the old
+        one, and with it its graphs: `forget_session`)."""
+        with self._lock:
+            self._plan = plan
+            self.stats.planned = plan.planned
+            self.stats.recreations += 1
 
     def note_fallback(self, width: int, reason: str) -> None:
         with self._lock:
@@ -168,26 +259,6 @@ class GraphCache:
             stats = self.stats
             return GraphStats(**{**stats.__dict__, "by_width": dict(stats.by_width),
                                  "fallbacks": dict(stats.fallbacks)})
-
-    def _make_room(self, runs: GraphRuns) -> bool:
-        """Evict least recently used bindings' graphs until one more fits (rule 2)."""
-        while True:
-            with self._lock:
-                if self.stats.alive < self.stats.cap:
-                    return True
-                victim_key = next((key for key, entry in self._entries.items()
-                                   if entry.runs is not runs), None)
-                if victim_key is None:
-                    return False
-                victim = self._entries.pop(victim_key)
-            released = release_graphs(victim.session, tuple(victim.sizes))
-            victim.runs.fall_back(EVICTED)
-            victim.drop()
-            with self._lock:
-                self._forgotten(victim)
-                self.stats.evictions += released
-            logger.debug("evicted CUDA graphs %s (%d bytes)", tuple(victim.sizes),
-                         sum(victim.sizes.values()))
 
     def _forgotten(self, entry: _Entry) -> None:
         self.stats.alive -= len(entry.sizes)

@@ -9,12 +9,17 @@ the padding self-check turns off for good. It holds no reference to the runtime,
 is freed as soon as its last reference goes (no reference cycle waits for the garbage collector
 with the device memory held).
 
-Graph lifetime: a captured graph belongs to (session, graph id), and graph ids are the
-binding's own (one slot at one width). It is freed when the graph cache evicts it (its binding
-is dropped with it), when its slot is freed (`release_slot`: the sequence pool drops a slot),
-through `InferenceSession.release_captured_graph`, or with its session. A slot that goes back
-to the pool keeps its bindings and graphs: the next sequence that takes it replays them without
-capturing again.
+Graph lifetime = session lifetime (ONNX Runtime's CUDA provider frees graphs only with their
+session: onnxruntime/core/providers/cuda/cuda_graph.cc). A captured graph belongs to (session,
+graph id), and graph ids are the binding's own (one slot at one width and batch), handed out
+under the plan made at load (`graph_cache`): at most `planned` graphs are ever alive, and a
+shape outside the plan runs uncaptured. A slot that goes back to the pool keeps its bindings
+and graphs: the next sequence that takes it replays them without capturing again. A slot that
+is freed (`release_slot`) drops its bindings; its graphs are released only where ONNX Runtime
+frees them, else they stay with the session and their keys stay taken. A slot whose bindings
+move to another thread (`claim`: the batch engine's new thread) keeps them and their ids; each
+id's next run there runs as a capture (the CUDA provider keeps graphs per thread). Changing the
+plan (`replan`) recreates the session, the one way to free graphs.
 """
 
 from __future__ import annotations
@@ -22,9 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import weakref
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import onnxruntime as ort
@@ -37,9 +40,10 @@ from onnx_chunk.runtime.caches.cuda_graphs import (
     session_captures,
     uncaptured,
 )
-from onnx_chunk.runtime.caches.graph_cache import GraphCache
+from onnx_chunk.runtime.caches.graph_cache import GraphCache, GraphPlan
 from onnx_chunk.runtime.caches.variant_cache import VariantCache, VariantKey
 from onnx_chunk.runtime.device.memory import MemoryMeter
+from onnx_chunk.runtime.device.run_lock import serialise_runs
 from onnx_chunk.runtime.device.session_factory import SessionFactory
 
 logger = logging.getLogger(__name__)
@@ -87,18 +91,8 @@ def _build(factory: SessionFactory, kept: _Kept, specialize: bool | str, quantiz
             kept.row_sessions.add(session)
         if capture and session_captures(session):
             kept.capturing.add(session)
+            serialise_runs(session)
     return session
-
-
-def _drop_binding(kept_ref: weakref.ref, session: ort.InferenceSession, slot: int, name: object,
-                  runs: GraphRuns) -> None:
-    kept = kept_ref()
-    if kept is None:
-        return
-    with kept.lock:
-        held = kept.bindings.get(session, {}).get(slot)
-        if held is not None and name in held and held[name].graphs is runs:
-            del held[name]
 
 
 class VariantPool:
@@ -106,15 +100,17 @@ class VariantPool:
 
     def __init__(self, factory: SessionFactory, *, specialize: bool | str, quantized: bool,
                  cap: int, meter: MemoryMeter | None = None, select_rows: bool = False,
-                 padding: bool = False, padding_refused: str | None = None) -> None:
+                 padding: bool = False, padding_refused: str | None = None,
+                 graph_plan: GraphPlan | None = None) -> None:
         """`select_rows`: specialised prefill widths return the one logits row asked for
         (logits_row); `padding`: whether prefill chunks are padded up the ladder
-        (`padding_refused`: why not, when not)."""
+        (`padding_refused`: why not, when not); `graph_plan`: the CUDA graphs the runtime may
+        capture (`graph_cache.plan_graphs`; none without one)."""
         self.factory = factory
         self.select_rows = select_rows
-        # One cap bounds both: the sessions (one on CUDA, per width where asked for) and the
-        # CUDA graphs captured on them.
-        self.graphs = GraphCache(cap, meter)
+        # The cap bounds the sessions (one on CUDA, per width where asked for); the plan bounds
+        # the CUDA graphs captured on them.
+        self.graphs = GraphCache(graph_plan, meter)
         self._kept = _Kept(self.graphs)
         self.cache: VariantCache[ort.InferenceSession] = VariantCache(
             functools.partial(_build, factory, self._kept, specialize, quantized, select_rows),
@@ -165,10 +161,11 @@ class VariantPool:
             return held
 
     def graph_runs(self, session: ort.InferenceSession, width: int, stateful: bool, *,
-                   capture: bool = True) -> GraphRuns | None:
-        """The graph run options of a new binding at `width` on `session` (None: the session
-        captures nothing); `capture=False`, or a width whose capture failed on it: a binding
-        that runs uncaptured (graph id -1) on the capturing session."""
+                   capture: bool = True, batch: int = 1) -> GraphRuns | None:
+        """The graph run options of a new binding at `width` and `batch` rows on `session`
+        (None: the session captures nothing); `capture=False`, a width whose capture failed
+        on it, or a shape outside the plan (or whose planned key another binding holds): a
+        binding that runs uncaptured (graph id -1) on the capturing session."""
         with self._kept.lock:
             captures = session in self._kept.capturing
             fallen = width in self._kept.fallen.get(session, ())
@@ -176,15 +173,7 @@ class VariantPool:
             return None
         if not capture or fallen:
             return uncaptured()
-        return self.graphs.new_runs(stateful)
-
-    def dropper(self, session: ort.InferenceSession, slot: int, name: object,
-                runs: GraphRuns) -> Callable[[], None]:
-        """What forgets the binding `name` of `slot` on `session` whose graphs are `runs`, when
-        the graph cache evicts them: the next forward there binds fresh buffers. It refers to
-        what the pool keeps weakly (the graph cache holds it: no reference cycle)."""
-        return functools.partial(_drop_binding, weakref.ref(self._kept), session, slot, name,
-                                 runs)
+        return self.graphs.new_runs(session, batch, width, stateful)
 
     def note_fallback(self, session: ort.InferenceSession, width: int, reason: str) -> None:
         """A capture at `width` on `session` failed: that width runs without a graph there,
@@ -200,8 +189,32 @@ class VariantPool:
                         binding.graphs.fall_back(reason)
         self.graphs.note_fallback(width, reason)
 
+    def claim(self, slot: int) -> None:
+        """Slot `slot`'s bindings run in the calling thread from now on (the batch engine's new
+        thread): they keep their buffers and graph ids, and each id's next run there runs as a
+        capture (the CUDA provider keeps graphs per thread: cuda_execution_provider.cc)."""
+        with self._kept.lock:
+            held = [binding for per_slot in self._kept.bindings.values()
+                    for binding in per_slot.get(slot, {}).values()]
+        for binding in held:
+            if binding.graphs is not None:
+                binding.graphs.claim()
+
+    def replan(self, plan: GraphPlan) -> bool:
+        """Capture under `plan` from now on; where it differs from the plan in force, every
+        idle session is released (with its graphs: the one way the CUDA provider frees them)
+        and the next forward builds a new one, counted in `graphs.recreations`. Whether the
+        plan changed."""
+        if plan == self.graphs.plan:
+            return False
+        self.cache.clear()
+        self.graphs.recreated(plan)
+        logger.info("CUDA graph plan changed to %d graphs: session recreated", plan.planned)
+        return True
+
     def release_slot(self, slot: int) -> None:
-        """Drop slot `slot`'s bindings on every live session and free the graphs they captured."""
+        """Drop slot `slot`'s bindings on every live session; their graphs are freed where ONNX
+        Runtime frees them (else they stay with the session, their keys taken)."""
         kept = self._kept
         with kept.lock:
             held = [(session, per_slot.pop(slot)) for session, per_slot in kept.bindings.items()

@@ -31,8 +31,10 @@ import numpy as np
 import onnxruntime as ort
 
 from onnx_chunk.errors import ProviderError
+from onnx_chunk.runtime.device.allocation import owned_zeros
 from onnx_chunk.runtime.device.memory import cudart
 from onnx_chunk.runtime.device.provider import Device
+from onnx_chunk.runtime.device.transfers import Transfers
 from onnx_chunk.runtime.runner.ports import BufferPort
 
 logger = logging.getLogger(__name__)
@@ -44,11 +46,14 @@ _CUDA_MEMCPY_DEVICE_TO_DEVICE = 3
 
 @dataclass(frozen=True)
 class DeviceBuffer:
-    """An OrtValue on the runtime's device, and its host view where the device has one."""
+    """An OrtValue on the runtime's device, and its host view where the device has one.
+
+    `transfers`: where its host-device copies are counted (its device's; None: uncounted)."""
 
     value: ort.OrtValue
     host: np.ndarray | None
     dtype: np.dtype
+    transfers: Transfers | None = None
 
     @property
     def nbytes(self) -> int:
@@ -63,7 +68,24 @@ class DeviceBuffer:
         if self.host is not None:
             self.host[...] = array
         else:
-            self.value.update_inplace(np.ascontiguousarray(array, dtype=self.dtype))
+            data = np.ascontiguousarray(array, dtype=self.dtype)
+            self.value.update_inplace(data)
+            self._sent(data.nbytes)
+
+    def zero(self) -> None:
+        """Zero the whole buffer on its device (nothing crosses from the host)."""
+        if self.host is not None:
+            self.host[...] = 0
+        else:
+            _zero_on_device(self.value, self.nbytes)
+
+    def _sent(self, nbytes: int) -> None:
+        if self.transfers is not None:
+            self.transfers.to_device(nbytes)
+
+    def _received(self, nbytes: int) -> None:
+        if self.transfers is not None:
+            self.transfers.to_host(nbytes)
 
     def write_range(self, array: np.ndarray, start: int, stop: int) -> None:
         """Copy flat elements [start, stop) of `array` (the buffer's shape) into the buffer.
@@ -78,6 +100,7 @@ class DeviceBuffer:
             self.host.reshape(-1)[start:stop] = flat[start:stop]
             return
         _copy_to_device(self.value, start * self.dtype.itemsize, flat[start:stop])
+        self._sent((stop - start) * self.dtype.itemsize)
 
     def read(self, start: int, count: int, out: np.ndarray | None = None) -> np.ndarray:
         """`count` elements from flat index `start`, on the host (a view where there is one;
@@ -91,19 +114,43 @@ class DeviceBuffer:
         if out is None:
             out = np.empty(count, dtype=self.dtype)
         _copy_to_host(self.value, start * self.dtype.itemsize, out)
+        self._received(out.nbytes)
         return out
 
 
 def device_zeros(shape: tuple[int, ...], dtype: np.dtype, device: Device) -> DeviceBuffer:
-    """A zero-filled buffer allocated once on `device`."""
+    """A zero-filled buffer allocated once on `device`: off the host, memory the runtime owns
+    (`allocation.owned_zeros`: exactly its size, freed with its last user)."""
     dtype = np.dtype(dtype)
     if device.host_visible:
         host = np.zeros(shape, dtype=dtype)
-        return DeviceBuffer(ort.OrtValue.ortvalue_from_numpy(host), host, dtype)
+        return DeviceBuffer(ort.OrtValue.ortvalue_from_numpy(host), host, dtype,
+                            device.transfers)
+    owned = owned_zeros(shape, dtype, device.device_type, device.device_id)
+    if owned is not None:
+        return DeviceBuffer(owned, None, dtype, device.transfers)
     value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype.type,
                                                       device.device_type, device.device_id)
-    value.update_inplace(np.zeros(shape, dtype=dtype))
-    return DeviceBuffer(value, None, dtype)
+    buffer = DeviceBuffer(value, None, dtype, device.transfers)
+    buffer.zero()
+    return buffer
+
+
+def _zero_on_device(value: ort.OrtValue, nbytes: int) -> None:
+    """memset (CPU) or cudaMemset (CUDA) `nbytes` of `value` to zero."""
+    if nbytes == 0:
+        return
+    device = value.device_name().lower()
+    if device == "cpu":
+        ctypes.memset(value.data_ptr(), 0, nbytes)
+        return
+    library = _cuda_memset() if device == "cuda" else None
+    if library is None:
+        raise ProviderError(f"no memset on {device}; the runtime supports CPU and CUDA devices")
+    status = library(value.data_ptr(), 0, nbytes)
+    if status != 0:
+        raise ProviderError(f"zeroing {nbytes} bytes on the GPU failed (CUDA error {status}); "
+                            "the device is in a bad state, restart the process")
 
 
 def _copy_to_device(value: ort.OrtValue, offset: int, data: np.ndarray) -> None:
@@ -135,7 +182,7 @@ def _copy_to_host(value: ort.OrtValue, offset: int, out: np.ndarray) -> None:
     memcpy = _cuda_memcpy() if device == "cuda" else None
     if memcpy is None:
         logger.debug("no partial copy from %s memory; copying the whole buffer", device)
-        whole = value.numpy().reshape(-1).view(np.uint8)
+        whole = value.numpy().reshape(-1).view(np.uint8)  # counted as the part asked for
         out.view(np.uint8)[...] = whole[offset:offset + out.nbytes]
         return
     status = memcpy(out.ctypes.data, source, out.nbytes, _CUDA_MEMCPY_DEVICE_TO_HOST)
@@ -216,8 +263,9 @@ class SequenceBuffers:
         return self._state[index][self._current]
 
     def snapshot_state(self) -> tuple[np.ndarray, ...]:
-        """Host copies of the current states (taken once per prefill call, never per step)."""
-        return tuple(_read(self.state(index)).copy() for index in range(len(self.state_ports)))
+        """Host copies of the current states (taken once per prefill call, never per step:
+        what a prefill that fails partway puts back)."""
+        return tuple(_read(self.state(index)) for index in range(len(self.state_ports)))
 
     def restore_state(self, snapshot: tuple[np.ndarray, ...]) -> None:
         """Put back the states of `snapshot_state` (a prefill that failed partway)."""
@@ -225,14 +273,22 @@ class SequenceBuffers:
             self.state(index).write(array)
 
     def reset_state(self) -> None:
-        """Zero every state (a fresh sequence)."""
-        for port, pair in zip(self.state_ports, self._state):
+        """Zero every state (a fresh sequence), on the device."""
+        for pair in self._state:
             for buffer in pair:
-                buffer.write(np.zeros(port.shape, dtype=port.dtype))
+                buffer.zero()
 
 
-def _read(buffer: DeviceBuffer) -> np.ndarray:
-    return buffer.host if buffer.host is not None else buffer.value.numpy()
+@functools.lru_cache(maxsize=1)
+def _cuda_memset():
+    """cudaMemset of the CUDA runtime the memory readings use, or None without one."""
+    library = cudart()
+    if library is None:
+        return None
+    memset = library.cudaMemset
+    memset.restype = ctypes.c_int
+    memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    return memset
 
 
 @functools.lru_cache(maxsize=1)
@@ -265,6 +321,8 @@ class BatchBuffers(SequenceBuffers):
         super().__init__(kv, state, device, rows=slots)
         self.slots = slots
         self.device = device
+        # Device rows saved by `save_row`, allocated once per (buffer, row) that needs one.
+        self._scratch: dict[tuple[int, int], DeviceBuffer] = {}
 
     def slot(self, index: int) -> SlotBuffers:
         """Slot `index`'s view, bound by its own forwards."""
@@ -302,10 +360,28 @@ class BatchBuffers(SequenceBuffers):
             copy_on_device(buffer, self.row_range(buffer, target)[0], buffer, start,
                            stop - start)
 
-    def write_row(self, buffer: DeviceBuffer, row: int, array: np.ndarray) -> None:
-        """Copy `array` (one row) into row `row` of `buffer`."""
+    def write_row(self, buffer: DeviceBuffer, row: int,
+                  array: np.ndarray | DeviceBuffer) -> None:
+        """Copy `array` (one row: a host array, or a row saved on the device by `save_row`)
+        into row `row` of `buffer`."""
         start, stop = self.row_range(buffer, row)
+        if isinstance(array, DeviceBuffer):
+            copy_on_device(buffer, start, array, 0, stop - start)
+            return
         _write_flat(buffer, start, np.ascontiguousarray(array, dtype=buffer.dtype).reshape(-1))
+
+    def save_row(self, buffer: DeviceBuffer, row: int) -> DeviceBuffer:
+        """A device copy of row `row` of `buffer` (a window-sized cache's row that an idle
+        row's forward would evict), in a scratch row kept per (buffer, row) and reused: it
+        never crosses to the host. `write_row` puts it back."""
+        key = (id(buffer), row)
+        scratch = self._scratch.get(key)
+        if scratch is None:
+            scratch = self._scratch[key] = device_zeros((1, *buffer.shape[1:]), buffer.dtype,
+                                                        self.device)
+        start, stop = self.row_range(buffer, row)
+        copy_on_device(scratch, 0, buffer, start, stop - start)
+        return scratch
 
 
 class SlotBuffers:
@@ -354,11 +430,11 @@ class SlotBuffers:
             self.batch.write_row(self.batch.state_pair(index)[0], self.index, array)
 
     def reset_state(self) -> None:
-        """Zero this slot's rows of every state (both buffers)."""
+        """Zero this slot's rows of every state (both buffers), on the device."""
         for index in range(len(self.state_ports)):
             for buffer in self.batch.state_pair(index):
                 start, stop = self.batch.row_range(buffer, self.index)
-                _write_flat(buffer, start, np.zeros(stop - start, dtype=buffer.dtype))
+                zero_range(buffer, start, stop)
 
     def _bind(self, binding: ort.IOBinding, input_name: str, output_name: str,
               source: DeviceBuffer, target: DeviceBuffer) -> None:
@@ -372,23 +448,54 @@ class SlotBuffers:
                             shape, target.value.data_ptr() + offset)
 
 
+def _read(buffer: DeviceBuffer) -> np.ndarray:
+    """A host copy of the whole buffer (counted)."""
+    size = buffer.nbytes // buffer.dtype.itemsize
+    return np.array(buffer.read(0, size)).reshape(buffer.shape)
+
+
 def _rows(shape: tuple[int, ...], slots: int) -> tuple[int, ...]:
     """`shape` (batch 1) with `slots` rows."""
     return (slots, *shape[1:])
 
 
 def _write_flat(buffer: DeviceBuffer, start: int, flat: np.ndarray) -> None:
-    """Copy `flat` into `buffer`'s flat elements from `start` on."""
+    """Copy `flat` into `buffer`'s flat elements from `start` on (counted)."""
     if buffer.host is not None:
         buffer.host.reshape(-1)[start:start + flat.size] = flat
         return
     _copy_to_device(buffer.value, start * buffer.dtype.itemsize, flat)
+    buffer._sent(flat.nbytes)
+
+
+def zero_range(buffer: DeviceBuffer, start: int, stop: int) -> None:
+    """Zero flat elements [start, stop) of `buffer` on its device."""
+    if buffer.host is not None:
+        buffer.host.reshape(-1)[start:stop] = 0
+        return
+    itemsize = buffer.dtype.itemsize
+    view = _Window(buffer.value, start * itemsize)
+    _zero_on_device(view, (stop - start) * itemsize)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class _Window:
+    """A byte offset into an OrtValue, read by `_zero_on_device` like the OrtValue itself."""
+
+    value: ort.OrtValue
+    offset: int
+
+    def data_ptr(self) -> int:
+        return int(self.value.data_ptr()) + self.offset
+
+    def device_name(self) -> str:
+        return str(self.value.device_name())
 
 
 def _copy_row(source: DeviceBuffer, target: DeviceBuffer, row: int) -> None:
-    """Row `row` of `source` into the same row of `target` (same shape)."""
+    """Row `row` of `source` into the same row of `target` (same shape), on the device."""
     per_row = int(np.prod(source.shape[1:], dtype=np.int64))
     if source.host is not None and target.host is not None:
         target.host[row] = source.host[row]
         return
-    _write_flat(target, row * per_row, np.array(source.read(row * per_row, per_row)))
+    copy_on_device(target, row * per_row, source, row * per_row, per_row)

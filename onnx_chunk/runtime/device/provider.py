@@ -56,6 +56,8 @@ from dataclasses import dataclass
 import onnxruntime as ort
 
 from onnx_chunk.errors import ConfigError, ProviderError
+from onnx_chunk.runtime.device.run_lock import run_lock
+from onnx_chunk.runtime.device.transfers import Transfers
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +101,10 @@ class Device:
     cuda_graphs: bool = False
     specialize: bool = False
     window_slack: bool = True
+    # The host-device traffic of this device's buffers and runs (`transfers`): one counter per
+    # Device object, a fresh one for each `dataclasses.replace`.
+    transfers: Transfers = dataclasses.field(default_factory=Transfers, init=False,
+                                             compare=False, repr=False)
 
     @property
     def label(self) -> str:
@@ -111,11 +117,14 @@ class Device:
 
         Off the host, the inputs were written by synchronous copies on CUDA's legacy stream,
         which ONNX Runtime's non-blocking streams do not wait for: `synchronize_inputs` makes
-        them visible first (as ONNX Runtime's own CUDA graph tests do before each run).
+        them visible first (as ONNX Runtime's own CUDA graph tests do before each run). A
+        capturing session runs one run at a time (`run_lock`).
         """
-        if not self.host_visible:
-            binding.synchronize_inputs()
-        session.run_with_iobinding(binding, options)
+        with run_lock(session):
+            if not self.host_visible:
+                binding.synchronize_inputs()
+                self.transfers.synchronized()
+            session.run_with_iobinding(binding, options)
 
     def providers(self, capture: bool = False) -> list[tuple[str, dict[str, str]]]:
         """The provider list of a session; `capture` turns CUDA graph capture on for it."""

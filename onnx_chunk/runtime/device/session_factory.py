@@ -76,7 +76,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from onnx_chunk.errors import ModelLoadError, ProviderError
+from onnx_chunk.errors import ConfigError, ModelLoadError, ProviderError
 from onnx_chunk.model_file import ExternalData, ModelFile, TensorRef, numpy_dtype, tensor_nbytes
 from onnx_chunk.runtime.device.memory import MemoryMeter, measured
 from onnx_chunk.runtime.device.provider import Device
@@ -187,6 +187,19 @@ def _map_external(tensor: TensorRef, where: ExternalData) -> np.ndarray:
                              f"{str(where.path)!r}: {error}") from error
 
 
+# ONNX Runtime's run option that shrinks the arenas after a run
+# (onnxruntime_run_options_config_keys.h): it frees arena regions that a captured CUDA graph
+# still writes to at its next replay.
+ARENA_SHRINKAGE_KEY = "memory.enable_memory_arena_shrinkage"
+
+
+def refuse_shrinkage(config: Mapping[str, str], cuda_graphs: bool) -> None:
+    """ConfigError where `config` asks for arena shrinkage with CUDA graphs on."""
+    if cuda_graphs and config.get(ARENA_SHRINKAGE_KEY):
+        raise ConfigError(f"{ARENA_SHRINKAGE_KEY} frees arena memory captured CUDA graphs "
+                          "replay into; drop it, or load with cuda_graphs=False")
+
+
 class SessionFactory:
     """Creates the sessions of one model on one device, all sharing `SharedWeights`.
 
@@ -217,6 +230,7 @@ class SessionFactory:
         self.intra_op_threads = intra_op_threads
         self.log_severity = log_severity
         self.session_config = dict(session_config or {})
+        refuse_shrinkage(self.session_config, device.cuda_graphs)
         self._lock = threading.Lock()
         self._row_model: bytes | None = None
         self.sessions_created = 0

@@ -279,7 +279,7 @@ class BatchEngine:
         for index, row in enumerate(self._rows):
             if row is not None and row.request.done:
                 self._rows[index] = None
-                self._keep(index, row.request)
+                self._keep(index, row.request, row.sampler.sampling.cache_salt)
                 self._queue_forks(row.request)
         free = {index: self._kept[index] for index, row in enumerate(self._rows)
                 if row is None}
@@ -290,7 +290,7 @@ class BatchEngine:
             # no kept prefix (it still takes the slot the rule would pick otherwise).
             rule = (self._rule if sampler.sampling.prompt_logprobs is None
                     else dataclasses.replace(self._rule, enabled=False))
-            choice = choose_slot(free, request.prompt, rule)
+            choice = choose_slot(free, request.prompt, rule, sampler.sampling.cache_salt)
             del free[choice.slot]
             try:
                 self._start(choice)
@@ -319,7 +319,7 @@ class BatchEngine:
             self._slots[choice.slot].reset()
         length.rewind(length.length - choice.reused)
 
-    def _keep(self, index: int, request: Request) -> None:
+    def _keep(self, index: int, request: Request, salt: str | None) -> None:
         """What the slot of an ended request keeps: the ids fed to it (the prompt, then the
         generated tokens, up to its length); nothing after a failure or with reuse off."""
         length = self._lengths[index].length
@@ -329,7 +329,7 @@ class BatchEngine:
             self._drop(index)
             return
         self._released += 1
-        self._kept[index] = KeptPrefix(fed[:length], self._released)
+        self._kept[index] = KeptPrefix(fed[:length], self._released, salt)
 
     def _drop(self, index: int) -> None:
         """The slot keeps nothing: its next request starts it empty."""

@@ -2,7 +2,9 @@
 
 `Runtime.submit` returns a `Request` at once; the engine's thread fills it. Any thread may
 read it: `tokens()` yields the tokens as they are produced, `result()` waits for the end and
-returns them all, `cancel()` ends it (its slot is freed before the engine's next step).
+returns them all, `cancel()` ends it (its slot is freed before the engine's next step). A
+reader that must not block (an event loop) registers a callback with `watch()` and reads what
+came with `ready()`.
 A request ends with one `finish_reason`: "stop" (an end-of-sequence id came), "length"
 (`max_new_tokens` reached), "cancelled" or "error" (a forward of its step failed, or the
 runtime closed: `result()` and `tokens()` raise that exception). `finish_reason` is the one
@@ -89,6 +91,7 @@ class Request:
         self._error: BaseException | None = None
         self._reason: FinishReason | None = None
         self._stats = RequestStats(prompt_tokens=len(prompt))
+        self._watchers: list[Callable[[], None]] = []
 
     @property
     def finish_reason(self) -> FinishReason | None:
@@ -153,6 +156,34 @@ class Request:
                     raise self._error
                 return
 
+    def watch(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` after each token and at the end (on the engine's thread, so it
+        must be quick and must not raise: `loop.call_soon_threadsafe` of a wake-up); once at
+        once when the request has already ended."""
+        with self._changed:
+            self._watchers.append(callback)
+            ended = self._reason is not None
+        if ended:
+            callback()
+
+    def ready(self, seen: int) -> tuple[list[int], list[TokenLogprobs | None], bool]:
+        """Without waiting: the tokens after the first `seen`, their logprobs (None where not
+        asked for), and whether the request has ended; raises the request's error once its
+        last token has been read."""
+        with self._changed:
+            tokens = self._tokens[seen:]
+            logprobs: list[TokenLogprobs | None] = list(
+                self._logprobs[seen:seen + len(tokens)])
+            ended = self._reason is not None
+            error = self._error
+        if ended and not tokens and error is not None:
+            raise error
+        return tokens, logprobs + [None] * (len(tokens) - len(logprobs)), ended
+
+    def _notify(self) -> None:
+        for callback in self._watchers:
+            callback()
+
     def result(self, timeout: float | None = None) -> list[int]:
         """Wait for the end and return every token (TimeoutError after `timeout` seconds);
         raises the request's error when it failed."""
@@ -199,6 +230,7 @@ class Request:
                 self._stats.ttft_s = self._times[0]
             self._changed.notify_all()
             produced = len(self._tokens)
+        self._notify()
         return finish_reason(token, produced, self.max_new_tokens, self.eos_token_ids)
 
     def finish(self, reason: FinishReason, error: BaseException | None = None) -> bool:
@@ -210,6 +242,7 @@ class Request:
             self._error = error
             self._stats.total_s = time.perf_counter() - self._submitted
             self._changed.notify_all()
+        self._notify()
         return True
 
     def __repr__(self) -> str:

@@ -25,7 +25,8 @@ Rules:
    KV can be rewound to (`PrefixRule`: a window-sized cache only where its eviction rule
    allows, recurrent state only the whole kept prefix). Ties, and no usable prefix anywhere,
    go to an empty slot first, then to the least recently used one, then to the smallest
-   number: a hot prefix is never overwritten while a colder slot is free.
+   number: a hot prefix is never overwritten while a colder slot is free. A prefix is shared
+   only between requests of the same cache salt (`Sampling.cache_salt`, None included).
 """
 
 from __future__ import annotations
@@ -133,11 +134,12 @@ def prefill_chunks(length: int, width: int) -> list[tuple[int, int]]:
 @dataclass(frozen=True)
 class KeptPrefix:
     """What a free slot keeps from its last request: the ids whose KV (and state) it holds,
-    in the order they were fed, and `last_used`, when its last request was admitted (larger:
-    more recent)."""
+    in the order they were fed, `last_used`, when its last request was admitted (larger:
+    more recent), and `salt`, that request's cache salt."""
 
     tokens: np.ndarray
     last_used: int = 0
+    salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -187,17 +189,18 @@ def shared_prefix(kept: np.ndarray, prompt: np.ndarray) -> int:
     return int(differ[0]) if differ.size else length
 
 
-def choose_slot(free: dict[int, KeptPrefix], prompt: np.ndarray,
-                rule: PrefixRule) -> SlotChoice:
-    """The free slot (numbered keys of `free`) an arriving `prompt` takes (rule 5)."""
+def choose_slot(free: dict[int, KeptPrefix], prompt: np.ndarray, rule: PrefixRule,
+                salt: str | None = None) -> SlotChoice:
+    """The free slot (numbered keys of `free`) an arriving `prompt` of cache salt `salt`
+    takes (rule 5)."""
     if not free:
         raise ConfigError("a request can only be admitted to a free slot, and none is free")
     choices = []
     longest = 0
     for slot, kept in free.items():
         # One prompt id is always left to feed.
-        shared = (shared_prefix(kept.tokens, prompt[:len(prompt) - 1]) if rule.enabled
-                  else 0)
+        shared = (shared_prefix(kept.tokens, prompt[:len(prompt) - 1])
+                  if rule.enabled and kept.salt == salt else 0)
         longest = max(longest, shared)
         reused = rule.usable(len(kept.tokens), shared)
         empty = len(kept.tokens) == 0

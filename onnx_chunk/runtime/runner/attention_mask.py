@@ -11,9 +11,11 @@ runtime (`mask_kind`, from `Device.mask_policy`; provider.py has the measurement
    decode writes its `[rows, width]` mask, `width` the longest row's need, into the start of
    the buffer and binds that.
 2. `CapacityMask`: the whole capacity-wide buffer is bound once, when a binding is made (a
-   fixed shape: what CUDA graphs replay); ones for the valid prefix, zeros after. A forward of
-   one row writes only the columns that change (one element per decode step); a batched
-   decode rewrites every row.
+   fixed shape: what CUDA graphs replay); ones for the valid prefix, zeros after. Every
+   forward changes only the columns that change, row by row (a decode step: one element per
+   row that stepped), on the device: ones are copied from a row of ones kept beside the
+   buffer (written once), zeros are set in place; a reset zeroes the buffer. No mask update
+   crosses from the host.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import abc
 import numpy as np
 import onnxruntime as ort
 
-from onnx_chunk.runtime.device.buffers import device_zeros
+from onnx_chunk.runtime.device.buffers import copy_on_device, device_zeros, zero_range
 from onnx_chunk.runtime.device.provider import Device, MaskPolicy
 from onnx_chunk.runtime.runner.ports import MASK_INPUT
 
@@ -98,34 +100,39 @@ class CapacityMask(AttentionMask):
 
     def __init__(self, rows: int, capacity: int, dtype: np.dtype, device: Device) -> None:
         super().__init__(rows, capacity, dtype, device)
-        # A host copy of row 0 and how many leading ones it (and the device buffer) holds.
-        self._host = np.zeros((1, capacity), dtype=dtype)
-        self._ones = 0
+        # How many leading ones each row holds, and a row of ones to copy them from.
+        self._ones = [0] * rows
+        self._source = device_zeros((1, capacity), dtype, device)
+        self._source.write(np.ones((1, capacity), dtype=dtype))
 
     def reset(self) -> None:
-        self._host[...] = 0
-        self._ones = 0
-        self.buffer.write(np.zeros(self.buffer.shape, dtype=self.buffer.dtype))
+        self._ones = [0] * self.rows
+        self.buffer.zero()
 
     def bind(self, io: ort.IOBinding) -> None:
         io.bind_ortvalue_input(MASK_INPUT, self.buffer.value)
 
     def set(self, io: ort.IOBinding, end: int) -> None:
-        ones = self._ones
-        if end > ones:
-            self._host[0, ones:end] = 1
-        elif end < ones:
-            self._host[0, end:ones] = 0
-        self.buffer.write_range(self._host, min(end, ones), max(end, ones))
-        self._ones = end
+        self._set_row(0, end)
 
     def width(self, lengths: list[int]) -> int:
         return self.capacity
 
     def set_rows(self, io: ort.IOBinding, lengths: list[int]) -> None:
-        # Bound for good already (`bind`). A batch's mask is rewritten whole each step and
-        # never takes `set` (whose host copy covers one row).
-        self._write_rows(lengths, self.capacity)
+        # Bound for good already (`bind`): each row's changed columns only.
+        for row, length in enumerate(lengths):
+            self._set_row(row, length + 1)
+
+    def _set_row(self, row: int, end: int) -> None:
+        """Row `row`: columns [0, end) ones, the rest zeros; only the columns that change are
+        written, on the device."""
+        ones = self._ones[row]
+        base = row * self.capacity
+        if end > ones:
+            copy_on_device(self.buffer, base + ones, self._source, ones, end - ones)
+        elif end < ones:
+            zero_range(self.buffer, base + end, base + ones)
+        self._ones[row] = end
 
 
 _KINDS: dict[MaskPolicy, type[AttentionMask]] = {

@@ -269,13 +269,14 @@ class ModelRunner:
             slot.mask.set_rows(binding.io, [row.length.length for row in forward.rows])
 
     def _save_windows(self, slot: SequenceSlot, forward: Forward,
-                      idle: list[int]) -> list[tuple[DeviceBuffer, int, np.ndarray]]:
-        """The window-cache rows of idle rows that this forward would evict (`idle_rows`)."""
+                      idle: list[int]) -> list[tuple[DeviceBuffer, int, DeviceBuffer]]:
+        """The window-cache rows of idle rows that this forward would evict (`idle_rows`),
+        saved on the device (`BatchBuffers.save_row`: nothing crosses to the host)."""
         if not idle:
             return []
         buffers = slot.buffers
         lengths = [row.length.length for row in forward.rows]
-        return [(buffer, index, buffers.read_row(buffer, index))
+        return [(buffer, index, buffers.save_row(buffer, index))
                 for port, buffer in zip(self.ports.kv, buffers.kv)
                 for index in evicting_rows(lengths, idle, port.shape[2], port.window)]
 
@@ -315,7 +316,8 @@ class ModelRunner:
             self.variants.cache.measure_growth(
                 key, session, lambda: self._run(session, binding, slot, width, first_run=True))
         if not binding.keeps_logits:
-            return _output_buffer(binding.io.get_outputs()[0], self.ports.logits_dtype)
+            return _output_buffer(binding.io.get_outputs()[0], self.ports.logits_dtype,
+                                  self.device)
         self._adopt_logits(binding)
         return binding.logits
 
@@ -340,8 +342,7 @@ class ModelRunner:
         try:
             self.variants.graphs.capture(
                 session, graphs, parity, width,
-                lambda options: device.run(session, binding.io, options),
-                self.variants.dropper(session, slot.number, width, graphs))
+                lambda options: device.run(session, binding.io, options))
         except Exception as error:  # ORT's own exception types
             self.variants.note_fallback(session, width, f"{type(error).__name__}: {error}")
             device.run(session, binding.io, graphs.options(first_run, parity))
@@ -394,7 +395,8 @@ class ModelRunner:
             io.bind_ortvalue_input(ROW_INPUT, row_index.value)
         graphs = self.variants.graph_runs(
             session, width, stateful=bool(slot.buffers.state_ports),
-            capture=not every_row and slot.captures and self._captures(key, width))
+            capture=not every_row and slot.captures and self._captures(key, width),
+            batch=batch)
         keeps = width == DECODE_WIDTH or (graphs is not None and not every_row)
         binding = _Binding(io, tokens, positions, graphs, keeps_logits=keeps, output=output,
                            row_index=row_index,
@@ -450,9 +452,11 @@ def _read(logits: DeviceBuffer, returned: int, real_rows: int, batch: int, need:
     return np.array(every[:, :returned])
 
 
-def _output_buffer(value: ort.OrtValue, dtype: np.dtype) -> DeviceBuffer:
-    """An output ONNX Runtime allocated, read through partial copies like any device buffer."""
-    return DeviceBuffer(value, None, np.dtype(dtype))
+def _output_buffer(value: ort.OrtValue, dtype: np.dtype, device: Device) -> DeviceBuffer:
+    """An output ONNX Runtime allocated, read through partial copies like any device buffer
+    (counted in `device`'s transfers where the host has no view of it)."""
+    return DeviceBuffer(value, None, np.dtype(dtype),
+                        None if device.host_visible else device.transfers)
 
 
 def _shape_only(buffer: DeviceBuffer) -> np.ndarray:

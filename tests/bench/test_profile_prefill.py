@@ -1,0 +1,132 @@
+"""scripts/profile_prefill.py: the profile, the variants and a compare run on a corpus export."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import onnx
+import pytest
+
+from scripts._bench import environment as env
+
+sys.path.insert(0, str(env.ROOT / "scripts"))
+import profile_prefill  # noqa: E402  (a script, imported from its folder)
+
+EXPORT = env.ROOT / "tests" / "fixtures" / "exports" / "genai-llama-int4"
+
+
+def test_projection_names_and_greedy_agreement():
+    assert profile_prefill.projection("/model/layers.3/attn/qkv_proj/MatMul_Q4") == \
+        "attn/qkv_proj"
+    assert profile_prefill.projection("/model/layers.12/mlp/down_proj/MatMul") == \
+        "mlp/down_proj"
+    assert profile_prefill.projection("/lm_head/MatMul_Q4") == "lm_head"
+    assert profile_prefill.agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert profile_prefill.agreement([5], [5, 6]) == 1
+
+
+def test_node_times_are_split_by_run():
+    events = [{"cat": "Session", "name": "model_run", "ts": 0, "dur": 100},
+              {"cat": "Session", "name": "model_run", "ts": 200, "dur": 100},
+              {"cat": "Node", "name": "a_kernel_time", "ts": 10, "dur": 30,
+               "args": {"op_name": "MatMulNBits"}},
+              {"cat": "Node", "name": "a_fence_before", "ts": 9, "dur": 1, "args": {}},
+              {"cat": "Node", "name": "a_kernel_time", "ts": 210, "dur": 50,
+               "args": {"op_name": "MatMulNBits"}}]
+    runs = profile_prefill.per_run_node_times(events)
+    assert runs == [{"a": ("MatMulNBits", 30e-6)}, {"a": ("MatMulNBits", 50e-6)}]
+
+
+def test_profile_names_every_projection_with_its_rate(capsys):
+    assert profile_prefill.main(["profile", "--model", str(EXPORT), "--rows", "32",
+                                 "--repeats", "1", "--peak-gflops", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "| MatMulNBits |" in out and "| GroupQueryAttention |" in out
+    for name in ("lm_head", "attn/qkv_proj", "attn/o_proj", "mlp/down_proj"):
+        assert f"| {name} |" in out
+    assert "block 32 level 4" in out
+
+
+def test_variants_change_the_graph_only_and_compare_measures_them(tmp_path, capsys):
+    level = tmp_path / "level0"
+    rows = tmp_path / "lastrow"
+    assert profile_prefill.main(["variant", "--model", str(EXPORT), "--out", str(level),
+                                 "--accuracy-level", "0"]) == 0
+    assert profile_prefill.main(["variant", "--model", str(EXPORT), "--out", str(rows),
+                                 "--last-row-logits"]) == 0
+    graph = onnx.load(str(level / "model.onnx"), load_external_data=False).graph
+    levels = {attribute.i for node in graph.node if node.op_type == "MatMulNBits"
+              for attribute in node.attribute if attribute.name == "accuracy_level"}
+    assert levels == {0}
+    # The weights are the original's file (hard link), not rewritten.
+    assert os.path.samefile(level / "model.onnx.data", EXPORT / "model.onnx.data") or \
+        (level / "model.onnx.data").read_bytes() == (EXPORT / "model.onnx.data").read_bytes()
+    logits = next(value for value in onnx.load(str(rows / "model.onnx"),
+                                               load_external_data=False).graph.output
+                  if value.name == "logits")
+    assert logits.type.tensor_type.shape.dim[1].dim_value == 1
+    capsys.readouterr()
+    assert profile_prefill.main([
+        "compare", "--model", str(EXPORT), "--candidate", f"lastrow={rows}",
+        "--candidate", f"nospin={EXPORT},session.intra_op.allow_spinning=0,threads=1",
+        "--lengths", "40", "--new-tokens", "4", "--rounds", "1", "--chunk-size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "1-minute load average before each measurement" in out
+    lines = {line.split("|")[2].strip(): line for line in out.splitlines()
+             if line.startswith("| 40 |")}
+    assert set(lines) == {"base", "lastrow", "nospin"}
+    # The last row's logits are the full forward's last row: the same greedy tokens.
+    assert lines["lastrow"].rstrip().endswith("| 4/4 |")
+    assert lines["nospin"].rstrip().endswith("| 4/4 |")
+
+
+def test_a_missing_model_is_one_error_line(tmp_path, capsys):
+    assert profile_prefill.main(["profile", "--model", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1
+
+
+def test_a_variant_with_nothing_to_change_is_refused(tmp_path, capsys):
+    assert profile_prefill.main(["variant", "--model", str(EXPORT), "--out",
+                                 str(tmp_path / "same")]) == 2
+    assert "nothing to change" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["nameonly", "=folder"])
+def test_a_malformed_candidate_is_refused(text, capsys):
+    with pytest.raises(SystemExit, match="expected KEY=VALUE"):
+        profile_prefill.parse_candidate(text, None)
+
+
+def test_paired_ratios_are_per_pair_and_best_over_best():
+    ratios = profile_prefill.paired_ratios([1.0, 2.0, 4.0], [0.5, 1.0, 4.0])
+    assert ratios["median"] == 0.5 and ratios["best"] == 0.5
+    assert ratios["spread"] == pytest.approx((1.0 - 0.5) / 0.5)
+
+
+def test_paired_and_kernel_runs_print_their_tables(tmp_path, capsys):
+    rows = tmp_path / "lastrow"
+    assert profile_prefill.main(["variant", "--model", str(EXPORT), "--out", str(rows),
+                                 "--last-row-logits"]) == 0
+    capsys.readouterr()
+    assert profile_prefill.main(["paired", "--model", str(EXPORT), "--candidate",
+                                 f"lastrow={rows}", "--rows", "16", "--past", "8",
+                                 "--pairs", "2", "--new-tokens", "4"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines()
+                if line.startswith("| lastrow |"))
+    assert "| 4/4 |" in line  # the last row's logits: the same greedy tokens
+    assert profile_prefill.main(["kernel", "--shape", "64x96", "--rows", "8", "--repeats", "2",
+                                 "--kernel", "4:32:4", "--kernel", "8:32:4", "--kernel",
+                                 "32:0:0", "--int8-roof", "380"]) == 0
+    out = capsys.readouterr().out
+    for name in ("4-bit block 32 level 4", "8-bit block 32 level 4", "MatMul fp32"):
+        assert f"| 64 x 96 | {name} |" in out
+
+
+@pytest.mark.parametrize("argv", [["kernel", "--kernel", "4:32"], ["kernel", "--shape", "896"],
+                                  ["compare", "--model", str(EXPORT), "--lengths", "12,x"]])
+def test_malformed_numbers_are_one_error_line(argv, capsys):
+    assert profile_prefill.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1

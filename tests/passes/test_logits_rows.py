@@ -1,0 +1,155 @@
+"""LogitsRowsPass on the corpus of real exports: chosen rows' logits equal the full forward's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from onnx_chunk.errors import ModelStructureError
+from onnx_chunk.passes.logits_rows import (
+    LOGITS_ROWS,
+    LastRowLogitsPass,
+    LogitsRowsPass,
+    find_lm_head,
+)
+from tests.exports.corpus import fixtures
+
+ROWS = 7
+# The builder's fp16 CPU export attends with MultiHeadAttention over a concatenated KV; it runs
+# here too (the pass does not look at attention), so the whole corpus is covered.
+CORPUS = fixtures()
+
+
+def _session(path: Path) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def _feeds(session: ort.InferenceSession, folder: Path) -> dict[str, np.ndarray]:
+    """A ROWS-token prompt with an empty past (a past at the sliding window where one is)."""
+    genai = folder / "genai_config.json"
+    decoder = json.loads(genai.read_text())["model"]["decoder"] if genai.is_file() else {}
+    window = (decoder.get("sliding_window") or {}).get("window_size", 0)
+    feeds: dict[str, np.ndarray] = {}
+    for value in session.get_inputs():
+        if value.name == "input_ids":
+            feeds[value.name] = np.arange(3, 3 + ROWS, dtype=np.int64)[None]
+        elif value.name == "attention_mask":
+            feeds[value.name] = np.ones((1, ROWS), np.int64)
+        elif value.name == "position_ids":
+            feeds[value.name] = np.arange(ROWS, dtype=np.int64)[None]
+        elif value.name.startswith("past_key_values."):
+            head = value.shape[3] if isinstance(value.shape[3], int) else decoder["head_size"]
+            dtype = np.float16 if value.type == "tensor(float16)" else np.float32
+            feeds[value.name] = np.zeros((1, value.shape[1], window, head), dtype)
+        elif value.name.startswith("past."):
+            feeds[value.name] = np.zeros((1, *value.shape[1:]), np.float32)
+    return feeds
+
+
+@pytest.mark.parametrize("fixture", CORPUS, ids=str)
+def test_chosen_rows_logits_equal_the_full_forwards_rows(fixture, tmp_path):
+    folder = fixture.copy_to(tmp_path / fixture.name)
+    full_session = _session(folder / "model.onnx")
+    feeds = _feeds(full_session, folder)
+    full = full_session.run(["logits"], feeds)[0]
+    model = ir.load(folder / "model.onnx")
+    head, _ = find_lm_head(model.graph)
+    assert LogitsRowsPass()(model).modified
+    assert head.inputs[0].producer().op_type == "Gather"
+    output = next(value for value in model.graph.outputs if value.name == "logits")
+    assert str(output.shape[1]) == LOGITS_ROWS
+    ir.save(model, folder / "rows.onnx")
+    rows_session = _session(folder / "rows.onnx")
+    tolerance = 2e-2 if fixture.precision == "fp16" else 1e-5
+    for rows in ([ROWS - 1], [-1], [2, 6, 0], list(range(ROWS))):
+        chosen = rows_session.run(["logits"], dict(feeds, logits_rows=np.array(rows, np.int64)))
+        assert chosen[0].shape == (1, len(rows), full.shape[2])
+        np.testing.assert_allclose(chosen[0], full[:, rows], rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("fixture", CORPUS, ids=str)
+def test_the_last_row_pass_gives_the_full_forwards_last_row(fixture, tmp_path):
+    folder = fixture.copy_to(tmp_path / fixture.name)
+    full_session = _session(folder / "model.onnx")
+    feeds = _feeds(full_session, folder)
+    full = full_session.run(["logits"], feeds)[0]
+    model = ir.load(folder / "model.onnx")
+    assert LastRowLogitsPass()(model).modified
+    assert not LastRowLogitsPass()(model).modified  # already one row: left as it is
+    ir.save(model, folder / "last.onnx")
+    last = _session(folder / "last.onnx").run(["logits"], feeds)[0]
+    tolerance = 2e-2 if fixture.precision == "fp16" else 1e-5
+    assert last.shape == (1, 1, full.shape[2])
+    np.testing.assert_allclose(last, full[:, -1:], rtol=tolerance, atol=tolerance)
+
+
+def test_todays_runtime_serves_a_converted_last_row_decoder_with_the_same_tokens(tmp_path):
+    from onnx_chunk.cli import main
+    from onnx_chunk.model_io import load_model, save_model
+    from onnx_chunk.runtime import load
+
+    source = next(fixture for fixture in CORPUS if fixture.name == "genai-llama-int4")
+    converted = tmp_path / "conv" / "model.onnx"
+    assert main(["convert", str(source.folder), "-o", str(converted), "--chunk-size", "32"]) == 0
+    prompt = [(7 * index + 3) % 384 for index in range(100)]
+    with load(converted, provider="cpu") as runtime:
+        expected = runtime.open_sequence().generate(prompt, 8)
+    model = load_model(converted)
+    assert LastRowLogitsPass()(model).modified
+    save_model(model, converted)
+    with load(converted, provider="cpu") as runtime:
+        assert runtime.ports.last_row_logits
+        sequence = runtime.open_sequence()
+        assert sequence.generate(prompt, 8) == expected
+        with pytest.raises(ModelStructureError, match="last row's logits only"):
+            runtime.open_sequence().prefill(prompt, all_logits=True)
+
+
+def test_a_converted_graph_is_left_as_it_is():
+    model = ir.load(CORPUS[0].folder / "model.onnx")
+    assert LogitsRowsPass()(model).modified
+    nodes = len(model.graph)
+    assert not LogitsRowsPass()(model).modified
+    assert len(model.graph) == nodes
+
+
+def _head_graph(between: list[onnx.NodeProto], query: str | int = "sequence_length",
+                output: str = "logits") -> ir.Model:
+    weight = onnx.numpy_helper.from_array(np.zeros((4, 8), np.float32), "lm_head.weight")
+    scale = onnx.numpy_helper.from_array(np.ones((1, 1, 8), np.float32), "row_scale")
+    nodes = [helper.make_node("MatMul", ["hidden", "lm_head.weight"],
+                              ["head" if between else output], name="/lm_head/MatMul"), *between]
+    graph = helper.make_graph(
+        nodes, "head",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", query]),
+         helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["batch_size", query, 4])],
+        [helper.make_tensor_value_info(output, TensorProto.FLOAT, ["batch_size", query, 8])],
+        [weight, scale])
+    return ir.from_proto(helper.make_model(graph))
+
+
+@pytest.mark.parametrize("pass_", [LogitsRowsPass, LastRowLogitsPass])
+def test_a_node_that_is_not_row_wise_before_the_logits_is_refused(pass_):
+    softmax = helper.make_node("Softmax", ["head"], ["logits"], axis=1)
+    with pytest.raises(ModelStructureError, match="Softmax .* not row-wise"):
+        pass_()(_head_graph([softmax]))
+    # A constant with a row axis of its own cannot be gathered along: refused too.
+    scaled = helper.make_node("Mul", ["head", "row_scale"], ["logits"])
+    with pytest.raises(ModelStructureError, match="Mul .* not row-wise"):
+        LogitsRowsPass()(_head_graph([scaled]))
+
+
+def test_logits_without_a_named_query_axis_or_no_logits_are_refused():
+    with pytest.raises(ModelStructureError, match="axis 1 of the logits must be the query"):
+        LogitsRowsPass()(_head_graph([], query=5))
+    with pytest.raises(ModelStructureError, match="no 'logits' output"):
+        LogitsRowsPass()(_head_graph([], output="scores"))
