@@ -183,3 +183,26 @@ def test_onnxruntime_genai_runs_the_quantized_folder(quantized):
             capture_output=True, text=True, timeout=300, check=True)
         theirs = [result["tokens"] for result in json.loads(child.stdout)["results"]]
         assert theirs == ours
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_the_device_path_runs_the_quantized_cache(kv_dtype, quantized, monkeypatch):
+    """The CPU marked not host-visible, as CUDA looks: the int8 / uint8 buffers are allocated
+    on the device and written and read through partial copies, with the capacity-wide mask."""
+    import dataclasses
+
+    from onnx_chunk.runtime import model as runtime_model
+    from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
+
+    fixture = next(fixture for fixture in FIXTURES if fixture.name == "genai-llama-fp32")
+    folder = quantized(fixture, kv_dtype)
+    with load(folder, provider="cpu", chunk_size=W, max_batch=2) as host:
+        prompts = _prompts(host.ports.vocab_size)
+        expected = _alone(host, prompts)
+    device = dataclasses.replace(device_for("cpu"), host_visible=False,
+                                 mask_policy=MaskPolicy.CAPACITY)
+    monkeypatch.setattr(runtime_model, "resolve_device", lambda *args: device)
+    with load(folder, provider="cpu", chunk_size=W, max_batch=2) as on_device:
+        with on_device.open_sequence() as sequence:
+            assert all(buffer.host is None for buffer in sequence.buffers.kv)
+        assert _alone(on_device, prompts) == expected
