@@ -1,6 +1,6 @@
 """Where a CPU prefill of a builder export spends its time, and what ONNX Runtime can change.
 
-Five commands (issue 34; findings in docs/prefill_findings.md):
+Five commands (issue 34; findings in docs/benchmarks.md, "Prefill candidates on CPU"):
 
 * ``profile``: one ROWS-row prefill forward (empty past) under ONNX Runtime's profiler
   (SessionOptions.enable_profiling), after warm-up forwards; time per operator type and, for

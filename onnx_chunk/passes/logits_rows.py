@@ -3,8 +3,8 @@
 A builder export computes the lm_head for every query row, though a prefill chunk needs one
 row (the last real one) and a decode step has one. On qwen05-int4 (Qwen2.5-0.5B's shape, a
 151936-token vocabulary) the lm_head of a 512-row chunk is 139 of the forward's 506 GFLOP and
-30% of its CPU time (docs/prefill_findings.md). llama.cpp selects the rows before its output
-matrix (its `inp_out_ids`); this pass does the same in the graph.
+30% of its CPU time (docs/benchmarks.md, "Prefill candidates on CPU"). llama.cpp selects the
+rows before its output matrix (its `inp_out_ids`); this pass does the same in the graph.
 
 Rules:
 1. The lm_head is the MatMul, MatMulNBits or Gemm that writes the graph output `logits`,
