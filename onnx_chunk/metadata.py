@@ -36,6 +36,10 @@ MAX_POSITIONS_KEY = "onnx_chunk.max_positions"
 # GroupQueryAttention's `query_seqlens` (native right-padded chunks); absent: not wired.
 QUERY_SEQLENS_KEY = "onnx_chunk.query_seqlens"
 
+# Written by the KV cache quantization (optional; `convert --kv-dtype`): the cache's element
+# type and scale granularity, and what calibration ran on.
+KV_CACHE_KEY = "onnx_chunk.kv_cache"
+
 ALL_KEYS = (
     SCHEMA_VERSION_KEY,
     CHUNK_SIZE_KEY,
@@ -260,6 +264,28 @@ def read_query_seqlens(model: ir.Model | Mapping[str, str]) -> str | None:
                                   "name of a graph input; re-run `onnx-chunk convert` on the "
                                   "original model")
     return name
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheDeclaration:
+    """A quantized KV cache: `dtype` "int8" or "int4", `scales` "per-channel" or "per-tensor",
+    and the calibration behind the scales (prompts, tokens, source)."""
+
+    dtype: str
+    scales: str
+    calibration_prompts: int
+    calibration_tokens: int
+    calibration_source: str
+
+
+def write_kv_cache(model: ir.Model, declaration: KVCacheDeclaration) -> bool:
+    """Store the quantized KV cache declaration; return whether the metadata changed."""
+    return _set(model.metadata_props, KV_CACHE_KEY, _encode(dataclasses.asdict(declaration)))
+
+
+def read_kv_cache(model: ir.Model | Mapping[str, str]) -> KVCacheDeclaration | None:
+    """The stored quantized KV cache declaration, or None for a float cache."""
+    return _read_section(model, KV_CACHE_KEY, lambda data: KVCacheDeclaration(**data))
 
 
 def write_recurrent_state(model: ir.Model, findings: RecurrentStateFindings) -> bool:

@@ -60,3 +60,27 @@ def _parameter(parameter) -> _OpSchema.FormalParameter:
         parameter.name, parameter.typeStr, "",
         param_option=getattr(_OpSchema.FormalParameterOption, parameter.option.name),
         is_homogeneous=parameter.isHomogeneous)
+
+
+def gqa_cache_types() -> frozenset[str]:
+    """The KV cache element types ONNX Runtime's GroupQueryAttention schema accepts with scales.
+
+    Read from the installed ONNX Runtime's schema (onnxruntime/core/graph/contrib_ops/
+    bert_defs.cc): the `T_CACHE` constraint of past_key (e.g. "tensor(int8)", "tensor(uint8)"
+    for packed int4), counted only when the schema also has the `k_scale` input and the
+    `kv_cache_bit_width` attribute that a quantized cache needs. Empty without them.
+    """
+    for schema in ort_c.get_all_operator_schema():
+        if schema.name != "GroupQueryAttention" or schema.domain != "com.microsoft":
+            continue
+        if ("kv_cache_bit_width" not in schema.attributes
+                or not any(parameter.name == "k_scale" for parameter in schema.inputs)):
+            return frozenset()
+        past = next((parameter for parameter in schema.inputs if parameter.name == "past_key"),
+                    None)
+        if past is None:
+            return frozenset()
+        for constraint in schema.type_constraints:
+            if constraint.type_param_str == past.typeStr:
+                return frozenset(constraint.allowed_type_strs)
+    return frozenset()

@@ -43,6 +43,7 @@ REVIEWED_HANDLERS = {
     ("runtime/engine/scheduler.py", "ValueError"): "wraps deque.remove only",
     ("serve/generation.py", "RuntimeError"): "wraps loop.call_soon_threadsafe only",
     ("cli/generate.py", "OSError"): "wraps Path.read_bytes only",
+    ("calibration.py", "OSError"): "wraps Path.read_bytes only",
     ("cli/serve.py", "OSError"): "wraps socket binding only",
     ("serve/app.py", "OSError"): "wraps a write to the client only",
     ("runtime/device/memory.py", "OSError"): "wraps reading /proc and loading a library only",

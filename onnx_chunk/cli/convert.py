@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from onnx_chunk.calibration import calibrate_kv, read_calibration_file
 from onnx_chunk.cli.inspect import plan_summary
 from onnx_chunk.cli.progress import QUIET_OPTION, byte_progress, wanted
 from onnx_chunk.errors import ConfigError
@@ -17,7 +18,10 @@ from onnx_chunk.passes import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_MAX_VARIANTS,
     KV_CACHE_TARGETS,
+    KV_DTYPES,
+    KV_SCALES,
     NATIVE_CHUNKS_CHOICES,
+    check_kv_quantization,
     convert_model,
 )
 
@@ -70,9 +74,19 @@ def _bytes_to_copy(model_files: dict[str, Path], target: Path) -> int:
               help="Wire GroupQueryAttention's query_seqlens input (right-padded chunks run "
                    "natively): auto where the installed ONNX Runtime has it, on (refused "
                    "where it has not), off.")
+@click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default=None,
+              help="Quantize the GroupQueryAttention KV cache to int8, or int4 packed two a "
+                   "byte, with scales calibrated on the float model (see docs/kv_cache.md).")
+@click.option("--kv-scales", type=click.Choice(KV_SCALES), default=None,
+              help="One scale per KV head and channel, or one per cache (with --kv-dtype; "
+                   "default per-channel).")
+@click.option("--calibrate", "calibrate_file", type=click.Path(path_type=Path), default=None,
+              help="Calibration prompts (with --kv-dtype): a text file, one prompt a line, or "
+                   "one line of token ids per prompt; default a built-in set of prompts.")
 @QUIET_OPTION
 def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants: int,
-            in_place: bool, kv_cache: str, native_chunks: str, quiet: bool) -> None:
+            in_place: bool, kv_cache: str, native_chunks: str, kv_dtype: str | None,
+            kv_scales: str | None, calibrate_file: Path | None, quiet: bool) -> None:
     """Annotate MODEL_PATH for chunked prefill and write it to OUTPUT.
 
     A standard-ONNX decoder whose KV grows by Concat (Optimum, torch.onnx) is first rewritten
@@ -81,11 +95,24 @@ def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants
     loaded; OUTPUT's folder gets every file at once or none.
     """
     model_path = locate_model(model_path).onnx_path
+    if kv_dtype is None and (kv_scales is not None or calibrate_file is not None):
+        given = "--kv-scales" if kv_scales is not None else "--calibrate"
+        raise ConfigError(f"{given} applies to a quantized KV cache only; add --kv-dtype "
+                          "int8 or int4, or drop it")
     model = load_model(model_path)
     output = _output_path(model_path, output, in_place)
+    calibration = None
+    if kv_dtype is not None:
+        # Every refusal before the calibration runs the float model.
+        check_kv_quantization(model, kv_dtype)
+        prompts = None if calibrate_file is None else read_calibration_file(calibrate_file)
+        source = "built-in prompts" if calibrate_file is None else calibrate_file.name
+        calibration = calibrate_kv(model_path, prompts, source=source)
     result = convert_model(model, chunk_size=chunk_size, max_variants=max_variants,
                            max_sequence_length=read_max_positions(model_path.parent),
-                           kv_cache=kv_cache, native_chunks=native_chunks)
+                           kv_cache=kv_cache, native_chunks=native_chunks,
+                           kv_dtype=kv_dtype,
+                           kv_scales=kv_scales or "per-channel", calibration=calibration)
     model = result.model
     plan = read_plan(model)
     if in_place and not result.modified:

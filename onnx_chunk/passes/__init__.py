@@ -19,6 +19,14 @@ from onnx_chunk.passes.chunked_prefill_declaration import (
 from onnx_chunk.passes.concat_kv_attention import ConcatKVToGQAPass, find_concat_kv_attention
 from onnx_chunk.passes.concat_kv_tensor_scatter import ConcatKVToTensorScatterPass
 from onnx_chunk.passes.kv_capacity import KVCapacityPass
+from onnx_chunk.passes.kv_quantization import (
+    CACHE_TYPES,
+    KV_DTYPES,
+    KV_SCALES,
+    Calibration,
+    KVCacheQuantizationPass,
+    find_quantizable_caches,
+)
 from onnx_chunk.passes.per_token_ports import PerTokenPortsPass
 from onnx_chunk.passes.query_seqlens import NATIVE_CHUNKS_CHOICES, QuerySeqlensPass
 from onnx_chunk.passes.recurrent_state import RecurrentStatePass
@@ -36,12 +44,16 @@ __all__ = [
     "ConcatKVToGQAPass",
     "ConcatKVToTensorScatterPass",
     "KV_CACHE_TARGETS",
+    "KVCacheQuantizationPass",
     "KVCapacityPass",
+    "KV_DTYPES",
+    "KV_SCALES",
     "NATIVE_CHUNKS_CHOICES",
     "PerTokenPortsPass",
     "QuerySeqlensPass",
     "RecurrentStatePass",
     "analyze",
+    "check_kv_quantization",
     "convert_model",
     "find_concat_kv_attention",
 ]
@@ -98,7 +110,9 @@ def analyze(model: ir.Model, *, chunk_size: int | None = None,
 def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
                   max_variants: int = DEFAULT_MAX_VARIANTS,
                   max_sequence_length: int | None = None,
-                  kv_cache: str = "gqa",
+                  kv_cache: str = "gqa", kv_dtype: str | None = None,
+                  kv_scales: str = "per-channel",
+                  calibration: Calibration | None = None,
                   native_chunks: str = "auto") -> ir.passes.PassResult:
     """Run the pipeline; `modified` is False when the model was already converted so.
 
@@ -112,10 +126,21 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
     opsets or domains ORT cannot run, and ConfigError for an impossible chunk size or variant
     cap, or `native_chunks` "on" where the query_seqlens pass cannot wire the input
     (QuerySeqlensPass: "auto" wires it where the installed ONNX Runtime has it, "off" never).
+
+    With `kv_dtype` ("int8" or "int4") the GroupQueryAttention KV cache is quantized
+    (KVCacheQuantizationPass) with `kv_scales` ("per-channel" or "per-tensor") scales from
+    `calibration` (`onnx_chunk.calibration.calibrate_kv` on the float model); refused
+    (ModelStructureError) when the installed ONNX Runtime's GroupQueryAttention schema takes
+    no such cache.
     """
     if kv_cache not in KV_CACHE_TARGETS:
         raise ConfigError(f"unknown KV cache target {kv_cache!r}; expected one of "
                           f"{', '.join(KV_CACHE_TARGETS)}")
+    if kv_dtype is not None:
+        check_quantized_cache_support(kv_dtype)
+        if calibration is None:
+            raise ConfigError("a quantized KV cache (kv_dtype) needs a calibration of the "
+                              "float model: onnx_chunk.calibration.calibrate_kv(model_path)")
     check_supported_opsets(model)
     rewritten = find_concat_kv_attention(model.graph).concat_kv
     if rewritten:
@@ -129,5 +154,43 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
     if native_chunks not in NATIVE_CHUNKS_CHOICES:
         raise ConfigError(f"native chunks must be one of {', '.join(NATIVE_CHUNKS_CHOICES)}, "
                           f"got {native_chunks!r}")
+    quantized = False
+    if kv_dtype is not None:
+        assert calibration is not None
+        quantized = KVCacheQuantizationPass(calibration, kv_dtype, kv_scales)(model).modified
     result = _run_pipeline(model, chunk_size, max_variants, native_chunks)
-    return ir.passes.PassResult(model, modified=rewritten or result.modified)
+    return ir.passes.PassResult(model, modified=rewritten or quantized or result.modified)
+
+
+def check_kv_quantization(model: ir.Model, kv_dtype: str) -> None:
+    """Before any calibration: ModelStructureError when the KV cache of `model` cannot be
+    quantized to `kv_dtype` (no such cache in this ONNX Runtime, attention that is not
+    GroupQueryAttention, a concat-KV decoder not yet converted, a node the rewrite cannot
+    apply to)."""
+    check_quantized_cache_support(kv_dtype)
+    findings = find_concat_kv_attention(model.graph)
+    if findings.concat_kv and findings.refusal is None:
+        raise ModelStructureError(
+            "the model grows its KV cache by Concat, and calibration runs the float model "
+            "through the runtime, which serves it converted: convert it first (onnx-chunk "
+            "convert MODEL -o FOLDER --kv-cache gqa), then quantize the converted model's cache "
+            "(onnx-chunk convert FOLDER --in-place --kv-dtype ...)")
+    find_quantizable_caches(model, kv_dtype)
+
+
+def check_quantized_cache_support(kv_dtype: str) -> None:
+    """ModelStructureError when the installed ONNX Runtime's GroupQueryAttention schema takes no
+    `kv_dtype` cache (read from its schema, never from its version)."""
+    from onnx_chunk.ort_schemas import gqa_cache_types
+
+    if kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"unknown KV cache dtype {kv_dtype!r}; expected one of "
+                          f"{', '.join(KV_DTYPES)}")
+    wanted = f"tensor({CACHE_TYPES[kv_dtype].name.lower()})"
+    if wanted not in gqa_cache_types():
+        import onnxruntime
+
+        raise ModelStructureError(
+            f"the installed ONNX Runtime ({onnxruntime.__version__}) has no GroupQueryAttention "
+            f"with a {kv_dtype} KV cache (its schema takes no {wanted} cache with k_scale and "
+            "kv_cache_bit_width); install an ONNX Runtime whose GroupQueryAttention has one")

@@ -57,7 +57,7 @@ from onnx_chunk.runtime.runner.attention_mask import AttentionMask, mask_kind
 from onnx_chunk.runtime.runner.chunk_mask import chunk_mask_kind
 from onnx_chunk.runtime.runner.model_runner import ModelRunner
 from onnx_chunk.runtime.runner.ports import ModelPorts
-from onnx_chunk.runtime.stats import RuntimeStats
+from onnx_chunk.runtime.stats import RuntimeStats, kv_dtype_name
 from onnx_chunk.sampling import GREEDY, Sampler
 
 if TYPE_CHECKING:
@@ -461,6 +461,9 @@ class Runtime:
             prefix_reuse=options.prefix_reuse,
             engine=None if self._engine is None else self._engine.stats,
             speculative=options.speculative,
+            kv_bytes=sum(int(np.prod(port.shape)) * port.dtype.itemsize
+                         for port in self.ports.kv),
+            kv_dtype=kv_dtype_name(port.dtype for port in self.ports.kv),
         )
 
     def _embeddings(self, given: np.ndarray | None) -> np.ndarray | None:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from onnx_chunk.runtime.caches.graph_cache import GraphStats
 from onnx_chunk.runtime.caches.variant_cache import CacheStats
@@ -84,7 +87,9 @@ class RuntimeStats:
     pool's counters (buffer sets made, reused, freed, idle); `max_batch`: the batch engine's
     slots, `prefix_reuse` whether its slots keep their prefix for later requests, `engine` its
     counters (None until the first submit); `speculative`: the drafting method
-    ("prompt-lookup") or None.
+    ("prompt-lookup") or None. `kv_bytes`: what one sequence's KV cache (one engine slot's)
+    holds at the capacity; `kv_dtype`: its element type ("float32", "float16", "int8", or
+    "int4" for the packed two-a-byte cache of `convert --kv-dtype int4`).
     """
 
     provider: str
@@ -118,6 +123,8 @@ class RuntimeStats:
     prefix_reuse: bool = True
     engine: EngineStats | None = None
     speculative: str | None = None
+    kv_bytes: int = 0
+    kv_dtype: str = "float32"
 
     def __call__(self) -> RuntimeStats:
         """The stats themselves: `runtime.stats` is a property now, and the old call
@@ -125,6 +132,15 @@ class RuntimeStats:
         warnings.warn("Runtime.stats is a property: read runtime.stats, not runtime.stats",
                       DeprecationWarning, stacklevel=2)
         return self
+
+
+def kv_dtype_name(dtypes: Iterable[np.dtype]) -> str:
+    """The KV cache's element type as `RuntimeStats.kv_dtype` names it: a uint8 cache is
+    GroupQueryAttention's packed int4 (its only uint8 cache), several types are joined by "+".
+    """
+    names = sorted({"int4" if np.dtype(dtype) == np.uint8 else np.dtype(dtype).name
+                    for dtype in dtypes})
+    return "+".join(names) if names else "none"
 
 
 @dataclass

@@ -1,0 +1,104 @@
+"""KV bytes, peak RSS and decode tokens/s of float32, int8 and int4 KV caches (docs/kv_cache.md).
+
+Usage: bench_kv_cache.py memory FOLDER [FOLDER...] [--shape 1x32768 --shape 8x8192]
+       bench_kv_cache.py decode FOLDER [FOLDER...] [--positions 1024] [--rounds 3]
+
+`memory` runs each (folder, slots x capacity) in a fresh child process: it loads the model,
+serves one short request on every slot (so every KV buffer is allocated and written) and
+reports `stats.kv_bytes` per slot and the child's own peak RSS (VmHWM of /proc/self/status;
+ru_maxrss of a child starts from its parent's). `decode` prefills a random prompt of
+`--positions` tokens and times 32 greedy decode steps after it, the folders interleaved round
+by round; the load average is printed beside each number (the machine may be shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+_CHILD = r"""
+import json, sys, time
+import numpy as np
+import onnx_chunk
+request = json.loads(sys.argv[1])
+def vmhwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+if request["mode"] == "memory":
+    with onnx_chunk.load(request["folder"], provider="cpu", capacity=request["capacity"],
+                         max_batch=request["slots"]) as runtime:
+        prompts = [[5 + slot, 6, 7, 8] for slot in range(request["slots"])]
+        if request["slots"] == 1:
+            with runtime.open_sequence() as sequence:
+                sequence.generate(prompts[0], 4, eos_token_id=[])
+        else:
+            runtime.generate_many(prompts, 4, eos_token_id=[])
+        stats = runtime.stats
+        print(json.dumps({"kv_bytes": stats.kv_bytes, "kv_dtype": stats.kv_dtype,
+                          "peak_rss": vmhwm()}))
+else:
+    rng = np.random.default_rng(0)
+    with onnx_chunk.load(request["folder"], provider="cpu",
+                         capacity=request["positions"] + 64) as runtime:
+        prompt = rng.integers(10, runtime.ports.vocab_size, request["positions"]).tolist()
+        with runtime.open_sequence() as sequence:
+            logits = sequence.prefill(prompt)
+            token = int(np.argmax(logits))
+            began = time.perf_counter()
+            for _ in range(32):
+                token = int(np.argmax(sequence.decode(token)))
+            seconds = time.perf_counter() - began
+        print(json.dumps({"kv_dtype": runtime.stats.kv_dtype, "tokens_per_s": 32 / seconds}))
+"""
+
+
+def _child(request: dict) -> dict:
+    done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(request)],
+                          capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _load() -> str:
+    return open("/proc/loadavg").read().split()[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=("memory", "decode"))
+    parser.add_argument("folders", nargs="+")
+    parser.add_argument("--shape", action="append", default=None,
+                        help="SLOTSxCAPACITY (memory; default 1x32768 and 8x8192)")
+    parser.add_argument("--positions", type=int, default=1024, help="prompt length (decode)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (decode)")
+    args = parser.parse_args()
+    if args.mode == "memory":
+        for shape in args.shape or ["1x32768", "8x8192"]:
+            slots, capacity = (int(part) for part in shape.split("x"))
+            for folder in args.folders:
+                got = _child({"mode": "memory", "folder": folder, "slots": slots,
+                              "capacity": capacity})
+                print(f"{shape:>8} {got['kv_dtype']:>8} KV {got['kv_bytes'] * slots / 2**20:8.1f}"
+                      f" MiB  peak RSS {got['peak_rss'] / 2**20:8.1f} MiB  load {_load()}  "
+                      f"{os.path.basename(folder.rstrip('/'))}", flush=True)
+        return
+    results: dict[str, list[float]] = {folder: [] for folder in args.folders}
+    for _ in range(args.rounds):
+        for folder in args.folders:
+            got = _child({"mode": "decode", "folder": folder, "positions": args.positions})
+            results[folder].append(got["tokens_per_s"])
+            print(f"{args.positions:>6} {got['kv_dtype']:>8} {got['tokens_per_s']:7.2f} tok/s  "
+                  f"load {_load()}  {os.path.basename(folder.rstrip('/'))}", flush=True)
+            time.sleep(1)
+    for folder, values in results.items():
+        print(f"median {statistics.median(values):7.2f} tok/s (spread "
+              f"{min(values):.2f}-{max(values):.2f})  {os.path.basename(folder.rstrip('/'))}")
+
+
+if __name__ == "__main__":
+    main()
