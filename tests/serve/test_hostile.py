@@ -73,14 +73,21 @@ class _HealthPoller:
 
 
 def _held_free(live, work: Callable[[], object]) -> object:
-    """`work()`'s result, /health polled meanwhile; fails when /health stalled 250 ms."""
-    with _HealthPoller(live) as poller:
-        time.sleep(0.1)
-        result = work()
-    assert len(poller.times) >= 2
-    assert poller.slowest < STALL_S, (
-        f"/health took {poller.slowest:.3f} s while the request ran (the event loop stalled)")
-    return result
+    """`work()`'s result, /health polled meanwhile; fails when /health stalled 250 ms.
+
+    A stall of the event loop repeats on every run of the same work; a slow answer from a
+    machine busy with other processes does not, so the work runs once more before failing."""
+    slowest = []
+    for _ in range(2):
+        with _HealthPoller(live) as poller:
+            time.sleep(0.1)
+            result = work()
+        assert len(poller.times) >= 2
+        slowest.append(poller.slowest)
+        if poller.slowest < STALL_S:
+            return result
+    raise AssertionError(f"/health took {min(slowest):.3f} s at best over {len(slowest)} runs "
+                         "while the request ran (the event loop stalled)")
 
 
 def _schema(objects: int, properties: int = 100) -> dict:
