@@ -46,6 +46,7 @@ REVIEWED_HANDLERS = {
     ("calibration.py", "OSError"): "wraps Path.read_bytes only",
     ("cli/serve.py", "OSError"): "wraps socket binding only",
     ("serve/app.py", "OSError"): "wraps a write to the client only",
+    ("serve/app.py", "ValueError"): "wraps json.loads of the request body only",
     ("runtime/device/memory.py", "OSError"): "wraps reading /proc and loading a library only",
     ("text/chat_template.py", "OSError"): "wraps reading a file only",
     ("model_io.py", "RuntimeError"): "wraps onnx.load only",
