@@ -1,7 +1,8 @@
 """Table 1: onnx-chunk against onnxruntime-genai at the same chunk width, side by side.
 
-Both systems load the same converted model (the bench decoder after `onnx-chunk convert`, a
-genai folder: what a deployment serves, and what onnx-chunk loads without the graph libraries)
+Both systems load the same converted model (the bench decoder after `onnx-chunk convert`,
+for genai with `--native-chunks off`, since genai 0.18's ONNX Runtime lacks that input; a genai
+folder: what a deployment serves, and what onnx-chunk loads without the graph libraries)
 and get the same seeded prompts, chunk width 512 (genai's `search.chunk_size`), greedy
 search, stop at EOS, and each measurement runs in a fresh process of its own (peak RSS is that
 process's). Runs are interleaved round by round. Reported as ratios onnx-chunk / genai of the
@@ -50,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
                else [40, 300] if args.quick else list(PROMPT_LENGTHS))
     genai = env.genai_python(args.genai_venv)
     model = env.served_model(args, "bench", CHUNK_SIZE)
+    # genai 0.18 brings an ONNX Runtime without GroupQueryAttention's query_seqlens: it loads
+    # the same conversion without that wiring (the graph is otherwise the same).
+    genai_model = env.served_model(args, "bench", CHUNK_SIZE, native_chunks="off")
     if args.model is None:
         label, eos = args.variant, env.EOS_TOKEN_ID
     else:
@@ -64,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             for system in round_order(SYSTEMS, round_index):
                 if system == "genai":
                     argv_ = env.worker_argv(genai, "genai_worker", {
-                        "model": str(model.parent), "prompts": [prompt],
+                        "model": str(genai_model.parent), "prompts": [prompt],
                         "new_tokens": new_tokens, "chunk_size": CHUNK_SIZE})
                 else:
                     # KV capacity = genai's max_length for the request (prompt + new tokens):

@@ -125,7 +125,7 @@ def _fed_value(graph: ir.Graph) -> ir.Value | None:
 def _default_rows(graph: ir.Graph, value: ir.Value) -> ir.Value:
     """The nodes of rule 5, inserted at the top of the graph; returns their output."""
     token = token_input(graph)
-    assert token is not None, "wiring_refusal checked it"
+    assert token is not None and token.shape is not None, "wiring_refusal checked it"
 
     def node(name: str, kind: str, inputs: list[ir.Value | None], **attributes) -> ir.Node:
         return ir.node(kind, inputs, attributes or None, name=f"{_NODE_PREFIX}{name}")
@@ -190,5 +190,5 @@ def _unwire(graph: ir.Graph, nodes: list[ir.Node]) -> bool:
         graph.remove(ours, safe=True)
     if not value.uses():
         graph.inputs.remove(value)
-        graph.initializers.pop(value.name, None)
+        graph.initializers.pop(QUERY_SEQLENS, None)
     return True

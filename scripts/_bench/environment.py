@@ -73,13 +73,15 @@ def source_model(args: argparse.Namespace, preset: str) -> Path:
     return named_export(args.model)[1] / "model.onnx"
 
 
-def served_model(args: argparse.Namespace, preset: str, chunk_size: int) -> Path:
+def served_model(args: argparse.Namespace, preset: str, chunk_size: int,
+                 native_chunks: str = "auto") -> Path:
     """The model after `onnx-chunk convert`: --model's export converted at `chunk_size`, else
-    the reference decoder `preset` at --variant, converted."""
+    the reference decoder `preset` at --variant, converted (`native_chunks`: convert's
+    --native-chunks; onnxruntime-genai 0.18 loads only "off")."""
     if args.model is None:
-        return converted_model(args.out, preset, args.variant)
+        return converted_model(args.out, preset, args.variant, native_chunks)
     name, folder = named_export(args.model)
-    return converted_export(args.out, name, folder, chunk_size)
+    return converted_export(args.out, name, folder, chunk_size, native_chunks)
 
 
 def build_model(out: Path, preset: str, variant: str = "base") -> Path:
@@ -103,16 +105,18 @@ def compile_package() -> None:
     compileall.compile_dir(ROOT / "onnx_chunk", quiet=1)
 
 
-def converted_model(out: Path, preset: str, variant: str = "base") -> Path:
+def converted_model(out: Path, preset: str, variant: str = "base",
+                    native_chunks: str = "auto") -> Path:
     """The reference decoder `preset`/`variant` converted by `onnx-chunk convert` into
     out/models/<name>-converted (a genai folder: convert writes the genai_config.json beside
     it); built and converted once, then reused."""
     source = build_model(out, preset, variant)
-    folder = source.parent.with_name(f"{source.parent.name}-converted")
+    suffix = "" if native_chunks == "auto" else f"-native-{native_chunks}"
+    folder = source.parent.with_name(f"{source.parent.name}-converted{suffix}")
     model = folder / "model.onnx"
     if not (model.is_file() and (folder / "genai_config.json").is_file()):
         subprocess.run([sys.executable, "-m", "onnx_chunk", "convert", str(source), "-o",
-                        str(model)], check=True)
+                        str(model), "--native-chunks", native_chunks], check=True)
     return model
 
 
@@ -129,14 +133,17 @@ def export_folder(value: str, root: Path | None = None) -> tuple[str, Path]:
     return value, bench_model(value, root).parent
 
 
-def converted_export(out: Path, name: str, folder: Path, chunk_size: int) -> Path:
+def converted_export(out: Path, name: str, folder: Path, chunk_size: int,
+                     native_chunks: str = "auto") -> Path:
     """The builder export `folder` converted by `onnx-chunk convert --chunk-size` into
     out/models/<name>-converted-<chunk_size> (converted once, then reused)."""
-    target = out / "models" / f"{name}-converted-{chunk_size}" / "model.onnx"
+    suffix = "" if native_chunks == "auto" else f"-native-{native_chunks}"
+    target = out / "models" / f"{name}-converted-{chunk_size}{suffix}" / "model.onnx"
     if not (target.is_file() and (target.parent / "genai_config.json").is_file()):
         print(f"converting {folder} -> {target.parent}", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "onnx_chunk", "convert", str(folder / "model.onnx"),
-                        "-o", str(target), "--chunk-size", str(chunk_size)], check=True,
+                        "-o", str(target), "--chunk-size", str(chunk_size),
+                        "--native-chunks", native_chunks], check=True,
                        stdout=subprocess.DEVNULL)
     return target
 
