@@ -23,6 +23,7 @@ def cache_checks(runtime: Runtime | OnnxChunkError, settings: RunSettings,
     """The selected cache checks (second_pass, variant_cap) on the served runtime (or the
     error that loading it raised)."""
     started = time.perf_counter()
+    verdicts: dict[str, tuple[Outcome, str, dict]]
     names = [name for name in ("second_pass", "variant_cap") if selected(name)]
     if not names:
         return []

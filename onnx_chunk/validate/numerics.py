@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -237,17 +238,18 @@ def _bound(settings: RunSettings, floor: float) -> str:
 def _greedy_tokens(comparisons: list[LengthComparison], settings: RunSettings,
                    floor: NoiseFloor, notes: dict[str, str]) -> tuple[Outcome, str, dict]:
     bound = tolerance(settings, floor.logits)
-    near_ties = [{"mode": mode, "length": comparison.length, "step": step, "token": own,
-                  "reference_token": wanted, "reference_margin": gap}
-                 for mode in (CHUNKED, PADDED) for comparison in comparisons
-                 for step, own, wanted, gap in comparison.parted.get(mode, [])]
+    near_ties: list[dict[str, Any]] = [
+        {"mode": mode, "length": comparison.length, "step": step, "token": own,
+         "reference_token": wanted, "reference_margin": gap}
+        for mode in (CHUNKED, PADDED) for comparison in comparisons
+        for step, own, wanted, gap in comparison.parted.get(mode, [])]
     details: dict = {"lengths": list(settings.lengths), "capacity": settings.capacity,
                      "tokens": {mode: [list(comparison.tokens[mode])
                                        for comparison in comparisons] for mode in MODES},
                      "parted": near_ties, **_judgement(settings, 0.0, floor.logits)}
     details.pop("max_abs_difference_overall")
     for entry in near_ties:
-        if entry["reference_margin"] > bound:
+        if float(entry["reference_margin"]) > bound:
             return (Outcome.FAILED, f"{entry['mode']} greedy token at prompt length "
                     f"{entry['length']}, step {entry['step']} is {entry['token']}, the "
                     f"whole-prompt forward's {entry['reference_token']}, whose lead over the "

@@ -6,8 +6,7 @@ import functools
 
 import pytest
 
-from onnx_chunk.validate import Outcome, ValidationOptions, resolve_skip, validate_model
-from onnx_chunk.validate import runs
+from onnx_chunk.validate import Outcome, ValidationOptions, resolve_skip, runs, validate_model
 
 from .conftest import CHUNK
 from .mutations import (
