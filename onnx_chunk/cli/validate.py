@@ -86,7 +86,7 @@ def write_junit(report: Report, target: Path) -> None:
 @click.option("--junit", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Also write the results as JUnit XML to this file.")
 @click.option("--skip", multiple=True, metavar="NAME",
-              help="Skip a check group (structure, numerics, cache, static) or one check "
+              help="Skip a check group (structure, numerics, cache, engine, static) or one check "
                    "(e.g. structure.ladder); repeatable.")
 @click.option("--lengths", default=None, metavar="N,N,...",
               help="Prompt lengths to run (default: around the chunk boundaries).")
@@ -99,8 +99,9 @@ def write_junit(report: Report, target: Path) -> None:
 @click.option("--chunk-size", type=click.IntRange(min=1), default=None,
               help="Chunk width W (default: the model's declared one, else 512).")
 @click.option("--atol", type=click.FloatRange(min=0), default=None,
-              help="Tolerance on logits and KV (default 1e-5 on CPU, 1e-3 on CUDA; 1e-4 for "
-                   "static decoders on CPU, 0.25 for those with int8 activations).")
+              help="A fixed tolerance on logits and KV (default: max(1e-5 on CPU or 1e-3 on "
+                   "CUDA, 4 x the kernels' measured noise floor); static decoders: 1e-4 on "
+                   "CPU, 0.25 with int8 activations).")
 @click.option("--max-input-len", type=click.IntRange(min=1), default=None,
               help="Static decoders: the max input length L (default: the largest multiple "
                    "of c below C).")

@@ -1,33 +1,35 @@
 """Cache behaviour: the same prompt lengths run twice through one runtime, as a server would.
 
-The runtime is loaded as it serves (padding as the model, the environment and the plan decide).
-The first pass may build variants; the second, at the same lengths, must build none, and the
-live variants never exceed the cap.
+The runtime is the one `serve` loads (sessions and padding as the provider, the environment and
+the plan decide), shared with the engine check. The first pass may build variants; the second,
+at the same lengths, must build none, and the live variants never exceed the cap.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from onnx_chunk.errors import OnnxChunkError
+from onnx_chunk.runtime import Runtime
 from onnx_chunk.runtime.caches.variant_cache import CacheStats
 from onnx_chunk.validate.checks import CACHE
 from onnx_chunk.validate.report import CheckResult, Outcome
-from onnx_chunk.validate.runs import Advance, RunSettings, generate_prompt, load_runtime
+from onnx_chunk.validate.runs import Advance, RunSettings, generate_prompt
 
 
-def cache_checks(model_path: Path, settings: RunSettings, selected: Callable[[str], bool],
-                 advance: Advance) -> list[CheckResult]:
-    """The selected cache checks (second_pass, variant_cap)."""
+def cache_checks(runtime: Runtime | OnnxChunkError, settings: RunSettings,
+                 selected: Callable[[str], bool], advance: Advance) -> list[CheckResult]:
+    """The selected cache checks (second_pass, variant_cap) on the served runtime (or the
+    error that loading it raised)."""
     started = time.perf_counter()
+    verdicts: dict[str, tuple[Outcome, str, dict]]
     names = [name for name in ("second_pass", "variant_cap") if selected(name)]
     if not names:
         return []
     try:
-        runtime = load_runtime(model_path, settings, chunk_size=settings.chunk_size,
-                               padding=None)
+        if isinstance(runtime, OnnxChunkError):
+            raise runtime
         for pass_number in (1, 2):
             for length in settings.lengths:
                 generate_prompt(runtime, length, settings)
@@ -42,7 +44,9 @@ def cache_checks(model_path: Path, settings: RunSettings, selected: Callable[[st
         ladder = ", ".join(map(str, runtime.options.tiers))
         padding = ("padding on" if runtime.padding
                    else f"padding off: {second.padding_refused}")
-        context = f"ladder {ladder}, {padding}"
+        sessions = ("per-width variants" if runtime.options.specialize is not False
+                    else "one shape-generic session, the provider's default")
+        context = f"{sessions}, ladder {ladder}, {padding}"
         verdicts = {"second_pass": _second_pass(first, second, context),
                     "variant_cap": _variant_cap(second)}
     seconds = (time.perf_counter() - started) / len(names)

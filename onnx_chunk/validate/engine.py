@@ -21,18 +21,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from onnx_chunk import Runtime, load
+from onnx_chunk import Runtime
 from onnx_chunk.errors import OnnxChunkError
 from onnx_chunk.runtime import Request
 from onnx_chunk.validate.checks import ENGINE
 from onnx_chunk.validate.prompts import seeded_prompt
 from onnx_chunk.validate.report import CheckResult, Outcome
-from onnx_chunk.validate.runs import Advance, RunSettings
+from onnx_chunk.validate.runs import Advance, RunSettings, margin
 
 # The slots `onnx-chunk serve` gives the engine by default (its --batch).
 ENGINE_SLOTS = 4
@@ -60,15 +59,18 @@ def engine_runs_planned(settings: RunSettings) -> int:
     return 2 * len(settings.lengths) + 1
 
 
-def engine_checks(model_path: Path, settings: RunSettings, selected: Callable[[str], bool],
-                  advance: Advance) -> list[CheckResult]:
-    """The selected engine checks (batched_decode)."""
+def engine_checks(runtime: Runtime | OnnxChunkError, settings: RunSettings,
+                  selected: Callable[[str], bool], advance: Advance) -> list[CheckResult]:
+    """The selected engine checks (batched_decode) on the served runtime (loaded with
+    ENGINE_SLOTS slots), or the error that loading it raised."""
     if not selected("batched_decode"):
         return []
     started = time.perf_counter()
     details: dict[str, Any]
     try:
-        runs = _run_engine(model_path, settings, advance)
+        if isinstance(runtime, OnnxChunkError):
+            raise runtime
+        runs = _run_engine(runtime, settings, advance)
     except OnnxChunkError as error:
         outcome, reason, details = (Outcome.FAILED,
                                     f"the runtime cannot run the model: {error}", {})
@@ -81,29 +83,27 @@ def engine_checks(model_path: Path, settings: RunSettings, selected: Callable[[s
                         time.perf_counter() - started, details)]
 
 
-def _run_engine(model_path: Path, settings: RunSettings, advance: Advance) -> EngineRuns:
-    slots = ENGINE_SLOTS
-    with load(model_path, provider=settings.provider, capacity=settings.capacity,
-              chunk_size=settings.chunk_size, max_batch=slots) as runtime:
-        prompts = [seeded_prompt(runtime.ports.vocab_size, length, settings.seed)
-                   for length in settings.lengths]
-        counts = engine_new_tokens(settings, runtime.options.chunk_size, runtime.options.capacity)
-        alone = []
-        for length, prompt, count in zip(settings.lengths, prompts, counts):
-            alone.append(_submit(runtime, prompt, count).result())
-            advance(f"engine alone {length}")
-        before = _decode_counters(runtime)
-        requests = [_submit(runtime, prompt, count) for prompt, count in zip(prompts, counts)]
-        batched = [request.result() for request in requests]
-        forwards, rows = (after - first
-                          for after, first in zip(_decode_counters(runtime), before))
-        advance("engine batch")
-        single, margins = [], []
-        for length, prompt, count in zip(settings.lengths, prompts, counts):
-            tokens, step_margins = _one_sequence(runtime, prompt, count)
-            single.append(tokens)
-            margins.append(step_margins)
-            advance(f"engine one slot {length}")
+def _run_engine(runtime: Runtime, settings: RunSettings, advance: Advance) -> EngineRuns:
+    slots = runtime.options.max_batch
+    prompts = [seeded_prompt(runtime.ports.vocab_size, length, settings.seed)
+               for length in settings.lengths]
+    counts = engine_new_tokens(settings, runtime.options.chunk_size, runtime.options.capacity)
+    alone = []
+    for length, prompt, count in zip(settings.lengths, prompts, counts):
+        alone.append(_submit(runtime, prompt, count).result())
+        advance(f"engine alone {length}")
+    before = _decode_counters(runtime)
+    requests = [_submit(runtime, prompt, count) for prompt, count in zip(prompts, counts)]
+    batched = [request.result() for request in requests]
+    forwards, rows = (after - first
+                      for after, first in zip(_decode_counters(runtime), before))
+    advance("engine batch")
+    single, margins = [], []
+    for length, prompt, count in zip(settings.lengths, prompts, counts):
+        tokens, step_margins = _one_sequence(runtime, prompt, count)
+        single.append(tokens)
+        margins.append(step_margins)
+        advance(f"engine one slot {length}")
     return EngineRuns(slots, alone, batched, single, margins, rows / forwards if forwards else None)
 
 
@@ -136,15 +136,10 @@ def _one_sequence(runtime: Runtime, prompt: np.ndarray,
         tokens, margins = [], []
         while True:
             tokens.append(int(np.argmax(logits)))
-            margins.append(_margin(logits))
+            margins.append(margin(logits))
             if len(tokens) == new_tokens:
                 return tokens, margins
             logits = sequence.decode(tokens[-1])
-
-
-def _margin(logits: np.ndarray) -> float:
-    top = np.partition(np.asarray(logits, dtype=np.float64).reshape(-1), -2)[-2:]
-    return float(top[1] - top[0])
 
 
 def _first_difference(first: list[int], second: list[int]) -> int | None:

@@ -1,4 +1,11 @@
-"""Running seeded prompts through the runtime and keeping what the numerics checks compare."""
+"""Running seeded prompts through the runtime and keeping only the rows the checks compare.
+
+A prompt's logits are never kept whole: a reference run keeps its last prompt row (from one
+forward of the whole prompt) and each chunk boundary's row (from one forward of the prefix that
+ends there), a chunked run keeps the last row of each of its chunks, and both keep the decode
+steps' rows. So what a run holds is a few rows of the vocabulary plus its KV prefix, whatever
+the prompt length.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from onnx_chunk.runtime import Runtime, load
+from onnx_chunk.runtime import Runtime, Sequence, load
 from onnx_chunk.runtime.device.buffers import SequenceBuffers
 from onnx_chunk.runtime.engine.kv_window import resident_rows
+from onnx_chunk.runtime.engine.scheduler import prefill_chunks
 from onnx_chunk.validate.prompts import seeded_prompt
 
 Advance = Callable[[str], None]
@@ -18,7 +26,11 @@ Advance = Callable[[str], None]
 
 @dataclass(frozen=True)
 class RunSettings:
-    """How the dynamic decoder is exercised: one setting per option, resolved once."""
+    """How the dynamic decoder is exercised: one setting per option, resolved once.
+
+    `atol` is the base tolerance (the provider's default, or `--atol` when `atol_given`);
+    `margin` multiplies the kernels' measured noise floor (numerics).
+    """
 
     provider: str
     capacity: int
@@ -27,61 +39,126 @@ class RunSettings:
     new_tokens: int
     seed: int
     atol: float
+    atol_given: bool = False
+    margin: float = 4.0
 
 
 @dataclass(frozen=True)
 class PromptRun:
-    """One prompt through one runtime: greedy tokens, the logits rows, the KV prefix and state.
+    """One prompt through one runtime, reduced to what is compared.
 
-    `logits` holds the prompt rows ([rows, vocab]; only the last row when the decoder returns
-    the last row only), then one [1, vocab] array per decode step, never concatenated.
-    `kv` holds each KV buffer's valid prefix, then each recurrent state. A run is as large as
-    its prompt times the vocabulary: compare it and let it go, never keep runs.
+    `rows` maps a prompt row index to its logits [vocab]: every chunk boundary's last row and
+    the prompt's last row. `decode` holds each decode step's logits [vocab], `tokens` the greedy
+    token of the last prompt row and of every decode step (a chunked run is fed the reference's
+    tokens, so its decode rows stay comparable; its `tokens` are its own choices), `margins`
+    the top-1 minus top-2 logit at each of those. `kv` holds each KV buffer's valid prefix,
+    then each recurrent state.
     """
 
     length: int
     tokens: tuple[int, ...]
-    logits: tuple[np.ndarray, ...]
+    margins: tuple[float, ...]
+    rows: dict[int, np.ndarray]
+    decode: tuple[np.ndarray, ...]
     kv: tuple[np.ndarray, ...]
 
 
 def load_runtime(model_path: Path, settings: RunSettings, *, chunk_size: int,
-                 padding: bool | None) -> Runtime:
-    """A runtime for one validation mode, always with per-width variants.
-
-    Per-width variants are what pads and what a cache can thrash (the CUDA default); the CPU
-    provider's default, one shape-generic session, has neither. Every mode uses them, so the
-    whole, chunked and padded runs are compared on the same kind of sessions.
-    """
+                 padding: bool | None, max_batch: int = 1) -> Runtime:
+    """A runtime of the model with the provider's own sessions, as `serve` loads it
+    (per-width variants on CUDA, one shape-generic session on CPU)."""
     return load(model_path, provider=settings.provider, capacity=settings.capacity,
-                chunk_size=chunk_size, padding=padding, specialize=True)
+                chunk_size=chunk_size, padding=padding, max_batch=max_batch)
 
 
-def run_prompt(runtime: Runtime, length: int, settings: RunSettings) -> PromptRun:
-    """Prefill a seeded prompt of `length` tokens, then decode greedily; keep what is compared."""
+def boundaries(length: int, chunk_size: int) -> list[int]:
+    """The prompt rows that end a chunk at width `chunk_size` (the runtime's own schedule),
+    the last row included."""
+    return [end - 1 for _, end in prefill_chunks(length, chunk_size)]
+
+
+def reference_run(runtime: Runtime, length: int, settings: RunSettings) -> PromptRun:
+    """The unchunked run of a seeded prompt: one forward of the whole prompt on `runtime`
+    (chunk = capacity), greedy decoding after it, and one forward per chunk boundary of the
+    prefix ending there (the boundary row's unchunked logits, a last row again)."""
     ids = seeded_prompt(runtime.ports.vocab_size, length, settings.seed)
-    sequence = runtime.open_sequence()
-    every_row = not runtime.ports.last_row_logits
-    prompt_logits = sequence.prefill(ids, all_logits=every_row)
-    rows = [prompt_logits if every_row else prompt_logits[None]]
-    token = int(np.argmax(rows[0][-1]))
-    tokens = [token]
-    for _ in range(settings.new_tokens - 1):
-        logits = sequence.decode(token)
-        rows.append(logits[None])
-        token = int(np.argmax(logits))
-        tokens.append(token)
-    return PromptRun(length, tuple(tokens), tuple(rows),
-                     _kv_snapshot(runtime, sequence.buffers, sequence.length))
+    with runtime.open_sequence() as sequence:
+        last = sequence.prefill(ids)
+        tokens, margins, decode = [_argmax(last)], [margin(last)], []
+        for _ in range(settings.new_tokens - 1):
+            logits = sequence.decode(tokens[-1])
+            decode.append(logits)
+            tokens.append(_argmax(logits))
+            margins.append(margin(logits))
+        kv = kv_snapshot(runtime, sequence.buffers, sequence.length)
+    rows = {length - 1: last}
+    for row in boundaries(length, settings.chunk_size)[:-1]:
+        with runtime.open_sequence() as sequence:
+            rows[row] = sequence.prefill(ids[:row + 1])
+    return PromptRun(length, tuple(tokens), tuple(margins), rows, tuple(decode), kv)
+
+
+def chunked_run(runtime: Runtime, reference: PromptRun, settings: RunSettings) -> PromptRun:
+    """The seeded prompt fed chunk by chunk at the runtime's width (each chunk's last row kept),
+    then decoded on the reference's tokens (its own greedy choices recorded)."""
+    ids = seeded_prompt(runtime.ports.vocab_size, reference.length, settings.seed)
+    rows: dict[int, np.ndarray] = {}
+    with runtime.open_sequence() as sequence:
+        for begin, end in prefill_chunks(len(ids), runtime.options.chunk_size):
+            rows[end - 1] = sequence.prefill(ids[begin:end])
+        last = rows[len(ids) - 1]
+        tokens, margins, decode = [_argmax(last)], [margin(last)], []
+        for fed in reference.tokens[:-1]:
+            logits = sequence.decode(fed)
+            decode.append(logits)
+            tokens.append(_argmax(logits))
+            margins.append(margin(logits))
+        kv = kv_snapshot(runtime, sequence.buffers, sequence.length)
+    return PromptRun(reference.length, tuple(tokens), tuple(margins), rows, tuple(decode), kv)
 
 
 def generate_prompt(runtime: Runtime, length: int, settings: RunSettings) -> list[int]:
     """Greedy generation of a seeded prompt through the runtime's `generate` (a served request)."""
     ids = seeded_prompt(runtime.ports.vocab_size, length, settings.seed)
-    return runtime.open_sequence().generate(ids, settings.new_tokens)
+    with runtime.open_sequence() as sequence:
+        return sequence.generate(ids, settings.new_tokens)
 
 
-def _kv_snapshot(runtime: Runtime, buffers: SequenceBuffers, length: int) -> tuple[np.ndarray, ...]:
+def prefix_forward(runtime: Runtime, ids: np.ndarray) -> tuple[np.ndarray | None,
+                                                                list[np.ndarray]]:
+    """One forward of `ids` from an empty cache: every row's logits (None for a decoder that
+    returns the last row only) and the KV it wrote, each buffer's positions moved to the
+    leading axis (recurrent states, which hold no positions, are left out)."""
+    with runtime.open_sequence() as sequence:
+        logits = _prefill_rows(sequence, ids, every=not runtime.ports.last_row_logits)
+        kv = kv_snapshot(runtime, sequence.buffers, sequence.length)
+        axes = {binding.input: binding.capacity_axis
+                for binding in runtime.plan.capacity_inputs}
+        ports = sequence.buffers.kv_ports
+        return logits, [np.moveaxis(array, axes[port.input], 0)
+                        for port, array in zip(ports, kv)]
+
+
+def _prefill_rows(sequence: Sequence, ids: np.ndarray, every: bool) -> np.ndarray | None:
+    if every:
+        return sequence.prefill(ids, all_logits=True)
+    sequence.prefill(ids)
+    return None
+
+
+def margin(logits: np.ndarray) -> float:
+    """Top-1 minus top-2 logit of one row."""
+    top = np.partition(np.asarray(logits, dtype=np.float64).reshape(-1), -2)[-2:]
+    return float(top[1] - top[0])
+
+
+def _argmax(logits: np.ndarray) -> int:
+    return int(np.argmax(logits))
+
+
+def kv_snapshot(runtime: Runtime, buffers: SequenceBuffers, length: int) -> tuple[np.ndarray, ...]:
+    """Each KV buffer's valid prefix of `length` positions (a window's resident rows), then
+    each recurrent state, as host copies."""
     axes = {binding.input: binding.capacity_axis for binding in runtime.plan.capacity_inputs}
     arrays = []
     for port, buffer in zip(buffers.kv_ports, buffers.kv):

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Protocol
 
 from onnx_chunk import arguments
-from onnx_chunk.errors import ConfigError
+from onnx_chunk.errors import ConfigError, OnnxChunkError
 from onnx_chunk.metadata import ChunkPlan, window_capacity
 from onnx_chunk.passes import DEFAULT_CHUNK_SIZE
+from onnx_chunk.runtime import Runtime
 from onnx_chunk.runtime.device.provider import PROVIDER_CHOICES, resolve_device
 from onnx_chunk.static.model import check_fixed_sizes
 from onnx_chunk.validate.cache import cache_checks
@@ -32,11 +33,11 @@ from onnx_chunk.validate.checks import (
     STRUCTURE,
     full_name,
 )
-from onnx_chunk.validate.engine import engine_checks, engine_runs_planned
+from onnx_chunk.validate.engine import ENGINE_SLOTS, engine_checks, engine_runs_planned
 from onnx_chunk.validate.numerics import MODES, numerics_checks
 from onnx_chunk.validate.prompts import boundary_lengths
 from onnx_chunk.validate.report import CheckResult, Outcome, Report
-from onnx_chunk.validate.runs import RunSettings
+from onnx_chunk.validate.runs import RunSettings, load_runtime
 from onnx_chunk.validate.static import StaticSettings, planned_runs, static_checks
 from onnx_chunk.validate.structure import check_checker, check_external_data, structure_checks
 from onnx_chunk.validate.subject import Subject, load_subject
@@ -55,6 +56,10 @@ DEFAULT_NEW_TOKENS = 4
 # kernels per shape. A static decoder's chunked run is compared with one-row forwards, whose
 # sums run in another order (~2e-6).
 CPU_ATOL = 1e-5
+# Without --atol, a numerics check's tolerance is max(base atol, NOISE_MARGIN x the noise
+# floor): the largest difference the kernels themselves make between mathematically equal rows
+# of forwards of different row counts (numerics.noise_floor).
+NOISE_MARGIN = 4.0
 DEVICE_ATOL = 1e-3
 STATIC_ATOL = 1e-4
 
@@ -166,14 +171,32 @@ def validate_model(path: str | os.PathLike, options: ValidationOptions | None = 
                 runs = len(run_settings.lengths)
                 progress.start(len(MODES) * runs * wants_numerics + 2 * runs * wants_cache
                                + engine_runs_planned(run_settings) * wants_engine)
-            _keep(results, numerics_checks(subject.path, run_settings, numerics, advance))
-            _keep(results, cache_checks(subject.path, run_settings, cache, advance))
-            _keep(results, engine_checks(subject.path, run_settings, engine, advance))
+            if wants_numerics:
+                _keep(results, numerics_checks(subject.path, run_settings, numerics, advance))
+            if wants_cache or wants_engine:
+                # One runtime, loaded as `serve` loads it, for both groups.
+                served = _served_runtime(subject.path, run_settings)
+                try:
+                    _keep(results, cache_checks(served, run_settings, cache, advance))
+                    _keep(results, engine_checks(served, run_settings, engine, advance))
+                finally:
+                    if not isinstance(served, OnnxChunkError):
+                        served.close()
     report = Report(model=str(path))
     for name in names:
         report.checks.append(results.get(name) or CheckResult(
             name, name.split(".", 1)[0], Outcome.SKIPPED, "skipped (--skip)"))
     return report
+
+
+def _served_runtime(model_path: Path, settings: RunSettings) -> Runtime | OnnxChunkError:
+    """The runtime `serve` loads (its default slots, the provider's sessions and padding), or
+    the error that loading it raised (the checks that use it fail with its message)."""
+    try:
+        return load_runtime(model_path, settings, chunk_size=settings.chunk_size, padding=None,
+                            max_batch=ENGINE_SLOTS)
+    except OnnxChunkError as error:
+        return error
 
 
 def _ignore(label: str) -> None:
@@ -244,4 +267,5 @@ def _run_settings(plan: ChunkPlan, options: ValidationOptions, provider: str,
     return RunSettings(provider=provider, capacity=max(capacity, 2),
                        chunk_size=min(chunk_size, capacity), lengths=lengths,
                        new_tokens=new_tokens, seed=options.seed,
-                       atol=options.atol if options.atol is not None else default_atol)
+                       atol=options.atol if options.atol is not None else default_atol,
+                       atol_given=options.atol is not None, margin=NOISE_MARGIN)

@@ -72,6 +72,35 @@ def seqlens_without_past(layer: int) -> Callable[[onnx.ModelProto], None]:
     return change
 
 
+def past_one_short(layer: int) -> Callable[[onnx.ModelProto], None]:
+    """GQA `layer` is told its past is one position shorter whenever it has one (seqlens_k - 1
+    when seqlens_k + 1 exceeds the chunk's rows): a chunk after the first writes its KV one
+    position early, over the last row of the previous chunk, and its rotary positions are off
+    by one. A prompt in one chunk is unaffected."""
+
+    def change(proto: onnx.ModelProto) -> None:
+        node = _gqa(proto, layer)
+        prefix = f"/short{layer}"
+        seqlens = node.input[5]
+        proto.graph.node.extend([
+            helper.make_node("Shape", ["input_ids"], [f"{prefix}/shape"], start=1, end=2),
+            helper.make_node("Cast", [f"{prefix}/shape"], [f"{prefix}/rows"],
+                             to=TensorProto.INT32),
+            helper.make_node("Constant", [], [f"{prefix}/one"],
+                             value=helper.make_tensor("one", TensorProto.INT32, [1], [1])),
+            helper.make_node("Add", [seqlens, f"{prefix}/one"], [f"{prefix}/total"]),
+            helper.make_node("Greater", [f"{prefix}/total", f"{prefix}/rows"],
+                             [f"{prefix}/has_past"]),
+            helper.make_node("Cast", [f"{prefix}/has_past"], [f"{prefix}/shift"],
+                             to=TensorProto.INT32),
+            helper.make_node("Sub", [seqlens, f"{prefix}/shift"], [f"{prefix}/seqlens"]),
+        ])
+        node.input[5] = f"{prefix}/seqlens"
+        _topological_sort(proto)
+
+    return change
+
+
 def set_metadata(key: str, value: str) -> Callable[[onnx.ModelProto], None]:
     def change(proto: onnx.ModelProto) -> None:
         entry = next(entry for entry in proto.metadata_props if entry.key == key)

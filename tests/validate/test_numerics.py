@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import weakref
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from onnx_chunk.validate import numerics
+from onnx_chunk.validate import numerics, runs
 from onnx_chunk.validate.checks import NUMERICS
 from onnx_chunk.validate.numerics import max_abs_difference
 from onnx_chunk.validate.runs import PromptRun, RunSettings
@@ -40,45 +39,119 @@ def test_max_abs_difference_is_infinite_for_nan_or_a_shape_mismatch():
     assert max_abs_difference((a[:0],), (a[:0],)) == 0.0
 
 
-def test_each_length_is_compared_as_its_runs_finish_and_no_run_is_kept(monkeypatch):
-    """A fake runtime per mode: chunked differs at the second length, padded nowhere."""
-    vocab, settings = 50, RunSettings(provider="cpu", capacity=64, chunk_size=CHUNK,
-                                      lengths=(3, 9, 17), new_tokens=2, seed=0, atol=1e-5)
-    live: list[weakref.ref] = []
-    most_alive_at_a_call = 0
+class _Runtime:
+    """What the numerics read of a runtime, and a count of the runtimes open at once."""
 
-    class _Runtime:
-        def __init__(self, chunk_size, padding):
-            self.options = SimpleNamespace(chunk_size=chunk_size, tiers=(4, 8))
-            self.padding = padding
-            self.ports = type("Ports", (), {"last_row_logits": False})()
+    open_now = 0
+    most_open = 0
 
-    def fake_load(model_path, run_settings, *, chunk_size, padding):
-        return _Runtime(chunk_size, padding)
+    def __init__(self, chunk_size, padding):
+        self.options = SimpleNamespace(chunk_size=chunk_size, tiers=(4, 8))
+        self.padding = padding
+        self.ports = SimpleNamespace(last_row_logits=False)
 
-    def fake_run(runtime, length, run_settings):
-        nonlocal most_alive_at_a_call
-        most_alive_at_a_call = max(most_alive_at_a_call, sum(ref() is not None for ref in live))
-        logits = np.zeros((length, vocab), np.float32)
-        if runtime.options.chunk_size == CHUNK and not runtime.padding and length == 9:
-            logits[5, 11] = 0.5
-        run = PromptRun(length, (1, 2), (logits, np.zeros((1, vocab), np.float32)),
-                        (np.zeros((1, 2, length, 4), np.float32),))
-        live.append(weakref.ref(run))
-        return run
+    def __enter__(self):
+        _Runtime.open_now += 1
+        _Runtime.most_open = max(_Runtime.most_open, _Runtime.open_now)
+        return self
 
-    monkeypatch.setattr(numerics, "load_runtime", fake_load)
-    monkeypatch.setattr(numerics, "run_prompt", fake_run)
+    def __exit__(self, *exc_info):
+        _Runtime.open_now -= 1
+
+
+VOCAB = 50
+
+
+def _run(length, tokens=(1, 2), shift=0.0, margins=(5.0, 5.0)):
+    rows = {row: np.zeros(VOCAB, np.float32) for row in runs.boundaries(length, CHUNK)}
+    rows[length - 1] = rows[length - 1] + np.float32(shift)
+    return PromptRun(length, tuple(tokens), tuple(margins), rows,
+                     (np.zeros(VOCAB, np.float32),), (np.zeros((1, 2, length, 4), np.float32),))
+
+
+def _fake(monkeypatch, *, floor=0.0, shifts=None, tokens=None, margins=(5.0, 5.0)):
+    """Numerics over fake runtimes: the chunked run of length 9 is `shifts[9]` off in its last
+    row and chooses `tokens[9]`; the reference's top-2 margins are `margins`."""
+    shifts, tokens = shifts or {}, tokens or {}
+    _Runtime.open_now = _Runtime.most_open = 0
+    monkeypatch.setattr(numerics, "last_row_graph", lambda model, folder: None)
+    monkeypatch.setattr(numerics, "load_runtime",
+                        lambda model, settings, *, chunk_size, padding: _Runtime(chunk_size,
+                                                                                  padding))
+    monkeypatch.setattr(numerics, "reference_run",
+                        lambda runtime, length, settings: _run(length, margins=margins))
+    monkeypatch.setattr(numerics, "noise_floor",
+                        lambda runtime, settings: numerics.NoiseFloor(floor, floor, (1, 2, 8)))
+
+    def chunked(runtime, reference, settings):
+        chunked_mode = not runtime.padding
+        return _run(reference.length,
+                    tokens=tokens.get(reference.length, (1, 2)) if chunked_mode else (1, 2),
+                    shift=shifts.get(reference.length, 0.0) if chunked_mode else 0.0)
+
+    monkeypatch.setattr(numerics, "chunked_run", chunked)
+
+
+def _checks(settings):
     labels: list[str] = []
     results = numerics.numerics_checks("model.onnx", settings, lambda name: True, labels.append)
-    assert most_alive_at_a_call == 1  # the whole run while chunked and padded are made
-    assert all(ref() is None for ref in live)
-    assert labels == [f"{mode} {length}" for length in (3, 9, 17)
-                      for mode in ("whole", "chunked", "padded")]
-    checks = {result.name: result for result in results}
+    return {result.name: result for result in results}, labels
+
+
+SETTINGS = RunSettings(provider="cpu", capacity=64, chunk_size=CHUNK, lengths=(3, 9, 17),
+                       new_tokens=2, seed=0, atol=1e-5, margin=4.0)
+
+
+def test_one_runtime_at_a_time_and_each_length_compared_by_its_rows(monkeypatch):
+    _fake(monkeypatch, shifts={9: 0.5})
+    checks, labels = _checks(SETTINGS)
+    assert _Runtime.most_open == 1
+    assert labels == ([f"whole {length}" for length in (3, 9, 17)]
+                      + [f"{mode} {length}" for mode in ("chunked", "padded")
+                         for length in (3, 9, 17)])
     logits = checks[f"{NUMERICS}.logits"]
+    assert logits.outcome.value == "failed"
     assert logits.details["max_abs_difference"] == {"chunked": [0.0, 0.5, 0.0],
                                                      "padded": [0.0, 0.0, 0.0]}
     assert "worst at prompt length 9" in logits.reason
     assert checks[f"{NUMERICS}.kv_prefix"].details["max_abs_difference"]["chunked"] == [0.0] * 3
     assert checks[f"{NUMERICS}.greedy_tokens"].details["tokens"]["padded"] == [[1, 2]] * 3
+
+
+def test_the_tolerance_is_the_noise_floor_times_the_margin(monkeypatch):
+    _fake(monkeypatch, floor=0.1, shifts={9: 0.35})
+    logits = _checks(SETTINGS)[0][f"{NUMERICS}.logits"]
+    assert logits.outcome.value == "passed", logits.reason
+    assert logits.details["floor"] == 0.1 and logits.details["margin"] == 4.0
+    assert logits.details["tolerance"] == pytest.approx(0.4)
+    assert "noise floor 0.1 x margin 4" in logits.reason
+    _fake(monkeypatch, floor=0.1, shifts={9: 0.45})
+    logits = _checks(SETTINGS)[0][f"{NUMERICS}.logits"]
+    assert logits.outcome.value == "failed"
+    assert "0.45 > tolerance 0.4" in logits.reason
+
+
+def test_a_zero_floor_keeps_the_base_atol_and_atol_overrides_the_floor(monkeypatch):
+    _fake(monkeypatch, floor=0.0, shifts={9: 2e-5})
+    logits = _checks(SETTINGS)[0][f"{NUMERICS}.logits"]
+    assert logits.outcome.value == "failed" and logits.details["tolerance"] == 1e-5
+    _fake(monkeypatch, floor=0.1, shifts={9: 0.3})
+    given = RunSettings(**{**SETTINGS.__dict__, "atol": 0.2, "atol_given": True})
+    logits = _checks(given)[0][f"{NUMERICS}.logits"]
+    assert logits.outcome.value == "failed" and "> --atol 0.2" in logits.reason
+    assert logits.details["margin"] is None and logits.details["tolerance"] == 0.2
+
+
+def test_greedy_tokens_may_part_only_at_a_near_tie(monkeypatch):
+    # The chunked run of length 9 picks another token at step 1, where the reference leads by
+    # 0.3: within a tolerance of 4 x 0.1 it is a near-tie, outside 4 x 0.05 it is a failure.
+    _fake(monkeypatch, floor=0.1, tokens={9: (1, 7)}, margins=(5.0, 0.3))
+    greedy = _checks(SETTINGS)[0][f"{NUMERICS}.greedy_tokens"]
+    assert greedy.outcome.value == "passed", greedy.reason
+    assert "except 1 step(s) that part at a near-tie" in greedy.reason
+    assert greedy.details["parted"] == [{"mode": "chunked", "length": 9, "step": 1, "token": 7,
+                                         "reference_token": 2, "reference_margin": 0.3}]
+    _fake(monkeypatch, floor=0.05, tokens={9: (1, 7)}, margins=(5.0, 0.3))
+    greedy = _checks(SETTINGS)[0][f"{NUMERICS}.greedy_tokens"]
+    assert greedy.outcome.value == "failed"
+    assert "step 1 is 7, the whole-prompt forward's 2" in greedy.reason

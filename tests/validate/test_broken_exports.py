@@ -1,0 +1,99 @@
+"""The gate on real exports: broken copies of builder exports fail validate on float32 and INT4
+alike, while the unbroken exports pass with the tolerance their own kernels' noise sets."""
+
+from __future__ import annotations
+
+import pytest
+
+from onnx_chunk.validate import Outcome, ValidationOptions, resolve_skip, validate_model
+from tests.exports.corpus import ROOT
+
+from .mutations import edit_graph, past_one_short, seqlens_without_past
+
+EXPORTS = ("genai-llama-fp32", "genai-llama-int4", "genai-qwen3-int4")
+# One prompt inside a chunk, one over three chunks (8, 7, 2 after the one-row borrow) and one
+# over two with a remainder: the later chunks carry their past.
+OPTIONS = ValidationOptions(provider="cpu", chunk_size=8, lengths=(5, 17, 13), new_tokens=3,
+                            skip=resolve_skip(["cache", "engine"]))
+MUTATIONS = {
+    "past ignored": seqlens_without_past(layer=1),
+    "positions and KV write one off": past_one_short(layer=0),
+}
+NUMERICS = ("numerics.greedy_tokens", "numerics.logits", "numerics.kv_prefix")
+
+
+def _checks(report):
+    return {check.name: check for check in report.checks}
+
+
+@pytest.fixture(scope="module")
+def good_reports():
+    reports = {}
+
+    def report(name):
+        if name not in reports:
+            reports[name] = validate_model(ROOT / name, OPTIONS)
+        return reports[name]
+
+    return report
+
+
+@pytest.mark.parametrize("name", EXPORTS)
+def test_a_good_export_passes_within_its_noise_floor(good_reports, name):
+    report = good_reports(name)
+    assert not report.failed, report.to_table()
+    logits = _checks(report)["numerics.logits"].details
+    assert logits["tolerance"] == max(logits["base_atol"], logits["margin"] * logits["floor"])
+    assert max(logits["max_abs_difference"]["chunked"]) <= logits["tolerance"]
+    if name.endswith("fp32"):  # float32 keeps the tight bound: its kernels make no noise here
+        assert logits["floor"] == 0.0 and logits["tolerance"] == 1e-5
+
+
+@pytest.mark.parametrize("name", EXPORTS)
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+def test_a_broken_export_fails_the_numerics(good_reports, tmp_path, name, mutation):
+    folder = tmp_path / name
+    import shutil
+
+    shutil.copytree(ROOT / name, folder)
+    edit_graph(folder / "model.onnx", MUTATIONS[mutation])
+    report = validate_model(folder, OPTIONS)
+    checks = _checks(report)
+    assert report.failed
+    for check in ("numerics.logits", "numerics.kv_prefix"):
+        assert checks[check].outcome is Outcome.FAILED, checks[check].reason
+        details = checks[check].details
+        # Far outside the noise: the fault is not a rounding the margin could excuse.
+        assert details["max_abs_difference_overall"] > 10 * details["tolerance"]
+    # The prompt inside one chunk is untouched: only later chunks see the fault.
+    assert checks["numerics.logits"].details["max_abs_difference"]["chunked"][0] <= (
+        checks["numerics.logits"].details["tolerance"])
+    good = _checks(good_reports(name))["numerics.logits"].details
+    assert checks["numerics.logits"].details["floor"] == good["floor"]
+
+
+@pytest.mark.parametrize("name", ["genai-llama-fp32", "genai-llama-int4"])
+def test_padded_rows_leaking_into_the_cache_fail_the_padded_run(monkeypatch, name):
+    """A runtime fault, not a graph one: after a padded forward the sequence's length also
+    takes the padded rows, so they stay in the cache as if they were prompt rows."""
+    from onnx_chunk.runtime.runner import model_runner
+
+    forward = model_runner.ModelRunner._forward
+
+    def leaky(self, key, session, binding, slot, rows, plan, *, view):
+        logits = forward(self, key, session, binding, slot, rows, plan, view=view)
+        if plan is not None and plan.padded:
+            for row in rows.rows:
+                row.length.advance(plan.width - plan.real_rows)
+        return logits
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_forward", leaky)
+    report = validate_model(ROOT / name, OPTIONS)
+    checks = _checks(report)
+    assert "padded up the ladder" in checks["numerics.logits"].reason
+    for check in ("numerics.logits", "numerics.kv_prefix"):
+        assert checks[check].outcome is Outcome.FAILED, checks[check].reason
+        assert f"padded {'logits' if check.endswith('logits') else 'KV prefix'} vs" in (
+            checks[check].reason)
+        chunked = checks[check].details["max_abs_difference"]["chunked"]
+        assert max(chunked) <= checks[check].details["tolerance"]
