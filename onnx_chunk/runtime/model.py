@@ -203,7 +203,7 @@ class Runtime:
             else chunk_mask_kind(self.device.mask_policy))
         self.pool = SequencePool(
             functools.partial(new_slot, self.ports, options.capacity, self.device, self.masks),
-            self.variants.release_slot, keep=idle_sequences)
+            self.variants.release_slot, keep=idle_sequences, claim=self.variants.claim)
         self.runner = ModelRunner(self.variants, self.ports, self.device,
                                   capacity=options.capacity, tiers=options.tiers,
                                   specialize=specialize, embeddings=self.embeddings)

@@ -18,6 +18,7 @@ logit margin (top-1 minus top-2) at that step says how near the tie was.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,6 +80,9 @@ def engine_checks(runtime: Runtime | OnnxChunkError, settings: RunSettings,
                                     f"batch engine ({ENGINE_SLOTS} slots): {error}", {})
     else:
         outcome, reason, details = _batched_decode(runs, settings)
+        # What the runs moved between host and device (0 on CPU's host path), counted at
+        # the copy and sync sites (runtime/device/transfers.py).
+        details["transfers"] = dataclasses.asdict(runtime.stats.transfers)
     return [CheckResult(f"{ENGINE}.batched_decode", ENGINE, outcome, reason,
                         time.perf_counter() - started, details)]
 

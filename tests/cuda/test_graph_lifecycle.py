@@ -338,24 +338,28 @@ def test_captured_prefill_widths_keep_one_logits_row(reference_model, capturing)
     np.testing.assert_allclose(every, expected, rtol=0, atol=1e-5)
 
 
-def test_a_slot_taken_by_another_thread_drops_its_bindings(reference_model, graph_model):
+def test_a_slot_taken_by_another_thread_keeps_its_bindings_and_graphs(reference_model,
+                                                                     graph_model):
     runtime = _load(reference_model())
     with runtime.open_sequence() as first:
         first.generate(PROMPT, 5)
     assert runtime.stats.graphs_captured == 2  # decode and the 16-row tier
     taken = []
-    # The sequence pool frees a slot taken by another thread (its bindings go); the CUDA
-    # provider frees graphs only with the session, so no release is called and the graphs
-    # stay alive, counted as stranded.
+    # The sequence pool claims a slot taken by another thread: its bindings and graph ids stay
+    # (the CUDA provider frees graphs only with the session, so dropping them would strand
+    # them), and each id's next run, in the new thread, runs as a capture.
     worker = threading.Thread(target=lambda: taken.append(runtime.open_sequence()))
     worker.start()
     worker.join(10)
     assert taken[0].slot == first.slot
     assert graph_model.released == []
     graphs = runtime.stats.graphs
-    assert (graphs.alive, graphs.stranded) == (2, 2) and graphs.alive <= graphs.planned
+    assert (graphs.alive, graphs.stranded) == (2, 0) and graphs.alive <= graphs.planned
     with runtime.cache.acquire(1) as session:
-        assert not runtime.variants.bindings(session, taken[0].slot)
+        assert runtime.variants.bindings(session, taken[0].slot)
+    taken[0].generate(PROMPT, 5)
+    after = runtime.stats.graphs
+    assert after.alive == 2 and after.stranded == 0 and after.alive <= after.planned
 
 
 def test_claimed_bindings_keep_their_ids_and_run_their_next_run_as_a_capture(

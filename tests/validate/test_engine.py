@@ -36,6 +36,10 @@ def test_the_prompts_share_decode_steps_and_keep_their_lone_tokens(reference_mod
     # Counted by the engine: the batched pass really decoded several rows per forward.
     assert details["batched_rows_per_decode_step"] > 1
     assert f"batched on {ENGINE_SLOTS} slots" in check.reason
+    # The served runtime's transfer counters, in the report's JSON: on CPU's host path the
+    # forwards read and write host memory, so nothing is copied.
+    assert details["transfers"] == {"host_to_device_bytes": 0, "device_to_host_bytes": 0,
+                                    "synchronizations": 0}
 
 
 def test_skip_engine_skips_it(reference_model):

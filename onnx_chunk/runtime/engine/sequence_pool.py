@@ -14,8 +14,8 @@ Rules:
 1. `take` hands out an idle slot (the most recently returned, whose graphs are warm) or makes a
    new one with the smallest free slot number. The CUDA provider keeps its graphs per thread,
    so an idle slot last taken by this thread comes first, and a slot taken by another thread
-   first drops its bindings and graphs (`free`, its number kept): it captures again, through
-   the runtime's own accounting, in the new thread.
+   is claimed for it (`claim`: its bindings and graph ids kept, each id's next run there a
+   capture), since a graph the provider cannot free would otherwise be stranded.
 2. `give_back` only queues the slot: it may run from a garbage-collector finalizer at any
    moment, even while the same thread holds a capture, so it does no device work and takes no
    lock. Queued slots are settled at the next `take`, `settle` or `close`.
@@ -91,11 +91,13 @@ class SequencePool:
     """Idle sequence slots, handed out again; see the module docstring for the rules."""
 
     def __init__(self, make: Callable[[int], SequenceSlot],
-                 free: Callable[[int], None], keep: int = DEFAULT_IDLE_SLOTS) -> None:
+                 free: Callable[[int], None], keep: int = DEFAULT_IDLE_SLOTS,
+                 claim: Callable[[int], None] | None = None) -> None:
         if keep < 0:
             raise ConfigError(f"the number of idle sequences kept must be at least 0, got {keep}")
         self._make = make
         self._free = free
+        self._claim = free if claim is None else claim
         self.keep = keep
         self._numbers = SlotNumbers()
         self._returned: collections.deque[SequenceSlot] = collections.deque()
@@ -118,7 +120,7 @@ class SequencePool:
                 self._stats.reused += 1
         if slot is not None:
             if slot.thread != thread:
-                self._free(slot.number)
+                self._claim(slot.number)
             slot.thread = thread
             slot.reset()
             return slot
