@@ -6,6 +6,7 @@ CUDA path's code (CPU sessions are created without capture and counted as captur
 captures, replays and releases below are what a GPU would see.
 """
 
+import contextlib
 import dataclasses
 import gc
 import threading
@@ -155,24 +156,36 @@ def test_a_failed_capture_falls_back_without_reaching_the_caller(reference_model
     assert "stream is capturing" in stats.fallbacks[1]
 
 
+@contextlib.contextmanager
+def _threads(runtime, count: int):
+    """Prompts 0..count-1 generated each in a thread of its own while the block runs; yields
+    (results by index, errors), complete once the block has ended."""
+    results: dict[int, list[int]] = {}
+    errors: list[Exception] = []
+
+    def work(index):
+        try:
+            results[index] = _generate(runtime, PROMPTS[index:index + 1])[0]
+        except Exception as error:  # reported by the caller
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(index,)) for index in range(count)]
+    for thread in threads:
+        thread.start()
+    try:
+        yield results, errors
+    finally:
+        for thread in threads:
+            thread.join(60)
+
+
 def test_two_threads_on_one_capturing_runtime_are_serialised(reference_model, graph_model):
     path = reference_model()
     runtime = _load(path)
     expected = _generate(_host(path), PROMPTS[:4])
     graph_model.delay = 0.003
-    results, errors = {}, []
-
-    def work(index):
-        try:
-            results[index] = _generate(runtime, PROMPTS[index:index + 1])[0]
-        except Exception as error:  # reported below
-            errors.append(error)
-
-    threads = [threading.Thread(target=work, args=(index,)) for index in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    with _threads(runtime, 4) as (results, errors):
+        pass
     assert not errors and [results[index] for index in range(4)] == expected
     # The fake flags two runs of one session in flight at once: the run lock kept them apart.
     assert not graph_model.violations
@@ -183,20 +196,8 @@ def test_a_capture_never_runs_beside_another_forward(reference_model, graph_mode
     runtime = _load(path, max_batch=2)
     expected = _generate(_host(path), PROMPTS)
     graph_model.delay = 0.002
-    results, errors = {}, []
-
-    def work(index):
-        try:
-            results[index] = _generate(runtime, PROMPTS[index:index + 1])[0]
-        except Exception as error:  # reported below
-            errors.append(error)
-
-    threads = [threading.Thread(target=work, args=(index,)) for index in range(len(PROMPTS))]
-    for thread in threads:
-        thread.start()
-    engine = runtime.generate_many(BATCH[:4], 6, eos_token_id=[])
-    for thread in threads:
-        thread.join(60)
+    with _threads(runtime, len(PROMPTS)) as (results, errors):
+        engine = runtime.generate_many(BATCH[:4], 6, eos_token_id=[])
     assert not errors and [results[index] for index in range(len(PROMPTS))] == expected
     assert engine == _host(path, max_batch=2).generate_many(BATCH[:4], 6, eos_token_id=[])
     assert graph_model.captures and not graph_model.violations

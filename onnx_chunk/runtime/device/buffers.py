@@ -279,28 +279,28 @@ class SequenceBuffers:
                 buffer.zero()
 
 
-@functools.lru_cache(maxsize=1)
+@functools.cache
+def _cuda_function(name: str, *argtypes: type):
+    """`name` of the CUDA runtime the memory readings use (returning a cudaError_t int), or
+    None without one."""
+    library = cudart()
+    if library is None:
+        return None
+    function = getattr(library, name)
+    function.restype = ctypes.c_int
+    function.argtypes = list(argtypes)
+    return function
+
+
 def _cuda_memset():
-    """cudaMemset of the CUDA runtime the memory readings use, or None without one."""
-    library = cudart()
-    if library is None:
-        return None
-    memset = library.cudaMemset
-    memset.restype = ctypes.c_int
-    memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
-    return memset
+    """cudaMemset(pointer, value, bytes), or None without a CUDA runtime."""
+    return _cuda_function("cudaMemset", ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t)
 
 
-@functools.lru_cache(maxsize=1)
 def _cuda_memcpy():
-    """cudaMemcpy of the CUDA runtime the memory readings use, or None without one."""
-    library = cudart()
-    if library is None:
-        return None
-    memcpy = library.cudaMemcpy
-    memcpy.restype = ctypes.c_int
-    memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return memcpy
+    """cudaMemcpy(target, source, bytes, kind), or None without a CUDA runtime."""
+    return _cuda_function("cudaMemcpy", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                          ctypes.c_int)
 
 
 class BatchBuffers(SequenceBuffers):
