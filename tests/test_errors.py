@@ -47,6 +47,8 @@ REVIEWED_HANDLERS = {
     ("cli/serve.py", "OSError"): "wraps socket binding only",
     ("serve/app.py", "OSError"): "wraps a write to the client only",
     ("serve/app.py", "ValueError"): "wraps json.loads of the request body only",
+    ("validate/numerics.py", "OSError"): "wraps last_row_graph only, which raises none of ours",
+    ("validate/reference.py", "OSError"): "wraps linking the weights and writing the graph only",
     ("runtime/device/memory.py", "OSError"): "wraps reading /proc and loading a library only",
     ("text/chat_template.py", "OSError"): "wraps reading a file only",
     ("model_io.py", "RuntimeError"): "wraps onnx.load only",

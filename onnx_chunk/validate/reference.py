@@ -22,8 +22,8 @@ Rules of `last_row_graph`:
    too (a read-only folder), OSError.
 4. The folder (`reference_folder`) is named after the process and removed when the reference
    runs end; one left behind by a process that no longer runs (killed mid-run) is removed by
-   the next validation, so no stale hard link of the weights outlives it (onnx.checker refuses
-   external data with several links).
+   the next validation before it reads the model, so no stale hard link of the weights
+   outlives it (onnx.checker refuses external data with several links).
 """
 
 from __future__ import annotations
@@ -52,9 +52,15 @@ _PREFIX = "onnx-chunk-validate-"
 @contextlib.contextmanager
 def reference_folder() -> Iterator[Path]:
     """An empty temporary folder for the reference copy, removed on exit (rule 4)."""
-    _remove_stale(Path(tempfile.gettempdir()))
+    remove_stale_reference_folders()
     with tempfile.TemporaryDirectory(prefix=f"{_PREFIX}{os.getpid()}-") as folder:
         yield Path(folder)
+
+
+def remove_stale_reference_folders() -> None:
+    """Remove the reference folders of validations that no longer run (rule 4); validate
+    calls it before its structure checks too."""
+    _remove_stale(Path(tempfile.gettempdir()))
 
 
 def _remove_stale(root: Path) -> None:

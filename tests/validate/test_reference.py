@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -90,3 +91,26 @@ def test_without_a_hard_link_the_copy_is_written_beside_the_model(tmp_path, monk
     with load(copy, provider="cpu", capacity=64, chunk_size=64) as runtime:
         assert runtime.ports.last_row_logits
     copy.unlink()
+
+
+def test_a_killed_validations_links_do_not_fail_the_next_ones_checker(tmp_path):
+    """A validation killed mid-reference leaves its folder, hard-linking the weights; the next
+    validation removes it before onnx.checker (which refuses several links) reads the model."""
+    import tempfile
+
+    from onnx_chunk.validate import Outcome, ValidationOptions, resolve_skip, validate_model
+
+    folder = tmp_path / "export"
+    shutil.copytree(ROOT / "genai-llama-fp32", folder)
+    stale = Path(tempfile.gettempdir()) / "onnx-chunk-validate-999999999-killed"
+    stale.mkdir(exist_ok=True)
+    try:
+        os.link(folder / "model.onnx.data", stale / "model.onnx.data")
+        options = ValidationOptions(chunk_size=CHUNK, provider="cpu",
+                                    skip=resolve_skip(["numerics", "cache", "engine"]))
+        report = validate_model(folder, options)
+        checker = next(check for check in report.checks if check.name == "structure.checker")
+        assert checker.outcome is Outcome.PASSED, checker.reason
+        assert not stale.exists()
+    finally:
+        shutil.rmtree(stale, ignore_errors=True)
