@@ -173,13 +173,23 @@ def numpy_dtype(data_type: int) -> np.dtype:
         return np.dtype(getattr(ml_dtypes, name))
 
 
-def read_model_file(path: str | os.PathLike) -> ModelFile:
+def read_model_file(path: str | os.PathLike, data: bytes | None = None) -> ModelFile:
     """The file's metadata, I/O, operators and external tensor index, checked.
+
+    `data`: the model's serialized bytes, read in place of the file's (an edited graph whose
+    external data lies beside `path`).
 
     ModelLoadError when the file is missing, a folder, not an ONNX protobuf (or truncated), or
     when a check of `check_tensors` fails.
     """
     model_path = Path(path)
+    if data is not None:
+        try:
+            model = _Reader(data).model(model_path)
+        except WireError as error:
+            raise unreadable(model_path, error) from error
+        check_tensors(model)
+        return model
     if not model_path.exists():
         raise ModelLoadError(f"model file {str(model_path)!r} does not exist; expected the path "
                              "of an exported decoder's .onnx file")

@@ -532,6 +532,8 @@ def make_variant(source: Path, out: Path, *, accuracy_level: int | None,
         if not link.exists():
             try:
                 os.link(original, link)
+                print(f"note: {link} is a hard link of {original}: onnx.checker and onnx.load "
+                      "refuse those weights while both names exist; remove the variant after")
             except OSError:
                 shutil.copy2(original, link)
     for name in COPIED:

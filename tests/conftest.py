@@ -28,6 +28,20 @@ def _installed_package_first() -> None:
 _installed_package_first()
 
 
+_CORPUS = ROOT / "tests" / "fixtures" / "exports"
+
+
+@pytest.fixture(autouse=True)
+def _corpus_files_keep_one_name():
+    """A test that leaves a second hard link to a corpus file fails here: onnx.checker and
+    onnx.load refuse external data with several links, so every later test of that export
+    would fail instead."""
+    yield
+    linked = sorted(str(path.relative_to(_CORPUS)) for path in _CORPUS.glob("*/*")
+                    if path.is_file() and path.stat().st_nlink > 1)
+    assert not linked, f"this test left hard links to corpus files: {', '.join(linked)}"
+
+
 @pytest.fixture(scope="session")
 def reference_model(tmp_path_factory):
     """Build (once per session) a `tiny` reference decoder: `reference_model(variant, **overrides)`.

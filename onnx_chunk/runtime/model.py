@@ -118,6 +118,9 @@ class Runtime:
         verifies them in one forward (greedy output identical to plain decoding, sampled
         output exact in distribution; see docs/speculative.md); None (default) decodes one
         token per forward. A decoder with recurrent state or last-row logits is refused.
+    graph: the decoder's graph, serialized, run in place of the file's (an edited copy, as
+        ONNX Runtime takes model bytes): its external data, plan analysis, tokenizer and
+        configs are still read from model_path and its folder, which is never written.
 
     `close()` (or leaving a `with` block) frees the sessions and buffers at once; a runtime is
     also freed as soon as its last reference (and every sequence's) goes.
@@ -144,6 +147,7 @@ class Runtime:
         max_queue: int = DEFAULT_MAX_QUEUE,
         prefix_reuse: bool = True,
         speculative: str | None = None,
+        graph: bytes | None = None,
     ) -> None:
         # Two ONNX Runtime wheels in one folder overwrite each other's module: say so first.
         check_one_wheel()
@@ -158,7 +162,7 @@ class Runtime:
         self.model_path: Path = location.onnx_path
         self.genai: GenaiConfig | None = location.genai
         genai = self.genai or GenaiConfig(path=location.folder / "genai_config.json")
-        model = read_model_file(self.model_path)
+        model = read_model_file(self.model_path, graph)
         plan = read_plan(model.metadata)
         if args.chunk_size is None and (plan is None or plan.chunk_size is None):
             args = dataclasses.replace(args, chunk_size=genai.chunk_size)
@@ -186,7 +190,7 @@ class Runtime:
                                        else load_shared_weights(model, self.device, meter))
         self.factory = SessionFactory(self.model_path, self.weights, self.device,
                                       query_dim=self.ports.query_dim, fixed_dims=fixed_dims,
-                                      intra_op_threads=intra_op_threads)
+                                      intra_op_threads=intra_op_threads, graph=graph)
         # The variant pool, the sequence pool and the forward runner (what a sequence runs
         # on) never refer back to the runtime: no reference cycle.
         self.variants = VariantPool(self.factory, specialize=specialize, quantized=quantized,

@@ -35,7 +35,7 @@ from onnx_chunk.errors import OnnxChunkError
 from onnx_chunk.runtime import Runtime
 from onnx_chunk.validate.checks import NUMERICS
 from onnx_chunk.validate.prompts import seeded_prompt
-from onnx_chunk.validate.reference import last_row_graph, reference_folder
+from onnx_chunk.validate.reference import last_row_graph
 from onnx_chunk.validate.report import CheckResult, Outcome
 from onnx_chunk.validate.runs import (
     Advance,
@@ -161,26 +161,21 @@ def compare_modes(model_path: Path, settings: RunSettings, advance: Advance) -> 
 def _references(model_path: Path, settings: RunSettings, advance: Advance,
                 notes: dict[str, str]) -> list[PromptRun]:
     """The reference runs of every length, on the last-row copy of the graph when one can be
-    made (removed before returning)."""
-    with reference_folder() as folder:
-        try:
-            copy = last_row_graph(model_path, folder)
-        except OSError as error:
-            logger.info("no last-row copy of %s (%s); the reference computes every row",
-                        model_path, error)
-            copy = None
-        try:
-            with load_runtime(copy or model_path, settings, chunk_size=settings.capacity,
-                              padding=False) as runtime:
-                if runtime.ports.last_row_logits and copy is None:
-                    notes[LOGITS] = "the decoder returns the last row's logits only"
-                references = []
-                for length in settings.lengths:
-                    references.append(reference_run(runtime, length, settings))
-                    advance(f"{WHOLE} {length}")
-        finally:
-            if copy is not None and copy.parent != folder:
-                copy.unlink(missing_ok=True)
+    made (held in memory: the model's folder is never written)."""
+    try:
+        graph = last_row_graph(model_path)
+    except OSError as error:
+        logger.info("no last-row copy of %s (%s); the reference computes every row",
+                    model_path, error)
+        graph = None
+    with load_runtime(model_path, settings, chunk_size=settings.capacity, padding=False,
+                      graph=graph) as runtime:
+        if runtime.ports.last_row_logits and graph is None:
+            notes[LOGITS] = "the decoder returns the last row's logits only"
+        references = []
+        for length in settings.lengths:
+            references.append(reference_run(runtime, length, settings))
+            advance(f"{WHOLE} {length}")
     return references
 
 

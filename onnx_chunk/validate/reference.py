@@ -14,26 +14,15 @@ Rules of `last_row_graph`:
    row on axis 1, and the `logits` output's row dimension becomes 1.
 2. A decoder whose logits already keep one row, or whose LM head is not found that way, is
    used as it is (None).
-3. The copy is a folder of its own: the edited graph and a hard link to every other file of
-   the model's folder (external data, genai_config.json, embeddings.npy; a symbolic link to a
-   folder), so no weight is copied and the original folder is never written. Where the folder
-   cannot hold a hard link (another file system), the edited graph is written beside the
-   model under a hidden temporary name instead, and the caller removes it; where that fails
-   too (a read-only folder), OSError.
-4. The folder (`reference_folder`) is named after the process and removed when the reference
-   runs end; one left behind by a process that no longer runs (killed mid-run) is removed by
-   the next validation before it reads the model, so no stale hard link of the weights
-   outlives it (onnx.checker refuses external data with several links).
+3. The copy is the serialized graph alone, run in place of the file's (`Runtime(graph=...)`):
+   ONNX Runtime reads its external data from the model's folder, which is never written, and
+   no file of the model gets a second name (onnx.checker and onnx.load refuse external data
+   with several hard links, so links would fail any other process checking the same model).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import onnx
@@ -46,68 +35,13 @@ _ELEMENTWISE = {"Cast", "Add", "Sub", "Mul", "Div", "Tanh", "Identity"}
 _LOGITS = "logits"
 
 
-_PREFIX = "onnx-chunk-validate-"
-
-
-@contextlib.contextmanager
-def reference_folder() -> Iterator[Path]:
-    """An empty temporary folder for the reference copy, removed on exit (rule 4)."""
-    remove_stale_reference_folders()
-    with tempfile.TemporaryDirectory(prefix=f"{_PREFIX}{os.getpid()}-") as folder:
-        yield Path(folder)
-
-
-def remove_stale_reference_folders() -> None:
-    """Remove the reference folders of validations that no longer run (rule 4); validate
-    calls it before its structure checks too."""
-    _remove_stale(Path(tempfile.gettempdir()))
-
-
-def _remove_stale(root: Path) -> None:
-    for entry in root.glob(f"{_PREFIX}*-*"):
-        pid = entry.name[len(_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            logger.info("removing %s, left by process %s", entry, pid)
-            shutil.rmtree(entry, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def last_row_graph(model_path: Path, folder: Path) -> Path | None:
-    """Write the last-row reference copy of `model_path` into the empty `folder` (or, when its
-    weights cannot be linked there, beside the model); return the copy's model path, or None
-    when the decoder is used as it is (rules 2 and 4)."""
+def last_row_graph(model_path: Path) -> bytes | None:
+    """The serialized last-row reference copy of `model_path`'s graph (its external data
+    left where it is), or None when the decoder is used as it is (rule 2)."""
     proto = onnx.load(str(model_path), load_external_data=False)
     if not _edit(proto.graph):
         return None
-    data = proto.SerializeToString()
-    try:
-        for entry in model_path.parent.iterdir():
-            if entry.name == model_path.name:
-                continue
-            if entry.is_file():
-                os.link(entry, folder / entry.name)
-            else:
-                os.symlink(entry.resolve(), folder / entry.name)
-        target = folder / model_path.name
-        target.write_bytes(data)
-        return target
-    except OSError as error:
-        logger.info("cannot link the weights into %s (%s); writing the reference graph beside "
-                    "the model", folder, error)
-    handle, name = tempfile.mkstemp(prefix=".onnx-chunk-validate-", suffix=".onnx",
-                                    dir=model_path.parent)
-    with os.fdopen(handle, "wb") as file:
-        file.write(data)
-    return Path(name)
+    return proto.SerializeToString()
 
 
 def _edit(graph: onnx.GraphProto) -> bool:

@@ -64,11 +64,13 @@ class PromptRun:
 
 
 def load_runtime(model_path: Path, settings: RunSettings, *, chunk_size: int,
-                 padding: bool | None, max_batch: int = 1) -> Runtime:
+                 padding: bool | None, max_batch: int = 1,
+                 graph: bytes | None = None) -> Runtime:
     """A runtime of the model with the provider's own sessions, as `serve` loads it
-    (per-width variants on CUDA, one shape-generic session on CPU)."""
+    (per-width variants on CUDA, one shape-generic session on CPU); `graph`: an edited copy
+    of its graph to run instead."""
     return load(model_path, provider=settings.provider, capacity=settings.capacity,
-                chunk_size=chunk_size, padding=padding, max_batch=max_batch)
+                chunk_size=chunk_size, padding=padding, max_batch=max_batch, graph=graph)
 
 
 def boundaries(length: int, chunk_size: int) -> list[int]:

@@ -36,7 +36,6 @@ from onnx_chunk.validate.checks import (
 from onnx_chunk.validate.engine import ENGINE_SLOTS, engine_checks, engine_runs_planned
 from onnx_chunk.validate.numerics import MODES, numerics_checks
 from onnx_chunk.validate.prompts import boundary_lengths
-from onnx_chunk.validate.reference import remove_stale_reference_folders
 from onnx_chunk.validate.report import CheckResult, Outcome, Report
 from onnx_chunk.validate.runs import RunSettings, load_runtime
 from onnx_chunk.validate.static import StaticSettings, planned_runs, static_checks
@@ -116,9 +115,6 @@ def validate_model(path: str | os.PathLike, options: ValidationOptions | None = 
     options and ProviderError when the provider asked for cannot run here.
     """
     options = options or ValidationOptions()
-    # A reference folder left by a killed validation still hard-links the weights, which
-    # onnx.checker refuses: remove it before the structure checks read the model.
-    remove_stale_reference_folders()
     subject = load_subject(path)
     if subject.static is None:
         _refuse_static_options(options, subject.path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 import onnx
@@ -49,27 +50,32 @@ def test_profile_names_every_projection_with_its_rate(capsys):
 
 
 def test_variants_change_the_graph_only_and_compare_measures_them(tmp_path, capsys):
+    # A copy of the fixture: a variant hard-links its source's weights, and onnx.checker
+    # refuses the source's weights while a second link to them exists.
+    source = tmp_path / "source"
+    shutil.copytree(EXPORT, source)
     level = tmp_path / "level0"
     rows = tmp_path / "lastrow"
-    assert profile_prefill.main(["variant", "--model", str(EXPORT), "--out", str(level),
+    assert profile_prefill.main(["variant", "--model", str(source), "--out", str(level),
                                  "--accuracy-level", "0"]) == 0
-    assert profile_prefill.main(["variant", "--model", str(EXPORT), "--out", str(rows),
+    assert "hard link" in capsys.readouterr().out
+    assert profile_prefill.main(["variant", "--model", str(source), "--out", str(rows),
                                  "--last-row-logits"]) == 0
     graph = onnx.load(str(level / "model.onnx"), load_external_data=False).graph
     levels = {attribute.i for node in graph.node if node.op_type == "MatMulNBits"
               for attribute in node.attribute if attribute.name == "accuracy_level"}
     assert levels == {0}
     # The weights are the original's file (hard link), not rewritten.
-    assert os.path.samefile(level / "model.onnx.data", EXPORT / "model.onnx.data") or \
-        (level / "model.onnx.data").read_bytes() == (EXPORT / "model.onnx.data").read_bytes()
+    assert os.path.samefile(level / "model.onnx.data", source / "model.onnx.data") or \
+        (level / "model.onnx.data").read_bytes() == (source / "model.onnx.data").read_bytes()
     logits = next(value for value in onnx.load(str(rows / "model.onnx"),
                                                load_external_data=False).graph.output
                   if value.name == "logits")
     assert logits.type.tensor_type.shape.dim[1].dim_value == 1
     capsys.readouterr()
     assert profile_prefill.main([
-        "compare", "--model", str(EXPORT), "--candidate", f"lastrow={rows}",
-        "--candidate", f"nospin={EXPORT},session.intra_op.allow_spinning=0,threads=1",
+        "compare", "--model", str(source), "--candidate", f"lastrow={rows}",
+        "--candidate", f"nospin={source},session.intra_op.allow_spinning=0,threads=1",
         "--lengths", "40", "--new-tokens", "4", "--rounds", "1", "--chunk-size", "16"]) == 0
     out = capsys.readouterr().out
     assert "1-minute load average before each measurement" in out
@@ -106,11 +112,13 @@ def test_paired_ratios_are_per_pair_and_best_over_best():
 
 
 def test_paired_and_kernel_runs_print_their_tables(tmp_path, capsys):
+    source = tmp_path / "source"
+    shutil.copytree(EXPORT, source)
     rows = tmp_path / "lastrow"
-    assert profile_prefill.main(["variant", "--model", str(EXPORT), "--out", str(rows),
+    assert profile_prefill.main(["variant", "--model", str(source), "--out", str(rows),
                                  "--last-row-logits"]) == 0
     capsys.readouterr()
-    assert profile_prefill.main(["paired", "--model", str(EXPORT), "--candidate",
+    assert profile_prefill.main(["paired", "--model", str(source), "--candidate",
                                  f"lastrow={rows}", "--rows", "16", "--past", "8",
                                  "--pairs", "2", "--new-tokens", "4"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines()

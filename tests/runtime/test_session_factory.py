@@ -61,3 +61,33 @@ def test_weights_for_another_device_are_not_faulted_in_and_say_they_are_copied(
     assert faulted == [] and cuda.copied_per_session and cuda.nbytes > 0
     cpu = session_factory.load_shared_weights(model, device_for("cpu"))
     assert sum(faulted) == cpu.nbytes and not cpu.copied_per_session
+
+
+@pytest.mark.parametrize("specialize", [False, True])
+def test_a_graph_given_as_bytes_runs_in_place_of_the_file(reference_model, tmp_path,
+                                                          specialize):
+    import shutil
+
+    import onnx
+
+    from onnx_chunk.errors import ModelLoadError
+
+    folder = tmp_path / "model"
+    shutil.copytree(reference_model("base").parent, folder)
+    path = folder / "model.onnx"
+    before = {entry.name: entry.stat().st_mtime_ns for entry in folder.iterdir()}
+    proto = onnx.load(str(path), load_external_data=False)
+    # An edit the output shows: the logits come out negated.
+    logits = next(node for node in proto.graph.node if "logits" in node.output)
+    logits.output[list(logits.output).index("logits")] = "logits/unnegated"
+    proto.graph.node.append(onnx.helper.make_node("Neg", ["logits/unnegated"], ["logits"]))
+    ids = np.arange(3, 20)
+    with load(path, provider="cpu", capacity=64, specialize=specialize) as runtime:
+        plain = runtime.open_sequence().prefill(ids)
+    with load(path, provider="cpu", capacity=64, specialize=specialize,
+              graph=proto.SerializeToString()) as runtime:
+        edited = runtime.open_sequence().prefill(ids)
+    np.testing.assert_allclose(edited, -plain, rtol=1e-5, atol=1e-5)
+    assert {entry.name: entry.stat().st_mtime_ns for entry in folder.iterdir()} == before
+    with pytest.raises(ModelLoadError, match="not a readable ONNX protobuf"):
+        load(path, provider="cpu", capacity=64, graph=b"\xff\xff\xff")

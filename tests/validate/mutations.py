@@ -48,6 +48,16 @@ def past_from_zero_constant(layer: int, capacity: int) -> Callable[[onnx.ModelPr
     return change
 
 
+def _rows_and_one(prefix: str) -> list[onnx.NodeProto]:
+    """Nodes making `{prefix}/rows` (the chunk's rows, int32 [1]) and `{prefix}/one`."""
+    return [
+        helper.make_node("Shape", ["input_ids"], [f"{prefix}/shape"], start=1, end=2),
+        helper.make_node("Cast", [f"{prefix}/shape"], [f"{prefix}/rows"], to=TensorProto.INT32),
+        helper.make_node("Constant", [], [f"{prefix}/one"],
+                         value=helper.make_tensor("one", TensorProto.INT32, [1], [1])),
+    ]
+
+
 def seqlens_without_past(layer: int) -> Callable[[onnx.ModelProto], None]:
     """GQA `layer` gets seqlens_k = rows - 1 and total_sequence_length = rows, as if its past
     were empty: structurally sound, but chunks after the first ignore the earlier ones."""
@@ -56,11 +66,7 @@ def seqlens_without_past(layer: int) -> Callable[[onnx.ModelProto], None]:
         node = _gqa(proto, layer)
         prefix = f"/blind{layer}"
         proto.graph.node.extend([
-            helper.make_node("Shape", ["input_ids"], [f"{prefix}/shape"], start=1, end=2),
-            helper.make_node("Cast", [f"{prefix}/shape"], [f"{prefix}/rows"],
-                             to=TensorProto.INT32),
-            helper.make_node("Constant", [], [f"{prefix}/one"],
-                             value=helper.make_tensor("one", TensorProto.INT32, [1], [1])),
+            *_rows_and_one(prefix),
             helper.make_node("Sub", [f"{prefix}/rows", f"{prefix}/one"], [f"{prefix}/seqlens"]),
             helper.make_node("ReduceMax", [f"{prefix}/rows"], [f"{prefix}/total"],
                              keepdims=0),
@@ -83,11 +89,7 @@ def past_one_short(layer: int) -> Callable[[onnx.ModelProto], None]:
         prefix = f"/short{layer}"
         seqlens = node.input[5]
         proto.graph.node.extend([
-            helper.make_node("Shape", ["input_ids"], [f"{prefix}/shape"], start=1, end=2),
-            helper.make_node("Cast", [f"{prefix}/shape"], [f"{prefix}/rows"],
-                             to=TensorProto.INT32),
-            helper.make_node("Constant", [], [f"{prefix}/one"],
-                             value=helper.make_tensor("one", TensorProto.INT32, [1], [1])),
+            *_rows_and_one(prefix),
             helper.make_node("Add", [seqlens, f"{prefix}/one"], [f"{prefix}/total"]),
             helper.make_node("Greater", [f"{prefix}/total", f"{prefix}/rows"],
                              [f"{prefix}/has_past"]),

@@ -74,10 +74,10 @@ def _fake(monkeypatch, *, floor=0.0, shifts=None, tokens=None, margins=(5.0, 5.0
     row and chooses `tokens[9]`; the reference's top-2 margins are `margins`."""
     shifts, tokens = shifts or {}, tokens or {}
     _Runtime.open_now = _Runtime.most_open = 0
-    monkeypatch.setattr(numerics, "last_row_graph", lambda model, folder: None)
+    monkeypatch.setattr(numerics, "last_row_graph", lambda model: None)
     monkeypatch.setattr(numerics, "load_runtime",
-                        lambda model, settings, *, chunk_size, padding: _Runtime(chunk_size,
-                                                                                  padding))
+                        lambda model, settings, *, chunk_size, padding, graph=None:
+                        _Runtime(chunk_size, padding))
     monkeypatch.setattr(numerics, "reference_run",
                         lambda runtime, length, settings: _run(length, margins=margins))
     monkeypatch.setattr(numerics, "noise_floor",

@@ -214,15 +214,19 @@ class SessionFactory:
        GPU check reads ONNX Runtime's capture log lines and node placement through them).
     5. `last_row` builds the session from the model with a chosen logits row (`logits_row`),
        made once per factory and handed to ONNX Runtime as bytes.
-    6. `sessions_alive` and `weights_copies` count sessions created and not yet freed, and the
+    6. `graph` (serialized bytes) replaces the file's graph in every session; bytes are handed
+       to ONNX Runtime with the model's folder as the folder of its external data.
+    7. `sessions_alive` and `weights_copies` count sessions created and not yet freed, and the
        copies of the weights they own (see the module docstring), from those events.
     """
 
     def __init__(self, model_path: Path, weights: SharedWeights, device: Device, *,
                  query_dim: str | None, fixed_dims: Mapping[str, int],
                  intra_op_threads: int | None = None, log_severity: int = 3,
-                 session_config: Mapping[str, str] | None = None) -> None:
+                 session_config: Mapping[str, str] | None = None,
+                 graph: bytes | None = None) -> None:
         self.model_path = model_path
+        self.graph = graph
         self.weights = weights
         self.device = device
         self.query_dim = query_dim
@@ -269,16 +273,17 @@ class SessionFactory:
 
     def _model_source(self, last_row: bool) -> str | bytes:
         if not last_row:
-            return str(self.model_path)
+            return str(self.model_path) if self.graph is None else self.graph
         with self._lock:
             if self._row_model is None:
-                self._row_model = select_row(self.model_path.read_bytes())
+                self._row_model = select_row(self.graph if self.graph is not None
+                                             else self.model_path.read_bytes())
             return self._row_model
 
     def _create(self, width: int | None, prepack: bool, capture: bool,
                 last_row: bool = False) -> ort.InferenceSession:
         options = ort.SessionOptions()
-        if last_row:
+        if last_row or self.graph is not None:
             options.add_session_config_entry(EXTERNAL_DATA_FOLDER_KEY,
                                              str(self.model_path.resolve().parent))
         options.log_severity_level = self.log_severity
