@@ -201,8 +201,8 @@ def read_model_file(path: str | os.PathLike, data: bytes | None = None) -> Model
             if size == 0:
                 model = _Reader(b"").model(model_path)
             else:
-                with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                    model = _Reader(data).model(model_path)
+                with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                    model = _Reader(mapped).model(model_path)
     except (WireError, OSError) as error:
         raise unreadable(model_path, error) from error
     check_tensors(model)
