@@ -107,7 +107,8 @@ def _best_partner(name: str, candidates: list[ir.Value]) -> ir.Value | None:
     for candidate in candidates:
         if candidate.name == named:
             return candidate
-    return max(candidates, key=lambda candidate: _common_suffix(name, value_tracing.name_of(candidate)))
+    return max(candidates,
+               key=lambda candidate: _common_suffix(name, value_tracing.name_of(candidate)))
 
 
 def _common_suffix(first: str, second: str) -> int:
