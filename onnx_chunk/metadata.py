@@ -441,6 +441,8 @@ def read_plan(model: ir.Model | onnx.ModelProto | Mapping[str, str]) -> ChunkPla
     kv = read_kv_capacity(props)
     state = read_recurrent_state(props)
     ports = read_per_token_ports(props)
+    assert kv is not None and state is not None and ports is not None, \
+        "the check for missing keys found their keys"
     try:
         padding = _decode(props, PADDING_KEY)
         chunk_size = int(props[CHUNK_SIZE_KEY]) if CHUNK_SIZE_KEY in props else None

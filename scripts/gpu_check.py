@@ -56,6 +56,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypedDict
 
 # What the check needs beyond the standard library; a failure here (onnxruntime-gpu that cannot
 # load its CUDA libraries, a missing package) still ends with the table: one "import" row.
@@ -72,6 +73,7 @@ try:
     from onnx_chunk.runtime.device.memory import cuda_used_bytes, cudart, meter_for
     from onnx_chunk.runtime.device.provider import Device, MaskPolicy, device_for, probe_cuda
     from onnx_chunk.runtime.device.session_factory import SessionFactory, SharedWeights
+    from onnx_chunk.runtime.stats import GenerationStats, SequenceStats
     IMPORT_ERROR = None
 except Exception as error:  # any import failure becomes the table's one row
     IMPORT_ERROR = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
@@ -241,6 +243,22 @@ def _marked_capturing(enabled: bool) -> Iterator[None]:
         variant_pool.session_captures = original
 
 
+def _last_generation(stats: SequenceStats) -> GenerationStats:
+    """The generation a sequence's `stats` end with: every `generate` records one."""
+    assert stats.last_generation is not None, "generate() records its generation"
+    return stats.last_generation
+
+
+class _RunOptions(TypedDict, total=False):
+    """The keyword options of `_run`."""
+
+    stand_in: bool
+    max_variants: int | None
+    padding: bool | None
+    passes: int
+    overlap: bool
+
+
 def _run(label: str, model: Path, device: Device, prompts, args, logs: Path, *,
          stand_in: bool = False, max_variants: int | None = None, padding: bool | None = None,
          passes: int = 2, overlap: bool = False) -> _Run:
@@ -277,7 +295,7 @@ def _run(label: str, model: Path, device: Device, prompts, args, logs: Path, *,
                         sequence.rewind(sequence.length)
                     tokens = sequence.generate(ids, args["new_tokens"])
                     (record.tokens if number == 1 else record.second_pass).append(tokens)
-                    generation = sequence.stats.last_generation
+                    generation = _last_generation(sequence.stats)
                     record.widths_used |= {chunk.width for chunk in generation.chunks}
                     if len(tokens) > 1:
                         record.widths_used.add(DECODE_WIDTH)
@@ -296,7 +314,7 @@ def _run(label: str, model: Path, device: Device, prompts, args, logs: Path, *,
         with runtime.open_sequence() as second, \
                 _stderr_to(logs / f"{slug}-second-sequence.log") as log:
             second.generate(prompts[-1], args["new_tokens"])
-            record.second_ttft_s = second.stats.last_generation.ttft_s
+            record.second_ttft_s = _last_generation(second.stats).ttft_s
         record.capture_lines.append(_count_lines(log, CAPTURE_LINE))
         sequence.close()
         stats = runtime.stats
@@ -509,6 +527,7 @@ def _engine(model: Path, device: Device, prompts, args, stand_in: bool) -> dict:
             max_batch=ENGINE_BATCH, padding=True) as runtime:
         tokens = runtime.generate_many(batch, args["new_tokens"], eos_token_id=[])
         stats = runtime.stats
+        assert stats.engine is not None, "a runtime with max_batch > 1 runs an engine"
         return {"tokens": tokens, "graphs": dataclasses.asdict(stats.graphs),
                 "sessions": stats.sessions, "rows_per_step": stats.engine.rows_per_decode_step}
 
@@ -563,7 +582,7 @@ def _weights_experiment(model: Path, device: Device, args, logs: Path) -> dict:
         views.append(ort.OrtValue.from_dlpack(value))
     allocated = meter.used_bytes()
     device_weights = SharedWeights(host.names, tuple(views), host.nbytes)
-    result = {"weights_bytes": host.nbytes,
+    result: dict[str, object] = {"weights_bytes": host.nbytes,
               "device_copy_bytes": None if allocated is None or allocated_before is None
               else allocated - allocated_before}
     for design, weights in (("host", host), ("device", device_weights)):
@@ -688,7 +707,8 @@ def _check(report: _Report, dry_run: bool, preset: str, chunk_size: int, capacit
                f"{capacity}, {new_tokens} new tokens")
     runs: dict[str, _Run] = {}
     # Padding on in both device runs, so graphs off and on run the same widths and kernels.
-    plan = (("cpu", device_for("cpu"), CPU_DTYPE, {}),
+    plan: tuple[tuple[str, Device, str, _RunOptions], ...] = (
+        ("cpu", device_for("cpu"), CPU_DTYPE, {}),
             ("graphs off", off, DEVICE_DTYPE, {"padding": True}),
             ("graphs on", on, DEVICE_DTYPE, {"stand_in": dry_run}),
             # Two sequences open at once, padding off: graphs stay within the plan made at

@@ -57,6 +57,7 @@ class ChunkedPrefillDeclarationPass(ir.passes.InPlacePass):
         kv = metadata.read_kv_capacity(model)
         state = metadata.read_recurrent_state(model)
         ports = metadata.read_per_token_ports(model)
+        assert kv is not None and state is not None and ports is not None, "requires() checked it"
         chunk_size = self.chunk_size
         if chunk_size is None:
             chunk_size = _declared_chunk_size(model)

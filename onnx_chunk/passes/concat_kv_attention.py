@@ -283,12 +283,13 @@ def _why_unmatched(present: ir.Value, closest: pattern.MatchResult | None) -> st
     no step for, else the node that failed."""
     nodes = [] if closest is None else [
         item for item in closest.failure_nodes_and_values if isinstance(item, ir.Node)]
-    if not nodes:
+    if closest is None or not nodes:
         return (f"the KV output {present.name!r} reaches no attention that the concat-KV "
                 "patterns (MatMul+Softmax, Attention) match")
     failed = nodes[-1]
-    foreign = [item.producer() for item in failed.inputs if item is not None
-               and item.producer() is not None and item.producer().op_type not in _PATTERN_OPS]
+    foreign = [producer for item in failed.inputs if item is not None
+               and (producer := item.producer()) is not None
+               and producer.op_type not in _PATTERN_OPS]
     culprit = f"{_label(foreign[0])} feeding {_label(failed)}" if foreign else _label(failed)
     return (f"{culprit} does not fit the concat-KV attention patterns (KV Concat, head "
             "repeat, scalar scales, one mask Add, Softmax or Attention); the closest match "
@@ -318,7 +319,7 @@ def _layer(form: str, root: ir.Node, match: pattern.MatchResult,
         past_key=past_key.name, past_value=found["past_value"].name,
         present_key=present_key.name, present_value=present_value.name,
         query=query.name, new_key=found["new_key"].name,
-        new_value=found["new_value"].name, output=root.outputs[0].name, form=form,
+        new_value=found["new_value"].name, output=value_tracing.name_of(root.outputs[0]), form=form,
         anchor=anchor.name or "", num_heads=heads, kv_num_heads=kv_heads,
         head_size=head_size, scale=scale if scale is not None else 1.0 / math.sqrt(head_size))
 
@@ -349,6 +350,7 @@ def _attention_settings(node: ir.Node) -> tuple[ir.Value | None, float | None]:
     if softcap is not None and softcap.as_float() != 0.0:
         raise _Refusal(f"{_label(node)} has softcap {softcap.as_float()}")
     query = node.inputs[0]
+    assert query is not None, "the Attention pattern matched its query"
     if query.shape is not None and len(query.shape) != _KV_RANK:
         raise _Refusal(f"{_label(node)} reads a rank-{len(query.shape)} query; only the "
                        "4D (batch, heads, rows, head) form is rewritten")
@@ -432,7 +434,9 @@ def _check_mask(mask: ir.Value, graph: ir.Graph) -> None:
 
 
 def _kv_dims(past: ir.Value) -> tuple[int, int]:
-    kv_heads, head_size = past.shape[1], past.shape[3]
+    shape = past.shape
+    assert shape is not None and len(shape) == _KV_RANK, "_past_is_kv_input checked it"
+    kv_heads, head_size = shape[1], shape[3]
     if not isinstance(kv_heads, int) or not isinstance(head_size, int):
         raise _Refusal(f"the past input {past.name!r} has shape "
                        f"{value_tracing.shape_text(past.shape)}; its KV heads and head size "
@@ -445,7 +449,7 @@ def _query_heads(query: ir.Value, head_size: int) -> int:
     if query.shape is not None and len(query.shape) == _KV_RANK \
             and isinstance(query.shape[1], int):
         return query.shape[1]
-    pending, seen = [query], set()
+    pending, seen = [query], set[int]()
     while pending and len(seen) < _PROJECTION_SEARCH:
         value = pending.pop(0)
         if id(value) in seen:
@@ -456,9 +460,11 @@ def _query_heads(query: ir.Value, head_size: int) -> int:
             continue
         if node.op_type in ("MatMul", "Gemm"):
             weight = node.inputs[1]
-            shape = weight.const_value.shape if weight.const_value is not None else None
-            if shape is not None and len(shape) == 2 and shape[1] % head_size == 0:
-                return shape[1] // head_size
+            tensor = weight.const_value if weight is not None else None
+            width = tensor.shape.numpy()[1] if tensor is not None and len(tensor.shape) == 2 \
+                else None
+            if width is not None and width % head_size == 0:
+                return width // head_size
         pending.extend(item for item in node.inputs if item is not None)
     raise _Refusal(f"cannot tell the number of query heads of {query.name!r}: neither its "
                    "shape nor a projection's weight near it says")
@@ -490,7 +496,8 @@ class RewriteBuilder:
 
     def constant(self, name: str, data) -> ir.Value:
         tensor = ir.tensor(np.asarray(data, dtype=np.int64), name=f"{self.prefix}/{name}")
-        value = ir.Value(name=tensor.name, shape=tensor.shape, type=ir.TensorType(tensor.dtype),
+        value = ir.Value(name=tensor.name, shape=ir.Shape(tensor.shape.numpy()),
+                         type=ir.TensorType(tensor.dtype),
                          const_value=tensor)
         self.model.graph.register_initializer(value)
         return value
@@ -502,7 +509,8 @@ class RewriteBuilder:
         position = list(graph.outputs).index(old)
         old.name = f"{old_name}/concat"
         new.name = old_name
-        new.dtype = old.dtype
+        if old.dtype is not None:
+            new.dtype = old.dtype
         if old.shape is not None and self.mask.shape is not None:
             dims = list(old.shape)
             dims[_SEQUENCE_AXIS] = self.mask.shape[1]
@@ -575,10 +583,10 @@ def _rewrite(model: ir.Model, layers: tuple[ConcatKVLayer, ...]) -> None:
 
 
 def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
-    found = {value.name: value for value in graph.inputs}
+    found = {value_tracing.name_of(value): value for value in graph.inputs}
     found.update(graph.initializers)
     for node in graph:
-        found.update({output.name: output for output in node.outputs if output.name})
+        found.update({name: output for output in node.outputs if (name := output.name)})
     return found
 
 

@@ -117,9 +117,10 @@ def _bind(
         problems.append(f"{label}: {role} (input {past_index}) {origin.name!r} comes from "
                         f"{where}, not from a graph input, so it cannot be bound at capacity")
         return None
-    if origin.shape is None or len(origin.shape) != _KV_RANK:
+    shape = origin.shape
+    if shape is None or len(shape) != _KV_RANK:
         problems.append(f"{label}: {role} input {origin.name!r} has shape "
-                        f"{value_tracing.shape_text(origin.shape)}, expected rank 4 "
+                        f"{value_tracing.shape_text(shape)}, expected rank 4 "
                         "[batch, kv_heads, sequence, head]")
         return None
     present = node.outputs[present_index] if present_index < len(node.outputs) else None
@@ -136,9 +137,10 @@ def _bind(
                         f"{origin.name!r}: {mismatch}")
         return None
     kv_heads = _int_attribute(node, "kv_num_heads")
-    if kv_heads is None and isinstance(origin.shape[1], int):
-        kv_heads = int(origin.shape[1])
-    return metadata.KVBinding(input=origin.name, output=output.name, capacity_axis=CAPACITY_AXIS,
+    if kv_heads is None and isinstance(heads_dim := shape[1], int):
+        kv_heads = heads_dim
+    return metadata.KVBinding(input=value_tracing.name_of(origin),
+                              output=value_tracing.name_of(output), capacity_axis=CAPACITY_AXIS,
                               kv_heads=kv_heads, head_size=_head_size(node, origin, output),
                               window=_cache_window(node))
 
@@ -151,8 +153,8 @@ def _int_attribute(node: ir.Node, name: str) -> int | None:
 def _head_size(node: ir.Node, past: ir.Value, present: ir.Value) -> int | None:
     """The KV head size: declared on the past or present, else the width of K (or packed QKV)."""
     for value in (past, present):
-        if isinstance(value.shape[_HEAD_AXIS], int):
-            return int(value.shape[_HEAD_AXIS])
+        if value.shape is not None and isinstance(dim := value.shape[_HEAD_AXIS], int):
+            return dim
     kv_heads = _int_attribute(node, "kv_num_heads")
     heads = _int_attribute(node, "num_heads")
     if not kv_heads or not heads:
@@ -182,7 +184,7 @@ def _shape_mismatch(past: ir.Value, present: ir.Value) -> str:
     if past.dtype != present.dtype:
         return f"dtype {present.dtype} differs from {past.dtype}"
     past_shape, present_shape = past.shape, present.shape
-    if present_shape is None or len(present_shape) != len(past_shape):
+    if past_shape is None or present_shape is None or len(present_shape) != len(past_shape):
         return (f"shape {value_tracing.shape_text(present_shape)} differs in rank from "
                 f"{value_tracing.shape_text(past_shape)}")
     for axis, (a, b) in enumerate(zip(past_shape, present_shape)):
@@ -219,7 +221,7 @@ def _cos_cache_rows(node: ir.Node) -> int | None:
 
 def _kv_cache_nodes(graph: ir.Graph) -> list[tuple[ir.Node, tuple[tuple[int, int, str], ...]]]:
     """GroupQueryAttention and TensorScatter nodes, each with its (past, present, role) pairs."""
-    found = []
+    found: list[tuple[ir.Node, tuple[tuple[int, int, str], ...]]] = []
     for node in ir.traversal.RecursiveGraphIterator(graph):
         if value_tracing.is_gqa(node):
             found.append((node, _PAST_TO_PRESENT))
@@ -236,7 +238,7 @@ def kv_past_inputs(graph: ir.Graph) -> set[str]:
         for past_index, _, _ in pairs:
             past = value_tracing.input_at(node, past_index)
             if past is not None and id(origin := value_tracing.source(past)) in graph_inputs:
-                names.add(origin.name)
+                names.add(value_tracing.name_of(origin))
     return names
 
 
@@ -246,7 +248,7 @@ def kv_present_outputs(graph: ir.Graph) -> set[str]:
     for node, pairs in _kv_cache_nodes(graph):
         for _, present_index, _ in pairs:
             if present_index < len(node.outputs):
-                names.update(output.name
+                names.update(value_tracing.name_of(output)
                              for output in value_tracing.graph_outputs_fed_by(
                                  node.outputs[present_index]))
     return names

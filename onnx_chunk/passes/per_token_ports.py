@@ -73,7 +73,7 @@ def find_per_token_ports(model: ir.Model,
     graph = model.graph
     token = token_input(graph)
     if token is None:
-        names = ", ".join(value.name for value in graph.inputs) or "none"
+        names = ", ".join(value_tracing.name_of(value) for value in graph.inputs) or "none"
         return metadata.PerTokenFindings(
             token_input="",
             ports=(),
@@ -87,32 +87,34 @@ def find_per_token_ports(model: ir.Model,
     wired = metadata.read_query_seqlens(model)
     if wired is not None:
         skipped.add(wired)
+    token_name = value_tracing.name_of(token)
     batch_key, rows_key = axis_keys(token)
     if not isinstance(rows_key, str):
         return metadata.PerTokenFindings(
-            token_input=token.name,
-            ports=(token.name,),
+            token_input=token_name,
+            ports=(token_name,),
             position_ids=None,
             voids=(metadata.port_void(
-                token.name, f"has shape {value_tracing.shape_text(token.shape)}: its query "
+                token_name, f"has shape {value_tracing.shape_text(token.shape)}: its query "
                 "axis (1) is fixed or unnamed, so per-token ports cannot be matched to it"),),
         )
-    ports = [token.name]
+    ports = [token_name]
     voids: list[str] = []
     for value in graph.inputs:
-        if value is token or value.name in skipped:
+        name = value_tracing.name_of(value)
+        if value is token or name in skipped:
             continue
         if _is_per_token(value, batch_key, rows_key):
-            ports.append(value.name)
+            ports.append(name)
         else:
             voids.append(metadata.port_void(
-                value.name,
+                name,
                 f"shaped {value_tracing.shape_text(value.shape)} is fed per request but is not "
                 f"[{batch_key}, {rows_key}, ...] like {token.name!r}, so padding cannot widen it",
             ))
     position_ids = _position_ids(graph, ports)
     return metadata.PerTokenFindings(
-        token_input=token.name,
+        token_input=token_name,
         ports=tuple(ports),
         position_ids=position_ids,
         voids=tuple(voids),
@@ -120,8 +122,9 @@ def find_per_token_ports(model: ir.Model,
 
 
 def _is_per_token(value: ir.Value, batch_key: object, rows_key: str) -> bool:
-    return (has_query_axis(value, rows_key)
-            and value_tracing.dim_key(value.shape[0]) == batch_key)
+    shape = value.shape
+    return (has_query_axis(value, rows_key) and shape is not None
+            and value_tracing.dim_key(shape[0]) == batch_key)
 
 
 def _position_ids(graph: ir.Graph, ports: list[str]) -> str | None:

@@ -62,20 +62,21 @@ def find_recurrent_state(model: ir.Model) -> metadata.RecurrentStateFindings:
     token = token_input(graph)
     rows_key = None
     if token is not None:
-        skipped.add(token.name)
+        skipped.add(value_tracing.name_of(token))
         rows_key = axis_keys(token)[1]
     kv_presents = kv_present_outputs(graph)
     free_outputs = [output for output in graph.outputs if output.name not in kv_presents]
     bindings: list[metadata.StateBinding] = []
     for value in graph.inputs:
-        if value.name in skipped or has_query_axis(value, rows_key):
+        name = value_tracing.name_of(value)
+        if name in skipped or has_query_axis(value, rows_key):
             continue
-        by_name = _STATE_NAME.search(value.name) is not None
+        by_name = _STATE_NAME.search(name) is not None
         matching = ([output for output in free_outputs if _same_type(value, output)]
                     if token is not None else [])
-        output = _best_partner(value.name, matching)
+        output = _best_partner(name, matching)
         if output is None and by_name:
-            named = _PAST_PREFIX.sub("present.", value.name)
+            named = _PAST_PREFIX.sub("present.", name)
             output = next((out for out in free_outputs if out.name == named), None)
         if not by_name and output is None:
             continue
@@ -85,17 +86,18 @@ def find_recurrent_state(model: ir.Model) -> metadata.RecurrentStateFindings:
         if output is not None:
             free_outputs.remove(output)
         bindings.append(metadata.StateBinding(
-            input=value.name,
-            output=output.name if output is not None else "",
+            input=name,
+            output=value_tracing.name_of(output) if output is not None else "",
             detected_by=detected_by,
         ))
     return metadata.RecurrentStateFindings(bindings=tuple(bindings))
 
 
 def _same_type(first: ir.Value, second: ir.Value) -> bool:
+    shape = first.shape
     return (first.dtype is not None and first.dtype == second.dtype
-            and value_tracing.same_dims(first.shape, second.shape)
-            and all(value_tracing.dim_key(dim) is not None for dim in first.shape))
+            and shape is not None and value_tracing.same_dims(shape, second.shape)
+            and all(value_tracing.dim_key(dim) is not None for dim in shape))
 
 
 def _best_partner(name: str, candidates: list[ir.Value]) -> ir.Value | None:
@@ -105,7 +107,8 @@ def _best_partner(name: str, candidates: list[ir.Value]) -> ir.Value | None:
     for candidate in candidates:
         if candidate.name == named:
             return candidate
-    return max(candidates, key=lambda candidate: _common_suffix(name, candidate.name))
+    return max(candidates,
+               key=lambda candidate: _common_suffix(name, value_tracing.name_of(candidate)))
 
 
 def _common_suffix(first: str, second: str) -> int:

@@ -43,6 +43,13 @@ def input_at(node: ir.Node, index: int) -> ir.Value | None:
     return node.inputs[index] if index < len(node.inputs) else None
 
 
+def name_of(value: ir.Value) -> str:
+    """The name of `value`, a graph input or output or a node output (onnx_ir names those)."""
+    name = value.name
+    assert name is not None, "onnx_ir names every value of a graph"
+    return name
+
+
 def source(value: ir.Value) -> ir.Value:
     """Walk back from `value` through pass-through nodes to where it is made or fed."""
     while (producer := value.producer()) is not None and _passes_through(producer):
@@ -117,7 +124,7 @@ def last_dim(value: ir.Value | None, depth: int = 0) -> int | None:
         return int(value.shape[-1])
     tensor = value.const_value
     if tensor is not None and len(tensor.shape) > 0:
-        return int(tensor.shape[-1])
+        return int(tensor.shape.numpy()[-1])
     producer = value.producer()
     if producer is None:
         return None

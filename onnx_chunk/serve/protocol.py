@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from onnx_chunk.errors import InputError
 
@@ -130,7 +130,7 @@ def _params(body: Mapping[str, Any], max_tokens: int | None, *,
             messages: tuple[Mapping[str, str], ...] = ()) -> GenerationParams:
     n = body.get("n", 1)
     n = 1 if n is None else n
-    if _not_integer(n) or not 1 <= n <= MAX_N:
+    if not _integer(n) or not 1 <= n <= MAX_N:
         raise RequestError(f"'n' must be an integer in [1, {MAX_N}] (choices per prompt), got "
                            f"{_shown(n)}", param="n")
     model = body.get("model")
@@ -208,7 +208,7 @@ def _prompt(prompt: object) -> str | tuple[int, ...]:
             raise RequestError("'prompt' must not be empty", param="prompt")
         return _text(prompt, "prompt")
     if isinstance(prompt, list) and prompt and all(
-            not _not_integer(item) and item >= 0 for item in prompt):
+            _integer(item) and item >= 0 for item in prompt):
         return tuple(prompt)
     raise RequestError(f"'prompt' must be a non-empty string or a list of token ids "
                        f"(integers >= 0), or a list of those, got {_shown(prompt)}",
@@ -218,7 +218,7 @@ def _prompt(prompt: object) -> str | tuple[int, ...]:
 def _max_tokens(value: object, param: str, minimum: int = 1) -> int | None:
     if value is None:
         return None
-    if _not_integer(value) or value < minimum:
+    if not _integer(value) or value < minimum:
         extra = "" if minimum else " (0: the prompt's logprobs alone, with echo)"
         raise RequestError(f"'{param}' must be an integer >= {minimum}{extra}, got "
                            f"{_shown(value)}", param=param)
@@ -237,7 +237,7 @@ def _number(value: object, name: str, expected: str, valid) -> float | None:
 def _seed(value: object) -> int | None:
     if value is None:
         return None
-    if _not_integer(value) or value < 0:
+    if not _integer(value) or value < 0:
         raise RequestError(f"'seed' must be an integer >= 0, got {_shown(value)}", param="seed")
     return value
 
@@ -265,8 +265,9 @@ def _text(value: str, param: str) -> str:
     return value
 
 
-def _not_integer(value: object) -> bool:
-    return isinstance(value, bool) or not isinstance(value, int)
+def _integer(value: object) -> TypeGuard[int]:
+    """Whether `value` is an integer, booleans not counted."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _shown(value: object) -> str:

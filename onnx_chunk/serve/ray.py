@@ -30,7 +30,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -47,6 +47,9 @@ from onnx_chunk.serve.routing import (
     prefix_blocks,
     request_key,
 )
+
+if TYPE_CHECKING:
+    from onnx_chunk.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -96,14 +99,15 @@ def application(model: str | os.PathLike, *, replicas: int = 1, gpus_per_replica
     if routing == "prefix":
         rule = {"memory": MEMORY_PER_SLOT * batch if memory is None else memory,
                 "max_excess": batch if max_excess is None else max_excess}
-        PrefixAffinity(**rule)  # its options checked here, before Ray starts anything
+        # Its options checked here, before Ray starts anything.
+        PrefixAffinity(memory=rule["memory"], max_excess=rule["max_excess"])
         deployment_options["request_router_config"] = RequestRouterConfig(
             request_router_class=PrefixAffinityRouter, request_router_kwargs=rule)
-    engines = serve.deployment(_Replica, **deployment_options).bind(
+    engines = serve.deployment(**deployment_options)(_Replica).bind(
         model_path, load_options, app_options)
-    ingress = serve.deployment(_Ingress, name=f"{name}-ingress",
+    ingress = serve.deployment(name=f"{name}-ingress",
                                max_ongoing_requests=replicas * (batch + queue),
-                               ray_actor_options={"num_cpus": 0})
+                               ray_actor_options={"num_cpus": 0})(_Ingress)
     return ingress.bind(engines, model_path, max_body_bytes)
 
 
@@ -288,6 +292,7 @@ class _Ingress:
 
         self._engines = engines.options(stream=True)
         self._max_body_bytes = max_body_bytes
+        self._tokenizer: Tokenizer | None
         try:
             self._tokenizer = load_tokenizer(model_path)
         except Exception as error:  # the replicas report a bad folder; chats lose affinity

@@ -16,6 +16,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from types import FrameType
 
 import uvicorn
 from starlette.applications import Starlette
@@ -53,7 +54,7 @@ class DrainingServer(uvicorn.Server):
         """Drain and exit, as the signal does (callable from any thread)."""
         self.handle_exit(signal.SIGTERM, None)
 
-    def handle_exit(self, sig: int, frame: object) -> None:
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._loop is not None and not self.should_exit:
             self._loop.call_soon_threadsafe(self._drain)
         super().handle_exit(sig, frame)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import uuid
 from collections.abc import Mapping, Sequence
@@ -290,7 +291,7 @@ class Tokenizer:
         return token_id in self._special_ids
 
 
-def load_tokenizer(model_path: Path) -> Tokenizer:
+def load_tokenizer(model_path: str | os.PathLike) -> Tokenizer:
     """The tokenizer of the model at `model_path` (a decoder file or its folder)."""
     location = locate_model(model_path)
     return Tokenizer.load(location.folder, location.genai)

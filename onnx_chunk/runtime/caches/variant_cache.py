@@ -61,8 +61,6 @@ EXACT = "exact"
 DYNAMIC_LABEL = "dynamic"
 DEFAULT_CAP = 4
 
-_NO_KEY = object()
-
 
 def variant_key(width: int, tiers: Sequence[int], specialize: Specialize = True) -> VariantKey:
     """The cache key a forward at query width `width` runs under.
@@ -174,15 +172,16 @@ class VariantCache(Generic[V]):
         without a meter and calls for a variant no longer cached just run `action`.
         """
         with self._cond:
-            entry = self._entries.get(key)
-            wanted = (self._meter is not None and entry is not None
-                      and entry.variant is variant and not entry.grown)
-            if wanted:
+            found = self._entries.get(key)
+            meter = self._meter
+            entry = (found if meter is not None and found is not None
+                     and found.variant is variant and not found.grown else None)
+            if entry is not None:
                 entry.grown = True
-        if not wanted:
+        if meter is None or entry is None:
             return action()
         with self._build_lock:
-            result, grown = measured(self._meter, action)
+            result, grown = measured(meter, action)
         with self._cond:
             stats = self._stats
             stats.growth_readings += 1
@@ -247,9 +246,11 @@ class VariantCache(Generic[V]):
                     victims: list[_Entry[V]] = []
                     if len(self._entries) + len(self._building) < self.cap:
                         break
-                    victim_key = next((k for k, e in self._entries.items() if e.pins == 0),
-                                      _NO_KEY)
-                    if victim_key is not _NO_KEY:
+                    # Wrapped in a 1-tuple: the dynamic variant's key is None itself.
+                    victim = next(((k,) for k, e in self._entries.items() if e.pins == 0),
+                                  None)
+                    if victim is not None:
+                        (victim_key,) = victim
                         victims.append(self._drop(victim_key))
                         self._stats.evictions += 1
                         logger.debug("evicting variant %s (%d bytes)",

@@ -27,6 +27,7 @@ from onnx_chunk.onnx_wire import (
     LEN,
     Span,
     WireError,
+    as_span,
     encode_len_field,
     encode_varint_field,
     field_bytes,
@@ -68,7 +69,7 @@ def _select_row(data: bytes) -> bytes:
     for number, wire, value in fields(data, 0, len(data)):
         if number == _MODEL_GRAPH and wire == LEN:
             graphs += 1
-            graph = _graph(data, view, value)
+            graph = _graph(data, view, as_span(value))
             pieces.append(len_header(_MODEL_GRAPH, sum(len(piece) for piece in graph)))
             pieces += graph
         else:
@@ -83,17 +84,19 @@ def _graph(data: bytes, view: memoryview, span: Span) -> list:
     out: list = []
     found = False
     for number, wire, value in fields(data, *span):
-        if wire == LEN and number == _GRAPH_OUTPUT and _value_name(data, value) == LOGITS_OUTPUT:
+        field = as_span(value) if wire == LEN else None
+        if field is not None and number == _GRAPH_OUTPUT and \
+                _value_name(data, field) == LOGITS_OUTPUT:
             found = True
-            out.append(encode_len_field(_GRAPH_OUTPUT, _picked_output(data, value)))
-            out.append(encode_len_field(_GRAPH_OUTPUT, _renamed(data, value, (_VALUE_NAME,))))
-        elif wire == LEN and number == _GRAPH_VALUE_INFO and \
-                _value_name(data, value) == LOGITS_OUTPUT:
-            out.append(encode_len_field(number, _renamed(data, value, (_VALUE_NAME,))))
-        elif wire == LEN and number == _GRAPH_NODE and \
-                data.find(LOGITS_OUTPUT.encode(), *value) != -1:
+            out.append(encode_len_field(_GRAPH_OUTPUT, _picked_output(data, field)))
+            out.append(encode_len_field(_GRAPH_OUTPUT, _renamed(data, field, (_VALUE_NAME,))))
+        elif field is not None and number == _GRAPH_VALUE_INFO and \
+                _value_name(data, field) == LOGITS_OUTPUT:
+            out.append(encode_len_field(number, _renamed(data, field, (_VALUE_NAME,))))
+        elif field is not None and number == _GRAPH_NODE and \
+                data.find(LOGITS_OUTPUT.encode(), *field) != -1:
             out.append(encode_len_field(number,
-                                        _renamed(data, value, (_NODE_INPUT, _NODE_OUTPUT))))
+                                        _renamed(data, field, (_NODE_INPUT, _NODE_OUTPUT))))
         else:
             out += field_pieces(view, number, wire, value)
     if not found:
@@ -114,7 +117,7 @@ def _graph(data: bytes, view: memoryview, span: Span) -> list:
 def _value_name(data: bytes, span: Span) -> str | None:
     for number, wire, value in fields(data, *span):
         if number == _VALUE_NAME and wire == LEN:
-            return text(data, value)
+            return text(data, as_span(value))
     return None
 
 
@@ -122,7 +125,7 @@ def _renamed(data: bytes, span: Span, numbers: tuple[int, ...]) -> bytes:
     """The message at `span` with its string fields `numbers` that say `logits` renamed."""
     out = bytearray()
     for number, wire, value in fields(data, *span):
-        if wire == LEN and number in numbers and text(data, value) == LOGITS_OUTPUT:
+        if wire == LEN and number in numbers and text(data, as_span(value)) == LOGITS_OUTPUT:
             out += encode_len_field(number, ALL_ROWS)
         else:
             out += field_bytes(data, number, wire, value)
@@ -149,12 +152,13 @@ def _dim_spans(data: bytes, span: Span) -> list[Span]:
     for number, wire, type_span in fields(data, *span):
         if number != _VALUE_TYPE or wire != LEN:
             continue
-        for kind, kind_wire, tensor in fields(data, *type_span):
+        for kind, kind_wire, tensor in fields(data, *as_span(type_span)):
             if kind != _TYPE_TENSOR or kind_wire != LEN:
                 continue
-            for field, field_wire, shape in fields(data, *tensor):
+            for field, field_wire, shape in fields(data, *as_span(tensor)):
                 if field == _TENSOR_SHAPE and field_wire == LEN:
-                    return [dim for dim_number, dim_wire, dim in fields(data, *shape)
+                    return [as_span(dim) for dim_number, dim_wire, dim
+                            in fields(data, *as_span(shape))
                             if dim_number == _SHAPE_DIM and dim_wire == LEN]
     return []
 
