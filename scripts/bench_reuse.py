@@ -1,0 +1,207 @@
+"""Does prefix reuse change answers? Multi-turn conversations with reuse on and off, compared.
+
+Two runtimes on the same model, loaded as `onnx-chunk serve` loads them (the batch engine,
+`--batch` slots): one with prefix reuse (the default), one with `prefix_reuse=False` (`serve
+--no-prefix-reuse`). A conversation is a shared system prefix (`--system-tokens` ids, the same in
+every conversation, so a first turn reuses the previous conversation's) and `--turns` user turns
+of `--user-tokens` random ids; each turn's prompt is the previous turn's prompt, its answer
+(`--max-tokens` new tokens) and the next user turn, as a chat client resends it. The answers
+without reuse make the prompts, so every turn of both runtimes answers the same prompt.
+
+Each conversation runs once greedy and once seeded (temperature 0.9, top_p 0.9, top_k 40, the
+seed `--seed` + the conversation's number). A third arm sends each prompt to the reusing runtime
+with a namespace of its own, which is what `cache_prompt: false` does in the server (a fresh
+prefill): its answers should equal the no-reuse runtime's bit for bit.
+
+Printed per sampling mode: the answers that differ (reuse against no reuse) out of those
+compared, per turn, the conversations with any differing answer, the first differing token's
+index (min / median / max), the largest |logprob difference| over the tokens before it (where
+the tokens agree), the mean cached tokens per turn, and the fresh arm's differing answers and
+largest logprob difference; then the load average before and after.
+
+    .venv/bin/python scripts/bench_reuse.py [MODEL] [--conversations 200] [--turns 3]
+        [--max-tokens 16] [--time-limit SECONDS] [--json out.json]
+
+MODEL is a model folder or a bench model's name (default qwen05-int4; scripts/_bench/models.py,
+built by scripts/make_bench_models.py). `--time-limit` stops starting conversations after that
+many seconds; the report says how many ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from _bench.harness import FIRST_PROMPT_ID, markdown_table
+from _bench.models import BenchModelMissing, bench_model
+
+from onnx_chunk import load
+from onnx_chunk.sampling import Sampling
+
+DEFAULT_MODEL = "qwen05-int4"
+ARMS = ("no reuse", "reuse", "fresh")
+MODES = ("greedy", "seeded")
+
+
+def sampling(mode: str, seed: int, salt: str | None) -> Sampling:
+    """Greedy, or the seeded draw the issue names; the chosen token's logprob either way."""
+    if mode == "greedy":
+        return Sampling(logprobs=0, cache_salt=salt)
+    return Sampling(temperature=0.9, top_p=0.9, top_k=40, seed=seed, logprobs=0,
+                    cache_salt=salt)
+
+
+def answer(runtime, prompt: list[int], max_tokens: int, chosen: Sampling) -> dict:
+    """One request through the engine: its tokens, their logprobs and its cached tokens."""
+    request = runtime.submit(prompt, max_tokens, sampling=chosen, wait=True)
+    tokens = request.result()
+    return {"tokens": [int(token) for token in tokens],
+            "logprobs": [float(entry.logprob) for entry in request.logprobs],
+            "cached": int(request.stats.cached_tokens)}
+
+
+def compare(reference: dict, other: dict) -> tuple[int | None, float]:
+    """The first index where the tokens differ (None: equal) and the largest |logprob
+    difference| over the tokens before it."""
+    first = next((index for index, (a, b) in enumerate(zip(reference["tokens"],
+                                                          other["tokens"])) if a != b), None)
+    if first is None and len(reference["tokens"]) != len(other["tokens"]):
+        first = min(len(reference["tokens"]), len(other["tokens"]))
+    agree = len(reference["tokens"]) if first is None else first
+    gaps = [abs(a - b) for a, b in zip(reference["logprobs"][:agree], other["logprobs"][:agree])]
+    return first, max(gaps, default=0.0)
+
+
+def conversation(runtimes: dict, system: list[int], number: int, mode: str,
+                 args: argparse.Namespace, vocab: int) -> list[dict]:
+    """One conversation's turns: per arm the answer, and its comparison with no reuse."""
+    rng = np.random.default_rng([args.seed, 1, number])
+    prompt = list(system)
+    turns = []
+    for turn in range(args.turns):
+        prompt += [int(t) for t in rng.integers(FIRST_PROMPT_ID, vocab, size=args.user_tokens)]
+        seed = args.seed + number
+        answers = {
+            "no reuse": answer(runtimes["no reuse"], prompt, args.max_tokens,
+                               sampling(mode, seed, None)),
+            "reuse": answer(runtimes["reuse"], prompt, args.max_tokens,
+                            sampling(mode, seed, None)),
+            "fresh": answer(runtimes["reuse"], prompt, args.max_tokens,
+                            sampling(mode, seed, f"fresh:{mode}:{number}:{turn}"))}
+        record = {"turn": turn + 1, "prompt_tokens": len(prompt), **answers}
+        for arm in ("reuse", "fresh"):
+            first, gap = compare(answers["no reuse"], answers[arm])
+            record[f"{arm}_first_difference"] = first
+            record[f"{arm}_max_logprob_gap"] = gap
+        turns.append(record)
+        prompt += answers["no reuse"]["tokens"]
+    return turns
+
+
+def report(runs: dict[str, list[list[dict]]], args: argparse.Namespace,
+           loads: tuple[tuple[float, ...], tuple[float, ...]], elapsed: float) -> str:
+    load = " / ".join(" ".join(f"{value:.2f}" for value in values) for values in loads)
+    done = len(runs["greedy"])
+    lines = [f"{args.model.name}: {done} conversations (of {args.conversations} asked) of "
+             f"{args.turns} turns, {args.system_tokens} shared system ids, {args.user_tokens} "
+             f"user ids and {args.max_tokens} answer tokens per turn, batch {args.batch}, "
+             f"{elapsed:.0f} s; load average before / after: {load}", ""]
+    rows = []
+    for mode in MODES:
+        turns = [turn for conv in runs[mode] for turn in conv]
+        firsts = [turn["reuse_first_difference"] for turn in turns
+                  if turn["reuse_first_difference"] is not None]
+        per_turn = []
+        for number in range(1, args.turns + 1):
+            these = [turn for turn in turns if turn["turn"] == number]
+            differing = sum(turn["reuse_first_difference"] is not None for turn in these)
+            cached = statistics.mean(turn["reuse"]["cached"] for turn in these) if these else 0
+            per_turn.append(f"{differing}/{len(these)} (cached {cached:.0f})")
+        conversations = sum(any(turn["reuse_first_difference"] is not None for turn in conv)
+                            for conv in runs[mode])
+        spread = (f"{min(firsts)} / {statistics.median(firsts):g} / {max(firsts)}"
+                  if firsts else "-")
+        fresh = sum(turn["fresh_first_difference"] is not None for turn in turns)
+        rows.append([mode, f"{len(firsts)}/{len(turns)}", f"{conversations}/{len(runs[mode])}",
+                     "; ".join(per_turn), spread,
+                     f"{max((t['reuse_max_logprob_gap'] for t in turns), default=0.0):.3g}",
+                     f"{fresh}/{len(turns)}",
+                     f"{max((t['fresh_max_logprob_gap'] for t in turns), default=0.0):.3g}"])
+    lines.append(markdown_table(
+        ["mode", "answers differing", "conversations differing",
+         "per turn: differing (mean cached tokens)", "first differing token min / median / max",
+         "max |logprob gap| where tokens agree", "fresh arm differing",
+         "fresh arm max |logprob gap|"], rows))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                        help="a model folder, or a bench model's name (default qwen05-int4)")
+    parser.add_argument("--conversations", type=int, default=200)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--system-tokens", type=int, default=32)
+    parser.add_argument("--user-tokens", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=4, help="slots (serve's default 4)")
+    parser.add_argument("--provider", default="cpu", choices=("cpu", "cuda", "auto"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="start no conversation after this many seconds")
+    parser.add_argument("--json", type=Path, default=None, help="write every answer here")
+    args = parser.parse_args(argv)
+    for name in ("conversations", "turns", "system_tokens", "user_tokens", "max_tokens",
+                 "batch"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.seed < 0:
+        parser.error("--seed must be at least 0")
+    if Path(args.model).is_dir():
+        args.model = Path(args.model)
+    else:
+        try:
+            args.model = bench_model(args.model).parent
+        except BenchModelMissing as error:
+            parser.error(str(error))
+    load_before = os.getloadavg()
+    started = time.monotonic()
+    runtimes = {"no reuse": load(args.model, provider=args.provider, max_batch=args.batch,
+                                 prefix_reuse=False),
+                "reuse": load(args.model, provider=args.provider, max_batch=args.batch)}
+    runs: dict[str, list[list[dict]]] = {mode: [] for mode in MODES}
+    try:
+        vocab = runtimes["reuse"].ports.vocab_size
+        needed = args.system_tokens + args.turns * (args.user_tokens + args.max_tokens)
+        if needed > runtimes["reuse"].options.capacity:
+            parser.error(f"a conversation needs {needed} positions, the capacity is "
+                         f"{runtimes['reuse'].options.capacity}")
+        system = [int(t) for t in np.random.default_rng([args.seed, 0]).integers(
+            FIRST_PROMPT_ID, vocab, size=args.system_tokens)]
+        for number in range(args.conversations):
+            if args.time_limit is not None and time.monotonic() - started > args.time_limit:
+                break
+            for mode in MODES:
+                runs[mode].append(conversation(runtimes, system, number, mode, args, vocab))
+    finally:
+        for runtime in runtimes.values():
+            runtime.close()
+    elapsed = time.monotonic() - started
+    loads = (load_before, os.getloadavg())
+    print(report(runs, args, loads, elapsed))
+    if args.json is not None:
+        args.json.write_text(json.dumps({"args": {key: str(value) for key, value in
+                                                  vars(args).items()},
+                                         "load_average": loads, "elapsed_s": elapsed,
+                                         "runs": runs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
