@@ -1,0 +1,40 @@
+"""scripts/bench_reuse.py: conversations with prefix reuse on and off, on a corpus export."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from scripts._bench import environment as env
+
+sys.path.insert(0, str(env.ROOT / "scripts"))
+import bench_reuse  # noqa: E402  (a script, imported from its folder)
+
+EXPORT = env.ROOT / "tests" / "fixtures" / "exports" / "genai-llama-fp32"
+
+
+def test_reuse_on_a_float32_export_reuses_and_changes_no_token(tmp_path, capsys):
+    out = tmp_path / "runs.json"
+    assert bench_reuse.main([str(EXPORT), "--conversations", "2", "--turns", "2",
+                             "--json", str(out)]) == 0
+    assert "| greedy | 0/4 |" in capsys.readouterr().out
+    runs = json.loads(out.read_text())["runs"]
+    turns = [turn for mode in ("greedy", "seeded") for talk in runs[mode] for turn in talk]
+    assert len(turns) == 8
+    # A later turn reuses the earlier turn's prompt and answer; a fresh prefill reuses nothing.
+    assert all(turn["reuse"]["cached"] > 0 for turn in turns if turn["turn"] > 1)
+    assert all(turn["fresh"]["cached"] == 0 and turn["no reuse"]["cached"] == 0
+               for turn in turns)
+    assert all(turn["reuse"]["tokens"] == turn["no reuse"]["tokens"] == turn["fresh"]["tokens"]
+               for turn in turns)
+    assert max(turn["reuse_max_logprob_gap"] for turn in turns) < 1e-4
+
+
+@pytest.mark.parametrize("argv", [["--turns", "0"], ["--seed", "-1"], ["no-such-model"]])
+def test_bad_arguments_are_one_error_line(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_reuse.main([str(EXPORT), *argv] if argv[0].startswith("--") else argv)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.count("error:") == 1
