@@ -204,3 +204,15 @@ def test_convert_on_refuses_in_one_line_and_auto_writes_no_input(make_decoder, t
     assert main(["convert", str(source), "-o", str(tmp_path / "auto")]) == 0
     written = onnx.load(str(tmp_path / "auto" / source.name), load_external_data=False)
     assert LOGITS_ROWS not in [value.name for value in written.graph.input]
+
+
+def test_convert_wires_it_by_default_and_inspect_names_it(tmp_path, capsys):
+    from onnx_chunk.cli import main
+
+    source = next(fixture for fixture in CORPUS if fixture.name == "genai-llama-int4")
+    for mode, expected in (("auto", LOGITS_ROWS), ("off", None)):
+        args = [] if mode == "auto" else ["--logits-rows", mode]
+        assert main(["convert", str(source.folder), "-o", str(tmp_path / mode), "-q", *args]) == 0
+        capsys.readouterr()
+        assert main(["inspect", str(tmp_path / mode), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["logits_rows"] == expected
