@@ -35,6 +35,9 @@ MAX_POSITIONS_KEY = "onnx_chunk.max_positions"
 # Written by the query_seqlens pass only (optional): the graph input wired into every
 # GroupQueryAttention's `query_seqlens` (native right-padded chunks); absent: not wired.
 QUERY_SEQLENS_KEY = "onnx_chunk.query_seqlens"
+# Written by the logits rows pass only (optional): the graph input that picks which query rows
+# the lm_head computes (`convert --logits-rows`); absent: every row's logits.
+LOGITS_ROWS_KEY = "onnx_chunk.logits_rows"
 
 # Written by the KV cache quantization (optional; `convert --kv-dtype`): the cache's element
 # type and scale granularity, and what calibration ran on.
@@ -142,6 +145,8 @@ class ChunkPlan:
     problems: tuple[str, ...]
     # The graph input feeding every GroupQueryAttention's query_seqlens, None when not wired.
     query_seqlens: str | None = None
+    # The graph input choosing the logits rows (LogitsRowsPass), None when not wired.
+    logits_rows: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (what `onnx-chunk inspect --json` prints)."""
@@ -162,6 +167,7 @@ class ChunkPlan:
             "max_sequence_length": self.max_sequence_length,
             "problems": list(self.problems),
             "query_seqlens": self.query_seqlens,
+            "logits_rows": self.logits_rows,
         }
 
 
@@ -261,6 +267,25 @@ def read_query_seqlens(model: ir.Model | Mapping[str, str]) -> str | None:
     name = props[QUERY_SEQLENS_KEY]
     if not name:
         raise ModelStructureError(f"metadata key {QUERY_SEQLENS_KEY!r} is empty, expected the "
+                                  "name of a graph input; re-run `onnx-chunk convert` on the "
+                                  "original model")
+    return name
+
+
+def write_logits_rows(model: ir.Model, name: str | None) -> bool:
+    """Store (or with None remove) the graph input choosing the logits rows; return whether
+    the metadata changed."""
+    return _set(model.metadata_props, LOGITS_ROWS_KEY, name)
+
+
+def read_logits_rows(model: ir.Model | Mapping[str, str]) -> str | None:
+    """The stored logits rows graph input, or None; ModelStructureError when it is empty."""
+    props = _props_of(model)
+    if LOGITS_ROWS_KEY not in props:
+        return None
+    name = props[LOGITS_ROWS_KEY]
+    if not name:
+        raise ModelStructureError(f"metadata key {LOGITS_ROWS_KEY!r} is empty, expected the "
                                   "name of a graph input; re-run `onnx-chunk convert` on the "
                                   "original model")
     return name
@@ -472,4 +497,5 @@ def read_plan(model: ir.Model | onnx.ModelProto | Mapping[str, str]) -> ChunkPla
         max_sequence_length=kv.max_sequence_length,
         problems=kv.problems,
         query_seqlens=read_query_seqlens(props),
+        logits_rows=read_logits_rows(props),
     )

@@ -20,6 +20,7 @@ from onnx_chunk.passes import (
     KV_CACHE_TARGETS,
     KV_DTYPES,
     KV_SCALES,
+    LOGITS_ROWS_CHOICES,
     NATIVE_CHUNKS_CHOICES,
     check_kv_quantization,
     convert_model,
@@ -74,6 +75,11 @@ def _bytes_to_copy(model_files: dict[str, Path], target: Path) -> int:
               help="Wire GroupQueryAttention's query_seqlens input (right-padded chunks run "
                    "natively): auto where the installed ONNX Runtime has it, on (refused "
                    "where it has not), off.")
+@click.option("--logits-rows", type=click.Choice(LOGITS_ROWS_CHOICES), default="auto",
+              show_default=True,
+              help="Add an optional logits_rows input choosing the query rows the lm_head "
+                   "computes (a prefill chunk then computes its last row only): auto where "
+                   "the lm_head is found, on (refused where it is not), off.")
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default=None,
               help="Quantize the GroupQueryAttention KV cache to int8, or int4 packed two a "
                    "byte, with scales calibrated on the float model (see docs/kv_cache.md).")
@@ -85,7 +91,7 @@ def _bytes_to_copy(model_files: dict[str, Path], target: Path) -> int:
                    "one line of token ids per prompt; default a built-in set of prompts.")
 @QUIET_OPTION
 def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants: int,
-            in_place: bool, kv_cache: str, native_chunks: str, kv_dtype: str | None,
+            in_place: bool, kv_cache: str, native_chunks: str, logits_rows: str, kv_dtype: str | None,
             kv_scales: str | None, calibrate_file: Path | None, quiet: bool) -> None:
     """Annotate MODEL_PATH for chunked prefill and write it to OUTPUT.
 
@@ -111,6 +117,7 @@ def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants
     result = convert_model(model, chunk_size=chunk_size, max_variants=max_variants,
                            max_sequence_length=read_max_positions(model_path.parent),
                            kv_cache=kv_cache, native_chunks=native_chunks,
+                           logits_rows=logits_rows,
                            kv_dtype=kv_dtype,
                            kv_scales=kv_scales or "per-channel", calibration=calibration)
     model = result.model

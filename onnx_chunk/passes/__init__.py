@@ -28,6 +28,7 @@ from onnx_chunk.passes.kv_quantization import (
     find_quantizable_caches,
 )
 from onnx_chunk.passes.per_token_ports import PerTokenPortsPass
+from onnx_chunk.passes.logits_rows import LOGITS_ROWS_CHOICES, LogitsRowsPass
 from onnx_chunk.passes.query_seqlens import NATIVE_CHUNKS_CHOICES, QuerySeqlensPass
 from onnx_chunk.passes.recurrent_state import RecurrentStatePass
 from onnx_chunk.passes.supported_opsets import check_supported_opsets
@@ -48,6 +49,8 @@ __all__ = [
     "KVCapacityPass",
     "KV_DTYPES",
     "KV_SCALES",
+    "LOGITS_ROWS_CHOICES",
+    "LogitsRowsPass",
     "NATIVE_CHUNKS_CHOICES",
     "PerTokenPortsPass",
     "QuerySeqlensPass",
@@ -59,12 +62,15 @@ __all__ = [
 ]
 
 def _run_pipeline(model: ir.Model, chunk_size: int | None, max_variants: int,
-                  native_chunks: str | None) -> ir.passes.PassResult:
+                  native_chunks: str | None,
+                  logits_rows: str | None = None) -> ir.passes.PassResult:
     # Order matters: the per-token ports pass reads the recurrent state findings and the
     # query_seqlens input (not a per-token port), and the declaration reads all of them; each
-    # checks that its inputs are in the metadata. `native_chunks` None keeps the graph's
-    # query_seqlens wiring (and its metadata) as it is.
+    # checks that its inputs are in the metadata. `native_chunks` (`logits_rows`) None keeps
+    # the graph's query_seqlens (logits rows) wiring and its metadata as it is.
     wiring = () if native_chunks is None else (QuerySeqlensPass(native_chunks),)
+    if logits_rows is not None:
+        wiring += (LogitsRowsPass(logits_rows),)
     passes = (
         KVCapacityPass(),
         RecurrentStatePass(),
@@ -113,7 +119,8 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
                   kv_cache: str = "gqa", kv_dtype: str | None = None,
                   kv_scales: str = "per-channel",
                   calibration: Calibration | None = None,
-                  native_chunks: str = "auto") -> ir.passes.PassResult:
+                  native_chunks: str = "auto",
+                  logits_rows: str = "auto") -> ir.passes.PassResult:
     """Run the pipeline; `modified` is False when the model was already converted so.
 
     A concat-KV decoder (Optimum, torch.onnx) is first rewritten in a copy, which the
@@ -125,7 +132,9 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
     recognise, or
     opsets or domains ORT cannot run, and ConfigError for an impossible chunk size or variant
     cap, or `native_chunks` "on" where the query_seqlens pass cannot wire the input
-    (QuerySeqlensPass: "auto" wires it where the installed ONNX Runtime has it, "off" never).
+    (QuerySeqlensPass: "auto" wires it where the installed ONNX Runtime has it, "off" never),
+    or `logits_rows` "on" where the lm_head's rows cannot be chosen (LogitsRowsPass: "auto"
+    adds the optional `logits_rows` input where they can, "off" removes it).
 
     With `kv_dtype` ("int8" or "int4") the GroupQueryAttention KV cache is quantized
     (KVCacheQuantizationPass) with `kv_scales` ("per-channel" or "per-tensor") scales from
@@ -154,11 +163,14 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
     if native_chunks not in NATIVE_CHUNKS_CHOICES:
         raise ConfigError(f"native chunks must be one of {', '.join(NATIVE_CHUNKS_CHOICES)}, "
                           f"got {native_chunks!r}")
+    if logits_rows not in LOGITS_ROWS_CHOICES:
+        raise ConfigError(f"logits rows must be one of {', '.join(LOGITS_ROWS_CHOICES)}, "
+                          f"got {logits_rows!r}")
     quantized = False
     if kv_dtype is not None:
         assert calibration is not None
         quantized = KVCacheQuantizationPass(calibration, kv_dtype, kv_scales)(model).modified
-    result = _run_pipeline(model, chunk_size, max_variants, native_chunks)
+    result = _run_pipeline(model, chunk_size, max_variants, native_chunks, logits_rows)
     return ir.passes.PassResult(model, modified=rewritten or quantized or result.modified)
 
 

@@ -14,31 +14,39 @@ Rules:
 2. The logits' axis 1 must be the token input's query axis (a symbolic name); otherwise the
    rows cannot be chosen and the pass refuses.
 3. A graph input `logits_rows` (int64, [logits_rows]) is added and the lm_head reads
-   `Gather(hidden, logits_rows, axis=1)` instead of the hidden state, so `logits` is
+   `Gather(hidden, rows, axis=1)` instead of the hidden state, so `logits` is
    [batch, logits_rows, vocab]: row r of the output is query row logits_rows[r] (negative
    indices count from the end, as Gather's do). The values between the head and the output
-   get the new axis name; nothing else changes and weights are not read.
-4. A graph that already has a `logits_rows` input is left as it is (modified False).
+   get the new axis name; nothing else changes and weights are not read. The metadata
+   (`onnx_chunk.logits_rows`) names the input.
+4. The input is optional: it is also an initializer, empty by default, and an empty
+   `logits_rows` selects every row (`Slice(Concat(logits_rows, Range(rows)), 0, n)` with n
+   its size, or the query width when it is 0), so a caller that leaves it out (onnxruntime-
+   genai, a plain ORT loop) gets the logits of the unconverted graph.
+5. Running the pass again changes nothing (`modified=False`). `mode` "off" removes a wiring
+   of this pass (nodes, input, initializer, metadata); "auto" wires where rules 1 and 2 hold
+   and leaves the graph as it is otherwise; "on" refuses there with ConfigError.
 
-The runtime binds `logits_rows` per forward: the last real row of a prefill chunk, [0] for a
-decode step, every row (0..W-1) where all rows' logits are needed (speculative verification).
-Today's runtime refuses an input it does not know, so LogitsRowsPass needs that support first.
+The runtime (`ModelPorts.logits_rows`) feeds per forward the last real row of a prefill
+chunk, [0] for a decode step, and every real row where all rows' logits are needed (prompt
+logprobs, speculative verification, validate's comparison).
 
-LastRowLogitsPass is the variant today's runtime serves as it is: rules 1, 2 and 4 hold (its
-marker is a logits axis 1 fixed at 1), and rule 3 becomes a `Slice` of the lm_head's input to
-its last row, so `logits` is [batch, 1, vocab]. The runtime reads such a decoder as one that
-keeps the last row only (`ModelPorts.last_row_logits`): it refuses speculative decoding and
-all-row prompt logits for it and switches ladder padding off (a padded chunk's last row is a
-padded position).
+LastRowLogitsPass is the fixed variant (no input): rules 1 and 2 hold (its marker is a logits
+axis 1 fixed at 1), and rule 3 becomes a `Slice` of the lm_head's input to its last row, so
+`logits` is [batch, 1, vocab]. The runtime reads such a decoder as one that keeps the last row
+only (`ModelPorts.last_row_logits`): it refuses speculative decoding and all-row prompt logits
+for it and switches ladder padding off (a padded chunk's last row is a padded position).
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import onnx_ir as ir
 
-from onnx_chunk.errors import ModelStructureError
+from onnx_chunk import metadata
+from onnx_chunk.errors import ConfigError, ModelStructureError
 from onnx_chunk.passes import value_tracing
 from onnx_chunk.passes.token_input import axis_keys, token_input
 
@@ -46,37 +54,118 @@ logger = logging.getLogger(__name__)
 
 LOGITS = "logits"
 LOGITS_ROWS = "logits_rows"
+LOGITS_ROWS_CHOICES = ("auto", "on", "off")
 HEAD_OPS = ("MatMul", "MatMulNBits", "Gemm")
 # Row-wise nodes allowed between the lm_head and the logits (their other operands constant).
 ROW_WISE_OPS = ("Add", "Sub", "Mul", "Div", "Tanh", "Cast", "Softcap", "Identity")
+_NODE_PREFIX = f"onnx_chunk/{LOGITS_ROWS}/"
 
 
 class LogitsRowsPass(ir.passes.InPlacePass):
-    """Add the `logits_rows` input and select those rows before the lm_head (module rules)."""
+    """Add the optional `logits_rows` input and select those rows before the lm_head (module
+    rules)."""
+
+    def __init__(self, mode: str = "on") -> None:
+        super().__init__()
+        if mode not in LOGITS_ROWS_CHOICES:
+            raise ConfigError(f"logits rows must be one of {', '.join(LOGITS_ROWS_CHOICES)}, "
+                              f"got {mode!r}")
+        self.mode = mode
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        if any(value.name == LOGITS_ROWS for value in graph.inputs):
+        if self.mode == "off":
+            modified = _unwire(graph)
+            modified = metadata.write_logits_rows(model, None) or modified
+            return ir.passes.PassResult(model, modified=modified)
+        if _graph_input(graph) is not None:
+            modified = metadata.write_logits_rows(model, LOGITS_ROWS)
+            return ir.passes.PassResult(model, modified=modified)
+        try:
+            head, chain = _checked_head(graph)
+        except ModelStructureError as error:
+            if self.mode == "on":
+                raise ConfigError(f"--logits-rows on: {error}; convert with --logits-rows "
+                                  "auto or off") from error
+            logger.info("logits rows not wired: %s", error)
             return ir.passes.PassResult(model, modified=False)
-        head, chain = _checked_head(graph)
-        rows = ir.Value(name=LOGITS_ROWS, type=ir.TensorType(ir.DataType.INT64),
-                        shape=ir.Shape([LOGITS_ROWS]))
-        graph.inputs.append(rows)
-        hidden = head.inputs[0]
-        assert hidden is not None, "find_lm_head checked the head's input"
-        gather = ir.node("Gather", inputs=[hidden, rows], attributes={"axis": 1},
-                         name=f"{head.name or 'lm_head'}/logits_rows")
-        gathered = gather.outputs[0]
-        gathered.name = f"{hidden.name}/logits_rows"
-        _copy_type(hidden, gathered, LOGITS_ROWS)
-        graph.insert_before(head, gather)
-        head.replace_input_with(0, gathered)
-        for value in (head.outputs[0], *chain):
-            if value.shape is not None and len(value.shape) >= 2:
-                value.shape = _with_rows(value.shape, LOGITS_ROWS)
-        logger.info("logits rows: %s reads the %s rows of %s", head.name, LOGITS_ROWS,
-                    hidden.name)
+        _wire(graph, head, chain)
+        metadata.write_logits_rows(model, LOGITS_ROWS)
+        logger.info("logits rows: %s reads the %s rows of its input", head.name, LOGITS_ROWS)
         return ir.passes.PassResult(model, modified=True)
+
+
+def _graph_input(graph: ir.Graph) -> ir.Value | None:
+    return next((value for value in graph.inputs if value.name == LOGITS_ROWS), None)
+
+
+def _wire(graph: ir.Graph, head: ir.Node, chain: list[ir.Value]) -> None:
+    """Rules 3 and 4: the input, its default of every row and the Gather before `head`."""
+    rows = ir.Value(name=LOGITS_ROWS, type=ir.TensorType(ir.DataType.INT64),
+                    shape=ir.Shape([LOGITS_ROWS]),
+                    const_value=ir.tensor(np.zeros((0,), dtype=np.int64), name=LOGITS_ROWS))
+    graph.inputs.append(rows)
+    graph.register_initializer(rows)
+    hidden = head.inputs[0]
+    assert hidden is not None, "find_lm_head checked the head's input"
+
+    def node(name: str, kind: str, inputs: list[ir.Value | None], **attributes) -> ir.Node:
+        return ir.node(kind, inputs, attributes or None, name=f"{_NODE_PREFIX}{name}")
+
+    def constant(name: str, value: np.ndarray) -> ir.Node:
+        return node(name, "Constant", [], value=ir.tensor(value))
+
+    zero, one, axis, flat = (constant("zero", np.array(0, np.int64)),
+                             constant("one", np.array(1, np.int64)),
+                             constant("axis", np.array(1, np.int64)),
+                             constant("flat", np.array([1], np.int64)))
+    shape = node("shape", "Shape", [hidden])
+    width = node("width", "Gather", [shape.outputs[0], axis.outputs[0]], axis=0)
+    every = node("every", "Range", [zero.outputs[0], width.outputs[0], one.outputs[0]])
+    size = node("size", "Size", [rows])
+    given = node("given", "Greater", [size.outputs[0], zero.outputs[0]])
+    count = node("count", "Where", [given.outputs[0], size.outputs[0], width.outputs[0]])
+    end = node("end", "Reshape", [count.outputs[0], flat.outputs[0]])
+    start = constant("start", np.array([0], np.int64))
+    joined = node("concat", "Concat", [rows, every.outputs[0]], axis=0)
+    chosen = node("chosen", "Slice", [joined.outputs[0], start.outputs[0], end.outputs[0]])
+    gather = node("gather", "Gather", [hidden, chosen.outputs[0]], axis=1)
+    gathered = gather.outputs[0]
+    gathered.name = f"{hidden.name}/logits_rows"
+    _copy_type(hidden, gathered, LOGITS_ROWS)
+    graph.insert_before(head, [zero, one, axis, flat, shape, width, every, size, given, count,
+                               end, start, joined, chosen, gather])
+    head.replace_input_with(0, gathered)
+    for value in (head.outputs[0], *chain):
+        if value.shape is not None and len(value.shape) >= 2:
+            value.shape = _with_rows(value.shape, LOGITS_ROWS)
+
+
+def _unwire(graph: ir.Graph) -> bool:
+    """Rule 5's "off": the graph as it was before `_wire`."""
+    rows = _graph_input(graph)
+    if rows is None:
+        return False
+    gather = next((node for node in graph if node.name == f"{_NODE_PREFIX}gather"), None)
+    if gather is not None:
+        hidden = gather.inputs[0]
+        assert hidden is not None
+        token = token_input(graph)
+        query = axis_keys(token)[1] if token is not None else None
+        for use in list(gather.outputs[0].uses()):
+            use.node.replace_input_with(use.idx, hidden)
+            values = [use.node.outputs[0]]
+            while values and isinstance(query, str):
+                value = values.pop()
+                if value.shape is not None and len(value.shape) >= 2 and \
+                        str(value.shape[1]) == LOGITS_ROWS:
+                    value.shape = _with_rows(value.shape, query)
+                    values += [out for consumer in value.consumers() for out in consumer.outputs]
+    ours = [node for node in graph if node.name and node.name.startswith(_NODE_PREFIX)]
+    graph.remove(ours, safe=True)
+    graph.inputs.remove(rows)
+    graph.initializers.pop(LOGITS_ROWS, None)
+    return True
 
 
 class LastRowLogitsPass(ir.passes.InPlacePass):

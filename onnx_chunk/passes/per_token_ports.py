@@ -37,7 +37,7 @@ class PerTokenPortsPass(ir.passes.InPlacePass):
     2. A graph input shaped [batch, rows, ...] whose axis 0 and axis 1 have the token input's
        symbolic names is per-token; the token input itself is one.
     3. KV past inputs (GQA or TensorScatter), `attention_mask`, recurrent state and the
-       `query_seqlens` input the query_seqlens pass wired are not request-fed rows and are
+       `query_seqlens` and `logits_rows` inputs their passes wired are not request-fed rows and are
        left alone. Every other input voids the padding plan, named in
        the reason. Recurrent state is what the recurrent state pass stored in the metadata; the
        pass refuses to run before it.
@@ -87,6 +87,9 @@ def find_per_token_ports(model: ir.Model,
     wired = metadata.read_query_seqlens(model)
     if wired is not None:
         skipped.add(wired)
+    rows = metadata.read_logits_rows(model)
+    if rows is not None:
+        skipped.add(rows)
     token_name = value_tracing.name_of(token)
     batch_key, rows_key = axis_keys(token)
     if not isinstance(rows_key, str):

@@ -186,9 +186,10 @@ def resolve_options(args: LoadArguments, *, plan: ChunkPlan, genai: GenaiConfig,
         fixed_dims=fixed_dims(ports, device, capacity, args.max_batch),
         # Off the host, a prefill width of a specialised session, or of a session that captures
         # graphs, returns only the logits row a forward needs (logits_row), so no sequence
-        # keeps a [1, W, vocab] buffer per width.
+        # keeps a [1, W, vocab] buffer per width; a decoder with a logits_rows input computes
+        # only the rows it is fed, so it needs no such session.
         select_rows=(not device.host_visible and (specialize is not False or graphs)
-                     and not ports.last_row_logits),
+                     and not ports.last_row_logits and ports.logits_rows is None),
         eos_token_ids=eos_token_ids,
         pad_token_id=genai.pad_token_id,
         max_batch=args.max_batch,

@@ -125,17 +125,24 @@ def test_generate_on_the_file_the_folder_and_the_api_agree(export, capsys):
     assert runtime.open_sequence().generate(prompt, NEW_TOKENS) == runs[0]["tokens"]
 
 
-def test_the_device_memory_path_gives_the_host_paths_tokens(export, converted):
+def test_the_device_memory_path_gives_the_host_paths_tokens(export, converted, tmp_path,
+                                                           capsys):
     # CUDA's path, run on CPU: buffers off the host, per-width variants sharing one copy of the
-    # weights, the capacity mask, and prefill widths that return one logits row (logits_row's
-    # rewrite of the serialized export), alone and through the batch engine.
+    # weights, the capacity mask, and prefill widths that return one logits row (the graph's
+    # logits_rows input, or without it logits_row's rewrite of the serialized export), alone
+    # and through the batch engine.
+    code, _, err = _cli(capsys, "convert", export.folder, "-o", tmp_path / "all-rows",
+                        "--chunk-size", CHUNK, "--logits-rows", "off")
+    assert code == 0, err
     host = load(converted, provider="cpu")
-    device = load(converted, device=DEVICE)
-    assert device.options.select_rows
     prompts = [_prompt(host, length) for length in (40, 300)]
     expected = [host.open_sequence().generate(prompt, NEW_TOKENS) for prompt in prompts]
-    assert [device.open_sequence().generate(prompt, NEW_TOKENS) for prompt in prompts] == expected
-    assert device.generate_many(prompts, NEW_TOKENS) == expected
+    for folder in (converted, tmp_path / "all-rows"):
+        with load(folder, device=DEVICE) as device:
+            assert device.options.select_rows == (device.ports.logits_rows is None)
+            assert [device.open_sequence().generate(prompt, NEW_TOKENS)
+                    for prompt in prompts] == expected
+            assert device.generate_many(prompts, NEW_TOKENS) == expected
 
 
 def test_the_models_eos_ids_are_the_default_stop(export, tmp_path):

@@ -12,7 +12,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from onnx_chunk.errors import ModelStructureError
+from onnx_chunk import metadata
+from onnx_chunk.errors import ConfigError, ModelStructureError
 from onnx_chunk.passes.logits_rows import (
     LOGITS_ROWS,
     LastRowLogitsPass,
@@ -74,6 +75,28 @@ def test_chosen_rows_logits_equal_the_full_forwards_rows(fixture, tmp_path):
         chosen = rows_session.run(["logits"], dict(feeds, logits_rows=np.array(rows, np.int64)))
         assert chosen[0].shape == (1, len(rows), full.shape[2])
         np.testing.assert_allclose(chosen[0], full[:, rows], rtol=tolerance, atol=tolerance)
+    # Left out (or fed empty), the input selects every row: the unconverted graph's logits.
+    for left_out in (feeds, dict(feeds, logits_rows=np.zeros(0, np.int64))):
+        every = rows_session.run(["logits"], left_out)[0]
+        assert every.shape == full.shape
+        np.testing.assert_allclose(every, full, rtol=tolerance, atol=tolerance)
+    assert metadata.read_logits_rows(model) == LOGITS_ROWS
+
+
+@pytest.mark.parametrize("fixture", CORPUS[:3], ids=str)
+def test_off_restores_the_original_graph(fixture, tmp_path):
+    original = ir.load(fixture.folder / "model.onnx")
+    model = ir.load(fixture.folder / "model.onnx")
+    assert LogitsRowsPass("auto")(model).modified
+    assert LogitsRowsPass("off")(model).modified
+    assert not LogitsRowsPass("off")(model).modified
+    assert metadata.read_logits_rows(model) is None
+    assert [value.name for value in model.graph.inputs] == \
+        [value.name for value in original.graph.inputs]
+    assert sorted(model.graph.initializers) == sorted(original.graph.initializers)
+    assert [node.op_type for node in model.graph] == [node.op_type for node in original.graph]
+    shapes = [[str(dim) for dim in value.shape] for value in model.graph.outputs]
+    assert shapes == [[str(dim) for dim in value.shape] for value in original.graph.outputs]
 
 
 @pytest.mark.parametrize("fixture", CORPUS, ids=str)
@@ -99,7 +122,8 @@ def test_todays_runtime_serves_a_converted_last_row_decoder_with_the_same_tokens
 
     source = next(fixture for fixture in CORPUS if fixture.name == "genai-llama-int4")
     converted = tmp_path / "conv" / "model.onnx"
-    assert main(["convert", str(source.folder), "-o", str(converted), "--chunk-size", "32"]) == 0
+    assert main(["convert", str(source.folder), "-o", str(converted), "--chunk-size", "32",
+                 "--logits-rows", "off"]) == 0
     prompt = [(7 * index + 3) % 384 for index in range(100)]
     with load(converted, provider="cpu") as runtime:
         expected = runtime.open_sequence().generate(prompt, 8)
@@ -137,19 +161,58 @@ def _head_graph(between: list[onnx.NodeProto], query: str | int = "sequence_leng
     return ir.from_proto(helper.make_model(graph))
 
 
-@pytest.mark.parametrize("pass_", [LogitsRowsPass, LastRowLogitsPass])
-def test_a_node_that_is_not_row_wise_before_the_logits_is_refused(pass_):
+@pytest.mark.parametrize("pass_, error", [(LogitsRowsPass, ConfigError),
+                                          (LastRowLogitsPass, ModelStructureError)])
+def test_a_node_that_is_not_row_wise_before_the_logits_is_refused(pass_, error):
     softmax = helper.make_node("Softmax", ["head"], ["logits"], axis=1)
-    with pytest.raises(ModelStructureError, match="Softmax .* not row-wise"):
+    with pytest.raises(error, match="Softmax .* not row-wise"):
         pass_()(_head_graph([softmax]))
     # A constant with a row axis of its own cannot be gathered along: refused too.
     scaled = helper.make_node("Mul", ["head", "row_scale"], ["logits"])
-    with pytest.raises(ModelStructureError, match="Mul .* not row-wise"):
+    with pytest.raises(ConfigError, match="--logits-rows on: .*Mul .* not row-wise"):
         LogitsRowsPass()(_head_graph([scaled]))
 
 
 def test_logits_without_a_named_query_axis_or_no_logits_are_refused():
-    with pytest.raises(ModelStructureError, match="axis 1 of the logits must be the query"):
+    with pytest.raises(ConfigError, match="axis 1 of the logits must be the query"):
         LogitsRowsPass()(_head_graph([], query=5))
-    with pytest.raises(ModelStructureError, match="no 'logits' output"):
+    with pytest.raises(ConfigError, match="no 'logits' output"):
         LogitsRowsPass()(_head_graph([], output="scores"))
+
+
+def test_auto_leaves_a_graph_whose_rows_cannot_be_chosen_as_it_is():
+    model = _head_graph([helper.make_node("Softmax", ["head"], ["logits"], axis=1)])
+    nodes = len(model.graph)
+    assert not LogitsRowsPass("auto")(model).modified
+    assert len(model.graph) == nodes and metadata.read_logits_rows(model) is None
+    with pytest.raises(ConfigError, match="must be one of auto, on, off"):
+        LogitsRowsPass("yes")
+
+
+def test_convert_on_refuses_in_one_line_and_auto_writes_no_input(make_decoder, tmp_path,
+                                                                 capsys):
+    from onnx_chunk.cli import main
+    from onnx_chunk.model_io import save_model
+
+    source = tmp_path / "in" / "model.onnx"
+    # A query axis fixed at 5 rows: the logits rows cannot be chosen (rule 2).
+    save_model(make_decoder(query_dim=5), source)
+    code = main(["convert", str(source), "-o", str(tmp_path / "on"), "--logits-rows", "on"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: --logits-rows on:")
+    assert not (tmp_path / "on").exists()
+    assert main(["convert", str(source), "-o", str(tmp_path / "auto")]) == 0
+    written = onnx.load(str(tmp_path / "auto" / source.name), load_external_data=False)
+    assert LOGITS_ROWS not in [value.name for value in written.graph.input]
+
+
+def test_convert_wires_it_by_default_and_inspect_names_it(tmp_path, capsys):
+    from onnx_chunk.cli import main
+
+    source = next(fixture for fixture in CORPUS if fixture.name == "genai-llama-int4")
+    for mode, expected in (("auto", LOGITS_ROWS), ("off", None)):
+        args = [] if mode == "auto" else ["--logits-rows", mode]
+        assert main(["convert", str(source.folder), "-o", str(tmp_path / mode), "-q", *args]) == 0
+        capsys.readouterr()
+        assert main(["inspect", str(tmp_path / mode), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["logits_rows"] == expected

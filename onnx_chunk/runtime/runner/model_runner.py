@@ -20,7 +20,9 @@ rows come back: "none", "last" (each batch row's last real row) or "all" (every 
    capture holds the process's capture gate alone, every other forward holds it shared, and a
    capture that fails falls back to running that width without a graph.
 5. Idle rows of a batched forward run but are left as they were (`idle_rows`).
-6. Logits: only the rows asked for reach the host. A prefill width takes the logits ONNX
+6. Logits: only the rows asked for reach the host. A decoder with a `logits_rows` input
+   (`convert --logits-rows`) computes only the rows it is fed: each batch row's last real
+   row, or every real row of a one-row forward that asks for "all". A prefill width takes the logits ONNX
    Runtime allocated for it, copies the wanted rows and lets the rest go; the decode width
    and bindings that replay a graph keep a logits buffer of their own, allocated once.
 7. Lengths: each stepping row's logical length advances by its real rows, which rewinds any
@@ -124,6 +126,23 @@ class _Binding:
     # Native chunks: the query_seqlens buffer ([batch] int32) and what it holds now.
     query_lens: DeviceBuffer | None = None
     held_query_lens: np.ndarray | None = None
+    # A decoder with a logits_rows input: the row indices buffer and what it holds now. Its
+    # size is fixed per binding (one row, or one per batch row of a native forward), except
+    # on a binding of every row, which never captures and is rebound when the count changes.
+    logits_rows: DeviceBuffer | None = None
+    held_rows: np.ndarray | None = None
+
+    def write_rows(self, name: str, rows: np.ndarray, device: Device) -> None:
+        """Write the logits rows when they change (a decode loop writes them once)."""
+        if self.logits_rows is None:
+            return
+        if self.held_rows is not None and np.array_equal(self.held_rows, rows):
+            return
+        if self.logits_rows.shape != rows.shape:
+            self.logits_rows = device_zeros(rows.shape, np.dtype(np.int64), device)
+            self.io.bind_ortvalue_input(name, self.logits_rows.value)
+        self.logits_rows.write(rows.astype(np.int64, copy=False))
+        self.held_rows = rows.copy()
 
     def write_query_lens(self, lens: np.ndarray) -> None:
         """Write query_seqlens when it changes (a decode loop writes it once)."""
@@ -268,7 +287,7 @@ class ModelRunner:
         (`view`: a one-row forward's last row may be a view of the binding's buffers)."""
         width = forward.width if plan is None else plan.width
         if isinstance(plan, NativePlan):
-            self._write_native(binding, slot, plan)
+            self._write_native(binding, slot, forward, plan)
         else:
             self._write_inputs(binding, slot, forward, plan)
         idle = [index for index, row in enumerate(forward.rows) if not row.steps]
@@ -284,6 +303,7 @@ class ModelRunner:
             # the last real row alone.
             real_rows = forward.width
             returned = (1 if binding.output == LOGITS_OUTPUT and binding.row_index is not None
+                        else logits.shape[1] if binding.logits_rows is not None
                         else real_rows if plan is None
                         else plan.cut_logits(_shape_only(logits)).shape[1])
             if idle:
@@ -306,7 +326,9 @@ class ModelRunner:
         real rows, read each row's logits at its last real row."""
         returned = logits.shape[1]
         selected = binding.output == LOGITS_OUTPUT and binding.row_index is not None
-        if not selected and returned != plan.width:
+        # Rows fed to logits_rows: one per batch row (its last real row), or every real row.
+        chosen = binding.logits_rows is not None
+        if not selected and not chosen and returned != plan.width:
             if returned > plan.width or len(forward.rows) > 1:
                 raise ModelStructureError(
                     f"a forward of {plan.width} query rows returned {returned} logits rows; "
@@ -324,7 +346,7 @@ class ModelRunner:
             return None
         if forward.logits == "all":
             count = int(plan.query_lens[0])
-            if selected or returned < count:
+            if selected or returned < count or (chosen and returned != count):
                 raise ModelStructureError(
                     f"a forward of {count} rows returned {returned} logits rows: the decoder "
                     "does not return every row's logits, so ask for the last row only")
@@ -332,19 +354,25 @@ class ModelRunner:
             return np.array(every[:, :count])
         vocab = logits.shape[-1]
         if len(forward.rows) == 1:
-            index = 0 if selected or returned == 1 else int(plan.last_rows[0])
+            index = 0 if selected or chosen or returned == 1 else int(plan.last_rows[0])
             last = logits.read(index * vocab, vocab, binding.row)
             return (last if view else np.array(last))[None]
         every = logits.read(0, len(forward.rows) * returned * vocab).reshape(
             len(forward.rows), returned, vocab)
-        return np.array(every[np.arange(len(forward.rows)), plan.last_rows])
+        picked = np.arange(len(forward.rows)) if chosen else plan.last_rows
+        return np.array(every[np.arange(len(forward.rows)), picked])
 
-    def _write_native(self, binding: _Binding, slot: Slot, plan: NativePlan) -> None:
+    def _write_native(self, binding: _Binding, slot: Slot, forward: Forward,
+                      plan: NativePlan) -> None:
         """Tokens, positions, query_seqlens, logits row and mask of a native plan."""
         binding.tokens.write(plan.tokens.reshape(binding.tokens.shape))
         if binding.positions is not None:
             binding.positions.write(plan.positions)
         binding.write_query_lens(plan.query_lens)
+        if self.ports.logits_rows is not None:
+            rows = (np.arange(int(plan.query_lens[0])) if forward.logits == "all"
+                    else plan.last_rows)
+            binding.write_rows(self.ports.logits_rows, rows, self.device)
         if binding.row_index is not None:
             binding.row_index.write(np.full(1, int(plan.last_rows[0]), dtype=np.int64))
         slot.mask.set_counts(binding.io, plan.mask_ones, plan.mask_width)  # type: ignore[attr-defined]
@@ -359,8 +387,10 @@ class ModelRunner:
                 binding.positions.write(plan.ports[ports.position_ids])
             if binding.row_index is not None:
                 binding.row_index.write(np.full(1, plan.real_rows - 1, dtype=np.int64))
+            self._write_rows(binding, forward, plan.real_rows)
             slot.mask.set(binding.io, forward.rows[0].length.end(plan.width))
             return
+        self._write_rows(binding, forward, forward.width)
         tokens, positions = binding.step_tokens, binding.step_positions
         for index, row in enumerate(forward.rows):
             tokens[index] = self._embedded(row.tokens)
@@ -382,6 +412,15 @@ class ModelRunner:
             slot.mask.set(binding.io, forward.rows[0].length.end(forward.width))
         else:
             slot.mask.set_rows(binding.io, [row.length.length for row in forward.rows])
+
+    def _write_rows(self, binding: _Binding, forward: Forward, real_rows: int) -> None:
+        """The logits rows of a forward whose rows all end at `real_rows`: every real row for
+        "all", else the last real one."""
+        if self.ports.logits_rows is None:
+            return
+        rows = (np.arange(real_rows) if forward.logits == "all"
+                else np.array([real_rows - 1]))
+        binding.write_rows(self.ports.logits_rows, rows, self.device)
 
     def _save_windows(self, slot: Slot, forward: Forward,
                       idle: list[int]) -> list[tuple[DeviceBuffer, int, DeviceBuffer]]:
@@ -475,10 +514,11 @@ class ModelRunner:
                  width: int, all_rows: bool = False) -> _Binding:
         # The variant pool holds the bindings per live session and drops them when the cache
         # releases that session. A specialised session sees one width; the shape-generic one
-        # keeps the last few widths it ran at. A row-selecting session asked for every row
-        # gets a binding of the full logits beside, which never captures.
+        # keeps the last few widths it ran at. A row-selecting session (or a decoder with a
+        # logits_rows input) asked for every row gets a binding of the full logits beside,
+        # which never captures.
         selects = self.variants.selects_row(session)
-        every_row = all_rows and selects
+        every_row = all_rows and (selects or self.ports.logits_rows is not None)
         name = (ALL_ROWS, width) if every_row else width
         bindings = self.variants.bindings(session, slot.number)
         binding = bindings.get(name)
@@ -489,7 +529,7 @@ class ModelRunner:
         device = self.device
         batch = slot.mask.rows
         io = session.io_binding()
-        output = ALL_ROWS if every_row else LOGITS_OUTPUT
+        output = ALL_ROWS if every_row and selects else LOGITS_OUTPUT
         # Bound first so that it is output 0; ONNX Runtime allocates it on the first run (never
         # captured), which tells the rows the model really returns, and a buffer of that shape
         # replaces it for good.
@@ -508,6 +548,10 @@ class ModelRunner:
         if selects:
             row_index = device_zeros((1,), np.dtype(np.int64), device)
             io.bind_ortvalue_input(ROW_INPUT, row_index.value)
+        logits_rows = None
+        if ports.logits_rows is not None:
+            logits_rows = device_zeros((1,), np.dtype(np.int64), device)
+            io.bind_ortvalue_input(ports.logits_rows, logits_rows.value)
         query_lens = None
         if ports.query_seqlens is not None:
             query_lens = device_zeros((batch,), np.dtype(np.int32), device)
@@ -521,7 +565,7 @@ class ModelRunner:
                            row_index=row_index,
                            step_tokens=np.zeros(token_shape, dtype=ports.token_dtype),
                            step_positions=np.zeros((batch, width), dtype=np.int64),
-                           query_lens=query_lens)
+                           query_lens=query_lens, logits_rows=logits_rows)
         bindings[name] = binding
         uncaptured = [held for held, kept in bindings.items()
                       if kept.graphs is None or not kept.graphs.ids]

@@ -60,6 +60,9 @@ class ModelPorts:
     fixed_dims: dict[str, int]
     # The graph input feeding GroupQueryAttention's query_seqlens (native chunks), or None.
     query_seqlens: str | None = None
+    # The graph input choosing the query rows whose logits the graph computes (int64 row
+    # indices, `convert --logits-rows`), or None: every row's logits.
+    logits_rows: str | None = None
 
 
 def model_ports(model: ModelFile, plan: ChunkPlan, capacity: int, *,
@@ -122,6 +125,9 @@ def model_ports(model: ModelFile, plan: ChunkPlan, capacity: int, *,
     if plan.query_seqlens is not None:
         _required(inputs, plan.query_seqlens, "query_seqlens input (the plan names it)")
         known.add(plan.query_seqlens)
+    if plan.logits_rows is not None:
+        _required(inputs, plan.logits_rows, "logits_rows input (the plan names it)")
+        known.add(plan.logits_rows)
     unknown = sorted(set(inputs) - known)
     if unknown:
         raise ModelStructureError(
@@ -144,6 +150,7 @@ def model_ports(model: ModelFile, plan: ChunkPlan, capacity: int, *,
         query_dim=query_dim,
         fixed_dims=fixed_dims,
         query_seqlens=plan.query_seqlens,
+        logits_rows=plan.logits_rows,
     )
 
 
