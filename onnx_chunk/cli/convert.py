@@ -91,8 +91,9 @@ def _bytes_to_copy(model_files: dict[str, Path], target: Path) -> int:
                    "one line of token ids per prompt; default a built-in set of prompts.")
 @QUIET_OPTION
 def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants: int,
-            in_place: bool, kv_cache: str, native_chunks: str, logits_rows: str, kv_dtype: str | None,
-            kv_scales: str | None, calibrate_file: Path | None, quiet: bool) -> None:
+            in_place: bool, kv_cache: str, native_chunks: str, logits_rows: str,
+            kv_dtype: str | None, kv_scales: str | None, calibrate_file: Path | None,
+            quiet: bool) -> None:
     """Annotate MODEL_PATH for chunked prefill and write it to OUTPUT.
 
     A standard-ONNX decoder whose KV grows by Concat (Optimum, torch.onnx) is first rewritten

@@ -27,8 +27,8 @@ from onnx_chunk.passes.kv_quantization import (
     KVCacheQuantizationPass,
     find_quantizable_caches,
 )
-from onnx_chunk.passes.per_token_ports import PerTokenPortsPass
 from onnx_chunk.passes.logits_rows import LOGITS_ROWS_CHOICES, LogitsRowsPass
+from onnx_chunk.passes.per_token_ports import PerTokenPortsPass
 from onnx_chunk.passes.query_seqlens import NATIVE_CHUNKS_CHOICES, QuerySeqlensPass
 from onnx_chunk.passes.recurrent_state import RecurrentStatePass
 from onnx_chunk.passes.supported_opsets import check_supported_opsets
@@ -68,9 +68,11 @@ def _run_pipeline(model: ir.Model, chunk_size: int | None, max_variants: int,
     # query_seqlens input (not a per-token port), and the declaration reads all of them; each
     # checks that its inputs are in the metadata. `native_chunks` (`logits_rows`) None keeps
     # the graph's query_seqlens (logits rows) wiring and its metadata as it is.
-    wiring = () if native_chunks is None else (QuerySeqlensPass(native_chunks),)
+    wiring: list[ir.passes.PassBase] = []
+    if native_chunks is not None:
+        wiring.append(QuerySeqlensPass(native_chunks))
     if logits_rows is not None:
-        wiring += (LogitsRowsPass(logits_rows),)
+        wiring.append(LogitsRowsPass(logits_rows))
     passes = (
         KVCapacityPass(),
         RecurrentStatePass(),

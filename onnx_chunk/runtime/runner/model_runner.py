@@ -22,9 +22,10 @@ rows come back: "none", "last" (each batch row's last real row) or "all" (every 
 5. Idle rows of a batched forward run but are left as they were (`idle_rows`).
 6. Logits: only the rows asked for reach the host. A decoder with a `logits_rows` input
    (`convert --logits-rows`) computes only the rows it is fed: each batch row's last real
-   row, or every real row of a one-row forward that asks for "all". A prefill width takes the logits ONNX
-   Runtime allocated for it, copies the wanted rows and lets the rest go; the decode width
-   and bindings that replay a graph keep a logits buffer of their own, allocated once.
+   row, or every real row of a one-row forward that asks for "all". A prefill width takes the
+   logits ONNX Runtime allocated for it, copies the wanted rows and lets the rest go; the
+   decode width and bindings that replay a graph keep a logits buffer of their own, allocated
+   once.
 7. Lengths: each stepping row's logical length advances by its real rows, which rewinds any
    padded rows. A padded forward whose logits show the padding changed the real rows'
    results switches padding off for good and runs again unpadded (the padding self-check).
