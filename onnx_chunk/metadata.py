@@ -261,14 +261,18 @@ def write_query_seqlens(model: ir.Model, name: str | None) -> bool:
 
 def read_query_seqlens(model: ir.Model | Mapping[str, str]) -> str | None:
     """The stored query_seqlens graph input, or None; ModelStructureError when it is empty."""
+    return _input_name(model, QUERY_SEQLENS_KEY)
+
+
+def _input_name(model: ir.Model | Mapping[str, str], key: str) -> str | None:
+    """The graph input name stored under `key`, or None; ModelStructureError when empty."""
     props = _props_of(model)
-    if QUERY_SEQLENS_KEY not in props:
+    if key not in props:
         return None
-    name = props[QUERY_SEQLENS_KEY]
+    name = props[key]
     if not name:
-        raise ModelStructureError(f"metadata key {QUERY_SEQLENS_KEY!r} is empty, expected the "
-                                  "name of a graph input; re-run `onnx-chunk convert` on the "
-                                  "original model")
+        raise ModelStructureError(f"metadata key {key!r} is empty, expected the name of a graph "
+                                  "input; re-run `onnx-chunk convert` on the original model")
     return name
 
 
@@ -280,15 +284,7 @@ def write_logits_rows(model: ir.Model, name: str | None) -> bool:
 
 def read_logits_rows(model: ir.Model | Mapping[str, str]) -> str | None:
     """The stored logits rows graph input, or None; ModelStructureError when it is empty."""
-    props = _props_of(model)
-    if LOGITS_ROWS_KEY not in props:
-        return None
-    name = props[LOGITS_ROWS_KEY]
-    if not name:
-        raise ModelStructureError(f"metadata key {LOGITS_ROWS_KEY!r} is empty, expected the "
-                                  "name of a graph input; re-run `onnx-chunk convert` on the "
-                                  "original model")
-    return name
+    return _input_name(model, LOGITS_ROWS_KEY)
 
 
 @dataclasses.dataclass(frozen=True)
