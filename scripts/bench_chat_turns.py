@@ -46,7 +46,7 @@ from _bench.harness import (
     summarize,
     verdict,
 )
-from _bench.models import BenchModelMissing, bench_model
+from _bench.models import BenchModelMissing, model_folder
 
 DEFAULT_MODEL = "qwen05-int4"
 SYSTEMS = ("reuse", "no reuse")
@@ -153,13 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--provider", default="cpu", choices=("cpu", "cuda", "auto"))
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
-    if Path(args.model).is_dir():
-        args.model = Path(args.model)
-    else:
-        try:
-            args.model = bench_model(args.model).parent
-        except BenchModelMissing as error:
-            parser.error(str(error))
+    try:
+        args.model = model_folder(args.model)
+    except BenchModelMissing as error:
+        parser.error(str(error))
     if not (args.model / "tokenizer.json").is_file():
         parser.error(f"{args.model} has no tokenizer.json: pass a model folder with a "
                      "tokenizer and a chat template")

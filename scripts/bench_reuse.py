@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 from _bench.harness import FIRST_PROMPT_ID, markdown_table
-from _bench.models import BenchModelMissing, bench_model
+from _bench.models import BenchModelMissing, model_folder
 
 from onnx_chunk import load
 from onnx_chunk.sampling import Sampling
@@ -163,13 +163,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.seed < 0:
         parser.error("--seed must be at least 0")
-    if Path(args.model).is_dir():
-        args.model = Path(args.model)
-    else:
-        try:
-            args.model = bench_model(args.model).parent
-        except BenchModelMissing as error:
-            parser.error(str(error))
+    try:
+        args.model = model_folder(args.model)
+    except BenchModelMissing as error:
+        parser.error(str(error))
     load_before = os.getloadavg()
     started = time.monotonic()
     runtimes = {"no reuse": load(args.model, provider=args.provider, max_batch=args.batch,

@@ -89,6 +89,14 @@ def bench_model(name: str, root: Path | None = None) -> Path:
     return path
 
 
+def model_folder(given: str) -> Path:
+    """`given` as a model folder when it is one, else the folder of the built ONNX benchmark
+    model of that name (BenchModelMissing when it is not built)."""
+    if Path(given).is_dir():
+        return Path(given)
+    return bench_model(given).parent
+
+
 def gguf_twins(name: str) -> list[str]:
     """The GGUF names of an ONNX model's shape: ``qwen05-int4`` -> qwen05-q4_0, qwen05-q8_0."""
     shape, _ = parse_name(name)
