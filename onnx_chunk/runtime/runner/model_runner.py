@@ -419,8 +419,7 @@ class ModelRunner:
         "all", else the last real one."""
         if self.ports.logits_rows is None:
             return
-        rows = (np.arange(real_rows) if forward.logits == "all"
-                else np.array([real_rows - 1]))
+        rows = np.arange(real_rows) if forward.logits == "all" else _last_row(real_rows)
         binding.write_rows(self.ports.logits_rows, rows, self.device)
 
     def _save_windows(self, slot: Slot, forward: Forward,
@@ -626,3 +625,12 @@ def _output_buffer(value: ort.OrtValue, dtype: np.dtype, device: Device) -> Devi
 
 def _shape_only(buffer: DeviceBuffer) -> np.ndarray:
     return np.broadcast_to(np.zeros((), dtype=buffer.dtype), buffer.shape)
+
+
+@functools.lru_cache(maxsize=64)
+def _last_row(real_rows: int) -> np.ndarray:
+    """[real_rows - 1] as int64, made once per count: a decode step feeds [0] without an
+    allocation (read-only, shared)."""
+    row = np.array([real_rows - 1], dtype=np.int64)
+    row.flags.writeable = False
+    return row
