@@ -85,7 +85,9 @@ from onnx_chunk.runtime.runner.logits_row import select_row
 logger = logging.getLogger(__name__)
 
 DISABLE_PREPACKING_KEY = "session.disable_prepacking"
-# Where a model given as bytes finds its external data (the row-selecting sessions).
+# Where a model given as bytes finds its external data (the row-selecting sessions, a
+# `graph` given to the runtime): onnxruntime_session_options_config_keys.h defines it for a
+# model loaded from a memory buffer, every external data file in that one folder.
 EXTERNAL_DATA_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
 _PAGE_SIZE = mmap.PAGESIZE
 QUANTIZED_MATMUL = "MatMulNBits"
