@@ -478,31 +478,6 @@ def _share(rate: float, roof: float | None) -> str:
 
 # ----------------------------------------------------------------------------- variant
 
-def last_row_logits(graph) -> str:
-    """Slice the lm_head's input to the last query row (in place); the node's name."""
-    import onnx
-
-    consumers = [node for node in graph.node
-                 if node.op_type in ("MatMulNBits", "MatMul") and "logits" in node.output]
-    if len(consumers) != 1:
-        raise SystemExit("error: no single MatMul/MatMulNBits writes the graph's logits")
-    head = consumers[0]
-    sliced = head.input[0] + "/last_row"
-    constants = [onnx.helper.make_tensor(f"{sliced}/{name}", onnx.TensorProto.INT64, [1], [value])
-                 for name, value in (("starts", -1), ("ends", 2 ** 62), ("axes", 1))]
-    graph.initializer.extend(constants)
-    position = list(graph.node).index(head)
-    graph.node.insert(position, onnx.helper.make_node(
-        "Slice", [head.input[0], *(each.name for each in constants)], [sliced],
-        name=f"{head.name}/last_row"))
-    head.input[0] = sliced
-    for output in graph.output:
-        if output.name == "logits":
-            output.type.tensor_type.shape.dim[1].ClearField("dim_param")
-            output.type.tensor_type.shape.dim[1].dim_value = 1
-    return head.name
-
-
 def make_variant(source: Path, out: Path, *, accuracy_level: int | None,
                  last_row: bool) -> Path:
     """A copy of `source`'s graph with the changes asked for, weights linked, not copied."""
@@ -520,7 +495,11 @@ def make_variant(source: Path, out: Path, *, accuracy_level: int | None,
         if not changed:
             raise SystemExit(f"error: {source} has no MatMulNBits with an accuracy_level")
     if last_row:
-        last_row_logits(model.graph)
+        from onnx_chunk.validate.reference import slice_last_row
+
+        if not slice_last_row(model.graph):
+            raise SystemExit(f"error: {source} has no LM head whose rows can be cut to the "
+                             "last one")
     out.mkdir(parents=True, exist_ok=True)
     target = out / "model.onnx"
     onnx.save(model, str(target))

@@ -39,12 +39,13 @@ def last_row_graph(model_path: Path) -> bytes | None:
     """The serialized last-row reference copy of `model_path`'s graph (its external data
     left where it is), or None when the decoder is used as it is (rule 2)."""
     proto = onnx.load(str(model_path), load_external_data=False)
-    if not _edit(proto.graph):
+    if not slice_last_row(proto.graph):
         return None
     return proto.SerializeToString()
 
 
-def _edit(graph: onnx.GraphProto) -> bool:
+def slice_last_row(graph: onnx.GraphProto) -> bool:
+    """Rules 1 and 2 on `graph`, in place: whether its LM head now sees the last row only."""
     output = next((value for value in graph.output if value.name == _LOGITS), None)
     if output is None:
         return False
