@@ -111,7 +111,8 @@ def report(runs: dict[str, list[list[dict]]], args: argparse.Namespace,
     lines = [f"{args.model.name}: {done} conversations (of {args.conversations} asked) of "
              f"{args.turns} turns, {args.system_tokens} shared system ids, {args.user_tokens} "
              f"user ids and {args.max_tokens} answer tokens per turn, batch {args.batch}, "
-             f"{elapsed:.0f} s; load average before / after: {load}", ""]
+             f"{args.threads or 'default'} threads, {elapsed:.0f} s; load average before / after: "
+             f"{load}", ""]
     rows = []
     for mode in MODES:
         turns = [turn for conv in runs[mode] for turn in conv]
@@ -153,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=4, help="slots (serve's default 4)")
     parser.add_argument("--provider", default="cpu", choices=("cpu", "cuda", "auto"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra-op threads of each runtime (default ONNX Runtime's)")
     parser.add_argument("--time-limit", type=float, default=None,
                         help="start no conversation after this many seconds")
     parser.add_argument("--json", type=Path, default=None, help="write every answer here")
@@ -163,15 +166,18 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.seed < 0:
         parser.error("--seed must be at least 0")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be at least 1")
     try:
         args.model = model_folder(args.model)
     except BenchModelMissing as error:
         parser.error(str(error))
     load_before = os.getloadavg()
     started = time.monotonic()
-    runtimes = {"no reuse": load(args.model, provider=args.provider, max_batch=args.batch,
-                                 prefix_reuse=False),
-                "reuse": load(args.model, provider=args.provider, max_batch=args.batch)}
+    options = {"provider": args.provider, "max_batch": args.batch,
+               "intra_op_threads": args.threads}
+    runtimes = {"no reuse": load(args.model, prefix_reuse=False, **options),
+                "reuse": load(args.model, **options)}
     runs: dict[str, list[list[dict]]] = {mode: [] for mode in MODES}
     try:
         vocab = runtimes["reuse"].ports.vocab_size

@@ -18,7 +18,7 @@ EXPORT = env.ROOT / "tests" / "fixtures" / "exports" / "genai-llama-fp32"
 def test_reuse_on_a_float32_export_reuses_and_changes_no_token(tmp_path, capsys):
     out = tmp_path / "runs.json"
     assert bench_reuse.main([str(EXPORT), "--conversations", "2", "--turns", "2",
-                             "--json", str(out)]) == 0
+                             "--threads", "1", "--json", str(out)]) == 0
     assert "| greedy | 0/4 |" in capsys.readouterr().out
     runs = json.loads(out.read_text())["runs"]
     turns = [turn for mode in ("greedy", "seeded") for talk in runs[mode] for turn in talk]
@@ -32,7 +32,8 @@ def test_reuse_on_a_float32_export_reuses_and_changes_no_token(tmp_path, capsys)
     assert max(turn["reuse_max_logprob_gap"] for turn in turns) < 1e-4
 
 
-@pytest.mark.parametrize("argv", [["--turns", "0"], ["--seed", "-1"], ["no-such-model"]])
+@pytest.mark.parametrize("argv", [["--turns", "0"], ["--seed", "-1"], ["--threads", "0"],
+                                  ["no-such-model"]])
 def test_bad_arguments_are_one_error_line(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench_reuse.main([str(EXPORT), *argv] if argv[0].startswith("--") else argv)
