@@ -27,6 +27,11 @@ def _installed_package_first() -> None:
 
 _installed_package_first()
 
+# No test reads the analysis of an unconverted model kept by an earlier load (or by a user's
+# runs): each analyses in memory, as a first start does. tests/runtime/test_analysis_cache.py
+# turns the cache on for its own folder.
+os.environ["ONNX_CHUNK_ANALYSIS_CACHE"] = "off"
+
 
 _CORPUS = ROOT / "tests" / "fixtures" / "exports"
 

@@ -56,6 +56,7 @@ __all__ = [
     "QuerySeqlensPass",
     "RecurrentStatePass",
     "analyze",
+    "analyze_metadata",
     "check_kv_quantization",
     "convert_model",
     "find_concat_kv_attention",
@@ -93,7 +94,18 @@ def _run_pipeline(model: ir.Model, chunk_size: int | None, max_variants: int,
 def analyze(model: ir.Model, *, chunk_size: int | None = None,
             max_variants: int = DEFAULT_MAX_VARIANTS,
             max_sequence_length: int | None = None) -> metadata.ChunkPlan:
-    """The plan the pipeline would write, leaving the model as it was.
+    """The plan the pipeline would write, leaving the model as it was (`analyze_metadata`)."""
+    plan = metadata.read_plan(analyze_metadata(model, chunk_size=chunk_size,
+                                               max_variants=max_variants,
+                                               max_sequence_length=max_sequence_length))
+    assert plan is not None, "the declaration pass always writes the schema version"
+    return plan
+
+
+def analyze_metadata(model: ir.Model, *, chunk_size: int | None = None,
+                     max_variants: int = DEFAULT_MAX_VARIANTS,
+                     max_sequence_length: int | None = None) -> dict[str, str]:
+    """The plan's metadata the pipeline would write, leaving the model as it was.
 
     With `chunk_size` None the plan keeps the chunk size the model declares (none for an
     unconverted model). A concat-KV decoder the rewrite accepts is planned as rewritten (in a
@@ -107,12 +119,10 @@ def analyze(model: ir.Model, *, chunk_size: int | None = None,
     saved = dict(model.metadata_props)
     try:
         _run_pipeline(model, chunk_size, max_variants, None)
-        plan = metadata.read_plan(model)
+        return dict(model.metadata_props)
     finally:
         model.metadata_props.clear()
         model.metadata_props.update(saved)
-    assert plan is not None, "the declaration pass always writes the schema version"
-    return plan
 
 
 def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,

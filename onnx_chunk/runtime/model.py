@@ -26,6 +26,7 @@ import onnxruntime as ort
 
 from onnx_chunk import arguments
 from onnx_chunk._onnxruntime_wheels import check_one_wheel
+from onnx_chunk.analysis_cache import cached_plan
 from onnx_chunk.errors import CapacityError, ClosedError, InputError, ModelLoadError
 from onnx_chunk.metadata import ChunkPlan, read_plan
 from onnx_chunk.model_file import read_model_file
@@ -167,7 +168,8 @@ class Runtime:
         if args.chunk_size is None and (plan is None or plan.chunk_size is None):
             args = dataclasses.replace(args, chunk_size=genai.chunk_size)
         if plan is None:
-            plan = _analyzed(self.model_path, args.chunk_size)
+            plan = _analyzed(self.model_path, args.chunk_size,
+                             {where.path for _, where in model.external_initializers()})
         self.plan: ChunkPlan = plan
         self.options: RuntimeOptions = resolve_options(
             args, plan=plan, genai=genai, model=model,
@@ -492,11 +494,18 @@ class Runtime:
 load = Runtime
 
 
-def _analyzed(model_path: Path, chunk_size: int | None) -> ChunkPlan:
-    """The plan `onnx-chunk convert` would write for an unconverted model, from the passes run
-    in memory (the one load that imports onnx_ir and onnxscript)."""
-    from onnx_chunk.model_io import load_model
-    from onnx_chunk.passes import DEFAULT_CHUNK_SIZE, analyze
+def _analyzed(model_path: Path, chunk_size: int | None, data_files: set[Path]) -> ChunkPlan:
+    """The plan `onnx-chunk convert` would write for an unconverted model: the passes run in
+    memory (the one load that imports onnx_ir and onnxscript), once per model file
+    (`analysis_cache`)."""
 
-    logger.info("%s carries no chunked-prefill plan; running the passes in memory", model_path)
-    return analyze(load_model(model_path), chunk_size=chunk_size or DEFAULT_CHUNK_SIZE)
+    def analyze() -> dict[str, str]:
+        from onnx_chunk.model_io import load_model
+        from onnx_chunk.passes import DEFAULT_CHUNK_SIZE, analyze_metadata
+
+        logger.info("%s carries no chunked-prefill plan; running the passes in memory",
+                    model_path)
+        return analyze_metadata(load_model(model_path),
+                                chunk_size=chunk_size or DEFAULT_CHUNK_SIZE)
+
+    return cached_plan(model_path, chunk_size, analyze, data_files)
