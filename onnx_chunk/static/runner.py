@@ -17,7 +17,8 @@ written in place, prompts padded on the right, no sliding). A window-sized cache
 only past C, which the bound layout never reaches; ONNX Runtime's CUDA kernel takes such a cache
 only at capacity == window (`Device.window_slack`), so other capacities are refused there.
 
-Every forward runs through IOBinding on the runner's device (`Device.run`): the KV cache lives
+Every forward runs through one IOBinding per graph on the runner's device (`Device.run`),
+bound anew for each forward and cleared after it: the KV cache lives
 in device buffers allocated once per request and never crosses to the host (the bound layout
 is written in place by the attention, the rolling one is rolled by device-to-device copies);
 the host sends the token ids, positions and mask, and reads back one row of logits when a token
@@ -282,6 +283,8 @@ class StaticRunner:
         self.device = device if device is not None else resolve_device(provider, device_id)
         # The device buffers of the graphs' inputs (`_bind_input`), by (graph spec, input).
         self._inputs: dict[tuple[int, str], DeviceBuffer] = {}
+        # One IOBinding per graph (`_binding`), by session.
+        self._bindings: dict[int, ort.IOBinding] = {}
         self.chunk_session = _session(chunk_path, self.device)
         self.decode_session = _session(decode_path, self.device)
         self.chunk_spec = _graph_spec(self.chunk_session, chunk_path)
@@ -363,29 +366,45 @@ class StaticRunner:
         position_ids: np.ndarray, start: int, logits_row: int | None = None,
     ) -> np.ndarray | None:
         """One forward of `spec.rows` positions starting at sequence index `start`, bound on the
-        device; updates the cache there (rolled, or written in place) and returns row
-        `logits_row` of the logits ([vocab], a host copy of that row only), or None."""
-        binding = session.io_binding()
-        # Inputs live in device buffers allocated once per (graph, input) and written in
-        # place: what crosses is the forward's ids, mask and positions, counted.
-        self._bind_input(binding, spec, "input_ids", np.ascontiguousarray(input_ids[None]))
-        self._bind_input(binding, spec, "attention_mask",
-                         cache.forward_mask(valid, start, spec.rows, spec.mask_dtype))
-        if spec.position_ids:
-            self._bind_input(binding, spec, "position_ids",
-                             np.ascontiguousarray(position_ids[None]))
-        # Bound first, so that it is the binding's first output (outputs come in bind order).
-        binding.bind_output(spec.logits, self.device.device_type, self.device.device_id)
-        cache.bind(binding, spec.rows)
-        self.device.run(session, binding, None)
-        if not self.device.host_visible:
-            binding.synchronize_outputs()
-        cache.after_forward(valid[start:start + spec.rows])
-        if logits_row is None:
-            return None
-        logits = DeviceBuffer(binding.get_outputs()[0], None, spec.logits_dtype,
-                              None if self.device.host_visible else self.device.transfers)
-        return np.array(logits.read(logits_row * self.vocab_size, self.vocab_size))
+        device through the graph's one IOBinding; updates the cache there (rolled, or written
+        in place) and returns row `logits_row` of the logits ([vocab], a host copy of that row
+        only), or None."""
+        binding = self._binding(session)
+        try:
+            # Inputs live in device buffers allocated once per (graph, input) and written in
+            # place: what crosses is the forward's ids, mask and positions, counted.
+            self._bind_input(binding, spec, "input_ids", np.ascontiguousarray(input_ids[None]))
+            self._bind_input(binding, spec, "attention_mask",
+                             cache.forward_mask(valid, start, spec.rows, spec.mask_dtype))
+            if spec.position_ids:
+                self._bind_input(binding, spec, "position_ids",
+                                 np.ascontiguousarray(position_ids[None]))
+            # Bound first, so that it is the binding's first output (outputs come in bind
+            # order); bound to the device only, so ONNX Runtime allocates it for this run.
+            binding.bind_output(spec.logits, self.device.device_type, self.device.device_id)
+            cache.bind(binding, spec.rows)
+            self.device.run(session, binding, None)
+            if not self.device.host_visible:
+                binding.synchronize_outputs()
+            cache.after_forward(valid[start:start + spec.rows])
+            if logits_row is None:
+                return None
+            logits = DeviceBuffer(binding.get_outputs()[0], None, spec.logits_dtype,
+                                  None if self.device.host_visible else self.device.transfers)
+            return np.array(logits.read(logits_row * self.vocab_size, self.vocab_size))
+        finally:
+            # Emptied after every forward, so that the binding holds no buffer of this request
+            # (its cache, the logits ONNX Runtime allocated) once it ends, and the next forward
+            # binds every name afresh, the logits first.
+            binding.clear_binding_inputs()
+            binding.clear_binding_outputs()
+
+    def _binding(self, session: ort.InferenceSession) -> ort.IOBinding:
+        """The one IOBinding of `session`'s graph, made on its first forward."""
+        binding = self._bindings.get(id(session))
+        if binding is None:
+            binding = self._bindings[id(session)] = session.io_binding()
+        return binding
 
     def _bind_input(self, binding: ort.IOBinding, spec: _GraphSpec, name: str,
                     array: np.ndarray) -> None:

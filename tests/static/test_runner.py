@@ -3,9 +3,12 @@ sliding window beyond C equals a NumPy reference."""
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 
 from onnx_chunk.errors import CapacityError, ConfigError, InputError, ModelStructureError
@@ -145,6 +148,32 @@ def test_eos_stops_generation(runner):
     first = runner.generate(prompt, 5).tokens
     stopped = runner.generate(prompt, 5, eos_token_id=first[1])
     assert stopped.tokens == first[:2] and stopped.decode_steps == 1
+
+
+def test_one_binding_per_graph_is_reused_and_keeps_no_finished_requests_buffers(
+        fixed_pair, monkeypatch):
+    made = []
+    io_binding = ort.InferenceSession.io_binding
+
+    def counted(session):
+        made.append(session)
+        return io_binding(session)
+
+    monkeypatch.setattr(ort.InferenceSession, "io_binding", counted)
+    runner = StaticRunner(fixed_pair / "chunk.onnx", fixed_pair / "decode.onnx",
+                          max_input_len=MAX_INPUT, provider="cpu")
+    prompt = _prompt(9, seed=7)
+    prefill = runner.start(prompt, 6)
+    first = runner.decode(prefill, 6)
+    assert first.chunks == 3 and first.decode_steps == 5
+    assert len(made) == 2 and made[0] is not made[1]  # one per graph, for 8 forwards
+    cache = [weakref.ref(buffer.value) for buffer in (*prefill.cache.key_buffers,
+                                                      *prefill.cache.value_buffers)]
+    del prefill
+    gc.collect()
+    assert all(ref() is None for ref in cache)
+    assert runner.generate(prompt, 6).tokens == first.tokens
+    assert len(made) == 2
 
 
 def test_parameter_checks_come_up_front(graphs, static_models):
