@@ -213,11 +213,8 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
                              strict=strict)
         prompts = _prompts(runner.vocab_size, ids_text, ids_file, random_prompt, seed)
         stop = arguments.token_ids(eos_token_ids, "--eos-token-id", runner.vocab_size)
-        if len(stop) > 1:
-            raise click.UsageError("a static decoder stops at one --eos-token-id; give it once")
-        run_static_generate(runner, prompts, max_new_tokens=max_new_tokens,
-                            eos_token_id=stop[0] if stop else None, as_json=as_json,
-                            echo=click.echo)
+        run_static_generate(runner, prompts, max_new_tokens=max_new_tokens, eos_token_id=stop,
+                            as_json=as_json, echo=click.echo)
         return
     _refuse("a dynamic decoder", static_only)
     runtime = load(model, provider=provider, capacity=capacity, chunk_size=chunk_size,

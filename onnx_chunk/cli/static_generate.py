@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from onnx_chunk import arguments
 from onnx_chunk.cli.json_output import dumps as json_dumps
 from onnx_chunk.static import StaticGenerationResult, StaticRunner
 
@@ -31,6 +32,7 @@ def static_record(index: int, prompt: Sequence[int], result: StaticGenerationRes
         "aligned_len": result.aligned_len,
         "pad_count": result.pad_count,
         "chunks": result.chunks,
+        "finish_reason": result.finish_reason,
     }
 
 
@@ -42,7 +44,7 @@ def _format(entry: dict) -> str:
              f"{entry['truncated_tokens']}) | chunks {entry['chunks']} | ttft "
              f"{entry['ttft_s'] * 1000:.1f} ms | decode "
              f"{'-' if speed is None else f'{speed:.1f}'} tok/s | dropped "
-             f"{entry['dropped_positions']}"]
+             f"{entry['dropped_positions']} | finish {entry['finish_reason']}"]
     lines += [f"  warning: {warning}" for warning in entry["warnings"]]
     return "\n".join(lines)
 
@@ -52,13 +54,15 @@ def run_static_generate(
     prompts: Sequence[Sequence[int]],
     *,
     max_new_tokens: int,
-    eos_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
     as_json: bool = False,
     echo: Callable[[str], None],
 ) -> list[StaticGenerationResult]:
-    """Generate greedily for each prompt in order and `echo` one line (JSON) or block (text)
-    per prompt, after a header line in text mode; returns the results. Every prompt is checked
-    before any runs, so a bad prompt N fails before N - 1 were served."""
+    """Generate greedily for each prompt in order, each ending at an id of `eos_token_id`
+    (one or several) or after `max_new_tokens`, and `echo` one line (JSON) or block (text)
+    per prompt, after a header line in text mode; returns the results. The end ids and every
+    prompt are checked before any runs, so a bad prompt N fails before N - 1 were served."""
+    stop = arguments.stop_ids(eos_token_id, (), runner.vocab_size)
     aligned = [runner.align(prompt, max_new_tokens) for prompt in prompts]
     if not as_json:
         limits, spec = runner.limits, runner.chunk_spec
@@ -68,7 +72,7 @@ def run_static_generate(
     results = []
     for index, (prompt, request) in enumerate(zip(prompts, aligned)):
         result = runner.decode(runner.run_prefill(request), max_new_tokens,
-                               eos_token_id=eos_token_id)
+                               eos_token_id=stop)
         entry = static_record(index, prompt, result)
         echo(json_dumps(entry) if as_json else _format(entry))
         results.append(result)

@@ -6,7 +6,9 @@ detected by structure and opened (`model`), a prompt is aligned to whole chunks 
 chunks and then the decode rows run (`runner`) on one of two caches: a rolling, right-aligned one
 with a per-chunk additive mask (`rolling_kv`, `mask`) or GroupQueryAttention's bound at capacity
 (`bound_kv`), both over the same fixed buffers (`kv_buffers`). `fix_shapes` writes such a pair
-from a dynamic decoder. Nothing here is shared with the dynamic runtime but the provider choice.
+from a dynamic decoder. What it shares with the dynamic runtime: the provider choice and device
+buffers, the token choice (`onnx_chunk.sampling.Sampler`) and the finish rule
+(`runtime.engine.request.finish_reason`).
 """
 
 from __future__ import annotations

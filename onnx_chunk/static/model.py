@@ -123,7 +123,7 @@ def load_static(
     device_id: int = 0,
     strict: bool = False,
 ) -> StaticRunner:
-    """Open a static decoder's chunk graph and decode graph for greedy generation.
+    """Open a static decoder's chunk graph and decode graph for generation.
 
     model: the chunk graph, or a folder holding it (model.onnx or chunk.onnx, and decode.onnx).
     decode_model: the rows-1 graph; default decode.onnx beside the chunk graph.

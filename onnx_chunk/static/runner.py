@@ -1,12 +1,14 @@
-"""Greedy generation on a pair of static decoders: a chunk graph (rows c) and a decode graph
+"""Generation on a pair of static decoders: a chunk graph (rows c) and a decode graph
 (rows 1) that share weights and the KV capacity C.
 
 As a pipeline: align the prompt (left pad / left truncate to whole
 chunks), run the chunks in order, each with its slice of position_ids, its rows of the
 causal-plus-padding mask right-aligned to C, and the rolling cache as past; the last real row of
 the last chunk gives the first generated token; decode continues one row at a time on the same
-cache. What the static shapes cost is reported in the result, never hidden: tokens truncated
-away, padding added, real positions dropped once more than C positions were seen.
+cache. Each token is chosen by the dynamic runtime's `Sampler` (greedy by default), and the
+generation ends by the requests' one finish rule (`request.finish_reason`). What the static
+shapes cost is reported in the result, never hidden: tokens truncated away, padding added, real
+positions dropped once more than C positions were seen.
 
 Two graph contracts are served, told apart once per graph by its mask (`CacheLayout`): the
 static reference decoder's (additive float mask [1, 1, c, C], position_ids, present holding only
@@ -17,7 +19,8 @@ written in place, prompts padded on the right, no sliding). A window-sized cache
 only past C, which the bound layout never reaches; ONNX Runtime's CUDA kernel takes such a cache
 only at capacity == window (`Device.window_slack`), so other capacities are refused there.
 
-Every forward runs through IOBinding on the runner's device (`Device.run`): the KV cache lives
+Every forward runs through one IOBinding per graph on the runner's device (`Device.run`),
+bound anew for each forward and cleared after it: the KV cache lives
 in device buffers allocated once per request and never crosses to the host (the bound layout
 is written in place by the attention, the rolling one is rolled by device-to-device copies);
 the host sends the token ids, positions and mask, and reads back one row of logits when a token
@@ -38,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from onnx_chunk import arguments
 from onnx_chunk.errors import (
     CapacityError,
     ConfigError,
@@ -48,6 +52,8 @@ from onnx_chunk.errors import (
 )
 from onnx_chunk.runtime.device.buffers import DeviceBuffer, device_zeros
 from onnx_chunk.runtime.device.provider import Device, resolve_device
+from onnx_chunk.runtime.engine.request import FinishReason, finish_reason
+from onnx_chunk.sampling import GREEDY, Sampler, Sampling
 from onnx_chunk.static.alignment import AlignedPrompt, PadSide, StaticLimits, align_prompt
 from onnx_chunk.static.bound_kv import BoundKVCache
 from onnx_chunk.static.kv_buffers import PAST, PRESENT, StaticKVBuffers
@@ -80,6 +86,8 @@ class StaticGenerationResult:
     """Seconds from the call to the first generated token (alignment and chunked prefill)."""
     decode_tokens_per_s: float | None
     """Tokens per second of the decode steps after the first token; None without any."""
+    finish_reason: FinishReason
+    """Why it ended: "stop" (an end-of-sequence id came) or "length" (max_new_tokens)."""
     warnings: list[str] = field(default_factory=list)
     step_logits: list[np.ndarray] = field(default_factory=list)
     """The logits [vocab] each token was chosen from, when asked for (`keep_logits`)."""
@@ -282,6 +290,8 @@ class StaticRunner:
         self.device = device if device is not None else resolve_device(provider, device_id)
         # The device buffers of the graphs' inputs (`_bind_input`), by (graph spec, input).
         self._inputs: dict[tuple[int, str], DeviceBuffer] = {}
+        # One IOBinding per graph (`_binding`), by session.
+        self._bindings: dict[int, ort.IOBinding] = {}
         self.chunk_session = _session(chunk_path, self.device)
         self.decode_session = _session(decode_path, self.device)
         self.chunk_spec = _graph_spec(self.chunk_session, chunk_path)
@@ -363,29 +373,45 @@ class StaticRunner:
         position_ids: np.ndarray, start: int, logits_row: int | None = None,
     ) -> np.ndarray | None:
         """One forward of `spec.rows` positions starting at sequence index `start`, bound on the
-        device; updates the cache there (rolled, or written in place) and returns row
-        `logits_row` of the logits ([vocab], a host copy of that row only), or None."""
-        binding = session.io_binding()
-        # Inputs live in device buffers allocated once per (graph, input) and written in
-        # place: what crosses is the forward's ids, mask and positions, counted.
-        self._bind_input(binding, spec, "input_ids", np.ascontiguousarray(input_ids[None]))
-        self._bind_input(binding, spec, "attention_mask",
-                         cache.forward_mask(valid, start, spec.rows, spec.mask_dtype))
-        if spec.position_ids:
-            self._bind_input(binding, spec, "position_ids",
-                             np.ascontiguousarray(position_ids[None]))
-        # Bound first, so that it is the binding's first output (outputs come in bind order).
-        binding.bind_output(spec.logits, self.device.device_type, self.device.device_id)
-        cache.bind(binding, spec.rows)
-        self.device.run(session, binding, None)
-        if not self.device.host_visible:
-            binding.synchronize_outputs()
-        cache.after_forward(valid[start:start + spec.rows])
-        if logits_row is None:
-            return None
-        logits = DeviceBuffer(binding.get_outputs()[0], None, spec.logits_dtype,
-                              None if self.device.host_visible else self.device.transfers)
-        return np.array(logits.read(logits_row * self.vocab_size, self.vocab_size))
+        device through the graph's one IOBinding; updates the cache there (rolled, or written
+        in place) and returns row `logits_row` of the logits ([vocab], a host copy of that row
+        only), or None."""
+        binding = self._binding(session)
+        try:
+            # Inputs live in device buffers allocated once per (graph, input) and written in
+            # place: what crosses is the forward's ids, mask and positions, counted.
+            self._bind_input(binding, spec, "input_ids", np.ascontiguousarray(input_ids[None]))
+            self._bind_input(binding, spec, "attention_mask",
+                             cache.forward_mask(valid, start, spec.rows, spec.mask_dtype))
+            if spec.position_ids:
+                self._bind_input(binding, spec, "position_ids",
+                                 np.ascontiguousarray(position_ids[None]))
+            # Bound first, so that it is the binding's first output (outputs come in bind
+            # order); bound to the device only, so ONNX Runtime allocates it for this run.
+            binding.bind_output(spec.logits, self.device.device_type, self.device.device_id)
+            cache.bind(binding, spec.rows)
+            self.device.run(session, binding, None)
+            if not self.device.host_visible:
+                binding.synchronize_outputs()
+            cache.after_forward(valid[start:start + spec.rows])
+            if logits_row is None:
+                return None
+            logits = DeviceBuffer(binding.get_outputs()[0], None, spec.logits_dtype,
+                                  None if self.device.host_visible else self.device.transfers)
+            return np.array(logits.read(logits_row * self.vocab_size, self.vocab_size))
+        finally:
+            # Emptied after every forward, so that the binding holds no buffer of this request
+            # (its cache, the logits ONNX Runtime allocated) once it ends, and the next forward
+            # binds every name afresh, the logits first.
+            binding.clear_binding_inputs()
+            binding.clear_binding_outputs()
+
+    def _binding(self, session: ort.InferenceSession) -> ort.IOBinding:
+        """The one IOBinding of `session`'s graph, made on its first forward."""
+        binding = self._bindings.get(id(session))
+        if binding is None:
+            binding = self._bindings[id(session)] = session.io_binding()
+        return binding
 
     def _bind_input(self, binding: ort.IOBinding, spec: _GraphSpec, name: str,
                     array: np.ndarray) -> None:
@@ -453,32 +479,59 @@ class StaticRunner:
         return StaticPrefill(aligned, cache, logits, chunks, began, warnings)
 
     def decode(
-        self, prefill: StaticPrefill, max_new_tokens: int, *, eos_token_id: int | None = None,
+        self, prefill: StaticPrefill, max_new_tokens: int, *,
+        eos_token_id: int | Sequence[int] | None = None, sampling: Sampling | None = None,
         keep_logits: bool = False,
     ) -> StaticGenerationResult:
-        """Greedy tokens after `start`: the first from the prefill's logits, the rest one row at
-        a time through the decode graph on the same cache (which this call rolls on);
-        `keep_logits` keeps the logits of every step in the result."""
-        tokens = [int(np.argmax(prefill.logits))]
+        """The tokens after `start`: the first from the prefill's logits, the rest one row at a
+        time through the decode graph on the same cache (which this call rolls on).
+
+        Each token is chosen by a `Sampler` under `sampling` (default greedy: the argmax),
+        which first sees the prompt's kept real ids, as a dynamic sequence's does. The
+        generation ends by the requests' one rule (`finish_reason`): at an id of
+        `eos_token_id` (one id or several, each in [0, vocab); None: none) or after
+        `max_new_tokens`. `keep_logits` keeps the logits of every step in the result.
+        """
+        stop, sampler = self._stop_ids(eos_token_id), self._sampler(sampling)
+        return self._decode(prefill, max_new_tokens, stop, sampler, keep_logits)
+
+    def _stop_ids(self, eos_token_id: object) -> tuple[int, ...]:
+        """The end ids of a request, checked as the dynamic runtime checks them (InputError)."""
+        return arguments.stop_ids(eos_token_id, (), self.vocab_size)
+
+    def _sampler(self, sampling: Sampling | None) -> Sampler:
+        """A request's sampler; InputError for what the static runner does not give."""
+        if sampling is not None and (sampling.logprobs is not None
+                                     or sampling.prompt_logprobs is not None):
+            raise InputError("the static runner gives tokens only; ask for logprobs from a "
+                             "dynamic model (Runtime.submit or generate_text)")
+        return Sampler(GREEDY if sampling is None else sampling, self.vocab_size)
+
+    def _decode(self, prefill: StaticPrefill, max_new_tokens: int, stop: tuple[int, ...],
+                sampler: Sampler, keep_logits: bool) -> StaticGenerationResult:
+        aligned, cache = prefill.aligned, prefill.cache
+        sampler.observe(aligned.input_ids[aligned.valid].tolist())
+        tokens = [sampler.choose(prefill.logits)]
         step_logits = [prefill.logits] if keep_logits else []
         ttft = time.perf_counter() - prefill.began
-        aligned, cache = prefill.aligned, prefill.cache
+        reason = finish_reason(tokens[-1], 1, max_new_tokens, stop)
         valid = aligned.valid
         position = aligned.kept_len
         steps = 0
         decode_began = time.perf_counter()
-        while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
+        while reason is None:
             start = len(valid)
             valid = np.append(valid, True)
             logits = self.run_forward(self.decode_session, self.decode_spec, cache, valid,
                                       np.array([tokens[-1]], dtype=np.int64),
                                       np.array([position], dtype=np.int64), start, 0)
             assert logits is not None
-            tokens.append(int(np.argmax(logits)))
+            tokens.append(sampler.choose(logits))
             if keep_logits:
                 step_logits.append(logits)
             position += 1
             steps += 1
+            reason = finish_reason(tokens[-1], len(tokens), max_new_tokens, stop)
         decode_s = time.perf_counter() - decode_began
         warnings = list(prefill.warnings)
         dropped = cache.dropped_positions
@@ -493,7 +546,7 @@ class StaticRunner:
             pad_count=aligned.pad_count, truncated_tokens=aligned.truncated_count,
             dropped_positions=dropped, chunks=prefill.chunks, decode_steps=steps,
             ttft_s=ttft, decode_tokens_per_s=steps / decode_s if steps and decode_s > 0 else None,
-            warnings=warnings, step_logits=step_logits,
+            finish_reason=reason, warnings=warnings, step_logits=step_logits,
         )
 
     def generate(
@@ -501,12 +554,14 @@ class StaticRunner:
         prompt_ids: Sequence[int] | np.ndarray,
         max_new_tokens: int,
         *,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        sampling: Sampling | None = None,
     ) -> StaticGenerationResult:
-        """Greedy tokens for `prompt_ids`: chunked prefill, then single-row decode steps, stopping
-        after `max_new_tokens` or at `eos_token_id`."""
-        return self.decode(self.start(prompt_ids, max_new_tokens), max_new_tokens,
-                           eos_token_id=eos_token_id)
+        """Tokens for `prompt_ids`: chunked prefill, then single-row decode steps, chosen and
+        ended as `decode` says. The end ids and the sampling are checked before anything runs."""
+        stop, sampler = self._stop_ids(eos_token_id), self._sampler(sampling)
+        return self._decode(self.start(prompt_ids, max_new_tokens), max_new_tokens, stop,
+                            sampler, keep_logits=False)
 
 
 def _windows(chunk_path: Path) -> set[int]:

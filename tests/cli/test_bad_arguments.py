@@ -120,9 +120,12 @@ def test_build_model_refuses_an_output_path_that_is_not_utf8(tmp_path, capsys, v
 @pytest.mark.parametrize("eos, words", [
     (["--eos-token-id", "-1"], ("--eos-token-id", "at least 0")),
     (["--eos-token-id", "256"], ("--eos-token-id", "at most 255")),
-    (["--eos-token-id", "3", "--eos-token-id", "4"], ("one --eos-token-id",)),
+    (["--eos-token-id", "3", "--eos-token-id", "256"], ("--eos-token-id", "at most 255")),
+    (["--temperature", "0.5"], ("--temperature cannot be used with token ids",)),
+    (["--top-p", "0.9", "--seed", "3"], ("--top-p cannot be used with token ids",)),
 ])
-def test_generate_on_a_static_decoder_checks_its_eos_id(static_pair, capsys, eos, words):
+def test_generate_on_a_static_decoder_checks_its_eos_ids_and_refuses_sampling_options(
+        static_pair, capsys, eos, words):
     assert main(["generate", str(static_pair), "--ids", "1,2", "--max-new-tokens", "2",
                  "--provider", "cpu", *eos]) == 2
     one_error_line(capsys, *words)

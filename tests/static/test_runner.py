@@ -3,16 +3,21 @@ sliding window beyond C equals a NumPy reference."""
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 
 from onnx_chunk.errors import CapacityError, ConfigError, InputError, ModelStructureError
 from onnx_chunk.models.config import config_for
 from onnx_chunk.models.static_decoder import reference_forward
 from onnx_chunk.models.weights import make_weights
+from onnx_chunk.runtime import load
 from onnx_chunk.runtime.device.provider import device_for
+from onnx_chunk.sampling import Sampler, Sampling
 from onnx_chunk.static.alignment import StaticLimits, align_prompt
 from onnx_chunk.static.mask import mask_fill_value
 from onnx_chunk.static.runner import StaticRunner, window_capacity_problem
@@ -142,9 +147,121 @@ def test_a_decode_graph_of_the_other_layout_is_refused(fixed_pair, graphs):
 
 def test_eos_stops_generation(runner):
     prompt = _prompt(6, seed=2)
-    first = runner.generate(prompt, 5).tokens
-    stopped = runner.generate(prompt, 5, eos_token_id=first[1])
-    assert stopped.tokens == first[:2] and stopped.decode_steps == 1
+    first = runner.generate(prompt, 5)
+    assert first.finish_reason == "length" and len(first.tokens) == 5
+    stopped = runner.generate(prompt, 5, eos_token_id=first.tokens[1])
+    assert stopped.tokens == first.tokens[:2] and stopped.decode_steps == 1
+    assert stopped.finish_reason == "stop"
+
+
+def test_any_of_several_eos_ids_stops_generation_even_as_the_last_token(runner):
+    prompt = _prompt(6, seed=2)
+    tokens = runner.generate(prompt, 5).tokens
+    absent = next(token for token in range(256) if token not in tokens)
+    for ends in ([absent, tokens[2]], (tokens[2], absent), np.array([absent, tokens[2]])):
+        stopped = runner.generate(prompt, 5, eos_token_id=ends)
+        assert stopped.tokens == tokens[:tokens.index(tokens[2]) + 1]
+        assert stopped.finish_reason == "stop"
+    last = runner.generate(prompt, 5, eos_token_id=[absent, tokens[4]])
+    assert last.tokens == tokens[:tokens.index(tokens[4]) + 1]
+    assert last.finish_reason == "stop"
+    assert runner.generate(prompt, 5, eos_token_id=[]).finish_reason == "length"
+
+
+@pytest.mark.parametrize("eos, words", [(-1, "at least 0"), (256, "at most 255"),
+                                        ([3, 256], "at most 255"), ("3", "pass ints"),
+                                        ([3, 4.0], "must be an integer")])
+def test_bad_eos_ids_are_refused_before_anything_runs(graphs, monkeypatch, eos, words):
+    runner = StaticRunner(*graphs, max_input_len=MAX_INPUT, provider="cpu")
+    monkeypatch.setattr(runner, "run_forward", _no_forward)
+    with pytest.raises(InputError, match=words):
+        runner.generate(_prompt(6), 3, eos_token_id=eos)
+
+
+def test_logprobs_are_refused_before_anything_runs(graphs, monkeypatch):
+    runner = StaticRunner(*graphs, max_input_len=MAX_INPUT, provider="cpu")
+    monkeypatch.setattr(runner, "run_forward", _no_forward)
+    for sampling in (Sampling(logprobs=0), Sampling(prompt_logprobs=2)):
+        with pytest.raises(InputError, match="tokens only"):
+            runner.generate(_prompt(6), 3, sampling=sampling)
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        runner.generate(_prompt(6), 3, sampling=Sampling(logit_bias={300: 1.0}))
+
+
+def _no_forward(*args, **kwargs):
+    raise AssertionError("a forward ran before the request was checked")
+
+
+SAMPLED = Sampling(temperature=1.5, top_p=0.95, repetition_penalty=1.3, seed=11)
+
+
+@pytest.mark.parametrize("kind", ["runner", "fixed_runner"])
+def test_sampled_tokens_are_the_samplers_draws_from_each_steps_logits(request, kind):
+    runner = request.getfixturevalue(kind)
+    prompt = _prompt(7, seed=4)
+    new = 8
+    result = runner.decode(runner.start(prompt, new), new, sampling=SAMPLED, keep_logits=True)
+    replay = Sampler(SAMPLED, runner.vocab_size)
+    replay.observe(prompt)
+    assert result.tokens == [replay.choose(logits) for logits in result.step_logits]
+    assert runner.generate(prompt, new, sampling=SAMPLED).tokens == result.tokens
+    assert result.tokens != runner.generate(prompt, new).tokens  # it did sample
+    greedy = runner.generate(prompt, new, sampling=Sampling()).tokens
+    assert greedy == runner.generate(prompt, new).tokens
+
+
+def _holding_its_next_token(runner: StaticRunner) -> list[int]:
+    """A prompt that holds its own greedy next token: a repetition penalty moves that token
+    only if the prompt's ids count as seen."""
+    for seed in range(200):
+        prompt = _prompt(MAX_INPUT, seed=seed)
+        if runner.generate(prompt, 1).tokens[0] in prompt:
+            return prompt
+    raise AssertionError("none of 200 prompts holds its greedy next token")
+
+
+@pytest.mark.parametrize("kind", ["runner", "fixed_runner"])
+def test_sampled_and_penalised_tokens_equal_a_dynamic_sequences(request, dynamic_models, kind):
+    runner = request.getfixturevalue(kind)
+    runtime = load(dynamic_models(SEED), provider="cpu")
+    sequence = runtime.open_sequence()
+    prompt = _holding_its_next_token(runner)
+    new = CAPACITY - MAX_INPUT
+    penalised = Sampling(repetition_penalty=100.0)
+    for sampling in (SAMPLED, penalised):
+        sequence.rewind(sequence.length)
+        theirs = sequence.generate(prompt, new, [], sampling=sampling)
+        assert runner.generate(prompt, new, sampling=sampling).tokens == theirs
+    # The penalty reaches the prompt's ids: it moves the first token off the greedy one.
+    assert runner.generate(prompt, 1, sampling=penalised).tokens != \
+        runner.generate(prompt, 1).tokens
+    runtime.close()
+
+
+def test_one_binding_per_graph_is_reused_and_keeps_no_finished_requests_buffers(
+        fixed_pair, monkeypatch):
+    made = []
+    io_binding = ort.InferenceSession.io_binding
+
+    def counted(session):
+        made.append(session)
+        return io_binding(session)
+
+    monkeypatch.setattr(ort.InferenceSession, "io_binding", counted)
+    runner = StaticRunner(fixed_pair / "chunk.onnx", fixed_pair / "decode.onnx",
+                          max_input_len=MAX_INPUT, provider="cpu")
+    prompt = _prompt(9, seed=7)
+    prefill = runner.start(prompt, 6)
+    first = runner.decode(prefill, 6)
+    assert first.chunks == 3 and first.decode_steps == 5
+    assert len(made) == 2 and made[0] is not made[1]  # one per graph, for 8 forwards
+    cache = [weakref.ref(buffer.value) for buffer in (*prefill.cache.key_buffers,
+                                                      *prefill.cache.value_buffers)]
+    del prefill
+    gc.collect()
+    assert all(ref() is None for ref in cache)
+    assert runner.generate(prompt, 6).tokens == first.tokens
+    assert len(made) == 2
 
 
 def test_parameter_checks_come_up_front(graphs, static_models):

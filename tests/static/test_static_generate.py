@@ -11,7 +11,13 @@ import pytest
 
 from onnx_chunk.cli import main
 from onnx_chunk.cli.static_generate import run_static_generate
-from onnx_chunk.errors import CapacityError, ConfigError, ModelLoadError, ModelStructureError
+from onnx_chunk.errors import (
+    CapacityError,
+    ConfigError,
+    InputError,
+    ModelLoadError,
+    ModelStructureError,
+)
 from onnx_chunk.static import is_static_model, load_static
 from onnx_chunk.static.fix_shapes import fix_shapes
 
@@ -111,9 +117,13 @@ def test_json_reports_truncation_and_strict_refuses(pair_dir):
     assert [entry["tokens"] for entry in entries] == [result.tokens for result in results]
     assert all(len(entry["tokens"]) == 3 and entry["ttft_s"] > 0 for entry in entries)
     assert {"dropped_positions", "decode_tokens_per_s"} <= set(entries[0])
+    assert [entry["finish_reason"] for entry in entries] == ["length", "length"]
     strict = load_static(pair_dir, max_input_len=MAX_INPUT, provider="cpu", strict=True)
     with pytest.raises(CapacityError, match="left truncation"):
         run_static_generate(strict, [long_prompt], max_new_tokens=3, echo=lines.append)
+    with pytest.raises(InputError, match="at most 255"):
+        run_static_generate(runner, [short_prompt], max_new_tokens=3, eos_token_id=[3, 256],
+                            echo=lines.append)
 
 
 def test_text_output_has_a_header_and_the_warnings(pair_dir):
@@ -195,6 +205,24 @@ def test_fix_shapes_output_with_inputs_the_runner_cannot_feed_is_refused(
     checks = {check["name"]: check for check in json.loads(capsys.readouterr().out)["checks"]}
     assert checks["static.graph"]["outcome"] == "failed"
     assert port in checks["static.graph"]["reason"]
+
+
+def test_several_eos_ids_stop_a_static_generation_at_the_first_of_them(pair_dir, capsys):
+    prompt = ",".join(map(str, _prompt(6, seed=3)))
+    command = ["generate", str(pair_dir), "--ids", prompt, "--max-new-tokens", "6",
+               "--provider", "cpu", "--json"]
+    assert main(command) == 0
+    free = json.loads(capsys.readouterr().out)
+    tokens = free["tokens"]
+    assert free["finish_reason"] == "length" and len(tokens) == 6
+    absent = next(token for token in range(256) if token not in tokens)
+    assert main([*command, "--eos-token-id", str(absent), "--eos-token-id",
+                 str(tokens[3])]) == 0
+    stopped = json.loads(capsys.readouterr().out)
+    assert stopped["tokens"] == tokens[:tokens.index(tokens[3]) + 1]
+    assert stopped["finish_reason"] == "stop"
+    assert main([*command[:-1], "--eos-token-id", str(tokens[3])]) == 0
+    assert "| finish stop" in capsys.readouterr().out
 
 
 def test_every_static_prompt_is_checked_before_any_runs(pair_dir, tmp_path, capsys):
