@@ -121,11 +121,17 @@ class ModelFile:
         """Whether a node of the main graph or a subgraph runs (domain, op_type)."""
         return (domain, op_type) in self.operators
 
+    def data_files(self) -> set[Path]:
+        """The files the external tensors name, beside the model (checked by `check_tensors`)."""
+        return {self.path.parent / tensor.external["location"] for tensor in self.tensors
+                if tensor.external is not None and tensor.external.get("location")}
+
     def external_initializers(self) -> Iterator[tuple[TensorRef, ExternalData]]:
         """Every initializer stored outside the file, with where its bytes are."""
+        resolved: dict[str, Path] = {}
         for tensor in self.tensors:
             if tensor.initializer and tensor.external is not None:
-                yield tensor, external_data(tensor, self.path.parent)
+                yield tensor, external_data(tensor, self.path.parent, resolved)
 
 
 @dataclass(frozen=True)
@@ -401,9 +407,12 @@ def read_value_info(data, span: Span) -> ValueInfo:
     return _Reader(data)._value_info(span)
 
 
-def external_data(tensor: TensorRef, base_dir: Path) -> ExternalData:
+def external_data(tensor: TensorRef, base_dir: Path,
+                  resolved: dict[str, Path] | None = None) -> ExternalData:
     """Where `tensor`'s external bytes are; ModelLoadError when a field is malformed or the
-    location leaves `base_dir`."""
+    location leaves `base_dir`. `resolved` keeps each location's resolved path across the
+    tensors of one model (a builder export names one file for hundreds of tensors, and each
+    resolve is a system call per path component)."""
     assert tensor.external is not None
     fields_ = tensor.external
     location = fields_.get("location", "")
@@ -424,8 +433,13 @@ def external_data(tensor: TensorRef, base_dir: Path) -> ExternalData:
     if "\x00" in location:
         raise ModelLoadError(f"tensor {tensor.name!r} names external data {location!r}, with a "
                              "NUL character no file name can hold; the model file is corrupt")
-    root = base_dir.resolve()
-    path = (root / location).resolve()
+    memo = {} if resolved is None else resolved
+    if "" not in memo:
+        memo[""] = base_dir.resolve()
+    root = memo[""]
+    path = memo.get(location)
+    if path is None:
+        path = memo[location] = (root / location).resolve()
     if Path(location).is_absolute() or not path.is_relative_to(root):
         raise ModelLoadError(
             f"tensor {tensor.name!r} points to external data {location!r}, outside the "
@@ -444,11 +458,12 @@ def check_tensors(model: ModelFile) -> None:
             "dense initializer)")
     root = model.path.parent.resolve()
     sizes: dict[Path, int] = {}
+    resolved: dict[str, Path] = {}
     for tensor in model.tensors:
         if tensor.external is None:
             continue
         name = tensor.name
-        where = external_data(tensor, root)
+        where = external_data(tensor, root, resolved)
         if where.path not in sizes:
             if not where.path.is_file():
                 raise ModelLoadError(

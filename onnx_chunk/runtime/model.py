@@ -168,8 +168,7 @@ class Runtime:
         if args.chunk_size is None and (plan is None or plan.chunk_size is None):
             args = dataclasses.replace(args, chunk_size=genai.chunk_size)
         if plan is None:
-            plan = _analyzed(self.model_path, args.chunk_size,
-                             {where.path for _, where in model.external_initializers()})
+            plan = _analyzed(self.model_path, args.chunk_size, model.data_files())
         self.plan: ChunkPlan = plan
         self.options: RuntimeOptions = resolve_options(
             args, plan=plan, genai=genai, model=model,
