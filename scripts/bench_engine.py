@@ -18,8 +18,9 @@ time: from the spawn to the first token of a 40-token prompt, the same span for 
 the import alone. Goal <= 1.0x both.
 
 Single request (`_bench/engine_single.py`, needs `--baseline PATH`, another checkout of this
-repository): TTFT and decode tokens/s of one request (`Sequence.generate`, and `submit` with
-max_batch=1) of this checkout against the baseline's, prompts of 40, 512 and 900 tokens, 64
+repository, which converts the model with its own `convert`): TTFT and decode tokens/s of one
+request (`Sequence.generate`, and `submit` with max_batch=1) of this checkout against the
+baseline's, prompts of 40, 512 and 900 tokens, 64
 new, each run 3 times in a row per process (medians); goal: within 5% (TTFT ratio <= 1.05,
 decode ratio >= 0.95), or within `--single-tolerance` (the one-session change is held to 0.03).
 
@@ -176,9 +177,13 @@ def main(argv: list[str] | None = None) -> int:
             tables.append(skipped)
         else:
             assert converted is not None
+            # Each tree runs its own conversion of the same source model.
+            source = (env.build_model(args.out, plan["preset"]) if args.model is None
+                      else env.named_export(args.model)[1] / "model.onnx")
+            baseline_model = env.converted_by(args.baseline, source, args.out, plan["chunk"])
             data = engine_single.measure(converted, args.baseline, {
                 "preset": plan["preset"], "chunk": plan["chunk"], **plan["single"],
-                "tolerance": args.single_tolerance}, repetitions)
+                "tolerance": args.single_tolerance}, repetitions, baseline_model)
             tables.append(_publish(args.out, f"engine_single{suffix}", data,
                                    engine_single.table(data)))
     if "prefill-batching" in parts:

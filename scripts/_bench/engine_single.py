@@ -32,9 +32,12 @@ PATHS = ("generate", "submit")
 DEFAULT_TOLERANCE = 0.05
 
 
-def measure(model: Path, baseline: Path, plan: dict, repetitions: int) -> dict:
-    """Every run of both trees on both paths: {path: {tree: [result per prompt, ...]}}."""
+def measure(model: Path, baseline: Path, plan: dict, repetitions: int,
+            baseline_model: Path | None = None) -> dict:
+    """Every run of both trees on both paths: {path: {tree: [result per prompt, ...]}};
+    `baseline_model`: the baseline's own conversion of the model (default `model`)."""
     trees = {CURRENT: env.ROOT, BASELINE: baseline.resolve()}
+    models = {CURRENT: model, BASELINE: model if baseline_model is None else baseline_model}
     vocab = env.model_config(model)["vocab_size"]
     prompts = [seeded_prompt(length, vocab) for length in plan["prompts"]]
     runs: dict[str, dict[str, list[list[dict]]]] = {path: {tree: [] for tree in trees}
@@ -43,7 +46,7 @@ def measure(model: Path, baseline: Path, plan: dict, repetitions: int) -> dict:
         for path in PATHS:
             for tree in round_order(tuple(trees), round_index):
                 results = _child(trees[tree], {
-                    "model": str(model), "path": path, "prompts": prompts,
+                    "model": str(models[tree]), "path": path, "prompts": prompts,
                     "new_tokens": plan["new_tokens"], "chunk_size": plan["chunk"],
                     "capacity": max(plan["prompts"]) + plan["new_tokens"],
                     "repeats": plan["repeats"]})
@@ -51,7 +54,8 @@ def measure(model: Path, baseline: Path, plan: dict, repetitions: int) -> dict:
                 print(f"round {round_index + 1}/{repetitions} single {path:<8} {tree:<8} ttft "
                       + " ".join(f"{result['ttft_s']:.3f}" for result in results) + " s",
                       file=sys.stderr)
-    return {"plan": plan, "baseline": str(trees[BASELINE]), "runs": runs}
+    return {"plan": plan, "baseline": str(trees[BASELINE]),
+            "models": {tree: str(path) for tree, path in models.items()}, "runs": runs}
 
 
 def _child(tree: Path, request: dict) -> list[dict]:

@@ -148,6 +148,23 @@ def converted_export(out: Path, name: str, folder: Path, chunk_size: int,
     return target
 
 
+def converted_by(tree: Path, source: Path, out: Path, chunk_size: int) -> Path:
+    """`source` converted by the `onnx-chunk convert` of another checkout `tree` (its own
+    graph inputs and metadata: a baseline that predates one of this checkout's inputs cannot
+    run this checkout's conversion) into out/models/<tree's folder name>/<source's folder
+    name>-converted-<chunk_size> (converted once, then reused)."""
+    tree = tree.resolve()
+    target = (out / "models" / tree.name / f"{source.parent.name}-converted-{chunk_size}"
+              / "model.onnx")
+    if not (target.is_file() and (target.parent / "genai_config.json").is_file()):
+        print(f"converting {source} with {tree} -> {target.parent}", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "onnx_chunk", "convert", str(source), "-o",
+                        str(target), "--chunk-size", str(chunk_size)], check=True,
+                       stdout=subprocess.DEVNULL, cwd=tree,
+                       env=dict(os.environ, PYTHONPATH=str(tree)))
+    return target
+
+
 def model_config(model: Path) -> dict:
     """Vocabulary size, context length and EOS token ids from the model's genai_config.json
     (`eos_token_id`: the first id, `eos_token_ids`: all of them; builder exports may list

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -166,6 +167,10 @@ def test_the_engine_benchmark_quick_mode_runs_every_part(tmp_path):
 
     single = json.loads((tmp_path / "engine_single_quick.json").read_text())
     assert single["baseline"] == str(env.ROOT)
+    # The baseline runs its own conversion of the source model, in a folder of its own.
+    baseline_model = Path(single["models"]["baseline"])
+    assert baseline_model.is_relative_to(tmp_path / "models" / env.ROOT.name)
+    assert baseline_model.is_file() and single["models"]["current"] != str(baseline_model)
     for path in ("generate", "submit"):
         current, baseline = single["runs"][path]["current"], single["runs"][path]["baseline"]
         assert [len(result["tokens"]) for result in current[0]] == [8, 8]
