@@ -1,12 +1,15 @@
 """KV bytes, peak RSS and decode tokens/s of float32, int8 and int4 KV caches (docs/kv_cache.md).
 
 Usage: bench_kv_cache.py memory FOLDER [FOLDER...] [--shape 1x32768 --shape 8x8192]
+                           [--llamacpp GGUF]
        bench_kv_cache.py decode FOLDER [FOLDER...] [--positions 1024] [--rounds 3]
 
 `memory` runs each (folder, slots x capacity) in a fresh child process: it loads the model,
 serves one short request on every slot (so every KV buffer is allocated and written) and
 reports `stats.kv_bytes` per slot and the child's own peak RSS (VmHWM of /proc/self/status;
-ru_maxrss of a child starts from its parent's). `decode` prefills a random prompt of
+ru_maxrss of a child starts from its parent's). `--llamacpp GGUF` adds llama.cpp at the same
+shapes with its f16, q8_0 and q4_0 caches (`_bench/llamacpp_kv_worker.py` in the llama.cpp
+venv: the KV bytes llama.cpp's log reports, its VmHWM). `decode` prefills a random prompt of
 `--positions` tokens and times 32 greedy decode steps after it, the folders interleaved round
 by round; the load average is printed beside each number (the machine may be shared).
 """
@@ -20,6 +23,11 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+from _bench.environment import WORKERS, llama_python
+
+LLAMA_CACHES = ("f16", "q8_0", "q4_0")
 
 _CHILD = r"""
 import json, sys, time
@@ -64,6 +72,14 @@ def _child(request: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _llama_child(python: Path, request: dict) -> dict:
+    done = subprocess.run([str(python), str(WORKERS / "llamacpp_kv_worker.py"),
+                           json.dumps(request)], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"error: llama.cpp's child failed: {done.stderr.strip()[-500:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def _load() -> str:
     return open("/proc/loadavg").read().split()[0]
 
@@ -76,7 +92,16 @@ def main() -> None:
                         help="SLOTSxCAPACITY (memory; default 1x32768 and 8x8192)")
     parser.add_argument("--positions", type=int, default=1024, help="prompt length (decode)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (decode)")
+    parser.add_argument("--llamacpp", type=Path, default=None,
+                        help="a .gguf of the same model: llama.cpp's caches too (memory)")
+    parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
     args = parser.parse_args()
+    if args.llamacpp is not None and not args.llamacpp.is_file():
+        parser.error(f"--llamacpp {args.llamacpp}: no such file")
+    llama = None if args.llamacpp is None else llama_python()
+    if llama is not None and not llama.is_file():
+        parser.error(f"no llama.cpp venv at {llama}: run scripts/bench_vs_llamacpp.py once "
+                     "(it makes it) or set ONNX_CHUNK_LLAMACPP_PYTHON")
     if args.mode == "memory":
         for shape in args.shape or ["1x32768", "8x8192"]:
             slots, capacity = (int(part) for part in shape.split("x"))
@@ -86,6 +111,13 @@ def main() -> None:
                 print(f"{shape:>8} {got['kv_dtype']:>8} KV {got['kv_bytes'] * slots / 2**20:8.1f}"
                       f" MiB  peak RSS {got['peak_rss'] / 2**20:8.1f} MiB  load {_load()}  "
                       f"{os.path.basename(folder.rstrip('/'))}", flush=True)
+            for cache in LLAMA_CACHES if llama is not None else ():
+                got = _llama_child(llama, {"model": str(args.llamacpp), "slots": slots,
+                                           "capacity": capacity, "cache": cache,
+                                           "threads": args.threads})
+                print(f"{shape:>8} {cache:>8} KV {got['kv_bytes'] / 2**20:8.1f} MiB  peak RSS "
+                      f"{got['peak_rss'] / 2**20:8.1f} MiB  load {_load()}  llama.cpp "
+                      f"{args.llamacpp.name}", flush=True)
         return
     results: dict[str, list[float]] = {folder: [] for folder in args.folders}
     for _ in range(args.rounds):

@@ -1,0 +1,95 @@
+"""llama.cpp's KV cache at a shape: its bytes and the process's peak RSS (the llama.cpp venv).
+
+argv[1] is a JSON object: model (a .gguf file), slots, capacity (positions per slot), cache
+(`f16`, `q8_0` or `q4_0`: type_k and type_v), threads. One context holds `slots` sequences of
+`capacity` positions each (n_ctx = slots x capacity, n_seq_max = slots, not unified: one cache
+stream per sequence), flash attention on (llama.cpp quantizes the V cache only with it). Each
+sequence decodes a 4-token prompt and 4 greedy tokens, so every sequence's cache is written, as
+bench_kv_cache.py's onnx-chunk child serves one short request per slot. The KV bytes are what
+llama.cpp's own log line reports for its KV buffers ("KV buffer size = X MiB"; the sum over
+them); the peak RSS is this process's VmHWM. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import re
+import sys
+
+import llama_cpp as llama
+import numpy as np
+
+CACHE_TYPES = {"f16": llama.GGML_TYPE_F16, "q8_0": llama.GGML_TYPE_Q8_0,
+               "q4_0": llama.GGML_TYPE_Q4_0}
+_LOG: list[str] = []
+_KV_LINE = re.compile(r"KV buffer size\s*=\s*([0-9.]+) MiB")
+
+
+@llama.llama_log_callback
+def _keep(level, text, user_data):
+    _LOG.append(text.decode(errors="replace"))
+
+
+def _vmhwm() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM line in /proc/self/status")
+
+
+def main() -> None:
+    request = json.loads(sys.argv[1])
+    slots, capacity = int(request["slots"]), int(request["capacity"])
+    llama.llama_log_set(_keep, ctypes.c_void_p())
+    llama.llama_backend_init()
+    model = llama.llama_model_load_from_file(request["model"].encode(),
+                                             llama.llama_model_default_params())
+    if not model:
+        raise SystemExit(f"llama.cpp could not load {request['model']}")
+    vocab_size = llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(model))
+    params = llama.llama_context_default_params()
+    params.n_ctx = slots * capacity
+    params.n_seq_max = slots
+    params.kv_unified = False
+    params.n_batch = params.n_ubatch = 512
+    params.n_threads = params.n_threads_batch = int(request["threads"])
+    params.type_k = params.type_v = CACHE_TYPES[request["cache"]]
+    params.flash_attn_type = llama.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    context = llama.llama_init_from_model(model, params)
+    if not context:
+        raise SystemExit(f"llama_init_from_model failed for a {request['cache']} cache of "
+                         f"{slots} x {capacity}")
+    batch = llama.llama_batch_init(512, 0, slots)
+    try:
+        for slot in range(slots):
+            tokens = [5 + slot, 6, 7, 8]
+            for step in range(8):
+                fed = tokens if step == 0 else tokens[-1:]
+                first = 0 if step == 0 else len(tokens) - 1
+                batch.n_tokens = len(fed)
+                for index, token in enumerate(fed):
+                    batch.token[index] = token
+                    batch.pos[index] = first + index
+                    batch.n_seq_id[index] = 1
+                    batch.seq_id[index][0] = slot
+                    batch.logits[index] = index == len(fed) - 1
+                if llama.llama_decode(context, batch) != 0:
+                    raise SystemExit("llama_decode failed")
+                logits = llama.llama_get_logits_ith(context, -1)
+                tokens.append(int(np.argmax(np.ctypeslib.as_array(logits,
+                                                                  shape=(vocab_size,)))))
+    finally:
+        llama.llama_batch_free(batch)
+    kv_mib = sum(float(match.group(1)) for line in _LOG for match in [_KV_LINE.search(line)]
+                 if match)
+    peak = _vmhwm()
+    llama.llama_free(context)
+    print(json.dumps({"kv_bytes": int(kv_mib * 2**20), "peak_rss": peak,
+                      "kv_log": [line.strip() for line in _LOG if "KV" in line][:6],
+                      "version": llama.__version__}))
+
+
+if __name__ == "__main__":
+    main()
