@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -20,8 +21,15 @@ from onnx_chunk.cli import main
 from onnx_chunk.errors import ConfigError
 from onnx_chunk.models.static_decoder import build_static_decoder
 from onnx_chunk.runtime import load
-from onnx_chunk.validate import Outcome, ValidationOptions, resolve_skip, validate_model
-from onnx_chunk.validate import agreement, numerics, validator
+from onnx_chunk.validate import (
+    Outcome,
+    ValidationOptions,
+    agreement,
+    numerics,
+    resolve_skip,
+    validate_model,
+    validator,
+)
 from onnx_chunk.validate.prompts import seeded_prompt
 from tests.exports.corpus import fixtures
 
@@ -216,8 +224,6 @@ def test_a_reference_with_less_room_sets_the_capacity_of_both(folder, capsys, tm
 
 
 def _with_context_length(original: Path, target: Path, positions: int) -> Path:
-    import shutil
-
     shutil.copytree(original, target)
     config = json.loads((target / "genai_config.json").read_text())
     config["model"]["context_length"] = positions
@@ -301,3 +307,13 @@ def test_a_static_model_takes_no_reference(folder, tmp_path, capsys):
                           "--provider", "cpu")
     assert code == 2 and out == "" and len(err.splitlines()) == 1
     assert "compares dynamic decoders" in err
+
+
+def test_the_junit_report_may_not_replace_a_file_of_the_reference(folder, capsys):
+    original = folder("genai-llama-fp32")
+    before = (original / "genai_config.json").read_bytes()
+    code, out, err = _cli(capsys, folder("genai-llama-fp32", "int8"), "--reference", original,
+                          "--junit", original / "genai_config.json", *QUICK)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
+    assert "would replace" in err
+    assert (original / "genai_config.json").read_bytes() == before
