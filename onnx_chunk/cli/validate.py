@@ -86,8 +86,8 @@ def write_junit(report: Report, target: Path) -> None:
 @click.option("--junit", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Also write the results as JUnit XML to this file.")
 @click.option("--skip", multiple=True, metavar="NAME",
-              help="Skip a check group (structure, numerics, cache, engine, static) or one check "
-                   "(e.g. structure.ladder); repeatable.")
+              help="Skip a check group (structure, numerics, cache, engine, static, reference) "
+                   "or one check (e.g. structure.ladder); repeatable.")
 @click.option("--lengths", default=None, metavar="N,N,...",
               help="Prompt lengths to run (default: around the chunk boundaries).")
 @click.option("--new-tokens", type=click.IntRange(min=1), default=DEFAULT_NEW_TOKENS,
@@ -108,6 +108,13 @@ def write_junit(report: Report, target: Path) -> None:
 @click.option("--decode-model", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Static decoders: the decode graph (1 row); default decode.onnx beside "
                    "the model.")
+@click.option("--reference", type=click.Path(path_type=Path), default=None,
+              help="Compare with this decoder of the same vocabulary (the float-cache model "
+                   "of a quantized cache, say): logits difference and greedy agreement.")
+@click.option("--reference-max-logits-diff", type=float, default=None, metavar="X",
+              help="Fail reference.max_logits_diff above X (default: report only).")
+@click.option("--reference-min-agreement", type=float, default=None, metavar="P",
+              help="Fail reference.greedy_agreement below P in [0, 1] (default: report only).")
 @click.option("--progress/--no-progress", default=None,
               help="Show a progress bar on stderr (default: when stderr is a terminal).")
 @QUIET_OPTION
@@ -115,7 +122,9 @@ def write_junit(report: Report, target: Path) -> None:
 def validate(ctx: click.Context, model_path: Path, as_json: bool, junit: Path | None,
              skip: tuple[str, ...], lengths: str | None, new_tokens: int, provider: str,
              seed: int, chunk_size: int | None, atol: float | None, max_input_len: int | None,
-             decode_model: Path | None, progress: bool | None, quiet: bool) -> None:
+             decode_model: Path | None, reference: Path | None,
+             reference_max_logits_diff: float | None, reference_min_agreement: float | None,
+             progress: bool | None, quiet: bool) -> None:
     """Check that MODEL_PATH (a .onnx file or its folder) is safe for chunked prefill.
 
     Exit code 0 when every check passed (or was skipped), 1 when one failed, 2 when the model
@@ -125,9 +134,14 @@ def validate(ctx: click.Context, model_path: Path, as_json: bool, junit: Path | 
         skip=resolve_skip(skip),
         lengths=None if lengths is None else tuple(parse_ids(lengths, "--lengths")),
         new_tokens=new_tokens, provider=provider, seed=seed, chunk_size=chunk_size,
-        atol=atol, max_input_len=max_input_len, decode_model=decode_model)
+        atol=atol, max_input_len=max_input_len, decode_model=decode_model,
+        reference=reference, reference_max_logits_diff=reference_max_logits_diff,
+        reference_min_agreement=reference_min_agreement)
     if junit is not None:
-        check_report_path(junit, model_files(model_path, decode_model))
+        protected = model_files(model_path, decode_model)
+        if reference is not None and reference.exists():
+            protected += model_files(reference, None)
+        check_report_path(junit, protected)
     show = progress if progress is not None else wanted(quiet)
     bar = _ProgressBar() if show else None
     try:

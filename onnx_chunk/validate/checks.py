@@ -11,6 +11,7 @@ NUMERICS = "numerics"
 CACHE = "cache"
 ENGINE = "engine"
 STATIC = "static"
+REFERENCE = "reference"
 
 # Group -> its checks, in the order they are reported. A check's full name is group.check.
 CHECKS: dict[str, tuple[str, ...]] = {
@@ -20,6 +21,8 @@ CHECKS: dict[str, tuple[str, ...]] = {
     CACHE: ("second_pass", "variant_cap"),
     ENGINE: ("batched_decode",),
     STATIC: ("graph", "limits", "decode_graph", "chunked_vs_whole"),
+    # Reported only when a reference model is given (--reference).
+    REFERENCE: ("max_logits_diff", "greedy_agreement"),
 }
 
 # Structure checks that apply to a static (fixed-shape) decoder; the others read the dynamic

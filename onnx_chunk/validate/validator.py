@@ -2,7 +2,9 @@
 
 Order: structure (graph, weights, plan), then for a dynamic decoder numerics and cache
 behaviour on the runtime, or for a static decoder its own checks. A check that cannot run
-because an earlier one found the model unusable is skipped with the reason.
+because an earlier one found the model unusable is skipped with the reason. With a reference
+model, its runs come before the runtime groups and the subject's comparison after them
+(agreement), so no two runtimes are loaded at once.
 """
 
 from __future__ import annotations
@@ -22,12 +24,22 @@ from onnx_chunk.passes import DEFAULT_CHUNK_SIZE
 from onnx_chunk.runtime import Runtime
 from onnx_chunk.runtime.device.provider import PROVIDER_CHOICES, resolve_device
 from onnx_chunk.static.model import check_fixed_sizes
+from onnx_chunk.validate.agreement import (
+    ReferenceModel,
+    ReferenceSteps,
+    Thresholds,
+    fitted_settings,
+    open_reference,
+    reference_checks,
+    reference_steps,
+)
 from onnx_chunk.validate.cache import cache_checks
 from onnx_chunk.validate.checks import (
     CACHE,
     CHECKS,
     ENGINE,
     NUMERICS,
+    REFERENCE,
     STATIC,
     STATIC_STRUCTURE,
     STRUCTURE,
@@ -77,6 +89,9 @@ class ValidationOptions:
     atol: float | None = None
     max_input_len: int | None = None
     decode_model: Path | None = None
+    reference: str | os.PathLike | None = None
+    reference_max_logits_diff: float | None = None
+    reference_min_agreement: float | None = None
 
     def __post_init__(self) -> None:
         if self.provider not in PROVIDER_CHOICES:
@@ -97,6 +112,34 @@ class ValidationOptions:
                                       or not isinstance(self.atol, (int, float))
                                       or not (self.atol >= 0 and math.isfinite(self.atol))):
             raise ConfigError(f"atol must be a finite number >= 0, got {self.atol!r}")
+        thresholds = [name for name, value in (
+            ("reference_max_logits_diff (--reference-max-logits-diff)",
+             self.reference_max_logits_diff),
+            ("reference_min_agreement (--reference-min-agreement)",
+             self.reference_min_agreement)) if value is not None]
+        if thresholds and self.reference is None:
+            raise ConfigError(f"{' and '.join(thresholds)} "
+                              f"{'compare' if len(thresholds) > 1 else 'compares'} against a "
+                              "reference model, and none is given; add one (reference, "
+                              "--reference)")
+        if self.reference_max_logits_diff is not None and not _number_within(
+                self.reference_max_logits_diff, 0.0, math.inf):
+            raise ConfigError("reference_max_logits_diff must be a finite number >= 0, got "
+                              f"{self.reference_max_logits_diff!r}")
+        if self.reference_min_agreement is not None and not _number_within(
+                self.reference_min_agreement, 0.0, 1.0):
+            raise ConfigError("reference_min_agreement must be a number from 0 to 1, got "
+                              f"{self.reference_min_agreement!r}")
+
+    @property
+    def thresholds(self) -> Thresholds:
+        return Thresholds(self.reference_max_logits_diff, self.reference_min_agreement)
+
+
+def _number_within(value: object, lowest: float, highest: float) -> bool:
+    """Whether `value` is a finite int or float (not a bool) in [lowest, highest]."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and lowest <= value <= highest)
 
 
 class Progress(Protocol):
@@ -111,13 +154,21 @@ def validate_model(path: str | os.PathLike, options: ValidationOptions | None = 
                    progress: Progress | None = None) -> Report:
     """Run every check that `options` selects on the decoder at `path` (a file or a folder).
 
-    Raises ModelLoadError when the model cannot be read at all, ConfigError for impossible
-    options and ProviderError when the provider asked for cannot run here.
+    Raises ModelLoadError when the model (or the reference) cannot be read at all, ConfigError
+    for impossible options or a reference that cannot be compared (agreement, rule 1) and
+    ProviderError when the provider asked for cannot run here.
     """
     options = options or ValidationOptions()
     subject = load_subject(path)
     if subject.static is None:
         _refuse_static_options(options, subject.path)
+    elif options.reference is not None:
+        raise ConfigError(f"reference (--reference) compares dynamic decoders, and "
+                          f"{str(subject.path)!r} is a static one; drop it")
+    compared = _selected(options, REFERENCE)
+    reference = None
+    if options.reference is not None and any(compared(check) for check in CHECKS[REFERENCE]):
+        reference = open_reference(options.reference, subject)
     device = resolve_device(options.provider)
     on_cpu = device.provider == "cpu"
     advance = progress.advance if progress is not None else _ignore
@@ -148,8 +199,9 @@ def validate_model(path: str | os.PathLike, options: ValidationOptions | None = 
             _keep(results, _not_runnable(STATIC, selected, "the weights cannot be loaded (see "
                                          "structure.external_data)"))
     else:
-        names = [full_name(group, check) for group in (STRUCTURE, NUMERICS, CACHE, ENGINE)
-                 for check in CHECKS[group]]
+        groups = (STRUCTURE, NUMERICS, CACHE, ENGINE,
+                  *((REFERENCE,) if options.reference is not None else ()))
+        names = [full_name(group, check) for group in groups for check in CHECKS[group]]
         structure, plan = structure_checks(subject, _selected(options, STRUCTURE))
         _keep(results, structure)
         blocker = _runtime_blocker(subject, plan)
@@ -161,16 +213,23 @@ def validate_model(path: str | os.PathLike, options: ValidationOptions | None = 
         if blocker is not None:
             if progress is not None:
                 progress.start(0)
-            for group, selected in ((NUMERICS, numerics), (CACHE, cache), (ENGINE, engine)):
+            for group, selected in ((NUMERICS, numerics), (CACHE, cache), (ENGINE, engine),
+                                    (REFERENCE, compared)):
                 _keep(results, _not_runnable(group, selected, blocker))
-        elif wants_numerics or wants_cache or wants_engine:
+        elif wants_numerics or wants_cache or wants_engine or reference is not None:
             assert plan is not None
             run_settings = _run_settings(plan, options, device.provider,
                                      CPU_ATOL if on_cpu else DEVICE_ATOL)
+            runs = len(run_settings.lengths)
             if progress is not None:
-                runs = len(run_settings.lengths)
                 progress.start(len(MODES) * runs * wants_numerics + 2 * runs * wants_cache
-                               + engine_runs_planned(run_settings) * wants_engine)
+                               + engine_runs_planned(run_settings) * wants_engine
+                               + 2 * runs * (reference is not None))
+            compared_runs: tuple[ReferenceModel, list[ReferenceSteps], RunSettings] | None = None
+            if reference is not None:
+                # First and alone: only its rows and tokens are kept (agreement, rule 2).
+                shared = fitted_settings(reference, run_settings)
+                compared_runs = (reference, reference_steps(reference, shared, advance), shared)
             if wants_numerics:
                 _keep(results, numerics_checks(subject.path, run_settings, numerics, advance))
             if wants_cache or wants_engine:
@@ -182,6 +241,9 @@ def validate_model(path: str | os.PathLike, options: ValidationOptions | None = 
                 finally:
                     if not isinstance(served, OnnxChunkError):
                         served.close()
+            if compared_runs is not None:
+                _keep(results, reference_checks(subject.path, *compared_runs,
+                                                options.thresholds, compared, advance))
     report = Report(model=str(path))
     for name in names:
         report.checks.append(results.get(name) or CheckResult(
