@@ -111,7 +111,9 @@ def main() -> None:
                 print(f"{shape:>8} {got['kv_dtype']:>8} KV {got['kv_bytes'] * slots / 2**20:8.1f}"
                       f" MiB  peak RSS {got['peak_rss'] / 2**20:8.1f} MiB  load {_load()}  "
                       f"{os.path.basename(folder.rstrip('/'))}", flush=True)
-            for cache in LLAMA_CACHES if llama is not None else ():
+            if llama is None:
+                continue
+            for cache in LLAMA_CACHES:
                 got = _llama_child(llama, {"model": str(args.llamacpp), "slots": slots,
                                            "capacity": capacity, "cache": cache,
                                            "threads": args.threads})
