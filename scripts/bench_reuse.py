@@ -20,11 +20,14 @@ the tokens agree), the mean cached tokens per turn, and the fresh arm's differin
 largest logprob difference; then the load average before and after.
 
     .venv/bin/python scripts/bench_reuse.py [MODEL] [--conversations 200] [--turns 3]
-        [--max-tokens 16] [--time-limit SECONDS] [--json out.json]
+        [--max-tokens 16] [--time-limit SECONDS] [--json out.json] [--first N]
+        [--merge earlier.json ...]
 
 MODEL is a model folder or a bench model's name (default qwen05-int4; scripts/_bench/models.py,
 built by scripts/make_bench_models.py). `--time-limit` stops starting conversations after that
-many seconds; the report says how many ran.
+many seconds; the report says how many ran. A run that stopped there is continued by another
+from `--first` (the next conversation's number) with `--merge` naming the first run's --json:
+the report counts both.
 """
 
 from __future__ import annotations
@@ -94,7 +97,8 @@ def conversation(runtimes: dict, system: list[int], number: int, mode: str,
                             sampling(mode, seed, None)),
             "fresh": answer(runtimes["reuse"], prompt, args.max_tokens,
                             sampling(mode, seed, f"fresh:{mode}:{number}:{turn}"))}
-        record = {"turn": turn + 1, "prompt_tokens": len(prompt), **answers}
+        record = {"number": number, "turn": turn + 1, "prompt_tokens": len(prompt),
+                  **answers}
         for arm in ("reuse", "fresh"):
             first, gap = compare(answers["no reuse"], answers[arm])
             record[f"{arm}_first_difference"] = first
@@ -142,6 +146,33 @@ def report(runs: dict[str, list[list[dict]]], args: argparse.Namespace,
     return "\n".join(lines)
 
 
+# The settings that must agree for runs to be counted together (--merge).
+_SAME = ("model", "turns", "system_tokens", "user_tokens", "max_tokens", "batch", "seed")
+
+
+def _earlier(path: Path, args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
+    """The runs of an earlier --json, refused when its settings differ from this run's."""
+    try:
+        data = json.loads(path.read_text())
+        settings, runs = data["args"], data["runs"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        parser.error(f"--merge {path}: not a bench_reuse.py --json file ({error})")
+    differ = [name for name in _SAME if settings.get(name) != str(getattr(args, name))]
+    if differ:
+        parser.error(f"--merge {path}: its {', '.join(differ)} differ from this run's")
+    # A run made before --first existed numbers its conversations from 0, in order.
+    first = int(settings.get("first", 0))
+    for mode in MODES:
+        for index, conv in enumerate(runs[mode]):
+            for record in conv:
+                record.setdefault("number", first + index)
+    return runs
+
+
+def _numbers(runs: dict) -> list[int]:
+    return [conv[0]["number"] for conv in runs["greedy"]]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
@@ -159,19 +190,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=None,
                         help="start no conversation after this many seconds")
     parser.add_argument("--json", type=Path, default=None, help="write every answer here")
+    parser.add_argument("--first", type=int, default=0,
+                        help="the number of the first conversation (a continuation of a run "
+                             "that stopped at its --time-limit)")
+    parser.add_argument("--merge", type=Path, action="append", default=[],
+                        help="the --json of an earlier run of the same settings and other "
+                             "conversations: the report counts its conversations too")
     args = parser.parse_args(argv)
     for name in ("conversations", "turns", "system_tokens", "user_tokens", "max_tokens",
                  "batch"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.seed < 0:
-        parser.error("--seed must be at least 0")
+    if args.seed < 0 or args.first < 0:
+        parser.error("--seed and --first must be at least 0")
     if args.threads is not None and args.threads < 1:
         parser.error("--threads must be at least 1")
     try:
         args.model = model_folder(args.model)
     except BenchModelMissing as error:
         parser.error(str(error))
+    earlier = [_earlier(path, args, parser) for path in args.merge]
+    seen = [number for runs_of in earlier for number in _numbers(runs_of)]
+    planned = set(range(args.first, args.first + args.conversations))
+    if len(set(seen)) != len(seen) or planned & set(seen):
+        parser.error("--merge: the runs share conversation numbers (see --first)")
     load_before = os.getloadavg()
     started = time.monotonic()
     options = {"provider": args.provider, "max_batch": args.batch,
@@ -187,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{runtimes['reuse'].options.capacity}")
         system = [int(t) for t in np.random.default_rng([args.seed, 0]).integers(
             FIRST_PROMPT_ID, vocab, size=args.system_tokens)]
-        for number in range(args.conversations):
+        for number in range(args.first, args.first + args.conversations):
             if args.time_limit is not None and time.monotonic() - started > args.time_limit:
                 break
             for mode in MODES:
@@ -197,7 +239,12 @@ def main(argv: list[str] | None = None) -> int:
             runtime.close()
     elapsed = time.monotonic() - started
     loads = (load_before, os.getloadavg())
-    print(report(runs, args, loads, elapsed))
+    merged = {mode: [conv for runs_of in [*earlier, runs] for conv in runs_of[mode]]
+              for mode in MODES}
+    print(report(merged, args, loads, elapsed))
+    if earlier:
+        print(f"\n{len(runs['greedy'])} conversations from this run, "
+              f"{len(merged['greedy']) - len(runs['greedy'])} from {len(earlier)} earlier")
     if args.json is not None:
         args.json.write_text(json.dumps({"args": {key: str(value) for key, value in
                                                   vars(args).items()},

@@ -39,3 +39,24 @@ def test_bad_arguments_are_one_error_line(argv, capsys):
         bench_reuse.main([str(EXPORT), *argv] if argv[0].startswith("--") else argv)
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.count("error:") == 1
+
+
+def test_a_continuation_counts_the_earlier_run_and_refuses_overlap(tmp_path, capsys):
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    assert bench_reuse.main([str(EXPORT), "--conversations", "1", "--turns", "2",
+                             "--json", str(first)]) == 0
+    capsys.readouterr()
+    assert bench_reuse.main([str(EXPORT), "--conversations", "1", "--turns", "2", "--first", "1",
+                             "--merge", str(first), "--json", str(second)]) == 0
+    out = capsys.readouterr().out
+    assert "| greedy | 0/4 | 0/2 |" in out
+    assert "1 conversations from this run, 1 from 1 earlier" in out
+    runs = json.loads(second.read_text())["runs"]
+    assert [conv[0]["number"] for conv in runs["greedy"]] == [1]
+    # The same conversation twice, or other settings, are refused.
+    for argv in (["--first", "0"], ["--first", "1", "--max-tokens", "8"]):
+        with pytest.raises(SystemExit) as exit_info:
+            bench_reuse.main([str(EXPORT), "--conversations", "1", "--turns", "2", *argv,
+                              "--merge", str(first)])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.count("error:") == 1
