@@ -13,6 +13,7 @@ from onnx_chunk.runtime import load
 from onnx_chunk.runtime import model as runtime_model
 from onnx_chunk.runtime.device.buffers import BatchBuffers
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
+from onnx_chunk.runtime.engine.batch_engine import StepResult
 from onnx_chunk.runtime.engine.kv_state import LogicalLength
 from onnx_chunk.runtime.engine.scheduler import prefill_chunks
 from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot, new_slot
@@ -371,3 +372,49 @@ def test_a_failure_admitting_a_request_fails_it_alone_and_the_engine_goes_on(ref
         first.result(timeout=60)
     assert runtime.submit([7, 8, 9], 4, eos_token_id=[]).result(timeout=60) == expected
     runtime.close()
+
+
+def test_a_prompts_last_chunk_gives_its_first_token_and_it_decodes_from_the_next_step(
+        reference_model):
+    """One request of one chunk and 3 new tokens: a prefill step, then two decode steps."""
+    with load(reference_model("base"), provider="cpu", capacity=64, chunk_size=W,
+              max_batch=2) as runtime:
+        assert len(runtime.submit([1, 2, 3, 4, 5], 3, eos_token_id=[]).result(timeout=60)) == 3
+        stats = runtime.stats.engine
+    assert (stats.steps, stats.decode_steps, stats.prefill_chunks) == (3, 2, 1)
+
+
+def test_a_caller_may_step_the_engine_between_its_threads_steps(reference_model):
+    """`runtime.step()` runs steps in the caller's thread while the engine thread runs its own:
+    the step lock keeps them one at a time, so every request's tokens stay its own."""
+    with load(reference_model("base"), provider="cpu", capacity=128, chunk_size=W,
+              max_batch=2) as runtime:
+        idle = runtime.step()
+        assert isinstance(idle, StepResult) and not idle.ran and idle == StepResult()
+        prompts = prompts_for(runtime.ports.vocab_size, (5, 40, 17))
+        expected = alone(runtime, prompts)
+        requests = [runtime.submit(prompt, NEW_TOKENS, eos_token_id=[]) for prompt in prompts]
+        steps = []
+        while not all(request.done for request in requests):
+            steps.append(runtime.step())
+        assert [request.result() for request in requests] == expected
+        assert all(isinstance(step, StepResult) for step in steps)
+        ran = [step for step in steps if step.ran]
+        assert all(step.decode_rows <= 2 for step in ran)
+        assert all(chunk.rows <= W for step in ran for chunk in step.chunks)
+
+
+def test_a_sequences_generation_steps_in_its_callers_thread(reference_model):
+    """A sequence's stream steps its one-slot engine itself: no thread is started, and its
+    stats are those of the steps it ran (two chunks of a 20-token prompt at W 16)."""
+    runtime = load(reference_model("base"), provider="cpu", capacity=64, chunk_size=W)
+    before = {thread.ident for thread in threading.enumerate()}
+    with runtime.open_sequence() as sequence:
+        tokens = sequence.generate(list(range(3, 23)), 4, [])
+        started = {thread.ident for thread in threading.enumerate()} - before
+        stats = sequence.stats
+    assert len(tokens) == 4 and not started
+    generation = stats.last_generation
+    assert [chunk.rows for chunk in generation.chunks] == [16, 4]
+    assert (stats.prefill_forwards, stats.decode_forwards) == (2, 3)
+    assert generation.new_tokens == 4 and generation.ttft_s > 0 and generation.decode_s > 0

@@ -180,6 +180,17 @@ class Request:
             raise error
         return tokens, logprobs + [None] * (len(tokens) - len(logprobs)), ended
 
+    def since(self, seen: int) -> tuple[list[int], bool]:
+        """`ready` without the logprobs: the tokens after the first `seen` and whether the
+        request has ended (for a caller that steps the engine itself)."""
+        with self._changed:
+            tokens = self._tokens[seen:]
+            ended = self._reason is not None
+            error = self._error
+        if ended and not tokens and error is not None:
+            raise error
+        return tokens, ended
+
     def _notify(self) -> None:
         for callback in self._watchers:
             callback()
