@@ -61,7 +61,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -348,9 +348,9 @@ class BatchEngine:
             except Exception as error:  # a defect in the step itself: fail, never hang
                 logger.exception("an engine step failed")
                 with self._cond:
-                    for row in self._rows:
-                        if row is not None:
-                            self._fail(row.request, error)
+                    for held in self._rows:
+                        if held is not None:
+                            self._fail(held.request, error)
             return self._tally.result()
 
     def _schedule(self, rows: list[_Row]) -> tuple[list[list[_Row]], list[_Row]]:
@@ -707,7 +707,7 @@ class BatchEngine:
                     self._counters.longest_decode_gap_s, now - self._last_decode)
         self._last_decode = now
 
-    def _decode_forward(self, decoding: list[_Row]) -> Sequence[np.ndarray]:
+    def _decode_forward(self, decoding: list[_Row]) -> np.ndarray | tuple[np.ndarray]:
         """The batched decode's forward of every slot; each slot's logits row [vocab]."""
         steps = {row.index: row.token for row in decoding}
         # A free slot's row runs at its kept length: its write lands past what it keeps.
@@ -782,6 +782,6 @@ class SequenceEngine(BatchEngine):
     def _drop(self, index: int) -> None:
         """The sequence keeps its length (its caller rolls a failure back)."""
 
-    def _decode_forward(self, decoding: list[_Row]) -> Sequence[np.ndarray]:
+    def _decode_forward(self, decoding: list[_Row]) -> np.ndarray | tuple[np.ndarray]:
         assert self.decode is not None  # set by the caller after the first token
         return (self.decode(decoding[0].token),)

@@ -44,7 +44,7 @@ from onnx_chunk.runtime.engine.kv_window import rewind_is_exact
 from onnx_chunk.runtime.engine.scheduler import prefill_chunks
 from onnx_chunk.runtime.engine.sequence_pool import SequencePool
 from onnx_chunk.runtime.engine.speculation import Speculation
-from onnx_chunk.runtime.runner.model_runner import Forward, ModelRunner, Row
+from onnx_chunk.runtime.runner.model_runner import Forward, LogitsRows, ModelRunner, Row
 from onnx_chunk.runtime.stats import GenerationStats, SequenceStats
 from onnx_chunk.sampling import GREEDY, Sampler, Sampling
 
@@ -366,7 +366,7 @@ class Sequence:
         rows_out: list[np.ndarray] = []
         for begin, end in prefill_chunks(len(ids), self._chunk_size):
             chunk = ids[begin:end]
-            need = "all" if all_logits else ("last" if end == len(ids) else "none")
+            need: LogitsRows = "all" if all_logits else ("last" if end == len(ids) else "none")
             forward = self._runner.run(self._slot, Forward([Row(chunk, self._length)], need))
             self._stats.prefill_forwards += 1
             self._stats.padded_rows += forward.padded_rows
