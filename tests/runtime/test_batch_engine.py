@@ -376,11 +376,12 @@ def test_a_failure_admitting_a_request_fails_it_alone_and_the_engine_goes_on(ref
 
 def test_a_prompts_last_chunk_gives_its_first_token_and_it_decodes_from_the_next_step(
         reference_model):
-    """One request of one chunk and 3 new tokens: a prefill step, then two decode steps."""
+    """One request of one chunk and 3 new tokens: a prefill step, then two decode steps (the
+    counters read once the engine stopped, its last step counted)."""
     with load(reference_model("base"), provider="cpu", capacity=64, chunk_size=W,
               max_batch=2) as runtime:
         assert len(runtime.submit([1, 2, 3, 4, 5], 3, eos_token_id=[]).result(timeout=60)) == 3
-        stats = runtime.stats.engine
+    stats = runtime.stats.engine
     assert (stats.steps, stats.decode_steps, stats.prefill_chunks) == (3, 2, 1)
 
 

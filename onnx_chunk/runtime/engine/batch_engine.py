@@ -63,6 +63,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -120,8 +121,7 @@ class EngineContext:
     speculation: Speculation | None = None
 
 
-@dataclass(frozen=True)
-class StepResult:
+class StepResult(NamedTuple):
     """What one `step()` ran.
 
     `chunks`: its prefill forwards, one record per prompt chunk (real rows, query width,
@@ -184,6 +184,18 @@ class _Row:
     drafter: Drafter | None = None
 
 
+def _admission(row: _Row) -> int:
+    return row.order
+
+
+def _undrafted(decoding: list[_Row], drafted: list[tuple[_Row, np.ndarray]]) -> list[_Row]:
+    """The rows of the step's batched decode: those that verified no draft and go on."""
+    if not drafted:
+        return decoding
+    verified = {id(row) for row, _ in drafted}
+    return [row for row in decoding if id(row) not in verified and not row.request.done]
+
+
 class BatchEngine:
     """The engine of one runtime (see the module docstring)."""
 
@@ -231,7 +243,9 @@ class BatchEngine:
         self._samplers: dict[int, Sampler] = {}
         # The other choices of a queued or prefilling request, by its id (`submit_choices`).
         self._forks: dict[int, list[tuple[Request, Sampler]]] = {}
-        self._cond = threading.Condition()
+        # The lock guards the rows, the queue and the counters; the condition waits on it.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         # Held for a whole step: the thread's steps and a caller's run one at a time.
         self._stepping = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -246,7 +260,7 @@ class BatchEngine:
         """Queue a checked request; QueueFullError when the queue is full (unless `wait`:
         then wait for room)."""
         request = Request(prompt, max_new_tokens, eos_token_ids, self.cancel)
-        with self._cond:
+        with self._lock:
             if wait:
                 self._cond.wait_for(lambda: self._closed or not self._queue.full)
             if self._closed:
@@ -267,7 +281,7 @@ class BatchEngine:
         docstring); QueueFullError as `submit` (the group takes one place in the queue)."""
         others = [(Request(prompt, max_new_tokens, eos_token_ids, self.cancel), sampler)
                   for sampler in samplers[1:]]
-        with self._cond:
+        with self._lock:
             first = self.submit(prompt, max_new_tokens, eos_token_ids, samplers[0], wait=wait)
             if others:
                 self._forks[first.id] = others
@@ -275,7 +289,7 @@ class BatchEngine:
 
     def cancel(self, request: Request) -> None:
         """End `request` now; its slot (or its place in the queue) is freed at once."""
-        with self._cond:
+        with self._lock:
             if not request.finish("cancelled"):
                 return
             self._counters.cancelled += 1
@@ -286,7 +300,7 @@ class BatchEngine:
 
     @property
     def stats(self) -> EngineStats:
-        with self._cond:
+        with self._lock:
             return EngineStats(slots=self.slots,
                                running=sum(row is not None for row in self._rows),
                                queued=len(self._queue), queue_limit=self._queue.limit,
@@ -294,7 +308,7 @@ class BatchEngine:
 
     def close(self) -> None:
         """Stop the thread; queued and running requests fail with ClosedError."""
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
@@ -303,7 +317,7 @@ class BatchEngine:
         if thread is not None and thread is not threading.current_thread():
             thread.join()
         error = ClosedError("the runtime was closed before this request finished")
-        with self._cond:
+        with self._lock:
             for request in self._queue.drain():
                 self._fail(request, error)
             for others in self._forks.values():
@@ -324,30 +338,27 @@ class BatchEngine:
         lock runs it between the engine thread's steps. A defect of the step itself (not of a
         forward, which fails its own requests) fails every running request with it."""
         with self._stepping:
-            with self._cond:
+            with self._lock:
                 self._settle()
                 rows = [row for row in self._rows if row is not None]
-            if not rows:
-                return _IDLE
+                if not rows:
+                    return _IDLE
+                rounds, decoding = self._schedule(rows)
             self._tally.clear()
             try:
-                rounds, decoding = self._schedule(rows)
                 for due in rounds:
                     self._prefill_round(due)
                 drafted = self._drafts(decoding)
                 for row, draft in drafted:
                     self._verify(row, draft)
-                plain = [row for row in decoding if not row.request.done]
-                if drafted:
-                    verified = {id(row) for row, _ in drafted}
-                    plain = [row for row in plain if id(row) not in verified]
+                plain = _undrafted(decoding, drafted)
                 if plain:
                     self._decode(plain)
                 elif not drafted:
                     self._last_decode = None
             except Exception as error:  # a defect in the step itself: fail, never hang
                 logger.exception("an engine step failed")
-                with self._cond:
+                with self._lock:
                     for held in self._rows:
                         if held is not None:
                             self._fail(held.request, error)
@@ -355,21 +366,19 @@ class BatchEngine:
 
     def _schedule(self, rows: list[_Row]) -> tuple[list[list[_Row]], list[_Row]]:
         """This step's rounds of prefill chunks (each prompt's picked chunks, one per round)
-        and the rows that decode (their prompts fed before this step)."""
-        prefilling = sorted((row for row in rows if row.chunks and not row.request.done),
-                            key=lambda row: row.order)
+        and the rows that decode (their prompts fed before this step); counts the step (the
+        lock is held)."""
+        self._counters.steps += 1
         decoding = [row for row in rows if not row.chunks and not row.request.done]
-        if not prefilling:
-            with self._cond:
-                self._counters.steps += 1
+        if len(decoding) == len(rows):
             return [], decoding
+        prefilling = [row for row in rows if row.chunks and not row.request.done]
+        prefilling.sort(key=_admission)
         picks = prefill_picks([[end - begin for begin, end in row.chunks]
                                for row in prefilling], self.budget,
                               decoding=bool(decoding) or not self._runner.batches_chunks)
-        with self._cond:
-            self._counters.steps += 1
-            if decoding:
-                self._counters.decode_stalls += 1
+        if decoding and prefilling:
+            self._counters.decode_stalls += 1
         return [[row for row, count in zip(prefilling, picks) if count > round_]
                 for round_ in range(max(picks, default=0))], decoding
 
@@ -379,7 +388,7 @@ class BatchEngine:
                 self.step()
         except BaseException as error:  # a defect outside any step: never leave requests hanging
             logger.exception("the engine thread stopped")
-            with self._cond:
+            with self._lock:
                 self._thread = None
                 for row in self._rows:
                     if row is not None:
@@ -391,7 +400,7 @@ class BatchEngine:
     def _work(self) -> bool:
         """Wait for work; False when the thread is to leave (closed, or idle for
         `_IDLE_EXIT_S`)."""
-        with self._cond:
+        with self._lock:
             while not self._closed:
                 if self._queue or any(row is not None for row in self._rows):
                     return True
@@ -551,7 +560,7 @@ class BatchEngine:
         after its prompt's last chunk, the first token (and the other choices' forks)."""
         row.request.note_chunk()
         self._tally.chunks.append(ChunkRecord(rows, width, seconds))
-        with self._cond:
+        with self._lock:
             self._counters.prefill_chunks += 1
             self._counters.prefill_rows += rows
             self._counters.prefill_s += seconds
@@ -574,7 +583,7 @@ class BatchEngine:
     def _fork(self, row: _Row) -> list[_Row]:
         """The other choices of `row`'s request, each in a free slot holding a device copy of
         `row`'s KV and state (those that find none are queued on their own)."""
-        with self._cond:
+        with self._lock:
             others = [(request, sampler) for request, sampler
                       in self._forks.pop(row.request.id, ()) if not request.done]
             if not others:
@@ -671,7 +680,7 @@ class BatchEngine:
         tally.drafted += len(draft)
         tally.accepted += kept
         tally.decode_s += seconds
-        with self._cond:
+        with self._lock:
             self._counters.verify_forwards += 1
             self._counters.draft_tokens += len(draft)
             self._counters.accepted_tokens += kept
@@ -698,7 +707,7 @@ class BatchEngine:
         now = time.perf_counter()
         self._tally.decode_rows += len(decoding)
         self._tally.decode_s += now - began
-        with self._cond:
+        with self._lock:
             self._counters.decode_steps += 1
             self._counters.decode_rows += len(decoding)
             self._counters.decode_s += now - began
@@ -738,14 +747,14 @@ class BatchEngine:
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.finish(reason):
-            with self._cond:
+            with self._lock:
                 self._counters.completed += 1
                 self._cond.notify_all()
 
     def _fail(self, request: Request, error: BaseException) -> None:
         if request.finish("error", error):
             logger.info("request %d failed: %s", request.id, error)
-            with self._cond:
+            with self._lock:
                 self._counters.failed += 1
                 self._cond.notify_all()
 
