@@ -13,12 +13,12 @@ from onnx_chunk.runtime import load
 from onnx_chunk.runtime import model as runtime_model
 from onnx_chunk.runtime.device.buffers import BatchBuffers
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
-from onnx_chunk.runtime.engine.batch_engine import StepResult
+from onnx_chunk.runtime.engine.batch_engine import BatchEngine, EngineContext, StepResult
 from onnx_chunk.runtime.engine.kv_state import LogicalLength
 from onnx_chunk.runtime.engine.scheduler import prefill_chunks
 from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot, new_slot
 from onnx_chunk.runtime.runner.model_runner import Forward, ModelRunner, Row
-from onnx_chunk.sampling import Sampling
+from onnx_chunk.sampling import GREEDY, Sampler, Sampling
 from tests.exports.corpus import builder_gqa_fixtures
 
 W = 16
@@ -419,3 +419,40 @@ def test_a_sequences_generation_steps_in_its_callers_thread(reference_model):
     assert [chunk.rows for chunk in generation.chunks] == [16, 4]
     assert (stats.prefill_forwards, stats.decode_forwards) == (2, 3)
     assert generation.new_tokens == 4 and generation.ttft_s > 0 and generation.decode_s > 0
+
+
+def test_a_caller_driven_engine_runs_what_each_step_schedules(reference_model):
+    """A `threaded=False` engine steps only when its caller says: a lone prompt's prefill step
+    gives its first token and decodes nothing; a prompt whose last chunk runs while another
+    row decodes joins that step's batched decode; the tokens equal each prompt alone (the
+    runtime's sessions leave the batch axis free for two rows: max_batch=2)."""
+    runtime = load(reference_model("base"), provider="cpu", capacity=128, chunk_size=W,
+                   max_batch=2)
+    first, second = prompts_for(runtime.ports.vocab_size, (20, 5))
+    expected = alone(runtime, [first, second], 6)
+    context = EngineContext(runner=runtime.runner, ports=runtime.ports, device=runtime.device,
+                            capacity=128, chunk_size=W, masks=runtime.masks,
+                            take_number=runtime.pool.take_number,
+                            give_number=runtime.pool.give_number,
+                            release_graphs=runtime.variants.claim)
+    threads = {thread.ident for thread in threading.enumerate()}
+    engine = BatchEngine(context, 2, threaded=False)
+    vocab = runtime.ports.vocab_size
+    one = engine.submit(np.array(first), 6, (), Sampler(GREEDY, vocab))
+    assert engine.stats.queued == 1 and not one.produced  # nothing runs until a step
+    steps = [engine.step(), engine.step()]
+    # 20 tokens at W 16: a chunk of 16, then the remainder of 4 and the first token.
+    assert [[chunk.rows for chunk in step.chunks] for step in steps] == [[16], [4]]
+    assert [step.decode_rows for step in steps] == [0, 0] and len(one.produced) == 1
+    decoded = engine.step()
+    assert not decoded.chunks and decoded.decode_rows == 1 and len(one.produced) == 2
+    two = engine.submit(np.array(second), 6, (), Sampler(GREEDY, vocab))
+    joined = engine.step()
+    assert [chunk.rows for chunk in joined.chunks] == [5] and joined.decode_rows == 2
+    assert len(two.produced) == 2
+    while not (one.done and two.done):
+        assert engine.step().ran
+    assert not engine.step().ran
+    assert [one.result(), two.result()] == expected
+    assert {thread.ident for thread in threading.enumerate()} <= threads
+    engine.close()

@@ -17,7 +17,8 @@ A step (`step`): settle, schedule, run, postprocess.
 2. Schedule: the prefill chunks of the prompts being admitted, in admission order, under a
    token budget of one chunk width W (`scheduler.prefill_picks`; with native chunks and no
    row decoding, each prompt's next chunk), and the rows that decode: those whose prompt was
-   fed before this step (a row whose last chunk runs now decodes from the next step).
+   fed before this step, joined, when there are any, by those whose last chunk runs in it (the
+   batched decode runs anyway; a prompt alone decodes from the next step).
 3. Run and postprocess, in that order: each round of chunks runs one one-row forward per
    chunk (the model runner's, on a row of the engine's buffers, with the ladder padding and
    variant cache of any sequence), or natively one forward [slots, S] where that computes no
@@ -197,13 +198,14 @@ def _undrafted(decoding: list[_Row], drafted: list[tuple[_Row, np.ndarray]]) -> 
 
 
 class BatchEngine:
-    """The engine of one runtime (see the module docstring)."""
+    """The engine of one runtime (see the module docstring).
 
-    # Whether `submit` starts the background thread that steps while there is work.
-    _threaded = True
+    `threaded`: the first submit starts the background thread that steps while there is work;
+    False: no thread, the caller drives every step (`step()`).
+    """
 
     def __init__(self, context: EngineContext, slots: int,
-                 max_queue: int = DEFAULT_MAX_QUEUE) -> None:
+                 max_queue: int = DEFAULT_MAX_QUEUE, *, threaded: bool = True) -> None:
         ports, device, capacity = context.ports, context.device, context.capacity
         self._context = context
         buffers = BatchBuffers(ports.kv, ports.state, device, slots)
@@ -219,12 +221,13 @@ class BatchEngine:
             PrefixRule(windows=tuple((port.shape[2], port.window) for port in ports.kv
                                      if port.window is not None),
                        recurrent=bool(ports.state), enabled=context.prefix_reuse),
-            max_queue)
+            max_queue, threaded)
 
     def _setup(self, runner: ModelRunner, chunk_size: int, speculation: Speculation | None,
                slots: list[SequenceSlot], batch: SequenceSlot, lengths: list[LogicalLength],
-               rule: PrefixRule, max_queue: int) -> None:
+               rule: PrefixRule, max_queue: int, threaded: bool) -> None:
         """The state every engine has: its slots, their lengths, the queue, the locks."""
+        self._threaded = threaded
         self._runner = runner
         self._chunk_size = chunk_size
         self._speculation = speculation
@@ -348,6 +351,10 @@ class BatchEngine:
             try:
                 for due in rounds:
                     self._prefill_round(due)
+                if rounds and decoding:
+                    # A prompt whose last chunk just ran joins the decode that runs anyway.
+                    decoding += [row for row in rounds[0]
+                                 if not row.chunks and not row.request.done]
                 drafted = self._drafts(decoding)
                 for row, draft in drafted:
                     self._verify(row, draft)
@@ -366,8 +373,8 @@ class BatchEngine:
 
     def _schedule(self, rows: list[_Row]) -> tuple[list[list[_Row]], list[_Row]]:
         """This step's rounds of prefill chunks (each prompt's picked chunks, one per round)
-        and the rows that decode (their prompts fed before this step); counts the step (the
-        lock is held)."""
+        and the rows that decode (their prompts fed before this step; `step` adds those whose
+        last chunk runs in it when any row decodes); counts the step (the lock is held)."""
         self._counters.steps += 1
         decoding = [row for row in rows if not row.chunks and not row.request.done]
         if len(decoding) == len(rows):
@@ -769,14 +776,12 @@ class SequenceEngine(BatchEngine):
     the caller sets once the first token came.
     """
 
-    _threaded = False
-
     def __init__(self, runner: ModelRunner, slot: SequenceSlot, length: LogicalLength, *,
                  chunk_size: int, speculation: Speculation | None) -> None:
         self._buffers = None
         self.decode: Callable[[int], np.ndarray] | None = None
         self._setup(runner, chunk_size, speculation, [slot], slot, [length],
-                    PrefixRule(enabled=False), max_queue=1)
+                    PrefixRule(enabled=False), max_queue=1, threaded=False)
 
     def close(self) -> None:
         """Nothing to give back: the slot is the sequence's."""
