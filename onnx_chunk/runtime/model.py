@@ -313,8 +313,14 @@ class Runtime:
     def step(self) -> StepResult:
         """Run one step of the batch engine in this thread (see docs/engine.md, "A step"):
         what `submit`'s background thread runs while there is work; a step lock runs it
-        between the thread's. A `StepResult` (`ran` False: nothing was queued or running)."""
-        return self._engine_for().step()
+        between the thread's. A `StepResult` (`ran` False: nothing was queued or running);
+        ClosedError once the runtime was closed."""
+        if self._closed:
+            raise ClosedError("this runtime was closed; load the model again to run steps")
+        with self._engine_lock:
+            engine = self._engine
+        # Nothing was ever submitted: no engine (nor its buffers) to make for an empty step.
+        return StepResult() if engine is None else engine.step()
 
     def stop_ids(self, eos_token_id: int | SequenceOf[int] | None) -> tuple[int, ...]:
         """The EOS ids a generation stops at: `eos_token_id` checked (one id or several, each

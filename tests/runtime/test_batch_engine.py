@@ -392,6 +392,7 @@ def test_a_caller_may_step_the_engine_between_its_threads_steps(reference_model)
               max_batch=2) as runtime:
         idle = runtime.step()
         assert isinstance(idle, StepResult) and not idle.ran and idle == StepResult()
+        assert runtime.stats.engine is None  # an empty step makes no engine
         prompts = prompts_for(runtime.ports.vocab_size, (5, 40, 17))
         expected = alone(runtime, prompts)
         requests = [runtime.submit(prompt, NEW_TOKENS, eos_token_id=[]) for prompt in prompts]
@@ -403,6 +404,8 @@ def test_a_caller_may_step_the_engine_between_its_threads_steps(reference_model)
         ran = [step for step in steps if step.ran]
         assert all(step.decode_rows <= 2 for step in ran)
         assert all(chunk.rows <= W for step in ran for chunk in step.chunks)
+    with pytest.raises(ClosedError, match="closed"):
+        runtime.step()
 
 
 def test_a_sequences_generation_steps_in_its_callers_thread(reference_model):

@@ -768,7 +768,7 @@ class BatchEngine:
 
 class SequenceEngine(BatchEngine):
     """A lone sequence's engine: one slot over the sequence's own buffers and logical length,
-    stepped by its caller alone (no thread, no queue of its own callers).
+    stepped by its caller alone (no thread).
 
     Its request continues the sequence at its length and leaves the length where it ended (no
     prefix reuse, nothing reset; the caller rolls a failed request back); its decode runs on
@@ -782,9 +782,6 @@ class SequenceEngine(BatchEngine):
         self.decode: Callable[[int], np.ndarray] | None = None
         self._setup(runner, chunk_size, speculation, [slot], slot, [length],
                     PrefixRule(enabled=False), max_queue=1, threaded=False)
-
-    def close(self) -> None:
-        """Nothing to give back: the slot is the sequence's."""
 
     def _start(self, choice: SlotChoice) -> None:
         """The request continues the sequence where it is."""
