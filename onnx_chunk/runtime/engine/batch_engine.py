@@ -250,7 +250,7 @@ class BatchEngine:
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         # Held for a whole step: the thread's steps and a caller's run one at a time.
-        self._stepping = threading.Lock()
+        self._stepping = threading.RLock()
         self._thread: threading.Thread | None = None
         self._closed = False
         self._admitted = 0
@@ -320,7 +320,8 @@ class BatchEngine:
         if thread is not None and thread is not threading.current_thread():
             thread.join()
         error = ClosedError("the runtime was closed before this request finished")
-        with self._lock:
+        # A caller's step under way ends first (reentrant: a close from a step's callback).
+        with self._stepping, self._lock:
             for request in self._queue.drain():
                 self._fail(request, error)
             for others in self._forks.values():
