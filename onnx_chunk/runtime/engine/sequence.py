@@ -319,23 +319,21 @@ class Sequence:
         engine = SequenceEngine(self._runner, self._slot, self._length,
                                 chunk_size=self._chunk_size, speculation=self._speculation)
         request = engine.submit(ids, max_new_tokens, eos_ids, sampler)
-        taken = 0
         with contextlib.ExitStack() as pinned:
             while True:
                 # A sequence closed between two tokens: its stream raises ClosedError here; the
                 # buffers go back to the pool once the stream lets the sequence go.
                 self._check_open()
-                if taken and engine.decode is None:
+                if generation.new_tokens and engine.decode is None:
                     engine.decode = pinned.enter_context(
                         self._runner.decoding(self._slot, self._length))
                 self._count(engine.step(), generation)
                 # Raises the request's error (a failed forward) once its tokens were taken.
-                tokens, ended = request.since(taken)
-                if tokens and not taken:
+                tokens, ended = request.since(generation.new_tokens)
+                if tokens and not generation.new_tokens:
                     generation.ttft_s = request.stats.ttft_s or 0.0
                 for index, token in enumerate(tokens):
                     generation.new_tokens += 1
-                    taken += 1
                     try:
                         yield token
                     except GeneratorExit:
