@@ -43,7 +43,12 @@ from onnx_chunk.runtime.device.session_factory import (
     load_shared_weights,
     owned_by_session,
 )
-from onnx_chunk.runtime.engine.batch_engine import DEFAULT_MAX_QUEUE, BatchEngine, EngineContext
+from onnx_chunk.runtime.engine.batch_engine import (
+    DEFAULT_MAX_QUEUE,
+    BatchEngine,
+    EngineContext,
+    StepResult,
+)
 from onnx_chunk.runtime.engine.request import Request
 from onnx_chunk.runtime.engine.sequence import Sequence
 from onnx_chunk.runtime.engine.sequence_pool import DEFAULT_IDLE_SLOTS, SequencePool, new_slot
@@ -305,6 +310,18 @@ class Runtime:
         finally:
             for request in requests:
                 request.cancel()
+
+    def step(self) -> StepResult:
+        """Run one step of the batch engine in this thread (see docs/engine.md, "A step"):
+        what `submit`'s background thread runs while there is work; a step lock runs it
+        between the thread's. A `StepResult` (`ran` False: nothing was queued or running);
+        ClosedError once the runtime was closed."""
+        if self._closed:
+            raise ClosedError("this runtime was closed; load the model again to run steps")
+        with self._engine_lock:
+            engine = self._engine
+        # Nothing was ever submitted: no engine (nor its buffers) to make for an empty step.
+        return StepResult() if engine is None else engine.step()
 
     def stop_ids(self, eos_token_id: int | SequenceOf[int] | None) -> tuple[int, ...]:
         """The EOS ids a generation stops at: `eos_token_id` checked (one id or several, each

@@ -13,11 +13,12 @@ from onnx_chunk.runtime import load
 from onnx_chunk.runtime import model as runtime_model
 from onnx_chunk.runtime.device.buffers import BatchBuffers
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
+from onnx_chunk.runtime.engine.batch_engine import BatchEngine, EngineContext, StepResult
 from onnx_chunk.runtime.engine.kv_state import LogicalLength
 from onnx_chunk.runtime.engine.scheduler import prefill_chunks
 from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot, new_slot
 from onnx_chunk.runtime.runner.model_runner import Forward, ModelRunner, Row
-from onnx_chunk.sampling import Sampling
+from onnx_chunk.sampling import GREEDY, Sampler, Sampling
 from tests.exports.corpus import builder_gqa_fixtures
 
 W = 16
@@ -371,3 +372,90 @@ def test_a_failure_admitting_a_request_fails_it_alone_and_the_engine_goes_on(ref
         first.result(timeout=60)
     assert runtime.submit([7, 8, 9], 4, eos_token_id=[]).result(timeout=60) == expected
     runtime.close()
+
+
+def test_a_prompts_last_chunk_gives_its_first_token_and_it_decodes_from_the_next_step(
+        reference_model):
+    """One request of one chunk and 3 new tokens: a prefill step, then two decode steps (the
+    counters read once the engine stopped, its last step counted)."""
+    with load(reference_model("base"), provider="cpu", capacity=64, chunk_size=W,
+              max_batch=2) as runtime:
+        assert len(runtime.submit([1, 2, 3, 4, 5], 3, eos_token_id=[]).result(timeout=60)) == 3
+    stats = runtime.stats.engine
+    assert (stats.steps, stats.decode_steps, stats.prefill_chunks) == (3, 2, 1)
+
+
+def test_a_caller_may_step_the_engine_between_its_threads_steps(reference_model):
+    """`runtime.step()` runs steps in the caller's thread while the engine thread runs its own:
+    the step lock keeps them one at a time, so every request's tokens stay its own."""
+    with load(reference_model("base"), provider="cpu", capacity=128, chunk_size=W,
+              max_batch=2) as runtime:
+        idle = runtime.step()
+        assert isinstance(idle, StepResult) and not idle.ran and idle == StepResult()
+        assert runtime.stats.engine is None  # an empty step makes no engine
+        prompts = prompts_for(runtime.ports.vocab_size, (5, 40, 17))
+        expected = alone(runtime, prompts)
+        requests = [runtime.submit(prompt, NEW_TOKENS, eos_token_id=[]) for prompt in prompts]
+        steps = []
+        while not all(request.done for request in requests):
+            steps.append(runtime.step())
+        assert [request.result() for request in requests] == expected
+        assert all(isinstance(step, StepResult) for step in steps)
+        ran = [step for step in steps if step.ran]
+        assert all(step.decode_rows <= 2 for step in ran)
+        assert all(chunk.rows <= W for step in ran for chunk in step.chunks)
+    with pytest.raises(ClosedError, match="closed"):
+        runtime.step()
+
+
+def test_a_sequences_generation_steps_in_its_callers_thread(reference_model):
+    """A sequence's stream steps its one-slot engine itself: no thread is started, and its
+    stats are those of the steps it ran (two chunks of a 20-token prompt at W 16)."""
+    runtime = load(reference_model("base"), provider="cpu", capacity=64, chunk_size=W)
+    before = {thread.ident for thread in threading.enumerate()}
+    with runtime.open_sequence() as sequence:
+        tokens = sequence.generate(list(range(3, 23)), 4, [])
+        started = {thread.ident for thread in threading.enumerate()} - before
+        stats = sequence.stats
+    assert len(tokens) == 4 and not started
+    generation = stats.last_generation
+    assert [chunk.rows for chunk in generation.chunks] == [16, 4]
+    assert (stats.prefill_forwards, stats.decode_forwards) == (2, 3)
+    assert generation.new_tokens == 4 and generation.ttft_s > 0 and generation.decode_s > 0
+
+
+def test_a_caller_driven_engine_runs_what_each_step_schedules(reference_model):
+    """A `threaded=False` engine steps only when its caller says: a lone prompt's prefill step
+    gives its first token and decodes nothing; a prompt whose last chunk runs while another
+    row decodes joins that step's batched decode; the tokens equal each prompt alone (the
+    runtime's sessions leave the batch axis free for two rows: max_batch=2)."""
+    runtime = load(reference_model("base"), provider="cpu", capacity=128, chunk_size=W,
+                   max_batch=2)
+    first, second = prompts_for(runtime.ports.vocab_size, (20, 5))
+    expected = alone(runtime, [first, second], 6)
+    context = EngineContext(runner=runtime.runner, ports=runtime.ports, device=runtime.device,
+                            capacity=128, chunk_size=W, masks=runtime.masks,
+                            take_number=runtime.pool.take_number,
+                            give_number=runtime.pool.give_number,
+                            release_graphs=runtime.variants.claim)
+    threads = {thread.ident for thread in threading.enumerate()}
+    engine = BatchEngine(context, 2, threaded=False)
+    vocab = runtime.ports.vocab_size
+    one = engine.submit(np.array(first), 6, (), Sampler(GREEDY, vocab))
+    assert engine.stats.queued == 1 and not one.produced  # nothing runs until a step
+    steps = [engine.step(), engine.step()]
+    # 20 tokens at W 16: a chunk of 16, then the remainder of 4 and the first token.
+    assert [[chunk.rows for chunk in step.chunks] for step in steps] == [[16], [4]]
+    assert [step.decode_rows for step in steps] == [0, 0] and len(one.produced) == 1
+    decoded = engine.step()
+    assert not decoded.chunks and decoded.decode_rows == 1 and len(one.produced) == 2
+    two = engine.submit(np.array(second), 6, (), Sampler(GREEDY, vocab))
+    joined = engine.step()
+    assert [chunk.rows for chunk in joined.chunks] == [5] and joined.decode_rows == 2
+    assert len(two.produced) == 2
+    while not (one.done and two.done):
+        assert engine.step().ran
+    assert not engine.step().ran
+    assert [one.result(), two.result()] == expected
+    assert {thread.ident for thread in threading.enumerate()} <= threads
+    engine.close()

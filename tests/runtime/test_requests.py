@@ -128,25 +128,28 @@ def test_load_errors(reference_model, tmp_path):
         load(tmp_path / "missing.onnx", provider="cpu")
 
 
-def _paused_before_prefill(sequence):
-    """Make `sequence`'s next prefill wait for `proceed` once it has `started`."""
+def _paused_before_prefill(runtime, monkeypatch):
+    """Make the runtime's next forward (`ModelRunner.run`: a prefill chunk) wait for `proceed`
+    once it has `started`."""
     started, proceed = threading.Event(), threading.Event()
-    prefill = sequence._prefill
+    run = runtime.runner.run
 
-    def paused(*args, **kwargs):
-        started.set()
-        assert proceed.wait(60)
-        return prefill(*args, **kwargs)
+    def paused(slot, forward):
+        if not started.is_set():
+            started.set()
+            assert proceed.wait(60)
+        return run(slot, forward)
 
-    sequence._prefill = paused
+    monkeypatch.setattr(runtime.runner, "run", paused)
     return started, proceed
 
 
-def test_a_second_call_on_a_busy_sequence_is_refused_and_the_first_stays_right(runtime):
+def test_a_second_call_on_a_busy_sequence_is_refused_and_the_first_stays_right(runtime,
+                                                                             monkeypatch):
     prompt = list(range(1, 40))
     alone = runtime.open_sequence().generate(prompt, 6)
     sequence = runtime.open_sequence()
-    started, proceed = _paused_before_prefill(sequence)
+    started, proceed = _paused_before_prefill(runtime, monkeypatch)
     results = []
     first = threading.Thread(target=lambda: results.append(sequence.generate(prompt, 6)))
     first.start()

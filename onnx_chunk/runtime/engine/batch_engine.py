@@ -1,27 +1,36 @@
 """The batch engine: many sequences on one loaded decoder, advanced together step by step.
 
-`Runtime.submit` queues a `Request`; a background thread (started by the first submit, left
-when nothing is queued or running, stopped by `Runtime.close()`) runs steps. The engine sees
-its runtime through an `EngineContext` (the model runner, ports, device, sizes, the mask
-policy and graph slot numbers), never the runtime itself. A step:
-1. frees the slots of requests that ended (finished, failed, cancelled), each keeping the ids
-   whose KV it holds, and gives each of the queue's head requests the free slot whose kept ids
-   share the longest usable prefix with its prompt (`scheduler.choose_slot`): the slot is
-   rewound to that prefix and only the rest of the prompt is prefilled (prefix reuse);
-2. runs prefill chunks of the prompts being admitted, in admission order, under a token budget
-   of one chunk width W (`scheduler.prefill_picks`; with native chunks and no row decoding,
-   each prompt's next chunk): each chunk is a one-row forward of that slot (the model
-   runner's, on a row of the engine's buffers, with the ladder padding and variant cache of
-   any sequence), or natively one forward [slots, S] of a round's chunks where that computes
-   no more rows (`scheduler.batch_pays`); a prompt's last chunk gives its first token;
-3. with speculative decoding, verifies each decoding row's draft (if it has one this step) in
-   a forward of its own slot, as a prefill chunk runs (`speculation`);
-4. runs one batched decode forward of every slot through the same runner: each decoding row
-   without a draft feeds its last token, and every other row is run but left as it was
-   (natively at query_seqlens 0, which leaves its cache untouched; else `idle_rows`). On a
-   capturing session the batched binding captures and replays a CUDA graph like any other.
+`step()` is the one generation loop's body, whoever drives it: `Runtime.submit` queues a
+`Request` and a background thread (started by the first submit, left when nothing is queued or
+running, stopped by `Runtime.close()`) calls `step()` while there is work; `Runtime.step()`
+runs one step in the caller's thread, and a step lock keeps every step, the thread's and a
+caller's, one at a time. A lone sequence's `generate`/`stream` is a request on a
+`SequenceEngine`: one slot over the sequence's own buffers and length, stepped by its stream
+alone (no thread). The engine sees its runtime through an `EngineContext` (the model runner,
+ports, device, sizes, the mask policy and graph slot numbers), never the runtime itself.
+
+A step (`step`): settle, schedule, run, postprocess.
+1. Settle: free the slots of requests that ended (finished, failed, cancelled), each keeping
+   the ids whose KV it holds, and give each of the queue's head requests the free slot whose
+   kept ids share the longest usable prefix with its prompt (`scheduler.choose_slot`): the
+   slot is rewound to that prefix and only the rest of the prompt is prefilled (prefix reuse).
+2. Schedule: the prefill chunks of the prompts being admitted, in admission order, under a
+   token budget of one chunk width W (`scheduler.prefill_picks`; with native chunks and no
+   row decoding, each prompt's next chunk), and the rows that decode: those whose prompt was
+   fed before this step, joined, when there are any, by those whose last chunk runs in it (the
+   batched decode runs anyway; a prompt alone decodes from the next step).
+3. Run and postprocess, in that order: each round of chunks runs one one-row forward per
+   chunk (the model runner's, on a row of the engine's buffers, with the ladder padding and
+   variant cache of any sequence), or natively one forward [slots, S] where that computes no
+   more rows (`scheduler.batch_pays`); a prompt's last chunk gives its first token. With
+   speculative decoding each decoding row with a draft this step verifies it in a forward of
+   its own slot (`speculation`). Then one batched decode forward of every slot through the
+   same runner: each decoding row without a draft feeds its last token, and every other row is
+   run but left as it was (natively at query_seqlens 0, which leaves its cache untouched; else
+   `idle_rows`). Each token is chosen by the request's sampler, delivered, and the request
+   finished by the one finish rule (`request.finish_reason`).
 A failure in a forward fails the requests of that forward with the exception (their slots are
-freed, keeping nothing); the other requests go on.
+freed, keeping nothing); the other requests go on. `step()` returns a `StepResult`.
 
 What a slot keeps: its logical length (one `LogicalLength` per slot, lent to the request it
 serves) and the ids fed to it, the prompt then the generated tokens up to that length
@@ -42,7 +51,8 @@ Shapes per provider: prefill chunks run at batch 1 at the ladder widths (or the 
 session on CPU), decode at one fixed batch width of `slots` rows on the decode variant; the
 batch axis is left free in every session, so the variant cache holds what a lone sequence's
 holds (CUDA: the prefill tiers and one decode variant within the cap). The CUDA provider keeps
-its graphs per thread, so a new engine thread drops the batched binding's graphs first.
+its graphs per thread, so a step in another thread than the last batched decode's drops the
+batched binding's graphs first.
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -77,7 +88,7 @@ from onnx_chunk.runtime.engine.speculation import Drafter, Speculation, accepted
 from onnx_chunk.runtime.runner.attention_mask import AttentionMask
 from onnx_chunk.runtime.runner.model_runner import Forward, ModelRunner, Row
 from onnx_chunk.runtime.runner.ports import ModelPorts
-from onnx_chunk.runtime.stats import EngineCounters, EngineStats
+from onnx_chunk.runtime.stats import ChunkRecord, EngineCounters, EngineStats
 from onnx_chunk.sampling import Sampler, prompt_logprobs_of
 
 logger = logging.getLogger(__name__)
@@ -111,56 +122,140 @@ class EngineContext:
     speculation: Speculation | None = None
 
 
+class StepResult(NamedTuple):
+    """What one `step()` ran.
+
+    `chunks`: its prefill forwards, one record per prompt chunk (real rows, query width,
+    seconds); `decode_rows`: the rows that decoded in its batched decode forward (0: none ran);
+    `verifications`: its draft verification forwards, `drafted` / `accepted` the tokens they
+    verified and kept; `decode_s`: the time of its decode and verification forwards.
+    """
+
+    chunks: tuple[ChunkRecord, ...] = ()
+    decode_rows: int = 0
+    verifications: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    decode_s: float = 0.0
+
+    @property
+    def ran(self) -> bool:
+        """Whether the step ran any forward."""
+        return bool(self.chunks) or self.decode_rows > 0 or self.verifications > 0
+
+
+_IDLE = StepResult()
+
+
+@dataclass
+class _Tally:
+    """What the step under way has run so far (the parts of its `StepResult`)."""
+
+    chunks: list[ChunkRecord] = field(default_factory=list)
+    decode_rows: int = 0
+    verifications: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    decode_s: float = 0.0
+
+    def clear(self) -> None:
+        self.chunks.clear()
+        self.decode_rows = self.verifications = self.drafted = self.accepted = 0
+        self.decode_s = 0.0
+
+    def result(self) -> StepResult:
+        return StepResult(tuple(self.chunks), self.decode_rows, self.verifications,
+                          self.drafted, self.accepted, self.decode_s)
+
+
 @dataclass
 class _Row:
-    """A request in a slot: its length, its sampler, the prefill chunks still to run."""
+    """A request in a slot: its slot's index, its length, its sampler, the prefill chunks still
+    to run, its last token and how many it produced."""
 
     request: Request
+    index: int
     slot: SequenceSlot
     length: LogicalLength
     sampler: Sampler
     order: int
     chunks: collections.deque = field(default_factory=collections.deque)
     token: int = 0
+    produced: int = 0
     drafter: Drafter | None = None
 
 
+def _admission(row: _Row) -> int:
+    return row.order
+
+
+def _undrafted(decoding: list[_Row], drafted: list[tuple[_Row, np.ndarray]]) -> list[_Row]:
+    """The rows of the step's batched decode: those that verified no draft and go on."""
+    if not drafted:
+        return decoding
+    verified = {id(row) for row, _ in drafted}
+    return [row for row in decoding if id(row) not in verified and not row.request.done]
+
+
 class BatchEngine:
-    """The engine of one runtime (see the module docstring)."""
+    """The engine of one runtime (see the module docstring).
+
+    `threaded`: the first submit starts the background thread that steps while there is work;
+    False: no thread, the caller drives every step (`step()`).
+    """
 
     def __init__(self, context: EngineContext, slots: int,
-                 max_queue: int = DEFAULT_MAX_QUEUE) -> None:
-        self._context = context
+                 max_queue: int = DEFAULT_MAX_QUEUE, *, threaded: bool = True) -> None:
         ports, device, capacity = context.ports, context.device, context.capacity
-        self.slots = slots
-        self.budget = context.chunk_size
+        self._context = context
         buffers = BatchBuffers(ports.kv, ports.state, device, slots)
-        self._buffers = buffers
-        self._slots = [new_slot(ports, capacity, device, context.masks, context.take_number(),
-                                buffers=buffers.slot(index), captures=False)
-                       for index in range(slots)]
+        self._buffers: BatchBuffers | None = buffers
         # The batched decode's slot: every row of the buffers, a [slots, capacity] mask.
-        self._batch = SequenceSlot(context.take_number(), buffers,
-                                   context.masks(slots, capacity, ports.mask_dtype, device))
+        batch = SequenceSlot(context.take_number(), buffers,
+                             context.masks(slots, capacity, ports.mask_dtype, device))
+        self._setup(
+            context.runner, context.chunk_size, context.speculation,
+            [new_slot(ports, capacity, device, context.masks, context.take_number(),
+                      buffers=buffers.slot(index), captures=False) for index in range(slots)],
+            batch, [LogicalLength(capacity) for _ in range(slots)],
+            PrefixRule(windows=tuple((port.shape[2], port.window) for port in ports.kv
+                                     if port.window is not None),
+                       recurrent=bool(ports.state), enabled=context.prefix_reuse),
+            max_queue, threaded)
+
+    def _setup(self, runner: ModelRunner, chunk_size: int, speculation: Speculation | None,
+               slots: list[SequenceSlot], batch: SequenceSlot, lengths: list[LogicalLength],
+               rule: PrefixRule, max_queue: int, threaded: bool) -> None:
+        """The state every engine has: its slots, their lengths, the queue, the locks."""
+        self._threaded = threaded
+        self._runner = runner
+        self._chunk_size = chunk_size
+        self._speculation = speculation
+        self.slots = len(slots)
+        self.budget = chunk_size
+        self._slots = slots
+        self._batch = batch
         # Each slot's logical length, lent to the request it serves and kept after it, with
         # the ids it holds (prefix reuse).
-        self._lengths = [LogicalLength(capacity) for _ in range(slots)]
-        self._kept = [KeptPrefix(_NO_IDS)] * slots
-        self._rule = PrefixRule(
-            windows=tuple((port.shape[2], port.window) for port in ports.kv
-                          if port.window is not None),
-            recurrent=bool(ports.state), enabled=context.prefix_reuse)
+        self._lengths = lengths
+        self._kept = [KeptPrefix(_NO_IDS)] * len(slots)
+        self._rule = rule
         self._released = 0
-        self._rows: list[_Row | None] = [None] * slots
+        self._rows: list[_Row | None] = [None] * len(slots)
         self._queue: RequestQueue[Request] = RequestQueue(max_queue)
         self._samplers: dict[int, Sampler] = {}
         # The other choices of a queued or prefilling request, by its id (`submit_choices`).
         self._forks: dict[int, list[tuple[Request, Sampler]]] = {}
-        self._cond = threading.Condition()
+        # The lock guards the rows, the queue and the counters; the condition waits on it.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        # Held for a whole step: the thread's steps and a caller's run one at a time.
+        self._stepping = threading.RLock()
         self._thread: threading.Thread | None = None
         self._closed = False
         self._admitted = 0
         self._counters = EngineCounters()
+        self._tally = _Tally()
         self._last_decode: float | None = None
 
     def submit(self, prompt: np.ndarray, max_new_tokens: int, eos_token_ids: tuple[int, ...],
@@ -168,14 +263,14 @@ class BatchEngine:
         """Queue a checked request; QueueFullError when the queue is full (unless `wait`:
         then wait for room)."""
         request = Request(prompt, max_new_tokens, eos_token_ids, self.cancel)
-        with self._cond:
+        with self._lock:
             if wait:
                 self._cond.wait_for(lambda: self._closed or not self._queue.full)
             if self._closed:
                 raise ClosedError("the runtime was closed; load the model again to submit")
             self._queue.push(request)
             self._samplers[request.id] = sampler
-            if self._thread is None:
+            if self._threaded and self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="onnx-chunk-engine",
                                                 daemon=True)
                 self._thread.start()
@@ -189,7 +284,7 @@ class BatchEngine:
         docstring); QueueFullError as `submit` (the group takes one place in the queue)."""
         others = [(Request(prompt, max_new_tokens, eos_token_ids, self.cancel), sampler)
                   for sampler in samplers[1:]]
-        with self._cond:
+        with self._lock:
             first = self.submit(prompt, max_new_tokens, eos_token_ids, samplers[0], wait=wait)
             if others:
                 self._forks[first.id] = others
@@ -197,7 +292,7 @@ class BatchEngine:
 
     def cancel(self, request: Request) -> None:
         """End `request` now; its slot (or its place in the queue) is freed at once."""
-        with self._cond:
+        with self._lock:
             if not request.finish("cancelled"):
                 return
             self._counters.cancelled += 1
@@ -208,7 +303,7 @@ class BatchEngine:
 
     @property
     def stats(self) -> EngineStats:
-        with self._cond:
+        with self._lock:
             return EngineStats(slots=self.slots,
                                running=sum(row is not None for row in self._rows),
                                queued=len(self._queue), queue_limit=self._queue.limit,
@@ -216,7 +311,7 @@ class BatchEngine:
 
     def close(self) -> None:
         """Stop the thread; queued and running requests fail with ClosedError."""
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
@@ -225,7 +320,8 @@ class BatchEngine:
         if thread is not None and thread is not threading.current_thread():
             thread.join()
         error = ClosedError("the runtime was closed before this request finished")
-        with self._cond:
+        # A caller's step under way ends first (reentrant: a close from a step's callback).
+        with self._stepping, self._lock:
             for request in self._queue.drain():
                 self._fail(request, error)
             for others in self._forks.values():
@@ -240,13 +336,67 @@ class BatchEngine:
         for slot in (*self._slots, self._batch):
             self._context.give_number(slot.number)
 
+    def step(self) -> StepResult:
+        """One step (see the module docstring): settle the slots, schedule this step's rows,
+        run them and postprocess (sample, deliver, finish). Callable from any thread: the step
+        lock runs it between the engine thread's steps. A defect of the step itself (not of a
+        forward, which fails its own requests) fails every running request with it."""
+        with self._stepping:
+            with self._lock:
+                self._settle()
+                rows = [row for row in self._rows if row is not None]
+                if not rows:
+                    return _IDLE
+                rounds, decoding = self._schedule(rows)
+            self._tally.clear()
+            try:
+                for due in rounds:
+                    self._prefill_round(due)
+                if rounds and decoding:
+                    # A prompt whose last chunk just ran joins the decode that runs anyway.
+                    decoding += [row for row in rounds[0]
+                                 if not row.chunks and not row.request.done]
+                drafted = self._drafts(decoding)
+                for row, draft in drafted:
+                    self._verify(row, draft)
+                plain = _undrafted(decoding, drafted)
+                if plain:
+                    self._decode(plain)
+                elif not drafted:
+                    self._last_decode = None
+            except Exception as error:  # a defect in the step itself: fail, never hang
+                logger.exception("an engine step failed")
+                with self._lock:
+                    for held in self._rows:
+                        if held is not None:
+                            self._fail(held.request, error)
+            return self._tally.result()
+
+    def _schedule(self, rows: list[_Row]) -> tuple[list[list[_Row]], list[_Row]]:
+        """This step's rounds of prefill chunks (each prompt's picked chunks, one per round)
+        and the rows that decode (their prompts fed before this step; `step` adds those whose
+        last chunk runs in it when any row decodes); counts the step (the lock is held)."""
+        self._counters.steps += 1
+        decoding = [row for row in rows if not row.chunks and not row.request.done]
+        if len(decoding) == len(rows):
+            return [], decoding
+        prefilling = [row for row in rows if row.chunks and not row.request.done]
+        prefilling.sort(key=_admission)
+        picks = prefill_picks([[end - begin for begin, end in row.chunks]
+                               for row in prefilling], self.budget,
+                              decoding=bool(decoding) or not self._runner.batches_chunks)
+        if decoding and prefilling:
+            self._counters.decode_stalls += 1
+        return [[row for row, count in zip(prefilling, picks) if count > round_]
+                for round_ in range(max(picks, default=0))], decoding
+
     def _loop(self) -> None:
         try:
-            while self._turn():
-                pass
+            while self._work():
+                self.step()
         except BaseException as error:  # a defect outside any step: never leave requests hanging
             logger.exception("the engine thread stopped")
-            with self._cond:
+            with self._lock:
                 self._thread = None
                 for row in self._rows:
                     if row is not None:
@@ -255,27 +405,17 @@ class BatchEngine:
                     self._fail(request, error)
             raise
 
-    def _turn(self) -> bool:
-        """One step, or one wait for work; False when the thread is to leave."""
-        with self._cond:
-            self._settle()
-            if self._closed:
-                self._thread = None
-                return False
-            if not any(self._rows):
+    def _work(self) -> bool:
+        """Wait for work; False when the thread is to leave (closed, or idle for
+        `_IDLE_EXIT_S`)."""
+        with self._lock:
+            while not self._closed:
+                if self._queue or any(row is not None for row in self._rows):
+                    return True
                 if not self._cond.wait(_IDLE_EXIT_S) and not self._queue:
-                    self._thread = None
-                    return False
-                return True
-        try:
-            self._step()
-        except Exception as error:  # a defect in the step itself: fail, never hang
-            logger.exception("an engine step failed")
-            with self._cond:
-                for row in self._rows:
-                    if row is not None:
-                        self._fail(row.request, error)
-        return True
+                    break
+            self._thread = None
+            return False
 
     def _settle(self) -> None:
         """Free the slots of ended requests, then admit queued ones (the lock is held)."""
@@ -284,6 +424,8 @@ class BatchEngine:
                 self._rows[index] = None
                 self._keep(index, row.request, row.sampler.sampling.cache_salt)
                 self._queue_forks(row.request)
+        if not self._queue:
+            return
         free = {index: self._kept[index] for index, row in enumerate(self._rows)
                 if row is None}
         while free and self._queue:
@@ -304,12 +446,12 @@ class BatchEngine:
                 continue
             self._count_reuse(choice)
             chunks = [(begin + choice.reused, end + choice.reused) for begin, end in
-                      prefill_chunks(len(request.prompt) - choice.reused,
-                                     self._context.chunk_size)]
-            row = _Row(request, self._slots[choice.slot], self._lengths[choice.slot], sampler,
-                       self._admitted, collections.deque(chunks),
-                       drafter=(None if self._context.speculation is None
-                                else Drafter(request.prompt, self._context.speculation)))
+                      prefill_chunks(len(request.prompt) - choice.reused, self._chunk_size)]
+            row = _Row(request, choice.slot, self._slots[choice.slot],
+                       self._lengths[choice.slot], sampler, self._admitted,
+                       collections.deque(chunks),
+                       drafter=(None if self._speculation is None
+                                else Drafter(request.prompt, self._speculation)))
             self._admitted += 1
             self._rows[choice.slot] = row
             request.admitted(choice.reused)
@@ -347,42 +489,16 @@ class BatchEngine:
         if choice.shared > choice.reused:
             counters.prefix_refused += 1
 
-    def _step(self) -> None:
-        rows = [(index, row) for index, row in enumerate(self._rows) if row is not None]
-        prefilling = sorted((entry for entry in rows if entry[1].chunks),
-                            key=lambda entry: entry[1].order)
-        decoding_before = any(not row.chunks for _, row in rows)
-        batches = self._context.runner.batches_chunks
-        picks = prefill_picks([[end - begin for begin, end in row.chunks]
-                               for _, row in prefilling], self.budget,
-                              decoding=decoding_before or not batches)
-        ran = 0
-        for round_ in range(max(picks, default=0)):
-            due = [row for (_, row), count in zip(prefilling, picks)
-                   if count > round_ and row.chunks and not row.request.done]
-            ran += len(due)
-            self._prefill_round(due, batches)
-        decoding = [index for index, row in rows if not row.chunks and not row.request.done]
-        with self._cond:
-            self._counters.steps += 1
-            if ran and decoding_before:
-                self._counters.decode_stalls += 1
-        verified = [index for index in decoding if self._verify(self._rows[index])]
-        decoding = [index for index in decoding if index not in verified]
-        if decoding:
-            self._decode(decoding)
-        elif not verified:
-            self._last_decode = None
-
-    def _prefill_round(self, due: list[_Row], batches: bool) -> None:
+    def _prefill_round(self, due: list[_Row]) -> None:
         """Each row's next chunk: natively in one batched forward where that computes no more
         rows (scheduler rule 6), else (and for a request for its prompt's logprobs, which
         needs every row's logits) one forward each."""
+        due = [row for row in due if row.chunks and not row.request.done]
+        batches = self._runner.batches_chunks
         alone = [row for row in due
                  if not batches or row.sampler.sampling.prompt_logprobs is not None]
         together = [row for row in due if row not in alone]
-        runner = self._context.runner
-        widths = [runner.chunk_width(row.chunks[0][1] - row.chunks[0][0], row.length.room)
+        widths = [self._runner.chunk_width(row.chunks[0][1] - row.chunks[0][0], row.length.room)
                   for row in together]
         if batch_pays(widths, self.slots):
             self._prefill_batched(together)
@@ -395,7 +511,7 @@ class BatchEngine:
         """One forward [slots, S] over the engine's buffers: each row of `group` feeds its next
         chunk, every other slot is idle (query_seqlens 0: its cache is left as it was)."""
         chunks = {id(row): row.chunks.popleft() for row in group}
-        members = {self._rows.index(row): row for row in group}
+        members = {row.index: row for row in group}
         forward_rows = []
         for index in range(self.slots):
             row = members.get(index)
@@ -407,7 +523,7 @@ class BatchEngine:
         began = time.perf_counter()
         try:
             self._claim_batch()
-            logits = self._context.runner.run(self._batch, Forward(forward_rows)).logits
+            ran = self._runner.run(self._batch, Forward(forward_rows))
         except CapacityError:
             # A slot near the capacity leaves no room for the padded width: run them apart.
             for row in group:
@@ -419,39 +535,46 @@ class BatchEngine:
                 row.chunks.clear()
                 self._fail(row.request, error)
             return
-        assert logits is not None  # a batched chunk forward returns each row's last logits
+        assert ran.logits is not None  # a batched chunk forward returns each row's last logits
         elapsed = time.perf_counter() - began
         for index, row in members.items():
             begin, end = chunks[id(row)]
-            self._chunk_ran(row, end - begin, elapsed / len(group), logits[index])
+            self._chunk_ran(row, end - begin, ran.width, elapsed / len(group), ran.logits[index])
 
     def _prefill_chunk(self, row: _Row) -> None:
+        """The row's next chunk in a forward of its own slot; only a prompt's last chunk (or
+        a request for its prompt's logprobs) brings logits back."""
         begin, end = row.chunks.popleft()
         request = row.request
         top = row.sampler.sampling.prompt_logprobs
         began = time.perf_counter()
         try:
-            logits = self._context.runner.run(
+            ran = self._runner.run(
                 row.slot, Forward([Row(request.prompt[begin:end], row.length)],
-                                  "last" if top is None else "all")).logits[0]
+                                  "all" if top is not None else "none" if row.chunks
+                                  else "last"))
+            logits = None if ran.logits is None else ran.logits[0]
             if top is not None:
                 logits = self._prompt_logprobs(request, begin, end, logits, top)
         except Exception as error:  # any failure of this forward fails its request alone
             row.chunks.clear()
             self._fail(request, error)
             return
-        self._chunk_ran(row, end - begin, time.perf_counter() - began, logits)
+        self._chunk_ran(row, end - begin, ran.width, time.perf_counter() - began, logits)
 
-    def _chunk_ran(self, row: _Row, rows: int, seconds: float, logits: np.ndarray) -> None:
-        """A prefill chunk of `row` ran: count it; after its prompt's last chunk, the first
-        token (and the other choices' forks)."""
+    def _chunk_ran(self, row: _Row, rows: int, width: int, seconds: float,
+                   logits: np.ndarray | None) -> None:
+        """A prefill chunk of `rows` real rows of `row` ran at query width `width`: count it;
+        after its prompt's last chunk, the first token (and the other choices' forks)."""
         row.request.note_chunk()
-        with self._cond:
+        self._tally.chunks.append(ChunkRecord(rows, width, seconds))
+        with self._lock:
             self._counters.prefill_chunks += 1
             self._counters.prefill_rows += rows
             self._counters.prefill_s += seconds
         if row.chunks:
             return
+        assert logits is not None  # a prompt's last chunk asks for its logits
         for fork in self._fork(row):
             self._first_token(fork, logits)
         self._first_token(row, logits)
@@ -468,17 +591,19 @@ class BatchEngine:
     def _fork(self, row: _Row) -> list[_Row]:
         """The other choices of `row`'s request, each in a free slot holding a device copy of
         `row`'s KV and state (those that find none are queued on their own)."""
-        with self._cond:
+        with self._lock:
             others = [(request, sampler) for request, sampler
                       in self._forks.pop(row.request.id, ()) if not request.done]
-            source = self._rows.index(row)
+            if not others:
+                return []
+            assert self._buffers is not None  # only the runtime's engine takes choices
             free = [index for index, held in enumerate(self._rows) if held is None]
             forks = []
             for (request, sampler), index in zip(others, free):
                 slot = self._slots[index]
                 try:
                     slot.reset()
-                    self._buffers.copy_slot(source, index)
+                    self._buffers.copy_slot(row.index, index)
                 except Exception as error:  # this choice fails alone; the slot stays free
                     self._drop(index)
                     self._fail(request, error)
@@ -488,7 +613,7 @@ class BatchEngine:
                 length = self._lengths[index]
                 length.rewind(length.length)
                 length.advance(row.length.length)
-                fork = _Row(request, slot, length, sampler, self._admitted)
+                fork = _Row(request, index, slot, length, sampler, self._admitted)
                 self._admitted += 1
                 self._rows[index] = fork
                 request.admitted()
@@ -508,42 +633,89 @@ class BatchEngine:
                 self._samplers[other.id] = sampler
 
     @staticmethod
-    def _prompt_logprobs(request: Request, begin: int, end: int, logits: np.ndarray,
+    def _prompt_logprobs(request: Request, begin: int, end: int, logits: np.ndarray | None,
                          top: int) -> np.ndarray:
         """Give `request` the logprobs of the prompt tokens after rows [begin, end) (each
         row's logits predict the next token); the last row's logits."""
+        assert logits is not None  # asked for every row's
         following = request.prompt[begin + 1:end + 1]
         entries = prompt_logprobs_of(logits[:len(following)], following, top)
         request.add_prompt_logprobs(([None] if begin == 0 else []) + entries)
         return logits[-1]
 
-    def _decode(self, decoding: list[int]) -> None:
-        steps = set(decoding)
-        # A free slot's row runs at its kept length: its write lands past what it keeps.
-        rows = [Row(np.array([row.token if index in steps else 0]), self._lengths[index],
-                    index in steps)
-                for index, row in enumerate(self._rows)]
+    def _drafts(self, decoding: list[_Row]) -> list[tuple[_Row, np.ndarray]]:
+        """The decoding rows that verify a draft this step, with their drafts (speculative
+        decoding); the others run in the batched decode."""
+        if self._speculation is None:
+            return []
+        drafted = []
+        for row in decoding:
+            if row.drafter is None:  # another choice of a prompt: it decodes plainly
+                continue
+            left = row.request.max_new_tokens - row.produced
+            draft = row.drafter.draft(row.length.length, left - 1)
+            if len(draft):
+                drafted.append((row, draft))
+        return drafted
+
+    def _verify(self, row: _Row, draft: np.ndarray) -> None:
+        """Verify the row's draft in a forward of its own slot (its last token and the draft,
+        every row's logits): deliver the tokens the verification gives and rewind the rows it
+        did not keep."""
+        assert row.drafter is not None  # `_drafts` gave it a draft
+        request = row.request
+        fed = np.concatenate([np.array([row.token], dtype=np.int64), draft])
         began = time.perf_counter()
         try:
-            self._claim_batch()
-            logits = self._context.runner.run(self._batch, Forward(rows)).logits
-        except Exception as error:  # the forward failed: every row of it fails with it
-            for index in decoding:
-                self._fail(self._rows[index].request, error)
+            logits = self._runner.run(row.slot, Forward([Row(fed, row.length)],
+                                                        "all")).logits
+            assert logits is not None  # asked for every row's
+            tokens = row.drafter.verified(row.sampler, logits[0], draft)
+        except Exception as error:  # this row's forward or choice failed: it fails alone
+            self._fail(request, error)
             return
-        assert logits is not None  # a decode forward returns every row's last logits
-        for index in decoding:
-            row = self._rows[index]
-            assert row is not None  # `decoding` lists busy slots only
+        delivered = 0
+        for token in tokens:
+            delivered += 1
+            self._deliver(row, token)
+            if request.done:
+                break
+        row.length.rewind(len(fed) - delivered)
+        seconds = time.perf_counter() - began
+        kept = accepted(tokens, draft)
+        tally = self._tally
+        tally.verifications += 1
+        tally.drafted += len(draft)
+        tally.accepted += kept
+        tally.decode_s += seconds
+        with self._lock:
+            self._counters.verify_forwards += 1
+            self._counters.draft_tokens += len(draft)
+            self._counters.accepted_tokens += kept
+            self._counters.decode_s += seconds
+
+    def _decode(self, decoding: list[_Row]) -> None:
+        """One batched decode forward: each row of `decoding` feeds its last token; then each
+        chooses its next one."""
+        began = time.perf_counter()
+        try:
+            logits = self._decode_forward(decoding)
+        except Exception as error:  # the forward failed: every row of it fails with it
+            for row in decoding:
+                self._fail(row.request, error)
+            return
+        for row in decoding:
             try:
-                token = row.sampler.choose(logits[index])
+                token = row.sampler.choose(logits[row.index])
                 if row.drafter is not None:
-                    row.drafter.observe(row.sampler, logits[index], token)
+                    row.drafter.observe(row.sampler, logits[row.index], token)
                 self._deliver(row, token)
             except Exception as error:  # one row's token choice fails that request alone
                 self._fail(row.request, error)
         now = time.perf_counter()
-        with self._cond:
+        self._tally.decode_rows += len(decoding)
+        self._tally.decode_s += now - began
+        with self._lock:
             self._counters.decode_steps += 1
             self._counters.decode_rows += len(decoding)
             self._counters.decode_s += now - began
@@ -552,44 +724,20 @@ class BatchEngine:
                     self._counters.longest_decode_gap_s, now - self._last_decode)
         self._last_decode = now
 
-    def _verify(self, row: _Row) -> bool:
-        """Verify the row's draft, if it has one, in a forward of its own slot (its last token
-        and the draft, every row's logits): deliver the tokens the verification gives and
-        rewind the rows it did not keep. False when the row has no draft this step (it runs
-        in the batched decode)."""
-        if row.drafter is None:
-            return False
-        request = row.request
-        left = request.max_new_tokens - request.stats.new_tokens
-        draft = row.drafter.draft(row.length.length, left - 1)
-        if not len(draft):
-            return False
-        fed = np.concatenate([np.array([row.token], dtype=np.int64), draft])
-        began = time.perf_counter()
-        try:
-            logits = self._context.runner.run(row.slot, Forward([Row(fed, row.length)],
-                                                                "all")).logits[0]
-            tokens = row.drafter.verified(row.sampler, logits, draft)
-        except Exception as error:  # this row's forward or choice failed: it fails alone
-            self._fail(request, error)
-            return True
-        delivered = 0
-        for token in tokens:
-            delivered += 1
-            self._deliver(row, token)
-            if request.done:
-                break
-        row.length.rewind(len(fed) - delivered)
-        with self._cond:
-            self._counters.verify_forwards += 1
-            self._counters.draft_tokens += len(draft)
-            self._counters.accepted_tokens += accepted(tokens, draft)
-            self._counters.decode_s += time.perf_counter() - began
-        return True
+    def _decode_forward(self, decoding: list[_Row]) -> np.ndarray | tuple[np.ndarray]:
+        """The batched decode's forward of every slot; each slot's logits row [vocab]."""
+        steps = {row.index: row.token for row in decoding}
+        # A free slot's row runs at its kept length: its write lands past what it keeps.
+        rows = [Row(np.array([steps.get(index, 0)]), self._lengths[index], index in steps)
+                for index in range(self.slots)]
+        self._claim_batch()
+        logits = self._runner.run(self._batch, Forward(rows)).logits
+        assert logits is not None  # a decode forward returns every row's last logits
+        return logits
 
     def _claim_batch(self) -> None:
         """Run the batched decode in this thread: the CUDA provider keeps graphs per thread, so
-        those an earlier engine thread captured on the batch's bindings are dropped first."""
+        those an earlier thread captured on the batch's bindings are dropped first."""
         thread = threading.get_ident()
         if self._batch.thread != thread:
             if self._batch.thread:
@@ -598,6 +746,7 @@ class BatchEngine:
 
     def _deliver(self, row: _Row, token: int) -> None:
         row.token = token
+        row.produced += 1
         if row.drafter is not None:
             row.drafter.extend((token,))
         reason = row.request.deliver(token, row.sampler.last)
@@ -606,13 +755,45 @@ class BatchEngine:
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.finish(reason):
-            with self._cond:
+            with self._lock:
                 self._counters.completed += 1
                 self._cond.notify_all()
 
     def _fail(self, request: Request, error: BaseException) -> None:
         if request.finish("error", error):
             logger.info("request %d failed: %s", request.id, error)
-            with self._cond:
+            with self._lock:
                 self._counters.failed += 1
                 self._cond.notify_all()
+
+
+class SequenceEngine(BatchEngine):
+    """A lone sequence's engine: one slot over the sequence's own buffers and logical length,
+    stepped by its caller alone (no thread).
+
+    Its request continues the sequence at its length and leaves the length where it ended (no
+    prefix reuse, nothing reset; the caller rolls a failed request back); its decode runs on
+    `decode`, the runner's step on the pinned decode variant (`ModelRunner.decoding`), which
+    the caller sets once the first token came.
+    """
+
+    def __init__(self, runner: ModelRunner, slot: SequenceSlot, length: LogicalLength, *,
+                 chunk_size: int, speculation: Speculation | None) -> None:
+        self._buffers = None
+        self.decode: Callable[[int], np.ndarray] | None = None
+        self._setup(runner, chunk_size, speculation, [slot], slot, [length],
+                    PrefixRule(enabled=False), max_queue=1, threaded=False)
+
+    def _start(self, choice: SlotChoice) -> None:
+        """The request continues the sequence where it is."""
+
+    def _keep(self, index: int, request: Request, salt: str | None) -> None:
+        """The slot holds what its sequence was fed; its length stays where the request left
+        it."""
+
+    def _drop(self, index: int) -> None:
+        """The sequence keeps its length (its caller rolls a failure back)."""
+
+    def _decode_forward(self, decoding: list[_Row]) -> np.ndarray | tuple[np.ndarray]:
+        assert self.decode is not None  # set by the caller after the first token
+        return (self.decode(decoding[0].token),)

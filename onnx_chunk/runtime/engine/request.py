@@ -87,7 +87,8 @@ class Request:
         self._times: list[float] = []
         self._logprobs: list[TokenLogprobs] = []
         self._prompt_logprobs: list[TokenLogprobs | None] = []
-        self._changed = threading.Condition()
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
         self._error: BaseException | None = None
         self._reason: FinishReason | None = None
         self._stats = RequestStats(prompt_tokens=len(prompt))
@@ -105,33 +106,33 @@ class Request:
     @property
     def stats(self) -> RequestStats:
         """Its counters now (a copy)."""
-        with self._changed:
+        with self._lock:
             return replace(self._stats)
 
     @property
     def token_times(self) -> tuple[float, ...]:
         """When each token so far was produced, in seconds from the submit."""
-        with self._changed:
+        with self._lock:
             return tuple(self._times)
 
     @property
     def logprobs(self) -> tuple[TokenLogprobs, ...]:
         """The logprobs of each token so far (when its `Sampling.logprobs` asked for them;
         else empty). Token i's entry is there as soon as token i is."""
-        with self._changed:
+        with self._lock:
             return tuple(self._logprobs)
 
     @property
     def prompt_logprobs(self) -> tuple[TokenLogprobs | None, ...]:
         """Per prompt token, its logprobs (None for the first), when `Sampling.prompt_logprobs`
         asked for them; complete once the first token (or, with 0 new tokens, the end) came."""
-        with self._changed:
+        with self._lock:
             return tuple(self._prompt_logprobs)
 
     @property
     def produced(self) -> tuple[int, ...]:
         """The tokens produced so far (a copy)."""
-        with self._changed:
+        with self._lock:
             return tuple(self._tokens)
 
     def tokens(self) -> Iterator[int]:
@@ -143,7 +144,7 @@ class Request:
         """Like `tokens()`, each token with its logprobs (None when they were not asked for)."""
         seen = 0
         while True:
-            with self._changed:
+            with self._lock:
                 while seen == len(self._tokens) and self._reason is None:
                     self._changed.wait()
                 ready = self._tokens[seen:]
@@ -160,7 +161,7 @@ class Request:
         """Call `callback()` after each token and at the end (on the engine's thread, so it
         must be quick and must not raise: `loop.call_soon_threadsafe` of a wake-up); once at
         once when the request has already ended."""
-        with self._changed:
+        with self._lock:
             self._watchers.append(callback)
             ended = self._reason is not None
         if ended:
@@ -170,7 +171,7 @@ class Request:
         """Without waiting: the tokens after the first `seen`, their logprobs (None where not
         asked for), and whether the request has ended; raises the request's error once its
         last token has been read."""
-        with self._changed:
+        with self._lock:
             tokens = self._tokens[seen:]
             logprobs: list[TokenLogprobs | None] = list(
                 self._logprobs[seen:seen + len(tokens)])
@@ -180,6 +181,17 @@ class Request:
             raise error
         return tokens, logprobs + [None] * (len(tokens) - len(logprobs)), ended
 
+    def since(self, seen: int) -> tuple[list[int], bool]:
+        """`ready` without the logprobs: the tokens after the first `seen` and whether the
+        request has ended (for a caller that steps the engine itself)."""
+        with self._lock:
+            tokens = self._tokens[seen:]
+            ended = self._reason is not None
+            error = self._error
+        if ended and not tokens and error is not None:
+            raise error
+        return tokens, ended
+
     def _notify(self) -> None:
         for callback in self._watchers:
             callback()
@@ -187,7 +199,7 @@ class Request:
     def result(self, timeout: float | None = None) -> list[int]:
         """Wait for the end and return every token (TimeoutError after `timeout` seconds);
         raises the request's error when it failed."""
-        with self._changed:
+        with self._lock:
             if not self._changed.wait_for(lambda: self._reason is not None, timeout):
                 raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
             if self._error is not None:
@@ -202,23 +214,23 @@ class Request:
     # The engine's side: only the engine thread (or a cancel) calls these.
 
     def admitted(self, cached_tokens: int = 0) -> None:
-        with self._changed:
+        with self._lock:
             self._stats.queued_s = time.perf_counter() - self._submitted
             self._stats.cached_tokens = cached_tokens
 
     def note_chunk(self) -> None:
-        with self._changed:
+        with self._lock:
             self._stats.prefill_chunks += 1
 
     def add_prompt_logprobs(self, entries: list[TokenLogprobs | None]) -> None:
         """Add the logprobs of the next prompt tokens (a prefill chunk's)."""
-        with self._changed:
+        with self._lock:
             self._prompt_logprobs.extend(entries)
 
     def deliver(self, token: int, logprobs: TokenLogprobs | None = None) -> FinishReason | None:
         """Add a produced token (and its logprobs); the reason the request ends with it, if
         it does."""
-        with self._changed:
+        with self._lock:
             if self._reason is not None:
                 return self._reason
             if logprobs is not None:
@@ -235,7 +247,7 @@ class Request:
 
     def finish(self, reason: FinishReason, error: BaseException | None = None) -> bool:
         """End the request with `reason` (and `error`); False when it had already ended."""
-        with self._changed:
+        with self._lock:
             if self._reason is not None:
                 return False
             self._reason = reason

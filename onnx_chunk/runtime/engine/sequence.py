@@ -1,11 +1,12 @@
 """One sequence on a loaded decoder: chunked prefill, decode, generation, rewind.
 
 A sequence is request state: its slot of buffers (`sequence_pool`), its logical length, its
-stats, and the busy/closed rules below; it is a thin view over the model runner
-(`model_runner`), which runs each of its forwards as it runs the batch engine's, and its
-generation ends by the requests' one rule (`request.finish_reason`). A prompt longer than the
-chunk width W is fed chunk by chunk (the last one at the
-remainder width, `scheduler.prefill_chunks`), and only the last chunk's logits reach the host.
+stats, and the busy/closed rules below. `prefill`, `decode` and `rewind` are primitives on the
+model runner (`model_runner`); `generate`/`stream` is one request on a `SequenceEngine`
+(`batch_engine`): the engine's step, on one slot over the sequence's own buffers and length,
+stepped by the stream, so it runs the engine's prefill, verification, decode and finish rule.
+A prompt longer than the chunk width W is fed chunk by chunk (the last one at the remainder
+width, `scheduler.prefill_chunks`), and only the last chunk's logits reach the host.
 
 A sequence's buffers are a slot of the runtime's sequence pool: `close()` (or leaving a `with`
 block, or the sequence being collected) gives them back, with the graphs captured on them, for
@@ -18,9 +19,9 @@ may run in parallel. A stream holds the sequence until it ends, is closed or is 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as SequenceOf
@@ -37,14 +38,14 @@ from onnx_chunk.errors import (
     SequenceBusyError,
 )
 from onnx_chunk.runtime.device.buffers import SequenceBuffers
+from onnx_chunk.runtime.engine.batch_engine import SequenceEngine, StepResult
 from onnx_chunk.runtime.engine.kv_state import LogicalLength
 from onnx_chunk.runtime.engine.kv_window import rewind_is_exact
-from onnx_chunk.runtime.engine.request import finish_reason
 from onnx_chunk.runtime.engine.scheduler import prefill_chunks
 from onnx_chunk.runtime.engine.sequence_pool import SequencePool
-from onnx_chunk.runtime.engine.speculation import Drafter, Speculation, accepted
-from onnx_chunk.runtime.runner.model_runner import Forward, ModelRunner, Row
-from onnx_chunk.runtime.stats import ChunkRecord, GenerationStats, SequenceStats
+from onnx_chunk.runtime.engine.speculation import Speculation
+from onnx_chunk.runtime.runner.model_runner import Forward, LogitsRows, ModelRunner, Row
+from onnx_chunk.runtime.stats import GenerationStats, SequenceStats
 from onnx_chunk.sampling import GREEDY, Sampler, Sampling
 
 
@@ -155,7 +156,7 @@ class Sequence:
             raise ModelStructureError("the decoder returns the last row's logits only, so "
                                       "all prompt rows' logits cannot be given; ask for the last")
         with self._held("prefill"), self._all_or_nothing():
-            return self._prefill(ids, all_logits, records=None)
+            return self._prefill(ids, all_logits)
 
     def decode(self, token: int) -> np.ndarray:
         """Feed one token; return its logits [vocab] (a copy)."""
@@ -287,7 +288,7 @@ class Sequence:
         """
         try:
             with self._all_or_nothing():
-                yield from self._generate_steps(ids, max_new_tokens, eos_ids, sampler)
+                yield from self._steps(ids, max_new_tokens, eos_ids, sampler)
         finally:
             release()
 
@@ -308,46 +309,29 @@ class Sequence:
             self._slot.buffers.restore_state(snapshot)
             raise
 
-    def _generate_steps(self, ids: np.ndarray, max_new_tokens: int,
-                        eos_ids: tuple[int, ...], sampler: Sampler) -> Iterator[int]:
+    def _steps(self, ids: np.ndarray, max_new_tokens: int, eos_ids: tuple[int, ...],
+               sampler: Sampler) -> Iterator[int]:
+        """One request on a `SequenceEngine` over this sequence's slot and length, stepped
+        here until it ends; each token yielded as the step delivered it. The decode variant is
+        pinned from the first token to the end (it cannot be evicted meanwhile)."""
         generation = GenerationStats(prompt_tokens=len(ids))
         self._stats.last_generation = generation
-        start = time.perf_counter()
-        token = sampler.choose(self._prefill(ids, False, generation.chunks))
-        generation.ttft_s = time.perf_counter() - start
-        generation.new_tokens = 1
-        yield token
-        reason = finish_reason(token, 1, max_new_tokens, eos_ids)
-        if reason is not None:
-            generation.stopped_by_eos = reason == "stop"
-            return
-        drafter = None
-        if self._speculation is not None:
-            drafter = Drafter(ids, self._speculation)
-            drafter.extend((token,))
-        # The decode variant is pinned for the whole loop (it cannot be evicted meanwhile).
-        with self._runner.decoding(self._slot, self._length) as step:
-            while reason is None:
+        engine = SequenceEngine(self._runner, self._slot, self._length,
+                                chunk_size=self._chunk_size, speculation=self._speculation)
+        request = engine.submit(ids, max_new_tokens, eos_ids, sampler)
+        with contextlib.ExitStack() as pinned:
+            while True:
                 # A sequence closed between two tokens: its stream raises ClosedError here; the
                 # buffers go back to the pool once the stream lets the sequence go.
                 self._check_open()
-                began = time.perf_counter()
-                left = max_new_tokens - generation.new_tokens
-                draft = (drafter.draft(self._length.length, left - 1) if drafter is not None
-                         else ())
-                if len(draft):
-                    tokens = self._verified(drafter, token, draft, sampler,
-                                            generation.new_tokens, max_new_tokens, eos_ids)
-                else:
-                    logits = step(token)
-                    tokens = [sampler.choose(logits)]
-                    if drafter is not None:
-                        drafter.observe(sampler, logits, tokens[0])
-                if drafter is not None:
-                    drafter.extend(tokens)
-                self._stats.decode_forwards += 1
-                # Only the step is timed: a stream's consumer may take its time between tokens.
-                generation.decode_s += time.perf_counter() - began
+                if generation.new_tokens and engine.decode is None:
+                    engine.decode = pinned.enter_context(
+                        self._runner.decoding(self._slot, self._length))
+                self._count(engine.step(), generation)
+                # Raises the request's error (a failed forward) once its tokens were taken.
+                tokens, ended = request.since(generation.new_tokens)
+                if tokens and not generation.new_tokens:
+                    generation.ttft_s = request.stats.ttft_s or 0.0
                 for index, token in enumerate(tokens):
                     generation.new_tokens += 1
                     try:
@@ -355,41 +339,35 @@ class Sequence:
                     except GeneratorExit:
                         # The consumer stops: the verified tokens it did not take are dropped.
                         self._length.rewind(len(tokens) - 1 - index)
+                        request.cancel()
                         raise
-                reason = finish_reason(token, generation.new_tokens, max_new_tokens, eos_ids)
-        generation.stopped_by_eos = reason == "stop"
+                if ended:
+                    generation.stopped_by_eos = request.finish_reason == "stop"
+                    return
 
-    def _verified(self, drafter: Drafter, token: int, draft: np.ndarray, sampler: Sampler,
-                  produced: int, max_new_tokens: int, eos_ids: tuple[int, ...]) -> list[int]:
-        """Feed `token` and `draft` in one forward; the tokens the verification gives, cut by
-        the finish rule, with the length rewound to hold all but the last of them."""
-        rows = np.concatenate([np.array([token], dtype=np.int64), draft])
-        logits = self._runner.run(self._slot, Forward([Row(rows, self._length)], "all")).logits
-        tokens = drafter.verified(sampler, logits[0], draft)
-        self._stats.draft_tokens += len(draft)
-        self._stats.accepted_tokens += accepted(tokens, draft)
-        for index, chosen in enumerate(tokens):
-            if finish_reason(chosen, produced + index + 1, max_new_tokens, eos_ids) is not None:
-                tokens = tokens[:index + 1]
-                break
-        self._length.rewind(len(rows) - len(tokens))
-        return tokens
+    def _count(self, step: StepResult, generation: GenerationStats) -> None:
+        """A step's forwards in the sequence's counters and its generation's stats."""
+        stats = self._stats
+        if step.chunks:
+            generation.chunks.extend(step.chunks)
+            stats.prefill_forwards += len(step.chunks)
+            stats.padded_rows += sum(chunk.width - chunk.rows for chunk in step.chunks)
+        if step.decode_rows or step.verifications:
+            stats.decode_forwards += step.verifications + (1 if step.decode_rows else 0)
+            stats.draft_tokens += step.drafted
+            stats.accepted_tokens += step.accepted
+            # Only the steps are timed: a stream's consumer may take its time between tokens.
+            generation.decode_s += step.decode_s
 
-    def _prefill(self, ids: np.ndarray, all_logits: bool,
-                 records: list[ChunkRecord] | None) -> np.ndarray:
+    def _prefill(self, ids: np.ndarray, all_logits: bool) -> np.ndarray:
         """Feed `ids` chunk by chunk (the caller rolls back on failure)."""
         rows_out: list[np.ndarray] = []
         for begin, end in prefill_chunks(len(ids), self._chunk_size):
             chunk = ids[begin:end]
-            need = "all" if all_logits else ("last" if end == len(ids) else "none")
-            began = time.perf_counter()
+            need: LogitsRows = "all" if all_logits else ("last" if end == len(ids) else "none")
             forward = self._runner.run(self._slot, Forward([Row(chunk, self._length)], need))
             self._stats.prefill_forwards += 1
             self._stats.padded_rows += forward.padded_rows
-            if records is not None:
-                records.append(ChunkRecord(len(chunk), forward.width,
-                                           time.perf_counter() - began))
             if forward.logits is not None:
                 rows_out.append(forward.logits[0])
         return np.concatenate(rows_out, axis=0) if all_logits else rows_out[-1]
-
