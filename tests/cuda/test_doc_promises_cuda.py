@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib.metadata
 import logging
-import tomllib
-from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -21,7 +20,6 @@ from onnx_chunk.runtime.device.buffers import device_zeros
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 from tests.exports.corpus import ROOT as CORPUS
 
-ROOT = Path(__file__).resolve().parents[2]
 DEVICE = dataclasses.replace(device_for("cpu"), host_visible=False,
                              mask_policy=MaskPolicy.CAPACITY)
 
@@ -122,7 +120,7 @@ def test_state_and_window_rows_never_cross_in_a_batched_decode(reference_model, 
 
 
 def test_the_cuda_extra_asks_for_onnxruntime_gpu_1_22():
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
-        "optional-dependencies"]
-    gpu = [entry for entry in extras["cuda"] if entry.startswith("onnxruntime-gpu")]
+    gpu = [requirement for requirement in importlib.metadata.requires("onnx-chunk")
+           if requirement.startswith("onnxruntime-gpu")]
     assert len(gpu) == 1 and gpu[0].split(";")[0].strip() == "onnxruntime-gpu>=1.22"
+    assert 'extra == "cuda"' in gpu[0]

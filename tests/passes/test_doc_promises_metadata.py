@@ -22,10 +22,11 @@ from tests.exports.corpus import fixtures
 PACKAGE = Path(metadata.__file__).parent
 
 # The keys of `inspect --json`, as the page's table lists them (and json.md's "schema").
-INSPECT_KEYS = {"schema", "model", "converted", "schema_version", "chunk_size", "ladder", "max_variants",
-                "gqa_nodes", "capacity_inputs", "kv_bindings", "max_sequence_length",
-                "problems", "token_input", "per_token_ports", "position_ids",
-                "recurrent_state", "state_bindings", "padding", "query_seqlens", "logits_rows"}
+INSPECT_KEYS = {"schema", "model", "converted", "schema_version", "chunk_size", "ladder",
+                "max_variants", "gqa_nodes", "capacity_inputs", "kv_bindings",
+                "max_sequence_length", "problems", "token_input", "per_token_ports",
+                "position_ids", "recurrent_state", "state_bindings", "padding", "query_seqlens",
+                "logits_rows"}
 
 
 def test_only_the_metadata_module_spells_the_keys():
