@@ -6,6 +6,7 @@ import dataclasses
 import io
 import json
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from onnx_chunk.errors import CapacityError, ModelLoadError
 from onnx_chunk.runtime import load
 from onnx_chunk.sampling import Sampler
 from onnx_chunk.text.chat_template import ChatTemplateFault
+from onnx_chunk.text.conversation import Conversation
 from onnx_chunk.text.tokenizer import Tokenizer
 from tests.text.conftest import tokenizer_config, write_tokenizer
 
@@ -155,3 +157,95 @@ def test_a_sequence_samples_when_asked_and_is_greedy_by_default(text_runtime):
     assert text_runtime.open_sequence().generate(ids, 12, sampling=sampling) == sampled
     streamed = list(text_runtime.open_sequence().stream(ids, 12, sampling=sampling))
     assert streamed == sampled
+
+
+def _stop_in(text: str) -> str:
+    """A 3-character piece of `text` past its start, found there first, with no U+FFFD."""
+    return next(text[i:i + 3] for i in range(4, len(text) - 3)
+                if "\ufffd" not in text[i:i + 3] and text.find(text[i:i + 3]) == i)
+
+
+def test_a_stop_string_cancels_the_request_and_ends_with_the_token_that_completed_it(
+        text_model, monkeypatch):
+    runtime = load(text_model, provider="cpu", capacity=512, chunk_size=32, max_batch=1)
+    greedy = runtime.generate_text(PROMPT, 24)
+    stop = _stop_in(greedy.text)
+    # Each forward takes a while, so the request is still running when the stop shows.
+    runner = type(runtime.runner)
+    original = runner.run
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.005)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "run", slow)
+    before = runtime.stats.engine
+    completion = runtime.generate_text(PROMPT, 400, stop=stop)
+    after = runtime.stats.engine
+    assert completion.finish_reason == "stop" and after.cancelled == before.cancelled + 1
+    assert after.decode_steps - before.decode_steps < 100
+    decode = runtime.tokenizer.decode
+    assert stop in decode(completion.tokens, skip_special_tokens=True)
+    assert stop not in decode(completion.tokens[:-1], skip_special_tokens=True)
+    # Its one slot is free again: the next request runs.
+    assert len(runtime.submit(list(greedy.tokens[:4]), 2).result(timeout=30)) == 2
+    runtime.close()
+
+
+def _token_starts(tokenizer, text: str, tokens) -> list[int]:
+    """Where each token's text starts in `text` (None where a token splits a character)."""
+    text_so_far = ""
+    starts = []
+    for count in range(len(tokens)):
+        head = tokenizer.decode(tokens[:count], skip_special_tokens=True)
+        starts.append(len(head) if text.startswith(head) and head.startswith(text_so_far)
+                      else None)
+        text_so_far = head
+    return starts
+
+
+@pytest.mark.parametrize("begins", ["in the last token", "before the last token"])
+def test_a_stop_string_begun_before_the_last_token_submits_the_whole_rendering(text_runtime,
+                                                                              begins):
+    tokenizer = text_runtime.tokenizer
+    plain = Conversation(text_runtime)
+    reply = "".join(plain.say("Hello there", 16))
+    starts = _token_starts(tokenizer, reply, plain.last_completion.tokens)
+    spans = [(a, b) for a, b in zip(starts, starts[1:])
+             if a is not None and b is not None and b - a >= 2 and 0 < a and b < len(reply)]
+    # A stop of 2 characters: a token's first two, or its last and the next token's first.
+    at = [a if begins == "in the last token" else b - 1 for a, b in spans]
+    stop = next(reply[i:i + 2] for i in at
+                if reply.find(reply[i:i + 2]) == i and "\ufffd" not in reply[i:i + 2])
+    chat = Conversation(text_runtime)
+    assert "".join(chat.say("Hello there", 16, stop=stop)) == reply[:reply.find(stop)]
+    "".join(chat.say("And then?", 4))
+    turn = chat.last_turn
+    whole = tokenizer.encode_chat(chat.messages[:-1], special_in_content=True)
+    if begins == "in the last token":  # the kept tokens stand for the text before the stop
+        assert turn.how == "text prefix" and len(turn.fed_ids) < len(whole) // 2
+    else:
+        assert turn.how.startswith("the cached conversation is no prefix")
+        # The engine still reuses the head the slot shares with the new rendering.
+        assert 0 < turn.reused_tokens and turn.reused_tokens + len(turn.fed_ids) == len(whole)
+
+
+def test_logprobs_without_json_print_one_line_a_token_on_stderr(text_model, capsys):
+    assert main(["generate", str(text_model), "--prompt", PROMPT, "--max-new-tokens", "5",
+                 "--ignore-eos", "--logprobs", "2", *RUNTIME]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 6 and lines[-1].startswith("[length: 5 tokens")
+    assert all(line.count("\t") == 2 for line in lines[:5])
+
+
+@pytest.mark.parametrize("extra", [["--prompt", "hi", "--ids-file", "IDS"],
+                                   ["--random-prompt", "3", "--top-k", "5"],
+                                   ["--ids-file", "IDS", "--stop", "x"]])
+def test_text_options_with_other_prompts_are_one_error_line(text_model, tmp_path, capsys,
+                                                            extra):
+    ids = tmp_path / "ids.txt"
+    ids.write_text("1 2 3\n")
+    args = [str(ids) if arg == "IDS" else arg for arg in extra]
+    assert main(["generate", str(text_model), "--max-new-tokens", "2", *RUNTIME, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
