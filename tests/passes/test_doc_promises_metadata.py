@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 
 from onnx_chunk import metadata
@@ -137,3 +138,22 @@ def test_convert_memory_does_not_grow_with_the_weights(make_decoder_proto, tmp_p
     assert (out.parent / "model.onnx.data").stat().st_size >= 64 << 20
     # One copy block (model_io's 16 MiB) and the graph, not the weights.
     assert peak < 24 << 20, peak
+
+
+def test_head_axes_the_graph_does_not_say_are_null(make_decoder_proto):
+    proto = make_decoder_proto()
+    for value in (*proto.graph.input, *proto.graph.output):
+        if value.name.startswith(("past_key_values.", "present.")):
+            for axis, name in ((1, "kv_heads"), (3, "head_dim")):
+                dim = value.type.tensor_type.shape.dim[axis]
+                dim.Clear()
+                dim.dim_param = name
+    for node in proto.graph.node:
+        if node.op_type == "GroupQueryAttention":
+            kept = [a for a in node.attribute if a.name not in ("kv_num_heads", "num_heads")]
+            del node.attribute[:]
+            node.attribute.extend(kept)
+    model = ir.from_proto(proto)
+    convert_model(model)
+    record = json.loads(model.metadata_props[metadata.KV_CAPACITY_KEY])["kv_bindings"][0]
+    assert record["kv_heads"] is None and record["head_size"] is None
