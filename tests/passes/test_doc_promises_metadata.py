@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import shutil
 import tracemalloc
 from pathlib import Path
 
@@ -157,3 +158,52 @@ def test_head_axes_the_graph_does_not_say_are_null(make_decoder_proto):
     convert_model(model)
     record = json.loads(model.metadata_props[metadata.KV_CAPACITY_KEY])["kv_bindings"][0]
     assert record["kv_heads"] is None and record["head_size"] is None
+
+
+def _model_with_tokenizer(reference_model, folder: Path, tokenizer: str) -> Path:
+    shutil.copytree(reference_model().parent, folder)
+    (folder / "tokenizer.json").write_text(tokenizer)
+    return folder / "model.onnx"
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+def test_a_companion_with_other_bytes_beside_another_model_is_refused(reference_model,
+                                                                      tmp_path, capsys):
+    out = tmp_path / "out"
+    other = _model_with_tokenizer(reference_model, out, '{"theirs": 1}')
+    (other.parent / "genai_config.json").unlink()  # only the tokenizer is at stake
+    before = _snapshot(out)
+    source = _model_with_tokenizer(reference_model, tmp_path / "in", '{"mine": 1}')
+    assert main(["convert", str(source), "-o", str(out / "b.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "tokenizer.json" in err
+    assert _snapshot(out) == before
+    # The same bytes are shared, not refused.
+    (source.parent / "tokenizer.json").write_text('{"theirs": 1}')
+    assert main(["convert", str(source), "-o", str(out / "b.onnx")]) == 0
+    assert (out / "tokenizer.json").read_text() == '{"theirs": 1}'
+
+
+def test_a_companion_that_is_not_a_plain_file_is_refused(reference_model, tmp_path, capsys):
+    source = tmp_path / "in"
+    shutil.copytree(reference_model().parent, source)
+    (source / "tokenizer.json").mkdir()
+    out = tmp_path / "out"
+    assert main(["convert", str(source / "model.onnx"), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "tokenizer.json" in err
+    assert not out.exists()
+
+
+def test_max_sequence_length_is_null_without_a_rotary_cache(make_decoder_proto):
+    proto = make_decoder_proto()
+    for node in proto.graph.node:
+        if node.op_type == "GroupQueryAttention":  # inputs 7 and 8: the cos and sin caches
+            node.input[7:9] = ["", ""]
+    model = ir.from_proto(proto)
+    convert_model(model)
+    assert json.loads(model.metadata_props[metadata.KV_CAPACITY_KEY])[
+        "max_sequence_length"] is None
