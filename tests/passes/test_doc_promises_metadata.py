@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 import json
 import shutil
+import subprocess
+import sys
 import tracemalloc
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from onnx_chunk.ladder import ladder_tiers
 from onnx_chunk.model_io import load_model, save_model
 from onnx_chunk.passes import convert_model
 from onnx_chunk.passes.kv_capacity import find_kv_capacity
-from tests.exports.corpus import fixtures
+from tests.exports.corpus import builder_gqa_fixtures, fixtures
 
 PACKAGE = Path(metadata.__file__).parent
 
@@ -207,3 +209,16 @@ def test_max_sequence_length_is_null_without_a_rotary_cache(make_decoder_proto):
     convert_model(model)
     assert json.loads(model.metadata_props[metadata.KV_CAPACITY_KEY])[
         "max_sequence_length"] is None
+
+
+def test_onnx_runtime_warns_once_at_load_about_the_query_seqlens_initializer(tmp_path):
+    out = tmp_path / "out" / "model.onnx"
+    source = builder_gqa_fixtures()[0].folder / "model.onnx"
+    assert main(["convert", str(source), "-o", str(out), "--logits-rows", "off"]) == 0
+    assert metadata.read_query_seqlens(load_model(out)) == "query_seqlens"
+    script = ("import onnxruntime as ort, sys; "
+              "ort.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider'])")
+    result = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("Initializer query_seqlens appears in graph inputs") == 1
