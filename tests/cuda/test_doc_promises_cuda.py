@@ -7,6 +7,7 @@ import dataclasses
 import gc
 import importlib.metadata
 import logging
+import threading
 
 import numpy as np
 import onnxruntime as ort
@@ -124,3 +125,27 @@ def test_the_cuda_extra_asks_for_onnxruntime_gpu_1_22():
            if requirement.startswith("onnxruntime-gpu")]
     assert len(gpu) == 1 and gpu[0].split(";")[0].strip() == "onnxruntime-gpu>=1.22"
     assert 'extra == "cuda"' in gpu[0]
+
+
+def test_the_batch_engine_captures_and_replays_from_its_own_thread(reference_model,
+                                                                   graph_model, monkeypatch):
+    from tests.cuda.test_graph_cache import GRAPH_DEVICE
+
+    runtime = load(reference_model(), device=GRAPH_DEVICE, capacity=96, chunk_size=16,
+                   max_batch=2)
+    threads = []
+    wrapped = ort.InferenceSession.run_with_iobinding
+
+    def run(self, iobinding, run_options=None):
+        threads.append(threading.get_ident())
+        return wrapped(self, iobinding, run_options)
+
+    monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding", run)
+    graph_model.runs.clear()
+    prompts = [list(range(3, 30)), list(range(40, 52))]
+    requests = [runtime.submit(prompt, 6) for prompt in prompts]
+    assert all(len(request.result(timeout=60)) == 6 for request in requests)
+    captured = [graph for _, graph in graph_model.runs if graph not in (None, -1)]
+    assert captured and graph_model.captures and not graph_model.violations
+    assert len(set(threads)) == 1 and threads[0] != threading.get_ident()
+    runtime.close()
