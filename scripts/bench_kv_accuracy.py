@@ -20,7 +20,9 @@ nor the model saw; text_decoder.py):
   float32 cache's greedy continuation of --new-tokens tokens, then each cache's argmax at every
   one of those positions, teacher-forced on the float32 tokens (prefill of prompt + continuation
   with all rows' logits): the share equal to the float32 token. Free-running, each cache's own
-  greedy continuation: the first position where it leaves the float32 one (none: all equal).
+  greedy continuation: the first position where it leaves the float32 one (none: all equal);
+* clipping: how far the held-back keys and values go past the calibrated ranges, per channel
+  and per tensor (`calibrate_kv` run on the held-back windows too).
 
 Prints a markdown table with the command, the CPU and the load average; --json writes every
 number. `--quick` is a smoke run (windows of 32, 16 new tokens, 2 prompts, 4 windows).
@@ -112,6 +114,25 @@ def convert(folder: Path, out: Path, name: str, kv_dtype: str | None, kv_scales:
         raise RuntimeError(f"`{' '.join(command[2:])}` exited {done.returncode}: "
                            + (done.stdout + done.stderr).strip().splitlines()[-1:][0])
     return target, command
+
+
+def clipping(folder: Path, calibration: Path, windows: list[list[int]]) -> dict:
+    """How far the held-back windows' keys and values go past the calibrated ranges
+    (`calibrate_kv` on both): per cache input, the channels whose held-back largest magnitude
+    exceeds the calibrated one, the largest such ratio, and the per-tensor ratio."""
+    import numpy as np
+
+    from onnx_chunk.calibration import calibrate_kv, read_calibration_file
+
+    calibrated = calibrate_kv(folder, read_calibration_file(calibration)).ranges
+    held = calibrate_kv(folder, windows).ranges
+    found = {}
+    for name, kv_range in calibrated.items():
+        ratio = held[name].amax / np.maximum(kv_range.amax, np.finfo(np.float32).tiny)
+        found[name] = {"channels": int(ratio.size), "channels_over": int((ratio > 1).sum()),
+                       "worst_channel": float(ratio.max()),
+                       "tensor": float(held[name].amax.max() / kv_range.amax.max())}
+    return found
 
 
 def _log_softmax(logits):
@@ -261,6 +282,7 @@ def run(args: argparse.Namespace) -> dict:
                                 results.get("float32"), args.chunk_size, args.threads)
         print(f"{name}: perplexity {results[name]['perplexity']:.4f} "
               f"({results[name]['seconds']} s)", file=sys.stderr, flush=True)
+    clipped = clipping(folder, calibration, windows)
     build = folder / "BUILD.json"
     training = (json.loads(build.read_text()).get("training") if build.is_file() else None) or {}
     return {"model": str(folder), "cpu": cpu_description(), "load_before": load_before,
@@ -269,7 +291,8 @@ def run(args: argparse.Namespace) -> dict:
             "prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
             "new_tokens": args.new_tokens, "calibration_file": str(calibration),
             "calibration_prompts": args.calibration_prompts, "convert_commands": commands,
-            "torch_held_out": training.get("held_out"), "results": results}
+            "torch_held_out": training.get("held_out"), "clipping": clipped,
+            "results": results}
 
 
 def table(report: dict, argv: list[str]) -> str:
@@ -299,6 +322,13 @@ def table(report: dict, argv: list[str]) -> str:
         ["cache", "perplexity", "ratio to float32", "row argmax = float32",
          "greedy agreement (teacher-forced)", "free-running first divergence", "KV KiB"],
         rows)]
+    clipped = report["clipping"]
+    worst = max(clipped, key=lambda name: clipped[name]["worst_channel"])
+    most = max(clipped.values(), key=lambda each: each["channels_over"])
+    lines += ["", f"Held-back text past the calibrated ranges: per channel, up to "
+                  f"{most['channels_over']} of {most['channels']} channels of a cache and at "
+                  f"most {clipped[worst]['worst_channel']:.2f}x ({worst}); per tensor at most "
+                  f"{max(each['tensor'] for each in clipped.values()):.2f}x."]
     int8 = report["results"]["int8 per-channel"]
     change = int8["perplexity"] / base["perplexity"] - 1
     lines += ["", f"Goal: int8 per-channel perplexity within 1% of float32's: "

@@ -53,11 +53,16 @@ def test_quick_run_measures_every_cache_against_float32(tmp_path, capsys):
     assert base["first_divergence"] == [None, None]
     assert base["tokens_scored"] == 4 * 31
     assert all(len(path) == 16 for path in base["free"])
-    for name, result in results.items():
+    for result in results.values():
         assert math.isfinite(result["perplexity"]) and result["perplexity"] > 1.0
         assert 0.0 <= result["greedy_agreement"] <= 1.0
     # Each converted folder really is a separate conversion with its own scales.
     assert len({results[name]["perplexity"] for name in results}) > 1
+    clipping = report["clipping"]
+    assert len(clipping) == 2 * 2  # a key and a value cache per layer, 2 layers
+    assert all(0 <= each["channels_over"] <= each["channels"] == 2 * 16
+               and each["worst_channel"] >= each["tensor"] > 0 for each in clipping.values())
+    assert "Held-back text past the calibrated ranges: per channel" in printed
     calibration = (tmp_path / "models" / "calibration.txt").read_text()
     assert "licensee" in calibration and "reproduce" not in calibration
     assert "--kv-scales per-tensor" in report["convert_commands"]["int4 per-tensor"]
@@ -113,3 +118,17 @@ def test_a_missing_licence_folder_is_one_error_line(tmp_path, monkeypatch, capsy
         bench_kv_accuracy.main([str(EXPORT), "--out", str(tmp_path)])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.count("error:") == 1
+
+
+def test_text_fp32_is_a_known_name_whose_shape_the_builder_exports_as_is():
+    from _bench.models import BenchModelMissing, parse_name
+
+    assert parse_name("text-fp32") == ("text", "fp32")  # trained here, fp32 only
+    for bad in ("text-int4", "text-q8_0"):
+        with pytest.raises(BenchModelMissing, match="unknown benchmark model"):
+            parse_name(bad)
+    # No projection of vocab_size outputs (the builder would take it for the lm_head), and
+    # fewer KV heads than query heads (GroupQueryAttention groups them).
+    assert make_bench_models.lm_head_clash(text_decoder.CONFIG) == []
+    assert text_decoder.KV_HEADS < text_decoder.HEADS
+    assert text_decoder.HEADS * text_decoder.HEAD_DIM == text_decoder.HIDDEN
