@@ -23,6 +23,12 @@ and followed by 10 zero-output layers so a forward costs what a ~64M-parameter d
 (scripts/_bench/copy_decoder.py says how). Its checkpoint's TRAINING.json, copied into BUILD.json,
 records the training and the copy accuracy on held-out sequences.
 
+``text-fp32`` is trained too: a 4-layer Llama (hidden 256, 4 query / 2 KV heads of 64) with its
+own byte-level BPE (2048 entries), trained here on the English licence texts Debian ships in
+/usr/share/common-licenses with Apache-2.0 held back whole (scripts/_bench/text_decoder.py);
+its TRAINING.json (loss curve, held-out perplexity) is copied into BUILD.json, and
+scripts/bench_kv_accuracy.py measures the quantized KV cache's accuracy on it.
+
 Everything lands in a cache outside git: ``--root``, else $ONNX_CHUNK_BENCH_MODELS, else
 ~/.cache/onnx-chunk/bench-models; the benchmark scripts find a model by name there (``--model
 qwen05-int4``). A built model is reused; ``--force`` rebuilds (from the checkpoint under
@@ -148,13 +154,22 @@ def make_trained_source(shape: str, dst: Path) -> None:
     sequences."""
     import importlib
 
-    from make_export_fixtures import FAMILIES, train_tokenizer
-
     trainer = importlib.import_module(f"_bench.{TRAINED_SHAPES[shape][1]}")
-    family = FAMILIES["llama"]
+    if shape == "text":  # checked before anything is made
+        try:
+            trainer.texts()
+        except trainer.LicensesMissing as error:
+            _log(f"error: {error}")
+            raise SystemExit(2) from None
     stage = dst.with_name(dst.name + ".partial")
     shutil.rmtree(stage, ignore_errors=True)
-    record = trainer.make_checkpoint(stage, train_tokenizer(family), family.eos_ids(), _log)
+    if shape == "text":  # its own tokenizer, trained on its own text
+        record = trainer.make_checkpoint(stage, _log)
+    else:
+        from make_export_fixtures import FAMILIES, train_tokenizer
+
+        family = FAMILIES["llama"]
+        record = trainer.make_checkpoint(stage, train_tokenizer(family), family.eos_ids(), _log)
     (stage / "TRAINING.json").write_text(json.dumps(record, indent=1) + "\n")
     os.replace(stage, dst)
 
@@ -170,7 +185,7 @@ def source(root: Path, shape: str) -> Path:
         else:
             _log(f"making the random-weight {shape} checkpoint in {folder}")
             make_source(shape, folder)
-    elif shape in TRAINED_SHAPES:  # saved at an earlier export shape: widened again, not trained
+    elif shape == "copy":  # saved at an earlier export shape: widened again, not trained
         import importlib
 
         importlib.import_module(f"_bench.{TRAINED_SHAPES[shape][1]}").regrow(folder, _log)
