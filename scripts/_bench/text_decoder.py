@@ -33,6 +33,8 @@ import random
 import time
 from pathlib import Path
 
+from .copy_decoder import greedy
+
 SEED = 1234
 LICENSES = Path("/usr/share/common-licenses")
 HELD_OUT_FILE = "Apache-2.0"
@@ -202,21 +204,6 @@ def train(stream: list[int], log=print):
                    "warmup": WARMUP, "final_rate": FINAL_RATE, "weight_decay": 0.1,
                    "torch_threads": TORCH_THREADS, "final_loss": round(sum(last) / len(last), 4),
                    "train_s": round(time.monotonic() - began, 1), "loss_curve": curve}
-
-
-def greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
-    """The model's greedy continuation of `prompt` (KV cache, no stop token)."""
-    import torch
-
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([prompt]), use_cache=True)
-        past, produced = out.past_key_values, []
-        token = int(out.logits[0, -1].argmax())
-        for _ in range(new_tokens):
-            produced.append(token)
-            out = model(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
-            past, token = out.past_key_values, int(out.logits[0, -1].argmax())
-    return produced
 
 
 def make_checkpoint(dst: Path, log=print) -> dict:

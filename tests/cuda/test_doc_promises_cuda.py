@@ -20,6 +20,7 @@ from onnx_chunk.runtime.device.allocation import ALLOCATIONS
 from onnx_chunk.runtime.device.buffers import device_zeros
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 from tests.exports.corpus import ROOT as CORPUS
+from tests.runtime.test_device_path import batched_transfers
 
 DEVICE = dataclasses.replace(device_for("cpu"), host_visible=False,
                              mask_policy=MaskPolicy.CAPACITY)
@@ -80,25 +81,6 @@ def test_no_release_call_and_no_warning_on_cuda(monkeypatch, caplog):
     assert session.released == [] and not caplog.records
 
 
-def _batched_transfers(runtime, prompts):
-    """(host-to-device, device-to-host bytes, rows) of every batched forward."""
-    runner, seen = runtime.runner, []
-    original = type(runner).run
-
-    def run(self, slot, forward):
-        before = runtime.stats.transfers
-        ran = original(self, slot, forward)
-        after = runtime.stats.transfers
-        if len(forward.rows) > 1:
-            seen.append((after.host_to_device_bytes - before.host_to_device_bytes,
-                         after.device_to_host_bytes - before.device_to_host_bytes,
-                         len(forward.rows)))
-        return ran
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(type(runner), "run", run)
-        runtime.generate_many(prompts, 6, eos_token_id=[])
-    return seen
 
 
 @pytest.mark.parametrize("model", ["conv_hybrid", "genai-gemma2-fp32"])
@@ -113,7 +95,7 @@ def test_state_and_window_rows_never_cross_in_a_batched_decode(reference_model, 
     row_in = np.dtype(ports.token_dtype).itemsize * (ports.hidden_size or 1) + 8
     row_out = ports.vocab_size * np.dtype(ports.logits_dtype).itemsize
     prompts = [list(range(5 + i, 30 + 7 * i)) for i in range(3)]
-    seen = _batched_transfers(runtime, prompts)
+    seen = batched_transfers(runtime, prompts)
     assert seen
     for sent, received, rows in seen:
         assert sent <= rows * row_in and received == rows * row_out

@@ -104,13 +104,10 @@ def test_a_decode_step_moves_its_inputs_in_and_one_logits_row_out(reference_mode
         assert after.synchronizations - before.synchronizations == 1
 
 
-def test_a_batched_decode_step_moves_one_row_per_sequence(reference_model):
-    runtime = load(reference_model("base"), device=_device(), capacity=96, chunk_size=16,
-                   max_batch=4)
-    ports = runtime.ports
-    vocab, logits_size = ports.vocab_size, np.dtype(ports.logits_dtype).itemsize
-    # Tokens and positions; mask updates never cross (they are made on the device).
-    per_row = np.dtype(ports.token_dtype).itemsize + 8
+def batched_transfers(runtime, prompts) -> list[tuple[int, int, int]]:
+    """(host-to-device bytes, device-to-host bytes, rows) of every batched forward while
+    `runtime` generates 6 tokens for each of `prompts` (through the one forward,
+    `ModelRunner.run`)."""
     runner, seen = runtime.runner, []
     original = type(runner).run
 
@@ -126,8 +123,18 @@ def test_a_batched_decode_step_moves_one_row_per_sequence(reference_model):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(type(runner), "run", run)
-        prompts = [list(range(1 + i, 20 + 3 * i)) for i in range(4)]
         runtime.generate_many(prompts, 6, eos_token_id=[])
+    return seen
+
+
+def test_a_batched_decode_step_moves_one_row_per_sequence(reference_model):
+    runtime = load(reference_model("base"), device=_device(), capacity=96, chunk_size=16,
+                   max_batch=4)
+    ports = runtime.ports
+    vocab, logits_size = ports.vocab_size, np.dtype(ports.logits_dtype).itemsize
+    # Tokens and positions; mask updates never cross (they are made on the device).
+    per_row = np.dtype(ports.token_dtype).itemsize + 8
+    seen = batched_transfers(runtime, [list(range(1 + i, 20 + 3 * i)) for i in range(4)])
     assert seen
     for sent, received, rows in seen:
         # Tokens and positions in (within the one mask column per row allowed); one logits
