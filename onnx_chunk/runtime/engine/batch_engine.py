@@ -784,6 +784,18 @@ class SequenceEngine(BatchEngine):
         self._setup(runner, chunk_size, speculation, [slot], slot, [length],
                     PrefixRule(enabled=False), max_queue=1, threaded=False)
 
+    def release(self) -> None:
+        """Forget the request and the pinned decode once the caller is done with them. A
+        request's cancel is its engine's bound method, so engine and request form a cycle that
+        holds the runner (and its sessions) until the garbage collector runs; the sequence's
+        resources must go when its last reference does."""
+        with self._lock:
+            self._rows = [None] * len(self._rows)
+            self._queue.drain()
+            self._samplers.clear()
+            self._forks.clear()
+        self.decode = None
+
     def _start(self, choice: SlotChoice) -> None:
         """The request continues the sequence where it is."""
 

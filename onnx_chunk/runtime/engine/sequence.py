@@ -320,6 +320,7 @@ class Sequence:
                                 chunk_size=self._chunk_size, speculation=self._speculation)
         request = engine.submit(ids, max_new_tokens, eos_ids, sampler)
         with contextlib.ExitStack() as pinned:
+            pinned.callback(engine.release)
             while True:
                 # A sequence closed between two tokens: its stream raises ClosedError here; the
                 # buffers go back to the pool once the stream lets the sequence go.
