@@ -9,6 +9,7 @@ sessions and CUDA graphs hung off it) and `device/` (the provider, buffers, memo
 from __future__ import annotations
 
 from onnx_chunk.runtime.device.provider import PROVIDER_CHOICES, Device, MaskPolicy, resolve_device
+from onnx_chunk.runtime.engine.batch_engine import StepResult
 from onnx_chunk.runtime.engine.request import Request, RequestStats
 from onnx_chunk.runtime.engine.sequence import Sequence
 from onnx_chunk.runtime.model import Runtime, load
@@ -23,4 +24,4 @@ from onnx_chunk.runtime.stats import (
 
 __all__ = ["PROVIDER_CHOICES", "ChunkRecord", "Device", "EngineStats", "GenerationStats",
            "MaskPolicy", "Request", "RequestStats", "Runtime", "RuntimeOptions", "RuntimeStats",
-           "Sequence", "SequenceStats", "load", "resolve_device"]
+           "Sequence", "SequenceStats", "StepResult", "load", "resolve_device"]

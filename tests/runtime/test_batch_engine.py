@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from onnx_chunk.errors import CapacityError, ClosedError, ConfigError, InputError, QueueFullError
-from onnx_chunk.runtime import load
+from onnx_chunk.runtime import StepResult, load
 from onnx_chunk.runtime import model as runtime_model
 from onnx_chunk.runtime.device.buffers import BatchBuffers
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
-from onnx_chunk.runtime.engine.batch_engine import BatchEngine, EngineContext, StepResult
+from onnx_chunk.runtime.engine.batch_engine import BatchEngine, EngineContext
 from onnx_chunk.runtime.engine.kv_state import LogicalLength
 from onnx_chunk.runtime.engine.scheduler import prefill_chunks
 from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot, new_slot
