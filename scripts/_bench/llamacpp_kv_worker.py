@@ -18,7 +18,7 @@ import re
 import sys
 
 import llama_cpp as llama
-import numpy as np
+from llamacpp_worker import _decode, _next_token, load_model
 
 CACHE_TYPES = {"f16": llama.GGML_TYPE_F16, "q8_0": llama.GGML_TYPE_Q8_0,
                "q4_0": llama.GGML_TYPE_Q4_0}
@@ -43,12 +43,7 @@ def main() -> None:
     request = json.loads(sys.argv[1])
     slots, capacity = int(request["slots"]), int(request["capacity"])
     llama.llama_log_set(_keep, ctypes.c_void_p())
-    llama.llama_backend_init()
-    model = llama.llama_model_load_from_file(request["model"].encode(),
-                                             llama.llama_model_default_params())
-    if not model:
-        raise SystemExit(f"llama.cpp could not load {request['model']}")
-    vocab_size = llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(model))
+    model, vocab_size = load_model(request["model"])
     params = llama.llama_context_default_params()
     params.n_ctx = slots * capacity
     params.n_seq_max = slots
@@ -65,21 +60,11 @@ def main() -> None:
     try:
         for slot in range(slots):
             tokens = [5 + slot, 6, 7, 8]
-            for step in range(8):
-                fed = tokens if step == 0 else tokens[-1:]
-                first = 0 if step == 0 else len(tokens) - 1
-                batch.n_tokens = len(fed)
-                for index, token in enumerate(fed):
-                    batch.token[index] = token
-                    batch.pos[index] = first + index
-                    batch.n_seq_id[index] = 1
-                    batch.seq_id[index][0] = slot
-                    batch.logits[index] = index == len(fed) - 1
-                if llama.llama_decode(context, batch) != 0:
-                    raise SystemExit("llama_decode failed")
-                logits = llama.llama_get_logits_ith(context, -1)
-                tokens.append(int(np.argmax(np.ctypeslib.as_array(logits,
-                                                                  shape=(vocab_size,)))))
+            _decode(context, batch, tokens, 0, slot)
+            tokens.append(_next_token(context, vocab_size))
+            for _ in range(7):
+                _decode(context, batch, tokens[-1:], len(tokens) - 1, slot)
+                tokens.append(_next_token(context, vocab_size))
     finally:
         llama.llama_batch_free(batch)
     kv_mib = sum(float(match.group(1)) for line in _LOG for match in [_KV_LINE.search(line)]

@@ -25,13 +25,14 @@ def _quiet(level, text, user_data):
     """llama.cpp logs every load to stderr; the benchmark keeps stderr for errors."""
 
 
-def _decode(context, batch, tokens: list[int], first_position: int) -> None:
+def _decode(context, batch, tokens: list[int], first_position: int, sequence: int = 0) -> None:
+    """Decode `tokens` of `sequence` from `first_position`, the last row's logits asked for."""
     batch.n_tokens = len(tokens)
     for index, token in enumerate(tokens):
         batch.token[index] = token
         batch.pos[index] = first_position + index
         batch.n_seq_id[index] = 1
-        batch.seq_id[index][0] = 0
+        batch.seq_id[index][0] = sequence
         batch.logits[index] = index == len(tokens) - 1
     status = llama.llama_decode(context, batch)
     if status != 0:
@@ -72,16 +73,20 @@ def generate(model, vocab_size: int, prompt: list[int], new_tokens: int, chunk: 
             "total_s": total, "tokens": tokens}
 
 
+def load_model(path: str):
+    """The llama.cpp model at `path` (the backend initialised first) and its vocabulary size."""
+    llama.llama_backend_init()
+    model = llama.llama_model_load_from_file(path.encode(), llama.llama_model_default_params())
+    if not model:
+        raise SystemExit(f"llama.cpp could not load {path}")
+    return model, llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(model))
+
+
 def main() -> None:
     request = json.loads(sys.argv[1])
     llama.llama_log_set(_quiet, ctypes.c_void_p())
     began = time.perf_counter()
-    llama.llama_backend_init()
-    model = llama.llama_model_load_from_file(request["model"].encode(),
-                                             llama.llama_model_default_params())
-    if not model:
-        raise SystemExit(f"llama.cpp could not load {request['model']}")
-    vocab_size = llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(model))
+    model, vocab_size = load_model(request["model"])
     load_s = time.perf_counter() - began
     results = [generate(model, vocab_size, prompt, request["new_tokens"], request["chunk_size"],
                         request["threads"]) for prompt in request["prompts"]]
