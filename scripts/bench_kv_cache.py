@@ -3,6 +3,7 @@
 Usage: bench_kv_cache.py memory FOLDER [FOLDER...] [--shape 1x32768 --shape 8x8192]
                            [--llamacpp GGUF]
        bench_kv_cache.py decode FOLDER [FOLDER...] [--positions 1024] [--rounds 3]
+                           [--genai FOLDER]
 
 `memory` runs each (folder, slots x capacity) in a fresh child process: it loads the model,
 serves one short request on every slot (so every KV buffer is allocated and written) and
@@ -12,6 +13,10 @@ shapes with its f16, q8_0 and q4_0 caches (`_bench/llamacpp_kv_worker.py` in the
 venv: the KV bytes llama.cpp's log reports, its VmHWM). `decode` prefills a random prompt of
 `--positions` tokens and times 32 greedy decode steps after it, the folders interleaved round
 by round; the load average is printed beside each number (the machine may be shared).
+`--genai FOLDER` adds onnxruntime-genai (`_bench/genai_worker.py` in `--genai-venv`) on that
+folder (the float-cache export as built) in the same rounds: the same prompt, prefilled in
+chunks of 512 (its `search.chunk_size`), then 33 greedy tokens, timed as genai's decode
+tokens/s after the first. Every system reads the prompt from one file the parent writes.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+from _bench import environment as env
 from _bench.environment import WORKERS, llama_python
 
 LLAMA_CACHES = ("f16", "q8_0", "q4_0")
@@ -51,10 +58,10 @@ if request["mode"] == "memory":
         print(json.dumps({"kv_bytes": stats.kv_bytes, "kv_dtype": stats.kv_dtype,
                           "peak_rss": vmhwm()}))
 else:
-    rng = np.random.default_rng(0)
+    with open(request["prompt_file"]) as file:
+        prompt = json.load(file)[0]
     with onnx_chunk.load(request["folder"], provider="cpu",
-                         capacity=request["positions"] + 64) as runtime:
-        prompt = rng.integers(10, runtime.ports.vocab_size, request["positions"]).tolist()
+                         capacity=len(prompt) + 64) as runtime:
         with runtime.open_sequence() as sequence:
             logits = sequence.prefill(prompt)
             token = int(np.argmax(logits))
@@ -70,6 +77,29 @@ def _child(request: dict) -> dict:
     done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(request)],
                           capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _genai_child(python: Path, folder: str, prompt_file: str, positions: int) -> dict:
+    argv = env.worker_argv(python, "genai_worker", {
+        "model": folder, "prompts_file": prompt_file, "new_tokens": 33, "chunk_size": 512,
+        "max_length": positions + 64, "threads": 2})
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"error: onnxruntime-genai's child failed: {done.stderr.strip()[-500:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])["results"][0]
+    return {"tokens_per_s": result["decode_tokens_per_s"]}
+
+
+def _prompt_file(folder: Path, positions: int) -> str:
+    """A JSON file holding one random prompt of `positions` ids below `folder`'s vocabulary."""
+    import numpy as np
+
+    vocab = json.loads((folder / "genai_config.json").read_text())["model"]["vocab_size"]
+    prompt = np.random.default_rng(0).integers(10, vocab, positions).tolist()
+    descriptor, path = tempfile.mkstemp(suffix=".json", prefix="bench_kv_prompt_")
+    with os.fdopen(descriptor, "w") as file:
+        json.dump([prompt], file)
+    return path
 
 
 def _llama_child(python: Path, request: dict) -> dict:
@@ -95,6 +125,10 @@ def main() -> None:
     parser.add_argument("--llamacpp", type=Path, default=None,
                         help="a .gguf of the same model: llama.cpp's caches too (memory)")
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
+    parser.add_argument("--genai", type=Path, default=None,
+                        help="decode: also onnxruntime-genai on this folder (the float export)")
+    parser.add_argument("--genai-venv", type=Path, default=env.ROOT / ".venv-genai",
+                        help="venv holding onnxruntime-genai (created when missing)")
     args = parser.parse_args()
     if args.llamacpp is not None and not args.llamacpp.is_file():
         parser.error(f"--llamacpp {args.llamacpp}: no such file")
@@ -121,18 +155,31 @@ def main() -> None:
                       f"{got['peak_rss'] / 2**20:8.1f} MiB  load {_load()}  llama.cpp "
                       f"{args.llamacpp.name}", flush=True)
         return
-    results: dict[str, list[float]] = {folder: [] for folder in args.folders}
-    for _ in range(args.rounds):
-        for folder in args.folders:
-            got = _child({"mode": "decode", "folder": folder, "positions": args.positions})
-            results[folder].append(got["tokens_per_s"])
-            print(f"{args.positions:>6} {got['kv_dtype']:>8} {got['tokens_per_s']:7.2f} tok/s  "
-                  f"load {_load()}  {os.path.basename(folder.rstrip('/'))}", flush=True)
-            time.sleep(1)
-    for folder, values in results.items():
+    if args.genai is not None and not (args.genai / "genai_config.json").is_file():
+        parser.error(f"--genai {args.genai}: no genai_config.json there")
+    genai = None if args.genai is None else env.genai_python(args.genai_venv)
+    prompt_file = _prompt_file(Path(args.folders[0]), args.positions)
+    systems = [*args.folders, *([] if args.genai is None else [f"genai:{args.genai}"])]
+    results: dict[str, list[float]] = {system: [] for system in systems}
+    try:
+        for _ in range(args.rounds):
+            for system in systems:
+                if system.startswith("genai:"):
+                    got = {**_genai_child(genai, str(args.genai), prompt_file, args.positions),
+                           "kv_dtype": "genai"}
+                else:
+                    got = _child({"mode": "decode", "folder": system,
+                                  "prompt_file": prompt_file})
+                results[system].append(got["tokens_per_s"])
+                print(f"{args.positions:>6} {got['kv_dtype']:>8} {got['tokens_per_s']:7.2f} "
+                      f"tok/s  load {_load()}  {os.path.basename(system.rstrip('/'))}",
+                      flush=True)
+                time.sleep(1)
+    finally:
+        os.unlink(prompt_file)
+    for system, values in results.items():
         print(f"median {statistics.median(values):7.2f} tok/s (spread "
-              f"{min(values):.2f}-{max(values):.2f})  {os.path.basename(folder.rstrip('/'))}")
-
+              f"{min(values):.2f}-{max(values):.2f})  {os.path.basename(system.rstrip('/'))}")
 
 if __name__ == "__main__":
     main()

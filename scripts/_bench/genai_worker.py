@@ -3,7 +3,8 @@
 The one place that drives onnxruntime-genai: the benchmarks measure with it, and
 scripts/genai_check.py and scripts/genai_parity.py take its tokens. It must not import
 onnx_chunk: that venv holds the CPU onnxruntime that onnxruntime-genai brings. argv[1] is a
-JSON object: model (folder with genai_config.json), prompts, new_tokens, chunk_size
+JSON object: model (folder with genai_config.json), prompts (or prompts_file: a JSON file
+holding them, for prompts too long for one argument), new_tokens, chunk_size
 (search.chunk_size; 0 leaves it unset), and optionally margins (true: each result also lists,
 per generated token, the gap between the two largest logits genai chose from, which tells a
 near-tie from a real difference) and max_length (genai's search.max_length for every prompt;
@@ -40,6 +41,9 @@ def main() -> None:
     load_s = time.perf_counter() - began
     want_margins = bool(request.get("margins"))
     results = []
+    if "prompts_file" in request:
+        with open(request["prompts_file"]) as file:
+            request["prompts"] = json.load(file)
     for prompt in request["prompts"]:
         params = og.GeneratorParams(model)
         params.set_search_options(max_length=request.get("max_length") or
