@@ -106,6 +106,45 @@ class PadSide(Enum):
 
 
 @dataclass(frozen=True)
+class PaddedRows:
+    """Real rows widened to a fixed row count: the ids, which rows are real, their positions."""
+
+    input_ids: np.ndarray
+    valid: np.ndarray
+    position_ids: np.ndarray
+
+    @property
+    def pad_count(self) -> int:
+        return int(np.count_nonzero(~self.valid))
+
+
+def pad_rows(ids: np.ndarray, first_position: int, width: int, pad_side: PadSide,
+             pad_id: int) -> PaddedRows:
+    """`ids`, real tokens at positions first_position, first_position + 1, ..., widened to
+    `width` rows: the padding of an aligned prompt and of each static forward.
+
+    Rules:
+    1. On the left: `pad_id` before the ids, at position 0 (only a sequence's first rows are
+       left padded).
+    2. On the right: the last id repeated after them, the positions continuing.
+    3. Padding is not valid; ConfigError when the ids are empty or more than `width`.
+    """
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    real = len(ids)
+    if not 1 <= real <= width:
+        raise ConfigError(f"cannot pad {real} real rows to {width}; expected 1 to {width}")
+    pad = width - real
+    if pad_side is PadSide.RIGHT:
+        return PaddedRows(np.concatenate([ids, np.repeat(ids[-1:], pad)]),
+                          np.arange(width) < real,
+                          np.arange(first_position, first_position + width, dtype=np.int64))
+    positions = np.zeros(width, dtype=np.int64)
+    positions[pad:] = np.arange(first_position, first_position + real)
+    return PaddedRows(np.concatenate([np.full(pad, pad_id, dtype=np.int64), ids]),
+                      np.arange(width) >= pad, positions)
+
+
+@dataclass(frozen=True)
 class AlignedPrompt:
     """A prompt aligned to whole chunks: the kept prompt tokens and the padding around them."""
 
@@ -165,21 +204,12 @@ def align_prompt(
     kept = len(ids)
     rows = limits.chunk_size
     aligned_len = -(-kept // rows) * rows
-    pad_count = aligned_len - kept
-    if pad_side is PadSide.RIGHT:
-        input_ids = np.concatenate([ids, np.repeat(ids[-1:], pad_count)])
-        valid = np.arange(aligned_len) < kept
-        position_ids = np.arange(aligned_len, dtype=np.int64)
-    else:
-        input_ids = np.concatenate([np.full(pad_count, pad_id, dtype=np.int64), ids])
-        valid = np.arange(aligned_len) >= pad_count
-        position_ids = np.zeros(aligned_len, dtype=np.int64)
-        position_ids[pad_count:] = np.arange(kept, dtype=np.int64)
+    padded = pad_rows(ids, 0, aligned_len, pad_side, pad_id)
     return AlignedPrompt(
-        input_ids=input_ids,
-        valid=valid,
-        position_ids=position_ids,
+        input_ids=padded.input_ids,
+        valid=padded.valid,
+        position_ids=padded.position_ids,
         prompt_len=prompt_len,
-        pad_count=pad_count,
+        pad_count=padded.pad_count,
         truncated_count=truncated,
     )

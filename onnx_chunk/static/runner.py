@@ -1,14 +1,16 @@
 """Generation on a pair of static decoders: a chunk graph (rows c) and a decode graph
 (rows 1) that share weights and the KV capacity C.
 
-As a pipeline: align the prompt (left pad / left truncate to whole
-chunks), run the chunks in order, each with its slice of position_ids, its rows of the
-causal-plus-padding mask right-aligned to C, and the rolling cache as past; the last real row of
-the last chunk gives the first generated token; decode continues one row at a time on the same
-cache. Each token is chosen by the dynamic runtime's `Sampler` (greedy by default), and the
-generation ends by the requests' one finish rule (`request.finish_reason`). What the static
-shapes cost is reported in the result, never hidden: tokens truncated away, padding added, real
-positions dropped once more than C positions were seen.
+As a pipeline: align the prompt (pad / left truncate to whole chunks), run its chunks in order,
+then decode one row at a time on the same cache. Every forward goes through the runtime's one
+interface, `ForwardRunner.run(slot, Forward) -> Ran`, as `ModelRunner`'s do: a `GraphRunner`
+per graph takes the real rows of one chunk (or one decode token) on the request's `StaticSlot`
+(cache, valid positions, length), widens them to the graph's rows on the layout's side with
+`pad_rows`, the rule `align_prompt` pads by (so its `padded_rows` add up to the prompt's
+pad_count), and returns the last real row's logits. Each token is chosen by the dynamic
+runtime's `Sampler` (greedy by default), and the generation ends by the requests' one finish
+rule (`request.finish_reason`). What the static shapes cost is reported in the result, never
+hidden: tokens truncated away, padding added, real positions dropped past C.
 
 Two graph contracts are served, told apart once per graph by its mask (`CacheLayout`): the
 static reference decoder's (additive float mask [1, 1, c, C], position_ids, present holding only
@@ -53,8 +55,15 @@ from onnx_chunk.errors import (
 from onnx_chunk.runtime.device.buffers import DeviceBuffer, device_zeros
 from onnx_chunk.runtime.device.provider import Device, resolve_device
 from onnx_chunk.runtime.engine.request import FinishReason, finish_reason
+from onnx_chunk.runtime.runner.forward import Forward, ForwardRunner, Ran, Row
 from onnx_chunk.sampling import GREEDY, Sampler, Sampling
-from onnx_chunk.static.alignment import AlignedPrompt, PadSide, StaticLimits, align_prompt
+from onnx_chunk.static.alignment import (
+    AlignedPrompt,
+    PadSide,
+    StaticLimits,
+    align_prompt,
+    pad_rows,
+)
 from onnx_chunk.static.bound_kv import BoundKVCache
 from onnx_chunk.static.kv_buffers import PAST, PRESENT, StaticKVBuffers
 from onnx_chunk.static.rolling_kv import RollingKVCache
@@ -94,17 +103,54 @@ class StaticGenerationResult:
 
 
 @dataclass
+class StaticLength:
+    """A static request's length: the real positions fed so far, so the next position id.
+    Padding is not counted (`Length`, as the dynamic runtime's sequences have)."""
+
+    capacity: int
+    length: int = 0
+
+    @property
+    def room(self) -> int:
+        """Positions left before C (past it a rolling cache slides; a bound one is refused
+        up front, `StaticRunner.check_request`)."""
+        return max(0, self.capacity - self.length)
+
+    def end(self, width: int) -> int:
+        """Where a forward of `width` real rows at this length ends."""
+        return self.length + width
+
+    def advance(self, rows: int) -> None:
+        self.length += rows
+
+
+@dataclass
+class StaticSlot:
+    """What a static request's forwards run on: its KV cache, which positions of its sequence
+    so far (padding included) are real, and its length."""
+
+    cache: StaticKVBuffers
+    length: StaticLength
+    valid: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+
+
+@dataclass
 class StaticPrefill:
     """A prompt after chunked prefill: the cache it filled and the first token's logits."""
 
     aligned: AlignedPrompt
-    cache: StaticKVBuffers
+    slot: StaticSlot
+    """The request's cache, valid positions and length, which decode goes on from."""
     logits: np.ndarray
     """The last real row's logits [vocab]: they give the first generated token."""
     chunks: int
     began: float
     """`time.perf_counter()` when the request started (for the time to first token)."""
     warnings: list[str] = field(default_factory=list)
+
+    @property
+    def cache(self) -> StaticKVBuffers:
+        return self.slot.cache
 
 
 class CacheLayout(Enum):
@@ -264,6 +310,99 @@ def _metadata_int(session: ort.InferenceSession, key: str) -> int | None:
     return None if value is None else int(value)
 
 
+class GraphRunner:
+    """One static graph as a forward runner (`ForwardRunner[StaticSlot]`): a forward of up to
+    `spec.rows` real rows of one request, widened to the graph's rows on the layout's side
+    (`pad_rows`, as `align_prompt` pads a prompt) and run through the graph's one IOBinding.
+
+    Rules:
+    1. A forward is one stepping row of 1 to `spec.rows` tokens; its logits are "last" (the
+       last real row, [1, vocab]) or "none" (ValueError otherwise).
+    2. The rows go in at the slot's length; the slot's cache takes them (rolled, or written
+       in place), its valid positions grow by the graph's rows and its length by the real ones.
+    3. `Ran.padded_rows` is the rows added; `Ran.width` the graph's rows.
+    """
+
+    def __init__(self, session: ort.InferenceSession, spec: _GraphSpec, device: Device, *,
+                 pad_id: int, vocab_size: int) -> None:
+        self.session = session
+        self.spec = spec
+        self.device = device
+        self.pad_id = pad_id
+        self.vocab_size = vocab_size
+        self._binding = session.io_binding()
+        # The device buffers of the graph's inputs (`_bind_input`), by input name.
+        self._inputs: dict[str, DeviceBuffer] = {}
+
+    def run(self, slot: StaticSlot, forward: Forward) -> Ran:
+        """Run `forward` on `slot` (see the class docstring)."""
+        rows = self.spec.rows
+        if len(forward.rows) != 1 or not forward.rows[0].steps:
+            raise ValueError(f"a static graph runs one stepping row per forward, got "
+                             f"{len(forward.rows)}")
+        if forward.logits == "all":
+            raise ValueError('a static graph returns its last real row ("last") or none '
+                             '("none"), not every row')
+        row = forward.rows[0]
+        if not 1 <= len(row.tokens) <= rows:
+            raise ValueError(f"a forward of the {rows}-row graph feeds 1 to {rows} real rows, "
+                             f"got {len(row.tokens)}")
+        padded = pad_rows(row.tokens, row.length.length, rows, self.spec.layout.pad_side,
+                          self.pad_id)
+        start = len(slot.valid)
+        valid = np.concatenate([slot.valid, padded.valid])
+        last = int(np.flatnonzero(padded.valid)[-1]) if forward.logits == "last" else None
+        logits = self._forward(slot.cache, valid, padded.input_ids, padded.position_ids,
+                               start, last)
+        slot.valid = valid
+        row.length.advance(len(row.tokens))
+        return Ran(None if logits is None else logits[None], rows, padded.pad_count)
+
+    def _forward(self, cache: StaticKVBuffers, valid: np.ndarray, input_ids: np.ndarray,
+                 position_ids: np.ndarray, start: int, logits_row: int | None) -> np.ndarray | None:
+        """One forward of `spec.rows` positions starting at sequence index `start`, bound on the
+        device through the graph's one IOBinding; updates the cache there (rolled, or written
+        in place) and returns row `logits_row` of the logits ([vocab], a host copy of that row
+        only), or None."""
+        spec, binding = self.spec, self._binding
+        try:
+            # Inputs live in device buffers allocated once per input and written in place:
+            # what crosses is the forward's ids, mask and positions, counted.
+            self._bind_input("input_ids", np.ascontiguousarray(input_ids[None]))
+            self._bind_input("attention_mask",
+                             cache.forward_mask(valid, start, spec.rows, spec.mask_dtype))
+            if spec.position_ids:
+                self._bind_input("position_ids", np.ascontiguousarray(position_ids[None]))
+            # Bound first, so that it is the binding's first output (outputs come in bind
+            # order); bound to the device only, so ONNX Runtime allocates it for this run.
+            binding.bind_output(spec.logits, self.device.device_type, self.device.device_id)
+            cache.bind(binding, spec.rows)
+            self.device.run(self.session, binding, None)
+            if not self.device.host_visible:
+                binding.synchronize_outputs()
+            cache.after_forward(valid[start:start + spec.rows])
+            if logits_row is None:
+                return None
+            logits = DeviceBuffer(binding.get_outputs()[0], None, spec.logits_dtype,
+                                  None if self.device.host_visible else self.device.transfers)
+            return np.array(logits.read(logits_row * self.vocab_size, self.vocab_size))
+        finally:
+            # Emptied after every forward, so that the binding holds no buffer of this request
+            # (its cache, the logits ONNX Runtime allocated) once it ends, and the next forward
+            # binds every name afresh, the logits first.
+            binding.clear_binding_inputs()
+            binding.clear_binding_outputs()
+
+    def _bind_input(self, name: str, array: np.ndarray) -> None:
+        """Write `array` into the device buffer of input `name` (allocated on first use) and
+        bind it."""
+        buffer = self._inputs.get(name)
+        if buffer is None or buffer.shape != array.shape or buffer.dtype != array.dtype:
+            buffer = self._inputs[name] = device_zeros(array.shape, array.dtype, self.device)
+        buffer.write(array)
+        self._binding.bind_ortvalue_input(name, buffer.value)
+
+
 class StaticRunner:
     """Runs a chunk graph (rows c) and a decode graph (rows 1) of one static decoder.
 
@@ -288,10 +427,6 @@ class StaticRunner:
     ) -> None:
         chunk_path, decode_path = Path(chunk_model), Path(decode_model)
         self.device = device if device is not None else resolve_device(provider, device_id)
-        # The device buffers of the graphs' inputs (`_bind_input`), by (graph spec, input).
-        self._inputs: dict[tuple[int, str], DeviceBuffer] = {}
-        # One IOBinding per graph (`_binding`), by session.
-        self._bindings: dict[int, ort.IOBinding] = {}
         self.chunk_session = _session(chunk_path, self.device)
         self.decode_session = _session(decode_path, self.device)
         self.chunk_spec = _graph_spec(self.chunk_session, chunk_path)
@@ -333,6 +468,13 @@ class StaticRunner:
         self.pad_token_id = _metadata_int(self.chunk_session, "pad_token_id") or 0
         self.max_positions = _metadata_int(self.chunk_session, "max_positions")
         self.vocab_size = int(self.chunk_session.get_outputs()[0].shape[-1])
+        # Every forward runs through one of them: the prompt's chunks, then the decode steps.
+        self._chunks: ForwardRunner[StaticSlot] = GraphRunner(
+            self.chunk_session, chunk, self.device, pad_id=self.pad_token_id,
+            vocab_size=self.vocab_size)
+        self._steps: ForwardRunner[StaticSlot] = GraphRunner(
+            self.decode_session, decode, self.device, pad_id=self.pad_token_id,
+            vocab_size=self.vocab_size)
 
     def check_request(self, aligned: AlignedPrompt, max_new_tokens: int) -> None:
         """Refuse requests the graphs cannot serve, before running anything."""
@@ -367,79 +509,20 @@ class StaticRunner:
         return self.layout.cache_type(spec.num_layers, spec.kv_heads, spec.capacity,
                                       spec.head_size, dtype=spec.kv_dtype, device=self.device)
 
-    def run_forward(
-        self, session: ort.InferenceSession, spec: _GraphSpec,
-        cache: StaticKVBuffers, valid: np.ndarray, input_ids: np.ndarray,
-        position_ids: np.ndarray, start: int, logits_row: int | None = None,
-    ) -> np.ndarray | None:
-        """One forward of `spec.rows` positions starting at sequence index `start`, bound on the
-        device through the graph's one IOBinding; updates the cache there (rolled, or written
-        in place) and returns row `logits_row` of the logits ([vocab], a host copy of that row
-        only), or None."""
-        binding = self._binding(session)
-        try:
-            # Inputs live in device buffers allocated once per (graph, input) and written in
-            # place: what crosses is the forward's ids, mask and positions, counted.
-            self._bind_input(binding, spec, "input_ids", np.ascontiguousarray(input_ids[None]))
-            self._bind_input(binding, spec, "attention_mask",
-                             cache.forward_mask(valid, start, spec.rows, spec.mask_dtype))
-            if spec.position_ids:
-                self._bind_input(binding, spec, "position_ids",
-                                 np.ascontiguousarray(position_ids[None]))
-            # Bound first, so that it is the binding's first output (outputs come in bind
-            # order); bound to the device only, so ONNX Runtime allocates it for this run.
-            binding.bind_output(spec.logits, self.device.device_type, self.device.device_id)
-            cache.bind(binding, spec.rows)
-            self.device.run(session, binding, None)
-            if not self.device.host_visible:
-                binding.synchronize_outputs()
-            cache.after_forward(valid[start:start + spec.rows])
-            if logits_row is None:
-                return None
-            logits = DeviceBuffer(binding.get_outputs()[0], None, spec.logits_dtype,
-                                  None if self.device.host_visible else self.device.transfers)
-            return np.array(logits.read(logits_row * self.vocab_size, self.vocab_size))
-        finally:
-            # Emptied after every forward, so that the binding holds no buffer of this request
-            # (its cache, the logits ONNX Runtime allocated) once it ends, and the next forward
-            # binds every name afresh, the logits first.
-            binding.clear_binding_inputs()
-            binding.clear_binding_outputs()
-
-    def _binding(self, session: ort.InferenceSession) -> ort.IOBinding:
-        """The one IOBinding of `session`'s graph, made on its first forward."""
-        binding = self._bindings.get(id(session))
-        if binding is None:
-            binding = self._bindings[id(session)] = session.io_binding()
-        return binding
-
-    def _bind_input(self, binding: ort.IOBinding, spec: _GraphSpec, name: str,
-                    array: np.ndarray) -> None:
-        """Write `array` into the device buffer of input `name` of `spec`'s graph (allocated
-        on first use) and bind it."""
-        key = (id(spec), name)
-        buffer = self._inputs.get(key)
-        if buffer is None or buffer.shape != array.shape or buffer.dtype != array.dtype:
-            buffer = self._inputs[key] = device_zeros(array.shape, array.dtype, self.device)
-        buffer.write(array)
-        binding.bind_ortvalue_input(name, buffer.value)
-
-    def prefill(self, aligned: AlignedPrompt,
-                cache: StaticKVBuffers) -> tuple[np.ndarray, int]:
-        """Run the aligned prompt chunk by chunk; returns the last real row's logits and the
-        number of chunks run."""
-        rows = self.chunk_spec.rows
+    def prefill(self, aligned: AlignedPrompt, slot: StaticSlot) -> tuple[np.ndarray, int]:
+        """Run the aligned prompt chunk by chunk on `slot`, each chunk a forward of its real
+        rows (padded back to c by the chunk graph's runner); returns the last real row's logits
+        and the number of chunks run."""
+        rows = self.limits.chunk_size
         chunks = aligned.aligned_len // rows
-        last_real = int(np.flatnonzero(aligned.valid[-rows:])[-1])
-        logits = None
+        ran = None
         for index in range(chunks):
-            start = index * rows
-            window = slice(start, start + rows)
-            logits = self.run_forward(self.chunk_session, self.chunk_spec, cache, aligned.valid,
-                                      aligned.input_ids[window], aligned.position_ids[window],
-                                      start, last_real if index == chunks - 1 else None)
-        assert logits is not None
-        return logits, chunks
+            window = slice(index * rows, (index + 1) * rows)
+            real = aligned.input_ids[window][aligned.valid[window]]
+            ran = self._chunks.run(slot, Forward([Row(real, slot.length)],
+                                                 "last" if index == chunks - 1 else "none"))
+        assert ran is not None and ran.logits is not None
+        return ran.logits[0], chunks
 
     def start(
         self, prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int
@@ -474,9 +557,9 @@ class StaticRunner:
                 f"prompt left-truncated by {aligned.truncated_count} of {aligned.prompt_len} "
                 f"tokens to fit L={self.limits.max_input_len}"
             )
-        cache = self.new_cache()
-        logits, chunks = self.prefill(aligned, cache)
-        return StaticPrefill(aligned, cache, logits, chunks, began, warnings)
+        slot = StaticSlot(self.new_cache(), StaticLength(self.limits.capacity))
+        logits, chunks = self.prefill(aligned, slot)
+        return StaticPrefill(aligned, slot, logits, chunks, began, warnings)
 
     def decode(
         self, prefill: StaticPrefill, max_new_tokens: int, *,
@@ -509,32 +592,27 @@ class StaticRunner:
 
     def _decode(self, prefill: StaticPrefill, max_new_tokens: int, stop: tuple[int, ...],
                 sampler: Sampler, keep_logits: bool) -> StaticGenerationResult:
-        aligned, cache = prefill.aligned, prefill.cache
+        aligned, slot = prefill.aligned, prefill.slot
         sampler.observe(aligned.input_ids[aligned.valid].tolist())
         tokens = [sampler.choose(prefill.logits)]
         step_logits = [prefill.logits] if keep_logits else []
         ttft = time.perf_counter() - prefill.began
         reason = finish_reason(tokens[-1], 1, max_new_tokens, stop)
-        valid = aligned.valid
-        position = aligned.kept_len
         steps = 0
         decode_began = time.perf_counter()
         while reason is None:
-            start = len(valid)
-            valid = np.append(valid, True)
-            logits = self.run_forward(self.decode_session, self.decode_spec, cache, valid,
-                                      np.array([tokens[-1]], dtype=np.int64),
-                                      np.array([position], dtype=np.int64), start, 0)
-            assert logits is not None
+            ran = self._steps.run(slot, Forward([Row(np.array([tokens[-1]], dtype=np.int64),
+                                                     slot.length)]))
+            assert ran.logits is not None
+            logits = ran.logits[0]
             tokens.append(sampler.choose(logits))
             if keep_logits:
                 step_logits.append(logits)
-            position += 1
             steps += 1
             reason = finish_reason(tokens[-1], len(tokens), max_new_tokens, stop)
         decode_s = time.perf_counter() - decode_began
         warnings = list(prefill.warnings)
-        dropped = cache.dropped_positions
+        dropped = slot.cache.dropped_positions
         if dropped:
             warnings.append(
                 f"{dropped} real positions dropped off the KV cache of capacity "

@@ -10,7 +10,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from onnx_chunk.errors import CapacityError, ConfigError, InputError
-from onnx_chunk.static.alignment import PadSide, StaticLimits, align_prompt, suggest_capacity
+from onnx_chunk.static.alignment import (
+    PadSide,
+    StaticLimits,
+    align_prompt,
+    pad_rows,
+    suggest_capacity,
+)
 
 
 def test_suggested_capacity_leaves_room_for_every_new_token():
@@ -92,3 +98,36 @@ def test_alignment_rules_hold_for_any_sizes(prompt_len, chunk, chunks, room):
     assert aligned.truncated_count == max(0, prompt_len - limits.max_input_len)
     assert aligned.position_ids[aligned.valid].tolist() == list(range(len(kept)))
     assert not aligned.valid[:aligned.pad_count].any()
+
+
+def test_padded_rows_go_on_the_layouts_side():
+    left = pad_rows(np.array([5, 6]), 0, 4, PadSide.LEFT, pad_id=1)
+    assert left.input_ids.tolist() == [1, 1, 5, 6] and left.position_ids.tolist() == [0, 0, 0, 1]
+    assert left.valid.tolist() == [False, False, True, True] and left.pad_count == 2
+    right = pad_rows(np.array([5, 6]), 7, 4, PadSide.RIGHT, pad_id=1)
+    assert right.input_ids.tolist() == [5, 6, 6, 6] and right.position_ids.tolist() == [7, 8, 9, 10]
+    assert right.valid.tolist() == [True, True, False, False] and right.pad_count == 2
+    full = pad_rows(np.array([5]), 9, 1, PadSide.LEFT, pad_id=1)
+    assert (full.input_ids.tolist(), full.position_ids.tolist(), full.pad_count) == ([5], [9], 0)
+    for ids in (np.array([], dtype=np.int64), np.arange(5)):
+        with pytest.raises(ConfigError, match="expected 1 to 4"):
+            pad_rows(ids, 0, 4, PadSide.RIGHT, pad_id=0)
+
+
+@given(prompt_len=st.integers(1, 200), chunk=st.integers(1, 16), chunks=st.integers(1, 8),
+       side=st.sampled_from(PadSide))
+def test_each_chunk_of_an_aligned_prompt_is_its_real_rows_padded(prompt_len, chunk, chunks, side):
+    # What the static runner feeds a forward (a chunk's real rows at the real positions seen so
+    # far), padded back, is that chunk of the aligned prompt; the pads add up to pad_count.
+    limits = StaticLimits(chunk * chunks, chunk, chunk * chunks + 1)
+    aligned = align_prompt(np.arange(1, prompt_len + 1), limits, pad_id=0, pad_side=side)
+    fed = pads = 0
+    for start in range(0, aligned.aligned_len, chunk):
+        window = slice(start, start + chunk)
+        real = aligned.input_ids[window][aligned.valid[window]]
+        padded = pad_rows(real, fed, chunk, side, pad_id=0)
+        assert padded.input_ids.tolist() == aligned.input_ids[window].tolist()
+        assert padded.valid.tolist() == aligned.valid[window].tolist()
+        assert padded.position_ids.tolist() == aligned.position_ids[window].tolist()
+        fed, pads = fed + len(real), pads + padded.pad_count
+    assert (fed, pads) == (aligned.kept_len, aligned.pad_count)

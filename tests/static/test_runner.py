@@ -20,7 +20,7 @@ from onnx_chunk.runtime.device.provider import device_for
 from onnx_chunk.sampling import Sampler, Sampling
 from onnx_chunk.static.alignment import StaticLimits, align_prompt
 from onnx_chunk.static.mask import mask_fill_value
-from onnx_chunk.static.runner import StaticRunner, window_capacity_problem
+from onnx_chunk.static.runner import GraphRunner, StaticRunner, window_capacity_problem
 
 from .static_sizes import CAPACITY, CHUNK, MAX_INPUT, SEED
 
@@ -173,14 +173,14 @@ def test_any_of_several_eos_ids_stops_generation_even_as_the_last_token(runner):
                                         ([3, 4.0], "must be an integer")])
 def test_bad_eos_ids_are_refused_before_anything_runs(graphs, monkeypatch, eos, words):
     runner = StaticRunner(*graphs, max_input_len=MAX_INPUT, provider="cpu")
-    monkeypatch.setattr(runner, "run_forward", _no_forward)
+    monkeypatch.setattr(GraphRunner, "run", _no_forward)
     with pytest.raises(InputError, match=words):
         runner.generate(_prompt(6), 3, eos_token_id=eos)
 
 
 def test_logprobs_are_refused_before_anything_runs(graphs, monkeypatch):
     runner = StaticRunner(*graphs, max_input_len=MAX_INPUT, provider="cpu")
-    monkeypatch.setattr(runner, "run_forward", _no_forward)
+    monkeypatch.setattr(GraphRunner, "run", _no_forward)
     for sampling in (Sampling(logprobs=0), Sampling(prompt_logprobs=2)):
         with pytest.raises(InputError, match="tokens only"):
             runner.generate(_prompt(6), 3, sampling=sampling)

@@ -1,10 +1,10 @@
 """The model runner: every forward of a dynamic decoder, through one path for every shape.
 
-A forward (`Forward`) is a set of rows over one slot's buffers (`Slot`): per batch row
-of the slot (one for a sequence or an engine row's prefill, the engine's width for its batched
-decode) the token ids it feeds from its logical length and whether it steps, plus which logits
-rows come back: "none", "last" (each batch row's last real row) or "all" (every real row).
-`run` takes it through one pipeline:
+A forward (`Forward`, in `forward`, which names the interface `ForwardRunner`) is a set of rows
+over one slot's buffers (`Slot`): per batch row of the slot (one for a sequence or an engine
+row's prefill, the engine's width for its batched decode) the token ids it feeds from its
+logical length and whether it steps, plus which logits rows come back: "none", "last" (each
+batch row's last real row) or "all" (every real row). `run` takes it through one pipeline:
 
 1. Width: a forward of one batch row is widened to its ladder width by `plan_forward` (or left
    as it is when padding is off); a batched forward runs its rows as they are.
@@ -37,7 +37,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnxruntime as ort
@@ -49,6 +49,7 @@ from onnx_chunk.runtime.caches.variant_cache import Specialize, VariantKey, vari
 from onnx_chunk.runtime.caches.variant_pool import VariantPool
 from onnx_chunk.runtime.device.buffers import DeviceBuffer, device_zeros
 from onnx_chunk.runtime.device.provider import Device
+from onnx_chunk.runtime.runner.forward import Forward, ForwardRunner, LogitsRows, Ran, Row
 from onnx_chunk.runtime.runner.idle_rows import evicting_rows
 from onnx_chunk.runtime.runner.logits_row import ALL_ROWS, ROW_INPUT
 from onnx_chunk.runtime.runner.native_chunks import NativePlan, NativeRow, plan_native
@@ -56,49 +57,10 @@ from onnx_chunk.runtime.runner.padding import PaddedForward, QueryAxisShrunk, pl
 from onnx_chunk.runtime.runner.ports import LOGITS_OUTPUT, ModelPorts
 from onnx_chunk.runtime.runner.slot import Length, Slot
 
-LogitsRows = Literal["none", "last", "all"]
-
 # Bindings that capture no graph (and their logits buffers) a slot keeps on one shape-generic
 # session: the decode width and the latest prefill width. Capturing bindings are bounded by the
 # graph cache, which drops a binding with its graphs.
 _BINDINGS_PER_SESSION = 2
-
-
-@dataclass
-class Row:
-    """One batch row of a forward: the ids it feeds from its logical length.
-
-    `steps=False`: an idle row (a free slot, a prompt between prefill chunks), run at its own
-    length and left as it was.
-    """
-
-    tokens: np.ndarray
-    length: Length
-    steps: bool = True
-
-
-@dataclass
-class Forward:
-    """One forward: a row per batch row of the slot, and which logits rows come back."""
-
-    rows: list[Row]
-    logits: LogitsRows = "last"
-
-    @property
-    def width(self) -> int:
-        """The real query rows each batch row feeds."""
-        return len(self.rows[0].tokens)
-
-
-class Ran(NamedTuple):
-    """What a forward gave: the logits asked for, its query width and its padded rows.
-
-    `logits`: "last": [batch, vocab]; "all": [batch, rows, vocab]; "none": None.
-    """
-
-    logits: np.ndarray | None
-    width: int
-    padded_rows: int
 
 
 @dataclass
@@ -634,3 +596,7 @@ def _last_row(real_rows: int) -> np.ndarray:
     row = np.array([real_rows - 1], dtype=np.int64)
     row.flags.writeable = False
     return row
+
+
+if TYPE_CHECKING:  # mypy checks that the model runner is a forward runner on its slots
+    _RUNS_FORWARDS: type[ForwardRunner[Slot]] = ModelRunner
