@@ -164,7 +164,7 @@ def main() -> None:
     try:
         for _ in range(args.rounds):
             for system in systems:
-                if system.startswith("genai:"):
+                if genai is not None and system.startswith("genai:"):
                     got = {**_genai_child(genai, str(args.genai), prompt_file, args.positions),
                            "kv_dtype": "genai"}
                 else:
