@@ -17,6 +17,8 @@ from onnx_chunk.model_io import load_model, save_model
 from onnx_chunk.passes import Int4BlocksPass, convert_model
 from onnx_chunk.passes.int4_blocks import dequantize_int4, find_int4_matmuls, quantize_int4
 from onnx_chunk.runtime import load
+from scripts._bench import environment
+from scripts._bench.child import run_child
 from tests.cli_output import one_error_line
 from tests.exports.corpus import GENAI, fixtures
 
@@ -177,6 +179,26 @@ def test_the_reblocked_folder_generates_close_to_the_original(fixture, block, tm
     with capsys.disabled():
         print(f"\n{fixture} block {block}: prompt logits drift {drift:.4f} of their spread, "
               f"greedy agreement {agreement:.2f}")
+
+
+def test_the_reblocked_folder_runs_in_genai_with_onnx_chunks_tokens(tmp_path, peer_python,
+                                                                   capsys):
+    """The converted folder (native chunks off: genai 0.18 brings an ORT without them) keeps
+    genai's config; genai's og.Generator reads the re-blocked weights as onnx-chunk does."""
+    fixture = next(fixture for fixture in INT4 if fixture.model_type == "lfm2")
+    out = tmp_path / "reblocked"
+    assert main(["convert", str(fixture.folder), "-o", str(out), "--int4-block-size", "128",
+                 "--native-chunks", "off", "-q"]) == 0
+    capsys.readouterr()
+    with load(out, provider="cpu") as runtime:
+        prompt = [(7 * index + 3) % runtime.ports.vocab_size for index in range(40)]
+        with runtime.open_sequence() as sequence:
+            ours = sequence.generate(prompt, 6)
+        capacity = runtime.options.capacity
+    genai = run_child(environment.worker_argv(peer_python, "genai_worker", {
+        "model": str(out), "prompts": [prompt], "new_tokens": 6, "chunk_size": 0,
+        "max_length": capacity}), timeout_s=300).payload["results"][0]["tokens"]
+    assert genai == ours
 
 
 def test_the_block_the_model_has_changes_no_weight(tmp_path, capsys):
