@@ -42,6 +42,9 @@ LOGITS_ROWS_KEY = "onnx_chunk.logits_rows"
 # Written by the KV cache quantization (optional; `convert --kv-dtype`): the cache's element
 # type and scale granularity, and what calibration ran on.
 KV_CACHE_KEY = "onnx_chunk.kv_cache"
+# Written by the int4 re-blocking (optional; `convert --int4-block-size`): the block size the
+# 4-bit MatMulNBits weights were quantized to again, and how many nodes that changed.
+INT4_BLOCKS_KEY = "onnx_chunk.int4_blocks"
 
 ALL_KEYS = (
     SCHEMA_VERSION_KEY,
@@ -307,6 +310,29 @@ def write_kv_cache(model: ir.Model, declaration: KVCacheDeclaration) -> bool:
 def read_kv_cache(model: ir.Model | Mapping[str, str]) -> KVCacheDeclaration | None:
     """The stored quantized KV cache declaration, or None for a float cache."""
     return _read_section(model, KV_CACHE_KEY, lambda data: KVCacheDeclaration(**data))
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4BlocksDeclaration:
+    """Re-blocked 4-bit weights: the `block_size` every 4-bit MatMulNBits has now, how many
+    such `nodes` there are, how many the last re-blocking changed and from which block sizes,
+    and how many MatMulNBits nodes of other bit widths it left alone."""
+
+    block_size: int
+    nodes: int
+    reblocked_nodes: int
+    source_block_sizes: list[int]
+    other_bits_nodes: int
+
+
+def write_int4_blocks(model: ir.Model, declaration: Int4BlocksDeclaration) -> bool:
+    """Store the int4 re-blocking declaration; return whether the metadata changed."""
+    return _set(model.metadata_props, INT4_BLOCKS_KEY, _encode(dataclasses.asdict(declaration)))
+
+
+def read_int4_blocks(model: ir.Model | Mapping[str, str]) -> Int4BlocksDeclaration | None:
+    """The stored int4 re-blocking declaration, or None when the weights were not re-blocked."""
+    return _read_section(model, INT4_BLOCKS_KEY, lambda data: Int4BlocksDeclaration(**data))
 
 
 def write_recurrent_state(model: ir.Model, findings: RecurrentStateFindings) -> bool:

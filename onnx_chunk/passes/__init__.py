@@ -2,7 +2,8 @@
 
 Each pass records its findings in the inference metadata (`onnx_chunk.metadata`); the last one
 turns them into the declaration the runtime reads. Weights are never read: the passes look at
-graph structure, shapes and initializer shapes only.
+graph structure, shapes and initializer shapes only; only Int4BlocksPass, when asked for
+(`int4_block_size`), reads and rewrites the 4-bit MatMulNBits weights.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from onnx_chunk.passes.chunked_prefill_declaration import (
 )
 from onnx_chunk.passes.concat_kv_attention import ConcatKVToGQAPass, find_concat_kv_attention
 from onnx_chunk.passes.concat_kv_tensor_scatter import ConcatKVToTensorScatterPass
+from onnx_chunk.passes.int4_blocks import INT4_BLOCK_SIZES, Int4BlocksPass, check_int4_blocks
 from onnx_chunk.passes.kv_capacity import KVCapacityPass
 from onnx_chunk.passes.kv_quantization import (
     CACHE_TYPES,
@@ -41,9 +43,11 @@ KV_CACHE_TARGETS = {"gqa": ConcatKVToGQAPass, "onnx24": ConcatKVToTensorScatterP
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_MAX_VARIANTS",
+    "INT4_BLOCK_SIZES",
     "ChunkedPrefillDeclarationPass",
     "ConcatKVToGQAPass",
     "ConcatKVToTensorScatterPass",
+    "Int4BlocksPass",
     "KV_CACHE_TARGETS",
     "KVCacheQuantizationPass",
     "KVCapacityPass",
@@ -57,6 +61,7 @@ __all__ = [
     "RecurrentStatePass",
     "analyze",
     "analyze_metadata",
+    "check_int4_blocks",
     "check_kv_quantization",
     "convert_model",
     "find_concat_kv_attention",
@@ -132,7 +137,8 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
                   kv_scales: str = "per-channel",
                   calibration: Calibration | None = None,
                   native_chunks: str = "auto",
-                  logits_rows: str = "auto") -> ir.passes.PassResult:
+                  logits_rows: str = "auto",
+                  int4_block_size: int | None = None) -> ir.passes.PassResult:
     """Run the pipeline; `modified` is False when the model was already converted so.
 
     A concat-KV decoder (Optimum, torch.onnx) is first rewritten in a copy, which the
@@ -153,6 +159,10 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
     `calibration` (`onnx_chunk.calibration.calibrate_kv` on the float model); refused
     (ModelStructureError) when the installed ONNX Runtime's GroupQueryAttention schema takes
     no such cache.
+
+    With `int4_block_size` (INT4_BLOCK_SIZES) every 4-bit MatMulNBits is re-blocked to it
+    (Int4BlocksPass: its weights are quantized again, so the logits move a little); refused
+    (ConfigError) for a model without 4-bit MatMulNBits. None leaves the weights as they are.
     """
     if kv_cache not in KV_CACHE_TARGETS:
         raise ConfigError(f"unknown KV cache target {kv_cache!r}; expected one of "
@@ -178,12 +188,16 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
     if logits_rows not in LOGITS_ROWS_CHOICES:
         raise ConfigError(f"logits rows must be one of {', '.join(LOGITS_ROWS_CHOICES)}, "
                           f"got {logits_rows!r}")
+    reblocked = False
+    if int4_block_size is not None:
+        reblocked = Int4BlocksPass(int4_block_size)(model).modified
     quantized = False
     if kv_dtype is not None:
         assert calibration is not None
         quantized = KVCacheQuantizationPass(calibration, kv_dtype, kv_scales)(model).modified
     result = _run_pipeline(model, chunk_size, max_variants, native_chunks, logits_rows)
-    return ir.passes.PassResult(model, modified=rewritten or quantized or result.modified)
+    return ir.passes.PassResult(model, modified=rewritten or reblocked or quantized
+                                                 or result.modified)
 
 
 def check_kv_quantization(model: ir.Model, kv_dtype: str) -> None:

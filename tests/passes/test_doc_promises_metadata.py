@@ -92,7 +92,7 @@ def test_optional_keys_are_absent_unless_their_pass_wrote_them(make_decoder):
     model = make_decoder()
     convert_model(model, native_chunks="off", logits_rows="off")
     for key in (metadata.QUERY_SEQLENS_KEY, metadata.LOGITS_ROWS_KEY,
-                metadata.MAX_POSITIONS_KEY, metadata.KV_CACHE_KEY):
+                metadata.MAX_POSITIONS_KEY, metadata.KV_CACHE_KEY, metadata.INT4_BLOCKS_KEY):
         assert key not in model.metadata_props, key
 
 
