@@ -17,8 +17,9 @@ DEFAULT_OUT = ROOT / "bench-out"
 GENAI_VERSION = "0.18.0"
 # The peer venv: onnxruntime-genai with the CPU onnxruntime it needs, and transformers (no
 # torch; jinja2 renders its chat templates) for the tokenizer and chat-template parity checks.
-# Pinned, so a peer's answer only changes when these lines do.
-PEER_REQUIREMENTS = (f"onnxruntime-genai=={GENAI_VERSION}", "onnxruntime==1.31.1",
+# Pinned, so a peer's answer only changes when these lines do; the onnxruntime onnx-chunk runs
+# on (1.32), so a comparison is of the runtimes, not of two ONNX Runtime releases.
+PEER_REQUIREMENTS = (f"onnxruntime-genai=={GENAI_VERSION}", "onnxruntime==1.32.0",
                      "transformers==5.24.0", "jinja2==3.1.6")
 EOS_TOKEN_ID = 2
 
@@ -77,7 +78,7 @@ def served_model(args: argparse.Namespace, preset: str, chunk_size: int,
                  native_chunks: str = "auto") -> Path:
     """The model after `onnx-chunk convert`: --model's export converted at `chunk_size`, else
     the reference decoder `preset` at --variant, converted (`native_chunks`: convert's
-    --native-chunks; onnxruntime-genai 0.18 loads only "off")."""
+    --native-chunks; onnxruntime-genai 0.18 over onnxruntime 1.31 loads only "off")."""
     if args.model is None:
         return converted_model(args.out, preset, args.variant, native_chunks)
     name, folder = named_export(args.model)
@@ -134,16 +135,19 @@ def export_folder(value: str, root: Path | None = None) -> tuple[str, Path]:
 
 
 def converted_export(out: Path, name: str, folder: Path, chunk_size: int,
-                     native_chunks: str = "auto") -> Path:
-    """The builder export `folder` converted by `onnx-chunk convert --chunk-size` into
-    out/models/<name>-converted-<chunk_size> (converted once, then reused)."""
+                     native_chunks: str = "auto", int4_block_size: int | None = None) -> Path:
+    """The builder export `folder` converted by `onnx-chunk convert --chunk-size` (and
+    `--int4-block-size` when given) into out/models/<name>-converted-<chunk_size>[-b<block>]
+    (converted once, then reused)."""
     suffix = "" if native_chunks == "auto" else f"-native-{native_chunks}"
+    blocks = [] if int4_block_size is None else ["--int4-block-size", str(int4_block_size)]
+    suffix += "" if int4_block_size is None else f"-b{int4_block_size}"
     target = out / "models" / f"{name}-converted-{chunk_size}{suffix}" / "model.onnx"
     if not (target.is_file() and (target.parent / "genai_config.json").is_file()):
         print(f"converting {folder} -> {target.parent}", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "onnx_chunk", "convert", str(folder / "model.onnx"),
                         "-o", str(target), "--chunk-size", str(chunk_size),
-                        "--native-chunks", native_chunks], check=True,
+                        "--native-chunks", native_chunks, *blocks], check=True,
                        stdout=subprocess.DEVNULL)
     return target
 

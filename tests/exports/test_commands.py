@@ -69,9 +69,9 @@ def test_inspect_reads_the_plan_from_the_file_and_the_folder(export, capsys):
 
 @pytest.fixture
 def converted_for_genai(export, tmp_path, capsys):
-    """Converted without native chunks: onnxruntime-genai 0.18 loads its own ONNX Runtime,
-    whose GroupQueryAttention has no query_seqlens ("has input size 17 not in range [min=7,
-    max=16]", measured with onnxruntime 1.31.1 and 1.32.0 installed beside it)."""
+    """Converted without native chunks, so that onnxruntime-genai 0.18 loads it over any
+    onnxruntime: 1.31's GroupQueryAttention has no query_seqlens ("has input size 17 not in
+    range [min=7, max=16]"); 1.32, the peer venv's, has it."""
     code, _, err = _cli(capsys, "convert", export.folder, "-o", tmp_path / "conv",
                         "--chunk-size", CHUNK, "--native-chunks", "off")
     assert code == 0, err

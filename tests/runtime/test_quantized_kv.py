@@ -14,7 +14,6 @@ logits are held close to the float cache's.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -163,22 +162,17 @@ def test_speculative_verification_over_a_quantized_cache_keeps_greedy_tokens(fix
     assert drafted > 0 or fixture.precision != "fp32"
 
 
-def test_onnxruntime_genai_runs_the_quantized_folder(quantized):
-    """onnxruntime-genai (0.18 with ONNX Runtime 1.32 measured) runs the converted folder and
-    gives onnx-chunk's greedy tokens. Its interpreter: $ONNX_CHUNK_GENAI_KV_PYTHON, a venv
-    whose onnxruntime has the quantized cache (the pinned peer venv's 1.31.1 has none on
-    CPU)."""
-    python = os.environ.get("ONNX_CHUNK_GENAI_KV_PYTHON")
-    if not python:
-        pytest.skip("set ONNX_CHUNK_GENAI_KV_PYTHON to an interpreter with onnxruntime-genai "
-                    "and an onnxruntime whose GroupQueryAttention has a quantized CPU cache")
+def test_onnxruntime_genai_runs_the_quantized_folder(quantized, peer_python):
+    """onnxruntime-genai 0.18 with the peer venv's ONNX Runtime (1.32: its CPU
+    GroupQueryAttention has the quantized cache; 1.31 has none) runs the converted folder and
+    gives onnx-chunk's greedy tokens."""
     fixture = next(fixture for fixture in FIXTURES if fixture.name == "genai-llama-fp32")
     for kv_dtype in KV_DTYPES:
         folder = quantized(fixture, kv_dtype)
         with load(folder, provider="cpu") as runtime:
             prompts = _prompts(runtime.ports.vocab_size, (9, 40))
             ours = [runtime.open_sequence().generate(prompt, 8) for prompt in prompts]
-        child = subprocess.run(environment.worker_argv(python, "genai_worker", {
+        child = subprocess.run(environment.worker_argv(peer_python, "genai_worker", {
             "model": str(folder), "prompts": prompts, "new_tokens": 8, "chunk_size": 0}),
             capture_output=True, text=True, timeout=300, check=True)
         theirs = [result["tokens"] for result in json.loads(child.stdout)["results"]]
