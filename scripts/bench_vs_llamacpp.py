@@ -12,7 +12,10 @@ weights rarely emit) and the same prefill chunk width:
 * ort-loop: a bare ONNX Runtime IOBinding loop over the same export, W rows per prefill forward
   (`_bench/ort_loop_worker.py`): the floor a runtime on ONNX Runtime can reach;
 * llama.cpp Q4_0 / Q8_0: llama-cpp-python's C API (n_batch = n_ubatch = W), in its own venv
-  (``--llama-python``; default the scratch venv of `_bench/venvs.py`, made on first use).
+  (``--llama-python``; default the scratch venv of `_bench/venvs.py`, made on first use);
+* with ``--int4-block-size N``, also "onnx-chunk bN": the export converted with
+  `--int4-block-size N` (its 4-bit weights re-blocked, a second quantization), with a second
+  table of its ratios to every system and how many leading tokens equal onnx-chunk's.
 
 Every measurement is a fresh process (peak RSS is its own VmHWM); systems are interleaved round
 by round, medians with their spread ((max-min)/median), the 1-minute load average before every
@@ -85,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--chunk-size", type=int, default=512)
+    parser.add_argument("--int4-block-size", type=int, choices=(32, 64, 128, 256), default=None,
+                        help="also measure the export converted with --int4-block-size N")
     parser.add_argument("--omp-wait-policy", choices=("passive", "active", "unset"),
                         default="unset",
                         help="OMP_WAIT_POLICY for every child (llama.cpp's threads are OpenMP's; "
@@ -124,9 +129,9 @@ def _gguf_systems(args: argparse.Namespace, name: str) -> tuple[dict[str, Path],
 
 def _argv(system: str, args, paths: dict, prompt: list[int], new_tokens: int) -> list[str]:
     common = {"prompts": [prompt], "new_tokens": new_tokens, "chunk_size": args.chunk_size}
-    if system == OURS:
+    if system.startswith(OURS):
         return env.worker_argv(sys.executable, "chunk_worker", dict(
-            common, model=str(paths[OURS]), eos=[], capacity=len(prompt) + new_tokens,
+            common, model=str(paths[system]), eos=[], capacity=len(prompt) + new_tokens,
             threads=args.threads))
     if system == GENAI:
         return env.worker_argv(paths["genai_python"], "genai_worker", dict(
@@ -138,10 +143,12 @@ def _argv(system: str, args, paths: dict, prompt: list[int], new_tokens: int) ->
         common, model=str(paths[system]), threads=args.threads))
 
 
-def _table(systems: list[str], lengths: list[int], runs: dict) -> str:
+def _table(systems: list[str], lengths: list[int], runs: dict, reference: str = OURS) -> str:
+    """Each system's medians and `reference`'s ratios to them; for an onnx-chunk arm other than
+    onnx-chunk's own, also its leading tokens equal to onnx-chunk's (fewest over the runs)."""
     rows = []
     for length in lengths:
-        ours = runs[(length, OURS)]
+        ours = runs[(length, reference)]
         for system in systems:
             theirs = runs[(length, system)]
             row: list[object] = [length, system]
@@ -150,13 +157,21 @@ def _table(systems: list[str], lengths: list[int], runs: dict) -> str:
             for field, _, _, _ in FIELDS:
                 value = ratio(summarize(run[field] for run in ours),
                               summarize(run[field] for run in theirs))
-                row.append("-" if system == OURS else f"{value:.2f}x")
+                row.append("-" if system == reference else f"{value:.2f}x")
             row.append(min(len(run["tokens"]) for run in theirs))
+            if reference != OURS:
+                row.append(min(_leading_equal(run["tokens"], base["tokens"])
+                               for run in theirs for base in runs[(length, OURS)]))
             rows.append(row)
     return markdown_table(
         ["prompt", "system", *(label for _, label, _, _ in FIELDS),
-         *(f"onnx-chunk / this, {label}" for _, label, _, _ in FIELDS), "new tokens (min)"],
-        rows)
+         *(f"{reference} / this, {label}" for _, label, _, _ in FIELDS), "new tokens (min)",
+         *([] if reference == OURS else ["leading tokens = onnx-chunk's"])], rows)
+
+
+def _leading_equal(tokens: list[int], reference: list[int]) -> int:
+    return next((index for index, (a, b) in enumerate(zip(tokens, reference)) if a != b),
+                min(len(tokens), len(reference)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,7 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n*** {left_out} ***\n", file=sys.stderr)
     paths: dict = {"export": folder, "genai_python": env.genai_python(args.genai_venv),
                    OURS: env.converted_export(args.out, name, folder, args.chunk_size), **ggufs}
-    systems = [OURS, GENAI, ORT_LOOP, *ggufs]
+    reblocked = None if args.int4_block_size is None else f"{OURS} b{args.int4_block_size}"
+    if reblocked is not None:
+        paths[reblocked] = env.converted_export(args.out, name, folder, args.chunk_size,
+                                                int4_block_size=args.int4_block_size)
+    systems = [OURS, *filter(None, [reblocked]), GENAI, ORT_LOOP, *ggufs]
     vocab = json.loads((folder / "genai_config.json").read_text())["model"]["vocab_size"]
     runs: dict[tuple[int, str], list[dict]] = {}
     loads: list[float] = []
@@ -197,10 +216,12 @@ def main(argv: list[str] | None = None) -> int:
               f"average before each measurement: min {min(loads):.2f}, median "
               f"{sorted(loads)[len(loads) // 2]:.2f}, max {max(loads):.2f}")
     table = "\n\n".join(filter(None, [
-        f"**{left_out}**" if left_out else "", header, _table(systems, lengths, runs)]))
+        f"**{left_out}**" if left_out else "", header, _table(systems, lengths, runs),
+        reblocked and _table(systems, lengths, runs, reblocked)]))
     results = {"model": name, "folder": str(folder), "threads": args.threads,
                "omp_wait_policy": args.omp_wait_policy,
-               "chunk_size": args.chunk_size, "new_tokens": new_tokens, "lengths": lengths,
+               "chunk_size": args.chunk_size, "int4_block_size": args.int4_block_size,
+               "new_tokens": new_tokens, "lengths": lengths,
                "repetitions": repetitions, "systems": systems, "left_out": left_out,
                "gguf": {system: str(path) for system, path in ggufs.items()},
                "load_averages": loads,

@@ -100,6 +100,38 @@ def test_the_quick_run_measures_every_onnx_system_and_says_llama_cpp_is_left_out
             assert run["ttft_s"] > 0 and run["peak_rss_mb"] > 10
 
 
+def test_a_reblocked_arm_is_measured_beside_onnx_chunk_with_its_own_table(tmp_path,
+                                                                          peer_python):
+    """--int4-block-size N: the export converted with re-blocked weights runs as "onnx-chunk
+    bN" in the same rounds; a second table gives its ratios and its leading tokens equal to
+    onnx-chunk's."""
+    result = subprocess.run(
+        [sys.executable, str(env.ROOT / "scripts" / "bench_vs_llamacpp.py"), "--model",
+         str(EXPORT), "--quick", "--lengths", "40", "--chunk-size", "16", "--int4-block-size",
+         "64", "--out", str(tmp_path), "--genai-venv", str(peer_python.parents[1]),
+         "--llama-python", str(tmp_path / "no-such-python")],
+        capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    converted = tmp_path / "models" / "genai-llama-int4-converted-16-b64" / "model.onnx"
+    assert _block_sizes(converted) == {64}
+    plain = tmp_path / "models" / "genai-llama-int4-converted-16" / "model.onnx"
+    assert _block_sizes(plain) == {32}
+    data = json.loads((tmp_path / "vs_llamacpp_genai-llama-int4_quick.json").read_text())
+    assert data["systems"] == ["onnx-chunk", "onnx-chunk b64", "genai", "ort-loop"]
+    assert data["int4_block_size"] == 64
+    table = (tmp_path / "vs_llamacpp_genai-llama-int4_quick.md").read_text()
+    assert "onnx-chunk b64 / this, TTFT s" in table
+    assert "leading tokens = onnx-chunk's" in table
+
+
+def _block_sizes(model) -> set[int]:
+    import onnx
+
+    graph = onnx.load(str(model), load_external_data=False).graph
+    return {attribute.i for node in graph.node if node.op_type == "MatMulNBits"
+            for attribute in node.attribute if attribute.name == "block_size"}
+
+
 def test_an_unknown_model_is_one_clear_line_and_exit_2(tmp_path):
     result = subprocess.run(
         [sys.executable, str(env.ROOT / "scripts" / "bench_vs_llamacpp.py"), "--model",
