@@ -30,6 +30,8 @@ Five commands (issue 34; findings in docs/benchmarks.md, "Prefill candidates on 
 * ``kernel``: one MatMulNBits node (``BITS:BLOCK:LEVEL``; ``32:0:0`` a float MatMul) of random
   weights at a prefill's shape, its best and median seconds and GOP/s, against the roofs
   given (``--int8-roof``, ``--fp32-roof``).
+* ``roof``: those roofs, measured: the int8 multiply-add and fp32 FMA rates a C loop built
+  here at ``-march=native`` reaches on 1 and ``--threads`` threads (`_bench/roof.py`).
 
     .venv/bin/python scripts/profile_prefill.py profile --model qwen05-int4 [--rows 512]
     .venv/bin/python scripts/profile_prefill.py variant --model qwen05-int4 --out DIR \\
@@ -41,6 +43,7 @@ Five commands (issue 34; findings in docs/benchmarks.md, "Prefill candidates on 
         --candidate lastrow=DIR [--rows 256] [--past 0] [--pairs 4]
     .venv/bin/python scripts/profile_prefill.py kernel [--shape 896x4864] \\
         [--kernel 4:32:4 --kernel 32:0:0] [--rows 512] [--int8-roof 380 --fp32-roof 198]
+    .venv/bin/python scripts/profile_prefill.py roof [--threads 2]
 """
 
 from __future__ import annotations
@@ -464,6 +467,24 @@ def _kernel(args: argparse.Namespace) -> int:
     return 0
 
 
+def _roof(args: argparse.Namespace) -> int:
+    from _bench import roof
+
+    try:
+        rates = {threads: roof.measure(threads) for threads in sorted({1, args.threads})}
+    except roof.RoofUnavailable as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    lines = [f"compute roofs, a C loop at -march=native; 1-minute load average "
+             f"{os.getloadavg()[0]:.2f}", "",
+             "| threads | int8 | int8 GOP/s | fp32 | fp32 GFLOP/s |",
+             "| ---: | --- | ---: | --- | ---: |"]
+    lines += [f"| {threads} | {got['int8_isa']} | {got['int8_gops']:.1f} | {got['fp32_isa']} | "
+              f"{got['fp32_gflops']:.1f} |" for threads, got in rates.items()]
+    print("\n".join(lines))
+    return 0
+
+
 def _ints(text: str, separator: str, count: int, what: str) -> list[int]:
     parts = text.split(separator)
     if len(parts) != count or not all(part.isdigit() for part in parts):
@@ -630,6 +651,8 @@ def _parser() -> argparse.ArgumentParser:
     compare = commands.add_parser("compare", help="baseline against candidates, interleaved")
     kernel = commands.add_parser("kernel", help="one MatMulNBits node at a prefill's shape")
     paired = commands.add_parser("paired", help="base and a candidate forward by forward")
+    roof = commands.add_parser("roof", help="the machine's int8 and fp32 compute roofs")
+    roof.add_argument("--threads", type=int, default=2)
     paired.add_argument("--model", required=True)
     paired.add_argument("--models-root", type=Path, default=None)
     paired.add_argument("--candidate", action="append", required=True,
@@ -692,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
             args.lengths = ",".join(str(value) for value in _ints(
                 args.lengths, ",", len(args.lengths.split(",")), "--lengths"))
         return {"profile": _profile, "variant": _variant, "compare": _compare,
-                "paired": _paired}[args.command](args)
+                "paired": _paired, "roof": _roof}[args.command](args)
     except Exception as error:  # a missing model, a refused session: one line, exit 2
         from _bench.models import BenchModelMissing
 

@@ -138,3 +138,33 @@ def test_malformed_numbers_are_one_error_line(argv, capsys):
     assert profile_prefill.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and err.count("\n") == 1
+
+
+def test_the_roofs_are_measured_with_the_widest_instructions_the_cpu_has(capsys):
+    """`roof`: the C loop built at -march=native; AVX-512 VNNI where the CPU has it, and the
+    rate of a thread within the machine's possible range (some G-ops/s, far below a TOP/s)."""
+    import platform
+
+    from scripts._bench import roof
+
+    if platform.machine() not in ("x86_64", "AMD64") or not os.path.exists("/proc/cpuinfo"):
+        pytest.skip("the roof loop is x86 (AVX2 or AVX-512); its ISA is read from /proc/cpuinfo")
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler on PATH")
+    got = roof.measure(1, iterations=2_000_000)
+    flags = open("/proc/cpuinfo").read().split()
+    expected = ("avx512-vnni vpdpbusd" if {"avx512_vnni", "avx512bw"} <= set(flags)
+                else "avx2 vpmaddubsw+vpmaddwd")
+    assert got["int8_isa"] == expected
+    assert got["fp32_isa"] == ("avx512f fma" if "avx512f" in flags else "avx2 fma")
+    assert 1 < got["fp32_gflops"] < got["int8_gops"] < 2000
+    assert profile_prefill.main(["roof", "--threads", "1"]) == 0
+    table = capsys.readouterr().out
+    assert f"| 1 | {expected} |" in table
+
+
+def test_without_a_c_compiler_the_roof_is_one_error_line(monkeypatch, capsys):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert profile_prefill.main(["roof"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: no C compiler (cc, gcc or clang) on PATH to build the roof loop")
