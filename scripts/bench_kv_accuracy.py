@@ -96,17 +96,12 @@ def calibration_prompts(lines: list[str], count: int, chars: int) -> list[str]:
     return [groups[index * len(groups) // count] for index in range(count)]
 
 
-def convert(folder: Path, out: Path, name: str, kv_dtype: str | None, kv_scales: str | None,
-            calibration: Path) -> tuple[Path, list[str]]:
-    """`onnx-chunk convert` of the float export into out/<name> (rewritten each run); the
-    converted folder and the command."""
+def convert(folder: Path, out: Path, name: str, options: list[str]) -> tuple[Path, list[str]]:
+    """`onnx-chunk convert FOLDER -o out/<name> OPTIONS` (rewritten each run); the converted
+    folder and the command."""
     target = out / name.replace(" ", "-")
     command = [sys.executable, "-m", "onnx_chunk", "convert", str(folder), "-o", str(target),
-               "--quiet"]
-    if kv_dtype is not None:
-        assert kv_scales is not None, "a quantized cache names its scales"
-        command += ["--kv-dtype", kv_dtype, "--kv-scales", kv_scales,
-                    "--calibrate", str(calibration)]
+               "--quiet", *options]
     if target.exists():
         import shutil
 
@@ -116,6 +111,14 @@ def convert(folder: Path, out: Path, name: str, kv_dtype: str | None, kv_scales:
         raise RuntimeError(f"`{' '.join(command[2:])}` exited {done.returncode}: "
                            + (done.stdout + done.stderr).strip().splitlines()[-1:][0])
     return target, command
+
+
+def kv_options(kv_dtype: str | None, kv_scales: str | None, calibration: Path) -> list[str]:
+    """The convert options of one cache of CACHES (none for float32)."""
+    if kv_dtype is None:
+        return []
+    assert kv_scales is not None, "a quantized cache names its scales"
+    return ["--kv-dtype", kv_dtype, "--kv-scales", kv_scales, "--calibrate", str(calibration)]
 
 
 def clipping(folder: Path, calibration: Path, windows: list[list[int]]) -> dict:
@@ -199,43 +202,65 @@ def _divergence(values: list[int | None], new_tokens: int) -> str:
         f" (of {new_tokens})"
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?", default="text-fp32",
-                        help="built benchmark model name or export folder (default text-fp32)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help="folder for the converted models (default bench-out/kv-accuracy)")
+def add_held_out_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of the held-back text and how it is measured (shared with
+    bench_int4_accuracy.py)."""
     parser.add_argument("--held-out", type=Path, default=None,
                         help="evaluation text (default the held-back licence, "
                              f"{text_decoder.LICENSES / text_decoder.HELD_OUT_FILE})")
-    parser.add_argument("--train-text", type=Path, action="append", default=None,
-                        help="calibration text file (repeatable; default the training licences)")
     parser.add_argument("--window", type=int, default=256, help="tokens per perplexity window")
     parser.add_argument("--max-windows", type=int, default=None,
                         help="score at most this many windows (default all)")
     parser.add_argument("--new-tokens", type=int, default=256, help="greedy tokens per prompt")
     parser.add_argument("--prompts", type=int, default=4, help="greedy prompts")
     parser.add_argument("--prompt-tokens", type=int, default=32, help="tokens per prompt")
-    parser.add_argument("--calibration-prompts", type=int, default=32)
-    parser.add_argument("--calibration-chars", type=int, default=1000)
     parser.add_argument("--chunk-size", type=int, default=64, help="prefill chunk rows")
     parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads")
     parser.add_argument("--json", type=Path, default=None, help="write every number here")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: windows of 32, 4 windows, 2 prompts of 16 new tokens")
-    args = parser.parse_args(argv)
+
+
+def check_held_out_arguments(args: argparse.Namespace, names: tuple[str, ...] = ()) -> None:
+    """--quick's settings, then every count at least 1 (a window at least 2): BadInput."""
     if args.quick:
         args.window, args.max_windows, args.prompts, args.new_tokens = 32, 4, 2, 16
-        args.prompt_tokens, args.calibration_prompts = 16, 4
-        args.calibration_chars = min(args.calibration_chars, 300)
-    for name in ("window", "new_tokens", "prompts", "prompt_tokens", "calibration_prompts",
-                 "calibration_chars", "chunk_size", "threads"):
+        args.prompt_tokens = 16
+    for name in ("window", "new_tokens", "prompts", "prompt_tokens", "chunk_size", "threads",
+                 *names):
         if getattr(args, name) < (2 if name == "window" else 1):
             raise BadInput(f"--{name.replace('_', '-')} must be at least "
                            f"{2 if name == 'window' else 1}, not {getattr(args, name)}")
     if args.max_windows is not None and args.max_windows < 1:
         raise BadInput(f"--max-windows must be at least 1, not {args.max_windows}")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", default="text-fp32",
+                        help="built benchmark model name or export folder (default text-fp32)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help="folder for the converted models (default bench-out/kv-accuracy)")
+    parser.add_argument("--train-text", type=Path, action="append", default=None,
+                        help="calibration text file (repeatable; default the training licences)")
+    parser.add_argument("--calibration-prompts", type=int, default=32)
+    parser.add_argument("--calibration-chars", type=int, default=1000)
+    add_held_out_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.calibration_prompts = 4
+        args.calibration_chars = min(args.calibration_chars, 300)
+    check_held_out_arguments(args, ("calibration_prompts", "calibration_chars"))
     return args
+
+
+def read_held_out(args: argparse.Namespace) -> str:
+    """--held-out's text, else the held-back licence (BadInput when it cannot be had)."""
+    try:
+        return (_read_text(args.held_out, "held-out text") if args.held_out
+                else text_decoder.held_out_text())
+    except text_decoder.LicensesMissing as error:
+        raise BadInput(str(error)) from error
 
 
 def _read_text(path: Path, what: str) -> str:
@@ -248,21 +273,12 @@ def _read_text(path: Path, what: str) -> str:
     return text
 
 
-def run(args: argparse.Namespace) -> dict:
+def held_out_inputs(folder: Path, held: str, args: argparse.Namespace
+                    ) -> tuple[list[int], list[list[int]], list[list[int]]]:
+    """The held-back text's token ids, its perplexity windows (--window, --max-windows) and
+    its greedy prompts (--prompts of --prompt-tokens, evenly spaced), by the folder's tokenizer."""
     from onnx_chunk.text.tokenizer import load_tokenizer
 
-    try:
-        folder = model_folder(args.model)
-    except BenchModelMissing as error:
-        raise BadInput(str(error)) from error
-    try:
-        held = (_read_text(args.held_out, "held-out text") if args.held_out
-                else text_decoder.held_out_text())
-        lines = ([line.strip() for path in args.train_text
-                  for line in _read_text(path, "training text").splitlines() if line.strip()]
-                 if args.train_text else text_decoder.training_lines())
-    except text_decoder.LicensesMissing as error:
-        raise BadInput(str(error)) from error
     tokenizer = load_tokenizer(folder)
     ids = tokenizer.encode(held, add_special_tokens=False)
     windows = text_decoder.windows(ids, args.window)[:args.max_windows]
@@ -272,6 +288,22 @@ def run(args: argparse.Namespace) -> dict:
     if len(ids) < args.prompt_tokens + args.prompts or not windows:
         raise BadInput(f"the held-out text has {len(ids)} tokens: too few for "
                        f"{args.prompts} prompts of {args.prompt_tokens} tokens")
+    return ids, windows, prompts
+
+
+def run(args: argparse.Namespace) -> dict:
+    try:
+        folder = model_folder(args.model)
+    except BenchModelMissing as error:
+        raise BadInput(str(error)) from error
+    held = read_held_out(args)
+    try:
+        lines = ([line.strip() for path in args.train_text
+                  for line in _read_text(path, "training text").splitlines() if line.strip()]
+                 if args.train_text else text_decoder.training_lines())
+    except text_decoder.LicensesMissing as error:
+        raise BadInput(str(error)) from error
+    ids, windows, prompts = held_out_inputs(folder, held, args)
     args.out.mkdir(parents=True, exist_ok=True)
     calibration = args.out / "calibration.txt"
     calibration.write_text("\n".join(calibration_prompts(lines, args.calibration_prompts,
@@ -280,7 +312,8 @@ def run(args: argparse.Namespace) -> dict:
     results: dict[str, dict[str, Any]] = {}
     commands: dict[str, str] = {}
     for name, kv_dtype, kv_scales in CACHES:
-        converted, command = convert(folder, args.out, name, kv_dtype, kv_scales, calibration)
+        converted, command = convert(folder, args.out, name,
+                                     kv_options(kv_dtype, kv_scales, calibration))
         commands[name] = " ".join(["onnx-chunk", *command[3:]])
         results[name] = measure(converted, windows, prompts, args.new_tokens,
                                 results.get("float32"), args.chunk_size, args.threads)

@@ -123,8 +123,9 @@ def test_a_missing_licence_folder_is_one_error_line(tmp_path, monkeypatch, capsy
 def test_text_fp32_is_a_known_name_whose_shape_the_builder_exports_as_is():
     from _bench.models import BenchModelMissing, parse_name
 
-    assert parse_name("text-fp32") == ("text", "fp32")  # trained here, fp32 only
-    for bad in ("text-int4", "text-q8_0"):
+    assert parse_name("text-fp32") == ("text", "fp32")  # trained here: fp32 and int4 exports
+    assert parse_name("text-int4") == ("text", "int4")
+    for bad in ("text-fp16", "text-q8_0"):
         with pytest.raises(BenchModelMissing, match="unknown benchmark model"):
             parse_name(bad)
     # No projection of vocab_size outputs (the builder would take it for the lm_head), and

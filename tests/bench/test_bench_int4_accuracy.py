@@ -1,0 +1,70 @@
+"""scripts/bench_int4_accuracy.py: perplexity and greedy agreement of an INT4 export re-blocked
+by `convert --int4-block-size`, against the export as it is, on a corpus export (quick mode)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+
+from scripts._bench import environment as env
+
+sys.path.insert(0, str(env.ROOT / "scripts"))
+import bench_int4_accuracy  # noqa: E402  (a script, imported from its folder)
+
+EXPORTS = env.ROOT / "tests" / "fixtures" / "exports"
+INT4, FP32 = EXPORTS / "genai-llama-int4", EXPORTS / "genai-llama-fp32"
+HELD = ("You may reproduce and distribute copies of the work or derivative works thereof in "
+        "any medium, with or without modifications, in source or object form.\n") * 4
+
+
+def _held(tmp_path):
+    held = tmp_path / "held.txt"
+    held.write_text(HELD)
+    return ["--held-out", str(held)]
+
+
+def test_quick_run_measures_each_block_size_against_the_export_as_it_is(tmp_path, capsys):
+    out = tmp_path / "report.json"
+    assert bench_int4_accuracy.main([str(INT4), "--float", str(FP32), "--blocks", "64,128",
+                                     "--quick", "--out", str(tmp_path / "models"), "--json",
+                                     str(out), "--threads", "1", *_held(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "CPU: " in printed and "load average" in printed
+    assert "| block 128 | " in printed and "| float32 weights | " in printed
+    report = json.loads(out.read_text())
+    results = report["results"]
+    reference = bench_int4_accuracy.REFERENCE
+    assert list(results) == [reference, "block 64", "block 128", "float32 weights"]
+    commands = report["convert_commands"]
+    assert "--int4-block-size" not in commands[reference]
+    assert commands["block 128"].endswith("--int4-block-size 128")
+    assert "genai-llama-fp32" in commands["float32 weights"]
+    base = results[reference]
+    assert base["row_agreement"] == 1.0 and base["tokens_scored"] == 4 * 31
+    for result in results.values():
+        assert math.isfinite(result["perplexity"]) and result["perplexity"] > 1.0
+        assert 0.0 <= result["greedy_agreement"] <= 1.0
+    # Each arm is its own conversion: re-blocked weights and float weights score differently.
+    assert len({round(result["perplexity"], 9) for result in results.values()}) == len(results)
+    blocks = {}
+    import onnx
+
+    for name in ("block-64", "block-128"):
+        model = onnx.load(tmp_path / "models" / name / "model.onnx", load_external_data=False)
+        blocks[name] = {attribute.i for node in model.graph.node if node.op_type == "MatMulNBits"
+                        for attribute in node.attribute if attribute.name == "block_size"}
+    assert blocks == {"block-64": {64}, "block-128": {128}}
+
+
+@pytest.mark.parametrize("argv", [["--blocks", "32"], ["--blocks", "48"], ["--blocks", "x"],
+                                  ["--blocks", "64,64"], ["--window", "1"],
+                                  ["--float", "no-such-model"], ["no-such-model"]])
+def test_bad_arguments_are_one_error_line(argv, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_int4_accuracy.main(([str(INT4)] if argv[0].startswith("--") else [])
+                                 + argv + ["--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.count("error:") == 1
