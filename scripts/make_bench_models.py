@@ -27,7 +27,8 @@ records the training and the copy accuracy on held-out sequences.
 own byte-level BPE (2048 entries), trained here on the English licence texts Debian ships in
 /usr/share/common-licenses with Apache-2.0 held back whole (scripts/_bench/text_decoder.py);
 its TRAINING.json (loss curve, held-out perplexity) is copied into BUILD.json, and
-scripts/bench_kv_accuracy.py measures the quantized KV cache's accuracy on it.
+scripts/bench_kv_accuracy.py measures the quantized KV cache's accuracy on it; ``text-int4`` is
+the builder's INT4 export of the same checkpoint (scripts/bench_int4_accuracy.py re-blocks it).
 
 Everything lands in a cache outside git: ``--root``, else $ONNX_CHUNK_BENCH_MODELS, else
 ~/.cache/onnx-chunk/bench-models; the benchmark scripts find a model by name there (``--model
