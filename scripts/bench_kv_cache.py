@@ -2,7 +2,7 @@
 
 Usage: bench_kv_cache.py memory FOLDER [FOLDER...] [--shape 1x32768 --shape 8x8192]
                            [--llamacpp GGUF]
-       bench_kv_cache.py decode FOLDER [FOLDER...] [--positions 1024] [--rounds 3]
+       bench_kv_cache.py decode FOLDER[+NAME=VALUE] [...] [--positions 1024] [--rounds 3]
                            [--genai FOLDER]
 
 `memory` runs each (folder, slots x capacity) in a fresh child process: it loads the model,
@@ -17,6 +17,9 @@ by round; the load average is printed beside each number (the machine may be sha
 folder (the float-cache export as built) in the same rounds: the same prompt, prefilled in
 chunks of 512 (its `search.chunk_size`), then 33 greedy tokens, timed as genai's decode
 tokens/s after the first. Every system reads the prompt from one file the parent writes.
+`FOLDER+NAME=VALUE` runs that folder's child with the environment variable NAME set to VALUE
+(ONNX Runtime reads some kernel switches so, e.g. ORT_MLAS_QKGEMM_S8_APPROX_VNNI=1): an arm of
+its own beside the same folder without it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -37,7 +41,7 @@ from _bench.environment import WORKERS, llama_python
 LLAMA_CACHES = ("f16", "q8_0", "q4_0")
 
 _CHILD = r"""
-import json, sys, time
+import json, os, sys, time
 import numpy as np
 import onnx_chunk
 request = json.loads(sys.argv[1])
@@ -69,14 +73,34 @@ else:
             for _ in range(32):
                 token = int(np.argmax(sequence.decode(token)))
             seconds = time.perf_counter() - began
-        print(json.dumps({"kv_dtype": runtime.stats.kv_dtype, "tokens_per_s": 32 / seconds}))
+        print(json.dumps({"kv_dtype": runtime.stats.kv_dtype, "tokens_per_s": 32 / seconds,
+                          "environment": {name: os.environ.get(name)
+                                          for name in request["environment"]}}))
 """
 
 
-def _child(request: dict) -> dict:
+def _child(request: dict, environment: dict[str, str] | None = None) -> dict:
     done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(request)],
-                          capture_output=True, text=True, check=True)
+                          capture_output=True, text=True, check=True,
+                          env=None if not environment else {**os.environ, **environment})
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+_ENV_ARM = re.compile(r"^(?P<folder>.+)\+(?P<name>[A-Za-z_][A-Za-z0-9_]*)=(?P<value>[^+]*)$")
+
+
+def split_arm(system: str) -> tuple[str, dict[str, str]]:
+    """`FOLDER+NAME=VALUE` -> (FOLDER, {NAME: VALUE}); a plain FOLDER -> (FOLDER, {})."""
+    found = _ENV_ARM.match(system)
+    if found is None or Path(system).is_dir():
+        return system, {}
+    return found["folder"], {found["name"]: found["value"]}
+
+
+def _label(system: str) -> str:
+    folder, environment = split_arm(system)
+    return os.path.basename(folder.rstrip("/")) + "".join(
+        f" +{name}={value}" for name, value in environment.items())
 
 
 def _genai_child(python: Path, folder: str, prompt_file: str, positions: int) -> dict:
@@ -157,8 +181,11 @@ def main() -> None:
         return
     if args.genai is not None and not (args.genai / "genai_config.json").is_file():
         parser.error(f"--genai {args.genai}: no genai_config.json there")
+    for system in args.folders:
+        if not Path(split_arm(system)[0]).is_dir():
+            parser.error(f"{system}: no such folder (FOLDER or FOLDER+NAME=VALUE)")
     genai = None if args.genai is None else env.genai_python(args.genai_venv)
-    prompt_file = _prompt_file(Path(args.folders[0]), args.positions)
+    prompt_file = _prompt_file(Path(split_arm(args.folders[0])[0]), args.positions)
     systems = [*args.folders, *([] if args.genai is None else [f"genai:{args.genai}"])]
     results: dict[str, list[float]] = {system: [] for system in systems}
     try:
@@ -168,18 +195,23 @@ def main() -> None:
                     got = {**_genai_child(genai, str(args.genai), prompt_file, args.positions),
                            "kv_dtype": "genai"}
                 else:
-                    got = _child({"mode": "decode", "folder": system,
-                                  "prompt_file": prompt_file})
+                    folder, environment = split_arm(system)
+                    got = _child({"mode": "decode", "folder": folder,
+                                  "prompt_file": prompt_file,
+                                  "environment": sorted(environment)}, environment)
+                    if got["environment"] != environment:  # the child saw what it was given
+                        raise SystemExit(f"error: {system}: the child's environment was "
+                                         f"{got['environment']}")
                 results[system].append(got["tokens_per_s"])
                 print(f"{args.positions:>6} {got['kv_dtype']:>8} {got['tokens_per_s']:7.2f} "
-                      f"tok/s  load {_load()}  {os.path.basename(system.rstrip('/'))}",
+                      f"tok/s  load {_load()}  {_label(system)}",
                       flush=True)
                 time.sleep(1)
     finally:
         os.unlink(prompt_file)
     for system, values in results.items():
         print(f"median {statistics.median(values):7.2f} tok/s (spread "
-              f"{min(values):.2f}-{max(values):.2f})  {os.path.basename(system.rstrip('/'))}")
+              f"{min(values):.2f}-{max(values):.2f})  {_label(system)}")
 
 if __name__ == "__main__":
     main()

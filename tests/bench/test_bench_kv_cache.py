@@ -38,3 +38,21 @@ def test_genai_needs_a_genai_folder(tmp_path):
     done = _run("decode", str(EXPORT), "--positions", "40", "--genai", str(tmp_path))
     assert done.returncode == 2
     assert done.stderr.count("error:") == 1 and "no genai_config.json" in done.stderr
+
+
+def test_an_environment_arm_runs_its_child_with_the_variable_set(tmp_path):
+    arm = f"{EXPORT}+ONNX_CHUNK_BENCH_PROBE=on"
+    done = _run("decode", str(EXPORT), arm, "--positions", "40", "--rounds", "1",
+                env_vars={"ONNX_CHUNK_BENCH_PROBE": "", "TMPDIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    medians = [line for line in done.stdout.splitlines() if line.startswith("median")]
+    # Two arms of one folder: the child of the second saw the variable (the parent checks the
+    # value the child reports), the first the parent's own empty value.
+    assert [line.split("  ")[-1].strip() for line in medians] == [
+        "genai-llama-fp32", "genai-llama-fp32 +ONNX_CHUNK_BENCH_PROBE=on"]
+
+
+def test_an_arm_of_no_folder_is_one_error_line(tmp_path):
+    done = _run("decode", f"{tmp_path / 'absent'}+NAME=1", "--positions", "40")
+    assert done.returncode == 2
+    assert done.stderr.count("error:") == 1 and "no such folder" in done.stderr
