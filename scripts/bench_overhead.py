@@ -100,7 +100,10 @@ def _profile(runtime: rt.Runtime, prompt: list[int], new_tokens: int) -> dict:
         profiler.stop()
         sampled += time.perf_counter() - began
     session = profiler.last_session
-    root = session.root_frame()
+    root = None if session is None else session.root_frame()
+    if root is None:
+        raise SystemExit("error: the profiler recorded no frame (a decode shorter than its "
+                         "sampling interval)")
     own: dict[str, float] = defaultdict(float)
 
     def walk(frame) -> None:
