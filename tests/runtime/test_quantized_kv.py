@@ -163,9 +163,8 @@ def test_speculative_verification_over_a_quantized_cache_keeps_greedy_tokens(fix
 
 
 def test_onnxruntime_genai_runs_the_quantized_folder(quantized, peer_python):
-    """onnxruntime-genai 0.18 with the peer venv's ONNX Runtime (1.32: its CPU
-    GroupQueryAttention has the quantized cache; 1.31 has none) runs the converted folder and
-    gives onnx-chunk's greedy tokens."""
+    """onnxruntime-genai 0.18 with the peer venv's ONNX Runtime (1.32) runs the converted
+    folder and gives onnx-chunk's greedy tokens."""
     fixture = next(fixture for fixture in FIXTURES if fixture.name == "genai-llama-fp32")
     for kv_dtype in KV_DTYPES:
         folder = quantized(fixture, kv_dtype)
