@@ -41,9 +41,9 @@ def _run(converted: Path, provider: str, specialize: bool | None, prompts: list[
          max_new_tokens: int) -> _Run:
     runtime = load(converted, provider=provider, specialize=specialize)
     for request in prompts:
-        if len(request) + max_new_tokens > runtime.options.capacity:
+        if len(request) + max_new_tokens > runtime.stats.capacity:
             raise ConfigError(f"a {len(request)}-token prompt plus {max_new_tokens} new "
-                              f"tokens exceeds the model's {runtime.options.capacity} positions; "
+                              f"tokens exceeds the model's {runtime.stats.capacity} positions; "
                               "use a smaller --prompt-tokens")
     sequence = runtime.open_sequence()
     tokens = sequence.generate(prompts[0], max_new_tokens)

@@ -220,11 +220,11 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
     runtime = load(model, provider=provider, capacity=capacity, chunk_size=chunk_size,
                    padding=False if no_padding else None, specialize=specialize,
                    max_batch=batch, speculative=speculative)
-    prompts = _prompts(runtime.ports.vocab_size, ids_text, ids_file, random_prompt, seed)
+    prompts = _prompts(runtime.stats.vocab_size, ids_text, ids_file, random_prompt, seed)
     # One sequence serves the prompts in turn, rewound to empty before each: its KV buffers
     # (and, on CUDA, the graphs captured at their addresses) are reused. Every prompt is
     # checked before any runs, so a bad line N does not fail after N - 1 were served.
-    stop = arguments.token_ids(eos_token_ids, "--eos-token-id", runtime.ports.vocab_size)
+    stop = arguments.token_ids(eos_token_ids, "--eos-token-id", runtime.stats.vocab_size)
     sequence = runtime.open_sequence()
     for prompt in prompts:
         sequence.check_request(prompt, max_new_tokens)

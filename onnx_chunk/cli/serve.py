@@ -100,8 +100,8 @@ def serve(model: Path, host: str, port: int, batch: int, queue: int,
                          parse_special_in_content=parse_special_in_content, **limits)
         server = DrainingServer(app, log_level=logging.getLogger().level)
         bound_host, bound_port = listener.getsockname()[:2]
-        click.echo(f"listening on http://{bound_host}:{bound_port} ({runtime.provider}, "
-                   f"batch {batch}, capacity {runtime.options.capacity}, prefix reuse "
+        click.echo(f"listening on http://{bound_host}:{bound_port} ({runtime.stats.provider}, "
+                   f"batch {batch}, capacity {runtime.stats.capacity}, prefix reuse "
                    f"{'on' if prefix_reuse else 'off'})", err=True)
         server.run(sockets=[listener])
     click.echo("stopped", err=True)

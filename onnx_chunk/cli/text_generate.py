@@ -106,7 +106,7 @@ def run_text_generate(model: Path, options: dict[str, Any], *, max_new_tokens: i
                              min_tokens=options.get("min_tokens") or 0,
                              logprobs=options.get("logprobs"))
     pieces = iter(generation)
-    long_prompt = generation.prompt_tokens > runtime.options.chunk_size
+    long_prompt = generation.prompt_tokens > runtime.stats.chunk_size
     with prefill_progress(_prefill_rows(runtime), generation.prompt_tokens,
                           progress and long_prompt):
         first = next(pieces, None)

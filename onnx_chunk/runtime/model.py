@@ -76,6 +76,31 @@ logger = logging.getLogger(__name__)
 EMBEDDINGS_FILE = "embeddings.npy"
 
 
+@dataclasses.dataclass(frozen=True)
+class RuntimeDebug:
+    """A loaded runtime's parts, for tests and diagnostics (`Runtime.debug`): not a stable API.
+
+    Code that uses a runtime reads `Runtime.stats` and calls its public methods; this view
+    names what the runtime is made of, for a test or a diagnosis to look inside.
+    """
+
+    model_path: Path
+    genai: GenaiConfig | None
+    plan: ChunkPlan
+    options: RuntimeOptions
+    ports: ModelPorts
+    device: Device
+    weights: SharedWeights
+    factory: SessionFactory
+    variants: VariantPool
+    cache: VariantCache[ort.InferenceSession]
+    masks: type[AttentionMask]
+    pool: SequencePool
+    runner: ModelRunner
+    embeddings: np.ndarray | None
+    engine: BatchEngine | None
+
+
 class Runtime:
     """One decoder loaded on one device for chunked prefill and generation (ids or text).
 
@@ -446,6 +471,17 @@ class Runtime:
                            logprobs=logprobs)
 
     @property
+    def debug(self) -> RuntimeDebug:
+        """The runtime's parts, for tests and diagnostics (not a stable API; see RuntimeDebug)."""
+        with self._engine_lock:
+            engine = self._engine
+        return RuntimeDebug(
+            model_path=self.model_path, genai=self.genai, plan=self.plan, options=self.options,
+            ports=self.ports, device=self.device, weights=self.weights, factory=self.factory,
+            variants=self.variants, cache=self.cache, masks=self.masks, pool=self.pool,
+            runner=self.runner, embeddings=self.embeddings, engine=engine)
+
+    @property
     def stats(self) -> RuntimeStats:
         """The runtime's configuration and its variant cache's counters, now (a snapshot).
 
@@ -486,6 +522,9 @@ class Runtime:
             kv_bytes=sum(int(np.prod(port.shape)) * port.dtype.itemsize
                          for port in self.ports.kv),
             kv_dtype=kv_dtype_name(port.dtype for port in self.ports.kv),
+            model=str(self.model_path),
+            vocab_size=self.ports.vocab_size,
+            eos_token_ids=options.eos_token_ids,
         )
 
     def _embeddings(self, given: np.ndarray | None) -> np.ndarray | None:

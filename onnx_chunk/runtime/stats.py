@@ -89,7 +89,9 @@ class RuntimeStats:
     counters (None until the first submit); `speculative`: the drafting method
     ("prompt-lookup") or None. `kv_bytes`: what one sequence's KV cache (one engine slot's)
     holds at the capacity; `kv_dtype`: its element type ("float32", "float16", "int8", or
-    "int4" for the packed two-a-byte cache of `convert --kv-dtype int4`).
+    "int4" for the packed two-a-byte cache of `convert --kv-dtype int4`). `model`: the
+    decoder file; `vocab_size`: the logits' width (token ids below it); `eos_token_ids`: the
+    ids a generation stops at unless a request names its own.
     """
 
     provider: str
@@ -125,11 +127,14 @@ class RuntimeStats:
     speculative: str | None = None
     kv_bytes: int = 0
     kv_dtype: str = "float32"
+    model: str = ""
+    vocab_size: int = 0
+    eos_token_ids: tuple[int, ...] = ()
 
     def __call__(self) -> RuntimeStats:
         """The stats themselves: `runtime.stats` is a property now, and the old call
         `runtime.stats` still works while it warns (DeprecationWarning)."""
-        warnings.warn("Runtime.stats is a property: read runtime.stats, not runtime.stats",
+        warnings.warn("Runtime.stats is a property: read runtime.stats, not runtime.stats()",
                       DeprecationWarning, stacklevel=2)
         return self
 

@@ -33,6 +33,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.applications import Starlette
@@ -115,7 +116,7 @@ def create_app(runtime: Runtime, *, model_name: str | None = None,
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     if any(not isinstance(key, str) or not key.strip() for key in keys):
         raise ConfigError("an API key must be a non-empty string")
-    service = _Service(runtime, model_name or runtime.model_path.parent.name, keys,
+    service = _Service(runtime, model_name or Path(runtime.stats.model).parent.name, keys,
                        max_body_bytes, parse_special_in_content)
     service.max_answer_bytes = max_answer_bytes
     service.share_prefixes = share_prefixes
@@ -218,7 +219,7 @@ class _Service:
         raw = await self._body(request)
         answer = await run_in_threadpool(
             lambda: encode_json(tokenize(_json(raw), self.tokenizer,
-                                         self.runtime.options.capacity, self._check_model,
+                                         self.runtime.stats.capacity, self._check_model,
                                          self.parse_special_in_content)))
         return Response(answer, media_type="application/json")
 
@@ -231,7 +232,7 @@ class _Service:
     async def models(self, request: HttpRequest) -> Response:
         return JSONResponse({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": self._created,
-             "owned_by": "onnx-chunk", "max_model_len": self.runtime.options.capacity}]})
+             "owned_by": "onnx-chunk", "max_model_len": self.runtime.stats.capacity}]})
 
     async def health(self, request: HttpRequest) -> Response:
         if self.draining or self.runtime.closed:
@@ -260,12 +261,12 @@ class _Service:
         this is the work whose size the client chooses, the grammar's compilation included);
         every refusal raised before any generation."""
         model = ChatCompletionRequest if chat else CompletionRequest
-        parsed = model.parse(_json(body), vocab_size=self.runtime.ports.vocab_size)
+        parsed = model.parse(_json(body), vocab_size=self.runtime.stats.vocab_size)
         params, options = parsed.params, parsed.options
         if self.draining:
             raise ClosedError("the server is shutting down")
         self._check_model(params.model)
-        tokenizer, capacity = self.tokenizer, self.runtime.options.capacity
+        tokenizer, capacity = self.tokenizer, self.runtime.stats.capacity
         if options.constrained:
             from onnx_chunk.structured import prepare
 
@@ -280,10 +281,10 @@ class _Service:
                                              tools=tools)]
         else:
             prompts = [self._encoded(prompt) for prompt in params.prompts]
-        ends = options.end_ids(tokenizer.eos_token_ids or self.runtime.options.eos_token_ids)
+        ends = options.end_ids(tokenizer.eos_token_ids or self.runtime.stats.eos_token_ids)
         sampling = request_sampling(options, temperature=params.temperature, top_p=params.top_p,
                                     seed=params.seed, search=self.search, tokenizer=tokenizer,
-                                    vocab_size=self.runtime.ports.vocab_size, ends=ends,
+                                    vocab_size=self.runtime.stats.vocab_size, ends=ends,
                                     cache_salt=self._salt(options, tenant))
         self._check_answer_size(params, options, prompts)
         if params.max_tokens == 0 and sampling.prompt_logprobs is None:
@@ -307,7 +308,7 @@ class _Service:
         """Refuse a request whose logprobs alone would make more than `max_answer_bytes`."""
         if options.logprobs is None:
             return
-        capacity = self.runtime.options.capacity
+        capacity = self.runtime.stats.capacity
         tokens = sum((len(ids) if options.echo else 0)
                      + (capacity - len(ids) if params.max_tokens is None else params.max_tokens)
                      for ids in prompts)
@@ -318,7 +319,7 @@ class _Service:
 
     def _encoded(self, prompt: str | tuple[int, ...]) -> list[int]:
         if isinstance(prompt, str):
-            self.tokenizer.check_fits(prompt, self.runtime.options.capacity)
+            self.tokenizer.check_fits(prompt, self.runtime.stats.capacity)
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
@@ -396,7 +397,7 @@ class _Service:
         if self.draining:
             raise ClosedError("the server is shutting down")
         params, sampling = prepared.params, prepared.sampling
-        capacity = self.runtime.options.capacity
+        capacity = self.runtime.stats.capacity
         for ids in prepared.prompts:
             if params.max_tokens is None and capacity - len(ids) < 1:
                 raise CapacityError(f"the prompt has {len(ids)} tokens and the context holds "
@@ -567,7 +568,7 @@ def _too_large(size: str, limit: int) -> RequestError:
 
 def _checked_search(runtime: Runtime) -> dict[str, Any]:
     """genai_config.json's `search` section, once checked as every request would read it."""
-    genai = runtime.genai
+    genai = runtime.debug.genai
     if genai is None:
         return {}
     try:

@@ -113,7 +113,7 @@ class Conversation:
         check_stops(stop)
         sampling = default_sampling(tokenizer, sampling)
         prompt = [*self._cached_ids[:plan.reused], *plan.ids]
-        capacity = self.runtime.options.capacity
+        capacity = self.runtime.stats.capacity
         if len(prompt) >= capacity:
             raise CapacityError(
                 f"the conversation needs {len(prompt)} positions and a reply, more than the "

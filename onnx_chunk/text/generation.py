@@ -85,7 +85,7 @@ class EngineTokens:
         self._request: Request | None = None
 
     def room(self) -> int:
-        return self.runtime.options.capacity
+        return self.runtime.stats.capacity
 
     def check(self, ids: SequenceOf[int], max_new_tokens: int) -> Any:
         return self.runtime.check_request(ids, max_new_tokens)

@@ -175,7 +175,7 @@ def reference_steps(reference: ReferenceModel, settings: RunSettings,
 
 
 def _greedy(runtime: Runtime, length: int, settings: RunSettings) -> ReferenceSteps:
-    ids = seeded_prompt(runtime.ports.vocab_size, length, settings.seed)
+    ids = seeded_prompt(runtime.stats.vocab_size, length, settings.seed)
     with runtime.open_sequence() as sequence:
         rows = [np.array(sequence.prefill(ids), copy=True)]
         tokens = [int(np.argmax(rows[-1]))]
@@ -192,7 +192,7 @@ def compare_subject(model_path: Path, references: list[ReferenceSteps], settings
     with load_runtime(model_path, settings, chunk_size=settings.chunk_size,
                       padding=None) as runtime:
         for reference in references:
-            ids = seeded_prompt(runtime.ports.vocab_size, reference.length, settings.seed)
+            ids = seeded_prompt(runtime.stats.vocab_size, reference.length, settings.seed)
             with runtime.open_sequence() as sequence:
                 comparisons.append(_forced(sequence, ids, reference))
             advance(f"against the reference {reference.length}")

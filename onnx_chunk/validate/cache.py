@@ -41,10 +41,10 @@ def cache_checks(runtime: Runtime | OnnxChunkError, settings: RunSettings,
         verdicts = {name: (Outcome.FAILED, f"the runtime cannot run the model: {error}", {})
                     for name in names}
     else:
-        ladder = ", ".join(map(str, runtime.options.tiers))
-        padding = ("padding on" if runtime.padding
+        ladder = ", ".join(map(str, runtime.stats.ladder))
+        padding = ("padding on" if runtime.stats.padding != "off"
                    else f"padding off: {second.padding_refused}")
-        sessions = ("per-width variants" if runtime.options.specialize is not False
+        sessions = ("per-width variants" if runtime.stats.specialize is not False
                     else "one shape-generic session, the provider's default")
         context = f"{sessions}, ladder {ladder}, {padding}"
         verdicts = {"second_pass": _second_pass(first, second, context),

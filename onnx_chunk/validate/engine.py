@@ -88,10 +88,10 @@ def engine_checks(runtime: Runtime | OnnxChunkError, settings: RunSettings,
 
 
 def _run_engine(runtime: Runtime, settings: RunSettings, advance: Advance) -> EngineRuns:
-    slots = runtime.options.max_batch
-    prompts = [seeded_prompt(runtime.ports.vocab_size, length, settings.seed)
+    slots = runtime.stats.max_batch
+    prompts = [seeded_prompt(runtime.stats.vocab_size, length, settings.seed)
                for length in settings.lengths]
-    counts = engine_new_tokens(settings, runtime.options.chunk_size, runtime.options.capacity)
+    counts = engine_new_tokens(settings, runtime.stats.chunk_size, runtime.stats.capacity)
     alone = []
     for length, prompt, count in zip(settings.lengths, prompts, counts):
         alone.append(_submit(runtime, prompt, count).result())

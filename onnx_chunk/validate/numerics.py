@@ -137,7 +137,7 @@ def compare_modes(model_path: Path, settings: RunSettings, advance: Advance) -> 
                           padding=mode == PADDED) as runtime:
             if mode == CHUNKED:
                 floor = noise_floor(runtime, settings)
-                notes[CHUNKED] = f"chunked at W={runtime.options.chunk_size}"
+                notes[CHUNKED] = f"chunked at W={runtime.stats.chunk_size}"
             for reference, comparison in zip(references, comparisons):
                 run = chunked_run(runtime, reference, settings)
                 advance(f"{mode} {reference.length}")
@@ -151,8 +151,8 @@ def compare_modes(model_path: Path, settings: RunSettings, advance: Advance) -> 
                 del run
             if mode == PADDED:
                 notes[PADDED] = (
-                    f"padded up the ladder {', '.join(map(str, runtime.options.tiers))}"
-                    if runtime.padding
+                    f"padded up the ladder {', '.join(map(str, runtime.stats.ladder))}"
+                    if runtime.stats.padding != "off"
                     else f"padding refused ({runtime.stats.cache.padding_refused}), so the "
                          "padded run is chunked only")
     return comparisons, floor, notes
@@ -170,7 +170,7 @@ def _references(model_path: Path, settings: RunSettings, advance: Advance,
         graph = None
     with load_runtime(model_path, settings, chunk_size=settings.capacity, padding=False,
                       graph=graph) as runtime:
-        if runtime.ports.last_row_logits and graph is None:
+        if runtime.debug.ports.last_row_logits and graph is None:
             notes[LOGITS] = "the decoder returns the last row's logits only"
         references = []
         for length in settings.lengths:
@@ -184,10 +184,10 @@ def noise_floor(runtime: Runtime, settings: RunSettings) -> NoiseFloor:
     rows against a forward of those p rows alone (p = 1, 2, q/2 + 1), from an empty cache."""
     with runtime.open_sequence() as sequence:
         windows = [port.window for port in sequence.buffers.kv_ports if port.window]
-    widest = min([max(settings.lengths), runtime.options.chunk_size, FLOOR_ROWS, *windows])
+    widest = min([max(settings.lengths), runtime.stats.chunk_size, FLOOR_ROWS, *windows])
     if widest < 2:
         return NoiseFloor(0.0, 0.0, (widest,), "no prompt of two rows to compare")
-    ids = seeded_prompt(runtime.ports.vocab_size, max(settings.lengths), settings.seed)[:widest]
+    ids = seeded_prompt(runtime.stats.vocab_size, max(settings.lengths), settings.seed)[:widest]
     logits, kv = prefix_forward(runtime, ids)
     worst = {LOGITS: 0.0, KV: 0.0}
     counts = sorted({1, 2, widest // 2 + 1} & set(range(1, widest)))

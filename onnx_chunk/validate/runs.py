@@ -83,7 +83,7 @@ def reference_run(runtime: Runtime, length: int, settings: RunSettings) -> Promp
     """The unchunked run of a seeded prompt: one forward of the whole prompt on `runtime`
     (chunk = capacity), greedy decoding after it, and one forward per chunk boundary of the
     prefix ending there (the boundary row's unchunked logits, a last row again)."""
-    ids = seeded_prompt(runtime.ports.vocab_size, length, settings.seed)
+    ids = seeded_prompt(runtime.stats.vocab_size, length, settings.seed)
     with runtime.open_sequence() as sequence:
         last = sequence.prefill(ids)
         tokens, margins, decode = [_argmax(last)], [margin(last)], []
@@ -103,10 +103,10 @@ def reference_run(runtime: Runtime, length: int, settings: RunSettings) -> Promp
 def chunked_run(runtime: Runtime, reference: PromptRun, settings: RunSettings) -> PromptRun:
     """The seeded prompt fed chunk by chunk at the runtime's width (each chunk's last row kept),
     then decoded on the reference's tokens (its own greedy choices recorded)."""
-    ids = seeded_prompt(runtime.ports.vocab_size, reference.length, settings.seed)
+    ids = seeded_prompt(runtime.stats.vocab_size, reference.length, settings.seed)
     rows: dict[int, np.ndarray] = {}
     with runtime.open_sequence() as sequence:
-        for begin, end in prefill_chunks(len(ids), runtime.options.chunk_size):
+        for begin, end in prefill_chunks(len(ids), runtime.stats.chunk_size):
             rows[end - 1] = sequence.prefill(ids[begin:end])
         last = rows[len(ids) - 1]
         tokens, margins, decode = [_argmax(last)], [margin(last)], []
@@ -121,7 +121,7 @@ def chunked_run(runtime: Runtime, reference: PromptRun, settings: RunSettings) -
 
 def generate_prompt(runtime: Runtime, length: int, settings: RunSettings) -> list[int]:
     """Greedy generation of a seeded prompt through the runtime's `generate` (a served request)."""
-    ids = seeded_prompt(runtime.ports.vocab_size, length, settings.seed)
+    ids = seeded_prompt(runtime.stats.vocab_size, length, settings.seed)
     with runtime.open_sequence() as sequence:
         return sequence.generate(ids, settings.new_tokens)
 
@@ -132,10 +132,10 @@ def prefix_forward(runtime: Runtime, ids: np.ndarray) -> tuple[np.ndarray | None
     returns the last row only) and the KV it wrote, each buffer's positions moved to the
     leading axis (recurrent states, which hold no positions, are left out)."""
     with runtime.open_sequence() as sequence:
-        logits = _prefill_rows(sequence, ids, every=not runtime.ports.last_row_logits)
+        logits = _prefill_rows(sequence, ids, every=not runtime.debug.ports.last_row_logits)
         kv = kv_snapshot(runtime, sequence.buffers, sequence.length)
         axes = {binding.input: binding.capacity_axis
-                for binding in runtime.plan.capacity_inputs}
+                for binding in runtime.debug.plan.capacity_inputs}
         ports = sequence.buffers.kv_ports
         return logits, [np.moveaxis(array, axes[port.input], 0)
                         for port, array in zip(ports, kv)]
@@ -161,7 +161,7 @@ def _argmax(logits: np.ndarray) -> int:
 def kv_snapshot(runtime: Runtime, buffers: SequenceBuffers, length: int) -> tuple[np.ndarray, ...]:
     """Each KV buffer's valid prefix of `length` positions (a window's resident rows), then
     each recurrent state, as host copies."""
-    axes = {binding.input: binding.capacity_axis for binding in runtime.plan.capacity_inputs}
+    axes = {binding.input: binding.capacity_axis for binding in runtime.debug.plan.capacity_inputs}
     arrays = []
     for port, buffer in zip(buffers.kv_ports, buffers.kv):
         host = buffer.host if buffer.host is not None else buffer.value.numpy()
