@@ -45,6 +45,9 @@ KV_CACHE_KEY = "onnx_chunk.kv_cache"
 # Written by the int4 re-blocking (optional; `convert --int4-block-size`): the block size the
 # 4-bit MatMulNBits weights were quantized to again, and how many nodes that changed.
 INT4_BLOCKS_KEY = "onnx_chunk.int4_blocks"
+# Written by the int8 matmul rewrite (optional; `convert --int8-matmul`): how many 4-bit
+# MatMulNBits became int8 DynamicQuantizeMatMul and how many stayed 4-bit.
+INT8_MATMUL_KEY = "onnx_chunk.int8_matmul"
 
 ALL_KEYS = (
     SCHEMA_VERSION_KEY,
@@ -333,6 +336,25 @@ def write_int4_blocks(model: ir.Model, declaration: Int4BlocksDeclaration) -> bo
 def read_int4_blocks(model: ir.Model | Mapping[str, str]) -> Int4BlocksDeclaration | None:
     """The stored int4 re-blocking declaration, or None when the weights were not re-blocked."""
     return _read_section(model, INT4_BLOCKS_KEY, lambda data: Int4BlocksDeclaration(**data))
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8MatMulDeclaration:
+    """Layers' 4-bit weights rewritten as int8 DynamicQuantizeMatMul: how many nodes were
+    rewritten, and how many 4-bit MatMulNBits stayed (the lm_head, tied weights)."""
+
+    rewritten_nodes: int
+    kept_int4_nodes: int
+
+
+def write_int8_matmul(model: ir.Model, declaration: Int8MatMulDeclaration) -> bool:
+    """Store the int8 matmul declaration; return whether the metadata changed."""
+    return _set(model.metadata_props, INT8_MATMUL_KEY, _encode(dataclasses.asdict(declaration)))
+
+
+def read_int8_matmul(model: ir.Model | Mapping[str, str]) -> Int8MatMulDeclaration | None:
+    """The stored int8 matmul declaration, or None when the 4-bit weights were not rewritten."""
+    return _read_section(model, INT8_MATMUL_KEY, lambda data: Int8MatMulDeclaration(**data))
 
 
 def write_recurrent_state(model: ir.Model, findings: RecurrentStateFindings) -> bool:

@@ -24,6 +24,8 @@ from onnx_chunk.passes import (
     LOGITS_ROWS_CHOICES,
     NATIVE_CHUNKS_CHOICES,
     check_int4_blocks,
+    check_int8_matmul,
+    check_int8_matmul_options,
     check_kv_quantization,
     convert_model,
 )
@@ -96,17 +98,22 @@ def _bytes_to_copy(model_files: dict[str, Path], target: Path) -> int:
               help="Quantize the 4-bit MatMulNBits weights again at this block size (ONNX "
                    "Runtime's int8 kernel prefills faster at 128 than at the builder's 32; "
                    "the logits move a little). Default: the weights as they are.")
+@click.option("--int8-matmul", is_flag=True, default=False,
+              help="Rewrite the layers' 4-bit MatMulNBits as int8 DynamicQuantizeMatMul "
+                   "(ONNX Runtime's CPU QGEMM: faster prefill, twice the weight bytes, the "
+                   "logits move; CPU only). Default: the weights as they are.")
 @QUIET_OPTION
 def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants: int,
             in_place: bool, kv_cache: str, native_chunks: str, logits_rows: str,
             kv_dtype: str | None, kv_scales: str | None, calibrate_file: Path | None,
-            int4_block_size: str | None, quiet: bool) -> None:
+            int4_block_size: str | None, int8_matmul: bool, quiet: bool) -> None:
     """Annotate MODEL_PATH for chunked prefill and write it to OUTPUT.
 
     A standard-ONNX decoder whose KV grows by Concat (Optimum, torch.onnx) is first rewritten
     to GroupQueryAttention at capacity (`--kv-cache onnx24`: to TensorScatter + Attention).
-    Weights stay in external data and are copied, never loaded (--int4-block-size reads the
-    4-bit ones and writes them anew); OUTPUT's folder gets every file at once or none.
+    Weights stay in external data and are copied, never loaded (--int4-block-size and
+    --int8-matmul read the 4-bit ones and write them anew); OUTPUT's folder gets every file at
+    once or none.
     """
     model_path = locate_model(model_path).onnx_path
     if kv_dtype is None and (kv_scales is not None or calibrate_file is not None):
@@ -116,8 +123,11 @@ def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants
     model = load_model(model_path)
     output = _output_path(model_path, output, in_place)
     block_size = None if int4_block_size is None else int(int4_block_size)
+    check_int8_matmul_options(block_size, int8_matmul)
     if block_size is not None:
         check_int4_blocks(model, block_size)
+    if int8_matmul:
+        check_int8_matmul(model)
     calibration = None
     if kv_dtype is not None:
         # Every refusal before the calibration runs the float model.
@@ -129,6 +139,7 @@ def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants
                            max_sequence_length=read_max_positions(model_path.parent),
                            kv_cache=kv_cache, native_chunks=native_chunks,
                            logits_rows=logits_rows, int4_block_size=block_size,
+                           int8_matmul=int8_matmul,
                            kv_dtype=kv_dtype,
                            kv_scales=kv_scales or "per-channel", calibration=calibration)
     model = result.model

@@ -2,8 +2,9 @@
 
 Each pass records its findings in the inference metadata (`onnx_chunk.metadata`); the last one
 turns them into the declaration the runtime reads. Weights are never read: the passes look at
-graph structure, shapes and initializer shapes only; only Int4BlocksPass, when asked for
-(`int4_block_size`), reads and rewrites the 4-bit MatMulNBits weights.
+graph structure, shapes and initializer shapes only; only Int4BlocksPass and Int8MatMulPass,
+when asked for (`int4_block_size`, `int8_matmul`), read and rewrite the 4-bit MatMulNBits
+weights.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from onnx_chunk.passes.chunked_prefill_declaration import (
 from onnx_chunk.passes.concat_kv_attention import ConcatKVToGQAPass, find_concat_kv_attention
 from onnx_chunk.passes.concat_kv_tensor_scatter import ConcatKVToTensorScatterPass
 from onnx_chunk.passes.int4_blocks import INT4_BLOCK_SIZES, Int4BlocksPass, check_int4_blocks
+from onnx_chunk.passes.int8_matmul import Int8MatMulPass, int8_targets
 from onnx_chunk.passes.kv_capacity import KVCapacityPass
 from onnx_chunk.passes.kv_quantization import (
     CACHE_TYPES,
@@ -48,6 +50,7 @@ __all__ = [
     "ConcatKVToGQAPass",
     "ConcatKVToTensorScatterPass",
     "Int4BlocksPass",
+    "Int8MatMulPass",
     "KV_CACHE_TARGETS",
     "KVCacheQuantizationPass",
     "KVCapacityPass",
@@ -62,6 +65,8 @@ __all__ = [
     "analyze",
     "analyze_metadata",
     "check_int4_blocks",
+    "check_int8_matmul",
+    "check_int8_matmul_options",
     "check_kv_quantization",
     "convert_model",
     "find_concat_kv_attention",
@@ -138,7 +143,8 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
                   calibration: Calibration | None = None,
                   native_chunks: str = "auto",
                   logits_rows: str = "auto",
-                  int4_block_size: int | None = None) -> ir.passes.PassResult:
+                  int4_block_size: int | None = None,
+                  int8_matmul: bool = False) -> ir.passes.PassResult:
     """Run the pipeline; `modified` is False when the model was already converted so.
 
     A concat-KV decoder (Optimum, torch.onnx) is first rewritten in a copy, which the
@@ -163,7 +169,13 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
     With `int4_block_size` (INT4_BLOCK_SIZES) every 4-bit MatMulNBits is re-blocked to it
     (Int4BlocksPass: its weights are quantized again, so the logits move a little); refused
     (ConfigError) for a model without 4-bit MatMulNBits. None leaves the weights as they are.
+
+    With `int8_matmul` the layers' 4-bit MatMulNBits become int8 DynamicQuantizeMatMul
+    (Int8MatMulPass: ONNX Runtime's CPU QGEMM prefills faster; twice the bytes of the 4-bit
+    weights, and the logits move); refused (ConfigError) for a model without 4-bit
+    MatMulNBits, and together with `int4_block_size`.
     """
+    check_int8_matmul_options(int4_block_size, int8_matmul)
     if kv_cache not in KV_CACHE_TARGETS:
         raise ConfigError(f"unknown KV cache target {kv_cache!r}; expected one of "
                           f"{', '.join(KV_CACHE_TARGETS)}")
@@ -191,13 +203,29 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
     reblocked = False
     if int4_block_size is not None:
         reblocked = Int4BlocksPass(int4_block_size)(model).modified
+    int8 = int8_matmul and Int8MatMulPass()(model).modified
     quantized = False
     if kv_dtype is not None:
         assert calibration is not None
         quantized = KVCacheQuantizationPass(calibration, kv_dtype, kv_scales)(model).modified
     result = _run_pipeline(model, chunk_size, max_variants, native_chunks, logits_rows)
-    return ir.passes.PassResult(model, modified=rewritten or reblocked or quantized
+    return ir.passes.PassResult(model, modified=rewritten or reblocked or int8 or quantized
                                                  or result.modified)
+
+
+def check_int8_matmul_options(int4_block_size: int | None, int8_matmul: bool) -> None:
+    """ConfigError for `--int8-matmul` with `--int4-block-size`: it replaces the 4-bit
+    weights a re-blocking would write."""
+    if int8_matmul and int4_block_size is not None:
+        raise ConfigError("--int8-matmul replaces the 4-bit weights --int4-block-size would "
+                          "re-block; give one of them")
+
+
+def check_int8_matmul(model: ir.Model) -> None:
+    """Before any work: the refusals of `--int8-matmul` on `model` (Int8MatMulPass rules 1-3),
+    none for a model it already rewrote."""
+    if metadata.read_int8_matmul(model) is None:
+        int8_targets(model)
 
 
 def check_kv_quantization(model: ir.Model, kv_dtype: str) -> None:

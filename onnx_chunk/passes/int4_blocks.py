@@ -37,11 +37,11 @@ _DEFAULT_ZERO_POINT = 8
 _SCALE_TYPES = {ir.DataType.FLOAT: np.float32, ir.DataType.FLOAT16: np.float16}
 # The re-blocked tensors are held in memory and written inside the .onnx file, which protobuf
 # caps at 2 GiB; past this the write would fail after the work.
-_INLINE_BYTES_LIMIT = (2 << 30) - (256 << 20)
+INLINE_BYTES_LIMIT = (2 << 30) - (256 << 20)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Int4MatMul:
+class Int4MatMul:
     """One 4-bit MatMulNBits node and its weight initializers."""
 
     node: ir.Node
@@ -62,10 +62,11 @@ def _is_matmul_nbits(node: ir.Node) -> bool:
     return node.op_type == MATMUL_NBITS and node.domain == MICROSOFT_DOMAIN
 
 
-def find_int4_matmuls(graph: ir.Graph) -> tuple[list[_Int4MatMul], int]:
+def find_int4_matmuls(graph: ir.Graph, option: str = "--int4-block-size"
+                      ) -> tuple[list[Int4MatMul], int]:
     """The 4-bit MatMulNBits nodes of `graph` and how many MatMulNBits nodes of other bit
-    widths it has; ModelStructureError naming the first 4-bit node that cannot be re-blocked
-    (rule 2)."""
+    widths it has; ModelStructureError naming the first 4-bit node whose weights cannot be
+    read exactly (rule 2), and `option`, the conversion that needed them."""
     found, others = [], 0
     for node in graph:
         if not _is_matmul_nbits(node):
@@ -73,11 +74,11 @@ def find_int4_matmuls(graph: ir.Graph) -> tuple[list[_Int4MatMul], int]:
         if _attribute(node, "bits", 4) != 4:
             others += 1
             continue
-        found.append(_checked(node))
+        found.append(_checked(node, option))
     return found, others
 
 
-def check_int4_blocks(model: ir.Model, block_size: int) -> tuple[list[_Int4MatMul], int]:
+def check_int4_blocks(model: ir.Model, block_size: int) -> tuple[list[Int4MatMul], int]:
     """Before any work: `find_int4_matmuls`, and ConfigError for a block size not in
     INT4_BLOCK_SIZES or a model without 4-bit MatMulNBits (Int4BlocksPass rules 1 and 2)."""
     _check_block_size(block_size)
@@ -94,7 +95,7 @@ def _check_block_size(block_size: int) -> None:
                           f"{', '.join(map(str, INT4_BLOCK_SIZES))}, got {block_size!r}")
 
 
-def _checked(node: ir.Node) -> _Int4MatMul:
+def _checked(node: ir.Node, option: str) -> Int4MatMul:
     label = f"MatMulNBits {node.name!r}"
     k, n, block = (_attribute(node, "K"), _attribute(node, "N"), _attribute(node, "block_size"))
     if k is None or n is None or block is None:
@@ -102,16 +103,16 @@ def _checked(node: ir.Node) -> _Int4MatMul:
                                   "weights cannot be read; export the model again")
     if input_at(node, _G_IDX_INPUT) is not None:
         raise ModelStructureError(f"{label} reads a g_idx (act-order) input, which "
-                                  "--int4-block-size cannot re-block; convert without it")
+                                  f"{option} cannot read; convert without it")
     if _attribute(node, "weight_prepacked", 0):
         raise ModelStructureError(f"{label} holds weights prepacked for one execution provider, "
-                                  "which --int4-block-size cannot re-block; convert without it")
+                                  f"which {option} cannot read; convert without it")
     values = [input_at(node, index) for index in (_B_INPUT, _SCALES_INPUT, _ZERO_POINTS_INPUT)]
     packed, scales, zero_points = values
     if packed is None or scales is None or any(
             value is not None and value.const_value is None for value in values):
         raise ModelStructureError(f"{label}: its weights, scales or zero points are not "
-                                  "initializers, so --int4-block-size cannot re-block them")
+                                  f"initializers, so {option} cannot read them")
     blocks = -(-k // block)
     expected = {"B": (packed, ir.DataType.UINT8, n * blocks * (block // 2)),
                 "scales": (scales, None, n * blocks),
@@ -123,7 +124,7 @@ def _checked(node: ir.Node) -> _Int4MatMul:
         assert tensor is not None
         if dtype is not None and tensor.dtype != dtype:
             raise ModelStructureError(f"{label}: its {what} are {tensor.dtype}, not packed "
-                                      f"{dtype}, which --int4-block-size cannot re-block")
+                                      f"{dtype}, which {option} cannot read")
         if tensor.size != size:
             raise ModelStructureError(f"{label}: its {what} hold {tensor.size} values, the "
                                       f"schema's layout for K={k}, N={n}, block_size={block} "
@@ -131,8 +132,8 @@ def _checked(node: ir.Node) -> _Int4MatMul:
     assert scales.const_value is not None
     if scales.const_value.dtype not in _SCALE_TYPES:
         raise ModelStructureError(f"{label}: its scales are {scales.const_value.dtype}; "
-                                  "ONNX Runtime's quantizer re-blocks float32 and float16 only")
-    return _Int4MatMul(node, packed, scales, zero_points, k, n, block)
+                                  f"{option} reads float32 and float16 only")
+    return Int4MatMul(node, packed, scales, zero_points, k, n, block)
 
 
 def _unpack_nibbles(packed: np.ndarray, rows: int, count: int) -> np.ndarray:
@@ -230,7 +231,7 @@ class Int4BlocksPass(ir.passes.InPlacePass):
                     len(targets), len(matmuls), self.block_size)
         return ir.passes.PassResult(model, modified=True)
 
-    def _reblock(self, graph: ir.Graph, matmul: _Int4MatMul, replaced: dict[int, ir.Value],
+    def _reblock(self, graph: ir.Graph, matmul: Int4MatMul, replaced: dict[int, ir.Value],
                  reblocked_nodes: set[int]) -> None:
         """Rules 3 and 4 for one node; `replaced` maps an old value to its re-blocked one, so
         a tensor two re-blocked nodes share is re-blocked once."""
@@ -278,7 +279,7 @@ def _array(value: ir.Value) -> np.ndarray:
     return value.const_value.numpy()
 
 
-def _check_inline_size(targets: list[_Int4MatMul], block_size: int) -> None:
+def _check_inline_size(targets: list[Int4MatMul], block_size: int) -> None:
     """ConfigError before any work when the re-blocked tensors exceed what the .onnx file can
     hold inline."""
     total = 0
@@ -288,7 +289,7 @@ def _check_inline_size(targets: list[_Int4MatMul], block_size: int) -> None:
         total += matmul.n * blocks * (block_size // 2 + scale_bytes)
         if matmul.zero_points is not None:
             total += matmul.n * (-(-blocks // 2))
-    if total > _INLINE_BYTES_LIMIT:
+    if total > INLINE_BYTES_LIMIT:
         raise ConfigError(f"the re-blocked weights would take {total / 2**30:.1f} GiB, held "
                           "inside the .onnx file, which protobuf caps at 2 GiB; "
                           "--int4-block-size cannot re-block a model this large")
