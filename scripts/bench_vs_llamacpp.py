@@ -14,8 +14,10 @@ weights rarely emit) and the same prefill chunk width:
 * llama.cpp Q4_0 / Q8_0: llama-cpp-python's C API (n_batch = n_ubatch = W), in its own venv
   (``--llama-python``; default the scratch venv of `_bench/venvs.py`, made on first use);
 * with ``--int4-block-size N``, also "onnx-chunk bN": the export converted with
-  `--int4-block-size N` (its 4-bit weights re-blocked, a second quantization), with a second
-  table of its ratios to every system and how many leading tokens equal onnx-chunk's.
+  `--int4-block-size N` (its 4-bit weights re-blocked, a second quantization); with
+  ``--int8-matmul``, also "onnx-chunk int8": converted with `--int8-matmul` (the layers' weights
+  int8 for ONNX Runtime's QGEMM); each with a table of its own ratios to every system and how
+  many leading tokens equal onnx-chunk's.
 
 Every measurement is a fresh process (peak RSS is its own VmHWM); systems are interleaved round
 by round, medians with their spread ((max-min)/median), the 1-minute load average before every
@@ -90,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunk-size", type=int, default=512)
     parser.add_argument("--int4-block-size", type=int, choices=(32, 64, 128, 256), default=None,
                         help="also measure the export converted with --int4-block-size N")
+    parser.add_argument("--int8-matmul", action="store_true",
+                        help="also measure the export converted with --int8-matmul")
     parser.add_argument("--omp-wait-policy", choices=("passive", "active", "unset"),
                         default="unset",
                         help="OMP_WAIT_POLICY for every child (llama.cpp's threads are OpenMP's; "
@@ -193,11 +197,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n*** {left_out} ***\n", file=sys.stderr)
     paths: dict = {"export": folder, "genai_python": env.genai_python(args.genai_venv),
                    OURS: env.converted_export(args.out, name, folder, args.chunk_size), **ggufs}
-    reblocked = None if args.int4_block_size is None else f"{OURS} b{args.int4_block_size}"
-    if reblocked is not None:
-        paths[reblocked] = env.converted_export(args.out, name, folder, args.chunk_size,
-                                                int4_block_size=args.int4_block_size)
-    systems = [OURS, *filter(None, [reblocked]), GENAI, ORT_LOOP, *ggufs]
+    arms = []  # the other conversions measured beside the plain one
+    if args.int4_block_size is not None:
+        arms.append(f"{OURS} b{args.int4_block_size}")
+        paths[arms[-1]] = env.converted_export(args.out, name, folder, args.chunk_size,
+                                               int4_block_size=args.int4_block_size)
+    if args.int8_matmul:
+        arms.append(f"{OURS} int8")
+        paths[arms[-1]] = env.converted_export(args.out, name, folder, args.chunk_size,
+                                               int8_matmul=True)
+    systems = [OURS, *arms, GENAI, ORT_LOOP, *ggufs]
     vocab = json.loads((folder / "genai_config.json").read_text())["model"]["vocab_size"]
     runs: dict[tuple[int, str], list[dict]] = {}
     loads: list[float] = []
@@ -217,10 +226,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{sorted(loads)[len(loads) // 2]:.2f}, max {max(loads):.2f}")
     table = "\n\n".join(filter(None, [
         f"**{left_out}**" if left_out else "", header, _table(systems, lengths, runs),
-        reblocked and _table(systems, lengths, runs, reblocked)]))
+        *[_table(systems, lengths, runs, arm) for arm in arms]]))
     results = {"model": name, "folder": str(folder), "threads": args.threads,
                "omp_wait_policy": args.omp_wait_policy,
                "chunk_size": args.chunk_size, "int4_block_size": args.int4_block_size,
+               "int8_matmul": args.int8_matmul,
                "new_tokens": new_tokens, "lengths": lengths,
                "repetitions": repetitions, "systems": systems, "left_out": left_out,
                "gguf": {system: str(path) for system, path in ggufs.items()},

@@ -124,6 +124,31 @@ def test_a_reblocked_arm_is_measured_beside_onnx_chunk_with_its_own_table(tmp_pa
     assert "leading tokens = onnx-chunk's" in table
 
 
+def test_an_int8_arm_is_measured_beside_onnx_chunk_with_its_own_table(tmp_path, peer_python):
+    """--int8-matmul: the export converted with int8 DynamicQuantizeMatMul layers runs as
+    "onnx-chunk int8" in the same rounds, with a table of its own."""
+    result = subprocess.run(
+        [sys.executable, str(env.ROOT / "scripts" / "bench_vs_llamacpp.py"), "--model",
+         str(EXPORT), "--quick", "--lengths", "40", "--chunk-size", "16", "--int8-matmul",
+         "--out", str(tmp_path), "--genai-venv", str(peer_python.parents[1]),
+         "--llama-python", str(tmp_path / "no-such-python")],
+        capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    converted = tmp_path / "models" / "genai-llama-int4-converted-16-int8" / "model.onnx"
+    assert _op_types(converted) >= {"DynamicQuantizeMatMul"}
+    data = json.loads((tmp_path / "vs_llamacpp_genai-llama-int4_quick.json").read_text())
+    assert data["systems"] == ["onnx-chunk", "onnx-chunk int8", "genai", "ort-loop"]
+    assert data["int8_matmul"] is True
+    table = (tmp_path / "vs_llamacpp_genai-llama-int4_quick.md").read_text()
+    assert "onnx-chunk int8 / this, TTFT s" in table
+
+
+def _op_types(model) -> set[str]:
+    import onnx
+
+    return {node.op_type for node in onnx.load(str(model), load_external_data=False).graph.node}
+
+
 def _block_sizes(model) -> set[int]:
     import onnx
 
