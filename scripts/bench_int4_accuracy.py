@@ -1,13 +1,16 @@
-"""What `convert --int4-block-size N` costs in accuracy on a trained decoder (docs/benchmarks.md).
+"""What `convert --int4-block-size N` and `--int8-matmul` cost in accuracy on a trained decoder.
 
-Usage: bench_int4_accuracy.py [MODEL] [--float FLOAT] [--blocks 64,128,256] [--out DIR] ...
+Usage: bench_int4_accuracy.py [MODEL] [--float FLOAT] [--blocks 64,128,256] [--int8-matmul]
+                              [--out DIR] ...
 
 MODEL is an INT4 builder export (default ``text-int4``: the decoder trained on English licence
 texts, exported by onnxruntime-genai's builder with MatMulNBits at block 32; built by
 scripts/make_bench_models.py). It is converted with the command users run, ``onnx-chunk
 convert``, once as it is (the reference: its weights unchanged) and once per --blocks size with
-``--int4-block-size N``; FLOAT (default ``text-fp32``, the same checkpoint exported in float32;
-``none`` to skip) is converted too, to set the 4-bit weights' own cost beside the re-blocking's.
+``--int4-block-size N`` (``--blocks none``: no re-blocked arm), and with ``--int8-matmul`` once
+more with that option (its layers' weights int8); FLOAT (default ``text-fp32``, the same
+checkpoint exported in float32; ``none`` to skip) is converted too, to set the 4-bit weights'
+own cost beside the re-blocking's.
 Each folder is measured on the held-back text exactly as scripts/bench_kv_accuracy.py measures a
 KV cache (`measure`: perplexity over non-overlapping windows, every row's argmax, greedy
 continuations teacher-forced and free-running), each against the unchanged INT4 export.
@@ -46,13 +49,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                              "skip it)")
     parser.add_argument("--blocks", default="64,128,256",
                         help="block sizes to re-block to, comma-separated (default 64,128,256)")
+    parser.add_argument("--int8-matmul", action="store_true",
+                        help="also measure the export converted with --int8-matmul")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="folder for the converted models (default bench-out/int4-accuracy)")
     accuracy.add_held_out_arguments(parser)
     args = parser.parse_args(argv)
     accuracy.check_held_out_arguments(args)
     try:
-        args.blocks = [int(each) for each in args.blocks.split(",")]
+        args.blocks = ([] if args.blocks == "none"
+                       else [int(each) for each in args.blocks.split(",")])
     except ValueError:
         raise accuracy.BadInput(f"--blocks takes block sizes such as 64,128, not "
                                 f"{args.blocks!r}") from None
@@ -80,6 +86,8 @@ def run(args: argparse.Namespace) -> dict:
     arms: list[tuple[str, Path, list[str]]] = [(REFERENCE, folder, [])]
     arms += [(f"block {size}", folder, ["--int4-block-size", str(size)])
              for size in args.blocks]
+    if args.int8_matmul:
+        arms.append(("int8 matmul", folder, ["--int8-matmul"]))
     if float_folder is not None:
         arms.append(("float32 weights", float_folder, []))
     load_before = accuracy._load_average()

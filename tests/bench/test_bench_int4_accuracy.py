@@ -68,3 +68,21 @@ def test_bad_arguments_are_one_error_line(argv, tmp_path, capsys):
                                  + argv + ["--out", str(tmp_path)])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.count("error:") == 1
+
+
+def test_the_int8_matmul_arm_is_its_own_conversion(tmp_path, capsys):
+    out = tmp_path / "report.json"
+    assert bench_int4_accuracy.main([str(INT4), "--float", "none", "--blocks", "none",
+                                     "--int8-matmul", "--quick", "--out",
+                                     str(tmp_path / "models"), "--json", str(out), "--threads",
+                                     "1", *_held(tmp_path)]) == 0
+    assert "| int8 matmul | " in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert list(report["results"]) == [bench_int4_accuracy.REFERENCE, "int8 matmul"]
+    assert report["convert_commands"]["int8 matmul"].endswith("--int8-matmul")
+    import onnx
+
+    model = onnx.load(tmp_path / "models" / "int8-matmul" / "model.onnx",
+                      load_external_data=False)
+    assert "DynamicQuantizeMatMul" in {node.op_type for node in model.graph.node}
+
