@@ -6,16 +6,17 @@ Usage: bench_kv_cache.py memory FOLDER [FOLDER...] [--shape 1x32768 --shape 8x81
                            [--genai FOLDER]
 
 `memory` runs each (folder, slots x capacity) in a fresh child process: it loads the model,
-opens `slots` sequences at once, writes every byte of their KV buffers (zeros: llama.cpp clears
-its whole cache when it makes it, so every page of a full-capacity cache is resident in both,
-as a full cache's is), serves one short request on each sequence in turn and reports
+opens `slots` sequences at once, writes every byte of their KV buffers (zeros, as llama.cpp
+clears its whole cache when it makes it: every KV page is resident in both, as in a full
+cache), serves one short request on each sequence in turn and reports
 `stats.kv_bytes` per slot, the share of the KV pages resident (mincore) and the child's own
 peak RSS (VmHWM of /proc/self/status; ru_maxrss of a child starts from its parent's).
 `--llamacpp GGUF` adds llama.cpp at the same shapes with its f16, q8_0 and q4_0 caches
 (`_bench/llamacpp_kv_worker.py` in the llama.cpp venv: one context of `slots` sequences, each
-served in turn; the KV bytes llama.cpp's log reports, its VmHWM). `decode` prefills a random prompt of
-`--positions` tokens and times 32 greedy decode steps after it, the folders interleaved round
-by round; the load average is printed beside each number (the machine may be shared).
+served in turn; the KV bytes llama.cpp's log reports, its VmHWM). `decode` prefills a random
+prompt of `--positions` tokens and times 32 greedy decode steps after it, the folders
+interleaved round by round; the load average is printed beside each number (the machine may be
+shared).
 `--genai FOLDER` adds onnxruntime-genai (`_bench/genai_worker.py` in `--genai-venv`) on that
 folder (the float-cache export as built) in the same rounds: the same prompt, prefilled in
 chunks of 512 (its `search.chunk_size`), then 33 greedy tokens, timed as genai's decode

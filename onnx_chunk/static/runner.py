@@ -289,13 +289,13 @@ def _graph_spec(session: ort.InferenceSession, path: Path) -> _GraphSpec:
                       _numpy_dtype(logits, _LOGITS_DTYPES))
 
 
-_MASK_DTYPES = {"tensor(float16)": np.float16, "tensor(float)": np.float32,
-                "tensor(int64)": np.int64, "tensor(int32)": np.int32}
-_LOGITS_DTYPES = {"tensor(float16)": np.float16, "tensor(float)": np.float32}
+_MASK_DTYPES: dict[str, type] = {"tensor(float16)": np.float16, "tensor(float)": np.float32,
+                                 "tensor(int64)": np.int64, "tensor(int32)": np.int32}
+_LOGITS_DTYPES: dict[str, type] = {"tensor(float16)": np.float16, "tensor(float)": np.float32}
 # A float cache, or GroupQueryAttention's quantized one (`convert --kv-dtype`): int8, or uint8
 # holding two 4-bit values a byte along the head axis (the runtime names it int4).
-_KV_DTYPES = {"tensor(float16)": np.float16, "tensor(float)": np.float32,
-              "tensor(int8)": np.int8, "tensor(uint8)": np.uint8}
+_KV_DTYPES: dict[str, type] = {"tensor(float16)": np.float16, "tensor(float)": np.float32,
+                               "tensor(int8)": np.int8, "tensor(uint8)": np.uint8}
 
 
 def _numpy_dtype(port: ort.NodeArg, allowed: dict[str, type]) -> np.dtype:
@@ -309,9 +309,9 @@ def _numpy_dtype(port: ort.NodeArg, allowed: dict[str, type]) -> np.dtype:
 def _kv_dtype(inputs: dict[str, ort.NodeArg], num_layers: int, layout: CacheLayout,
               path: Path) -> np.dtype:
     """The one element type of every past_key_values input. A quantized cache is served in
-    the bound layout only: GroupQueryAttention, the one kernel that reads it, quantizes each new
-    row with the graph's scales and writes it in place, while a rolling graph's present is the
-    forward's new K/V that the runner copies in beside the old."""
+    the bound layout only: GroupQueryAttention, the one kernel that reads such a cache, writes
+    its quantized rows in place there; no graph of the rolling layout (the static reference
+    decoder's) reads one, so such a graph is refused rather than run untested."""
     ports = [inputs[PAST.format(layer, kind)] for layer in range(num_layers)
              for kind in ("key", "value")]
     types = sorted({port.type for port in ports})
