@@ -6,13 +6,17 @@ Usage: bench_kv_cache.py memory FOLDER [FOLDER...] [--shape 1x32768 --shape 8x81
                            [--genai FOLDER]
 
 `memory` runs each (folder, slots x capacity) in a fresh child process: it loads the model,
-serves one short request on every slot (so every KV buffer is allocated and written) and
-reports `stats.kv_bytes` per slot and the child's own peak RSS (VmHWM of /proc/self/status;
-ru_maxrss of a child starts from its parent's). `--llamacpp GGUF` adds llama.cpp at the same
-shapes with its f16, q8_0 and q4_0 caches (`_bench/llamacpp_kv_worker.py` in the llama.cpp
-venv: the KV bytes llama.cpp's log reports, its VmHWM). `decode` prefills a random prompt of
-`--positions` tokens and times 32 greedy decode steps after it, the folders interleaved round
-by round; the load average is printed beside each number (the machine may be shared).
+opens `slots` sequences at once, writes every byte of their KV buffers (zeros, as llama.cpp
+clears its whole cache when it makes it: every KV page is resident in both, as in a full
+cache), serves one short request on each sequence in turn and reports
+`stats.kv_bytes` per slot, the share of the KV pages resident (mincore) and the child's own
+peak RSS (VmHWM of /proc/self/status; ru_maxrss of a child starts from its parent's).
+`--llamacpp GGUF` adds llama.cpp at the same shapes with its f16, q8_0 and q4_0 caches
+(`_bench/llamacpp_kv_worker.py` in the llama.cpp venv: one context of `slots` sequences, each
+served in turn; the KV bytes llama.cpp's log reports, its VmHWM). `decode` prefills a random
+prompt of `--positions` tokens and times 32 greedy decode steps after it, the folders
+interleaved round by round; the load average is printed beside each number (the machine may be
+shared).
 `--genai FOLDER` adds onnxruntime-genai (`_bench/genai_worker.py` in `--genai-venv`) on that
 folder (the float-cache export as built) in the same rounds: the same prompt, prefilled in
 chunks of 512 (its `search.chunk_size`), then 33 greedy tokens, timed as genai's decode
@@ -41,7 +45,7 @@ from _bench.environment import WORKERS, llama_python
 LLAMA_CACHES = ("f16", "q8_0", "q4_0")
 
 _CHILD = r"""
-import json, os, sys, time
+import ctypes, json, mmap, os, sys, time
 import numpy as np
 import onnx_chunk
 request = json.loads(sys.argv[1])
@@ -49,18 +53,33 @@ def vmhwm():
     for line in open("/proc/self/status"):
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
+def resident_pages(array):
+    # (resident, all) pages under the array, by mincore(2).
+    page = mmap.PAGESIZE
+    first = array.ctypes.data // page * page
+    pages = -(-(array.ctypes.data + array.nbytes - first) // page)
+    vector = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    if libc.mincore(first, pages * page, vector) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(byte & 1 for byte in vector), pages
 if request["mode"] == "memory":
-    with onnx_chunk.load(request["folder"], provider="cpu", capacity=request["capacity"],
-                         max_batch=request["slots"]) as runtime:
-        prompts = [[5 + slot, 6, 7, 8] for slot in range(request["slots"])]
-        if request["slots"] == 1:
-            with runtime.open_sequence() as sequence:
-                sequence.generate(prompts[0], 4, eos_token_id=[])
-        else:
-            runtime.generate_many(prompts, 4, eos_token_id=[])
+    with onnx_chunk.load(request["folder"], provider="cpu",
+                         capacity=request["capacity"]) as runtime:
+        sequences = [runtime.open_sequence() for _ in range(request["slots"])]
+        kv = [buffer for sequence in sequences for buffer in sequence.buffers.kv]
+        for buffer in kv:
+            buffer.zero()
+        for slot, sequence in enumerate(sequences):
+            sequence.generate([5 + slot, 6, 7, 8], 4, eos_token_id=[])
+        pages = [resident_pages(buffer.host) for buffer in kv]
         stats = runtime.stats
         print(json.dumps({"kv_bytes": stats.kv_bytes, "kv_dtype": stats.kv_dtype,
+                          "kv_resident": sum(p[0] for p in pages) / sum(p[1] for p in pages),
                           "peak_rss": vmhwm()}))
+        for sequence in sequences:
+            sequence.close()
 else:
     with open(request["prompt_file"]) as file:
         prompt = json.load(file)[0]
@@ -167,7 +186,8 @@ def main() -> None:
                 got = _child({"mode": "memory", "folder": folder, "slots": slots,
                               "capacity": capacity})
                 print(f"{shape:>8} {got['kv_dtype']:>8} KV {got['kv_bytes'] * slots / 2**20:8.1f}"
-                      f" MiB  peak RSS {got['peak_rss'] / 2**20:8.1f} MiB  load {_load()}  "
+                      f" MiB ({got['kv_resident']:.0%} resident)  peak RSS "
+                      f"{got['peak_rss'] / 2**20:8.1f} MiB  load {_load()}  "
                       f"{os.path.basename(folder.rstrip('/'))}", flush=True)
             if llama is None:
                 continue

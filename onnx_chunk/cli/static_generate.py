@@ -68,7 +68,8 @@ def run_static_generate(
         limits, spec = runner.limits, runner.chunk_spec
         echo(f"static decoder: provider {runner.device.label}, L={limits.max_input_len}, "
              f"c={limits.chunk_size}, C={limits.capacity} (decode room {limits.decode_room}), "
-             f"{spec.num_layers} layers{', strict' if runner.strict else ''}")
+             f"{spec.num_layers} layers, {runner.kv_dtype} KV cache "
+             f"({runner.kv_bytes / 2 ** 20:.2f} MiB){', strict' if runner.strict else ''}")
     results = []
     for index, (prompt, request) in enumerate(zip(prompts, aligned)):
         result = runner.decode(runner.run_prefill(request), max_new_tokens,

@@ -79,6 +79,37 @@ def scale_values(amax: np.ndarray, kv_dtype: str, kv_scales: str) -> np.ndarray:
     return per_channel.reshape(1, amax.shape[0], 1, amax.shape[1]).astype(np.float32)
 
 
+def cache_scales(model: ir.Model) -> dict[str, np.ndarray]:
+    """The scale of every quantized cache input, keyed by the input's name: the k_scale or
+    v_scale initializer of the GroupQueryAttention that reads it (none for a float cache)."""
+    scales = {}
+    for node in value_tracing.gqa_nodes(model.graph):
+        for past_index, scale_index in ((_PAST_KEY_INPUT, _K_SCALE_INPUT),
+                                        (_PAST_VALUE_INPUT, _V_SCALE_INPUT)):
+            past = value_tracing.input_at(node, past_index)
+            scale = value_tracing.input_at(node, scale_index)
+            if past is not None and past.name and scale is not None and (
+                    scale.const_value is not None):
+                scales[past.name] = np.asarray(scale.const_value.numpy(), dtype=np.float32)
+    return scales
+
+
+def dequantize(stored: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The float32 values GroupQueryAttention reads from a quantized cache [..., width]: int8
+    codes, or uint8 bytes of two 4-bit codes each (value + 8, the even channel in the low
+    nibble), times `scale` ([1], or [1, kv_heads, 1, head_size] per channel)."""
+    if stored.dtype == np.uint8:
+        nibbles = np.stack([stored & 0x0F, stored >> 4], axis=-1)
+        codes = nibbles.reshape(*stored.shape[:-1], -1).astype(np.int16) - 8
+        head_size = scale.shape[-1] if scale.ndim == 4 else codes.shape[-1]
+        codes = codes[..., :head_size]
+    elif stored.dtype == np.int8:
+        codes = stored.astype(np.int16)
+    else:
+        raise ValueError(f"a quantized cache is int8 or uint8 (packed int4), got {stored.dtype}")
+    return codes.astype(np.float32) * scale
+
+
 @dataclasses.dataclass(frozen=True)
 class _Cache:
     """One node's past input (a graph input) and present output (a graph output)."""

@@ -56,6 +56,7 @@ from onnx_chunk.runtime.device.buffers import DeviceBuffer, device_zeros
 from onnx_chunk.runtime.device.provider import Device, resolve_device
 from onnx_chunk.runtime.engine.request import FinishReason, finish_reason
 from onnx_chunk.runtime.runner.forward import Forward, ForwardRunner, Ran, Row
+from onnx_chunk.runtime.stats import kv_dtype_name
 from onnx_chunk.sampling import GREEDY, Sampler, Sampling
 from onnx_chunk.static.alignment import (
     AlignedPrompt,
@@ -178,7 +179,9 @@ class _GraphSpec:
     capacity: int
     num_layers: int
     kv_heads: int
-    head_size: int
+    head_width: int
+    """The KV inputs' last axis as stored: the head size, or half of it (rounded up) for a
+    packed int4 cache."""
     mask_dtype: np.dtype
     kv_dtype: np.dtype
     layout: CacheLayout
@@ -187,6 +190,17 @@ class _GraphSpec:
     logits: str
     """The logits output's name (the graph's first output)."""
     logits_dtype: np.dtype
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """The cache type as `RuntimeStats.kv_dtype` names it: float32, float16, int8, int4."""
+        return kv_dtype_name([self.kv_dtype])
+
+    @property
+    def kv_bytes(self) -> int:
+        """One request's KV cache at the capacity, every layer's K and V, in bytes."""
+        return (2 * self.num_layers * self.kv_heads * self.capacity * self.head_width
+                * self.kv_dtype.itemsize)
 
 
 def _session(path: Path, device: Device) -> ort.InferenceSession:
@@ -238,7 +252,7 @@ def _graph_spec(session: ort.InferenceSession, path: Path) -> _GraphSpec:
             f"{path}: input_ids is {shapes['input_ids']} and past_key_values.0.key is "
             f"{past_shape}; expected [1, c] and [1, kv_heads, C, head_size]"
         )
-    _, kv_heads, capacity, head_size = past_shape
+    _, kv_heads, capacity, head_width = past_shape
     rows = shapes["input_ids"][1]
     layout = (CacheLayout.BOUND if len(shapes["attention_mask"]) == 2
               else CacheLayout.ROLLING)
@@ -257,7 +271,7 @@ def _graph_spec(session: ort.InferenceSession, path: Path) -> _GraphSpec:
             f"{expected_mask} (the {layout.value} layout for {rows} rows and capacity {capacity})"
         )
     outputs = {port.name: port.shape for port in session.get_outputs()}
-    expected_present = [1, kv_heads, present_len, head_size]
+    expected_present = [1, kv_heads, present_len, head_width]
     wrong = [f"{name} is {outputs.get(name)}" for layer in range(num_layers)
              for name in (PRESENT.format(layer, "key"), PRESENT.format(layer, "value"))
              if outputs.get(name) != expected_present]
@@ -268,23 +282,51 @@ def _graph_spec(session: ort.InferenceSession, path: Path) -> _GraphSpec:
                else "the whole buffer, GroupQueryAttention bound at capacity") + ")"
         )
     logits = session.get_outputs()[0]
-    return _GraphSpec(rows, capacity, num_layers, kv_heads, head_size,
-                      _numpy_dtype(inputs["attention_mask"].type),
-                      _numpy_dtype(inputs[PAST.format(0, "key")].type),
+    return _GraphSpec(rows, capacity, num_layers, kv_heads, head_width,
+                      _numpy_dtype(inputs["attention_mask"], _MASK_DTYPES),
+                      _kv_dtype(inputs, num_layers, layout, path),
                       layout, "position_ids" in inputs, logits.name,
-                      _numpy_dtype(logits.type))
+                      _numpy_dtype(logits, _LOGITS_DTYPES))
 
 
-_ORT_DTYPES = {"tensor(float16)": np.float16, "tensor(float)": np.float32,
-               "tensor(int64)": np.int64, "tensor(int32)": np.int32}
+_MASK_DTYPES: dict[str, type] = {"tensor(float16)": np.float16, "tensor(float)": np.float32,
+                                 "tensor(int64)": np.int64, "tensor(int32)": np.int32}
+_LOGITS_DTYPES: dict[str, type] = {"tensor(float16)": np.float16, "tensor(float)": np.float32}
+# A float cache, or GroupQueryAttention's quantized one (`convert --kv-dtype`): int8, or uint8
+# holding two 4-bit values a byte along the head axis (the runtime names it int4).
+_KV_DTYPES: dict[str, type] = {"tensor(float16)": np.float16, "tensor(float)": np.float32,
+                               "tensor(int8)": np.int8, "tensor(uint8)": np.uint8}
 
 
-def _numpy_dtype(ort_type: str) -> np.dtype:
-    if ort_type not in _ORT_DTYPES:
+def _numpy_dtype(port: ort.NodeArg, allowed: dict[str, type]) -> np.dtype:
+    if port.type not in allowed:
         raise ModelStructureError(
-            f"a static decoder input has type {ort_type}; expected one of "
-            f"{', '.join(_ORT_DTYPES)}")
-    return np.dtype(_ORT_DTYPES[ort_type])
+            f"the static decoder's {port.name} has type {port.type}; expected one of "
+            f"{', '.join(allowed)}")
+    return np.dtype(allowed[port.type])
+
+
+def _kv_dtype(inputs: dict[str, ort.NodeArg], num_layers: int, layout: CacheLayout,
+              path: Path) -> np.dtype:
+    """The one element type of every past_key_values input. A quantized cache is served in
+    the bound layout only: GroupQueryAttention, the one kernel that reads such a cache, writes
+    its quantized rows in place there; no graph of the rolling layout (the static reference
+    decoder's) reads one, so such a graph is refused rather than run untested."""
+    ports = [inputs[PAST.format(layer, kind)] for layer in range(num_layers)
+             for kind in ("key", "value")]
+    types = sorted({port.type for port in ports})
+    if len(types) > 1:
+        raise ModelStructureError(
+            f"{path}: the past_key_values inputs have types {', '.join(types)}; the static "
+            f"runner keeps one cache type for every layer")
+    dtype = _numpy_dtype(ports[0], _KV_DTYPES)
+    if dtype.kind in "iu" and layout is CacheLayout.ROLLING:
+        raise ModelStructureError(
+            f"{path} keeps a {kv_dtype_name([dtype])} KV cache in the rolling layout "
+            f"(additive mask [1, 1, c, C]); only GroupQueryAttention reads a quantized cache, "
+            f"bound at capacity: run `fix-shapes` on a `convert --kv-dtype` model made with "
+            f"--native-chunks off --logits-rows off")
+    return dtype
 
 
 def window_capacity_problem(windows: set[int], capacity: int, device: Device) -> str | None:
@@ -437,13 +479,14 @@ class StaticRunner:
                 f"the decode graph {decode_path} takes {decode.rows} rows; it must take 1 "
                 f"(build it with chunk_size=1)"
             )
-        if (chunk.capacity, chunk.num_layers, chunk.kv_heads, chunk.head_size) != (
-                decode.capacity, decode.num_layers, decode.kv_heads, decode.head_size):
+        cache = [(spec.capacity, spec.num_layers, spec.kv_heads, spec.head_width,
+                  spec.kv_dtype_name) for spec in (chunk, decode)]
+        if cache[0] != cache[1]:
             raise ModelStructureError(
                 f"the chunk and decode graphs disagree on the cache: capacity/layers/kv heads/"
-                f"head size {chunk.capacity}/{chunk.num_layers}/{chunk.kv_heads}/"
-                f"{chunk.head_size} against {decode.capacity}/{decode.num_layers}/"
-                f"{decode.kv_heads}/{decode.head_size}; build both with the same capacity"
+                f"head width/type {'/'.join(map(str, cache[0]))} against "
+                f"{'/'.join(map(str, cache[1]))}; build both with the same capacity from one "
+                f"model"
             )
         if chunk.layout is not decode.layout:
             raise ModelStructureError(
@@ -476,6 +519,17 @@ class StaticRunner:
             self.decode_session, decode, self.device, pad_id=self.pad_token_id,
             vocab_size=self.vocab_size)
 
+    @property
+    def kv_dtype(self) -> str:
+        """The KV cache's element type, named as `RuntimeStats.kv_dtype` names it."""
+        return self.chunk_spec.kv_dtype_name
+
+    @property
+    def kv_bytes(self) -> int:
+        """What one request's KV cache holds at the capacity C, in bytes (as
+        `RuntimeStats.kv_bytes` counts one sequence's)."""
+        return self.chunk_spec.kv_bytes
+
     def check_request(self, aligned: AlignedPrompt, max_new_tokens: int) -> None:
         """Refuse requests the graphs cannot serve, before running anything."""
         if max_new_tokens < 1:
@@ -507,7 +561,7 @@ class StaticRunner:
         """An empty KV cache of the graphs' layout."""
         spec = self.chunk_spec
         return self.layout.cache_type(spec.num_layers, spec.kv_heads, spec.capacity,
-                                      spec.head_size, dtype=spec.kv_dtype, device=self.device)
+                                      spec.head_width, dtype=spec.kv_dtype, device=self.device)
 
     def prefill(self, aligned: AlignedPrompt, slot: StaticSlot) -> tuple[np.ndarray, int]:
         """Run the aligned prompt chunk by chunk on `slot`, each chunk a forward of its real

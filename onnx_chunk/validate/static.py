@@ -23,7 +23,9 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_chunk.errors import ConfigError, OnnxChunkError
+from onnx_chunk.passes.kv_quantization import cache_scales, dequantize
 from onnx_chunk.static.alignment import StaticLimits
+from onnx_chunk.static.kv_buffers import PAST
 from onnx_chunk.static.model import DECODE_FILE, find_decode_model
 from onnx_chunk.static.runner import (
     FED_INPUTS,
@@ -106,7 +108,7 @@ def static_checks(subject: Subject, settings: StaticSettings, selected: Callable
                        "graph, there is no chunk to compare", {})
         else:
             verdict = _chunked_vs_whole(*graphs, settings, *_tolerance(subject, settings),
-                                        advance)
+                                        advance, cache_scales(subject.model))
         results.append(watch.result("chunked_vs_whole", *verdict))
     return results
 
@@ -241,13 +243,17 @@ def _decode_graph(subject: Subject, settings: StaticSettings,
         return None, (Outcome.FAILED, str(error), {"decode_model": str(decode)})
     spec = runner.decode_spec
     return (runner, decode), (Outcome.PASSED, f"{decode}: 1 row, capacity {spec.capacity}, "
-                    f"{spec.num_layers} layers, as the chunk graph",
-                    {"decode_model": str(decode)})
+                    f"{spec.num_layers} layers, {runner.kv_dtype} KV cache, as the chunk graph",
+                    {"decode_model": str(decode), "kv_dtype": runner.kv_dtype,
+                     "kv_bytes": runner.kv_bytes})
 
 
 def _chunked_vs_whole(runner: StaticRunner, decode: Path, settings: StaticSettings,
-                      atol: float, ties_may_part: bool, advance: Advance
-                      ) -> tuple[Outcome, str, dict]:
+                      atol: float, ties_may_part: bool, advance: Advance,
+                      scales: dict[str, np.ndarray]) -> tuple[Outcome, str, dict]:
+    """Chunked prefill against the decode graph fed one position at a time. A quantized
+    cache's K/V are compared as the values the attention reads (`dequantize` with the graph's
+    scales), so one quantization step counts as what it is worth, never as a wrapped byte."""
     limits = runner.limits
     lengths = _lengths(settings, limits)
     # The unchunked sequence: every position its own forward through the decode graph.
@@ -257,9 +263,9 @@ def _chunked_vs_whole(runner: StaticRunner, decode: Path, settings: StaticSettin
     for length in lengths:
         prompt = seeded_prompt(runner.vocab_size, length, settings.seed)
         new_tokens = min(settings.new_tokens, limits.capacity - length + 1)
-        chunked_logits, chunked_kv, chunked = _run(runner, prompt, new_tokens)
+        chunked_logits, chunked_kv, chunked = _run(runner, prompt, new_tokens, scales)
         advance(f"static chunked {length}")
-        whole_logits, whole_kv, reference = _run(whole, prompt, new_tokens)
+        whole_logits, whole_kv, reference = _run(whole, prompt, new_tokens, scales)
         advance(f"static whole {length}")
         parted = token_parting(chunked.tokens, reference.tokens, reference.step_logits)
         rows.append({"length": length, "new_tokens": new_tokens,
@@ -308,11 +314,16 @@ def token_parting(tokens: list[int], reference: list[int], reference_logits: lis
     return None
 
 
-def _run(runner: StaticRunner, prompt: np.ndarray, new_tokens: int
+def _run(runner: StaticRunner, prompt: np.ndarray, new_tokens: int,
+         scales: dict[str, np.ndarray]
          ) -> tuple[np.ndarray, list[np.ndarray], StaticGenerationResult]:
     """One generation: the prefill's last real row of logits, every layer's K and V over the
-    prompt's real positions right after prefill, and the greedy result with every step's
-    logits."""
+    prompt's real positions right after prefill (float values, a quantized cache's
+    dequantized), and the greedy result with every step's logits."""
     prefill = runner.start(prompt, new_tokens)
     kv = prefill.cache.recent(prefill.aligned.kept_len)
+    layers = runner.chunk_spec.num_layers
+    names = [PAST.format(layer, kind) for kind in ("key", "value") for layer in range(layers)]
+    kv = [dequantize(array, scales[name]) if array.dtype.kind in "iu" else array
+          for name, array in zip(names, kv, strict=True)]
     return prefill.logits, kv, runner.decode(prefill, new_tokens, keep_logits=True)

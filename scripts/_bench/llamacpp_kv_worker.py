@@ -3,9 +3,11 @@
 argv[1] is a JSON object: model (a .gguf file), slots, capacity (positions per slot), cache
 (`f16`, `q8_0` or `q4_0`: type_k and type_v), threads. One context holds `slots` sequences of
 `capacity` positions each (n_ctx = slots x capacity, n_seq_max = slots, not unified: one cache
-stream per sequence), flash attention on (llama.cpp quantizes the V cache only with it). Each
-sequence decodes a 4-token prompt and 4 greedy tokens, so every sequence's cache is written, as
-bench_kv_cache.py's onnx-chunk child serves one short request per slot. The KV bytes are what
+stream per sequence), flash attention on (llama.cpp quantizes the V cache only with it).
+llama.cpp zeroes every KV buffer as it makes the context (`ggml_backend_buffer_clear` in
+llama_kv_cache's constructor, src/llama-kv-cache.cpp), so all of the cache is resident, as
+bench_kv_cache.py's onnx-chunk child makes its own by zeroing its sequences' KV buffers. Each
+sequence then decodes a 4-token prompt and 4 greedy tokens in turn. The KV bytes are what
 llama.cpp's own log line reports for its KV buffers ("KV buffer size = X MiB"; the sum over
 them); the peak RSS is this process's VmHWM. Prints one JSON object.
 """

@@ -1,12 +1,17 @@
-"""scripts/bench_kv_cache.py decode: the caches and onnxruntime-genai timed on one prompt file."""
+"""scripts/bench_kv_cache.py: decode (the caches and onnxruntime-genai timed on one prompt file)
+and memory (KV bytes and peak RSS with the whole cache resident)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 
+import pytest
+
+from onnx_chunk.cli import main
 from scripts._bench import environment as env
 
 SCRIPT = env.ROOT / "scripts" / "bench_kv_cache.py"
@@ -56,3 +61,29 @@ def test_an_arm_of_no_folder_is_one_error_line(tmp_path):
     done = _run("decode", f"{tmp_path / 'absent'}+NAME=1", "--positions", "40")
     assert done.returncode == 2
     assert done.stderr.count("error:") == 1 and "no such folder" in done.stderr
+
+
+def test_memory_holds_every_kv_page_resident_as_a_full_cache_would(tmp_path):
+    """The memory mode's peak RSS is a full cache's: every page of every sequence's KV is
+    written before the requests (as llama.cpp clears its cache when it makes it), so a 4-token
+    request leaves none of the capacity out; the child measures its KV pages with mincore."""
+    int8 = tmp_path / "kv8"
+    assert main(["convert", str(EXPORT), "-o", str(int8), "--kv-dtype", "int8",
+                 "--chunk-size", "16"]) == 0
+    done = _run("memory", str(EXPORT), str(int8), "--shape", "1x2048", "--shape", "3x1024")
+    assert done.returncode == 0, done.stderr[-3000:]
+    config = json.loads((EXPORT / "genai_config.json").read_text())["model"]["decoder"]
+    per_position = (2 * config["num_hidden_layers"] * config["num_key_value_heads"]
+                    * config["head_size"] * 4)
+    rows = [re.match(r"\s*(\d+)x(\d+)\s+(\w+) KV\s+([\d.]+) MiB \((\d+)% resident\)\s+peak RSS"
+                     r"\s+([\d.]+) MiB", line) for line in done.stdout.splitlines()]
+    assert all(rows) and len(rows) == 4, done.stdout
+    assert [(row[1], row[2], row[3]) for row in rows] == [
+        ("1", "2048", "float32"), ("1", "2048", "int8"), ("3", "1024", "float32"),
+        ("3", "1024", "int8")]
+    for row in rows:
+        slots, capacity, quarter = int(row[1]), int(row[2]), row[3] == "int8"
+        kv_mib = slots * capacity * per_position / (4 if quarter else 1) / 2**20
+        assert float(row[4]) == pytest.approx(kv_mib, abs=0.05)
+        assert row[5] == "100"
+        assert float(row[6]) > kv_mib
