@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import re
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import click
@@ -298,7 +298,7 @@ def _route_text(model: Path, text: dict, ids_text, ids_file, random_prompt, seed
         as_json=as_json, progress=progress)
 
 
-def _refuse(kind: str, options: dict[str, object]) -> None:
+def _refuse(kind: str, options: Mapping[str, object]) -> None:
     given = [name for name, value in options.items() if value is not None]
     if given:
         raise click.UsageError(f"{', '.join(given)} cannot be used with {kind}")
