@@ -1,8 +1,17 @@
-"""`onnx-chunk generate`: greedy generation with chunked prefill, one runtime for all prompts."""
+"""`onnx-chunk generate`: greedy generation with chunked prefill, one runtime for all prompts.
+
+On a dynamic decoder every prompt, whatever the flags, is a request on the engine's step
+(`Runtime.submit`, through `_served`): token ids greedily here, text through the same submit
+(`--prompt`, cli/text_generate.py). A static decoder runs on the static runner
+(cli/static_generate.py).
+"""
 
 from __future__ import annotations
 
+import itertools
 import re
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import click
@@ -19,9 +28,7 @@ from onnx_chunk.cli.text_generate import (
 )
 from onnx_chunk.errors import InputError
 from onnx_chunk.model_folder import check_utf8_path
-from onnx_chunk.runtime import GenerationStats, RuntimeStats, load
-from onnx_chunk.runtime.device.provider import PROVIDER_CHOICES
-from onnx_chunk.runtime.engine.request import Request
+from onnx_chunk.runtime import PROVIDER_CHOICES, Request, Runtime, RuntimeStats, load
 from onnx_chunk.runtime.engine.speculation import SPECULATIVE_CHOICES
 from onnx_chunk.static import is_static_model, load_static
 
@@ -60,18 +67,21 @@ def read_ids_file(path: Path) -> list[list[int]]:
     return prompts
 
 
-def record(index: int, prompt: list[int], tokens: list[int], generation: GenerationStats,
-           stats: RuntimeStats) -> dict:
-    """The JSON object printed for one prompt."""
+def record(index: int, request: Request, stats: RuntimeStats) -> dict:
+    """The JSON object printed for one prompt served one after another (--batch 1)."""
+    counts = request.stats
+    engine = stats.engine
     return {
         "prompt": index,
-        "prompt_tokens": len(prompt),
-        "tokens": tokens,
-        "ttft_s": generation.ttft_s,
-        "decode_tokens_per_s": generation.decode_tokens_per_s,
-        "chunks": [[chunk.rows, chunk.width] for chunk in generation.chunks],
-        "stopped_by_eos": generation.stopped_by_eos,
-        "stats": _stats_entry(stats),
+        "prompt_tokens": counts.prompt_tokens,
+        "tokens": request.result(),
+        "ttft_s": counts.ttft_s,
+        "decode_tokens_per_s": counts.decode_tokens_per_s,
+        "chunks": [[chunk.rows, chunk.width] for chunk in counts.chunks],
+        "stopped_by_eos": request.finish_reason == "stop",
+        "stats": {**_stats_entry(stats),
+                  "draft_tokens": engine.draft_tokens if engine else 0,
+                  "accepted_tokens": engine.accepted_tokens if engine else 0},
     }
 
 
@@ -217,42 +227,54 @@ def generate(model: Path, ids_text: str | None, ids_file: Path | None,
                             as_json=as_json, echo=click.echo)
         return
     _refuse("a dynamic decoder", static_only)
-    runtime = load(model, provider=provider, capacity=capacity, chunk_size=chunk_size,
-                   padding=False if no_padding else None, specialize=specialize,
-                   max_batch=batch, speculative=speculative)
-    prompts = _prompts(runtime.stats.vocab_size, ids_text, ids_file, random_prompt, seed)
-    # One sequence serves the prompts in turn, rewound to empty before each: its KV buffers
-    # (and, on CUDA, the graphs captured at their addresses) are reused. Every prompt is
-    # checked before any runs, so a bad line N does not fail after N - 1 were served.
-    stop = arguments.token_ids(eos_token_ids, "--eos-token-id", runtime.stats.vocab_size)
-    sequence = runtime.open_sequence()
-    for prompt in prompts:
-        sequence.check_request(prompt, max_new_tokens)
-    if not as_json:
-        stats = runtime.stats
-        click.echo(f"provider {stats.provider} ({stats.device}), capacity {stats.capacity}, "
-                   f"chunk {stats.chunk_size}, ladder {','.join(map(str, stats.ladder))}, "
-                   f"padding {stats.padding}, "
-                   + ("one shape-generic session" if stats.specialize is False
-                      else "variants per width"))
-    if batch > 1:
-        sequence.close()
-        requests = [runtime.submit(prompt, max_new_tokens, eos_token_id=stop or None, wait=True)
-                    for prompt in prompts]
-        for index, request in enumerate(requests):
-            request.result()
-            entry = batch_record(index, request, runtime.stats)
+    # One after another, each prompt is prefilled from an empty cache (what its chunks and
+    # ttft measure); batched, the engine keeps prompt prefixes for later requests, as `serve`.
+    with load(model, provider=provider, capacity=capacity, chunk_size=chunk_size,
+              padding=False if no_padding else None, specialize=specialize,
+              max_batch=batch, speculative=speculative, prefix_reuse=batch > 1) as runtime:
+        prompts = _prompts(runtime.stats.vocab_size, ids_text, ids_file, random_prompt, seed)
+        stop = arguments.token_ids(eos_token_ids, "--eos-token-id", runtime.stats.vocab_size)
+        # Every prompt is checked before any runs, so a bad line N does not fail after N - 1
+        # were served.
+        for prompt in prompts:
+            runtime.check_request(prompt, max_new_tokens)
+        if not as_json:
+            stats = runtime.stats
+            click.echo(f"provider {stats.provider} ({stats.device}), capacity {stats.capacity}, "
+                       f"chunk {stats.chunk_size}, ladder {','.join(map(str, stats.ladder))}, "
+                       f"padding {stats.padding}, "
+                       + ("one shape-generic session" if stats.specialize is False
+                          else "variants per width"))
+        entry_of = record if batch == 1 else batch_record
+        for index, request in enumerate(_served(runtime, prompts, max_new_tokens, stop or None,
+                                                batch)):
+            entry = entry_of(index, request, runtime.stats)
             click.echo(json_dumps(entry) if as_json else _format(entry))
-        runtime.close()
-        return
-    for index, prompt in enumerate(prompts):
-        sequence.rewind(sequence.length)
-        tokens = sequence.generate(prompt, max_new_tokens, stop or None)
-        counts = sequence.stats
-        entry = record(index, prompt, tokens, counts.last_generation, runtime.stats)
-        entry["stats"].update(draft_tokens=counts.draft_tokens,
-                              accepted_tokens=counts.accepted_tokens)
-        click.echo(json_dumps(entry) if as_json else _format(entry))
+
+
+def _served(runtime: Runtime, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+            eos_token_id: tuple[int, ...] | None, batch: int) -> Iterator[Request]:
+    """Each prompt as a greedy request on the engine's step (`Runtime.submit`; its `batch`
+    slots), yielded in input order once it ended. One slot: the next prompt is submitted once
+    the one before was taken, so they run one after another and each record's runtime stats
+    are those after its prompt; more: every prompt is queued at once (the engine runs `batch`
+    at a time). Requests not yet yielded are cancelled if the caller stops."""
+    waiting = iter(prompts)
+    ahead = 1 if batch == 1 else len(prompts)
+    pending: deque[Request] = deque()
+    try:
+        while True:
+            for prompt in itertools.islice(waiting, ahead - len(pending)):
+                pending.append(runtime.submit(prompt, max_new_tokens,
+                                              eos_token_id=eos_token_id, wait=True))
+            if not pending:
+                return
+            request = pending.popleft()
+            request.result()
+            yield request
+    finally:
+        for request in pending:
+            request.cancel()
 
 
 def _route_text(model: Path, text: dict, ids_text, ids_file, random_prompt, seed: int,
@@ -276,7 +298,7 @@ def _route_text(model: Path, text: dict, ids_text, ids_file, random_prompt, seed
         as_json=as_json, progress=progress)
 
 
-def _refuse(kind: str, options: dict[str, object]) -> None:
+def _refuse(kind: str, options: Mapping[str, object]) -> None:
     given = [name for name, value in options.items() if value is not None]
     if given:
         raise click.UsageError(f"{', '.join(given)} cannot be used with {kind}")

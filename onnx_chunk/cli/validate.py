@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -19,12 +20,15 @@ from onnx_chunk.static.model import DECODE_FILE
 from onnx_chunk.validate import Report, ValidationOptions, resolve_skip, validate_model
 from onnx_chunk.validate.validator import DEFAULT_NEW_TOKENS
 
+if TYPE_CHECKING:
+    from click._termui_impl import ProgressBar
+
 
 class _ProgressBar:
     """A click progress bar on stderr, opened when the planned runs are known."""
 
     def __init__(self) -> None:
-        self._bar = None
+        self._bar: ProgressBar[str | None] | None = None
 
     def start(self, total: int) -> None:
         if total:

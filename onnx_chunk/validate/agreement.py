@@ -11,15 +11,17 @@ Rules:
    prompt and its new tokens. A reference that fails any of these, or that the runtime cannot
    load or run, is refused (ConfigError or ModelLoadError: one line, exit code 2).
 2. Memory: the reference runs first and alone, before the other groups; it keeps per prompt
-   its greedy tokens and each step's logits row (the prefill's last row, then every decode
-   step's): prompts x new tokens rows of the vocabulary. Its runtime is closed before any
-   other is loaded, so its KV and the subject's are never held at once. The subject then runs
-   last, comparing each row as it comes and keeping only the numbers.
+   its greedy generation (a request on the engine's step): the tokens and the row each was
+   chosen from (the prefill's last row, then every decode step's): prompts x new tokens rows
+   of the vocabulary. Its runtime is closed before any other is loaded, so its KV and the
+   subject's are never held at once. The subject then runs last, comparing each row as it
+   comes and keeping only the numbers.
 3. `max_logits_diff`: the largest |subject - reference| over those rows (inf for a NaN).
-   `greedy_agreement`: the share of positions where the subject's argmax is the reference's
-   token. Up to its first disagreement a teacher-forced run is fed exactly what a free-running
-   one feeds itself, so the first disagreement is where free-running generation first parts
-   from the reference's (None when it never does within the new tokens).
+   `greedy_agreement`: the share of positions where the subject's greedy choice (the
+   runtime's sampler's: the argmax) is the reference's token. Up to its first disagreement a
+   teacher-forced run is fed exactly what a free-running one feeds itself, so the first
+   disagreement is where free-running generation first parts from the reference's (None when
+   it never does within the new tokens).
 4. Without a threshold a check reports and passes; with one it fails past it (difference above
    `max_logits_diff`, agreement below `min_agreement`).
 """
@@ -43,7 +45,13 @@ from onnx_chunk.validate.checks import REFERENCE
 from onnx_chunk.validate.numerics import max_abs_difference
 from onnx_chunk.validate.prompts import seeded_prompt
 from onnx_chunk.validate.report import CheckResult, Outcome
-from onnx_chunk.validate.runs import Advance, RunSettings, load_runtime
+from onnx_chunk.validate.runs import (
+    Advance,
+    RunSettings,
+    greedy_choice,
+    greedy_generation,
+    load_runtime,
+)
 from onnx_chunk.validate.subject import Subject, load_subject
 
 _LOGITS = "logits"
@@ -177,12 +185,8 @@ def reference_steps(reference: ReferenceModel, settings: RunSettings,
 def _greedy(runtime: Runtime, length: int, settings: RunSettings) -> ReferenceSteps:
     ids = seeded_prompt(runtime.stats.vocab_size, length, settings.seed)
     with runtime.open_sequence() as sequence:
-        rows = [np.array(sequence.prefill(ids), copy=True)]
-        tokens = [int(np.argmax(rows[-1]))]
-        for _ in range(settings.new_tokens - 1):
-            rows.append(sequence.decode(tokens[-1]))
-            tokens.append(int(np.argmax(rows[-1])))
-    return ReferenceSteps(length, tuple(tokens), tuple(rows))
+        generation = greedy_generation(sequence, ids, settings.new_tokens)
+    return ReferenceSteps(length, generation.tokens, generation.rows)
 
 
 def compare_subject(model_path: Path, references: list[ReferenceSteps], settings: RunSettings,
@@ -194,18 +198,22 @@ def compare_subject(model_path: Path, references: list[ReferenceSteps], settings
         for reference in references:
             ids = seeded_prompt(runtime.stats.vocab_size, reference.length, settings.seed)
             with runtime.open_sequence() as sequence:
-                comparisons.append(_forced(sequence, ids, reference))
+                comparisons.append(_forced(sequence, ids, reference,
+                                           greedy_choice(runtime.stats.vocab_size)))
             advance(f"against the reference {reference.length}")
     return comparisons
 
 
-def _forced(sequence: Sequence, ids: np.ndarray, reference: ReferenceSteps) -> PromptComparison:
+def _forced(sequence: Sequence, ids: np.ndarray, reference: ReferenceSteps,
+            choose: Callable[[np.ndarray], int]) -> PromptComparison:
+    """The subject fed the prompt, then the reference's tokens; each row compared as it comes,
+    and the token `choose` (the runtime's greedy choice) makes of it recorded, never fed."""
     worst, tokens = 0.0, []
     fed = (None, *reference.tokens[:-1])
     for token, wanted in zip(fed, reference.logits):
         logits = sequence.prefill(ids) if token is None else sequence.decode(token)
         worst = max(worst, max_abs_difference((logits,), (wanted,)))
-        tokens.append(int(np.argmax(logits)))
+        tokens.append(choose(logits))
     return PromptComparison(reference.length, worst, reference.tokens, tuple(tokens))
 
 

@@ -32,7 +32,7 @@ from onnx_chunk.runtime import Request
 from onnx_chunk.validate.checks import ENGINE
 from onnx_chunk.validate.prompts import seeded_prompt
 from onnx_chunk.validate.report import CheckResult, Outcome
-from onnx_chunk.validate.runs import Advance, RunSettings, margin
+from onnx_chunk.validate.runs import Advance, RunSettings, greedy_generation, margin
 
 # The slots `onnx-chunk serve` gives the engine by default (its --batch).
 ENGINE_SLOTS = 4
@@ -79,7 +79,7 @@ def engine_checks(runtime: Runtime | OnnxChunkError, settings: RunSettings,
         outcome, reason, details = (Outcome.FAILED, f"ONNX Runtime failed on the model in the "
                                     f"batch engine ({ENGINE_SLOTS} slots): {error}", {})
     else:
-        outcome, reason, details = _batched_decode(runs, settings)
+        outcome, reason, details = batched_decode_verdict(runs, settings)
         # What the runs moved between host and device (0 on CPU's host path), counted at
         # the copy and sync sites (runtime/device/transfers.py).
         details["transfers"] = dataclasses.asdict(runtime.stats.transfers)
@@ -133,17 +133,11 @@ def _decode_counters(runtime: Runtime) -> tuple[int, int]:
 
 def _one_sequence(runtime: Runtime, prompt: np.ndarray,
                   new_tokens: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens of `prompt` through one sequence, and the top-1 minus top-2 logit margin
-    of every step."""
+    """Greedy tokens of `prompt` through one sequence (its one-slot request), and the top-1
+    minus top-2 logit margin of the row each was chosen from."""
     with runtime.open_sequence() as sequence:
-        logits = sequence.prefill(prompt)
-        tokens, margins = [], []
-        while True:
-            tokens.append(int(np.argmax(logits)))
-            margins.append(margin(logits))
-            if len(tokens) == new_tokens:
-                return tokens, margins
-            logits = sequence.decode(tokens[-1])
+        generation = greedy_generation(sequence, prompt, new_tokens)
+    return list(generation.tokens), [margin(row) for row in generation.rows]
 
 
 def _first_difference(first: list[int], second: list[int]) -> int | None:
@@ -153,7 +147,10 @@ def _first_difference(first: list[int], second: list[int]) -> int | None:
     return None if len(first) == len(second) else min(len(first), len(second))
 
 
-def _batched_decode(runs: EngineRuns, settings: RunSettings) -> tuple[Outcome, str, dict]:
+def batched_decode_verdict(runs: EngineRuns,
+                           settings: RunSettings) -> tuple[Outcome, str, dict]:
+    """engine.batched_decode's verdict: the batched tokens must be the lone ones; where one
+    sequence's part from them, reported with its margin."""
     lengths = list(settings.lengths)
     parted = []
     for length, tokens, single, margins in zip(lengths, runs.batched, runs.single,

@@ -3,13 +3,14 @@ kernels' own noise.
 
 Three runtimes of the model run one after another (each closed before the next is loaded):
 1. The reference: chunk = capacity, no padding, on the last-row copy of the graph (`reference`)
-   so a whole-prompt forward never makes [prompt, vocab] logits. Per prompt length it keeps the
-   last prompt row, each chunk boundary's row (a whole forward of that prefix), the greedy
-   tokens, the decode steps' rows and the KV prefix: a few rows of the vocabulary.
+   so a whole-prompt forward never makes [prompt, vocab] logits. Per prompt length it keeps its
+   greedy generation (a request on the engine's step: the tokens and the rows they were chosen
+   from, the last prompt row first), each chunk boundary's row (a whole forward of that prefix)
+   and the KV prefix: a few rows of the vocabulary.
 2. Chunked at W without padding, and 3. chunked at W with ladder padding: each prompt fed by
    the runtime's own chunk schedule (each chunk's last row kept), then decoded on the
-   reference's tokens (its own greedy choice recorded at every step), compared with the
-   reference as soon as it finishes and let go.
+   reference's tokens (the runtime's greedy choice at every row recorded, never fed), compared
+   with the reference as soon as it finishes and let go.
 
 The noise floor is measured on the chunked runtime before its runs: the same prefix rows
 computed from an empty cache in forwards of different row counts (1, 2, q/2 + 1 and q rows,

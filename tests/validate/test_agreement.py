@@ -77,7 +77,7 @@ def _greedy(folder: Path, capacity: int, chunk_size: int, length: int,
     """The greedy tokens (the argmax of each step) and each step's logits of a seeded prompt:
     free-running, or teacher-forced on `fed` (step i decodes fed[i], not its own argmax)."""
     with load(folder, provider="cpu", capacity=capacity, chunk_size=chunk_size) as runtime:
-        ids = seeded_prompt(runtime.ports.vocab_size, length, 0)
+        ids = seeded_prompt(runtime.stats.vocab_size, length, 0)
         with runtime.open_sequence() as sequence:
             rows = [sequence.prefill(ids).copy()]
             for step in range(NEW - 1):

@@ -76,18 +76,17 @@ def test_a_broken_export_fails_the_numerics(good_reports, tmp_path, name, mutati
 def test_padded_rows_leaking_into_the_cache_fail_the_padded_run(monkeypatch, name):
     """A runtime fault, not a graph one: after a padded forward the sequence's length also
     takes the padded rows, so they stay in the cache as if they were prompt rows."""
-    from onnx_chunk.runtime.runner import model_runner
+    from onnx_chunk.runtime.runner.model_runner import ModelRunner
 
-    forward = model_runner.ModelRunner._forward
+    run = ModelRunner.run
 
-    def leaky(self, key, session, binding, slot, rows, plan, *, view):
-        logits = forward(self, key, session, binding, slot, rows, plan, view=view)
-        if plan is not None and plan.padded:
-            for row in rows.rows:
-                row.length.advance(plan.width - plan.real_rows)
-        return logits
+    def leaky(self, slot, forward):
+        ran = run(self, slot, forward)
+        for row in forward.rows:
+            row.length.advance(ran.padded_rows)
+        return ran
 
-    monkeypatch.setattr(model_runner.ModelRunner, "_forward", leaky)
+    monkeypatch.setattr(ModelRunner, "run", leaky)
     report = validate_model(ROOT / name, OPTIONS)
     checks = _checks(report)
     assert "padded up the ladder" in checks["numerics.logits"].reason

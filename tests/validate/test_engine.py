@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from onnx_chunk.validate import Outcome, ValidationOptions, resolve_skip, validate_model
-from onnx_chunk.validate.engine import ENGINE_SLOTS, EngineRuns, _batched_decode
+from onnx_chunk.validate.engine import ENGINE_SLOTS, EngineRuns, batched_decode_verdict
 from onnx_chunk.validate.runs import RunSettings
 
 from .conftest import CHUNK
@@ -54,21 +54,21 @@ def _runs(alone, batched, single, margins=None):
 
 
 def test_batched_tokens_that_differ_from_the_lone_ones_fail():
-    outcome, reason, _ = _batched_decode(
+    outcome, reason, _ = batched_decode_verdict(
         _runs([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 7, 6]], [[1, 2, 3], [4, 5, 6]]), SETTINGS)
     assert outcome is Outcome.FAILED
     assert "prompt of length 9" in reason and "[4, 7, 6]" in reason and "[4, 5, 6]" in reason
 
 
 def test_a_difference_across_slot_counts_is_reported_with_its_margin():
-    outcome, reason, details = _batched_decode(
+    outcome, reason, details = batched_decode_verdict(
         _runs([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 8, 9]],
               [[5.0, 5.0, 5.0], [3.0, 0.0125, 1.0]]), SETTINGS)
     assert outcome is Outcome.PASSED
     assert "1 of 2 part from one sequence's" in reason and "0.0125 (length 9, step 1)" in reason
     assert details["one_slot_differences"] == [
         {"length": 9, "step": 1, "single_slot_margin": 0.0125}]
-    outcome, reason, details = _batched_decode(
+    outcome, reason, details = batched_decode_verdict(
         _runs([[1, 2, 3]], [[1, 2, 3]], [[1, 2, 3]]), RunSettings(**{
             **SETTINGS.__dict__, "lengths": (3,)}))
     assert outcome is Outcome.PASSED and "equal one sequence's" in reason

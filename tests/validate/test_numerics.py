@@ -46,9 +46,10 @@ class _Runtime:
     most_open = 0
 
     def __init__(self, chunk_size, padding):
-        self.options = SimpleNamespace(chunk_size=chunk_size, tiers=(4, 8))
-        self.padding = padding
-        self.ports = SimpleNamespace(last_row_logits=False)
+        self.stats = SimpleNamespace(chunk_size=chunk_size, ladder=(4, 8),
+                                     padding="repeat" if padding else "off",
+                                     cache=SimpleNamespace(padding_refused=None))
+        self.debug = SimpleNamespace(ports=SimpleNamespace(last_row_logits=False))
 
     def __enter__(self):
         _Runtime.open_now += 1
@@ -84,7 +85,7 @@ def _fake(monkeypatch, *, floor=0.0, shifts=None, tokens=None, margins=(5.0, 5.0
                         lambda runtime, settings: numerics.NoiseFloor(floor, floor, (1, 2, 8)))
 
     def chunked(runtime, reference, settings):
-        chunked_mode = not runtime.padding
+        chunked_mode = runtime.stats.padding == "off"
         return _run(reference.length,
                     tokens=tokens.get(reference.length, (1, 2)) if chunked_mode else (1, 2),
                     shift=shifts.get(reference.length, 0.0) if chunked_mode else 0.0)

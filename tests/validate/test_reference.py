@@ -30,7 +30,7 @@ def test_the_copy_applies_the_lm_head_to_the_last_row_and_writes_nothing(tmp_pat
     ids = np.arange(3, 40)
     with load(folder, provider="cpu", capacity=64, chunk_size=64, graph=graph,
               specialize=specialize) as runtime:
-        assert runtime.ports.last_row_logits
+        assert runtime.debug.ports.last_row_logits
         last = runtime.open_sequence().prefill(ids)
         # While the copy runs, the model is still one ONNX's checker accepts (hard links of
         # its weights would fail it).
@@ -56,7 +56,7 @@ def test_a_reference_run_keeps_the_boundary_rows_not_the_prompt(reference_model)
         with runtime.open_sequence() as sequence:
             from onnx_chunk.validate.prompts import seeded_prompt
 
-            every = sequence.prefill(seeded_prompt(runtime.ports.vocab_size, 19, 0),
+            every = sequence.prefill(seeded_prompt(runtime.stats.vocab_size, 19, 0),
                                      all_logits=True)
     assert sorted(run.rows) == boundaries(19, CHUNK) == [7, 15, 18]
     assert all(row.ndim == 1 for row in run.rows.values())

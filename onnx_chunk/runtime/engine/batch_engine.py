@@ -566,8 +566,9 @@ class BatchEngine:
                    logits: np.ndarray | None) -> None:
         """A prefill chunk of `rows` real rows of `row` ran at query width `width`: count it;
         after its prompt's last chunk, the first token (and the other choices' forks)."""
-        row.request.note_chunk()
-        self._tally.chunks.append(ChunkRecord(rows, width, seconds))
+        record = ChunkRecord(rows, width, seconds)
+        row.request.note_chunk(record)
+        self._tally.chunks.append(record)
         with self._lock:
             self._counters.prefill_chunks += 1
             self._counters.prefill_rows += rows

@@ -23,6 +23,7 @@ from typing import Literal
 
 import numpy as np
 
+from onnx_chunk.runtime.stats import ChunkRecord
 from onnx_chunk.sampling import TokenLogprobs
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
@@ -35,7 +36,8 @@ class RequestStats:
     """One request's timings and counts (seconds from its submit).
 
     `queued_s`: until a slot took it; `ttft_s`: until its first token; `total_s`: until it
-    ended; `prefill_chunks`: the prefill forwards its prompt took; `cached_tokens`: the
+    ended; `prefill_chunks`: the prefill forwards its prompt took (`chunks`: each one's real
+    rows, query width and seconds); `cached_tokens`: the
     leading prompt ids whose KV its slot kept from an earlier request (prefix reuse), which
     were not fed again.
     """
@@ -47,6 +49,7 @@ class RequestStats:
     queued_s: float | None = None
     ttft_s: float | None = None
     total_s: float | None = None
+    chunks: tuple[ChunkRecord, ...] = ()
 
     @property
     def decode_tokens_per_s(self) -> float | None:
@@ -218,9 +221,10 @@ class Request:
             self._stats.queued_s = time.perf_counter() - self._submitted
             self._stats.cached_tokens = cached_tokens
 
-    def note_chunk(self) -> None:
+    def note_chunk(self, chunk: ChunkRecord) -> None:
         with self._lock:
             self._stats.prefill_chunks += 1
+            self._stats.chunks += (chunk,)
 
     def add_prompt_logprobs(self, entries: list[TokenLogprobs | None]) -> None:
         """Add the logprobs of the next prompt tokens (a prefill chunk's)."""
