@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from onnx_chunk.errors import CapacityError
 from onnx_chunk.sampling import Sampling
 from onnx_chunk.text.generation import Completion, EngineTokens, TextGeneration, default_sampling
+from onnx_chunk.text.prompt import PromptEncoder
 from onnx_chunk.text.stops import check_stops
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ class Conversation:
                  reuse_cache: bool = True) -> None:
         self.runtime = runtime
         self.tokenizer = runtime.tokenizer
+        self.prompts = PromptEncoder(self.tokenizer)
         self.reuse_cache = reuse_cache
         self.messages: list[dict[str, str]] = ([] if system is None
                                                else [{"role": "system", "content": system}])
@@ -101,7 +103,8 @@ class Conversation:
         """The assistant's reply to `content`, as it is produced (checked before any work)."""
         tokenizer = self.tokenizer
         messages = [*self.messages, {"role": "user", "content": content}]
-        rendered, ids = tokenizer.render_chat(messages, special_in_content=True)
+        chat = self.prompts.render(messages)
+        rendered, ids = chat.text, chat.ids
         if self.reuse_cache and self._cached_ids:
             plan = continuation(self._cached_ids, self._cached_text, ids, rendered,
                                 lambda text: tokenizer.encode(text, add_special_tokens=False))
