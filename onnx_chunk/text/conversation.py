@@ -1,6 +1,7 @@
 """A multi-turn chat on the batch engine, the conversation kept in a slot's KV by prefix reuse.
 
-Each turn renders the chat template over the whole conversation and submits the ids of the
+Each turn renders the chat template over the whole conversation (`PromptEncoder`, the text
+API's policy: typed special tokens are control tokens) and submits the ids of the
 conversation so far (`continuation`): when the ids the slot was fed are a prefix of the new
 rendering's ids, those ids and the rest of the rendering's; else, when the text they stand for
 is a prefix of the new rendering, those ids and the encoding of the rest of the text (the
