@@ -18,8 +18,7 @@ import click
 
 from onnx_chunk.cli.text_generate import milliseconds, sampling_from, sampling_options
 from onnx_chunk.errors import InputError
-from onnx_chunk.runtime import load
-from onnx_chunk.runtime.device.provider import PROVIDER_CHOICES
+from onnx_chunk.runtime import PROVIDER_CHOICES, load
 from onnx_chunk.text.conversation import Conversation
 
 USER_MARK = "> "
@@ -54,7 +53,7 @@ def chat(model: Path, system: str | None, max_new_tokens: int, seed: int | None,
     if tokenizer.chat_template is None:
         raise InputError(f"the model folder {str(tokenizer.folder)!r} has no chat template; "
                          "use `onnx-chunk generate --prompt` for plain text")
-    sampling = sampling_from(tokenizer.genai, options, seed)
+    sampling = sampling_from(tokenizer, options, seed)
     given = options.get("stop")  # click's multiple=True: a tuple of strings
     stop = tuple(str(text) for text in given) if isinstance(given, tuple) and given else None
     interactive = sys.stdin.isatty()

@@ -13,18 +13,20 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
+from typing import Any
 
 import click
 
 from onnx_chunk.errors import ConfigError
-from onnx_chunk.runtime.device.provider import PROVIDER_CHOICES
+from onnx_chunk.runtime import PROVIDER_CHOICES
 from onnx_chunk.runtime.engine.speculation import SPECULATIVE_CHOICES
 
 # --cache (a development option): how the variant cache keys prefill widths.
 # auto: the provider's default; ladder: a variant per ladder tier, remainders padded up;
 # exact: a variant per distinct width, padding off (the per-shape cache that thrashes).
-_CACHE_MODES = {"auto": {}, "ladder": {"specialize": True, "padding": True},
-                "exact": {"specialize": "exact", "padding": False}}
+_CACHE_MODES: dict[str, dict[str, Any]] = {
+    "auto": {}, "ladder": {"specialize": True, "padding": True},
+    "exact": {"specialize": "exact", "padding": False}}
 
 
 @click.command(help="Serve MODEL over an OpenAI-compatible HTTP API "
@@ -75,6 +77,7 @@ def serve(model: Path, host: str, port: int, batch: int, queue: int,
           cache_mode: str) -> None:
     try:
         from onnx_chunk.serve import create_app
+        from onnx_chunk.serve.app import DEFAULT_MAX_ANSWER_BYTES, DEFAULT_MAX_BODY_BYTES
         from onnx_chunk.serve.server import DrainingServer, bind
     except ModuleNotFoundError as error:
         raise ConfigError(f"onnx-chunk serve needs the serve extra ({error.name} is not "
@@ -93,11 +96,12 @@ def serve(model: Path, host: str, port: int, batch: int, queue: int,
                                             prefix_reuse=prefix_reuse,
                                             speculative=speculative,
                                             **_CACHE_MODES[cache_mode]) as runtime:
-        limits = {name: value for name, value in (("max_body_bytes", max_body_bytes),
-                                                  ("max_answer_bytes", max_answer_bytes))
-                  if value is not None}
-        app = create_app(runtime, api_key=list(api_keys), share_prefixes=share_prefixes,
-                         parse_special_in_content=parse_special_in_content, **limits)
+        app = create_app(
+            runtime, api_key=list(api_keys), share_prefixes=share_prefixes,
+            parse_special_in_content=parse_special_in_content,
+            max_body_bytes=DEFAULT_MAX_BODY_BYTES if max_body_bytes is None else max_body_bytes,
+            max_answer_bytes=(DEFAULT_MAX_ANSWER_BYTES if max_answer_bytes is None
+                              else max_answer_bytes))
         server = DrainingServer(app, log_level=logging.getLogger().level)
         bound_host, bound_port = listener.getsockname()[:2]
         click.echo(f"listening on http://{bound_host}:{bound_port} ({runtime.stats.provider}, "

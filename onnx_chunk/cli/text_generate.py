@@ -12,13 +12,16 @@ import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from onnx_chunk.cli.json_output import dumps as json_dumps
 from onnx_chunk.cli.progress import prefill_progress
 from onnx_chunk.sampling import Sampling, TokenLogprobs
+
+if TYPE_CHECKING:
+    from onnx_chunk.text.tokenizer import Tokenizer
 
 # The sampling options: (flag, (type, help)).
 _SAMPLING_OPTIONS = (
@@ -70,12 +73,14 @@ def text_options(command: Callable) -> Callable:
                         help="The prompt as text: text in, text streamed out.")(command)
 
 
-def sampling_from(genai: Any, options: dict[str, Any], seed: int | None) -> Sampling:
-    """The Sampling of the command line: genai_config.json's search, overridden by the flags
-    given (`seed` None keeps the config's random_seed)."""
+def sampling_from(tokenizer: Tokenizer, options: dict[str, Any], seed: int | None) -> Sampling:
+    """The Sampling of the command line: genai_config.json's search (`search_defaults`, as
+    text generation and the server read it), overridden by the flags given (`seed` None keeps
+    the config's random_seed)."""
+    from onnx_chunk.text.generation import search_defaults
+
     overrides = {_key(name): options.get(_key(name)) for name, _ in _SAMPLING_OPTIONS}
-    search = {} if genai is None else genai.search
-    return Sampling.from_search(search, **overrides, seed=seed)
+    return Sampling.from_search(search_defaults(tokenizer), **overrides, seed=seed)
 
 
 def given_text_options(options: dict[str, Any]) -> list[str]:
@@ -99,7 +104,7 @@ def run_text_generate(model: Path, options: dict[str, Any], *, max_new_tokens: i
         prompt = ([] if options.get("system") is None
                   else [{"role": "system", "content": options["system"]}])
         prompt.append({"role": "user", "content": options["prompt"]})
-    sampling = sampling_from(tokenizer.genai, options, seed)
+    sampling = sampling_from(tokenizer, options, seed)
     generation = stream_text(EngineTokens(runtime), tokenizer, prompt, max_new_tokens,
                              sampling=sampling, stop=options.get("stop") or None,
                              ignore_eos=bool(options.get("ignore_eos")),

@@ -57,12 +57,14 @@ from onnx_chunk.sampling import Sampling, TokenLogprobs
 from onnx_chunk.serve.generation import ServedGeneration
 from onnx_chunk.serve.logprobs import CompletionLogprobs, TokenStrings, chat_content, joined
 from onnx_chunk.serve.metrics import CONTENT_TYPE, ServerMetrics
-from onnx_chunk.serve.parameters import RequestOptions, request_sampling
-from onnx_chunk.serve.protocol import GenerationParams, RequestError, error_body
+from onnx_chunk.serve.parameters import RequestOptions
+from onnx_chunk.serve.protocol import RequestError, error_body
 from onnx_chunk.serve.requests import ChatCompletionRequest, CompletionRequest
 from onnx_chunk.serve.tokenize import detokenize, tokenize
 from onnx_chunk.serve.tools import check_auto, tool_message
 from onnx_chunk.text.chat_template import ChatTemplateFault
+from onnx_chunk.text.generation import search_defaults
+from onnx_chunk.text.prompt import PromptEncoder
 from onnx_chunk.text.token_text import TokenText
 
 if TYPE_CHECKING:
@@ -139,9 +141,9 @@ def create_app(runtime: Runtime, *, model_name: str | None = None,
 class _Prepared:
     """A request parsed, checked and encoded, with its sampling and end tokens."""
 
-    params: GenerationParams
     options: RequestOptions
-    # The token ids of each prompt (chat: one).
+    # Each prompt as the request gave it (chat: none) and its token ids (chat: one).
+    texts: tuple[str | tuple[int, ...], ...]
     prompts: list[list[int]]
     sampling: Sampling
     ends: tuple[int, ...]
@@ -158,13 +160,15 @@ class _Service:
         # compile or with a bad `search` fails at start, not at every request.
         self.tokenizer: Tokenizer = runtime.tokenizer
         _ = self.tokenizer.chat_template, self.tokenizer.max_token_chars
-        self.search = _checked_search(runtime)
+        self.search = search_defaults(self.tokenizer)
+        # The one encoder of every prompt the server feeds or /tokenize counts.
+        self.prompts = PromptEncoder(self.tokenizer, special_in_content=parse_special_in_content,
+                                     max_tokens=runtime.stats.capacity)
         self.max_body_bytes = max_body_bytes
         self.max_answer_bytes = DEFAULT_MAX_ANSWER_BYTES
-        self.parse_special_in_content = parse_special_in_content
         self.metrics = ServerMetrics(runtime)
         self.strings = TokenStrings(self.tokenizer)
-        self._api_keys = api_keys
+        self.api_keys = api_keys
         self.share_prefixes = False
         self._created = int(time.time())
         self._live: set[ServedGeneration] = set()
@@ -218,9 +222,7 @@ class _Service:
     async def tokenize(self, request: HttpRequest) -> Response:
         raw = await self._body(request)
         answer = await run_in_threadpool(
-            lambda: encode_json(tokenize(_json(raw), self.tokenizer,
-                                         self.runtime.stats.capacity, self._check_model,
-                                         self.parse_special_in_content)))
+            lambda: encode_json(tokenize(_json(raw), self.prompts, self._check_model)))
         return Response(answer, media_type="application/json")
 
     async def detokenize(self, request: HttpRequest) -> Response:
@@ -260,13 +262,17 @@ class _Service:
         """Parse, check and encode one request and build its sampling (on a worker thread:
         this is the work whose size the client chooses, the grammar's compilation included);
         every refusal raised before any generation."""
-        model = ChatCompletionRequest if chat else CompletionRequest
-        parsed = model.parse(_json(body), vocab_size=self.runtime.stats.vocab_size)
-        params, options = parsed.params, parsed.options
+        vocab_size = self.runtime.stats.vocab_size
+        request: ChatCompletionRequest | CompletionRequest
+        if chat:
+            request = ChatCompletionRequest.parse(_json(body), vocab_size=vocab_size)
+        else:
+            request = CompletionRequest.parse(_json(body), vocab_size=vocab_size)
+        options = request.options
         if self.draining:
             raise ClosedError("the server is shutting down")
-        self._check_model(params.model)
-        tokenizer, capacity = self.tokenizer, self.runtime.stats.capacity
+        self._check_model(options.model)
+        tokenizer = self.tokenizer
         if options.constrained:
             from onnx_chunk.structured import prepare
 
@@ -274,24 +280,24 @@ class _Service:
         if options.tool_choice == "auto":
             template = tokenizer.chat_template
             check_auto(None if template is None else template.source)
-        if params.messages:
-            tools = options.tools if options.tool_choice != "none" else None
-            prompts = [tokenizer.encode_chat(list(params.messages), max_tokens=capacity,
-                                             special_in_content=self.parse_special_in_content,
-                                             tools=tools)]
+        texts: tuple[str | tuple[int, ...], ...] = ()
+        if isinstance(request, ChatCompletionRequest):
+            prompts = [self.prompts.encode(request.template_messages(),
+                                           tools=options.template_tools)]
         else:
-            prompts = [self._encoded(prompt) for prompt in params.prompts]
+            texts = request.prompts()
+            prompts = [list(prompt) if isinstance(prompt, tuple) else self.prompts.encode(prompt)
+                       for prompt in texts]
         ends = options.end_ids(tokenizer.eos_token_ids or self.runtime.stats.eos_token_ids)
-        sampling = request_sampling(options, temperature=params.temperature, top_p=params.top_p,
-                                    seed=params.seed, search=self.search, tokenizer=tokenizer,
-                                    vocab_size=self.runtime.stats.vocab_size, ends=ends,
+        sampling = request.sampling(search=self.search, tokenizer=tokenizer,
+                                    vocab_size=vocab_size, ends=ends,
                                     cache_salt=self._salt(options, tenant))
-        self._check_answer_size(params, options, prompts)
-        if params.max_tokens == 0 and sampling.prompt_logprobs is None:
+        self._check_answer_size(options, prompts)
+        if options.max_tokens == 0 and sampling.prompt_logprobs is None:
             # An echo of 0 new tokens without logprobs: the engine still runs the prompt once
             # (a request that generates nothing is one that scores its prompt).
             sampling = dataclasses.replace(sampling, prompt_logprobs=0)
-        return _Prepared(params, options, prompts, sampling, ends)
+        return _Prepared(options, texts, prompts, sampling, ends)
 
     def _salt(self, options: RequestOptions, tenant: str | None) -> str | None:
         """The prefix namespace of a request: its key's (unless keys share prefixes) and its
@@ -303,42 +309,35 @@ class _Service:
             parts.append(f"salt:{options.cache_salt}")
         return "\x00".join(parts) or None
 
-    def _check_answer_size(self, params: GenerationParams, options: RequestOptions,
-                           prompts: list[list[int]]) -> None:
+    def _check_answer_size(self, options: RequestOptions, prompts: list[list[int]]) -> None:
         """Refuse a request whose logprobs alone would make more than `max_answer_bytes`."""
         if options.logprobs is None:
             return
         capacity = self.runtime.stats.capacity
         tokens = sum((len(ids) if options.echo else 0)
-                     + (capacity - len(ids) if params.max_tokens is None else params.max_tokens)
+                     + (capacity - len(ids) if options.max_tokens is None
+                        else options.max_tokens)
                      for ids in prompts)
-        least = tokens * params.n * (1 + options.logprobs) * LOGPROB_ENTRY_BYTES
+        least = tokens * options.n * (1 + options.logprobs) * LOGPROB_ENTRY_BYTES
         if least > self.max_answer_bytes:
             raise _answer_too_large(f"at least {least} bytes of logprobs",
                                     self.max_answer_bytes, param="logprobs")
 
-    def _encoded(self, prompt: str | tuple[int, ...]) -> list[int]:
-        if isinstance(prompt, str):
-            self.tokenizer.check_fits(prompt, self.runtime.stats.capacity)
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
-
     async def _serve(self, request: HttpRequest, prepared: _Prepared,
                      generations: list[ServedGeneration], *, chat: bool) -> _Reply:
-        params = prepared.params
-        top = prepared.options.logprobs
-        answer = (_ChatAnswer(self.model_name, self.strings, top, prepared.options.tool_choice)
+        options = prepared.options
+        top = options.logprobs
+        answer = (_ChatAnswer(self.model_name, self.strings, top, options.tool_choice)
                   if chat else
                   _TextAnswer(self.model_name, self.strings, top,
-                              self._echoes(prepared) if prepared.options.echo else None,
-                              params.n))
+                              self._echoes(prepared) if options.echo else None, options.n))
         self._live.update(generations)
         if self.draining:  # drain() ran while the request was admitted off the loop
             for generation in generations:
                 generation.end_for_shutdown()
-        if params.stream:
-            return _EventStream(self._events(generations, answer, params.include_usage,
-                                             params.n),
+        if options.stream:
+            return _EventStream(self._events(generations, answer, options.include_usage,
+                                             options.n),
                                 lambda: self._ended(generations))
         try:
             outputs = await _unless_disconnected(
@@ -350,7 +349,7 @@ class _Service:
             return Response(status_code=499)
         # Off the loop: an answer with logprobs (an echoed prompt's above all) grows with the
         # request, and so does its JSON.
-        payload = await run_in_threadpool(self._whole, answer, generations, outputs, params.n)
+        payload = await run_in_threadpool(self._whole, answer, generations, outputs, options.n)
         return Response(payload, media_type="application/json")
 
     def _whole(self, answer: _Answer, generations: list[ServedGeneration],
@@ -375,7 +374,7 @@ class _Service:
     def _echoes(self, prepared: _Prepared) -> list[str]:
         """Each prompt's text as `echo` shows it (token-id prompts decoded)."""
         return [prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
-                for prompt, ids in zip(prepared.params.prompts, prepared.prompts)]
+                for prompt, ids in zip(prepared.texts, prepared.prompts)]
 
     def _check_model(self, model: object) -> None:
         if model is not None and model != self.model_name:
@@ -396,10 +395,10 @@ class _Service:
         worker thread), since the first prompt's forks may fill the queue past its limit."""
         if self.draining:
             raise ClosedError("the server is shutting down")
-        params, sampling = prepared.params, prepared.sampling
+        options, sampling = prepared.options, prepared.sampling
         capacity = self.runtime.stats.capacity
         for ids in prepared.prompts:
-            if params.max_tokens is None and capacity - len(ids) < 1:
+            if options.max_tokens is None and capacity - len(ids) < 1:
                 raise CapacityError(f"the prompt has {len(ids)} tokens and the context holds "
                                     f"{capacity}, leaving no room for a new token; shorten "
                                     "the prompt")
@@ -407,16 +406,16 @@ class _Service:
         try:
             for number, ids in enumerate(prepared.prompts):
                 samplings = [sampling if sampling.seed is None else dataclasses.replace(
-                    sampling, seed=sampling.seed + choice) for choice in range(params.n)]
+                    sampling, seed=sampling.seed + choice) for choice in range(options.n)]
                 room = capacity - len(ids)
                 requests = self.runtime.submit_choices(
-                    ids, room if params.max_tokens is None else params.max_tokens, samplings,
+                    ids, room if options.max_tokens is None else options.max_tokens, samplings,
                     eos_token_id=prepared.ends, wait=number > 0)
                 for choice, request in enumerate(requests):
-                    text = TokenText(self.tokenizer, params.stop, end_ids=prepared.ends,
-                                     min_tokens=prepared.options.min_tokens)
+                    text = TokenText(self.tokenizer, options.stop, end_ids=prepared.ends,
+                                     min_tokens=options.min_tokens)
                     generations.append(ServedGeneration(request, text, len(ids), arrived,
-                                                        self.metrics, number * params.n + choice))
+                                                        self.metrics, number * options.n + choice))
         except BaseException:
             for generation in generations:
                 generation.request.cancel()
@@ -478,12 +477,12 @@ class _Service:
 
     def _authorize(self, request: HttpRequest) -> str | None:
         """The request's tenant: the number of the key it sent (None: the app has no key)."""
-        if not self._api_keys:
+        if not self.api_keys:
             return None
         given = request.headers.get("authorization", "").encode()
         # Every key is compared (in constant time), so the time does not tell which matched.
         matched = [hmac.compare_digest(given, f"Bearer {key}".encode())
-                   for key in self._api_keys]
+                   for key in self.api_keys]
         if not any(matched):
             raise RequestError("missing or wrong API key: send 'Authorization: Bearer KEY' "
                                "with a key the server was started with",
@@ -564,19 +563,6 @@ def _too_large(size: str, limit: int) -> RequestError:
     return RequestError(f"the request body has {size}, more than the {limit} bytes this "
                         "server reads (its --max-body-bytes); send a smaller request",
                         code="request_too_large", status=413)
-
-
-def _checked_search(runtime: Runtime) -> dict[str, Any]:
-    """genai_config.json's `search` section, once checked as every request would read it."""
-    genai = runtime.debug.genai
-    if genai is None:
-        return {}
-    try:
-        Sampling.from_search(genai.search)
-    except ConfigError as error:
-        raise ConfigError(f"{str(genai.path)!r}: its search section is not usable ({error}); "
-                          "fix the config") from error
-    return genai.search
 
 
 async def _collect_chunks(generation: ServedGeneration) -> tuple[str, list[TokenLogprobs]]:

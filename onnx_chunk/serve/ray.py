@@ -49,7 +49,7 @@ from onnx_chunk.serve.routing import (
 )
 
 if TYPE_CHECKING:
-    from onnx_chunk.text.tokenizer import Tokenizer
+    from onnx_chunk.text.prompt import PromptEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def application(model: str | os.PathLike, *, replicas: int = 1, gpus_per_replica
     ingress = serve.deployment(name=f"{name}-ingress",
                                max_ongoing_requests=replicas * (batch + queue),
                                ray_actor_options={"num_cpus": 0})(_Ingress)
-    return ingress.bind(engines, model_path, max_body_bytes)
+    return ingress.bind(engines, model_path, max_body_bytes, parse_special_in_content)
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -287,18 +287,22 @@ class _Ingress:
     """The front: reads a request, computes its prompt's block digests, forwards it to the
     replicas' handle (whose router picks the replica) and streams the answer back."""
 
-    def __init__(self, engines: Any, model_path: str, max_body_bytes: int) -> None:
+    def __init__(self, engines: Any, model_path: str, max_body_bytes: int,
+                 parse_special_in_content: bool = False) -> None:
+        from onnx_chunk.text.prompt import PromptEncoder
         from onnx_chunk.text.tokenizer import load_tokenizer
 
         self._engines = engines.options(stream=True)
         self._max_body_bytes = max_body_bytes
-        self._tokenizer: Tokenizer | None
+        # The replicas' encoder (their special-token policy), to render what they render.
+        self._prompts: PromptEncoder | None
         try:
-            self._tokenizer = load_tokenizer(model_path)
+            self._prompts = PromptEncoder(load_tokenizer(model_path),
+                                          special_in_content=parse_special_in_content)
         except Exception as error:  # the replicas report a bad folder; chats lose affinity
             logger.warning("no tokenizer for the routing keys (%s): chats are routed by load",
                            error)
-            self._tokenizer = None
+            self._prompts = None
 
     async def __call__(self, request: Any) -> Any:
         from starlette.concurrency import run_in_threadpool
@@ -341,7 +345,7 @@ class _Ingress:
         return b"".join(chunks)[:self._max_body_bytes + 1]
 
     def _prefix(self, path: str, body: bytes) -> tuple[bytes, ...]:
-        return prefix_blocks(request_key(path, body, self._tokenizer, max_chars=MAX_KEY_CHARS),
+        return prefix_blocks(request_key(path, body, self._prompts, max_chars=MAX_KEY_CHARS),
                              BLOCK_CHARS)
 
 

@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from onnx_chunk.errors import ConfigError, OnnxChunkError
-from onnx_chunk.serve.protocol import parse_chat, parse_completion
+from onnx_chunk.serve.requests import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
-    from onnx_chunk.text.tokenizer import Tokenizer
+    from onnx_chunk.text.prompt import PromptEncoder
 
 R = TypeVar("R", bound=Hashable)
 
@@ -216,22 +216,23 @@ class InFlight(Generic[R]):
         return counts
 
 
-def request_key(path: str, body: bytes, tokenizer: Tokenizer | None, *,
+def request_key(path: str, body: bytes, prompts: PromptEncoder | None, *,
                 max_chars: int = MAX_KEY_CHARS) -> str:
     """The text a request's prompt starts with, as the replica's engine will hold it: a chat's
-    messages rendered through the model's chat template (with the generation prompt), a
-    completion's prompt, or its token ids written as text. "" (no affinity: power of two
-    choices) for other paths, a body the replica will refuse, or a prompt over `max_chars`
-    characters; the replica gives the answer, the key only steers where it is computed."""
+    messages rendered by the replica's encoder (`prompts`: the same special-token policy; the
+    tools the replica shows the template, with the generation prompt), a completion's prompt,
+    or its token ids written as text. "" (no affinity: power of two choices) for other paths,
+    a body the replica will refuse, or a prompt over `max_chars` characters; the replica gives
+    the answer, the key only steers where it is computed."""
     try:
         if path.endswith("/chat/completions"):
-            if tokenizer is None:
+            if prompts is None:
                 return ""
-            messages = [dict(message) for message in parse_chat(json.loads(body)).messages]
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                 max_chars=max_chars)
+            chat = ChatCompletionRequest.parse(json.loads(body))
+            return prompts.render_text(chat.template_messages(),
+                                       tools=chat.options.template_tools, max_chars=max_chars)
         if path.endswith("/completions"):
-            prompt = parse_completion(json.loads(body)).prompt
+            prompt = CompletionRequest.parse(json.loads(body)).prompts()[0]
             key = prompt if isinstance(prompt, str) else "".join(f"{i} " for i in prompt)
             return key if len(key) <= max_chars else ""
     except (OnnxChunkError, ValueError, RecursionError, MemoryError):

@@ -2,7 +2,7 @@
 
 - `tools` go to the chat template as transformers passes them (`tools=`), and assistant
   messages' `tool_calls` reach it with their `arguments` as objects (as vLLM gives them), a
-  tool message with its `tool_call_id`.
+  tool message with its `tool_call_id` (requests.py's `ChatMessage` checks them).
 - `tool_choice` "required" or a named function: the output is generated under a JSON schema
   (one call: {"name", "arguments"} over the tools for "required", the function's parameters
   for a named one), so it always parses into one call; answered as `tool_calls` with
@@ -19,35 +19,12 @@ import json
 import re
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
-from onnx_chunk.serve.protocol import RequestError, _shown
+from onnx_chunk.serve.protocol import RequestError
 
 HERMES_TAG = "<tool_call>"
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-def tool_fields(message: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """The tool fields of one request message, checked, as the chat template reads them."""
-    fields: dict[str, Any] = {}
-    calls = message.get("tool_calls")
-    if calls:
-        if message.get("role") != "assistant" or not isinstance(calls, list):
-            raise RequestError(f"{where}.tool_calls must be a list, on an assistant message",
-                               param=f"{where}.tool_calls")
-        fields["tool_calls"] = [_template_call(call, f"{where}.tool_calls[{index}]")
-                                for index, call in enumerate(calls)]
-    if message.get("role") == "tool" and message.get("tool_call_id") is None:
-        raise RequestError(f"{where}.tool_call_id is required on a tool message: the id of "
-                           "the call it answers", param=f"{where}.tool_call_id")
-    for name in ("tool_call_id", "name"):
-        value = message.get(name)
-        if value is not None:
-            if not isinstance(value, str):
-                raise RequestError(f"{where}.{name} must be a string, got {_shown(value)}",
-                                   param=f"{where}.{name}")
-            fields[name] = value
-    return fields
 
 
 def call_schema(tools: Sequence[Mapping[str, Any]], choice: str) -> dict[str, Any]:
@@ -110,21 +87,6 @@ def _hermes_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
 def _call(name: str, arguments: Any) -> dict[str, Any]:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
-
-
-def _template_call(call: object, where: str) -> dict[str, Any]:
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise RequestError(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\": "
-                           f"str, \"arguments\": str}}}}, got {_shown(call)}", param=where)
-    arguments = function.get("arguments", "{}")
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as error:
-            raise RequestError(f"{where}.function.arguments is not JSON ({error})",
-                               param=where) from error
-    return {**cast(dict[str, Any], call), "function": {**function, "arguments": arguments}}
 
 
 def _function(tools: Sequence[Mapping[str, Any]], name: str) -> Mapping[str, Any]:

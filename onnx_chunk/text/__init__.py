@@ -1,2 +1,3 @@
-"""Text in, text out: the model folder's tokenizer, its chat template, streamed detokenization,
-stop strings, and the generation that puts them around a sequence's token loop."""
+"""Text in, text out: the model folder's tokenizer, its chat template, the one prompt encoder
+(`prompt.PromptEncoder`), streamed detokenization, stop strings, and the generation that puts
+them around the engine's requests."""

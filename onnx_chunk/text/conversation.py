@@ -1,6 +1,7 @@
 """A multi-turn chat on the batch engine, the conversation kept in a slot's KV by prefix reuse.
 
-Each turn renders the chat template over the whole conversation and submits the ids of the
+Each turn renders the chat template over the whole conversation (`PromptEncoder`, the text
+API's policy: typed special tokens are control tokens) and submits the ids of the
 conversation so far (`continuation`): when the ids the slot was fed are a prefix of the new
 rendering's ids, those ids and the rest of the rendering's; else, when the text they stand for
 is a prefix of the new rendering, those ids and the encoding of the rest of the text (the
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 from onnx_chunk.errors import CapacityError
 from onnx_chunk.sampling import Sampling
 from onnx_chunk.text.generation import Completion, EngineTokens, TextGeneration, default_sampling
+from onnx_chunk.text.prompt import PromptEncoder
 from onnx_chunk.text.stops import check_stops
 
 if TYPE_CHECKING:
@@ -80,6 +82,7 @@ class Conversation:
                  reuse_cache: bool = True) -> None:
         self.runtime = runtime
         self.tokenizer = runtime.tokenizer
+        self.prompts = PromptEncoder(self.tokenizer)
         self.reuse_cache = reuse_cache
         self.messages: list[dict[str, str]] = ([] if system is None
                                                else [{"role": "system", "content": system}])
@@ -101,7 +104,8 @@ class Conversation:
         """The assistant's reply to `content`, as it is produced (checked before any work)."""
         tokenizer = self.tokenizer
         messages = [*self.messages, {"role": "user", "content": content}]
-        rendered, ids = tokenizer.render_chat(messages, special_in_content=True)
+        chat = self.prompts.render(messages)
+        rendered, ids = chat.text, chat.ids
         if self.reuse_cache and self._cached_ids:
             plan = continuation(self._cached_ids, self._cached_text, ids, rendered,
                                 lambda text: tokenizer.encode(text, add_special_tokens=False))

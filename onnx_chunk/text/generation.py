@@ -3,9 +3,9 @@
 The tokens come from the batch engine (`EngineTokens`: `runtime.submit`, the path of
 `runtime.generate_text`, `stream_text`, `generate --prompt`, chat turns and the server).
 
-A prompt is text (encoded with the tokenizer's special tokens, BOS where it adds one) or a
-list of messages (rendered through the chat template with add_generation_prompt=True, then
-encoded without adding special tokens, as transformers' apply_chat_template does). The text
+A prompt is text or a list of messages, encoded by `PromptEncoder` (onnx_chunk.text.prompt,
+the one encoder: text with the tokenizer's special tokens, messages through the chat template,
+the special tokens typed in them parsed as control tokens, as transformers does). The text
 is the decode of the new tokens without special tokens, streamed through `TextStream`, cut by
 `StopMatcher`. A generation ends, and its `finish_reason` says why, at:
 - "stop": an EOS id (the token is in `tokens`, not in the text) or a stop string (the text
@@ -16,14 +16,15 @@ is the decode of the new tokens without special tokens, streamed through `TextSt
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from onnx_chunk.errors import CapacityError
+from onnx_chunk.errors import CapacityError, ConfigError
 from onnx_chunk.runtime.engine.request import RequestStats
 from onnx_chunk.sampling import GREEDY, Sampling, TokenLogprobs
+from onnx_chunk.text.prompt import Prompt, PromptEncoder
 from onnx_chunk.text.stops import check_stops
 from onnx_chunk.text.token_text import TokenText
 
@@ -31,9 +32,6 @@ if TYPE_CHECKING:
     from onnx_chunk.runtime.engine.request import Request
     from onnx_chunk.runtime.model import Runtime
     from onnx_chunk.text.tokenizer import Tokenizer
-
-# Text, or a conversation: [{"role": ..., "content": ...}, ...].
-Prompt = str | SequenceOf[Mapping[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -50,16 +48,6 @@ class Completion:
     logprobs: tuple[TokenLogprobs, ...] = ()
 
 
-def prompt_ids(tokenizer: Tokenizer, prompt: Prompt, *,
-               tools: SequenceOf[Mapping[str, Any]] | None = None) -> list[int]:
-    """The ids a prompt (text or messages, with the `tools` the template shows) is fed as:
-    messages through `Tokenizer.encode_chat`, the server's encoder, with the special tokens
-    typed in them parsed as control tokens (transformers' apply_chat_template does so)."""
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
-    return tokenizer.encode_chat(prompt, special_in_content=True, tools=tools)
-
-
 def end_ids(tokenizer: Tokenizer, *, ignore_eos: bool = False,
             stop_token_ids: Iterable[int] = ()) -> tuple[int, ...]:
     """The ids a generation ends at: `stop_token_ids`, and the tokenizer's EOS ids unless
@@ -72,8 +60,22 @@ def default_sampling(tokenizer: Tokenizer, sampling: Sampling | None) -> Samplin
     """`sampling`, else the genai_config.json `search` defaults, else greedy."""
     if sampling is not None:
         return sampling
+    return GREEDY if tokenizer.genai is None else Sampling.from_search(search_defaults(tokenizer))
+
+
+def search_defaults(tokenizer: Tokenizer) -> dict[str, Any]:
+    """genai_config.json's `search` section, the sampling defaults of a text request (each
+    option a request sets overrides its own), checked as a request reads it ({} without a
+    genai_config.json); ConfigError naming the file when it is not usable."""
     genai = tokenizer.genai
-    return GREEDY if genai is None else Sampling.from_search(genai.search)
+    if genai is None:
+        return {}
+    try:
+        Sampling.from_search(genai.search)
+    except ConfigError as error:
+        raise ConfigError(f"{str(genai.path)!r}: its search section is not usable ({error}); "
+                          "fix the config") from error
+    return dict(genai.search)
 
 
 class EngineTokens:
@@ -184,7 +186,8 @@ def stream_text(source: EngineTokens, tokenizer: Tokenizer, prompt: Prompt,
                 stop: str | Iterable[str] | None = None, **ends: Any) -> TextGeneration:
     """A text generation of `prompt` from `source` (checked now, run as it is iterated);
     `ends`: TextGeneration's ignore_eos, stop_token_ids, min_tokens, logprobs."""
-    return TextGeneration(source, tokenizer, prompt_ids(tokenizer, prompt), max_new_tokens,
+    ids = PromptEncoder(tokenizer).encode(prompt)
+    return TextGeneration(source, tokenizer, ids, max_new_tokens,
                           sampling=default_sampling(tokenizer, sampling), stop=stop, **ends)
 
 

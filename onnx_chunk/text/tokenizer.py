@@ -16,10 +16,9 @@ on those), else the tokenizer's EOS token.
 
 Encoding releases the GIL (the Rust batch call), so a long text encoded on a worker thread
 leaves the other threads (a server's event loop) running. `max_token_chars` bounds the text a
-token can stand for, so a text too long for a context is refused before it is encoded.
-`encode_chat` can keep the special tokens typed into messages as text (a user cannot forge a
-turn): the strings the client typed are swapped for placeholders before rendering, and each
-placeholder left in the rendering is encoded as the plain text of what it stands for.
+token can stand for, so a text too long for a context is refused before it is encoded. A prompt
+(text or messages) becomes ids through `onnx_chunk.text.prompt.PromptEncoder`, the one
+encoder, which holds the special-token policy.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ import json
 import logging
 import os
 import re
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -37,7 +35,7 @@ from typing import Any
 
 from onnx_chunk.errors import CapacityError, InputError, ModelLoadError
 from onnx_chunk.model_folder import GenaiConfig, locate_model, read_json_object
-from onnx_chunk.text.chat_template import ChatTemplate, RenderTooLong, find_chat_template
+from onnx_chunk.text.chat_template import ChatTemplate, find_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +63,6 @@ _KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "U
 _KEEPING_NORMALIZERS = {"Prepend", "Lowercase", "NFD", "NFKD", "Replace"}
 _COMPOSING_NORMALIZERS = {"NFC", "NFKC"}
 _COMPOSED_CODE_POINTS = 4
-
-# The message fields whose special tokens `encode_chat` keeps as text.
-_TYPED_FIELDS = ("role", "content")
-
 
 @dataclass(frozen=True)
 class SpecialTokens:
@@ -138,10 +132,13 @@ class Tokenizer:
         """Ids the tokenizer can produce (added tokens included)."""
         return self._backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """The ids of `text`; with `add_special_tokens` what the post-processor adds (BOS...).
-        (The batch call: it releases the GIL while it encodes.)"""
-        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    def encode(self, text: str, *, add_special_tokens: bool = True,
+               special_as_text: bool = False) -> list[int]:
+        """The ids of `text`; with `add_special_tokens` what the post-processor adds (BOS...);
+        with `special_as_text` the special tokens spelled in `text` are encoded as the plain
+        text they spell. (The batch call: it releases the GIL while it encodes.)"""
+        backend = self._as_text if special_as_text else self._backend
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     @cached_property
     def max_token_chars(self) -> int | None:
@@ -160,80 +157,10 @@ class Tokenizer:
                 f"(a token of this tokenizer stands for at most {span} characters; the KV "
                 f"capacity is {max_tokens}); shorten it")
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *,
-                    add_generation_prompt: bool = True, special_in_content: bool = False,
-                    max_tokens: int | None = None,
-                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
-        """The ids of a conversation rendered through the chat template (no special tokens
-        added, as transformers' apply_chat_template(tokenize=True)); `tools` as
-        `apply_chat_template` takes them. The one encoder of messages: text, chat, the
-        server and /tokenize feed what it gives.
-
-        special_in_content: the special tokens typed in the messages' role and content become
-            control tokens (transformers' behaviour); False keeps them as text.
-        max_tokens: a rendering too long to be that many tokens is refused (CapacityError)
-            as it renders, before it is encoded.
-        """
-        return self.render_chat(messages, add_generation_prompt=add_generation_prompt,
-                                special_in_content=special_in_content, max_tokens=max_tokens,
-                                tools=tools)[1]
-
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], *,
-                    add_generation_prompt: bool = True, special_in_content: bool = False,
-                    max_tokens: int | None = None,
-                    tools: Sequence[Mapping[str, Any]] | None = None
-                    ) -> tuple[str, list[int]]:
-        """`encode_chat`'s ids with the rendered text they encode (the typed special tokens
-        in it as typed): for a caller that matches the text of one turn against the next."""
-        rendered: list[dict[str, Any]] = [dict(message) for message in messages]
-        typed: list[str] = []
-        nonce = uuid.uuid4().hex
-        if not special_in_content:
-            rendered = self._special_as_placeholders(rendered, typed, nonce)
-        span = self.max_token_chars
-        max_chars = None if max_tokens is None or span is None else max_tokens * span
-        try:
-            text = self.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
-                                            max_chars=max_chars, tools=tools)
-        except RenderTooLong as error:
-            raise CapacityError(
-                f"the chat template renders these messages into more than {error.max_chars} "
-                f"characters, more than {max_tokens} tokens can hold (a token of this tokenizer "
-                f"stands for at most {span} characters; the KV capacity is {max_tokens}); "
-                "shorten the conversation") from error
-        if not typed:
-            return text, self.encode(text, add_special_tokens=False)
-        pieces = re.split(f"\ue000{nonce}(\\d+)\ue001", text)
-        ids: list[int] = []
-        for index, piece in enumerate(pieces):
-            if index % 2:
-                ids += self._as_text.encode_batch([typed[int(piece)]],
-                                                  add_special_tokens=False)[0].ids
-            elif piece:
-                ids += self.encode(piece, add_special_tokens=False)
-        return "".join(typed[int(piece)] if index % 2 else piece
-                       for index, piece in enumerate(pieces)), ids
-
-    def _special_as_placeholders(self, messages: list[dict[str, Any]], typed: list[str],
-                                 nonce: str) -> list[dict[str, Any]]:
-        """`messages` with each special token in their typed fields swapped for a placeholder
-        (its index in `typed`, which collects them)."""
-        pattern = self._special_pattern
-        if pattern is None:
-            return messages
-
-        def placeholder(match: re.Match) -> str:
-            typed.append(match.group())
-            return f"\ue000{nonce}{len(typed) - 1}\ue001"
-
-        for message in messages:
-            for field in _TYPED_FIELDS:
-                if isinstance(message.get(field), str):
-                    message[field] = pattern.sub(placeholder, message[field])
-        return messages
-
     @cached_property
-    def _special_pattern(self) -> re.Pattern | None:
+    def special_pattern(self) -> re.Pattern | None:
+        """A pattern matching the special added tokens' strings, longest first (None: the
+        tokenizer has none): what `PromptEncoder` keeps as text in typed content."""
         strings = sorted({token.content for token in
                           self._backend.get_added_tokens_decoder().values() if token.special},
                          key=len, reverse=True)

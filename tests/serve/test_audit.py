@@ -115,9 +115,9 @@ def no_serving(monkeypatch):
 
 # 1. A 3 MB prompt froze every stream and /health for 5.7 s.
 def test_1_a_3mb_prompt_leaves_the_event_loop_free(live, monkeypatch):
-    from onnx_chunk.serve import protocol
+    from onnx_chunk.serve.requests import CompletionRequest
 
-    held = _Held(monkeypatch, protocol, "parse_completion")
+    held = _Held(monkeypatch, CompletionRequest, "parse")
     health, status, data = _answered_while_held(
         live, held, COMPLETIONS, {"prompt": "word " * 600_000, "max_tokens": 4})
     assert health == 200
@@ -161,7 +161,7 @@ def test_4_a_prompt_over_the_context_is_refused_before_it_is_encoded(live, monke
     error = _error(data, 400, "prompt")
     assert status == 400 and error["code"] == "context_length_exceeded"
     assert str(len(prompt)) in error["message"]
-    assert str(live.runtime.options.capacity) in error["message"]
+    assert str(live.runtime.stats.capacity) in error["message"]
     assert all(length < 100_000 for length in encoded), encoded
     status, _, data = exchange(live, "POST", CHAT, {"messages": [
         {"role": "user", "content": prompt}]})

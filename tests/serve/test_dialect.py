@@ -323,7 +323,7 @@ def test_a_grammar_with_ignore_eos_is_refused(live):
 def test_tokenize_and_detokenize_round_trip(live):
     status, _, tokens = exchange(live, "POST", "/tokenize", {"prompt": "Paris is"})
     assert status == 200 and tokens["count"] == len(tokens["tokens"])
-    assert tokens["max_model_len"] == live.runtime.options.capacity and tokens["token_strs"] is None
+    assert tokens["max_model_len"] == live.runtime.stats.capacity and tokens["token_strs"] is None
     assert _complete(live, max_tokens=1).usage.prompt_tokens == tokens["count"]
     status, _, text = exchange(live, "POST", "/detokenize", {"tokens": tokens["tokens"]})
     assert (status, text) == (200, {"prompt": "Paris is"})

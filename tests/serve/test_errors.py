@@ -73,13 +73,13 @@ def test_the_client_sees_a_bad_request_error(live):
 
 
 def test_token_ids_outside_the_vocabulary_are_a_400(live):
-    vocab = live.runtime.ports.vocab_size
+    vocab = live.runtime.stats.vocab_size
     status, _, answer = exchange(live, "POST", COMPLETIONS, {"prompt": [1, vocab]})
     assert status == 400 and str(vocab) in _error(answer, 400)["message"]
 
 
 def test_a_prompt_over_the_context_is_a_400_with_the_numbers(live):
-    capacity = live.runtime.options.capacity
+    capacity = live.runtime.stats.capacity
     status, _, answer = exchange(live, "POST", COMPLETIONS,
                                  {"prompt": [5] * (capacity + 3), "max_tokens": 4})
     error = _error(answer, 400, "prompt")

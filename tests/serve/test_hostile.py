@@ -161,7 +161,7 @@ def test_echo_with_logprobs_is_built_off_the_loop_and_once_per_prompt(live):
 
 
 def test_a_large_tokenize_leaves_the_event_loop_free(live):
-    capacity = live.runtime.options.capacity
+    capacity = live.runtime.stats.capacity
     prompt = "hello " * (capacity - 8)
     status, _, answer = _held_free(live, lambda: exchange(live, "POST", "/tokenize",
                                                           {"prompt": prompt}))
@@ -204,7 +204,7 @@ def test_serve_takes_max_answer_bytes_and_several_api_keys(monkeypatch):
     main(["serve", str(EXPORT), "--port", "0", "--provider", "cpu", "--api-key", "a",
           "--api-key", "b", "--max-answer-bytes", "1234"])
     service = seen["service"]
-    assert service.max_answer_bytes == 1234 and service._api_keys == ["a", "b"]
+    assert service.max_answer_bytes == 1234 and service.api_keys == ["a", "b"]
     assert not service.share_prefixes
 
 
@@ -367,11 +367,12 @@ def test_response_format_with_a_stop_string_is_a_400(live):
     _error(answer, "stop")
 
 
-def test_structured_output_uses_json_dumps_separators():
-    from onnx_chunk.structured import constraint
-
-    assert constraint._JSON_OPTIONS == {"whitespace_flexible": False, "item_separator": ", ",
-                                        "key_separator": ": "}
+def test_structured_output_has_json_dumps_separators_and_no_other_whitespace(live):
+    schema = {"type": "object", "properties": {"a": {"const": 1}, "b": {"const": [1, 2]}},
+              "required": ["a", "b"], "additionalProperties": False}
+    answer = _text(live, CHAT, max_tokens=40, response_format={
+        "type": "json_schema", "json_schema": {"name": "ab", "schema": schema}})
+    assert answer["choices"][0]["message"]["content"] == '{"a": 1, "b": [1, 2]}'
 
 
 def test_structured_output_is_written_as_json_dumps_writes_it(live):
@@ -449,7 +450,7 @@ def test_the_api_keys_come_from_the_environment_separated_by_spaces(monkeypatch)
         service=self.config.app.state.service))
     monkeypatch.setenv("ONNX_CHUNK_API_KEY", "one two")
     main(["serve", str(EXPORT), "--port", "0", "--provider", "cpu", "--share-prefixes"])
-    assert seen["service"]._api_keys == ["one", "two"] and seen["service"].share_prefixes
+    assert seen["service"].api_keys == ["one", "two"] and seen["service"].share_prefixes
 
 
 def test_a_stream_past_max_answer_bytes_ends_with_an_error_event(served_runtime):

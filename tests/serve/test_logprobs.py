@@ -12,6 +12,7 @@ import pytest
 
 from onnx_chunk.sampling import Sampling
 from onnx_chunk.serve.logprobs import FLOOR, TokenStrings
+from onnx_chunk.text.prompt import PromptEncoder
 from tests.exports.full_forward import full_sequence_logprobs
 from tests.serve.conftest import EXPORT, MODEL_NAME, exchange
 
@@ -40,7 +41,7 @@ def test_chat_logprobs_are_the_log_softmax_of_the_exports_logits(live):
     content = answer.choices[0].logprobs.content
     assert len(content) == answer.usage.completion_tokens == 6
     tokenizer = live.runtime.tokenizer
-    prompt = tokenizer.encode_chat(messages)
+    prompt = PromptEncoder(tokenizer, special_in_content=False).encode(messages)
     generated, reference = _greedy(prompt, 6)
     strings = TokenStrings(tokenizer)
     for step, entry in enumerate(content):
@@ -95,7 +96,7 @@ def test_echo_with_max_tokens_0_gives_the_prompts_logprobs(live):
 def test_echo_then_generation_over_several_chunks(live):
     """A prompt longer than the chunk width: the prompt's logprobs span several prefill
     chunks, then the generated tokens' follow."""
-    width = live.runtime.options.chunk_size
+    width = live.runtime.stats.chunk_size
     prompt = [int(token) for token in np.random.default_rng(3).integers(5, 380, width * 2 + 3)]
     answer = live.client().completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3,
                                               echo=True, logprobs=1,

@@ -17,6 +17,7 @@ from starlette.testclient import TestClient  # noqa: E402
 
 from onnx_chunk.serve.ray import _Head, _Ingress  # noqa: E402
 from onnx_chunk.serve.routing import prefix_blocks, request_key  # noqa: E402
+from onnx_chunk.text.prompt import PromptEncoder  # noqa: E402
 from onnx_chunk.text.tokenizer import load_tokenizer  # noqa: E402
 
 
@@ -75,7 +76,8 @@ def test_it_forwards_the_request_with_its_prefix_digests_and_streams_the_answer_
     assert (call.method, call.path, call.query_string) == ("POST", "/v1/chat/completions",
                                                            b"x=1")
     assert json.loads(call.body) == body
-    key = request_key(call.path, call.body, load_tokenizer(EXPORT))
+    key = request_key(call.path, call.body,
+                      PromptEncoder(load_tokenizer(EXPORT), special_in_content=False))
     assert key and prefix == prefix_blocks(key)
 
 

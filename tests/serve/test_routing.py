@@ -164,24 +164,26 @@ def test_no_candidates_is_a_clear_error():
         _router().choose((), {})
 
 
-def _tokenizer():
+def _prompts():
+    """The encoder a replica of the test export has by default."""
+    from onnx_chunk.text.prompt import PromptEncoder
     from onnx_chunk.text.tokenizer import load_tokenizer
     from tests.serve.conftest import EXPORT
 
-    return load_tokenizer(EXPORT)
+    return PromptEncoder(load_tokenizer(EXPORT), special_in_content=False)
 
 
 def test_a_chat_key_is_its_rendering_and_the_next_turn_extends_it():
-    tokenizer = _tokenizer()
+    prompts = _prompts()
     first = [{"role": "user", "content": "Hi there, tell me about lighthouses."}]
     later = first + [{"role": "assistant", "content": "They guide ships."},
                      {"role": "user", "content": "Who keeps them?"}]
 
     def key(messages: list[dict[str, str]]) -> str:
         return request_key("/v1/chat/completions",
-                           json.dumps({"messages": messages}).encode(), tokenizer)
+                           json.dumps({"messages": messages}).encode(), prompts)
 
-    assert key(first) == tokenizer.apply_chat_template(first, add_generation_prompt=True)
+    assert key(first) == prompts.tokenizer.apply_chat_template(first, add_generation_prompt=True)
     assert key(later).startswith(key(first))
     shared = len(prefix_blocks(key(first)))
     assert shared > 0
@@ -206,13 +208,13 @@ def test_a_completion_key_is_its_prompt_or_its_ids_as_text():
     ("/health", b""),
 ])
 def test_a_body_the_replica_will_refuse_or_another_path_has_no_key(path, body):
-    assert request_key(path, body, _tokenizer()) == ""
+    assert request_key(path, body, _prompts()) == ""
 
 
 def test_a_chat_rendering_over_the_bound_has_no_key():
     messages = [{"role": "user", "content": "y" * 5000}]
     assert request_key("/v1/chat/completions", json.dumps({"messages": messages}).encode(),
-                       _tokenizer(), max_chars=4000) == ""
+                       _prompts(), max_chars=4000) == ""
 
 
 def test_in_flight_choices_count_until_confirmed_or_expired():

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from onnx_chunk.serve.protocol import RequestError
-from onnx_chunk.serve.tools import call_schema, check_auto, tool_fields, tool_message
+from onnx_chunk.serve.tools import call_schema, check_auto, tool_message
 
 TOOLS = [{"type": "function", "function": {"name": "a", "parameters": {
     "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}},
@@ -64,14 +64,3 @@ def test_auto_needs_a_hermes_template():
     for source in (None, "{{ messages }}"):
         with pytest.raises(RequestError, match="Hermes"):
             check_auto(source)
-
-
-def test_message_tool_fields_reach_the_template_as_objects():
-    fields = tool_fields({"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
-                          "function": {"name": "a", "arguments": "{\"x\": 1}"}}]}, "m")
-    assert fields["tool_calls"][0]["function"]["arguments"] == {"x": 1}
-    assert tool_fields({"role": "tool", "tool_call_id": "c", "content": "1"}, "m") == {
-        "tool_call_id": "c"}
-    with pytest.raises(RequestError, match="not JSON"):
-        tool_fields({"role": "assistant", "tool_calls": [{"function": {
-            "name": "a", "arguments": "{"}}]}, "m")

@@ -18,6 +18,7 @@ from onnx_chunk.runtime import load
 from onnx_chunk.sampling import Sampler
 from onnx_chunk.text.chat_template import ChatTemplateFault
 from onnx_chunk.text.conversation import Conversation
+from onnx_chunk.text.prompt import PromptEncoder
 from onnx_chunk.text.tokenizer import Tokenizer
 from tests.text.conftest import tokenizer_config, write_tokenizer
 
@@ -171,7 +172,7 @@ def test_a_stop_string_cancels_the_request_and_ends_with_the_token_that_complete
     greedy = runtime.generate_text(PROMPT, 24)
     stop = _stop_in(greedy.text)
     # Each forward takes a while, so the request is still running when the stop shows.
-    runner = type(runtime.runner)
+    runner = type(runtime.debug.runner)
     original = runner.run
 
     def slow(self, *args, **kwargs):
@@ -221,7 +222,7 @@ def test_a_stop_string_begun_before_the_last_token_submits_the_whole_rendering(t
     assert "".join(chat.say("Hello there", 16, stop=stop)) == reply[:reply.find(stop)]
     "".join(chat.say("And then?", 4))
     turn = chat.last_turn
-    whole = tokenizer.encode_chat(chat.messages[:-1], special_in_content=True)
+    whole = PromptEncoder(tokenizer).encode(chat.messages[:-1])
     if begins == "in the last token":  # the kept tokens stand for the text before the stop
         assert turn.how == "text prefix" and len(turn.fed_ids) < len(whole) // 2
     else:

@@ -1,0 +1,143 @@
+"""The one prompt encoder: a prompt (text, or messages with optional tools) to token ids.
+
+Every entry point that feeds a prompt to the model turns it into ids here: `generate_text`,
+`stream_text` and `generate --prompt`, a `Conversation`'s turns, the server's chat and
+completion endpoints, `/tokenize`, and the Ray ingress's routing key (which renders what the
+replica renders, without encoding it). A `PromptEncoder` holds the policy:
+
+- text is encoded with the tokenizer's special tokens (BOS where its post-processor adds one),
+  the special tokens spelled in it parsed as control tokens, as transformers' `encode` does;
+- messages are rendered through the chat template (with `tools` as transformers passes them
+  and the generation prompt) and encoded without adding special tokens, as transformers'
+  `apply_chat_template(tokenize=True)` does;
+- `special_in_content`: the special tokens typed in the messages' role and content become
+  control tokens (transformers' behaviour, the Python API's); False keeps them as text, as
+  OpenAI's API treats content (a user cannot forge a turn): the typed strings are swapped for
+  placeholders before rendering, and each placeholder left in the rendering is encoded as the
+  plain text of what it stands for;
+- `max_tokens`: a prompt too long to be that many tokens is refused (CapacityError) before it
+  is encoded (text: by its length; messages: as the template renders).
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from onnx_chunk.errors import CapacityError
+from onnx_chunk.text.chat_template import RenderTooLong
+
+if TYPE_CHECKING:
+    from onnx_chunk.text.tokenizer import Tokenizer
+
+# Text, or a conversation: [{"role": ..., "content": ...}, ...].
+Prompt = str | Sequence[Mapping[str, Any]]
+Tools = Sequence[Mapping[str, Any]]
+
+# The message fields whose typed special tokens are kept as text.
+_TYPED_FIELDS = ("role", "content")
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    """Messages through the chat template: the text (typed special tokens as typed) and the
+    ids it is fed as."""
+
+    text: str
+    ids: list[int]
+
+
+@dataclass(frozen=True)
+class _Rendering:
+    """A rendering whose typed special tokens are placeholders `\\ue000NONCE<i>\\ue001`."""
+
+    text: str
+    typed: list[str]
+    nonce: str
+
+    def pieces(self) -> list[str]:
+        """The rendering split at its placeholders: text at even places, a placeholder's
+        index at odd ones."""
+        if not self.typed:
+            return [self.text]
+        return re.split(f"\ue000{self.nonce}(\\d+)\ue001", self.text)
+
+    def restored(self) -> str:
+        """The rendering with each placeholder back to what was typed."""
+        return "".join(self.typed[int(piece)] if index % 2 else piece
+                       for index, piece in enumerate(self.pieces()))
+
+
+class PromptEncoder:
+    """Prompts to ids for one tokenizer under one special-token policy (module docstring)."""
+
+    def __init__(self, tokenizer: Tokenizer, *, special_in_content: bool = True,
+                 max_tokens: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.special_in_content = special_in_content
+        self.max_tokens = max_tokens
+
+    def encode(self, prompt: Prompt, *, tools: Tools | None = None,
+               add_generation_prompt: bool = True, add_special_tokens: bool = True
+               ) -> list[int]:
+        """The ids `prompt` is fed as; `add_special_tokens` (text only: for messages the
+        template writes the special tokens) adds what the tokenizer's post-processor adds."""
+        if isinstance(prompt, str):
+            if self.max_tokens is not None:
+                self.tokenizer.check_fits(prompt, self.max_tokens)
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        return self.render(prompt, tools=tools, add_generation_prompt=add_generation_prompt).ids
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *, tools: Tools | None = None,
+               add_generation_prompt: bool = True) -> RenderedChat:
+        """The rendering of `messages` and its ids (for a caller that matches the text of one
+        turn against the next)."""
+        span = self.tokenizer.max_token_chars
+        bound = None if self.max_tokens is None or span is None else self.max_tokens * span
+        try:
+            rendering = self._render(messages, tools, add_generation_prompt, bound)
+        except RenderTooLong as error:
+            raise CapacityError(
+                f"the chat template renders these messages into more than {error.max_chars} "
+                f"characters, more than {self.max_tokens} tokens can hold (a token of this "
+                f"tokenizer stands for at most {span} characters; the KV capacity is "
+                f"{self.max_tokens}); shorten the conversation") from error
+        tokenizer = self.tokenizer
+        ids: list[int] = []
+        pieces = rendering.pieces()
+        for index, piece in enumerate(pieces):
+            if index % 2:
+                ids += tokenizer.encode(rendering.typed[int(piece)], add_special_tokens=False,
+                                        special_as_text=True)
+            elif piece:
+                ids += tokenizer.encode(piece, add_special_tokens=False)
+        return RenderedChat(rendering.restored(), ids)
+
+    def render_text(self, messages: Sequence[Mapping[str, Any]], *, tools: Tools | None = None,
+                    max_chars: int | None = None) -> str:
+        """The text `encode` feeds for `messages` (with the generation prompt), not encoded:
+        the router's key; RenderTooLong past `max_chars` characters."""
+        return self._render(messages, tools, True, max_chars).restored()
+
+    def _render(self, messages: Sequence[Mapping[str, Any]], tools: Tools | None,
+                add_generation_prompt: bool, max_chars: int | None) -> _Rendering:
+        rendered: list[dict[str, Any]] = [dict(message) for message in messages]
+        typed: list[str] = []
+        nonce = uuid.uuid4().hex
+        pattern = None if self.special_in_content else self.tokenizer.special_pattern
+        if pattern is not None:
+            def placeholder(match: re.Match) -> str:
+                typed.append(match.group())
+                return f"\ue000{nonce}{len(typed) - 1}\ue001"
+
+            for message in rendered:
+                for field in _TYPED_FIELDS:
+                    if isinstance(message.get(field), str):
+                        message[field] = pattern.sub(placeholder, message[field])
+        text = self.tokenizer.apply_chat_template(
+            rendered, add_generation_prompt=add_generation_prompt, max_chars=max_chars,
+            tools=tools or None)
+        return _Rendering(text, typed, nonce)
