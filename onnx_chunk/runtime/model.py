@@ -53,12 +53,7 @@ from onnx_chunk.runtime.engine.request import Request
 from onnx_chunk.runtime.engine.sequence import Sequence
 from onnx_chunk.runtime.engine.sequence_pool import DEFAULT_IDLE_SLOTS, SequencePool, new_slot
 from onnx_chunk.runtime.engine.speculation import Speculation
-from onnx_chunk.runtime.options import (
-    LoadArguments,
-    RuntimeOptions,
-    checked_arguments,
-    resolve_options,
-)
+from onnx_chunk.runtime.options import ResolvedOptions, RuntimeOptions, resolve_options
 from onnx_chunk.runtime.runner.attention_mask import AttentionMask, mask_kind
 from onnx_chunk.runtime.runner.chunk_mask import chunk_mask_kind
 from onnx_chunk.runtime.runner.model_runner import ModelRunner
@@ -87,7 +82,7 @@ class RuntimeDebug:
     model_path: Path
     genai: GenaiConfig | None
     plan: ChunkPlan
-    options: RuntimeOptions
+    options: ResolvedOptions
     ports: ModelPorts
     device: Device
     weights: SharedWeights
@@ -104,7 +99,9 @@ class RuntimeDebug:
 class Runtime:
     """One decoder loaded on one device for chunked prefill and generation (ids or text).
 
-    `load(model_path, **options)` is the same call.
+    `load(model_path, **options)` is the same call. The options are `RuntimeOptions`' fields,
+    checked before the model is read (ConfigError); what the runtime resolves from them (its
+    capacity, ladder, padding, ...) is in `stats`.
 
     model_path: the decoder's .onnx file, or its folder (the decoder genai_config.json names,
         else model.onnx). A genai_config.json that applies to the decoder gives the defaults
@@ -182,12 +179,12 @@ class Runtime:
     ) -> None:
         # Two ONNX Runtime wheels in one folder overwrite each other's module: say so first.
         check_one_wheel()
-        args = checked_arguments(LoadArguments(
+        args = RuntimeOptions(
             provider=provider, device_id=device_id, capacity=capacity, chunk_size=chunk_size,
             padding=padding, specialize=specialize, max_variants=max_variants,
             mask_policy=mask_policy, intra_op_threads=intra_op_threads, cuda_graphs=cuda_graphs,
             device=device, idle_sequences=idle_sequences, max_batch=max_batch,
-            max_queue=max_queue, prefix_reuse=prefix_reuse, speculative=speculative))
+            max_queue=max_queue, prefix_reuse=prefix_reuse, speculative=speculative)
         check_utf8_path(model_path)
         location = locate_model(model_path)
         self.model_path: Path = location.onnx_path
@@ -200,7 +197,7 @@ class Runtime:
         if plan is None:
             plan = _analyzed(self.model_path, args.chunk_size, model.data_files())
         self.plan: ChunkPlan = plan
-        self.options: RuntimeOptions = resolve_options(
+        self.options: ResolvedOptions = resolve_options(
             args, plan=plan, genai=genai, model=model,
             device=(device if device is not None
                     else resolve_device(provider, device_id, mask_policy, cuda_graphs)))
