@@ -68,12 +68,12 @@ try:
     import onnx_chunk
     from onnx_chunk.ladder import DECODE_WIDTH
     from onnx_chunk.models import build_decoder
+    from onnx_chunk.runtime import GenerationStats, SequenceStats
     from onnx_chunk.runtime.caches import variant_pool
     from onnx_chunk.runtime.caches.variant_cache import variant_key
     from onnx_chunk.runtime.device.memory import cuda_used_bytes, cudart, meter_for
     from onnx_chunk.runtime.device.provider import Device, MaskPolicy, device_for, probe_cuda
     from onnx_chunk.runtime.device.session_factory import SessionFactory, SharedWeights
-    from onnx_chunk.runtime.stats import GenerationStats, SequenceStats
     IMPORT_ERROR = None
 except Exception as error:  # any import failure becomes the table's one row
     IMPORT_ERROR = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"

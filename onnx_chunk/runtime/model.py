@@ -57,7 +57,7 @@ from onnx_chunk.runtime.options import ResolvedOptions, RuntimeOptions, resolve_
 from onnx_chunk.runtime.runner.attention_mask import AttentionMask, mask_kind
 from onnx_chunk.runtime.runner.chunk_mask import chunk_mask_kind
 from onnx_chunk.runtime.runner.model_runner import ModelRunner
-from onnx_chunk.runtime.runner.ports import ModelPorts
+from onnx_chunk.runtime.state.ports import ModelPorts
 from onnx_chunk.runtime.stats import RuntimeStats, kv_dtype_name
 from onnx_chunk.sampling import GREEDY, Sampler
 
@@ -482,7 +482,7 @@ class Runtime:
     def stats(self) -> RuntimeStats:
         """The runtime's configuration and its variant cache's counters, now (a snapshot).
 
-        A property; the old call `runtime.stats` still works and warns (DeprecationWarning).
+        A property; the old call `runtime.stats()` still works and warns (DeprecationWarning).
         """
         options = self.options
         graphs = self.variants.graphs.snapshot()

@@ -51,7 +51,7 @@ from onnx_chunk.runtime.engine.batch_engine import DEFAULT_MAX_QUEUE
 from onnx_chunk.runtime.engine.sequence_pool import DEFAULT_IDLE_SLOTS
 from onnx_chunk.runtime.engine.speculation import SPECULATIVE_CHOICES, speculation_refused
 from onnx_chunk.runtime.runner.padding import resolve_padding
-from onnx_chunk.runtime.runner.ports import ModelPorts, model_ports
+from onnx_chunk.runtime.state.ports import ModelPorts, model_ports
 
 logger = logging.getLogger(__name__)
 

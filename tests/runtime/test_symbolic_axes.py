@@ -14,7 +14,7 @@ from onnx_chunk.model_io import load_model
 from onnx_chunk.models.reference import ReferenceDecoder
 from onnx_chunk.passes import analyze
 from onnx_chunk.runtime import load
-from onnx_chunk.runtime.runner.ports import model_ports
+from onnx_chunk.runtime.state.ports import model_ports
 from tests.validate.mutations import copy_model, edit_graph
 
 HEAD_AXIS = 3

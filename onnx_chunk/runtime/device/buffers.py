@@ -35,7 +35,7 @@ from onnx_chunk.runtime.device.allocation import owned_zeros
 from onnx_chunk.runtime.device.memory import cudart
 from onnx_chunk.runtime.device.provider import Device
 from onnx_chunk.runtime.device.transfers import Transfers
-from onnx_chunk.runtime.runner.ports import BufferPort
+from onnx_chunk.runtime.state.ports import BufferPort
 
 logger = logging.getLogger(__name__)
 

@@ -78,9 +78,9 @@ import onnxruntime as ort
 
 from onnx_chunk.errors import ConfigError, ModelLoadError, ProviderError
 from onnx_chunk.model_file import ExternalData, ModelFile, TensorRef, numpy_dtype, tensor_nbytes
+from onnx_chunk.runtime.device.logits_row import select_row
 from onnx_chunk.runtime.device.memory import MemoryMeter, measured
 from onnx_chunk.runtime.device.provider import Device
-from onnx_chunk.runtime.runner.logits_row import select_row
 
 logger = logging.getLogger(__name__)
 

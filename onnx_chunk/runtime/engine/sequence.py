@@ -39,13 +39,13 @@ from onnx_chunk.errors import (
 )
 from onnx_chunk.runtime.device.buffers import SequenceBuffers
 from onnx_chunk.runtime.engine.batch_engine import SequenceEngine, StepResult
+from onnx_chunk.runtime.engine.counters import GenerationStats, SequenceStats
 from onnx_chunk.runtime.engine.kv_state import LogicalLength
 from onnx_chunk.runtime.engine.kv_window import rewind_is_exact
 from onnx_chunk.runtime.engine.scheduler import prefill_chunks
 from onnx_chunk.runtime.engine.sequence_pool import SequencePool
 from onnx_chunk.runtime.engine.speculation import Speculation
 from onnx_chunk.runtime.runner.model_runner import Forward, LogitsRows, ModelRunner, Row
-from onnx_chunk.runtime.stats import GenerationStats, SequenceStats
 from onnx_chunk.sampling import GREEDY, Sampler, Sampling
 
 

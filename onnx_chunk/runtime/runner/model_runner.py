@@ -48,14 +48,14 @@ from onnx_chunk.runtime.caches.cuda_graphs import CAPTURE_GATE, GraphRuns
 from onnx_chunk.runtime.caches.variant_cache import Specialize, VariantKey, variant_key
 from onnx_chunk.runtime.caches.variant_pool import VariantPool
 from onnx_chunk.runtime.device.buffers import DeviceBuffer, device_zeros
+from onnx_chunk.runtime.device.logits_row import ALL_ROWS, ROW_INPUT
 from onnx_chunk.runtime.device.provider import Device
 from onnx_chunk.runtime.runner.forward import Forward, ForwardRunner, LogitsRows, Ran, Row
 from onnx_chunk.runtime.runner.idle_rows import evicting_rows
-from onnx_chunk.runtime.runner.logits_row import ALL_ROWS, ROW_INPUT
 from onnx_chunk.runtime.runner.native_chunks import NativePlan, NativeRow, plan_native
 from onnx_chunk.runtime.runner.padding import PaddedForward, QueryAxisShrunk, plan_forward
-from onnx_chunk.runtime.runner.ports import LOGITS_OUTPUT, ModelPorts
 from onnx_chunk.runtime.runner.slot import Length, Slot
+from onnx_chunk.runtime.state.ports import LOGITS_OUTPUT, ModelPorts
 
 # Bindings that capture no graph (and their logits buffers) a slot keeps on one shape-generic
 # session: the decode width and the latest prefill width. Capturing bindings are bounded by the
