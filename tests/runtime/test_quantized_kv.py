@@ -87,7 +87,7 @@ def _agreement(ours: list[list[int]], float_cache: list[list[int]]) -> float:
 def test_sequence_and_engine_run_the_quantized_cache(fixture, kv_dtype, quantized, capsys):
     folder = quantized(fixture, kv_dtype)
     with load(fixture.folder, provider="cpu", chunk_size=W) as plain:
-        prompts = _prompts(plain.ports.vocab_size)
+        prompts = _prompts(plain.stats.vocab_size)
         float_tokens = _alone(plain, prompts)
         with plain.open_sequence() as sequence:
             float_logits = sequence.prefill(prompts[2], all_logits=True)
@@ -119,7 +119,7 @@ def test_prefix_reuse_over_a_quantized_cache_changes_no_token(fixture, kv_dtype,
     folder = quantized(fixture, kv_dtype)
     options = {"provider": "cpu", "chunk_size": W, "max_batch": 2}
     with load(folder, **options, prefix_reuse=False) as fresh:
-        first = _prompts(fresh.ports.vocab_size, (30,))[0]
+        first = _prompts(fresh.stats.vocab_size, (30,))[0]
         answer = fresh.submit(first, NEW, eos_token_id=[]).result(timeout=120)
         follow = first + answer + [5, 6, 7]
         expected = fresh.submit(follow, NEW, eos_token_id=[]).result(timeout=120)
@@ -140,7 +140,7 @@ def test_speculative_verification_over_a_quantized_cache_keeps_greedy_tokens(fix
     a 2-slot engine)."""
     folder = quantized(fixture, kv_dtype)
     with load(folder, provider="cpu", chunk_size=W, max_batch=2) as plain:
-        vocab = plain.ports.vocab_size
+        vocab = plain.stats.vocab_size
         rng = np.random.default_rng(5)
         motif = rng.integers(3, vocab, 6).tolist()
         prompts = [motif * 6, rng.integers(3, vocab, 20).tolist() + motif * 4,
@@ -169,7 +169,7 @@ def test_onnxruntime_genai_runs_the_quantized_folder(quantized, peer_python):
     for kv_dtype in KV_DTYPES:
         folder = quantized(fixture, kv_dtype)
         with load(folder, provider="cpu") as runtime:
-            prompts = _prompts(runtime.ports.vocab_size, (9, 40))
+            prompts = _prompts(runtime.stats.vocab_size, (9, 40))
             ours = [runtime.open_sequence().generate(prompt, 8) for prompt in prompts]
         child = subprocess.run(environment.worker_argv(peer_python, "genai_worker", {
             "model": str(folder), "prompts": prompts, "new_tokens": 8, "chunk_size": 0}),
@@ -190,7 +190,7 @@ def test_the_device_path_runs_the_quantized_cache(kv_dtype, quantized, monkeypat
     fixture = next(fixture for fixture in FIXTURES if fixture.name == "genai-llama-fp32")
     folder = quantized(fixture, kv_dtype)
     with load(folder, provider="cpu", chunk_size=W, max_batch=2) as host:
-        prompts = _prompts(host.ports.vocab_size)
+        prompts = _prompts(host.stats.vocab_size)
         expected = _alone(host, prompts)
     device = dataclasses.replace(device_for("cpu"), host_visible=False,
                                  mask_policy=MaskPolicy.CAPACITY)

@@ -302,6 +302,12 @@ class BatchEngine:
             self._cond.notify_all()
 
     @property
+    def batch_number(self) -> int:
+        """The slot number of the batched decode's buffers (its bindings and graphs hang off
+        it, as a sequence's off its slot)."""
+        return self._batch.number
+
+    @property
     def stats(self) -> EngineStats:
         with self._lock:
             return EngineStats(slots=self.slots,

@@ -174,7 +174,7 @@ class Sequence:
         """Generation: the new tokens (stopping after an end-of-sequence id if one comes).
 
         `eos_token_id`: one id or a sequence of ids, each in [0, vocab); None: the runtime's
-        (`Runtime.options.eos_token_ids`). `sampling` chooses each token (default greedy: the
+        (`Runtime.stats.eos_token_ids`). `sampling` chooses each token (default greedy: the
         argmax).
         The last token returned is not fed back, so the sequence then holds
         len(prompt) + len(tokens) - 1 positions more than before.
