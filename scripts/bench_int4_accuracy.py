@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> dict:
         arms.append(("int8 matmul", folder, ["--int8-matmul"]))
     if float_folder is not None:
         arms.append(("float32 weights", float_folder, []))
-    load_before = accuracy._load_average()
+    load_before = accuracy.load_average()
     results: dict[str, dict[str, Any]] = {}
     commands: dict[str, str] = {}
     for name, source, options in arms:
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> dict:
               f"({results[name]['seconds']} s)", file=sys.stderr, flush=True)
     return {"model": str(folder), "float_model": str(float_folder) if float_folder else None,
             "cpu": accuracy.cpu_description(), "load_before": load_before,
-            "load_after": accuracy._load_average(), "windows": len(windows),
+            "load_after": accuracy.load_average(), "windows": len(windows),
             "window": args.window, "chunk_size": args.chunk_size, "held_out_tokens": len(ids),
             "prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
             "new_tokens": args.new_tokens, "convert_commands": commands, "results": results}
@@ -119,7 +119,7 @@ def table(report: dict, argv: list[str]) -> str:
                      f"{result['perplexity'] / floor['perplexity']:.4f}" if floor else "-",
                      f"{100 * result['row_agreement']:.1f}%",
                      f"{100 * result['greedy_agreement']:.1f}%",
-                     accuracy._divergence(result["first_divergence"], report["new_tokens"])])
+                     accuracy.divergence(result["first_divergence"], report["new_tokens"])])
     return "\n".join([
         "`" + " ".join(["python scripts/bench_int4_accuracy.py", *argv]) + "`",
         f"CPU: {report['cpu']}; load average {report['load_before']} before, "

@@ -59,7 +59,7 @@ class BadInput(Exception):
     """A command-line value the benchmark cannot use (one error line, exit 2)."""
 
 
-def _load_average() -> str:
+def load_average() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
@@ -197,7 +197,7 @@ def measure(folder: Path, windows: list[list[int]], prompts: list[list[int]], ne
     return result
 
 
-def _divergence(values: list[int | None], new_tokens: int) -> str:
+def divergence(values: list[int | None], new_tokens: int) -> str:
     return ", ".join("none" if value is None else str(value) for value in values) + \
         f" (of {new_tokens})"
 
@@ -308,7 +308,7 @@ def run(args: argparse.Namespace) -> dict:
     calibration = args.out / "calibration.txt"
     calibration.write_text("\n".join(calibration_prompts(lines, args.calibration_prompts,
                                                          args.calibration_chars)) + "\n")
-    load_before = _load_average()
+    load_before = load_average()
     results: dict[str, dict[str, Any]] = {}
     commands: dict[str, str] = {}
     for name, kv_dtype, kv_scales in CACHES:
@@ -323,7 +323,7 @@ def run(args: argparse.Namespace) -> dict:
     build = folder / "BUILD.json"
     training = (json.loads(build.read_text()).get("training") if build.is_file() else None) or {}
     return {"model": str(folder), "cpu": cpu_description(), "load_before": load_before,
-            "load_after": _load_average(), "windows": len(windows), "window": args.window,
+            "load_after": load_average(), "windows": len(windows), "window": args.window,
             "chunk_size": args.chunk_size, "held_out_tokens": len(ids),
             "prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
             "new_tokens": args.new_tokens, "calibration_file": str(calibration),
@@ -340,7 +340,7 @@ def table(report: dict, argv: list[str]) -> str:
                      f"{result['perplexity'] / base['perplexity']:.4f}",
                      f"{100 * result['row_agreement']:.1f}%",
                      f"{100 * result['greedy_agreement']:.1f}%",
-                     _divergence(result["first_divergence"], report["new_tokens"]),
+                     divergence(result["first_divergence"], report["new_tokens"]),
                      f"{result['kv_bytes'] / 2**10:.0f}"])
     torch = report["torch_held_out"]
     lines = [

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     load_before = os.getloadavg()
     with load(model, provider="cpu") as runtime:
-        vocab = runtime.ports.vocab_size
+        vocab = runtime.stats.vocab_size
         prompts = [np.random.default_rng(seed).integers(3, vocab, plan["prompt_tokens"])
                    for seed in range(plan["requests"])]
 

@@ -55,21 +55,22 @@ def _bare(runtime: rt.Runtime, prompt: list[int], new_tokens: int) -> float:
     sequence = runtime.open_sequence()
     first = int(np.argmax(sequence.prefill(prompt)))
     past = sequence.length
-    vocab = runtime.ports.vocab_size
+    vocab = runtime.stats.vocab_size
     logits = np.zeros((1, 1, vocab), dtype=np.float32)
     token = np.array([[first]], dtype=np.int64)
     masks = []
     for step in range(new_tokens - 1):
         width = past + step + 1
-        if runtime.device.mask_policy is MaskPolicy.CAPACITY:
-            mask = np.zeros((1, runtime.options.capacity), dtype=np.int64)
+        if runtime.debug.device.mask_policy is MaskPolicy.CAPACITY:
+            mask = np.zeros((1, runtime.stats.capacity), dtype=np.int64)
             mask[0, :width] = 1
         else:
             mask = np.ones((1, width), dtype=np.int64)
         masks.append(mask)
     elapsed = 0.0
-    with runtime.cache.acquire(variant_key(DECODE_WIDTH, runtime.options.tiers,
-                                           runtime.options.specialize)) as session:
+    options = runtime.debug.options
+    with runtime.debug.cache.acquire(variant_key(DECODE_WIDTH, options.tiers,
+                                                 options.specialize)) as session:
         io = session.io_binding()
         sequence.buffers.bind_kv(io)
         io.bind_input("input_ids", "cpu", 0, np.int64, list(token.shape), token.ctypes.data)

@@ -222,11 +222,11 @@ def main(argv: list[str] | None = None) -> int:
                 "reuse": load(args.model, **options)}
     runs: dict[str, list[list[dict]]] = {mode: [] for mode in MODES}
     try:
-        vocab = runtimes["reuse"].ports.vocab_size
+        vocab = runtimes["reuse"].stats.vocab_size
         needed = args.system_tokens + args.turns * (args.user_tokens + args.max_tokens)
-        if needed > runtimes["reuse"].options.capacity:
+        if needed > runtimes["reuse"].stats.capacity:
             parser.error(f"a conversation needs {needed} positions, the capacity is "
-                         f"{runtimes['reuse'].options.capacity}")
+                         f"{runtimes['reuse'].stats.capacity}")
         system = [int(t) for t in np.random.default_rng([args.seed, 0]).integers(
             FIRST_PROMPT_ID, vocab, size=args.system_tokens)]
         for number in range(args.first, args.first + args.conversations):

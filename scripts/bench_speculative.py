@@ -171,7 +171,7 @@ def _decode_ratio(model: Path, make_prompts: Callable[[int], list[tuple[str, lis
     runtimes = {system: onnx_chunk.load(model, provider="cpu", capacity=plan["capacity"],
                                         speculative=SPEC if system == SPEC else None)
                 for system in (SPEC, PLAIN)}
-    vocab = runtimes[PLAIN].ports.vocab_size
+    vocab = runtimes[PLAIN].stats.vocab_size
     prompts = make_prompts(vocab)
     speeds: dict[str, dict[str, list[float]]] = {SPEC: {}, PLAIN: {}}
     accepted = drafted = periodic_right = periodic_total = 0
@@ -209,7 +209,7 @@ def _decode_ratio(model: Path, make_prompts: Callable[[int], list[tuple[str, lis
 def _verify_cost(model: Path, plan: dict, rounds: int) -> dict:
     """Seconds of a (k + 1)-row verification forward and of one decode step at `past`."""
     runtime = onnx_chunk.load(model, provider="cpu", capacity=plan["capacity"])
-    vocab = runtime.ports.vocab_size
+    vocab = runtime.stats.vocab_size
     times: dict[str, list[float]] = {}
     with runtime.open_sequence() as sequence:
         sequence.prefill(seeded_prompt(plan["past"], vocab))

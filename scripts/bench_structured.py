@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     with load(model, provider="cpu") as runtime:
         tokenizer = runtime.tokenizer
         base = Sampling(temperature=1.0)
-        json_constraint(tokenizer, DOCUMENT, runtime.ports.vocab_size)  # tokenizer prep, once
+        json_constraint(tokenizer, DOCUMENT, runtime.stats.vocab_size)  # tokenizer prep, once
 
         def run_round(system: str, round_index: int) -> tuple[list[float], int]:
             rates, tokens = [], 0
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                 sampling = replace(base, seed=round_index * 1000 + request)
                 if system == SCHEMA:
                     sampling = replace(sampling, constraint=json_constraint(
-                        tokenizer, DOCUMENT, runtime.ports.vocab_size))
+                        tokenizer, DOCUMENT, runtime.stats.vocab_size))
                 completion = generate_text(EngineTokens(runtime), tokenizer, "Records:",
                                            plan["new_tokens"], sampling=sampling,
                                            ignore_eos=system == FREE)

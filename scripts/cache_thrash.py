@@ -68,11 +68,11 @@ def _run_prompt(runtime, ids: np.ndarray, new_tokens: int, record: _Pass) -> Non
     sequence = runtime.open_sequence()
     start = time.perf_counter()
     logits = None
-    for begin, end in prefill_chunks(len(ids), runtime.options.chunk_size):
-        before = runtime.cache.snapshot()
+    for begin, end in prefill_chunks(len(ids), runtime.stats.chunk_size):
+        before = runtime.debug.cache.snapshot()
         padded_before = sequence.stats.padded_rows
         logits = sequence.prefill(ids[begin:end])
-        after = runtime.cache.snapshot()
+        after = runtime.debug.cache.snapshot()
         rows = end - begin
         record.forwards.append(_Forward(len(ids), rows,
                                         rows + sequence.stats.padded_rows - padded_before,
@@ -80,10 +80,10 @@ def _run_prompt(runtime, ids: np.ndarray, new_tokens: int, record: _Pass) -> Non
     assert logits is not None  # the prompt has at least one chunk
     record.logits[len(ids)] = np.asarray(logits, dtype=np.float32)
     tokens = [int(np.argmax(logits))]
-    before = runtime.cache.snapshot()
+    before = runtime.debug.cache.snapshot()
     while len(tokens) < new_tokens:
         tokens.append(int(np.argmax(sequence.decode(tokens[-1]))))
-    after = runtime.cache.snapshot()
+    after = runtime.debug.cache.snapshot()
     # The decode steps, as one row: a decode variant evicted by a remainder is rebuilt here.
     record.forwards.append(_Forward(len(ids), 1, 1, after.compiles - before.compiles,
                                     after.evictions))
@@ -106,14 +106,14 @@ def _run_mode(model: Path, padding: bool, specialize, lengths, chunk_size: int, 
     passes = [_Pass(), _Pass()]
     for record in passes:
         for length in lengths:
-            ids = np.random.default_rng(length).integers(0, runtime.ports.vocab_size, length)
+            ids = np.random.default_rng(length).integers(0, runtime.stats.vocab_size, length)
             _run_prompt(runtime, ids, new_tokens, record)
     return runtime, passes
 
 
 def _print_mode(title: str, runtime, passes: list[_Pass]) -> None:
-    click.echo(f"\n== {title} (provider {runtime.provider}, W={runtime.options.chunk_size}, "
-               f"ladder {list(runtime.options.tiers)}, cap {runtime.cache.cap})")
+    click.echo(f"\n== {title} (provider {runtime.stats.provider}, W={runtime.stats.chunk_size}, "
+               f"ladder {list(runtime.stats.ladder)}, cap {runtime.debug.cache.cap})")
     click.echo(f"{'pass':>4} {'prompt':>6} {'rows':>5} {'width':>5} {'built':>5} "
                f"{'evictions':>9}")
     for number, record in enumerate(passes, 1):
@@ -126,7 +126,7 @@ def _print_mode(title: str, runtime, passes: list[_Pass]) -> None:
         total = sum(record.seconds.values()) * 1000
         click.echo(f"pass {number}: {record.built} variants built; wall {total:.1f} ms; "
                    f"end-to-end {times}")
-    stats = runtime.cache.snapshot()
+    stats = runtime.debug.cache.snapshot()
     click.echo(f"cache: compiles {stats.compiles}, hits {stats.hits}, evictions "
                f"{stats.evictions}, peak variants {stats.peak_variants}/{stats.cap}, widths "
                f"{list(stats.widths)}, peak bytes held {stats.peak_bytes_held} ({stats.meter}), "
@@ -155,7 +155,7 @@ def main(model: Path | None, chunk_size: int, cap: int, provider: str, new_token
             runtime, passes = _run_mode(path, padding, specialize, prompt_lengths, chunk_size,
                                         cap, provider, new_tokens)
             _print_mode(title, runtime, passes)
-            results[title] = (runtime.cache.snapshot(), passes)
+            results[title] = (runtime.debug.cache.snapshot(), passes)
     (exact_stats, exact_passes), (_, ladder_passes), (on_stats, on_passes) = results.values()
     same = all(a.tokens == b.tokens == c.tokens
                for a, b, c in zip(exact_passes, ladder_passes, on_passes))

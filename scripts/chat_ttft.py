@@ -81,7 +81,7 @@ def main(model: Path | None, preset: str, repeats: int, reply_tokens: int, provi
             seconds, fed_all, _ = _turn_two_ttft(plain, False, reply_tokens)
             refed.append(seconds)
         kept_ms, refed_ms = statistics.median(kept) * 1e3, statistics.median(refed) * 1e3
-        print(f"model {path} on {runtime.provider}, chunk {runtime.options.chunk_size}, "
+        print(f"model {path} on {runtime.stats.provider}, chunk {runtime.stats.chunk_size}, "
               f"{repeats} repeats")
         print(f"turn 2, cache kept:   fed {fed_kept} tokens ({reused} held)  "
               f"median ttft {kept_ms:.2f} ms")

@@ -102,8 +102,8 @@ def probe(args: argparse.Namespace) -> None:
         with step(f"graphs {label}"):
             base = meter.used_bytes()
             runtime = onnx_chunk.load(model, device=device, capacity=capacity, chunk_size=chunk)
-            runtime.factory.log_severity = 1  # INFO (capture lines): rebuilt so
-            runtime.cache.clear()
+            runtime.debug.factory.log_severity = 1  # INFO (capture lines): rebuilt so
+            runtime.debug.cache.clear()
             loaded, sequence = meter.used_bytes(), runtime.open_sequence()
             opened = meter.used_bytes()
             lines: list[tuple[int, int]] = []
@@ -141,8 +141,8 @@ def probe(args: argparse.Namespace) -> None:
 
 
 def extra(runtime, sequence, token: int, meter, dry: bool) -> None:
-    with runtime.cache.acquire(runtime.runner.decode_key) as session:
-        binding = runtime.variants.bindings(session, sequence.slot)[1]
+    with runtime.debug.cache.acquire(runtime.debug.runner.decode_key) as session:
+        binding = runtime.debug.variants.bindings(session, sequence.slot)[1]
     graph, lines = binding.graphs.ids[0] if binding.graphs.ids else None, list[tuple[int, int]]()
     with step("release and rerun"), ort_log(lines):
         session.release_captured_graph(graph)
@@ -164,8 +164,8 @@ def extra(runtime, sequence, token: int, meter, dry: bool) -> None:
     row("memory for 50 captures", None, f"{mib(meter.used_bytes(), before)} under 50 new "
         f"ids; {lines[-1][0]} capture lines")
     with step("placement"):
-        made = runtime.factory
-        placed = SessionFactory(made.model_path, runtime.weights, made.device,
+        made = runtime.debug.factory
+        placed = SessionFactory(made.model_path, runtime.debug.weights, made.device,
                                 query_dim=made.query_dim, fixed_dims=made.fixed_dims,
                                 session_config={"session.record_ep_graph_assignment_info": "1"}
                                 ).create(None, prepack=False)

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                                    seed=args.seed)
         eos = env.model_config(model_path)["eos_token_id"]
         runtime = load(model_path, provider="cpu", chunk_size=width, capacity=capacity)
-        prompts = [rng.integers(3, runtime.ports.vocab_size, n).tolist() for n in lengths]
+        prompts = [rng.integers(3, runtime.stats.vocab_size, n).tolist() for n in lengths]
         ours = [runtime.open_sequence().generate(prompt, args.max_new_tokens, eos)
                 for prompt in prompts]
         try:
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     version, theirs = genai["version"], [result["tokens"] for result in genai["results"]]
     print(f"onnx-chunk vs onnxruntime-genai {version}, {args.preset}/{args.variant}, "
-          f"chunk {width}, padding {'on' if runtime.padding else 'off'}")
+          f"chunk {width}, padding {runtime.stats.padding}")
     agree = True
     for prompt, mine, reference in zip(prompts, ours, theirs):
         same = mine == reference

@@ -68,12 +68,12 @@ try:
     import onnx_chunk
     from onnx_chunk.ladder import DECODE_WIDTH
     from onnx_chunk.models import build_decoder
+    from onnx_chunk.runtime import GenerationStats, SequenceStats
     from onnx_chunk.runtime.caches import variant_pool
     from onnx_chunk.runtime.caches.variant_cache import variant_key
     from onnx_chunk.runtime.device.memory import cuda_used_bytes, cudart, meter_for
     from onnx_chunk.runtime.device.provider import Device, MaskPolicy, device_for, probe_cuda
     from onnx_chunk.runtime.device.session_factory import SessionFactory, SharedWeights
-    from onnx_chunk.runtime.stats import GenerationStats, SequenceStats
     IMPORT_ERROR = None
 except Exception as error:  # any import failure becomes the table's one row
     IMPORT_ERROR = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
@@ -155,7 +155,7 @@ class _Report:
 
 
 @dataclass
-class _Run:
+class Run:
     """One runtime's results over the prompts: two passes, a second sequence, a close."""
 
     label: str
@@ -261,23 +261,23 @@ class _RunOptions(TypedDict, total=False):
 
 def _run(label: str, model: Path, device: Device, prompts, args, logs: Path, *,
          stand_in: bool = False, max_variants: int | None = None, padding: bool | None = None,
-         passes: int = 2, overlap: bool = False) -> _Run:
+         passes: int = 2, overlap: bool = False) -> Run:
     """`overlap`: the second sequence runs while the first is open (another slot, so other
     buffers and graphs), else after it closed (its pooled slot, replaying its graphs)."""
     meter = meter_for(device.device_type, device.device_id)
-    record = _Run(label, meter=meter.name)
+    record = Run(label, meter=meter.name)
     memory = record.memory
     memory["baseline"] = meter.used_bytes()
     with _marked_capturing(stand_in):
         runtime = onnx_chunk.load(model, device=device, capacity=args["capacity"],
                                   chunk_size=args["chunk_size"], max_variants=max_variants,
                                   padding=padding)
-        runtime.variants.factory.log_severity = INFO_SEVERITY
+        runtime.debug.variants.factory.log_severity = INFO_SEVERITY
         # The session load built logs at the factory's default severity: built again at INFO,
         # so that ONNX Runtime's capture lines are in the logs.
-        runtime.cache.clear()
-        record.weights_bytes = runtime.weights.nbytes
-        record.ids_per_slot = 2 if runtime.ports.state else 1
+        runtime.debug.cache.clear()
+        record.weights_bytes = runtime.debug.weights.nbytes
+        record.ids_per_slot = 2 if runtime.debug.ports.state else 1
         sequence = runtime.open_sequence()
         # The session is built by the first forward: "after load" is the weights, the KV
         # buffers and one decode-width forward's arena.
@@ -321,16 +321,17 @@ def _run(label: str, model: Path, device: Device, prompts, args, logs: Path, *,
         record.second_captures = stats.graphs_captured - captured
         record.graph_widths = stats.graph_widths
         record.capture_widths = {width for width in record.widths_used
-                                 if width == DECODE_WIDTH or width in runtime.options.tiers}
+                                 if width == DECODE_WIDTH or width in runtime.stats.ladder}
         record.fallbacks = dict(stats.graph_fallbacks)
         record.variant_bytes = dict(stats.cache.variant_bytes)
         record.evictions = stats.cache.evictions + stats.graphs.evictions
         record.graphs = dataclasses.asdict(stats.graphs)
         record.sessions, record.weights_copies = stats.sessions, stats.weights_copies
-        keys = {variant_key(width, runtime.options.tiers, runtime.options.specialize)
+        options = runtime.debug.options
+        keys = {variant_key(width, options.tiers, options.specialize)
                 for width in record.widths_used}
-        factory, weights = runtime.factory, runtime.weights
-        select_rows = runtime.variants.select_rows
+        factory, weights = runtime.debug.factory, runtime.debug.weights
+        select_rows = runtime.debug.variants.select_rows
         runtime.close()
         del runtime, sequence, second
         memory["after close"] = meter.used_bytes()
@@ -369,7 +370,7 @@ def _placement(factory: SessionFactory, weights: SharedWeights, keys,
     return placement
 
 
-def _parity(cpu: _Run, device: _Run) -> tuple[bool, str]:
+def parity(cpu: Run, device: Run) -> tuple[bool, str]:
     """CPU float32 against device float16: first tokens (near ties excused) and logits."""
     count = len(cpu.tokens)
     scale = max(float(np.abs(logits).max()) for logits in cpu.prompt_logits)
@@ -390,7 +391,7 @@ def _parity(cpu: _Run, device: _Run) -> tuple[bool, str]:
     return passed, detail
 
 
-def _max_diff(a: _Run, b: _Run) -> float:
+def _max_diff(a: Run, b: Run) -> float:
     return max(float(np.abs(x - y).max()) for x, y in zip(a.prompt_logits, b.prompt_logits))
 
 
@@ -455,7 +456,7 @@ def _gpu_description(device_id: int) -> str:
     return f"{text[:200]}; cudaMemGetInfo used {_mib(used)}"
 
 
-def _capture_rows(report: _Report, run: _Run, dry_run: bool) -> None:
+def _capture_rows(report: _Report, run: Run, dry_run: bool) -> None:
     specialised = run.capture_widths
     expected = {width: run.ids_per_slot for width in sorted(specialised)}
     first, second = run.captures
@@ -483,7 +484,7 @@ def _capture_rows(report: _Report, run: _Run, dry_run: bool) -> None:
                  "replay the first sequence's graphs)")
 
 
-def _load_rows(report: _Report, run: _Run, dry_run: bool) -> None:
+def _load_rows(report: _Report, run: Run, dry_run: bool) -> None:
     """Device bytes after load against weights + KV; flat while new widths arrive."""
     memory = run.memory
     held = _delta(memory, "after load", "baseline")
@@ -532,7 +533,7 @@ def _engine(model: Path, device: Device, prompts, args, stand_in: bool) -> dict:
                 "sessions": stats.sessions, "rows_per_step": stats.engine.rows_per_decode_step}
 
 
-def _memory_rows(report: _Report, run: _Run, dry_run: bool, name: str) -> None:
+def _memory_rows(report: _Report, run: Run, dry_run: bool, name: str) -> None:
     memory = run.memory
     back = _delta(memory, "after close", "baseline")
     checks = [back is not None and back <= CLOSE_SLACK_BYTES]
@@ -547,7 +548,7 @@ def _memory_rows(report: _Report, run: _Run, dry_run: bool, name: str) -> None:
                  f"{readings}; {detail}")
 
 
-def _placement_row(report: _Report, run: _Run) -> None:
+def _placement_row(report: _Report, run: Run) -> None:
     if "error" in run.placement:
         report.judge("node placement", False, f"could not be read: {run.placement['error']}")
         return
@@ -568,9 +569,9 @@ def _weights_experiment(model: Path, device: Device, args, logs: Path) -> dict:
     meter = meter_for(device.device_type, device.device_id)
     runtime = onnx_chunk.load(model, device=device, capacity=args["capacity"],
                               chunk_size=args["chunk_size"], specialize=True)
-    width = runtime.options.chunk_size
-    factory = runtime.factory
-    host = runtime.weights
+    width = runtime.stats.chunk_size
+    factory = runtime.debug.factory
+    host = runtime.debug.weights
     owned, views = [], []
     allocated_before = meter.used_bytes()
     for host_value in host.values:
@@ -603,7 +604,7 @@ def _weights_experiment(model: Path, device: Device, args, logs: Path) -> dict:
     return result
 
 
-def _weights_rows(report: _Report, run: _Run, experiment: dict | None, dry_run: bool) -> None:
+def _weights_rows(report: _Report, run: Run, experiment: dict | None, dry_run: bool) -> None:
     weights = run.weights_bytes
     sizes = [size for size in run.variant_bytes.values() if size]
     # The design: one session per model holding one copy (docs/cuda.md); its build reading
@@ -700,12 +701,12 @@ def _check(report: _Report, dry_run: bool, preset: str, chunk_size: int, capacit
     args = {"capacity": capacity, "chunk_size": chunk_size, "new_tokens": new_tokens}
     with onnx_chunk.load(models[CPU_DTYPE], device=device_for("cpu"), capacity=capacity,
                          chunk_size=chunk_size) as probe:
-        prompts = _prompts(probe.options.chunk_size, probe.options.capacity, new_tokens,
-                           probe.ports.vocab_size)
+        prompts = _prompts(probe.stats.chunk_size, probe.stats.capacity, new_tokens,
+                           probe.stats.vocab_size)
     report.add("setup", "info", f"{on.label}{', dry run on CPU' if dry_run else ''}; preset "
                f"{preset}; prompts {[len(p) for p in prompts]}, W={chunk_size}, capacity "
                f"{capacity}, {new_tokens} new tokens")
-    runs: dict[str, _Run] = {}
+    runs: dict[str, Run] = {}
     # Padding on in both device runs, so graphs off and on run the same widths and kernels.
     plan: tuple[tuple[str, Device, str, _RunOptions], ...] = (
         ("cpu", device_for("cpu"), CPU_DTYPE, {}),
@@ -731,7 +732,7 @@ def _check(report: _Report, dry_run: bool, preset: str, chunk_size: int, capacit
     cpu, graphs_off, graphs_on = runs.get("cpu"), runs.get("graphs off"), runs.get("graphs on")
     with report.step("compare cpu and device"):
         if cpu and graphs_off:
-            report.judge("greedy tokens cpu vs device", *_parity(cpu, graphs_off))
+            report.judge("greedy tokens cpu vs device", *parity(cpu, graphs_off))
     with report.step("compare graphs off and on"):
         if graphs_off and graphs_on:
             scale = max(float(np.abs(logits).max()) for logits in graphs_off.prompt_logits)

@@ -263,7 +263,7 @@ def _prompts(model: Path, args: argparse.Namespace) -> tuple[list[list[int]], in
     from onnx_chunk.runtime import load
 
     with load(model, provider="cpu") as runtime:
-        capacity, vocab = runtime.options.capacity, runtime.ports.vocab_size
+        capacity, vocab = runtime.stats.capacity, runtime.stats.vocab_size
     longest = min(args.max_prompt, capacity - args.max_tokens)
     rng = np.random.default_rng(args.seed)
     lengths = rng.integers(1, longest + 1, size=args.requests)

@@ -38,7 +38,8 @@ PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x
              "manylinux2014_x86_64"]
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
+    """The hex SHA-256 of the file at `path`, read in 1 MiB blocks."""
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
@@ -63,8 +64,8 @@ def prepare(version: str, python_version: str, part_mib: int) -> int:
             for index, block in enumerate(iter(lambda: handle.read(part_size), b"")):
                 part = STAGE / f"part-{index:02d}"
                 part.write_bytes(block)
-                parts.append({"name": part.name, "sha256": _sha256(part), "bytes": len(block)})
-        manifest = {"wheel": wheel.name, "sha256": _sha256(wheel), "parts": parts}
+                parts.append({"name": part.name, "sha256": sha256_of(part), "bytes": len(block)})
+        manifest = {"wheel": wheel.name, "sha256": sha256_of(wheel), "parts": parts}
     manifest_path = STAGE / "manifest.json"
     manifest_path.write_text(json.dumps(manifest, indent=2))
     print(f"{manifest['wheel']}: {len(parts)} parts of at most {part_mib} MiB in {STAGE}")
@@ -99,7 +100,7 @@ def receive(paths: list[str], then_install: bool = False) -> int:
     if (STAGE / "manifest.json").exists():
         shutil.copy(STAGE / "manifest.json", LANDING / "manifest.json")
     for path in map(Path, paths):
-        if expected.get(path.name) != _sha256(path):
+        if expected.get(path.name) != sha256_of(path):
             raise SystemExit(f"error: {path} does not match the manifest (corrupt transfer?)")
         shutil.copy(path, LANDING / path.name)
         print(f"received {path.name}")
@@ -129,7 +130,7 @@ def install() -> int:
     with wheel.open("wb") as out:
         for part in manifest["parts"]:
             out.write((LANDING / part["name"]).read_bytes())
-    if _sha256(wheel) != manifest["sha256"]:
+    if sha256_of(wheel) != manifest["sha256"]:
         raise SystemExit("error: the joined wheel does not match its sha256")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
                     "--no-compile", "--upgrade", "--target", str(SITE), str(wheel)], check=True)

@@ -5,7 +5,8 @@ onnx_chunk.model_folder), reads the chunked-prefill plan, the ports and the exte
 from the file's protobuf (`model_file`: a converted model loads without onnx or onnx_ir; an
 unconverted one runs the passes in memory) and the genai_config.json that applies to it,
 resolves the options once (`options`), loads the weights once and sets up the variant cache.
-`Runtime.open_sequence()` gives independent sequences that share all of it.
+`Runtime.open_sequence()` gives independent sequences that share all of it. Its parts are
+private: users read `Runtime.stats`, tests and diagnosis `Runtime.debug`.
 """
 
 from __future__ import annotations
@@ -53,16 +54,11 @@ from onnx_chunk.runtime.engine.request import Request
 from onnx_chunk.runtime.engine.sequence import Sequence
 from onnx_chunk.runtime.engine.sequence_pool import DEFAULT_IDLE_SLOTS, SequencePool, new_slot
 from onnx_chunk.runtime.engine.speculation import Speculation
-from onnx_chunk.runtime.options import (
-    LoadArguments,
-    RuntimeOptions,
-    checked_arguments,
-    resolve_options,
-)
+from onnx_chunk.runtime.options import ResolvedOptions, RuntimeOptions, resolve_options
 from onnx_chunk.runtime.runner.attention_mask import AttentionMask, mask_kind
 from onnx_chunk.runtime.runner.chunk_mask import chunk_mask_kind
 from onnx_chunk.runtime.runner.model_runner import ModelRunner
-from onnx_chunk.runtime.runner.ports import ModelPorts
+from onnx_chunk.runtime.state.ports import ModelPorts
 from onnx_chunk.runtime.stats import RuntimeStats, kv_dtype_name
 from onnx_chunk.sampling import GREEDY, Sampler
 
@@ -87,7 +83,7 @@ class RuntimeDebug:
     model_path: Path
     genai: GenaiConfig | None
     plan: ChunkPlan
-    options: RuntimeOptions
+    options: ResolvedOptions
     ports: ModelPorts
     device: Device
     weights: SharedWeights
@@ -104,7 +100,9 @@ class RuntimeDebug:
 class Runtime:
     """One decoder loaded on one device for chunked prefill and generation (ids or text).
 
-    `load(model_path, **options)` is the same call.
+    `load(model_path, **options)` is the same call. The options are `RuntimeOptions`' fields,
+    checked before the model is read (ConfigError); what the runtime resolves from them (its
+    capacity, ladder, padding, ...) is in `stats`.
 
     model_path: the decoder's .onnx file, or its folder (the decoder genai_config.json names,
         else model.onnx). A genai_config.json that applies to the decoder gives the defaults
@@ -182,99 +180,89 @@ class Runtime:
     ) -> None:
         # Two ONNX Runtime wheels in one folder overwrite each other's module: say so first.
         check_one_wheel()
-        args = checked_arguments(LoadArguments(
+        args = RuntimeOptions(
             provider=provider, device_id=device_id, capacity=capacity, chunk_size=chunk_size,
             padding=padding, specialize=specialize, max_variants=max_variants,
             mask_policy=mask_policy, intra_op_threads=intra_op_threads, cuda_graphs=cuda_graphs,
             device=device, idle_sequences=idle_sequences, max_batch=max_batch,
-            max_queue=max_queue, prefix_reuse=prefix_reuse, speculative=speculative))
+            max_queue=max_queue, prefix_reuse=prefix_reuse, speculative=speculative)
         check_utf8_path(model_path)
         location = locate_model(model_path)
-        self.model_path: Path = location.onnx_path
-        self.genai: GenaiConfig | None = location.genai
-        genai = self.genai or GenaiConfig(path=location.folder / "genai_config.json")
-        model = read_model_file(self.model_path, graph)
+        self._model_path: Path = location.onnx_path
+        self._genai: GenaiConfig | None = location.genai
+        genai = self._genai or GenaiConfig(path=location.folder / "genai_config.json")
+        model = read_model_file(self._model_path, graph)
         plan = read_plan(model.metadata)
         if args.chunk_size is None and (plan is None or plan.chunk_size is None):
             args = dataclasses.replace(args, chunk_size=genai.chunk_size)
         if plan is None:
-            plan = _analyzed(self.model_path, args.chunk_size, model.data_files())
-        self.plan: ChunkPlan = plan
-        self.options: RuntimeOptions = resolve_options(
+            plan = _analyzed(self._model_path, args.chunk_size, model.data_files())
+        self._plan: ChunkPlan = plan
+        self._options: ResolvedOptions = resolve_options(
             args, plan=plan, genai=genai, model=model,
             device=(device if device is not None
                     else resolve_device(provider, device_id, mask_policy, cuda_graphs)))
-        options = self.options
-        self.device: Device = options.device
-        self.ports: ModelPorts = options.ports
-        self.embeddings = self._embeddings(embeddings)
+        options = self._options
+        self._device: Device = options.device
+        self._ports: ModelPorts = options.ports
+        self._embeddings = self._embedding_table(embeddings)
         # The names the wiring below reads.
         specialize = options.specialize
         variants = options.max_variants
         fixed_dims = options.fixed_dims
         idle_sequences = options.idle_sequences
         quantized = model.uses(QUANTIZED_MATMUL, "com.microsoft")
-        meter = meter_for(self.device.device_type, self.device.device_id)
+        meter = meter_for(self._device.device_type, self._device.device_id)
         # One session (the shape-generic mode) loads its own weights the plain way; several
         # variants share one copy loaded here (see session_factory).
-        self.weights: SharedWeights = (owned_by_session(model) if specialize is False
-                                       else load_shared_weights(model, self.device, meter))
-        self.factory = SessionFactory(self.model_path, self.weights, self.device,
-                                      query_dim=self.ports.query_dim, fixed_dims=fixed_dims,
-                                      intra_op_threads=intra_op_threads, graph=graph)
+        self._weights: SharedWeights = (owned_by_session(model) if specialize is False
+                                        else load_shared_weights(model, self._device, meter))
+        self._factory = SessionFactory(self._model_path, self._weights, self._device,
+                                       query_dim=self._ports.query_dim, fixed_dims=fixed_dims,
+                                       intra_op_threads=intra_op_threads, graph=graph)
         # The variant pool, the sequence pool and the forward runner (what a sequence runs
         # on) never refer back to the runtime: no reference cycle.
-        self.variants = VariantPool(self.factory, specialize=specialize, quantized=quantized,
-                                    cap=variants, meter=meter, select_rows=options.select_rows,
-                                    padding=options.padding,
-                                    padding_refused=options.padding_refused,
-                                    graph_plan=plan_graphs(options.tiers, options.max_batch,
-                                                           bool(self.ports.state)))
-        self.cache: VariantCache[ort.InferenceSession] = self.variants.cache
+        self._variants = VariantPool(self._factory, specialize=specialize, quantized=quantized,
+                                     cap=variants, meter=meter, select_rows=options.select_rows,
+                                     padding=options.padding,
+                                     padding_refused=options.padding_refused,
+                                     graph_plan=plan_graphs(options.tiers, options.max_batch,
+                                                            bool(self._ports.state)))
+        self._cache: VariantCache[ort.InferenceSession] = self._variants.cache
         # The mask policy, chosen once: the class of every slot's and batch's mask (native
         # chunks: per-row counts of ones in a mask at least the padded width wide).
-        self.masks: type[AttentionMask] = (
-            mask_kind(self.device.mask_policy) if self.ports.query_seqlens is None
-            else chunk_mask_kind(self.device.mask_policy))
-        self.pool = SequencePool(
-            functools.partial(new_slot, self.ports, options.capacity, self.device, self.masks),
-            self.variants.release_slot, keep=idle_sequences, claim=self.variants.claim)
-        self.runner = ModelRunner(self.variants, self.ports, self.device,
-                                  capacity=options.capacity, tiers=options.tiers,
-                                  specialize=specialize, embeddings=self.embeddings)
+        self._masks: type[AttentionMask] = (
+            mask_kind(self._device.mask_policy) if self._ports.query_seqlens is None
+            else chunk_mask_kind(self._device.mask_policy))
+        self._pool = SequencePool(
+            functools.partial(new_slot, self._ports, options.capacity, self._device, self._masks),
+            self._variants.release_slot, keep=idle_sequences, claim=self._variants.claim)
+        self._runner = ModelRunner(self._variants, self._ports, self._device,
+                                   capacity=options.capacity, tiers=options.tiers,
+                                   specialize=specialize, embeddings=self._embeddings)
         self._speculation = (None if options.speculative is None
-                             else Speculation.for_ports(self.ports, quantized))
+                             else Speculation.for_ports(self._ports, quantized))
         self._engine: BatchEngine | None = None
         self._engine_lock = threading.Lock()
         self._closed = False
         # The one shape-generic session (the CPU default) serves every forward: it is built
         # here, so that `load` returns a runtime ready to run (docs/runtime.md, "Cold start").
         if specialize is False:
-            with self.cache.acquire(options.decode_key):
+            with self._cache.acquire(options.decode_key):
                 pass
         logger.info("loaded %s on %s: capacity %d, chunk %d, ladder %s, padding %s",
-                    self.model_path, self.device.label, options.capacity, options.chunk_size,
+                    self._model_path, self._device.label, options.capacity, options.chunk_size,
                     options.tiers, self._padding_mode if options.padding
                     else f"off ({options.padding_refused})")
-
-    @property
-    def provider(self) -> str:
-        """The provider the runtime runs on: "cpu" or "cuda"."""
-        return self.device.provider
-
-    @property
-    def padding(self) -> bool:
-        """Whether prefill chunks are padded up the ladder."""
-        return self.variants.padding
 
     @property
     def _padding_mode(self) -> str:
         """How remainder chunks run: "native" (right-padded, GroupQueryAttention's
         query_seqlens), "repeat" (padded rows repeat the last token and are rewound) or
         "off" (each chunk at its own width)."""
-        if not self.padding:
+        if not self._variants.padding:
             return "off"
-        return "native" if self.runner.native else "repeat"
+        return "native" if self._runner.native else "repeat"
 
     def open_sequence(self) -> Sequence:
         """A new, empty sequence with its own KV buffers, sharing this model's sessions.
@@ -284,8 +272,8 @@ class Runtime:
         """
         if self._closed:
             raise ClosedError("this runtime was closed; load the model again to open sequences")
-        return Sequence(self.runner, self.pool, chunk_size=self.options.chunk_size,
-                        eos_token_ids=self.options.eos_token_ids,
+        return Sequence(self._runner, self._pool, chunk_size=self._options.chunk_size,
+                        eos_token_ids=self._options.eos_token_ids,
                         speculation=self._speculation)
 
     def submit(self, prompt_ids: SequenceOf[int] | np.ndarray, max_new_tokens: int, *,
@@ -348,11 +336,11 @@ class Runtime:
         # Nothing was ever submitted: no engine (nor its buffers) to make for an empty step.
         return StepResult() if engine is None else engine.step()
 
-    def stop_ids(self, eos_token_id: int | SequenceOf[int] | None) -> tuple[int, ...]:
+    def _stop_ids(self, eos_token_id: int | SequenceOf[int] | None) -> tuple[int, ...]:
         """The EOS ids a generation stops at: `eos_token_id` checked (one id or several, each
         in the vocabulary), or the runtime's own when it is None."""
-        return arguments.stop_ids(eos_token_id, self.options.eos_token_ids,
-                                  self.ports.vocab_size)
+        return arguments.stop_ids(eos_token_id, self._options.eos_token_ids,
+                                  self._ports.vocab_size)
 
     def check_request(self, prompt_ids: SequenceOf[int] | np.ndarray,
                       max_new_tokens: int) -> np.ndarray:
@@ -364,19 +352,19 @@ class Runtime:
         """A request's prompt, length, stop ids and sampler, checked before it is queued."""
         if self._closed:
             raise ClosedError("this runtime was closed; load the model again to submit")
-        vocab = self.ports.vocab_size
+        vocab = self._ports.vocab_size
         ids = arguments.prompt_ids(prompt_ids, vocab)
         # 0 new tokens: a request for its prompt's logprobs alone (lm-evaluation-harness's).
         scoring = sampling is not None and sampling.prompt_logprobs is not None
         new_tokens = arguments.integer(max_new_tokens, "max_new_tokens",
                                        minimum=0 if scoring else 1)
-        capacity = self.options.capacity
+        capacity = self._options.capacity
         if len(ids) + new_tokens > capacity:
             raise CapacityError(
                 f"a prompt of {len(ids)} tokens plus {new_tokens} new tokens needs "
                 f"{len(ids) + new_tokens} positions, more than the KV capacity "
                 f"{capacity}; shorten it or load the model with a larger capacity")
-        stop = self.stop_ids(eos_token_id)
+        stop = self._stop_ids(eos_token_id)
         sampler = Sampler(GREEDY if sampling is None else sampling, vocab)
         sampler.observe(ids)
         return ids, new_tokens, stop, sampler
@@ -386,18 +374,18 @@ class Runtime:
             if self._closed:
                 raise ClosedError("this runtime was closed; load the model again to submit")
             if self._engine is None:
-                self._engine = BatchEngine(self._engine_context(), self.options.max_batch,
-                                           self.options.max_queue)
+                self._engine = BatchEngine(self._engine_context(), self._options.max_batch,
+                                           self._options.max_queue)
             return self._engine
 
     def _engine_context(self) -> EngineContext:
         """What the batch engine uses of this runtime (it never holds the runtime itself)."""
-        options = self.options
-        return EngineContext(runner=self.runner, ports=self.ports, device=self.device,
+        options = self._options
+        return EngineContext(runner=self._runner, ports=self._ports, device=self._device,
                              capacity=options.capacity, chunk_size=options.chunk_size,
-                             masks=self.masks, take_number=self.pool.take_number,
-                             give_number=self.pool.give_number,
-                             release_graphs=self.variants.claim,
+                             masks=self._masks, take_number=self._pool.take_number,
+                             give_number=self._pool.give_number,
+                             release_graphs=self._variants.claim,
                              prefix_reuse=options.prefix_reuse,
                              speculation=self._speculation)
 
@@ -413,13 +401,13 @@ class Runtime:
             return
         self._closed = True
         # First, so that no sequence starts a forward while the engine stops.
-        self.variants.close()
+        self._variants.close()
         with self._engine_lock:
             engine = self._engine
         if engine is not None:
             engine.close()
-        self.pool.close()
-        logger.info("closed the runtime of %s", self.model_path)
+        self._pool.close()
+        logger.info("closed the runtime of %s", self._model_path)
 
     @property
     def closed(self) -> bool:
@@ -437,7 +425,7 @@ class Runtime:
         """The model folder's tokenizer, read on first use (ModelLoadError when it has none)."""
         from onnx_chunk.text.tokenizer import Tokenizer
 
-        return Tokenizer.load(self.model_path.parent, self.genai)
+        return Tokenizer.load(self._model_path.parent, self._genai)
 
     def generate_text(self, prompt: Prompt, max_new_tokens: int, *,
                       sampling: Sampling | None = None,
@@ -476,68 +464,68 @@ class Runtime:
         with self._engine_lock:
             engine = self._engine
         return RuntimeDebug(
-            model_path=self.model_path, genai=self.genai, plan=self.plan, options=self.options,
-            ports=self.ports, device=self.device, weights=self.weights, factory=self.factory,
-            variants=self.variants, cache=self.cache, masks=self.masks, pool=self.pool,
-            runner=self.runner, embeddings=self.embeddings, engine=engine)
+            model_path=self._model_path, genai=self._genai, plan=self._plan, options=self._options,
+            ports=self._ports, device=self._device, weights=self._weights, factory=self._factory,
+            variants=self._variants, cache=self._cache, masks=self._masks, pool=self._pool,
+            runner=self._runner, embeddings=self._embeddings, engine=engine)
 
     @property
     def stats(self) -> RuntimeStats:
         """The runtime's configuration and its variant cache's counters, now (a snapshot).
 
-        A property; the old call `runtime.stats` still works and warns (DeprecationWarning).
+        A property; the old call `runtime.stats()` still works and warns (DeprecationWarning).
         """
-        options = self.options
-        graphs = self.variants.graphs.snapshot()
+        options = self._options
+        graphs = self._variants.graphs.snapshot()
         return RuntimeStats(
-            provider=self.provider,
-            device=self.device.label,
-            mask_policy=self.device.mask_policy.value,
-            cuda_graphs=self.device.cuda_graphs,
+            provider=self._device.provider,
+            device=self._device.label,
+            mask_policy=self._device.mask_policy.value,
+            cuda_graphs=self._device.cuda_graphs,
             capacity=options.capacity,
             chunk_size=options.chunk_size,
             ladder=options.tiers,
             specialize=options.specialize,
             padding=self._padding_mode,
-            weights_bytes=self.weights.nbytes,
-            weights_shared=self.weights.shared and not self.weights.copied_per_session,
-            weights_copied_per_variant=self.weights.copied_per_session,
-            weights_resident_bytes=self.weights.resident_bytes,
-            sessions_created=self.factory.sessions_created,
-            cache=self.cache.snapshot(),
-            sessions=self.factory.sessions_alive,
-            weights_copies=self.factory.weights_copies,
+            weights_bytes=self._weights.nbytes,
+            weights_shared=self._weights.shared and not self._weights.copied_per_session,
+            weights_copied_per_variant=self._weights.copied_per_session,
+            weights_resident_bytes=self._weights.resident_bytes,
+            sessions_created=self._factory.sessions_created,
+            cache=self._cache.snapshot(),
+            sessions=self._factory.sessions_alive,
+            weights_copies=self._factory.weights_copies,
             graphs=graphs,
             graph_widths=tuple(sorted(graphs.by_width)),
             graphs_captured=graphs.captures,
             graphs_by_width=dict(graphs.by_width),
             graphs_released=graphs.released + graphs.evictions,
             graph_fallbacks=dict(graphs.fallbacks),
-            transfers=self.device.transfers.snapshot(),
-            sequences=self.pool.stats(),
+            transfers=self._device.transfers.snapshot(),
+            sequences=self._pool.stats(),
             max_batch=options.max_batch,
             prefix_reuse=options.prefix_reuse,
             engine=None if self._engine is None else self._engine.stats,
             speculative=options.speculative,
             kv_bytes=sum(int(np.prod(port.shape)) * port.dtype.itemsize
-                         for port in self.ports.kv),
-            kv_dtype=kv_dtype_name(port.dtype for port in self.ports.kv),
-            model=str(self.model_path),
-            vocab_size=self.ports.vocab_size,
+                         for port in self._ports.kv),
+            kv_dtype=kv_dtype_name(port.dtype for port in self._ports.kv),
+            model=str(self._model_path),
+            vocab_size=self._ports.vocab_size,
             eos_token_ids=options.eos_token_ids,
         )
 
-    def _embeddings(self, given: np.ndarray | None) -> np.ndarray | None:
-        if self.ports.token_input != "inputs_embeds":
+    def _embedding_table(self, given: np.ndarray | None) -> np.ndarray | None:
+        if self._ports.token_input != "inputs_embeds":
             return None
         if given is None:
-            path = self.model_path.parent / EMBEDDINGS_FILE
+            path = self._model_path.parent / EMBEDDINGS_FILE
             if not path.is_file():
                 raise ModelLoadError(
                     f"the decoder takes inputs_embeds, so the runtime needs the embedding table: "
                     f"expected {str(path)!r} ([vocab, hidden] .npy) or the embeddings argument")
             given = np.load(path, mmap_mode="r")
-        hidden = self.ports.hidden_size
+        hidden = self._ports.hidden_size
         if given.ndim != 2 or given.shape[1] != hidden:
             raise ModelLoadError(f"the embedding table must be [vocab, {hidden}], got "
                                  f"{list(given.shape)}")

@@ -1,24 +1,26 @@
-"""A runtime's options, resolved once from the user's arguments, the plan, genai_config.json,
-the decoder's ports and the device, before anything is loaded on the device.
+"""A runtime's options: what the user asks for (`RuntimeOptions`) and what the runtime
+resolves from it once (`ResolvedOptions`), before anything is loaded on the device.
 
-`checked_arguments` refuses an argument of the wrong type or range (ConfigError) before the
-model is read; `resolve_options` turns the arguments into a `RuntimeOptions` that `Runtime`
-only reads.
-Both are pure: no ONNX Runtime call (the device is resolved by the caller).
+`RuntimeOptions` is the public, typed form of `load`'s keyword arguments: it refuses an option
+of the wrong type or range (ConfigError) when it is made, before the model is read.
+`resolve_options` combines it with the plan, genai_config.json, the decoder's ports and the
+device into a `ResolvedOptions`, which `Runtime` only reads and which is internal (code outside
+the runtime reads `Runtime.stats`). Both are pure: no ONNX Runtime call (the device is resolved
+by the caller).
 
 Rules of `resolve_options`:
-1. Capacity: the argument, else genai's search.max_length, else the smallest of the plan's
+1. Capacity: the option, else genai's search.max_length, else the smallest of the plan's
    maximum sequence length and genai's model.context_length; never more than either limit,
    never below the widest sliding window (a window-sized cache cannot be shorter).
-2. Chunk size: the argument, else the plan's, else the capacity (no chunking); at most the
+2. Chunk size: the option, else the plan's, else the capacity (no chunking); at most the
    capacity.
 3. Ports are resolved for that capacity; a window-sized cache gets a chunk of slack where the
    device allows it.
 4. A float32 KV cache cannot run CUDA's GroupQueryAttention: "auto" falls back to CPU, "cuda"
    (or a given CUDA device) refuses.
 5. Ladder: the plan's when its chunk size is kept and no max_variants is given, else one built
-   for the chunk size and the variant cap (the plan's, or the argument).
-6. Specialisation: the argument, else the device's default; padding: the argument, the
+   for the chunk size and the variant cap (the plan's, or the option).
+6. Specialisation: the option, else the device's default; padding: the option, the
    environment or the mode's default (on with per-width sessions or CUDA graphs, whose ladder
    tiers capture; off on the one CPU session), and the plan may refuse it.
 7. Fixed dims: the ports', less the batch axis above one slot, plus a capacity-wide mask under
@@ -31,7 +33,6 @@ Rules of `resolve_options`:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +51,7 @@ from onnx_chunk.runtime.engine.batch_engine import DEFAULT_MAX_QUEUE
 from onnx_chunk.runtime.engine.sequence_pool import DEFAULT_IDLE_SLOTS
 from onnx_chunk.runtime.engine.speculation import SPECULATIVE_CHOICES, speculation_refused
 from onnx_chunk.runtime.runner.padding import resolve_padding
-from onnx_chunk.runtime.runner.ports import ModelPorts, model_ports
+from onnx_chunk.runtime.state.ports import ModelPorts, model_ports
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +60,10 @@ CUDA_ATTENTION_DTYPES = ("float16", "bfloat16")
 
 
 @dataclass(frozen=True)
-class LoadArguments:
-    """What the caller of `load` asked for (None: the default); see `Runtime`."""
+class RuntimeOptions:
+    """The options a user gives `load` (None: the default; see `Runtime` for each), checked
+    when made: ConfigError for an option of the wrong type or range. Counts given as numpy
+    integers are kept as ints."""
 
     provider: str = "auto"
     device_id: int = 0
@@ -79,10 +82,35 @@ class LoadArguments:
     prefix_reuse: bool = True
     speculative: str | None = None
 
+    def __post_init__(self) -> None:
+        arguments.optional_integer(self.capacity, "the capacity (capacity)", minimum=2,
+                                   error=ConfigError)
+        arguments.optional_integer(self.chunk_size, "the chunk size (chunk_size)", minimum=1,
+                                   error=ConfigError)
+        arguments.optional_integer(self.max_variants, "max_variants", minimum=1,
+                                   error=ConfigError)
+        arguments.integer(self.device_id, "device_id", minimum=0, error=ConfigError)
+        arguments.optional_integer(self.intra_op_threads, "intra_op_threads", minimum=0,
+                                   error=ConfigError)
+        for name, value in (("padding", self.padding), ("cuda_graphs", self.cuda_graphs)):
+            if value is not None and not isinstance(value, bool):
+                raise ConfigError(f"{name} must be True, False or None, got {value!r}")
+        if not isinstance(self.prefix_reuse, bool):
+            raise ConfigError(f"prefix_reuse must be True or False, got {self.prefix_reuse!r}")
+        if self.speculative is not None and self.speculative not in SPECULATIVE_CHOICES:
+            raise ConfigError(f"speculative must be one of {', '.join(SPECULATIVE_CHOICES)} or "
+                              f"None (plain decoding), got {self.speculative!r}")
+        # Frozen: the checked counts are written past the dataclass's __setattr__.
+        for name, minimum in (("idle_sequences", 0), ("max_batch", 1), ("max_queue", 1)):
+            object.__setattr__(self, name, arguments.integer(
+                getattr(self, name), name, minimum=minimum, error=ConfigError))
+
 
 @dataclass(frozen=True)
-class RuntimeOptions:
-    """Everything a runtime runs with, resolved once (the rules of the module docstring)."""
+class ResolvedOptions:
+    """Everything a runtime runs with, resolved once from its `RuntimeOptions` (the rules of
+    the module docstring). Internal: `Runtime.stats` reports what users may read of it, and
+    `Runtime.debug.options` shows it whole to tests and diagnosis."""
 
     device: Device
     capacity: int
@@ -106,73 +134,46 @@ class RuntimeOptions:
     speculative: str | None = None
 
 
-def checked_arguments(args: LoadArguments) -> LoadArguments:
-    """`args` with its counts as ints; ConfigError for an argument of the wrong type or range,
-    before anything is loaded."""
-    arguments.optional_integer(args.capacity, "the capacity (capacity)", minimum=2,
-                               error=ConfigError)
-    arguments.optional_integer(args.chunk_size, "the chunk size (chunk_size)", minimum=1,
-                               error=ConfigError)
-    arguments.optional_integer(args.max_variants, "max_variants", minimum=1, error=ConfigError)
-    arguments.integer(args.device_id, "device_id", minimum=0, error=ConfigError)
-    arguments.optional_integer(args.intra_op_threads, "intra_op_threads", minimum=0,
-                               error=ConfigError)
-    for name, value in (("padding", args.padding), ("cuda_graphs", args.cuda_graphs)):
-        if value is not None and not isinstance(value, bool):
-            raise ConfigError(f"{name} must be True, False or None, got {value!r}")
-    if not isinstance(args.prefix_reuse, bool):
-        raise ConfigError(f"prefix_reuse must be True or False, got {args.prefix_reuse!r}")
-    if args.speculative is not None and args.speculative not in SPECULATIVE_CHOICES:
-        raise ConfigError(f"speculative must be one of {', '.join(SPECULATIVE_CHOICES)} or "
-                          f"None (plain decoding), got {args.speculative!r}")
-    return dataclasses.replace(
-        args,
-        idle_sequences=arguments.integer(args.idle_sequences, "idle_sequences", minimum=0,
-                                         error=ConfigError),
-        max_batch=arguments.integer(args.max_batch, "max_batch", minimum=1, error=ConfigError),
-        max_queue=arguments.integer(args.max_queue, "max_queue", minimum=1, error=ConfigError))
-
-
-def resolve_options(args: LoadArguments, *, plan: ChunkPlan, genai: GenaiConfig,
-                    model: ModelFile, device: Device) -> RuntimeOptions:
-    """The options of a runtime of `model` on `device` (the given one, or the one resolved
-    from the arguments); ConfigError, ProviderError or ModelLoadError when they cannot be."""
+def resolve_options(options: RuntimeOptions, *, plan: ChunkPlan, genai: GenaiConfig,
+                    model: ModelFile, device: Device) -> ResolvedOptions:
+    """What a runtime of `model` runs with on `device` (the given one, or the one resolved
+    from the options); ConfigError, ProviderError or ModelLoadError when it cannot be."""
     if plan.query_seqlens is not None and query_seqlens_index() is None:
         raise ModelLoadError(
             f"{model.path.name} was converted for native chunks (GroupQueryAttention's "
             f"query_seqlens input), but {lacking_reason()}; convert the original export again "
             "with this ONNX Runtime (onnx-chunk convert, --native-chunks auto or off)")
-    capacity = resolve_capacity(args.capacity, plan, genai)
+    capacity = resolve_capacity(options.capacity, plan, genai)
     check_window_capacity(plan.capacity_inputs, capacity)
-    chunk_size = resolve_chunk_size(args.chunk_size, plan, capacity)
+    chunk_size = resolve_chunk_size(options.chunk_size, plan, capacity)
     ports = model_ports(model, plan, capacity, head_size=genai.head_size,
                         window_slack=chunk_size if device.window_slack else 0)
-    if args.max_batch > 1 and ports.batch_dim is None:
+    if options.max_batch > 1 and ports.batch_dim is None:
         raise ConfigError(
-            f"max_batch={args.max_batch} needs a decoder whose batch axis is free, and "
+            f"max_batch={options.max_batch} needs a decoder whose batch axis is free, and "
             f"{model.path.name} fixes it to 1 (its {ports.token_input!r} input); "
             "load it with max_batch=1 or export it with a symbolic batch size")
     eos_token_ids = checked_token_ids(genai.eos_token_ids, ports.vocab_size, genai.path)
-    refused = None if args.speculative is None else speculation_refused(ports)
+    refused = None if options.speculative is None else speculation_refused(ports)
     if refused is not None:
-        raise ConfigError(f"speculative={args.speculative!r} cannot run on {model.path.name}: "
+        raise ConfigError(f"speculative={options.speculative!r} cannot run on {model.path.name}: "
                           f"{refused}; load it without speculative decoding")
-    if args.device is None:
-        device = attention_device(device, ports, args.provider, args.mask_policy)
+    if options.device is None:
+        device = attention_device(device, ports, options.provider, options.mask_policy)
     else:
-        attention_device(device, ports, device.provider, args.mask_policy)
-    variants = plan.max_variants if args.max_variants is None else args.max_variants
+        attention_device(device, ports, device.provider, options.mask_policy)
+    variants = plan.max_variants if options.max_variants is None else options.max_variants
     tiers = (plan.ladder if plan.ladder and plan.chunk_size == chunk_size
-             and args.max_variants is None else ladder_tiers(chunk_size, variants))
-    specialize = device.specialize if args.specialize is None else args.specialize
+             and options.max_variants is None else ladder_tiers(chunk_size, variants))
+    specialize = device.specialize if options.specialize is None else options.specialize
     if specialize not in (True, False, EXACT):
         raise ConfigError(f"specialize must be True, False or {EXACT!r}, got {specialize!r}")
     # Padding pays only where a padded chunk reuses a variant built for its width, or a CUDA
     # graph captured at it (the ladder tiers capture on the one CUDA session).
     graphs = capturable(device)
-    padding, refused = resolve_padding(plan.padding, args.padding,
+    padding, refused = resolve_padding(plan.padding, options.padding,
                                        default=specialize is not False or graphs)
-    return RuntimeOptions(
+    return ResolvedOptions(
         device=device,
         capacity=capacity,
         chunk_size=chunk_size,
@@ -183,7 +184,7 @@ def resolve_options(args: LoadArguments, *, plan: ChunkPlan, genai: GenaiConfig,
         decode_key=variant_key(DECODE_WIDTH, tiers, specialize),
         padding=padding,
         padding_refused=refused,
-        fixed_dims=fixed_dims(ports, device, capacity, args.max_batch),
+        fixed_dims=fixed_dims(ports, device, capacity, options.max_batch),
         # Off the host, a prefill width of a specialised session, or of a session that captures
         # graphs, returns only the logits row a forward needs (logits_row), so no sequence
         # keeps a [1, W, vocab] buffer per width; a decoder with a logits_rows input computes
@@ -192,12 +193,12 @@ def resolve_options(args: LoadArguments, *, plan: ChunkPlan, genai: GenaiConfig,
                      and not ports.last_row_logits and ports.logits_rows is None),
         eos_token_ids=eos_token_ids,
         pad_token_id=genai.pad_token_id,
-        max_batch=args.max_batch,
-        max_queue=args.max_queue,
-        idle_sequences=args.idle_sequences,
-        intra_op_threads=args.intra_op_threads,
-        prefix_reuse=args.prefix_reuse,
-        speculative=args.speculative,
+        max_batch=options.max_batch,
+        max_queue=options.max_queue,
+        idle_sequences=options.idle_sequences,
+        intra_op_threads=options.intra_op_threads,
+        prefix_reuse=options.prefix_reuse,
+        speculative=options.speculative,
     )
 
 

@@ -23,10 +23,10 @@ from onnx_chunk.runtime.caches.variant_cache import variant_key
 
 
 def _warm(runtime: rt.Runtime) -> None:
-    widths = (*runtime.options.tiers, DECODE_WIDTH) if runtime.padding else (DECODE_WIDTH,)
+    options = runtime.debug.options
+    widths = (*options.tiers, DECODE_WIDTH) if options.padding else (DECODE_WIDTH,)
     for width in widths:
-        options = runtime.options
-        with runtime.cache.acquire(variant_key(width, options.tiers, options.specialize)):
+        with runtime.debug.cache.acquire(variant_key(width, options.tiers, options.specialize)):
             pass
 
 
@@ -57,8 +57,8 @@ def main() -> None:
             "chunks": [[chunk.rows, chunk.width] for chunk in generation.chunks],
         })
     stats = runtime.stats
-    print(json.dumps({"load_s": load_s, "results": results, "padding": runtime.padding,
-                      "specialize": runtime.options.specialize,
+    print(json.dumps({"load_s": load_s, "results": results, "padding": stats.padding != "off",
+                      "specialize": stats.specialize,
                       "mask_policy": stats.mask_policy, "compiles": stats.cache.compiles,
                       "evictions": stats.cache.evictions}))
 

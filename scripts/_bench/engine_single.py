@@ -45,7 +45,7 @@ def measure(model: Path, baseline: Path, plan: dict, repetitions: int,
     for round_index in range(repetitions):
         for path in PATHS:
             for tree in round_order(tuple(trees), round_index):
-                results = _child(trees[tree], {
+                results = run_in_checkout(trees[tree], {
                     "model": str(models[tree]), "path": path, "prompts": prompts,
                     "new_tokens": plan["new_tokens"], "chunk_size": plan["chunk"],
                     "capacity": max(plan["prompts"]) + plan["new_tokens"],
@@ -58,7 +58,9 @@ def measure(model: Path, baseline: Path, plan: dict, repetitions: int,
             "models": {tree: str(path) for tree, path in models.items()}, "runs": runs}
 
 
-def _child(tree: Path, request: dict) -> list[dict]:
+def run_in_checkout(tree: Path, request: dict) -> list[dict]:
+    """One single-request child run with the checkout `tree` first on its path: its results;
+    ChildFailed when it imported onnx_chunk from anywhere else."""
     child_env = dict(os.environ, PYTHONPATH=str(tree))
     payload = run_child(env.worker_argv(sys.executable, "single_worker", request),
                         timeout_s=1800, env=child_env).payload

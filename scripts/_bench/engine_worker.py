@@ -80,7 +80,7 @@ def _stall(runtime: rt.Runtime, request: dict) -> dict:
     for _ in range(request["batch"] - 1):
         submitted_s = time.perf_counter()
         running.append((submitted_s, runtime.submit(
-            running_prompt, runtime.options.capacity - len(running_prompt), eos_token_id=[])))
+            running_prompt, runtime.stats.capacity - len(running_prompt), eos_token_id=[])))
     for _, submitted in running:
         next(submitted.tokens())
     submit_s = time.perf_counter()

@@ -33,7 +33,7 @@ def _onnx_chunk(model: str, widths: list[int], specialize: bool) -> list[dict]:
         else:
             sequence.prefill(np.ones(width, dtype=np.int64))
         sequence.rewind(sequence.length)
-        stats = runtime.cache.snapshot()
+        stats = runtime.debug.cache.snapshot()
         rows.append({"width": width, "rss": process_rss_bytes(), "variants": stats.variants,
                      "bytes_held": stats.bytes_held,
                      "weights_resident": runtime.stats.weights_resident_bytes})

@@ -209,7 +209,7 @@ def test_the_single_request_child_refuses_an_onnx_chunk_from_outside_its_checkou
     from scripts._bench import engine_single
 
     with pytest.raises(ChildFailed, match="not from the checkout"):
-        engine_single._child(tmp_path.resolve(), {
+        engine_single.run_in_checkout(tmp_path.resolve(), {
             "model": str(reference_model("base")), "path": "generate",
             "prompts": [seeded_prompt(12, 256)], "new_tokens": 2, "chunk_size": 8,
             "capacity": 16})

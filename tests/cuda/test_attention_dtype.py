@@ -17,5 +17,5 @@ def test_float32_attention_is_refused_on_cuda(reference_model):
 def test_auto_runs_a_float32_decoder_on_cpu_when_the_gpu_cannot(reference_model, monkeypatch):
     monkeypatch.setattr(runtime_model, "resolve_device", lambda *args: device_for("cuda"))
     runtime = load(reference_model("base"), provider="auto", capacity=64, chunk_size=16)
-    assert runtime.provider == "cpu"
+    assert runtime.stats.provider == "cpu"
     assert len(runtime.open_sequence().generate([1, 2, 3], 2)) == 2

@@ -7,7 +7,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from onnx_chunk.errors import ConfigError, ModelLoadError
+from onnx_chunk.errors import ConfigError
 from onnx_chunk.runtime import load
 from onnx_chunk.runtime.caches import variant_pool
 from onnx_chunk.runtime.caches.cuda_graphs import (
@@ -17,8 +17,7 @@ from onnx_chunk.runtime.caches.cuda_graphs import (
     session_captures,
 )
 from onnx_chunk.runtime.caches.graph_cache import GraphCache, GraphPlan, plan_graphs
-from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
-from onnx_chunk.runtime.device.session_factory import SessionFactory
+from onnx_chunk.runtime.device.provider import Device, MaskPolicy, device_for
 
 PROMPT = np.random.default_rng(11).integers(0, 256, 45).tolist()
 
@@ -106,7 +105,7 @@ def test_the_first_run_under_an_id_is_the_capture():
 def test_a_cpu_session_does_not_capture(reference_model):
     runtime = load(reference_model(), provider="cpu", capacity=96, chunk_size=16)
     runtime.open_sequence().generate(PROMPT, 3)
-    with runtime.cache.acquire(1) as session:
+    with runtime.debug.cache.acquire(1) as session:
         assert not session_captures(session)
     stats = runtime.stats
     assert stats.cuda_graphs is False and stats.graph_widths == ()
@@ -114,17 +113,18 @@ def test_a_cpu_session_does_not_capture(reference_model):
 
 def test_factory_falls_back_when_capture_is_refused(reference_model, monkeypatch):
     runtime = load(reference_model(), provider="cpu", capacity=96, chunk_size=16)
-    factory = runtime.factory
+    factory = runtime.debug.factory
     tried = []
-    original = SessionFactory._create
+    original = Device.providers
 
-    def create(self, width, prepack, capture, last_row=False):
+    def providers(self, capture=False):
+        # What the session is created with: the provider refuses the capturing one.
         tried.append(capture)
         if capture:
-            raise ModelLoadError("a node is not on the CUDA provider")
-        return original(self, width, prepack, capture, last_row)
+            raise RuntimeError("a node is not on the CUDA provider")
+        return original(self, capture)
 
-    monkeypatch.setattr(SessionFactory, "_create", create)
+    monkeypatch.setattr(Device, "providers", providers)
     session = factory.create(16, prepack=False, capture=True)
     assert tried == [True, False]
     assert isinstance(session, ort.InferenceSession) and not session_captures(session)

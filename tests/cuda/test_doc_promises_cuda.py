@@ -28,9 +28,9 @@ DEVICE = dataclasses.replace(device_for("cpu"), host_visible=False,
 
 @pytest.fixture
 def fresh_fallback_note():
-    allocation._note_fallback.cache_clear()
+    allocation.note_fallback.cache_clear()
     yield
-    allocation._note_fallback.cache_clear()
+    allocation.note_fallback.cache_clear()
 
 
 def test_without_from_dlpack_the_buffer_comes_from_onnx_runtime(monkeypatch,
@@ -89,8 +89,8 @@ def test_state_and_window_rows_never_cross_in_a_batched_decode(reference_model, 
     a batched step sends its tokens and positions and reads a logits row per row, no more."""
     path = reference_model(model) if model == "conv_hybrid" else CORPUS / model / "model.onnx"
     runtime = load(path, device=DEVICE, capacity=96, chunk_size=16, max_batch=3)
-    ports = runtime.ports
-    windowed = any(binding.window for binding in runtime.plan.capacity_inputs)
+    ports = runtime.debug.ports
+    windowed = any(binding.window for binding in runtime.debug.plan.capacity_inputs)
     assert ports.state if model == "conv_hybrid" else windowed
     row_in = np.dtype(ports.token_dtype).itemsize * (ports.hidden_size or 1) + 8
     row_out = ports.vocab_size * np.dtype(ports.logits_dtype).itemsize

@@ -127,16 +127,16 @@ def test_parity_allows_float16_noise_and_near_ties_only():
     gpu_check = _script_module("gpu_check")
     logits = np.array([0.0, 5.0, 9.0, 9.01], np.float32)
     wide = np.array([0.0, 5.0, 9.0, 3.0], np.float32)
-    cpu = gpu_check._Run("cpu", tokens=[[3, 1], [2, 0]], prompt_logits=[logits, wide])
-    device = gpu_check._Run("graphs off", tokens=[[2, 1], [2, 0]],
+    cpu = gpu_check.Run("cpu", tokens=[[3, 1], [2, 0]], prompt_logits=[logits, wide])
+    device = gpu_check.Run("graphs off", tokens=[[2, 1], [2, 0]],
                             prompt_logits=[logits + 0.02, wide - 0.05])
-    passed, detail = gpu_check._parity(cpu, device)
+    passed, detail = gpu_check.parity(cpu, device)
     assert passed and "1 near ties" in detail and "first tokens 1/2" in detail
     device.prompt_logits[1] = wide + 0.2  # above 1e-2 of the largest logit, 9.01
-    assert not gpu_check._parity(cpu, device)[0]
+    assert not gpu_check.parity(cpu, device)[0]
     device.prompt_logits[1] = wide
     device.tokens[1] = [3, 0]  # a clear winner (9 against 5) that changed is no tie
-    passed, detail = gpu_check._parity(cpu, device)
+    passed, detail = gpu_check.parity(cpu, device)
     assert not passed and "first tokens 0/2" in detail
 
 
@@ -152,7 +152,7 @@ def test_staging_installs_with_the_last_part_and_names_the_missing_ones(tmp_path
     for index, data in enumerate((b"first", b"second", b"third")):
         part = stage.STAGE / f"part-{index:02d}"
         part.write_bytes(data)
-        parts.append({"name": part.name, "sha256": stage._sha256(part), "bytes": len(data)})
+        parts.append({"name": part.name, "sha256": stage.sha256_of(part), "bytes": len(data)})
     (stage.STAGE / "manifest.json").write_text(json.dumps(
         {"wheel": "w.whl", "sha256": "", "parts": parts}))
     assert stage.receive([str(stage.STAGE / "part-00")]) == 0

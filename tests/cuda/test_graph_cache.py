@@ -51,7 +51,8 @@ def test_one_session_serves_every_width_and_batch(reference_model, graph_model, 
     runtime = _load(path, max_batch=8)
     graph_model.runs.clear()
     # The plan refuses padding for a model with recurrent state: its remainders run uncaptured.
-    assert runtime.padding is (variant == "base") and runtime.options.specialize is False
+    assert (runtime.stats.padding != "off") is (variant == "base")
+    assert runtime.stats.specialize is False
     assert _generate(runtime, PROMPTS) == expected
     assert runtime.generate_many(BATCH, 6, eos_token_id=[]) == expected_batch
     stats = runtime.stats
@@ -60,7 +61,7 @@ def test_one_session_serves_every_width_and_batch(reference_model, graph_model, 
     assert (stats.sessions, stats.sessions_created, stats.cache.compiles) == (1, 1, 1)
     assert stats.weights_copies == 1
     # Decode (lone and batched) and the ladder tiers captured; graphs replayed after.
-    assert set(stats.graphs.by_width) <= {1, *runtime.options.tiers}
+    assert set(stats.graphs.by_width) <= {1, *runtime.stats.ladder}
     assert 1 in stats.graphs.by_width and stats.graphs.replays > 0
     assert stats.graphs.captures == len(graph_model.captures) and not graph_model.violations
 
@@ -92,7 +93,7 @@ def test_graph_ids_are_distinct_per_shape_and_addresses_and_reused(reference_mod
     expected = _generate(_host(reference_model()), PROMPTS)
     graph_model.runs.clear()
     assert _generate(runtime, PROMPTS) == expected
-    [per_slot] = runtime.variants._kept.bindings.values()
+    [per_slot] = runtime.debug.variants.live_bindings()
     ids_by_binding = {}
     for slot, bindings in per_slot.items():
         for name, binding in bindings.items():
@@ -120,7 +121,7 @@ def test_a_server_like_run_captures_each_planned_key_once(reference_model, graph
     runtime = _load(path, max_batch=8)
     host = _host(path, max_batch=8)
     planned = runtime.stats.graphs.planned
-    assert planned == runtime.variants.graphs.plan.planned > 0
+    assert planned == runtime.debug.variants.graphs.plan.planned > 0
     served, batch = 0, 0
     while served < 200:
         size = min(1 + batch % 8, 200 - served)
@@ -139,7 +140,7 @@ def test_a_server_like_run_captures_each_planned_key_once(reference_model, graph
     assert len(graph_model.captures) == len(set(graph_model.captures)) == graphs.captures
     assert graphs.alive == graphs.captures == len(graph_model.alive) <= planned
     # The engine's batched decode and the lone sequence's decode and tiers captured.
-    assert graphs.by_width[1] == 2 and {1} < set(graphs.by_width) <= {1, *runtime.options.tiers}
+    assert graphs.by_width[1] == 2 and {1} < set(graphs.by_width) <= {1, *runtime.stats.ladder}
     assert graph_model.peak_alive <= planned and graph_model.released == []
     assert runtime.stats.sequences.reused > 0 and not graph_model.violations
     runtime.close()
@@ -242,14 +243,14 @@ def test_the_graph_cache_measures_captures_and_strands_what_it_cannot_release(mo
 def test_replan_recreates_the_session(reference_model, graph_model):
     runtime = _load(reference_model())
     _generate(runtime, PROMPTS[:1])
-    with runtime.cache.acquire(None) as session:
+    with runtime.debug.cache.acquire(None) as session:
         old = session
     assert runtime.stats.graphs.alive > 0
-    assert not runtime.variants.replan(runtime.variants.graphs.plan)
-    assert runtime.variants.replan(plan_graphs(runtime.options.tiers, 4, False))
+    assert not runtime.debug.variants.replan(runtime.debug.variants.graphs.plan)
+    assert runtime.debug.variants.replan(plan_graphs(runtime.stats.ladder, 4, False))
     graphs = runtime.stats.graphs
     assert (graphs.recreations, graphs.alive, graphs.planned) == (1, 0, 5)
     _generate(runtime, PROMPTS[:1])
-    with runtime.cache.acquire(None) as session:
+    with runtime.debug.cache.acquire(None) as session:
         assert session is not old
     assert runtime.stats.graphs.alive > 0 and not graph_model.violations

@@ -65,8 +65,8 @@ def _load(path, **options):
 
 def _decode_ids(runtime, slot):
     """The graph ids of `slot`'s decode binding."""
-    with runtime.cache.acquire(1) as session:
-        return runtime.variants.bindings(session, slot)[1].graphs.ids
+    with runtime.debug.cache.acquire(1) as session:
+        return runtime.debug.variants.bindings(session, slot)[1].graphs.ids
 
 
 def test_a_closed_sequence_hands_its_buffers_and_graphs_to_the_next(reference_model, capturing,
@@ -122,7 +122,7 @@ def test_freed_slots_release_graphs_only_where_the_provider_frees_them(reference
     assert ids[2] == ()
     for sequence in sequences:
         sequence.close()
-    runtime.pool.settle()
+    runtime.debug.pool.settle()
     # One slot stays idle (the last closed); the other two are freed.
     stats = runtime.stats
     assert (stats.sequences.freed, stats.sequences.idle) == (2, 1)
@@ -196,7 +196,7 @@ def test_a_runtime_is_freed_with_its_last_reference(reference_model, no_gc):
     runtime = _load(reference_model())
     sequence = runtime.open_sequence()
     sequence.generate(PROMPT, 3)
-    with runtime.cache.acquire(1) as session:
+    with runtime.debug.cache.acquire(1) as session:
         session_ref = weakref.ref(session)
     runtime_ref = weakref.ref(runtime)
     del runtime, sequence, session
@@ -207,7 +207,7 @@ def test_close_frees_at_once_and_refuses_later_calls(reference_model, no_gc):
     with _load(reference_model()) as runtime:
         sequence = runtime.open_sequence()
         sequence.generate(PROMPT, 3)
-        with runtime.cache.acquire(1) as session:
+        with runtime.debug.cache.acquire(1) as session:
             session_ref = weakref.ref(session)
         del session
     assert runtime.closed and session_ref() is None
@@ -326,9 +326,9 @@ def test_captured_prefill_widths_keep_one_logits_row(reference_model, capturing)
     host = load(reference_model(), provider="cpu", capacity=96, chunk_size=16)
     sequence = runtime.open_sequence()
     assert sequence.generate(PROMPT, 4) == host.open_sequence().generate(PROMPT, 4)
-    vocab = runtime.ports.vocab_size
-    with runtime.cache.acquire(16) as session:
-        kept = runtime.variants.bindings(session, sequence.slot)[16].logits
+    vocab = runtime.stats.vocab_size
+    with runtime.debug.cache.acquire(16) as session:
+        kept = runtime.debug.variants.bindings(session, sequence.slot)[16].logits
     assert kept.shape == (1, 1, vocab)  # not [1, 16, vocab] per sequence
     # A caller that needs every row gets them all, padded chunks included (45 = 16 + 16 + 13).
     sequence.rewind(sequence.length)
@@ -355,8 +355,8 @@ def test_a_slot_taken_by_another_thread_keeps_its_bindings_and_graphs(reference_
     assert graph_model.released == []
     graphs = runtime.stats.graphs
     assert (graphs.alive, graphs.stranded) == (2, 0) and graphs.alive <= graphs.planned
-    with runtime.cache.acquire(1) as session:
-        assert runtime.variants.bindings(session, taken[0].slot)
+    with runtime.debug.cache.acquire(1) as session:
+        assert runtime.debug.variants.bindings(session, taken[0].slot)
     taken[0].generate(PROMPT, 5)
     after = runtime.stats.graphs
     assert after.alive == 2 and after.stranded == 0 and after.alive <= after.planned
@@ -375,7 +375,7 @@ def test_claimed_bindings_keep_their_ids_and_run_their_next_run_as_a_capture(
     first = runtime.stats.graphs
     batch_ids = {graph for _, graph in graph_model.captures}
     assert batch_ids and first.by_width == {1: len(batch_ids)}
-    runtime.variants.claim(runtime._engine._batch.number)
+    runtime.debug.variants.claim(runtime.debug.engine.batch_number)
     gated_runs.clear()
     assert runtime.generate_many(prompts, 5, eos_token_id=[]) == expected
     again = runtime.stats.graphs
@@ -411,11 +411,11 @@ def test_the_batch_engine_decode_shares_the_capture_gate(reference_model, captur
     original = ort.InferenceSession.run_with_iobinding
 
     def run(self, iobinding, run_options=None):
-        held.append(CAPTURE_GATE._shared > 0 or CAPTURE_GATE.capturing)
+        held.append(CAPTURE_GATE.held)
         return original(self, iobinding, run_options)
 
     monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding", run)
-    assert runtime.device.cuda_graphs
+    assert runtime.debug.device.cuda_graphs
     runtime.submit(PROMPT, 6).result()
     assert held and all(held)
     runtime.close()

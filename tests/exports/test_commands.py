@@ -34,7 +34,7 @@ def _cli(capsys, *argv) -> tuple[int, str, str]:
 
 
 def _prompt(runtime, length: int = 300) -> list[int]:
-    return [(7 * index + 3) % runtime.ports.vocab_size for index in range(length)]
+    return [(7 * index + 3) % runtime.stats.vocab_size for index in range(length)]
 
 
 @pytest.fixture(params=builder_gqa_fixtures(), ids=str)
@@ -88,12 +88,12 @@ def test_the_converted_folder_runs_in_genai_generator_and_engine_as_the_original
     config = json.loads((converted / "genai_config.json").read_text())
     assert "chunk_size" not in config["search"]
     runtime = load(converted, provider="cpu")
-    assert runtime.options.chunk_size == CHUNK
+    assert runtime.stats.chunk_size == CHUNK
     prompt = _prompt(runtime)
     ours = runtime.open_sequence().generate(prompt, NEW_TOKENS)
     generated = [run_child(environment.worker_argv(peer_python, "genai_worker", {
         "model": str(folder), "prompts": [prompt], "new_tokens": NEW_TOKENS, "chunk_size": 0,
-        "max_length": runtime.options.capacity}), timeout_s=300).payload["results"][0]["tokens"]
+        "max_length": runtime.stats.capacity}), timeout_s=300).payload["results"][0]["tokens"]
         for folder in (export.folder, converted)]
     assert generated[0] == generated[1] == ours
     served = [run_child(environment.worker_argv(peer_python, "genai_engine_worker", {
@@ -139,7 +139,7 @@ def test_the_device_memory_path_gives_the_host_paths_tokens(export, converted, t
     expected = [host.open_sequence().generate(prompt, NEW_TOKENS) for prompt in prompts]
     for folder in (converted, tmp_path / "all-rows"):
         with load(folder, device=DEVICE) as device:
-            assert device.options.select_rows == (device.ports.logits_rows is None)
+            assert device.debug.options.select_rows == (device.debug.ports.logits_rows is None)
             assert [device.open_sequence().generate(prompt, NEW_TOKENS)
                     for prompt in prompts] == expected
             assert device.generate_many(prompts, NEW_TOKENS) == expected
@@ -149,12 +149,12 @@ def test_the_models_eos_ids_are_the_default_stop(export, tmp_path):
     folder = export.copy_to(tmp_path / "model")
     runtime = load(folder, provider="cpu", chunk_size=CHUNK)
     eos = export.features["eos_token_id"]
-    assert runtime.options.eos_token_ids == (tuple(eos) if isinstance(eos, list) else (eos,))
+    assert runtime.stats.eos_token_ids == (tuple(eos) if isinstance(eos, list) else (eos,))
     prompt = _prompt(runtime, 60)
     free = runtime.open_sequence().generate(prompt, 12, eos_token_id=[])
     config_path = folder / "genai_config.json"
     config = json.loads(config_path.read_text())
-    config["model"]["eos_token_id"] = [free[4], *runtime.options.eos_token_ids]
+    config["model"]["eos_token_id"] = [free[4], *runtime.stats.eos_token_ids]
     config_path.write_text(json.dumps(config))
     stopped = load(folder, provider="cpu", chunk_size=CHUNK).open_sequence().generate(prompt, 12)
     assert stopped == free[:free.index(free[4]) + 1]

@@ -49,8 +49,8 @@ def first_difference(ours: list[int], theirs: list[int]) -> int:
 @pytest.mark.parametrize("fixture", builder_gqa_fixtures(), ids=str)
 def test_greedy_tokens_equal_genai_at_every_length(fixture, width, peer_python):
     runtime = load(fixture.folder, provider="cpu", chunk_size=width)
-    prompts = _prompts(fixture, width, runtime.ports.vocab_size)
-    theirs = genai_tokens(peer_python, fixture.folder, prompts, width, runtime.options.capacity)
+    prompts = _prompts(fixture, width, runtime.stats.vocab_size)
+    theirs = genai_tokens(peer_python, fixture.folder, prompts, width, runtime.stats.capacity)
     sequence = runtime.open_sequence()
     differences, near_ties = [], []
     for prompt, reference in zip(prompts, theirs):

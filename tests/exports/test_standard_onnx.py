@@ -82,13 +82,13 @@ def test_the_corpus_has_the_standard_exports():
 @pytest.mark.parametrize("fixture", STANDARD, ids=str)
 def test_greedy_tokens_equal_the_grown_kv_loop_at_every_length(fixture, target, converted_to):
     runtime = load(converted_to[fixture.name, target], provider="cpu", chunk_size=WIDTH)
-    assert runtime.options.capacity == MAX_POSITIONS
+    assert runtime.stats.capacity == MAX_POSITIONS
     sequence = runtime.open_sequence()
     for prompt in _prompts():
         reference, _ = grown_kv_greedy(fixture.folder / "model.onnx", prompt, NEW_TOKENS)
         sequence.rewind(sequence.length)
         assert sequence.generate(prompt, NEW_TOKENS) == reference, len(prompt)
-    assert runtime.stats.cache.compiles <= runtime.plan.max_variants
+    assert runtime.stats.cache.compiles <= runtime.debug.plan.max_variants
 
 
 @pytest.mark.parametrize("name", ["optimum-llama-fp32", "torch-llama-opset23"])

@@ -40,7 +40,7 @@ def peers(peer_python):
         if fixture.name not in answers:
             request = {"folder": str(fixture.folder), "texts": TEXTS, "chats": CHATS,
                        "prompt": PROMPT, "new_tokens": NEW_TOKENS,
-                       "max_length": load(fixture.folder, provider="cpu").options.capacity}
+                       "max_length": load(fixture.folder, provider="cpu").stats.capacity}
             done = subprocess.run([str(peer_python), str(WORKER), json.dumps(request)],
                                   capture_output=True, text=True, timeout=300, check=False)
             assert done.returncode == 0, done.stderr[-3000:]

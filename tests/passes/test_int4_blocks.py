@@ -163,7 +163,7 @@ def test_the_reblocked_folder_generates_close_to_the_original(fixture, block, tm
     runs = {}
     for name, folder in (("original", fixture.folder), ("reblocked", out)):
         with load(folder, provider="cpu", chunk_size=32) as runtime:
-            vocab = runtime.ports.vocab_size
+            vocab = runtime.stats.vocab_size
             prompt = [(7 * index + 3) % vocab for index in range(40)]
             with runtime.open_sequence() as sequence:
                 logits = sequence.prefill(prompt, all_logits=True)
@@ -191,10 +191,10 @@ def test_the_reblocked_folder_runs_in_genai_with_onnx_chunks_tokens(tmp_path, pe
                  "--native-chunks", "off", "-q"]) == 0
     capsys.readouterr()
     with load(out, provider="cpu") as runtime:
-        prompt = [(7 * index + 3) % runtime.ports.vocab_size for index in range(40)]
+        prompt = [(7 * index + 3) % runtime.stats.vocab_size for index in range(40)]
         with runtime.open_sequence() as sequence:
             ours = sequence.generate(prompt, 6)
-        capacity = runtime.options.capacity
+        capacity = runtime.stats.capacity
     genai = run_child(environment.worker_argv(peer_python, "genai_worker", {
         "model": str(out), "prompts": [prompt], "new_tokens": 6, "chunk_size": 0,
         "max_length": capacity}), timeout_s=300).payload["results"][0]["tokens"]

@@ -131,7 +131,7 @@ def test_todays_runtime_serves_a_converted_last_row_decoder_with_the_same_tokens
     assert LastRowLogitsPass()(model).modified
     save_model(model, converted)
     with load(converted, provider="cpu") as runtime:
-        assert runtime.ports.last_row_logits
+        assert runtime.debug.ports.last_row_logits
         sequence = runtime.open_sequence()
         assert sequence.generate(prompt, 8) == expected
         with pytest.raises(ModelStructureError, match="last row's logits only"):

@@ -33,7 +33,7 @@ runtime = onnx_chunk.load(sys.argv[1])
 with runtime.open_sequence() as sequence:
     tokens = sequence.generate([1, 2, 3, 4, 5], 2)
 runtime.close()
-print(json.dumps({"plan": repr(runtime.plan), "tokens": tokens,
+print(json.dumps({"plan": repr(runtime.debug.plan), "tokens": tokens,
                   "imported": sorted({name.split(".")[0] for name in sys.modules}
                                      & {"onnx", "onnx_ir", "onnxscript"})}))
 """
@@ -76,7 +76,7 @@ def test_the_kept_plan_is_the_analysis(export, tmp_path, monkeypatch):
     expected = analyze(load_model(export / "model.onnx"), chunk_size=512)
     for _ in range(2):  # analysed, then read back
         runtime = load(export, chunk_size=512)
-        assert runtime.plan == expected
+        assert runtime.debug.plan == expected
         runtime.close()
     assert len(_entries(tmp_path / "cache")) == 1
 
@@ -104,13 +104,13 @@ def test_a_damaged_entry_is_analysed_again_and_written_over(export, tmp_path, mo
     cache = tmp_path / "cache"
     monkeypatch.setenv(ENV, str(cache))
     runtime = load(export)
-    analysed = runtime.plan
+    analysed = runtime.debug.plan
     runtime.close()
     [entry] = _entries(cache)
     for damage in ("{not json", json.dumps({"onnx_chunk.schema_version": "1"}), "[1, 2]"):
         entry.write_text(damage)
         runtime = load(export)
-        assert runtime.plan == analysed
+        assert runtime.debug.plan == analysed
         runtime.close()
         assert entry.read_text() != damage
         assert isinstance(json.loads(entry.read_text()), dict)
@@ -122,7 +122,7 @@ def test_a_folder_that_cannot_be_written_leaves_the_analysis_in_memory(export, t
     blocked.write_text("not a folder")
     monkeypatch.setenv(ENV, str(blocked / "cache"))
     runtime = load(export)
-    assert runtime.plan.chunk_size is not None
+    assert runtime.debug.plan.chunk_size is not None
     runtime.close()
     assert blocked.read_text() == "not a folder"
 

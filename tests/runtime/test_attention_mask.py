@@ -14,7 +14,7 @@ from onnx_chunk.runtime.runner.attention_mask import (
     decode_mask,
     mask_kind,
 )
-from onnx_chunk.runtime.runner.ports import MASK_INPUT
+from onnx_chunk.runtime.state.ports import MASK_INPUT
 
 
 class _Binding:

@@ -43,7 +43,7 @@ def alone(runtime, prompts, new_tokens=NEW_TOKENS, **options) -> list[list[int]]
 def assert_batched_equals_alone(path, max_batch: int):
     """The batched greedy tokens of `LENGTHS` prompts equal each one alone; the engine stats."""
     single = load(path, provider="cpu", capacity=128, chunk_size=W)
-    prompts = prompts_for(single.ports.vocab_size)
+    prompts = prompts_for(single.stats.vocab_size)
     expected = alone(single, prompts)
     with load(path, provider="cpu", capacity=128, chunk_size=W, max_batch=max_batch) as batched:
         assert batched.generate_many(prompts, NEW_TOKENS, eos_token_id=[]) == expected
@@ -74,7 +74,7 @@ def test_greedy_parity_on_the_real_exports(fixture):
     """llama, qwen3, phi3, gemma2 (sliding window: prompts longer than its window-sized
     cache, so idle rows between chunks would evict), lfm2 (conv state); fp32 and INT4."""
     single = load(fixture.folder, provider="cpu", chunk_size=W)
-    prompts = prompts_for(single.ports.vocab_size, (5, 64, 17, 130), seed=1)
+    prompts = prompts_for(single.stats.vocab_size, (5, 64, 17, 130), seed=1)
     expected = alone(single, prompts, 12)
     with load(fixture.folder, provider="cpu", chunk_size=W, max_batch=3) as batched:
         assert batched.generate_many(prompts, 12, eos_token_id=[]) == expected
@@ -82,21 +82,22 @@ def test_greedy_parity_on_the_real_exports(fixture):
 
 def _row_slot(runtime, buffers, index):
     """Row `index` of `buffers` as a slot, the way the engine makes its rows' slots."""
-    return new_slot(runtime.ports, runtime.options.capacity, runtime.device, runtime.masks,
-                    runtime.pool.take_number(), buffers=buffers.slot(index), captures=False)
+    debug = runtime.debug
+    return new_slot(debug.ports, debug.options.capacity, debug.device, debug.masks,
+                    debug.pool.take_number(), buffers=buffers.slot(index), captures=False)
 
 
 def _prefill(runtime, slot, prompt):
     """Feed `prompt` into `slot` chunk by chunk, as the engine does."""
-    length, ids = LogicalLength(runtime.options.capacity), np.asarray(prompt)
-    for begin, end in prefill_chunks(len(ids), runtime.options.chunk_size):
-        runtime.runner.run(slot, Forward([Row(ids[begin:end], length)]))
+    length, ids = LogicalLength(runtime.stats.capacity), np.asarray(prompt)
+    for begin, end in prefill_chunks(len(ids), runtime.stats.chunk_size):
+        runtime.debug.runner.run(slot, Forward([Row(ids[begin:end], length)]))
 
 
 def test_a_slots_prefill_writes_in_place_into_its_row_of_the_batch_buffers(reference_model):
     runtime = load(reference_model("base"), provider="cpu", capacity=64, chunk_size=W)
-    ports = runtime.ports
-    buffers = BatchBuffers(ports.kv, ports.state, runtime.device, 3)
+    ports = runtime.debug.ports
+    buffers = BatchBuffers(ports.kv, ports.state, runtime.debug.device, 3)
     slot = _row_slot(runtime, buffers, 1)
     prompt = list(range(3, 30))
     _prefill(runtime, slot, prompt)
@@ -110,19 +111,19 @@ def test_a_slots_prefill_writes_in_place_into_its_row_of_the_batch_buffers(refer
 def test_a_decode_step_leaves_idle_rows_state_as_it_was(reference_model):
     runtime = load(reference_model("conv_hybrid"), provider="cpu", capacity=64, chunk_size=W,
                    max_batch=2)
-    ports = runtime.ports
-    buffers = BatchBuffers(ports.kv, ports.state, runtime.device, 2)
+    ports = runtime.debug.ports
+    buffers = BatchBuffers(ports.kv, ports.state, runtime.debug.device, 2)
     slots = [_row_slot(runtime, buffers, index) for index in range(2)]
     _prefill(runtime, slots[0], [1, 2, 3])
     _prefill(runtime, slots[1], [4, 5, 6, 7])
     before = buffers.slot(1).snapshot_state()
-    capacity = runtime.options.capacity
-    batch = SequenceSlot(runtime.pool.take_number(), buffers,
-                         runtime.masks(2, capacity, ports.mask_dtype, runtime.device))
+    capacity = runtime.stats.capacity
+    batch = SequenceSlot(runtime.debug.pool.take_number(), buffers,
+                         runtime.debug.masks(2, capacity, ports.mask_dtype, runtime.debug.device))
     lengths = [LogicalLength(capacity), LogicalLength(capacity)]
     lengths[0].advance(3)
     lengths[1].advance(4)
-    runtime.runner.run(batch, Forward([Row(np.array([9]), lengths[0]),
+    runtime.debug.runner.run(batch, Forward([Row(np.array([9]), lengths[0]),
                                        Row(np.array([0]), lengths[1], steps=False)]))
     assert [length.length for length in lengths] == [4, 4]
     after = buffers.slot(1).snapshot_state()
@@ -136,7 +137,7 @@ def test_a_long_mixed_run_builds_no_variant_after_warm_up(reference_model):
     path = reference_model("base")
     with load(path, provider="cpu", capacity=256, chunk_size=W, specialize=True, padding=True,
               max_variants=4, max_batch=4) as runtime:
-        vocab = runtime.ports.vocab_size
+        vocab = runtime.stats.vocab_size
         warm = prompts_for(vocab, (2, 6, 11, 16, 1))
         runtime.generate_many(warm, 4, eos_token_id=[])
         built = runtime.stats.cache.compiles
@@ -170,7 +171,7 @@ def test_submit_streams_tokens_and_reports_how_it_ended(batched):
 
 def test_sampling_is_per_request_and_equals_the_same_request_alone(batched):
     sampling = Sampling(temperature=0.9, top_k=20, seed=7)
-    prompts = prompts_for(batched.ports.vocab_size, (4, 20, 9))
+    prompts = prompts_for(batched.stats.vocab_size, (4, 20, 9))
     expected = alone(batched, prompts, 8, sampling=sampling)
     assert batched.generate_many(prompts, 8, eos_token_id=[], sampling=sampling) == expected
 
@@ -264,7 +265,7 @@ def test_a_failing_prefill_fails_that_request_alone(batched, monkeypatch):
 
 
 def test_submit_from_many_threads(batched):
-    prompts = prompts_for(batched.ports.vocab_size, (3, 18, 7, 25, 2, 11))
+    prompts = prompts_for(batched.stats.vocab_size, (3, 18, 7, 25, 2, 11))
     expected = alone(batched, prompts, 5)
     results: dict[int, list[int]] = {}
 
@@ -393,7 +394,7 @@ def test_a_caller_may_step_the_engine_between_its_threads_steps(reference_model)
         idle = runtime.step()
         assert isinstance(idle, StepResult) and not idle.ran and idle == StepResult()
         assert runtime.stats.engine is None  # an empty step makes no engine
-        prompts = prompts_for(runtime.ports.vocab_size, (5, 40, 17))
+        prompts = prompts_for(runtime.stats.vocab_size, (5, 40, 17))
         expected = alone(runtime, prompts)
         requests = [runtime.submit(prompt, NEW_TOKENS, eos_token_id=[]) for prompt in prompts]
         steps = []
@@ -431,16 +432,17 @@ def test_a_caller_driven_engine_runs_what_each_step_schedules(reference_model):
     runtime's sessions leave the batch axis free for two rows: max_batch=2)."""
     runtime = load(reference_model("base"), provider="cpu", capacity=128, chunk_size=W,
                    max_batch=2)
-    first, second = prompts_for(runtime.ports.vocab_size, (20, 5))
+    first, second = prompts_for(runtime.stats.vocab_size, (20, 5))
     expected = alone(runtime, [first, second], 6)
-    context = EngineContext(runner=runtime.runner, ports=runtime.ports, device=runtime.device,
-                            capacity=128, chunk_size=W, masks=runtime.masks,
-                            take_number=runtime.pool.take_number,
-                            give_number=runtime.pool.give_number,
-                            release_graphs=runtime.variants.claim)
+    debug = runtime.debug
+    context = EngineContext(runner=debug.runner, ports=debug.ports, device=debug.device,
+                            capacity=128, chunk_size=W, masks=debug.masks,
+                            take_number=debug.pool.take_number,
+                            give_number=debug.pool.give_number,
+                            release_graphs=debug.variants.claim)
     threads = {thread.ident for thread in threading.enumerate()}
     engine = BatchEngine(context, 2, threaded=False)
-    vocab = runtime.ports.vocab_size
+    vocab = runtime.stats.vocab_size
     one = engine.submit(np.array(first), 6, (), Sampler(GREEDY, vocab))
     assert engine.stats.queued == 1 and not one.produced  # nothing runs until a step
     steps = [engine.step(), engine.step()]

@@ -32,7 +32,7 @@ def test_choices_equal_requests_of_their_own_after_one_prefill(name):
     # Prefix reuse off: the requests alone would leave the prompt kept for the choices.
     with load(ROOT / name, provider="cpu", max_batch=4, chunk_size=CHUNK,
               prefix_reuse=False) as runtime:
-        vocab = runtime.ports.vocab_size
+        vocab = runtime.stats.vocab_size
         prompt = list(np.random.default_rng(1).integers(5, vocab, 2 * CHUNK + 5))
         samplings = _samplings(3, logprobs=1)
         expected = [_alone(runtime, prompt, sampling) for sampling in samplings]
@@ -78,8 +78,8 @@ def test_choices_and_logprobs_on_the_device_path(name, monkeypatch):
     monkeypatch.setattr(runtime_model, "resolve_device", lambda *args: DEVICE_LIKE)
     with load(ROOT / name, provider="cpu", max_batch=3, chunk_size=CHUNK) as runtime:
         # Prefill widths return one logits row there: "all" binds their full output instead.
-        assert not runtime.device.host_visible and runtime.options.select_rows
-        vocab = runtime.ports.vocab_size
+        assert not runtime.debug.device.host_visible and runtime.debug.options.select_rows
+        vocab = runtime.stats.vocab_size
         prompt = list(np.random.default_rng(2).integers(5, vocab, CHUNK + 7))
         samplings = _samplings(2, logprobs=2, prompt_logprobs=1)
         expected = [_alone(runtime, prompt, sampling) for sampling in samplings]

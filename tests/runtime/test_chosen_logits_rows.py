@@ -40,13 +40,13 @@ def converted(tmp_path_factory):
 def fed_rows(monkeypatch):
     """Every logits_rows value the runtime writes, in order."""
     fed: list[list[int]] = []
-    original = model_runner._Binding.write_rows
+    original = model_runner.Binding.write_rows
 
     def recording(self, name, rows, device):
         fed.append(np.asarray(rows).tolist())
         return original(self, name, rows, device)
 
-    monkeypatch.setattr(model_runner._Binding, "write_rows", recording)
+    monkeypatch.setattr(model_runner.Binding, "write_rows", recording)
     return fed
 
 
@@ -57,7 +57,7 @@ def test_tokens_and_every_rows_logits_equal_the_decoder_without_the_input(conver
     results = {}
     for mode in ("off", "auto"):
         with load(converted[fixture.name, mode], provider="cpu") as runtime:
-            assert (runtime.ports.logits_rows == "logits_rows") == (mode == "auto")
+            assert (runtime.debug.ports.logits_rows == "logits_rows") == (mode == "auto")
             with runtime.open_sequence() as sequence:
                 tokens = sequence.generate(prompt, NEW_TOKENS, [])
             fed = len(fed_rows)
@@ -73,7 +73,7 @@ def test_tokens_and_every_rows_logits_equal_the_decoder_without_the_input(conver
             else:
                 assert not fed_rows
     assert results["auto"][0] == results["off"][0]
-    assert every.shape == (len(prompt), runtime.ports.vocab_size)
+    assert every.shape == (len(prompt), runtime.stats.vocab_size)
     np.testing.assert_array_equal(results["auto"][1], results["off"][1])
 
 

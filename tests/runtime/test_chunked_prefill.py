@@ -76,7 +76,7 @@ def test_chunks_run_at_the_chunk_width_and_the_remainder_pads_up_the_ladder(chun
         (W, W), (W, W), (5, 5)]
     sequence = padded.open_sequence()
     sequence.generate(prompt, 2)
-    tier = min(t for t in padded.options.tiers if t >= 5)
+    tier = min(t for t in padded.stats.ladder if t >= 5)
     assert [(c.rows, c.width) for c in sequence.stats.last_generation.chunks] == [
         (W, W), (W, W), (5, tier)]
     assert sequence.stats.padded_rows == tier - 5
@@ -89,7 +89,7 @@ def test_kv_buffers_are_allocated_once_at_capacity_and_written_in_place(padded):
     pointers = [buffer.value.data_ptr() for buffer in buffers]
     assert all(buffer.host.shape[2] == CAPACITY for buffer in buffers)
     # A pooled buffer set may hold an earlier sequence's entries past the length (masked).
-    reach = 2 * W + max(padded.options.tiers)
+    reach = 2 * W + max(padded.stats.ladder)
     beyond = [buffer.host[:, :, reach:].copy() for buffer in buffers]
     sequence.generate(_prompt(40), 5)
     assert sequence.buffers.kv is buffers
@@ -182,7 +182,7 @@ def test_variant_cache_holds_the_ladder_and_stops_compiling(base):
             compiles = runtime.stats.cache.compiles
     cache = runtime.stats.cache
     assert cache.compiles == compiles
-    assert set(cache.widths) <= {1, *runtime.options.tiers}
+    assert set(cache.widths) <= {1, *runtime.stats.ladder}
     assert cache.variants <= cache.cap and cache.evictions == 0
     assert runtime.stats.sessions_created == cache.compiles
 
@@ -193,23 +193,23 @@ def test_converted_model_declares_its_chunk_width(base, tmp_path, whole):
     target = tmp_path / "model.onnx"
     save_model(model, target)
     runtime = load(target, provider="cpu")
-    assert runtime.options.chunk_size == 24
-    assert runtime.options.tiers == runtime.plan.ladder
-    assert runtime.options.capacity == runtime.plan.max_sequence_length
+    assert runtime.stats.chunk_size == 24
+    assert runtime.stats.ladder == runtime.debug.plan.ladder
+    assert runtime.stats.capacity == runtime.debug.plan.max_sequence_length
     prompt = _prompt(60)
     assert runtime.open_sequence().generate(prompt, 4) == whole.open_sequence().generate(prompt, 4)
 
 
 def test_padding_switches(base, monkeypatch):
-    assert _load(base, chunk_size=W).padding
+    assert _load(base, chunk_size=W).stats.padding != "off"
     for variable in ("ONNX_CHUNK_PREFILL_QUERY_PADDING", "ONNX_GENAI_PREFILL_QUERY_PADDING"):
         monkeypatch.setenv(variable, "0")
         runtime = _load(base, chunk_size=W)
-        assert not runtime.padding
+        assert runtime.stats.padding == "off"
         assert variable in runtime.stats.cache.padding_refused
         monkeypatch.delenv(variable)
     refused = _load(base, chunk_size=W, padding=False)
-    assert not refused.padding and refused.stats.cache.padding_refused
+    assert refused.stats.padding == "off" and refused.stats.cache.padding_refused
 
 
 def test_a_small_cache_evicts_and_results_stay_exact(base, whole):
@@ -223,7 +223,7 @@ def test_a_small_cache_evicts_and_results_stay_exact(base, whole):
     assert cache.evictions > 0 and cache.variants <= 2 and cache.peak_variants <= 2
 
 
-def test_evicted_sessions_are_freed_and_exact_keys_thrash(reference_model):
+def test_evicted_sessions_are_freed_and_exact_keys_thrash(reference_model, monkeypatch):
     """The naive per-shape cache ("exact") keeps building under a small cap; every evicted
     session is released for real: no sequence's bindings keep it alive."""
     import gc
@@ -234,14 +234,15 @@ def test_evicted_sessions_are_freed_and_exact_keys_thrash(reference_model):
     runtime = load(reference_model("base"), provider="cpu", chunk_size=16, max_variants=2,
                    padding=False, specialize="exact")
     built = []
-    build = runtime.cache._build
+    factory = runtime.debug.factory
+    create = factory.create
 
-    def tracking_build(key):
-        session = build(key)
+    def tracking_create(*args, **kwargs):
+        session = create(*args, **kwargs)
         built.append(weakref.ref(session))
         return session
 
-    runtime.cache._build = tracking_build
+    monkeypatch.setattr(factory, "create", tracking_create)
     sequence = runtime.open_sequence()
     for length in (5, 7, 9, 5, 7, 9):
         sequence.generate(list(range(1, length + 1)), max_new_tokens=2)

@@ -17,10 +17,10 @@ def test_cpu_defaults_to_one_session_that_owns_its_weights(reference_model):
     runtime = load(reference_model(), provider="cpu", capacity=96, chunk_size=16)
     tokens = runtime.open_sequence().generate(PROMPT, 6)
     stats = runtime.stats
-    assert stats.specialize is False and runtime.options.decode_key is None
+    assert stats.specialize is False and runtime.debug.options.decode_key is None
     assert stats.padding == "off" and "shape-generic" in stats.cache.padding_refused
     assert stats.cache.widths == ("dynamic",) and stats.sessions_created == 1
-    assert stats.weights_shared is False and runtime.weights.names == ()
+    assert stats.weights_shared is False and runtime.debug.weights.names == ()
     assert stats.weights_bytes == sum(p.stat().st_size for p in
                                       reference_model().parent.glob("*.data"))
     variants = load(reference_model(), provider="cpu", capacity=96, chunk_size=16,
@@ -31,15 +31,18 @@ def test_cpu_defaults_to_one_session_that_owns_its_weights(reference_model):
 def test_padding_in_the_shape_generic_mode_follows_the_caller_and_the_plan(
         reference_model, monkeypatch):
     path = reference_model()
-    assert load(path, provider="cpu", capacity=96, chunk_size=16, padding=True).padding
+    def padding(**options) -> str:
+        return load(path, provider="cpu", capacity=96, chunk_size=16, **options).stats.padding
+
+    assert padding(padding=True) != "off"
     monkeypatch.setenv("ONNX_CHUNK_PREFILL_QUERY_PADDING", "1")
-    assert load(path, provider="cpu", capacity=96, chunk_size=16).padding
+    assert padding() != "off"
     monkeypatch.setenv("ONNX_CHUNK_PREFILL_QUERY_PADDING", "0")
-    assert not load(path, provider="cpu", capacity=96, chunk_size=16, specialize=True).padding
+    assert padding(specialize=True) == "off"
     monkeypatch.delenv("ONNX_CHUNK_PREFILL_QUERY_PADDING")
     refused = load(reference_model("conv_hybrid"), provider="cpu", capacity=96, chunk_size=16,
                    padding=True)
-    assert not refused.padding
+    assert refused.stats.padding == "off"
     assert refused.stats.cache.padding_refused.startswith("refused by the model")
 
 
@@ -61,10 +64,10 @@ def test_shared_weights_are_resident_from_load(reference_model):
     data = next(path.parent.glob("*.data")).resolve()
     runtime = load(path, provider="cpu", capacity=96, chunk_size=16, specialize=True)
     stats = runtime.stats
-    assert stats.weights_shared and stats.weights_bytes == runtime.weights.nbytes > 0
+    assert stats.weights_shared and stats.weights_bytes == runtime.debug.weights.nbytes > 0
     # Faulted in at load (so no variant's build reading takes them in), and read there (the
     # reading is the process's, so memory other code frees meanwhile can lower it).
-    assert _resident_bytes_of(data) >= runtime.weights.nbytes
+    assert _resident_bytes_of(data) >= runtime.debug.weights.nbytes
     assert isinstance(stats.weights_resident_bytes, int)
     assert stats.cache.compiles == 0 and stats.cache.bytes_held == 0
 
@@ -95,7 +98,7 @@ def test_an_abandoned_stream_releases_its_decode_variant(reference_model):
     stream.close()
     # No pin left: every variant, the decode one included, can be released now.
     assert runtime.stats.cache.variants == 2
-    assert runtime.cache.clear() == 2 and runtime.stats.cache.variants == 0
+    assert runtime.debug.cache.clear() == 2 and runtime.stats.cache.variants == 0
     runtime.open_sequence().generate(PROMPT, 3)  # needs both slots: 16 and dynamic, then 1
     assert runtime.stats.cache.peak_variants <= 2
 

@@ -34,10 +34,10 @@ def device_like(monkeypatch):
 def test_device_memory_path_gives_the_host_path_results(reference_model, device_like, variant):
     path = reference_model(variant)
     runtime = load(path, provider="cpu", capacity=96, chunk_size=16)
-    assert runtime.device is device_like
+    assert runtime.debug.device is device_like
     sequence = runtime.open_sequence()
     assert all(buffer.host is None for buffer in sequence.buffers.kv)
-    assert all(value.data_ptr() != 0 for value in runtime.weights.values)
+    assert all(value.data_ptr() != 0 for value in runtime.debug.weights.values)
     logits = sequence.prefill(PROMPT, all_logits=variant == "base")
     tokens = sequence.generate([7, 8], 4)
     reference = load(path, provider="cpu", capacity=96, chunk_size=16).open_sequence()

@@ -73,7 +73,7 @@ def _device(**changes):
 @pytest.mark.parametrize("variant", ["base", "conv_hybrid"])
 def test_a_decode_step_moves_its_inputs_in_and_one_logits_row_out(reference_model, variant):
     runtime = load(reference_model(variant), device=_device(), capacity=96, chunk_size=16)
-    ports = runtime.ports
+    ports = runtime.debug.ports
     vocab, logits_size = ports.vocab_size, np.dtype(ports.logits_dtype).itemsize
     mask_column = np.dtype(ports.mask_dtype).itemsize
     token = np.dtype(ports.token_dtype).itemsize * (ports.hidden_size or 1)
@@ -108,7 +108,7 @@ def batched_transfers(runtime, prompts) -> list[tuple[int, int, int]]:
     """(host-to-device bytes, device-to-host bytes, rows) of every batched forward while
     `runtime` generates 6 tokens for each of `prompts` (through the one forward,
     `ModelRunner.run`)."""
-    runner, seen = runtime.runner, []
+    runner, seen = runtime.debug.runner, []
     original = type(runner).run
 
     def run(self, slot, forward):
@@ -130,7 +130,7 @@ def batched_transfers(runtime, prompts) -> list[tuple[int, int, int]]:
 def test_a_batched_decode_step_moves_one_row_per_sequence(reference_model):
     runtime = load(reference_model("base"), device=_device(), capacity=96, chunk_size=16,
                    max_batch=4)
-    ports = runtime.ports
+    ports = runtime.debug.ports
     vocab, logits_size = ports.vocab_size, np.dtype(ports.logits_dtype).itemsize
     # Tokens and positions; mask updates never cross (they are made on the device).
     per_row = np.dtype(ports.token_dtype).itemsize + 8

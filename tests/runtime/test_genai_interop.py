@@ -27,7 +27,7 @@ def test_a_folder_loads_the_decoder_its_config_names(model):
     (model.parent / "model.onnx").rename(model.parent / "decoder.onnx")
     _edit_config(model, lambda config: config["model"]["decoder"].update(filename="decoder.onnx"))
     runtime = load(model.parent, provider="cpu", capacity=64)
-    assert runtime.model_path == model.parent / "decoder.onnx"
+    assert runtime.debug.model_path == model.parent / "decoder.onnx"
     file_runtime = load(model.parent / "decoder.onnx", provider="cpu", capacity=64)
     prompt = list(range(3, 30))
     assert (runtime.open_sequence().generate(prompt, 4, eos_token_id=[])
@@ -41,7 +41,7 @@ def test_context_length_caps_the_capacity_and_a_request_past_it_names_the_number
 
     _edit_config(model, shrink)
     runtime = load(model, provider="cpu")
-    assert runtime.options.capacity == 256
+    assert runtime.stats.capacity == 256
     with pytest.raises(CapacityError, match="300 new tokens.*256"):
         runtime.open_sequence().generate([5, 6, 7], 300)
     with pytest.raises(ConfigError, match="context_length 256"):
@@ -50,8 +50,8 @@ def test_context_length_caps_the_capacity_and_a_request_past_it_names_the_number
 
 def test_search_max_length_is_the_default_capacity_and_an_argument_overrides_it(model):
     _edit_config(model, lambda config: config["search"].update(max_length=96))
-    assert load(model, provider="cpu").options.capacity == 96
-    assert load(model, provider="cpu", capacity=128).options.capacity == 128
+    assert load(model, provider="cpu").stats.capacity == 96
+    assert load(model, provider="cpu", capacity=128).stats.capacity == 128
 
 
 def test_a_list_of_eos_ids_is_the_default_stop(model):
@@ -62,7 +62,7 @@ def test_a_list_of_eos_ids_is_the_default_stop(model):
     first = free.index(stop_at)
     _edit_config(model, lambda config: config["model"].update(eos_token_id=[250, stop_at]))
     runtime = load(model, provider="cpu", capacity=128)
-    assert runtime.options.eos_token_ids == (250, stop_at)
+    assert runtime.stats.eos_token_ids == (250, stop_at)
     assert runtime.open_sequence().generate(prompt, 12) == free[:first + 1]
 
 
@@ -76,4 +76,4 @@ def test_a_config_beside_another_decoder_does_not_apply(model):
     (model.parent / "model.onnx").rename(model.parent / "b.onnx")
     _edit_config(model, lambda config: config["model"].update(context_length=64))
     runtime = load(model.parent / "b.onnx", provider="cpu", capacity=128)
-    assert runtime.genai is None and runtime.options.capacity == 128
+    assert runtime.debug.genai is None and runtime.stats.capacity == 128

@@ -91,7 +91,7 @@ class _FakeCudart:
         self.set_calls = []
 
     def cudaGetDevice(self, device_ref):
-        device_ref._obj.value = self.device
+        device_ref.contents.value = self.device
         return 0
 
     def cudaSetDevice(self, device_id):
@@ -99,8 +99,8 @@ class _FakeCudart:
         return 0
 
     def cudaMemGetInfo(self, free_ref, total_ref):
-        free_ref._obj.value = self.free
-        total_ref._obj.value = self.total
+        free_ref.contents.value = self.free
+        total_ref.contents.value = self.total
         return self.status
 
 

@@ -30,7 +30,7 @@ def test_variant_padded_and_unpadded_logits_and_kv_equal_the_whole_prompt(refere
     chunked, whole = _pair(path)
     unpadded = load(path, provider="cpu", capacity=128, chunk_size=W, specialize=True,
                     padding=False)
-    assert chunked.padding and not unpadded.padding
+    assert chunked.stats.padding != "off" and unpadded.stats.padding == "off"
     reference = whole.open_sequence()
     expected = reference.prefill(PROMPT, all_logits=True)
     for runtime in (chunked, unpadded):
@@ -55,7 +55,7 @@ def test_variant_chunked_greedy_tokens(reference_model, variant):
 def test_conv_state_is_carried_across_chunks_in_ping_pong_buffers(reference_model):
     path = reference_model("conv_hybrid")
     chunked, whole = _pair(path)
-    assert chunked.ports.state and not chunked.padding
+    assert chunked.debug.ports.state and chunked.stats.padding == "off"
     assert "refused by the model" in chunked.stats.cache.padding_refused
     sequence = chunked.open_sequence()
     tokens = sequence.generate(PROMPT, 6)
@@ -84,10 +84,10 @@ def test_conv_state_cannot_rewind_partway(reference_model):
 
 def test_last_token_logits_switches_padding_off_and_reruns(reference_model, caplog):
     chunked, whole = _pair(reference_model("last_token_logits"))
-    assert chunked.padding
+    assert chunked.stats.padding != "off"
     sequence = chunked.open_sequence()
     tokens = sequence.generate(PROMPT, 5)
-    assert not chunked.padding
+    assert chunked.stats.padding == "off"
     assert "shrinks the query axis" in chunked.stats.cache.padding_refused
     assert tokens == whole.open_sequence().generate(PROMPT, 5)
     assert sequence.stats.padded_rows == 0

@@ -22,7 +22,6 @@ from onnx_chunk.runtime import model as runtime_model
 from onnx_chunk.runtime import options as runtime_options
 from onnx_chunk.runtime.device.buffers import BatchBuffers
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
-from onnx_chunk.runtime.engine.batch_engine import BatchEngine
 from onnx_chunk.runtime.engine.kv_state import LogicalLength
 from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot, new_slot
 from onnx_chunk.runtime.runner.chunk_mask import chunk_mask_kind
@@ -140,19 +139,19 @@ def test_padded_native_chunks_give_the_unpadded_tokens_and_logits(native_exports
     padded = load(path, provider="cpu", chunk_size=W, padding=True)
     unpadded = load(path, provider="cpu", chunk_size=W, padding=False)
     assert unpadded.stats.padding == "off"
-    windowed = any(port.window is not None for port in padded.ports.kv)
-    assert padded.stats.padding == ("off" if padded.ports.state or (windowed and not NATIVE)
+    windowed = any(port.window is not None for port in padded.debug.ports.kv)
+    assert padded.stats.padding == ("off" if padded.debug.ports.state or (windowed and not NATIVE)
                                     else "native" if NATIVE else "repeat")
     rng = np.random.default_rng(7)
     for length in LENGTHS:
-        prompt = rng.integers(0, padded.ports.vocab_size, length).tolist()
+        prompt = rng.integers(0, padded.stats.vocab_size, length).tolist()
         with padded.open_sequence() as one, unpadded.open_sequence() as other:
             assert np.array_equal(one.prefill(prompt), other.prefill(prompt))
             one.rewind(length)
             other.rewind(length)
             assert one.generate(prompt, NEW_TOKENS, []) == other.generate(prompt, NEW_TOKENS, [])
     if padded.stats.padding != "off":
-        assert padded.runner.variants.cache.snapshot().padding_refused is None
+        assert padded.debug.runner.variants.cache.snapshot().padding_refused is None
 
 
 def test_a_converted_builder_export_reports_native_padding(native_exports):
@@ -180,9 +179,10 @@ def test_a_native_model_is_refused_where_onnx_runtime_lacks_the_input(tmp_path, 
 
 
 def _batch_slot(runtime, buffers, rows):
-    return SequenceSlot(runtime.pool.take_number(), buffers,
-                        runtime.masks(rows, runtime.options.capacity, runtime.ports.mask_dtype,
-                                      runtime.device))
+    debug = runtime.debug
+    return SequenceSlot(debug.pool.take_number(), buffers,
+                        debug.masks(rows, debug.options.capacity, debug.ports.mask_dtype,
+                                    debug.device))
 
 
 @needs_native
@@ -193,22 +193,22 @@ def test_idle_rows_of_a_batched_decode_are_untouched_and_no_window_is_saved(nati
     would evict and its rows are saved and written back; natively it is never written."""
     monkeypatch.setattr(ModelRunner, "_save_windows", lambda *args: pytest.fail("saved"))
     runtime = load(native_exports[name], provider="cpu", chunk_size=16, max_batch=2)
-    ports, capacity = runtime.ports, runtime.options.capacity
-    buffers = BatchBuffers(ports.kv, ports.state, runtime.device, 2)
-    slots = [new_slot(ports, capacity, runtime.device, runtime.masks,
-                      runtime.pool.take_number(), buffers=buffers.slot(index), captures=False)
+    ports, capacity = runtime.debug.ports, runtime.stats.capacity
+    buffers = BatchBuffers(ports.kv, ports.state, runtime.debug.device, 2)
+    slots = [new_slot(ports, capacity, runtime.debug.device, runtime.debug.masks,
+                      runtime.debug.pool.take_number(), buffers=buffers.slot(index), captures=False)
              for index in range(2)]
     lengths = [LogicalLength(capacity), LogicalLength(capacity)]
     rng = np.random.default_rng(3)
     for slot, length, count in zip(slots, lengths, (60, 75)):
         ids = rng.integers(0, ports.vocab_size, count)
         for begin in range(0, count, 16):
-            runtime.runner.run(slot, Forward([Row(ids[begin:begin + 16], length)]))
+            runtime.debug.runner.run(slot, Forward([Row(ids[begin:begin + 16], length)]))
     kv_before = [buffer.host[1].copy() for buffer in buffers.kv]
     state_before = buffers.slot(1).snapshot_state()
     batch = _batch_slot(runtime, buffers, 2)
     for token in (5, 6, 7):
-        runtime.runner.run(batch, Forward([Row(np.array([token]), lengths[0]),
+        runtime.debug.runner.run(batch, Forward([Row(np.array([token]), lengths[0]),
                                            Row(np.array([0]), lengths[1], steps=False)]))
     assert [length.length for length in lengths] == [63, 75]
     assert all(np.array_equal(before, buffer.host[1])
@@ -223,7 +223,7 @@ def test_the_native_engine_equals_each_prompt_alone(native_exports, name):
     path = native_exports[name]
     rng = np.random.default_rng(1)
     with load(path, provider="cpu", chunk_size=16, max_batch=3) as batched:
-        prompts = [rng.integers(0, batched.ports.vocab_size, n).tolist()
+        prompts = [rng.integers(0, batched.stats.vocab_size, n).tolist()
                    for n in (5, 64, 17, 130)]
         tokens = batched.generate_many(prompts, NEW_TOKENS, eos_token_id=[])
     single = load(path, provider="cpu", chunk_size=16)
@@ -242,24 +242,27 @@ def test_batched_prefill_equals_each_prompt_alone_at_the_same_slot_count(native_
     submitted alone to an engine of the same slots (the batched decode's row count is the
     same)."""
     batched = []
-    run_batched = BatchEngine._prefill_batched
-
-    def counted(engine, group):
-        batched.append(min(row.chunks[0][1] - row.chunks[0][0] for row in group))
-        run_batched(engine, group)
-
-    monkeypatch.setattr(BatchEngine, "_prefill_batched", counted)
     rng = np.random.default_rng(5)
     with load(native_exports[name], provider="cpu", chunk_size=W, max_batch=4,
               padding=padding, prefix_reuse=False) as runtime:
-        prompts = [rng.integers(0, runtime.ports.vocab_size, n).tolist()
+        runner = runtime.debug.runner
+        run = runner.run
+
+        def counted(slot, forward):
+            # A forward of several rows with more than one token: prompts' chunks together.
+            if len(forward.rows) > 1 and any(len(row.tokens) > 1 for row in forward.rows):
+                batched.append(min(len(row.tokens) for row in forward.rows))
+            return run(slot, forward)
+
+        monkeypatch.setattr(runner, "run", counted)
+        prompts = [rng.integers(0, runtime.stats.vocab_size, n).tolist()
                    for n in (300, 130, 128, 256, 5, 40, 250)]
         alone = [runtime.submit(prompt, NEW_TOKENS, eos_token_id=[]).result()
                  for prompt in prompts]
         assert not batched
         together = runtime.generate_many(prompts, NEW_TOKENS, eos_token_id=[])
     assert together == alone
-    if runtime.runner.native:
+    if runtime.debug.runner.native:
         # Forwards of several prompts' whole chunks ran (the shortest chunk in one: 128 rows).
         assert max(batched) == W
 
@@ -296,13 +299,13 @@ def test_native_chunks_on_the_device_path_with_the_capacity_mask(native_exports,
     path = native_exports[name]
     reference = load(path, provider="cpu", chunk_size=16, padding=False)
     rng = np.random.default_rng(2)
-    prompts = [rng.integers(0, reference.ports.vocab_size, n).tolist() for n in (5, 64, 37)]
+    prompts = [rng.integers(0, reference.stats.vocab_size, n).tolist() for n in (5, 64, 37)]
     expected = []
     for prompt in prompts:
         with reference.open_sequence() as sequence:
             expected.append(sequence.generate(prompt, NEW_TOKENS, []))
     with load(path, chunk_size=16, max_batch=3) as device_runtime:
-        windowed = any(port.window is not None for port in device_runtime.ports.kv)
+        windowed = any(port.window is not None for port in device_runtime.debug.ports.kv)
         assert device_runtime.stats.padding == ("native" if NATIVE else
                                                 "off" if windowed else "repeat")
         assert device_runtime.generate_many(prompts, NEW_TOKENS, eos_token_id=[]) == expected

@@ -2,7 +2,7 @@
 chunks and its batched decode) goes through the one model runner and `Device.run`; one finish
 rule; `stats` a property everywhere, the old call kept through a deprecation."""
 
-import sys
+import inspect
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +53,7 @@ def recorded(monkeypatch):
         raise AssertionError("a dynamic forward ran outside IOBinding")
 
     def recording_device_run(self, session, binding, options):
-        seen["device"].append(sys._getframe(1).f_globals["__name__"])
+        seen["device"].append(inspect.currentframe().f_back.f_globals["__name__"])
         return device_run(self, session, binding, options)
 
     def recording_runner_run(self, slot, forward):
@@ -85,14 +85,15 @@ def test_a_sequence_and_the_engine_run_through_the_one_runner(reference_model, r
 
 def test_a_batched_forward_of_several_tokens_per_row_is_refused(reference_model):
     runtime = load(reference_model("base"), provider="cpu", capacity=96, chunk_size=16)
-    buffers = BatchBuffers(runtime.ports.kv, runtime.ports.state, runtime.device, 2)
-    batch = SequenceSlot(runtime.pool.take_number(), buffers,
-                         runtime.masks(2, 96, runtime.ports.mask_dtype, runtime.device))
+    debug = runtime.debug
+    buffers = BatchBuffers(debug.ports.kv, debug.ports.state, debug.device, 2)
+    batch = SequenceSlot(debug.pool.take_number(), buffers,
+                         debug.masks(2, 96, debug.ports.mask_dtype, debug.device))
     rows = [Row(np.array([1, 2]), LogicalLength(96)), Row(np.array([3, 4]), LogicalLength(96))]
     with pytest.raises(ValueError, match="one token per row"):
-        runtime.runner.run(batch, Forward(rows))
+        runtime.debug.runner.run(batch, Forward(rows))
     with pytest.raises(ValueError, match="2 batch rows"):
-        runtime.runner.run(batch, Forward(rows[:1]))
+        runtime.debug.runner.run(batch, Forward(rows[:1]))
 
 
 def test_finish_rule():
@@ -122,7 +123,7 @@ def test_stats_are_properties_and_the_old_call_warns(reference_model):
     assert isinstance(runtime.stats, RuntimeStats)
     assert isinstance(sequence.stats, SequenceStats)
     assert isinstance(request.stats, RequestStats)
-    assert runtime.stats.capacity == runtime.options.capacity == 96
+    assert runtime.stats.capacity == runtime.debug.options.capacity == 96
     with pytest.warns(DeprecationWarning, match="runtime.stats"):
         called = runtime.stats()
     assert isinstance(called, RuntimeStats) and called.engine.completed == 1

@@ -1,10 +1,12 @@
-"""resolve_options: a runtime's options from its arguments, plan, genai config, ports and device,
-tested without ONNX Runtime (the plan comes from the passes, the ports from the file)."""
+"""RuntimeOptions (the user's options, checked when made) and resolve_options (what a runtime runs
+with, from those options, the plan, genai config, ports and device), tested without ONNX Runtime
+(the plan comes from the passes, the ports from the file)."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from onnx_chunk.errors import ConfigError, ModelLoadError, ProviderError
@@ -15,8 +17,7 @@ from onnx_chunk.model_io import load_model
 from onnx_chunk.passes import analyze
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 from onnx_chunk.runtime.options import (
-    LoadArguments,
-    checked_arguments,
+    RuntimeOptions,
     resolve_capacity,
     resolve_chunk_size,
     resolve_options,
@@ -37,9 +38,9 @@ def _resolve(decoder, resolved=None, **arguments):
     """The options of `decoder` on `resolved` (the device `resolve_device` gave), else on the
     `device` argument, else on CPU."""
     model, plan, genai = decoder
-    args = checked_arguments(LoadArguments(**arguments))
-    return resolve_options(args, plan=plan, genai=genai, model=model,
-                           device=resolved or args.device or device_for("cpu"))
+    options = RuntimeOptions(**arguments)
+    return resolve_options(options, plan=plan, genai=genai, model=model,
+                           device=resolved or options.device or device_for("cpu"))
 
 
 def test_capacity_defaults_to_the_tightest_limit_and_refuses_more(decoder):
@@ -115,7 +116,7 @@ def test_eos_ids_outside_the_vocabulary_are_refused(decoder):
     model, plan, genai = decoder
     vocab = _resolve(decoder, capacity=128).ports.vocab_size
     with pytest.raises(ModelLoadError, match=rf"EOS token id\(s\) \[{vocab}\] outside"):
-        resolve_options(LoadArguments(capacity=128), plan=plan, model=model,
+        resolve_options(RuntimeOptions(capacity=128), plan=plan, model=model,
                         genai=dataclasses.replace(genai, eos_token_ids=(vocab,)),
                         device=device_for("cpu"))
 
@@ -129,6 +130,12 @@ def test_eos_ids_outside_the_vocabulary_are_refused(decoder):
     ({"idle_sequences": -1}, "idle_sequences must be at least 0"),
     ({"max_queue": True}, "max_queue must be an integer"),
 ])
-def test_arguments_of_the_wrong_type_or_range_are_refused(arguments, needle):
+def test_options_of_the_wrong_type_or_range_are_refused_when_made(arguments, needle):
     with pytest.raises(ConfigError, match=needle):
-        checked_arguments(LoadArguments(**arguments))
+        RuntimeOptions(**arguments)
+
+
+def test_counts_given_as_numpy_integers_are_kept_as_ints():
+    options = RuntimeOptions(max_batch=np.int64(3), max_queue=np.int32(5))
+    assert type(options.max_batch) is int and type(options.max_queue) is int
+    assert (options.max_batch, options.max_queue) == (3, 5)

@@ -67,10 +67,10 @@ def _together(runtime, prompts):
 
 def _assert_reuse_changes_no_token(path, **options):
     with load(path, **{**OPTIONS, **options}, prefix_reuse=False) as fresh:
-        script = _script(fresh.ports.vocab_size)
+        script = _script(fresh.stats.vocab_size)
         prompts, expected, none = _run(fresh, script)
         assert not any(none) and fresh.stats.engine.prefix_hits == 0
-        recurrent = bool(fresh.ports.state)
+        recurrent = bool(fresh.debug.ports.state)
         # Two at once, beside each other's kept prefixes: a continuation and a repeat.
         pair = [prompts[5] + expected[5] + [1, 2, 3], prompts[6]]
         expected_pair, _ = _together(fresh, pair)
@@ -139,7 +139,7 @@ def test_reuse_is_reported_per_request_and_can_be_switched_off(reference_model):
     path = reference_model("base")
     prompt = list(range(1, 30))
     with load(path, provider="cpu", chunk_size=W, capacity=128) as runtime:
-        assert runtime.stats.prefix_reuse and runtime.options.prefix_reuse
+        assert runtime.stats.prefix_reuse and runtime.debug.options.prefix_reuse
         first = runtime.submit(prompt, 4, eos_token_id=[])
         first.result()
         second = runtime.submit(prompt + first.result() + [5, 6], 4, eos_token_id=[])

@@ -34,11 +34,11 @@ def test_unknown_provider():
 
 
 def test_auto_and_cuda_follow_the_probe(monkeypatch):
-    monkeypatch.setattr(provider_module, "_cuda_failure", lambda device_id: "no GPU here")
+    monkeypatch.setattr(provider_module, "cuda_failure", lambda device_id: "no GPU here")
     assert resolve_device("auto").provider == "cpu"
     with pytest.raises(ProviderError, match="no GPU here"):
         resolve_device("cuda")
-    monkeypatch.setattr(provider_module, "_cuda_failure", lambda device_id: None)
+    monkeypatch.setattr(provider_module, "cuda_failure", lambda device_id: None)
     assert resolve_device("auto", 2).label == "cuda:2"
 
 
@@ -62,9 +62,9 @@ def cuda_listed(monkeypatch):
                         lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
     monkeypatch.setattr(module_ort, "preload_dlls", lambda: None, raising=False)
     monkeypatch.setattr(module_ort, "InferenceSession", _CreatedSession)
-    provider_module._cuda_failure.cache_clear()
+    provider_module.cuda_failure.cache_clear()
     yield monkeypatch
-    provider_module._cuda_failure.cache_clear()
+    provider_module.cuda_failure.cache_clear()
 
 
 def test_probe_checks_the_created_session(cuda_listed):
@@ -75,7 +75,7 @@ def test_probe_checks_the_created_session(cuda_listed):
     with pytest.raises(ProviderError, match="cannot run on this machine.*fell back to the CPU"):
         resolve_device("cuda")
     cuda_listed.setattr(_CreatedSession, "runs_on", "CUDAExecutionProvider")
-    provider_module._cuda_failure.cache_clear()
+    provider_module.cuda_failure.cache_clear()
     assert provider_module.probe_cuda(0) is None
     assert resolve_device("auto", 3).label == "cuda:3"
 
@@ -105,12 +105,12 @@ def test_the_cuda_probe_prints_nothing_and_logs_why(monkeypatch, capfd, caplog):
                         lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
     monkeypatch.setattr(module_ort, "preload_dlls", noisy_preload, raising=False)
     monkeypatch.setattr(module_ort, "InferenceSession", noisy_session)
-    provider_module._cuda_failure.cache_clear()
+    provider_module.cuda_failure.cache_clear()
     caplog.set_level("INFO", logger=provider_module.__name__)
     try:
         chosen = resolve_device("auto", 7)
     finally:
-        provider_module._cuda_failure.cache_clear()
+        provider_module.cuda_failure.cache_clear()
     os.write(2, b"after the probe\n")
     captured = capfd.readouterr()
     assert chosen.provider == "cpu"

@@ -1,6 +1,6 @@
 """Bad requests fail clearly before any work and leave the sequence usable; threads agree."""
 
-import dataclasses
+import json
 import threading
 
 import numpy as np
@@ -8,6 +8,7 @@ import pytest
 
 from onnx_chunk.errors import CapacityError, ClosedError, ConfigError, InputError, SequenceBusyError
 from onnx_chunk.runtime import load
+from tests.validate.mutations import copy_model
 
 W = 16
 
@@ -72,7 +73,7 @@ def test_a_failing_forward_leaves_the_sequence_as_it_was(runtime, monkeypatch):
     expected = runtime.open_sequence()
     expected.prefill([4, 5, 6])
     calls = []
-    original = runtime.runner.run
+    original = runtime.debug.runner.run
 
     def failing(slot, forward):
         calls.append(forward.width)
@@ -80,7 +81,7 @@ def test_a_failing_forward_leaves_the_sequence_as_it_was(runtime, monkeypatch):
             raise RuntimeError("device lost")
         return original(slot, forward)
 
-    monkeypatch.setattr(runtime.runner, "run", failing)
+    monkeypatch.setattr(runtime.debug.runner, "run", failing)
     with pytest.raises(RuntimeError):
         sequence.prefill(list(range(1, 40)))
     monkeypatch.undo()
@@ -132,7 +133,7 @@ def _paused_before_prefill(runtime, monkeypatch):
     """Make the runtime's next forward (`ModelRunner.run`: a prefill chunk) wait for `proceed`
     once it has `started`."""
     started, proceed = threading.Event(), threading.Event()
-    run = runtime.runner.run
+    run = runtime.debug.runner.run
 
     def paused(slot, forward):
         if not started.is_set():
@@ -140,7 +141,7 @@ def _paused_before_prefill(runtime, monkeypatch):
             assert proceed.wait(60)
         return run(slot, forward)
 
-    monkeypatch.setattr(runtime.runner, "run", paused)
+    monkeypatch.setattr(runtime.debug.runner, "run", paused)
     return started, proceed
 
 
@@ -224,7 +225,7 @@ def test_load_refuses_options_of_the_wrong_type(reference_model, options):
 def test_load_takes_numpy_integers(reference_model):
     loaded = load(reference_model("base"), provider="cpu", capacity=np.int64(64),
                   chunk_size=np.int32(16))
-    assert loaded.options.capacity == 64 and loaded.options.chunk_size == 16
+    assert loaded.stats.capacity == 64 and loaded.stats.chunk_size == 16
 
 
 @pytest.mark.parametrize("eos", [-1, 256, "2", 1e30, 2.0, True, [1, -1], ["2"]])
@@ -248,13 +249,18 @@ def test_generate_stops_at_any_of_several_eos_ids(runtime):
     assert runtime.open_sequence().generate(prompt, 8, np.int64(stop_at)) == free[:first]
 
 
-def test_generate_without_eos_ids_stops_at_the_runtimes(reference_model):
+def test_generate_without_eos_ids_stops_at_the_runtimes(reference_model, tmp_path):
     loaded = load(reference_model("base"), provider="cpu", capacity=64, chunk_size=W)
-    assert loaded.options.eos_token_ids == (2,)  # the reference decoder's genai_config.json
+    assert loaded.stats.eos_token_ids == (2,)  # the reference decoder's genai_config.json
     prompt = list(range(1, 40))
     free = loaded.open_sequence().generate(prompt, 8, eos_token_id=[])
-    loaded.options = dataclasses.replace(loaded.options, eos_token_ids=(free[2],))
-    sequence = loaded.open_sequence()
+    model = copy_model(reference_model("base"), tmp_path / "model")
+    config = json.loads((model.parent / "genai_config.json").read_text())
+    config["model"]["eos_token_id"] = free[2]
+    (model.parent / "genai_config.json").write_text(json.dumps(config))
+    stopping = load(model, provider="cpu", capacity=64, chunk_size=W)
+    assert stopping.stats.eos_token_ids == (free[2],)
+    sequence = stopping.open_sequence()
     assert sequence.generate(prompt, 8) == free[:free.index(free[2]) + 1]
     assert sequence.stats.last_generation.stopped_by_eos
 
@@ -328,7 +334,7 @@ def test_a_sequence_cannot_start_a_forward_while_its_runtime_closes(reference_mo
     runtime.generate_many([[1, 2, 3]], 1)
     sequence = runtime.open_sequence()
     refused = []
-    engine = runtime._engine
+    engine = runtime.debug.engine
     stop = engine.close
 
     def close_while_a_sequence_runs():

@@ -1,6 +1,7 @@
 """A generation that fails partway leaves its sequence as it was; one stopped early keeps
 what it generated."""
 
+import onnxruntime as ort
 import pytest
 
 from onnx_chunk.runtime import load
@@ -15,16 +16,17 @@ def test_a_generation_failing_in_decode_leaves_the_sequence_as_it_was(reference_
     state_before = [bytes(array.tobytes()) for array in sequence.buffers.snapshot_state()]
     expected = runtime.open_sequence()
     expected.prefill(list(range(3, 12)))
-    steps = []
-    original = runtime.runner._step
+    runs = []
+    original = ort.InferenceSession.run_with_iobinding
 
-    def failing(session, binding, slot, length, token):
-        steps.append(token)
-        if len(steps) == 3:
+    def failing(self, iobinding, run_options=None):
+        # The prompt's two chunks (30 tokens at W 16), then the third decode step fails.
+        runs.append(iobinding)
+        if len(runs) == 2 + 3:
             raise RuntimeError("device lost")
-        return original(session, binding, slot, length, token)
+        return original(self, iobinding, run_options)
 
-    monkeypatch.setattr(runtime.runner, "_step", failing)
+    monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding", failing)
     with pytest.raises(RuntimeError, match="device lost"):
         sequence.generate(list(range(20, 50)), 6)
     monkeypatch.undo()

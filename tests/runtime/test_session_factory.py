@@ -19,19 +19,19 @@ def _prepacks(session):
 def test_prepacking_follows_the_rule(reference_model, variant, prefill_prepacks):
     runtime = load(reference_model(variant), provider="cpu", capacity=64, chunk_size=16,
                    specialize=True)
-    with runtime.cache.acquire(1) as decode, runtime.cache.acquire(16) as prefill:
+    with runtime.debug.cache.acquire(1) as decode, runtime.debug.cache.acquire(16) as prefill:
         assert _prepacks(decode)
         assert _prepacks(prefill) == prefill_prepacks
     dynamic = load(reference_model(variant), provider="cpu", capacity=64, chunk_size=16,
                    specialize=False)
-    with dynamic.cache.acquire(None) as session:
+    with dynamic.debug.cache.acquire(None) as session:
         assert _prepacks(session)
 
 
 def test_sessions_are_specialised_per_width(reference_model):
     runtime = load(reference_model("base"), provider="cpu", capacity=64, chunk_size=16,
                    specialize=True)
-    with runtime.cache.acquire(16) as session:
+    with runtime.debug.cache.acquire(16) as session:
         shapes = {value.name: value.shape for value in session.get_inputs()}
     assert shapes["input_ids"] == [1, 16]
     assert shapes["past_key_values.0.key"][2] == 64
@@ -39,10 +39,10 @@ def test_sessions_are_specialised_per_width(reference_model):
 
 def test_weights_are_mapped_not_copied(reference_model):
     runtime = load(reference_model("base"), provider="cpu", capacity=64, specialize=True)
-    weights = runtime.weights
+    weights = runtime.debug.weights
     assert len(weights.names) == len(weights.values) > 0
-    assert weights.nbytes == sum(array.nbytes for array in weights._keep_alive)
-    for value, array in zip(weights.values, weights._keep_alive):
+    assert weights.nbytes == sum(array.nbytes for array in weights.arrays)
+    for value, array in zip(weights.values, weights.arrays):
         assert isinstance(array, np.memmap) and value.data_ptr() == array.ctypes.data
 
 
@@ -53,8 +53,8 @@ def test_weights_for_another_device_are_not_faulted_in_and_say_they_are_copied(
     from onnx_chunk.runtime.device.provider import device_for
 
     faulted = []
-    original = session_factory._fault_in
-    monkeypatch.setattr(session_factory, "_fault_in",
+    original = session_factory.fault_in
+    monkeypatch.setattr(session_factory, "fault_in",
                         lambda array: faulted.append(array.nbytes) or original(array))
     model = read_model_file(reference_model("base"))
     cuda = session_factory.load_shared_weights(model, device_for("cuda"))

@@ -226,7 +226,7 @@ def test_greedy_output_equals_plain_decoding_with_drafts_kept_and_rejected(
         reference_model, monkeypatch, variant):
     path = reference_model(variant)
     plain = load(path, provider="cpu", capacity=160, chunk_size=W)
-    prompts = _prompts(plain.ports.vocab_size)
+    prompts = _prompts(plain.stats.vocab_size)
     expected = _alone(plain, prompts, 40)
     oracle = _Oracle(prompts, expected)
     monkeypatch.setattr(speculation, "propose_draft", oracle)
@@ -255,12 +255,12 @@ def test_greedy_parity_on_the_device_path(reference_model, monkeypatch):
     monkeypatch.setattr(runtime_model, "resolve_device", lambda *args: device)
     path = reference_model("base")
     plain = load(path, provider="cpu", capacity=160, chunk_size=W)
-    prompts = _prompts(plain.ports.vocab_size)
+    prompts = _prompts(plain.stats.vocab_size)
     expected = _alone(plain, prompts, 30)
     monkeypatch.setattr(speculation, "propose_draft", _Oracle(prompts, expected))
     with load(path, provider="cpu", capacity=160, chunk_size=W, max_batch=2,
               speculative=SPEC) as spec:
-        assert spec.options.select_rows
+        assert spec.debug.options.select_rows
         assert _alone(spec, prompts, 30) == expected
         assert spec.generate_many(prompts, 30, eos_token_id=[]) == expected
         assert spec.stats.engine.accepted_tokens > 0
@@ -270,7 +270,7 @@ def test_the_engine_mixes_rows_with_drafts_and_rows_without(reference_model, mon
     """Drafts for some requests only: the others decode in the batched forward meanwhile."""
     path = reference_model("base")
     plain = load(path, provider="cpu", capacity=160, chunk_size=W)
-    prompts = _prompts(plain.ports.vocab_size, (5, 23, 1, 40, 17, 9), seed=3)
+    prompts = _prompts(plain.stats.vocab_size, (5, 23, 1, 40, 17, 9), seed=3)
     expected = _alone(plain, prompts, 30)
     oracle = _Oracle(prompts[::2], expected[::2])
     monkeypatch.setattr(speculation, "propose_draft",
@@ -290,7 +290,7 @@ def test_a_stop_token_inside_an_accepted_draft_ends_the_generation_there(referen
                                                                          monkeypatch):
     path = reference_model("base")
     plain = load(path, provider="cpu", capacity=160, chunk_size=W)
-    prompt = _prompts(plain.ports.vocab_size, (12,))[0]
+    prompt = _prompts(plain.stats.vocab_size, (12,))[0]
     tokens = _alone(plain, [prompt], 30)[0]
     stop = tokens[9]
     expected = tokens[:tokens.index(stop) + 1]
@@ -319,7 +319,7 @@ def test_greedy_output_equals_plain_decoding_on_the_real_exports(fixture):
     for one, so a near-tie can fall the other way between a lone sequence and the engine
     without any draft (it does for qwen3 and phi3 on an AMD EPYC; docs/validate.md)."""
     with load(fixture.folder, provider="cpu", chunk_size=W, max_batch=2) as plain:
-        prompts = _prompts(plain.ports.vocab_size, (5, 64, 130), seed=1)
+        prompts = _prompts(plain.stats.vocab_size, (5, 64, 130), seed=1)
         alone = _alone(plain, prompts, 120)
         engine = plain.generate_many(prompts, 120, eos_token_id=[])
     with load(fixture.folder, provider="cpu", chunk_size=W, max_batch=2,
@@ -343,7 +343,7 @@ def test_sampled_output_is_exact_in_distribution(reference_model, monkeypatch):
     continuation, often accepted) equals plain sampling's (chi-square, tiny top-k vocab)."""
     path = reference_model("base")
     plain = load(path, provider="cpu", capacity=64, chunk_size=W)
-    prompt = _prompts(plain.ports.vocab_size, (6,))[0]
+    prompt = _prompts(plain.stats.vocab_size, (6,))[0]
     greedy = _alone(plain, [prompt], 6)[0]
     monkeypatch.setattr(speculation, "propose_draft", lambda history, k=4, **_: np.array(
         (prompt + greedy)[len(history):len(history) + k] or [0]))
@@ -380,7 +380,7 @@ def test_a_stream_closed_inside_a_verified_run_keeps_what_it_took(reference_mode
     the tokens it took but the last, as after plain decoding, and the next call continues."""
     path = reference_model("base")
     plain = load(path, provider="cpu", capacity=160, chunk_size=W)
-    prompt = _prompts(plain.ports.vocab_size, (12,))[0]
+    prompt = _prompts(plain.stats.vocab_size, (12,))[0]
     tokens = _alone(plain, [prompt], 30)[0]
     monkeypatch.setattr(speculation, "propose_draft", lambda history, k=4, **_: np.array(
         (prompt + tokens)[len(history):len(history) + k]))

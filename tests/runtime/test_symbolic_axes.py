@@ -14,7 +14,7 @@ from onnx_chunk.model_io import load_model
 from onnx_chunk.models.reference import ReferenceDecoder
 from onnx_chunk.passes import analyze
 from onnx_chunk.runtime import load
-from onnx_chunk.runtime.runner.ports import model_ports
+from onnx_chunk.runtime.state.ports import model_ports
 from tests.validate.mutations import copy_model, edit_graph
 
 HEAD_AXIS = 3
@@ -47,7 +47,7 @@ def test_a_symbolic_head_axis_is_sized_from_the_k_projection(builder_axes_model)
 
 def test_a_decoder_with_a_symbolic_head_axis_generates_the_reference_tokens(builder_axes_model):
     runtime = load(builder_axes_model, provider="cpu", chunk_size=16, capacity=128)
-    assert {port.shape[HEAD_AXIS] for port in runtime.ports.kv} == {
+    assert {port.shape[HEAD_AXIS] for port in runtime.debug.ports.kv} == {
         ReferenceDecoder.from_model_dir(builder_axes_model.parent).config.head_size}
     prompt = list(range(3, 40))
     tokens = runtime.open_sequence().generate(prompt, 6)

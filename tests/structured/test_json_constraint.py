@@ -14,6 +14,7 @@ from onnx_chunk.errors import InputError
 from onnx_chunk.runtime import load
 from onnx_chunk.sampling import Sampling
 from onnx_chunk.structured import json_constraint
+from onnx_chunk.text.tokenizer import TOKENIZER_FILE
 from tests.exports.corpus import ROOT
 
 EXPORTS = ("genai-qwen3-fp32", "genai-llama-fp32", "genai-phi3-int4")
@@ -46,7 +47,7 @@ def runtime(request):
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
 def test_sampled_output_always_validates(runtime, name):
     schema = SCHEMAS[name]
-    constraint = json_constraint(runtime.tokenizer, schema, runtime.ports.vocab_size)
+    constraint = json_constraint(runtime.tokenizer, schema, runtime.stats.vocab_size)
     for seed in range(25):
         completion = runtime.generate_text(
             "Write anything:", 200,
@@ -70,7 +71,7 @@ def test_free_sampling_of_these_models_is_not_json(runtime):
 
 
 def test_json_object_mode_gives_an_object(runtime):
-    constraint = json_constraint(runtime.tokenizer, {"type": "object"}, runtime.ports.vocab_size)
+    constraint = json_constraint(runtime.tokenizer, {"type": "object"}, runtime.stats.vocab_size)
     sampling = Sampling(temperature=1.0, constraint=constraint, logit_bias={})
     ends = 0
     for seed in range(10):
@@ -87,10 +88,14 @@ def test_the_mask_is_the_grammar_libraries_bitmask(runtime):
     # The numpy unpacking against llguidance's own bitmask, bit by bit, along a generation.
     import llguidance
 
-    tokenizer, vocab = runtime.tokenizer, runtime.ports.vocab_size
+    tokenizer, vocab = runtime.tokenizer, runtime.stats.vocab_size
     constraint = json_constraint(tokenizer, SCHEMAS["record"], vocab)
     matcher = constraint.matcher()
-    reference = llguidance.LLMatcher(constraint._tokenizer, constraint.grammar, log_level=0)
+    # The library's own matcher, over a tokenizer it reads itself from the model folder.
+    words = llguidance.LLTokenizer((tokenizer.folder / TOKENIZER_FILE).read_text(encoding="utf-8"),
+                                   n_vocab=tokenizer.vocab_size,
+                                   eos_token=list(tokenizer.eos_token_ids))
+    reference = llguidance.LLMatcher(words, constraint.grammar, log_level=0)
     rng = np.random.default_rng(0)
     for _ in range(30):
         scores = np.zeros(vocab)
@@ -119,4 +124,4 @@ def test_ids_beyond_the_tokenizer_are_forbidden(runtime):
                                     {"$ref": "#/nowhere"}])
 def test_a_bad_schema_is_an_input_error(runtime, schema):
     with pytest.raises(InputError):
-        json_constraint(runtime.tokenizer, schema, runtime.ports.vocab_size)
+        json_constraint(runtime.tokenizer, schema, runtime.stats.vocab_size)

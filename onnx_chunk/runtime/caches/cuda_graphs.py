@@ -290,6 +290,12 @@ class CaptureGate:
         """Whether a capture holds the gate now."""
         return self._exclusive
 
+    @property
+    def held(self) -> bool:
+        """Whether anything (a capture, or device work sharing the gate) holds it now."""
+        with self._cond:
+            return self._exclusive or self._shared > 0
+
 
 # One gate per process: CUDA's global capture mode spans every stream and thread.
 CAPTURE_GATE = CaptureGate()

@@ -160,6 +160,12 @@ class VariantPool:
                 held = per_slot[slot] = OrderedDict()
             return held
 
+    def live_bindings(self) -> list[dict[int, dict]]:
+        """Per live session, every slot's bindings by width: a copy, for diagnosis."""
+        with self._kept.lock:
+            return [{slot: dict(held) for slot, held in per_slot.items()}
+                    for per_slot in self._kept.bindings.values()]
+
     def graph_runs(self, session: ort.InferenceSession, width: int, stateful: bool, *,
                    capture: bool = True, batch: int = 1) -> GraphRuns | None:
         """The graph run options of a new binding at `width` and `batch` rows on `session`

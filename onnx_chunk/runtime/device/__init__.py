@@ -1,1 +1,2 @@
-"""The device: the provider, buffers on it, its memory readings and the session factory."""
+"""The device: the provider, buffers on it, its memory readings, the session factory and the
+model edit behind its row-selecting sessions."""

@@ -170,7 +170,7 @@ def owned_zeros(shape: tuple[int, ...], dtype: np.dtype, device_type: str,
     nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     allocated = _allocate(device_type, device_id, nbytes)
     if allocated is None:
-        _note_fallback(f"no {device_type} allocation through the CUDA runtime")
+        note_fallback(f"no {device_type} allocation through the CUDA runtime")
         return None
     pointer, free, kind = allocated
     dims = (ctypes.c_int64 * max(len(shape), 1))(*shape)
@@ -191,7 +191,7 @@ def owned_zeros(shape: tuple[int, ...], dtype: np.dtype, device_type: str,
         _HELD.pop(ctypes.addressof(managed), None)
         free(pointer)
         ALLOCATIONS.removed(nbytes)
-        _note_fallback(f"OrtValue.from_dlpack refused it: {error}")
+        note_fallback(f"OrtValue.from_dlpack refused it: {error}")
         return None
 
 
@@ -200,6 +200,8 @@ def _dlpack_import() -> bool:
 
 
 @functools.cache
-def _note_fallback(reason: str) -> None:
+def note_fallback(reason: str) -> None:
+    """Log, once per reason and process (`note_fallback.cache_clear()` logs again), that device
+    buffers come from ONNX Runtime's allocator."""
     logger.warning("device buffers come from ONNX Runtime's process-wide allocator (%s); "
                    "Runtime.close() returns them to its arena, not to the device", reason)

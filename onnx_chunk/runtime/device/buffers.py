@@ -35,7 +35,7 @@ from onnx_chunk.runtime.device.allocation import owned_zeros
 from onnx_chunk.runtime.device.memory import cudart
 from onnx_chunk.runtime.device.provider import Device
 from onnx_chunk.runtime.device.transfers import Transfers
-from onnx_chunk.runtime.runner.ports import BufferPort
+from onnx_chunk.runtime.state.ports import BufferPort
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class DeviceBuffer:
             return self.host.reshape(-1)[start:start + count]
         if out is None:
             out = np.empty(count, dtype=self.dtype)
-        _copy_to_host(self.value, start * self.dtype.itemsize, out)
+        copy_to_host(self.value, start * self.dtype.itemsize, out)
         self._received(out.nbytes)
         return out
 
@@ -170,7 +170,7 @@ def _copy_to_device(value: ort.OrtValue, offset: int, data: np.ndarray) -> None:
                             f"{status}); the device is in a bad state, restart the process")
 
 
-def _copy_to_host(value: ort.OrtValue, offset: int, out: np.ndarray) -> None:
+def copy_to_host(value: ort.OrtValue, offset: int, out: np.ndarray) -> None:
     """Copy `out.nbytes` bytes from `offset` bytes into `value`'s memory into `out`."""
     if out.nbytes == 0:
         return

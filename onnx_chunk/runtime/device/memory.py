@@ -70,14 +70,14 @@ def cuda_used_bytes(device_id: int = 0) -> int | None:
     if library is None:
         return None
     previous = ctypes.c_int(0)
-    if library.cudaGetDevice(ctypes.byref(previous)) != 0:
+    if library.cudaGetDevice(ctypes.pointer(previous)) != 0:
         return None
     if library.cudaSetDevice(device_id) != 0:
         return None
     try:
         free = ctypes.c_size_t(0)
         total = ctypes.c_size_t(0)
-        if library.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) != 0:
+        if library.cudaMemGetInfo(ctypes.pointer(free), ctypes.pointer(total)) != 0:
             return None
         return total.value - free.value
     finally:

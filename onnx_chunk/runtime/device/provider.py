@@ -189,24 +189,25 @@ def resolve_device(provider: str = "auto", device_id: int = 0,
                           f"{', '.join(PROVIDER_CHOICES)}")
     if provider == "cpu":
         return device_for("cpu", mask_policy=mask_policy, cuda_graphs=cuda_graphs or None)
-    cuda_failure = _cuda_failure(device_id)
-    if cuda_failure is None:
+    failure = cuda_failure(device_id)
+    if failure is None:
         chosen = device_for("cuda", device_id, mask_policy, cuda_graphs)
     elif provider == "cuda":
         raise ProviderError(
             f"the CUDA provider was asked for but cannot run on this machine (device "
-            f"{device_id}): {cuda_failure}; use --provider cpu (or auto) here")
+            f"{device_id}): {failure}; use --provider cpu (or auto) here")
     else:
         chosen = device_for("cpu", mask_policy=mask_policy)
     logger.info("provider %s -> %s (%s mask, CUDA graphs %s)%s", provider, chosen.label,
                 chosen.mask_policy.value, "on" if chosen.cuda_graphs else "off",
-                "" if cuda_failure is None else f"; CUDA unusable: {cuda_failure}")
+                "" if failure is None else f"; CUDA unusable: {failure}")
     return chosen
 
 
 @functools.cache
-def _cuda_failure(device_id: int) -> str | None:
-    """None when a CUDA session can be created on `device_id`, else why it cannot."""
+def cuda_failure(device_id: int) -> str | None:
+    """None when a CUDA session can be created on `device_id`, else why it cannot; probed once
+    per device and process (`cuda_failure.cache_clear()` probes again)."""
     return probe_cuda(device_id)
 
 

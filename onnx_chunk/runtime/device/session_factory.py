@@ -78,9 +78,9 @@ import onnxruntime as ort
 
 from onnx_chunk.errors import ConfigError, ModelLoadError, ProviderError
 from onnx_chunk.model_file import ExternalData, ModelFile, TensorRef, numpy_dtype, tensor_nbytes
+from onnx_chunk.runtime.device.logits_row import select_row
 from onnx_chunk.runtime.device.memory import MemoryMeter, measured
 from onnx_chunk.runtime.device.provider import Device
-from onnx_chunk.runtime.runner.logits_row import select_row
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,8 @@ class SharedWeights:
     the weights of a runtime whose one session loads its own (no values, `shared` False).
     `copied_per_session`: the values are host memory and the sessions run on another device,
     so every session copies them to its device (one device copy per variant). `host_copy`:
-    the values are a resident copy in host memory (on CPU, faulted in at load).
+    the values are a resident copy in host memory (on CPU, faulted in at load). `arrays`: the
+    memory maps the values wrap, held as long as the values are.
     """
 
     names: tuple[str, ...]
@@ -112,7 +113,7 @@ class SharedWeights:
     shared: bool = True
     copied_per_session: bool = False
     host_copy: bool = False
-    _keep_alive: tuple[np.ndarray, ...] = field(repr=False, default=())
+    arrays: tuple[np.ndarray, ...] = field(repr=False, default=())
 
 
 def load_shared_weights(model: ModelFile, device: Device,
@@ -137,10 +138,10 @@ def load_shared_weights(model: ModelFile, device: Device,
     names, values, nbytes, arrays = loaded
     return SharedWeights(names, values, nbytes, resident_bytes=grown,
                          copied_per_session=not on_host, host_copy=on_host and bool(names),
-                         _keep_alive=arrays)
+                         arrays=arrays)
 
 
-def _load_values(model: ModelFile, device: Device, fault_in: bool) -> tuple[
+def _load_values(model: ModelFile, device: Device, resident: bool) -> tuple[
         tuple[str, ...], tuple[ort.OrtValue, ...], int, tuple[np.ndarray, ...]]:
     names: list[str] = []
     values: list[ort.OrtValue] = []
@@ -148,8 +149,8 @@ def _load_values(model: ModelFile, device: Device, fault_in: bool) -> tuple[
     nbytes = 0
     for tensor, where in model.external_initializers():
         array = _map_external(tensor, where)
-        if fault_in:
-            _fault_in(array)
+        if resident:
+            fault_in(array)
         arrays.append(array)
         names.append(tensor.name)
         values.append(ort.OrtValue.ortvalue_from_numpy(array))
@@ -167,7 +168,7 @@ def owned_by_session(model: ModelFile) -> SharedWeights:
     return SharedWeights((), (), nbytes, shared=False)
 
 
-def _fault_in(array: np.ndarray) -> int:
+def fault_in(array: np.ndarray) -> int:
     """Read one byte of every page of `array`, so that all of it is resident; their sum."""
     return int(array.reshape(-1).view(np.uint8)[::_PAGE_SIZE].sum(dtype=np.uint64))
 

@@ -71,6 +71,7 @@ import numpy as np
 from onnx_chunk.errors import CapacityError, ClosedError
 from onnx_chunk.runtime.device.buffers import BatchBuffers
 from onnx_chunk.runtime.device.provider import Device
+from onnx_chunk.runtime.engine.counters import ChunkRecord, EngineCounters, EngineStats
 from onnx_chunk.runtime.engine.kv_state import LogicalLength
 from onnx_chunk.runtime.engine.request import FinishReason, Request
 from onnx_chunk.runtime.engine.scheduler import (
@@ -87,8 +88,7 @@ from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot, new_slot
 from onnx_chunk.runtime.engine.speculation import Drafter, Speculation, accepted
 from onnx_chunk.runtime.runner.attention_mask import AttentionMask
 from onnx_chunk.runtime.runner.model_runner import Forward, ModelRunner, Row
-from onnx_chunk.runtime.runner.ports import ModelPorts
-from onnx_chunk.runtime.stats import ChunkRecord, EngineCounters, EngineStats
+from onnx_chunk.runtime.state.ports import ModelPorts
 from onnx_chunk.sampling import Sampler, prompt_logprobs_of
 
 logger = logging.getLogger(__name__)
@@ -300,6 +300,12 @@ class BatchEngine:
                 del self._samplers[request.id]
                 self._queue_forks(request)
             self._cond.notify_all()
+
+    @property
+    def batch_number(self) -> int:
+        """The slot number of the batched decode's buffers (its bindings and graphs hang off
+        it, as a sequence's off its slot)."""
+        return self._batch.number
 
     @property
     def stats(self) -> EngineStats:

@@ -39,13 +39,13 @@ from onnx_chunk.errors import (
 )
 from onnx_chunk.runtime.device.buffers import SequenceBuffers
 from onnx_chunk.runtime.engine.batch_engine import SequenceEngine, StepResult
+from onnx_chunk.runtime.engine.counters import GenerationStats, SequenceStats
 from onnx_chunk.runtime.engine.kv_state import LogicalLength
 from onnx_chunk.runtime.engine.kv_window import rewind_is_exact
 from onnx_chunk.runtime.engine.scheduler import prefill_chunks
 from onnx_chunk.runtime.engine.sequence_pool import SequencePool
 from onnx_chunk.runtime.engine.speculation import Speculation
 from onnx_chunk.runtime.runner.model_runner import Forward, LogitsRows, ModelRunner, Row
-from onnx_chunk.runtime.stats import GenerationStats, SequenceStats
 from onnx_chunk.sampling import GREEDY, Sampler, Sampling
 
 
@@ -174,7 +174,7 @@ class Sequence:
         """Generation: the new tokens (stopping after an end-of-sequence id if one comes).
 
         `eos_token_id`: one id or a sequence of ids, each in [0, vocab); None: the runtime's
-        (`Runtime.options.eos_token_ids`). `sampling` chooses each token (default greedy: the
+        (`Runtime.stats.eos_token_ids`). `sampling` chooses each token (default greedy: the
         argmax).
         The last token returned is not fed back, so the sequence then holds
         len(prompt) + len(tokens) - 1 positions more than before.

@@ -37,7 +37,7 @@ from onnx_chunk.runtime.caches.cuda_graphs import SlotNumbers
 from onnx_chunk.runtime.device.buffers import SequenceBuffers, SlotBuffers
 from onnx_chunk.runtime.device.provider import Device
 from onnx_chunk.runtime.runner.attention_mask import AttentionMask
-from onnx_chunk.runtime.runner.ports import ModelPorts
+from onnx_chunk.runtime.state.ports import ModelPorts
 
 logger = logging.getLogger(__name__)
 

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnx_chunk.runtime.engine.kv_window import rewind_is_exact
-from onnx_chunk.runtime.runner.ports import ModelPorts
+from onnx_chunk.runtime.state.ports import ModelPorts
 from onnx_chunk.sampling import Sampler
 
 PROMPT_LOOKUP = "prompt-lookup"

@@ -1,2 +1,1 @@
-"""The model runner: every forward of a dynamic decoder, its ports, masks, padding and
-logits rows."""
+"""The model runner: every forward of a dynamic decoder, its masks and padding."""

@@ -27,7 +27,7 @@ import onnxruntime as ort
 
 from onnx_chunk.runtime.device.buffers import copy_on_device, device_zeros, zero_range
 from onnx_chunk.runtime.device.provider import Device, MaskPolicy
-from onnx_chunk.runtime.runner.ports import MASK_INPUT
+from onnx_chunk.runtime.state.ports import MASK_INPUT
 
 
 class AttentionMask(abc.ABC):

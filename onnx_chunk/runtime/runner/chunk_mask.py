@@ -20,7 +20,7 @@ import onnxruntime as ort
 
 from onnx_chunk.runtime.device.provider import Device, MaskPolicy
 from onnx_chunk.runtime.runner.attention_mask import AttentionMask
-from onnx_chunk.runtime.runner.ports import MASK_INPUT
+from onnx_chunk.runtime.state.ports import MASK_INPUT
 
 
 class ChunkMask(AttentionMask):

@@ -48,14 +48,14 @@ from onnx_chunk.runtime.caches.cuda_graphs import CAPTURE_GATE, GraphRuns
 from onnx_chunk.runtime.caches.variant_cache import Specialize, VariantKey, variant_key
 from onnx_chunk.runtime.caches.variant_pool import VariantPool
 from onnx_chunk.runtime.device.buffers import DeviceBuffer, device_zeros
+from onnx_chunk.runtime.device.logits_row import ALL_ROWS, ROW_INPUT
 from onnx_chunk.runtime.device.provider import Device
 from onnx_chunk.runtime.runner.forward import Forward, ForwardRunner, LogitsRows, Ran, Row
 from onnx_chunk.runtime.runner.idle_rows import evicting_rows
-from onnx_chunk.runtime.runner.logits_row import ALL_ROWS, ROW_INPUT
 from onnx_chunk.runtime.runner.native_chunks import NativePlan, NativeRow, plan_native
 from onnx_chunk.runtime.runner.padding import PaddedForward, QueryAxisShrunk, plan_forward
-from onnx_chunk.runtime.runner.ports import LOGITS_OUTPUT, ModelPorts
 from onnx_chunk.runtime.runner.slot import Length, Slot
+from onnx_chunk.runtime.state.ports import LOGITS_OUTPUT, ModelPorts
 
 # Bindings that capture no graph (and their logits buffers) a slot keeps on one shape-generic
 # session: the decode width and the latest prefill width. Capturing bindings are bounded by the
@@ -64,7 +64,7 @@ _BINDINGS_PER_SESSION = 2
 
 
 @dataclass
-class _Binding:
+class Binding:
     """An IOBinding of one session at one width: every buffer bound once, at a fixed address."""
 
     io: ort.IOBinding
@@ -196,7 +196,7 @@ class ModelRunner:
             binding = self._binding(session, self.decode_key, slot, DECODE_WIDTH)
             yield functools.partial(self._step, session, binding, slot, length)
 
-    def _step(self, session: ort.InferenceSession, binding: _Binding, slot: Slot,
+    def _step(self, session: ort.InferenceSession, binding: Binding, slot: Slot,
               length: Length, token: int) -> np.ndarray:
         forward = Forward([Row(np.array([token]), length)])
         with self._gate_for(slot, binding):
@@ -243,7 +243,7 @@ class ModelRunner:
             return np.asarray(ids).astype(self.ports.token_dtype, copy=False)
         return np.asarray(self.embeddings[ids], dtype=self.ports.token_dtype)
 
-    def _forward(self, key: VariantKey, session: ort.InferenceSession, binding: _Binding,
+    def _forward(self, key: VariantKey, session: ort.InferenceSession, binding: Binding,
                  slot: Slot, forward: Forward,
                  plan: PaddedForward | NativePlan | None, *, view: bool) -> np.ndarray | None:
         """Write the inputs, run, keep idle rows, advance the lengths; the logits asked for
@@ -282,7 +282,7 @@ class ModelRunner:
         finally:
             self._release_output(binding, slot)
 
-    def _native_result(self, binding: _Binding, slot: Slot, forward: Forward,
+    def _native_result(self, binding: Binding, slot: Slot, forward: Forward,
                        plan: NativePlan, logits: DeviceBuffer,
                        view: bool) -> np.ndarray | None:
         """After a native forward: keep idle rows' state, advance each stepping row by its
@@ -325,7 +325,7 @@ class ModelRunner:
         picked = np.arange(len(forward.rows)) if chosen else plan.last_rows
         return np.array(every[np.arange(len(forward.rows)), picked])
 
-    def _write_native(self, binding: _Binding, slot: Slot, forward: Forward,
+    def _write_native(self, binding: Binding, slot: Slot, forward: Forward,
                       plan: NativePlan) -> None:
         """Tokens, positions, query_seqlens, logits row and mask of a native plan."""
         binding.tokens.write(plan.tokens.reshape(binding.tokens.shape))
@@ -340,7 +340,7 @@ class ModelRunner:
             binding.row_index.write(np.full(1, int(plan.last_rows[0]), dtype=np.int64))
         slot.mask.set_counts(binding.io, plan.mask_ones, plan.mask_width)  # type: ignore[attr-defined]
 
-    def _write_inputs(self, binding: _Binding, slot: Slot, forward: Forward,
+    def _write_inputs(self, binding: Binding, slot: Slot, forward: Forward,
                       plan: PaddedForward | None) -> None:
         """Tokens, positions, logits row and mask of `forward`, into the binding's buffers."""
         ports = self.ports
@@ -376,7 +376,7 @@ class ModelRunner:
         else:
             slot.mask.set_rows(binding.io, [row.length.length for row in forward.rows])
 
-    def _write_rows(self, binding: _Binding, forward: Forward, real_rows: int) -> None:
+    def _write_rows(self, binding: Binding, forward: Forward, real_rows: int) -> None:
         """The logits rows of a forward whose rows all end at `real_rows`: every real row for
         "all", else the last real one."""
         if self.ports.logits_rows is None:
@@ -407,7 +407,7 @@ class ModelRunner:
         return self._gate_for(slot, self.variants.bindings(session, slot.number).get(width))
 
     def _gate_for(self, slot: Slot,
-                  binding: _Binding | None) -> contextlib.AbstractContextManager:
+                  binding: Binding | None) -> contextlib.AbstractContextManager:
         """`_gate` for a binding already at hand (the decode loop's: no lookup per token)."""
         if binding is not None and binding.graphs is not None:
             if binding.graphs.captures_next(binding.logits is None, slot.buffers.parity):
@@ -417,7 +417,7 @@ class ModelRunner:
             return CAPTURE_GATE.shared()
         return contextlib.nullcontext()
 
-    def _run_bound(self, key: VariantKey, session: ort.InferenceSession, binding: _Binding,
+    def _run_bound(self, key: VariantKey, session: ort.InferenceSession, binding: Binding,
                    slot: Slot, width: int) -> DeviceBuffer:
         """Run the bound forward; the logits buffer."""
         if binding.logits is not None:
@@ -437,7 +437,7 @@ class ModelRunner:
         self._adopt_logits(binding)
         return binding.logits
 
-    def _run(self, session: ort.InferenceSession, binding: _Binding, slot: Slot,
+    def _run(self, session: ort.InferenceSession, binding: Binding, slot: Slot,
              width: int, first_run: bool) -> None:
         """Run `binding` once, under its graph id; a capture that fails runs without a graph.
 
@@ -463,7 +463,7 @@ class ModelRunner:
             self.variants.note_fallback(session, width, f"{type(error).__name__}: {error}")
             device.run(session, binding.io, graphs.options(first_run, parity))
 
-    def _release_output(self, binding: _Binding, slot: Slot) -> None:
+    def _release_output(self, binding: Binding, slot: Slot) -> None:
         """Drop the logits ONNX Runtime allocated for a run of `binding` (when it keeps none)."""
         if binding.keeps_logits:
             return
@@ -473,7 +473,7 @@ class ModelRunner:
         slot.buffers.bind_kv(binding.io)
 
     def _binding(self, session: ort.InferenceSession, key: VariantKey, slot: Slot,
-                 width: int, all_rows: bool = False) -> _Binding:
+                 width: int, all_rows: bool = False) -> Binding:
         # The variant pool holds the bindings per live session and drops them when the cache
         # releases that session. A specialised session sees one width; the shape-generic one
         # keeps the last few widths it ran at. A row-selecting session (or a decoder with a
@@ -523,7 +523,7 @@ class ModelRunner:
             capture=not every_row and slot.captures and self._captures(key, width),
             batch=batch)
         keeps = width == DECODE_WIDTH or (graphs is not None and not every_row)
-        binding = _Binding(io, tokens, positions, graphs, keeps_logits=keeps, output=output,
+        binding = Binding(io, tokens, positions, graphs, keeps_logits=keeps, output=output,
                            row_index=row_index,
                            step_tokens=np.zeros(token_shape, dtype=ports.token_dtype),
                            step_positions=np.zeros((batch, width), dtype=np.int64),
@@ -541,7 +541,7 @@ class ModelRunner:
         specialised for its width; other widths run uncaptured on the same session."""
         return key is not None or width == DECODE_WIDTH or width in self.tiers
 
-    def _adopt_logits(self, binding: _Binding) -> None:
+    def _adopt_logits(self, binding: Binding) -> None:
         produced = binding.io.get_outputs()[0]
         binding.logits = device_zeros(tuple(produced.shape()), self.ports.logits_dtype,
                                       self.device)

@@ -36,7 +36,7 @@ from onnx_chunk.onnx_wire import (
     len_header,
     text,
 )
-from onnx_chunk.runtime.runner.ports import LOGITS_OUTPUT
+from onnx_chunk.runtime.state.ports import LOGITS_OUTPUT
 
 ROW_INPUT = "logits_row"
 ALL_ROWS = "logits_all"
