@@ -187,7 +187,7 @@ def simulate(config: Config, policy: str, conversations: list[Conversation]) -> 
             follow = _finish(config, replica, request, slot, now)
             if follow is not None:
                 events.push(follow.arrival, follow)
-        for finish, started in _admit(config, replica, now):
+        for finish, started in admit(config, replica, now):
             events.push(finish, started)
     return _summary(config, policy, conversations, done, replicas, rule)
 
@@ -226,7 +226,7 @@ def _blocks(config: Config, request: Request) -> tuple:
                  for block in range(request.prompt // size))
 
 
-def _admit(config: Config, replica: Replica, now: float) -> list[tuple[float, tuple]]:
+def admit(config: Config, replica: Replica, now: float) -> list[tuple[float, tuple]]:
     """Start queued requests on free slots: (finish time, (request, replica, slot)) each."""
     started = []
     while replica.queue and replica.free:

@@ -56,6 +56,8 @@ REVIEWED_HANDLERS = {
     ("sampling.py", "ValueError"): "wraps unpacking the logit_bias pairs only",
     ("structured/constraint.py", "ValueError"): "wraps llguidance's schema compiler only",
     ("validate/engine.py", "RuntimeError"): "an OnnxChunkError handler above reports ours",
+    ("validate/runs.py", "ValueError"): "an OnnxChunkError handler above re-raises ours; the "
+                                        "sampler's refusal of a row with no finite maximum",
     ("analysis_cache.py", "OSError"): "wraps stat, reading and writing cache entries only; a "
                                       "load's own errors come after, from the analysis",
     ("analysis_cache.py", "ValueError"): "wraps json.loads of an entry; read_plan's "

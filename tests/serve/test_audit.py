@@ -239,7 +239,9 @@ def _leave_mid_upload(live) -> None:
 
 
 def _rejected(live, status: str) -> float:
-    return live.app.state.service.metrics.rejected.labels(status=status)._value.get()
+    registry = live.app.state.service.metrics.registry
+    return registry.get_sample_value("onnx_chunk_rejected_requests_total",
+                                     {"status": status}) or 0.0
 
 
 # 9. A client leaving mid-upload was logged as a server error (with a traceback).

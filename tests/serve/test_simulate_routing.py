@@ -60,18 +60,18 @@ def test_a_request_reuses_at_most_all_but_its_last_prompt_token(simulation):
     config = replace(_small(simulation), think_s=0.5)
     conversations = simulation.make_trace(config)
     done = []
-    original = simulation._admit
+    original = simulation.admit
 
     def watched(config, replica, now):
         started = original(config, replica, now)
         done.extend(request for _, (request, _, _) in started)
         return started
 
-    simulation._admit = watched
+    simulation.admit = watched
     try:
         simulation.simulate(config, "affinity", conversations)
     finally:
-        simulation._admit = original
+        simulation.admit = original
     assert len(done) == sum(len(conversation.turns) for conversation in conversations)
     assert all(0 <= request.reused <= request.prompt - 1 for request in done)
     assert any(request.reused == request.prompt - request.conversation.turns[request.turn][0]

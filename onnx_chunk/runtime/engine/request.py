@@ -23,7 +23,7 @@ from typing import Literal
 
 import numpy as np
 
-from onnx_chunk.runtime.stats import ChunkRecord
+from onnx_chunk.runtime.engine.counters import ChunkRecord
 from onnx_chunk.sampling import TokenLogprobs
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
