@@ -161,3 +161,25 @@ def test_converting_the_int8_folder_again_changes_nothing(tmp_path, capsys):
     assert main(["convert", str(INT4[0].folder), "-o", str(out), "--int8-matmul", "-q"]) == 0
     assert main(["convert", str(out), "--in-place", "--int8-matmul"]) == 0
     assert "already converted" in capsys.readouterr().out
+
+
+def test_the_runtime_runs_the_int8_folder_on_the_cpu_alone(tmp_path, monkeypatch, capsys):
+    """DynamicQuantizeMatMul is a CPU kernel: "auto" picks the CPU even where CUDA works, and
+    CUDA, asked for or given as a device, is refused before any session."""
+    from onnx_chunk.errors import ProviderError
+    from onnx_chunk.runtime.device import provider
+
+    out = tmp_path / "int8"
+    assert main(["convert", str(INT4[0].folder), "-o", str(out), "--int8-matmul", "-q"]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(provider, "cuda_failure", lambda device_id: None)  # CUDA "works"
+    with load(out, provider="auto") as runtime:
+        assert runtime.stats.provider == "cpu"
+    with pytest.raises(ProviderError, match="DynamicQuantizeMatMul.*--int8-matmul"):
+        load(out, provider="cuda")
+    cuda = provider.device_for("cuda")
+    with pytest.raises(ProviderError, match="cannot run on the CUDA provider"):
+        load(out, device=cuda)
+    assert main(["generate", str(out), "--provider", "cuda", "--ids", "1 2 3",
+                 "--max-new-tokens", "2"]) == 2
+    one_error_line(capsys, "CUDA", "--int8-matmul")
