@@ -17,10 +17,9 @@ from onnx_chunk.model_io import load_model, save_model
 from onnx_chunk.passes import Int4BlocksPass, convert_model
 from onnx_chunk.passes.int4_blocks import dequantize_int4, find_int4_matmuls, quantize_int4
 from onnx_chunk.runtime import load
-from scripts._bench import environment
-from scripts._bench.child import run_child
 from tests.cli_output import one_error_line
 from tests.exports.corpus import GENAI, fixtures
+from tests.exports.genai_run import greedy_tokens_both
 
 INT4 = [fixture for fixture in fixtures(GENAI) if fixture.precision == "int4"]
 FP32_LLAMA = next(fixture for fixture in fixtures(GENAI) if fixture.name == "genai-llama-fp32")
@@ -190,14 +189,7 @@ def test_the_reblocked_folder_runs_in_genai_with_onnx_chunks_tokens(tmp_path, pe
     assert main(["convert", str(fixture.folder), "-o", str(out), "--int4-block-size", "128",
                  "--native-chunks", "off", "-q"]) == 0
     capsys.readouterr()
-    with load(out, provider="cpu") as runtime:
-        prompt = [(7 * index + 3) % runtime.stats.vocab_size for index in range(40)]
-        with runtime.open_sequence() as sequence:
-            ours = sequence.generate(prompt, 6)
-        capacity = runtime.stats.capacity
-    genai = run_child(environment.worker_argv(peer_python, "genai_worker", {
-        "model": str(out), "prompts": [prompt], "new_tokens": 6, "chunk_size": 0,
-        "max_length": capacity}), timeout_s=300).payload["results"][0]["tokens"]
+    ours, genai = greedy_tokens_both(out, peer_python)
     assert genai == ours
 
 
