@@ -124,6 +124,23 @@ def external_data_files(model: ir.Model) -> dict[str, Path]:
     return files
 
 
+def check_weights_readable(model: ir.Model, option: str) -> None:
+    """ModelLoadError, before any work, when `option` must read the weights and an external
+    data file has several hard links: onnx_ir refuses to read such a file (its guard against
+    hard-link attacks, `ExternalTensor`), which would stop the conversion half way."""
+    for path in sorted(set(external_data_files(model).values())):
+        try:
+            links = path.stat().st_nlink
+        except OSError as error:
+            raise ModelLoadError(f"cannot read the weights {str(path)!r}: {error}") from error
+        if links > 1:
+            raise ModelLoadError(
+                f"{option} reads the weights, and {str(path)!r} has {links} hard links, which "
+                "onnx_ir refuses to read (a guard against hard-link attacks); give the file a "
+                "copy of its own (cp FILE FILE.copy && mv FILE.copy FILE) or remove its other "
+                "names")
+
+
 def output_locations(files: dict[str, Path], target: Path) -> dict[str, str]:
     """Where each external data file of a model goes when it is written to `target`.
 

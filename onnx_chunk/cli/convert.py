@@ -13,7 +13,13 @@ from onnx_chunk.cli.progress import QUIET_OPTION, byte_progress, wanted
 from onnx_chunk.errors import ConfigError
 from onnx_chunk.metadata import read_plan
 from onnx_chunk.model_folder import locate_model, read_max_positions
-from onnx_chunk.model_io import external_data_files, load_model, output_locations, save_model
+from onnx_chunk.model_io import (
+    check_weights_readable,
+    external_data_files,
+    load_model,
+    output_locations,
+    save_model,
+)
 from onnx_chunk.passes import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_MAX_VARIANTS,
@@ -124,6 +130,8 @@ def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants
     output = _output_path(model_path, output, in_place)
     block_size = None if int4_block_size is None else int(int4_block_size)
     check_int8_matmul_options(block_size, int8_matmul)
+    if block_size is not None or int8_matmul:
+        check_weights_readable(model, "--int8-matmul" if int8_matmul else "--int4-block-size")
     if block_size is not None:
         check_int4_blocks(model, block_size)
     if int8_matmul:

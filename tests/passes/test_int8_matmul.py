@@ -175,3 +175,17 @@ def test_the_runtime_runs_the_int8_folder_on_the_cpu_alone(tmp_path, monkeypatch
     assert main(["generate", str(out), "--provider", "cuda", "--ids", "1 2 3",
                  "--max-new-tokens", "2"]) == 2
     one_error_line(capsys, "CUDA", "--int8-matmul")
+
+
+@pytest.mark.parametrize("option", (["--int8-matmul"], ["--int4-block-size", "128"]))
+def test_weights_with_several_hard_links_are_refused_before_any_work(option, tmp_path, capsys):
+    """onnx_ir will not read a data file with several names: refused in one line up front."""
+    import os
+    import shutil
+
+    source = tmp_path / "export"
+    shutil.copytree(INT4[0].folder, source)
+    os.link(source / "model.onnx.data", tmp_path / "other-name.data")
+    assert main(["convert", str(source), "-o", str(tmp_path / "out"), *option]) == 2
+    one_error_line(capsys, option[0], "hard links")
+    assert not (tmp_path / "out").exists()
