@@ -36,9 +36,8 @@ from onnx_chunk.runtime.caches.graph_cache import plan_graphs
 from onnx_chunk.runtime.caches.variant_cache import Specialize, VariantCache
 from onnx_chunk.runtime.caches.variant_pool import VariantPool
 from onnx_chunk.runtime.device.memory import meter_for
-from onnx_chunk.runtime.device.provider import Device, MaskPolicy, check_cpu_only, resolve_device
+from onnx_chunk.runtime.device.provider import Device, MaskPolicy, resolve_device
 from onnx_chunk.runtime.device.session_factory import (
-    CPU_ONLY_MATMUL,
     QUANTIZED_MATMUL,
     SessionFactory,
     SharedWeights,
@@ -199,15 +198,10 @@ class Runtime:
         if plan is None:
             plan = _analyzed(self._model_path, args.chunk_size, model.data_files())
         self._plan: ChunkPlan = plan
-        cpu_only = (f"its matmuls are {CPU_ONLY_MATMUL} (convert --int8-matmul), a CPU kernel"
-                    if model.uses(CPU_ONLY_MATMUL, "com.microsoft") else None)
-        if device is not None:
-            check_cpu_only(device.provider, cpu_only)
         self._options: ResolvedOptions = resolve_options(
             args, plan=plan, genai=genai, model=model,
             device=(device if device is not None
-                    else resolve_device(provider, device_id, mask_policy, cuda_graphs,
-                                        cpu_only)))
+                    else resolve_device(provider, device_id, mask_policy, cuda_graphs)))
         options = self._options
         self._device: Device = options.device
         self._ports: ModelPorts = options.ports

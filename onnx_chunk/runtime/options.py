@@ -16,8 +16,9 @@ Rules of `resolve_options`:
    capacity.
 3. Ports are resolved for that capacity; a window-sized cache gets a chunk of slack where the
    device allows it.
-4. A float32 KV cache cannot run CUDA's GroupQueryAttention: "auto" falls back to CPU, "cuda"
-   (or a given CUDA device) refuses.
+4. A decoder CUDA cannot run (a float32 KV cache, which CUDA's GroupQueryAttention does not
+   take; a kernel ONNX Runtime registers for the CPU provider only, `convert --int8-matmul`'s
+   DynamicQuantizeMatMul): "auto" falls back to CPU, "cuda" (or a given CUDA device) refuses.
 5. Ladder: the plan's when its chunk size is kept and no max_variants is given, else one built
    for the chunk size and the variant cap (the plan's, or the option).
 6. Specialisation: the option, else the device's default; padding: the option, the
@@ -57,6 +58,8 @@ logger = logging.getLogger(__name__)
 
 # The dtypes ONNX Runtime's CUDA GroupQueryAttention kernel is registered for.
 CUDA_ATTENTION_DTYPES = ("float16", "bfloat16")
+# `convert --int8-matmul`'s matmul, a kernel of ONNX Runtime's CPU provider only.
+CPU_ONLY_MATMUL = "DynamicQuantizeMatMul"
 
 
 @dataclass(frozen=True)
@@ -159,9 +162,9 @@ def resolve_options(options: RuntimeOptions, *, plan: ChunkPlan, genai: GenaiCon
         raise ConfigError(f"speculative={options.speculative!r} cannot run on {model.path.name}: "
                           f"{refused}; load it without speculative decoding")
     if options.device is None:
-        device = attention_device(device, ports, options.provider, options.mask_policy)
+        device = runnable_device(device, ports, model, options.provider, options.mask_policy)
     else:
-        attention_device(device, ports, device.provider, options.mask_policy)
+        runnable_device(device, ports, model, device.provider, options.mask_policy)
     variants = plan.max_variants if options.max_variants is None else options.max_variants
     tiers = (plan.ladder if plan.ladder and plan.chunk_size == chunk_size
              and options.max_variants is None else ladder_tiers(chunk_size, variants))
@@ -214,29 +217,43 @@ def fixed_dims(ports: ModelPorts, device: Device, capacity: int,
     return dims
 
 
-def attention_device(device: Device, ports: ModelPorts, provider: str,
-                     mask_policy: MaskPolicy | str | None) -> Device:
-    """`device`, unless CUDA cannot run this decoder's attention.
-
-    ONNX Runtime's CUDA GroupQueryAttention runs float16 and bfloat16 only; a float32 decoder's
-    attention would fall back to the CPU provider, copying the whole KV cache both ways every
-    step (and no CUDA graph can be captured). "auto" then runs on CPU and says why; "cuda"
-    refuses.
-    """
-    if device.provider != "cuda" or not ports.kv:
+def runnable_device(device: Device, ports: ModelPorts, model: ModelFile, provider: str,
+                    mask_policy: MaskPolicy | str | None) -> Device:
+    """`device`, unless CUDA cannot run this decoder (rule 4): "auto" then runs on CPU and says
+    why; "cuda" refuses."""
+    if device.provider != "cuda":
         return device
-    dtype = ports.kv[0].dtype.name
-    if dtype in CUDA_ATTENTION_DTYPES:
+    refusal = cuda_refusal(ports, model)
+    if refusal is None:
         return device
-    reason = (f"ONNX Runtime's CUDA GroupQueryAttention runs {' and '.join(CUDA_ATTENTION_DTYPES)}"
-              f" only, and this decoder's KV cache is {dtype}: its attention would run on the "
-              "CPU with the cache copied every step")
+    reason, remedy = refusal
     if provider == "auto":
-        logger.warning("%s; running on CPU instead (export the decoder in float16 for CUDA)",
-                       reason)
+        logger.warning("%s; running on CPU instead (%s)", reason, remedy)
         return device_for("cpu", mask_policy=mask_policy)
-    raise ProviderError(f"{reason}; export it in float16 (onnx-chunk build-model --dtype "
-                        "float16 for the reference decoders) or use --provider cpu")
+    raise ProviderError(f"{reason}; {remedy}, or use --provider cpu")
+
+
+def cuda_refusal(ports: ModelPorts, model: ModelFile) -> tuple[str, str] | None:
+    """Why CUDA cannot run this decoder and what to do, or None.
+
+    A CPU-only kernel (`convert --int8-matmul`'s DynamicQuantizeMatMul: ONNX Runtime registers
+    it for the CPU provider only, contrib_ops/cpu/cpu_contrib_kernels.cc) would run on the CPU
+    with its inputs copied both ways every forward. ONNX Runtime's CUDA GroupQueryAttention
+    runs float16 and bfloat16 only: a float32 decoder's attention would fall back to the CPU
+    provider, copying the whole KV cache both ways every step (and no CUDA graph can be
+    captured).
+    """
+    if model.uses(CPU_ONLY_MATMUL, "com.microsoft"):
+        return (f"the model's matmuls are {CPU_ONLY_MATMUL} (convert --int8-matmul), a kernel of "
+                "ONNX Runtime's CPU provider only", "convert it without --int8-matmul for CUDA")
+    if not ports.kv or ports.kv[0].dtype.name in CUDA_ATTENTION_DTYPES:
+        return None
+    dtype = ports.kv[0].dtype.name
+    return (f"ONNX Runtime's CUDA GroupQueryAttention runs {' and '.join(CUDA_ATTENTION_DTYPES)}"
+            f" only, and this decoder's KV cache is {dtype}: its attention would run on the "
+            "CPU with the cache copied every step",
+            "export it in float16 (onnx-chunk build-model --dtype float16 for the reference "
+            "decoders)")
 
 
 def resolve_capacity(capacity: int | None, plan: ChunkPlan, genai: GenaiConfig) -> int:

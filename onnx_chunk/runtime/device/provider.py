@@ -177,23 +177,16 @@ def device_for(provider: str, device_id: int = 0,
 
 def resolve_device(provider: str = "auto", device_id: int = 0,
                    mask_policy: MaskPolicy | str | None = None,
-                   cuda_graphs: bool | None = None, cpu_only: str | None = None) -> Device:
+                   cuda_graphs: bool | None = None) -> Device:
     """The device for `provider`: "auto" (CUDA when it works here, else CPU), "cuda" or "cpu".
 
     onnxruntime-gpu lists the CUDA provider as available even on machines without a GPU, so
     CUDA counts as working only when a session created with it reports it in get_providers().
     "cuda" on a machine where that fails is a ProviderError, never a silent fallback.
-    `cpu_only`: why the model runs on the CPU alone (kernels ONNX Runtime registers for the CPU
-    provider only), or None: "auto" then picks the CPU and "cuda" is a ProviderError.
     """
     if provider not in PROVIDER_CHOICES:
         raise ConfigError(f"unknown provider {provider!r}; expected one of "
                           f"{', '.join(PROVIDER_CHOICES)}")
-    if cpu_only is not None:
-        check_cpu_only(provider, cpu_only)
-        if provider == "auto":
-            logger.info("provider auto -> cpu: %s", cpu_only)
-            provider = "cpu"
     if provider == "cpu":
         return device_for("cpu", mask_policy=mask_policy, cuda_graphs=cuda_graphs or None)
     failure = cuda_failure(device_id)
@@ -209,14 +202,6 @@ def resolve_device(provider: str = "auto", device_id: int = 0,
                 chosen.mask_policy.value, "on" if chosen.cuda_graphs else "off",
                 "" if failure is None else f"; CUDA unusable: {failure}")
     return chosen
-
-
-def check_cpu_only(provider: str, cpu_only: str | None) -> None:
-    """ProviderError when a model that runs on the CPU alone (`cpu_only` says why) is asked to
-    run on CUDA."""
-    if cpu_only is not None and provider == "cuda":
-        raise ProviderError(f"the model cannot run on the CUDA provider: {cpu_only}; load it "
-                            "with provider cpu (or auto), or convert it without that option")
 
 
 @functools.cache

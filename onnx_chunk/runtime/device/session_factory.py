@@ -91,9 +91,6 @@ DISABLE_PREPACKING_KEY = "session.disable_prepacking"
 EXTERNAL_DATA_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
 _PAGE_SIZE = mmap.PAGESIZE
 QUANTIZED_MATMUL = "MatMulNBits"
-# `convert --int8-matmul`'s matmul: ONNX Runtime registers it for the CPU provider only
-# (onnxruntime/contrib_ops/cpu/cpu_contrib_kernels.cc).
-CPU_ONLY_MATMUL = "DynamicQuantizeMatMul"
 
 
 @dataclass(frozen=True)
