@@ -27,9 +27,11 @@ Five commands (issue 34; findings in docs/benchmarks.md, "Prefill candidates on 
   (A B, B A, ...), so that both meet the same load: the median of the per-pair prefill ratios,
   the ratio of the best forwards, a decode step's ratio and the greedy agreement over
   ``--new-tokens``. For a loaded machine, where separate processes spread too widely.
-* ``kernel``: one MatMulNBits node (``BITS:BLOCK:LEVEL``; ``32:0:0`` a float MatMul) of random
-  weights at a prefill's shape, its best and median seconds and GOP/s, against the roofs
-  given (``--int8-roof``, ``--fp32-roof``).
+* ``kernel``: one MatMulNBits node (``BITS:BLOCK:LEVEL``; ``32:0:0`` a float MatMul; ``dq8``
+  the int8 DynamicQuantizeMatMul of ``convert --int8-matmul``) of random weights at a
+  prefill's shape, its best and median seconds and GOP/s, against the roofs given
+  (``--int8-roof``, ``--fp32-roof``); ``--no-amx`` runs it as on an AVX-512 CPU without AMX
+  (`_bench/no_amx.py`).
 * ``roof``: those roofs, measured: the int8 multiply-add and fp32 FMA rates a C loop built
   here at ``-march=native`` reaches on 1 and ``--threads`` threads (`_bench/roof.py`).
 
@@ -42,7 +44,8 @@ Five commands (issue 34; findings in docs/benchmarks.md, "Prefill candidates on 
     .venv/bin/python scripts/profile_prefill.py paired --model qwen05-int4 \\
         --candidate lastrow=DIR [--rows 256] [--past 0] [--pairs 4]
     .venv/bin/python scripts/profile_prefill.py kernel [--shape 896x4864] \\
-        [--kernel 4:32:4 --kernel 32:0:0] [--rows 512] [--int8-roof 380 --fp32-roof 198]
+        [--kernel 4:32:4 --kernel dq8 --kernel 32:0:0] [--rows 512] [--no-amx] \\
+        [--int8-roof 380 --fp32-roof 198]
     .venv/bin/python scripts/profile_prefill.py roof [--threads 2]
 """
 
@@ -399,17 +402,31 @@ def _paired(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- kernel
 
+# `--kernel dq8`: the DynamicQuantizeMatMul of `convert --int8-matmul` (int8 weights, one scale
+# per column; MLAS's QGEMM).
+INT8_MATMUL_KERNEL = "dq8"
+
+
 def matmul_model(rows_name: str, k: int, n: int, bits: int, block: int, level: int | None,
                  seed: int = 0):
-    """A one-node model: MatMulNBits (bits, block, accuracy level) or, with bits 32, a float
-    MatMul, of [1, rows, k] by a random [k, n] weight (symmetric, no zero points)."""
+    """A one-node model: MatMulNBits (bits, block, accuracy level), with bits 32 a float MatMul,
+    with bits 8 and block 0 a DynamicQuantizeMatMul of int8 weights, one scale a column, of
+    [1, rows, k] by a random [k, n] weight (symmetric, no zero points)."""
     import onnx
     from onnx import TensorProto, helper
 
     rng = np.random.default_rng(seed)
     a = helper.make_tensor_value_info("A", TensorProto.FLOAT, [1, rows_name, k])
     y = helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, rows_name, n])
-    if bits == 32:
+    if bits == 8 and block == 0:
+        initializers = [
+            onnx.numpy_helper.from_array(rng.integers(-127, 128, (k, n), dtype=np.int8), "B"),
+            onnx.numpy_helper.from_array(
+                (rng.random(n, dtype=np.float32) * 0.001).astype(np.float32), "scale"),
+            onnx.numpy_helper.from_array(np.zeros(n, np.int8), "zero_point")]
+        node = helper.make_node("DynamicQuantizeMatMul", ["A", "B", "scale", "zero_point"],
+                                ["Y"], domain="com.microsoft")
+    elif bits == 32:
         weight = onnx.numpy_helper.from_array(
             rng.standard_normal((k, n), dtype=np.float32) * 0.02, "B")
         node = helper.make_node("MatMul", ["A", "B"], ["Y"])
@@ -444,21 +461,34 @@ def time_kernel(model, rows: int, k: int, threads: int, repeats: int,
     return [_timed(lambda: session.run(None, {"A": a})) for _ in range(repeats)]
 
 
+def _without_amx() -> None:
+    """Run this command again with the no-AMX shim preloaded (`_bench/no_amx.py`)."""
+    from _bench.no_amx import shim
+
+    environment = {**os.environ, "LD_PRELOAD": str(shim()), "ONNX_CHUNK_NO_AMX": "1"}
+    os.execve(sys.executable, [sys.executable, *sys.argv], environment)
+
+
 def _kernel(args: argparse.Namespace) -> int:
+    if args.no_amx and os.environ.get("ONNX_CHUNK_NO_AMX") != "1":
+        _without_amx()
     config = dict(_pair(item) for item in args.config)
+    amx = "refused (no-AMX shim)" if os.environ.get("ONNX_CHUNK_NO_AMX") == "1" else "as given"
     lines = [f"one-node models, {args.rows} rows, {args.threads} threads, {args.repeats} runs "
-             f"each (best and median), session config {config}; 1-minute load average "
-             f"{os.getloadavg()[0]:.2f} before", "",
+             f"each (best and median), session config {config}, AMX {amx}; 1-minute load "
+             f"average {os.getloadavg()[0]:.2f} before", "",
              "| K x N | kernel | best s | median s | GOP/s (best) | of int8 roof | of fp32 roof |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for shape in args.shape:
         k, n = _ints(shape, "x", 2, "--shape KxN")
         for variant in args.kernel:
-            bits, block, level = _ints(variant, ":", 3, "--kernel BITS:BLOCK:LEVEL")
+            bits, block, level = ((8, 0, 0) if variant == INT8_MATMUL_KERNEL
+                                  else _ints(variant, ":", 3, "--kernel BITS:BLOCK:LEVEL"))
             model = matmul_model("rows", k, n, bits, block, level)
             times = time_kernel(model, args.rows, k, args.threads, args.repeats, config)
             rate = 2 * args.rows * k * n / min(times) / 1e9
-            name = "MatMul fp32" if bits == 32 else f"{bits}-bit block {block} level {level}"
+            name = ("MatMul fp32" if bits == 32 else "DynamicQuantizeMatMul int8"
+                    if variant == INT8_MATMUL_KERNEL else f"{bits}-bit block {block} level {level}")
             lines.append(f"| {k} x {n} | {name} | {min(times):.4f} | "
                          f"{statistics.median(times):.4f} | {rate:.1f} | "
                          f"{_share(rate, args.int8_roof)} | {_share(rate, args.fp32_roof)} |")
@@ -666,8 +696,12 @@ def _parser() -> argparse.ArgumentParser:
     kernel.add_argument("--shape", action="append", default=None,
                         help="KxN (repeatable; default qwen05's 896x4864 and 4864x896)")
     kernel.add_argument("--kernel", action="append", default=None,
-                        help="BITS:BLOCK:LEVEL (32:0:0 is a float MatMul; repeatable; default "
-                             "4:32:4 4:32:1 32:0:0)")
+                        help="BITS:BLOCK:LEVEL (32:0:0 is a float MatMul), or dq8 (the int8 "
+                             "DynamicQuantizeMatMul of convert --int8-matmul); repeatable; "
+                             "default 4:32:4 4:32:1 32:0:0")
+    kernel.add_argument("--no-amx", action="store_true",
+                        help="refuse the process the AMX tile state (a shim built here and "
+                             "preloaded), as on an AVX-512 CPU without AMX")
     kernel.add_argument("--rows", type=int, default=512)
     kernel.add_argument("--threads", type=int, default=2)
     kernel.add_argument("--repeats", type=int, default=10)

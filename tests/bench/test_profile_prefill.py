@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import platform
 import shutil
+import subprocess
 import sys
 
 import onnx
@@ -126,9 +129,10 @@ def test_paired_and_kernel_runs_print_their_tables(tmp_path, capsys):
     assert "| 4/4 |" in line  # the last row's logits: the same greedy tokens
     assert profile_prefill.main(["kernel", "--shape", "64x96", "--rows", "8", "--repeats", "2",
                                  "--kernel", "4:32:4", "--kernel", "8:32:4", "--kernel",
-                                 "32:0:0", "--int8-roof", "380"]) == 0
+                                 "32:0:0", "--kernel", "dq8", "--int8-roof", "380"]) == 0
     out = capsys.readouterr().out
-    for name in ("4-bit block 32 level 4", "8-bit block 32 level 4", "MatMul fp32"):
+    for name in ("4-bit block 32 level 4", "8-bit block 32 level 4", "MatMul fp32",
+                 "DynamicQuantizeMatMul int8"):
         assert f"| 64 x 96 | {name} |" in out
 
 
@@ -168,3 +172,40 @@ def test_without_a_c_compiler_the_roof_is_one_error_line(monkeypatch, capsys):
     assert profile_prefill.main(["roof"]) == 2
     assert capsys.readouterr().err.strip() == (
         "error: no C compiler (cc, gcc or clang) on PATH to build the roof loop")
+
+
+no_amx_shim = pytest.mark.skipif(
+    sys.platform != "linux" or platform.machine() != "x86_64"
+    or not (shutil.which("cc") or shutil.which("gcc")),
+    reason="the no-AMX shim is for Linux x86_64 with a C compiler")
+
+
+@no_amx_shim
+def test_the_no_amx_shim_refuses_the_tile_state_and_nothing_else(tmp_path):
+    from scripts._bench.no_amx import ARCH_REQ_XCOMP_PERM, shim
+
+    probe = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "SYS_ARCH_PRCTL, GET_XCOMP_SUPP = 158, 0x1021\n"
+        "mask = ctypes.c_ulong(0)\n"
+        f"asked = libc.syscall(SYS_ARCH_PRCTL, {ARCH_REQ_XCOMP_PERM}, 18)\n"
+        "refused = ctypes.get_errno()\n"
+        "other = libc.syscall(SYS_ARCH_PRCTL, GET_XCOMP_SUPP, ctypes.byref(mask))\n"
+        "print(asked, refused, other)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          env={**os.environ, "LD_PRELOAD": str(shim(tmp_path))}, check=True)
+    asked, refused, other = done.stdout.split()
+    assert (int(asked), int(refused), int(other)) == (-1, errno.EPERM, 0)
+
+
+@no_amx_shim
+def test_a_kernel_run_without_amx_says_so():
+    done = subprocess.run(
+        [sys.executable, str(env.ROOT / "scripts" / "profile_prefill.py"), "kernel", "--no-amx",
+         "--shape", "64x96", "--rows", "8", "--repeats", "2", "--kernel", "dq8"],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "AMX refused (no-AMX shim)" in done.stdout
+    assert "| 64 x 96 | DynamicQuantizeMatMul int8 |" in done.stdout
+
