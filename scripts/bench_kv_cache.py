@@ -14,13 +14,15 @@ peak RSS (VmHWM of /proc/self/status; ru_maxrss of a child starts from its paren
 `--llamacpp GGUF` adds llama.cpp at the same shapes with its f16, q8_0 and q4_0 caches
 (`_bench/llamacpp_kv_worker.py` in the llama.cpp venv: one context of `slots` sequences, each
 served in turn; the KV bytes llama.cpp's log reports, its VmHWM). `decode` prefills a random
-prompt of `--positions` tokens and times 32 greedy decode steps after it, the folders
+prompt of `--positions` tokens (timed: the prefill's seconds) and times 32 greedy decode steps
+after it, the folders
 interleaved round by round; the load average is printed beside each number (the machine may be
 shared).
 `--genai FOLDER` adds onnxruntime-genai (`_bench/genai_worker.py` in `--genai-venv`) on that
 folder (the float-cache export as built) in the same rounds: the same prompt, prefilled in
 chunks of 512 (its `search.chunk_size`), then 33 greedy tokens, timed as genai's decode
-tokens/s after the first. Every system reads the prompt from one file the parent writes.
+tokens/s after the first (its prefill: the time to the first token). Every system reads the
+prompt from one file the parent writes.
 `FOLDER+NAME=VALUE` runs that folder's child with the environment variable NAME set to VALUE
 (ONNX Runtime reads some kernel switches so, e.g. ORT_MLAS_QKGEMM_S8_APPROX_VNNI=1): an arm of
 its own beside the same folder without it.
@@ -86,13 +88,16 @@ else:
     with onnx_chunk.load(request["folder"], provider="cpu",
                          capacity=len(prompt) + 64) as runtime:
         with runtime.open_sequence() as sequence:
+            began = time.perf_counter()
             logits = sequence.prefill(prompt)
             token = int(np.argmax(logits))
+            prefill_s = time.perf_counter() - began
             began = time.perf_counter()
             for _ in range(32):
                 token = int(np.argmax(sequence.decode(token)))
             seconds = time.perf_counter() - began
         print(json.dumps({"kv_dtype": runtime.stats.kv_dtype, "tokens_per_s": 32 / seconds,
+                          "prefill_s": prefill_s,
                           "environment": {name: os.environ.get(name)
                                           for name in request["environment"]}}))
 """
@@ -130,7 +135,7 @@ def _genai_child(python: Path, folder: str, prompt_file: str, positions: int) ->
     if done.returncode != 0:
         raise SystemExit(f"error: onnxruntime-genai's child failed: {done.stderr.strip()[-500:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])["results"][0]
-    return {"tokens_per_s": result["decode_tokens_per_s"]}
+    return {"tokens_per_s": result["decode_tokens_per_s"], "prefill_s": result["ttft_s"]}
 
 
 def _prompt_file(folder: Path, positions: int) -> str:
@@ -208,6 +213,7 @@ def main() -> None:
     prompt_file = _prompt_file(Path(split_arm(args.folders[0])[0]), args.positions)
     systems = [*args.folders, *([] if args.genai is None else [f"genai:{args.genai}"])]
     results: dict[str, list[float]] = {system: [] for system in systems}
+    prefills: dict[str, list[float]] = {system: [] for system in systems}
     try:
         for _ in range(args.rounds):
             for system in systems:
@@ -223,15 +229,18 @@ def main() -> None:
                         raise SystemExit(f"error: {system}: the child's environment was "
                                          f"{got['environment']}")
                 results[system].append(got["tokens_per_s"])
+                prefills[system].append(got["prefill_s"])
                 print(f"{args.positions:>6} {got['kv_dtype']:>8} {got['tokens_per_s']:7.2f} "
-                      f"tok/s  load {_load()}  {_label(system)}",
-                      flush=True)
+                      f"tok/s  prefill {got['prefill_s']:.2f} s  load {_load()}  "
+                      f"{_label(system)}", flush=True)
                 time.sleep(1)
     finally:
         os.unlink(prompt_file)
     for system, values in results.items():
+        prefill = prefills[system]
         print(f"median {statistics.median(values):7.2f} tok/s (spread "
-              f"{min(values):.2f}-{max(values):.2f})  {_label(system)}")
+              f"{min(values):.2f}-{max(values):.2f}), prefill {statistics.median(prefill):.2f} s "
+              f"(spread {min(prefill):.2f}-{max(prefill):.2f})  {_label(system)}")
 
 if __name__ == "__main__":
     main()
