@@ -36,6 +36,9 @@ needs_native = pytest.mark.skipif(not NATIVE, reason="the installed ONNX Runtime
 W = 128
 NEW_TOKENS = 12
 LENGTHS = (5, 40, 130, 300, 77, 250)
+# Prompt lengths per chunk width of the padded-against-unpadded parity: remainders that pad
+# to each tier, whole chunks and several chunks (the corpus's capacity is 2048).
+PARITY_LENGTHS = {W: LENGTHS, 512: (5, 300, 600, 1100, 777, 513)}
 
 
 def _ids(values):
@@ -130,20 +133,22 @@ def _corpus():
     return [fixture.name for fixture in fixtures() if fixture.name != "genai-llama-fp16"]
 
 
+@pytest.mark.parametrize("width", sorted(PARITY_LENGTHS))
 @pytest.mark.parametrize("name", _corpus())
-def test_padded_native_chunks_give_the_unpadded_tokens_and_logits(native_exports, name):
-    """At W 128 (tiers 43, 86, 128): remainders of 5..44 rows run padded to a tier with
-    their real rows as query_seqlens; greedy tokens and prompt logits equal the unpadded run
-    (INT4 included: every unpadded forward has more than one row, prefill_chunks makes sure)."""
+def test_padded_native_chunks_give_the_unpadded_tokens_and_logits(native_exports, name, width):
+    """At W 128 (tiers 43, 86, 128) and 512 (171, 342, 512): remainders run padded to a tier
+    with their real rows as query_seqlens; greedy tokens and prompt logits equal the unpadded
+    run exactly (max difference 0.0; INT4 included: every unpadded forward has more than one
+    row, prefill_chunks makes sure)."""
     path = native_exports[name]
-    padded = load(path, provider="cpu", chunk_size=W, padding=True)
-    unpadded = load(path, provider="cpu", chunk_size=W, padding=False)
+    padded = load(path, provider="cpu", chunk_size=width, padding=True)
+    unpadded = load(path, provider="cpu", chunk_size=width, padding=False)
     assert unpadded.stats.padding == "off"
     windowed = any(port.window is not None for port in padded.debug.ports.kv)
     assert padded.stats.padding == ("off" if padded.debug.ports.state or (windowed and not NATIVE)
                                     else "native" if NATIVE else "repeat")
     rng = np.random.default_rng(7)
-    for length in LENGTHS:
+    for length in PARITY_LENGTHS[width]:
         prompt = rng.integers(0, padded.stats.vocab_size, length).tolist()
         with padded.open_sequence() as one, unpadded.open_sequence() as other:
             assert np.array_equal(one.prefill(prompt), other.prefill(prompt))
