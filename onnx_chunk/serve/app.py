@@ -156,6 +156,11 @@ class _Service:
                  max_body_bytes: int, parse_special_in_content: bool) -> None:
         self.runtime = runtime
         self.model_name = model_name
+        # What a loaded runtime never changes, read once (a stats snapshot is not free).
+        configuration = runtime.stats
+        self.capacity = configuration.capacity
+        self.vocab_size = configuration.vocab_size
+        self.eos_token_ids = configuration.eos_token_ids
         # Read now: a model folder without a tokenizer, with a chat template that does not
         # compile or with a bad `search` fails at start, not at every request.
         self.tokenizer: Tokenizer = runtime.tokenizer
@@ -163,7 +168,7 @@ class _Service:
         self.search = search_defaults(self.tokenizer)
         # The one encoder of every prompt the server feeds or /tokenize counts.
         self.prompts = PromptEncoder(self.tokenizer, special_in_content=parse_special_in_content,
-                                     max_tokens=runtime.stats.capacity)
+                                     max_tokens=self.capacity)
         self.max_body_bytes = max_body_bytes
         self.max_answer_bytes = DEFAULT_MAX_ANSWER_BYTES
         self.metrics = ServerMetrics(runtime)
@@ -234,7 +239,7 @@ class _Service:
     async def models(self, request: HttpRequest) -> Response:
         return JSONResponse({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": self._created,
-             "owned_by": "onnx-chunk", "max_model_len": self.runtime.stats.capacity}]})
+             "owned_by": "onnx-chunk", "max_model_len": self.capacity}]})
 
     async def health(self, request: HttpRequest) -> Response:
         if self.draining or self.runtime.closed:
@@ -262,7 +267,7 @@ class _Service:
         """Parse, check and encode one request and build its sampling (on a worker thread:
         this is the work whose size the client chooses, the grammar's compilation included);
         every refusal raised before any generation."""
-        vocab_size = self.runtime.stats.vocab_size
+        vocab_size = self.vocab_size
         request: ChatCompletionRequest | CompletionRequest
         if chat:
             request = ChatCompletionRequest.parse(_json(body), vocab_size=vocab_size)
@@ -288,7 +293,7 @@ class _Service:
             texts = request.prompts()
             prompts = [list(prompt) if isinstance(prompt, tuple) else self.prompts.encode(prompt)
                        for prompt in texts]
-        ends = options.end_ids(tokenizer.eos_token_ids or self.runtime.stats.eos_token_ids)
+        ends = options.end_ids(tokenizer.eos_token_ids or self.eos_token_ids)
         sampling = request.sampling(search=self.search, tokenizer=tokenizer,
                                     vocab_size=vocab_size, ends=ends,
                                     cache_salt=self._salt(options, tenant))
@@ -313,7 +318,7 @@ class _Service:
         """Refuse a request whose logprobs alone would make more than `max_answer_bytes`."""
         if options.logprobs is None:
             return
-        capacity = self.runtime.stats.capacity
+        capacity = self.capacity
         tokens = sum((len(ids) if options.echo else 0)
                      + (capacity - len(ids) if options.max_tokens is None
                         else options.max_tokens)
@@ -396,7 +401,7 @@ class _Service:
         if self.draining:
             raise ClosedError("the server is shutting down")
         options, sampling = prepared.options, prepared.sampling
-        capacity = self.runtime.stats.capacity
+        capacity = self.capacity
         for ids in prepared.prompts:
             if options.max_tokens is None and capacity - len(ids) < 1:
                 raise CapacityError(f"the prompt has {len(ids)} tokens and the context holds "
