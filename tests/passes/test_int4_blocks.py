@@ -16,10 +16,9 @@ from onnx_chunk.errors import ConfigError, ModelStructureError
 from onnx_chunk.model_io import load_model, save_model
 from onnx_chunk.passes import Int4BlocksPass, convert_model
 from onnx_chunk.passes.int4_blocks import dequantize_int4, find_int4_matmuls, quantize_int4
-from onnx_chunk.runtime import load
 from tests.cli_output import one_error_line
+from tests.exports.converted import greedy_tokens_both, logits_and_tokens
 from tests.exports.corpus import GENAI, fixtures
-from tests.exports.genai_run import greedy_tokens_both
 
 INT4 = [fixture for fixture in fixtures(GENAI) if fixture.precision == "int4"]
 FP32_LLAMA = next(fixture for fixture in fixtures(GENAI) if fixture.name == "genai-llama-fp32")
@@ -159,17 +158,8 @@ def test_the_reblocked_folder_generates_close_to_the_original(fixture, block, tm
     assert main(["convert", str(fixture.folder), "-o", str(out), "--int4-block-size",
                  str(block), "-q"]) == 0
     capsys.readouterr()
-    runs = {}
-    for name, folder in (("original", fixture.folder), ("reblocked", out)):
-        with load(folder, provider="cpu", chunk_size=32) as runtime:
-            vocab = runtime.stats.vocab_size
-            prompt = [(7 * index + 3) % vocab for index in range(40)]
-            with runtime.open_sequence() as sequence:
-                logits = sequence.prefill(prompt, all_logits=True)
-            with runtime.open_sequence() as sequence:
-                tokens = sequence.generate(prompt, 8, eos_token_id=[])
-            runs[name] = (logits, tokens)
-    (original, original_tokens), (reblocked, tokens) = runs["original"], runs["reblocked"]
+    original, original_tokens = logits_and_tokens(fixture.folder)
+    reblocked, tokens = logits_and_tokens(out)
     assert len(tokens) == 8
     spread = float(original.max() - original.min())
     drift = float(np.abs(reblocked - original).max()) / spread

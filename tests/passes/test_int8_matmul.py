@@ -22,8 +22,8 @@ from onnx_chunk.passes.int8_matmul import DYNAMIC_QUANTIZE_MATMUL, quantize_int8
 from onnx_chunk.passes.logits_rows import find_lm_head
 from onnx_chunk.runtime import load
 from tests.cli_output import one_error_line
+from tests.exports.converted import greedy_tokens_both, logits_and_tokens
 from tests.exports.corpus import GENAI, fixtures
-from tests.exports.genai_run import greedy_tokens_both
 
 INT4 = [fixture for fixture in fixtures(GENAI) if fixture.precision == "int4"]
 FP32_LLAMA = next(fixture for fixture in fixtures(GENAI) if fixture.name == "genai-llama-fp32")
@@ -102,17 +102,8 @@ def test_the_int8_folder_generates_close_to_the_original(fixture, tmp_path, caps
     out = tmp_path / "int8"
     assert main(["convert", str(fixture.folder), "-o", str(out), "--int8-matmul", "-q"]) == 0
     capsys.readouterr()
-    runs = {}
-    for name, folder in (("original", fixture.folder), ("int8", out)):
-        with load(folder, provider="cpu", chunk_size=32) as runtime:
-            vocab = runtime.stats.vocab_size
-            prompt = [(7 * index + 3) % vocab for index in range(40)]
-            with runtime.open_sequence() as sequence:
-                logits = sequence.prefill(prompt, all_logits=True)
-            with runtime.open_sequence() as sequence:
-                tokens = sequence.generate(prompt, 8, eos_token_id=[])
-            runs[name] = (logits, tokens)
-    (original, original_tokens), (int8, tokens) = runs["original"], runs["int8"]
+    original, original_tokens = logits_and_tokens(fixture.folder)
+    int8, tokens = logits_and_tokens(out)
     assert len(tokens) == 8
     drift = float(np.abs(int8 - original).max()) / float(original.max() - original.min())
     assert drift < LOGITS_DRIFT
