@@ -171,22 +171,26 @@ def _admission(row: _Row) -> int:
     return row.order
 
 
-@dataclass
+@dataclass(slots=True)
 class _Plan:
     """One step's forwards, as scheduled: the rounds of prefill chunks (each prompt's picked
     chunks, one per round), the rows that verify a draft (with it) and the rows of the batched
-    decode (their prompts fed before this step)."""
+    decode (their prompts fed before this step); `stalls`: rows decode and prompts prefill,
+    so the decodes wait for the chunks (`EngineStats.decode_stalls`)."""
 
     rounds: list[list[_Row]]
     drafts: list[tuple[_Row, np.ndarray]]
     decoding: list[_Row]
+    stalls: bool
 
 
-@dataclass
+@dataclass(slots=True)
 class _Chunk:
     """A prefill chunk that ran: prompt rows [begin, end) of `row` at query width `width`;
-    its logits (the last row's [vocab], every row's [rows, vocab] for prompt logprobs, or
-    None before a prompt's last chunk); `last`: the prompt's last chunk."""
+    its last row's logits [vocab] (None before a prompt's last chunk unless its prompt
+    logprobs were asked for); `last`: the prompt's last chunk; `prompt_logprobs`: the entries
+    of the prompt tokens it predicted, when asked for (reduced from every row's logits as soon
+    as the forward ran, so a step holds no chunk's [rows, vocab])."""
 
     row: _Row
     begin: int
@@ -195,13 +199,14 @@ class _Chunk:
     seconds: float
     logits: np.ndarray | None
     last: bool
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def record(self) -> ChunkRecord:
         return ChunkRecord(self.end - self.begin, self.width, self.seconds)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Verification:
     """A verification forward that ran: `row` fed its last token and `draft`; every row's
     logits [len(draft) + 1, vocab]."""
@@ -212,7 +217,7 @@ class _Verification:
     seconds: float
 
 
-@dataclass
+@dataclass(slots=True)
 class _Outputs:
     """What one step's forwards gave (`run`); `accepted` is filled by the postprocess."""
 
@@ -225,6 +230,8 @@ class _Outputs:
     accepted: int = 0
 
     def result(self) -> StepResult:
+        if not self.chunks and not self.verifications:
+            return StepResult((), len(self.decoded), 0, 0, 0, self.decode_s)
         return StepResult(
             tuple(chunk.record for chunk in self.chunks),
             len(self.decoded), len(self.verifications),
@@ -233,7 +240,7 @@ class _Outputs:
             self.decode_s + sum(verification.seconds for verification in self.verifications))
 
 
-@dataclass
+@dataclass(slots=True)
 class _Tokens:
     """A row's tokens chosen this step, each with its logprobs (None unless asked for).
     `fed`: the rows its verification fed (the length is rewound past those the delivered
@@ -245,6 +252,17 @@ class _Tokens:
     logprobs: list[TokenLogprobs | None]
     fed: int = 0
     ends: FinishReason | None = None
+
+
+def _prompt_logprobs(prompt: np.ndarray, begin: int, end: int, logits: np.ndarray | None,
+                     top: int) -> tuple[list[TokenLogprobs | None], np.ndarray]:
+    """The logprobs entries of the prompt tokens after rows [begin, end) (each row's logits
+    predict the next token; None for the prompt's first token), and the last row's logits."""
+    assert logits is not None  # asked for every row's
+    following = prompt[begin + 1:end + 1]
+    entries: list[TokenLogprobs | None] = [None] if begin == 0 else []
+    entries.extend(prompt_logprobs_of(logits[:len(following)], following, top))
+    return entries, logits[-1]
 
 
 class BatchEngine:
@@ -406,7 +424,7 @@ class BatchEngine:
             try:
                 plan = self._schedule(rows)
                 self._run(plan, outputs)
-                self._postprocess(outputs)
+                self._postprocess(plan, outputs)
             except Exception as error:  # a defect in the step itself: fail, never hang
                 logger.exception("an engine step failed")
                 with self._lock:
@@ -418,22 +436,26 @@ class BatchEngine:
     def _schedule(self, rows: list[_Row]) -> _Plan:
         """This step's forwards: the rounds of prefill chunks, the drafts to verify and the
         rows of the batched decode (those whose prompt was fed before this step; a prompt
-        whose last chunk runs in it decodes from the next); counts the step."""
-        with self._lock:
-            self._counters.steps += 1
-            decoding = [row for row in rows if not row.chunks and not row.request.done]
-            prefilling = [row for row in rows if row.chunks and not row.request.done]
+        whose last chunk runs in it decodes from the next)."""
+        decoding: list[_Row] = []
+        prefilling: list[_Row] = []
+        for row in rows:
+            if not row.request.done:
+                (prefilling if row.chunks else decoding).append(row)
+        stalls = bool(decoding and prefilling)
+        rounds = []
+        if prefilling:
             prefilling.sort(key=_admission)
             picks = prefill_picks([[end - begin for begin, end in row.chunks]
                                    for row in prefilling], self.budget,
                                   decoding=bool(decoding) or not self._runner.batches_chunks)
-            if decoding and prefilling:
-                self._counters.decode_stalls += 1
-        rounds = [[row for row, count in zip(prefilling, picks) if count > round_]
-                  for round_ in range(max(picks, default=0))]
-        drafts = self._drafts(decoding)
-        drafted = {id(row) for row, _ in drafts}
-        return _Plan(rounds, drafts, [row for row in decoding if id(row) not in drafted])
+            rounds = [[row for row, count in zip(prefilling, picks) if count > round_]
+                      for round_ in range(max(picks))]
+        drafts = [] if self._speculation is None else self._drafts(decoding)
+        if drafts:
+            drafted = {id(row) for row, _ in drafts}
+            decoding = [row for row in decoding if id(row) not in drafted]
+        return _Plan(rounds, drafts, decoding, stalls)
 
     def _run(self, plan: _Plan, outputs: _Outputs) -> None:
         """Every forward of `plan` through the runner, in order (the prefill rounds, the
@@ -452,11 +474,11 @@ class BatchEngine:
         elif not plan.drafts:
             self._last_decode = None
 
-    def _postprocess(self, outputs: _Outputs) -> None:
+    def _postprocess(self, plan: _Plan, outputs: _Outputs) -> None:
         """The one place tokens are made: choose every row's tokens (each finished prefill's
         first token, its other choices' too; each verification's; each decode row's), count
-        the step's forwards, then deliver the tokens, each request ending by the one finish
-        rule (`request.finish_reason`)."""
+        the step and its forwards, then deliver the tokens, each request ending by the one
+        finish rule (`request.finish_reason`)."""
         chosen: list[_Tokens] = []
         for chunk in outputs.chunks:
             chosen.extend(self._prefilled(chunk))
@@ -465,7 +487,7 @@ class BatchEngine:
         for row in outputs.decoded:
             assert outputs.decode_logits is not None  # the decode forward gave every row's
             chosen.extend(self._choose(row, outputs.decode_logits[row.index], observe=True))
-        self._count(outputs)
+        self._count(plan, outputs)
         for tokens in chosen:
             self._deliver(tokens)
 
@@ -632,25 +654,27 @@ class BatchEngine:
         a request for its prompt's logprobs: every row's) brings logits back."""
         begin, end = row.chunks.popleft()
         request = row.request
-        need: LogitsRows = ("all" if row.sampler.sampling.prompt_logprobs is not None
-                            else "none" if row.chunks else "last")
+        top = row.sampler.sampling.prompt_logprobs
+        need: LogitsRows = "all" if top is not None else "none" if row.chunks else "last"
         began = time.perf_counter()
+        entries = None
         try:
             ran = self._runner.run(row.slot,
                                    Forward([Row(request.prompt[begin:end], row.length)], need))
+            logits = None if ran.logits is None else ran.logits[0]
+            if top is not None:
+                entries, logits = _prompt_logprobs(request.prompt, begin, end, logits, top)
         except Exception as error:  # any failure of this forward fails its request alone
             row.chunks.clear()
             self._fail(request, error)
             return
         outputs.chunks.append(_Chunk(row, begin, end, ran.width, time.perf_counter() - began,
-                                     None if ran.logits is None else ran.logits[0],
-                                     not row.chunks))
+                                     logits, not row.chunks, entries))
 
     def _drafts(self, decoding: list[_Row]) -> list[tuple[_Row, np.ndarray]]:
         """The decoding rows that verify a draft this step, with their drafts (speculative
         decoding); the others run in the batched decode."""
-        if self._speculation is None:
-            return []
+        assert self._speculation is not None  # `_schedule` asks only with speculation on
         drafted = []
         for row in decoding:
             if row.drafter is None:  # another choice of a prompt: it decodes plainly
@@ -715,27 +739,17 @@ class BatchEngine:
         """A prefill chunk's prompt logprobs, if asked for; after a prompt's last chunk, the
         first token of its request and of its other choices (forked into free slots)."""
         row = chunk.row
-        request = row.request
-        logits = chunk.logits
-        top = row.sampler.sampling.prompt_logprobs
-        if request.finish_reason == "error":  # an earlier chunk's postprocess failed
-            return []
-        if top is not None:
-            try:
-                logits = self._prompt_logprobs(request, chunk.begin, chunk.end, logits, top)
-            except Exception as error:  # its logprobs failed: this request fails alone
-                row.chunks.clear()
-                self._fail(request, error)
-                return []
+        if chunk.prompt_logprobs is not None:
+            row.request.add_prompt_logprobs(chunk.prompt_logprobs)
         if not chunk.last:
             return []
-        assert logits is not None  # a prompt's last chunk asks for its logits
+        assert chunk.logits is not None  # a prompt's last chunk asks for its logits
         chosen = []
         for fork in (*self._fork(row), row):
             if fork.request.max_new_tokens == 0:  # its prompt's logprobs were all it asked for
                 chosen.append(_Tokens(fork, [], [], ends="length"))
             else:
-                chosen.extend(self._choose(fork, logits))
+                chosen.extend(self._choose(fork, chunk.logits))
         return chosen
 
     def _choose(self, row: _Row, logits: np.ndarray, *, observe: bool = False) -> list[_Tokens]:
@@ -763,21 +777,24 @@ class BatchEngine:
         outputs.accepted += accepted(tokens, draft)
         return [_Tokens(row, tokens, [row.sampler.last] * len(tokens), fed=len(draft) + 1)]
 
-    def _count(self, outputs: _Outputs) -> None:
-        """The step's forwards in the engine's counters and each request's chunk records."""
+    def _count(self, plan: _Plan, outputs: _Outputs) -> None:
+        """The step and its forwards in the engine's counters; each request's chunk records."""
         for chunk in outputs.chunks:
             chunk.row.request.note_chunk(chunk.record)
         with self._lock:
             counters = self._counters
+            counters.steps += 1
+            counters.decode_stalls += plan.stalls
             for chunk in outputs.chunks:
                 counters.prefill_chunks += 1
                 counters.prefill_rows += chunk.end - chunk.begin
                 counters.prefill_s += chunk.seconds
-            for verification in outputs.verifications:
-                counters.verify_forwards += 1
-                counters.draft_tokens += len(verification.draft)
-                counters.decode_s += verification.seconds
-            counters.accepted_tokens += outputs.accepted
+            if outputs.verifications:
+                counters.verify_forwards += len(outputs.verifications)
+                for verification in outputs.verifications:
+                    counters.draft_tokens += len(verification.draft)
+                    counters.decode_s += verification.seconds
+                counters.accepted_tokens += outputs.accepted
             if outputs.decoded:
                 counters.decode_steps += 1
                 counters.decode_rows += len(outputs.decoded)
@@ -832,17 +849,6 @@ class BatchEngine:
                 self._queue.push_front(other)
                 self._samplers[other.id] = sampler
 
-    @staticmethod
-    def _prompt_logprobs(request: Request, begin: int, end: int, logits: np.ndarray | None,
-                         top: int) -> np.ndarray:
-        """Give `request` the logprobs of the prompt tokens after rows [begin, end) (each
-        row's logits predict the next token); the last row's logits."""
-        assert logits is not None  # asked for every row's
-        following = request.prompt[begin + 1:end + 1]
-        entries = prompt_logprobs_of(logits[:len(following)], following, top)
-        request.add_prompt_logprobs(([None] if begin == 0 else []) + entries)
-        return logits[-1]
-
     def _deliver(self, chosen: _Tokens) -> None:
         """Deliver a row's chosen tokens one by one until its request ends (the one finish
         rule); a verification's rows the delivered tokens do not keep are rewound."""
@@ -855,9 +861,8 @@ class BatchEngine:
             if row.drafter is not None:
                 row.drafter.extend((token,))
             reason = request.deliver(token, logprobs)
-            if reason is not None:
+            if reason is not None:  # it ends with this token (or had ended already)
                 self._finish(request, reason)
-            if request.done:
                 break
         if chosen.fed:
             row.length.rewind(chosen.fed - delivered)
