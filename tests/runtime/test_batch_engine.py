@@ -428,8 +428,9 @@ def test_a_sequences_generation_steps_in_its_callers_thread(reference_model):
 def test_a_caller_driven_engine_runs_what_each_step_schedules(reference_model):
     """A `threaded=False` engine steps only when its caller says: a lone prompt's prefill step
     gives its first token and decodes nothing; a prompt whose last chunk runs while another
-    row decodes joins that step's batched decode; the tokens equal each prompt alone (the
-    runtime's sessions leave the batch axis free for two rows: max_batch=2)."""
+    row decodes gives its first token in that step and decodes from the next; the tokens equal
+    each prompt alone (the runtime's sessions leave the batch axis free for two rows:
+    max_batch=2)."""
     runtime = load(reference_model("base"), provider="cpu", capacity=128, chunk_size=W,
                    max_batch=2)
     first, second = prompts_for(runtime.stats.vocab_size, (20, 5))
@@ -452,9 +453,11 @@ def test_a_caller_driven_engine_runs_what_each_step_schedules(reference_model):
     decoded = engine.step()
     assert not decoded.chunks and decoded.decode_rows == 1 and len(one.produced) == 2
     two = engine.submit(np.array(second), 6, (), Sampler(GREEDY, vocab))
-    joined = engine.step()
-    assert [chunk.rows for chunk in joined.chunks] == [5] and joined.decode_rows == 2
-    assert len(two.produced) == 2
+    prefilled = engine.step()
+    assert [chunk.rows for chunk in prefilled.chunks] == [5] and prefilled.decode_rows == 1
+    assert (len(one.produced), len(two.produced)) == (3, 1)
+    both = engine.step()
+    assert not both.chunks and both.decode_rows == 2 and len(two.produced) == 2
     while not (one.done and two.done):
         assert engine.step().ran
     assert not engine.step().ran

@@ -9,25 +9,28 @@ caller's, one at a time. A lone sequence's `generate`/`stream` is a request on a
 alone (no thread). The engine sees its runtime through an `EngineContext` (the model runner,
 ports, device, sizes, the mask policy and graph slot numbers), never the runtime itself.
 
-A step (`step`): settle, schedule, run, postprocess.
+A step (`step`): settle, then schedule, run, postprocess.
 1. Settle: free the slots of requests that ended (finished, failed, cancelled), each keeping
    the ids whose KV it holds, and give each of the queue's head requests the free slot whose
    kept ids share the longest usable prefix with its prompt (`scheduler.choose_slot`): the
    slot is rewound to that prefix and only the rest of the prompt is prefilled (prefix reuse).
-2. Schedule: the prefill chunks of the prompts being admitted, in admission order, under a
-   token budget of one chunk width W (`scheduler.prefill_picks`; with native chunks and no
-   row decoding, each prompt's next chunk), and the rows that decode: those whose prompt was
-   fed before this step, joined, when there are any, by those whose last chunk runs in it (the
-   batched decode runs anyway; a prompt alone decodes from the next step).
-3. Run and postprocess, in that order: each round of chunks runs one one-row forward per
-   chunk (the model runner's, on a row of the engine's buffers, with the ladder padding and
-   variant cache of any sequence), or natively one forward [slots, S] where that computes no
-   more rows (`scheduler.batch_pays`); a prompt's last chunk gives its first token. With
-   speculative decoding each decoding row with a draft this step verifies it in a forward of
-   its own slot (`speculation`). Then one batched decode forward of every slot through the
-   same runner: each decoding row without a draft feeds its last token, and every other row is
-   run but left as it was (natively at query_seqlens 0, which leaves its cache untouched; else
-   `idle_rows`). Each token is chosen by the request's sampler, delivered, and the request
+2. Schedule (`_schedule`): the prefill chunks of the prompts being admitted, in admission
+   order, under a token budget of one chunk width W (`scheduler.prefill_picks`; with native
+   chunks and no row decoding, each prompt's next chunk), the drafts to verify (speculative
+   decoding, `speculation`) and the rows of the batched decode: those whose prompt was fed
+   before this step (a prompt whose last chunk runs in this step decodes from the next, as in
+   nano-vllm and vLLM).
+3. Run (`_run`): every forward of the plan through the model runner, their outputs (logits
+   rows, widths, seconds) collected: each round of chunks as one one-row forward per chunk
+   (on a row of the engine's buffers, with the ladder padding and variant cache of any
+   sequence), or natively one forward [slots, S] where that computes no more rows
+   (`scheduler.batch_pays`); each draft in a forward of its own slot; then one batched decode
+   forward of every slot: each decoding row feeds its last token, every other row is run but
+   left as it was (natively at query_seqlens 0, which leaves its cache untouched; else
+   `idle_rows`).
+4. Postprocess (`_postprocess`), in this order: choose every row's tokens by the request's
+   sampler (a finished prompt's first token, and its other choices'; each verification's
+   accepted drafts; each decode row's token), count the step, then deliver them, each request
    finished by the one finish rule (`request.finish_reason`).
 A failure in a forward fails the requests of that forward with the exception (their slots are
 freed, keeping nothing); the other requests go on. `step()` returns a `StepResult`.
@@ -40,12 +43,12 @@ length, so its write lands past the kept positions (and a window-sized cache's r
 protected as any idle row's).
 
 Choices of one prompt (`submit_choices`, OpenAI's `n`): the first is queued and prefilled like
-any request; the others wait beside it. When its last prefill chunk has run, each other choice
-takes a free slot, the first's KV and state rows are copied into it on the device
-(`BatchBuffers.copy_slot`), and it chooses its first token from the same logits with its own
-sampler; from then on every choice decodes as a request of its own. A choice that finds no
-free slot, or whose first choice ended before its prefill did, is queued at the head as a
-request of its own (it runs its own prefill).
+any request; the others wait beside it. In the postprocess of the step its last prefill chunk
+ran in, each other choice takes a free slot, the first's KV and state rows are copied into it
+on the device (`BatchBuffers.copy_slot`), and it chooses its first token from the same logits
+with its own sampler; from then on every choice decodes as a request of its own. A choice
+that finds no free slot, or whose first choice ended before its prefill did, is queued at the
+head as a request of its own (it runs its own prefill).
 
 Shapes per provider: prefill chunks run at batch 1 at the ladder widths (or the shape-generic
 session on CPU), decode at one fixed batch width of `slots` rows on the decode variant; the
@@ -87,9 +90,9 @@ from onnx_chunk.runtime.engine.scheduler import (
 from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot, new_slot
 from onnx_chunk.runtime.engine.speculation import Drafter, Speculation, accepted
 from onnx_chunk.runtime.runner.attention_mask import AttentionMask
-from onnx_chunk.runtime.runner.model_runner import Forward, ModelRunner, Row
+from onnx_chunk.runtime.runner.model_runner import Forward, LogitsRows, ModelRunner, Row
 from onnx_chunk.runtime.state.ports import ModelPorts
-from onnx_chunk.sampling import Sampler, prompt_logprobs_of
+from onnx_chunk.sampling import Sampler, TokenLogprobs, prompt_logprobs_of
 
 logger = logging.getLogger(__name__)
 
@@ -148,27 +151,6 @@ _IDLE = StepResult()
 
 
 @dataclass
-class _Tally:
-    """What the step under way has run so far (the parts of its `StepResult`)."""
-
-    chunks: list[ChunkRecord] = field(default_factory=list)
-    decode_rows: int = 0
-    verifications: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    decode_s: float = 0.0
-
-    def clear(self) -> None:
-        self.chunks.clear()
-        self.decode_rows = self.verifications = self.drafted = self.accepted = 0
-        self.decode_s = 0.0
-
-    def result(self) -> StepResult:
-        return StepResult(tuple(self.chunks), self.decode_rows, self.verifications,
-                          self.drafted, self.accepted, self.decode_s)
-
-
-@dataclass
 class _Row:
     """A request in a slot: its slot's index, its length, its sampler, the prefill chunks still
     to run, its last token and how many it produced."""
@@ -189,12 +171,98 @@ def _admission(row: _Row) -> int:
     return row.order
 
 
-def _undrafted(decoding: list[_Row], drafted: list[tuple[_Row, np.ndarray]]) -> list[_Row]:
-    """The rows of the step's batched decode: those that verified no draft and go on."""
-    if not drafted:
-        return decoding
-    verified = {id(row) for row, _ in drafted}
-    return [row for row in decoding if id(row) not in verified and not row.request.done]
+@dataclass(slots=True)
+class _Plan:
+    """One step's forwards, as scheduled: the rounds of prefill chunks (each prompt's picked
+    chunks, one per round), the rows that verify a draft (with it) and the rows of the batched
+    decode (their prompts fed before this step); `stalls`: rows decode and prompts prefill,
+    so the decodes wait for the chunks (`EngineStats.decode_stalls`)."""
+
+    rounds: list[list[_Row]]
+    drafts: list[tuple[_Row, np.ndarray]]
+    decoding: list[_Row]
+    stalls: bool
+
+
+@dataclass(slots=True)
+class _Chunk:
+    """A prefill chunk that ran: prompt rows [begin, end) of `row` at query width `width`;
+    its last row's logits [vocab] (None before a prompt's last chunk unless its prompt
+    logprobs were asked for); `last`: the prompt's last chunk; `prompt_logprobs`: the entries
+    of the prompt tokens it predicted, when asked for (reduced from every row's logits as soon
+    as the forward ran, so a step holds no chunk's [rows, vocab])."""
+
+    row: _Row
+    begin: int
+    end: int
+    width: int
+    seconds: float
+    logits: np.ndarray | None
+    last: bool
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    @property
+    def record(self) -> ChunkRecord:
+        return ChunkRecord(self.end - self.begin, self.width, self.seconds)
+
+
+@dataclass(slots=True)
+class _Verification:
+    """A verification forward that ran: `row` fed its last token and `draft`; every row's
+    logits [len(draft) + 1, vocab]."""
+
+    row: _Row
+    draft: np.ndarray
+    logits: np.ndarray
+    seconds: float
+
+
+@dataclass(slots=True)
+class _Outputs:
+    """What one step's forwards gave (`run`); `accepted` is filled by the postprocess."""
+
+    chunks: list[_Chunk] = field(default_factory=list)
+    verifications: list[_Verification] = field(default_factory=list)
+    decoded: list[_Row] = field(default_factory=list)
+    decode_logits: np.ndarray | tuple[np.ndarray] | None = None
+    decode_s: float = 0.0
+    decoded_at: float = 0.0
+    accepted: int = 0
+
+    def result(self) -> StepResult:
+        if not self.chunks and not self.verifications:
+            return StepResult((), len(self.decoded), 0, 0, 0, self.decode_s)
+        return StepResult(
+            tuple(chunk.record for chunk in self.chunks),
+            len(self.decoded), len(self.verifications),
+            sum(len(verification.draft) for verification in self.verifications),
+            self.accepted,
+            self.decode_s + sum(verification.seconds for verification in self.verifications))
+
+
+@dataclass(slots=True)
+class _Tokens:
+    """A row's tokens chosen this step, each with its logprobs (None unless asked for).
+    `fed`: the rows its verification fed (the length is rewound past those the delivered
+    tokens do not keep; 0: no verification); `ends`: the request ends so once they are
+    delivered (a request of no new tokens: "length" after its prefill)."""
+
+    row: _Row
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]
+    fed: int = 0
+    ends: FinishReason | None = None
+
+
+def _prompt_logprobs(prompt: np.ndarray, begin: int, end: int, logits: np.ndarray | None,
+                     top: int) -> tuple[list[TokenLogprobs | None], np.ndarray]:
+    """The logprobs entries of the prompt tokens after rows [begin, end) (each row's logits
+    predict the next token; None for the prompt's first token), and the last row's logits."""
+    assert logits is not None  # asked for every row's
+    following = prompt[begin + 1:end + 1]
+    entries: list[TokenLogprobs | None] = [None] if begin == 0 else []
+    entries.extend(prompt_logprobs_of(logits[:len(following)], following, top))
+    return entries, logits[-1]
 
 
 class BatchEngine:
@@ -255,7 +323,6 @@ class BatchEngine:
         self._closed = False
         self._admitted = 0
         self._counters = EngineCounters()
-        self._tally = _Tally()
         self._last_decode: float | None = None
 
     def submit(self, prompt: np.ndarray, max_new_tokens: int, eos_token_ids: tuple[int, ...],
@@ -343,58 +410,86 @@ class BatchEngine:
             self._context.give_number(slot.number)
 
     def step(self) -> StepResult:
-        """One step (see the module docstring): settle the slots, schedule this step's rows,
-        run them and postprocess (sample, deliver, finish). Callable from any thread: the step
-        lock runs it between the engine thread's steps. A defect of the step itself (not of a
-        forward, which fails its own requests) fails every running request with it."""
+        """One step (see the module docstring): settle the slots, then schedule this step's
+        forwards, run them, postprocess their outputs (sample, deliver, finish). Callable from
+        any thread: the step lock runs it between the engine thread's steps. A defect of the
+        step itself (not of a forward, which fails its own requests) fails every running
+        request with it."""
         with self._stepping:
             with self._lock:
-                self._settle()
-                rows = [row for row in self._rows if row is not None]
-                if not rows:
-                    return _IDLE
-                rounds, decoding = self._schedule(rows)
-            self._tally.clear()
+                rows = self._settle()
+            if not rows:
+                return _IDLE
+            outputs = _Outputs()
             try:
-                for due in rounds:
-                    self._prefill_round(due)
-                if rounds and decoding:
-                    # A prompt whose last chunk just ran joins the decode that runs anyway.
-                    decoding += [row for row in rounds[0]
-                                 if not row.chunks and not row.request.done]
-                drafted = self._drafts(decoding)
-                for row, draft in drafted:
-                    self._verify(row, draft)
-                plain = _undrafted(decoding, drafted)
-                if plain:
-                    self._decode(plain)
-                elif not drafted:
-                    self._last_decode = None
+                plan = self._schedule(rows)
+                self._run(plan, outputs)
+                self._postprocess(plan, outputs)
             except Exception as error:  # a defect in the step itself: fail, never hang
                 logger.exception("an engine step failed")
                 with self._lock:
                     for held in self._rows:
                         if held is not None:
                             self._fail(held.request, error)
-            return self._tally.result()
+            return outputs.result()
 
-    def _schedule(self, rows: list[_Row]) -> tuple[list[list[_Row]], list[_Row]]:
-        """This step's rounds of prefill chunks (each prompt's picked chunks, one per round)
-        and the rows that decode (their prompts fed before this step; `step` adds those whose
-        last chunk runs in it when any row decodes); counts the step (the lock is held)."""
-        self._counters.steps += 1
-        decoding = [row for row in rows if not row.chunks and not row.request.done]
-        if len(decoding) == len(rows):
-            return [], decoding
-        prefilling = [row for row in rows if row.chunks and not row.request.done]
-        prefilling.sort(key=_admission)
-        picks = prefill_picks([[end - begin for begin, end in row.chunks]
-                               for row in prefilling], self.budget,
-                              decoding=bool(decoding) or not self._runner.batches_chunks)
-        if decoding and prefilling:
-            self._counters.decode_stalls += 1
-        return [[row for row, count in zip(prefilling, picks) if count > round_]
-                for round_ in range(max(picks, default=0))], decoding
+    def _schedule(self, rows: list[_Row]) -> _Plan:
+        """This step's forwards: the rounds of prefill chunks, the drafts to verify and the
+        rows of the batched decode (those whose prompt was fed before this step; a prompt
+        whose last chunk runs in it decodes from the next)."""
+        decoding: list[_Row] = []
+        prefilling: list[_Row] = []
+        for row in rows:
+            if not row.request.done:
+                (prefilling if row.chunks else decoding).append(row)
+        stalls = bool(decoding and prefilling)
+        rounds = []
+        if prefilling:
+            prefilling.sort(key=_admission)
+            picks = prefill_picks([[end - begin for begin, end in row.chunks]
+                                   for row in prefilling], self.budget,
+                                  decoding=bool(decoding) or not self._runner.batches_chunks)
+            rounds = [[row for row, count in zip(prefilling, picks) if count > round_]
+                      for round_ in range(max(picks))]
+        drafts = [] if self._speculation is None else self._drafts(decoding)
+        if drafts:
+            drafted = {id(row) for row, _ in drafts}
+            decoding = [row for row in decoding if id(row) not in drafted]
+        return _Plan(rounds, drafts, decoding, stalls)
+
+    def _run(self, plan: _Plan, outputs: _Outputs) -> None:
+        """Every forward of `plan` through the runner, in order (the prefill rounds, the
+        verifications, the batched decode), their outputs collected in `outputs`. A forward
+        that fails fails its requests; a request that ended meanwhile (a failed forward, a
+        cancel) is left out of the forwards after."""
+        for due in plan.rounds:
+            self._prefill_round([row for row in due if row.chunks and not row.request.done],
+                                outputs)
+        for row, draft in plan.drafts:
+            if not row.request.done:
+                self._verify(row, draft, outputs)
+        decoding = [row for row in plan.decoding if not row.request.done]
+        if decoding:
+            self._decode(decoding, outputs)
+        elif not plan.drafts:
+            self._last_decode = None
+
+    def _postprocess(self, plan: _Plan, outputs: _Outputs) -> None:
+        """The one place tokens are made: choose every row's tokens (each finished prefill's
+        first token, its other choices' too; each verification's; each decode row's), count
+        the step and its forwards, then deliver the tokens, each request ending by the one
+        finish rule (`request.finish_reason`)."""
+        chosen: list[_Tokens] = []
+        for chunk in outputs.chunks:
+            chosen.extend(self._prefilled(chunk))
+        for verification in outputs.verifications:
+            chosen.extend(self._verified(verification, outputs))
+        for row in outputs.decoded:
+            assert outputs.decode_logits is not None  # the decode forward gave every row's
+            chosen.extend(self._choose(row, outputs.decode_logits[row.index], observe=True))
+        self._count(plan, outputs)
+        for tokens in chosen:
+            self._deliver(tokens)
 
     def _loop(self) -> None:
         try:
@@ -423,15 +518,20 @@ class BatchEngine:
             self._thread = None
             return False
 
-    def _settle(self) -> None:
-        """Free the slots of ended requests, then admit queued ones (the lock is held)."""
+    def _settle(self) -> list[_Row]:
+        """Free the slots of ended requests, then admit queued ones; the running rows (the
+        lock is held)."""
         for index, row in enumerate(self._rows):
             if row is not None and row.request.done:
                 self._rows[index] = None
                 self._keep(index, row.request, row.sampler.sampling.cache_salt)
                 self._queue_forks(row.request)
-        if not self._queue:
-            return
+        if self._queue:
+            self._admit()
+        return [row for row in self._rows if row is not None]
+
+    def _admit(self) -> None:
+        """Give queued requests the free slots (`scheduler.choose_slot`; the lock is held)."""
         free = {index: self._kept[index] for index, row in enumerate(self._rows)
                 if row is None}
         while free and self._queue:
@@ -495,11 +595,12 @@ class BatchEngine:
         if choice.shared > choice.reused:
             counters.prefix_refused += 1
 
-    def _prefill_round(self, due: list[_Row]) -> None:
+    # Run: the plan's forwards, their outputs collected.
+
+    def _prefill_round(self, due: list[_Row], outputs: _Outputs) -> None:
         """Each row's next chunk: natively in one batched forward where that computes no more
         rows (scheduler rule 6), else (and for a request for its prompt's logprobs, which
         needs every row's logits) one forward each."""
-        due = [row for row in due if row.chunks and not row.request.done]
         batches = self._runner.batches_chunks
         alone = [row for row in due
                  if not batches or row.sampler.sampling.prompt_logprobs is not None]
@@ -507,13 +608,13 @@ class BatchEngine:
         widths = [self._runner.chunk_width(row.chunks[0][1] - row.chunks[0][0], row.length.room)
                   for row in together]
         if batch_pays(widths, self.slots):
-            self._prefill_batched(together)
+            self._prefill_batched(together, outputs)
         else:
             alone.extend(together)
         for row in sorted(alone, key=lambda row: row.order):
-            self._prefill_chunk(row)
+            self._prefill_chunk(row, outputs)
 
-    def _prefill_batched(self, group: list[_Row]) -> None:
+    def _prefill_batched(self, group: list[_Row], outputs: _Outputs) -> None:
         """One forward [slots, S] over the engine's buffers: each row of `group` feeds its next
         chunk, every other slot is idle (query_seqlens 0: its cache is left as it was)."""
         chunks = {id(row): row.chunks.popleft() for row in group}
@@ -534,7 +635,7 @@ class BatchEngine:
             # A slot near the capacity leaves no room for the padded width: run them apart.
             for row in group:
                 row.chunks.appendleft(chunks[id(row)])
-                self._prefill_chunk(row)
+                self._prefill_chunk(row, outputs)
             return
         except Exception as error:  # the forward failed: every row of it fails with it
             for row in group:
@@ -542,58 +643,167 @@ class BatchEngine:
                 self._fail(row.request, error)
             return
         assert ran.logits is not None  # a batched chunk forward returns each row's last logits
-        elapsed = time.perf_counter() - began
+        seconds = (time.perf_counter() - began) / len(group)
         for index, row in members.items():
             begin, end = chunks[id(row)]
-            self._chunk_ran(row, end - begin, ran.width, elapsed / len(group), ran.logits[index])
+            outputs.chunks.append(_Chunk(row, begin, end, ran.width, seconds, ran.logits[index],
+                                         not row.chunks))
 
-    def _prefill_chunk(self, row: _Row) -> None:
+    def _prefill_chunk(self, row: _Row, outputs: _Outputs) -> None:
         """The row's next chunk in a forward of its own slot; only a prompt's last chunk (or
-        a request for its prompt's logprobs) brings logits back."""
+        a request for its prompt's logprobs: every row's) brings logits back."""
         begin, end = row.chunks.popleft()
         request = row.request
         top = row.sampler.sampling.prompt_logprobs
+        need: LogitsRows = "all" if top is not None else "none" if row.chunks else "last"
         began = time.perf_counter()
+        entries = None
         try:
-            ran = self._runner.run(
-                row.slot, Forward([Row(request.prompt[begin:end], row.length)],
-                                  "all" if top is not None else "none" if row.chunks
-                                  else "last"))
+            ran = self._runner.run(row.slot,
+                                   Forward([Row(request.prompt[begin:end], row.length)], need))
             logits = None if ran.logits is None else ran.logits[0]
             if top is not None:
-                logits = self._prompt_logprobs(request, begin, end, logits, top)
+                entries, logits = _prompt_logprobs(request.prompt, begin, end, logits, top)
         except Exception as error:  # any failure of this forward fails its request alone
             row.chunks.clear()
             self._fail(request, error)
             return
-        self._chunk_ran(row, end - begin, ran.width, time.perf_counter() - began, logits)
+        outputs.chunks.append(_Chunk(row, begin, end, ran.width, time.perf_counter() - began,
+                                     logits, not row.chunks, entries))
 
-    def _chunk_ran(self, row: _Row, rows: int, width: int, seconds: float,
-                   logits: np.ndarray | None) -> None:
-        """A prefill chunk of `rows` real rows of `row` ran at query width `width`: count it;
-        after its prompt's last chunk, the first token (and the other choices' forks)."""
-        record = ChunkRecord(rows, width, seconds)
-        row.request.note_chunk(record)
-        self._tally.chunks.append(record)
-        with self._lock:
-            self._counters.prefill_chunks += 1
-            self._counters.prefill_rows += rows
-            self._counters.prefill_s += seconds
-        if row.chunks:
-            return
-        assert logits is not None  # a prompt's last chunk asks for its logits
-        for fork in self._fork(row):
-            self._first_token(fork, logits)
-        self._first_token(row, logits)
+    def _drafts(self, decoding: list[_Row]) -> list[tuple[_Row, np.ndarray]]:
+        """The decoding rows that verify a draft this step, with their drafts (speculative
+        decoding); the others run in the batched decode."""
+        assert self._speculation is not None  # `_schedule` asks only with speculation on
+        drafted = []
+        for row in decoding:
+            if row.drafter is None:  # another choice of a prompt: it decodes plainly
+                continue
+            left = row.request.max_new_tokens - row.produced
+            draft = row.drafter.draft(row.length.length, left - 1)
+            if len(draft):
+                drafted.append((row, draft))
+        return drafted
 
-    def _first_token(self, row: _Row, logits: np.ndarray) -> None:
-        if row.request.max_new_tokens == 0:
-            self._finish(row.request, "length")  # its prompt's logprobs were all it asked for
-            return
+    def _verify(self, row: _Row, draft: np.ndarray, outputs: _Outputs) -> None:
+        """Verify the row's draft in a forward of its own slot: its last token and the draft,
+        every row's logits (the postprocess rewinds the rows its tokens do not keep)."""
+        fed = np.concatenate([np.array([row.token], dtype=np.int64), draft])
+        began = time.perf_counter()
         try:
-            self._deliver(row, row.sampler.choose(logits))
-        except Exception as error:  # this request's token choice failed: it fails alone
+            logits = self._runner.run(row.slot, Forward([Row(fed, row.length)], "all")).logits
+        except Exception as error:  # this row's forward failed: it fails alone
             self._fail(row.request, error)
+            return
+        assert logits is not None  # asked for every row's
+        outputs.verifications.append(
+            _Verification(row, draft, logits[0], time.perf_counter() - began))
+
+    def _decode(self, decoding: list[_Row], outputs: _Outputs) -> None:
+        """One batched decode forward: each row of `decoding` feeds its last token."""
+        began = time.perf_counter()
+        try:
+            logits = self._decode_forward(decoding)
+        except Exception as error:  # the forward failed: every row of it fails with it
+            for row in decoding:
+                self._fail(row.request, error)
+            return
+        outputs.decoded_at = time.perf_counter()
+        outputs.decoded = decoding
+        outputs.decode_logits = logits
+        outputs.decode_s = outputs.decoded_at - began
+
+    def _decode_forward(self, decoding: list[_Row]) -> np.ndarray | tuple[np.ndarray]:
+        """The batched decode's forward of every slot; each slot's logits row [vocab]."""
+        steps = {row.index: row.token for row in decoding}
+        # A free slot's row runs at its kept length: its write lands past what it keeps.
+        rows = [Row(np.array([steps.get(index, 0)]), self._lengths[index], index in steps)
+                for index in range(self.slots)]
+        self._claim_batch()
+        logits = self._runner.run(self._batch, Forward(rows)).logits
+        assert logits is not None  # a decode forward returns every row's last logits
+        return logits
+
+    def _claim_batch(self) -> None:
+        """Run the batched decode in this thread: the CUDA provider keeps graphs per thread, so
+        those an earlier thread captured on the batch's bindings are dropped first."""
+        thread = threading.get_ident()
+        if self._batch.thread != thread:
+            if self._batch.thread:
+                self._context.release_graphs(self._batch.number)
+            self._batch.thread = thread
+
+    # Postprocess: choose the tokens, count, deliver and finish.
+
+    def _prefilled(self, chunk: _Chunk) -> list[_Tokens]:
+        """A prefill chunk's prompt logprobs, if asked for; after a prompt's last chunk, the
+        first token of its request and of its other choices (forked into free slots)."""
+        row = chunk.row
+        if chunk.prompt_logprobs is not None:
+            row.request.add_prompt_logprobs(chunk.prompt_logprobs)
+        if not chunk.last:
+            return []
+        assert chunk.logits is not None  # a prompt's last chunk asks for its logits
+        chosen = []
+        for fork in (*self._fork(row), row):
+            if fork.request.max_new_tokens == 0:  # its prompt's logprobs were all it asked for
+                chosen.append(_Tokens(fork, [], [], ends="length"))
+            else:
+                chosen.extend(self._choose(fork, chunk.logits))
+        return chosen
+
+    def _choose(self, row: _Row, logits: np.ndarray, *, observe: bool = False) -> list[_Tokens]:
+        """The row's next token from its logits row [vocab], by its sampler (`observe`: its
+        drafter learns from the choice)."""
+        try:
+            token = row.sampler.choose(logits)
+            if observe and row.drafter is not None:
+                row.drafter.observe(row.sampler, logits, token)
+        except Exception as error:  # one row's token choice fails that request alone
+            self._fail(row.request, error)
+            return []
+        return [_Tokens(row, [token], [row.sampler.last])]
+
+    def _verified(self, verification: _Verification, outputs: _Outputs) -> list[_Tokens]:
+        """The tokens a verification gives (up to and including the first that is not the
+        draft's)."""
+        row, draft = verification.row, verification.draft
+        assert row.drafter is not None  # `_drafts` gave it a draft
+        try:
+            tokens = row.drafter.verified(row.sampler, verification.logits, draft)
+        except Exception as error:  # this row's choice failed: it fails alone
+            self._fail(row.request, error)
+            return []
+        outputs.accepted += accepted(tokens, draft)
+        return [_Tokens(row, tokens, [row.sampler.last] * len(tokens), fed=len(draft) + 1)]
+
+    def _count(self, plan: _Plan, outputs: _Outputs) -> None:
+        """The step and its forwards in the engine's counters; each request's chunk records."""
+        for chunk in outputs.chunks:
+            chunk.row.request.note_chunk(chunk.record)
+        with self._lock:
+            counters = self._counters
+            counters.steps += 1
+            counters.decode_stalls += plan.stalls
+            for chunk in outputs.chunks:
+                counters.prefill_chunks += 1
+                counters.prefill_rows += chunk.end - chunk.begin
+                counters.prefill_s += chunk.seconds
+            if outputs.verifications:
+                counters.verify_forwards += len(outputs.verifications)
+                for verification in outputs.verifications:
+                    counters.draft_tokens += len(verification.draft)
+                    counters.decode_s += verification.seconds
+                counters.accepted_tokens += outputs.accepted
+            if outputs.decoded:
+                counters.decode_steps += 1
+                counters.decode_rows += len(outputs.decoded)
+                counters.decode_s += outputs.decode_s
+                if self._last_decode is not None:
+                    counters.longest_decode_gap_s = max(
+                        counters.longest_decode_gap_s, outputs.decoded_at - self._last_decode)
+        if outputs.decoded:
+            self._last_decode = outputs.decoded_at
 
     def _fork(self, row: _Row) -> list[_Row]:
         """The other choices of `row`'s request, each in a free slot holding a device copy of
@@ -639,126 +849,25 @@ class BatchEngine:
                 self._queue.push_front(other)
                 self._samplers[other.id] = sampler
 
-    @staticmethod
-    def _prompt_logprobs(request: Request, begin: int, end: int, logits: np.ndarray | None,
-                         top: int) -> np.ndarray:
-        """Give `request` the logprobs of the prompt tokens after rows [begin, end) (each
-        row's logits predict the next token); the last row's logits."""
-        assert logits is not None  # asked for every row's
-        following = request.prompt[begin + 1:end + 1]
-        entries = prompt_logprobs_of(logits[:len(following)], following, top)
-        request.add_prompt_logprobs(([None] if begin == 0 else []) + entries)
-        return logits[-1]
-
-    def _drafts(self, decoding: list[_Row]) -> list[tuple[_Row, np.ndarray]]:
-        """The decoding rows that verify a draft this step, with their drafts (speculative
-        decoding); the others run in the batched decode."""
-        if self._speculation is None:
-            return []
-        drafted = []
-        for row in decoding:
-            if row.drafter is None:  # another choice of a prompt: it decodes plainly
-                continue
-            left = row.request.max_new_tokens - row.produced
-            draft = row.drafter.draft(row.length.length, left - 1)
-            if len(draft):
-                drafted.append((row, draft))
-        return drafted
-
-    def _verify(self, row: _Row, draft: np.ndarray) -> None:
-        """Verify the row's draft in a forward of its own slot (its last token and the draft,
-        every row's logits): deliver the tokens the verification gives and rewind the rows it
-        did not keep."""
-        assert row.drafter is not None  # `_drafts` gave it a draft
-        request = row.request
-        fed = np.concatenate([np.array([row.token], dtype=np.int64), draft])
-        began = time.perf_counter()
-        try:
-            logits = self._runner.run(row.slot, Forward([Row(fed, row.length)],
-                                                        "all")).logits
-            assert logits is not None  # asked for every row's
-            tokens = row.drafter.verified(row.sampler, logits[0], draft)
-        except Exception as error:  # this row's forward or choice failed: it fails alone
-            self._fail(request, error)
-            return
+    def _deliver(self, chosen: _Tokens) -> None:
+        """Deliver a row's chosen tokens one by one until its request ends (the one finish
+        rule); a verification's rows the delivered tokens do not keep are rewound."""
+        row, request = chosen.row, chosen.row.request
         delivered = 0
-        for token in tokens:
+        for token, logprobs in zip(chosen.tokens, chosen.logprobs):
             delivered += 1
-            self._deliver(row, token)
-            if request.done:
+            row.token = token
+            row.produced += 1
+            if row.drafter is not None:
+                row.drafter.extend((token,))
+            reason = request.deliver(token, logprobs)
+            if reason is not None:  # it ends with this token (or had ended already)
+                self._finish(request, reason)
                 break
-        row.length.rewind(len(fed) - delivered)
-        seconds = time.perf_counter() - began
-        kept = accepted(tokens, draft)
-        tally = self._tally
-        tally.verifications += 1
-        tally.drafted += len(draft)
-        tally.accepted += kept
-        tally.decode_s += seconds
-        with self._lock:
-            self._counters.verify_forwards += 1
-            self._counters.draft_tokens += len(draft)
-            self._counters.accepted_tokens += kept
-            self._counters.decode_s += seconds
-
-    def _decode(self, decoding: list[_Row]) -> None:
-        """One batched decode forward: each row of `decoding` feeds its last token; then each
-        chooses its next one."""
-        began = time.perf_counter()
-        try:
-            logits = self._decode_forward(decoding)
-        except Exception as error:  # the forward failed: every row of it fails with it
-            for row in decoding:
-                self._fail(row.request, error)
-            return
-        for row in decoding:
-            try:
-                token = row.sampler.choose(logits[row.index])
-                if row.drafter is not None:
-                    row.drafter.observe(row.sampler, logits[row.index], token)
-                self._deliver(row, token)
-            except Exception as error:  # one row's token choice fails that request alone
-                self._fail(row.request, error)
-        now = time.perf_counter()
-        self._tally.decode_rows += len(decoding)
-        self._tally.decode_s += now - began
-        with self._lock:
-            self._counters.decode_steps += 1
-            self._counters.decode_rows += len(decoding)
-            self._counters.decode_s += now - began
-            if self._last_decode is not None:
-                self._counters.longest_decode_gap_s = max(
-                    self._counters.longest_decode_gap_s, now - self._last_decode)
-        self._last_decode = now
-
-    def _decode_forward(self, decoding: list[_Row]) -> np.ndarray | tuple[np.ndarray]:
-        """The batched decode's forward of every slot; each slot's logits row [vocab]."""
-        steps = {row.index: row.token for row in decoding}
-        # A free slot's row runs at its kept length: its write lands past what it keeps.
-        rows = [Row(np.array([steps.get(index, 0)]), self._lengths[index], index in steps)
-                for index in range(self.slots)]
-        self._claim_batch()
-        logits = self._runner.run(self._batch, Forward(rows)).logits
-        assert logits is not None  # a decode forward returns every row's last logits
-        return logits
-
-    def _claim_batch(self) -> None:
-        """Run the batched decode in this thread: the CUDA provider keeps graphs per thread, so
-        those an earlier thread captured on the batch's bindings are dropped first."""
-        thread = threading.get_ident()
-        if self._batch.thread != thread:
-            if self._batch.thread:
-                self._context.release_graphs(self._batch.number)
-            self._batch.thread = thread
-
-    def _deliver(self, row: _Row, token: int) -> None:
-        row.token = token
-        row.produced += 1
-        if row.drafter is not None:
-            row.drafter.extend((token,))
-        reason = row.request.deliver(token, row.sampler.last)
-        if reason is not None:
-            self._finish(row.request, reason)
+        if chosen.fed:
+            row.length.rewind(chosen.fed - delivered)
+        if chosen.ends is not None:
+            self._finish(request, chosen.ends)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.finish(reason):
