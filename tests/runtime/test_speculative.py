@@ -95,13 +95,14 @@ def test_a_greedy_row_closer_than_the_margin_ends_the_verification_without_a_tok
     logits[1, [3, 4]] = 1.0, 0.9  # drafted 3, led by 0.1 only: not trusted
     logits[2, 0] = 1.0            # drafted 5, 0 leads clearly: the correction
     draft = np.array([2, 3, 5])
-    assert verify(Sampler(GREEDY, 6), logits, draft, margin=0.25) == [2]
-    assert verify(Sampler(GREEDY, 6), logits, draft, margin=0.05) == [2, 3, 0]
+    assert verify(Sampler(GREEDY, 6), logits, draft, margin=0.25).tokens == [2]
+    assert verify(Sampler(GREEDY, 6), logits, draft, margin=0.05).tokens == [2, 3, 0]
     assert accepted([2, 3, 0], draft) == 2
     logits[0, 2] = 0.1
-    assert verify(Sampler(GREEDY, 6), logits, draft, margin=0.25) == []
+    assert verify(Sampler(GREEDY, 6), logits, draft, margin=0.25).tokens == []
     # A draw is never held back: its distribution is the same either way.
-    assert len(verify(Sampler(Sampling(temperature=1.0, seed=0), 6), logits, draft, 0.25)) >= 1
+    drawn = verify(Sampler(Sampling(temperature=1.0, seed=0), 6), logits, draft, 0.25)
+    assert len(drawn.tokens) >= 1
 
 
 def test_the_draft_length_gives_most_tokens_per_cost():
@@ -167,7 +168,7 @@ def test_drafts_lengthen_while_kept_and_back_off_when_rejected():
         rows = logits[:len(draft) + 1].copy()
         rows[np.arange(len(draft)), draft] = 1.0
         rows[len(draft), 0] = 1.0
-        assert drafter.verified(Sampler(GREEDY, 6), rows, draft) == [*draft, 0]
+        assert drafter.verified(Sampler(GREEDY, 6), rows, draft).tokens == [*draft, 0]
     # (the history's period, 4, bounds what a lookup can draft here)
     assert lengths[0] == 1 and lengths == sorted(lengths) and lengths[-1] == 4
     assert draft_length(drafter.acceptance) > 4
@@ -179,7 +180,7 @@ def test_drafts_lengthen_while_kept_and_back_off_when_rejected():
         waits.append(wait)
         rows = logits[:len(draft) + 1].copy()
         rows[:, 5] = 1.0
-        assert drafter.verified(Sampler(GREEDY, 6), rows, draft) == [5]
+        assert drafter.verified(Sampler(GREEDY, 6), rows, draft).tokens == [5]
     # Rejections: the drafts shrink to a one-token probe, then wait ever longer between probes.
     assert waits[0] == 0 and waits == sorted(waits) and waits[-1] > 2
     assert draft_length(drafter.acceptance) == 0
@@ -392,3 +393,25 @@ def test_a_stream_closed_inside_a_verified_run_keeps_what_it_took(reference_mode
                 stream.close()
                 assert sequence.length == len(prompt) + taken - 1
                 assert sequence.stats.accepted_tokens > 0
+
+
+def test_each_accepted_token_carries_its_own_logprobs():
+    """A verification's tokens are delivered with the logprobs of the row each was chosen
+    from: every entry names its token, and the values are plain decoding's."""
+    fixture = next(fixture for fixture in builder_gqa_fixtures()
+                   if fixture.name == "genai-llama-fp32")
+    sampling = Sampling(logprobs=3)
+    with load(fixture.folder, provider="cpu", chunk_size=W) as plain:
+        prompts = _prompts(plain.stats.vocab_size, (5, 64, 130), seed=1)
+        expected = [plain.submit(prompt, 60, eos_token_id=[], sampling=sampling)
+                    for prompt in prompts]
+        expected = [(request.result(), request.logprobs) for request in expected]
+    with load(fixture.folder, provider="cpu", chunk_size=W, speculative=SPEC) as spec:
+        for prompt, (tokens, logprobs) in zip(prompts, expected):
+            request = spec.submit(prompt, 60, eos_token_id=[], sampling=sampling)
+            assert request.result() == tokens
+            assert [entry.token for entry in request.logprobs] == tokens
+            for ours, theirs in zip(request.logprobs, logprobs):
+                assert [token for token, _ in ours.top] == [token for token, _ in theirs.top]
+                np.testing.assert_allclose(ours.logprob, theirs.logprob, atol=1e-4)
+        assert spec.stats.engine.accepted_tokens > 0

@@ -770,12 +770,12 @@ class BatchEngine:
         row, draft = verification.row, verification.draft
         assert row.drafter is not None  # `_drafts` gave it a draft
         try:
-            tokens = row.drafter.verified(row.sampler, verification.logits, draft)
+            result = row.drafter.verified(row.sampler, verification.logits, draft)
         except Exception as error:  # this row's choice failed: it fails alone
             self._fail(row.request, error)
             return []
-        outputs.accepted += accepted(tokens, draft)
-        return [_Tokens(row, tokens, [row.sampler.last] * len(tokens), fed=len(draft) + 1)]
+        outputs.accepted += accepted(result.tokens, draft)
+        return [_Tokens(row, result.tokens, result.logprobs, fed=len(draft) + 1)]
 
     def _count(self, plan: _Plan, outputs: _Outputs) -> None:
         """The step and its forwards in the engine's counters; each request's chunk records."""

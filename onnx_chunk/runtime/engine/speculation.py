@@ -55,7 +55,7 @@ import numpy as np
 
 from onnx_chunk.runtime.engine.kv_window import rewind_is_exact
 from onnx_chunk.runtime.state.ports import ModelPorts
-from onnx_chunk.sampling import Sampler
+from onnx_chunk.sampling import Sampler, TokenLogprobs
 
 PROMPT_LOOKUP = "prompt-lookup"
 SPECULATIVE_CHOICES = (PROMPT_LOOKUP,)
@@ -217,17 +217,17 @@ class Drafter:
             return np.empty(0, dtype=np.int64)
         return draft
 
-    def verified(self, sampler: Sampler, logits: np.ndarray, draft: np.ndarray) -> list[int]:
+    def verified(self, sampler: Sampler, logits: np.ndarray, draft: np.ndarray) -> Verified:
         """`verify`, with the record and the back-off updated (rule 2)."""
-        tokens = verify(sampler, logits, draft, self._speculation.margin)
+        result = verify(sampler, logits, draft, self._speculation.margin)
         if self._speculation.margin > 0 and sampler.sampling.greedy:
             # No token at all: the first row's lead was below the margin.
-            self._count_step(bool(tokens))
-        kept = accepted(tokens, draft)
+            self._count_step(bool(result.tokens))
+        kept = accepted(result.tokens, draft)
         self._kept = _RECORD_DECAY * self._kept + kept
         self._rejected = _RECORD_DECAY * self._rejected + (kept < len(draft))
         self.backoff.verified(1 if draft_length(self.acceptance, self.confidence) else 0)
-        return tokens
+        return result
 
 
 def speculation_refused(ports: ModelPorts) -> str | None:
@@ -241,21 +241,31 @@ def speculation_refused(ports: ModelPorts) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Verified:
+    """A verification's tokens, each with the logprobs of the row it was chosen from (None
+    where the request asks for none)."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
 def verify(sampler: Sampler, logits: np.ndarray, draft: np.ndarray,
-           margin: float = 0.0) -> list[int]:
+           margin: float = 0.0) -> Verified:
     """The tokens a verification gives: one per row of `logits` ([len(draft) + 1, vocab]) up
     to and including the first that differs from the draft; a greedy row whose best score
     leads by less than `margin` ends them without a token (rule 3)."""
-    tokens: list[int] = []
+    result = Verified([], [])
     for index, row in enumerate(logits):
         drafted = int(draft[index]) if index < len(draft) else None
         if sampler.sampling.greedy and margin > 0 and sampler.lead(row) < margin:
             break
         token = sampler.choose(row, draft=drafted)
-        tokens.append(token)
+        result.tokens.append(token)
+        result.logprobs.append(sampler.last)
         if token != drafted:
             break
-    return tokens
+    return result
 
 
 def accepted(tokens: list[int], draft: np.ndarray) -> int:
