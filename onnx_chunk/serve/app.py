@@ -417,7 +417,7 @@ class _Service:
                     ids, room if options.max_tokens is None else options.max_tokens, samplings,
                     eos_token_id=prepared.ends, wait=number > 0)
                 for choice, request in enumerate(requests):
-                    text = TokenText(self.tokenizer, options.stop, end_ids=prepared.ends,
+                    text = TokenText(self.tokenizer, options.stop, ends_at=request.ends_at,
                                      min_tokens=options.min_tokens)
                     generations.append(ServedGeneration(request, text, len(ids), arrived,
                                                         self.metrics, number * options.n + choice))

@@ -92,6 +92,10 @@ class EngineTokens:
     def check(self, ids: SequenceOf[int], max_new_tokens: int) -> Any:
         return self.runtime.check_request(ids, max_new_tokens)
 
+    def ends_at(self, count: int) -> bool:
+        """Whether the request's `count`-th token is the end id that ended it."""
+        return self._request is not None and self._request.ends_at(count)
+
     def stream(self, ids: Any, max_new_tokens: int, eos: tuple[int, ...],
                sampling: Sampling) -> Generator[int, None, None]:
         request = self._request = self.runtime.submit(ids, max_new_tokens, eos_token_id=eos,
@@ -156,10 +160,9 @@ class TextGeneration:
 
     def _run(self, source: EngineTokens, tokenizer: Tokenizer, ids: Any,
              budget: int, at_budget: str, sampling: Sampling) -> Generator[str, None, None]:
-        text = TokenText(tokenizer, self._stops, end_ids=self._ends,
+        text = TokenText(tokenizer, self._stops, ends_at=source.ends_at,
                          min_tokens=self._min_tokens)
         pieces: list[str] = []
-        # The source stops on the same ids, so its stats agree with the finish reason.
         steps = source.stream(ids, budget, self._ends, sampling)
         try:
             for token in steps:

@@ -165,8 +165,10 @@ def test_submit_streams_tokens_and_reports_how_it_ended(batched):
     assert stats.new_tokens == 6 and stats.prompt_tokens == 3 and stats.prefill_chunks == 1
     assert 0 <= stats.queued_s <= stats.ttft_s <= stats.total_s
     first = streamed[0]
+    assert not any(request.ends_at(count) for count in range(8))
     stopped = batched.submit([1, 2, 3], 6, eos_token_id=first)
     assert stopped.result() == [first] and stopped.finish_reason == "stop"
+    assert stopped.ends_at(1) and not stopped.ends_at(0) and not stopped.ends_at(2)
 
 
 def test_sampling_is_per_request_and_equals_the_same_request_alone(batched):

@@ -180,6 +180,9 @@ class _FailingRequest:
     def watch(self, callback) -> None:
         callback()
 
+    def ends_at(self, count: int) -> bool:
+        return False
+
     def ready(self, seen: int):
         if seen == 0:
             return [self._token], [None], False

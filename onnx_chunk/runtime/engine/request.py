@@ -94,6 +94,7 @@ class Request:
         self._changed = threading.Condition(self._lock)
         self._error: BaseException | None = None
         self._reason: FinishReason | None = None
+        self._ended_by: int | None = None  # the count of the end id that ended it
         self._stats = RequestStats(prompt_tokens=len(prompt))
         self._watchers: list[Callable[[], None]] = []
 
@@ -159,6 +160,11 @@ class Request:
                 if self._error is not None:
                     raise self._error
                 return
+
+    def ends_at(self, count: int) -> bool:
+        """Whether its `count`-th token is the end-of-sequence id that ended it (the finish
+        rule's "stop", recorded with the token: known to whoever has read that token)."""
+        return self._ended_by == count
 
     def watch(self, callback: Callable[[], None]) -> None:
         """Call `callback()` after each token and at the end (on the engine's thread, so it
@@ -244,10 +250,13 @@ class Request:
             self._stats.new_tokens = len(self._tokens)
             if self._stats.ttft_s is None:
                 self._stats.ttft_s = self._times[0]
+            reason = finish_reason(token, len(self._tokens), self.max_new_tokens,
+                                   self.eos_token_ids)
+            if reason == "stop":
+                self._ended_by = len(self._tokens)
             self._changed.notify_all()
-            produced = len(self._tokens)
         self._notify()
-        return finish_reason(token, produced, self.max_new_tokens, self.eos_token_ids)
+        return reason
 
     def finish(self, reason: FinishReason, error: BaseException | None = None) -> bool:
         """End the request with `reason` (and `error`); False when it had already ended."""
