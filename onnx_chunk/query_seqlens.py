@@ -16,6 +16,9 @@ from __future__ import annotations
 import functools
 
 QUERY_SEQLENS = "query_seqlens"
+# What every GroupQueryAttention of a converted model reads as query_seqlens: the graph input,
+# or every row of the chunk when it is left out (passes.query_seqlens, rule 5).
+QUERY_SEQLENS_FED = f"{QUERY_SEQLENS}_or_all_rows"
 _GQA = ("GroupQueryAttention", "com.microsoft")
 
 

@@ -11,7 +11,12 @@ from onnx_chunk import metadata
 from onnx_chunk.errors import ConfigError
 from onnx_chunk.passes import value_tracing
 from onnx_chunk.passes.token_input import token_input
-from onnx_chunk.query_seqlens import QUERY_SEQLENS, lacking_reason, query_seqlens_index
+from onnx_chunk.query_seqlens import (
+    QUERY_SEQLENS,
+    QUERY_SEQLENS_FED,
+    lacking_reason,
+    query_seqlens_index,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +117,6 @@ def _graph_input(graph: ir.Graph) -> ir.Value | None:
     return next((value for value in graph.inputs if value.name == QUERY_SEQLENS), None)
 
 
-_DEFAULTED = f"{QUERY_SEQLENS}_or_all_rows"
 _NODE_PREFIX = f"onnx_chunk/{QUERY_SEQLENS}/"
 
 
@@ -138,7 +142,7 @@ def _default_rows(graph: ir.Graph, value: ir.Value) -> ir.Value:
     joined = node("concat", "Concat", [value, every.outputs[0]], axis=0)
     sliced = node("slice", "Slice", [joined.outputs[0], zero.outputs[0], batch.outputs[0]])
     out = sliced.outputs[0]
-    out.name = _DEFAULTED
+    out.name = QUERY_SEQLENS_FED
     out.type, out.shape = ir.TensorType(ir.DataType.INT32), ir.Shape([token.shape[0]])
     built = [zero, rows, batch, cast, every, joined, sliced]
     first = next(iter(graph), None)

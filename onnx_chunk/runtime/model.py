@@ -32,6 +32,7 @@ from onnx_chunk.errors import CapacityError, ClosedError, InputError, ModelLoadE
 from onnx_chunk.metadata import ChunkPlan, read_plan
 from onnx_chunk.model_file import read_model_file
 from onnx_chunk.model_folder import GenaiConfig, check_utf8_path, locate_model
+from onnx_chunk.query_seqlens import lacking_reason, query_seqlens_index
 from onnx_chunk.runtime.caches.graph_cache import plan_graphs
 from onnx_chunk.runtime.caches.variant_cache import Specialize, VariantCache
 from onnx_chunk.runtime.caches.variant_pool import VariantPool
@@ -44,6 +45,7 @@ from onnx_chunk.runtime.device.session_factory import (
     load_shared_weights,
     owned_by_session,
 )
+from onnx_chunk.runtime.device.without_query_seqlens import without_query_seqlens
 from onnx_chunk.runtime.engine.batch_engine import (
     DEFAULT_MAX_QUEUE,
     BatchEngine,
@@ -193,6 +195,15 @@ class Runtime:
         genai = self._genai or GenaiConfig(path=location.folder / "genai_config.json")
         model = read_model_file(self._model_path, graph)
         plan = read_plan(model.metadata)
+        if plan is not None and plan.query_seqlens is not None and query_seqlens_index() is None:
+            # Converted where ONNX Runtime has native chunks; this one lacks them: the graph
+            # without their input runs the "repeat" path (device/without_query_seqlens.py).
+            logger.info("%s was converted for native chunks, and %s: running it without them",
+                        self._model_path.name, lacking_reason())
+            graph = without_query_seqlens(graph if graph is not None
+                                          else self._model_path.read_bytes())
+            model = read_model_file(self._model_path, graph)
+            plan = read_plan(model.metadata)
         if args.chunk_size is None and (plan is None or plan.chunk_size is None):
             args = dataclasses.replace(args, chunk_size=genai.chunk_size)
         if plan is None:

@@ -26,9 +26,7 @@ Rules of `resolve_options`:
    tiers capture; off on the one CPU session), and the plan may refuse it.
 7. Fixed dims: the ports', less the batch axis above one slot, plus a capacity-wide mask under
    the capacity mask policy.
-8. A model converted for native chunks (its plan names a query_seqlens input) is refused
-   where the installed ONNX Runtime's GroupQueryAttention lacks that input.
-9. Speculative decoding ("prompt-lookup") is refused for a decoder that cannot take a
+8. Speculative decoding ("prompt-lookup") is refused for a decoder that cannot take a
    rejected draft back (recurrent state) or verify it per row (last-row logits only).
 """
 
@@ -44,7 +42,6 @@ from onnx_chunk.ladder import DECODE_WIDTH, ladder_tiers
 from onnx_chunk.metadata import ChunkPlan, check_window_capacity
 from onnx_chunk.model_file import ModelFile
 from onnx_chunk.model_folder import GenaiConfig
-from onnx_chunk.query_seqlens import lacking_reason, query_seqlens_index
 from onnx_chunk.runtime.caches.cuda_graphs import capturable
 from onnx_chunk.runtime.caches.variant_cache import EXACT, Specialize, VariantKey, variant_key
 from onnx_chunk.runtime.device.provider import Device, MaskPolicy, device_for
@@ -141,11 +138,6 @@ def resolve_options(options: RuntimeOptions, *, plan: ChunkPlan, genai: GenaiCon
                     model: ModelFile, device: Device) -> ResolvedOptions:
     """What a runtime of `model` runs with on `device` (the given one, or the one resolved
     from the options); ConfigError, ProviderError or ModelLoadError when it cannot be."""
-    if plan.query_seqlens is not None and query_seqlens_index() is None:
-        raise ModelLoadError(
-            f"{model.path.name} was converted for native chunks (GroupQueryAttention's "
-            f"query_seqlens input), but {lacking_reason()}; convert the original export again "
-            "with this ONNX Runtime (onnx-chunk convert, --native-chunks auto or off)")
     capacity = resolve_capacity(options.capacity, plan, genai)
     check_window_capacity(plan.capacity_inputs, capacity)
     chunk_size = resolve_chunk_size(options.chunk_size, plan, capacity)

@@ -13,15 +13,15 @@ import pytest
 
 from onnx_chunk import metadata
 from onnx_chunk.cli import main
-from onnx_chunk.errors import CapacityError, InputError, ModelLoadError
+from onnx_chunk.errors import CapacityError, InputError, ModelStructureError
 from onnx_chunk.model_io import load_model, save_model
 from onnx_chunk.passes import QuerySeqlensPass, convert_model
 from onnx_chunk.query_seqlens import query_seqlens_index
 from onnx_chunk.runtime import load
 from onnx_chunk.runtime import model as runtime_model
-from onnx_chunk.runtime import options as runtime_options
 from onnx_chunk.runtime.device.buffers import BatchBuffers
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
+from onnx_chunk.runtime.device.without_query_seqlens import without_query_seqlens
 from onnx_chunk.runtime.engine.kv_state import LogicalLength
 from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot, new_slot
 from onnx_chunk.runtime.runner.chunk_mask import chunk_mask_kind
@@ -169,18 +169,57 @@ def test_a_converted_builder_export_reports_native_padding(native_exports):
     assert load(raw, provider="cpu", chunk_size=W, padding=True).stats.padding == "repeat"
 
 
-def test_a_native_model_is_refused_where_onnx_runtime_lacks_the_input(tmp_path, monkeypatch):
-    """Wired as ONNX Runtime 1.32 wires it (input 16); loaded where the input is missing (the
-    installed ONNX Runtime, or one made to look so) it is refused in one message."""
+def _wired_elsewhere(tmp_path):
+    """genai-llama-fp32 wired as ONNX Runtime 1.32 wires it (input 16), whatever ONNX Runtime
+    is installed: a folder converted on another machine; and the same export unwired."""
     source = next(fixture.folder for fixture in fixtures() if fixture.name == "genai-llama-fp32")
     model = convert_model(load_model(source / "model.onnx"), native_chunks="off").model
+    save_model(model, tmp_path / "plain" / "model.onnx", companions_from=source)
     QuerySeqlensPass("on", index=16)(model)
     assert metadata.read_query_seqlens(model) == "query_seqlens"
     save_model(model, tmp_path / "wired" / "model.onnx", companions_from=source)
+    return tmp_path / "wired", tmp_path / "plain"
+
+
+def test_a_native_model_runs_the_repeat_path_where_onnx_runtime_lacks_the_input(tmp_path,
+                                                                                monkeypatch):
+    """Loaded where GroupQueryAttention has no query_seqlens (onnxruntime 1.31 in CI's second
+    run, or an ONNX Runtime made to look so), a folder converted natively runs without the
+    input: the "repeat" path, the unwired folder's greedy tokens."""
+    wired, plain = _wired_elsewhere(tmp_path)
     if NATIVE:
-        monkeypatch.setattr(runtime_options, "query_seqlens_index", lambda: None)
-    with pytest.raises(ModelLoadError, match="converted for native chunks.*convert the original"):
-        load(tmp_path / "wired", provider="cpu")
+        monkeypatch.setattr(runtime_model, "query_seqlens_index", lambda: None)
+    runtime = load(wired, provider="cpu", chunk_size=16, padding=True)
+    assert runtime.stats.padding == "repeat" and runtime.debug.ports.query_seqlens is None
+    reference = load(plain, provider="cpu", chunk_size=16, padding=True)
+    rng = np.random.default_rng(3)
+    for length in (5, 21, 40):
+        prompt = rng.integers(0, runtime.stats.vocab_size, length).tolist()
+        with runtime.open_sequence() as one, reference.open_sequence() as other:
+            assert one.generate(prompt, 8, []) == other.generate(prompt, 8, [])
+
+
+def test_the_unwired_graph_is_the_export_and_metadata_must_match_it(tmp_path):
+    """The edit gives every GroupQueryAttention its exported inputs back, drops the graph input
+    and the metadata key; a model whose metadata names the input its graph does not feed is
+    refused."""
+    onnx = pytest.importorskip("onnx")
+    wired, plain = _wired_elsewhere(tmp_path)
+    edited = onnx.load_from_string(without_query_seqlens((wired / "model.onnx").read_bytes()))
+    exported = onnx.load(plain / "model.onnx", load_external_data=False)
+
+    def attention_inputs(model):  # trailing empty names: omitted optional inputs either way
+        return [" ".join(node.input).rstrip().split(" ") for node in model.graph.node
+                if node.op_type == "GroupQueryAttention"]
+
+    assert attention_inputs(edited) == attention_inputs(exported) != []
+    assert "query_seqlens" not in [value.name for value in edited.graph.input]
+    assert metadata.QUERY_SEQLENS_KEY not in [entry.key for entry in edited.metadata_props]
+    model = load_model(plain / "model.onnx")
+    metadata.write_query_seqlens(model, "query_seqlens")
+    save_model(model, tmp_path / "lying" / "model.onnx", companions_from=plain)
+    with pytest.raises(ModelStructureError, match="no GroupQueryAttention takes"):
+        without_query_seqlens((tmp_path / "lying" / "model.onnx").read_bytes())
 
 
 def _batch_slot(runtime, buffers, rows):
