@@ -28,7 +28,7 @@ _BY_FOLDER_NAME = {name.replace("-", "_"): name for name in ONNXRUNTIME_WHEELS}
 _INFO_SUFFIXES = (".dist-info", ".egg-info")
 
 
-def _wheel_name(entry: str) -> str | None:
+def wheel_name(entry: str) -> str | None:
     """The ONNX Runtime distribution whose metadata folder `entry` is, if it is one."""
     if not entry.endswith(_INFO_SUFFIXES):
         return None
@@ -51,7 +51,7 @@ def installed_wheels() -> dict[str, tuple[str, ...]]:
             names = os.listdir(entry or ".")
         except OSError:  # a zip, a missing folder: no installed wheel there
             continue
-        wheels = {wheel for wheel in map(_wheel_name, names) if wheel is not None}
+        wheels = {wheel for wheel in map(wheel_name, names) if wheel is not None}
         if wheels:
             found.setdefault(str(Path(entry or ".").resolve()), set()).update(wheels)
     return {folder: tuple(name for name in ONNXRUNTIME_WHEELS if name in names)

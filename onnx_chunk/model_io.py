@@ -172,7 +172,7 @@ def _relocate(proto: onnx.ModelProto, locations: dict[str, str]) -> None:
                 entry.value = locations[entry.value]
 
 
-def _copy_file(source: Path, target: Path, progress: Callable[[int], None] | None) -> None:
+def copy_file(source: Path, target: Path, progress: Callable[[int], None] | None) -> None:
     """Copy `source` to `target` block by block, with `source`'s permission bits."""
     buffer = bytearray(_COPY_BLOCK_BYTES)
     view = memoryview(buffer)
@@ -186,7 +186,8 @@ def _copy_file(source: Path, target: Path, progress: Callable[[int], None] | Non
                 progress(count)
 
 
-def _write_proto(proto: onnx.ModelProto, target: Path) -> None:
+def write_proto(proto: onnx.ModelProto, target: Path) -> None:
+    """Write `proto`'s bytes to `target`."""
     target.write_bytes(proto.SerializeToString())
 
 
@@ -268,7 +269,7 @@ class Staging:
         bits; `progress` receives the byte count of each block."""
         staged = self.path / name
         staged.parent.mkdir(parents=True, exist_ok=True)
-        _copy_file(Path(source), staged, progress)
+        copy_file(Path(source), staged, progress)
 
     def publish(self, names: Iterable[str]) -> None:
         """Rename each staged file in `names` to the same name in the target folder, in order:
@@ -466,7 +467,7 @@ def _save_staged(model: ir.Model, target: Path, staging: Staging,
         _write_config(*config, staging.path / GENAI_CONFIG)
     proto = ir.serde.serialize_model(model)
     _relocate(proto, locations)
-    _write_proto(proto, staging.path / target.name)
+    write_proto(proto, staging.path / target.name)
     written_config = [GENAI_CONFIG] if config is not None else []
     staging.publish([*staged, *copied, *written_config, target.name])
     return companions

@@ -72,13 +72,13 @@ def test_two_onnxruntime_wheels_are_one_clear_error_naming_the_fix(tmp_path, ref
 
 
 def test_metadata_folders_are_read_by_their_normalised_names():
-    from onnx_chunk._onnxruntime_wheels import _wheel_name
+    from onnx_chunk._onnxruntime_wheels import wheel_name
 
-    assert _wheel_name("onnxruntime_gpu-1.22.0.dist-info") == "onnxruntime-gpu"
-    assert _wheel_name("ONNXRuntime-1.22.0.dist-info") == "onnxruntime"
-    assert _wheel_name("onnxruntime.directml-1.22.0.egg-info") == "onnxruntime-directml"
-    assert _wheel_name("onnxruntime_genai-0.18.0.dist-info") is None
-    assert _wheel_name("onnxruntime") is None   # the module's own folder
+    assert wheel_name("onnxruntime_gpu-1.22.0.dist-info") == "onnxruntime-gpu"
+    assert wheel_name("ONNXRuntime-1.22.0.dist-info") == "onnxruntime"
+    assert wheel_name("onnxruntime.directml-1.22.0.egg-info") == "onnxruntime-directml"
+    assert wheel_name("onnxruntime_genai-0.18.0.dist-info") is None
+    assert wheel_name("onnxruntime") is None   # the module's own folder
 
 
 def test_the_check_imports_no_metadata_library():

@@ -527,7 +527,7 @@ class RewriteBuilder:
         for layer in layers:
             for name in (layer.past_key, layer.past_value):
                 others = [node for node in inputs[name].consumers()
-                          if not keeps_kv(node) and _reads_sequence_axis(node)]
+                          if not keeps_kv(node) and reads_sequence_axis(node)]
                 if others:
                     raise ModelStructureError(
                         f"after the concat-KV rewrite the past input {name!r} still feeds "
@@ -590,7 +590,7 @@ def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
     return found
 
 
-def _reads_sequence_axis(node: ir.Node) -> bool:
+def reads_sequence_axis(node: ir.Node) -> bool:
     """Whether a node reading a past input could see its sequence axis (now the capacity)."""
     if node.op_type != "Shape":
         return True

@@ -39,10 +39,10 @@ _BITS = {"int8": 8, "int4": 4}
 QMAX = {"int8": 127.0, "int4": 7.0}
 # The CPU kernel quantizes with MLAS in groups of 8 channels: it refuses other head sizes
 # ("head_size must be a multiple of 8", ONNX Runtime 1.32).
-_HEAD_SIZE_MULTIPLE = 8
+HEAD_SIZE_MULTIPLE = 8
 # A window-sized cache (`sliding_window_cache=1`) in 4 bits needs head sizes in multiples of 32
 # ("sliding_window_cache: head_size (16) must be a multiple of 32 for a 4-bit KV cache", 1.32).
-_WINDOW_INT4_HEAD_SIZE_MULTIPLE = 32
+WINDOW_INT4_HEAD_SIZE_MULTIPLE = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,18 +171,18 @@ def find_quantizable_caches(model: ir.Model, kv_dtype: str = "int8") -> list[_Ta
         if kv_heads is None or head_size is None:
             raise ModelStructureError(f"{label}: its KV head count or head size is unknown, so "
                                       "its scales cannot be shaped")
-        if head_size % _HEAD_SIZE_MULTIPLE:
+        if head_size % HEAD_SIZE_MULTIPLE:
             raise ModelStructureError(
                 f"{label} has head size {head_size}; ONNX Runtime's CPU kernel quantizes the "
-                f"KV cache in groups of {_HEAD_SIZE_MULTIPLE} channels and refuses other head "
+                f"KV cache in groups of {HEAD_SIZE_MULTIPLE} channels and refuses other head "
                 "sizes")
         window = node.attributes.get("sliding_window_cache")
         if (kv_dtype == "int4" and window is not None and window.as_int() == 1
-                and head_size % _WINDOW_INT4_HEAD_SIZE_MULTIPLE):
+                and head_size % WINDOW_INT4_HEAD_SIZE_MULTIPLE):
             raise ModelStructureError(
                 f"{label} keeps a window-sized cache with head size {head_size}; ONNX "
                 "Runtime's CPU kernel quantizes such a cache to int4 only for head sizes that "
-                f"are a multiple of {_WINDOW_INT4_HEAD_SIZE_MULTIPLE}: use --kv-dtype int8")
+                f"are a multiple of {WINDOW_INT4_HEAD_SIZE_MULTIPLE}: use --kv-dtype int8")
         targets.append(_Target(node, (caches[0], caches[1]), int(kv_heads.as_int()), head_size))
     return targets
 

@@ -354,11 +354,11 @@ class _Service:
             return Response(status_code=499)
         # Off the loop: an answer with logprobs (an echoed prompt's above all) grows with the
         # request, and so does its JSON.
-        payload = await run_in_threadpool(self._whole, answer, generations, outputs, options.n)
+        payload = await run_in_threadpool(self.whole_json, answer, generations, outputs, options.n)
         return Response(payload, media_type="application/json")
 
-    def _whole(self, answer: _Answer, generations: list[ServedGeneration],
-               outputs: list[tuple[str, list[TokenLogprobs]]], n: int) -> bytes:
+    def whole_json(self, answer: _Answer, generations: list[ServedGeneration],
+                   outputs: list[tuple[str, list[TokenLogprobs]]], n: int) -> bytes:
         """A whole answer's JSON (refused past `max_answer_bytes`)."""
         # Each choice encoded alone: the encoder holds the GIL while it runs, so the event
         # loop waits for at most one choice's encoding, never the whole answer's.
@@ -495,12 +495,12 @@ class _Service:
         return str(matched.index(True))
 
     def _error_response(self, error: Exception) -> Response:
-        status, body, headers = _error_answer(error)
+        status, body, headers = error_answer(error)
         self.metrics.rejected.labels(status=str(status)).inc()
         return JSONResponse(body, status_code=status, headers=headers)
 
 
-def _error_answer(error: Exception) -> tuple[int, dict[str, Any], dict[str, str]]:
+def error_answer(error: Exception) -> tuple[int, dict[str, Any], dict[str, str]]:
     """The status, OpenAI error body and headers of a refused or failed request."""
     if isinstance(error, RequestError):
         return error.status, error_body(str(error), error.error_type, param=error.param,

@@ -103,11 +103,11 @@ def application(model: str | os.PathLike, *, replicas: int = 1, gpus_per_replica
         PrefixAffinity(memory=rule["memory"], max_excess=rule["max_excess"])
         deployment_options["request_router_config"] = RequestRouterConfig(
             request_router_class=PrefixAffinityRouter, request_router_kwargs=rule)
-    engines = serve.deployment(**deployment_options)(_Replica).bind(
+    engines = serve.deployment(**deployment_options)(Replica).bind(
         model_path, load_options, app_options)
     ingress = serve.deployment(name=f"{name}-ingress",
                                max_ongoing_requests=replicas * (batch + queue),
-                               ray_actor_options={"num_cpus": 0})(_Ingress)
+                               ray_actor_options={"num_cpus": 0})(Ingress)
     return ingress.bind(engines, model_path, max_body_bytes, parse_special_in_content)
 
 
@@ -190,7 +190,7 @@ def _blocks(pending_request: PendingRequest | None) -> tuple[Hashable, ...]:
 
 
 @dataclass(frozen=True)
-class _Call:
+class Call:
     """An HTTP request as the ingress forwards it to a replica."""
 
     method: str
@@ -202,14 +202,14 @@ class _Call:
 
 
 @dataclass(frozen=True)
-class _Head:
+class Head:
     """The status and headers of a replica's answer (its body follows as bytes)."""
 
     status: int
     headers: tuple[tuple[str, str], ...]
 
 
-class _Replica:
+class Replica:
     """One replica: its own runtime and the server's app, called with forwarded requests."""
 
     def __init__(self, model_path: str, load_options: dict[str, Any],
@@ -221,9 +221,9 @@ class _Replica:
         self._app = create_app(self._runtime, **app_options)
         self._name = serve.get_replica_context().replica_id.unique_id
 
-    async def __call__(self, call: _Call, prefix: tuple[Hashable, ...] = ()
-                       ) -> AsyncIterator[_Head | bytes]:
-        """The app's answer to `call`: a `_Head`, then the body's pieces (`prefix` is the
+    async def __call__(self, call: Call, prefix: tuple[Hashable, ...] = ()
+                       ) -> AsyncIterator[Head | bytes]:
+        """The app's answer to `call`: a `Head`, then the body's pieces (`prefix` is the
         router's: the request's block digests)."""
         async for item in _asgi_answer(self._app, call, (REPLICA_HEADER, self._name)):
             yield item
@@ -234,9 +234,9 @@ class _Replica:
             runtime.close()
 
 
-async def _asgi_answer(app: Any, call: _Call, extra_header: tuple[str, str]
-                       ) -> AsyncIterator[_Head | bytes]:
-    """Run the ASGI `app` on one request in this process; its answer as a `_Head` then body
+async def _asgi_answer(app: Any, call: Call, extra_header: tuple[str, str]
+                       ) -> AsyncIterator[Head | bytes]:
+    """Run the ASGI `app` on one request in this process; its answer as a `Head` then body
     pieces. Closing the iterator early is the client leaving: the app sees a disconnect."""
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
              "method": call.method, "scheme": "http", "path": call.path, "raw_path":
@@ -259,7 +259,7 @@ async def _asgi_answer(app: Any, call: _Call, extra_header: tuple[str, str]
             if message["type"] == "http.response.start":
                 headers = [(key.decode("latin-1"), value.decode("latin-1"))
                            for key, value in message.get("headers", ())]
-                yield _Head(message["status"], (*headers, extra_header))
+                yield Head(message["status"], (*headers, extra_header))
             elif message["type"] == "http.response.body":
                 if message.get("body"):
                     yield message["body"]
@@ -283,7 +283,7 @@ async def _next_message(sent: asyncio.Queue, task: asyncio.Future) -> dict[str, 
     raise RuntimeError("the app ended without finishing its answer")
 
 
-class _Ingress:
+class Ingress:
     """The front: reads a request, computes its prompt's block digests, forwards it to the
     replicas' handle (whose router picks the replica) and streams the answer back."""
 
@@ -316,7 +316,7 @@ class _Ingress:
             return Response(status_code=499)
         prefix = await run_in_threadpool(self._prefix, request.url.path, body)
         client = tuple(request.client) if request.client else None
-        call = _Call(request.method, request.url.path, request.url.query.encode(),
+        call = Call(request.method, request.url.path, request.url.query.encode(),
                      tuple(request.headers.raw), body, client)
         answer = self._engines.remote(call, prefix=prefix)
         try:

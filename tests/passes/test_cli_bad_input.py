@@ -13,7 +13,7 @@ from onnx_chunk.cli import main
 DATA = "model.onnx.data"
 
 
-def _save_external(proto, folder):
+def save_external(proto, folder):
     """Save `proto` with every initializer in one external data file beside it."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "model.onnx"
@@ -23,27 +23,27 @@ def _save_external(proto, folder):
 
 
 def _truncated_model(folder, proto):
-    path = _save_external(proto, folder)
+    path = save_external(proto, folder)
     content = path.read_bytes()
     path.write_bytes(content[: len(content) // 2])
     return path
 
 
 def _data_missing(folder, proto):
-    path = _save_external(proto, folder)
+    path = save_external(proto, folder)
     (folder / DATA).unlink()
     return path
 
 
 def _data_short(folder, proto):
-    path = _save_external(proto, folder)
+    path = save_external(proto, folder)
     data = folder / DATA
     data.write_bytes(data.read_bytes()[:-64])
     return path
 
 
 def _data_outside(folder, proto):
-    path = _save_external(proto, folder)
+    path = save_external(proto, folder)
     (folder / DATA).rename(folder.parent / DATA)
     saved = onnx.load(str(path), load_external_data=False)
     for tensor in saved.graph.initializer:
@@ -55,12 +55,12 @@ def _data_outside(folder, proto):
 
 
 def _old_opset(folder, proto_factory):
-    return _save_external(proto_factory(opsets={"": 5, "com.microsoft": 1}), folder)
+    return save_external(proto_factory(opsets={"": 5, "com.microsoft": 1}), folder)
 
 
 def _unknown_domain(folder, proto_factory):
     node = helper.make_node("Mystery", ["input_ids"], ["mystery_out"], domain="com.example")
-    return _save_external(proto_factory(extra_nodes=(node,),
+    return save_external(proto_factory(extra_nodes=(node,),
                                         opsets={"": 21, "com.microsoft": 1, "com.example": 1}),
                           folder)
 
@@ -84,7 +84,7 @@ def bad_model(request, tmp_path, make_decoder_proto):
     return build(tmp_path / "in", argument), needle
 
 
-def _one_error_line(capsys, needle):
+def one_error_line(capsys, needle):
     captured = capsys.readouterr()
     err = captured.err.strip()
     assert err.startswith("error: ") and len(err.splitlines()) == 1, err
@@ -97,22 +97,22 @@ def test_convert_refuses_bad_input_without_output(bad_model, tmp_path, capsys):
     path, needle = bad_model
     out = tmp_path / "out"
     assert main(["convert", str(path), "-o", str(out)]) == 2
-    _one_error_line(capsys, needle)
+    one_error_line(capsys, needle)
     assert not out.exists()
 
 
 def test_inspect_refuses_bad_input(bad_model, capsys):
     path, needle = bad_model
     assert main(["inspect", str(path), "--json"]) == 2
-    _one_error_line(capsys, needle)
+    one_error_line(capsys, needle)
     assert capsys.readouterr().out == ""
 
 
 def test_model_without_gqa(tmp_path, make_decoder_proto, capsys):
-    path = _save_external(make_decoder_proto(gqa=False), tmp_path / "in")
+    path = save_external(make_decoder_proto(gqa=False), tmp_path / "in")
     out = tmp_path / "out"
     assert main(["convert", str(path), "-o", str(out)]) == 2
-    err = _one_error_line(capsys, "KV capacity annotation does not apply")
+    err = one_error_line(capsys, "KV capacity annotation does not apply")
     assert "whole-prompt prefill" in err
     assert not out.exists()
     assert main(["inspect", str(path)]) == 0
@@ -122,7 +122,7 @@ def test_model_without_gqa(tmp_path, make_decoder_proto, capsys):
 
 
 def _with_companions(folder, proto):
-    path = _save_external(proto, folder)
+    path = save_external(proto, folder)
     (folder / "genai_config.json").write_text("{}\n")
     (folder / "tokenizer.json").write_text("{}\n")
     return path
@@ -141,9 +141,9 @@ def test_failed_write_leaves_the_output_folder_untouched(tmp_path, make_decoder_
         assert (target.parent / DATA).is_file() and (target.parent / "tokenizer.json").is_file()
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(model_io, "_write_proto", disk_full)
+    monkeypatch.setattr(model_io, "write_proto", disk_full)
     assert main(["convert", str(source), "-o", str(out)]) == 2
-    _one_error_line(capsys, "No space left")
+    one_error_line(capsys, "No space left")
     if existing_out:
         assert os.listdir(out) == ["keep.txt"]
     else:

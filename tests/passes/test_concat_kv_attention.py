@@ -13,8 +13,8 @@ from onnx_chunk.passes.concat_kv_attention import (
     FORM_ATTENTION,
     FORM_SOFTMAX,
     ConcatKVToGQAPass,
-    _reads_sequence_axis,
     find_concat_kv_attention,
+    reads_sequence_axis,
 )
 from onnx_chunk.passes.kv_capacity import find_kv_capacity
 from tests.exports.corpus import GENAI, fixtures
@@ -159,14 +159,14 @@ def test_a_mask_that_reads_position_ids_is_refused():
 
 def test_shape_reads_of_the_past_that_miss_its_sequence_axis_stay_allowed():
     past = ir.Value(name="past", shape=ir.Shape([1, 2, "past", 16]))
-    assert not _reads_sequence_axis(ir.node("Shape", [past], {"start": 0, "end": 1}))
-    assert _reads_sequence_axis(ir.node("Shape", [past], {"start": 2, "end": 3}))
-    assert _reads_sequence_axis(ir.node("Shape", [past], {"start": -2}))
-    assert _reads_sequence_axis(ir.node("Transpose", [past]))
+    assert not reads_sequence_axis(ir.node("Shape", [past], {"start": 0, "end": 1}))
+    assert reads_sequence_axis(ir.node("Shape", [past], {"start": 2, "end": 3}))
+    assert reads_sequence_axis(ir.node("Shape", [past], {"start": -2}))
+    assert reads_sequence_axis(ir.node("Transpose", [past]))
     for index, reads in ((0, False), (3, False), (2, True), (-2, True)):
         whole = ir.node("Shape", [past])
         ir.node("Gather", [whole.outputs[0], ir.Value(name="i", const_value=ir.tensor(index))])
-        assert _reads_sequence_axis(whole) is reads, index
+        assert reads_sequence_axis(whole) is reads, index
 
 
 def test_convert_refuses_an_unrecognised_layer_in_one_line_and_inspect_says_why(

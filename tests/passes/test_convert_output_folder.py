@@ -148,7 +148,7 @@ def test_interrupted_convert_removes_the_folder_it_created(model_a, tmp_path, mo
         target.write_bytes(b"partial")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(model_io, "_copy_file", interrupted)
+    monkeypatch.setattr(model_io, "copy_file", interrupted)
     out = tmp_path / "new" / "out"
     assert main(["convert", str(model_a / "model.onnx"), "-o", str(out)]) == 130
     assert not (tmp_path / "new").exists()
@@ -161,14 +161,14 @@ import sys
 from onnx_chunk import model_io
 from onnx_chunk.cli import main
 
-copy = model_io._copy_file
+copy = model_io.copy_file
 
 def blocked(source, target, progress):
     copy(source, target, progress)
     print("copying", flush=True)
     sys.stdin.readline()
 
-model_io._copy_file = blocked
+model_io.copy_file = blocked
 sys.exit(main(sys.argv[1:]))
 """
 

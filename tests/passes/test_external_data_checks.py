@@ -6,7 +6,7 @@ from onnx import helper
 
 from onnx_chunk.cli import main
 from onnx_chunk.model_file import tensor_nbytes
-from tests.passes.test_cli_bad_input import _one_error_line, _save_external
+from tests.passes.test_cli_bad_input import one_error_line, save_external
 
 
 def _edit_external(path, edit):
@@ -24,30 +24,30 @@ def _edit_external(path, edit):
 
 
 def _negative_offset(folder, proto):
-    return _edit_external(_save_external(proto, folder),
+    return _edit_external(save_external(proto, folder),
                           lambda fields: fields.update(offset="-8"))
 
 
 def _length_not_a_number(folder, proto):
-    return _edit_external(_save_external(proto, folder),
+    return _edit_external(save_external(proto, folder),
                           lambda fields: fields.update(length="12abc"))
 
 
 def _length_disagrees_with_shape(folder, proto):
-    return _edit_external(_save_external(proto, folder),
+    return _edit_external(save_external(proto, folder),
                           lambda fields: fields.update(length=str(int(fields["length"]) - 4)))
 
 
 def _no_length_before_other_tensors(folder, proto):
     # The first tensor's bytes run to the end of the file, past its own size.
-    return _edit_external(_save_external(proto, folder), lambda fields: fields.pop("length"))
+    return _edit_external(save_external(proto, folder), lambda fields: fields.pop("length"))
 
 
 def _sparse_initializer(folder, proto):
     values = helper.make_tensor("sparse_w_values", onnx.TensorProto.FLOAT, [1], [1.0])
     indices = helper.make_tensor("sparse_w_indices", onnx.TensorProto.INT64, [1], [0])
     proto.graph.sparse_initializer.append(helper.make_sparse_tensor(values, indices, [4]))
-    return _save_external(proto, folder)
+    return save_external(proto, folder)
 
 
 def _function_tensor_outside(folder, proto):
@@ -60,7 +60,7 @@ def _function_tensor_outside(folder, proto):
     proto.functions.append(helper.make_function("local", "Leak", [], ["c"], [constant],
                                                 [helper.make_opsetid("", 21)]))
     proto.opset_import.append(helper.make_opsetid("local", 1))
-    return _save_external(proto, folder)
+    return save_external(proto, folder)
 
 
 # (builder, words the one error line must hold)
@@ -100,7 +100,7 @@ def test_every_command_refuses_broken_external_data(broken, command, tmp_path,
         assert "Traceback" not in captured.err
     else:
         assert code == 2
-        _one_error_line(capsys, needle)
+        one_error_line(capsys, needle)
     assert not (tmp_path / "out").exists()
 
 
@@ -109,7 +109,7 @@ def test_convert_in_place_keeps_a_model_with_sparse_initializers(tmp_path, make_
     path = _sparse_initializer(tmp_path / "in", make_decoder_proto())
     before = path.read_bytes()
     assert main(["convert", str(path), "--in-place"]) == 2
-    _one_error_line(capsys, "sparse")
+    one_error_line(capsys, "sparse")
     assert path.read_bytes() == before
 
 

@@ -241,6 +241,6 @@ def test_float16_attention_and_head_sizes_the_kernel_cannot_quantize_are_refused
         check_kv_quantization(model, "int8")
     # The rule that a head size is a multiple of the kernel's group (8), shown at 32 on the
     # corpus's head size 16.
-    monkeypatch.setattr(kv_quantization, "_HEAD_SIZE_MULTIPLE", 32)
+    monkeypatch.setattr(kv_quantization, "HEAD_SIZE_MULTIPLE", 32)
     with pytest.raises(ModelStructureError, match="head size 16.*groups of 32"):
         check_kv_quantization(load_model(LLAMA.folder / "model.onnx"), "int8")

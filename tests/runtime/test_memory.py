@@ -77,8 +77,7 @@ def no_cached_cudart():
 
 
 def test_cuda_reading_is_none_without_a_runtime(monkeypatch, no_cached_cudart):
-    monkeypatch.setattr(memory, "_CUDART_NAMES", ("libcudart-that-does-not-exist.so",))
-    monkeypatch.setattr(memory, "_wheel_cudart_paths", lambda: [])
+    monkeypatch.setattr(memory, "cudart_candidates", lambda: ["libcudart-that-does-not-exist.so"])
     assert cuda_used_bytes() is None
     assert CudaMeter(0).used_bytes() is None
 

@@ -40,7 +40,7 @@ def _error(body: object, status: int, param: str | None = None) -> dict:
     return error
 
 
-class _Held:
+class Held:
     """Wraps `owner.name` so its first call waits (at most 20 s) until `release()`."""
 
     def __init__(self, monkeypatch, owner, name: str) -> None:
@@ -59,7 +59,7 @@ class _Held:
         self.released.set()
 
 
-def _answered_while_held(live, held: _Held, path: str, body: bytes | dict):
+def answered_while_held(live, held: Held, path: str, body: bytes | dict):
     """Send `body` in a thread; once its work is held, GET /health (5 s at most); release.
     (the /health status, the request's (status, body))."""
     answer: list = []
@@ -117,8 +117,8 @@ def no_serving(monkeypatch):
 def test_1_a_3mb_prompt_leaves_the_event_loop_free(live, monkeypatch):
     from onnx_chunk.serve.requests import CompletionRequest
 
-    held = _Held(monkeypatch, CompletionRequest, "parse")
-    health, status, data = _answered_while_held(
+    held = Held(monkeypatch, CompletionRequest, "parse")
+    health, status, data = answered_while_held(
         live, held, COMPLETIONS, {"prompt": "word " * 600_000, "max_tokens": 4})
     assert health == 200
     assert status == 400 and _error(data, 400, "prompt")["code"] == "context_length_exceeded"
@@ -127,8 +127,8 @@ def test_1_a_3mb_prompt_leaves_the_event_loop_free(live, monkeypatch):
 # 2. A 60,000-message chat froze them for 1.6 s.
 def test_2_a_60000_message_chat_leaves_the_event_loop_free(live, monkeypatch):
     template = live.runtime.tokenizer.chat_template
-    held = _Held(monkeypatch, template, "render")
-    health, status, data = _answered_while_held(
+    held = Held(monkeypatch, template, "render")
+    health, status, data = answered_while_held(
         live, held, CHAT, {"messages": [{"role": "user", "content": "hi"}] * 60_000})
     assert health == 200
     assert status == 400 and _error(data, 400, "messages")["code"] == "context_length_exceeded"
@@ -139,8 +139,8 @@ def test_3_a_looping_template_leaves_the_event_loop_free_and_is_cut(live, monkey
     template = _template(live, monkeypatch, "{% for i in range(100000) %}{% for j in "
                                             "range(100) %}{{ messages[0].content }}"
                                             "{% endfor %}{% endfor %}")
-    held = _Held(monkeypatch, template, "render")
-    health, status, data = _answered_while_held(live, held, CHAT, {"messages": MESSAGES})
+    held = Held(monkeypatch, template, "render")
+    health, status, data = answered_while_held(live, held, CHAT, {"messages": MESSAGES})
     assert health == 200
     assert status == 400 and _error(data, 400, "messages")["code"] == "context_length_exceeded"
 

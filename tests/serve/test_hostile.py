@@ -126,10 +126,10 @@ def test_4_concurrent_large_schemas_leave_the_event_loop_free(live):
 
 
 def test_a_grammar_failure_is_the_requests_400_not_a_500():
-    from onnx_chunk.serve.app import _error_answer
+    from onnx_chunk.serve.app import error_answer
     from onnx_chunk.structured.constraint import GrammarError
 
-    status, body, _ = _error_answer(GrammarError("Parser Error: Current row has 4007 items"))
+    status, body, _ = error_answer(GrammarError("Parser Error: Current row has 4007 items"))
     assert status == 400
     _error(body, "response_format", "grammar_failed")
 
@@ -512,13 +512,13 @@ def test_prefix_reuse_is_kept_within_a_cache_salt():
 
 def test_the_matchers_and_the_answer_are_built_off_the_event_loop(live, monkeypatch):
     from onnx_chunk.structured.constraint import GrammarConstraint
-    from tests.serve.test_audit import _answered_while_held, _Held
+    from tests.serve.test_audit import Held, answered_while_held
 
-    held = _Held(monkeypatch, GrammarConstraint, "matcher")
-    health, status, _ = _answered_while_held(live, held, CHAT, {
+    held = Held(monkeypatch, GrammarConstraint, "matcher")
+    health, status, _ = answered_while_held(live, held, CHAT, {
         "messages": USER, "max_tokens": 1, "response_format": {"type": "json_object"}})
     assert (health, status) == (200, 200)
-    held = _Held(monkeypatch, type(live.app.state.service), "_whole")
-    health, status, _ = _answered_while_held(live, held, COMPLETIONS, {
+    held = Held(monkeypatch, type(live.app.state.service), "whole_json")
+    health, status, _ = answered_while_held(live, held, COMPLETIONS, {
         "prompt": [[20] * 50], "echo": True, "logprobs": 2, "max_tokens": 0})
     assert (health, status) == (200, 200)

@@ -15,7 +15,7 @@ from starlette.applications import Starlette  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
-from onnx_chunk.serve.ray import _Head, _Ingress  # noqa: E402
+from onnx_chunk.serve.ray import Head, Ingress  # noqa: E402
 from onnx_chunk.serve.routing import prefix_blocks, request_key  # noqa: E402
 from onnx_chunk.text.prompt import PromptEncoder  # noqa: E402
 from onnx_chunk.text.tokenizer import load_tokenizer  # noqa: E402
@@ -60,13 +60,13 @@ class _Handle:
 
 
 def _client(handle, max_body_bytes=1 << 20):
-    ingress = _Ingress(handle, str(EXPORT), max_body_bytes)
+    ingress = Ingress(handle, str(EXPORT), max_body_bytes)
     app = Starlette(routes=[Route("/{path:path}", ingress.__call__, methods=["GET", "POST"])])
     return TestClient(app)
 
 
 def test_it_forwards_the_request_with_its_prefix_digests_and_streams_the_answer_back():
-    handle = _Handle([_Head(201, (("content-type", "application/json"),
+    handle = _Handle([Head(201, (("content-type", "application/json"),
                                   ("x-onnx-chunk-replica", "abc"))), b'{"a": ', b"1}"])
     body = {"messages": [{"role": "user", "content": "Tell me about the harbour lights."}]}
     answer = _client(handle).post("/v1/chat/completions?x=1", json=body)
@@ -82,7 +82,7 @@ def test_it_forwards_the_request_with_its_prefix_digests_and_streams_the_answer_
 
 
 def test_a_body_over_the_limit_is_cut_one_byte_past_it_for_the_replica_to_refuse():
-    handle = _Handle([_Head(413, ()), b""])
+    handle = _Handle([Head(413, ()), b""])
     _client(handle, max_body_bytes=100).post("/v1/completions", content=b"x" * 5000)
     assert len(handle.calls[0][0].body) == 101
 
@@ -110,7 +110,7 @@ def test_application_refuses_bad_options_before_ray_starts(options, named):
 
 
 def test_a_replica_lost_mid_stream_ends_the_stream_with_an_error_event():
-    handle = _Handle([_Head(200, (("content-type", "text/event-stream; charset=utf-8"),)),
+    handle = _Handle([Head(200, (("content-type", "text/event-stream; charset=utf-8"),)),
                       b'data: {"choices": []}\n\n', RuntimeError("the actor died")])
     answer = _client(handle).post("/v1/completions", json={"prompt": "hi", "stream": True})
     events = [event for event in answer.text.split("\n\n") if event]

@@ -323,6 +323,8 @@ class BatchBuffers(SequenceBuffers):
         self.device = device
         # Device rows saved by `save_row`, allocated once per (buffer, row) that needs one.
         self._scratch: dict[tuple[int, int], DeviceBuffer] = {}
+        # How many rows `save_row` has copied (none where every forward is native).
+        self.saved_rows = 0
 
     def slot(self, index: int) -> SlotBuffers:
         """Slot `index`'s view, bound by its own forwards."""
@@ -381,6 +383,7 @@ class BatchBuffers(SequenceBuffers):
                                                         self.device)
         start, stop = self.row_range(buffer, row)
         copy_on_device(scratch, 0, buffer, start, stop - start)
+        self.saved_rows += 1
         return scratch
 
 

@@ -153,10 +153,11 @@ def _psutil_rss_bytes() -> int | None:
 def cudart() -> ctypes.CDLL | None:
     """The CUDA runtime library, or None where none loads (loaded once per process).
 
-    Tried by soname, then from the nvidia-* wheels; cudaGetDevice, cudaSetDevice and
-    cudaMemGetInfo are declared. Device buffers use it for partial device-to-host copies.
+    Tried as `cudart_candidates` lists (by soname, then from the nvidia-* wheels); cudaGetDevice,
+    cudaSetDevice and cudaMemGetInfo are declared. Device buffers use it for partial
+    device-to-host copies.
     """
-    for candidate in (*_CUDART_NAMES, *_wheel_cudart_paths()):
+    for candidate in cudart_candidates():
         try:
             library = ctypes.CDLL(candidate)
         except OSError:
@@ -169,6 +170,11 @@ def cudart() -> ctypes.CDLL | None:
         return library
     logger.debug("no CUDA runtime found; device memory readings are unavailable")
     return None
+
+
+def cudart_candidates() -> list[str]:
+    """What `cudart` tries to load, in order: the sonames, then the nvidia-* wheels' copies."""
+    return [*_CUDART_NAMES, *_wheel_cudart_paths()]
 
 
 def _declare_cudart(library: ctypes.CDLL) -> None:
