@@ -128,3 +128,13 @@ def test_an_upward_import_in_any_form_is_caught():
         imported = _imports(source, ("device",))
         assert imported and all(_layer(module) > _layer("device") for module in imported), \
             source
+
+
+def test_the_text_layer_reads_the_engine_and_the_runtime_reads_it_lazily():
+    """onnx_chunk.text sits between the engine and the model layer: it imports runtime modules
+    of the engine layer and below at run time (Runtime only for annotations), so the Runtime's
+    text methods, which import it when first called, close no cycle."""
+    text = PACKAGE.parent / "text"
+    reached = {imported for path in text.rglob("*.py")
+               for imported in _imports(path.read_text(), ("text",))}
+    assert reached and all(_layer(module) <= _layer("engine") for module in reached), reached
