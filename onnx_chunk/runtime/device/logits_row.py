@@ -28,12 +28,12 @@ from onnx_chunk.onnx_wire import (
     Span,
     WireError,
     as_span,
+    edit_model,
     encode_len_field,
     encode_varint_field,
     field_bytes,
     field_pieces,
     fields,
-    len_header,
     text,
 )
 from onnx_chunk.runtime.state.ports import LOGITS_OUTPUT
@@ -42,7 +42,6 @@ ROW_INPUT = "logits_row"
 ALL_ROWS = "logits_all"
 
 # onnx.proto field numbers written here.
-_MODEL_GRAPH = 7
 _GRAPH_NODE, _GRAPH_INPUT, _GRAPH_OUTPUT, _GRAPH_VALUE_INFO = 1, 11, 12, 13
 _NODE_INPUT, _NODE_OUTPUT, _NODE_NAME, _NODE_OP_TYPE, _NODE_ATTRIBUTE = 1, 2, 3, 4, 5
 _ATTR_NAME, _ATTR_I, _ATTR_TYPE, _ATTR_TYPE_INT = 1, 3, 20, 2
@@ -61,22 +60,7 @@ def select_row(model: bytes) -> bytes:
 
 
 def _select_row(data: bytes) -> bytes:
-    # Unchanged fields stay views of `data` until the one join at the end: the weights of a
-    # model stored inline are copied once, not once per nesting level.
-    view = memoryview(data)
-    pieces: list = []
-    graphs = 0
-    for number, wire, value in fields(data, 0, len(data)):
-        if number == _MODEL_GRAPH and wire == LEN:
-            graphs += 1
-            graph = _graph(data, view, as_span(value))
-            pieces.append(len_header(_MODEL_GRAPH, sum(len(piece) for piece in graph)))
-            pieces += graph
-        else:
-            pieces += field_pieces(view, number, wire, value)
-    if graphs != 1:
-        raise ModelStructureError(f"expected one graph in the decoder, found {graphs}")
-    return b"".join(pieces)
+    return edit_model(data, lambda view, span: _graph(data, view, span))
 
 
 def _graph(data: bytes, view: memoryview, span: Span) -> list:

@@ -27,17 +27,17 @@ from onnx_chunk.onnx_wire import (
     Span,
     WireError,
     as_span,
+    edit_model,
     encode_len_field,
     field_bytes,
     field_pieces,
     fields,
-    len_header,
     text,
 )
 from onnx_chunk.query_seqlens import QUERY_SEQLENS, QUERY_SEQLENS_FED
 
 # onnx.proto field numbers read here.
-_MODEL_GRAPH, _MODEL_METADATA = 7, 14
+_MODEL_METADATA = 14
 _ENTRY_KEY = 1
 _GRAPH_NODE, _GRAPH_INPUT = 1, 11
 _NODE_INPUT, _NODE_OP_TYPE = 1, 4
@@ -55,19 +55,11 @@ def without_query_seqlens(model: bytes) -> bytes:
 
 
 def _edited(data: bytes) -> bytes:
-    view = memoryview(data)
-    pieces: list = []
-    for number, wire, value in fields(data, 0, len(data)):
-        if number == _MODEL_GRAPH and wire == LEN:
-            graph = _graph(data, view, as_span(value))
-            pieces.append(len_header(_MODEL_GRAPH, sum(len(piece) for piece in graph)))
-            pieces += graph
-        elif number == _MODEL_METADATA and wire == LEN and \
-                _string(data, as_span(value), _ENTRY_KEY) == QUERY_SEQLENS_KEY:
-            continue
-        else:
-            pieces += field_pieces(view, number, wire, value)
-    return b"".join(pieces)
+    def naming_the_input(number: int, value: int | Span) -> bool:
+        return number == _MODEL_METADATA and \
+            _string(data, as_span(value), _ENTRY_KEY) == QUERY_SEQLENS_KEY
+
+    return edit_model(data, lambda view, span: _graph(data, view, span), naming_the_input)
 
 
 def _graph(data: bytes, view: memoryview, span: Span) -> list:
