@@ -24,6 +24,7 @@ import onnx_ir as ir
 
 from onnx_chunk import metadata
 from onnx_chunk.errors import ConfigError, ModelStructureError
+from onnx_chunk.model_io import write_to_data_file
 from onnx_chunk.passes.value_tracing import MICROSOFT_DOMAIN, input_at
 
 logger = logging.getLogger(__name__)
@@ -35,8 +36,9 @@ _DEFAULT_ZERO_POINT = 8
 # ONNX Runtime's quantize_matmul_4bits has a float32 and a float16 overload
 # (onnxruntime/python/onnxruntime_pybind_quant.cc).
 _SCALE_TYPES = {ir.DataType.FLOAT: np.float32, ir.DataType.FLOAT16: np.float16}
-# The re-blocked tensors are held in memory and written inside the .onnx file, which protobuf
-# caps at 2 GiB; past this the write would fail after the work.
+# The re-blocked tensors are held in memory until the model is saved (then written to a data
+# file beside it, `model_io.write_to_data_file`); the cap dates from when they went inside the
+# .onnx file, which protobuf caps at 2 GiB.
 INLINE_BYTES_LIMIT = (2 << 30) - (256 << 20)
 
 
@@ -271,7 +273,7 @@ class Int4BlocksPass(ir.passes.InPlacePass):
                          type=ir.TensorType(old.const_value.dtype),
                          const_value=ir.tensor(array, name=name))
         graph.register_initializer(value)
-        return value
+        return write_to_data_file(value)
 
 
 def _array(value: ir.Value) -> np.ndarray:

@@ -9,7 +9,9 @@ exactly and quantized again to int8, one scale per output column, for the CPU pr
 `com.microsoft::DynamicQuantizeMatMul` (A float32, quantized per tensor at run time; B int8;
 ONNX Runtime registers it for the CPU provider only). The weights take twice the bytes of the
 4-bit ones, and the logits move (int8 weights and per-tensor uint8 activations in place of
-4-bit weights and per-block int8 activations).
+4-bit weights and per-block int8 activations). They are written to a data file of their own
+beside the model (`model_io.write_to_data_file`): ONNX Runtime maps them and unmaps each once
+MLAS has packed it, where weights inside the .onnx stayed resident beside the packed copy.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import onnx_ir as ir
 
 from onnx_chunk import metadata
 from onnx_chunk.errors import ConfigError, ModelStructureError
+from onnx_chunk.model_io import write_to_data_file
 from onnx_chunk.passes.int4_blocks import (
     INLINE_BYTES_LIMIT,
     Int4MatMul,
@@ -98,8 +101,9 @@ class Int8MatMulPass(ir.passes.InPlacePass):
        one row per forward, and it is the largest matrix) and a node whose weights another node
        also reads (an lm_head tied to a GatherBlockQuantized embedding).
     3. A node to rewrite must take float32 activations (DynamicQuantizeMatMul's only type):
-       otherwise ModelStructureError naming it. The int8 weights are held inside the .onnx
-       file: past protobuf's 2 GiB the pass refuses (ConfigError) before any work.
+       otherwise ModelStructureError naming it. The int8 weights are held in memory until the
+       model is saved, then written to a data file beside it; past INLINE_BYTES_LIMIT (the cap
+       from when they went inside the .onnx) the pass refuses (ConfigError) before any work.
     4. Each other node becomes `DynamicQuantizeMatMul(A, B, b_scale, b_zero_point, bias)` with
        the same name and output: B int8 [K, N] and b_scale float32 [N] from
        `quantize_int8_columns` of the exact dequantized weights (`dequantize_int4`),
@@ -169,5 +173,5 @@ class Int8MatMulPass(ir.passes.InPlacePass):
                          type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
                          const_value=ir.tensor(array, name=name))
         graph.register_initializer(value)
-        return value
+        return write_to_data_file(value)
 

@@ -2,12 +2,18 @@ import os
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
 
 from onnx_chunk.errors import ModelLoadError
-from onnx_chunk.model_io import external_data_files, load_model, save_model
+from onnx_chunk.model_io import (
+    external_data_files,
+    load_model,
+    save_model,
+    write_to_data_file,
+)
 
 
 def _external_model(folder, location="weights.data", offset=0, write_data=True):
@@ -117,6 +123,52 @@ def test_save_in_place_rewrites_only_the_graph(tmp_path):
     reloaded = load_model(path)
     assert reloaded.metadata_props["k"] == "v"
     np.testing.assert_array_equal(reloaded.graph.initializers["w"].const_value.numpy(), weight)
+
+
+def _add_initializer(model, name, array, marked):
+    value = ir.Value(name=name, shape=ir.Shape(array.shape),
+                     type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+                     const_value=ir.tensor(array, name=name))
+    model.graph.register_initializer(value)
+    if marked:
+        write_to_data_file(value)
+
+
+def _locations(path):
+    proto = onnx.load(str(path), load_external_data=False)
+    return {tensor.name: next((entry.value for entry in tensor.external_data
+                               if entry.key == "location"), None)
+            for tensor in proto.graph.initializer}
+
+
+def test_weights_marked_for_a_data_file_are_written_beside_the_model(tmp_path):
+    """New weights go to `<name>.weights.data` (ONNX Runtime maps them and unmaps what it
+    packs); a small marked tensor and an unmarked one stay inside the .onnx; a second write
+    in place takes a name the model does not reference yet."""
+    path, weight = _external_model(tmp_path / "in")
+    model = load_model(path)
+    big = np.arange(3 << 20, dtype=np.int64).astype(np.int8).reshape(3, -1)
+    small = np.arange(8, dtype=np.float32)
+    _add_initializer(model, "big", big, marked=True)
+    _add_initializer(model, "small", small, marked=True)
+    _add_initializer(model, "unmarked", big[:1], marked=False)
+    target = tmp_path / "out" / "model.onnx"
+    save_model(model, target)
+    assert sorted(os.listdir(target.parent)) == [
+        "model.onnx", "model.onnx.data", "model.onnx.weights.data"]
+    assert _locations(target) == {"w": "model.onnx.data", "big": "model.onnx.weights.data",
+                                  "small": None, "unmarked": None}
+    reloaded = load_model(target)
+    for name, array in (("w", weight), ("big", big), ("small", small), ("unmarked", big[:1])):
+        np.testing.assert_array_equal(reloaded.graph.initializers[name].const_value.numpy(),
+                                      array)
+    _add_initializer(reloaded, "again", big[1:], marked=True)
+    save_model(reloaded, target)
+    assert _locations(target)["again"] == "model.onnx.weights-2.data"
+    again = load_model(target)
+    np.testing.assert_array_equal(again.graph.initializers["big"].const_value.numpy(), big)
+    np.testing.assert_array_equal(again.graph.initializers["again"].const_value.numpy(),
+                                  big[1:])
 
 
 def test_save_copies_the_data_of_function_local_tensors(tmp_path):
