@@ -36,10 +36,6 @@ _DEFAULT_ZERO_POINT = 8
 # ONNX Runtime's quantize_matmul_4bits has a float32 and a float16 overload
 # (onnxruntime/python/onnxruntime_pybind_quant.cc).
 _SCALE_TYPES = {ir.DataType.FLOAT: np.float32, ir.DataType.FLOAT16: np.float16}
-# The re-blocked tensors are held in memory until the model is saved (then written to a data
-# file beside it, `model_io.write_to_data_file`); the cap dates from when they went inside the
-# .onnx file, which protobuf caps at 2 GiB.
-INLINE_BYTES_LIMIT = (2 << 30) - (256 << 20)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +209,6 @@ class Int4BlocksPass(ir.passes.InPlacePass):
         graph = model.graph
         matmuls, others = check_int4_blocks(model, self.block_size)
         targets = [matmul for matmul in matmuls if matmul.block_size != self.block_size]
-        _check_inline_size(targets, self.block_size)
         replaced: dict[int, ir.Value] = {}
         reblocked_nodes = {id(matmul.node) for matmul in targets}
         for matmul in targets:
@@ -281,17 +276,3 @@ def _array(value: ir.Value) -> np.ndarray:
     return value.const_value.numpy()
 
 
-def _check_inline_size(targets: list[Int4MatMul], block_size: int) -> None:
-    """ConfigError before any work when the re-blocked tensors exceed what the .onnx file can
-    hold inline."""
-    total = 0
-    for matmul in targets:
-        blocks = -(-matmul.k // block_size)
-        scale_bytes = int(matmul.scales.const_value.dtype.itemsize)  # type: ignore[union-attr]
-        total += matmul.n * blocks * (block_size // 2 + scale_bytes)
-        if matmul.zero_points is not None:
-            total += matmul.n * (-(-blocks // 2))
-    if total > INLINE_BYTES_LIMIT:
-        raise ConfigError(f"the re-blocked weights would take {total / 2**30:.1f} GiB, held "
-                          "inside the .onnx file, which protobuf caps at 2 GiB; "
-                          "--int4-block-size cannot re-block a model this large")

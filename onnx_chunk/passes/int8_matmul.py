@@ -25,7 +25,6 @@ from onnx_chunk import metadata
 from onnx_chunk.errors import ConfigError, ModelStructureError
 from onnx_chunk.model_io import write_to_data_file
 from onnx_chunk.passes.int4_blocks import (
-    INLINE_BYTES_LIMIT,
     Int4MatMul,
     dequantize_int4,
     find_int4_matmuls,
@@ -59,11 +58,6 @@ def int8_targets(model: ir.Model) -> tuple[list[Int4MatMul], int]:
                 f"MatMulNBits {matmul.node.name!r} computes in "
                 f"{None if activations is None else activations.dtype}; DynamicQuantizeMatMul "
                 "takes float32 activations only (a CPU export); convert without --int8-matmul")
-    total = sum(matmul.k * matmul.n + 8 * matmul.n for matmul in targets)
-    if total > INLINE_BYTES_LIMIT:
-        raise ConfigError(f"the int8 weights would take {total / 2**30:.1f} GiB, held inside "
-                          "the .onnx file, which protobuf caps at 2 GiB; --int8-matmul cannot "
-                          "rewrite a model this large")
     return targets, len(matmuls) - len(targets)
 
 
@@ -102,8 +96,7 @@ class Int8MatMulPass(ir.passes.InPlacePass):
        also reads (an lm_head tied to a GatherBlockQuantized embedding).
     3. A node to rewrite must take float32 activations (DynamicQuantizeMatMul's only type):
        otherwise ModelStructureError naming it. The int8 weights are held in memory until the
-       model is saved, then written to a data file beside it; past INLINE_BYTES_LIMIT (the cap
-       from when they went inside the .onnx) the pass refuses (ConfigError) before any work.
+       model is saved, then written to a data file beside it (`model_io.write_to_data_file`).
     4. Each other node becomes `DynamicQuantizeMatMul(A, B, b_scale, b_zero_point, bias)` with
        the same name and output: B int8 [K, N] and b_scale float32 [N] from
        `quantize_int8_columns` of the exact dequantized weights (`dequantize_int4`),
