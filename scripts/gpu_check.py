@@ -28,7 +28,10 @@ float32 for the CPU), then runs and checks:
   engine's with graphs off;
 - weights: the copies the runtime holds (one), and the experiment that says whether per-width
   sessions (`specialize=True`) given device buffers ONNX Runtime does not own
-  (`OrtValue.from_dlpack`) would share one copy.
+  (`OrtValue.from_dlpack`) would share one copy;
+- a folder converted for native chunks where ONNX Runtime has them (wired as 1.32 wires
+  query_seqlens): it loads on this ONNX Runtime and gives the unwired folder's greedy tokens
+  (natively where this ONNX Runtime has the input, else without it: "repeat").
 
 Each step is caught: a failure becomes one error row and the rest still runs (a failed import
 is the table's one "import" row; a failed node-placement reading is the placement row). Rows
@@ -533,6 +536,34 @@ def _engine(model: Path, device: Device, prompts, args, stand_in: bool) -> dict:
                 "sessions": stats.sessions, "rows_per_step": stats.engine.rows_per_decode_step}
 
 
+# Where ONNX Runtime 1.32's GroupQueryAttention takes query_seqlens: a folder converted there.
+ORT_132_QUERY_SEQLENS_INDEX = 16
+
+
+def _native_elsewhere(report: _Report, model: Path, device: Device, prompts, args,
+                      work: Path) -> None:
+    """The device model converted without native chunks and with them as ONNX Runtime 1.32
+    wires them; both loaded on `device`, padding on: the same greedy tokens."""
+    from onnx_chunk.model_io import load_model, save_model
+    from onnx_chunk.passes import QuerySeqlensPass, convert_model
+
+    converted = convert_model(load_model(model), native_chunks="off").model
+    save_model(converted, work / "plain" / "model.onnx", companions_from=model.parent)
+    QuerySeqlensPass("on", index=ORT_132_QUERY_SEQLENS_INDEX)(converted)
+    save_model(converted, work / "wired" / "model.onnx", companions_from=model.parent)
+    tokens, padding = {}, {}
+    for name in ("plain", "wired"):
+        with onnx_chunk.load(work / name, device=device, capacity=args["capacity"],
+                             chunk_size=args["chunk_size"], padding=True) as runtime:
+            padding[name] = runtime.stats.padding
+            tokens[name] = [runtime.submit(prompt, args["new_tokens"], eos_token_id=[]).result()
+                            for prompt in prompts]
+    same = sum(a == b for a, b in zip(tokens["plain"], tokens["wired"]))
+    report.judge("native folder from elsewhere", same == len(prompts),
+                 f"padding {padding['wired']} (unwired: {padding['plain']}); "
+                 f"{same}/{len(prompts)} prompts' tokens equal the unwired folder's")
+
+
 def _memory_rows(report: _Report, run: Run, dry_run: bool, name: str) -> None:
     memory = run.memory
     back = _delta(memory, "after close", "baseline")
@@ -767,6 +798,8 @@ def _check(report: _Report, dry_run: bool, preset: str, chunk_size: int, capacit
             _memory_rows(report, graphs_on, dry_run, "graphs on")
     with report.step("engine"):
         _engine_rows(report, engines)
+    with report.step("native folder from elsewhere"):
+        _native_elsewhere(report, models[DEVICE_DTYPE], off, prompts, args, out / "native")
     planned = runs.get("plan")
     if planned is not None:
         with report.step("plan"):

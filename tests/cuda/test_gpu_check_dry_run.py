@@ -26,7 +26,7 @@ def test_dry_run_prints_the_table_last_and_writes_the_logs(tmp_path):
                   "second pass (replay) vs first", "captures in pass 1", "captures in pass 2",
                   "captured widths = widths used", "second sequence", "node placement",
                   "graphs within the plan", "weights copies", "one session per model",
-                  "engine at batch 8", "cache thrash (cpu)"):
+                  "engine at batch 8", "native folder from elsewhere", "cache thrash (cpu)"):
         assert rows[check][0] == "ok", table
     for check in ("onnxruntime", "providers", "preload_dlls", "libcudart", "gpu",
                   "cuda probe", "capture log lines", "memory graphs on (rss)",
@@ -40,6 +40,7 @@ def test_dry_run_prints_the_table_last_and_writes_the_logs(tmp_path):
     assert "1 sessions, 1 weights copies" in rows["one session per model"][1]
     assert "tokens equal graphs off" in rows["engine at batch 8"][1]
     assert "0 evictions" in rows["graphs within the plan"][1]
+    assert "5/5 prompts' tokens equal the unwired" in rows["native folder from elsewhere"][1]
     assert lines.index(table[0]) == len(lines) - len(table)  # the table is printed last
     parity = rows["greedy tokens cpu vs device"][1]
     assert "5/5 prompts identical" in parity and "float32 vs float16" in parity
