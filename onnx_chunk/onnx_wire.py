@@ -16,7 +16,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 VARINT = 0
 I64 = 1
@@ -168,27 +168,10 @@ def field_pieces(view: memoryview, number: int, wire: int, value: int | Span) ->
     return [header, view[start:end]]
 
 
-# ModelProto's graph field.
-MODEL_GRAPH = 7
+def string_field(data, span: Span, number: int) -> str | None:
+    """The first string field `number` of the message at `span`, or None."""
+    for field, wire, value in fields(data, *span):
+        if field == number and wire == LEN:
+            return text(data, as_span(value))
+    return None
 
-
-def edit_model(data: bytes, graph: Callable[[memoryview, Span], list],
-               drop: Callable[[int, int | Span], bool] = lambda number, value: False) -> bytes:
-    """The serialized ModelProto `data` with its graph's payload the pieces `graph(view,
-    span)` gives for it, and its fields `drop(number, value)` names left out; every other
-    field keeps its bytes (views of `data` until the one join: inline weights are copied
-    once). WireError unless it has exactly one graph."""
-    view = memoryview(data)
-    pieces: list = []
-    graphs = 0
-    for number, wire, value in fields(data, 0, len(data)):
-        if number == MODEL_GRAPH and wire == LEN:
-            graphs += 1
-            edited = graph(view, as_span(value))
-            pieces.append(len_header(MODEL_GRAPH, sum(len(piece) for piece in edited)))
-            pieces += edited
-        elif not drop(number, value):
-            pieces += field_pieces(view, number, wire, value)
-    if graphs != 1:
-        raise WireError(f"expected one graph in the model, found {graphs}")
-    return b"".join(pieces)

@@ -75,31 +75,3 @@ def test_a_field_of_the_wrong_wire_type_is_a_wire_error():
     with pytest.raises(WireError, match="repeated integer"):
         onnx_wire.packed_varints(string, onnx_wire.I32, span)
 
-
-def test_edit_model_replaces_the_graph_drops_what_it_is_told_and_keeps_the_rest():
-    graph = onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["y"], name="relu")],
-                                   "g", [onnx.helper.make_tensor_value_info("x", 1, [2])],
-                                   [onnx.helper.make_tensor_value_info("y", 1, [2])])
-    model = onnx.helper.make_model(graph, producer_name="tests")
-    onnx.helper.set_model_props(model, {"keep": "1", "drop": "2"})
-    data = model.SerializeToString()
-    renamed = graph.__class__()
-    renamed.CopyFrom(graph)
-    renamed.name = "edited"
-
-    def dropped(number, value):
-        return number == 14 and b"drop" in data[slice(*value)]
-
-    edited = onnx.load_from_string(onnx_wire.edit_model(
-        data, lambda view, span: [renamed.SerializeToString()], dropped))
-    assert edited.graph == renamed and edited.producer_name == "tests"
-    assert [entry.key for entry in edited.metadata_props] == ["keep"]
-    for graphs in (0, 2):
-        without = onnx.ModelProto()
-        without.CopyFrom(model)
-        without.ClearField("graph")
-        extra = b"".join(onnx_wire.encode_len_field(7, graph.SerializeToString())
-                         for _ in range(graphs))
-        with pytest.raises(WireError, match=f"one graph in the model, found {graphs}"):
-            onnx_wire.edit_model(without.SerializeToString() + extra,
-                                 lambda view, span: [])

@@ -9,8 +9,8 @@ before each forward like the tokens, so the bound logits are [1, 1, vocab]; the 
 become an intermediate of the session's own arena, shared by every sequence. When a caller
 asks for every row, the same session runs with the full output bound instead (`ALL_ROWS`).
 
-Rules of `select_row` (an edit of the serialized model, `onnx_wire`, so that the device path
-imports no onnx or onnx_ir; every field it does not name keeps its bytes):
+Rules of `select_row` (an edit of the serialized model through `graph_edit`, so that the device
+path imports no onnx or onnx_ir; every field it does not name keeps its bytes):
 1. A graph input `logits_row` ([1] int64) is added and `logits` becomes `Gather(rows,
    logits_row, axis=1)`: [batch, 1, vocab], the first output.
 2. The full logits stay a graph output, renamed `logits_all` (in the main graph's nodes, its
@@ -21,21 +21,21 @@ imports no onnx or onnx_ir; every field it does not name keeps its bytes):
 
 from __future__ import annotations
 
-from onnx_chunk.errors import ModelLoadError, ModelStructureError
+from onnx_chunk.errors import ModelStructureError
 from onnx_chunk.model_file import read_value_info
 from onnx_chunk.onnx_wire import (
     LEN,
     Span,
-    WireError,
     as_span,
-    edit_model,
     encode_len_field,
     encode_varint_field,
     field_bytes,
     field_pieces,
     fields,
+    string_field,
     text,
 )
+from onnx_chunk.runtime.device.graph_edit import edit_decoder
 from onnx_chunk.runtime.state.ports import LOGITS_OUTPUT
 
 ROW_INPUT = "logits_row"
@@ -52,15 +52,7 @@ _INT64 = 7
 
 def select_row(model: bytes) -> bytes:
     """The serialized `model` whose `logits` output is the row its `logits_row` input picks."""
-    try:
-        return _select_row(model)
-    except WireError as error:
-        raise ModelLoadError(f"the decoder's protobuf cannot be read ({error}); export it "
-                             "again") from error
-
-
-def _select_row(data: bytes) -> bytes:
-    return edit_model(data, lambda view, span: _graph(data, view, span))
+    return edit_decoder(model, lambda view, span: _graph(model, view, span))
 
 
 def _graph(data: bytes, view: memoryview, span: Span) -> list:
@@ -70,12 +62,12 @@ def _graph(data: bytes, view: memoryview, span: Span) -> list:
     for number, wire, value in fields(data, *span):
         field = as_span(value) if wire == LEN else None
         if field is not None and number == _GRAPH_OUTPUT and \
-                _value_name(data, field) == LOGITS_OUTPUT:
+                string_field(data, field, _VALUE_NAME) == LOGITS_OUTPUT:
             found = True
             out.append(encode_len_field(_GRAPH_OUTPUT, _picked_output(data, field)))
             out.append(encode_len_field(_GRAPH_OUTPUT, _renamed(data, field, (_VALUE_NAME,))))
         elif field is not None and number == _GRAPH_VALUE_INFO and \
-                _value_name(data, field) == LOGITS_OUTPUT:
+                string_field(data, field, _VALUE_NAME) == LOGITS_OUTPUT:
             out.append(encode_len_field(number, _renamed(data, field, (_VALUE_NAME,))))
         elif field is not None and number == _GRAPH_NODE and \
                 data.find(LOGITS_OUTPUT.encode(), *field) != -1:
@@ -96,13 +88,6 @@ def _graph(data: bytes, view: memoryview, span: Span) -> list:
               + encode_len_field(_NODE_ATTRIBUTE, axis))
     out.append(encode_len_field(_GRAPH_NODE, gather))
     return out
-
-
-def _value_name(data: bytes, span: Span) -> str | None:
-    for number, wire, value in fields(data, *span):
-        if number == _VALUE_NAME and wire == LEN:
-            return text(data, as_span(value))
-    return None
 
 
 def _renamed(data: bytes, span: Span, numbers: tuple[int, ...]) -> bytes:

@@ -6,8 +6,8 @@ refuses such a graph: its GroupQueryAttention schema takes fewer inputs. So a fo
 on one machine is served on another: the runtime loads it with `without_query_seqlens`'s graph
 and runs the "repeat" path, as for a folder converted there.
 
-Rules (an edit of the serialized model, `onnx_wire`, as `logits_row.select_row`: the device
-path imports no onnx or onnx_ir; every field not named here keeps its bytes):
+Rules (an edit of the serialized model through `graph_edit`, as `logits_row.select_row`: the
+device path imports no onnx or onnx_ir; every field not named here keeps its bytes):
 1. Every GroupQueryAttention of the main graph drops the input the pass feeds it
    (`query_seqlens.QUERY_SEQLENS_FED`), then its trailing empty inputs (omitted optional
    inputs, as the exporter's): the node takes what it took as exported.
@@ -20,21 +20,21 @@ path imports no onnx or onnx_ir; every field not named here keeps its bytes):
 
 from __future__ import annotations
 
-from onnx_chunk.errors import ModelLoadError, ModelStructureError
+from onnx_chunk.errors import ModelStructureError
 from onnx_chunk.metadata import QUERY_SEQLENS_KEY
 from onnx_chunk.onnx_wire import (
     LEN,
     Span,
-    WireError,
     as_span,
-    edit_model,
     encode_len_field,
     field_bytes,
     field_pieces,
     fields,
+    string_field,
     text,
 )
 from onnx_chunk.query_seqlens import QUERY_SEQLENS, QUERY_SEQLENS_FED
+from onnx_chunk.runtime.device.graph_edit import edit_decoder
 
 # onnx.proto field numbers read here.
 _MODEL_METADATA = 14
@@ -47,19 +47,11 @@ _GQA = "GroupQueryAttention"
 
 def without_query_seqlens(model: bytes) -> bytes:
     """The serialized `model` with its query_seqlens wiring taken out (the rules above)."""
-    try:
-        return _edited(model)
-    except WireError as error:
-        raise ModelLoadError(f"the decoder's protobuf cannot be read ({error}); export it "
-                             "again") from error
-
-
-def _edited(data: bytes) -> bytes:
     def naming_the_input(number: int, value: int | Span) -> bool:
         return number == _MODEL_METADATA and \
-            _string(data, as_span(value), _ENTRY_KEY) == QUERY_SEQLENS_KEY
+            string_field(model, as_span(value), _ENTRY_KEY) == QUERY_SEQLENS_KEY
 
-    return edit_model(data, lambda view, span: _graph(data, view, span), naming_the_input)
+    return edit_decoder(model, lambda view, span: _graph(model, view, span), naming_the_input)
 
 
 def _graph(data: bytes, view: memoryview, span: Span) -> list:
@@ -68,10 +60,10 @@ def _graph(data: bytes, view: memoryview, span: Span) -> list:
     for number, wire, value in fields(data, *span):
         field = as_span(value) if wire == LEN else None
         if field is not None and number == _GRAPH_INPUT and \
-                _string(data, field, _VALUE_NAME) == QUERY_SEQLENS:
+                string_field(data, field, _VALUE_NAME) == QUERY_SEQLENS:
             continue
         if field is not None and number == _GRAPH_NODE and \
-                _string(data, field, _NODE_OP_TYPE) == _GQA:
+                string_field(data, field, _NODE_OP_TYPE) == _GQA:
             node, dropped = _node(data, field)
             if dropped:
                 unwired += 1
@@ -107,11 +99,3 @@ def _node(data: bytes, span: Span) -> tuple[bytes, bool]:
     encoded = b"".join(encode_len_field(_NODE_INPUT, name) for name in kept)
     at = first if first is not None else 0
     return b"".join([*rest[:at], encoded, *rest[at:]]), True
-
-
-def _string(data: bytes, span: Span, wanted: int) -> str | None:
-    """The string field `wanted` of the message at `span`, or None."""
-    for number, wire, value in fields(data, *span):
-        if number == wanted and wire == LEN:
-            return text(data, as_span(value))
-    return None
