@@ -19,6 +19,7 @@ that held the 360 MB of int8 weights beside their packed copy: 905 MB resident a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -46,9 +47,8 @@ _COPY_BLOCK_BYTES = 16 << 20
 _TO_DATA_FILE = "onnx_chunk.to_data_file"
 # Marked tensors smaller than this stay inside the .onnx (ONNX's own default threshold).
 _DATA_FILE_THRESHOLD_BYTES = 1024
-# Offsets of tensors larger than _ALIGN_THRESHOLD_BYTES are aligned to whole pages.
+# Offsets of tensors over 1 MiB in the new-weights file are aligned to whole pages.
 _ALIGN_BYTES = 4096
-_ALIGN_THRESHOLD_BYTES = 1 << 20
 
 
 def write_to_data_file(value: ir.Value) -> ir.Value:
@@ -478,7 +478,8 @@ def _save_staged(model: ir.Model, target: Path, staging: Staging,
     source_dir = None if companions_from is None else Path(companions_from)
     sources = _companion_sources(companions_from, target_dir)
     marked = _marked_initializers(model)
-    weights = _weights_location(resolved_target, set(locations.values())) if marked else None
+    weights = (_weights_location(resolved_target, {*locations, *locations.values()})
+               if marked else None)
     data_writes = [locations[name] for name in copies] + ([weights] if weights else [])
     companions = _refuse_foreign(resolved_target, data_writes, sources, source_dir)
     config = _output_config(sources, companions_from, resolved_target)
@@ -494,24 +495,26 @@ def _save_staged(model: ir.Model, target: Path, staging: Staging,
             staging.copy(source_dir / name, name)
     if config is not None:
         _write_config(*config, staging.path / GENAI_CONFIG)
-    proto = ir.serde.serialize_model(model)
-    _relocate(proto, locations)
     if weights is not None:
-        _write_data_file(proto, marked, staging.path / weights, weights)
+        with _in_data_file(marked, staging.path, weights):
+            proto = ir.serde.serialize_model(model)
         staged.append(weights)
+    else:
+        proto = ir.serde.serialize_model(model)
+    _relocate(proto, locations)
     write_proto(proto, staging.path / target.name)
     written_config = [GENAI_CONFIG] if config is not None else []
     staging.publish([*staged, *copied, *written_config, target.name])
     return companions
 
 
-def _marked_initializers(model: ir.Model) -> set[str]:
-    """The names of the main graph's in-memory initializers marked with `write_to_data_file`
-    that are large enough for the data file."""
-    return {name for name, value in model.graph.initializers.items()
+def _marked_initializers(model: ir.Model) -> list[ir.Value]:
+    """The main graph's in-memory initializers marked with `write_to_data_file` that are large
+    enough for the data file, in the graph's order (a layer's weights stay adjacent on disk)."""
+    return [value for value in model.graph.initializers.values()
             if value.meta.get(_TO_DATA_FILE) and value.const_value is not None
             and not isinstance(value.const_value, ir.ExternalTensor)
-            and value.const_value.nbytes >= _DATA_FILE_THRESHOLD_BYTES}
+            and value.const_value.nbytes >= _DATA_FILE_THRESHOLD_BYTES]
 
 
 def _weights_location(target: Path, taken: set[str]) -> str:
@@ -523,31 +526,23 @@ def _weights_location(target: Path, taken: set[str]) -> str:
     return name
 
 
-def _write_data_file(proto: onnx.ModelProto, names: set[str], path: Path,
-                     location: str) -> None:
-    """Move the raw data of `proto`'s initializers in `names` to the data file `path`,
-    referenced as `location` (large ones at page-aligned offsets)."""
-    moved = [tensor for tensor in proto.graph.initializer
-             if tensor.name in names and tensor.data_location != onnx.TensorProto.EXTERNAL
-             and tensor.HasField("raw_data")]
-    offset = 0
-    with path.open("wb") as data:
-        for tensor in moved:
-            size = len(tensor.raw_data)
-            if size > _ALIGN_THRESHOLD_BYTES and offset % _ALIGN_BYTES:
-                padding = _ALIGN_BYTES - offset % _ALIGN_BYTES
-                data.write(b"\0" * padding)
-                offset += padding
-            data.write(tensor.raw_data)
-            tensor.ClearField("raw_data")
-            tensor.data_location = onnx.TensorProto.EXTERNAL
-            del tensor.external_data[:]
-            for key, value in (("location", location), ("offset", str(offset)),
-                               ("length", str(size))):
-                entry = tensor.external_data.add()
-                entry.key, entry.value = key, value
-            offset += size
-    logger.info("wrote %d new weight tensors (%d bytes) to %s", len(moved), offset, location)
+@contextlib.contextmanager
+def _in_data_file(values: list[ir.Value], folder: Path, location: str) -> Iterator[None]:
+    """Within: `values`' tensors written to the data file `location` in `folder` (onnx_ir's
+    `convert_tensors_to_external`, offsets past 1 MiB page-aligned) and referenced from it, so
+    a model serialized now holds no copy of their bytes; after, the tensors are the in-memory
+    ones again (the caller's model stays usable once the staged file has moved)."""
+    tensors = [value.const_value for value in values]
+    written = ir.external_data.convert_tensors_to_external(
+        tensors, folder, location, alignment=_ALIGN_BYTES)  # type: ignore[arg-type]
+    try:
+        for value, external in zip(values, written):
+            value.const_value = external
+        yield
+    finally:
+        for value, tensor in zip(values, tensors):
+            value.const_value = tensor
+    logger.info("wrote %d new weight tensors to %s", len(values), location)
 
 
 # Files a runtime reads beside the model: onnxruntime-genai's config, tokenizer files and the
