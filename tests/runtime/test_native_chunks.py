@@ -13,7 +13,7 @@ import pytest
 
 from onnx_chunk import metadata
 from onnx_chunk.cli import main
-from onnx_chunk.errors import CapacityError, InputError, ModelStructureError
+from onnx_chunk.errors import CapacityError, ConfigError, InputError, ModelStructureError
 from onnx_chunk.model_io import load_model, save_model
 from onnx_chunk.passes import QuerySeqlensPass, convert_model
 from onnx_chunk.query_seqlens import query_seqlens_index
@@ -169,10 +169,10 @@ def test_a_converted_builder_export_reports_native_padding(native_exports):
     assert load(raw, provider="cpu", chunk_size=W, padding=True).stats.padding == "repeat"
 
 
-def _wired_elsewhere(tmp_path):
-    """genai-llama-fp32 wired as ONNX Runtime 1.32 wires it (input 16), whatever ONNX Runtime
+def _wired_elsewhere(tmp_path, name="genai-llama-fp32"):
+    """The export `name` wired as ONNX Runtime 1.32 wires it (input 16), whatever ONNX Runtime
     is installed: a folder converted on another machine; and the same export unwired."""
-    source = next(fixture.folder for fixture in fixtures() if fixture.name == "genai-llama-fp32")
+    source = next(fixture.folder for fixture in fixtures() if fixture.name == name)
     model = convert_model(load_model(source / "model.onnx"), native_chunks="off").model
     save_model(model, tmp_path / "plain" / "model.onnx", companions_from=source)
     QuerySeqlensPass("on", index=16)(model)
@@ -197,6 +197,28 @@ def test_a_native_model_runs_the_repeat_path_where_onnx_runtime_lacks_the_input(
         prompt = rng.integers(0, runtime.stats.vocab_size, length).tolist()
         with runtime.open_sequence() as one, reference.open_sequence() as other:
             assert one.generate(prompt, 8, []) == other.generate(prompt, 8, [])
+
+
+@pytest.mark.parametrize("name", _corpus())
+def test_every_corpus_export_converted_natively_elsewhere_runs_here(tmp_path, monkeypatch, name):
+    """Each export the pass can wire, loaded where the input is missing: its padding mode and
+    greedy tokens are the unwired folder's (gemma2's window, lfm2's state, INT4 included)."""
+    try:
+        wired, plain = _wired_elsewhere(tmp_path, name)
+    except ConfigError as error:  # nothing to wire (no GroupQueryAttention with past KV)
+        pytest.skip(str(error))
+    if NATIVE:
+        monkeypatch.setattr(runtime_model, "query_seqlens_index", lambda: None)
+    # genai_config.json sizes the cache; the exports without one get 256 positions.
+    capacity = None if (plain / "genai_config.json").is_file() else 256
+    runtime = load(wired, provider="cpu", chunk_size=16, capacity=capacity, padding=True)
+    reference = load(plain, provider="cpu", chunk_size=16, capacity=capacity, padding=True)
+    assert runtime.stats.padding == reference.stats.padding != "native"
+    rng = np.random.default_rng(5)
+    for length in (7, 37):
+        prompt = rng.integers(0, runtime.stats.vocab_size, length).tolist()
+        with runtime.open_sequence() as one, reference.open_sequence() as other:
+            assert one.generate(prompt, 6, []) == other.generate(prompt, 6, [])
 
 
 def test_the_unwired_graph_is_the_export_and_metadata_must_match_it(tmp_path):
