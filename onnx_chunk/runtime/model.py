@@ -149,6 +149,11 @@ class Runtime:
         verifies them in one forward (greedy output identical to plain decoding, sampled
         output exact in distribution; see docs/speculative.md); None (default) decodes one
         token per forward. A decoder with recurrent state or last-row logits is refused.
+    exact: a request's numbers do not depend on how its rows were grouped, bit for bit:
+        chunked as one whole forward, batched as alone, a reused prefix as a fresh prefill
+        (docs/row_grouping.md). Every prompt forward of several rows runs at an even width, a
+        slot keeps only its prompt's rows for reuse, natively converted folders run the
+        "repeat" path; speculative decoding and last-row-logits decoders are refused.
     graph: the decoder's graph, serialized, run in place of the file's (an edited copy, as
         ONNX Runtime takes model bytes): its external data, plan analysis, tokenizer and
         configs are still read from model_path and its folder, which is never written.
@@ -178,6 +183,7 @@ class Runtime:
         max_queue: int = DEFAULT_MAX_QUEUE,
         prefix_reuse: bool = True,
         speculative: str | None = None,
+        exact: bool = False,
         graph: bytes | None = None,
     ) -> None:
         # Two ONNX Runtime wheels in one folder overwrite each other's module: say so first.
@@ -187,7 +193,8 @@ class Runtime:
             padding=padding, specialize=specialize, max_variants=max_variants,
             mask_policy=mask_policy, intra_op_threads=intra_op_threads, cuda_graphs=cuda_graphs,
             device=device, idle_sequences=idle_sequences, max_batch=max_batch,
-            max_queue=max_queue, prefix_reuse=prefix_reuse, speculative=speculative)
+            max_queue=max_queue, prefix_reuse=prefix_reuse, speculative=speculative,
+            exact=exact)
         check_utf8_path(model_path)
         location = locate_model(model_path)
         self._model_path: Path = location.onnx_path
@@ -195,11 +202,15 @@ class Runtime:
         genai = self._genai or GenaiConfig(path=location.folder / "genai_config.json")
         model = read_model_file(self._model_path, graph)
         plan = read_plan(model.metadata)
-        if plan is not None and plan.query_seqlens is not None and query_seqlens_index() is None:
-            # Converted where ONNX Runtime has native chunks; this one lacks them: the graph
-            # without their input runs the "repeat" path (device/without_query_seqlens.py).
+        if plan is not None and plan.query_seqlens is not None and (
+                exact or query_seqlens_index() is None):
+            # Converted where ONNX Runtime has native chunks; this one lacks them, or exact
+            # mode pads a prompt forward with rows that must be computed as real ones (a
+            # native forward computes its real rows alone): the graph without their input
+            # runs the "repeat" path (device/without_query_seqlens.py).
             logger.info("%s was converted for native chunks, and %s: running it without them",
-                        self._model_path.name, lacking_reason())
+                        self._model_path.name,
+                        "exact mode computes padded rows" if exact else lacking_reason())
             graph = without_query_seqlens(graph if graph is not None
                                           else self._model_path.read_bytes())
             model = read_model_file(self._model_path, graph)
@@ -250,7 +261,8 @@ class Runtime:
             self._variants.release_slot, keep=idle_sequences, claim=self._variants.claim)
         self._runner = ModelRunner(self._variants, self._ports, self._device,
                                    capacity=options.capacity, tiers=options.tiers,
-                                   specialize=specialize, embeddings=self._embeddings)
+                                   specialize=specialize, embeddings=self._embeddings,
+                                   exact=options.exact)
         self._speculation = (None if options.speculative is None
                              else Speculation.for_ports(self._ports, quantized))
         self._engine: BatchEngine | None = None
@@ -398,7 +410,7 @@ class Runtime:
                              give_number=self._pool.give_number,
                              release_graphs=self._variants.claim,
                              prefix_reuse=options.prefix_reuse,
-                             speculation=self._speculation)
+                             speculation=self._speculation, exact=options.exact)
 
     def close(self) -> None:
         """Free the sessions, the pooled sequence buffers and their CUDA graphs now.
@@ -518,6 +530,7 @@ class Runtime:
             prefix_reuse=options.prefix_reuse,
             engine=None if self._engine is None else self._engine.stats,
             speculative=options.speculative,
+            exact=options.exact,
             kv_bytes=sum(int(np.prod(port.shape)) * port.dtype.itemsize
                          for port in self._ports.kv),
             kv_dtype=kv_dtype_name(port.dtype for port in self._ports.kv),

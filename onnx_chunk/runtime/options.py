@@ -28,6 +28,10 @@ Rules of `resolve_options`:
    the capacity mask policy.
 8. Speculative decoding ("prompt-lookup") is refused for a decoder that cannot take a
    rejected draft back (recurrent state) or verify it per row (last-row logits only).
+9. Exact mode (`exact`, docs/row_grouping.md) refuses speculative decoding (a verification
+   computes in one forward rows that plain decoding computes one at a time, and ONNX
+   Runtime's kernels round the two differently) and a decoder that returns the last row's
+   logits only (an odd prompt forward gets a padded row, which would be that row).
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ class RuntimeOptions:
     max_queue: int = DEFAULT_MAX_QUEUE
     prefix_reuse: bool = True
     speculative: str | None = None
+    exact: bool = False
 
     def __post_init__(self) -> None:
         arguments.optional_integer(self.capacity, "the capacity (capacity)", minimum=2,
@@ -95,8 +100,14 @@ class RuntimeOptions:
         for name, value in (("padding", self.padding), ("cuda_graphs", self.cuda_graphs)):
             if value is not None and not isinstance(value, bool):
                 raise ConfigError(f"{name} must be True, False or None, got {value!r}")
-        if not isinstance(self.prefix_reuse, bool):
-            raise ConfigError(f"prefix_reuse must be True or False, got {self.prefix_reuse!r}")
+        for name, flag in (("prefix_reuse", self.prefix_reuse), ("exact", self.exact)):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"{name} must be True or False, got {flag!r}")
+        if self.exact and self.speculative is not None:
+            raise ConfigError(
+                f"speculative={self.speculative!r} cannot run in exact mode: a verification "
+                "computes in one forward rows that plain decoding computes one at a time, and "
+                "ONNX Runtime's kernels round the two differently; load without one of them")
         if self.speculative is not None and self.speculative not in SPECULATIVE_CHOICES:
             raise ConfigError(f"speculative must be one of {', '.join(SPECULATIVE_CHOICES)} or "
                               f"None (plain decoding), got {self.speculative!r}")
@@ -132,6 +143,7 @@ class ResolvedOptions:
     intra_op_threads: int | None
     prefix_reuse: bool = True
     speculative: str | None = None
+    exact: bool = False
 
 
 def resolve_options(options: RuntimeOptions, *, plan: ChunkPlan, genai: GenaiConfig,
@@ -153,13 +165,18 @@ def resolve_options(options: RuntimeOptions, *, plan: ChunkPlan, genai: GenaiCon
     if refused is not None:
         raise ConfigError(f"speculative={options.speculative!r} cannot run on {model.path.name}: "
                           f"{refused}; load it without speculative decoding")
+    if options.exact and ports.last_row_logits:
+        raise ConfigError(
+            f"exact mode cannot run {model.path.name}: it returns the last row's logits only, "
+            "and exact mode gives an odd prompt forward a padded row, which would be that row; "
+            "convert it with logits rows (onnx-chunk convert, the default) or load it without "
+            "exact")
     if options.device is None:
         device = runnable_device(device, ports, model, options.provider, options.mask_policy)
     else:
         runnable_device(device, ports, model, device.provider, options.mask_policy)
     variants = plan.max_variants if options.max_variants is None else options.max_variants
-    tiers = (plan.ladder if plan.ladder and plan.chunk_size == chunk_size
-             and options.max_variants is None else ladder_tiers(chunk_size, variants))
+    tiers = resolve_tiers(plan, chunk_size, options.max_variants)
     specialize = device.specialize if options.specialize is None else options.specialize
     if specialize not in (True, False, EXACT):
         raise ConfigError(f"specialize must be True, False or {EXACT!r}, got {specialize!r}")
@@ -194,7 +211,16 @@ def resolve_options(options: RuntimeOptions, *, plan: ChunkPlan, genai: GenaiCon
         intra_op_threads=options.intra_op_threads,
         prefix_reuse=options.prefix_reuse,
         speculative=options.speculative,
+        exact=options.exact,
     )
+
+
+def resolve_tiers(plan: ChunkPlan, chunk_size: int,
+                  max_variants: int | None = None) -> tuple[int, ...]:
+    """The ladder tiers a runtime of chunk width `chunk_size` pads to (rule 5)."""
+    if plan.ladder and plan.chunk_size == chunk_size and max_variants is None:
+        return plan.ladder
+    return ladder_tiers(chunk_size, plan.max_variants if max_variants is None else max_variants)
 
 
 def fixed_dims(ports: ModelPorts, device: Device, capacity: int,

@@ -41,9 +41,11 @@ class RuntimeStats:
     pool's counters (buffer sets made, reused, freed, idle); `max_batch`: the batch engine's
     slots, `prefix_reuse` whether its slots keep their prefix for later requests, `engine` its
     counters (None until the first submit); `speculative`: the drafting method
-    ("prompt-lookup") or None. `kv_bytes`: what one sequence's KV cache (one engine slot's)
-    holds at the capacity; `kv_dtype`: its element type ("float32", "float16", "int8", or
-    "int4" for the packed two-a-byte cache of `convert --kv-dtype int4`). `model`: the
+    ("prompt-lookup") or None; `exact`: whether the runtime runs in exact mode (rows
+    grouped any way give the same numbers, docs/row_grouping.md). `kv_bytes`: what one
+    sequence's KV cache (one engine slot's) holds at the capacity; `kv_dtype`: its element
+    type ("float32", "float16", "int8", or "int4" for the packed two-a-byte cache of
+    `convert --kv-dtype int4`). `model`: the
     decoder file; `vocab_size`: the logits' width (token ids below it); `eos_token_ids`: the
     ids a generation stops at unless a request names its own.
     """
@@ -79,6 +81,7 @@ class RuntimeStats:
     prefix_reuse: bool = True
     engine: EngineStats | None = None
     speculative: str | None = None
+    exact: bool = False
     kv_bytes: int = 0
     kv_dtype: str = "float32"
     model: str = ""

@@ -43,5 +43,5 @@ def test_runtime_options_are_the_users_options_only():
     assert {field.name for field in dataclasses.fields(RuntimeOptions)} == {
         "provider", "device_id", "capacity", "chunk_size", "padding", "specialize",
         "max_variants", "mask_policy", "intra_op_threads", "cuda_graphs", "device",
-        "idle_sequences", "max_batch", "max_queue", "prefix_reuse", "speculative"}
+        "idle_sequences", "max_batch", "max_queue", "prefix_reuse", "speculative", "exact"}
     assert RuntimeOptions().capacity is None

@@ -103,6 +103,93 @@ def past_one_short(layer: int) -> Callable[[onnx.ModelProto], None]:
     return change
 
 
+# How much a fake kernel moves the rows it rounds differently: far more than a real kernel
+# does (a few ulps), so that the difference it makes exceeds the base tolerance 1e-5.
+FAKE_ROUNDING = 2.0 ** -12
+
+
+def rounds_by_row_count(layer: int, kind: str, block: int = 8) -> Callable[[onnx.ModelProto],
+                                                                           None]:
+    """A fake kernel after GQA `layer`'s output: it moves some rows by FAKE_ROUNDING of their
+    value, chosen by the forward's row count S alone, as kernels that tile or split rows do.
+
+    `kind` "lone block": the last row of a forward of S = k * block + 1 rows (S > 1), alone in
+    its block (ONNX Runtime's CPU GroupQueryAttention with block = 2 x head size); "threads":
+    the rows of the second half, [ceil(S / 2), S), as a second thread's share of the rows;
+    "one row": the row of a forward of one row (a decode step), as MLAS's one-row GEMM.
+    Mathematically nothing changes, so validate must pass such a decoder."""
+
+    def change(proto: onnx.ModelProto) -> None:
+        node = _gqa(proto, layer)
+        prefix = f"/fake{layer}"
+        attention = node.output[0]
+        moved = f"{prefix}/moved"
+        for other in proto.graph.node:
+            for index, name in enumerate(other.input):
+                if name == attention:
+                    other.input[index] = moved
+
+        def const(name: str, value: float | int, dtype: int = TensorProto.INT64) -> onnx.NodeProto:
+            return helper.make_node("Constant", [], [f"{prefix}/{name}"],
+                                    value=helper.make_tensor(name, dtype, [], [value]))
+
+        nodes = [
+            helper.make_node("Shape", [attention], [f"{prefix}/shape"], start=1, end=2),
+            helper.make_node("Squeeze", [f"{prefix}/shape"], [f"{prefix}/rows"]),
+            const("zero", 0), const("one", 1), const("two", 2), const("block", block),
+            const("eps", FAKE_ROUNDING, TensorProto.FLOAT),
+            helper.make_node("Range", [f"{prefix}/zero", f"{prefix}/rows", f"{prefix}/one"],
+                             [f"{prefix}/index"]),
+        ]
+        if kind == "lone block":
+            nodes += [
+                helper.make_node("Sub", [f"{prefix}/rows", f"{prefix}/one"], [f"{prefix}/last"]),
+                helper.make_node("Equal", [f"{prefix}/index", f"{prefix}/last"],
+                                 [f"{prefix}/is_last"]),
+                helper.make_node("Mod", [f"{prefix}/rows", f"{prefix}/block"],
+                                 [f"{prefix}/left"]),
+                helper.make_node("Equal", [f"{prefix}/left", f"{prefix}/one"],
+                                 [f"{prefix}/lone"]),
+                helper.make_node("Greater", [f"{prefix}/rows", f"{prefix}/one"],
+                                 [f"{prefix}/several"]),
+                helper.make_node("And", [f"{prefix}/lone", f"{prefix}/several"],
+                                 [f"{prefix}/alone"]),
+                helper.make_node("And", [f"{prefix}/is_last", f"{prefix}/alone"],
+                                 [f"{prefix}/chosen"]),
+            ]
+        elif kind == "threads":
+            nodes += [
+                helper.make_node("Add", [f"{prefix}/rows", f"{prefix}/one"], [f"{prefix}/up"]),
+                helper.make_node("Div", [f"{prefix}/up", f"{prefix}/two"], [f"{prefix}/half"]),
+                helper.make_node("GreaterOrEqual", [f"{prefix}/index", f"{prefix}/half"],
+                                 [f"{prefix}/chosen"]),
+            ]
+        elif kind == "one row":
+            nodes += [
+                helper.make_node("Equal", [f"{prefix}/rows", f"{prefix}/one"],
+                                 [f"{prefix}/single"]),
+                helper.make_node("Expand", [f"{prefix}/single", f"{prefix}/shape"],
+                                 [f"{prefix}/chosen"]),
+            ]
+        else:
+            raise ValueError(f"unknown fake kernel {kind!r}")
+        nodes += [
+            helper.make_node("Cast", [f"{prefix}/chosen"], [f"{prefix}/flag"],
+                             to=TensorProto.FLOAT),
+            helper.make_node("Mul", [f"{prefix}/flag", f"{prefix}/eps"], [f"{prefix}/scale"]),
+            helper.make_node("Unsqueeze", [f"{prefix}/scale", f"{prefix}/axes"],
+                             [f"{prefix}/column"]),
+            helper.make_node("Mul", [attention, f"{prefix}/column"], [f"{prefix}/delta"]),
+            helper.make_node("Add", [attention, f"{prefix}/delta"], [moved]),
+        ]
+        proto.graph.initializer.append(
+            numpy_helper.from_array(np.array([0, 2], np.int64), f"{prefix}/axes"))
+        proto.graph.node.extend(nodes)
+        _topological_sort(proto)
+
+    return change
+
+
 def set_metadata(key: str, value: str) -> Callable[[onnx.ModelProto], None]:
     def change(proto: onnx.ModelProto) -> None:
         entry = next(entry for entry in proto.metadata_props if entry.key == key)

@@ -109,7 +109,7 @@ class EngineContext:
     `take_number` / `give_number`: graph slot numbers for the engine's buffers;
     `release_graphs(number)`: drop the bindings and CUDA graphs held under a number;
     `prefix_reuse`: whether a slot keeps its prefix for later requests (see the module
-    docstring).
+    docstring); `exact`: exact mode's reuse rule (scheduler rule 5).
     """
 
     runner: ModelRunner
@@ -123,6 +123,7 @@ class EngineContext:
     release_graphs: Callable[[int], None]
     prefix_reuse: bool = True
     speculation: Speculation | None = None
+    exact: bool = False
 
 
 class StepResult(NamedTuple):
@@ -288,7 +289,8 @@ class BatchEngine:
             batch, [LogicalLength(capacity) for _ in range(slots)],
             PrefixRule(windows=tuple((port.shape[2], port.window) for port in ports.kv
                                      if port.window is not None),
-                       recurrent=bool(ports.state), enabled=context.prefix_reuse),
+                       recurrent=bool(ports.state), enabled=context.prefix_reuse,
+                       exact=context.exact),
             max_queue, threaded)
 
     def _setup(self, runner: ModelRunner, chunk_size: int, speculation: Speculation | None,
@@ -580,7 +582,8 @@ class BatchEngine:
             self._drop(index)
             return
         self._released += 1
-        self._kept[index] = KeptPrefix(fed[:length], self._released, salt)
+        self._kept[index] = KeptPrefix(fed[:self._rule.kept(len(request.prompt), length)],
+                                       self._released, salt)
 
     def _drop(self, index: int) -> None:
         """The slot keeps nothing: its next request starts it empty."""

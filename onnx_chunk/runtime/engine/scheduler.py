@@ -27,6 +27,11 @@ Rules:
    go to an empty slot first, then to the least recently used one, then to the smallest
    number: a hot prefix is never overwritten while a colder slot is free. A prefix is shared
    only between requests of the same cache salt (`Sampling.cache_salt`, None included).
+   In exact mode (`PrefixRule.exact`) a slot keeps only its request's prompt ids, whose KV
+   prompt forwards computed (a generated token's row was computed by a one-row decode
+   forward, which ONNX Runtime's kernels round differently from the same row in a prompt
+   forward), and a reuse leaves at least two ids to feed, so that no prompt forward after a
+   past has one row (docs/row_grouping.md).
 6. With native chunks (GroupQueryAttention's query_seqlens) the chunks of one round (each
    prompt's next picked chunk) run in one forward [slots, S] over the engine's buffers (idle
    slots at query_seqlens 0, S the widest chunk's width) when that computes no more rows
@@ -164,12 +169,23 @@ class PrefixRule:
 
     `windows`: (rows, window) of every window-sized KV cache; `recurrent`: whether the decoder
     carries recurrent (conv or SSM) state, which holds no history; `enabled`: False reuses
-    nothing (every request starts on an empty slot).
+    nothing (every request starts on an empty slot); `exact`: exact mode's rule (rule 5).
     """
 
     windows: tuple[tuple[int, int], ...] = ()
     recurrent: bool = False
     enabled: bool = True
+    exact: bool = False
+
+    @property
+    def left_to_feed(self) -> int:
+        """The ids of a prompt a reuse always leaves to feed (rule 5)."""
+        return 2 if self.exact else 1
+
+    def kept(self, prompt: int, length: int) -> int:
+        """How many leading ids of a slot holding `length` positions, whose request's prompt
+        had `prompt` ids, it keeps for a later request: all, or in exact mode the prompt's."""
+        return min(prompt, length) if self.exact else length
 
     def usable(self, kept: int, shared: int) -> int:
         """The longest prefix of at most `shared` ids of a slot holding `kept` ids that its
@@ -214,8 +230,8 @@ def choose_slot(free: dict[int, KeptPrefix], prompt: np.ndarray, rule: PrefixRul
     choices = []
     longest = 0
     for slot, kept in free.items():
-        # One prompt id is always left to feed.
-        shared = (shared_prefix(kept.tokens, prompt[:len(prompt) - 1])
+        # One prompt id (two in exact mode) is always left to feed.
+        shared = (shared_prefix(kept.tokens, prompt[:max(len(prompt) - rule.left_to_feed, 0)])
                   if rule.enabled and kept.salt == salt else 0)
         longest = max(longest, shared)
         reused = rule.usable(len(kept.tokens), shared)

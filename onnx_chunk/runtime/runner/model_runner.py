@@ -53,7 +53,12 @@ from onnx_chunk.runtime.device.provider import Device
 from onnx_chunk.runtime.runner.forward import Forward, ForwardRunner, LogitsRows, Ran, Row
 from onnx_chunk.runtime.runner.idle_rows import evicting_rows
 from onnx_chunk.runtime.runner.native_chunks import NativePlan, NativeRow, plan_native
-from onnx_chunk.runtime.runner.padding import PaddedForward, QueryAxisShrunk, plan_forward
+from onnx_chunk.runtime.runner.padding import (
+    PaddedForward,
+    QueryAxisShrunk,
+    even_width,
+    plan_forward,
+)
 from onnx_chunk.runtime.runner.slot import Length, Slot
 from onnx_chunk.runtime.state.ports import LOGITS_OUTPUT, ModelPorts
 
@@ -121,7 +126,7 @@ class ModelRunner:
 
     def __init__(self, variants: VariantPool, ports: ModelPorts, device: Device, *,
                  capacity: int, tiers: tuple[int, ...], specialize: Specialize,
-                 embeddings: np.ndarray | None) -> None:
+                 embeddings: np.ndarray | None, exact: bool = False) -> None:
         self.variants = variants
         self.ports = ports
         self.device = device
@@ -129,6 +134,8 @@ class ModelRunner:
         self.tiers = tiers
         self.specialize = specialize
         self.embeddings = embeddings
+        # Exact mode: every prompt forward of several rows runs at an even width (`even_width`).
+        self.exact = exact
         self.decode_key: VariantKey = variant_key(DECODE_WIDTH, tiers, specialize)
         # Native chunks (the graph feeds GroupQueryAttention's query_seqlens): padded rows and
         # idle rows never reach the KV cache (native_chunks).
@@ -217,13 +224,14 @@ class ModelRunner:
                                                   dtype=np.int64).reshape(1, -1)
         return plan_forward(self._embedded(row.tokens), extra, past=past, tiers=self.tiers,
                             room=row.length.room, position_ids=ports.position_ids,
-                            enabled=self.variants.padding)
+                            enabled=self.variants.padding, even=self.exact)
 
     def chunk_width(self, rows: int, room: int) -> int:
         """The query width a one-row forward of `rows` tokens with `room` positions left runs
         at (its ladder tier when padding is on)."""
         padding = self.variants.padding and not (self.native and self.ports.last_row_logits)
-        return padded_width(rows, self.tiers, room) if padding else rows
+        width = padded_width(rows, self.tiers, room) if padding else rows
+        return even_width(width, room) if self.exact else width
 
     def _native_plan(self, forward: Forward) -> NativePlan | None:
         """A native forward's plan (None: every row feeds one token, as a decode does)."""

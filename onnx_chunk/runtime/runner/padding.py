@@ -122,16 +122,19 @@ def plan_forward(
     room: int | None = None,
     position_ids: str | None = None,
     enabled: bool = True,
+    even: bool = False,
 ) -> PaddedForward:
     """Widen one forward's inputs to its padded width.
 
     `tokens` holds the real rows ([rows] ids or [rows, hidden] embeddings); `ports` the other
     per-token ports ([1, rows, ...]), `position_ids` naming the one among them that carries
     positions; `past` the logical length before the forward; `room` the positions left before
-    the KV capacity (None: unbounded). With `enabled=False` nothing is padded.
+    the KV capacity (None: unbounded). With `enabled=False` nothing is padded but what
+    `even` asks for.
 
     Rules:
-    1. width = padded_width(rows, tiers, room) when enabled, else rows.
+    1. width = padded_width(rows, tiers, room) when enabled, else rows; with `even` (exact
+       mode) then `even_width(width, room)`.
     2. Padded token rows repeat the last real row; so do the padded rows of every port...
     3. ...except `position_ids`, whose padded rows continue the sequence: past + i.
     """
@@ -148,6 +151,8 @@ def plan_forward(
             f"position_ids port {position_ids!r} is not among the per-token ports given "
             f"({sorted(ports)}); pass its array or name no position_ids port")
     width = padded_width(rows, tiers, room) if enabled else rows
+    if even:
+        width = even_width(width, room)
     extra = width - rows
     if extra == 0:
         return PaddedForward(rows, width, past, tokens, ports)
@@ -160,6 +165,28 @@ def plan_forward(
             tail = np.repeat(array[:, -1:], extra, axis=1)
         padded_ports[name] = np.concatenate([array, tail], axis=1)
     return PaddedForward(rows, width, past, padded_tokens, padded_ports)
+
+
+def even_width(width: int, room: int | None) -> int:
+    """The width of a prompt forward in exact mode: an odd width of more than one row gets one
+    padded row more (CapacityError when no position is left for it).
+
+    ONNX Runtime's CPU GroupQueryAttention computes a forward's query rows in blocks from its
+    first row (2 x head size rows each), and a block of one row takes MLAS's one-row GEMM,
+    which sums in another order: the last row of a forward of k x block + 1 rows differs in
+    its last bits from the same row computed beside others (docs/row_grouping.md). A forward
+    of an even number of rows never leaves a row alone in a block of an even size. One row
+    runs as it is: the decode width, and a prompt's only row from an empty cache, which
+    attends to itself alone.
+    """
+    if width == 1 or width % 2 == 0:
+        return width
+    if room is not None and width + 1 > room:
+        raise CapacityError(
+            f"exact mode pads a forward of {width} rows to {width + 1} (an even width), and only "
+            f"{room} positions are left before the KV capacity; raise the capacity by one or "
+            "shorten the request")
+    return width + 1
 
 
 def resolve_padding(
