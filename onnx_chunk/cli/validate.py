@@ -119,6 +119,9 @@ def write_junit(report: Report, target: Path) -> None:
               help="Fail reference.max_logits_diff above X (default: report only).")
 @click.option("--reference-min-agreement", type=float, default=None, metavar="P",
               help="Fail reference.greedy_agreement below P in [0, 1] (default: report only).")
+@click.option("--exact", is_flag=True,
+              help="Run every runtime in exact mode and compare bit for bit (a tolerance of 0; "
+                   "docs/row_grouping.md).")
 @click.option("--progress/--no-progress", default=None,
               help="Show a progress bar on stderr (default: when stderr is a terminal).")
 @QUIET_OPTION
@@ -128,7 +131,7 @@ def validate(ctx: click.Context, model_path: Path, as_json: bool, junit: Path | 
              seed: int, chunk_size: int | None, atol: float | None, max_input_len: int | None,
              decode_model: Path | None, reference: Path | None,
              reference_max_logits_diff: float | None, reference_min_agreement: float | None,
-             progress: bool | None, quiet: bool) -> None:
+             exact: bool, progress: bool | None, quiet: bool) -> None:
     """Check that MODEL_PATH (a .onnx file or its folder) is safe for chunked prefill.
 
     Exit code 0 when every check passed (or was skipped), 1 when one failed, 2 when the model
@@ -140,7 +143,7 @@ def validate(ctx: click.Context, model_path: Path, as_json: bool, junit: Path | 
         new_tokens=new_tokens, provider=provider, seed=seed, chunk_size=chunk_size,
         atol=atol, max_input_len=max_input_len, decode_model=decode_model,
         reference=reference, reference_max_logits_diff=reference_max_logits_diff,
-        reference_min_agreement=reference_min_agreement)
+        reference_min_agreement=reference_min_agreement, exact=exact)
     if junit is not None:
         protected = model_files(model_path, decode_model)
         if reference is not None and reference.exists():

@@ -58,7 +58,7 @@ LOGITS_ROWS_CHOICES = ("auto", "on", "off")
 HEAD_OPS = ("MatMul", "MatMulNBits", "Gemm")
 # Row-wise nodes allowed between the lm_head and the logits (their other operands constant).
 ROW_WISE_OPS = ("Add", "Sub", "Mul", "Div", "Tanh", "Cast", "Softcap", "Identity")
-_NODE_PREFIX = f"onnx_chunk/{LOGITS_ROWS}/"
+NODE_PREFIX = f"onnx_chunk/{LOGITS_ROWS}/"
 
 
 class LogitsRowsPass(ir.passes.InPlacePass):
@@ -110,7 +110,7 @@ def _wire(graph: ir.Graph, head: ir.Node, chain: list[ir.Value]) -> None:
     assert hidden is not None, "find_lm_head checked the head's input"
 
     def node(name: str, kind: str, inputs: list[ir.Value | None], **attributes) -> ir.Node:
-        return ir.node(kind, inputs, attributes or None, name=f"{_NODE_PREFIX}{name}")
+        return ir.node(kind, inputs, attributes or None, name=f"{NODE_PREFIX}{name}")
 
     def constant(name: str, value: np.ndarray) -> ir.Node:
         return node(name, "Constant", [], value=ir.tensor(value))
@@ -146,7 +146,7 @@ def _unwire(graph: ir.Graph) -> bool:
     rows = _graph_input(graph)
     if rows is None:
         return False
-    gather = next((node for node in graph if node.name == f"{_NODE_PREFIX}gather"), None)
+    gather = next((node for node in graph if node.name == f"{NODE_PREFIX}gather"), None)
     if gather is not None:
         hidden = gather.inputs[0]
         assert hidden is not None
@@ -161,7 +161,7 @@ def _unwire(graph: ir.Graph) -> bool:
                         str(value.shape[1]) == LOGITS_ROWS:
                     value.shape = _with_rows(value.shape, query)
                     values += [out for consumer in value.consumers() for out in consumer.outputs]
-    ours = [node for node in graph if node.name and node.name.startswith(_NODE_PREFIX)]
+    ours = [node for node in graph if node.name and node.name.startswith(NODE_PREFIX)]
     graph.remove(ours, safe=True)
     graph.inputs.remove(rows)
     graph.initializers.pop(LOGITS_ROWS, None)

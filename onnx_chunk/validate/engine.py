@@ -13,7 +13,9 @@ Across slot counts nothing that strong holds: a kernel may be chosen by the numb
 (MatMulNBits on an INT4 decoder picks another kernel for 8 rows than for 1), so a near-tie
 between two tokens can fall the other way. The same prompts through one sequence (one row per
 decode) are compared and reported, not failed: where the tokens part, the single-slot run's
-logit margin (top-1 minus top-2) at that step says how near the tie was.
+logit margin (top-1 minus top-2) at that step says how near the tie was. In exact mode
+(`--exact`) the kernels a decode row runs do not depend on the slot count either
+(docs/row_grouping.md): there the one sequence's tokens must equal the batched ones too.
 """
 
 from __future__ import annotations
@@ -169,6 +171,12 @@ def batched_decode_verdict(runs: EngineRuns,
             return (Outcome.FAILED, f"at {runs.slots} slots the prompt of length {length} "
                     f"gives {batched} when batched with the others but {alone} alone: a "
                     "request's tokens depend on which requests share its steps", details)
+    if parted and settings.exact:
+        entry = parted[0]
+        return (Outcome.FAILED, f"in exact mode the prompt of length {entry['length']} gives "
+                f"other tokens through one sequence (one decode row) than batched on "
+                f"{runs.slots} slots, from step {entry['step']}: a decode row's numbers depend "
+                "on the slot count here", details)
     if parted:
         across = (f"{len(parted)} of {len(lengths)} part from one sequence's (one decode row), "
                   "at logit margins " + ", ".join(f"{entry['single_slot_margin']:.3g} (length "

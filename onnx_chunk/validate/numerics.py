@@ -12,13 +12,19 @@ Three runtimes of the model run one after another (each closed before the next i
    reference's tokens (the runtime's greedy choice at every row recorded, never fed), compared
    with the reference as soon as it finishes and let go.
 
-The noise floor is measured on the chunked runtime before its runs: the same prefix rows
-computed from an empty cache in forwards of different row counts (1, 2, q/2 + 1 and q rows,
-q = min(W, longest prompt, 64)), which are mathematically equal, so any difference is the
-kernels' own rounding (an INT4 MatMulNBits sums in another order for another row count). A check
-passes when its difference is within `--atol` when given, else within max(base atol, margin x
-floor). Greedy tokens must agree except at a near-tie: where the reference's top two logits are
-within the logits tolerance.
+The noise floor follows the kernels the compared runs use: for every forward width n those
+runs make (each prompt's whole forward and its boundary prefixes, each chunk, each padded
+width; n >= 2), the rows of a forward of n rows from an empty cache against the same rows in a
+forward of n + 1 rows (the last row's logits, read through `last_row_graph` with `from_end` 1,
+and every row's KV). Those rows are mathematically equal, so any difference is the kernels'
+rounding by row count: ONNX Runtime's CPU GroupQueryAttention computes a forward's rows in
+blocks from its first row, and the last row of a forward of k blocks + 1 rows, alone in its
+block, takes MLAS's one-row GEMM (docs/row_grouping.md); another CPU or kernel may split rows
+by threads or tiles. No past is involved, so a bug in how a chunk continues a past (positions,
+KV offsets, padded rows) cannot hide in the floor. A check passes when its difference is within
+`--atol` when given, else within max(base atol, margin x floor). Greedy tokens must agree except
+at a near-tie: where the reference's top two logits are within the logits tolerance. In exact
+mode (`--exact`) every runtime runs exactly and the tolerance is 0: no floor is measured.
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ from typing import Any
 import numpy as np
 
 from onnx_chunk.errors import OnnxChunkError
+from onnx_chunk.ladder import padded_width
 from onnx_chunk.runtime import Runtime
+from onnx_chunk.runtime.engine.scheduler import prefill_chunks
 from onnx_chunk.validate.checks import NUMERICS
 from onnx_chunk.validate.prompts import seeded_prompt
 from onnx_chunk.validate.reference import last_row_graph
@@ -55,8 +63,6 @@ MODES = (WHOLE, CHUNKED, PADDED)
 LOGITS, KV = "logits", "kv"
 # Rows compared at a time, so the float64 differences stay small on a large vocabulary.
 _ROW_BLOCK = 64
-# The widest forward of the noise floor (rows of [rows, vocab] logits on the host).
-FLOOR_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,8 @@ class LengthComparison:
 @dataclass(frozen=True)
 class NoiseFloor:
     """The largest difference between mathematically equal rows of forwards of different row
-    counts, for logits and KV; `rows`: the row counts compared; `note`: why a floor is 0."""
+    counts, for logits and KV; `rows`: the widths n compared (each against n + 1 rows);
+    `note`: why a floor is 0."""
 
     logits: float
     kv: float
@@ -129,16 +136,19 @@ def compare_modes(model_path: Path, settings: RunSettings, advance: Advance) -> 
     """Run the three modes one runtime at a time; the per-length comparisons, the noise floor
     and notes on how each mode ran."""
     notes: dict[str, str] = {}
-    references = _references(model_path, settings, advance, notes)
+    widths = () if settings.exact else floor_widths(settings)
+    references, shorter = _references(model_path, settings, advance, notes, widths)
     comparisons = [LengthComparison(reference.length, {WHOLE: reference.tokens}, {}, {})
                    for reference in references]
-    floor = NoiseFloor(0.0, 0.0, ())
+    floor = (NoiseFloor(0.0, 0.0, (), "exact mode compares bit for bit")
+             if settings.exact else noise_floor(model_path, settings, shorter))
+    del shorter
     for mode in (CHUNKED, PADDED):
         with load_runtime(model_path, settings, chunk_size=settings.chunk_size,
                           padding=mode == PADDED) as runtime:
             if mode == CHUNKED:
-                floor = noise_floor(runtime, settings)
-                notes[CHUNKED] = f"chunked at W={runtime.stats.chunk_size}"
+                notes[CHUNKED] = (f"chunked at W={runtime.stats.chunk_size}"
+                                  + (" in exact mode" if settings.exact else ""))
             for reference, comparison in zip(references, comparisons):
                 run = chunked_run(runtime, reference, settings)
                 advance(f"{mode} {reference.length}")
@@ -160,15 +170,21 @@ def compare_modes(model_path: Path, settings: RunSettings, advance: Advance) -> 
 
 
 def _references(model_path: Path, settings: RunSettings, advance: Advance,
-                notes: dict[str, str]) -> list[PromptRun]:
+                notes: dict[str, str], widths: tuple[int, ...]) -> tuple[
+                    list[PromptRun], dict[int, FloorRows]]:
     """The reference runs of every length, on the last-row copy of the graph when one can be
-    made (held in memory: the model's folder is never written)."""
-    try:
-        graph = last_row_graph(model_path)
-    except OSError as error:
-        logger.info("no last-row copy of %s (%s); the reference computes every row",
-                    model_path, error)
-        graph = None
+    made (held in memory: the model's folder is never written), and the noise floor's shorter
+    forwards: n rows of each width in `widths`, from an empty cache. In exact mode the
+    reference runs the model's own graph (exact mode refuses last-row decoders: an odd forward
+    gets a padded row), which computes every row's logits unless it was converted with logits
+    rows."""
+    graph = None
+    if not settings.exact:
+        try:
+            graph = last_row_graph(model_path)
+        except OSError as error:
+            logger.info("no last-row copy of %s (%s); the reference computes every row",
+                        model_path, error)
     with load_runtime(model_path, settings, chunk_size=settings.capacity, padding=False,
                       graph=graph) as runtime:
         if runtime.debug.ports.last_row_logits and graph is None:
@@ -177,31 +193,81 @@ def _references(model_path: Path, settings: RunSettings, advance: Advance,
         for length in settings.lengths:
             references.append(reference_run(runtime, length, settings))
             advance(f"{WHOLE} {length}")
-    return references
+        shorter = {width: floor_rows(runtime, floor_ids(runtime, width, settings)[:width])
+                   for width in widths}
+    return references, shorter
 
 
-def noise_floor(runtime: Runtime, settings: RunSettings) -> NoiseFloor:
-    """The kernels' noise on mathematically equal rows: the first p rows of a forward of q
-    rows against a forward of those p rows alone (p = 1, 2, q/2 + 1), from an empty cache."""
-    with runtime.open_sequence() as sequence:
-        windows = [port.window for port in sequence.buffers.kv_ports if port.window]
-    widest = min([max(settings.lengths), runtime.stats.chunk_size, FLOOR_ROWS, *windows])
-    if widest < 2:
-        return NoiseFloor(0.0, 0.0, (widest,), "no prompt of two rows to compare")
-    ids = seeded_prompt(runtime.stats.vocab_size, max(settings.lengths), settings.seed)[:widest]
-    logits, kv = prefix_forward(runtime, ids)
+def floor_widths(settings: RunSettings) -> tuple[int, ...]:
+    """Every forward width of at least two rows the compared runs make, below the capacity:
+    each prompt's whole forward and boundary prefixes (reference), its chunks (chunked) and
+    their ladder widths (padded, `settings.tiers`)."""
+    widths = set()
+    for length in settings.lengths:
+        chunks = prefill_chunks(length, settings.chunk_size)
+        widths.add(length)
+        widths.update(end for _, end in chunks[:-1])
+        for begin, end in chunks:
+            widths.add(end - begin)
+            if settings.tiers:
+                widths.add(padded_width(end - begin, settings.tiers, settings.capacity - begin))
+    return tuple(sorted(width for width in widths if 2 <= width < settings.capacity))
+
+
+def floor_ids(runtime: Runtime, width: int, settings: RunSettings) -> np.ndarray:
+    """The noise floor's ids for width n: n + 1 seeded ids (the first n for the shorter
+    forward)."""
+    return seeded_prompt(runtime.stats.vocab_size, width + 1, settings.seed)
+
+
+@dataclass(frozen=True)
+class FloorRows:
+    """One side of a noise floor pair: its row's logits (None when the decoder cannot give
+    that row alone) and the KV it wrote, each buffer's positions on the leading axis."""
+
+    logits: np.ndarray | None
+    kv: list[np.ndarray]
+
+
+def floor_rows(runtime: Runtime, ids: np.ndarray) -> FloorRows:
+    """One forward of `ids` from an empty cache on a runtime whose decoder returns one row's
+    logits (the last, or the one `last_row_graph`'s `from_end` names): that row and the KV."""
+    logits, kv = prefix_forward(runtime, ids, every=False)
+    return FloorRows(logits, kv)
+
+
+def noise_floor(model_path: Path, settings: RunSettings,
+                shorter: dict[int, FloorRows]) -> NoiseFloor:
+    """The kernels' noise where the compared runs put rows (module docstring): for each width
+    n of `shorter` (its forwards of n rows), a forward of n + 1 rows on a copy of the graph
+    whose LM head reads the row before the last, compared on row n - 1's logits and the KV of
+    the first n rows."""
+    if not shorter:
+        return NoiseFloor(0.0, 0.0, (), "no forward of two rows to compare")
+    try:
+        graph = last_row_graph(model_path, from_end=1)
+    except OSError as error:
+        logger.info("no copy of %s reading the row before the last (%s)", model_path, error)
+        graph = None
     worst = {LOGITS: 0.0, KV: 0.0}
-    counts = sorted({1, 2, widest // 2 + 1} & set(range(1, widest)))
-    for rows in counts:
-        part_logits, part_kv = prefix_forward(runtime, ids[:rows])
-        if logits is not None and part_logits is not None:
-            worst[LOGITS] = max(worst[LOGITS],
-                                max_abs_difference((logits[:rows],), (part_logits,)))
-        worst[KV] = max(worst[KV], max_abs_difference(tuple(array[:rows] for array in kv),
-                                                      tuple(part_kv)))
-    note = ("the decoder returns the last row's logits only, so its logits floor is 0"
-            if logits is None else None)
-    return NoiseFloor(worst[LOGITS], worst[KV], (*counts, widest), note)
+    note = None
+    with load_runtime(model_path, settings, chunk_size=settings.capacity, padding=False,
+                      graph=graph) as runtime:
+        one_row = runtime.debug.ports.last_row_logits
+        for width, first in shorter.items():
+            ids = floor_ids(runtime, width, settings)
+            # Without the copy the decoder gives every row's logits (its head was not found)
+            # or its last row's only (then no logits floor).
+            logits, kv = prefix_forward(runtime, ids, every=not one_row)
+            row = logits if graph is not None else None if one_row else logits[-2]
+            if first.logits is None or row is None:
+                note = "the decoder returns the last row's logits only, so its logits floor is 0"
+            else:
+                worst[LOGITS] = max(worst[LOGITS], max_abs_difference(
+                    (first.logits[None],), (row[None],)))
+            worst[KV] = max(worst[KV], max_abs_difference(
+                tuple(first.kv), tuple(array[:width] for array in kv)))
+    return NoiseFloor(worst[LOGITS], worst[KV], tuple(shorter), note)
 
 
 def _logits_difference(reference: PromptRun, run: PromptRun) -> float:

@@ -1,17 +1,22 @@
-"""The whole-prompt reference graph: the decoder with its LM head applied to the last row only.
+"""The whole-prompt reference graph and the noise floor's: the decoder with its LM head
+applied to one row of each forward, the last or one before it.
 
 A whole-prompt forward of L rows makes [L, vocab] logits inside ONNX Runtime (726 MB for 1195
 rows of a 151936-token vocabulary in float32), more than serving ever holds (it prefills W rows
 at a time). The reference forwards compare only last rows (each chunk boundary's row comes
 from a whole forward of that prefix), so they run on a copy of the graph whose LM head sees
 the last row alone: its logits are [batch, 1, vocab] and the runtime treats it as a decoder
-with last-row logits.
+with last-row logits. The noise floor (numerics) reads the row before the last of a forward
+one row longer, the same way (`from_end` 1).
 
 Rules of `last_row_graph`:
 1. The LM head is the MatMul-like node (MatMul, MatMulNBits, FusedMatMul, Gemm) reached from
    the `logits` output through elementwise nodes whose other inputs are constants (a Cast, a
-   bias Add, a softcap's Div, Tanh and Mul). Its activation input gets a Slice of the last
-   row on axis 1, and the `logits` output's row dimension becomes 1.
+   bias Add, a softcap's Div, Tanh and Mul). Its activation input gets a Slice of the row
+   `from_end` rows before the last on axis 1, and the `logits` output's row dimension
+   becomes 1. On a decoder converted with logits rows (`passes.logits_rows`), the Slice takes
+   the rows before that pass's Gather, which the head then bypasses (the `logits_rows` input
+   stays, read by nothing).
 2. A decoder whose logits already keep one row, or whose LM head is not found that way, is
    used as it is (None).
 3. The copy is the serialized graph alone, run in place of the file's (`Runtime(graph=...)`):
@@ -28,6 +33,8 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
+from onnx_chunk.passes.logits_rows import NODE_PREFIX as LOGITS_ROWS_NODES
+
 logger = logging.getLogger(__name__)
 
 _HEADS = {"MatMul", "MatMulNBits", "FusedMatMul", "Gemm"}
@@ -35,17 +42,19 @@ _ELEMENTWISE = {"Cast", "Add", "Sub", "Mul", "Div", "Tanh", "Identity"}
 _LOGITS = "logits"
 
 
-def last_row_graph(model_path: Path) -> bytes | None:
-    """The serialized last-row reference copy of `model_path`'s graph (its external data
-    left where it is), or None when the decoder is used as it is (rule 2)."""
+def last_row_graph(model_path: Path, from_end: int = 0) -> bytes | None:
+    """The serialized copy of `model_path`'s graph whose LM head sees the row `from_end` rows
+    before each forward's last (its external data left where it is), or None when the
+    decoder is used as it is (rule 2)."""
     proto = onnx.load(str(model_path), load_external_data=False)
-    if not slice_last_row(proto.graph):
+    if not slice_last_row(proto.graph, from_end):
         return None
     return proto.SerializeToString()
 
 
-def slice_last_row(graph: onnx.GraphProto) -> bool:
-    """Rules 1 and 2 on `graph`, in place: whether its LM head now sees the last row only."""
+def slice_last_row(graph: onnx.GraphProto, from_end: int = 0) -> bool:
+    """Rules 1 and 2 on `graph`, in place: whether its LM head now sees one row only, the row
+    `from_end` rows before the last."""
     output = next((value for value in graph.output if value.name == _LOGITS), None)
     if output is None:
         return False
@@ -65,15 +74,19 @@ def slice_last_row(graph: onnx.GraphProto) -> bool:
         logger.info("no LM head found before the logits; the reference computes every row")
         return False
     rows = node.input[0]
-    last = f"{rows}/validate_last_row"
+    chosen = producers.get(rows)
+    if chosen is not None and chosen.name == f"{LOGITS_ROWS_NODES}gather":
+        rows = chosen.input[0]  # the rows before logits_rows' Gather (rule 1)
+    last = f"{rows}/validate_row_{from_end}_from_end"
+    end = -from_end if from_end else 2**62
     bounds = [helper.make_tensor(f"{last}/{name}", TensorProto.INT64, [1], [value])
-              for name, value in (("starts", -1), ("ends", 2**62), ("axes", 1))]
+              for name, value in (("starts", -1 - from_end), ("ends", end), ("axes", 1))]
     graph.initializer.extend(bounds)
     node.input[0] = last
     nodes = list(graph.node)
     # Just before the head, whose input is produced earlier: the graph stays sorted.
     nodes.insert(nodes.index(node), helper.make_node(
-        "Slice", [rows] + [bound.name for bound in bounds], [last], name="validate_last_row"))
+        "Slice", [rows] + [bound.name for bound in bounds], [last], name=last))
     del graph.node[:]
     graph.node.extend(nodes)
     dims[1].Clear()

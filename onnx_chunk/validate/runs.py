@@ -36,7 +36,8 @@ class RunSettings:
     """How the dynamic decoder is exercised: one setting per option, resolved once.
 
     `atol` is the base tolerance (the provider's default, or `--atol` when `atol_given`);
-    `margin` multiplies the kernels' measured noise floor (numerics).
+    `margin` multiplies the kernels' measured noise floor (numerics); `tiers`: the ladder a
+    runtime at `chunk_size` pads to; `exact`: every runtime in exact mode, compared bit for bit.
     """
 
     provider: str
@@ -48,6 +49,8 @@ class RunSettings:
     atol: float
     atol_given: bool = False
     margin: float = 4.0
+    tiers: tuple[int, ...] = ()
+    exact: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,8 @@ def load_runtime(model_path: Path, settings: RunSettings, *, chunk_size: int,
     (per-width variants on CUDA, one shape-generic session on CPU); `graph`: an edited copy
     of its graph to run instead."""
     return load(model_path, provider=settings.provider, capacity=settings.capacity,
-                chunk_size=chunk_size, padding=padding, max_batch=max_batch, graph=graph)
+                chunk_size=chunk_size, padding=padding, max_batch=max_batch, graph=graph,
+                exact=settings.exact)
 
 
 def boundaries(length: int, chunk_size: int) -> list[int]:
@@ -202,26 +206,20 @@ def generate_prompt(runtime: Runtime, length: int, settings: RunSettings) -> lis
         return sequence.generate(ids, settings.new_tokens)
 
 
-def prefix_forward(runtime: Runtime, ids: np.ndarray) -> tuple[np.ndarray | None,
-                                                                list[np.ndarray]]:
-    """One forward of `ids` from an empty cache: every row's logits (None for a decoder that
-    returns the last row only) and the KV it wrote, each buffer's positions moved to the
-    leading axis (recurrent states, which hold no positions, are left out)."""
+def prefix_forward(runtime: Runtime, ids: np.ndarray, *, every: bool) -> tuple[
+        np.ndarray, list[np.ndarray]]:
+    """One forward of `ids` from an empty cache: the logits (every row's [rows, vocab] with
+    `every`, else the row the decoder returns last [vocab]) and the KV it wrote, each buffer's
+    positions moved to the leading axis (recurrent states, which hold no positions, are left
+    out)."""
     with runtime.open_sequence() as sequence:
-        logits = _prefill_rows(sequence, ids, every=not runtime.debug.ports.last_row_logits)
+        logits = sequence.prefill(ids, all_logits=every)
         kv = kv_snapshot(runtime, sequence.buffers, sequence.length)
         axes = {binding.input: binding.capacity_axis
                 for binding in runtime.debug.plan.capacity_inputs}
         ports = sequence.buffers.kv_ports
         return logits, [np.moveaxis(array, axes[port.input], 0)
                         for port, array in zip(ports, kv)]
-
-
-def _prefill_rows(sequence: Sequence, ids: np.ndarray, every: bool) -> np.ndarray | None:
-    if every:
-        return sequence.prefill(ids, all_logits=True)
-    sequence.prefill(ids)
-    return None
 
 
 def margin(logits: np.ndarray) -> float:

@@ -23,6 +23,7 @@ from onnx_chunk.metadata import ChunkPlan, window_capacity
 from onnx_chunk.passes import DEFAULT_CHUNK_SIZE
 from onnx_chunk.runtime import Runtime
 from onnx_chunk.runtime.device.provider import PROVIDER_CHOICES, resolve_device
+from onnx_chunk.runtime.options import resolve_tiers
 from onnx_chunk.static.model import check_fixed_sizes
 from onnx_chunk.validate.agreement import (
     ReferenceModel,
@@ -92,6 +93,7 @@ class ValidationOptions:
     reference: str | os.PathLike | None = None
     reference_max_logits_diff: float | None = None
     reference_min_agreement: float | None = None
+    exact: bool = False
 
     def __post_init__(self) -> None:
         if self.provider not in PROVIDER_CHOICES:
@@ -112,6 +114,11 @@ class ValidationOptions:
                                       or not isinstance(self.atol, (int, float))
                                       or not (self.atol >= 0 and math.isfinite(self.atol))):
             raise ConfigError(f"atol must be a finite number >= 0, got {self.atol!r}")
+        if not isinstance(self.exact, bool):
+            raise ConfigError(f"exact must be True or False, got {self.exact!r}")
+        if self.exact and self.atol:
+            raise ConfigError(f"exact (--exact) compares bit for bit, a tolerance of 0; drop "
+                              f"atol (--atol {self.atol:g})")
         thresholds = [name for name, value in (
             ("reference_max_logits_diff (--reference-max-logits-diff)",
              self.reference_max_logits_diff),
@@ -326,8 +333,12 @@ def _run_settings(plan: ChunkPlan, options: ValidationOptions, provider: str,
     if limit is not None:
         capacity = min(capacity, limit)
     capacity = max(capacity, window_capacity(plan.capacity_inputs, limit))
-    return RunSettings(provider=provider, capacity=max(capacity, 2),
-                       chunk_size=min(chunk_size, capacity), lengths=lengths,
-                       new_tokens=new_tokens, seed=options.seed,
-                       atol=options.atol if options.atol is not None else default_atol,
-                       atol_given=options.atol is not None, margin=NOISE_MARGIN)
+    capacity = max(capacity, 2)
+    chunk_size = min(chunk_size, capacity)
+    exact = options.exact
+    return RunSettings(provider=provider, capacity=capacity, chunk_size=chunk_size,
+                       lengths=lengths, new_tokens=new_tokens, seed=options.seed,
+                       atol=0.0 if exact else options.atol if options.atol is not None
+                       else default_atol,
+                       atol_given=exact or options.atol is not None, margin=NOISE_MARGIN,
+                       tiers=resolve_tiers(plan, chunk_size), exact=exact)

@@ -211,7 +211,7 @@ def test_the_reference_runs_first_and_no_two_runtimes_are_held_at_once(folder, m
     assert not report.failed
     paths = [path for path, _ in loaded]
     assert paths[0].parent == original and paths[-1].parent == subject
-    assert len(paths) == 6  # reference, numerics' three, served (cache, engine), subject
+    assert len(paths) == 7  # reference, numerics' three and floor, served, subject
     assert all(runtime.closed for _, runtime in loaded)
 
 

@@ -8,7 +8,7 @@ import pytest
 from onnx_chunk.validate import Outcome, ValidationOptions, resolve_skip, validate_model
 from tests.exports.corpus import ROOT
 
-from .mutations import edit_graph, past_one_short, seqlens_without_past
+from .mutations import edit_graph, past_one_short, rounds_by_row_count, seqlens_without_past
 
 EXPORTS = ("genai-llama-fp32", "genai-llama-int4", "genai-qwen3-int4")
 # One prompt inside a chunk, one over three chunks (8, 7, 2 after the one-row borrow) and one
@@ -96,3 +96,69 @@ def test_padded_rows_leaking_into_the_cache_fail_the_padded_run(monkeypatch, nam
             checks[check].reason)
         chunked = checks[check].details["max_abs_difference"]["chunked"]
         assert max(chunked) <= checks[check].details["tolerance"]
+
+
+FAKES = ("lone block", "threads")
+
+
+@pytest.mark.parametrize("name", ["genai-llama-fp32", "genai-llama-int4"])
+@pytest.mark.parametrize("kind", FAKES)
+def test_a_kernel_that_rounds_by_row_count_passes_on_the_floor_it_makes(tmp_path, name, kind):
+    """A fake kernel moves rows by the forward's row count only (the last row of 2 x 8 + 1
+    rows alone in its block, or the second half of the rows as a second thread's): chunked and
+    whole forwards then differ far beyond the base tolerance, and the floor, measured on the
+    widths the runs use, carries it."""
+    import shutil
+
+    folder = tmp_path / name
+    shutil.copytree(ROOT / name, folder)
+    edit_graph(folder / "model.onnx", rounds_by_row_count(layer=0, kind=kind))
+    report = validate_model(folder, OPTIONS)
+    checks = _checks(report)
+    assert not report.failed, report.to_table()
+    for check in ("numerics.logits", "numerics.kv_prefix"):
+        details = checks[check].details
+        assert details["max_abs_difference_overall"] > details["base_atol"]
+        assert details["floor"] > 0 and 17 in details["floor_rows"]
+
+
+@pytest.mark.parametrize("kind", FAKES)
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+def test_a_broken_export_fails_beside_a_kernel_that_rounds_by_row_count(tmp_path, kind,
+                                                                        mutation):
+    import shutil
+
+    folder = tmp_path / "broken"
+    shutil.copytree(ROOT / "genai-llama-int4", folder)
+    edit_graph(folder / "model.onnx", rounds_by_row_count(layer=0, kind=kind))
+    edit_graph(folder / "model.onnx", MUTATIONS[mutation])
+    checks = _checks(validate_model(folder, OPTIONS))
+    for check in ("numerics.logits", "numerics.kv_prefix"):
+        assert checks[check].outcome is Outcome.FAILED, checks[check].reason
+        details = checks[check].details
+        assert details["max_abs_difference_overall"] > 10 * details["tolerance"]
+
+
+@pytest.mark.parametrize("name", EXPORTS)
+def test_exact_mode_passes_bit_for_bit(name):
+    report = validate_model(ROOT / name, ValidationOptions(
+        provider="cpu", chunk_size=8, lengths=(5, 17, 13, 9), new_tokens=3, exact=True,
+        skip=resolve_skip(["cache"])))
+    checks = _checks(report)
+    assert not report.failed, report.to_table()
+    for check in ("numerics.logits", "numerics.kv_prefix"):
+        details = checks[check].details
+        assert details["tolerance"] == 0.0 and details["max_abs_difference_overall"] == 0.0
+
+
+def test_exact_mode_fails_a_kernel_that_rounds_by_row_count(tmp_path):
+    import shutil
+
+    folder = tmp_path / "threads"
+    shutil.copytree(ROOT / "genai-llama-fp32", folder)
+    edit_graph(folder / "model.onnx", rounds_by_row_count(layer=0, kind="threads"))
+    checks = _checks(validate_model(folder, ValidationOptions(
+        provider="cpu", chunk_size=8, lengths=(5, 17, 13), new_tokens=3, exact=True,
+        skip=resolve_skip(["cache", "engine"]))))
+    assert checks["numerics.logits"].outcome is Outcome.FAILED
+    assert "--atol 0" in checks["numerics.logits"].reason

@@ -178,3 +178,11 @@ def test_validate_folder_refuses_a_filename_outside_it(base, tmp_path, capsys):
     code, out, err = _run(capsys, model.parent)
     assert code == 2 and out == ""
     assert "outside the model's folder" in err and len(err.strip().splitlines()) == 1
+
+
+def test_exact_with_a_tolerance_is_refused(capsys):
+    from tests.cli_output import one_error_line
+    from tests.exports.corpus import ROOT
+
+    assert main(["validate", str(ROOT / "genai-llama-fp32"), "--exact", "--atol", "0.1"]) == 2
+    one_error_line(capsys, "--exact", "--atol 0.1")

@@ -75,14 +75,15 @@ def _fake(monkeypatch, *, floor=0.0, shifts=None, tokens=None, margins=(5.0, 5.0
     row and chooses `tokens[9]`; the reference's top-2 margins are `margins`."""
     shifts, tokens = shifts or {}, tokens or {}
     _Runtime.open_now = _Runtime.most_open = 0
-    monkeypatch.setattr(numerics, "last_row_graph", lambda model: None)
+    monkeypatch.setattr(numerics, "last_row_graph", lambda model, from_end=0: None)
     monkeypatch.setattr(numerics, "load_runtime",
                         lambda model, settings, *, chunk_size, padding, graph=None:
                         _Runtime(chunk_size, padding))
     monkeypatch.setattr(numerics, "reference_run",
                         lambda runtime, length, settings: _run(length, margins=margins))
+    monkeypatch.setattr(numerics, "floor_widths", lambda settings: ())
     monkeypatch.setattr(numerics, "noise_floor",
-                        lambda runtime, settings: numerics.NoiseFloor(floor, floor, (1, 2, 8)))
+                        lambda model, settings, shorter: numerics.NoiseFloor(floor, floor, (2, 8)))
 
     def chunked(runtime, reference, settings):
         chunked_mode = runtime.stats.padding == "off"
