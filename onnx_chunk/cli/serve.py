@@ -68,13 +68,17 @@ _CACHE_MODES: dict[str, dict[str, Any]] = {
 @click.option("--speculative", type=click.Choice(SPECULATIVE_CHOICES), default=None,
               help="Draft tokens by prompt lookup and verify them in one forward (greedy "
                    "output unchanged, sampled output exact in distribution).")
+@click.option("--exact", is_flag=True,
+              help="Exact mode: a request's numbers do not depend on how its rows were "
+                   "grouped (chunks, batch neighbours, reused prefixes), bit for bit; "
+                   "refuses --speculative (docs/row_grouping.md).")
 @click.option("--cache", "cache_mode", type=click.Choice(sorted(_CACHE_MODES)), default="auto",
               hidden=True, help="Development: the variant cache's keying (exact: per shape).")
 def serve(model: Path, host: str, port: int, batch: int, queue: int,
           api_keys: tuple[str, ...], share_prefixes: bool, provider: str,
           capacity: int | None, max_body_bytes: int | None, max_answer_bytes: int | None,
           parse_special_in_content: bool, prefix_reuse: bool, speculative: str | None,
-          cache_mode: str) -> None:
+          exact: bool, cache_mode: str) -> None:
     try:
         from onnx_chunk.serve import create_app
         from onnx_chunk.serve.app import DEFAULT_MAX_ANSWER_BYTES, DEFAULT_MAX_BODY_BYTES
@@ -94,7 +98,7 @@ def serve(model: Path, host: str, port: int, batch: int, queue: int,
     with contextlib.closing(listener), load(model, provider=provider, capacity=capacity,
                                             max_batch=batch, max_queue=queue,
                                             prefix_reuse=prefix_reuse,
-                                            speculative=speculative,
+                                            speculative=speculative, exact=exact,
                                             **_CACHE_MODES[cache_mode]) as runtime:
         app = create_app(
             runtime, api_key=list(api_keys), share_prefixes=share_prefixes,
@@ -106,6 +110,7 @@ def serve(model: Path, host: str, port: int, batch: int, queue: int,
         bound_host, bound_port = listener.getsockname()[:2]
         click.echo(f"listening on http://{bound_host}:{bound_port} ({runtime.stats.provider}, "
                    f"batch {batch}, capacity {runtime.stats.capacity}, prefix reuse "
-                   f"{'on' if prefix_reuse else 'off'})", err=True)
+                   f"{'on' if prefix_reuse else 'off'}{', exact' if exact else ''})",
+                   err=True)
         server.run(sockets=[listener])
     click.echo("stopped", err=True)

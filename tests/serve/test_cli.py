@@ -51,3 +51,25 @@ def test_speculative_decoding_on_a_decoder_that_cannot_take_drafts_back_is_refus
     assert main(["serve", str(lfm2), "--provider", "cpu", "--port", "0",
                  "--speculative", "prompt-lookup"]) == 2
     one_error_line(capsys, "speculative", "recurrent state")
+
+
+def test_exact_mode_with_speculative_decoding_is_refused(capsys):
+    assert main(["serve", str(EXPORT), "--provider", "cpu", "--port", "0", "--exact",
+                 "--speculative", "prompt-lookup"]) == 2
+    one_error_line(capsys, "exact mode", "speculative")
+
+
+def test_exact_reaches_the_runtime(monkeypatch, capsys):
+    import onnx_chunk.runtime
+    from onnx_chunk.errors import ConfigError
+
+    asked = {}
+
+    def load(model, **options):
+        asked.update(options)
+        raise ConfigError("stopped before serving")
+
+    monkeypatch.setattr(onnx_chunk.runtime, "load", load)
+    assert main(["serve", str(EXPORT), "--provider", "cpu", "--port", "0", "--exact"]) == 2
+    one_error_line(capsys, "stopped before serving")
+    assert asked["exact"] is True
