@@ -20,7 +20,7 @@ the tokens agree), the mean cached tokens per turn, and the fresh arm's differin
 largest logprob difference; then the load average before and after.
 
     .venv/bin/python scripts/bench_reuse.py [MODEL] [--conversations 200] [--turns 3]
-        [--max-tokens 16] [--time-limit SECONDS] [--json out.json] [--first N]
+        [--max-tokens 16] [--exact] [--time-limit SECONDS] [--json out.json] [--first N]
         [--merge earlier.json ...]
 
 MODEL is a model folder or a bench model's name (default qwen05-int4; scripts/_bench/models.py,
@@ -147,7 +147,8 @@ def report(runs: dict[str, list[list[dict]]], args: argparse.Namespace,
 
 
 # The settings that must agree for runs to be counted together (--merge).
-_SAME = ("model", "turns", "system_tokens", "user_tokens", "max_tokens", "batch", "seed")
+_SAME = ("model", "turns", "system_tokens", "user_tokens", "max_tokens", "batch", "seed",
+         "exact")
 
 
 def _earlier(path: Path, args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
@@ -187,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads of each runtime (default ONNX Runtime's)")
+    parser.add_argument("--exact", action="store_true",
+                        help="both runtimes in exact mode (`serve --exact`)")
     parser.add_argument("--time-limit", type=float, default=None,
                         help="start no conversation after this many seconds")
     parser.add_argument("--json", type=Path, default=None, help="write every answer here")
@@ -217,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     started = time.monotonic()
     options = {"provider": args.provider, "max_batch": args.batch,
-               "intra_op_threads": args.threads}
+               "intra_op_threads": args.threads, "exact": args.exact}
     runtimes = {"no reuse": load(args.model, prefix_reuse=False, **options),
                 "reuse": load(args.model, **options)}
     runs: dict[str, list[list[dict]]] = {mode: [] for mode in MODES}

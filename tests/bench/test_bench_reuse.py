@@ -60,3 +60,11 @@ def test_a_continuation_counts_the_earlier_run_and_refuses_overlap(tmp_path, cap
                               "--merge", str(first)])
         assert exit_info.value.code == 2
         assert capsys.readouterr().err.count("error:") == 1
+
+
+def test_exact_mode_on_an_int4_export_changes_no_number(capsys):
+    int4 = EXPORT.parent / "genai-llama-int4"
+    assert bench_reuse.main([str(int4), "--conversations", "2", "--turns", "3", "--exact",
+                             "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| greedy | 0/6 |" in out and "| seeded | 0/6 |" in out
