@@ -28,7 +28,8 @@ Rules of `resolve_options`:
    the capacity mask policy.
 8. Speculative decoding ("prompt-lookup") is refused for a decoder that cannot take a
    rejected draft back (recurrent state) or verify it per row (last-row logits only).
-9. Exact mode (`exact`, docs/row_grouping.md) refuses speculative decoding (a verification
+9. Exact mode (`exact`, docs/row_grouping.md) rounds odd ladder tiers up to even widths
+   and refuses speculative decoding (a verification
    computes in one forward rows that plain decoding computes one at a time, and ONNX
    Runtime's kernels round the two differently) and a decoder that returns the last row's
    logits only (an odd prompt forward gets a padded row, which would be that row).
@@ -177,6 +178,10 @@ def resolve_options(options: RuntimeOptions, *, plan: ChunkPlan, genai: GenaiCon
         runnable_device(device, ports, model, device.provider, options.mask_policy)
     variants = plan.max_variants if options.max_variants is None else options.max_variants
     tiers = resolve_tiers(plan, chunk_size, options.max_variants)
+    if options.exact:
+        # Exact mode runs prompt forwards at even widths: even tiers stay the widths that run
+        # (and capture), instead of one row past each odd one.
+        tiers = tuple(sorted({tier + tier % 2 for tier in tiers}))
     specialize = device.specialize if options.specialize is None else options.specialize
     if specialize not in (True, False, EXACT):
         raise ConfigError(f"specialize must be True, False or {EXACT!r}, got {specialize!r}")

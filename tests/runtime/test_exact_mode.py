@@ -36,6 +36,14 @@ def test_an_odd_prompt_forward_gets_one_padded_row():
     assert plan_forward(np.arange(5), past=0, tiers=(3, 7), even=True).width == 8
 
 
+def test_exact_mode_rounds_odd_ladder_tiers_up(reference_model):
+    with load(reference_model(), provider="cpu", chunk_size=512, padding=True) as runtime:
+        assert runtime.stats.ladder == (171, 342, 512)
+    with load(reference_model(), provider="cpu", chunk_size=512, padding=True,
+              exact=True) as runtime:
+        assert runtime.stats.ladder == (172, 342, 512)
+
+
 def test_exact_reuse_keeps_the_prompt_rows_and_leaves_two_ids_to_feed():
     rule = PrefixRule(exact=True)
     assert rule.kept(prompt=10, length=14) == 10 and PrefixRule().kept(10, 14) == 14
