@@ -135,18 +135,25 @@ def test_no_vocab_sized_allocation_per_token():
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"temperature": -0.1}, "temperature must be a number >= 0"),
+    ({"temperature": -0.1}, r"temperature must be a number in \[0, 2\]"),
+    ({"temperature": 2.5}, r"temperature must be a number in \[0, 2\]"),
     ({"temperature": float("nan")}, "temperature"),
     ({"temperature": "1"}, "temperature"),
-    ({"top_k": -1}, "top_k must be an integer >= 0"),
+    ({"top_k": -2}, "top_k must be an integer >= -1"),
     ({"top_k": 2.5}, "top_k"),
     ({"top_k": True}, "top_k"),
     ({"top_p": 0.0}, r"top_p must be a number in \(0, 1\]"),
     ({"top_p": 1.5}, "top_p"),
     ({"min_p": -0.5}, "min_p"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty must be a number > 0"),
-    ({"seed": -1}, "seed must be a non-negative integer"),
+    ({"typical_p": 0.0}, r"typical_p must be a number in \(0, 1\]"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be a finite number > 0"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty must be a finite number > 0"),
+    ({"seed": -2 ** 63 - 1}, "seed must be None or an integer"),
+    ({"seed": 2 ** 64}, "seed"),
     ({"seed": 1.5}, "seed"),
+    ({"allowed_token_ids": ()}, "allowed_token_ids must name at least one"),
+    ({"allowed_token_ids": (1, -1)}, "allowed_token_ids must be token ids"),
+    ({"bad_words_ids": ((),)}, "bad_words_ids must be non-empty"),
 ])
 def test_bad_options_are_refused_at_construction(options, message):
     with pytest.raises(ConfigError, match=message):
