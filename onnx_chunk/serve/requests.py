@@ -14,11 +14,18 @@ with a `RequestError` naming the `param`:
 - the rules over several fields: one length field (chat's `max_completion_tokens` wins over
   `max_tokens` unless null; llama.cpp's `n_predict`, -1 for no limit, and Responses'
   `max_output_tokens` alone), at least 1 token (0 on completions with `echo`: the prompt's
-  logprobs alone); one of each alias pair; `tool_choice` naming one of `tools`;
-  `top_logprobs` with `logprobs`; token ids below the vocabulary; no grammar (response_format
-  or a forced call) with `ignore_eos`, `min_tokens` or `stop`, nor two grammars.
-A generation request then gives its `options` (parameters.RequestOptions) and `sampling(...)`;
-chat its `template_messages()` (as the chat template reads them), completions its `prompts()`.
+  logprobs alone), `min_tokens` at most `max_tokens`; one of each alias pair; `tool_choice`
+  naming one of `tools`; `top_logprobs` with `logprobs`; token ids below the vocabulary, each
+  `logit_bias` id once; no grammar (response_format or a forced call) with `ignore_eos`,
+  `min_tokens`, `stop`, `allowed_token_ids` or `bad_words`, nor two grammars;
+  `prompt_logprobs` not on a stream; `continue_final_message` not with an explicit
+  `add_generation_prompt: true`; no `chat_template_kwargs` name the renderer sets itself.
+Every numeric sampling field takes the range of `onnx_chunk.sampling_ranges.RANGES` (vLLM's
+rule). A generation request then gives its `options` (parameters.RequestOptions) and
+`sampling(...)`; chat its `template_messages()` (as the chat template reads them), completions
+its `prompts()`; `answer_floor(...)` is the least its logprobs make in the answer.
+`decode_body` reads the JSON a request model parses (an object naming one key twice is marked,
+so `logit_bias` can refuse a token id named twice).
 """
 
 from __future__ import annotations
@@ -39,24 +46,26 @@ from pydantic import (
 )
 
 from onnx_chunk.sampling import Sampling
+from onnx_chunk.sampling_ranges import RANGES
+from onnx_chunk.serve.answer_size import AnswerFloor, LogprobPart
 from onnx_chunk.serve.parameters import (
     MAX_SALT_CHARS,
     MAX_TOP_LOGPROBS,
     REFUSED,
-    REPETITION_PENALTY_RANGE,
+    ChatFields,
     RequestOptions,
     ResponseFormat,
     refuse_unbuilt,
     unknown_field,
 )
 from onnx_chunk.serve.protocol import MAX_N, MAX_PROMPTS, MAX_STOPS, RequestError, shown
+from onnx_chunk.text.chat_template import RESERVED_VARIABLES
 
 if TYPE_CHECKING:
     from onnx_chunk.text.tokenizer import Tokenizer
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
-_LOW_PENALTY, _HIGH_PENALTY = REPETITION_PENALTY_RANGE
 _TOOL_FORM = '{"type": "function", "function": {"name": str, "parameters": object}}'
 
 _R = TypeVar("_R", bound="_Request")
@@ -100,6 +109,45 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 def _field(expected: str, **constraints: Any) -> Any:
     """An optional field (null: its default) that must be `expected`."""
     return Field(None, description=expected, **constraints)
+
+
+def _ranged(name: str) -> Any:
+    """An optional sampling field in the range of RANGES[name] (vLLM's rule)."""
+    allowed = RANGES[name]
+    return Field(None, description=allowed.describe(), **allowed.constraints())
+
+
+class _Repeated(dict):
+    """A JSON object that named a key more than once (`repeated`: the first such key)."""
+
+    repeated: str = ""
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found = dict(pairs)
+    if len(found) == len(pairs):
+        return found
+    marked = _Repeated(found)
+    seen: set[str] = set()
+    marked.repeated = next(key for key, _ in pairs if key in seen or seen.add(key))
+    return marked
+
+
+def _not_json(constant: str) -> object:
+    raise ValueError(f"{constant} is not a JSON number")
+
+
+def decode_body(raw: bytes) -> object:
+    """The JSON of a request body; RequestError (`invalid_json`) when it is not JSON (NaN and
+    Infinity included), nests too deep or holds an integer of more digits than Python reads."""
+    try:
+        return json.loads(raw, parse_constant=_not_json, object_pairs_hook=_object)
+    except (UnicodeDecodeError, ValueError) as error:
+        raise RequestError(f"the request body is not valid JSON ({error}); send a JSON object",
+                           code="invalid_json") from error
+    except RecursionError as error:
+        raise RequestError("the request body nests arrays or objects too deep to be read; "
+                           "send a flatter JSON object", code="invalid_json") from error
 
 
 class _Object(BaseModel):
@@ -337,13 +385,13 @@ class _GenerationRequest(_Request):
     max_tokens: int | None = _field("an integer >= 1", ge=0)
     n_predict: int | None = _field("an integer >= 1, or -1 for no limit", ge=-1)
     max_output_tokens: int | None = _field("an integer >= 1", ge=0)
-    temperature: float | None = _field("a number in [0, 2]", ge=0, le=2)
-    top_p: float | None = _field("a number in (0, 1]", gt=0, le=1)
-    seed: int | None = _field("an integer >= 0", ge=0)
+    temperature: float | None = _ranged("temperature")
+    top_p: float | None = _ranged("top_p")
+    seed: int | None = _ranged("seed")
     stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOPS)] | None = \
         _field(f"a non-empty string or a list of at most {MAX_STOPS} of them")
-    presence_penalty: float | None = _field("a number in [-2, 2]", ge=-2, le=2)
-    frequency_penalty: float | None = _field("a number in [-2, 2]", ge=-2, le=2)
+    presence_penalty: float | None = _ranged("presence_penalty")
+    frequency_penalty: float | None = _ranged("frequency_penalty")
     logit_bias: dict[Annotated[str, Field(pattern="^[0-9]{1,10}$")],
                      Annotated[float, Field(allow_inf_nan=False)]] | None = _field(
         'an object mapping token ids (as strings of digits: "42") to finite numbers')
@@ -352,18 +400,26 @@ class _GenerationRequest(_Request):
         '{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
         '"json_schema": {"name": str, "schema": object}}')
     json_schema: dict[str, Any] | bool | None = _field("a JSON schema (an object)")
-    top_k: int | None = _field("an integer >= 1, or -1 or 0 for every token", ge=-1)
-    min_p: float | None = _field("a number in [0, 1]", ge=0, le=1)
-    repetition_penalty: float | None = _field(
-        f"a number in [{_LOW_PENALTY}, {_HIGH_PENALTY}] (1 is off)", ge=_LOW_PENALTY,
-        le=_HIGH_PENALTY)
-    repeat_penalty: float | None = _field(
-        f"a number in [{_LOW_PENALTY}, {_HIGH_PENALTY}] (1 is off)", ge=_LOW_PENALTY,
-        le=_HIGH_PENALTY)
+    top_k: int | None = _ranged("top_k")
+    min_p: float | None = _ranged("min_p")
+    typical_p: float | None = _ranged("typical_p")
+    repetition_penalty: float | None = _ranged("repetition_penalty")
+    repeat_penalty: float | None = _ranged("repetition_penalty")
     stop_token_ids: list[TokenId] | None = _field(
         "a list of token ids (integers >= 0 below the vocabulary's size)")
+    allowed_token_ids: TokenIds | None = _field(
+        "a non-empty list of token ids (integers >= 0 below the vocabulary's size)")
+    bad_words: list[NonEmptyText] | None = _field("a list of non-empty strings")
     ignore_eos: bool | None = _field("a boolean")
-    min_tokens: int | None = _field("an integer >= 0", ge=0)
+    min_tokens: int | None = _ranged("min_tokens")
+    include_stop_str_in_output: bool | None = _field("a boolean")
+    skip_special_tokens: bool | None = _field("a boolean")
+    spaces_between_special_tokens: bool | None = _field("a boolean")
+    truncate_prompt_tokens: int | None = _field(
+        "an integer >= 1 (the prompt ids kept), or -1 (as many as the context leaves)", ge=-1)
+    prompt_logprobs: int | None = _field(f"an integer in [0, {MAX_TOP_LOGPROBS}]", ge=0,
+                                         le=MAX_TOP_LOGPROBS)
+    return_tokens_as_token_ids: bool | None = _field("a boolean")
     cache_salt: str | None = _field(
         f"a non-empty string of at most {MAX_SALT_CHARS} characters", min_length=1,
         max_length=MAX_SALT_CHARS)
@@ -385,6 +441,10 @@ class _GenerationRequest(_Request):
     @classmethod
     def _checked_refusals(cls, body: dict[str, Any]) -> dict[str, Any]:
         refuse_unbuilt(body)
+        bias = body.get("logit_bias")
+        if isinstance(bias, _Repeated):
+            raise RequestError(f"'logit_bias' names the token id {bias.repeated[:20]!r} twice; "
+                               "give each token id one bias", param="logit_bias")
         return {name: value for name, value in body.items() if name not in REFUSED}
 
     @property
@@ -406,27 +466,37 @@ class _GenerationRequest(_Request):
     def _resolve(self, vocab_size: int | None) -> RequestOptions:
         """The options, by the rules over several fields (module docstring)."""
         tools, tool_choice, logprobs, echo = self._endpoint_options()
+        max_tokens = self._length(minimum=0 if echo else 1)
         options = RequestOptions(
-            max_tokens=self._length(minimum=0 if echo else 1), n=self.n or 1,
+            max_tokens=max_tokens, n=self.n or 1,
             stream=bool(self.stream),
             include_usage=self.stream_options is not None and self.stream_options.include_usage,
             model=self.model, stop=(self.stop,) if isinstance(self.stop, str) else tuple(
                 self.stop or ()),
             temperature=self.temperature, top_p=self.top_p, seed=self.seed,
             top_k=None if self.top_k is None else max(self.top_k, 0), min_p=self.min_p,
+            typical_p=self.typical_p,
             repetition_penalty=self._alias("repetition_penalty", "repeat_penalty"),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             logit_bias=self._logit_bias(vocab_size),
-            stop_token_ids=self._stop_token_ids(vocab_size), ignore_eos=bool(self.ignore_eos),
-            min_tokens=self.min_tokens or 0, response_format=self._format(),
-            tools=tools, tool_choice=tool_choice, logprobs=logprobs, echo=echo,
+            allowed_token_ids=self._token_ids("allowed_token_ids", vocab_size) or None,
+            bad_words=tuple(self.bad_words or ()),
+            stop_token_ids=self._token_ids("stop_token_ids", vocab_size),
+            ignore_eos=bool(self.ignore_eos), min_tokens=self._min_tokens(max_tokens),
+            response_format=self._format(), tools=tools, tool_choice=tool_choice,
+            logprobs=logprobs, echo=echo, prompt_logprobs=self._prompt_logprobs(),
+            return_tokens_as_token_ids=bool(self.return_tokens_as_token_ids),
+            skip_special_tokens=self.skip_special_tokens is not False,
+            spaces_between_special_tokens=self.spaces_between_special_tokens is not False,
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            truncate_prompt_tokens=self._truncation(), chat=self._chat(),
             cache_salt=self.cache_salt, cache_prompt=self.cache_prompt is not False)
-        if options.constrained and (options.ignore_eos or options.min_tokens):
-            name = "ignore_eos" if options.ignore_eos else "min_tokens"
-            raise RequestError(f"'{name}' cannot be combined with a grammar (response_format or "
-                               "a forced tool call): the grammar decides where the output ends",
-                               param=name)
+        for name in ("ignore_eos", "min_tokens", "allowed_token_ids", "bad_words"):
+            if options.constrained and getattr(self, name):
+                raise RequestError(f"'{name}' cannot be combined with a grammar (response_format "
+                                   "or a forced tool call): the grammar decides which tokens "
+                                   "come and where the output ends", param=name)
         if options.constrained and options.stop:
             raise RequestError("'stop' cannot be combined with a grammar (response_format or a "
                                "forced tool call): a stop string would cut the JSON short",
@@ -492,13 +562,64 @@ class _GenerationRequest(_Request):
             pairs.append((int(key), max(-100.0, min(100.0, bias))))
         return tuple(sorted(pairs))
 
-    def _stop_token_ids(self, vocab_size: int | None) -> tuple[int, ...]:
-        ids = tuple(self.stop_token_ids or ())
-        if vocab_size is not None and any(token >= vocab_size for token in ids):
-            raise RequestError(f"'stop_token_ids' must be a list of token ids (integers >= 0 "
-                               f"below {vocab_size}), got {shown(list(ids))}",
-                               param="stop_token_ids")
+    def _token_ids(self, name: str, vocab_size: int | None) -> tuple[int, ...]:
+        ids = tuple(getattr(self, name) or ())
+        outside = [token for token in ids if vocab_size is not None and token >= vocab_size]
+        if outside:
+            raise RequestError(f"'{name}' must be a list of token ids (integers >= 0 below "
+                               f"{vocab_size}, the vocabulary's size), got {outside[0]}",
+                               param=name)
         return ids
+
+    def _min_tokens(self, max_tokens: int | None) -> int:
+        """`min_tokens`, at most `max_tokens` (vLLM's rule)."""
+        minimum = self.min_tokens or 0
+        if max_tokens is not None and minimum > max_tokens:
+            raise RequestError(f"'min_tokens' must be at most the output's length ({max_tokens}"
+                               f"), got {minimum}", param="min_tokens")
+        return minimum
+
+    def _prompt_logprobs(self) -> int | None:
+        if self.prompt_logprobs is not None and self.stream:
+            raise RequestError("'prompt_logprobs' is not given on a stream (as vLLM); send "
+                               "'stream': false", param="prompt_logprobs")
+        return self.prompt_logprobs
+
+    def _truncation(self) -> int | None:
+        if self.truncate_prompt_tokens == 0:
+            raise RequestError("'truncate_prompt_tokens' must be an integer >= 1 (the prompt ids "
+                               "kept), or -1 (as many as the context leaves), got 0",
+                               param="truncate_prompt_tokens")
+        return self.truncate_prompt_tokens
+
+    def _chat(self) -> ChatFields:
+        """The chat rendering fields (completions: the defaults)."""
+        return ChatFields()
+
+    _prompt_part: ClassVar[str] = "completion"
+
+    def answer_floor(self, prompt_lengths: list[int], capacity: int) -> AnswerFloor:
+        """The logprob entries of the answer to prompts of `prompt_lengths` ids, by part
+        (answer_size.py): the generated tokens' and, on completions with `echo`, the
+        prompts'; `prompt_logprobs`'. Generated tokens count at the length asked (the room
+        left in the context when none is)."""
+        options = self.options
+        n, top = options.n, options.logprobs
+        parts = []
+        if top is not None:
+            generated = sum(capacity - length if options.max_tokens is None
+                            else options.max_tokens for length in prompt_lengths)
+            echoed = sum(prompt_lengths) if options.echo else 0
+            parts.append(LogprobPart(self._logprobs_field, self._prompt_part,
+                                     (generated + echoed) * n * (1 + top)))
+        if options.prompt_logprobs is not None:
+            copies = 1 if self._prompt_part == "chat" else n
+            parts.append(LogprobPart("prompt_logprobs", "prompt", copies * max(
+                1, options.prompt_logprobs) * sum(max(length - 1, 0)
+                                                  for length in prompt_lengths)))
+        return AnswerFloor(tuple(parts))
+
+    _logprobs_field: ClassVar[str] = "logprobs"
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -516,10 +637,22 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool | None = _field("a boolean")
     top_logprobs: int | None = _field(f"an integer in [0, {MAX_TOP_LOGPROBS}]", ge=0,
                                       le=MAX_TOP_LOGPROBS)
+    chat_template: NonEmptyText | None = _field("a Jinja chat template (a non-empty string)")
+    chat_template_kwargs: Annotated[dict[str, Any], AfterValidator(_all_text)] | None = _field(
+        "an object of the template's variables")
+    add_generation_prompt: bool | None = _field("a boolean")
+    continue_final_message: bool | None = _field("a boolean")
+
+    _prompt_part = "chat"
+    _logprobs_field = "top_logprobs"
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages as the chat template reads them."""
         return [message.template_message() for message in self.messages]
+
+    def _chat(self) -> ChatFields:
+        return chat_fields(self.chat_template, self.chat_template_kwargs,
+                           self.add_generation_prompt, self.continue_final_message)
 
     def _endpoint_options(self) -> tuple[tuple[Mapping[str, Any], ...], str, int | None, bool]:
         tools = tuple(tool.sent for tool in self.tools or ())
@@ -539,6 +672,30 @@ class ChatCompletionRequest(_GenerationRequest):
             raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return tools, tool_choice, logprobs, False
+
+
+def chat_fields(template: str | None, variables: Mapping[str, Any] | None,
+                add_generation_prompt: bool | None, continue_final_message: bool | None
+                ) -> ChatFields:
+    """A chat's rendering fields, checked: no variable the renderer sets itself, no
+    continuation with an explicit generation prompt (the generation prompt is off by default
+    when the final message is continued)."""
+    reserved = sorted(RESERVED_VARIABLES & set(variables or ()))
+    if reserved:
+        name = reserved[0]
+        where = (f"send '{name}' as a field of its own" if name in (
+            "add_generation_prompt", "continue_final_message", "chat_template", "tools")
+            else "the renderer sets it itself")
+        raise RequestError(f"'chat_template_kwargs.{name}' is not a variable a request may "
+                           f"set: {where}", param=f"chat_template_kwargs.{name}")
+    keep = bool(continue_final_message)
+    if keep and add_generation_prompt:
+        raise RequestError("'continue_final_message' and 'add_generation_prompt' both set "
+                           "true: one continues the final message, the other starts a new "
+                           "one; send one of them", param="continue_final_message")
+    add = (not keep) if add_generation_prompt is None else add_generation_prompt
+    return ChatFields(template=template, variables=dict(variables or {}),
+                      add_generation_prompt=add, continue_final_message=keep)
 
 
 class CompletionRequest(_GenerationRequest):
@@ -578,7 +735,11 @@ class TokenizeRequest(_Request):
     prompt: Text | None = _field("a string (or send 'messages')")
     messages: list[ChatMessage] | None = _field("a non-empty list of messages", min_length=1)
     add_special_tokens: bool = Field(True, description="a boolean")
-    add_generation_prompt: bool = Field(True, description="a boolean")
+    add_generation_prompt: bool | None = _field("a boolean")
+    continue_final_message: bool | None = _field("a boolean")
+    chat_template: NonEmptyText | None = _field("a Jinja chat template (a non-empty string)")
+    chat_template_kwargs: Annotated[dict[str, Any], AfterValidator(_all_text)] | None = _field(
+        "an object of the template's variables")
     tools: list[Tool] | None = _field(f"a list of {_TOOL_FORM} (function tools only)")
     return_token_strs: bool = Field(False, description="a boolean")
 
@@ -592,6 +753,7 @@ class TokenizeRequest(_Request):
                 raise RequestError("'add_special_tokens' cannot be true with 'messages': the "
                                    "chat template writes the special tokens",
                                    param="add_special_tokens")
+            _ = self.chat
         elif self.prompt is None:
             raise RequestError("'prompt' must be a string (or send 'messages'), got None "
                                "(null)", param="prompt")
@@ -605,6 +767,12 @@ class TokenizeRequest(_Request):
 
     def template_tools(self) -> list[dict[str, Any]]:
         return [tool.sent for tool in self.tools or ()]
+
+    @property
+    def chat(self) -> ChatFields:
+        """How the messages render (as a chat request's)."""
+        return chat_fields(self.chat_template, self.chat_template_kwargs,
+                           self.add_generation_prompt, self.continue_final_message)
 
 
 class DetokenizeRequest(_Request):

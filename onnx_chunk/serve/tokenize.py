@@ -1,11 +1,12 @@
 """vLLM's /tokenize and /detokenize: the server's tokenizer and chat template over HTTP.
 
 /tokenize takes {"prompt": str, "add_special_tokens": true} or {"messages": [...],
-"add_generation_prompt": true, "tools": [...]}, each with an optional "return_token_strs"
+"add_generation_prompt": true, "tools": [...]} (with vLLM's "continue_final_message",
+"chat_template" and "chat_template_kwargs"), each with an optional "return_token_strs"
 (requests.py's `TokenizeRequest`), and answers {"count", "max_model_len", "tokens",
 "token_strs"}: the ids a generation request with the same prompt is fed, by the server's own
-`PromptEncoder` (its special-token policy; the messages and tools checked as chat checks
-them). A prompt over the context is refused (400) before it is encoded, as a generation
+`PromptEncoder` (its special-token policy; the messages, tools and template checked as chat
+checks them). A prompt over the context is refused (400) before it is encoded, as a generation
 request's is. /detokenize takes {"tokens": [ids]} (`DetokenizeRequest`) and answers
 {"prompt": text}.
 """
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from onnx_chunk.errors import CapacityError
+from onnx_chunk.serve.prompts import chat_options, rendered_ids
 from onnx_chunk.serve.protocol import RequestError
 from onnx_chunk.serve.requests import DetokenizeRequest, TokenizeRequest
 
@@ -33,8 +35,8 @@ def tokenize(body: object, prompts: PromptEncoder,
     messages = request.template_messages()
     try:
         if messages is not None:
-            ids = prompts.encode(messages, tools=request.template_tools(),
-                                 add_generation_prompt=request.add_generation_prompt)
+            ids = rendered_ids(messages, request.template_tools(),
+                               chat_options(request.chat, prompts.tokenizer), prompts, None)
         else:
             assert request.prompt is not None  # the model requires one of them
             ids = prompts.encode(request.prompt, add_special_tokens=request.add_special_tokens)

@@ -54,6 +54,11 @@ class ChatTemplateSandboxError(ChatTemplateError):
     mutation): refused, as a template of the caller's making."""
 
 
+class ContinuationError(InputError):
+    """`continue_final_message` cannot continue the final message (it has no text, or the
+    template does not write it as sent)."""
+
+
 class ChatTemplateFault(ChatTemplateError):
     """The chat template failed while rendering (a TypeError, an OverflowError, ...): a fault of
     the model's template, not of the messages (a server answers it as its own fault)."""
@@ -144,11 +149,13 @@ def _continued(text: str, final: Mapping[str, Any]) -> str:
     occurrence, the content's trailing whitespace kept where the template kept it)."""
     content = final.get("content")
     if not isinstance(content, str) or not content.strip():
-        raise InputError("continue_final_message needs a final message with text to continue")
+        raise ContinuationError("continue_final_message needs a final message with text to "
+                                "continue")
     found = text.rfind(content.strip())
     if found < 0:
-        raise InputError("continue_final_message is set but the chat template does not write "
-                         "the final message's content as sent; the model cannot continue it")
+        raise ContinuationError("continue_final_message is set but the chat template does not "
+                                "write the final message's content as sent; the model cannot "
+                                "continue it")
     if text[found:found + len(content.lstrip())] == content:
         return text[:found + len(content.lstrip())]
     return text[:found + len(content.strip())]
