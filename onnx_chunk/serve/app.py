@@ -205,7 +205,9 @@ class _Service:
                 logger.info("a client left during its upload to %s", request.url.path)
                 return Response(status_code=499)
             except Exception as error:  # every failure becomes one OpenAI-shaped answer
-                return self._error_response(error)
+                response = self._error_response(error)
+                _drop_tracebacks(error)
+                return response
         return run
 
     async def chat_completions(self, request: HttpRequest) -> _Reply:
@@ -527,6 +529,22 @@ def error_answer(error: Exception) -> tuple[int, dict[str, Any], dict[str, str]]
     logger.error("a request failed", exc_info=error)
     return 500, error_body("the server failed this request (logged on the server)",
                            "server_error", code="internal_error"), {}
+
+
+def _drop_tracebacks(error: BaseException) -> None:
+    """Let go of an answered failure's tracebacks (its causes' too). A failure raised on a
+    worker thread reaches the loop through a future that its traceback's frames hold, a
+    reference cycle that would keep the request's body, prompts and model until the garbage
+    collector's next full pass; without the tracebacks the refusal frees them at once."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        current.__traceback__ = None
+        pending += [current.__cause__, current.__context__]
 
 
 async def _http_error(request: HttpRequest, error: Exception) -> Response:
