@@ -12,7 +12,7 @@ typical_p, which vLLM does not have, is transformers' `TypicalLogitsWarper` mass
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,8 +48,8 @@ class Range:
             return False
         if self.low is not None and (value <= self.low if self.low_open else value < self.low):
             return False
-        return self.high is None or (value < self.high if self.high_open
-                                     else value <= self.high)
+        return bool(self.high is None or (value < self.high if self.high_open
+                                          else value <= self.high))
 
     def describe(self) -> str:
         """What a value must be, as a refusal says it ("a number in (0, 1] (1: off)")."""
@@ -109,13 +109,15 @@ def is_count(value: object) -> bool:
 
 def token_ids(value: object, name: str) -> tuple[int, ...]:
     """`value` as token ids (integers >= 0), ConfigError naming `name` otherwise."""
+    if not isinstance(value, Iterable):
+        raise ConfigError(f"{name} must be token ids (integers >= 0), got {value!r}")
     try:
-        ids = tuple(value)  # type: ignore[call-overload]
+        ids: tuple[object, ...] = tuple(value)
     except TypeError as error:
         raise ConfigError(f"{name} must be token ids (integers >= 0), got {value!r}") from error
     if not all(is_count(token) for token in ids):
         raise ConfigError(f"{name} must be token ids (integers >= 0), got {ids!r}")
-    return tuple(int(token) for token in ids)
+    return tuple(int(token) for token in ids)  # type: ignore[call-overload]
 
 
 def logit_bias_pairs(value: object) -> tuple[tuple[int, float], ...]:

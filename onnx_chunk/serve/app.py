@@ -187,6 +187,11 @@ class _Service:
         self._live: set[ServedGeneration] = set()
         self.draining = False
 
+    @property
+    def running(self) -> int:
+        """The generations whose answer is still being sent."""
+        return len(self._live)
+
     def drain(self) -> None:
         """Stop admitting requests and end the running ones (their streams get an error)."""
         self.draining = True

@@ -129,7 +129,11 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         return found
     marked = _Repeated(found)
     seen: set[str] = set()
-    marked.repeated = next(key for key, _ in pairs if key in seen or seen.add(key))
+    for key, _ in pairs:
+        if key in seen:
+            marked.repeated = key
+            break
+        seen.add(key)
     return marked
 
 
@@ -553,14 +557,20 @@ class _GenerationRequest(_Request):
         return None
 
     def _logit_bias(self, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
-        pairs = []
+        pairs: dict[int, float] = {}
         for key, bias in (self.logit_bias or {}).items():
-            if vocab_size is not None and int(key) >= vocab_size:
+            token = int(key)
+            if vocab_size is not None and token >= vocab_size:
                 raise RequestError(f"'logit_bias' maps token ids (as strings of digits: \"42\" "
-                                   f"below {vocab_size}) to finite numbers, got {key[:20]!r}: "
-                                   f"{shown(bias)}", param="logit_bias")
-            pairs.append((int(key), max(-100.0, min(100.0, bias))))
-        return tuple(sorted(pairs))
+                                   f"below {vocab_size}, the vocabulary's size) to finite "
+                                   f"numbers, got {key[:20]!r}: {shown(bias)}",
+                                   param="logit_bias")
+            if token in pairs:
+                raise RequestError(f"'logit_bias' names the token id {token} twice (as "
+                                   f"{key[:20]!r} and another spelling); give each token id "
+                                   "one bias", param="logit_bias")
+            pairs[token] = max(-100.0, min(100.0, bias))
+        return tuple(sorted(pairs.items()))
 
     def _token_ids(self, name: str, vocab_size: int | None) -> tuple[int, ...]:
         ids = tuple(getattr(self, name) or ())
