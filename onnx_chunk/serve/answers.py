@@ -148,6 +148,27 @@ class Answer(abc.ABC):
     def stream(self, generation: ServedGeneration) -> AsyncGenerator[tuple[str, Any], None]:
         """A streamed choice's pieces, each with its chunk's logprobs."""
 
+    async def events(self, generation: ServedGeneration) -> AsyncGenerator[bytes, None]:
+        """A streamed choice's events: opened, its pieces (a tool answer as one delta once
+        the output is whole), closed with its finish reason."""
+        index = generation.index
+        yield event(self.chunk(index, self.opening, None))
+        if self.whole_output:
+            text, entries = await collect_chunks(generation)
+            message, reason = self.message(text, generation.finish_reason)
+            message.pop("role")
+            yield event(self.chunk(index, delta(message), None, self.logprobs(entries)))
+        else:
+            async with contextlib.aclosing(self.stream(generation)) as pieces:
+                async for piece, logprobs in pieces:
+                    chunk = self.chunk(index, piece, None, logprobs)
+                    if isinstance(logprobs, dict) and len(logprobs.get("tokens", ())) > 64:
+                        yield await asyncio.to_thread(event, chunk)  # an echoed prompt's
+                    else:
+                        yield event(chunk)
+            reason = generation.finish_reason
+        yield event(self.chunk(index, self.closing, reason))
+
 
 class ChatAnswer(Answer):
     object_name = "chat.completion"

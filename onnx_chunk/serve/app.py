@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -40,15 +40,12 @@ from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from onnx_chunk.errors import (
     CapacityError,
     ClosedError,
     ConfigError,
-    InputError,
     OnnxChunkError,
-    QueueFullError,
 )
 from onnx_chunk.sampling import Sampling, TokenLogprobs
 from onnx_chunk.serve.answers import (
@@ -56,20 +53,27 @@ from onnx_chunk.serve.answers import (
     ChatAnswer,
     TextAnswer,
     collect_chunks,
-    delta,
     encode_json,
     event,
     usage,
 )
+from onnx_chunk.serve.body import decode_body
 from onnx_chunk.serve.generation import ServedGeneration
 from onnx_chunk.serve.logprobs import TokenIds, TokenStrings
 from onnx_chunk.serve.metrics import CONTENT_TYPE, ServerMetrics
 from onnx_chunk.serve.parameters import RequestOptions
 from onnx_chunk.serve.prompts import chat_ids, completion_ids
 from onnx_chunk.serve.protocol import RequestError, error_body
-from onnx_chunk.serve.requests import ChatCompletionRequest, CompletionRequest, decode_body
+from onnx_chunk.serve.refusals import (
+    answer_too_large,
+    drop_tracebacks,
+    error_answer,
+    http_error,
+    too_large,
+)
+from onnx_chunk.serve.requests import ChatCompletionRequest, CompletionRequest
+from onnx_chunk.serve.streaming import EventStream, unless_disconnected
 from onnx_chunk.serve.tokenize import detokenize, tokenize
-from onnx_chunk.text.chat_template import ChatTemplateFault, ChatTemplateSandboxError
 from onnx_chunk.text.generation import search_defaults
 from onnx_chunk.text.prompt import PromptEncoder
 from onnx_chunk.text.token_text import TokenText
@@ -82,8 +86,6 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-# Seconds a client told "queue full" (429) waits before it retries.
-RETRY_AFTER_S = 1
 # The largest request body read (413 beyond): a prompt that fills a 128k-token context is at
 # most about 3 MB of JSON (4 characters a token, each escaped as 6 bytes: `\u00e9`), its
 # token ids about 1 MB; 8 MiB leaves room for those and caps what one request makes the
@@ -137,7 +139,7 @@ def create_app(runtime: Runtime, *, model_name: str | None = None,
         Route("/health", service.health, methods=["GET"]),
         Route("/metrics", service.metrics_page, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
     app.state.service = service
     return app
 
@@ -211,7 +213,7 @@ class _Service:
                 return Response(status_code=499)
             except Exception as error:  # every failure becomes one OpenAI-shaped answer
                 response = self._error_response(error)
-                _drop_tracebacks(error)
+                drop_tracebacks(error)
                 return response
         return run
 
@@ -270,12 +272,12 @@ class _Service:
         limit = self.max_body_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            raise _too_large(f"{int(declared)} bytes", limit)
+            raise too_large(f"{int(declared)} bytes", limit)
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise _too_large(f"more than {limit} bytes", limit)
+                raise too_large(f"more than {limit} bytes", limit)
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -348,11 +350,11 @@ class _Service:
             for generation in generations:
                 generation.end_for_shutdown()
         if options.stream:
-            return _EventStream(self._events(generations, answer, options.include_usage,
+            return EventStream(self._events(generations, answer, options.include_usage,
                                              options.n),
                                 lambda: self._ended(generations))
         try:
-            outputs = await _unless_disconnected(
+            outputs = await unless_disconnected(
                 asyncio.gather(*(collect_chunks(generation) for generation in generations)),
                 request.receive)
         finally:
@@ -379,7 +381,7 @@ class _Service:
                 break
             parts += [b"," if number else b"", choice]
         if size > self.max_answer_bytes:
-            raise _answer_too_large(f"at least {size} bytes", self.max_answer_bytes)
+            raise answer_too_large(f"at least {size} bytes", self.max_answer_bytes)
         return b"".join([*parts, b"]", tail])
 
     def _echoes(self, prepared: _Prepared) -> list[str]:
@@ -442,11 +444,11 @@ class _Service:
         sent = 0
         try:
             for generation in generations:
-                async with contextlib.aclosing(self._choice_events(generation, answer)) as events:
+                async with contextlib.aclosing(answer.events(generation)) as events:
                     async for written in events:
                         sent += len(written)
                         if sent > self.max_answer_bytes:
-                            raise _answer_too_large(f"at least {sent} bytes",
+                            raise answer_too_large(f"at least {sent} bytes",
                                                     self.max_answer_bytes)
                         yield written
             if include_usage:
@@ -464,28 +466,6 @@ class _Service:
             logger.exception("request %d failed", generation.request.id)
             yield event(error_body("the server failed this request (logged on the server)",
                                    "server_error", code="internal_error"))
-
-    @staticmethod
-    async def _choice_events(generation: ServedGeneration,
-                             answer: Answer) -> AsyncGenerator[bytes, None]:
-        index = generation.index
-        yield event(answer.chunk(index, answer.opening, None))
-        if answer.whole_output:
-            # A tool answer is known once the output is whole: it comes as one delta.
-            text, entries = await collect_chunks(generation)
-            message, reason = answer.message(text, generation.finish_reason)
-            message.pop("role")
-            yield event(answer.chunk(index, delta(message), None, answer.logprobs(entries)))
-        else:
-            async with contextlib.aclosing(answer.stream(generation)) as pieces:
-                async for piece, logprobs in pieces:
-                    chunk = answer.chunk(index, piece, None, logprobs)
-                    if isinstance(logprobs, dict) and len(logprobs.get("tokens", ())) > 64:
-                        yield await asyncio.to_thread(event, chunk)  # an echoed prompt's
-                    else:
-                        yield event(chunk)
-            reason = generation.finish_reason
-        yield event(answer.chunk(index, answer.closing, reason))
 
     def _authorize(self, request: HttpRequest) -> str | None:
         """The request's tenant: the number of the key it sent (None: the app has no key)."""
@@ -507,122 +487,5 @@ class _Service:
         return JSONResponse(body, status_code=status, headers=headers)
 
 
-def error_answer(error: Exception) -> tuple[int, dict[str, Any], dict[str, str]]:
-    """The status, OpenAI error body and headers of a refused or failed request."""
-    if isinstance(error, RequestError):
-        return error.status, error_body(str(error), error.error_type, param=error.param,
-                                        code=error.code), {}
-    from onnx_chunk.structured.constraint import GrammarError
-
-    if isinstance(error, GrammarError):  # the request's schema beyond the grammar library
-        return 400, error_body(f"the grammar of this request's schema failed: {error}; "
-                               "simplify the schema", "invalid_request_error",
-                               param="response_format", code="grammar_failed"), {}
-    if isinstance(error, ChatTemplateSandboxError):  # what a template reached for: refused
-        return 400, error_body(str(error), "invalid_request_error", param="messages",
-                               code="chat_template_sandbox"), {}
-    if isinstance(error, ChatTemplateFault):  # the model's template: the server's fault
-        logger.error("the chat template failed a request: %s", error, exc_info=error)
-        return 500, error_body(str(error), "server_error", code="chat_template_failed"), {}
-    if isinstance(error, (InputError, ConfigError)):
-        return 400, error_body(str(error), "invalid_request_error"), {}
-    if isinstance(error, QueueFullError):
-        return 429, error_body(str(error), "rate_limit_error", code="queue_full"), {
-            "Retry-After": str(RETRY_AFTER_S)}
-    if isinstance(error, ClosedError):
-        return 503, error_body(str(error), "server_error", code="server_shutting_down"), {}
-    logger.error("a request failed", exc_info=error)
-    return 500, error_body("the server failed this request (logged on the server)",
-                           "server_error", code="internal_error"), {}
-
-
-def _drop_tracebacks(error: BaseException) -> None:
-    """Let go of an answered failure's tracebacks (its causes' too). A failure raised on a
-    worker thread reaches the loop through a future that its traceback's frames hold, a
-    reference cycle that would keep the request's body, prompts and model until the garbage
-    collector's next full pass; without the tracebacks the refusal frees them at once."""
-    seen: set[int] = set()
-    pending: list[BaseException | None] = [error]
-    while pending:
-        current = pending.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        current.__traceback__ = None
-        pending += [current.__cause__, current.__context__]
-
-
-async def _http_error(request: HttpRequest, error: Exception) -> Response:
-    """Starlette's own refusals (unknown route, wrong method) in OpenAI's shape."""
-    assert isinstance(error, HTTPException)  # the handler is registered for it alone
-    return JSONResponse(error_body(f"{request.method} {request.url.path}: {error.detail}",
-                                   "invalid_request_error", code=str(error.status_code)),
-                        status_code=error.status_code, headers=error.headers)
-
-
-def _answer_too_large(size: str, limit: int, param: str | None = None) -> RequestError:
-    return RequestError(f"the answer would have {size}, more than the {limit} bytes this "
-                        "server sends for one request (its --max-answer-bytes); ask for fewer "
-                        "prompts, choices, tokens or logprobs", param=param,
-                        code="answer_too_large")
-
-
-def _too_large(size: str, limit: int) -> RequestError:
-    return RequestError(f"the request body has {size}, more than the {limit} bytes this "
-                        "server reads (its --max-body-bytes); send a smaller request",
-                        code="request_too_large", status=413)
-
-
-async def _unless_disconnected(work: Awaitable[_T], receive: Receive) -> _T | None:
-    """`work`'s result, or None when the client disconnected first (`work` is cancelled)."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnect(receive))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass
-    return None
-
-
-async def _disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-class _EventStream:
-    """An ASGI response streaming server-sent events that watches for the client leaving:
-    a disconnect cancels the stream at once (Starlette's StreamingResponse only notices one
-    at its next write), then `on_end` runs."""
-
-    def __init__(self, events: AsyncGenerator[bytes, None], on_end: Callable[[], None]) -> None:
-        self._events = events
-        self._on_end = on_end
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", b"text/event-stream; charset=utf-8"),
-                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
-            await _unless_disconnected(self._pump(send), receive)
-        except OSError:  # the client went away during a write
-            pass
-        finally:
-            await self._events.aclose()
-            self._on_end()
-
-    async def _pump(self, send: Send) -> str:
-        async for chunk in self._events:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        return ""
-
-
 # What an endpoint replies: a whole response, or a stream of events.
-_Reply = Response | _EventStream
+_Reply = Response | EventStream

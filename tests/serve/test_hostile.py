@@ -126,7 +126,7 @@ def test_4_concurrent_large_schemas_leave_the_event_loop_free(live):
 
 
 def test_a_grammar_failure_is_the_requests_400_not_a_500():
-    from onnx_chunk.serve.app import error_answer
+    from onnx_chunk.serve.refusals import error_answer
     from onnx_chunk.structured.constraint import GrammarError
 
     status, body, _ = error_answer(GrammarError("Parser Error: Current row has 4007 items"))

@@ -11,13 +11,8 @@ import pytest
 from onnx_chunk.errors import InputError
 from onnx_chunk.serve.parameters import REFUSED, RequestOptions
 from onnx_chunk.serve.protocol import RequestError, error_body
-from onnx_chunk.serve.requests import (
-    KNOWN_FIELDS,
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from onnx_chunk.serve.requests import KNOWN_FIELDS, ChatCompletionRequest, CompletionRequest
+from onnx_chunk.serve.tokenize import DetokenizeRequest, TokenizeRequest
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "a", "description": "d",
