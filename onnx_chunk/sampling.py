@@ -356,7 +356,8 @@ class Sampler:
         if self._penalize and self._seen_ids.size:
             seen = scores[self._seen_ids]
             penalty = sampling.repetition_penalty
-            penalized = np.where(seen > 0, seen / penalty, seen * penalty)
+            with np.errstate(over="ignore"):
+                penalized = np.where(seen > 0, seen / penalty, seen * penalty)
             # Any penalty > 0 is taken (vLLM's rule): a logit it would carry past the float
             # range stays at +-_PENALIZED_LIMIT, where a temperature cannot overflow it.
             np.clip(penalized, -_PENALIZED_LIMIT, _PENALIZED_LIMIT, out=penalized,

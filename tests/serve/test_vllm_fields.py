@@ -184,6 +184,31 @@ def test_a_truncated_prompt_keeps_its_last_tokens(live):
     assert chat.usage.prompt_tokens == 5
 
 
+def test_truncation_to_the_context_serves_a_prompt_too_long_for_it(live):
+    capacity = live.runtime.stats.capacity
+    long = (PROMPT * 300)[:capacity + 50]
+    status, _, answer = exchange(live, "POST", "/v1/completions", {
+        "prompt": long, "max_tokens": 8, "temperature": 0})
+    assert status == 400 and answer["error"]["code"] == "context_length_exceeded"
+    kept = _completion(live, long, truncate_prompt_tokens=-1)
+    assert kept.usage.prompt_tokens == capacity - 8
+    assert kept.choices[0].text == _completion(live, long[-(capacity - 8):]).choices[0].text
+
+
+def test_bad_words_are_encoded_as_vllm_encodes_them(live):
+    from onnx_chunk.serve.parameters import bad_words_ids
+
+    tokenizer = live.runtime.tokenizer
+    vocab = live.runtime.stats.vocab_size
+    plain = tuple(tokenizer.encode("un", add_special_tokens=False))
+    spaced = tuple(tokenizer.encode(" un", add_special_tokens=False))
+    assert len(plain) == len(spaced) and plain[0] != spaced[0]  # both forms are banned
+    assert bad_words_ids(("un", "  un"), tokenizer, vocab) == (plain, spaced)
+    sten = tuple(tokenizer.encode("sten", add_special_tokens=False))
+    assert len(tokenizer.encode(" sten", add_special_tokens=False)) != len(sten)
+    assert bad_words_ids(("sten",), tokenizer, vocab) == (sten,)  # a longer spaced form: not
+
+
 def test_prompt_logprobs_are_a_full_forwards(live):
     answer = _completion(live, PROMPT, max_tokens=1, prompt_logprobs=3)
     shown = answer.choices[0].prompt_logprobs
