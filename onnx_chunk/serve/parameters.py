@@ -195,7 +195,7 @@ def bad_words_ids(words: tuple[str, ...], tokenizer: Tokenizer,
     if outside:
         raise RequestError(f"'bad_words' encode to token id {outside[0]}, outside the model's "
                            f"vocabulary of {vocab_size}", param="bad_words")
-    return tuple(found)
+    return tuple(dict.fromkeys(found))
 
 
 def unknown_field(name: str, elsewhere: str | None = None) -> RequestError:
