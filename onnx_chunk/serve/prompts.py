@@ -96,7 +96,10 @@ def rendered_ids(messages: list[dict[str, Any]], tools: Sequence[Mapping[str, An
         if chat.template is not None:
             raise _refusal(error, "chat_template", "chat_template_failed") from error
         if chat.variables and _renders_without_variables(messages, tools, prompts, chat):
-            raise _refusal(error, "chat_template_kwargs", "chat_template_failed") from error
+            raise RequestError(f"the model's chat template renders these messages, but not "
+                               f"with these 'chat_template_kwargs' ({error.__cause__!r}); "
+                               "change them", param="chat_template_kwargs",
+                               code="chat_template_failed") from error
         raise
     except ChatTemplateSandboxError as error:
         raise _refusal(error, _blamed(chat.template), "chat_template_sandbox") from error
@@ -124,10 +127,7 @@ def _blamed(template: ChatTemplate | None) -> str:
 
 
 def _refusal(error: ChatTemplateError, param: str, code: str | None) -> RequestError:
-    message = str(error)
-    if param != "chat_template":
-        message = message.replace("fix the model's chat template", f"change '{param}'")
-    return RequestError(message, param=param, code=code)
+    return RequestError(str(error), param=param, code=code)
 
 
 def _renders_without_variables(messages: list[dict[str, Any]],

@@ -139,7 +139,7 @@ class ChatTemplate:
             raise ChatTemplateFault(
                 f"the chat template of {self.origin} failed rendering the messages "
                 f"({type(error).__name__}: {error}); the template is at fault, not the "
-                "messages: fix the model's chat template") from error
+                "messages: fix the chat template") from error
         text = "".join(pieces)
         return _continued(text, messages[-1]) if continue_final_message else text
 
