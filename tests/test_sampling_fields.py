@@ -10,7 +10,7 @@ import pytest
 
 from onnx_chunk.errors import ConfigError
 from onnx_chunk.sampling import RANGES, Sampler, Sampling, prompt_logprobs_of
-from tests.test_sampling import _CHI2_999, LOGITS
+from tests.test_sampling import CHI2_999, LOGITS
 
 
 def _typical(logits: np.ndarray, mass: float, temperature: float = 1.0) -> np.ndarray:
@@ -46,7 +46,7 @@ def test_draws_follow_the_locally_typical_set(mass, temperature):
     assert counts[~kept].sum() == 0, "a token outside the typical set was drawn"
     statistic = float((((counts - draws * expected) ** 2)[kept]
                        / (draws * expected[kept])).sum())
-    assert statistic < _CHI2_999[max(int(kept.sum()) - 1, 1)], (counts, draws * expected)
+    assert statistic < CHI2_999[max(int(kept.sum()) - 1, 1)], (counts, draws * expected)
 
 
 def test_typical_p_can_drop_the_most_likely_token():
