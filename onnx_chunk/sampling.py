@@ -9,16 +9,27 @@ up front, so a decode step allocates nothing the size of the vocabulary.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol, cast
 
 import numpy as np
 
+from onnx_chunk.cutoffs import GATHERED, keep_typical, top_p_cutoff
 from onnx_chunk.errors import ConfigError
+from onnx_chunk.sampling_ranges import (
+    MAX_LOGIT_BIAS,
+    RANGES,
+    SEED_RANGE,
+    check_number,
+    is_count,
+    logit_bias_pairs,
+    token_ids,
+)
+from onnx_chunk.token_logprobs import TokenLogprobs, logprobs_of, prompt_logprobs_of
 
-# OpenAI's range of logit_bias values; a bias outside it is clamped (as vLLM does).
-MAX_LOGIT_BIAS = 100.0
+__all__ = ["GREEDY", "MAX_LOGIT_BIAS", "RANGES", "Constraint", "ConstraintMatcher", "Sampler",
+           "Sampling", "TokenLogprobs", "logprobs_of", "prompt_logprobs_of"]
 
 
 class ConstraintMatcher(Protocol):
@@ -44,47 +55,60 @@ GREEDY_TEMPERATURE = 1e-5
 
 @dataclass(frozen=True)
 class Sampling:
-    """How the next token is chosen from a logits row.
+    """How the next token is chosen from a logits row. Every numeric field is checked against
+    `RANGES`, vLLM's one rule (onnx_chunk/sampling_ranges.py).
 
-    temperature: 0 (or anything under GREEDY_TEMPERATURE, 1e-5) chooses greedily (argmax, the
-        lowest id on ties); above it the logits are divided by it and a token is drawn.
-    top_k: keep the k highest logits (0: all); 1 is greedy.
+    temperature: in [0, 2]; under GREEDY_TEMPERATURE (1e-5), 0 included, chooses greedily
+        (argmax, the lowest id on ties); above it the logits are divided by it and a token is
+        drawn.
+    top_k: keep the k highest logits (0 or -1: all; stored as 0); 1 is greedy.
     top_p: keep the smallest set of highest-probability tokens whose mass reaches top_p (1: all).
     min_p: drop tokens whose probability is below min_p times the top token's (0: none).
+    typical_p: keep the locally typical set of that mass (1: off; onnx_chunk/cutoffs.py).
     repetition_penalty: on the tokens already seen (prompt and generated), divide positive
-        logits and multiply negative ones by it (1: off); applied in greedy choice too.
+        logits and multiply negative ones by it (1: off; any finite number > 0, a result past
+        +-1e300 is held there); applied in greedy choice too.
     presence_penalty: subtracted from the logit of every token generated so far, in [-2, 2]
         (OpenAI's; the prompt does not count).
     frequency_penalty: subtracted once per time a token was generated so far, in [-2, 2].
     logit_bias: {token id: bias} added to the logits, each bias clamped to [-100, 100] (a
         mapping is stored as sorted (id, bias) pairs).
+    allowed_token_ids: only these ids may be chosen (None: all; vLLM's whitelist).
+    bad_words_ids: token sequences never generated whole: the last id of one is banned where
+        the tokens generated so far end with the rest of it (a one-id sequence: always; vLLM's
+        `bad_words`, encoded).
     min_tokens: no id of `held_token_ids` (the request's EOS and stop token ids) is chosen
         before this many new tokens.
     held_token_ids: the ids `min_tokens` holds back; required when min_tokens > 0.
     constraint: a grammar the output follows (structured output); None: free text.
-    seed: the random generator's seed (None: fresh entropy, not reproducible).
+    seed: the random generator's seed: an integer in [-2^63, 2^64), a negative one taken as
+        its 64-bit two's complement (stored so); None or -1: fresh entropy, not reproducible.
     logprobs: give each chosen token's log-probability and the `logprobs` most likely tokens'
         (0: the chosen token's only; None: none). The log-probabilities are those of the
         distribution the token was chosen from (vLLM's "processed" mode): the log-softmax of
         the logits after every processor above; for a draw also divided by the temperature and
-        cut by top-k, top-p and min-p (a token they cut has -inf); for a greedy choice without
-        temperature or cut (the argmax is the same).
+        cut by top-k, top-p, min-p and typical-p (a token they cut has -inf); for a greedy
+        choice without temperature or cut (the argmax is the same).
     prompt_logprobs: give every prompt token's log-probability under the raw logits of the
-        position before it and the `prompt_logprobs` most likely tokens' there (None: none;
-        the first prompt token has none). Asks the prefill for every row's logits.
+        position before it, its rank there, and the `prompt_logprobs` most likely tokens'
+        (None: none; the first prompt token has none). Asks the prefill for every row's logits.
     cache_salt: the batch engine reuses a kept prompt prefix only between requests of the
         same salt (None: the shared one), as vLLM's `cache_salt`; it changes no choice.
-    The penalties, the bias, min_tokens and the grammar apply in greedy choice too.
+    The grammar, the allowed and banned ids, min_tokens, the bias and the penalties apply in
+    greedy choice too, in that order (vLLM's: vllm/v1/sample/sampler.py).
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    typical_p: float = 1.0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
     min_tokens: int = 0
     held_token_ids: tuple[int, ...] = ()
     constraint: Constraint | None = None
@@ -94,35 +118,29 @@ class Sampling:
     cache_salt: str | None = None
 
     def __post_init__(self) -> None:
-        _number(self.temperature, "temperature", "a number >= 0 (0 is greedy)",
-                lambda value: value >= 0)
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) \
-                or self.top_k < 0:
-            raise ConfigError(f"top_k must be an integer >= 0 (0 keeps every token), got "
-                              f"{self.top_k!r}")
-        _number(self.top_p, "top_p", "a number in (0, 1] (1 keeps every token)",
-                lambda value: 0 < value <= 1)
-        _number(self.min_p, "min_p", "a number in [0, 1] (0 keeps every token)",
-                lambda value: 0 <= value <= 1)
-        _number(self.repetition_penalty, "repetition_penalty", "a number > 0 (1 is off)",
-                lambda value: value > 0)
-        if self.seed is not None and (isinstance(self.seed, bool) or
-                                      not isinstance(self.seed, (int, np.integer))
-                                      or self.seed < 0):
-            raise ConfigError(f"seed must be a non-negative integer or None, got {self.seed!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            _number(getattr(self, name), name, "a number in [-2, 2] (0 is off)",
-                    lambda value: -2 <= value <= 2)
-        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
-        if not _is_count(self.min_tokens):
-            raise ConfigError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        held = tuple(self.held_token_ids)
-        if not all(_is_count(token) for token in held):
-            raise ConfigError(f"held_token_ids must be token ids (integers >= 0), got {held!r}")
-        object.__setattr__(self, "held_token_ids", tuple(int(token) for token in held))
+        for name in ("temperature", "top_k", "top_p", "min_p", "typical_p",
+                     "repetition_penalty", "presence_penalty", "frequency_penalty",
+                     "min_tokens"):
+            check_number(name, getattr(self, name))
+        object.__setattr__(self, "top_k", max(int(self.top_k), 0))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", _seed(self.seed))
+        object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))
+        held = token_ids(self.held_token_ids, "held_token_ids")
+        object.__setattr__(self, "held_token_ids", held)
+        if self.allowed_token_ids is not None:
+            allowed = token_ids(self.allowed_token_ids, "allowed_token_ids")
+            if not allowed:
+                raise ConfigError("allowed_token_ids must name at least one token id (None "
+                                  "allows every token)")
+            object.__setattr__(self, "allowed_token_ids", allowed)
+        words = tuple(token_ids(word, "bad_words_ids") for word in self.bad_words_ids)
+        if any(not word for word in words):
+            raise ConfigError("bad_words_ids must be non-empty token sequences")
+        object.__setattr__(self, "bad_words_ids", words)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not _is_count(value):
+            if value is not None and not is_count(value):
                 raise ConfigError(f"{name} must be None or an integer >= 0 (the most likely "
                                   f"tokens given beside the chosen one), got {value!r}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
@@ -130,6 +148,13 @@ class Sampling:
         if self.min_tokens and not held:
             raise ConfigError("min_tokens needs held_token_ids: the ids it keeps out until then "
                               "(the request's EOS and stop token ids)")
+
+    def for_choice(self, index: int) -> Sampling:
+        """The sampling of choice `index` of a request of several: seed + index (modulo
+        2^64), the same otherwise."""
+        if self.seed is None or not index:
+            return self
+        return replace(self, seed=(self.seed + index) % _SEEDS)
 
     @property
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
@@ -144,10 +169,12 @@ class Sampling:
 
     @property
     def processes(self) -> bool:
-        """Whether anything changes the logits before the choice (penalties, bias, grammar)."""
+        """Whether anything changes the logits before the choice (penalties, bias, grammar,
+        allowed or banned ids)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0 or bool(self.logit_bias)
-                or self.min_tokens > 0 or self.constraint is not None)
+                or self.min_tokens > 0 or self.constraint is not None
+                or self.allowed_token_ids is not None or bool(self.bad_words_ids))
 
     @classmethod
     def from_search(cls, search: Mapping[str, Any], **overrides: Any) -> Sampling:
@@ -172,68 +199,26 @@ class Sampling:
         return replace(base, **given)
 
 
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """A token's log-probability and the `top` most likely tokens' at its position.
-
-    `top`: (token id, log-probability) pairs, most likely first (ties: the lower id first).
-    """
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
-
-def logprobs_of(scores: np.ndarray, token: int, top: int,
-                scratch: np.ndarray | None = None) -> TokenLogprobs:
-    """The log-softmax of `scores` (a [vocab] row) at `token`, and its `top` largest entries.
-
-    Vectorized: one exp over the row (into `scratch` when given) and an argpartition for the
-    top entries, never a vocabulary-sized Python loop.
-    """
-    peak = float(scores.max())
-    if scratch is None:
-        scratch = np.empty(scores.size, dtype=np.float64)
-    np.subtract(scores, peak, out=scratch)
-    np.exp(scratch, out=scratch)
-    norm = peak + math.log(float(scratch.sum()))
-    return TokenLogprobs(int(token), float(scores[token]) - norm, _top(scores, top, norm))
-
-
-def _top(scores: np.ndarray, top: int, norm: float) -> tuple[tuple[int, float], ...]:
-    if top <= 0:
-        return ()
-    top = min(top, scores.size)
-    ids = np.argpartition(scores, scores.size - top)[scores.size - top:]
-    ids = ids[np.lexsort((ids, -scores[ids]))]
-    return tuple((int(index), float(scores[index]) - norm) for index in ids)
-
-
-def prompt_logprobs_of(rows: np.ndarray, following: np.ndarray,
-                       top: int) -> list[TokenLogprobs]:
-    """For logits `rows` [n, vocab], each row's log-softmax at the token `following` it
-    (`following[i]`: the prompt token after row i) and its `top` largest entries."""
-    scratch = np.empty(rows.shape[1], dtype=np.float64)
-    return [logprobs_of(row, int(token), top, scratch) for row, token in zip(rows, following)]
-
-
 _NO_CHOICE = ("the logits hold no finite maximum ({top}) after the request's processors: the "
               "model's output is broken at this step (NaN or infinities), or the grammar, "
               "min_tokens and logit_bias together left no token; nothing can be chosen")
 
-# Kept tokens up to which a draw gathers them (a [kept] allocation) instead of running over
-# the whole row in place.
-_GATHERED_DRAW = 4096
+# The largest magnitude a penalized logit keeps (divided by the smallest temperature that
+# draws, GREEDY_TEMPERATURE, it stays finite in float64).
+_PENALIZED_LIMIT = 1e300
+# Seeds are taken modulo this (NumPy's generator takes [0, 2^64)).
+_SEEDS = 1 << 64
 
 
 class Sampler:
     """One request's token choice under a `Sampling`: seeded, with a preallocated work buffer.
 
-    The order of operations: the grammar's mask, min_tokens' hold, the logit bias, the
-    repetition penalty on the tokens seen, the presence and frequency penalties on the tokens
-    generated (vLLM's order), then transformers' warpers: temperature, top-k, top-p, min-p,
-    and a draw from what is left. Every token whose processed logit reaches the strictest of
-    the three cut-offs stays (ties at a cut-off are kept together).
+    The order of operations: the grammar's mask, the allowed ids, the banned words, min_tokens'
+    hold, the logit bias, the repetition penalty on the tokens seen, the presence and
+    frequency penalties on the tokens generated (vLLM's order), then transformers' warpers:
+    temperature, top-k, top-p, min-p, typical-p, and a draw from what is left. Every token
+    whose processed logit reaches the strictest of top-k, top-p and min-p stays (ties at a
+    cut-off are kept together); typical-p narrows that set (onnx_chunk/cutoffs.py).
     """
 
     def __init__(self, sampling: Sampling, vocab_size: int) -> None:
@@ -243,11 +228,28 @@ class Sampler:
         self._seen: set[int] = set()
         self._seen_ids = np.empty(0, dtype=np.int64)
         bias = sampling.bias_pairs
-        outside = [token for token, _ in bias if token >= vocab_size] + [
-            token for token in sampling.held_token_ids if token >= vocab_size]
+        outside = [token for token in (*(token for token, _ in bias), *sampling.held_token_ids,
+                                       *(sampling.allowed_token_ids or ()),
+                                       *(token for word in sampling.bad_words_ids
+                                         for token in word))
+                   if token >= vocab_size]
         if outside:
-            raise ConfigError(f"token id {outside[0]} (in logit_bias or the held ids) is outside "
-                              f"the vocabulary [0, {vocab_size})")
+            raise ConfigError(f"token id {outside[0]} (in logit_bias, the held, allowed or "
+                              f"banned ids) is outside the vocabulary [0, {vocab_size})")
+        # The ids never allowed: outside allowed_token_ids, and one-id bad words.
+        self._barred: np.ndarray | None = None
+        if sampling.allowed_token_ids is not None:
+            self._barred = np.ones(vocab_size, dtype=bool)
+            self._barred[list(sampling.allowed_token_ids)] = False
+        always = [word[0] for word in sampling.bad_words_ids if len(word) == 1]
+        if always:
+            if self._barred is None:
+                self._barred = np.zeros(vocab_size, dtype=bool)
+            self._barred[always] = True
+        # Longer bad words: banned where the tokens generated end with the rest of them.
+        self._words = [word for word in sampling.bad_words_ids if len(word) > 1]
+        self._recent: list[int] = []
+        self._memory = max((len(word) for word in self._words), default=1) - 1
         self._bias_ids = np.array([token for token, _ in bias], dtype=np.int64)
         self._bias = np.array([value for _, value in bias], dtype=np.float64)
         self._held = np.array(sampling.held_token_ids, dtype=np.int64)
@@ -298,6 +300,9 @@ class Sampler:
             self.last = logprobs_of(self._dist[0], token, self._top, self._dist[1])
         self.observe((token,))
         self._generated += 1
+        if self._memory:
+            self._recent = [*self._recent[1 - self._memory:], token] if self._memory > 1 \
+                else [token]
         if self._counting:
             self._counts[token] = self._counts.get(token, 0) + 1
         if self._matcher is not None:
@@ -338,6 +343,12 @@ class Sampler:
         np.copyto(scores, logits)
         if self._matcher is not None:
             self._matcher.restrict(scores)
+        if self._barred is not None:
+            np.copyto(scores, -math.inf, where=self._barred)
+        for word in self._words:
+            if len(self._recent) >= len(word) - 1 and \
+                    self._recent[len(self._recent) - len(word) + 1:] == list(word[:-1]):
+                scores[word[-1]] = -math.inf
         if self._generated < sampling.min_tokens:
             scores[self._held] = -math.inf
         if self._bias_ids.size:
@@ -345,7 +356,13 @@ class Sampler:
         if self._penalize and self._seen_ids.size:
             seen = scores[self._seen_ids]
             penalty = sampling.repetition_penalty
-            scores[self._seen_ids] = np.where(seen > 0, seen / penalty, seen * penalty)
+            with np.errstate(over="ignore"):
+                penalized = np.where(seen > 0, seen / penalty, seen * penalty)
+            # Any penalty > 0 is taken (vLLM's rule): a logit it would carry past the float
+            # range stays at +-_PENALIZED_LIMIT, where a temperature cannot overflow it.
+            np.clip(penalized, -_PENALIZED_LIMIT, _PENALIZED_LIMIT, out=penalized,
+                    where=np.isfinite(seen))
+            scores[self._seen_ids] = penalized
         if self._counts:
             ids = np.fromiter(self._counts, dtype=np.int64, count=len(self._counts))
             counts = np.fromiter(self._counts.values(), dtype=np.float64,
@@ -375,18 +392,21 @@ class Sampler:
             ascending.partition(vocab - sampling.top_k)
             cutoff = float(ascending[vocab - sampling.top_k])
         if sampling.top_p < 1.0:
-            cutoff = _top_p_cutoff(scores, cutoff, top, sampling.top_p, ascending, scratch,
+            cutoff = top_p_cutoff(scores, cutoff, top, sampling.top_p, ascending, scratch,
                                    mask)
         if sampling.min_p > 0.0:
             cutoff = max(cutoff, top + math.log(sampling.min_p))
         if not math.isfinite(top):
             raise ValueError(_NO_CHOICE.format(top=top))
         np.greater_equal(scores, cutoff, out=mask)
+        if sampling.typical_p < 1.0:
+            keep_typical(scores, mask, sampling.typical_p)
+            top = float(np.max(scores, where=mask, initial=-math.inf))
         if self._dist is not None:
             # The distribution drawn from: what the cut-offs kept (the draw reuses `scores`).
             self._dist[0].fill(-math.inf)
             np.copyto(self._dist[0], scores, where=mask)
-        if np.count_nonzero(mask) > _GATHERED_DRAW:
+        if np.count_nonzero(mask) > GATHERED:
             # Many tokens left: draw over the whole row in place (the dropped ones weigh 0).
             scores -= top
             np.exp(scores, out=scores)
@@ -418,78 +438,14 @@ class Sampler:
         return False
 
 
-def _top_p_cutoff(scores: np.ndarray, cutoff: float, top: float, top_p: float,
-                  ascending: np.ndarray, weights: np.ndarray, mask: np.ndarray) -> float:
-    """The lowest logit top-p keeps of `scores` above `cutoff` (top-k's).
-
-    transformers drops the tokens whose ascending cumulative probability (over what the other
-    cut-offs kept) is at most 1 - top_p, and always keeps the most likely one. Only the
-    largest logits are sorted: the m largest, doubling m until the mass outside them is at
-    most 1 - top_p of the whole, so the cut falls among them.
-    """
-    vocab = scores.size
-    np.less(scores, cutoff, out=mask)
-    kept = vocab - int(np.count_nonzero(mask))
-    if kept <= _GATHERED_DRAW:
-        np.logical_not(mask, out=mask)
-        largest = np.sort(scores[np.flatnonzero(mask)])
-        shares = np.exp(largest - top)
-        return _first_kept(largest, shares, 0.0, (1.0 - top_p) * float(shares.sum()), cutoff)
-    np.subtract(scores, top, out=weights)
-    np.exp(weights, out=weights)
-    np.copyto(weights, 0.0, where=mask)
-    total = float(weights.sum())
-    limit = (1.0 - top_p) * total
-    size = min(64, kept)
-    while True:
-        np.copyto(ascending, scores)
-        np.copyto(ascending, -math.inf, where=mask)
-        ascending.partition(vocab - size)
-        largest = np.sort(ascending[vocab - size:])
-        shares = np.exp(largest - top)
-        rest = total - float(shares.sum())
-        if rest <= limit or size >= kept:
-            break
-        size = min(2 * size, kept)
-    return _first_kept(largest, shares, rest, limit, cutoff)
-
-
-def _first_kept(largest: np.ndarray, shares: np.ndarray, rest: float, limit: float,
-                cutoff: float) -> float:
-    """The logit of the first of `largest` (ascending) whose cumulative mass, with the `rest`
-    below them, passes `limit`."""
-    cumulative = np.cumsum(shares) + rest
-    first = int(np.searchsorted(cumulative, limit, side="right"))
-    return max(cutoff, float(largest[min(first, largest.size - 1)]))
-
-
-def _number(value: object, name: str, expected: str, valid: Callable[[Any], bool]) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-            or not math.isfinite(value) or not valid(value):
-        raise ConfigError(f"{name} must be {expected}, got {value!r}")
-
-
-def _is_count(value: object) -> bool:
-    return (not isinstance(value, bool) and isinstance(value, (int, np.integer))
-            and bool(value >= 0))
-
-
-def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
-    """logit_bias as sorted (id, bias) pairs, each bias clamped to [-100, 100]."""
-    items: Any = value.items() if isinstance(value, Mapping) else value
-    try:
-        pairs = [(token, bias) for token, bias in items]
-    except (TypeError, ValueError) as error:
-        raise ConfigError(f"logit_bias must map token ids to numbers, got {value!r}") from error
-    for token, bias in pairs:
-        if not _is_count(token):
-            raise ConfigError(f"logit_bias keys must be token ids (integers >= 0), got "
-                              f"{token!r}")
-        _number(bias, f"logit_bias[{token}]", "a number", lambda _: True)
-    if len({int(token) for token, _ in pairs}) < len(pairs):
-        raise ConfigError(f"logit_bias names a token id twice: {value!r}")
-    return tuple(sorted((int(token), min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(bias))))
-                        for token, bias in pairs))
+def _seed(value: object) -> int | None:
+    """A seed as the generator takes it: [0, 2^64) (None for -1)."""
+    low = SEED_RANGE[0]
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
+            or not low <= value < _SEEDS:
+        raise ConfigError(f"seed must be None or an integer in [{low}, {_SEEDS}) (-1: none), "
+                          f"got {value!r}")
+    return None if value == -1 else int(value) % _SEEDS
 
 
 def _search_value(search: Mapping[str, Any], key: str, default: Any) -> Any:

@@ -13,7 +13,7 @@ from onnx_chunk.errors import ConfigError
 from onnx_chunk.sampling import GREEDY, Sampler, Sampling
 
 # Upper 0.1% points of the chi-square distribution (p = 1e-3), by degrees of freedom.
-_CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12,
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12,
              9: 27.88, 10: 29.59, 11: 31.26}
 
 LOGITS = np.array([2.0, 1.5, 1.2, 0.9, 0.5, 0.1, -0.3, -0.8, -1.5, -2.5, 1.9, 0.0],
@@ -73,7 +73,7 @@ def test_draws_follow_the_truncated_softmax(sampling):
     assert counts[~kept].sum() == 0, "a token the filters drop was drawn"
     statistic = float((((counts - draws * expected) ** 2)[kept]
                        / (draws * expected[kept])).sum())
-    assert statistic < _CHI2_999[int(kept.sum()) - 1], (counts, draws * expected)
+    assert statistic < CHI2_999[int(kept.sum()) - 1], (counts, draws * expected)
 
 
 def test_the_filters_do_drop_tokens():
@@ -135,18 +135,25 @@ def test_no_vocab_sized_allocation_per_token():
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"temperature": -0.1}, "temperature must be a number >= 0"),
+    ({"temperature": -0.1}, r"temperature must be a number in \[0, 2\]"),
+    ({"temperature": 2.5}, r"temperature must be a number in \[0, 2\]"),
     ({"temperature": float("nan")}, "temperature"),
     ({"temperature": "1"}, "temperature"),
-    ({"top_k": -1}, "top_k must be an integer >= 0"),
+    ({"top_k": -2}, "top_k must be an integer >= -1"),
     ({"top_k": 2.5}, "top_k"),
     ({"top_k": True}, "top_k"),
     ({"top_p": 0.0}, r"top_p must be a number in \(0, 1\]"),
     ({"top_p": 1.5}, "top_p"),
     ({"min_p": -0.5}, "min_p"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty must be a number > 0"),
-    ({"seed": -1}, "seed must be a non-negative integer"),
+    ({"typical_p": 0.0}, r"typical_p must be a number in \(0, 1\]"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be a finite number > 0"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty must be a finite number > 0"),
+    ({"seed": -2 ** 63 - 1}, "seed must be None or an integer"),
+    ({"seed": 2 ** 64}, "seed"),
     ({"seed": 1.5}, "seed"),
+    ({"allowed_token_ids": ()}, "allowed_token_ids must name at least one"),
+    ({"allowed_token_ids": (1, -1)}, "allowed_token_ids must be token ids"),
+    ({"bad_words_ids": ((),)}, "bad_words_ids must be non-empty"),
 ])
 def test_bad_options_are_refused_at_construction(options, message):
     with pytest.raises(ConfigError, match=message):
@@ -228,7 +235,7 @@ def test_draws_follow_the_penalized_softmax():
     expected = np.exp(scores - scores.max())
     expected /= expected.sum()
     statistic = float(((counts - draws * expected) ** 2 / (draws * expected)).sum())
-    assert statistic < _CHI2_999[LOGITS.size - 1], (counts, draws * expected)
+    assert statistic < CHI2_999[LOGITS.size - 1], (counts, draws * expected)
 
 
 def test_logit_bias_adds_and_clamps():
@@ -372,7 +379,7 @@ def test_a_drafted_token_leaves_the_distribution_exact(sampling, draft):
     assert counts[~kept].sum() == 0, "a token the filters drop was drawn"
     statistic = float((((counts - draws * expected) ** 2)[kept]
                        / (draws * expected[kept])).sum())
-    assert statistic < _CHI2_999[int(kept.sum()) - 1], (counts, draws * expected)
+    assert statistic < CHI2_999[int(kept.sum()) - 1], (counts, draws * expected)
 
 
 def test_a_draft_over_a_large_vocabulary_is_kept_with_its_probability():
@@ -390,7 +397,7 @@ def test_a_draft_over_a_large_vocabulary_is_kept_with_its_probability():
                     + [np.count_nonzero(tokens >= 3)])
     want = np.append(expected[:3], expected[3:].sum()) * draws
     statistic = float(((head - want) ** 2 / want).sum())
-    assert statistic < _CHI2_999[3], (head, want)
+    assert statistic < CHI2_999[3], (head, want)
 
 
 def test_a_greedy_choice_ignores_the_draft():

@@ -22,19 +22,16 @@ error event in place of its last chunk.
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import contextlib
 import dataclasses
 import hmac
-import json
 import logging
-import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -43,26 +40,40 @@ from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from onnx_chunk.errors import (
     CapacityError,
     ClosedError,
     ConfigError,
-    InputError,
     OnnxChunkError,
-    QueueFullError,
 )
 from onnx_chunk.sampling import Sampling, TokenLogprobs
+from onnx_chunk.serve.answers import (
+    Answer,
+    ChatAnswer,
+    TextAnswer,
+    collect_chunks,
+    encode_json,
+    event,
+    usage,
+)
+from onnx_chunk.serve.body import decode_body
 from onnx_chunk.serve.generation import ServedGeneration
-from onnx_chunk.serve.logprobs import CompletionLogprobs, TokenStrings, chat_content, joined
+from onnx_chunk.serve.logprobs import TokenIds, TokenStrings
 from onnx_chunk.serve.metrics import CONTENT_TYPE, ServerMetrics
 from onnx_chunk.serve.parameters import RequestOptions
+from onnx_chunk.serve.prompts import chat_ids, completion_ids
 from onnx_chunk.serve.protocol import RequestError, error_body
+from onnx_chunk.serve.refusals import (
+    answer_too_large,
+    drop_tracebacks,
+    error_answer,
+    http_error,
+    too_large,
+)
 from onnx_chunk.serve.requests import ChatCompletionRequest, CompletionRequest
+from onnx_chunk.serve.streaming import EventStream, unless_disconnected
 from onnx_chunk.serve.tokenize import detokenize, tokenize
-from onnx_chunk.serve.tools import check_auto, tool_message
-from onnx_chunk.text.chat_template import ChatTemplateFault
 from onnx_chunk.text.generation import search_defaults
 from onnx_chunk.text.prompt import PromptEncoder
 from onnx_chunk.text.token_text import TokenText
@@ -75,19 +86,15 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-# Seconds a client told "queue full" (429) waits before it retries.
-RETRY_AFTER_S = 1
 # The largest request body read (413 beyond): a prompt that fills a 128k-token context is at
 # most about 3 MB of JSON (4 characters a token, each escaped as 6 bytes: `\u00e9`), its
 # token ids about 1 MB; 8 MiB leaves room for those and caps what one request makes the
 # server hold and parse.
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 # The largest answer one request may make (400 `answer_too_large` past it): a whole answer's
-# JSON, or the bytes of a stream. A request whose logprobs alone cannot fit (at least
-# LOGPROB_ENTRY_BYTES per logprob entry: each token of the output and, with `echo`, of the
-# prompt, times 1 + its top count, times its choices) is refused before it runs.
+# JSON, or the bytes of a stream. A request whose logprobs alone cannot fit (answer_size.py)
+# is refused before it is queued.
 DEFAULT_MAX_ANSWER_BYTES = 32 << 20
-LOGPROB_ENTRY_BYTES = 8
 
 
 def create_app(runtime: Runtime, *, model_name: str | None = None,
@@ -132,7 +139,7 @@ def create_app(runtime: Runtime, *, model_name: str | None = None,
         Route("/health", service.health, methods=["GET"]),
         Route("/metrics", service.metrics_page, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
     app.state.service = service
     return app
 
@@ -145,6 +152,8 @@ class _Prepared:
     # Each prompt as the request gave it (chat: none) and its token ids (chat: one).
     texts: tuple[str | tuple[int, ...], ...]
     prompts: list[list[int]]
+    # Each choice's text: its detokenization fields (vLLM's).
+    text_options: dict[str, bool]
     sampling: Sampling
     ends: tuple[int, ...]
 
@@ -173,11 +182,17 @@ class _Service:
         self.max_answer_bytes = DEFAULT_MAX_ANSWER_BYTES
         self.metrics = ServerMetrics(runtime)
         self.strings = TokenStrings(self.tokenizer)
+        self.token_ids = TokenIds(self.tokenizer)
         self.api_keys = api_keys
         self.share_prefixes = False
         self._created = int(time.time())
         self._live: set[ServedGeneration] = set()
         self.draining = False
+
+    @property
+    def running(self) -> int:
+        """The generations whose answer is still being sent."""
+        return len(self._live)
 
     def drain(self) -> None:
         """Stop admitting requests and end the running ones (their streams get an error)."""
@@ -197,7 +212,9 @@ class _Service:
                 logger.info("a client left during its upload to %s", request.url.path)
                 return Response(status_code=499)
             except Exception as error:  # every failure becomes one OpenAI-shaped answer
-                return self._error_response(error)
+                response = self._error_response(error)
+                drop_tracebacks(error)
+                return response
         return run
 
     async def chat_completions(self, request: HttpRequest) -> _Reply:
@@ -227,13 +244,14 @@ class _Service:
     async def tokenize(self, request: HttpRequest) -> Response:
         raw = await self._body(request)
         answer = await run_in_threadpool(
-            lambda: encode_json(tokenize(_json(raw), self.prompts, self._check_model)))
+            lambda: encode_json(tokenize(decode_body(raw), self.prompts, self._check_model)))
         return Response(answer, media_type="application/json")
 
     async def detokenize(self, request: HttpRequest) -> Response:
         raw = await self._body(request)
         answer = await run_in_threadpool(
-            lambda: encode_json(detokenize(_json(raw), self.tokenizer, self._check_model)))
+            lambda: encode_json(detokenize(decode_body(raw), self.tokenizer,
+                                           self._check_model)))
         return Response(answer, media_type="application/json")
 
     async def models(self, request: HttpRequest) -> Response:
@@ -254,12 +272,12 @@ class _Service:
         limit = self.max_body_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            raise _too_large(f"{int(declared)} bytes", limit)
+            raise too_large(f"{int(declared)} bytes", limit)
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise _too_large(f"more than {limit} bytes", limit)
+                raise too_large(f"more than {limit} bytes", limit)
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -270,9 +288,9 @@ class _Service:
         vocab_size = self.vocab_size
         request: ChatCompletionRequest | CompletionRequest
         if chat:
-            request = ChatCompletionRequest.parse(_json(body), vocab_size=vocab_size)
+            request = ChatCompletionRequest.parse(decode_body(body), vocab_size=vocab_size)
         else:
-            request = CompletionRequest.parse(_json(body), vocab_size=vocab_size)
+            request = CompletionRequest.parse(decode_body(body), vocab_size=vocab_size)
         options = request.options
         if self.draining:
             raise ClosedError("the server is shutting down")
@@ -282,27 +300,28 @@ class _Service:
             from onnx_chunk.structured import prepare
 
             prepare(tokenizer)
-        if options.tool_choice == "auto":
-            template = tokenizer.chat_template
-            check_auto(None if template is None else template.source)
         texts: tuple[str | tuple[int, ...], ...] = ()
         if isinstance(request, ChatCompletionRequest):
-            prompts = [self.prompts.encode(request.template_messages(),
-                                           tools=options.template_tools)]
+            prompts = [chat_ids(request, self.prompts, self.capacity)]
         else:
             texts = request.prompts()
-            prompts = [list(prompt) if isinstance(prompt, tuple) else self.prompts.encode(prompt)
-                       for prompt in texts]
+            prompts = completion_ids(request, self.prompts, self.capacity)
+        # Before the grammar is compiled and anything queued: the answer's least size.
+        request.answer_floor([len(ids) for ids in prompts], self.capacity).check(
+            self.max_answer_bytes)
         ends = options.end_ids(tokenizer.eos_token_ids or self.eos_token_ids)
         sampling = request.sampling(search=self.search, tokenizer=tokenizer,
                                     vocab_size=vocab_size, ends=ends,
                                     cache_salt=self._salt(options, tenant))
-        self._check_answer_size(options, prompts)
         if options.max_tokens == 0 and sampling.prompt_logprobs is None:
             # An echo of 0 new tokens without logprobs: the engine still runs the prompt once
             # (a request that generates nothing is one that scores its prompt).
             sampling = dataclasses.replace(sampling, prompt_logprobs=0)
-        return _Prepared(options, texts, prompts, sampling, ends)
+        text_options = {
+            "skip_special_tokens": options.skip_special_tokens,
+            "spaces_between_special_tokens": options.spaces_between_special_tokens,
+            "include_stop_str_in_output": options.include_stop_str_in_output}
+        return _Prepared(options, texts, prompts, text_options, sampling, ends)
 
     def _salt(self, options: RequestOptions, tenant: str | None) -> str | None:
         """The prefix namespace of a request: its key's (unless keys share prefixes) and its
@@ -314,39 +333,29 @@ class _Service:
             parts.append(f"salt:{options.cache_salt}")
         return "\x00".join(parts) or None
 
-    def _check_answer_size(self, options: RequestOptions, prompts: list[list[int]]) -> None:
-        """Refuse a request whose logprobs alone would make more than `max_answer_bytes`."""
-        if options.logprobs is None:
-            return
-        capacity = self.capacity
-        tokens = sum((len(ids) if options.echo else 0)
-                     + (capacity - len(ids) if options.max_tokens is None
-                        else options.max_tokens)
-                     for ids in prompts)
-        least = tokens * options.n * (1 + options.logprobs) * LOGPROB_ENTRY_BYTES
-        if least > self.max_answer_bytes:
-            raise _answer_too_large(f"at least {least} bytes of logprobs",
-                                    self.max_answer_bytes, param="logprobs")
-
     async def _serve(self, request: HttpRequest, prepared: _Prepared,
                      generations: list[ServedGeneration], *, chat: bool) -> _Reply:
         options = prepared.options
         top = options.logprobs
-        answer = (_ChatAnswer(self.model_name, self.strings, top, options.tool_choice)
-                  if chat else
-                  _TextAnswer(self.model_name, self.strings, top,
-                              self._echoes(prepared) if options.echo else None, options.n))
+        shown = {"prompt_top": options.prompt_logprobs,
+                 "names": self.token_ids if options.return_tokens_as_token_ids else None}
+        answer: Answer = (ChatAnswer(self.model_name, self.strings, top, options.tool_choice,
+                                     **shown)
+                          if chat else
+                          TextAnswer(self.model_name, self.strings, top,
+                                     self._echoes(prepared) if options.echo else None,
+                                     options.n, **shown))
         self._live.update(generations)
         if self.draining:  # drain() ran while the request was admitted off the loop
             for generation in generations:
                 generation.end_for_shutdown()
         if options.stream:
-            return _EventStream(self._events(generations, answer, options.include_usage,
+            return EventStream(self._events(generations, answer, options.include_usage,
                                              options.n),
                                 lambda: self._ended(generations))
         try:
-            outputs = await _unless_disconnected(
-                asyncio.gather(*(_collect_chunks(generation) for generation in generations)),
+            outputs = await unless_disconnected(
+                asyncio.gather(*(collect_chunks(generation) for generation in generations)),
                 request.receive)
         finally:
             self._ended(generations)
@@ -357,12 +366,12 @@ class _Service:
         payload = await run_in_threadpool(self.whole_json, answer, generations, outputs, options.n)
         return Response(payload, media_type="application/json")
 
-    def whole_json(self, answer: _Answer, generations: list[ServedGeneration],
+    def whole_json(self, answer: Answer, generations: list[ServedGeneration],
                    outputs: list[tuple[str, list[TokenLogprobs]]], n: int) -> bytes:
         """A whole answer's JSON (refused past `max_answer_bytes`)."""
         # Each choice encoded alone: the encoder holds the GIL while it runs, so the event
         # loop waits for at most one choice's encoding, never the whole answer's.
-        head, tail = encode_json(answer.whole([], _usage(generations, n))).split(
+        head, tail = encode_json(answer.whole([], usage(generations, n), generations)).split(
             b'"choices":[]', 1)
         parts, size = [head, b'"choices":['], len(head) + len(tail)
         for number, (generation, (text, entries)) in enumerate(zip(generations, outputs)):
@@ -371,14 +380,15 @@ class _Service:
             if size > self.max_answer_bytes:
                 break
             parts += [b"," if number else b"", choice]
-        payload = b"".join([*parts, b"]", tail])
         if size > self.max_answer_bytes:
-            raise _answer_too_large(f"{len(payload)} bytes", self.max_answer_bytes)
-        return payload
+            raise answer_too_large(f"at least {size} bytes", self.max_answer_bytes)
+        return b"".join([*parts, b"]", tail])
 
     def _echoes(self, prepared: _Prepared) -> list[str]:
-        """Each prompt's text as `echo` shows it (token-id prompts decoded)."""
-        return [prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+        """Each prompt's text as `echo` shows it (token-id prompts, and prompts cut by
+        `truncate_prompt_tokens`, decoded: what was fed)."""
+        cut = prepared.options.truncate_prompt_tokens is not None
+        return [prompt if isinstance(prompt, str) and not cut else self.tokenizer.decode(ids)
                 for prompt, ids in zip(prepared.texts, prepared.prompts)]
 
     def _check_model(self, model: object) -> None:
@@ -410,15 +420,14 @@ class _Service:
         generations: list[ServedGeneration] = []
         try:
             for number, ids in enumerate(prepared.prompts):
-                samplings = [sampling if sampling.seed is None else dataclasses.replace(
-                    sampling, seed=sampling.seed + choice) for choice in range(options.n)]
+                samplings = [sampling.for_choice(choice) for choice in range(options.n)]
                 room = capacity - len(ids)
                 requests = self.runtime.submit_choices(
                     ids, room if options.max_tokens is None else options.max_tokens, samplings,
                     eos_token_id=prepared.ends, wait=number > 0)
                 for choice, request in enumerate(requests):
                     text = TokenText(self.tokenizer, options.stop, ends_at=request.ends_at,
-                                     min_tokens=options.min_tokens)
+                                     min_tokens=options.min_tokens, **prepared.text_options)
                     generations.append(ServedGeneration(request, text, len(ids), arrived,
                                                         self.metrics, number * options.n + choice))
         except BaseException:
@@ -427,7 +436,7 @@ class _Service:
             raise
         return generations
 
-    async def _events(self, generations: list[ServedGeneration], answer: _Answer,
+    async def _events(self, generations: list[ServedGeneration], answer: Answer,
                       include_usage: bool, n: int) -> AsyncGenerator[bytes, None]:
         """The event stream: the choices one after the other (all run at once in the engine),
         each opened, streamed and closed with its index."""
@@ -435,50 +444,28 @@ class _Service:
         sent = 0
         try:
             for generation in generations:
-                async with contextlib.aclosing(self._choice_events(generation, answer)) as events:
-                    async for event in events:
-                        sent += len(event)
+                async with contextlib.aclosing(answer.events(generation)) as events:
+                    async for written in events:
+                        sent += len(written)
                         if sent > self.max_answer_bytes:
-                            raise _answer_too_large(f"more than {sent} bytes",
+                            raise answer_too_large(f"at least {sent} bytes",
                                                     self.max_answer_bytes)
-                        yield event
+                        yield written
             if include_usage:
-                yield _event(answer.usage_chunk(_usage(generations, n)))
+                yield event(answer.usage_chunk(usage(generations, n)))
             yield b"data: [DONE]\n\n"
         except RequestError as error:
-            yield _event(error_body(str(error), error.error_type, param=error.param,
-                                    code=error.code))
+            yield event(error_body(str(error), error.error_type, param=error.param,
+                                   code=error.code))
         except ClosedError as error:
-            yield _event(error_body(str(error), "server_error", code="server_shutting_down"))
+            yield event(error_body(str(error), "server_error", code="server_shutting_down"))
         except OnnxChunkError as error:
             logger.warning("request %d failed: %s", generation.request.id, error)
-            yield _event(error_body(str(error), "server_error", code="generation_failed"))
+            yield event(error_body(str(error), "server_error", code="generation_failed"))
         except Exception:
             logger.exception("request %d failed", generation.request.id)
-            yield _event(error_body("the server failed this request (logged on the server)",
-                                    "server_error", code="internal_error"))
-
-    @staticmethod
-    async def _choice_events(generation: ServedGeneration,
-                             answer: _Answer) -> AsyncGenerator[bytes, None]:
-        index = generation.index
-        yield _event(answer.chunk(index, answer.opening, None))
-        if answer.whole_output:
-            # A tool answer is known once the output is whole: it comes as one delta.
-            text, entries = await _collect_chunks(generation)
-            message, reason = answer.message(text, generation.finish_reason)
-            message.pop("role")
-            yield _event(answer.chunk(index, _delta(message), None, answer.logprobs(entries)))
-        else:
-            async with contextlib.aclosing(answer.stream(generation)) as pieces:
-                async for piece, logprobs in pieces:
-                    chunk = answer.chunk(index, piece, None, logprobs)
-                    if isinstance(logprobs, dict) and len(logprobs.get("tokens", ())) > 64:
-                        yield await asyncio.to_thread(_event, chunk)  # an echoed prompt's
-                    else:
-                        yield _event(chunk)
-            reason = generation.finish_reason
-        yield _event(answer.chunk(index, answer.closing, reason))
+            yield event(error_body("the server failed this request (logged on the server)",
+                                   "server_error", code="internal_error"))
 
     def _authorize(self, request: HttpRequest) -> str | None:
         """The request's tenant: the number of the key it sent (None: the app has no key)."""
@@ -500,329 +487,5 @@ class _Service:
         return JSONResponse(body, status_code=status, headers=headers)
 
 
-def error_answer(error: Exception) -> tuple[int, dict[str, Any], dict[str, str]]:
-    """The status, OpenAI error body and headers of a refused or failed request."""
-    if isinstance(error, RequestError):
-        return error.status, error_body(str(error), error.error_type, param=error.param,
-                                        code=error.code), {}
-    from onnx_chunk.structured.constraint import GrammarError
-
-    if isinstance(error, GrammarError):  # the request's schema beyond the grammar library
-        return 400, error_body(f"the grammar of this request's schema failed: {error}; "
-                               "simplify the schema", "invalid_request_error",
-                               param="response_format", code="grammar_failed"), {}
-    if isinstance(error, ChatTemplateFault):  # the model's template: the server's fault
-        logger.error("the chat template failed a request: %s", error, exc_info=error)
-        return 500, error_body(str(error), "server_error", code="chat_template_failed"), {}
-    if isinstance(error, (InputError, ConfigError)):
-        return 400, error_body(str(error), "invalid_request_error"), {}
-    if isinstance(error, QueueFullError):
-        return 429, error_body(str(error), "rate_limit_error", code="queue_full"), {
-            "Retry-After": str(RETRY_AFTER_S)}
-    if isinstance(error, ClosedError):
-        return 503, error_body(str(error), "server_error", code="server_shutting_down"), {}
-    logger.error("a request failed", exc_info=error)
-    return 500, error_body("the server failed this request (logged on the server)",
-                           "server_error", code="internal_error"), {}
-
-
-async def _http_error(request: HttpRequest, error: Exception) -> Response:
-    """Starlette's own refusals (unknown route, wrong method) in OpenAI's shape."""
-    assert isinstance(error, HTTPException)  # the handler is registered for it alone
-    return JSONResponse(error_body(f"{request.method} {request.url.path}: {error.detail}",
-                                   "invalid_request_error", code=str(error.status_code)),
-                        status_code=error.status_code, headers=error.headers)
-
-
-def _not_json(constant: str) -> object:
-    raise ValueError(f"{constant} is not a JSON number")
-
-
-def _json(raw: bytes) -> object:
-    try:
-        return json.loads(raw, parse_constant=_not_json)
-    except (UnicodeDecodeError, ValueError) as error:
-        # ValueError: JSON's own errors, NaN and Infinity, and an integer of more digits than
-        # Python converts (4,300).
-        raise RequestError(f"the request body is not valid JSON ({error}); send a JSON object",
-                           code="invalid_json") from error
-    except RecursionError as error:
-        raise RequestError("the request body nests arrays or objects too deep to be read; "
-                           "send a flatter JSON object", code="invalid_json") from error
-
-
-def encode_json(payload: object) -> bytes:
-    """A whole answer or an event's JSON (UTF-8, compact, as Starlette's JSONResponse)."""
-    return json.dumps(payload, ensure_ascii=False, allow_nan=False,
-                      separators=(",", ":")).encode()
-
-
-def _answer_too_large(size: str, limit: int, param: str | None = None) -> RequestError:
-    return RequestError(f"the answer would have {size}, more than the {limit} bytes this "
-                        "server sends for one request (its --max-answer-bytes); ask for fewer "
-                        "prompts, choices, tokens or logprobs", param=param,
-                        code="answer_too_large")
-
-
-def _too_large(size: str, limit: int) -> RequestError:
-    return RequestError(f"the request body has {size}, more than the {limit} bytes this "
-                        "server reads (its --max-body-bytes); send a smaller request",
-                        code="request_too_large", status=413)
-
-
-async def _collect_chunks(generation: ServedGeneration) -> tuple[str, list[TokenLogprobs]]:
-    """A choice's whole text and its tokens' logprobs."""
-    texts: list[str] = []
-    entries: list[TokenLogprobs] = []
-    async with contextlib.aclosing(generation.chunks()) as chunks:
-        async for piece, logprobs in chunks:
-            texts.append(piece)
-            entries.extend(logprobs)
-    return "".join(texts), entries
-
-
-async def _unless_disconnected(work: Awaitable[_T], receive: Receive) -> _T | None:
-    """`work`'s result, or None when the client disconnected first (`work` is cancelled)."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnect(receive))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass
-    return None
-
-
-async def _disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-class _EventStream:
-    """An ASGI response streaming server-sent events that watches for the client leaving:
-    a disconnect cancels the stream at once (Starlette's StreamingResponse only notices one
-    at its next write), then `on_end` runs."""
-
-    def __init__(self, events: AsyncGenerator[bytes, None], on_end: Callable[[], None]) -> None:
-        self._events = events
-        self._on_end = on_end
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", b"text/event-stream; charset=utf-8"),
-                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
-            await _unless_disconnected(self._pump(send), receive)
-        except OSError:  # the client went away during a write
-            pass
-        finally:
-            await self._events.aclose()
-            self._on_end()
-
-    async def _pump(self, send: Send) -> str:
-        async for event in self._events:
-            await send({"type": "http.response.body", "body": event, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        return ""
-
-
-def _delta(message: dict[str, Any]) -> dict[str, Any]:
-    """A whole message as one streamed delta (tool calls with their index)."""
-    calls = message.get("tool_calls")
-    if calls:
-        message["tool_calls"] = [{"index": index, **call} for index, call in enumerate(calls)]
-    return message
-
-
 # What an endpoint replies: a whole response, or a stream of events.
-_Reply = Response | _EventStream
-
-
-def _event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + encode_json(payload) + b"\n\n"
-
-
-def _usage(generations: list[ServedGeneration], n: int) -> dict[str, Any]:
-    """Tokens of every prompt (once, however many of its `n` choices there are) and of every
-    choice; `prompt_tokens_details.cached_tokens`: the prompt ids whose KV a slot kept from an
-    earlier request (prefix reuse), as OpenAI and vLLM report them."""
-    firsts = [generation for generation in generations if generation.index % n == 0]
-    prompt = sum(generation.prompt_tokens for generation in firsts)
-    cached = sum(generation.request.stats.cached_tokens for generation in firsts)
-    completion = sum(generation.completion_tokens for generation in generations)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-class _Answer(abc.ABC):
-    """The response objects of one endpoint (one id and creation time per request):
-    `opening` and `closing` are the first and last chunks' contents; `top`: the request's
-    logprobs count (None: no logprobs)."""
-
-    object_name: str
-    chunk_name: str
-    prefix: str
-    opening: Any
-    closing: Any
-
-    # Whether the answer is made from the whole output (tool calls), not piece by piece.
-    whole_output = False
-
-    def message(self, text: str, finish_reason: str | None
-                ) -> tuple[dict[str, Any], str | None]:
-        """The message of the whole output and its finish reason (`whole_output` answers)."""
-        raise TypeError(f"{type(self).__name__} answers piece by piece, not from the whole "
-                        "output")
-
-    def logprobs(self, entries: list[TokenLogprobs]) -> Any:
-        """The logprobs of a whole output's tokens (`whole_output` answers)."""
-        raise TypeError(f"{type(self).__name__} answers piece by piece, not from the whole "
-                        "output")
-
-    def __init__(self, model: str, strings: TokenStrings, top: int | None) -> None:
-        self.model = model
-        self.strings = strings
-        self.top = top
-        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-
-    def _head(self, name: str) -> dict[str, Any]:
-        return {"id": self.id, "object": name, "created": self.created, "model": self.model}
-
-    def whole(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
-        return {**self._head(self.object_name), "choices": choices, "usage": usage}
-
-    def chunk(self, index: int, piece: Any, finish_reason: str | None,
-              logprobs: Any = None) -> dict[str, Any]:
-        return {**self._head(self.chunk_name),
-                "choices": [self.chunk_choice(index, piece, finish_reason, logprobs)]}
-
-    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
-        return {**self._head(self.chunk_name), "choices": [], "usage": usage}
-
-    @abc.abstractmethod
-    def choice(self, generation: ServedGeneration, text: str,
-               entries: list[TokenLogprobs]) -> dict[str, Any]:
-        """The choice of the whole answer."""
-
-    @abc.abstractmethod
-    def chunk_choice(self, index: int, piece: Any, finish_reason: str | None,
-                     logprobs: Any) -> dict[str, Any]:
-        """The choice of one streamed chunk."""
-
-    @abc.abstractmethod
-    def stream(self, generation: ServedGeneration) -> AsyncGenerator[tuple[str, Any], None]:
-        """A streamed choice's pieces, each with its chunk's logprobs."""
-
-
-class _ChatAnswer(_Answer):
-    object_name = "chat.completion"
-    chunk_name = "chat.completion.chunk"
-    prefix = "chatcmpl"
-    opening = {"role": "assistant", "content": ""}
-    closing: dict[str, str] = {}
-
-    def __init__(self, model: str, strings: TokenStrings, top: int | None,
-                 tool_choice: str = "none") -> None:
-        super().__init__(model, strings, top)
-        self.tool_choice = tool_choice
-        self.whole_output = tool_choice != "none"
-
-    def message(self, text: str, finish_reason: str | None
-                ) -> tuple[dict[str, Any], str | None]:
-        """The assistant message of the whole output and its finish reason (tool calls)."""
-        return tool_message(text, finish_reason, self.tool_choice)
-
-    def logprobs(self, entries: list[TokenLogprobs]) -> dict[str, Any] | None:
-        """Chat's `logprobs` of these tokens (None when the request asked for none)."""
-        return None if self.top is None else {"content": chat_content(entries, self.strings)}
-
-    def choice(self, generation: ServedGeneration, text: str,
-               entries: list[TokenLogprobs]) -> dict[str, Any]:
-        message, finish_reason = self.message(text, generation.finish_reason)
-        return {"index": generation.index, "message": message,
-                "logprobs": self.logprobs(entries), "finish_reason": finish_reason}
-
-    def chunk_choice(self, index: int, piece: Any, finish_reason: str | None,
-                     logprobs: Any) -> dict[str, Any]:
-        delta = {"content": piece} if isinstance(piece, str) else piece
-        return {"index": index, "delta": delta, "logprobs": logprobs,
-                "finish_reason": finish_reason}
-
-    async def stream(self, generation: ServedGeneration
-                     ) -> AsyncGenerator[tuple[str, Any], None]:
-        async with contextlib.aclosing(generation.chunks()) as chunks:
-            async for piece, entries in chunks:
-                yield piece, self.logprobs(entries)
-
-
-class _TextAnswer(_Answer):
-    """Completions' answer; `echoes`: each prompt's text when the request echoes them; `n`:
-    the choices per prompt."""
-
-    object_name = "text_completion"
-    chunk_name = "text_completion"
-    prefix = "cmpl"
-    opening = ""
-    closing = ""
-
-    def __init__(self, model: str, strings: TokenStrings, top: int | None,
-                 echoes: list[str] | None, n: int) -> None:
-        super().__init__(model, strings, top)
-        self.echoes = echoes
-        self.n = n
-        self._echoed: dict[int, tuple[str, dict[str, list[Any]] | None]] = {}
-        self._lock = threading.Lock()
-
-    def choice(self, generation: ServedGeneration, text: str,
-               entries: list[TokenLogprobs]) -> dict[str, Any]:
-        echo, part = self._echo(generation)
-        logprobs = None
-        if self.top is not None:
-            builder = CompletionLogprobs(self.strings, len(echo))
-            logprobs = joined([*([] if part is None else [part]), builder.part(entries)])
-        return {"index": generation.index, "text": echo + text, "logprobs": logprobs,
-                "finish_reason": generation.finish_reason}
-
-    def _echo(self, generation: ServedGeneration) -> tuple[str, dict[str, list[Any]] | None]:
-        """The echoed prompt's text and its logprobs (when asked for), built once per prompt
-        and shared by its `n` choices; the choice's own offsets go on after that text."""
-        if self.echoes is None:
-            return "", None
-        number = generation.index // self.n
-        with self._lock:
-            echoed = self._echoed.get(number)
-            if echoed is None:
-                request = generation.request
-                part = None if self.top is None else CompletionLogprobs(self.strings).part(
-                    request.prompt_logprobs, request.prompt.tolist())
-                echoed = self._echoed[number] = (self.echoes[number], part)
-        return echoed
-
-    def chunk_choice(self, index: int, piece: Any, finish_reason: str | None,
-                     logprobs: Any) -> dict[str, Any]:
-        return {"index": index, "text": piece, "logprobs": logprobs,
-                "finish_reason": finish_reason}
-
-    async def stream(self, generation: ServedGeneration
-                     ) -> AsyncGenerator[tuple[str, Any], None]:
-        builder = CompletionLogprobs(self.strings)
-        echoed = self.echoes is None
-        async with contextlib.aclosing(generation.chunks()) as chunks:
-            async for piece, entries in chunks:
-                if not echoed:
-                    # The prompt's logprobs are whole once its first token came.
-                    echoed = True
-                    echo, part = await asyncio.to_thread(self._echo, generation)
-                    builder.offset = len(echo)
-                    yield echo, part
-                yield piece, None if self.top is None else builder.part(entries)
-        if not echoed:
-            yield await asyncio.to_thread(self._echo, generation)
+_Reply = Response | EventStream

@@ -1,10 +1,13 @@
 """Token logprobs in OpenAI's two shapes: chat's `logprobs.content` and completions' legacy one.
 
 The numbers come from the sampler (`onnx_chunk.sampling.TokenLogprobs`: the log-softmax of the
-distribution each token was chosen from) and, for `echo`, from the prefill (the raw logits of
-the position before each prompt token). A token's text is its id decoded alone, special tokens
-included; `bytes` are that text's UTF-8 bytes. JSON has no -inf: a token the request's top-k,
-top-p or min-p cut (log-probability -inf) is sent as -9999.0, as vLLM sends it.
+distribution each token was chosen from) and, for `echo` and `prompt_logprobs`, from the
+prefill (the raw logits of the position before each prompt token). A token's text is its id
+decoded alone, special tokens included; `bytes` are that text's UTF-8 bytes. `TokenIds` names
+tokens "token_id:N" instead (vLLM's `return_tokens_as_token_ids`; `bytes` stay the token's).
+JSON has no -inf: a token the request's top-k, top-p, min-p or typical-p cut (log-probability
+-inf) is sent as -9999.0, as vLLM sends it. `prompt_logprobs` writes vLLM's format: per prompt
+token (null for the first) an object of token id to {"logprob", "rank", "decoded_token"}.
 """
 
 from __future__ import annotations
@@ -56,6 +59,13 @@ class TokenStrings:
                     entry = ("bytes:" + "".join(f"\\x{byte:02x}" for byte in raw), raw)
             self._texts[token] = entry
         return entry
+
+
+class TokenIds(TokenStrings):
+    """Tokens named "token_id:N" (vLLM's `return_tokens_as_token_ids`), their bytes their own."""
+
+    def __call__(self, token: int) -> str:
+        return f"token_id:{token}"
 
 
 def _byte_level(piece: str) -> bytes | None:
@@ -111,9 +121,11 @@ class CompletionLogprobs:
         self._characters = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def part(self, entries: Iterable[TokenLogprobs | None],
-             tokens: Iterable[int] | None = None) -> dict[str, list[Any]]:
+             tokens: Iterable[int] | None = None, top: int | None = None
+             ) -> dict[str, list[Any]]:
         """The next tokens' lists; `tokens` gives the ids where an entry is None (the first
-        prompt token of an echo)."""
+        prompt token of an echo); `top`: the most likely tokens shown at most (None: all the
+        entries hold)."""
         entries = list(entries)
         ids = list(tokens) if tokens is not None else [
             entry.token for entry in entries if entry is not None]
@@ -129,8 +141,8 @@ class CompletionLogprobs:
                 part["top_logprobs"].append(None)
                 continue
             part["token_logprobs"].append(_number(entry.logprob))
-            part["top_logprobs"].append({self._strings(top): _number(logprob)
-                                         for top, logprob in entry.top})
+            part["top_logprobs"].append({self._strings(token): _number(logprob)
+                                         for token, logprob in entry.top[:top]})
         return part
 
 
@@ -142,3 +154,23 @@ def joined(parts: Iterable[dict[str, list[Any]]]) -> dict[str, list[Any]]:
         for key, values in part.items():
             whole[key].extend(values)
     return whole
+
+
+def prompt_logprobs(entries: Iterable[TokenLogprobs | None], top: int,
+                    strings: TokenStrings) -> list[dict[int, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first) the token and the `top`
+    most likely tokens, each {"logprob", "rank", "decoded_token"}; a top token that is the
+    prompt's own keeps its place in the top (vllm/v1/engine/logprobs.py builds the same
+    dictionary, the prompt token first)."""
+    shown: list[dict[int, dict[str, Any]] | None] = []
+    for entry in entries:
+        if entry is None:
+            shown.append(None)
+            continue
+        position = {entry.token: {"logprob": _number(entry.logprob), "rank": entry.rank,
+                                  "decoded_token": strings(entry.token)}}
+        for rank, (token, logprob) in enumerate(entry.top[:top], 1):
+            position[token] = {"logprob": _number(logprob), "rank": rank,
+                               "decoded_token": strings(token)}
+        shown.append(position)
+    return shown

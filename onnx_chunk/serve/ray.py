@@ -28,7 +28,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import AsyncIterator, Awaitable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +62,8 @@ REPLICA_HEADER = "x-onnx-chunk-replica"
 MEMORY_PER_SLOT = 8
 # Seconds the router waits for a replica's queue length it has not cached.
 _PROBE_DEADLINE_S = 1.0
+# Seconds a replica shutting down waits for its drained streams to send their last event.
+DRAIN_WAIT_S = 5.0
 
 
 def application(model: str | os.PathLike, *, replicas: int = 1, gpus_per_replica: float = 0,
@@ -71,7 +73,7 @@ def application(model: str | os.PathLike, *, replicas: int = 1, gpus_per_replica
                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                 parse_special_in_content: bool = False, name: str = "onnx-chunk",
                 routing: str = "prefix", max_excess: int | None = None,
-                memory: int | None = None) -> Any:
+                memory: int | None = None, graceful_shutdown_s: float = 20.0) -> Any:
     """A Ray Serve application of `replicas` replicas of the server on `model` behind one
     ingress (bind()ed; pass it to `serve.run`). Every option but the Ray resources and the
     routing is `load`'s or the server's.
@@ -81,6 +83,8 @@ def application(model: str | os.PathLike, *, replicas: int = 1, gpus_per_replica
         prompts whose prefix it holds (default: `batch`, one batch more).
     memory: the prompts the router remembers per replica (default: `MEMORY_PER_SLOT` per
         slot of its engine; see docs/serving.md, "Routing by prefix").
+    graceful_shutdown_s: how long a replica shutting down waits for its running requests
+        (Ray's graceful_shutdown_timeout_s; its default).
     A replica holds at most `batch + queue` requests (Ray's max_ongoing_requests), as the
     engine does.
     """
@@ -95,6 +99,7 @@ def application(model: str | os.PathLike, *, replicas: int = 1, gpus_per_replica
                    "parse_special_in_content": parse_special_in_content}
     deployment_options: dict[str, Any] = {
         "name": name, "num_replicas": replicas, "max_ongoing_requests": batch + queue,
+        "graceful_shutdown_timeout_s": graceful_shutdown_s,
         "ray_actor_options": {"num_gpus": gpus_per_replica, "num_cpus": cpus_per_replica}}
     if routing == "prefix":
         rule = {"memory": MEMORY_PER_SLOT * batch if memory is None else memory,
@@ -228,10 +233,32 @@ class Replica:
         async for item in _asgi_answer(self._app, call, (REPLICA_HEADER, self._name)):
             yield item
 
-    def __del__(self) -> None:
+    def __del__(self) -> Awaitable[None] | None:
+        """Ray Serve's shutdown hook, which awaits what it returns: the server's drain (as
+        SIGTERM runs it for `onnx-chunk serve`), then the runtime closed. Called by the garbage
+        collector instead (no event loop running), it closes the runtime."""
         runtime = getattr(self, "_runtime", None)
-        if runtime is not None:
+        if runtime is None or runtime.closed:
+            return None
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
             runtime.close()
+            return None
+        return drain_and_close(self._app, runtime)
+
+
+async def drain_and_close(app: Any, runtime: Any, wait_s: float = DRAIN_WAIT_S) -> None:
+    """Drain the server's `app` (no request admitted, running ones ended: a stream gets the
+    `server_shutting_down` error event), wait up to `wait_s` seconds for its streams to send
+    their last event, then close `runtime`."""
+    service = app.state.service
+    service.drain()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while service.running and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    runtime.close()
 
 
 async def _asgi_answer(app: Any, call: Call, extra_header: tuple[str, str]

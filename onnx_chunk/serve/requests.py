@@ -1,10 +1,10 @@
 """One request model per endpoint (pydantic, as vLLM's protocol): the body validated once.
 
-`ChatCompletionRequest`, `CompletionRequest`, `TokenizeRequest` and `DetokenizeRequest` declare
-every field their endpoint knows, by OpenAI's, vLLM's and llama.cpp's names, with their types
-(strict: a boolean is no number, a number no string), ranges, and what each must be (the
-field's description, which a refusal quotes). `parse(body)` is the one entry; it refuses,
-with a `RequestError` naming the `param`:
+`ChatCompletionRequest` and `CompletionRequest` (tokenize.py has `TokenizeRequest` and
+`DetokenizeRequest`) declare every field their endpoint knows, by OpenAI's, vLLM's and
+llama.cpp's names, with their types (strict: a boolean is no number, a number no string),
+ranges, and what each must be (the field's description, which a refusal quotes).
+`parse(body)` is the one entry; it refuses, with a `RequestError` naming the `param`:
 - a body that is not a JSON object;
 - a field the endpoint does not know (`unknown_parameter`; a field of the other generation
   endpoint says where it belongs), or one of parameters.REFUSED holding anything but its
@@ -14,367 +14,136 @@ with a `RequestError` naming the `param`:
 - the rules over several fields: one length field (chat's `max_completion_tokens` wins over
   `max_tokens` unless null; llama.cpp's `n_predict`, -1 for no limit, and Responses'
   `max_output_tokens` alone), at least 1 token (0 on completions with `echo`: the prompt's
-  logprobs alone); one of each alias pair; `tool_choice` naming one of `tools`;
-  `top_logprobs` with `logprobs`; token ids below the vocabulary; no grammar (response_format
-  or a forced call) with `ignore_eos`, `min_tokens` or `stop`, nor two grammars.
-A generation request then gives its `options` (parameters.RequestOptions) and `sampling(...)`;
-chat its `template_messages()` (as the chat template reads them), completions its `prompts()`.
+  logprobs alone), `min_tokens` at most `max_tokens`; one of each alias pair; `tool_choice`
+  naming one of `tools`; `top_logprobs` with `logprobs`; token ids below the vocabulary, each
+  `logit_bias` id once; no grammar (response_format or a forced call) with `ignore_eos`,
+  `min_tokens`, `stop`, `allowed_token_ids` or `bad_words`, nor two grammars;
+  `prompt_logprobs` not on a stream; `continue_final_message` not with an explicit
+  `add_generation_prompt: true`; no `chat_template_kwargs` name the renderer sets itself.
+Every numeric sampling field takes the range of `onnx_chunk.sampling_ranges.RANGES` (vLLM's
+rule). A generation request then gives its `options` (parameters.RequestOptions) and
+`sampling(...)`; chat its `template_messages()` (as the chat template reads them), completions
+its `prompts()`; `answer_floor(...)` is the least its logprobs make in the answer.
+body.py decodes the JSON they parse (an object naming one key twice is marked, so
+`logit_bias` refuses a token id named twice) and names their refusals.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
-    ConfigDict,
     Field,
     PrivateAttr,
-    ValidationError,
     ValidationInfo,
     model_validator,
 )
 
 from onnx_chunk.sampling import Sampling
+from onnx_chunk.sampling_ranges import RANGES
+from onnx_chunk.serve.answer_size import AnswerFloor, LogprobPart
+from onnx_chunk.serve.body import Repeated, RequestModel, vocab_size_of
+from onnx_chunk.serve.messages import (
+    TOOL_FORM,
+    ChatMessage,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    NamedToolChoice,
+    NonEmptyText,
+    StreamOptions,
+    TextFormat,
+    TokenId,
+    TokenIds,
+    Tool,
+    all_text,
+    field,
+)
 from onnx_chunk.serve.parameters import (
     MAX_SALT_CHARS,
     MAX_TOP_LOGPROBS,
     REFUSED,
-    REPETITION_PENALTY_RANGE,
+    ChatFields,
     RequestOptions,
     ResponseFormat,
     refuse_unbuilt,
-    unknown_field,
 )
 from onnx_chunk.serve.protocol import MAX_N, MAX_PROMPTS, MAX_STOPS, RequestError, shown
+from onnx_chunk.text.chat_template import RESERVED_VARIABLES
 
 if TYPE_CHECKING:
     from onnx_chunk.text.tokenizer import Tokenizer
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
-_LOW_PENALTY, _HIGH_PENALTY = REPETITION_PENALTY_RANGE
-_TOOL_FORM = '{"type": "function", "function": {"name": str, "parameters": object}}'
 
-_R = TypeVar("_R", bound="_Request")
 
 
-class _Refusal(ValueError):
-    """A value a validator refuses; the refusal names the value's place (`field`: a field of
-    the object the validator checks)."""
+def _ranged(name: str) -> Any:
+    """An optional sampling field in the range of RANGES[name] (vLLM's rule)."""
+    allowed = RANGES[name]
+    return Field(None, description=allowed.describe(), **allowed.constraints())
 
-    def __init__(self, rest: str, field: str | None = None) -> None:
-        super().__init__(rest)
-        self.rest = rest
-        self.field = field
 
-    def error(self, param: str) -> RequestError:
-        where = param if self.field is None else f"{param}.{self.field}"
-        return RequestError(f"'{where}' {self.rest}", param=where)
-
-
-def _text(value: str) -> str:
-    """`value`, when it is text (no lone surrogate: JSON's escapes can spell one)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise _surrogate(value, error) from error
-    return value
-
-
-def _surrogate(value: str, error: UnicodeEncodeError) -> _Refusal:
-    return _Refusal(f"holds a lone surrogate (\\u{ord(value[error.start]):04x} at character "
-                    f"{error.start}), which is not text; escape a character outside the BMP as "
-                    "a surrogate pair, or send it as UTF-8")
-
-
-Text = Annotated[str, AfterValidator(_text)]
-NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_text)]
-TokenId = Annotated[int, Field(ge=0)]
-TokenIds = Annotated[list[TokenId], Field(min_length=1)]
-
-
-def _field(expected: str, **constraints: Any) -> Any:
-    """An optional field (null: its default) that must be `expected`."""
-    return Field(None, description=expected, **constraints)
-
-
-class _Object(BaseModel):
-    """A JSON object inside a request: strict types, fields it does not declare ignored."""
-
-    model_config = ConfigDict(strict=True, frozen=True, extra="ignore")
-
-
-class _Open(BaseModel):
-    """A JSON object handed on whole (to the chat template): checked by its declared fields,
-    kept as sent (`sent`: every field, in the client's order, which `tojson` renders)."""
-
-    model_config = ConfigDict(strict=True, frozen=True, extra="allow")
-
-    _sent: dict[str, Any] = PrivateAttr()
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _kept(cls, value: Any, handler: Any) -> Any:
-        checked = handler(value)
-        checked._sent = value
-        return checked
-
-    @property
-    def sent(self) -> dict[str, Any]:
-        """The object as the client sent it."""
-        return self._sent
-
-
-def _all_text(value: Any) -> Any:
-    """`value` (JSON), when every string in it is text: a template renders it whole."""
-    pending = [value]
-    while pending:
-        item = pending.pop()
-        if isinstance(item, str):
-            _text(item)
-        elif isinstance(item, dict):
-            pending += [*item.keys(), *item.values()]
-        elif isinstance(item, list):
-            pending += item
-    return value
-
-
-class TextPart(_Object):
-    """A content part: this server reads text parts only."""
-
-    type: Literal["text"]
-    text: Text
-
-
-class FunctionCall(_Open):
-    """An assistant's call: `arguments` is JSON text (OpenAI's) or an object."""
-
-    name: str
-    arguments: str | dict[str, Any] = "{}"
-
-    _parsed: Any = PrivateAttr()
-
-    @model_validator(mode="after")
-    def _arguments_parse(self) -> FunctionCall:
-        if not isinstance(self.arguments, str):
-            self._parsed = self.arguments
-            return self
-        try:
-            self._parsed = json.loads(self.arguments)
-        except json.JSONDecodeError as error:
-            raise _Refusal(f"has function.arguments that are not JSON ({error})") from error
-        return self
-
-    def template_function(self) -> dict[str, Any]:
-        """The function as the chat template reads it: its arguments as an object (vLLM
-        gives them so), its other fields as sent."""
-        return {**self.sent, "arguments": self._parsed}
-
-
-class ToolCall(_Open):
-    """One of an assistant message's `tool_calls`."""
-
-    function: FunctionCall
-
-    @model_validator(mode="before")
-    @classmethod
-    def _texts(cls, value: Any) -> Any:
-        return _all_text(value)
-
-    def template_call(self) -> dict[str, Any]:
-        """The call as the chat template reads it (its other fields kept)."""
-        return {**self.sent, "function": self.function.template_function()}
-
-
-_MESSAGE = "an object with 'role' and 'content'"
-_PART = "a text part {'type': 'text', 'text': str} (this server reads text only)"
-_CALL = '{"type": "function", "function": {"name": str, "arguments": str}}'
-
-
-class ChatMessage(_Object):
-    """One message of `messages`; its other fields are ignored."""
-
-    role: Annotated[str, Field(min_length=1, description="a non-empty string"),
-                    AfterValidator(_text)]
-    content: Text | list[TextPart] | None = _field("a string or a list of text parts")
-    tool_calls: list[ToolCall] | None = _field("a list of tool calls, on an assistant message")
-    tool_call_id: Text | None = _field("a string")
-    name: Text | None = _field("a string")
-
-    @model_validator(mode="after")
-    def _tool_rules(self) -> ChatMessage:
-        if self.tool_calls and self.role != "assistant":
-            raise _Refusal("is for an assistant message's calls", "tool_calls")
-        if self.role == "tool" and self.tool_call_id is None:
-            raise _Refusal("is required on a tool message: the id of the call it answers",
-                           "tool_call_id")
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise _Refusal("must be a string or a list of text parts, got None (null)",
-                           "content")
-        return self
-
-    def template_message(self) -> dict[str, Any]:
-        """The message as the chat template reads it: content parts joined, tool calls'
-        arguments as objects."""
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        message: dict[str, Any] = {"role": self.role, "content": content or ""}
-        if self.tool_calls:
-            message["tool_calls"] = [call.template_call() for call in self.tool_calls]
-        for name in ("tool_call_id", "name"):
-            value = getattr(self, name)
-            if value is not None:
-                message[name] = value
-        return message
-
-
-class StreamOptions(_Object):
-    include_usage: bool = False
-
-
-class FunctionDefinition(_Open):
-    name: str
-    parameters: dict[str, Any] = {}
-
-
-class Tool(_Open):
-    """A function tool, handed to the chat template whole."""
-
-    type: Literal["function"]
-    function: FunctionDefinition
-
-    @model_validator(mode="before")
-    @classmethod
-    def _texts(cls, value: Any) -> Any:
-        return _all_text(value)
-
-
-class _FunctionName(_Object):
-    name: str
-
-
-class NamedToolChoice(_Object):
-    type: Literal["function"]
-    function: _FunctionName
-
-
-class TextFormat(_Object):
-    type: Literal["text"]
-
-
-class JsonObjectFormat(_Object):
-    type: Literal["json_object"]
-
-
-class JsonSchemaSpec(_Object):
-    name: str = "response"
-    schema_: dict[str, Any] | bool = Field({}, alias="schema")
-
-
-class JsonSchemaFormat(_Object):
-    type: Literal["json_schema"]
-    json_schema: JsonSchemaSpec
-
-
-class _Request(BaseModel):
-    """A request body: strict types, no field it does not declare."""
-
-    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
-    # The generation endpoint a field of which this one does not know, to name it.
-    other: ClassVar[type[_Request] | None] = None
-    path: ClassVar[str] = ""
-
-    @classmethod
-    def parse(cls: type[_R], body: object, *, vocab_size: int | None = None) -> _R:
-        """The checked request of a decoded JSON body; RequestError naming the field (see
-        the module docstring); `vocab_size`: the model's (token ids at or past it refused)."""
-        try:
-            return cls.model_validate(body, context={"vocab_size": vocab_size})
-        except ValidationError as error:
-            raise _refusal(error, cls, body) from None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _known(cls, body: Any) -> Any:
-        if not isinstance(body, dict):
-            raise RequestError(f"the request body must be a JSON object, got {shown(body)}")
-        unknown = sorted(name for name in body
-                         if name not in cls.model_fields and not cls._refusable(name))
-        if unknown:
-            name = unknown[0]
-            other = cls.other
-            raise unknown_field(name, other.path if other is not None
-                                and name in other.model_fields else None)
-        return cls._checked_refusals(body)
-
-    @classmethod
-    def _refusable(cls, name: str) -> bool:
-        return False
-
-    @classmethod
-    def _checked_refusals(cls, body: dict[str, Any]) -> dict[str, Any]:
-        return body
-
-
-def _vocab(info: ValidationInfo) -> int | None:
-    return (info.context or {}).get("vocab_size")
-
-
-class _GenerationRequest(_Request):
+class _GenerationRequest(RequestModel):
     """The fields both generation endpoints know."""
 
     _length_fields: ClassVar[tuple[str, ...]] = ("max_tokens",)
 
-    model: str | None = _field("a string: the id of this server's model")
-    n: int | None = _field(f"an integer in [1, {MAX_N}] (choices per prompt)", ge=1, le=MAX_N)
-    stream: bool | None = _field("a boolean")
-    stream_options: StreamOptions | None = _field('an object {"include_usage": boolean}')
-    max_tokens: int | None = _field("an integer >= 1", ge=0)
-    n_predict: int | None = _field("an integer >= 1, or -1 for no limit", ge=-1)
-    max_output_tokens: int | None = _field("an integer >= 1", ge=0)
-    temperature: float | None = _field("a number in [0, 2]", ge=0, le=2)
-    top_p: float | None = _field("a number in (0, 1]", gt=0, le=1)
-    seed: int | None = _field("an integer >= 0", ge=0)
+    model: str | None = field("a string: the id of this server's model")
+    n: int | None = field(f"an integer in [1, {MAX_N}] (choices per prompt)", ge=1, le=MAX_N)
+    stream: bool | None = field("a boolean")
+    stream_options: StreamOptions | None = field('an object {"include_usage": boolean}')
+    max_tokens: int | None = field("an integer >= 1", ge=0)
+    n_predict: int | None = field("an integer >= 1, or -1 for no limit", ge=-1)
+    max_output_tokens: int | None = field("an integer >= 1", ge=0)
+    temperature: float | None = _ranged("temperature")
+    top_p: float | None = _ranged("top_p")
+    seed: int | None = _ranged("seed")
     stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOPS)] | None = \
-        _field(f"a non-empty string or a list of at most {MAX_STOPS} of them")
-    presence_penalty: float | None = _field("a number in [-2, 2]", ge=-2, le=2)
-    frequency_penalty: float | None = _field("a number in [-2, 2]", ge=-2, le=2)
+        field(f"a non-empty string or a list of at most {MAX_STOPS} of them")
+    presence_penalty: float | None = _ranged("presence_penalty")
+    frequency_penalty: float | None = _ranged("frequency_penalty")
     logit_bias: dict[Annotated[str, Field(pattern="^[0-9]{1,10}$")],
-                     Annotated[float, Field(allow_inf_nan=False)]] | None = _field(
+                     Annotated[float, Field(allow_inf_nan=False)]] | None = field(
         'an object mapping token ids (as strings of digits: "42") to finite numbers')
     response_format: Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat,
-                               Field(discriminator="type")] | None = _field(
+                               Field(discriminator="type")] | None = field(
         '{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
         '"json_schema": {"name": str, "schema": object}}')
-    json_schema: dict[str, Any] | bool | None = _field("a JSON schema (an object)")
-    top_k: int | None = _field("an integer >= 1, or -1 or 0 for every token", ge=-1)
-    min_p: float | None = _field("a number in [0, 1]", ge=0, le=1)
-    repetition_penalty: float | None = _field(
-        f"a number in [{_LOW_PENALTY}, {_HIGH_PENALTY}] (1 is off)", ge=_LOW_PENALTY,
-        le=_HIGH_PENALTY)
-    repeat_penalty: float | None = _field(
-        f"a number in [{_LOW_PENALTY}, {_HIGH_PENALTY}] (1 is off)", ge=_LOW_PENALTY,
-        le=_HIGH_PENALTY)
-    stop_token_ids: list[TokenId] | None = _field(
+    json_schema: dict[str, Any] | bool | None = field("a JSON schema (an object)")
+    top_k: int | None = _ranged("top_k")
+    min_p: float | None = _ranged("min_p")
+    typical_p: float | None = _ranged("typical_p")
+    repetition_penalty: float | None = _ranged("repetition_penalty")
+    repeat_penalty: float | None = _ranged("repetition_penalty")
+    stop_token_ids: list[TokenId] | None = field(
         "a list of token ids (integers >= 0 below the vocabulary's size)")
-    ignore_eos: bool | None = _field("a boolean")
-    min_tokens: int | None = _field("an integer >= 0", ge=0)
-    cache_salt: str | None = _field(
+    allowed_token_ids: TokenIds | None = field(
+        "a non-empty list of token ids (integers >= 0 below the vocabulary's size)")
+    bad_words: list[NonEmptyText] | None = field("a list of non-empty strings")
+    ignore_eos: bool | None = field("a boolean")
+    min_tokens: int | None = _ranged("min_tokens")
+    include_stop_str_in_output: bool | None = field("a boolean")
+    skip_special_tokens: bool | None = field("a boolean")
+    spaces_between_special_tokens: bool | None = field("a boolean")
+    truncate_prompt_tokens: int | None = field(
+        "an integer >= 1 (the prompt ids kept), or -1 (as many as the context leaves)", ge=-1)
+    prompt_logprobs: int | None = field(f"an integer in [0, {MAX_TOP_LOGPROBS}]", ge=0,
+                                         le=MAX_TOP_LOGPROBS)
+    return_tokens_as_token_ids: bool | None = field("a boolean")
+    cache_salt: str | None = field(
         f"a non-empty string of at most {MAX_SALT_CHARS} characters", min_length=1,
         max_length=MAX_SALT_CHARS)
-    cache_prompt: bool | None = _field("a boolean")
+    cache_prompt: bool | None = field("a boolean")
     # Informational: no effect on the answer.
-    user: str | None = _field("a string")
-    metadata: dict[str, str] | None = _field("an object of strings")
-    store: bool | None = _field("a boolean")
-    service_tier: str | None = _field("a string")
-    request_id: str | None = _field("a string")
-    parallel_tool_calls: bool | None = _field("a boolean")
+    user: str | None = field("a string")
+    metadata: dict[str, str] | None = field("an object of strings")
+    store: bool | None = field("a boolean")
+    service_tier: str | None = field("a string")
+    request_id: str | None = field("a string")
+    parallel_tool_calls: bool | None = field("a boolean")
 
     _options: RequestOptions = PrivateAttr()
 
@@ -385,6 +154,10 @@ class _GenerationRequest(_Request):
     @classmethod
     def _checked_refusals(cls, body: dict[str, Any]) -> dict[str, Any]:
         refuse_unbuilt(body)
+        bias = body.get("logit_bias")
+        if isinstance(bias, Repeated):
+            raise RequestError(f"'logit_bias' names the token id {bias.repeated[:20]!r} twice; "
+                               "give each token id one bias", param="logit_bias")
         return {name: value for name, value in body.items() if name not in REFUSED}
 
     @property
@@ -400,33 +173,43 @@ class _GenerationRequest(_Request):
 
     @model_validator(mode="after")
     def _resolved(self, info: ValidationInfo) -> _GenerationRequest:
-        self._options = self._resolve(_vocab(info))
+        self._options = self._resolve(vocab_size_of(info))
         return self
 
     def _resolve(self, vocab_size: int | None) -> RequestOptions:
         """The options, by the rules over several fields (module docstring)."""
         tools, tool_choice, logprobs, echo = self._endpoint_options()
+        max_tokens = self._length(minimum=0 if echo else 1)
         options = RequestOptions(
-            max_tokens=self._length(minimum=0 if echo else 1), n=self.n or 1,
+            max_tokens=max_tokens, n=self.n or 1,
             stream=bool(self.stream),
             include_usage=self.stream_options is not None and self.stream_options.include_usage,
             model=self.model, stop=(self.stop,) if isinstance(self.stop, str) else tuple(
                 self.stop or ()),
             temperature=self.temperature, top_p=self.top_p, seed=self.seed,
             top_k=None if self.top_k is None else max(self.top_k, 0), min_p=self.min_p,
+            typical_p=self.typical_p,
             repetition_penalty=self._alias("repetition_penalty", "repeat_penalty"),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             logit_bias=self._logit_bias(vocab_size),
-            stop_token_ids=self._stop_token_ids(vocab_size), ignore_eos=bool(self.ignore_eos),
-            min_tokens=self.min_tokens or 0, response_format=self._format(),
-            tools=tools, tool_choice=tool_choice, logprobs=logprobs, echo=echo,
+            allowed_token_ids=self._token_ids("allowed_token_ids", vocab_size) or None,
+            bad_words=tuple(self.bad_words or ()),
+            stop_token_ids=self._token_ids("stop_token_ids", vocab_size),
+            ignore_eos=bool(self.ignore_eos), min_tokens=self._min_tokens(max_tokens),
+            response_format=self._format(), tools=tools, tool_choice=tool_choice,
+            logprobs=logprobs, echo=echo, prompt_logprobs=self._prompt_logprobs(),
+            return_tokens_as_token_ids=bool(self.return_tokens_as_token_ids),
+            skip_special_tokens=self.skip_special_tokens is not False,
+            spaces_between_special_tokens=self.spaces_between_special_tokens is not False,
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            truncate_prompt_tokens=self._truncation(), chat=self._chat(),
             cache_salt=self.cache_salt, cache_prompt=self.cache_prompt is not False)
-        if options.constrained and (options.ignore_eos or options.min_tokens):
-            name = "ignore_eos" if options.ignore_eos else "min_tokens"
-            raise RequestError(f"'{name}' cannot be combined with a grammar (response_format or "
-                               "a forced tool call): the grammar decides where the output ends",
-                               param=name)
+        for name in ("ignore_eos", "min_tokens", "allowed_token_ids", "bad_words"):
+            if options.constrained and getattr(self, name):
+                raise RequestError(f"'{name}' cannot be combined with a grammar (response_format "
+                                   "or a forced tool call): the grammar decides which tokens "
+                                   "come and where the output ends", param=name)
         if options.constrained and options.stop:
             raise RequestError("'stop' cannot be combined with a grammar (response_format or a "
                                "forced tool call): a stop string would cut the JSON short",
@@ -483,22 +266,79 @@ class _GenerationRequest(_Request):
         return None
 
     def _logit_bias(self, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
-        pairs = []
+        pairs: dict[int, float] = {}
         for key, bias in (self.logit_bias or {}).items():
-            if vocab_size is not None and int(key) >= vocab_size:
+            token = int(key)
+            if vocab_size is not None and token >= vocab_size:
                 raise RequestError(f"'logit_bias' maps token ids (as strings of digits: \"42\" "
-                                   f"below {vocab_size}) to finite numbers, got {key[:20]!r}: "
-                                   f"{shown(bias)}", param="logit_bias")
-            pairs.append((int(key), max(-100.0, min(100.0, bias))))
-        return tuple(sorted(pairs))
+                                   f"below {vocab_size}, the vocabulary's size) to finite "
+                                   f"numbers, got {key[:20]!r}: {shown(bias)}",
+                                   param="logit_bias")
+            if token in pairs:
+                raise RequestError(f"'logit_bias' names the token id {token} twice (as "
+                                   f"{key[:20]!r} and another spelling); give each token id "
+                                   "one bias", param="logit_bias")
+            pairs[token] = max(-100.0, min(100.0, bias))
+        return tuple(sorted(pairs.items()))
 
-    def _stop_token_ids(self, vocab_size: int | None) -> tuple[int, ...]:
-        ids = tuple(self.stop_token_ids or ())
-        if vocab_size is not None and any(token >= vocab_size for token in ids):
-            raise RequestError(f"'stop_token_ids' must be a list of token ids (integers >= 0 "
-                               f"below {vocab_size}), got {shown(list(ids))}",
-                               param="stop_token_ids")
+    def _token_ids(self, name: str, vocab_size: int | None) -> tuple[int, ...]:
+        ids = tuple(getattr(self, name) or ())
+        outside = [token for token in ids if vocab_size is not None and token >= vocab_size]
+        if outside:
+            raise RequestError(f"'{name}' must be a list of token ids (integers >= 0 below "
+                               f"{vocab_size}, the vocabulary's size), got {outside[0]}",
+                               param=name)
         return ids
+
+    def _min_tokens(self, max_tokens: int | None) -> int:
+        """`min_tokens`, at most `max_tokens` (vLLM's rule)."""
+        minimum = self.min_tokens or 0
+        if max_tokens is not None and minimum > max_tokens:
+            raise RequestError(f"'min_tokens' must be at most the output's length ({max_tokens}"
+                               f"), got {minimum}", param="min_tokens")
+        return minimum
+
+    def _prompt_logprobs(self) -> int | None:
+        if self.prompt_logprobs is not None and self.stream:
+            raise RequestError("'prompt_logprobs' is not given on a stream (as vLLM); send "
+                               "'stream': false", param="prompt_logprobs")
+        return self.prompt_logprobs
+
+    def _truncation(self) -> int | None:
+        if self.truncate_prompt_tokens == 0:
+            raise RequestError("'truncate_prompt_tokens' must be an integer >= 1 (the prompt ids "
+                               "kept), or -1 (as many as the context leaves), got 0",
+                               param="truncate_prompt_tokens")
+        return self.truncate_prompt_tokens
+
+    def _chat(self) -> ChatFields:
+        """The chat rendering fields (completions: the defaults)."""
+        return ChatFields()
+
+    _prompt_part: ClassVar[str] = "completion"
+
+    def answer_floor(self, prompt_lengths: list[int], capacity: int) -> AnswerFloor:
+        """The logprob entries of the answer to prompts of `prompt_lengths` ids, by part
+        (answer_size.py): the generated tokens' and, on completions with `echo`, the
+        prompts'; `prompt_logprobs`'. Generated tokens count at the length asked (the room
+        left in the context when none is)."""
+        options = self.options
+        n, top = options.n, options.logprobs
+        parts = []
+        if top is not None:
+            generated = sum(capacity - length if options.max_tokens is None
+                            else options.max_tokens for length in prompt_lengths)
+            echoed = sum(prompt_lengths) if options.echo else 0
+            parts.append(LogprobPart(self._logprobs_field, self._prompt_part,
+                                     (generated + echoed) * n * (1 + top)))
+        if options.prompt_logprobs is not None:
+            copies = 1 if self._prompt_part == "chat" else n
+            parts.append(LogprobPart("prompt_logprobs", "prompt", copies * max(
+                1, options.prompt_logprobs) * sum(max(length - 1, 0)
+                                                  for length in prompt_lengths)))
+        return AnswerFloor(tuple(parts))
+
+    _logprobs_field: ClassVar[str] = "logprobs"
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -509,17 +349,29 @@ class ChatCompletionRequest(_GenerationRequest):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)] = Field(
         description="a non-empty list of messages")
-    max_completion_tokens: int | None = _field("an integer >= 1", ge=0)
-    tools: list[Tool] | None = _field(f"a list of {_TOOL_FORM} (function tools only)")
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = _field(
+    max_completion_tokens: int | None = field("an integer >= 1", ge=0)
+    tools: list[Tool] | None = field(f"a list of {TOOL_FORM} (function tools only)")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = field(
         'one of none, auto, required or {"type": "function", "function": {"name": str}}')
-    logprobs: bool | None = _field("a boolean")
-    top_logprobs: int | None = _field(f"an integer in [0, {MAX_TOP_LOGPROBS}]", ge=0,
+    logprobs: bool | None = field("a boolean")
+    top_logprobs: int | None = field(f"an integer in [0, {MAX_TOP_LOGPROBS}]", ge=0,
                                       le=MAX_TOP_LOGPROBS)
+    chat_template: NonEmptyText | None = field("a Jinja chat template (a non-empty string)")
+    chat_template_kwargs: Annotated[dict[str, Any], AfterValidator(all_text)] | None = field(
+        "an object of the template's variables")
+    add_generation_prompt: bool | None = field("a boolean")
+    continue_final_message: bool | None = field("a boolean")
+
+    _prompt_part = "chat"
+    _logprobs_field = "top_logprobs"
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages as the chat template reads them."""
         return [message.template_message() for message in self.messages]
+
+    def _chat(self) -> ChatFields:
+        return chat_fields(self.chat_template, self.chat_template_kwargs,
+                           self.add_generation_prompt, self.continue_final_message)
 
     def _endpoint_options(self) -> tuple[tuple[Mapping[str, Any], ...], str, int | None, bool]:
         tools = tuple(tool.sent for tool in self.tools or ())
@@ -541,6 +393,30 @@ class ChatCompletionRequest(_GenerationRequest):
         return tools, tool_choice, logprobs, False
 
 
+def chat_fields(template: str | None, variables: Mapping[str, Any] | None,
+                add_generation_prompt: bool | None, continue_final_message: bool | None
+                ) -> ChatFields:
+    """A chat's rendering fields, checked: no variable the renderer sets itself, no
+    continuation with an explicit generation prompt (the generation prompt is off by default
+    when the final message is continued)."""
+    reserved = sorted(RESERVED_VARIABLES & set(variables or ()))
+    if reserved:
+        name = reserved[0]
+        where = (f"send '{name}' as a field of its own" if name in (
+            "add_generation_prompt", "continue_final_message", "chat_template", "tools")
+            else "the renderer sets it itself")
+        raise RequestError(f"'chat_template_kwargs.{name}' is not a variable a request may "
+                           f"set: {where}", param=f"chat_template_kwargs.{name}")
+    keep = bool(continue_final_message)
+    if keep and add_generation_prompt:
+        raise RequestError("'continue_final_message' and 'add_generation_prompt' both set "
+                           "true: one continues the final message, the other starts a new "
+                           "one; send one of them", param="continue_final_message")
+    add = (not keep) if add_generation_prompt is None else add_generation_prompt
+    return ChatFields(template=template, variables=dict(variables or {}),
+                      add_generation_prompt=add, continue_final_message=keep)
+
+
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions."""
 
@@ -550,8 +426,8 @@ class CompletionRequest(_GenerationRequest):
         list[NonEmptyText | TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)] = Field(
         description="a non-empty string or a list of token ids (integers >= 0), or a list of "
                     f"up to {MAX_PROMPTS} of those")
-    echo: bool | None = _field("a boolean")
-    logprobs: int | None = _field(f"an integer in [0, {MAX_TOP_LOGPROBS}]", ge=0,
+    echo: bool | None = field("a boolean")
+    logprobs: int | None = field(f"an integer in [0, {MAX_TOP_LOGPROBS}]", ge=0,
                                   le=MAX_TOP_LOGPROBS)
 
     def prompts(self) -> tuple[str | tuple[int, ...], ...]:
@@ -571,112 +447,6 @@ ChatCompletionRequest.other = CompletionRequest
 CompletionRequest.other = ChatCompletionRequest
 
 
-class TokenizeRequest(_Request):
-    """POST /tokenize (vLLM's): a prompt, or messages through the chat template."""
-
-    model: str | None = _field("a string: the id of this server's model")
-    prompt: Text | None = _field("a string (or send 'messages')")
-    messages: list[ChatMessage] | None = _field("a non-empty list of messages", min_length=1)
-    add_special_tokens: bool = Field(True, description="a boolean")
-    add_generation_prompt: bool = Field(True, description="a boolean")
-    tools: list[Tool] | None = _field(f"a list of {_TOOL_FORM} (function tools only)")
-    return_token_strs: bool = Field(False, description="a boolean")
-
-    @model_validator(mode="after")
-    def _prompt_or_messages(self) -> TokenizeRequest:
-        if "messages" in self.model_fields_set:
-            if self.messages is None:
-                raise RequestError("'messages' must be a non-empty list of messages, got None "
-                                   "(null)", param="messages")
-            if "add_special_tokens" in self.model_fields_set and self.add_special_tokens:
-                raise RequestError("'add_special_tokens' cannot be true with 'messages': the "
-                                   "chat template writes the special tokens",
-                                   param="add_special_tokens")
-        elif self.prompt is None:
-            raise RequestError("'prompt' must be a string (or send 'messages'), got None "
-                               "(null)", param="prompt")
-        return self
-
-    def template_messages(self) -> list[dict[str, Any]] | None:
-        """The messages as the chat template reads them (None: a text prompt)."""
-        if self.messages is None:
-            return None
-        return [message.template_message() for message in self.messages]
-
-    def template_tools(self) -> list[dict[str, Any]]:
-        return [tool.sent for tool in self.tools or ()]
-
-
-class DetokenizeRequest(_Request):
-    """POST /detokenize (vLLM's): token ids back to text."""
-
-    model: str | None = _field("a string: the id of this server's model")
-    tokens: list[TokenId] = Field(description="a list of token ids")
-
-    @model_validator(mode="after")
-    def _in_vocabulary(self, info: ValidationInfo) -> DetokenizeRequest:
-        vocab_size = _vocab(info)
-        if vocab_size is not None and any(token >= vocab_size for token in self.tokens):
-            raise RequestError(f"'tokens' must be a list of token ids in [0, {vocab_size}), "
-                               f"got {shown(self.tokens)}", param="tokens")
-        return self
-
-
 # Every field a generation request may hold (anything else: 400 `unknown_parameter`).
 KNOWN_FIELDS = (frozenset(ChatCompletionRequest.model_fields)
                 | frozenset(CompletionRequest.model_fields) | frozenset(REFUSED))
-
-
-def _refusal(error: ValidationError, model: type[_Request], body: object) -> RequestError:
-    """The RequestError of a body the model refused: its first field's deepest error."""
-    details = error.errors(include_url=False)
-    first = details[0]["loc"][:1]
-    detail = max((detail for detail in details if detail["loc"][:1] == first), key=_rank)
-    cause = (detail.get("ctx") or {}).get("error")
-    if isinstance(cause, RequestError):
-        return cause
-    if not detail["loc"] or not isinstance(body, dict):
-        return RequestError(f"the request body is not valid: {detail['msg']}")
-    param, value, expected = _place(model, detail["loc"], body)
-    if detail["type"] == "string_unicode":  # pydantic's own check of a constrained string
-        text = detail["input"]
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as unicode_error:
-            cause = _surrogate(text, unicode_error)
-    if isinstance(cause, _Refusal):
-        return cause.error(param)
-    return RequestError(f"'{param}' must be {expected}, got {shown(value)}", param=param)
-
-
-def _rank(detail: Any) -> tuple[bool, int]:
-    """Which of a field's errors a refusal tells: a refusal of the value itself (a lone
-    surrogate, a rule) before a type that did not match, then the deepest."""
-    cause = (detail.get("ctx") or {}).get("error")
-    return (detail["type"] == "string_unicode" or isinstance(cause, (_Refusal, RequestError)),
-            len(detail["loc"]))
-
-
-def _place(model: type[_Request], loc: tuple[int | str, ...], body: dict[str, Any]
-           ) -> tuple[str, object, str]:
-    """Where an error is (its `param`), the value there and what it must be: a field of the
-    body, or inside `messages`: a message, its field, or one of its content parts or calls
-    (the union members pydantic names in `loc` skipped)."""
-    name = str(loc[0])
-    value = body.get(name)
-    expected = model.model_fields[name].description if name in model.model_fields else None
-    if name != "messages" or len(loc) < 2 or not isinstance(value, list):
-        return name, value, expected or "valid"
-    index = int(loc[1])
-    message, param = value[index], f"messages[{index}]"
-    if len(loc) < 3 or not isinstance(message, dict):
-        return param, message, _MESSAGE
-    field = str(loc[2])
-    param, value = f"{param}.{field}", message.get(field)
-    items = [key for key in loc[3:] if isinstance(key, int)]
-    if field in ("content", "tool_calls") and items and isinstance(value, list):
-        return (f"{param}[{items[0]}]", value[items[0]],
-                _PART if field == "content" else _CALL)
-    described = ChatMessage.model_fields.get(field)
-    return param, value, (described.description if described else None) or "valid"
-

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from onnx_chunk.errors import ConfigError, OnnxChunkError
+from onnx_chunk.serve.prompts import chat_options
 from onnx_chunk.serve.requests import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
@@ -220,19 +221,26 @@ def request_key(path: str, body: bytes, prompts: PromptEncoder | None, *,
                 max_chars: int = MAX_KEY_CHARS) -> str:
     """The text a request's prompt starts with, as the replica's engine will hold it: a chat's
     messages rendered by the replica's encoder (`prompts`: the same special-token policy; the
-    tools the replica shows the template, with the generation prompt), a completion's prompt,
-    or its token ids written as text. "" (no affinity: power of two choices) for other paths,
-    a body the replica will refuse, or a prompt over `max_chars` characters; the replica gives
-    the answer, the key only steers where it is computed."""
+    tools the replica shows the template, the request's template, variables and generation
+    prompt), a completion's prompt, or its token ids written as text (a prompt cut by
+    `truncate_prompt_tokens` starts elsewhere: no key). "" (no affinity: power of two
+    choices) for other paths, a body the replica will refuse, or a prompt over `max_chars`
+    characters; the replica gives the answer, the key only steers where it is computed."""
     try:
         if path.endswith("/chat/completions"):
             if prompts is None:
                 return ""
             chat = ChatCompletionRequest.parse(json.loads(body))
-            return prompts.render_text(chat.template_messages(),
-                                       tools=chat.options.template_tools, max_chars=max_chars)
+            options = chat_options(chat.options.chat, prompts.tokenizer)
+            key = prompts.render_text(chat.template_messages(), max_chars=max_chars,
+                                      tools=chat.options.template_tools, chat=options)
+            keep = chat.options.truncate_prompt_tokens
+            return key if keep is None else ""
         if path.endswith("/completions"):
-            prompt = CompletionRequest.parse(json.loads(body)).prompts()[0]
+            completion = CompletionRequest.parse(json.loads(body))
+            if completion.options.truncate_prompt_tokens is not None:
+                return ""
+            prompt = completion.prompts()[0]
             key = prompt if isinstance(prompt, str) else "".join(f"{i} " for i in prompt)
             return key if len(key) <= max_chars else ""
     except (OnnxChunkError, ValueError, RecursionError, MemoryError):

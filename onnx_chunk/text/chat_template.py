@@ -8,15 +8,21 @@ uses it only to track assistant tokens); `raise_exception(message)` raises; `toj
 json.dumps with ensure_ascii=False (indent, separators, sort_keys passed through) in place of
 jinja's HTML-escaping filter; `strftime_now(format)` is the local time; the variables are
 `messages`, `tools` (the caller's list of tool schemas, or None) and `documents` (None),
-`add_generation_prompt`, and every declared special token (bos_token, eos_token, unk_token,
+`add_generation_prompt`, every declared special token (bos_token, eos_token, unk_token,
 sep_token, pad_token, cls_token, mask_token) by name, as transformers 5 passes them (no
-additional_special_tokens).
+additional_special_tokens), and the caller's `variables` (vLLM's `chat_template_kwargs`; they
+may override a special token, never a name of `RESERVED_VARIABLES`).
+`continue_final_message` cuts the rendering right after the final message's content, as
+transformers' `apply_chat_template` does (src/transformers/utils/chat_template_utils.py), so
+the model continues that message.
 
 What a render raises: the template's `raise_exception` refuses the messages
-(ChatTemplateError, an input error); any other failure while rendering (a TypeError, an
-OverflowError, an undefined name, the sandbox's refusal...) is the template's fault, not the
-messages' (ChatTemplateFault); a rendering longer than `max_chars` stops there (RenderTooLong),
-so a template that loops cannot build an unbounded prompt.
+(ChatTemplateError, an input error); the sandbox's refusal of what a template reaches for (an
+attribute such as `__subclasses__`, a mutation such as `messages.append`) is
+ChatTemplateSandboxError, an input error too; any other failure while rendering (a TypeError,
+an OverflowError, an undefined name...) is the template's fault, not the messages'
+(ChatTemplateFault); a rendering longer than `max_chars` stops there (RenderTooLong), so a
+template that loops cannot build an unbounded prompt.
 """
 
 from __future__ import annotations
@@ -31,10 +37,26 @@ from onnx_chunk.errors import CapacityError, InputError, ModelLoadError
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 DEFAULT_TEMPLATE_NAME = "default"
+# Names a caller's variables may not take: the renderer's own arguments and the template's
+# globals (jinja's and transformers'), which a variable would shadow.
+RESERVED_VARIABLES = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "chat_template", "tokenize", "raise_exception", "strftime_now", "range", "dict", "lipsum",
+    "cycler", "joiner", "namespace"})
 
 
 class ChatTemplateError(InputError):
     """The chat template refused the messages (its raise_exception), or failed rendering them."""
+
+
+class ChatTemplateSandboxError(ChatTemplateError):
+    """The template reached for something the sandbox forbids (a private attribute, a
+    mutation): refused, as a template of the caller's making."""
+
+
+class ContinuationError(InputError):
+    """`continue_final_message` cannot continue the final message (it has no text, or the
+    template does not write it as sent)."""
 
 
 class ChatTemplateFault(ChatTemplateError):
@@ -71,11 +93,25 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Mapping[str, Any]], *,
                add_generation_prompt: bool = False, max_chars: int | None = None,
-               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+               tools: Sequence[Mapping[str, Any]] | None = None,
+               variables: Mapping[str, Any] | None = None,
+               continue_final_message: bool = False) -> str:
         """The prompt text of `messages` ([{"role", "content"}, ...]); `tools` as transformers
-        passes them (OpenAI's {"type": "function", "function": {...}} objects); RenderTooLong
-        as soon as it passes `max_chars` characters (None: no bound)."""
+        passes them (OpenAI's {"type": "function", "function": {...}} objects); `variables`:
+        more names the template sees; `continue_final_message`: end right after the final
+        message's content (not with the generation prompt); RenderTooLong as soon as it passes
+        `max_chars` characters (None: no bound)."""
+        import jinja2.exceptions
+
         _check_messages(messages)
+        reserved = sorted(RESERVED_VARIABLES & set(variables or ()))
+        if reserved:
+            raise InputError(f"the template variable {reserved[0]!r} is set by the renderer "
+                             "itself; leave it out of the variables")
+        if continue_final_message and add_generation_prompt:
+            raise InputError("continue_final_message and add_generation_prompt do not go "
+                             "together: one continues the final message, the other starts a "
+                             "new one")
         pieces: list[str] = []
         length = 0
         try:
@@ -83,7 +119,7 @@ class ChatTemplate:
                     messages=[dict(message) for message in messages],
                     tools=None if not tools else [dict(tool) for tool in tools], documents=None,
                     add_generation_prompt=add_generation_prompt,
-                    **self._special_tokens):
+                    **{**self._special_tokens, **(variables or {})}):
                 length += len(piece)
                 if max_chars is not None and length > max_chars:
                     raise RenderTooLong(f"the chat template's rendering passed {max_chars} "
@@ -92,14 +128,37 @@ class ChatTemplate:
         except _Refused as error:
             raise ChatTemplateError(f"the chat template of {self.origin} refused the messages: "
                                     f"{error}") from error
+        except jinja2.exceptions.SecurityError as error:
+            raise ChatTemplateSandboxError(
+                f"the chat template of {self.origin} reached for what its sandbox forbids "
+                f"(SecurityError: {error}); a chat template may read the messages, not change "
+                "them or the interpreter's internals") from error
         except (RenderTooLong, MemoryError):
             raise
         except Exception as error:  # anything else is the template's own failure
             raise ChatTemplateFault(
                 f"the chat template of {self.origin} failed rendering the messages "
                 f"({type(error).__name__}: {error}); the template is at fault, not the "
-                "messages: fix the model's chat template") from error
-        return "".join(pieces)
+                "messages: fix the chat template") from error
+        text = "".join(pieces)
+        return _continued(text, messages[-1]) if continue_final_message else text
+
+
+def _continued(text: str, final: Mapping[str, Any]) -> str:
+    """`text` cut right after the final message's content (transformers' rule: its last
+    occurrence, the content's trailing whitespace kept where the template kept it)."""
+    content = final.get("content")
+    if not isinstance(content, str) or not content.strip():
+        raise ContinuationError("continue_final_message needs a final message with text to "
+                                "continue")
+    found = text.rfind(content.strip())
+    if found < 0:
+        raise ContinuationError("continue_final_message is set but the chat template does not "
+                                "write the final message's content as sent; the model cannot "
+                                "continue it")
+    if text[found:found + len(content.lstrip())] == content:
+        return text[:found + len(content.lstrip())]
+    return text[:found + len(content.strip())]
 
 
 def find_chat_template(folder: Path, config: Mapping[str, Any]) -> tuple[str, str] | None:

@@ -16,7 +16,12 @@ replica renders, without encoding it). A `PromptEncoder` holds the policy:
   placeholders before rendering, and each placeholder left in the rendering is encoded as the
   plain text of what it stands for;
 - `max_tokens`: a prompt too long to be that many tokens is refused (CapacityError) before it
-  is encoded (text: by its length; messages: as the template renders).
+  is encoded (text: by its length; messages: as the template renders);
+- `keep_last` (vLLM's `truncate_prompt_tokens`): only the last that many ids are fed; the
+  text is then not refused for its length (its caller bounds it), and a rendering may run
+  past the context's characters by twice the messages' own.
+A conversation renders under `ChatOptions`: the generation prompt or the final message
+continued, the caller's template variables, a caller's own template (vLLM's chat fields).
 """
 
 from __future__ import annotations
@@ -24,13 +29,14 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from onnx_chunk.errors import CapacityError
 from onnx_chunk.text.chat_template import RenderTooLong
 
 if TYPE_CHECKING:
+    from onnx_chunk.text.chat_template import ChatTemplate
     from onnx_chunk.text.tokenizer import Tokenizer
 
 # Text, or a conversation: [{"role": ..., "content": ...}, ...].
@@ -39,6 +45,19 @@ Tools = Sequence[Mapping[str, Any]]
 
 # The message fields whose typed special tokens are kept as text.
 _TYPED_FIELDS = ("role", "content")
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a conversation is rendered (vLLM's chat request fields): with the generation prompt,
+    or ending right after the final message's content so the model continues it; with the
+    caller's template `variables` (chat_template_kwargs); through `template`, a caller's own
+    (None: the model's)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    variables: Mapping[str, Any] = field(default_factory=dict)
+    template: ChatTemplate | None = None
 
 
 @dataclass(frozen=True)
@@ -81,24 +100,35 @@ class PromptEncoder:
         self.max_tokens = max_tokens
 
     def encode(self, prompt: Prompt, *, tools: Tools | None = None,
-               add_generation_prompt: bool = True, add_special_tokens: bool = True
-               ) -> list[int]:
+               add_generation_prompt: bool = True, add_special_tokens: bool = True,
+               chat: ChatOptions | None = None, keep_last: int | None = None) -> list[int]:
         """The ids `prompt` is fed as; `add_special_tokens` (text only: for messages the
-        template writes the special tokens) adds what the tokenizer's post-processor adds."""
+        template writes the special tokens) adds what the tokenizer's post-processor adds;
+        `chat` renders messages (default: with the generation prompt as
+        `add_generation_prompt` says); `keep_last`: only the last that many ids."""
         if isinstance(prompt, str):
-            if self.max_tokens is not None:
+            if self.max_tokens is not None and keep_last is None:
                 self.tokenizer.check_fits(prompt, self.max_tokens)
-            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        return self.render(prompt, tools=tools, add_generation_prompt=add_generation_prompt).ids
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        else:
+            ids = self.render(prompt, tools=tools, chat=chat or ChatOptions(
+                add_generation_prompt=add_generation_prompt), keep_last=keep_last).ids
+        return ids if keep_last is None else ids[len(ids) - keep_last:] if keep_last else []
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, tools: Tools | None = None,
-               add_generation_prompt: bool = True) -> RenderedChat:
+               add_generation_prompt: bool = True, chat: ChatOptions | None = None,
+               keep_last: int | None = None) -> RenderedChat:
         """The rendering of `messages` and its ids (for a caller that matches the text of one
-        turn against the next)."""
+        turn against the next); `keep_last`: the rendering is bounded for a prompt whose last
+        that many ids are kept (the ids are whole)."""
         span = self.tokenizer.max_token_chars
         bound = None if self.max_tokens is None or span is None else self.max_tokens * span
+        if bound is not None and keep_last is not None:
+            bound += 2 * sum(len(message.get("content") or "") for message in messages
+                             if isinstance(message.get("content") or "", str))
         try:
-            rendering = self._render(messages, tools, add_generation_prompt, bound)
+            rendering = self._render(messages, tools, chat or ChatOptions(
+                add_generation_prompt=add_generation_prompt), bound)
         except RenderTooLong as error:
             raise CapacityError(
                 f"the chat template renders these messages into more than {error.max_chars} "
@@ -117,13 +147,13 @@ class PromptEncoder:
         return RenderedChat(rendering.restored(), ids)
 
     def render_text(self, messages: Sequence[Mapping[str, Any]], *, tools: Tools | None = None,
-                    max_chars: int | None = None) -> str:
-        """The text `encode` feeds for `messages` (with the generation prompt), not encoded:
-        the router's key; RenderTooLong past `max_chars` characters."""
-        return self._render(messages, tools, True, max_chars).restored()
+                    max_chars: int | None = None, chat: ChatOptions | None = None) -> str:
+        """The text `encode` feeds for `messages` (by default with the generation prompt),
+        not encoded: the router's key; RenderTooLong past `max_chars` characters."""
+        return self._render(messages, tools, chat or ChatOptions(), max_chars).restored()
 
     def _render(self, messages: Sequence[Mapping[str, Any]], tools: Tools | None,
-                add_generation_prompt: bool, max_chars: int | None) -> _Rendering:
+                chat: ChatOptions, max_chars: int | None) -> _Rendering:
         rendered: list[dict[str, Any]] = [dict(message) for message in messages]
         typed: list[str] = []
         nonce = uuid.uuid4().hex
@@ -134,10 +164,11 @@ class PromptEncoder:
                 return f"\ue000{nonce}{len(typed) - 1}\ue001"
 
             for message in rendered:
-                for field in _TYPED_FIELDS:
-                    if isinstance(message.get(field), str):
-                        message[field] = pattern.sub(placeholder, message[field])
+                for name in _TYPED_FIELDS:
+                    if isinstance(message.get(name), str):
+                        message[name] = pattern.sub(placeholder, message[name])
         text = self.tokenizer.apply_chat_template(
-            rendered, add_generation_prompt=add_generation_prompt, max_chars=max_chars,
-            tools=tools or None)
+            rendered, add_generation_prompt=chat.add_generation_prompt, max_chars=max_chars,
+            tools=tools or None, template=chat.template, variables=chat.variables,
+            continue_final_message=chat.continue_final_message)
         return _Rendering(text, typed, nonce)

@@ -3,7 +3,9 @@
 The earliest occurrence of any stop string ends the text there: neither the stop string nor
 anything after it is returned. Text that might be the start of a stop string (a suffix that is
 a prefix of one) is held back until the next text settles it, so nothing a stop string would
-cut is ever emitted; a stop string may span any number of tokens.
+cut is ever emitted; a stop string may span any number of tokens. With `include` (vLLM's
+`include_stop_str_in_output`) the text ends right after the stop string instead, and nothing
+is held back (vllm/v1/engine/detokenizer.py: no buffer when the stop string is kept).
 """
 
 from __future__ import annotations
@@ -27,15 +29,20 @@ def check_stops(stop: str | Iterable[str] | None) -> tuple[str, ...]:
 class StopMatcher:
     """Feeds text through, holding back what could begin a stop string."""
 
-    def __init__(self, stops: Iterable[str]) -> None:
+    def __init__(self, stops: Iterable[str], *, include: bool = False) -> None:
         self.stops = tuple(stops)
+        self.include = include
         self._held = ""
+        # With `include`: the end of the text already emitted, where a stop string may begin.
+        self._tail = ""
         self.stopped = False
 
     def feed(self, text: str) -> str:
         """The text that is safe to emit now; sets `stopped` when a stop string completes."""
         if self.stopped:
             return ""
+        if self.include:
+            return self._feed_kept(text)
         pending = self._held + text
         cut = min((index for index in (pending.find(stop) for stop in self.stops)
                    if index >= 0), default=-1)
@@ -46,6 +53,19 @@ class StopMatcher:
         keep = _partial_stop(pending, self.stops)
         self._held = pending[len(pending) - keep:]
         return pending[:len(pending) - keep]
+
+    def _feed_kept(self, text: str) -> str:
+        """`feed` when the stop string is kept: `text` up to the end of the first stop string
+        that ends in it."""
+        window = self._tail + text
+        ends = [found + len(stop) for stop in self.stops
+                for found in [window.find(stop)] if found >= 0]
+        if ends:
+            self.stopped = True
+            return window[len(self._tail):min(ends)]
+        longest = max(map(len, self.stops), default=1)
+        self._tail = window[len(window) - longest + 1:] if longest > 1 else ""
+        return text
 
     def flush(self) -> str:
         """The held text, when the generation ends for another reason."""

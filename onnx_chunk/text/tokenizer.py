@@ -91,9 +91,10 @@ class Tokenizer:
         self.special_tokens = special
         self.folder = folder
         self.genai = genai
-        self._special_ids = frozenset(
-            int(index) for index, token in backend.get_added_tokens_decoder().items()
-            if token.special)
+        added = backend.get_added_tokens_decoder()
+        self._special_ids = frozenset(int(index) for index, token in added.items()
+                                      if token.special)
+        self._added = {int(index): token.content for index, token in added.items()}
         own_eos = self.token_id(special.eos_token)
         genai_eos = genai.eos_token_ids if genai is not None else ()
         if genai_eos and own_eos is not None and own_eos not in genai_eos:
@@ -190,20 +191,34 @@ class Tokenizer:
         source, origin = found
         return ChatTemplate(source, self.special_tokens.template_variables(), origin)
 
+    def compile_template(self, source: str, origin: str) -> ChatTemplate:
+        """`source` (a caller's Jinja chat template) compiled in the same sandbox as the
+        folder's, with this tokenizer's special tokens; InputError when it does not compile."""
+        try:
+            return ChatTemplate(source, self.special_tokens.template_variables(), origin)
+        except ModelLoadError as error:
+            raise InputError(str(error)) from error
+
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
                             add_generation_prompt: bool = True,
                             max_chars: int | None = None,
-                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
-        """The prompt text of a conversation, through the model's chat template (a rendering
-        past `max_chars` characters stops there: RenderTooLong)."""
-        template = self.chat_template
+                            tools: Sequence[Mapping[str, Any]] | None = None,
+                            template: ChatTemplate | None = None,
+                            variables: Mapping[str, Any] | None = None,
+                            continue_final_message: bool = False) -> str:
+        """The prompt text of a conversation, through the model's chat template (or
+        `template`, a caller's; see `ChatTemplate.render` for the rest); a rendering past
+        `max_chars` characters stops there: RenderTooLong."""
+        if template is None:
+            template = self.chat_template
         if template is None:
             raise InputError(
                 f"the model folder {str(self.folder)!r} has no chat template (no "
                 f"chat_template.jinja, no chat_template in {TOKENIZER_CONFIG}); pass the prompt "
                 "as text instead of messages")
         return template.render(messages, add_generation_prompt=add_generation_prompt,
-                               max_chars=max_chars, tools=tools)
+                               max_chars=max_chars, tools=tools, variables=variables,
+                               continue_final_message=continue_final_message)
 
     def token_id(self, token: str | None) -> int | None:
         """The id of one token string (None when it is not in the vocabulary)."""
@@ -216,6 +231,10 @@ class Tokenizer:
     def is_special(self, token_id: int) -> bool:
         """Whether `token_id` is a special added token (what skip_special_tokens drops)."""
         return token_id in self._special_ids
+
+    def added_content(self, token_id: int) -> str | None:
+        """The text of an added token (special or not) as declared; None for the others."""
+        return self._added.get(int(token_id))
 
 
 def load_tokenizer(model_path: str | os.PathLike) -> Tokenizer:

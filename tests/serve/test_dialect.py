@@ -290,7 +290,7 @@ def test_bad_sampling_values_are_refused(live, field, value):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("best_of", 3), ("suffix", "end"), ("prompt_logprobs", 2),
+    ("best_of", 3), ("suffix", "end"), ("length_penalty", 2),
     ("use_beam_search", True), ("guided_json", {"type": "object"}),
 ])
 def test_unbuilt_fields_are_refused_by_name(live, field, value):

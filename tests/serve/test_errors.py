@@ -45,7 +45,7 @@ def _error(body: object, status: int, param: str | None = None) -> dict:
     (CHAT, {"messages": MESSAGES, "temperature": "hot"}, "temperature"),
     (CHAT, {"messages": MESSAGES, "temperature": 3}, "temperature"),
     (CHAT, {"messages": MESSAGES, "top_p": 0}, "top_p"),
-    (CHAT, {"messages": MESSAGES, "seed": -4}, "seed"),
+    (CHAT, {"messages": MESSAGES, "seed": 2 ** 63}, "seed"),
     (CHAT, {"messages": MESSAGES, "n": 17}, "n"),
     (CHAT, {"messages": MESSAGES, "n": 0}, "n"),
     (CHAT, {"messages": MESSAGES, "stream": "yes"}, "stream"),

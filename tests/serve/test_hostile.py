@@ -126,7 +126,7 @@ def test_4_concurrent_large_schemas_leave_the_event_loop_free(live):
 
 
 def test_a_grammar_failure_is_the_requests_400_not_a_500():
-    from onnx_chunk.serve.app import error_answer
+    from onnx_chunk.serve.refusals import error_answer
     from onnx_chunk.structured.constraint import GrammarError
 
     status, body, _ = error_answer(GrammarError("Parser Error: Current row has 4007 items"))
@@ -187,11 +187,15 @@ def test_an_answer_over_max_answer_bytes_is_refused_before_it_runs(served_runtim
             del served_runtime.submit_choices
         assert status == 400 and not submitted
         _error(answer, "logprobs", "answer_too_large")
-        # A whole answer that outgrows the bound once made is refused too.
+    # A whole answer that outgrows the bound once made is refused too, its numbers right.
+    with live_server(served_runtime, max_answer_bytes=2000) as live:
         status, _, answer = exchange(live, "POST", COMPLETIONS, {
-            "prompt": [[20] * 300], "echo": True, "logprobs": 1, "max_tokens": 0, "n": 16})
+            "prompt": "The capital of France is", "max_tokens": 200, "ignore_eos": True,
+            "n": 16})
         assert status == 400
-        _error(answer, None, "answer_too_large")
+        message = _error(answer, None, "answer_too_large")["message"]
+        least = int(re.search(r"at least (\d+) bytes", message).group(1))
+        assert least > 2000 and "the 2000 bytes" in message
 
 
 def test_serve_takes_max_answer_bytes_and_several_api_keys(monkeypatch):
@@ -211,7 +215,7 @@ def test_serve_takes_max_answer_bytes_and_several_api_keys(monkeypatch):
 # 2. Every field honoured or refused.
 
 @pytest.mark.parametrize("field, value", [
-    ("grammar", "root ::= \"a\""), ("typical_p", 0.5), ("guided_whitespace_pattern", " "),
+    ("grammar", "root ::= \"a\""), ("mirostat", 2), ("guided_whitespace_pattern", " "),
     ("logits_processors", ["x"]), ("priority", 5), ("frobnicate_level", 3)])
 def test_a_field_that_would_change_the_answer_is_refused_by_name(live, field, value):
     status, _, answer = exchange(live, "POST", CHAT, {"messages": USER, "max_tokens": 1,
@@ -322,11 +326,21 @@ def test_nan_infinity_and_huge_integers_are_a_400(live, raw):
     _error(answer, None, "invalid_json")
 
 
-def test_a_vanishing_repetition_penalty_is_a_400(live):
-    status, _, answer = exchange(live, "POST", CHAT, {"messages": USER, "max_tokens": 1,
-                                                      "repetition_penalty": 1e-320})
-    assert status == 400
-    _error(answer, "repetition_penalty")
+@pytest.mark.parametrize("penalty", [1e-320, 1e300])
+def test_any_finite_positive_repetition_penalty_is_taken_as_vllm_does(live, penalty):
+    # vLLM's rule (SamplingParams._verify_args): finite and > 0; a logit it would carry past
+    # the float range is held at +-1e300, so the draw stays defined.
+    for temperature in (0, 1.0):
+        status, _, answer = exchange(live, "POST", COMPLETIONS, {
+            "prompt": "The capital of France is", "max_tokens": 6, "seed": 3,
+            "temperature": temperature, "repetition_penalty": penalty, "ignore_eos": True})
+        assert status == 200, answer
+        assert answer["usage"]["completion_tokens"] == 6
+    for bad in (0, -1.0):
+        status, _, answer = exchange(live, "POST", CHAT, {"messages": USER, "max_tokens": 1,
+                                                          "repetition_penalty": bad})
+        assert status == 400
+        assert "finite number > 0" in _error(answer, "repetition_penalty")["message"]
 
 
 def test_stop_token_ids_outside_the_vocabulary_are_a_400_naming_them(live):
@@ -490,7 +504,7 @@ def test_a_field_of_the_other_endpoint_says_where_it_belongs(live):
     assert "/v1/chat/completions" in _error(answer, "tools", "unknown_parameter")["message"]
 
 
-@pytest.mark.parametrize("path, body", [("/tokenize", {"prompt": "a", "chat_template": "x"}),
+@pytest.mark.parametrize("path, body", [("/tokenize", {"prompt": "a", "skip": "x"}),
                                         ("/detokenize", {"tokens": [1], "skip": True})])
 def test_tokenize_and_detokenize_refuse_fields_they_do_not_know(live, path, body):
     status, _, answer = exchange(live, "POST", path, body)

@@ -31,7 +31,7 @@ def served():
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(application(EXPORT, replicas=2, provider="cpu", cpus_per_replica=0.5,
-                              batch=2), route_prefix="/")
+                              batch=2, graceful_shutdown_s=1.0), route_prefix="/")
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
                             max_retries=0, timeout=60)
     finally:
@@ -82,3 +82,24 @@ def test_a_refusal_comes_through_the_ingress_in_openai_shape(served):
     with pytest.raises(openai.BadRequestError) as refused:
         served.chat.completions.create(model=MODEL_NAME, messages=[], max_tokens=4)
     assert refused.value.body["param"] == "messages"
+
+
+# Last in this module: it shuts the replicas down.
+def test_a_stream_cut_by_the_replicas_shutdown_ends_with_an_event(served):
+    import json
+    import threading
+
+    stream = served.completions.with_streaming_response.create(
+        model=MODEL_NAME, prompt="The capital of France is", max_tokens=1900, temperature=0,
+        stream=True, extra_body={"ignore_eos": True})
+    with stream as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line).startswith("data: ")
+        deleting = threading.Thread(target=serve.delete, args=("default",))
+        deleting.start()
+        events = [line for line in lines if line]
+    deleting.join(60)
+    last = events[-1]
+    if last != "data: [DONE]":  # cut: an error event, never a bare end
+        error = json.loads(last.removeprefix("data: "))["error"]
+        assert error["code"] in ("replica_lost", "server_shutting_down"), error

@@ -118,3 +118,58 @@ def test_a_replica_lost_mid_stream_ends_the_stream_with_an_error_event():
     error = json.loads(events[-1].removeprefix("data: "))["error"]
     assert error["code"] == "replica_lost" and "actor died" not in answer.text
     assert handle.answers[0].cancelled
+
+
+def test_a_replica_shutting_down_drains_its_streams_then_closes_the_runtime():
+    """The replica's shutdown hook (`Replica.__del__`, which Ray Serve awaits) runs the server's
+    drain: a running stream ends with the `server_shutting_down` error event, then the runtime
+    closes."""
+    import asyncio
+
+    from onnx_chunk.runtime import load
+    from onnx_chunk.serve import create_app
+    from onnx_chunk.serve.ray import drain_and_close
+
+    async def scenario(app, runtime) -> list[bytes]:
+        body = json.dumps({"prompt": "The capital of France is", "max_tokens": 1900,
+                           "ignore_eos": True, "stream": True}).encode()
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/completions",
+                 "raw_path": b"/v1/completions", "root_path": "", "query_string": b"",
+                 "headers": [(b"content-type", b"application/json")], "client": None,
+                 "server": None}
+        received = [{"type": "http.request", "body": body, "more_body": False}]
+        left = asyncio.Event()
+        sent: asyncio.Queue = asyncio.Queue()
+
+        async def receive():
+            if received:
+                return received.pop()
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        task = asyncio.ensure_future(app(scope, receive, sent.put))
+        chunks: list[bytes] = []
+        while not chunks:
+            message = await sent.get()
+            if message["type"] == "http.response.body" and message.get("body"):
+                chunks.append(message["body"])
+        await drain_and_close(app, runtime)
+        while not task.done() or not sent.empty():
+            message = await asyncio.wait_for(sent.get(), 30)
+            if message.get("body"):
+                chunks.append(message["body"])
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                break
+        left.set()
+        await task
+        return chunks
+
+    runtime = load(EXPORT, provider="cpu", max_batch=2)
+    app = create_app(runtime)
+    events = [line for chunk in asyncio.run(scenario(app, runtime))
+              for line in chunk.decode().split("\n\n") if line]
+    assert events[-1] != "data: [DONE]"
+    assert json.loads(events[-1].removeprefix("data: "))["error"]["code"] == \
+        "server_shutting_down"
+    assert runtime.closed and app.state.service.running == 0

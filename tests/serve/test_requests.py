@@ -11,13 +11,8 @@ import pytest
 from onnx_chunk.errors import InputError
 from onnx_chunk.serve.parameters import REFUSED, RequestOptions
 from onnx_chunk.serve.protocol import RequestError, error_body
-from onnx_chunk.serve.requests import (
-    KNOWN_FIELDS,
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from onnx_chunk.serve.requests import KNOWN_FIELDS, ChatCompletionRequest, CompletionRequest
+from onnx_chunk.serve.tokenize import DetokenizeRequest, TokenizeRequest
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "a", "description": "d",
@@ -217,8 +212,15 @@ def test_tokenize_and_detokenize_bodies():
                     ).param == "add_special_tokens"
     assert _refused(TokenizeRequest, {"messages": MESSAGES, "tools": [{"type": "x"}]}
                     ).param == "tools"
-    assert _refused(TokenizeRequest, {"prompt": "a", "chat_template": "x"}).code == \
+    assert _refused(TokenizeRequest, {"prompt": "a", "frobnicate": "x"}).code == \
         "unknown_parameter"
+    continued = TokenizeRequest.parse({"messages": MESSAGES, "continue_final_message": True,
+                                       "chat_template_kwargs": {"enable_thinking": False}})
+    assert continued.chat.continue_final_message and not continued.chat.add_generation_prompt
+    assert continued.chat.variables == {"enable_thinking": False}
+    assert _refused(TokenizeRequest, {"messages": MESSAGES, "continue_final_message": True,
+                                      "add_generation_prompt": True}
+                    ).param == "continue_final_message"
     assert DetokenizeRequest.parse({"tokens": [1, 2]}, vocab_size=3).tokens == [1, 2]
     assert _refused(DetokenizeRequest, {"tokens": [3]}, 3).param == "tokens"
     assert _refused(DetokenizeRequest, {"tokens": [True]}, 3).param == "tokens"

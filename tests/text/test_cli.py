@@ -51,7 +51,7 @@ def test_json_chat_with_sampling_and_stop(text_model, runtime, capsys):
     (["--prompt", "hi", "--eos-token-id", "2"], "--eos-token-id cannot be used with --prompt"),
     (["--prompt", "hi", "--system", "x"], "--system needs --chat"),
     (["--prompt", "hi", "--top-p", "0"], "top_p must be a number in (0, 1]"),
-    (["--prompt", "hi", "--temperature", "-1"], "temperature must be a number >= 0"),
+    (["--prompt", "hi", "--temperature", "-1"], "temperature must be a number in [0, 2]"),
     (["--prompt", "hi", "--stop", ""], "non-empty string"),
     (["--ids", "1,2", "--temperature", "0.5"], "--temperature cannot be used with token ids"),
 ])

@@ -16,7 +16,7 @@ from onnx_chunk.cli import main
 from onnx_chunk.errors import CapacityError, ModelLoadError
 from onnx_chunk.runtime import load
 from onnx_chunk.sampling import Sampler
-from onnx_chunk.text.chat_template import ChatTemplateFault
+from onnx_chunk.text.chat_template import ChatTemplateSandboxError
 from onnx_chunk.text.conversation import Conversation
 from onnx_chunk.text.prompt import PromptEncoder
 from onnx_chunk.text.tokenizer import Tokenizer
@@ -135,7 +135,7 @@ def test_the_template_runs_sandboxed_with_tools_and_documents_none(tmp_path,
     tokenizer = Tokenizer.load(folder)
     assert tokenizer.apply_chat_template([{"role": "user", "content": "x"}]) == "True True 1"
     (folder / "chat_template.jinja").write_text("{{ ''.__class__.__mro__[1].__subclasses__() }}")
-    with pytest.raises(ChatTemplateFault, match="SecurityError"):
+    with pytest.raises(ChatTemplateSandboxError, match="SecurityError"):
         Tokenizer.load(folder).apply_chat_template([{"role": "user", "content": "x"}])
 
 

@@ -23,6 +23,7 @@ from onnx_chunk.text.chat_template import (
     ChatTemplate,
     ChatTemplateError,
     ChatTemplateFault,
+    ChatTemplateSandboxError,
     RenderTooLong,
 )
 from onnx_chunk.text.prompt import PromptEncoder
@@ -121,14 +122,24 @@ def test_a_rendering_stops_at_max_chars():
 @pytest.mark.parametrize(("source", "kind"), [
     ("{{ messages[0].content + 1 }}", "TypeError"),
     ("{{ 2.0 ** 100000 }}", "OverflowError"),
-    ("{{ messages[0].content.__class__ }}{{ ''.__class__.__mro__[1].__subclasses__() }}",
-     "SecurityError"),
     ("{{ nothing.attribute }}", "UndefinedError"),
 ])
 def test_a_template_failing_at_render_is_a_chat_template_fault(source, kind):
     with pytest.raises(ChatTemplateFault, match=kind) as caught:
         _template(source).render(MESSAGES)
     assert "the template is at fault" in str(caught.value)
+
+
+@pytest.mark.parametrize("source", [
+    "{{ messages[0].content.__class__ }}{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ cycler.__init__.__globals__ }}",
+    "{{ messages.append({'role': 'system', 'content': 'x'}) }}",
+])
+def test_what_the_sandbox_forbids_is_refused_not_a_fault(source):
+    with pytest.raises(ChatTemplateSandboxError, match="SecurityError") as caught:
+        _template(source).render(MESSAGES)
+    assert not isinstance(caught.value, ChatTemplateFault)
+    assert isinstance(caught.value, ChatTemplateError)
 
 
 def test_raise_exception_refuses_the_messages_not_a_fault():

@@ -1,0 +1,257 @@
+"""vLLM's request fields through the official openai client's `extra_body`, each shown to take
+effect on the corpus's Qwen3 export (the live server of tests/serve/conftest.py, and a copy of
+the export whose chat template has Qwen3's thinking switch)."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from onnx_chunk.runtime import load
+from onnx_chunk.sampling import Sampling
+from onnx_chunk.serve.logprobs import TokenStrings
+from tests.exports.full_forward import full_sequence_logprobs
+from tests.serve.conftest import EXPORT, MODEL_NAME, exchange, live_server
+
+PROMPT = [5, 17, 200, 42, 99, 7, 100, 23, 55, 61]
+USER = [{"role": "user", "content": "The capital of France is"}]
+# Qwen3's switch: with enable_thinking false the generation prompt holds an empty thought.
+THINKING_SWITCH = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}{% if enable_thinking is defined and enable_thinking is "
+    "false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}")
+
+
+def _tokenize(live, **body) -> list[int]:
+    status, _, answer = exchange(live, "POST", "/tokenize", body)
+    assert status == 200, answer
+    return answer["tokens"]
+
+
+def _completion(live, prompt, **extra):
+    return live.client().completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8,
+                                            temperature=0, extra_body=extra or None)
+
+
+def _ids(logprobs) -> list[int]:
+    """The token ids of logprobs named "token_id:N"."""
+    return [int(token.removeprefix("token_id:")) for token in logprobs.tokens]
+
+
+@pytest.fixture(scope="module")
+def thinking(tmp_path_factory):
+    """A copy of the Qwen3 export whose chat template switches thinking off on request."""
+    folder = tmp_path_factory.mktemp("thinking") / EXPORT.name
+    shutil.copytree(EXPORT, folder)
+    (folder / "chat_template.jinja").write_text(THINKING_SWITCH)
+    with load(folder, provider="cpu", max_batch=2) as runtime, live_server(runtime) as live:
+        yield live
+
+
+def test_chat_template_kwargs_change_the_rendering(thinking):
+    client = thinking.client()
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=4,
+                                           temperature=0)
+    switched = client.chat.completions.create(
+        model=MODEL_NAME, messages=USER, max_tokens=4, temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    rendered = thinking.runtime.tokenizer.apply_chat_template(USER) + "<think>\n\n</think>\n\n"
+    ids = thinking.runtime.tokenizer.encode(rendered, add_special_tokens=False)
+    assert switched.usage.prompt_tokens == len(ids) > plain.usage.prompt_tokens
+    assert _tokenize(thinking, messages=USER,
+                     chat_template_kwargs={"enable_thinking": False}) == ids
+    expected = _completion(thinking, ids, max_tokens=4).choices[0].text
+    assert switched.choices[0].message.content == expected
+
+
+def test_a_request_chat_template_renders_in_the_same_sandbox(live):
+    template = "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}"
+    answer = live.client().chat.completions.create(
+        model=MODEL_NAME, messages=USER, max_tokens=6, temperature=0,
+        extra_body={"chat_template": template + "{{ greeting }}ASSISTANT:",
+                    "chat_template_kwargs": {"greeting": "Hi. "}})
+    ids = live.runtime.tokenizer.encode("USER: The capital of France is\nHi. ASSISTANT:",
+                                        add_special_tokens=False)
+    assert answer.usage.prompt_tokens == len(ids)
+    expected = live.client().completions.create(model=MODEL_NAME, prompt=ids, max_tokens=6,
+                                                temperature=0).choices[0].text
+    assert answer.choices[0].message.content == expected
+
+
+def test_add_generation_prompt_false_leaves_out_the_assistant_header(live):
+    answer = live.client().chat.completions.create(
+        model=MODEL_NAME, messages=USER, max_tokens=4, temperature=0,
+        extra_body={"add_generation_prompt": False})
+    tokenizer = live.runtime.tokenizer
+    ids = tokenizer.encode(tokenizer.apply_chat_template(USER, add_generation_prompt=False),
+                           add_special_tokens=False)
+    with_header = tokenizer.encode(tokenizer.apply_chat_template(USER),
+                                   add_special_tokens=False)
+    assert answer.usage.prompt_tokens == len(ids) < len(with_header)
+    assert answer.choices[0].message.content == _completion(live, ids, max_tokens=4
+                                                            ).choices[0].text
+
+
+def test_an_answer_continues_a_prefilled_assistant_message(live):
+    messages = [*USER, {"role": "assistant", "content": "Paris, and the"}]
+    answer = live.client().chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    tokenizer = live.runtime.tokenizer
+    rendered = tokenizer.apply_chat_template(USER, add_generation_prompt=True) + "Paris, and the"
+    ids = tokenizer.encode(rendered, add_special_tokens=False)
+    assert _tokenize(live, messages=messages, continue_final_message=True) == ids
+    assert answer.usage.prompt_tokens == len(ids)
+    assert answer.choices[0].message.content == _completion(live, ids, max_tokens=6
+                                                            ).choices[0].text
+
+
+def test_stop_strings_are_kept_with_include_stop_str_in_output(live):
+    whole = _completion(live, PROMPT, max_tokens=12).choices[0].text
+    stop = whole[len(whole) // 2:len(whole) // 2 + 2]
+    cut = _completion(live, PROMPT, max_tokens=12, stop=[stop])
+    kept = _completion(live, PROMPT, max_tokens=12, stop=[stop],
+                       include_stop_str_in_output=True)
+    assert cut.choices[0].text == whole[:whole.index(stop)]
+    assert kept.choices[0].text == whole[:whole.index(stop) + len(stop)]
+    assert kept.choices[0].finish_reason == "stop"
+
+
+def test_special_tokens_are_shown_with_skip_special_tokens_false(live):
+    special = live.runtime.tokenizer.token_id("<|im_start|>")
+    forced = {"logit_bias": {str(special): 100}, "ignore_eos": True}
+    hidden = _completion(live, PROMPT, max_tokens=3, **forced).choices[0].text
+    shown = _completion(live, PROMPT, max_tokens=3, skip_special_tokens=False, **forced)
+    assert hidden == "" and shown.choices[0].text == "<|im_start|>" * 3
+    # This byte-level tokenizer puts no space between special tokens, so vLLM's
+    # spaces_between_special_tokens changes nothing here (tests/text/test_stream.py shows a
+    # decoder that does).
+    joined = _completion(live, PROMPT, max_tokens=3, skip_special_tokens=False,
+                         spaces_between_special_tokens=False, **forced)
+    assert joined.choices[0].text == "<|im_start|>" * 3
+
+
+def test_allowed_token_ids_are_the_only_ones_produced(live):
+    allowed = [40, 41, 300]
+    answer = live.client().completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=20, temperature=1.0, seed=5, logprobs=0,
+        extra_body={"allowed_token_ids": allowed, "return_tokens_as_token_ids": True,
+                    "ignore_eos": True})
+    produced = _ids(answer.choices[0].logprobs)
+    assert len(produced) == 20 and set(produced) <= set(allowed)
+    assert len(set(produced)) > 1  # a draw among them, not one forced id
+
+
+def test_bad_words_are_never_produced(live):
+    tokenizer = live.runtime.tokenizer
+    # Three word pieces of this vocabulary: "en", "st", "it"; "sten" is "st" then "en".
+    allowed = [265, 266, 292]
+    assert [tokenizer.decode([token]) for token in allowed] == ["en", "st", "it"]
+    assert tokenizer.encode("sten", add_special_tokens=False) == [266, 265]
+
+    def produced(**extra) -> list[int]:
+        answer = live.client().completions.create(
+            model=MODEL_NAME, prompt=PROMPT, max_tokens=40, temperature=1.0, seed=3,
+            logprobs=0, extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True,
+                                    "allowed_token_ids": allowed, **extra})
+        return _ids(answer.choices[0].logprobs)
+
+    def pairs(ids: list[int]) -> set[tuple[int, int]]:
+        return set(zip(ids, ids[1:]))
+
+    free = produced()
+    assert 292 in free and (266, 265) in pairs(free)  # both occur unless banned
+    banned = produced(bad_words=["sten", "it"])
+    assert len(banned) == 40 and 292 not in banned and (266, 265) not in pairs(banned)
+    assert 266 in banned and 265 in banned  # each piece alone still comes
+
+
+def test_a_truncated_prompt_keeps_its_last_tokens(live):
+    long = PROMPT * 5
+    answer = _completion(live, long, truncate_prompt_tokens=7, echo=True)
+    assert answer.usage.prompt_tokens == 7
+    tail = _completion(live, long[-7:], echo=True)
+    assert answer.choices[0].text == tail.choices[0].text
+    assert answer.choices[0].text.startswith(live.runtime.tokenizer.decode(long[-7:]))
+    text = live.runtime.tokenizer.decode(long)
+    assert _completion(live, text, truncate_prompt_tokens=7).usage.prompt_tokens == 7
+    chat = live.client().chat.completions.create(
+        model=MODEL_NAME, messages=USER, max_tokens=2, temperature=0,
+        extra_body={"truncate_prompt_tokens": 5})
+    assert chat.usage.prompt_tokens == 5
+
+
+def test_truncation_to_the_context_serves_a_prompt_too_long_for_it(live):
+    capacity = live.runtime.stats.capacity
+    long = (PROMPT * 300)[:capacity + 50]
+    status, _, answer = exchange(live, "POST", "/v1/completions", {
+        "prompt": long, "max_tokens": 8, "temperature": 0})
+    assert status == 400 and answer["error"]["code"] == "context_length_exceeded"
+    kept = _completion(live, long, truncate_prompt_tokens=-1)
+    assert kept.usage.prompt_tokens == capacity - 8
+    assert kept.choices[0].text == _completion(live, long[-(capacity - 8):]).choices[0].text
+
+
+def test_bad_words_are_encoded_as_vllm_encodes_them(live):
+    from onnx_chunk.serve.parameters import bad_words_ids
+
+    tokenizer = live.runtime.tokenizer
+    vocab = live.runtime.stats.vocab_size
+    plain = tuple(tokenizer.encode("un", add_special_tokens=False))
+    spaced = tuple(tokenizer.encode(" un", add_special_tokens=False))
+    assert len(plain) == len(spaced) and plain[0] != spaced[0]  # both forms are banned
+    assert bad_words_ids(("un", "  un"), tokenizer, vocab) == (plain, spaced)
+    sten = tuple(tokenizer.encode("sten", add_special_tokens=False))
+    assert len(tokenizer.encode(" sten", add_special_tokens=False)) != len(sten)
+    assert bad_words_ids(("sten",), tokenizer, vocab) == (sten,)  # a longer spaced form: not
+
+
+def test_prompt_logprobs_are_a_full_forwards(live):
+    answer = _completion(live, PROMPT, max_tokens=1, prompt_logprobs=3)
+    shown = answer.choices[0].prompt_logprobs
+    reference = full_sequence_logprobs(EXPORT, PROMPT)
+    assert len(shown) == len(PROMPT) and shown[0] is None
+    tokens = TokenStrings(live.runtime.tokenizer)
+    for position in range(1, len(PROMPT)):
+        row = reference[position - 1]
+        entries = {int(token): entry for token, entry in shown[position].items()}
+        own = entries[PROMPT[position]]
+        assert abs(own["logprob"] - row[PROMPT[position]]) <= 1e-4
+        assert own["rank"] == int(np.count_nonzero(row >= row[PROMPT[position]]))
+        assert own["decoded_token"] == tokens(PROMPT[position])
+        best = sorted(entries.values(), key=lambda entry: entry["rank"])[0]
+        assert best["rank"] == 1 and abs(best["logprob"] - row.max()) <= 1e-4
+        assert 3 <= len(entries) <= 4
+    chat = live.client().chat.completions.create(
+        model=MODEL_NAME, messages=USER, max_tokens=1, temperature=0,
+        extra_body={"prompt_logprobs": 0})
+    assert len(chat.prompt_logprobs) == chat.usage.prompt_tokens
+    assert all(len(position) == 1 for position in chat.prompt_logprobs[1:])
+
+
+def test_tokens_are_named_by_id_with_return_tokens_as_token_ids(live):
+    named = _completion(live, PROMPT, logprobs=2, return_tokens_as_token_ids=True)
+    plain = _completion(live, PROMPT, logprobs=2)
+    ids = _ids(named.choices[0].logprobs)
+    strings = TokenStrings(live.runtime.tokenizer)
+    assert [strings(token) for token in ids] == plain.choices[0].logprobs.tokens
+    assert all(key.startswith("token_id:") for top in named.choices[0].logprobs.top_logprobs
+               for key in top)
+    chat = live.client().chat.completions.create(
+        model=MODEL_NAME, messages=USER, max_tokens=3, temperature=0, logprobs=True,
+        extra_body={"return_tokens_as_token_ids": True})
+    assert all(entry.token.startswith("token_id:") for entry in chat.choices[0].logprobs.content)
+
+
+def test_typical_p_is_the_python_apis(live, served_runtime):
+    answer = live.client().completions.create(
+        model=MODEL_NAME, prompt="Paris is", max_tokens=10, temperature=1.0, seed=9,
+        extra_body={"typical_p": 0.2, "ignore_eos": True})
+    expected = served_runtime.generate_text("Paris is", 10, sampling=Sampling(
+        temperature=1.0, seed=9, typical_p=0.2), ignore_eos=True)
+    free = served_runtime.generate_text("Paris is", 10, sampling=Sampling(
+        temperature=1.0, seed=9), ignore_eos=True)
+    assert answer.choices[0].text == expected.text != free.text
