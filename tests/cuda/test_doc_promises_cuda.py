@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import importlib.metadata
 import logging
 import threading
 
@@ -100,13 +99,6 @@ def test_state_and_window_rows_never_cross_in_a_batched_decode(reference_model, 
     for sent, received, rows in seen:
         assert sent <= rows * row_in and received == rows * row_out
     runtime.close()
-
-
-def test_the_cuda_extra_asks_for_onnxruntime_gpu_1_22():
-    gpu = [requirement for requirement in importlib.metadata.requires("onnx-chunk")
-           if requirement.startswith("onnxruntime-gpu")]
-    assert len(gpu) == 1 and gpu[0].split(";")[0].strip() == "onnxruntime-gpu>=1.22"
-    assert 'extra == "cuda"' in gpu[0]
 
 
 def test_the_batch_engine_captures_and_replays_from_its_own_thread(reference_model,
