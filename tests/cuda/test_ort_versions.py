@@ -64,11 +64,12 @@ def test_the_surface_of_staged_cpu_wheels(version, gaps):
 
 def test_the_cuda_runtime_is_the_one_onnxruntime_maps():
     # A machine with CUDA 13 installed, onnxruntime-gpu built on CUDA 12 and loaded.
+    # /proc/self/maps names the file the soname's link resolves to.
     mapped = ["/usr/local/cuda-13.0/lib64/libcudart.so.13.0.48",
-              "/site/nvidia/cuda_runtime/lib/libcudart.so.12"]
+              "/site/nvidia/cuda_runtime/lib/libcudart.so.12.8.90"]
     wheel = ["/site/nvidia/cuda_runtime/lib/libcudart.so.12"]
     assert memory.choose_cudart(mapped, "libcudart.so.12", wheel) == [
-        "/site/nvidia/cuda_runtime/lib/libcudart.so.12", "libcudart.so.12",
+        "/site/nvidia/cuda_runtime/lib/libcudart.so.12.8.90", "libcudart.so.12",
         "/site/nvidia/cuda_runtime/lib/libcudart.so.12"]
     # Before ONNX Runtime's provider is loaded: its soname, never the machine's libcudart.so.
     assert memory.choose_cudart(mapped[:1], "libcudart.so.12", []) == ["libcudart.so.12"]

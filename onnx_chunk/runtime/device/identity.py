@@ -41,9 +41,7 @@ _CHECKED: dict[tuple, bool] = {}
 
 def binds_in_place(device: Device) -> bool:
     """Whether owned buffers of `device` are bound in place (the module docstring)."""
-    key = (device.device_type, device.device_id,
-           tuple((name, tuple(sorted(options.items())))
-                 for name, options in device.session_providers))
+    key = _key(device)
     known = _CHECKED.get(key)
     if known is not None:
         return known
@@ -57,10 +55,23 @@ def binds_in_place(device: Device) -> bool:
         return _CHECKED.setdefault(key, failure is None)
 
 
+def record(device: Device, in_place: bool) -> None:
+    """Take `in_place` as the answer for `device` (the GPU check compares the runtime's own
+    buffers with ONNX Runtime's allocator's on one device)."""
+    with _LOCK:
+        _CHECKED[_key(device)] = in_place
+
+
 def forget() -> None:
     """Check every device again at its next buffer (a test that changes how binding behaves)."""
     with _LOCK:
         _CHECKED.clear()
+
+
+def _key(device: Device) -> tuple:
+    return (device.device_type, device.device_id,
+            tuple((name, tuple(sorted(options.items())))
+                  for name, options in device.session_providers))
 
 
 def bind_time_copy(device: Device) -> str | None:

@@ -193,7 +193,9 @@ def choose_cudart(mapped: list[str], needed: str | None, wheel_copies: list[str]
     """
     if needed is None:
         return [path for path in mapped if Path(path).name.startswith(_CUDART)][:1]
-    same = [path for path in mapped if Path(path).name == needed]
+    # /proc/self/maps names the file the soname's link resolves to (libcudart.so.13.0.96).
+    same = [path for path in mapped if Path(path).name == needed
+            or Path(path).name.startswith(f"{needed}.")]
     copies = [path for path in wheel_copies if Path(path).name == needed]
     return [*same[:1], needed, *copies]
 
