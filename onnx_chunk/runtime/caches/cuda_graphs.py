@@ -14,7 +14,9 @@ What ONNX Runtime requires, and how the runtime meets it (docs/cuda.md has the w
    session.
 3. Every compute node runs on the CUDA provider; a session that cannot capture fails to be
    created with the option on, and the factory creates it without.
-4. Graph id 0 is reserved by ONNX Runtime: ids start at FIRST_GRAPH_ID. The first user run
+4. Graph id 0 is ONNX Runtime's default, the id of a run without `gpu_graph_id` (cuda_graph.h,
+   `kCudaGraphAnnotationDefault`): ids start at FIRST_GRAPH_ID, and a run without options on
+   a capturing session runs under SKIP_CAPTURE (`device.run_lock.options_for`). The first user run
    under a graph id IS its capture: `InferenceSession::Run`
    (onnxruntime/core/session/inference_session.cc, "Start another run for necessary memory
    allocation or graph capture.") calls itself until the graph of that id is captured, so that
@@ -25,11 +27,13 @@ What ONNX Runtime requires, and how the runtime meets it (docs/cuda.md has the w
    the gate alone, is measured, and is the one the fallback wraps.
 5. A model with recurrent state gets two ids per binding: its state buffers alternate.
 6. ONNX Runtime captures in CUDA's global capture mode, which any device work from another
-   thread breaks: a capture run holds `CAPTURE_GATE` alone, all other device work shares it.
+   thread breaks: a capture run holds `CAPTURE_GATE` alone, all other device work shares it
+   (`device.capture_gate`: allocations, frees and copies of the runtime's buffers included).
 7. Graphs live as long as their session on the CUDA provider (cuda_graph.cc: "Currently all
    the captured graphs will be tied to the session's lifecycle"): `release_graphs` calls
    `InferenceSession.release_captured_graph` only where the installed ONNX Runtime has it
-   (1.27 on, detected once) and the provider frees graphs (`releases_graphs`); elsewhere no call
+   (1.30.0 on, measured on the wheels; detected once) and the provider frees graphs
+   (`releases_graphs`); elsewhere no call
    is made. The graph cache bounds what is alive by a plan made at load (`graph_cache`).
 8. One run at a time on a capturing session (`device.run_lock`, taken by `Device.run`).
 """
@@ -180,8 +184,8 @@ RELEASING_PROVIDERS: frozenset[str] = frozenset()
 
 @functools.lru_cache(maxsize=1)
 def release_method() -> bool:
-    """Whether the installed ONNX Runtime has `InferenceSession.release_captured_graph` (1.27
-    and later; detected once)."""
+    """Whether the installed ONNX Runtime has `InferenceSession.release_captured_graph` (1.30.0
+    and later on the wheels; detected once)."""
     return callable(getattr(ort.InferenceSession, "release_captured_graph", None))
 
 

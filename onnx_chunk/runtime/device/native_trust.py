@@ -8,7 +8,7 @@ cache, and no error would say so. Rules:
 
 1. On the CPU provider native chunks run where the schema has the input: the 1.32 CPU wheel's
    kernel was measured (a padded 5-of-8 chunk gave exactly the unpadded call's outputs and
-   cache; docs/cuda.md).
+   cache).
 2. On any other device they run only where this ONNX Runtime build was checked on that device
    (padded = unpadded outputs and cache, on the device): `scripts/gpu_first_run.sh` makes the
    check and, when it passes, records it (`record_verified`) under the build's key
