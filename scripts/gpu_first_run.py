@@ -75,7 +75,7 @@ def environment(args) -> None:
     else:
         found = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total",
                                 "--format=csv,noheader"], capture_output=True, text=True,
-                               timeout=20)
+                               timeout=10)
         row("environment: driver", found.returncode == 0, found.stdout.strip() or found.stderr)
     failure = None if args.dry_run else probe_cuda(args.device_id, quiet=False)
     if failure is not None:
@@ -156,7 +156,7 @@ def native(args) -> None:
     folder = Path(args.out) / "native"
     save_model(converted, folder / "model.onnx", companions_from=source.parent)
     # The check itself runs native chunks before they are trusted on this build.
-    runtime_model.native_refusal = lambda chosen: None
+    runtime_model.native_refusal = lambda device: None
     padded = onnx_chunk.load(folder, device=on, capacity=128, chunk_size=16, padding=True)
     plain = onnx_chunk.load(folder, device=on, capacity=128, chunk_size=16, padding=False)
     rng = np.random.default_rng(6)

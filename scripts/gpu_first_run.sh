@@ -74,13 +74,13 @@ export PYTHONUNBUFFERED=1
 # name | timeout (s) | command. The timeouts add up to 570 s, 584 s with the 2 s each may take
 # to be killed (tests/cuda/test_gpu_first_run_dry_run.py holds them under 10 minutes).
 STEPS=(
-  "environment|20|$PYTHON scripts/gpu_first_run.py environment"
+  "environment|30|$PYTHON scripts/gpu_first_run.py environment"
   "version surface|20|$PYTHON scripts/gpu_first_run.py surface"
   "device identity|60|$PYTHON scripts/gpu_first_run.py identity"
   "native chunks|60|$PYTHON scripts/gpu_first_run.py native"
   "concurrency|90|$PYTHON scripts/gpu_first_run.py concurrency"
   "cuda_probe.py|150|$PYTHON scripts/cuda_probe.py"
-  "gpu_check.sh|170|bash scripts/gpu_check.sh --python $PYTHON"
+  "gpu_check.sh|160|bash scripts/gpu_check.sh --python $PYTHON"
 )
 
 row() {  # name, verdict, detail
