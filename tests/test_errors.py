@@ -38,6 +38,8 @@ REVIEWED_HANDLERS = {
     ("runtime/device/session_factory.py", "OSError"): "wraps numpy.memmap only",
     ("validate/structure.py", "OSError"): "wraps onnx's checker only",
     ("runtime/device/provider.py", "ValueError"): "wraps an enum lookup only",
+    ("runtime/device/memory.py", "ValueError"): "ort_cudart_soname: wraps reading the CUDA "
+                                                "provider library's ELF header only",
     ("runtime/state/ports.py", "ValueError"): "wraps numpy_dtype, which raises a plain ValueError",
     ("runtime/device/session_factory.py", "ValueError"): "wraps numpy.memmap only",
     ("runtime/engine/scheduler.py", "ValueError"): "wraps deque.remove only",

@@ -37,6 +37,7 @@ from onnx_chunk.runtime.caches.graph_cache import plan_graphs
 from onnx_chunk.runtime.caches.variant_cache import Specialize, VariantCache
 from onnx_chunk.runtime.caches.variant_pool import VariantPool
 from onnx_chunk.runtime.device.memory import meter_for
+from onnx_chunk.runtime.device.native_trust import native_refusal
 from onnx_chunk.runtime.device.provider import Device, MaskPolicy, resolve_device
 from onnx_chunk.runtime.device.session_factory import (
     QUANTIZED_MATMUL,
@@ -202,15 +203,20 @@ class Runtime:
         genai = self._genai or GenaiConfig(path=location.folder / "genai_config.json")
         model = read_model_file(self._model_path, graph)
         plan = read_plan(model.metadata)
-        if plan is not None and plan.query_seqlens is not None and (
-                exact or query_seqlens_index() is None):
-            # Converted where ONNX Runtime has native chunks; this one lacks them, or exact
-            # mode pads a prompt forward with rows that must be computed as real ones (a
-            # native forward computes its real rows alone): the graph without their input
-            # runs the "repeat" path (device/without_query_seqlens.py).
+        chosen = (device if device is not None
+                  else resolve_device(provider, device_id, mask_policy, cuda_graphs))
+        native_refused = (None if plan is None or plan.query_seqlens is None
+                          else "exact mode computes padded rows as real ones" if exact
+                          else lacking_reason() if query_seqlens_index() is None
+                          else native_refusal(chosen))
+        if native_refused is not None:
+            # Converted where ONNX Runtime has native chunks; this one lacks them, their kernel
+            # is not verified on this device (device/native_trust.py), or exact mode pads a
+            # prompt forward with rows that must be computed as real ones (a native forward
+            # computes its real rows alone): the graph without their input runs the "repeat"
+            # path (device/without_query_seqlens.py).
             logger.info("%s was converted for native chunks, and %s: running it without them",
-                        self._model_path.name,
-                        "exact mode computes padded rows" if exact else lacking_reason())
+                        self._model_path.name, native_refused)
             graph = without_query_seqlens(graph if graph is not None
                                           else self._model_path.read_bytes())
             model = read_model_file(self._model_path, graph)
@@ -222,8 +228,7 @@ class Runtime:
         self._plan: ChunkPlan = plan
         self._options: ResolvedOptions = resolve_options(
             args, plan=plan, genai=genai, model=model,
-            device=(device if device is not None
-                    else resolve_device(provider, device_id, mask_policy, cuda_graphs)))
+            device=chosen)
         options = self._options
         self._device: Device = options.device
         self._ports: ModelPorts = options.ports

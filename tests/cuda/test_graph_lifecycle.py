@@ -287,14 +287,14 @@ class _FailingCapture(Device):
     """The CPU stand-in whose capture runs fail as a CUDA capture can (the first user run
     under a graph id, which is the capture)."""
 
-    def run(self, session, binding, options):
+    def run(self, session, binding, options, then=None):
         graph = None if options is None else options.get_run_config_entry("gpu_graph_id")
         if graph not in (None, str(SKIP_CAPTURE)):
             counts = _FailingCapture.counts
             counts[(id(session), graph)] = counts.get((id(session), graph), 0) + 1
             if counts[(id(session), graph)] == CAPTURE_RUN + 1:
                 raise RuntimeError("operation not permitted when stream is capturing")
-        super().run(session, binding, options)
+        return super().run(session, binding, options, then)
 
 
 _FailingCapture.counts = {}

@@ -14,7 +14,9 @@ What ONNX Runtime requires, and how the runtime meets it (docs/cuda.md has the w
    session.
 3. Every compute node runs on the CUDA provider; a session that cannot capture fails to be
    created with the option on, and the factory creates it without.
-4. Graph id 0 is reserved by ONNX Runtime: ids start at FIRST_GRAPH_ID. The first user run
+4. Graph id 0 is ONNX Runtime's default, the id of a run without `gpu_graph_id` (cuda_graph.h,
+   `kCudaGraphAnnotationDefault`): ids start at FIRST_GRAPH_ID, and a run without options on
+   a capturing session runs under SKIP_CAPTURE (`device.run_lock.options_for`). The first user run
    under a graph id IS its capture: `InferenceSession::Run`
    (onnxruntime/core/session/inference_session.cc, "Start another run for necessary memory
    allocation or graph capture.") calls itself until the graph of that id is captured, so that
@@ -25,34 +27,38 @@ What ONNX Runtime requires, and how the runtime meets it (docs/cuda.md has the w
    the gate alone, is measured, and is the one the fallback wraps.
 5. A model with recurrent state gets two ids per binding: its state buffers alternate.
 6. ONNX Runtime captures in CUDA's global capture mode, which any device work from another
-   thread breaks: a capture run holds `CAPTURE_GATE` alone, all other device work shares it.
+   thread breaks: a capture run holds `CAPTURE_GATE` alone, all other device work shares it
+   (`device.capture_gate`: allocations, frees and copies of the runtime's buffers included).
 7. Graphs live as long as their session on the CUDA provider (cuda_graph.cc: "Currently all
    the captured graphs will be tied to the session's lifecycle"): `release_graphs` calls
    `InferenceSession.release_captured_graph` only where the installed ONNX Runtime has it
-   (1.27 on, detected once) and the provider frees graphs (`releases_graphs`); elsewhere no call
+   (1.30.0 on, measured on the wheels; detected once) and the provider frees graphs
+   (`releases_graphs`); elsewhere no call
    is made. The graph cache bounds what is alive by a plan made at load (`graph_cache`).
 8. One run at a time on a capturing session (`device.run_lock`, taken by `Device.run`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import onnxruntime as ort
 
+# The gate and the run options live in the device layer, which allocations use too; they are
+# named here as well, where the rest of the graph rules are.
+from onnx_chunk.runtime.device.capture_gate import CAPTURE_GATE as CAPTURE_GATE
+from onnx_chunk.runtime.device.capture_gate import CaptureGate as CaptureGate
 from onnx_chunk.runtime.device.provider import Device, MaskPolicy
+from onnx_chunk.runtime.device.run_lock import GRAPH_ID_KEY as GRAPH_ID_KEY
+from onnx_chunk.runtime.device.run_lock import SKIP_CAPTURE, run_options
 
 logger = logging.getLogger(__name__)
 
-GRAPH_ID_KEY = "gpu_graph_id"
 ENABLE_CUDA_GRAPH = "enable_cuda_graph"
-SKIP_CAPTURE = -1
 # ONNX Runtime reserves graph id 0 ("users are not expected to set the value to 0",
 # onnxruntime_run_options_config_keys.h); its own tests and onnxruntime-genai start at 1.
 FIRST_GRAPH_ID = 1
@@ -70,13 +76,6 @@ def session_captures(session: ort.InferenceSession) -> bool:
     """Whether `session` was created with CUDA graph capture on (as ONNX Runtime reports it)."""
     options = session.get_provider_options().get("CUDAExecutionProvider", {})
     return options.get(ENABLE_CUDA_GRAPH) == "1"
-
-
-def run_options(graph: int) -> ort.RunOptions:
-    """Run options that select graph `graph` (SKIP_CAPTURE: run without capture)."""
-    options = ort.RunOptions()
-    options.add_run_config_entry(GRAPH_ID_KEY, str(graph))
-    return options
 
 
 @dataclass
@@ -185,8 +184,8 @@ RELEASING_PROVIDERS: frozenset[str] = frozenset()
 
 @functools.lru_cache(maxsize=1)
 def release_method() -> bool:
-    """Whether the installed ONNX Runtime has `InferenceSession.release_captured_graph` (1.27
-    and later; detected once)."""
+    """Whether the installed ONNX Runtime has `InferenceSession.release_captured_graph` (1.30.0
+    and later on the wheels; detected once)."""
     return callable(getattr(ort.InferenceSession, "release_captured_graph", None))
 
 
@@ -243,59 +242,3 @@ class SlotNumbers:
         return len(self._used)
 
 
-class CaptureGate:
-    """Keeps device work of other threads out of a CUDA graph capture.
-
-    ONNX Runtime captures in CUDA's global capture mode, in which an allocation, a synchronous
-    copy or another launch from any thread of the process breaks the capture. A capture run
-    holds the gate alone (`exclusive`); every other forward, build and release holds it shared.
-    A shared holder never waits for a waiting capture (a thread holding the cache's build lock
-    may be waiting to share), so a capture waits until no other device work is under way.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._shared = 0
-        self._exclusive = False
-
-    @contextlib.contextmanager
-    def shared(self) -> Iterator[None]:
-        with self._cond:
-            while self._exclusive:
-                self._cond.wait()
-            self._shared += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._shared -= 1
-                if self._shared == 0:
-                    self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def exclusive(self) -> Iterator[None]:
-        with self._cond:
-            while self._exclusive or self._shared:
-                self._cond.wait()
-            self._exclusive = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._exclusive = False
-                self._cond.notify_all()
-
-    @property
-    def capturing(self) -> bool:
-        """Whether a capture holds the gate now."""
-        return self._exclusive
-
-    @property
-    def held(self) -> bool:
-        """Whether anything (a capture, or device work sharing the gate) holds it now."""
-        with self._cond:
-            return self._exclusive or self._shared > 0
-
-
-# One gate per process: CUDA's global capture mode spans every stream and thread.
-CAPTURE_GATE = CaptureGate()

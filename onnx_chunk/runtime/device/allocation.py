@@ -18,6 +18,11 @@ IOBindings and sessions of a closed runtime included), so `Runtime.close()` give
 memory back and a second runtime inherits nothing. Where the installed ONNX Runtime has no
 DLPack import, or the memory cannot be had so, the buffer comes from ONNX Runtime's allocator
 as before (logged once).
+
+Device work and captures: the allocation (cudaMalloc, cudaMemset) holds the capture gate
+shared, and the deleter's cudaFree runs outside any other thread's capture (deferred to the
+capture's end when one is under way): CUDA's global capture mode fails on either from another
+thread (`capture_gate`). The CUDA runtime is the one ONNX Runtime maps (`memory.cudart`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import threading
 import numpy as np
 import onnxruntime as ort
 
+from onnx_chunk.runtime.device.capture_gate import CAPTURE_GATE
 from onnx_chunk.runtime.device.memory import cudart
 
 logger = logging.getLogger(__name__)
@@ -95,8 +101,13 @@ def _delete(managed: ctypes._Pointer) -> None:  # type: ignore[type-arg]
     if held is None or sys.is_finalizing():  # the process frees its memory as it exits
         return
     _, _, free, nbytes = held
-    free(managed.contents.dl_tensor.data)  # type: ignore[operator]
-    ALLOCATIONS.removed(nbytes)
+    pointer = managed.contents.dl_tensor.data
+
+    def release() -> None:
+        free(pointer)  # type: ignore[operator]
+        ALLOCATIONS.removed(nbytes)
+
+    CAPTURE_GATE.outside_capture(release)
 
 
 def _dl_dtype(dtype: np.dtype) -> _DLDataType | None:
@@ -168,7 +179,10 @@ def owned_zeros(shape: tuple[int, ...], dtype: np.dtype, device_type: str,
     if dl_dtype is None:
         return None
     nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    allocated = _allocate(device_type, device_id, nbytes)
+    with CAPTURE_GATE.shared():
+        allocated = _allocate(device_type, device_id, nbytes)
+        if allocated is not None:
+            ALLOCATIONS.added(nbytes)
     if allocated is None:
         note_fallback(f"no {device_type} allocation through the CUDA runtime")
         return None
@@ -180,7 +194,6 @@ def owned_zeros(shape: tuple[int, ...], dtype: np.dtype, device_type: str,
     managed.manager_ctx = None
     managed.deleter = _delete
     _HELD[ctypes.addressof(managed)] = (managed, dims, free, nbytes)
-    ALLOCATIONS.added(nbytes)
     new_capsule = ctypes.pythonapi.PyCapsule_New
     new_capsule.restype = ctypes.py_object
     new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
@@ -189,8 +202,9 @@ def owned_zeros(shape: tuple[int, ...], dtype: np.dtype, device_type: str,
                                                     None))
     except Exception as error:  # ORT's own exception types: this build imports no DLPack
         _HELD.pop(ctypes.addressof(managed), None)
-        free(pointer)
-        ALLOCATIONS.removed(nbytes)
+        with CAPTURE_GATE.shared():
+            free(pointer)
+            ALLOCATIONS.removed(nbytes)
         note_fallback(f"OrtValue.from_dlpack refused it: {error}")
         return None
 

@@ -22,27 +22,26 @@ with a plain memory copy from the same address.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
 from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime as ort
 
-from onnx_chunk.errors import ProviderError
 from onnx_chunk.runtime.device.allocation import owned_zeros
-from onnx_chunk.runtime.device.memory import cudart
+from onnx_chunk.runtime.device.capture_gate import CAPTURE_GATE
+from onnx_chunk.runtime.device.copies import (
+    copy_between,
+    copy_to_device,
+    copy_to_host,
+    zero_on_device,
+)
+from onnx_chunk.runtime.device.identity import binds_in_place
 from onnx_chunk.runtime.device.provider import Device
 from onnx_chunk.runtime.device.transfers import Transfers
 from onnx_chunk.runtime.state.ports import BufferPort
 
 logger = logging.getLogger(__name__)
-
-_CUDA_MEMCPY_HOST_TO_DEVICE = 1
-_CUDA_MEMCPY_DEVICE_TO_HOST = 2
-_CUDA_MEMCPY_DEVICE_TO_DEVICE = 3
-
 
 @dataclass(frozen=True)
 class DeviceBuffer:
@@ -69,7 +68,8 @@ class DeviceBuffer:
             self.host[...] = array
         else:
             data = np.ascontiguousarray(array, dtype=self.dtype)
-            self.value.update_inplace(data)
+            with CAPTURE_GATE.shared():
+                self.value.update_inplace(data)
             self._sent(data.nbytes)
 
     def zero(self) -> None:
@@ -77,7 +77,7 @@ class DeviceBuffer:
         if self.host is not None:
             self.host[...] = 0
         else:
-            _zero_on_device(self.value, self.nbytes)
+            zero_on_device(self.value, self.nbytes)
 
     def _sent(self, nbytes: int) -> None:
         if self.transfers is not None:
@@ -99,7 +99,7 @@ class DeviceBuffer:
         if self.host is not None:
             self.host.reshape(-1)[start:stop] = flat[start:stop]
             return
-        _copy_to_device(self.value, start * self.dtype.itemsize, flat[start:stop])
+        copy_to_device(self.value, start * self.dtype.itemsize, flat[start:stop])
         self._sent((stop - start) * self.dtype.itemsize)
 
     def read(self, start: int, count: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -120,75 +120,24 @@ class DeviceBuffer:
 
 def device_zeros(shape: tuple[int, ...], dtype: np.dtype, device: Device) -> DeviceBuffer:
     """A zero-filled buffer allocated once on `device`: off the host, memory the runtime owns
-    (`allocation.owned_zeros`: exactly its size, freed with its last user)."""
+    (`allocation.owned_zeros`: exactly its size, freed with its last user), where ONNX Runtime
+    binds such a buffer in place (`identity.binds_in_place`), else from ONNX Runtime's allocator.
+    Every allocation and copy off the host holds the capture gate shared (`capture_gate`)."""
     dtype = np.dtype(dtype)
     if device.host_visible:
         host = np.zeros(shape, dtype=dtype)
         return DeviceBuffer(ort.OrtValue.ortvalue_from_numpy(host), host, dtype,
                             device.transfers)
-    owned = owned_zeros(shape, dtype, device.device_type, device.device_id)
+    owned = (owned_zeros(shape, dtype, device.device_type, device.device_id)
+             if binds_in_place(device) else None)
     if owned is not None:
         return DeviceBuffer(owned, None, dtype, device.transfers)
-    value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype.type,
-                                                      device.device_type, device.device_id)
+    with CAPTURE_GATE.shared():
+        value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype.type,
+                                                          device.device_type, device.device_id)
     buffer = DeviceBuffer(value, None, dtype, device.transfers)
     buffer.zero()
     return buffer
-
-
-def _zero_on_device(value: ort.OrtValue, nbytes: int) -> None:
-    """memset (CPU) or cudaMemset (CUDA) `nbytes` of `value` to zero."""
-    if nbytes == 0:
-        return
-    device = value.device_name().lower()
-    if device == "cpu":
-        ctypes.memset(value.data_ptr(), 0, nbytes)
-        return
-    library = _cuda_memset() if device == "cuda" else None
-    if library is None:
-        raise ProviderError(f"no memset on {device}; the runtime supports CPU and CUDA devices")
-    status = library(value.data_ptr(), 0, nbytes)
-    if status != 0:
-        raise ProviderError(f"zeroing {nbytes} bytes on the GPU failed (CUDA error {status}); "
-                            "the device is in a bad state, restart the process")
-
-
-def _copy_to_device(value: ort.OrtValue, offset: int, data: np.ndarray) -> None:
-    """Copy `data` into `value`'s memory from `offset` bytes on."""
-    target = value.data_ptr() + offset
-    device = value.device_name().lower()
-    if device == "cpu":
-        ctypes.memmove(target, data.ctypes.data, data.nbytes)
-        return
-    memcpy = _cuda_memcpy() if device == "cuda" else None
-    if memcpy is None:
-        raise ProviderError(f"no partial copy into {device} memory; the runtime supports CPU "
-                            "and CUDA devices")
-    status = memcpy(target, data.ctypes.data, data.nbytes, _CUDA_MEMCPY_HOST_TO_DEVICE)
-    if status != 0:
-        raise ProviderError(f"copying {data.nbytes} bytes to the GPU failed (CUDA error "
-                            f"{status}); the device is in a bad state, restart the process")
-
-
-def copy_to_host(value: ort.OrtValue, offset: int, out: np.ndarray) -> None:
-    """Copy `out.nbytes` bytes from `offset` bytes into `value`'s memory into `out`."""
-    if out.nbytes == 0:
-        return
-    source = value.data_ptr() + offset
-    device = value.device_name().lower()
-    if device == "cpu":
-        ctypes.memmove(out.ctypes.data, source, out.nbytes)
-        return
-    memcpy = _cuda_memcpy() if device == "cuda" else None
-    if memcpy is None:
-        logger.debug("no partial copy from %s memory; copying the whole buffer", device)
-        whole = value.numpy().reshape(-1).view(np.uint8)  # counted as the part asked for
-        out.view(np.uint8)[...] = whole[offset:offset + out.nbytes]
-        return
-    status = memcpy(out.ctypes.data, source, out.nbytes, _CUDA_MEMCPY_DEVICE_TO_HOST)
-    if status != 0:
-        raise ProviderError(f"copying {out.nbytes} bytes of logits from the GPU failed (CUDA "
-                            f"error {status}); the device is in a bad state, restart the process")
 
 
 def copy_on_device(target: DeviceBuffer, target_start: int, source: DeviceBuffer,
@@ -200,21 +149,8 @@ def copy_on_device(target: DeviceBuffer, target_start: int, source: DeviceBuffer
     if count <= 0:
         return
     itemsize = source.dtype.itemsize
-    nbytes = count * itemsize
-    destination = target.value.data_ptr() + target_start * itemsize
-    origin = source.value.data_ptr() + source_start * itemsize
-    device = target.value.device_name().lower()
-    if device == "cpu":
-        ctypes.memmove(destination, origin, nbytes)
-        return
-    memcpy = _cuda_memcpy() if device == "cuda" else None
-    if memcpy is None:
-        raise ProviderError(f"no device-to-device copy on {device}; the runtime supports CPU "
-                            "and CUDA devices")
-    status = memcpy(destination, origin, nbytes, _CUDA_MEMCPY_DEVICE_TO_DEVICE)
-    if status != 0:
-        raise ProviderError(f"copying {nbytes} bytes of KV cache on the GPU failed (CUDA error "
-                            f"{status}); the device is in a bad state, restart the process")
+    copy_between(target.value, target_start * itemsize, source.value, source_start * itemsize,
+                 count * itemsize)
 
 
 class SequenceBuffers:
@@ -277,30 +213,6 @@ class SequenceBuffers:
         for pair in self._state:
             for buffer in pair:
                 buffer.zero()
-
-
-@functools.cache
-def _cuda_function(name: str, *argtypes: type):
-    """`name` of the CUDA runtime the memory readings use (returning a cudaError_t int), or
-    None without one."""
-    library = cudart()
-    if library is None:
-        return None
-    function = getattr(library, name)
-    function.restype = ctypes.c_int
-    function.argtypes = list(argtypes)
-    return function
-
-
-def _cuda_memset():
-    """cudaMemset(pointer, value, bytes), or None without a CUDA runtime."""
-    return _cuda_function("cudaMemset", ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t)
-
-
-def _cuda_memcpy():
-    """cudaMemcpy(target, source, bytes, kind), or None without a CUDA runtime."""
-    return _cuda_function("cudaMemcpy", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
-                          ctypes.c_int)
 
 
 class BatchBuffers(SequenceBuffers):
@@ -467,7 +379,7 @@ def _write_flat(buffer: DeviceBuffer, start: int, flat: np.ndarray) -> None:
     if buffer.host is not None:
         buffer.host.reshape(-1)[start:start + flat.size] = flat
         return
-    _copy_to_device(buffer.value, start * buffer.dtype.itemsize, flat)
+    copy_to_device(buffer.value, start * buffer.dtype.itemsize, flat)
     buffer._sent(flat.nbytes)
 
 
@@ -478,12 +390,12 @@ def zero_range(buffer: DeviceBuffer, start: int, stop: int) -> None:
         return
     itemsize = buffer.dtype.itemsize
     view = _Window(buffer.value, start * itemsize)
-    _zero_on_device(view, (stop - start) * itemsize)  # type: ignore[arg-type]
+    zero_on_device(view, (stop - start) * itemsize)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
 class _Window:
-    """A byte offset into an OrtValue, read by `_zero_on_device` like the OrtValue itself."""
+    """A byte offset into an OrtValue, read by `copies.zero_on_device` like the OrtValue itself."""
 
     value: ort.OrtValue
     offset: int

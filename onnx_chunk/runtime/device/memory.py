@@ -29,9 +29,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# cudart sonames tried in order; wheels of the nvidia-*-cu1x packages keep theirs under
-# site-packages/nvidia/<package>/lib, which the loader does not search by itself.
-_CUDART_NAMES = ("libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0")
+# ONNX Runtime's CUDA provider library, beside its Python module (onnxruntime-gpu wheels).
+CUDA_PROVIDER_LIBRARY = "libonnxruntime_providers_cuda.so"
+_CUDART = "libcudart.so"
+_DT_NEEDED, _DT_STRTAB, _PT_LOAD, _PT_DYNAMIC = 1, 5, 1, 2
 
 
 def process_rss_bytes() -> int | None:
@@ -151,11 +152,12 @@ def _psutil_rss_bytes() -> int | None:
 
 @functools.lru_cache(maxsize=1)
 def cudart() -> ctypes.CDLL | None:
-    """The CUDA runtime library, or None where none loads (loaded once per process).
+    """The CUDA runtime ONNX Runtime uses, or None where none loads (loaded once per process).
 
-    Tried as `cudart_candidates` lists (by soname, then from the nvidia-* wheels); cudaGetDevice,
-    cudaSetDevice and cudaMemGetInfo are declared. Device buffers use it for partial
-    device-to-host copies.
+    One process, one CUDA runtime: a second one (a machine's CUDA 13 `libcudart.so` beside
+    the CUDA 12 runtime onnxruntime-gpu maps) would hold a context and allocations of its own.
+    Tried as `cudart_candidates` lists; cudaGetDevice, cudaSetDevice and cudaMemGetInfo are
+    declared. Device buffers use it for their allocations and partial copies.
     """
     for candidate in cudart_candidates():
         try:
@@ -166,15 +168,109 @@ def cudart() -> ctypes.CDLL | None:
             _declare_cudart(library)
         except AttributeError:
             continue
-        logger.debug("CUDA runtime for memory readings: %s", candidate)
+        logger.debug("CUDA runtime: %s", candidate)
         return library
     logger.debug("no CUDA runtime found; device memory readings are unavailable")
     return None
 
 
 def cudart_candidates() -> list[str]:
-    """What `cudart` tries to load, in order: the sonames, then the nvidia-* wheels' copies."""
-    return [*_CUDART_NAMES, *_wheel_cudart_paths()]
+    """What `cudart` tries to load, in order (`choose_cudart` over this process's maps, the
+    soname ONNX Runtime's CUDA provider needs and the nvidia-* wheels' copies)."""
+    needed = ort_cudart_soname()
+    return choose_cudart(mapped_cudart(), needed, _wheel_cudart_paths(needed))
+
+
+def choose_cudart(mapped: list[str], needed: str | None, wheel_copies: list[str]) -> list[str]:
+    """The CUDA runtimes to try, in order:
+
+    1. the libcudart this process maps with the soname ONNX Runtime's CUDA provider needs
+       (mapped once the provider is loaded: the very library it uses);
+    2. that soname, through the loader (which returns the mapped one if it is mapped), then the
+       nvidia-* wheels' copies of it (the loader does not search their folders by itself);
+    3. without a CUDA provider library (a CPU wheel), a libcudart the process maps already.
+    Never a libcudart of another soname than the provider's: that would be a second runtime.
+    """
+    if needed is None:
+        return [path for path in mapped if Path(path).name.startswith(_CUDART)][:1]
+    # /proc/self/maps names the file the soname's link resolves to (libcudart.so.13.0.96).
+    same = [path for path in mapped if Path(path).name == needed
+            or Path(path).name.startswith(f"{needed}.")]
+    copies = [path for path in wheel_copies if Path(path).name == needed]
+    return [*same[:1], needed, *copies]
+
+
+def mapped_cudart() -> list[str]:
+    """The libcudart files this process maps now (/proc/self/maps; empty without /proc)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    found: list[str] = []
+    for line in maps.splitlines():
+        fields = line.split(None, 5)
+        path = fields[5].strip() if len(fields) == 6 else ""
+        if Path(path).name.startswith(_CUDART) and path not in found:
+            found.append(path)
+    return found
+
+
+@functools.lru_cache(maxsize=1)
+def ort_cudart_soname() -> str | None:
+    """The libcudart soname ONNX Runtime's CUDA provider library needs (its ELF DT_NEEDED),
+    or None without that library (a CPU wheel) or a readable one."""
+    try:
+        import onnxruntime
+    except ImportError:
+        return None
+    library = Path(onnxruntime.__file__).parent / "capi" / CUDA_PROVIDER_LIBRARY
+    try:
+        needed = elf_needed(library)
+    except (OSError, ValueError):
+        return None
+    return next((name for name in needed if name.startswith(_CUDART)), None)
+
+
+def elf_needed(path: Path) -> list[str]:
+    """The DT_NEEDED entries of a little-endian ELF64 shared library (ValueError otherwise)."""
+    with path.open("rb") as handle:
+        header = handle.read(64)
+        if header[:4] != b"\x7fELF" or header[4] != 2 or header[5] != 1:
+            raise ValueError(f"{path} is not a little-endian ELF64 file")
+        phoff = int.from_bytes(header[0x20:0x28], "little")
+        entry_size = int.from_bytes(header[0x36:0x38], "little")
+        count = int.from_bytes(header[0x38:0x3A], "little")
+        handle.seek(phoff)
+        table = handle.read(entry_size * count)
+        loads, dynamic = [], None
+        for index in range(count):
+            entry = table[index * entry_size:(index + 1) * entry_size]
+            kind = int.from_bytes(entry[0:4], "little")
+            offset, vaddr = (int.from_bytes(entry[8:16], "little"),
+                             int.from_bytes(entry[16:24], "little"))
+            size = int.from_bytes(entry[32:40], "little")
+            if kind == _PT_LOAD:
+                loads.append((vaddr, offset, size))
+            elif kind == _PT_DYNAMIC:
+                dynamic = (offset, size)
+        if dynamic is None:
+            return []
+        handle.seek(dynamic[0])
+        raw = handle.read(dynamic[1])
+        tags = [(int.from_bytes(raw[i:i + 8], "little"), int.from_bytes(raw[i + 8:i + 16],
+                                                                         "little"))
+                for i in range(0, len(raw) - 15, 16)]
+        strtab = next((value for tag, value in tags if tag == _DT_STRTAB), None)
+        start = next((offset + strtab - vaddr for vaddr, offset, size in loads
+                      if strtab is not None and vaddr <= strtab < vaddr + size), None)
+        if start is None:
+            raise ValueError(f"{path} has no string table in a loaded segment")
+        names = []
+        for tag, value in tags:
+            if tag == _DT_NEEDED:
+                handle.seek(start + value)
+                names.append(handle.read(256).split(b"\0", 1)[0].decode())
+        return names
 
 
 def _declare_cudart(library: ctypes.CDLL) -> None:
@@ -186,10 +282,12 @@ def _declare_cudart(library: ctypes.CDLL) -> None:
         function.restype = ctypes.c_int
 
 
-def _wheel_cudart_paths() -> list[str]:
+def _wheel_cudart_paths(needed: str | None) -> list[str]:
+    if needed is None:
+        return []
     found: list[str] = []
     for entry in sys.path:
         nvidia = Path(entry) / "nvidia"
         if nvidia.is_dir():
-            found.extend(str(path) for path in sorted(nvidia.glob("*/lib/libcudart.so*")))
+            found.extend(str(path) for path in sorted(nvidia.glob(f"*/lib/{needed}")))
     return found

@@ -50,18 +50,20 @@ import io
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import onnxruntime as ort
 
 from onnx_chunk.errors import ConfigError, ProviderError
-from onnx_chunk.runtime.device.run_lock import run_lock
+from onnx_chunk.runtime.device.run_lock import options_for, run_lock
 from onnx_chunk.runtime.device.transfers import Transfers
 
 logger = logging.getLogger(__name__)
 
 PROVIDER_CHOICES = ("auto", "cuda", "cpu")
+T = TypeVar("T")
 
 _CUDA_EP = "CUDAExecutionProvider"
 _CPU_EP = "CPUExecutionProvider"
@@ -112,19 +114,23 @@ class Device:
         return "cpu" if self.device_type == "cpu" else f"{self.device_type}:{self.device_id}"
 
     def run(self, session: ort.InferenceSession, binding: ort.IOBinding,
-            options: ort.RunOptions | None) -> None:
-        """One forward of `session` with everything bound through `binding`.
+            options: ort.RunOptions | None, then: Callable[[], T] | None = None) -> T | None:
+        """One forward of `session` with everything bound through `binding`; `then`'s result.
 
         Off the host, the inputs were written by synchronous copies on CUDA's legacy stream,
         which ONNX Runtime's non-blocking streams do not wait for: `synchronize_inputs` makes
         them visible first (as ONNX Runtime's own CUDA graph tests do before each run). A
-        capturing session runs one run at a time (`run_lock`).
+        capturing session runs one run at a time (`run_lock`), and `then` (what reads and lets
+        go the outputs ONNX Runtime allocated for this run) runs under the same lock: no replay
+        of that session can write into its arena before they are read. A run without options
+        on a capturing session runs uncaptured (`run_lock.options_for`), never under graph 0.
         """
         with run_lock(session):
             if not self.host_visible:
                 binding.synchronize_inputs()
                 self.transfers.synchronized()
-            session.run_with_iobinding(binding, options)
+            session.run_with_iobinding(binding, options_for(session, options))
+            return None if then is None else then()
 
     def providers(self, capture: bool = False) -> list[tuple[str, dict[str, str]]]:
         """The provider list of a session; `capture` turns CUDA graph capture on for it."""

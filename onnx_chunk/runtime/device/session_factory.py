@@ -76,6 +76,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from onnx_chunk._onnxruntime_wheels import check_cuda_api
 from onnx_chunk.errors import ConfigError, ModelLoadError, ProviderError
 from onnx_chunk.model_file import ExternalData, ModelFile, TensorRef, numpy_dtype, tensor_nbytes
 from onnx_chunk.runtime.device.logits_row import select_row
@@ -190,17 +191,21 @@ def _map_external(tensor: TensorRef, where: ExternalData) -> np.ndarray:
                              f"{str(where.path)!r}: {error}") from error
 
 
-# ONNX Runtime's run option that shrinks the arenas after a run
-# (onnxruntime_run_options_config_keys.h): it frees arena regions that a captured CUDA graph
-# still writes to at its next replay.
+# ONNX Runtime's RUN option that shrinks the arenas after a run
+# (include/onnxruntime/core/session/onnxruntime_run_options_config_keys.h,
+# kOrtRunOptionsConfigEnableMemoryArenaShrinkage): it would free arena regions that a captured
+# CUDA graph still writes to at its next replay. The runtime makes every run's options itself
+# (`run_lock.run_options`) and never sets it; as a session option ONNX Runtime would ignore it.
 ARENA_SHRINKAGE_KEY = "memory.enable_memory_arena_shrinkage"
 
 
-def refuse_shrinkage(config: Mapping[str, str], cuda_graphs: bool) -> None:
-    """ConfigError where `config` asks for arena shrinkage with CUDA graphs on."""
-    if cuda_graphs and config.get(ARENA_SHRINKAGE_KEY):
-        raise ConfigError(f"{ARENA_SHRINKAGE_KEY} frees arena memory captured CUDA graphs "
-                          "replay into; drop it, or load with cuda_graphs=False")
+def refuse_shrinkage(config: Mapping[str, str]) -> None:
+    """ConfigError where the session options `config` ask for arena shrinkage: a run option,
+    which a session's options cannot set, and which the runtime's runs never set."""
+    if ARENA_SHRINKAGE_KEY in config:
+        raise ConfigError(f"{ARENA_SHRINKAGE_KEY} is an ONNX Runtime run option, not a session "
+                          "option, and the runtime's runs never shrink the arena (captured CUDA "
+                          "graphs replay into it); drop it")
 
 
 class SessionFactory:
@@ -237,7 +242,9 @@ class SessionFactory:
         self.intra_op_threads = intra_op_threads
         self.log_severity = log_severity
         self.session_config = dict(session_config or {})
-        refuse_shrinkage(self.session_config, device.cuda_graphs)
+        refuse_shrinkage(self.session_config)
+        if device.device_type == "cuda":
+            check_cuda_api()  # an older onnxruntime-gpu is refused here, at load
         self._lock = threading.Lock()
         self._row_model: bytes | None = None
         self.sessions_created = 0

@@ -37,7 +37,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import onnxruntime as ort
@@ -61,6 +61,8 @@ from onnx_chunk.runtime.runner.padding import (
 )
 from onnx_chunk.runtime.runner.slot import Length, Slot
 from onnx_chunk.runtime.state.ports import LOGITS_OUTPUT, ModelPorts
+
+T = TypeVar("T")
 
 # Bindings that capture no graph (and their logits buffers) a slot keeps on one shape-generic
 # session: the decode width and the latest prefill width. Capturing bindings are bounded by the
@@ -200,7 +202,9 @@ class ModelRunner:
         it to keep it past the next step.
         """
         with self.variants.cache.acquire(self.decode_key) as session:
-            binding = self._binding(session, self.decode_key, slot, DECODE_WIDTH)
+            # A new binding allocates its buffers: device work, kept out of captures.
+            with self._gate_for(slot, None):
+                binding = self._binding(session, self.decode_key, slot, DECODE_WIDTH)
             yield functools.partial(self._step, session, binding, slot, length)
 
     def _step(self, session: ort.InferenceSession, binding: Binding, slot: Slot,
@@ -265,8 +269,8 @@ class ModelRunner:
         # Natively an idle row (query_seqlens 0) leaves its cache untouched: nothing to save.
         saved = [] if self.native else self._save_windows(slot, forward, idle)
         slot.buffers.bind_state(binding.io)
-        logits = self._run_bound(key, session, binding, slot, width)
-        try:
+
+        def after(logits: DeviceBuffer) -> np.ndarray | None:
             if isinstance(plan, NativePlan):
                 return self._native_result(binding, slot, forward, plan, logits, view)
             # cut_logits applies the shape rules (and the padding self-check) to a view that
@@ -287,8 +291,8 @@ class ModelRunner:
                     row.length.advance(real_rows)
             return _read(logits, returned, real_rows, len(forward.rows), forward.logits,
                          binding.row, view)
-        finally:
-            self._release_output(binding, slot)
+
+        return self._run_bound(key, session, binding, slot, width, after)
 
     def _native_result(self, binding: Binding, slot: Slot, forward: Forward,
                        plan: NativePlan, logits: DeviceBuffer,
@@ -426,55 +430,77 @@ class ModelRunner:
         return contextlib.nullcontext()
 
     def _run_bound(self, key: VariantKey, session: ort.InferenceSession, binding: Binding,
-                   slot: Slot, width: int) -> DeviceBuffer:
-        """Run the bound forward; the logits buffer."""
+                   slot: Slot, width: int, read: Callable[[DeviceBuffer], T]) -> T:
+        """Run the bound forward and `read` its logits buffer, under the session's run lock.
+
+        Logits ONNX Runtime allocated for this run (a binding's first run, a width that keeps
+        no buffer of its own) sit in the session's arena, where a replay of another binding may
+        write (`device.run_lock`): they are read, and let go, before the lock is released. A
+        binding that keeps its own buffer takes one of the shape its first run returned (no
+        copy: that run's rows are read from ONNX Runtime's output).
+        """
         if binding.logits is not None:
-            self._run(session, binding, slot, width, first_run=False)
-            return binding.logits
+            return self._run(session, binding, slot, width, False,
+                             lambda: read(binding.logits))  # type: ignore[arg-type]
+        then = functools.partial(self._read_produced, binding, slot, read)
         if self.device.host_visible:
-            self._run(session, binding, slot, width, first_run=True)
-        else:
-            # Off the host, a variant's arena and CUDA graph come with its first run: the
-            # cache charges that growth to the variant (on CPU the resident set would also
-            # take in this slot's KV pages, written for the first time here).
-            self.variants.cache.measure_growth(
-                key, session, lambda: self._run(session, binding, slot, width, first_run=True))
-        if not binding.keeps_logits:
-            return _output_buffer(binding.io.get_outputs()[0], self.ports.logits_dtype,
-                                  self.device)
-        self._adopt_logits(binding)
-        return binding.logits
+            return self._run(session, binding, slot, width, True, then)
+        # Off the host, a variant's arena and CUDA graph come with its first run: the cache
+        # charges that growth to the variant (on CPU the resident set would also take in this
+        # slot's KV pages, written for the first time here).
+        return self.variants.cache.measure_growth(
+            key, session, lambda: self._run(session, binding, slot, width, True, then))
+
+    def _read_produced(self, binding: Binding, slot: Slot,
+                       read: Callable[[DeviceBuffer], T]) -> T:
+        """Under the run lock: read the logits ONNX Runtime allocated, then let them go (or,
+        for a binding that keeps a buffer, bind one of that shape for good)."""
+        produced = binding.io.get_outputs()[0]
+        if binding.keeps_logits:
+            self._own_logits(binding, tuple(produced.shape()))
+        try:
+            return read(_output_buffer(produced, self.ports.logits_dtype, self.device))
+        finally:
+            if binding.keeps_logits:
+                binding.io.bind_ortvalue_output(LOGITS_OUTPUT, binding.logits.value)
+            else:
+                self._release_output(binding, slot)
 
     def _run(self, session: ort.InferenceSession, binding: Binding, slot: Slot,
-             width: int, first_run: bool) -> None:
-        """Run `binding` once, under its graph id; a capture that fails runs without a graph.
+             width: int, first_run: bool, then: Callable[[], T]) -> T:
+        """Run `binding` once, under its graph id, and `then` under its run lock; a capture
+        that fails runs without a graph.
 
         The one call of ONNX Runtime's run for a dynamic decoder (through `Device.run`).
         """
         device = self.device
         graphs = binding.graphs
         if graphs is None:
-            device.run(session, binding.io, None)
-            return
+            return device.run(session, binding.io, None, then)  # type: ignore[return-value]
         parity = slot.buffers.parity
         if not graphs.captures_next(first_run, parity):
             if graphs.replays_next(first_run, parity):
                 self.variants.graphs.replayed(graphs)
-            device.run(session, binding.io, graphs.options(first_run, parity))
-            graphs.ran(first_run, parity)
-            return
+
+            def counted() -> T:  # the run happened: count it, whatever the read does
+                graphs.ran(first_run, parity)
+                return then()
+
+            return device.run(session, binding.io, graphs.options(first_run, parity),
+                              counted)  # type: ignore[return-value]
         try:
             self.variants.graphs.capture(
                 session, graphs, parity, width,
                 lambda options: device.run(session, binding.io, options))
         except Exception as error:  # ORT's own exception types
             self.variants.note_fallback(session, width, f"{type(error).__name__}: {error}")
-            device.run(session, binding.io, graphs.options(first_run, parity))
+            return device.run(session, binding.io, graphs.options(first_run, parity),
+                              then)  # type: ignore[return-value]
+        # The capture ran the forward (its replay); its logits are in the binding's own buffer.
+        return then()
 
     def _release_output(self, binding: Binding, slot: Slot) -> None:
         """Drop the logits ONNX Runtime allocated for a run of `binding` (when it keeps none)."""
-        if binding.keeps_logits:
-            return
         device = self.device
         binding.io.clear_binding_outputs()
         binding.io.bind_output(binding.output, device.device_type, device.device_id)
@@ -549,12 +575,10 @@ class ModelRunner:
         specialised for its width; other widths run uncaptured on the same session."""
         return key is not None or width == DECODE_WIDTH or width in self.tiers
 
-    def _adopt_logits(self, binding: Binding) -> None:
-        produced = binding.io.get_outputs()[0]
-        binding.logits = device_zeros(tuple(produced.shape()), self.ports.logits_dtype,
-                                      self.device)
-        binding.logits.value.update_inplace(produced)
-        binding.io.bind_ortvalue_output(LOGITS_OUTPUT, binding.logits.value)
+    def _own_logits(self, binding: Binding, shape: tuple[int, ...]) -> None:
+        """A logits buffer of the binding's own, of the shape its first run returned (bound
+        once the first run's rows are read)."""
+        binding.logits = device_zeros(shape, self.ports.logits_dtype, self.device)
         if binding.logits.host is None:
             binding.row = np.empty(binding.logits.shape[-1], dtype=binding.logits.dtype)
 
