@@ -229,7 +229,7 @@ def attention(args: argparse.Namespace) -> None:
                                   "total": np.array(end, np.int32)})
 
     parted = []
-    for width in range(3, count):
+    for width in range(max(args.start, 3), count):
         whole = run(0, width, empty, empty)[0]
         head, past_k, past_v = run(0, width - 2, empty, empty)
         tail = run(width - 2, width, past_k, past_v)[0]
@@ -241,7 +241,7 @@ def attention(args: argparse.Namespace) -> None:
     print(f"{_cpu()}; onnxruntime {ort.__version__}, {args.threads} thread(s), flash path "
           f"{'on' if flash else 'off'}")
     print(f"GroupQueryAttention {args.heads}/{args.kv_heads} heads of {args.head_size}: "
-          f"widths n = 3..{args.widths}, (n - 2) + 2 against n rows")
+          f"widths n = {max(args.start, 3)}..{args.widths}, (n - 2) + 2 against n rows")
     print(f"  {len(parted)} widths part; the rows: "
           + (", ".join(f"n={width}: {rows}" for width, rows in parted[:12]) or "none"))
 
@@ -263,7 +263,8 @@ def main() -> None:
     scan.add_argument("--heads", type=int, default=14)
     scan.add_argument("--kv-heads", type=int, default=2)
     scan.add_argument("--head-size", type=int, default=64)
-    scan.add_argument("--widths", type=int, default=700)
+    scan.add_argument("--widths", type=int, default=700, help="the widest forward")
+    scan.add_argument("--start", type=int, default=3, help="the narrowest forward")
     scan.add_argument("--threads", type=int, default=2)
     scan.add_argument("--seed", type=int, default=0)
     scan.set_defaults(run=attention)
