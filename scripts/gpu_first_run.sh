@@ -13,8 +13,9 @@
 #   gpu_check.sh     scripts/gpu_check.sh --preset tiny
 #
 #   scripts/gpu_first_run.sh [--dry-run [--simulate capture-failure]] [--python PYTHON]
-#                            [--device-id N]
+#                            [--device-id N] [--only STEP]
 #
+# --only STEP runs that one step (a name above), to rerun a failed one on the lent machine.
 # On the lent machine onnxruntime-gpu comes from scripts/stage_ort_gpu.py ($ORT_SITE_DIR,
 # default /tmp/ort-site), else from the interpreter. --dry-run runs every step on CPU (the CPU
 # device dressed as CUDA) and prints every row; --simulate capture-failure makes its first
@@ -26,6 +27,7 @@ cd "$ROOT"
 DRY_RUN=0
 SIMULATE=""
 DEVICE_ID=0
+ONLY=""
 PYTHON="${PYTHON:-python3}"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -33,8 +35,9 @@ while [ $# -gt 0 ]; do
     --simulate) SIMULATE="$2"; shift ;;
     --python) PYTHON="$2"; shift ;;
     --device-id) DEVICE_ID="$2"; shift ;;
+    --only) ONLY="$2"; shift ;;
     *) echo "error: unknown argument $1 (expected --dry-run, --simulate capture-failure," \
-            "--python PYTHON, --device-id N)" >&2
+            "--python PYTHON, --device-id N, --only STEP)" >&2
        exit 2 ;;
   esac
   shift
@@ -82,6 +85,21 @@ STEPS=(
   "cuda_probe.py|150|$PYTHON scripts/cuda_probe.py"
   "gpu_check.sh|160|bash scripts/gpu_check.sh --python $PYTHON"
 )
+
+if [ -n "$ONLY" ]; then
+  names=()
+  for entry in "${STEPS[@]}"; do names+=("${entry%%|*}"); done
+  kept=()
+  for entry in "${STEPS[@]}"; do
+    if [ "${entry%%|*}" = "$ONLY" ]; then kept+=("$entry"); fi
+  done
+  if [ "${#kept[@]}" = 0 ]; then
+    printf -v known '%s, ' "${names[@]}"
+    echo "error: --only $ONLY is no step (the steps: ${known%, })" >&2
+    exit 2
+  fi
+  STEPS=("${kept[@]}")
+fi
 
 row() {  # name, verdict, detail
   printf 'row: %s | %s | %s\n' "$1" "$2" "$3" >>"$ROWS"

@@ -45,8 +45,9 @@ def test_the_dry_run_prints_every_row(tmp_path):
 
 
 def test_a_simulated_capture_failure_is_a_failed_row(tmp_path):
-    result, rows = _run(tmp_path, "--simulate", "capture-failure")
+    result, rows = _run(tmp_path, "--simulate", "capture-failure", "--only", "concurrency")
     assert result.returncode == 1
+    assert {name.split(":")[0] for name in rows} == {"concurrency"}
     verdict, detail = rows["concurrency: fallbacks"]
     assert verdict == "FAIL" and "simulated: operation not permitted when stream is " \
         "capturing" in detail
@@ -65,6 +66,15 @@ def test_a_simulated_import_failure_is_a_row_per_step(tmp_path):
             "import: ImportError: simulated: no libcudart.so.13", (step, rows[step])
     assert rows["import"] == ("FAIL", "ImportError: simulated: no libcudart.so.13")
     assert rows["gpu_check: import"][0] == "FAIL"
+
+
+def test_only_names_a_step(tmp_path):
+    result = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--only", "environmen"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == ("error: --only environmen is no step (the steps: environment, "
+                             "version surface, device identity, native chunks, concurrency, "
+                             "cuda_probe.py, gpu_check.sh)\n")
 
 
 def test_a_step_that_dies_without_a_row_is_a_row(tmp_path):
