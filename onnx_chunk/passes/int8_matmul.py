@@ -57,8 +57,9 @@ _DQMM_B, _DQMM_SCALE, _DQMM_ZERO_POINT, _DQMM_BIAS = 1, 2, 3, 4
 _INT8_MAX = 127.0
 # A row of zeros gets this as its max |a|, so its scale and reciprocal stay finite.
 _TINY = 1e-30
-# Codes are uint8 with zero point 128, which MLAS's U8S8 kernels take (int8 activations would
-# run MLAS's S8S8 path, which this Xeon measured at 100x slower: docs/benchmarks.md).
+# Codes are uint8 with zero point 128 for MLAS's U8S8 kernels (AVX2, AVX-512 VNNI, AMX): on x86
+# MLAS has an S8S8 kernel for AVX-VNNI-INT8 CPUs only (platform.cpp) and runs int8 activations
+# elsewhere through its portable C loop (measured on an AVX-512 VNNI Xeon: 8-100x slower).
 _ZERO_POINT = 128
 # ReduceMax takes its axes as an input from opset 18 on, as an attribute before.
 _AXES_INPUT_OPSET = 18
@@ -67,8 +68,8 @@ _QUANTIZE_LINEAR_OPSET = 10
 
 @dataclasses.dataclass(frozen=True)
 class Int8Targets:
-    """What the pass rewrites: 4-bit nodes (rule 4) and the DynamicQuantizeMatMul nodes an
-    earlier `--int8-matmul` wrote (rule 5); `kept` 4-bit nodes stay (rule 2)."""
+    """What the pass rewrites (rule 5): 4-bit nodes, and the DynamicQuantizeMatMul nodes an
+    earlier `--int8-matmul` wrote; how many 4-bit nodes it keeps (rule 2)."""
 
     int4: list[Int4MatMul]
     per_tensor: list[ir.Node]
