@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from onnx_chunk.runtime import load
 from scripts._bench import environment
@@ -71,5 +72,5 @@ def as_per_tensor(model: ir.Model) -> int:
         ir.convenience.replace_all_uses_with(output, result)
         graph.remove(node, safe=True)
         rewritten += 1
-    ir.passes.common.RemoveUnusedNodesPass()(model)
+    RemoveUnusedNodesPass()(model)
     return rewritten
