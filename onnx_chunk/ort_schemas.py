@@ -84,3 +84,20 @@ def gqa_cache_types() -> frozenset[str]:
             if constraint.type_param_str == past.typeStr:
                 return frozenset(constraint.allowed_type_strs)
     return frozenset()
+
+
+def input_types(domain: str, op_type: str, input_name: str) -> frozenset[str]:
+    """The element types the installed ONNX Runtime's schema of `domain::op_type` allows for its
+    input `input_name` (e.g. "tensor(uint8)"); empty when it has no such operator or input.
+    Read from `get_all_operator_schema()`, never from a version number."""
+    for schema in ort_c.get_all_operator_schema():
+        if schema.name != op_type or schema.domain != domain:
+            continue
+        parameter = next((parameter for parameter in schema.inputs
+                          if parameter.name == input_name), None)
+        if parameter is None:
+            return frozenset()
+        return next((frozenset(constraint.allowed_type_strs)
+                     for constraint in schema.type_constraints
+                     if constraint.type_param_str == parameter.typeStr), frozenset())
+    return frozenset()

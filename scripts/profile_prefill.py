@@ -27,10 +27,12 @@ Five commands (issue 34; findings in docs/benchmarks.md, "Prefill candidates on 
   (A B, B A, ...), so that both meet the same load: the median of the per-pair prefill ratios,
   the ratio of the best forwards, a decode step's ratio and the greedy agreement over
   ``--new-tokens``. For a loaded machine, where separate processes spread too widely.
-* ``kernel``: one MatMulNBits node (``BITS:BLOCK:LEVEL``; ``32:0:0`` a float MatMul; ``dq8``
-  the int8 DynamicQuantizeMatMul of ``convert --int8-matmul``) of random weights at a
-  prefill's shape, its best and median seconds and GOP/s, against the roofs given
-  (``--int8-roof``, ``--fp32-roof``); ``--no-amx`` runs it as on an AVX-512 CPU without AMX
+* ``kernel``: one MatMulNBits node (``BITS:BLOCK:LEVEL``; ``32:0:0`` a float MatMul;
+  ``rows8`` what ``convert --int8-matmul`` makes of a 4-bit block-32 node: per-row int8
+  activations and MatMulIntegerToFloat; ``dq8`` an int8 DynamicQuantizeMatMul, one activation
+  scale per tensor, which that option wrote before) of random weights at a prefill's shape,
+  its best and median seconds and GOP/s, against the roofs given (``--int8-roof``,
+  ``--fp32-roof``); ``--no-amx`` runs it as on an AVX-512 CPU without AMX
   (`_bench/no_amx.py`).
 * ``roof``: those roofs, measured: the int8 multiply-add and fp32 FMA rates a C loop built
   here at ``-march=native`` reaches on 1 and ``--threads`` threads (`_bench/roof.py`).
@@ -402,9 +404,23 @@ def _paired(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- kernel
 
-# `--kernel dq8`: the DynamicQuantizeMatMul of `convert --int8-matmul` (int8 weights, one scale
-# per column; MLAS's QGEMM).
+# `--kernel rows8`: one layer as `convert --int8-matmul` writes it (Int8MatMulPass on a 4-bit
+# block-32 node: activations quantized per row, MatMulIntegerToFloat, MLAS's QGEMM);
+# `--kernel dq8`: DynamicQuantizeMatMul (int8 weights, one scale per column, the activations
+# one scale per tensor), what that option wrote before.
+ROW_INT8_KERNEL = "rows8"
 INT8_MATMUL_KERNEL = "dq8"
+
+
+def rows8_model(k: int, n: int):
+    """`matmul_model` 4:32:4 rewritten by `convert --int8-matmul`'s pass."""
+    import onnx_ir as ir
+
+    from onnx_chunk.passes import Int8MatMulPass
+
+    model = ir.serde.deserialize_model(matmul_model("rows", k, n, 4, 32, 4))
+    Int8MatMulPass()(model)
+    return ir.serde.serialize_model(model)
 
 
 def matmul_model(rows_name: str, k: int, n: int, bits: int, block: int, level: int | None,
@@ -482,13 +498,15 @@ def _kernel(args: argparse.Namespace) -> int:
     for shape in args.shape:
         k, n = _ints(shape, "x", 2, "--shape KxN")
         for variant in args.kernel:
-            bits, block, level = ((8, 0, 0) if variant == INT8_MATMUL_KERNEL
+            bits, block, level = ((8, 0, 0) if variant in (INT8_MATMUL_KERNEL, ROW_INT8_KERNEL)
                                   else _ints(variant, ":", 3, "--kernel BITS:BLOCK:LEVEL"))
-            model = matmul_model("rows", k, n, bits, block, level)
+            model = (rows8_model(k, n) if variant == ROW_INT8_KERNEL
+                     else matmul_model("rows", k, n, bits, block, level))
             times = time_kernel(model, args.rows, k, args.threads, args.repeats, config)
             rate = 2 * args.rows * k * n / min(times) / 1e9
             name = ("MatMul fp32" if bits == 32 else "DynamicQuantizeMatMul int8"
-                    if variant == INT8_MATMUL_KERNEL else f"{bits}-bit block {block} level {level}")
+                    if variant == INT8_MATMUL_KERNEL else "per-row int8 (--int8-matmul)"
+                    if variant == ROW_INT8_KERNEL else f"{bits}-bit block {block} level {level}")
             lines.append(f"| {k} x {n} | {name} | {min(times):.4f} | "
                          f"{statistics.median(times):.4f} | {rate:.1f} | "
                          f"{_share(rate, args.int8_roof)} | {_share(rate, args.fp32_roof)} |")
@@ -696,8 +714,9 @@ def _parser() -> argparse.ArgumentParser:
     kernel.add_argument("--shape", action="append", default=None,
                         help="KxN (repeatable; default qwen05's 896x4864 and 4864x896)")
     kernel.add_argument("--kernel", action="append", default=None,
-                        help="BITS:BLOCK:LEVEL (32:0:0 is a float MatMul), or dq8 (the int8 "
-                             "DynamicQuantizeMatMul of convert --int8-matmul); repeatable; "
+                        help="BITS:BLOCK:LEVEL (32:0:0 is a float MatMul), rows8 (a layer as "
+                             "convert --int8-matmul writes it) or dq8 (the per-tensor "
+                             "DynamicQuantizeMatMul it wrote before); repeatable; "
                              "default 4:32:4 4:32:1 32:0:0")
     kernel.add_argument("--no-amx", action="store_true",
                         help="refuse the process the AMX tile state (a shim built here and "

@@ -105,9 +105,10 @@ def _bytes_to_copy(model_files: dict[str, Path], target: Path) -> int:
                    "Runtime's int8 kernel prefills faster at 128 than at the builder's 32; "
                    "the logits move a little). Default: the weights as they are.")
 @click.option("--int8-matmul", is_flag=True, default=False,
-              help="Rewrite the layers' 4-bit MatMulNBits as int8 DynamicQuantizeMatMul "
-                   "(ONNX Runtime's CPU QGEMM: faster prefill, twice the weight bytes, the "
-                   "logits move; CPU only). Default: the weights as they are.")
+              help="Rewrite the layers' 4-bit MatMulNBits as int8 matmuls with one "
+                   "activation scale per row (ONNX Runtime's CPU QGEMM: faster prefill, twice "
+                   "the weight bytes, the logits move; CPU only). Default: the weights as "
+                   "they are.")
 @QUIET_OPTION
 def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants: int,
             in_place: bool, kv_cache: str, native_chunks: str, logits_rows: str,

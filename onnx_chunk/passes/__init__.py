@@ -170,9 +170,10 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
     (Int4BlocksPass: its weights are quantized again, so the logits move a little); refused
     (ConfigError) for a model without 4-bit MatMulNBits. None leaves the weights as they are.
 
-    With `int8_matmul` the layers' 4-bit MatMulNBits become int8 DynamicQuantizeMatMul
-    (Int8MatMulPass: ONNX Runtime's CPU QGEMM prefills faster; twice the bytes of the 4-bit
-    weights, and the logits move); refused (ConfigError) for a model without 4-bit
+    With `int8_matmul` the layers' 4-bit MatMulNBits become int8 MatMulIntegerToFloat over
+    activations quantized with one scale per row (Int8MatMulPass: ONNX Runtime's CPU QGEMM
+    prefills faster, and each row's result depends on that row alone; twice the bytes of the
+    4-bit weights, and the logits move); refused (ConfigError) for a model without 4-bit
     MatMulNBits, and together with `int4_block_size`.
     """
     check_int8_matmul_options(int4_block_size, int8_matmul)
@@ -224,8 +225,7 @@ def check_int8_matmul_options(int4_block_size: int | None, int8_matmul: bool) ->
 def check_int8_matmul(model: ir.Model) -> None:
     """Before any work: the refusals of `--int8-matmul` on `model` (Int8MatMulPass rules 1-3),
     none for a model it already rewrote."""
-    if metadata.read_int8_matmul(model) is None:
-        int8_targets(model)
+    int8_targets(model)
 
 
 def check_kv_quantization(model: ir.Model, kv_dtype: str) -> None:

@@ -1,21 +1,34 @@
-"""Rewrite 4-bit MatMulNBits as int8 DynamicQuantizeMatMul (`convert --int8-matmul`).
+"""Rewrite 4-bit MatMulNBits as int8 matmuls with one activation scale per row (`convert
+--int8-matmul`).
 
 ONNX Runtime's CPU MatMulNBits computes a prefill's rows with its int8 kernel at a fraction of
-what the CPU's int8 units can do (on AVX-512 VNNI block 32 ran at 14-16% of the measured roof,
-issue #34), while its QGEMM (MLAS `MlasGemmU8S8`: AVX2, AVX-512 VNNI and, where the CPU has
-it, AMX tiles, `qgemm_kernel_amx.cpp`) runs the same multiply-adds several times faster. This
-pass gives the layers' weights to that kernel: each 4-bit node's weights are dequantized
-exactly and quantized again to int8, one scale per output column, for the CPU provider's
-`com.microsoft::DynamicQuantizeMatMul` (A float32, quantized per tensor at run time; B int8;
-ONNX Runtime registers it for the CPU provider only). The weights take twice the bytes of the
-4-bit ones, and the logits move (int8 weights and per-tensor uint8 activations in place of
-4-bit weights and per-block int8 activations). They are written to a data file of their own
-beside the model (`model_io.write_to_data_file`): ONNX Runtime maps them and unmaps each once
-MLAS has packed it, where weights inside the .onnx stayed resident beside the packed copy.
+what the CPU's int8 units can do, while its QGEMM (MLAS `MlasGemm` U8S8: AVX2, AVX-512 VNNI,
+AMX where the CPU has it) runs the same multiply-adds several times faster. This pass gives the
+layers' weights to that kernel: each 4-bit node's weights are dequantized exactly and quantized
+again to int8, one scale per output column, for `com.microsoft::MatMulIntegerToFloat`.
+
+Its activations are quantized in the graph, one symmetric scale per row (max |a| / 127 of that
+row), so a row's result depends on that row's values alone: what a request computes does not
+depend on the other requests batched beside it. `DynamicQuantizeMatMul`, which this option
+wrote before, quantizes the whole tensor with one scale, so one row's outliers moved every other
+row's result (`engine.batched_decode` of `validate` failed on it); the pass rewrites such nodes
+of a folder it converted before. MatMulIntegerToFloat's schema describes its a_scale as a
+scalar or per column of A, but its CPU kernel keeps an a_scale whose last axis is 1 as the
+scale of each row and multiplies each output row by it (`FixupScaleTensor`, `ScaleOutput` in
+onnxruntime/contrib_ops/cpu/quantization/dynamic_quantize_matmul.cc, read at main, 2026-12, and
+measured on 1.32.0: tests/passes/test_int8_matmul.py); it scales its bias input with that
+row's scale too, so a bias is added by its own node. MatMulNBits with 8-bit weights is also
+row-independent but prefills no faster than the 4-bit default (docs/benchmarks.md).
+
+The weights take twice the bytes of the 4-bit ones and the logits move (int8 weights and
+per-row int8 activations in place of 4-bit weights and per-block int8 activations). They are
+written to a data file beside the model (`model_io.write_to_data_file`): ONNX Runtime maps them
+and unmaps each once MLAS has packed it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -30,35 +43,84 @@ from onnx_chunk.passes.int4_blocks import (
     find_int4_matmuls,
 )
 from onnx_chunk.passes.logits_rows import find_lm_head
-from onnx_chunk.passes.value_tracing import MICROSOFT_DOMAIN, input_at
+from onnx_chunk.passes.value_tracing import MICROSOFT_DOMAIN, input_at, name_of
 
 logger = logging.getLogger(__name__)
 
+MATMUL_INTEGER_TO_FLOAT = "MatMulIntegerToFloat"
 DYNAMIC_QUANTIZE_MATMUL = "DynamicQuantizeMatMul"
 OPTION = "--int8-matmul"
-_BIAS_INPUT = 5
+# The name prefix of the nodes and constants the per-row quantization adds.
+ROW_PREFIX = "int8_rows"
+_NBITS_BIAS_INPUT = 5
+_DQMM_B, _DQMM_SCALE, _DQMM_ZERO_POINT, _DQMM_BIAS = 1, 2, 3, 4
 _INT8_MAX = 127.0
+# A row of zeros gets this as its max |a|, so its scale and reciprocal stay finite.
+_TINY = 1e-30
+# Codes are uint8 with zero point 128 for MLAS's U8S8 kernels (AVX2, AVX-512 VNNI, AMX): on x86
+# MLAS has an S8S8 kernel for AVX-VNNI-INT8 CPUs only (platform.cpp) and runs int8 activations
+# elsewhere through its portable C loop (measured on an AVX-512 VNNI Xeon: 8-100x slower).
+_ZERO_POINT = 128
+# ReduceMax takes its axes as an input from opset 18 on, as an attribute before.
+_AXES_INPUT_OPSET = 18
+_QUANTIZE_LINEAR_OPSET = 10
 
 
-def int8_targets(model: ir.Model) -> tuple[list[Int4MatMul], int]:
-    """The 4-bit MatMulNBits nodes the pass rewrites, and how many 4-bit nodes it keeps (rules
-    1-3); ConfigError or ModelStructureError when the model cannot be rewritten."""
+@dataclasses.dataclass(frozen=True)
+class Int8Targets:
+    """What the pass rewrites (rule 5): 4-bit nodes, and the DynamicQuantizeMatMul nodes an
+    earlier `--int8-matmul` wrote; how many 4-bit nodes it keeps (rule 2)."""
+
+    int4: list[Int4MatMul]
+    per_tensor: list[ir.Node]
+    kept: int
+
+
+def int8_targets(model: ir.Model) -> Int8Targets:
+    """The nodes the pass rewrites (rules 1-3, 5); ConfigError or ModelStructureError when the
+    model cannot be rewritten."""
     graph = model.graph
+    previous = metadata.read_int8_matmul(model)
+    per_tensor = [] if previous is None else [node for node in graph if _ours(node)]
     matmuls, _ = find_int4_matmuls(graph, OPTION)
-    if not matmuls:
+    if not matmuls and previous is None:
         raise ConfigError("--int8-matmul rewrites 4-bit com.microsoft::MatMulNBits, and the "
                           "model has none (its weights are not INT4); convert without it")
-    head = _lm_head(graph)
+    head = _lm_head(graph) if matmuls else None
     targets = [matmul for matmul in matmuls
                if matmul.node is not head and _read_by_one(matmul)]
-    for matmul in targets:
-        activations = input_at(matmul.node, 0)
+    nodes = [matmul.node for matmul in targets] + per_tensor
+    if nodes:
+        check_row_int8_support(model)
+    for node in nodes:
+        activations = input_at(node, 0)
         if activations is None or activations.dtype != ir.DataType.FLOAT:
             raise ModelStructureError(
-                f"MatMulNBits {matmul.node.name!r} computes in "
-                f"{None if activations is None else activations.dtype}; DynamicQuantizeMatMul "
-                "takes float32 activations only (a CPU export); convert without --int8-matmul")
-    return targets, len(matmuls) - len(targets)
+                f"{node.op_type} {node.name!r} computes in "
+                f"{None if activations is None else activations.dtype}; the int8 matmul takes "
+                "float32 activations only (a CPU export); convert without --int8-matmul")
+    return Int8Targets(targets, per_tensor, len(matmuls) - len(targets))
+
+
+def check_row_int8_support(model: ir.Model) -> None:
+    """ModelStructureError when the installed ONNX Runtime or the model's opset lacks what rule
+    4 writes: MatMulIntegerToFloat taking uint8 A (read from the installed schema) and
+    QuantizeLinear."""
+    from onnx_chunk.ort_schemas import input_types
+
+    if "tensor(uint8)" not in input_types(MICROSOFT_DOMAIN, MATMUL_INTEGER_TO_FLOAT, "A"):
+        import onnxruntime
+
+        raise ModelStructureError(
+            f"the installed ONNX Runtime ({onnxruntime.__version__}) has no "
+            f"com.microsoft::{MATMUL_INTEGER_TO_FLOAT} taking uint8 activations, which "
+            "--int8-matmul writes; install one that has it, or convert without --int8-matmul")
+    opset = model.opset_imports.get("", 0)
+    if opset < _QUANTIZE_LINEAR_OPSET:
+        raise ModelStructureError(
+            f"the model imports ONNX opset {opset}, and --int8-matmul's per-row quantization "
+            f"needs QuantizeLinear (opset {_QUANTIZE_LINEAR_OPSET} or later); export it at a "
+            "newer opset or convert without --int8-matmul")
 
 
 def _lm_head(graph: ir.Graph) -> ir.Node | None:
@@ -75,6 +137,24 @@ def _read_by_one(matmul: Int4MatMul) -> bool:
                if value is not None)
 
 
+def _ours(node: ir.Node) -> bool:
+    """Whether `node` is a DynamicQuantizeMatMul as the per-tensor `--int8-matmul` wrote it:
+    int8 [K, N] weights, float32 scales per column, zero points absent or zero."""
+    if node.op_type != DYNAMIC_QUANTIZE_MATMUL or node.domain != MICROSOFT_DOMAIN:
+        return False
+    weights, scales = input_at(node, _DQMM_B), input_at(node, _DQMM_SCALE)
+    zero_points = input_at(node, _DQMM_ZERO_POINT)
+    if weights is None or scales is None or weights.const_value is None or (
+            scales.const_value is None):
+        return False
+    if weights.const_value.dtype != ir.DataType.INT8 or len(weights.const_value.shape) != 2:
+        return False
+    if scales.const_value.dtype != ir.DataType.FLOAT:
+        return False
+    return zero_points is None or (zero_points.const_value is not None
+                                   and not np.any(zero_points.const_value.numpy()))
+
+
 def quantize_int8_columns(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """[N, K] float weights -> (B int8 [K, N], scale float32 [N]): symmetric, one scale per
     output column, max |w| / 127 (a zero column gets scale 1 and zeros)."""
@@ -85,49 +165,61 @@ def quantize_int8_columns(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 class Int8MatMulPass(ir.passes.InPlacePass):
-    """Rewrite the layers' 4-bit MatMulNBits as int8 DynamicQuantizeMatMul (module docstring).
+    """Rewrite the layers' 4-bit MatMulNBits as int8 matmuls with per-row activation scales
+    (module docstring).
 
     Rules:
-    1. A model without a 4-bit `com.microsoft::MatMulNBits` is refused (ConfigError naming
-       the option); a 4-bit node whose weights cannot be read exactly is refused as
-       `--int4-block-size` refuses it (int4_blocks rule 2).
+    1. A model without a 4-bit `com.microsoft::MatMulNBits`, and not converted by this pass
+       before, is refused (ConfigError naming the option); a 4-bit node whose weights cannot
+       be read exactly is refused as `--int4-block-size` refuses it (int4_blocks rule 2).
     2. Kept 4-bit: the lm_head (logits_rows' `find_lm_head`: with last-row logits it computes
        one row per forward, and it is the largest matrix) and a node whose weights another node
        also reads (an lm_head tied to a GatherBlockQuantized embedding).
-    3. A node to rewrite must take float32 activations (DynamicQuantizeMatMul's only type):
-       otherwise ModelStructureError naming it. The int8 weights are held in memory until the
-       model is saved, then written to a data file beside it (`model_io.write_to_data_file`).
-    4. Each other node becomes `DynamicQuantizeMatMul(A, B, b_scale, b_zero_point, bias)` with
-       the same name and output: B int8 [K, N] and b_scale float32 [N] from
-       `quantize_int8_columns` of the exact dequantized weights (`dequantize_int4`),
-       b_zero_point int8 zeros [N], the bias (MatMulNBits input 5) where it had one. Its 4-bit
-       initializers are removed.
-    5. The metadata (`onnx_chunk.int8_matmul`) records the nodes rewritten and kept; running
-       the pass again reports `modified=False`.
+    3. A node to rewrite must take float32 activations (ModelStructureError naming it), the
+       installed ONNX Runtime's schema must have com.microsoft::MatMulIntegerToFloat taking
+       uint8 A, and the model must import ONNX opset 10 or later (QuantizeLinear); otherwise
+       ModelStructureError naming the option.
+    4. Each activation tensor the rewritten nodes read is quantized once, per row, by nodes
+       named `int8_rows/...`: m = max(ReduceMax(|a|, last axis, keepdims), 1e-30), row scale
+       s = m * (1/127), codes = QuantizeLinear(a * (127 / m), 1, uint8 128). The row scale
+       keeps the activations' rank (its last axis is 1), which MatMulIntegerToFloat's CPU
+       kernel reads as one scale per row at every row count, one row included.
+    5. Each rewritten node becomes `MatMulIntegerToFloat(codes, B, s, b_scale, 128)` with the
+       same name and output: B int8 [K, N] and b_scale float32 [N] from
+       `quantize_int8_columns` of the exact dequantized weights (`dequantize_int4`), new
+       initializers written to the data file at save (`model_io.write_to_data_file`); its
+       4-bit initializers are removed. A bias (MatMulNBits input 5) is added by an `Add` after
+       it. A `DynamicQuantizeMatMul` this pass wrote before (the metadata says so; int8 B,
+       per-column scales, zero points zero) becomes the same, with its own B and scales.
+    6. The metadata (`onnx_chunk.int8_matmul`) records the nodes rewritten from 4-bit and the
+       4-bit nodes kept; running the pass again reports `modified=False`.
     """
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         previous = metadata.read_int8_matmul(model)
-        try:
-            targets, kept = int8_targets(model)
-        except ConfigError:
-            if previous is not None:  # rewritten before: only kept nodes, or none, remain
-                return ir.passes.PassResult(model, modified=False)
-            raise
-        if not targets and previous is not None:
+        targets = int8_targets(model)
+        if not targets.int4 and not targets.per_tensor:
             return ir.passes.PassResult(model, modified=False)
         graph = model.graph
-        for matmul in targets:
-            self._rewrite(graph, matmul)
-        done = len(targets) + (0 if previous is None else previous.rewritten_nodes)
+        rows = _RowQuantizer(graph, model.opset_imports.get("", 0))
+        rewritten = {id(matmul.node) for matmul in targets.int4}
+        per_tensor = {id(node) for node in targets.per_tensor}
+        int4 = {id(matmul.node): matmul for matmul in targets.int4}
+        for node in list(graph):  # graph order: a shared activation is quantized before its uses
+            if id(node) in rewritten:
+                self._rewrite_int4(graph, int4[id(node)], rows)
+            elif id(node) in per_tensor:
+                self._rewrite_per_tensor(graph, node, rows)
+        done = len(targets.int4) + (0 if previous is None else previous.rewritten_nodes)
         metadata.write_int8_matmul(model, metadata.Int8MatMulDeclaration(
-            rewritten_nodes=done, kept_int4_nodes=kept))
-        logger.info("int8 matmul: %d 4-bit MatMulNBits nodes rewritten, %d kept",
-                    len(targets), kept)
-        return ir.passes.PassResult(model, modified=bool(targets))
+            rewritten_nodes=done, kept_int4_nodes=targets.kept))
+        logger.info("int8 matmul: %d 4-bit MatMulNBits and %d per-tensor DynamicQuantizeMatMul "
+                    "nodes rewritten with per-row activation scales, %d 4-bit kept",
+                    len(targets.int4), len(targets.per_tensor), targets.kept)
+        return ir.passes.PassResult(model, modified=True)
 
-    def _rewrite(self, graph: ir.Graph, matmul: Int4MatMul) -> None:
-        """Rule 4 for one node."""
+    def _rewrite_int4(self, graph: ir.Graph, matmul: Int4MatMul, rows: _RowQuantizer) -> None:
+        """Rule 5 for a 4-bit node."""
         node = matmul.node
         assert matmul.packed.const_value is not None and matmul.scales.const_value is not None
         zero_points = (None if matmul.zero_points is None or matmul.zero_points.const_value is None
@@ -137,34 +229,125 @@ class Int8MatMulPass(ir.passes.InPlacePass):
                                   matmul.block_size).astype(np.float32)
         codes, scale = quantize_int8_columns(weights)
         name = node.name or (matmul.packed.name or "matmul")
-        values = [self._initializer(graph, f"{name}.int8.{suffix}", array) for suffix, array in
-                  (("B", codes), ("scale", scale), ("zero_point", np.zeros(matmul.n, np.int8)))]
-        inputs = [input_at(node, 0), *values, input_at(node, _BIAS_INPUT)]
-        if inputs[-1] is None:
-            inputs.pop()
-        replacement = ir.Node(MICROSOFT_DOMAIN, DYNAMIC_QUANTIZE_MATMUL, inputs,
-                              num_outputs=1, name=node.name)
-        output, new_output = node.outputs[0], replacement.outputs[0]
-        new_output.name, new_output.shape, new_output.type = (output.name, output.shape,
-                                                              output.type)
-        graph.insert_before(node, replacement)
-        ir.convenience.replace_all_uses_with(output, new_output)
-        if output in graph.outputs:
-            graph.outputs[graph.outputs.index(output)] = new_output
-        graph.remove(node, safe=True)
-        for old in (matmul.packed, matmul.scales, matmul.zero_points):
-            if (old is not None and old.name is not None and old.name in graph.initializers
-                    and not old.uses()):
-                graph.initializers.pop(old.name)
+        b, b_scale = (write_to_data_file(_initializer(graph, f"{name}.int8.{suffix}", array))
+                      for suffix, array in (("B", codes), ("scale", scale)))
+        _replace(graph, node, rows, b, b_scale, input_at(node, _NBITS_BIAS_INPUT))
+        _drop_unused(graph, (matmul.packed, matmul.scales, matmul.zero_points))
 
-    @staticmethod
-    def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-        if name in graph.initializers:
-            raise ModelStructureError(f"the model already has an initializer {name!r}, the "
-                                      "name --int8-matmul gives a rewritten weight; rename it")
-        value = ir.Value(name=name, shape=ir.Shape(array.shape),
-                         type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
-                         const_value=ir.tensor(array, name=name))
-        graph.register_initializer(value)
-        return write_to_data_file(value)
+    def _rewrite_per_tensor(self, graph: ir.Graph, node: ir.Node, rows: _RowQuantizer) -> None:
+        """Rule 5 for a DynamicQuantizeMatMul an earlier `--int8-matmul` wrote."""
+        b, b_scale = input_at(node, _DQMM_B), input_at(node, _DQMM_SCALE)
+        zero_point = input_at(node, _DQMM_ZERO_POINT)
+        assert b is not None and b_scale is not None
+        _replace(graph, node, rows, b, b_scale, input_at(node, _DQMM_BIAS))
+        _drop_unused(graph, (zero_point,))
 
+
+def _replace(graph: ir.Graph, node: ir.Node, rows: _RowQuantizer, b: ir.Value,
+             b_scale: ir.Value, bias: ir.Value | None) -> None:
+    """`node` becomes MatMulIntegerToFloat over its activations' per-row codes (+ bias)."""
+    activations = input_at(node, 0)
+    assert activations is not None
+    codes, row_scale = rows.quantized(activations, before=node)
+    output = node.outputs[0]
+    matmul = ir.node(MATMUL_INTEGER_TO_FLOAT,
+                     [codes, b, row_scale, b_scale, rows.constant("zero_point", np.uint8(
+                         _ZERO_POINT))],
+                     domain=MICROSOFT_DOMAIN, name=node.name)
+    added = [matmul]
+    result = matmul.outputs[0]
+    if bias is not None:
+        result.name = f"{name_of(output)}/int8"
+        add = ir.node("Add", [result, bias], name=f"{node.name}/bias")
+        added.append(add)
+        result = add.outputs[0]
+    name = output.name
+    output.name = f"{name}/replaced"  # the name passes to the new value
+    result.name, result.shape, result.type = name, output.shape, output.type
+    graph.insert_before(node, added)
+    if output in graph.outputs:
+        graph.outputs[graph.outputs.index(output)] = result
+    ir.convenience.replace_all_uses_with(output, result)
+    graph.remove(node, safe=True)
+
+
+def _drop_unused(graph: ir.Graph, values: tuple[ir.Value | None, ...]) -> None:
+    for old in values:
+        if (old is not None and old.name is not None and old.name in graph.initializers
+                and not old.uses()):
+            graph.initializers.pop(old.name)
+
+
+def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    if name in graph.initializers:
+        raise ModelStructureError(f"the model already has an initializer {name!r}, the "
+                                  "name --int8-matmul gives a rewritten weight; rename it")
+    value = ir.Value(name=name, shape=ir.Shape(array.shape),
+                     type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+                     const_value=ir.tensor(array, name=name))
+    graph.register_initializer(value)
+    return value
+
+
+class _RowQuantizer:
+    """Rule 4: the per-row codes and scales of each activation tensor, made once."""
+
+    def __init__(self, graph: ir.Graph, opset: int) -> None:
+        self._graph = graph
+        self._opset = opset
+        self._done: dict[int, tuple[ir.Value, ir.Value]] = {}
+
+    def constant(self, name: str, value: np.generic | np.ndarray) -> ir.Value:
+        """A small initializer `int8_rows/<name>` kept inside the .onnx, registered once."""
+        array = np.asarray(value)
+        full = f"{ROW_PREFIX}/{name}"
+        existing = self._graph.initializers.get(full)
+        if existing is not None:
+            known = existing.const_value
+            if (known is None or known.dtype != ir.DataType.from_numpy(array.dtype)
+                    or not np.array_equal(known.numpy(), array)):
+                raise ModelStructureError(f"the model already has an initializer {full!r}, "
+                                          "a name --int8-matmul gives a constant; rename it")
+            return existing
+        return _initializer(self._graph, full, array)
+
+    def quantized(self, activations: ir.Value, before: ir.Node) -> tuple[ir.Value, ir.Value]:
+        """(uint8 codes, float32 row scales) of `activations`; nodes go before `before` the
+        first time."""
+        if id(activations) in self._done:
+            return self._done[id(activations)]
+        prefix = f"{ROW_PREFIX}/{name_of(activations)}"
+        nodes: list[ir.Node] = []
+
+        def add(suffix: str, op_type: str, inputs: list[ir.Value],
+                **attributes: int | list[int]) -> ir.Value:
+            node = ir.node(op_type, inputs, attributes or None, name=f"{prefix}/{suffix}")
+            nodes.append(node)
+            value = node.outputs[0]
+            value.name = f"{prefix}/{suffix}"
+            return value
+
+        magnitude = add("abs", "Abs", [activations])
+        if self._opset >= _AXES_INPUT_OPSET:
+            peak = add("max", "ReduceMax", [magnitude, self.constant(
+                "last_axis", np.array([-1], np.int64))], keepdims=1)
+        else:
+            peak = add("max", "ReduceMax", [magnitude], axes=[-1], keepdims=1)
+        peak = add("nonzero", "Max", [peak, self.constant("tiny", np.float32(_TINY))])
+        scale = add("scale", "Mul", [peak, self.constant(
+            "inverse_int8_max", np.float32(1 / _INT8_MAX))])
+        reciprocal = add("reciprocal", "Div", [self.constant(
+            "int8_max", np.float32(_INT8_MAX)), peak])
+        scaled = add("scaled", "Mul", [activations, reciprocal])
+        codes = add("codes", "QuantizeLinear", [scaled, self.constant("one", np.float32(1.0)),
+                                                self.constant("zero_point",
+                                                              np.uint8(_ZERO_POINT))])
+        shape = activations.shape
+        codes.type = ir.TensorType(ir.DataType.UINT8)
+        scale.type = ir.TensorType(ir.DataType.FLOAT)
+        if shape is not None and len(shape) >= 1:
+            codes.shape = ir.Shape(list(shape))
+            scale.shape = ir.Shape([*list(shape)[:-1], 1])
+        self._graph.insert_before(before, nodes)
+        self._done[id(activations)] = (codes, scale)
+        return codes, scale

@@ -18,7 +18,7 @@ Rules of `resolve_options`:
    device allows it.
 4. A decoder CUDA cannot run (a float32 KV cache, which CUDA's GroupQueryAttention does not
    take; a kernel ONNX Runtime registers for the CPU provider only, `convert --int8-matmul`'s
-   DynamicQuantizeMatMul): "auto" falls back to CPU, "cuda" (or a given CUDA device) refuses.
+   MatMulIntegerToFloat): "auto" falls back to CPU, "cuda" (or a given CUDA device) refuses.
 5. Ladder: the plan's when its chunk size is kept and no max_variants is given, else one built
    for the chunk size and the variant cap (the plan's, or the option).
 6. Specialisation: the option, else the device's default; padding: the option, the
@@ -60,8 +60,9 @@ logger = logging.getLogger(__name__)
 
 # The dtypes ONNX Runtime's CUDA GroupQueryAttention kernel is registered for.
 CUDA_ATTENTION_DTYPES = ("float16", "bfloat16")
-# `convert --int8-matmul`'s matmul, a kernel of ONNX Runtime's CPU provider only.
-CPU_ONLY_MATMUL = "DynamicQuantizeMatMul"
+# `convert --int8-matmul`'s matmul (MatMulIntegerToFloat, and the DynamicQuantizeMatMul it
+# wrote before), kernels of ONNX Runtime's CPU provider only.
+CPU_ONLY_MATMULS = ("MatMulIntegerToFloat", "DynamicQuantizeMatMul")
 
 
 @dataclass(frozen=True)
@@ -259,16 +260,19 @@ def runnable_device(device: Device, ports: ModelPorts, model: ModelFile, provide
 def cuda_refusal(ports: ModelPorts, model: ModelFile) -> tuple[str, str] | None:
     """Why CUDA cannot run this decoder and what to do, or None.
 
-    A CPU-only kernel (`convert --int8-matmul`'s DynamicQuantizeMatMul: ONNX Runtime registers
-    it for the CPU provider only, contrib_ops/cpu/cpu_contrib_kernels.cc) would run on the CPU
-    with its inputs copied both ways every forward. ONNX Runtime's CUDA GroupQueryAttention
+    A CPU-only kernel (`convert --int8-matmul`'s MatMulIntegerToFloat, or the
+    DynamicQuantizeMatMul it wrote before: ONNX Runtime registers them for the CPU provider and
+    no CUDA one, contrib_ops/cpu/cpu_contrib_kernels.cc) would run on the CPU with its inputs
+    copied both ways every forward. ONNX Runtime's CUDA GroupQueryAttention
     runs float16 and bfloat16 only: a float32 decoder's attention would fall back to the CPU
     provider, copying the whole KV cache both ways every step (and no CUDA graph can be
     captured).
     """
-    if model.uses(CPU_ONLY_MATMUL, "com.microsoft"):
-        return (f"the model's matmuls are {CPU_ONLY_MATMUL} (convert --int8-matmul), a kernel of "
-                "ONNX Runtime's CPU provider only", "convert it without --int8-matmul for CUDA")
+    for matmul in CPU_ONLY_MATMULS:
+        if model.uses(matmul, "com.microsoft"):
+            return (f"the model's matmuls are {matmul} (convert --int8-matmul), a kernel of "
+                    "ONNX Runtime's CPU provider only",
+                    "convert it without --int8-matmul for CUDA")
     if not ports.kv or ports.kv[0].dtype.name in CUDA_ATTENTION_DTYPES:
         return None
     dtype = ports.kv[0].dtype.name

@@ -129,10 +129,11 @@ def test_paired_and_kernel_runs_print_their_tables(tmp_path, capsys):
     assert "| 4/4 |" in line  # the last row's logits: the same greedy tokens
     assert profile_prefill.main(["kernel", "--shape", "64x96", "--rows", "8", "--repeats", "2",
                                  "--kernel", "4:32:4", "--kernel", "8:32:4", "--kernel",
-                                 "32:0:0", "--kernel", "dq8", "--int8-roof", "380"]) == 0
+                                 "32:0:0", "--kernel", "dq8", "--kernel", "rows8",
+                                 "--int8-roof", "380"]) == 0
     out = capsys.readouterr().out
     for name in ("4-bit block 32 level 4", "8-bit block 32 level 4", "MatMul fp32",
-                 "DynamicQuantizeMatMul int8"):
+                 "DynamicQuantizeMatMul int8", "per-row int8 (--int8-matmul)"):
         assert f"| 64 x 96 | {name} |" in out
 
 

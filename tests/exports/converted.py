@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from onnx_chunk.runtime import load
 from scripts._bench import environment
@@ -41,3 +43,34 @@ def logits_and_tokens(folder: Path, new_tokens: int = 8,
             tokens = sequence.generate(prompt, new_tokens, eos_token_id=[])
     return logits, tokens
 
+
+
+def as_per_tensor(model: ir.Model) -> int:
+    """Rewrite every MatMulIntegerToFloat of an `--int8-matmul` model (without bias) as the
+    DynamicQuantizeMatMul that option wrote before: the float activations its per-row
+    quantization reads, the same int8 B and column scales, int8 zero points of 0; one scale per
+    tensor for the activations. Returns how many nodes were rewritten."""
+    graph = model.graph
+    rewritten = 0
+    for node in [node for node in graph if node.op_type == "MatMulIntegerToFloat"]:
+        activations = node.inputs[0].producer().inputs[0].producer().inputs[0]
+        weights, scales = node.inputs[1], node.inputs[3]
+        zero_point = ir.Value(name=f"{weights.name}.zero_point", type=ir.TensorType(
+            ir.DataType.INT8), shape=ir.Shape([scales.shape[0]]), const_value=ir.tensor(
+            np.zeros(scales.shape[0], np.int8), name=f"{weights.name}.zero_point"))
+        graph.register_initializer(zero_point)
+        replacement = ir.node("DynamicQuantizeMatMul",
+                              [activations, weights, scales, zero_point],
+                              domain="com.microsoft", name=node.name)
+        output, result = node.outputs[0], replacement.outputs[0]
+        name = output.name
+        output.name = f"{name}/old"
+        result.name, result.shape, result.type = name, output.shape, output.type
+        graph.insert_before(node, replacement)
+        if output in graph.outputs:
+            graph.outputs[graph.outputs.index(output)] = result
+        ir.convenience.replace_all_uses_with(output, result)
+        graph.remove(node, safe=True)
+        rewritten += 1
+    RemoveUnusedNodesPass()(model)
+    return rewritten
