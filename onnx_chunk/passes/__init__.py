@@ -18,7 +18,8 @@ from onnx_chunk.passes.chunked_prefill_declaration import (
     DEFAULT_MAX_VARIANTS,
     ChunkedPrefillDeclarationPass,
 )
-from onnx_chunk.passes.concat_kv_attention import ConcatKVToGQAPass, find_concat_kv_attention
+from onnx_chunk.passes.concat_kv_attention import ConcatKVToGQAPass
+from onnx_chunk.passes.concat_kv_layers import find_concat_kv_attention
 from onnx_chunk.passes.concat_kv_tensor_scatter import ConcatKVToTensorScatterPass
 from onnx_chunk.passes.int4_blocks import INT4_BLOCK_SIZES, Int4BlocksPass, check_int4_blocks
 from onnx_chunk.passes.int8_matmul import Int8MatMulPass, int8_targets

@@ -9,13 +9,13 @@ from onnx_chunk import metadata
 from onnx_chunk.cli import main
 from onnx_chunk.errors import ModelStructureError
 from onnx_chunk.passes import value_tracing
-from onnx_chunk.passes.concat_kv_attention import (
+from onnx_chunk.passes.concat_kv_attention import ConcatKVToGQAPass
+from onnx_chunk.passes.concat_kv_layers import (
     FORM_ATTENTION,
     FORM_SOFTMAX,
-    ConcatKVToGQAPass,
     find_concat_kv_attention,
-    reads_sequence_axis,
 )
+from onnx_chunk.passes.concat_kv_rewrite import reads_sequence_axis
 from onnx_chunk.passes.kv_capacity import find_kv_capacity
 from tests.exports.corpus import GENAI, fixtures
 from tests.passes.export_graphs import insert_after, load_export
