@@ -38,9 +38,9 @@ class ConcatKVToGQAPass(ConcatKVRewritePass):
     4. Heads: KV heads and head size from the past input's fixed shape, query heads from the
        query's shape or its projection's weight width.
     5. Every concat-KV output must belong to a matched layer, else nothing is rewritten and the
-       refusal names the node where the closest match stopped: the rewrite happens in a copy
-       and the model is never half rewritten. A model without concat KV comes back as an
-       unchanged copy (`modified=False`).
+       refusal (`requires()`) names the node where the closest match stopped: the rewrite
+       happens in a copy and the model is never half rewritten. A model without concat KV
+       comes back as an unchanged copy (`modified=False`).
     6. Each layer becomes one GroupQueryAttention (do_rotary=0: rotary stays as the export
        computes it, from position_ids) with Q/K/V in [batch, rows, heads*head], past
        inputs 3/4 the graph's past inputs and outputs 1/2 the graph's present outputs;

@@ -20,6 +20,7 @@ from onnx_chunk.passes.concat_kv_layers import (
     label,
     scalar,
 )
+from onnx_chunk.passes.preconditions import ModelPreconditionError
 
 logger = logging.getLogger(__name__)
 
@@ -27,8 +28,9 @@ _SEQUENCE_AXIS = 2
 
 
 class ConcatKVRewritePass(ir.passes.FunctionalPass):
-    """What both concat-KV targets share: find the layers, refuse or rewrite a copy, record
-    `max_sequence_length`. Subclasses say what a layer becomes (`target`, `rewrite`)."""
+    """What both concat-KV targets share: refuse a model whose layers do not all match
+    (`requires()`), rewrite the layers in a copy, record `max_sequence_length`. Subclasses say
+    what a layer becomes (`target`, `rewrite`)."""
 
     target = ""
 
@@ -40,16 +42,22 @@ class ConcatKVRewritePass(ir.passes.FunctionalPass):
         """Rewrite the matched `layers` of `model` (a copy) in place."""
         raise NotImplementedError(f"{type(self).__name__} does not say what a layer becomes")
 
+    def requires(self, model: ir.Model) -> None:
+        """Rule 5: every concat-KV layer matches (ModelStructureError naming the node where the
+        closest match stopped)."""
+        refusal = find_concat_kv_attention(model.graph).refusal
+        if refusal is not None:
+            raise ModelPreconditionError(
+                f"the model grows its KV cache by Concat, but {refusal}; nothing was "
+                "rewritten. Export it with onnxruntime-genai's model builder, or report the "
+                "layout")
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         findings = find_concat_kv_attention(model.graph)
         if not findings.concat_kv:
             # A functional pass returns a new model even when it changes nothing.
             return ir.passes.PassResult(model.clone(), modified=False)
-        if findings.refusal is not None:
-            raise ModelStructureError(
-                f"the model grows its KV cache by Concat, but {findings.refusal}; nothing was "
-                "rewritten. Export it with onnxruntime-genai's model builder, or report the "
-                "layout")
+        assert findings.refusal is None, "requires() checked it"
         rewritten = model.clone()
         self.rewrite(rewritten, findings.layers)
         metadata.write_max_positions(rewritten, self.max_sequence_length)

@@ -87,8 +87,9 @@ def test_a_softcap_before_softmax_is_refused_naming_the_node():
     findings = find_concat_kv_attention(model.graph)
     assert not findings.layers and f"Tanh node {name!r}" in findings.refusal
     count = len(model.graph)
-    with pytest.raises(ModelStructureError, match="nothing was rewritten"):
+    with pytest.raises(ModelStructureError, match="nothing was rewritten") as refused:
         ConcatKVToGQAPass()(model)
+    assert isinstance(refused.value, ir.passes.PreconditionError)  # requires() refused it
     assert len(model.graph) == count
 
 
