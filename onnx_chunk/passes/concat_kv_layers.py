@@ -97,8 +97,7 @@ class _Refusal(Exception):
 
 def find_concat_kv_attention(graph: ir.Graph) -> ConcatKVFindings:
     """What the concat-KV rewrite would rewrite, computed without touching the graph."""
-    inputs = {id(value) for value in graph.inputs}
-    concats = [output for output in graph.outputs if _is_kv_concat(output, inputs)]
+    concats = _kv_concats(graph)
     if not concats:
         return ConcatKVFindings((), None)
     try:
@@ -128,6 +127,17 @@ def find_concat_kv_attention(graph: ir.Graph) -> ConcatKVFindings:
         return ConcatKVFindings((), str(refusal))
     return ConcatKVFindings(tuple(layers[present.name] for present in concats
                                   if present.name in layers), None)
+
+
+def grows_kv_by_concat(graph: ir.Graph) -> bool:
+    """Whether the graph grows its KV by Concat, rewritable or not (`ConcatKVFindings.
+    concat_kv`), told by its present outputs alone, without matching the attention."""
+    return bool(_kv_concats(graph))
+
+
+def _kv_concats(graph: ir.Graph) -> list[ir.Value]:
+    inputs = {id(value) for value in graph.inputs}
+    return [output for output in graph.outputs if _is_kv_concat(output, inputs)]
 
 
 def _is_kv_concat(output: ir.Value, inputs: set[int]) -> bool:
