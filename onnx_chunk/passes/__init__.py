@@ -1,4 +1,5 @@
-"""The graph passes that prepare a decoder for chunked prefill, and the pipeline that runs them.
+"""The graph passes that prepare a decoder for chunked prefill, and the calls that run them as one
+pipeline (`DecoderPipeline`, onnx_ir's Sequential).
 
 Each pass records its findings in the inference metadata (`onnx_chunk.metadata`); the last one
 turns them into the declaration the runtime reads. Weights are never read: the passes look at
@@ -12,16 +13,17 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from onnx_chunk import metadata
-from onnx_chunk.errors import ConfigError, ModelStructureError, OnnxChunkError
+from onnx_chunk.errors import ConfigError, ModelStructureError
 from onnx_chunk.passes.chunked_prefill_declaration import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_MAX_VARIANTS,
     ChunkedPrefillDeclarationPass,
 )
-from onnx_chunk.passes.concat_kv_attention import ConcatKVToGQAPass, find_concat_kv_attention
+from onnx_chunk.passes.concat_kv_attention import ConcatKVToGQAPass
+from onnx_chunk.passes.concat_kv_layers import find_concat_kv_attention, grows_kv_by_concat
 from onnx_chunk.passes.concat_kv_tensor_scatter import ConcatKVToTensorScatterPass
 from onnx_chunk.passes.int4_blocks import INT4_BLOCK_SIZES, Int4BlocksPass, check_int4_blocks
-from onnx_chunk.passes.int8_matmul import Int8MatMulPass, int8_targets
+from onnx_chunk.passes.int8_matmul import Int8MatMulPass
 from onnx_chunk.passes.kv_capacity import KVCapacityPass
 from onnx_chunk.passes.kv_quantization import (
     CACHE_TYPES,
@@ -33,10 +35,9 @@ from onnx_chunk.passes.kv_quantization import (
 )
 from onnx_chunk.passes.logits_rows import LOGITS_ROWS_CHOICES, LogitsRowsPass
 from onnx_chunk.passes.per_token_ports import PerTokenPortsPass
+from onnx_chunk.passes.pipeline import DecoderPipeline, annotation_passes
 from onnx_chunk.passes.query_seqlens import NATIVE_CHUNKS_CHOICES, QuerySeqlensPass
 from onnx_chunk.passes.recurrent_state import RecurrentStatePass
-from onnx_chunk.passes.supported_opsets import check_supported_opsets
-from onnx_chunk.passes.value_tracing import gqa_nodes, tensor_scatter_nodes
 
 # What `convert --kv-cache` rewrites a concat-KV decoder into: com.microsoft
 # GroupQueryAttention (the builder's layout) or standard opset 24 TensorScatter + Attention.
@@ -49,6 +50,7 @@ __all__ = [
     "ChunkedPrefillDeclarationPass",
     "ConcatKVToGQAPass",
     "ConcatKVToTensorScatterPass",
+    "DecoderPipeline",
     "Int4BlocksPass",
     "Int8MatMulPass",
     "KV_CACHE_TARGETS",
@@ -72,35 +74,6 @@ __all__ = [
     "find_concat_kv_attention",
 ]
 
-def _run_pipeline(model: ir.Model, chunk_size: int | None, max_variants: int,
-                  native_chunks: str | None,
-                  logits_rows: str | None = None) -> ir.passes.PassResult:
-    # Order matters: the per-token ports pass reads the recurrent state findings and the
-    # query_seqlens input (not a per-token port), and the declaration reads all of them; each
-    # checks that its inputs are in the metadata. `native_chunks` (`logits_rows`) None keeps
-    # the graph's query_seqlens (logits rows) wiring and its metadata as it is.
-    wiring: list[ir.passes.PassBase] = []
-    if native_chunks is not None:
-        wiring.append(QuerySeqlensPass(native_chunks))
-    if logits_rows is not None:
-        wiring.append(LogitsRowsPass(logits_rows))
-    passes = (
-        KVCapacityPass(),
-        RecurrentStatePass(),
-        *wiring,
-        PerTokenPortsPass(),
-        ChunkedPrefillDeclarationPass(chunk_size=chunk_size, max_variants=max_variants),
-    )
-    try:
-        return ir.passes.Sequential(*passes)(model)
-    except ir.passes.PassError as error:
-        # Sequential wraps what a pass raised; our own typed errors reach the caller as they
-        # are (the CLI turns them into one line).
-        if isinstance(error.__cause__, OnnxChunkError):
-            raise error.__cause__ from None
-        raise
-
-
 def analyze(model: ir.Model, *, chunk_size: int | None = None,
             max_variants: int = DEFAULT_MAX_VARIANTS,
             max_sequence_length: int | None = None) -> metadata.ChunkPlan:
@@ -122,14 +95,13 @@ def analyze_metadata(model: ir.Model, *, chunk_size: int | None = None,
     copy; `max_sequence_length` as for `convert_model`); one it refuses is planned as it is.
     Raises ModelStructureError for opsets or domains ORT cannot run.
     """
-    check_supported_opsets(model)
     findings = find_concat_kv_attention(model.graph)
-    if findings.concat_kv and findings.refusal is None:
-        model = ConcatKVToGQAPass(max_sequence_length)(model).model
+    rewrite = ([ConcatKVToGQAPass(max_sequence_length)]
+               if findings.concat_kv and findings.refusal is None else [])
     saved = dict(model.metadata_props)
     try:
-        _run_pipeline(model, chunk_size, max_variants, None)
-        return dict(model.metadata_props)
+        result = DecoderPipeline(*rewrite, *annotation_passes(chunk_size, max_variants))(model)
+        return dict(result.model.metadata_props)
     finally:
         model.metadata_props.clear()
         model.metadata_props.update(saved)
@@ -145,7 +117,9 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
                   logits_rows: str = "auto",
                   int4_block_size: int | None = None,
                   int8_matmul: bool = False) -> ir.passes.PassResult:
-    """Run the pipeline; `modified` is False when the model was already converted so.
+    """Run the passes as one DecoderPipeline (onnx_ir's Sequential; each pass checks its
+    preconditions in `requires()` before it changes anything); `modified` is False when the
+    model was already converted so.
 
     A concat-KV decoder (Optimum, torch.onnx) is first rewritten in a copy, which the
     result's `model` is, into the `kv_cache` target (KV_CACHE_TARGETS: GroupQueryAttention, or
@@ -153,12 +127,11 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
     max_position_embeddings) is its longest sequence. Any other model is converted in place.
     Raises ModelStructureError for a model without GroupQueryAttention or TensorScatter after
     that (KV capacity annotation does not apply to it), a concat-KV layer the rewrite does not
-    recognise, or
-    opsets or domains ORT cannot run, and ConfigError for an impossible chunk size or variant
-    cap, or `native_chunks` "on" where the query_seqlens pass cannot wire the input
-    (QuerySeqlensPass: "auto" wires it where the installed ONNX Runtime has it, "off" never),
-    or `logits_rows` "on" where the lm_head's rows cannot be chosen (LogitsRowsPass: "auto"
-    adds the optional `logits_rows` input where they can, "off" removes it).
+    recognise, or opsets or domains ORT cannot run, and ConfigError for an impossible chunk
+    size or variant cap, or `native_chunks` "on" where the query_seqlens pass cannot wire the
+    input (QuerySeqlensPass: "auto" wires it where the installed ONNX Runtime has it, "off"
+    never), or `logits_rows` "on" where the lm_head's rows cannot be chosen (LogitsRowsPass:
+    "auto" adds the optional `logits_rows` input where they can, "off" removes it).
 
     With `kv_dtype` ("int8" or "int4") the GroupQueryAttention KV cache is quantized
     (KVCacheQuantizationPass) with `kv_scales` ("per-channel" or "per-tensor") scales from
@@ -185,33 +158,18 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
         if calibration is None:
             raise ConfigError("a quantized KV cache (kv_dtype) needs a calibration of the "
                               "float model: onnx_chunk.calibration.calibrate_kv(model_path)")
-    check_supported_opsets(model)
-    rewritten = find_concat_kv_attention(model.graph).concat_kv
-    if rewritten:
-        model = KV_CACHE_TARGETS[kv_cache](max_sequence_length)(model).model
-    if not gqa_nodes(model.graph) and not tensor_scatter_nodes(model.graph):
-        raise ModelStructureError(
-            "the model has no com.microsoft::GroupQueryAttention node, so KV capacity "
-            "annotation does not apply; the runtime can still run it with whole-prompt prefill "
-            "and a growing KV cache, without chunked-prefill padding or capacity binding"
-        )
-    if native_chunks not in NATIVE_CHUNKS_CHOICES:
-        raise ConfigError(f"native chunks must be one of {', '.join(NATIVE_CHUNKS_CHOICES)}, "
-                          f"got {native_chunks!r}")
-    if logits_rows not in LOGITS_ROWS_CHOICES:
-        raise ConfigError(f"logits rows must be one of {', '.join(LOGITS_ROWS_CHOICES)}, "
-                          f"got {logits_rows!r}")
-    reblocked = False
+    rewrites: list[ir.passes.PassBase] = []
+    if grows_kv_by_concat(model.graph):
+        rewrites.append(KV_CACHE_TARGETS[kv_cache](max_sequence_length))
     if int4_block_size is not None:
-        reblocked = Int4BlocksPass(int4_block_size)(model).modified
-    int8 = int8_matmul and Int8MatMulPass()(model).modified
-    quantized = False
+        rewrites.append(Int4BlocksPass(int4_block_size))
+    if int8_matmul:
+        rewrites.append(Int8MatMulPass())
     if kv_dtype is not None:
         assert calibration is not None
-        quantized = KVCacheQuantizationPass(calibration, kv_dtype, kv_scales)(model).modified
-    result = _run_pipeline(model, chunk_size, max_variants, native_chunks, logits_rows)
-    return ir.passes.PassResult(model, modified=rewritten or reblocked or int8 or quantized
-                                                 or result.modified)
+        rewrites.append(KVCacheQuantizationPass(calibration, kv_dtype, kv_scales))
+    passes = annotation_passes(chunk_size, max_variants, native_chunks, logits_rows)
+    return DecoderPipeline(*rewrites, *passes, require_kv_cache=True)(model)
 
 
 def check_int8_matmul_options(int4_block_size: int | None, int8_matmul: bool) -> None:
@@ -225,7 +183,7 @@ def check_int8_matmul_options(int4_block_size: int | None, int8_matmul: bool) ->
 def check_int8_matmul(model: ir.Model) -> None:
     """Before any work: the refusals of `--int8-matmul` on `model` (Int8MatMulPass rules 1-3),
     none for a model it already rewrote."""
-    int8_targets(model)
+    Int8MatMulPass().requires(model)
 
 
 def check_kv_quantization(model: ir.Model, kv_dtype: str) -> None:

@@ -9,6 +9,7 @@ import onnx_ir as ir
 from onnx_chunk import metadata
 from onnx_chunk.errors import ModelStructureError
 from onnx_chunk.ladder import ladder_tiers
+from onnx_chunk.passes.preconditions import precondition
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +24,8 @@ class ChunkedPrefillDeclarationPass(ir.passes.InPlacePass):
     1. Runs after the KV capacity, recurrent state and per-token ports passes and reads their
        findings from the metadata; without them it refuses to run.
     2. The chunk size is the one given; None keeps the chunk size the model already declares
-       (an unconverted model then declares none, and has no ladder).
+       (an unconverted model then declares none, and has no ladder), refused when it is no
+       positive integer.
     3. The ladder is `ladder_tiers(chunk_size, max_variants)`.
     4. Padding is eligible only when the model has GQA nodes, every GQA past is bound at
        capacity without problems, no KV cache is window-sized (it evicts as it fills) unless
@@ -52,6 +54,9 @@ class ChunkedPrefillDeclarationPass(ir.passes.InPlacePass):
                 f"the declaration needs the findings of the {', '.join(missing)} pass(es); "
                 "run the whole pipeline (onnx_chunk.passes.convert_model)"
             )
+        if self.chunk_size is None:
+            with precondition():
+                _declared_chunk_size(model)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         kv = metadata.read_kv_capacity(model)

@@ -3,7 +3,7 @@
 For providers without Microsoft contrib ops: the KV cache is a fixed-capacity buffer that
 `TensorScatter` writes the new rows into (in place when the runtime binds the past and present
 to one buffer, as it does), and `Attention` reads with `nonpad_kv_seqlen` and a causal mask
-offset by the past length. The layers are found by concat_kv_attention's onnxscript patterns.
+offset by the past length. The layers are found by concat_kv_layers' onnxscript patterns.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from onnx_chunk.passes import value_tracing
-from onnx_chunk.passes.concat_kv_attention import ConcatKVLayer, ConcatKVRewritePass, RewriteBuilder
+from onnx_chunk.passes.concat_kv_layers import ConcatKVLayer
+from onnx_chunk.passes.concat_kv_rewrite import ConcatKVRewritePass, RewriteBuilder
 
 OPSET = 24
 # TensorScatter and Attention's nonpad_kv_seqlen need IR version 11 (ONNX 1.19).

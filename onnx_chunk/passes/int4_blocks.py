@@ -25,6 +25,7 @@ import onnx_ir as ir
 from onnx_chunk import metadata
 from onnx_chunk.errors import ConfigError, ModelStructureError
 from onnx_chunk.model_io import write_to_data_file
+from onnx_chunk.passes.preconditions import precondition
 from onnx_chunk.passes.value_tracing import MICROSOFT_DOMAIN, input_at
 
 logger = logging.getLogger(__name__)
@@ -205,9 +206,14 @@ class Int4BlocksPass(ir.passes.InPlacePass):
         _check_block_size(block_size)
         self.block_size = block_size
 
+    def requires(self, model: ir.Model) -> None:
+        """Rules 1 and 2: 4-bit nodes, each of whose weights can be read exactly."""
+        with precondition():
+            check_int4_blocks(model, self.block_size)
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        matmuls, others = check_int4_blocks(model, self.block_size)
+        matmuls, others = find_int4_matmuls(graph)
         targets = [matmul for matmul in matmuls if matmul.block_size != self.block_size]
         replaced: dict[int, ir.Value] = {}
         reblocked_nodes = {id(matmul.node) for matmul in targets}

@@ -43,6 +43,7 @@ from onnx_chunk.passes.int4_blocks import (
     find_int4_matmuls,
 )
 from onnx_chunk.passes.logits_rows import find_lm_head
+from onnx_chunk.passes.preconditions import precondition
 from onnx_chunk.passes.value_tracing import MICROSOFT_DOMAIN, input_at, name_of
 
 logger = logging.getLogger(__name__)
@@ -194,6 +195,12 @@ class Int8MatMulPass(ir.passes.InPlacePass):
     6. The metadata (`onnx_chunk.int8_matmul`) records the nodes rewritten from 4-bit and the
        4-bit nodes kept; running the pass again reports `modified=False`.
     """
+
+    def requires(self, model: ir.Model) -> None:
+        """Rules 1-3, on a model the pass has not rewritten yet."""
+        if metadata.read_int8_matmul(model) is None:
+            with precondition():
+                int8_targets(model)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         previous = metadata.read_int8_matmul(model)

@@ -12,6 +12,7 @@ import onnx_ir as ir
 from onnx_chunk import metadata
 from onnx_chunk.errors import ConfigError, ModelStructureError
 from onnx_chunk.passes import value_tracing
+from onnx_chunk.passes.preconditions import precondition
 
 logger = logging.getLogger(__name__)
 
@@ -255,10 +256,15 @@ class KVCacheQuantizationPass(ir.passes.InPlacePass):
         self.kv_dtype = kv_dtype
         self.kv_scales = kv_scales
 
+    def requires(self, model: ir.Model) -> None:
+        """Rules 1, 5 and 7 for every node, before any node is rewritten."""
+        with precondition():
+            self._planned(model)
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False
-        for target in find_quantizable_caches(model, self.kv_dtype):
-            modified = self._rewrite(model, target) or modified
+        for target, scales in self._planned(model):
+            modified = self._rewrite(model, target, scales) or modified
         declaration = metadata.KVCacheDeclaration(
             dtype=self.kv_dtype, scales=self.kv_scales,
             calibration_prompts=self.calibration.prompts,
@@ -269,17 +275,26 @@ class KVCacheQuantizationPass(ir.passes.InPlacePass):
             logger.info("KV cache quantized to %s (%s scales)", self.kv_dtype, self.kv_scales)
         return ir.passes.PassResult(model, modified=modified)
 
-    def _rewrite(self, model: ir.Model, target: _Target) -> bool:
+    def _planned(self, model: ir.Model) -> list[tuple[_Target, list[np.ndarray]]]:
+        """Every node to quantize with the scales of its two caches; the refusals of rules 1, 5
+        and 7 (a node whose cache is quantized otherwise)."""
+        planned = []
+        for target in find_quantizable_caches(model, self.kv_dtype):
+            scales = [self._scale(cache, target) for cache in target.caches]
+            if not self._already(target, scales) and any(
+                    cache.past.dtype != ir.DataType.FLOAT for cache in target.caches):
+                raise ModelStructureError(
+                    f"GroupQueryAttention {target.node.name!r} already has a "
+                    f"{target.caches[0].past.dtype} KV cache; quantize the float export instead")
+            planned.append((target, scales))
+        return planned
+
+    def _rewrite(self, model: ir.Model, target: _Target, scales: list[np.ndarray]) -> bool:
         node = target.node
         cache_type = CACHE_TYPES[self.kv_dtype]
         head = (target.head_size if self.kv_dtype == "int8" else (target.head_size + 1) // 2)
-        scales = [self._scale(cache, target) for cache in target.caches]
-        if self._already(node, cache_type, scales, target):
+        if self._already(target, scales):
             return False
-        if any(cache.past.dtype != ir.DataType.FLOAT for cache in target.caches):
-            raise ModelStructureError(
-                f"GroupQueryAttention {node.name!r} already has a {target.caches[0].past.dtype} "
-                "KV cache; quantize the float export instead")
         for cache in target.caches:
             for value in (cache.past, cache.present):
                 value.dtype = cache_type
@@ -320,10 +335,10 @@ class KVCacheQuantizationPass(ir.passes.InPlacePass):
                 "on text that reaches that layer with nonzero keys and values")
         return scale_values(amax, self.kv_dtype, self.kv_scales)
 
-    def _already(self, node: ir.Node, cache_type: ir.DataType, scales: list[np.ndarray],
-                 target: _Target) -> bool:
+    def _already(self, target: _Target, scales: list[np.ndarray]) -> bool:
         """Whether the node already reads this cache type with exactly these scales."""
-        if any(cache.past.dtype != cache_type for cache in target.caches):
+        node = target.node
+        if any(cache.past.dtype != CACHE_TYPES[self.kv_dtype] for cache in target.caches):
             return False
         bits = node.attributes.get("kv_cache_bit_width")
         quant = node.attributes.get("k_quant_type")

@@ -48,6 +48,7 @@ import onnx_ir as ir
 from onnx_chunk import metadata
 from onnx_chunk.errors import ConfigError, ModelStructureError
 from onnx_chunk.passes import value_tracing
+from onnx_chunk.passes.preconditions import ConfigPreconditionError, precondition
 from onnx_chunk.passes.token_input import axis_keys, token_input
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,16 @@ class LogitsRowsPass(ir.passes.InPlacePass):
                               f"got {mode!r}")
         self.mode = mode
 
+    def requires(self, model: ir.Model) -> None:
+        """Rules 1 and 2 for "on", unless the input is wired already (ConfigError)."""
+        if self.mode != "on" or _graph_input(model.graph) is not None:
+            return
+        try:
+            _checked_head(model.graph)
+        except ModelStructureError as error:
+            raise ConfigPreconditionError(f"--logits-rows on: {error}; convert with "
+                                          "--logits-rows auto or off") from error
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         if self.mode == "off":
@@ -84,9 +95,6 @@ class LogitsRowsPass(ir.passes.InPlacePass):
         try:
             head, chain = _checked_head(graph)
         except ModelStructureError as error:
-            if self.mode == "on":
-                raise ConfigError(f"--logits-rows on: {error}; convert with --logits-rows "
-                                  "auto or off") from error
             logger.info("logits rows not wired: %s", error)
             return ir.passes.PassResult(model, modified=False)
         _wire(graph, head, chain)
@@ -172,10 +180,15 @@ class LastRowLogitsPass(ir.passes.InPlacePass):
     """Slice the lm_head's input to the last query row: `logits` [batch, 1, vocab] (module
     rules)."""
 
+    def requires(self, model: ir.Model) -> None:
+        """Rules 1 and 2, unless the logits are one row already (ModelStructureError)."""
+        with precondition():
+            if not _one_row(model.graph):
+                _checked_head(model.graph)
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        output = _logits_output(graph)
-        if output.shape is not None and len(output.shape) >= 2 and output.shape[1] == 1:
+        if _one_row(graph):
             return ir.passes.PassResult(model, modified=False)
         head, chain = _checked_head(graph)
         hidden = head.inputs[0]
@@ -199,6 +212,12 @@ class LastRowLogitsPass(ir.passes.InPlacePass):
                 value.shape = _with_rows(value.shape, 1)
         logger.info("last-row logits: %s reads the last row of %s", head.name, hidden.name)
         return ir.passes.PassResult(model, modified=True)
+
+
+def _one_row(graph: ir.Graph) -> bool:
+    """Whether the logits are [batch, 1, vocab] (LastRowLogitsPass's marker)."""
+    output = _logits_output(graph)
+    return output.shape is not None and len(output.shape) >= 2 and output.shape[1] == 1
 
 
 def _checked_head(graph: ir.Graph) -> tuple[ir.Node, list[ir.Value]]:

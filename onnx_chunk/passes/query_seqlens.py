@@ -10,6 +10,7 @@ import onnx_ir as ir
 from onnx_chunk import metadata
 from onnx_chunk.errors import ConfigError
 from onnx_chunk.passes import value_tracing
+from onnx_chunk.passes.preconditions import ConfigPreconditionError
 from onnx_chunk.passes.token_input import token_input
 from onnx_chunk.query_seqlens import (
     QUERY_SEQLENS,
@@ -68,23 +69,26 @@ class QuerySeqlensPass(ir.passes.InPlacePass):
         """Where GroupQueryAttention takes query_seqlens here, None when it does not."""
         return query_seqlens_index() if self._index is None else self._index
 
+    def requires(self, model: ir.Model) -> None:
+        """Rules 2 and 3 for "on": the installed ONNX Runtime has the input and the graph can
+        take it (ConfigError)."""
+        if self.mode != "on":
+            return
+        index = self.index
+        refusal = (lacking_reason() if index is None
+                   else wiring_refusal(model.graph, value_tracing.gqa_nodes(model.graph), index))
+        if refusal is not None:
+            raise ConfigPreconditionError(f"--native-chunks on: {refusal}; convert with "
+                                          "--native-chunks auto or off")
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         nodes = value_tracing.gqa_nodes(graph)
         index = None if self.mode == "off" else self.index
-        if index is None and self.mode != "on":
-            modified = _unwire(graph, nodes)
-            modified = metadata.write_query_seqlens(model, None) or modified
-            return ir.passes.PassResult(model, modified=modified)
-        if index is None:
-            raise ConfigError(f"--native-chunks on: {lacking_reason()}; convert with "
-                              "--native-chunks auto or off")
-        refusal = wiring_refusal(graph, nodes, index)
-        if refusal is not None:
-            if self.mode == "on":
-                raise ConfigError(f"--native-chunks on: {refusal}; convert with "
-                                  "--native-chunks auto or off")
-            logger.info("query_seqlens not wired: %s", refusal)
+        refusal = None if index is None else wiring_refusal(graph, nodes, index)
+        if index is None or refusal is not None:
+            if refusal is not None:
+                logger.info("query_seqlens not wired: %s", refusal)
             modified = _unwire(graph, nodes)
             modified = metadata.write_query_seqlens(model, None) or modified
             return ir.passes.PassResult(model, modified=modified)

@@ -84,9 +84,15 @@ def test_no_gqa_is_a_padding_reason(make_decoder):
     assert "no com.microsoft::GroupQueryAttention" in padding.reasons[0]
 
 
-def test_refuses_to_run_without_the_analysis_passes(make_decoder):
-    with pytest.raises(ir.passes.PreconditionError):
-        ChunkedPrefillDeclarationPass()(make_decoder())
+@pytest.mark.parametrize("missing,key", [("kv capacity", metadata.KV_CAPACITY_KEY),
+                                         ("recurrent state", metadata.RECURRENT_STATE_KEY),
+                                         ("per-token ports", metadata.PER_TOKEN_PORTS_KEY)])
+def test_refuses_to_run_without_each_analysis_pass(make_decoder, missing, key):
+    model = _analysed(make_decoder())
+    del model.metadata_props[key]
+    with pytest.raises(ir.passes.PreconditionError, match=f"findings of the {missing} pass"):
+        ChunkedPrefillDeclarationPass()(model)
+    assert metadata.CHUNK_SIZE_KEY not in model.metadata_props
 
 
 @pytest.mark.parametrize("chunk_size,max_variants", [(0, 4), (512, 1)])
@@ -100,6 +106,7 @@ def test_damaged_declared_chunk_size_is_refused(make_decoder):
 
     model = _analysed(make_decoder())
     model.metadata_props[metadata.CHUNK_SIZE_KEY] = "lots"
-    with pytest.raises(ModelStructureError, match="'lots'"):
+    with pytest.raises(ModelStructureError, match="'lots'") as refused:
         ChunkedPrefillDeclarationPass(chunk_size=None)(model)
+    assert isinstance(refused.value, ir.passes.PreconditionError)  # requires() refused it
     assert ChunkedPrefillDeclarationPass(chunk_size=128)(model).modified

@@ -9,13 +9,13 @@ from onnx_chunk import metadata
 from onnx_chunk.cli import main
 from onnx_chunk.errors import ModelStructureError
 from onnx_chunk.passes import value_tracing
-from onnx_chunk.passes.concat_kv_attention import (
+from onnx_chunk.passes.concat_kv_attention import ConcatKVToGQAPass
+from onnx_chunk.passes.concat_kv_layers import (
     FORM_ATTENTION,
     FORM_SOFTMAX,
-    ConcatKVToGQAPass,
     find_concat_kv_attention,
-    reads_sequence_axis,
 )
+from onnx_chunk.passes.concat_kv_rewrite import reads_sequence_axis
 from onnx_chunk.passes.kv_capacity import find_kv_capacity
 from tests.exports.corpus import GENAI, fixtures
 from tests.passes.export_graphs import insert_after, load_export
@@ -87,8 +87,9 @@ def test_a_softcap_before_softmax_is_refused_naming_the_node():
     findings = find_concat_kv_attention(model.graph)
     assert not findings.layers and f"Tanh node {name!r}" in findings.refusal
     count = len(model.graph)
-    with pytest.raises(ModelStructureError, match="nothing was rewritten"):
+    with pytest.raises(ModelStructureError, match="nothing was rewritten") as refused:
         ConcatKVToGQAPass()(model)
+    assert isinstance(refused.value, ir.passes.PreconditionError)  # requires() refused it
     assert len(model.graph) == count
 
 

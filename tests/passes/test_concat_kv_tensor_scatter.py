@@ -64,8 +64,9 @@ def test_second_run_changes_nothing_and_a_refused_layer_rewrites_nothing():
     model = load_export("optimum-llama-fp32")
     insert_after(model, "/model/layers.1/self_attn/MatMul", "Tanh")
     count = len(model.graph)
-    with pytest.raises(ModelStructureError, match="Tanh node"):
+    with pytest.raises(ModelStructureError, match="Tanh node") as refused:
         ConcatKVToTensorScatterPass()(model)
+    assert isinstance(refused.value, ir.passes.PreconditionError)  # requires() refused it
     assert len(model.graph) == count and model.opset_imports[""] == 18
 
 

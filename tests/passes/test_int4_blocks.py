@@ -251,10 +251,15 @@ def test_asymmetric_weights_stay_asymmetric_within_half_a_step(dtype, zero_point
 def test_nodes_the_pass_cannot_read_and_block_sizes_outside_the_list_are_refused():
     rng = np.random.default_rng(1)
     weights = rng.standard_normal((8, 64)).astype(np.float32)
-    with pytest.raises(ModelStructureError, match="MatMulNBits 'matmul' reads a g_idx"):
+    with pytest.raises(ModelStructureError, match="MatMulNBits 'matmul' reads a g_idx") as g_idx:
         Int4BlocksPass(128)(_synthetic(weights, 32, symmetric=True, g_idx=True))
     with pytest.raises(ConfigError, match="one of 32, 64, 128, 256, got 48"):
         Int4BlocksPass(48)
+    with pytest.raises(ConfigError, match="--int4-block-size applies to 4-bit") as no_int4:
+        Int4BlocksPass(128)(load_model(FP32_LLAMA.folder / "model.onnx"))
+    # Both are the pass's preconditions, refused by requires() before it changes anything.
+    assert all(isinstance(refused.value, ir.passes.PreconditionError)
+               for refused in (g_idx, no_int4))
     with pytest.raises(ConfigError, match="--int4-block-size applies to 4-bit"):
         convert_model(load_model(FP32_LLAMA.folder / "model.onnx"), int4_block_size=128)
 

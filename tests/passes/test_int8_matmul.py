@@ -345,3 +345,19 @@ def test_weights_with_several_hard_links_are_refused_before_any_work(option, tmp
     assert main(["convert", str(source), "-o", str(tmp_path / "out"), *option]) == 2
     one_error_line(capsys, option[0], "hard links")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_refusals_are_the_passs_preconditions():
+    with pytest.raises(ConfigError, match="--int8-matmul rewrites 4-bit") as no_int4:
+        Int8MatMulPass()(load_model(FP32_LLAMA.folder / "model.onnx"))
+    model = load_model(INT4[0].folder / "model.onnx")
+    head = find_lm_head(model.graph)[0]
+    layer = next(node for node in model.graph if node.op_type == "MatMulNBits" and node is not head)
+    layer.inputs[0].dtype = ir.DataType.FLOAT16
+    with pytest.raises(ModelStructureError, match="float32 activations only") as float16:
+        Int8MatMulPass()(model)
+    # requires() refused both, before the pass changed anything.
+    assert all(isinstance(refused.value, ir.passes.PreconditionError)
+               for refused in (no_int4, float16))
+    int8_ops = {DYNAMIC_QUANTIZE_MATMUL, MATMUL_INTEGER_TO_FLOAT}
+    assert not int8_ops & {node.op_type for node in model.graph}

@@ -118,12 +118,30 @@ def test_a_layer_whose_range_is_zero_is_refused_by_name(calibrated):
                       calibration=missing)
 
 
+def test_every_refusal_comes_before_any_node_is_rewritten(calibrated, make_decoder):
+    calibration = calibrated(LLAMA)
+    ranges = dict(calibration.ranges)
+    del ranges["past_key_values.1.value"]
+    missing = Calibration(ranges, calibration.prompts, calibration.tokens, "test")
+    model = load_model(LLAMA.folder / "model.onnx")
+    with pytest.raises(ModelStructureError, match="no calibrated range") as no_range:
+        KVCacheQuantizationPass(missing)(model)
+    # Layer 0 has both ranges and is still float: the refusal came before any rewrite.
+    assert {node.inputs[3].dtype for node in _gqa(model)} == {ir.DataType.FLOAT}
+    with pytest.raises(ModelStructureError, match="not com.microsoft::GroupQueryAttention") \
+            as no_gqa:
+        KVCacheQuantizationPass(calibration)(make_decoder(gqa=False))
+    assert all(isinstance(refused.value, ir.passes.PreconditionError)
+               for refused in (no_range, no_gqa))
+
+
 def test_a_cache_quantized_otherwise_is_refused_and_a_float_one_needs_a_calibration(calibrated):
     calibration = calibrated(LLAMA)
     model = convert_model(load_model(LLAMA.folder / "model.onnx"), kv_dtype="int8",
                           calibration=calibration).model
-    with pytest.raises(ModelStructureError, match="already has a INT8 KV cache"):
+    with pytest.raises(ModelStructureError, match="already has a INT8 KV cache") as refused:
         KVCacheQuantizationPass(calibration, "int8", "per-tensor")(model)
+    assert isinstance(refused.value, ir.passes.PreconditionError)  # requires() refused it
     with pytest.raises(ConfigError, match="needs a calibration"):
         convert_model(load_model(LLAMA.folder / "model.onnx"), kv_dtype="int8")
 

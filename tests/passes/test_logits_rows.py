@@ -165,8 +165,9 @@ def _head_graph(between: list[onnx.NodeProto], query: str | int = "sequence_leng
                                           (LastRowLogitsPass, ModelStructureError)])
 def test_a_node_that_is_not_row_wise_before_the_logits_is_refused(pass_, error):
     softmax = helper.make_node("Softmax", ["head"], ["logits"], axis=1)
-    with pytest.raises(error, match="Softmax .* not row-wise"):
+    with pytest.raises(error, match="Softmax .* not row-wise") as refused:
         pass_()(_head_graph([softmax]))
+    assert isinstance(refused.value, ir.passes.PreconditionError)  # requires() refused it
     # A constant with a row axis of its own cannot be gathered along: refused too.
     scaled = helper.make_node("Mul", ["head", "row_scale"], ["logits"])
     with pytest.raises(ConfigError, match="--logits-rows on: .*Mul .* not row-wise"):
@@ -174,10 +175,14 @@ def test_a_node_that_is_not_row_wise_before_the_logits_is_refused(pass_, error):
 
 
 def test_logits_without_a_named_query_axis_or_no_logits_are_refused():
-    with pytest.raises(ConfigError, match="axis 1 of the logits must be the query"):
+    with pytest.raises(ConfigError, match="axis 1 of the logits must be the query") as axis:
         LogitsRowsPass()(_head_graph([], query=5))
-    with pytest.raises(ConfigError, match="no 'logits' output"):
+    with pytest.raises(ConfigError, match="no 'logits' output") as output:
         LogitsRowsPass()(_head_graph([], output="scores"))
+    with pytest.raises(ModelStructureError, match="no 'logits' output") as last_row:
+        LastRowLogitsPass()(_head_graph([], output="scores"))
+    assert all(isinstance(refused.value, ir.passes.PreconditionError)
+               for refused in (axis, output, last_row))
 
 
 def test_auto_leaves_a_graph_whose_rows_cannot_be_chosen_as_it_is():

@@ -1,9 +1,11 @@
+import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
 
 from onnx_chunk import metadata
-from onnx_chunk.errors import ModelStructureError
-from onnx_chunk.passes import analyze, convert_model
+from onnx_chunk.errors import ConfigError, ModelStructureError
+from onnx_chunk.passes import DecoderPipeline, LogitsRowsPass, analyze, convert_model
+from onnx_chunk.passes.pipeline import annotation_passes
 
 
 def test_convert_then_convert_again_changes_nothing(make_decoder):
@@ -46,8 +48,29 @@ def test_convert_refuses_a_model_without_gqa(make_decoder):
     ({"": 21, "com.microsoft": 2}, "com.microsoft"),
 ])
 def test_unsupported_opsets_are_refused(make_decoder, opsets, match):
-    with pytest.raises(ModelStructureError, match=match):
+    with pytest.raises(ModelStructureError, match=match) as refused:
         convert_model(make_decoder(opsets=opsets))
+    assert isinstance(refused.value, ir.passes.PreconditionError)  # the pipeline's requires()
+
+
+def test_a_model_without_a_kv_cache_is_refused_before_any_pass_runs(make_decoder):
+    model = make_decoder(gqa=False)
+    passes = [LogitsRowsPass("on"), *annotation_passes(512, 4)]
+    with pytest.raises(ModelStructureError, match="annotation does not apply") as refused:
+        DecoderPipeline(*passes, require_kv_cache=True)(model)
+    assert isinstance(refused.value, ir.passes.PreconditionError)
+    assert [value.name for value in model.graph.inputs] == ["input_ids", "attention_mask"]
+    assert dict(model.metadata_props) == {}
+    # Analysis asks for no KV cache: the same passes run, wire the input and plan no padding.
+    assert DecoderPipeline(*passes)(model).modified
+    assert metadata.read_logits_rows(model) == "logits_rows"
+    assert not metadata.read_plan(model).padding.eligible
+
+
+def test_a_typed_error_of_a_pass_reaches_the_caller_unwrapped(make_decoder):
+    # Sequential wraps what a pass raises in onnx_ir's PassError; the pipeline unwraps ours.
+    with pytest.raises(ConfigError, match="--logits-rows on: .*must be the query axis"):
+        convert_model(make_decoder(query_dim=5), logits_rows="on")
 
 
 def test_unknown_domain_is_refused(make_decoder):

@@ -1,6 +1,7 @@
 """The query_seqlens pass: GroupQueryAttention's query_seqlens wired where ONNX Runtime has it."""
 
 import onnx
+import onnx_ir as ir
 import pytest
 
 from onnx_chunk import metadata
@@ -63,8 +64,10 @@ def test_an_onnx_runtime_without_the_input_wires_nothing_and_refuses_on(lacking)
     model = load_export("genai-llama-fp32")
     assert not QuerySeqlensPass("auto")(model).modified
     assert QUERY_SEQLENS not in [value.name for value in model.graph.inputs]
-    with pytest.raises(ConfigError, match="has no GroupQueryAttention input 'query_seqlens'"):
+    with pytest.raises(ConfigError, match="has no GroupQueryAttention input 'query_seqlens'") \
+            as refused:
         QuerySeqlensPass("on")(model)
+    assert isinstance(refused.value, ir.passes.PreconditionError)  # requires() refused it
 
 
 def test_a_gqa_without_past_is_not_wired():
@@ -75,8 +78,9 @@ def test_a_gqa_without_past_is_not_wired():
     node.replace_input_with(4, None)
     assert not QuerySeqlensPass("auto")(model).modified
     assert metadata.read_query_seqlens(model) is None
-    with pytest.raises(ConfigError, match="no past_key/past_value"):
+    with pytest.raises(ConfigError, match="no past_key/past_value") as refused:
         QuerySeqlensPass("on")(model)
+    assert isinstance(refused.value, ir.passes.PreconditionError)  # requires() refused it
 
 
 def test_a_bad_mode_is_a_config_error():
