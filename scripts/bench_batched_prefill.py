@@ -8,13 +8,14 @@ round, interleaved in rotating order:
   [slots, S] only where that computes no more rows than one forward per chunk (the scheduler's
   `batch_pays`);
 - `batched`: every round of two or more chunks in one forward [slots, S] (`batch_pays`
-  replaced in the child: at least two chunks);
+  replaced in the child through `onnx_chunk.runtime.debug.prefill_batching`: at least two
+  chunks);
 - `one per forward`: `batch_pays` answering no: every prefill chunk is a forward of its slot.
 Measured from the submit: the time until every request has its first token (the goal's
 number), the median request's, the last request's whole generation, and the forwards the
-runner ran (`ModelRunner.run`, counted in the child): prefill forwards of one slot and of
-several, decode forwards. Tokens of the two arms are compared per request (INT4 kernels round
-by the rows of a forward, so they may differ there).
+runner ran (its `run`, counted in the child through `runtime.debug.runner`): prefill forwards
+of one slot and of several, decode forwards. Tokens of the two arms are compared per request
+(INT4 kernels round by the rows of a forward, so they may differ there).
 
     .venv/bin/python scripts/bench_batched_prefill.py [--model qwen05-int4] [--prompts 8]
         [--shortest 100] [--longest 2000] [--new-tokens 8] [--repetitions 3] [--out bench-out]
@@ -44,44 +45,51 @@ RULE, BATCHED, ALONE = "rule", "batched", "one per forward"
 ARMS = (RULE, BATCHED, ALONE)
 
 _CHILD = r"""
-import json, sys, time
+import contextlib, json, sys
 request = json.loads(sys.argv[1])
 import onnx_chunk
-from onnx_chunk.runtime.engine import batch_engine
-from onnx_chunk.runtime.runner import model_runner
+from onnx_chunk.runtime import debug
 
-if request["arm"] == "one per forward":
-    batch_engine.batch_pays = lambda widths, slots: False
-elif request["arm"] == "batched":
-    batch_engine.batch_pays = lambda widths, slots: len(widths) >= 2
+RULES = {"one per forward": lambda widths, slots: False,
+         "batched": lambda widths, slots: len(widths) >= 2}
 forwards = {"prefill one slot": 0, "prefill several slots": 0, "decode": 0}
-run = model_runner.ModelRunner.run
 
-def counted(self, slot, forward):
-    fed = [len(row.tokens) for row in forward.rows if row.steps]
-    if max(fed, default=0) > 1:
-        forwards["prefill several slots" if len(fed) > 1 else "prefill one slot"] += 1
-    else:
-        forwards["decode"] += 1
-    return run(self, slot, forward)
 
-model_runner.ModelRunner.run = counted
-prompts = request["prompts"]
-runtime = onnx_chunk.load(request["model"], provider="cpu", max_batch=len(prompts),
-                          capacity=max(map(len, prompts)) + request["new_tokens"])
-runtime.generate_many([[5, 6, 7, 8]], 2, eos_token_id=[])  # the session's first run
-for key in forwards:
-    forwards[key] = 0
-began = time.perf_counter()
-requests = [runtime.submit(prompt, request["new_tokens"], eos_token_id=[]) for prompt in prompts]
-tokens = [[int(token) for token in handle.result()] for handle in requests]
-submitted = [handle.token_times for handle in requests]
-# token_times count from each submit; the submits took microseconds, so from `began` too.
-first = [times[0] for times in submitted]
-done = [times[-1] for times in submitted]
-runtime.close()
-print(json.dumps({"first_token_s": first, "done_s": done, "tokens": tokens,
-                  "forwards": forwards}))
+def counting(run):
+    def counted(slot, forward):
+        fed = [len(row.tokens) for row in forward.rows if row.steps]
+        if max(fed, default=0) > 1:
+            forwards["prefill several slots" if len(fed) > 1 else "prefill one slot"] += 1
+        else:
+            forwards["decode"] += 1
+        return run(slot, forward)
+    return counted
+
+
+def measure(prompts, new_tokens):
+    runtime = onnx_chunk.load(request["model"], provider="cpu", max_batch=len(prompts),
+                              capacity=max(map(len, prompts)) + new_tokens)
+    # Every forward the engine runs goes through its runner's `run`.
+    runner = runtime.debug.runner
+    runner.run = counting(runner.run)
+    runtime.generate_many([[5, 6, 7, 8]], 2, eos_token_id=[])  # the session's first run
+    for key in forwards:
+        forwards[key] = 0
+    requests = [runtime.submit(prompt, new_tokens, eos_token_id=[]) for prompt in prompts]
+    tokens = [[int(token) for token in handle.result()] for handle in requests]
+    # token_times count from each submit; the submits took microseconds, so from the first.
+    submitted = [handle.token_times for handle in requests]
+    runtime.close()
+    return {"first_token_s": [times[0] for times in submitted],
+            "done_s": [times[-1] for times in submitted], "tokens": tokens,
+            "forwards": forwards}
+
+
+with contextlib.ExitStack() as arm:
+    if request["arm"] in RULES:
+        arm.enter_context(debug.prefill_batching(RULES[request["arm"]]))
+    result = measure(request["prompts"], request["new_tokens"])
+print(json.dumps(result))
 """
 
 

@@ -13,9 +13,10 @@ cache), serves one short request on each sequence in turn and reports
 peak RSS (VmHWM of /proc/self/status; ru_maxrss of a child starts from its parent's).
 `--llamacpp GGUF` adds llama.cpp at the same shapes with its f16, q8_0 and q4_0 caches
 (`_bench/llamacpp_kv_worker.py` in the llama.cpp venv: one context of `slots` sequences, each
-served in turn; the KV bytes llama.cpp's log reports, its VmHWM). `decode` prefills a random
-prompt of `--positions` tokens (timed: the prefill's seconds) and times 32 greedy decode steps
-after it, the folders
+served in turn; the KV bytes llama.cpp's log reports, its VmHWM). `decode` generates 33 greedy
+tokens (`Sequence.generate`, no EOS stop) from a random prompt of `--positions` tokens: the
+prefill's seconds are its time to the first token, the decode tokens/s those of the 32 steps
+after it (`stats.last_generation`), the folders
 interleaved round by round; the load average is printed beside each number (the machine may be
 shared).
 `--genai FOLDER` adds onnxruntime-genai (`_bench/genai_worker.py` in `--genai-venv`) on that
@@ -47,8 +48,7 @@ from _bench.environment import WORKERS, llama_python
 LLAMA_CACHES = ("f16", "q8_0", "q4_0")
 
 _CHILD = r"""
-import ctypes, json, mmap, os, sys, time
-import numpy as np
+import ctypes, json, mmap, os, sys
 import onnx_chunk
 request = json.loads(sys.argv[1])
 def vmhwm():
@@ -88,16 +88,11 @@ else:
     with onnx_chunk.load(request["folder"], provider="cpu",
                          capacity=len(prompt) + 64) as runtime:
         with runtime.open_sequence() as sequence:
-            began = time.perf_counter()
-            logits = sequence.prefill(prompt)
-            token = int(np.argmax(logits))
-            prefill_s = time.perf_counter() - began
-            began = time.perf_counter()
-            for _ in range(32):
-                token = int(np.argmax(sequence.decode(token)))
-            seconds = time.perf_counter() - began
-        print(json.dumps({"kv_dtype": runtime.stats.kv_dtype, "tokens_per_s": 32 / seconds,
-                          "prefill_s": prefill_s,
+            sequence.generate(prompt, 33, eos_token_id=[])
+            generation = sequence.stats.last_generation
+        print(json.dumps({"kv_dtype": runtime.stats.kv_dtype,
+                          "tokens_per_s": generation.decode_tokens_per_s,
+                          "prefill_s": generation.ttft_s,
                           "environment": {name: os.environ.get(name)
                                           for name in request["environment"]}}))
 """

@@ -1,11 +1,13 @@
 """Table 3: onnx-chunk's decode time per token against the bare ONNX Runtime forward.
 
 End to end: `Sequence.generate` (a fresh sequence per round), decode time / decode steps, which
-covers binding, the forward, the logits read and the argmax. Bare: a fresh sequence prefilled
-with the same prompt, then the same decode session from the runtime's variant cache with the
-sequence's own KV buffers bound to an IOBinding, the same attention-mask widths, and only
-`session.run_with_iobinding` timed. Target: end to end / bare under 1.05. Rounds interleave the
-two; a pyinstrument profile of the decode loop says where the rest of the time goes.
+covers binding, the forward, the logits read and the token choice. Bare: a fresh sequence given
+the same prompt (`generate(prompt, 1)`: the prompt's KV and its first token), then the same
+decode session from the runtime's variant cache (`runtime.debug`) with the sequence's own KV
+buffers bound to an IOBinding, the same attention-mask widths, and only
+`session.run_with_iobinding` timed: a probe of the forward itself, which binds its own inputs.
+Target: end to end / bare under 1.05. Rounds interleave the two; a pyinstrument profile of the
+decode loop says where the rest of the time goes.
 
     .venv/bin/python scripts/bench_overhead.py [--variant int4]
 """
@@ -32,9 +34,6 @@ from _bench.harness import (
 )
 
 import onnx_chunk.runtime as rt
-from onnx_chunk.ladder import DECODE_WIDTH
-from onnx_chunk.runtime.caches.variant_cache import variant_key
-from onnx_chunk.runtime.device.provider import MaskPolicy
 
 PROMPT_TOKENS = 40
 TARGET = 1.05
@@ -53,7 +52,7 @@ def _end_to_end(runtime: rt.Runtime, prompt: list[int], new_tokens: int) -> floa
 
 def _bare(runtime: rt.Runtime, prompt: list[int], new_tokens: int) -> float:
     sequence = runtime.open_sequence()
-    first = int(np.argmax(sequence.prefill(prompt)))
+    first = sequence.generate(prompt, 1)[0]
     past = sequence.length
     vocab = runtime.stats.vocab_size
     logits = np.zeros((1, 1, vocab), dtype=np.float32)
@@ -61,16 +60,14 @@ def _bare(runtime: rt.Runtime, prompt: list[int], new_tokens: int) -> float:
     masks = []
     for step in range(new_tokens - 1):
         width = past + step + 1
-        if runtime.debug.device.mask_policy is MaskPolicy.CAPACITY:
+        if runtime.stats.mask_policy == "capacity":
             mask = np.zeros((1, runtime.stats.capacity), dtype=np.int64)
             mask[0, :width] = 1
         else:
             mask = np.ones((1, width), dtype=np.int64)
         masks.append(mask)
     elapsed = 0.0
-    options = runtime.debug.options
-    with runtime.debug.cache.acquire(variant_key(DECODE_WIDTH, options.tiers,
-                                                 options.specialize)) as session:
+    with runtime.debug.cache.acquire(runtime.debug.options.decode_key) as session:
         io = session.io_binding()
         sequence.buffers.bind_kv(io)
         io.bind_input("input_ids", "cpu", 0, np.int64, list(token.shape), token.ctypes.data)

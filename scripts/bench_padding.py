@@ -28,7 +28,7 @@ from _bench.harness import (
     summarize,
 )
 
-from onnx_chunk.runtime.device.provider import MaskPolicy
+from onnx_chunk.runtime import MaskPolicy
 
 WORKLOAD = (40, 150, 300, 600, 900)
 # Session modes: the label in the table and the `specialize` handed to the runtime.

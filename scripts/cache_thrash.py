@@ -11,7 +11,10 @@ twice in one runtime, in three modes:
 - padding on: remainders rounded up the ladder.
 
 Every prefill forward is printed with its real rows, the width it ran at, the variants it built
-and the evictions so far (a prompt's decode steps form one row of width 1); then each run's
+and the evictions so far (a prompt's decode steps form one row of width 1): the script feeds a
+prompt one `Sequence.prefill` call per chunk of W rows, so that each forward's counters show,
+takes the first token from the last chunk's logits (which the modes compare) and generates the
+rest with `Sequence.generate`. Then each run's
 end-to-end time and whether the modes agree: each prompt's last prefill logits within
 `--logits-rtol` of the largest |logit| (float16 kernels tile differently per width, so exact
 tokens can flip on a near tie; the tokens are reported beside). The KV capacity is the model's,
@@ -37,7 +40,6 @@ import numpy as np
 
 import onnx_chunk
 from onnx_chunk.models import build_decoder
-from onnx_chunk.runtime.engine.scheduler import prefill_chunks
 
 DEFAULT_LENGTHS = (104, 146, 311, 378, 229)
 
@@ -68,7 +70,9 @@ def _run_prompt(runtime, ids: np.ndarray, new_tokens: int, record: _Pass) -> Non
     sequence = runtime.open_sequence()
     start = time.perf_counter()
     logits = None
-    for begin, end in prefill_chunks(len(ids), runtime.stats.chunk_size):
+    width = runtime.stats.chunk_size
+    for begin in range(0, len(ids), width):
+        end = min(begin + width, len(ids))
         before = runtime.debug.cache.snapshot()
         padded_before = sequence.stats.padded_rows
         logits = sequence.prefill(ids[begin:end])
@@ -81,8 +85,9 @@ def _run_prompt(runtime, ids: np.ndarray, new_tokens: int, record: _Pass) -> Non
     record.logits[len(ids)] = np.asarray(logits, dtype=np.float32)
     tokens = [int(np.argmax(logits))]
     before = runtime.debug.cache.snapshot()
-    while len(tokens) < new_tokens:
-        tokens.append(int(np.argmax(sequence.decode(tokens[-1]))))
+    if new_tokens > 1:
+        # The first token as a one-token prompt: a forward at the decode width, as a decode step.
+        tokens += sequence.generate(tokens, new_tokens - 1, eos_token_id=[])
     after = runtime.debug.cache.snapshot()
     # The decode steps, as one row: a decode variant evicted by a remainder is rebuilt here.
     record.forwards.append(_Forward(len(ids), 1, 1, after.compiles - before.compiles,

@@ -71,12 +71,7 @@ try:
     import onnx_chunk
     from onnx_chunk.ladder import DECODE_WIDTH
     from onnx_chunk.models import build_decoder
-    from onnx_chunk.runtime import GenerationStats, SequenceStats
-    from onnx_chunk.runtime.caches import variant_pool
-    from onnx_chunk.runtime.caches.variant_cache import variant_key
-    from onnx_chunk.runtime.device.memory import cuda_used_bytes, cudart, meter_for
-    from onnx_chunk.runtime.device.provider import Device, MaskPolicy, device_for, probe_cuda
-    from onnx_chunk.runtime.device.session_factory import SessionFactory, SharedWeights
+    from onnx_chunk.runtime import Device, GenerationStats, MaskPolicy, SequenceStats, debug
     IMPORT_ERROR = None
 except Exception as error:  # any import failure becomes the table's one row
     IMPORT_ERROR = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
@@ -235,15 +230,8 @@ def _count_lines(path: Path, needle: str) -> int:
 @contextlib.contextmanager
 def _marked_capturing(enabled: bool) -> Iterator[None]:
     """The dry run's stand-in: a CPU session asked to capture counts as capturing graphs."""
-    if not enabled:
+    with debug.sessions_count_as_capturing() if enabled else contextlib.nullcontext():
         yield
-        return
-    original = variant_pool.session_captures
-    variant_pool.session_captures = lambda session: True
-    try:
-        yield
-    finally:
-        variant_pool.session_captures = original
 
 
 def _last_generation(stats: SequenceStats) -> GenerationStats:
@@ -267,7 +255,7 @@ def _run(label: str, model: Path, device: Device, prompts, args, logs: Path, *,
          passes: int = 2, overlap: bool = False) -> Run:
     """`overlap`: the second sequence runs while the first is open (another slot, so other
     buffers and graphs), else after it closed (its pooled slot, replaying its graphs)."""
-    meter = meter_for(device.device_type, device.device_id)
+    meter = debug.meter_for(device.device_type, device.device_id)
     record = Run(label, meter=meter.name)
     memory = record.memory
     memory["baseline"] = meter.used_bytes()
@@ -331,7 +319,7 @@ def _run(label: str, model: Path, device: Device, prompts, args, logs: Path, *,
         record.graphs = dataclasses.asdict(stats.graphs)
         record.sessions, record.weights_copies = stats.sessions, stats.weights_copies
         options = runtime.debug.options
-        keys = {variant_key(width, options.tiers, options.specialize)
+        keys = {debug.variant_key(width, options.tiers, options.specialize)
                 for width in record.widths_used}
         factory, weights = runtime.debug.factory, runtime.debug.weights
         select_rows = runtime.debug.variants.select_rows
@@ -346,13 +334,13 @@ def _run(label: str, model: Path, device: Device, prompts, args, logs: Path, *,
     return record
 
 
-def _placement(factory: SessionFactory, weights: SharedWeights, keys,
+def _placement(factory: debug.SessionFactory, weights: debug.SharedWeights, keys,
                select_rows: bool) -> dict:
     """Per variant (built as the runtime builds it): nodes per provider, the op types placed
     off the device's provider and the Memcpy nodes."""
-    recording = SessionFactory(factory.model_path, weights, factory.device,
-                               query_dim=factory.query_dim, fixed_dims=factory.fixed_dims,
-                               session_config={ASSIGNMENT_KEY: "1"})
+    recording = debug.SessionFactory(factory.model_path, weights, factory.device,
+                                     query_dim=factory.query_dim, fixed_dims=factory.fixed_dims,
+                                     session_config={ASSIGNMENT_KEY: "1"})
     device_ep = factory.device.session_providers[0][0]
     placement = {}
     for key in sorted(keys, key=lambda k: (k is None, k or 0)):
@@ -428,7 +416,7 @@ def _environment(report: _Report, device_id: int, dry_run: bool) -> None:
             preloaded = " ".join(printed.getvalue().split())[:200] or "ok, nothing printed"
         except Exception as error:  # reported, the probe below says whether CUDA works
             preloaded = f"failed: {error}"
-    library = cudart()
+    library = debug.cudart()
     build = ort.get_build_info() if hasattr(ort, "get_build_info") else "n/a"
     report.add("onnxruntime", "info", f"{ort.__version__} at {Path(ort.__file__).parent}; "
                f"{' '.join(build.split())[:160]}")
@@ -436,16 +424,16 @@ def _environment(report: _Report, device_id: int, dry_run: bool) -> None:
     report.add("preload_dlls", "info", preloaded)
     report.add("libcudart", "info", "none loaded" if library is None else str(library._name))
     report.add("gpu", "info", _gpu_description(device_id))
-    failure = probe_cuda(device_id)
+    failure = debug.probe_cuda(device_id)
     if failure is not None:
         click.echo("the CUDA probe failed; again with ONNX Runtime's stderr visible:")
-        probe_cuda(device_id, quiet=False)
+        debug.probe_cuda(device_id, quiet=False)
     report.judge("cuda probe", None if dry_run else failure is None,
                  "a CUDA session works" if failure is None else failure)
 
 
 def _gpu_description(device_id: int) -> str:
-    used = cuda_used_bytes(device_id)
+    used = debug.meter_for("cuda", device_id).used_bytes()
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return f"no nvidia-smi; cudaMemGetInfo used {_mib(used)}"
@@ -597,7 +585,7 @@ def _weights_experiment(model: Path, device: Device, args, logs: Path) -> dict:
     """Two sessions given host weights (today's design) and two given device buffers that ONNX
     Runtime does not own (`OrtValue.from_dlpack` over runtime-allocated values): what each
     session adds to the device, and whether ONNX Runtime logged that it copied them."""
-    meter = meter_for(device.device_type, device.device_id)
+    meter = debug.meter_for(device.device_type, device.device_id)
     runtime = onnx_chunk.load(model, device=device, capacity=args["capacity"],
                               chunk_size=args["chunk_size"], specialize=True)
     width = runtime.stats.chunk_size
@@ -613,14 +601,15 @@ def _weights_experiment(model: Path, device: Device, args, logs: Path) -> dict:
         owned.append(value)
         views.append(ort.OrtValue.from_dlpack(value))
     allocated = meter.used_bytes()
-    device_weights = SharedWeights(host.names, tuple(views), host.nbytes)
+    device_weights = debug.SharedWeights(host.names, tuple(views), host.nbytes)
     result: dict[str, object] = {"weights_bytes": host.nbytes,
               "device_copy_bytes": None if allocated is None or allocated_before is None
               else allocated - allocated_before}
     for design, weights in (("host", host), ("device", device_weights)):
-        sessions = SessionFactory(factory.model_path, weights, device,
-                                  query_dim=factory.query_dim, fixed_dims=factory.fixed_dims,
-                                  log_severity=WARNING_SEVERITY)
+        sessions = debug.SessionFactory(factory.model_path, weights, device,
+                                        query_dim=factory.query_dim,
+                                        fixed_dims=factory.fixed_dims,
+                                        log_severity=WARNING_SEVERITY)
         grown, kept = [], []
         with _stderr_to(logs / f"weights-{design}.log") as log:
             for key in (width, DECODE_WIDTH):
@@ -723,14 +712,14 @@ def _check(report: _Report, dry_run: bool, preset: str, chunk_size: int, capacit
         return
     if dry_run:
         # The CPU device dressed as CUDA: no host view, capacity-wide mask, one session.
-        off = dataclasses.replace(device_for("cpu"), host_visible=False,
+        off = dataclasses.replace(debug.device_for("cpu"), host_visible=False,
                                   mask_policy=MaskPolicy.CAPACITY)
         on = dataclasses.replace(off, cuda_graphs=True)
     else:
-        off = device_for("cuda", device_id, cuda_graphs=False)
-        on = device_for("cuda", device_id, cuda_graphs=True)
+        off = debug.device_for("cuda", device_id, cuda_graphs=False)
+        on = debug.device_for("cuda", device_id, cuda_graphs=True)
     args = {"capacity": capacity, "chunk_size": chunk_size, "new_tokens": new_tokens}
-    with onnx_chunk.load(models[CPU_DTYPE], device=device_for("cpu"), capacity=capacity,
+    with onnx_chunk.load(models[CPU_DTYPE], device=debug.device_for("cpu"), capacity=capacity,
                          chunk_size=chunk_size) as probe:
         prompts = _prompts(probe.stats.chunk_size, probe.stats.capacity, new_tokens,
                            probe.stats.vocab_size)
@@ -740,7 +729,7 @@ def _check(report: _Report, dry_run: bool, preset: str, chunk_size: int, capacit
     runs: dict[str, Run] = {}
     # Padding on in both device runs, so graphs off and on run the same widths and kernels.
     plan: tuple[tuple[str, Device, str, _RunOptions], ...] = (
-        ("cpu", device_for("cpu"), CPU_DTYPE, {}),
+        ("cpu", debug.device_for("cpu"), CPU_DTYPE, {}),
             ("graphs off", off, DEVICE_DTYPE, {"padding": True}),
             ("graphs on", on, DEVICE_DTYPE, {"stand_in": dry_run}),
             # Two sequences open at once, padding off: graphs stay within the plan made at

@@ -3,7 +3,9 @@
 Each step prints its rows as `row: NAME | VERDICT | DETAIL` (ok, FAIL or info) and exits 1 when
 a row failed. `--dry-run`: the same code on CPU, the CPU device dressed as CUDA (its sessions
 counted as capturing); `--simulate capture-failure` (dry run) makes the first run under graph
-id 1 fail as a CUDA capture can.
+id 1 fail as a CUDA capture can. The identity step probes each forward (a decode run writes the
+KV cache in place), so it feeds `Sequence.decode` its own greedy tokens; the other steps
+generate with `Sequence.generate`.
 
     python scripts/gpu_first_run.py STEP [--dry-run] [--device-id N] [--simulate WHAT]
     STEP: environment | surface | identity | native | concurrency
@@ -12,7 +14,9 @@ id 1 fail as a CUDA capture can.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import os
 import shutil
 import subprocess
 import sys
@@ -27,17 +31,17 @@ try:
     import onnxruntime as ort
 
     import onnx_chunk
-    from onnx_chunk import _onnxruntime_wheels as wheels
     from onnx_chunk.models import build_decoder
     from onnx_chunk.query_seqlens import query_seqlens_index
-    from onnx_chunk.runtime.device import identity, memory, native_trust
-    from onnx_chunk.runtime.device.allocation import ALLOCATIONS
-    from onnx_chunk.runtime.device.provider import MaskPolicy, device_for, probe_cuda
+    from onnx_chunk.runtime import MaskPolicy, debug
     IMPORT_ERROR = None
 except Exception as error:  # every step's one row
     IMPORT_ERROR = f"{type(error).__name__}: {error}"
 
 SIMULATED = "simulated: operation not permitted when stream is capturing"
+# Where the runtime keeps its records, the native-chunks trust among them
+# (onnx_chunk/runtime/device/native_trust.py).
+CACHE_VARIABLE = "ONNX_CHUNK_CACHE"
 
 
 def row(name: str, verdict: bool | None, detail: str) -> None:
@@ -51,14 +55,11 @@ def reason(error: BaseException) -> str:
 
 
 def device(args, graphs: bool):
-    """The CUDA device, or on a dry run the CPU device dressed as one."""
+    """The CUDA device, or on a dry run the CPU device dressed as one (`main` counts its
+    sessions as capturing)."""
     if not args.dry_run:
-        return device_for("cuda", args.device_id, cuda_graphs=graphs)
-    from onnx_chunk.runtime.caches import variant_pool
-
-    # CPU sessions never capture: counted as capturing, the graph bookkeeping runs as on CUDA.
-    variant_pool.session_captures = lambda session: True
-    return dataclasses.replace(device_for("cpu"), host_visible=False,
+        return debug.device_for("cuda", args.device_id, cuda_graphs=graphs)
+    return dataclasses.replace(debug.device_for("cpu"), host_visible=False,
                                mask_policy=MaskPolicy.CAPACITY, cuda_graphs=graphs)
 
 
@@ -77,13 +78,13 @@ def environment(args) -> None:
                                 "--format=csv,noheader"], capture_output=True, text=True,
                                timeout=10)
         row("environment: driver", found.returncode == 0, found.stdout.strip() or found.stderr)
-    failure = None if args.dry_run else probe_cuda(args.device_id, quiet=False)
+    failure = None if args.dry_run else debug.probe_cuda(args.device_id, quiet=False)
     if failure is not None:
         row("environment: CUDA session", False, failure)
-    needed, mapped = memory.ort_cudart_soname(), memory.mapped_cudart()
-    loaded = memory.cudart()
+    needed, mapped = debug.ort_cudart_soname(), debug.mapped_cudart()
+    loaded = debug.cudart()
     detail = (f"ONNX Runtime's CUDA provider needs {needed}; mapped after a CUDA session: "
-              f"{mapped or 'none'}; the runtime loads {memory.cudart_candidates()[:1]}")
+              f"{mapped or 'none'}; the runtime loads {debug.cudart_candidates()[:1]}")
     majors = {name.split(".so.")[1].split(".")[0] for name in (Path(path).name for path in mapped)
               if ".so." in name}
     ours = needed is not None and any(Path(path).name.startswith(needed) for path in mapped)
@@ -92,9 +93,9 @@ def environment(args) -> None:
 
 
 def surface(args) -> None:
-    gaps = wheels.cuda_api_gaps()
+    gaps = debug.cuda_api_gaps()
     row("version surface", not gaps, f"onnxruntime {ort.__version__}: " + (
-        f"lacks {gaps}; {wheels.cuda_install_command()}" if gaps else
+        f"lacks {gaps}; {debug.cuda_install_command()}" if gaps else
         "has every API the CUDA path uses") + f"; query_seqlens input index "
         f"{query_seqlens_index()}; release_captured_graph "
         f"{hasattr(ort.InferenceSession, 'release_captured_graph')}")
@@ -102,7 +103,7 @@ def surface(args) -> None:
 
 def identity_step(args) -> None:
     on = device(args, graphs=False)
-    failure = identity.bind_time_copy(on)
+    failure = debug.bind_time_copy(on)
     row("device identity: probe", failure is None, failure or "an owned buffer written after "
         "binding was read in place by the session")
     path = model(args, "identity")
@@ -110,8 +111,8 @@ def identity_step(args) -> None:
     prompt = rng.integers(0, 200, 21).tolist()
     runs = {}
     for label, owned in (("owned", True), ("onnxruntime", False)):
-        identity.record(on, owned)
-        live = ALLOCATIONS.live_buffers
+        debug.record_binding_check(on, owned)
+        live = debug.live_buffers()
         runtime = onnx_chunk.load(path, device=on, capacity=64, chunk_size=16)
         sequence = runtime.open_sequence()
         logits = [np.array(sequence.prefill(prompt), dtype=np.float32)]
@@ -125,9 +126,9 @@ def identity_step(args) -> None:
                                    dtype=np.float32))
             changed.append(not np.array_equal(before, _row(kv, heads, capacity, size,
                                                               position)))
-        runs[label] = (logits, changed, ALLOCATIONS.live_buffers - live)
+        runs[label] = (logits, changed, debug.live_buffers() - live)
         runtime.close()
-    identity.forget()
+    debug.forget_binding_checks()
     (mine, changed, held), (theirs, _, _) = runs["owned"], runs["onnxruntime"]
     row("device identity: KV in place", all(changed) and held > 0, f"rows at seqlens_k "
         f"changed in the owned KV buffer: {changed}; owned buffers held: {held}")
@@ -148,17 +149,15 @@ def native(args) -> None:
                    f"{ort.__version__}'s GroupQueryAttention has no query_seqlens")
     from onnx_chunk.model_io import load_model, save_model
     from onnx_chunk.passes import convert_model
-    from onnx_chunk.runtime import model as runtime_model
 
     on = device(args, graphs=False)
     source = model(args, "native-source")
     converted = convert_model(load_model(source), native_chunks="on").model
     folder = Path(args.out) / "native"
     save_model(converted, folder / "model.onnx", companions_from=source.parent)
-    # The check itself runs native chunks before they are trusted on this build.
-    runtime_model.native_refusal = lambda device: None
-    padded = onnx_chunk.load(folder, device=on, capacity=128, chunk_size=16, padding=True)
-    plain = onnx_chunk.load(folder, device=on, capacity=128, chunk_size=16, padding=False)
+    with _trusted_for_the_check(on, Path(args.out) / "trust"):
+        padded = onnx_chunk.load(folder, device=on, capacity=128, chunk_size=16, padding=True)
+        plain = onnx_chunk.load(folder, device=on, capacity=128, chunk_size=16, padding=False)
     rng = np.random.default_rng(6)
     worst, tokens_equal = 0.0, True
     for length in (5, 21, 37):
@@ -173,17 +172,32 @@ def native(args) -> None:
     detail = (f"padding {padded.stats.padding}; padded vs unpadded (5, 21, 37 tokens): "
               f"relative max |diff| {worst:.2e}, greedy tokens equal {tokens_equal}")
     if ok and not args.dry_run:
-        detail += f"; recorded in {native_trust.record_verified(on, detail)}"
+        detail += f"; recorded in {debug.record_verified(on, detail)}"
     row("native chunks on the device", ok, detail)
 
 
+@contextlib.contextmanager
+def _trusted_for_the_check(on, scratch: Path):
+    """Native chunks trusted on `on` in the block: the check runs them before they are
+    verified on this build, so a provisional record of it goes to a scratch cache folder
+    ($ONNX_CHUNK_CACHE, where the runtime looks for the record)."""
+    saved = os.environ.get(CACHE_VARIABLE)
+    os.environ[CACHE_VARIABLE] = str(scratch)
+    try:
+        debug.record_verified(on, "provisional: for the check that decides it")
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(CACHE_VARIABLE)
+        else:
+            os.environ[CACHE_VARIABLE] = saved
+
+
 def _greedy(sequence, prompt: list[int], steps: int = 6) -> tuple[np.ndarray, list[int]]:
-    """The prompt's last logits row and `steps` greedy tokens after it."""
+    """The prompt's last logits row and its `steps` greedy tokens."""
     logits = np.array(sequence.prefill(prompt), dtype=np.float32)
-    tokens = [int(np.argmax(logits))]
-    for _ in range(steps - 1):
-        tokens.append(int(np.argmax(sequence.decode(tokens[-1]))))
-    return logits, tokens
+    sequence.rewind(sequence.length)
+    return logits, sequence.generate(prompt, steps, eos_token_id=[])
 
 
 def concurrency(args) -> None:
@@ -246,13 +260,13 @@ def concurrency(args) -> None:
 
 
 def _tiers_then_decode(runtime, chunks: list[list[int]]) -> tuple[np.ndarray, list[int]]:
-    """One sequence: `chunks` prefilled in turn, then 8 greedy decode steps (the decode
-    width's capture and replays); the chunks' last logits rows and the tokens."""
+    """One sequence: `chunks` prefilled in turn, then 8 forwards at the decode width (its
+    capture and replays: the first greedy token, fed as a one-token prompt, and the 7 decode
+    steps of its generation); the chunks' last logits rows and the 9 tokens."""
     with runtime.open_sequence() as sequence:
         last = [np.array(sequence.prefill(chunk), dtype=np.float32) for chunk in chunks]
         tokens = [int(np.argmax(last[-1]))]
-        for _ in range(8):
-            tokens.append(int(np.argmax(sequence.decode(tokens[-1]))))
+        tokens += sequence.generate(tokens, 8, eos_token_id=[])
     return np.stack(last), tokens
 
 
@@ -292,8 +306,12 @@ def main() -> None:
         sys.exit(1)
     with tempfile.TemporaryDirectory(prefix=f"first-run-{args.step}.") as scratch:
         args.out = args.out or scratch
+        # A dry run's CPU sessions count as capturing: the graph bookkeeping runs as on CUDA.
+        stand_in = (debug.sessions_count_as_capturing() if args.dry_run
+                    else contextlib.nullcontext())
         try:
-            STEPS[args.step](args)
+            with stand_in:
+                STEPS[args.step](args)
         except Exception as error:  # the step's failure is its row
             row(f"{args.step}: error", False, reason(error))
     sys.exit(1 if any(verdict == "FAIL" for _, verdict in ROWS) else 0)

@@ -18,8 +18,10 @@ The driver (any Python) runs each step in a child process of the venv that owns 
 ``--optimum-python`` name other interpreters.
 
 ``--only NAME`` (repeatable) regenerates some fixtures and keeps the others' manifest entries;
-``--check-only`` runs the load-and-forward checks on an existing corpus. docs/exports.md
-describes the layouts and how to add an export.
+``--check-only`` runs the load-and-forward checks on an existing corpus; their greedy tokens
+come from onnxruntime-genai for a genai-layout export and from a bare ONNX Runtime loop for the
+others, never from onnx_chunk, whose tests the corpus serves. docs/exports.md describes the
+layouts and how to add an export.
 """
 
 from __future__ import annotations

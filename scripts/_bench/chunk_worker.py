@@ -19,14 +19,15 @@ import time
 
 import onnx_chunk.runtime as rt
 from onnx_chunk.ladder import DECODE_WIDTH
-from onnx_chunk.runtime.caches.variant_cache import variant_key
+from onnx_chunk.runtime import debug
 
 
 def _warm(runtime: rt.Runtime) -> None:
     options = runtime.debug.options
     widths = (*options.tiers, DECODE_WIDTH) if options.padding else (DECODE_WIDTH,)
     for width in widths:
-        with runtime.debug.cache.acquire(variant_key(width, options.tiers, options.specialize)):
+        key = debug.variant_key(width, options.tiers, options.specialize)
+        with runtime.debug.cache.acquire(key):
             pass
 
 

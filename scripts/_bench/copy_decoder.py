@@ -145,7 +145,8 @@ def train(log=print):
 
 
 def greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
-    """The model's greedy continuation of `prompt` (KV cache, no stop token)."""
+    """The model's greedy continuation of `prompt` (KV cache, no stop token): the torch
+    checkpoint's own loop, as it is trained and before any export runs on onnx_chunk."""
     import torch
 
     with torch.no_grad():

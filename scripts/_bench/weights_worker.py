@@ -17,7 +17,10 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from onnx_chunk.runtime.device.memory import process_rss_bytes
+from onnx_chunk.runtime import debug
+
+# The process's resident set, as the variant cache's CPU meter reads it.
+process_rss_bytes = debug.meter_for("cpu").used_bytes
 
 
 def _onnx_chunk(model: str, widths: list[int], specialize: bool) -> list[dict]:
