@@ -90,7 +90,8 @@ from onnx_chunk.runtime.engine.scheduler import (
 from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot, new_slot
 from onnx_chunk.runtime.engine.speculation import Drafter, Speculation, accepted
 from onnx_chunk.runtime.runner.attention_mask import AttentionMask
-from onnx_chunk.runtime.runner.model_runner import Forward, LogitsRows, ModelRunner, Row
+from onnx_chunk.runtime.runner.forward import Forward, LogitsRows, Row
+from onnx_chunk.runtime.runner.model_runner import ModelRunner
 from onnx_chunk.runtime.state.ports import ModelPorts
 from onnx_chunk.sampling import Sampler, TokenLogprobs, prompt_logprobs_of
 

@@ -45,7 +45,8 @@ from onnx_chunk.runtime.engine.kv_window import rewind_is_exact
 from onnx_chunk.runtime.engine.scheduler import prefill_chunks
 from onnx_chunk.runtime.engine.sequence_pool import SequencePool
 from onnx_chunk.runtime.engine.speculation import Speculation
-from onnx_chunk.runtime.runner.model_runner import Forward, LogitsRows, ModelRunner, Row
+from onnx_chunk.runtime.runner.forward import Forward, LogitsRows, Row
+from onnx_chunk.runtime.runner.model_runner import ModelRunner
 from onnx_chunk.sampling import GREEDY, Sampler, Sampling
 
 
