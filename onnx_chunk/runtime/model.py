@@ -51,8 +51,9 @@ from onnx_chunk.runtime.engine.batch_engine import (
     DEFAULT_MAX_QUEUE,
     BatchEngine,
     EngineContext,
-    StepResult,
+    runtime_engine,
 )
+from onnx_chunk.runtime.engine.plan import StepResult
 from onnx_chunk.runtime.engine.request import Request
 from onnx_chunk.runtime.engine.sequence import Sequence
 from onnx_chunk.runtime.engine.sequence_pool import DEFAULT_IDLE_SLOTS, SequencePool, new_slot
@@ -402,8 +403,8 @@ class Runtime:
             if self._closed:
                 raise ClosedError("this runtime was closed; load the model again to submit")
             if self._engine is None:
-                self._engine = BatchEngine(self._engine_context(), self._options.max_batch,
-                                           self._options.max_queue)
+                self._engine = runtime_engine(self._engine_context(), self._options.max_batch,
+                                              self._options.max_queue)
             return self._engine
 
     def _engine_context(self) -> EngineContext:

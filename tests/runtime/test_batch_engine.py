@@ -13,7 +13,7 @@ from onnx_chunk.runtime import StepResult, load
 from onnx_chunk.runtime import model as runtime_model
 from onnx_chunk.runtime.device.buffers import BatchBuffers
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
-from onnx_chunk.runtime.engine.batch_engine import BatchEngine, EngineContext
+from onnx_chunk.runtime.engine.batch_engine import EngineContext, runtime_engine
 from onnx_chunk.runtime.engine.kv_state import LogicalLength
 from onnx_chunk.runtime.engine.scheduler import prefill_chunks
 from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot, new_slot
@@ -444,7 +444,7 @@ def test_a_caller_driven_engine_runs_what_each_step_schedules(reference_model):
                             give_number=debug.pool.give_number,
                             release_graphs=debug.variants.claim)
     threads = {thread.ident for thread in threading.enumerate()}
-    engine = BatchEngine(context, 2, threaded=False)
+    engine = runtime_engine(context, 2, threaded=False)
     vocab = runtime.stats.vocab_size
     one = engine.submit(np.array(first), 6, (), Sampler(GREEDY, vocab))
     assert engine.stats.queued == 1 and not one.produced  # nothing runs until a step

@@ -2,9 +2,10 @@
 
 A sequence is request state: its slot of buffers (`sequence_pool`), its logical length, its
 stats, and the busy/closed rules below. `prefill`, `decode` and `rewind` are primitives on the
-model runner (`model_runner`); `generate`/`stream` is one request on a `SequenceEngine`
-(`batch_engine`): the engine's step, on one slot over the sequence's own buffers and length,
-stepped by the stream, so it runs the engine's prefill, verification, decode and finish rule.
+model runner (`model_runner`); `generate`/`stream` is one request on the batch engine over
+one caller-owned slot (`batch_engine.lone_engine`): the engine's step on the sequence's own
+buffers and length, stepped by the stream, so it runs the engine's prefill, verification,
+decode and finish rule.
 A prompt longer than the chunk width W is fed chunk by chunk (the last one at the remainder
 width, `scheduler.prefill_chunks`), and only the last chunk's logits reach the host.
 
@@ -38,10 +39,11 @@ from onnx_chunk.errors import (
     SequenceBusyError,
 )
 from onnx_chunk.runtime.device.buffers import SequenceBuffers
-from onnx_chunk.runtime.engine.batch_engine import SequenceEngine, StepResult
+from onnx_chunk.runtime.engine.batch_engine import lone_engine
 from onnx_chunk.runtime.engine.counters import GenerationStats, SequenceStats
 from onnx_chunk.runtime.engine.kv_state import LogicalLength
 from onnx_chunk.runtime.engine.kv_window import rewind_is_exact
+from onnx_chunk.runtime.engine.plan import StepResult
 from onnx_chunk.runtime.engine.scheduler import prefill_chunks
 from onnx_chunk.runtime.engine.sequence_pool import SequencePool
 from onnx_chunk.runtime.engine.speculation import Speculation
@@ -312,13 +314,13 @@ class Sequence:
 
     def _steps(self, ids: np.ndarray, max_new_tokens: int, eos_ids: tuple[int, ...],
                sampler: Sampler) -> Iterator[int]:
-        """One request on a `SequenceEngine` over this sequence's slot and length, stepped
+        """One request on a lone engine over this sequence's slot and length, stepped
         here until it ends; each token yielded as the step delivered it. The decode variant is
         pinned from the first token to the end (it cannot be evicted meanwhile)."""
         generation = GenerationStats(prompt_tokens=len(ids))
         self._stats.last_generation = generation
-        engine = SequenceEngine(self._runner, self._slot, self._length,
-                                chunk_size=self._chunk_size, speculation=self._speculation)
+        engine = lone_engine(self._runner, self._slot, self._length,
+                             chunk_size=self._chunk_size, speculation=self._speculation)
         request = engine.submit(ids, max_new_tokens, eos_ids, sampler)
         with contextlib.ExitStack() as pinned:
             pinned.callback(engine.release)
@@ -326,8 +328,8 @@ class Sequence:
                 # A sequence closed between two tokens: its stream raises ClosedError here; the
                 # buffers go back to the pool once the stream lets the sequence go.
                 self._check_open()
-                if generation.new_tokens and engine.decode is None:
-                    engine.decode = pinned.enter_context(
+                if generation.new_tokens and engine.runner.decode is None:
+                    engine.runner.decode = pinned.enter_context(
                         self._runner.decoding(self._slot, self._length))
                 self._count(engine.step(), generation)
                 # Raises the request's error (a failed forward) once its tokens were taken.
