@@ -47,17 +47,16 @@ from onnx_chunk import arguments
 from onnx_chunk.errors import (
     CapacityError,
     ConfigError,
-    InputError,
     ModelLoadError,
     ModelStructureError,
     ProviderError,
 )
 from onnx_chunk.runtime.device.buffers import DeviceBuffer, device_zeros
 from onnx_chunk.runtime.device.provider import Device, resolve_device
-from onnx_chunk.runtime.engine.request import FinishReason, finish_reason
+from onnx_chunk.runtime.engine.request import CheckedRequest, FinishReason, finish_reason
 from onnx_chunk.runtime.runner.forward import Forward, ForwardRunner, Ran, Row
 from onnx_chunk.runtime.stats import kv_dtype_name
-from onnx_chunk.sampling import GREEDY, Sampler, Sampling
+from onnx_chunk.sampling import Sampling
 from onnx_chunk.static.alignment import (
     AlignedPrompt,
     PadSide,
@@ -532,8 +531,7 @@ class StaticRunner:
 
     def check_request(self, aligned: AlignedPrompt, max_new_tokens: int) -> None:
         """Refuse requests the graphs cannot serve, before running anything."""
-        if max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        max_new_tokens = arguments.integer(max_new_tokens, "max_new_tokens", minimum=1)
         last_position = aligned.kept_len + max_new_tokens - 2
         if self.max_positions is not None and last_position >= self.max_positions:
             raise CapacityError(
@@ -589,13 +587,7 @@ class StaticRunner:
               ) -> AlignedPrompt:
         """Check a request and align its prompt, running nothing: InputError for ids outside
         the vocabulary, CapacityError / ConfigError for what the graphs cannot serve."""
-        ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
-        outside = ids[(ids < 0) | (ids >= self.vocab_size)]
-        if len(outside):
-            raise InputError(
-                f"prompt token id {int(outside[0])} lies outside the vocabulary [0, "
-                f"{self.vocab_size}); pass ids the model's tokenizer produced"
-            )
+        ids = arguments.prompt_ids(prompt_ids, self.vocab_size)
         aligned = align_prompt(ids, self.limits, pad_id=self.pad_token_id, strict=self.strict,
                                pad_side=self.layout.pad_side)
         self.check_request(aligned, max_new_tokens)
@@ -629,25 +621,24 @@ class StaticRunner:
         `eos_token_id` (one id or several, each in [0, vocab); None: none) or after
         `max_new_tokens`. `keep_logits` keeps the logits of every step in the result.
         """
-        stop, sampler = self._stop_ids(eos_token_id), self._sampler(sampling)
-        return self._decode(prefill, max_new_tokens, stop, sampler, keep_logits)
+        checked = self._checked(prefill.aligned, max_new_tokens, eos_token_id, sampling)
+        return self._decode(prefill, checked, keep_logits)
 
-    def _stop_ids(self, eos_token_id: object) -> tuple[int, ...]:
-        """The end ids of a request, checked as the dynamic runtime checks them (InputError)."""
-        return arguments.stop_ids(eos_token_id, (), self.vocab_size)
+    def _checked(self, aligned: AlignedPrompt, max_new_tokens: int, eos_token_id: object,
+                 sampling: Sampling | None) -> CheckedRequest:
+        """The request of an aligned prompt, checked as the dynamic runtime checks one
+        (`CheckedRequest.check`: its sampler sees the prompt's kept ids); the static runner
+        gives tokens only, and `check_request` checked its capacity."""
+        return CheckedRequest.check(
+            aligned.input_ids[aligned.valid], max_new_tokens, eos_token_id, sampling,
+            vocab=self.vocab_size,
+            tokens_only="the static runner gives tokens only; ask for logprobs from a "
+                        "dynamic model (Runtime.submit or generate_text)")
 
-    def _sampler(self, sampling: Sampling | None) -> Sampler:
-        """A request's sampler; InputError for what the static runner does not give."""
-        if sampling is not None and (sampling.logprobs is not None
-                                     or sampling.prompt_logprobs is not None):
-            raise InputError("the static runner gives tokens only; ask for logprobs from a "
-                             "dynamic model (Runtime.submit or generate_text)")
-        return Sampler(GREEDY if sampling is None else sampling, self.vocab_size)
-
-    def _decode(self, prefill: StaticPrefill, max_new_tokens: int, stop: tuple[int, ...],
-                sampler: Sampler, keep_logits: bool) -> StaticGenerationResult:
+    def _decode(self, prefill: StaticPrefill, checked: CheckedRequest,
+                keep_logits: bool) -> StaticGenerationResult:
         aligned, slot = prefill.aligned, prefill.slot
-        sampler.observe(aligned.input_ids[aligned.valid].tolist())
+        sampler, max_new_tokens, stop = checked.sampler, checked.max_new_tokens, checked.stop_ids
         tokens = [sampler.choose(prefill.logits)]
         step_logits = [prefill.logits] if keep_logits else []
         ttft = time.perf_counter() - prefill.began
@@ -690,10 +681,11 @@ class StaticRunner:
         sampling: Sampling | None = None,
     ) -> StaticGenerationResult:
         """Tokens for `prompt_ids`: chunked prefill, then single-row decode steps, chosen and
-        ended as `decode` says. The end ids and the sampling are checked before anything runs."""
-        stop, sampler = self._stop_ids(eos_token_id), self._sampler(sampling)
-        return self._decode(self.start(prompt_ids, max_new_tokens), max_new_tokens, stop,
-                            sampler, keep_logits=False)
+        ended as `decode` says. The request is checked before anything runs."""
+        began = time.perf_counter()
+        aligned = self.align(prompt_ids, max_new_tokens)
+        checked = self._checked(aligned, max_new_tokens, eos_token_id, sampling)
+        return self._decode(self.run_prefill(aligned, began), checked, keep_logits=False)
 
 
 def _windows(chunk_path: Path) -> set[int]:

@@ -8,17 +8,17 @@ import textwrap
 import numpy as np
 import pytest
 
-from onnx_chunk.errors import InputError
+from onnx_chunk.errors import CapacityError, InputError
 from onnx_chunk.runtime.engine.batch_engine import BatchEngine
 from onnx_chunk.runtime.engine.kv_state import LogicalLength
 from onnx_chunk.runtime.engine.plan import Chunk, Outputs, Plan, Prefilled, Running
 from onnx_chunk.runtime.engine.plan_runner import PlanRunner
 from onnx_chunk.runtime.engine.prefix_reuse import SlotChoice
-from onnx_chunk.runtime.engine.request import Request
+from onnx_chunk.runtime.engine.request import CheckedRequest, Request
 from onnx_chunk.runtime.engine.scheduler import Scheduler
 from onnx_chunk.runtime.engine.slots import CallerSlot
 from onnx_chunk.runtime.runner.forward import Forward, Ran
-from onnx_chunk.sampling import GREEDY, Sampler
+from onnx_chunk.sampling import GREEDY, Sampler, Sampling
 
 VOCAB = 8
 
@@ -199,3 +199,33 @@ def test_the_step_is_schedule_run_update():
     code = "\n".join(body)
     assert ("self.scheduler.schedule()" in code
             and "self.scheduler.update(plan, self.runner.run(plan))" in code)
+
+
+def test_a_request_is_checked_by_one_set_of_rules():
+    """`CheckedRequest.check`, which the runtime, a sequence and the static runner call: the
+    prompt, a tokens-only refusal, max_new_tokens (0 only for a prompt's logprobs), the room,
+    the end ids (or the default), and a sampler that has seen the prompt."""
+    check = CheckedRequest.check
+    room = LogicalLength(16)
+    room.advance(6)
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        check([1, VOCAB], 2, None, None, vocab=VOCAB)
+    with pytest.raises(InputError, match="ask elsewhere"):
+        check([1], 2, None, Sampling(logprobs=1), vocab=VOCAB, tokens_only="ask elsewhere")
+    with pytest.raises(InputError, match="at least 1, got 0"):
+        check([1], 0, None, None, vocab=VOCAB)
+    assert check([1], 0, None, Sampling(prompt_logprobs=1), vocab=VOCAB).max_new_tokens == 0
+    with pytest.raises(CapacityError, match="needs 11 positions .*holds 6 .*10 left"):
+        check([1, 2, 3], 8, None, None, vocab=VOCAB, room=room)
+    with pytest.raises(CapacityError, match="needs 17 positions, more than the KV capacity 16"):
+        check([1], 16, None, None, vocab=VOCAB, room=LogicalLength(16))
+    with pytest.raises(InputError, match="eos_token_id"):
+        check([1], 2, VOCAB, None, vocab=VOCAB)
+    assert check([1], 2, None, None, vocab=VOCAB, eos_default=(7,)).stop_ids == (7,)
+    checked = check(np.array([2, 2, 5]), 3, [4, 6], Sampling(repetition_penalty=2.0),
+                    vocab=VOCAB, room=room)
+    assert checked.prompt.tolist() == [2, 2, 5] and checked.stop_ids == (4, 6)
+    # The penalty halves the logits of the prompt's ids: 2 no longer beats 3.
+    logits = np.zeros(VOCAB, dtype=np.float32)
+    logits[2], logits[3] = 1.0, 0.6
+    assert checked.sampler.choose(logits) == 3

@@ -280,7 +280,7 @@ def test_parameter_checks_come_up_front(graphs, static_models):
         StaticRunner(chunk, static_models(1, 32, SEED), provider="cpu")
     with pytest.raises(InputError, match="vocabulary"):
         default.generate([3, 999], 2)
-    with pytest.raises(ConfigError, match="max_new_tokens"):
+    with pytest.raises(InputError, match="max_new_tokens"):
         default.generate([3, 4], 0)
 
 

@@ -48,8 +48,6 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
-
 from onnx_chunk.errors import ClosedError
 from onnx_chunk.runtime.device.buffers import BatchBuffers
 from onnx_chunk.runtime.device.provider import Device
@@ -58,7 +56,7 @@ from onnx_chunk.runtime.engine.kv_state import LogicalLength
 from onnx_chunk.runtime.engine.plan import StepResult
 from onnx_chunk.runtime.engine.plan_runner import PlanRunner
 from onnx_chunk.runtime.engine.prefix_reuse import PrefixRule
-from onnx_chunk.runtime.engine.request import Request
+from onnx_chunk.runtime.engine.request import CheckedRequest, Request
 from onnx_chunk.runtime.engine.scheduler import Scheduler
 from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot, new_slot
 from onnx_chunk.runtime.engine.slots import CallerSlot, EngineSlots
@@ -66,7 +64,6 @@ from onnx_chunk.runtime.engine.speculation import Speculation
 from onnx_chunk.runtime.runner.attention_mask import AttentionMask
 from onnx_chunk.runtime.runner.model_runner import ModelRunner
 from onnx_chunk.runtime.state.ports import ModelPorts
-from onnx_chunk.sampling import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -131,23 +128,25 @@ class BatchEngine:
             except Exception as error:  # a defect in the step itself: fail, never hang
                 return self.scheduler.fail_running(error)
 
-    def submit(self, prompt: np.ndarray, max_new_tokens: int, eos_token_ids: tuple[int, ...],
-               sampler: Sampler, *, wait: bool = False) -> Request:
+    def submit(self, checked: CheckedRequest, *, wait: bool = False) -> Request:
         """Queue a checked request; QueueFullError when the queue is full (unless `wait`:
         then wait for room)."""
-        return self.submit_choices(prompt, max_new_tokens, eos_token_ids, [sampler],
-                                   wait=wait)[0]
+        return self.submit_choices([checked], wait=wait)[0]
 
-    def submit_choices(self, prompt: np.ndarray, max_new_tokens: int,
-                       eos_token_ids: tuple[int, ...], samplers: list[Sampler], *,
+    def submit_choices(self, checked: list[CheckedRequest], *,
                        wait: bool = False) -> list[Request]:
-        """Queue one request per sampler on the same prompt, prefilled once (see the module
-        docstring); QueueFullError as `submit` (the group takes one place in the queue)."""
-        others = [(Request(prompt, max_new_tokens, eos_token_ids, self.cancel), sampler)
-                  for sampler in samplers[1:]]
-        first = Request(prompt, max_new_tokens, eos_token_ids, self.cancel)
+        """Queue one request per checked request of the same prompt (the first's prompt, new
+        tokens and end ids; each one's sampler), prefilled once (see the module docstring);
+        QueueFullError as `submit` (the group takes one place in the queue)."""
+        head = checked[0]
+
+        def new() -> Request:
+            return Request(head.prompt, head.max_new_tokens, head.stop_ids, self.cancel)
+
+        others = [(new(), other.sampler) for other in checked[1:]]
+        first = new()
         with self.scheduler.lock:
-            self.scheduler.add(first, samplers[0], others, wait=wait)
+            self.scheduler.add(first, head.sampler, others, wait=wait)
             if self._threaded and self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="onnx-chunk-engine",
                                                 daemon=True)

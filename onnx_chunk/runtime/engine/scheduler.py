@@ -153,7 +153,7 @@ class Scheduler:
         self._admitted = 0
         self._counters = EngineCounters()
         self._last_decode: float | None = None
-        self._ended: list[Request] = []
+        self._ended: list[Request] = []  # ended in this step (`StepResult.finished`)
 
     # Requests in and out.
 
@@ -210,6 +210,7 @@ class Scheduler:
                 if row is not None:
                     self._fail(row.request, error)
                     self._rows[index] = None
+            self._ended = []
 
     def forget(self) -> None:
         """Drop every request, ending none (their caller is done with them)."""
@@ -218,6 +219,7 @@ class Scheduler:
             self._queue.drain()
             self._samplers.clear()
             self._forks.clear()
+            self._ended = []
 
     def fail_running(self, error: BaseException) -> StepResult:
         """A defect in a step: every running request fails with it (none is left hanging)."""
