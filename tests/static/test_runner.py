@@ -19,8 +19,9 @@ from onnx_chunk.runtime import load
 from onnx_chunk.runtime.device.provider import device_for
 from onnx_chunk.sampling import Sampler, Sampling
 from onnx_chunk.static.alignment import StaticLimits, align_prompt
+from onnx_chunk.static.graphs import GraphRunner, window_capacity_problem
 from onnx_chunk.static.mask import mask_fill_value
-from onnx_chunk.static.runner import GraphRunner, StaticRunner, window_capacity_problem
+from onnx_chunk.static.runner import StaticRunner
 
 from .static_sizes import CAPACITY, CHUNK, MAX_INPUT, SEED
 
