@@ -42,7 +42,7 @@ REVIEWED_HANDLERS = {
                                                 "provider library's ELF header only",
     ("runtime/state/ports.py", "ValueError"): "wraps numpy_dtype, which raises a plain ValueError",
     ("runtime/device/session_factory.py", "ValueError"): "wraps numpy.memmap only",
-    ("runtime/engine/scheduler.py", "ValueError"): "wraps deque.remove only",
+    ("runtime/engine/request_queue.py", "ValueError"): "wraps deque.remove only",
     ("serve/generation.py", "RuntimeError"): "wraps loop.call_soon_threadsafe only",
     ("cli/generate.py", "OSError"): "wraps Path.read_bytes only",
     ("calibration.py", "OSError"): "wraps Path.read_bytes only",

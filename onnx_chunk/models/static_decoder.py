@@ -39,8 +39,8 @@ from onnx_chunk.model_io import Staging, staged_write
 from onnx_chunk.models.config import DecoderConfig, config_for
 from onnx_chunk.models.decoder_graph import rotary_caches
 from onnx_chunk.models.weights import AttentionWeights, DecoderWeights, make_weights
+from onnx_chunk.static.graphs import METADATA_PREFIX
 from onnx_chunk.static.model import DECODE_FILE
-from onnx_chunk.static.runner import METADATA_PREFIX
 
 logger = logging.getLogger(__name__)
 

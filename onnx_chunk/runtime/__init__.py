@@ -4,20 +4,20 @@ Its parts, one folder each, in layers that import only downwards (state <- devic
 runner <- engine <- model; tests/runtime/test_layers.py): `state/` (the decoder's ports),
 `device/` (the provider, buffers, memory, sessions), `caches/` (the variant cache, the sessions
 and CUDA graphs hung off it), `runner/` (the model runner: every forward of a dynamic decoder)
-and `engine/` (requests, the scheduler, slots, lone sequences, their counters); `model.py`
-wires them into a `Runtime`, with `options.py` and `stats.py` beside it.
+and `engine/` (requests, the scheduler and its plan runner, slots, lone sequences, their
+counters); `model.py` wires them into a `Runtime`, with `options.py` and `stats.py` beside it.
 """
 
 from __future__ import annotations
 
 from onnx_chunk.runtime.device.provider import PROVIDER_CHOICES, Device, MaskPolicy, resolve_device
-from onnx_chunk.runtime.engine.batch_engine import StepResult
 from onnx_chunk.runtime.engine.counters import (
     ChunkRecord,
     EngineStats,
     GenerationStats,
     SequenceStats,
 )
+from onnx_chunk.runtime.engine.plan import StepResult
 from onnx_chunk.runtime.engine.request import Request, RequestStats
 from onnx_chunk.runtime.engine.sequence import Sequence
 from onnx_chunk.runtime.model import Runtime, load

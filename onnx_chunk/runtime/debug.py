@@ -36,7 +36,7 @@ from onnx_chunk.runtime.device.memory import (
 from onnx_chunk.runtime.device.native_trust import record_verified
 from onnx_chunk.runtime.device.provider import device_for, probe_cuda
 from onnx_chunk.runtime.device.session_factory import SessionFactory, SharedWeights
-from onnx_chunk.runtime.engine import batch_engine
+from onnx_chunk.runtime.engine import plan_runner
 from onnx_chunk.runtime.model import RuntimeDebug
 
 __all__ = ["RuntimeDebug", "SessionFactory", "SharedWeights", "bind_time_copy", "cuda_api_gaps",
@@ -75,4 +75,4 @@ def prefill_batching(rule: Callable[[Sequence[int], int], bool]
     """In the block, the batch engine runs one round's prefill chunks of several slots in one
     forward where `rule(widths, slots)` says so, in place of the scheduler's `batch_pays` (a
     benchmark's arms: always, never)."""
-    return _replaced(batch_engine, "batch_pays", rule)
+    return _replaced(plan_runner, "batch_pays", rule)

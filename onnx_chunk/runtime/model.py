@@ -25,10 +25,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnxruntime as ort
 
-from onnx_chunk import arguments
 from onnx_chunk._onnxruntime_wheels import check_one_wheel
 from onnx_chunk.analysis_cache import cached_plan
-from onnx_chunk.errors import CapacityError, ClosedError, InputError, ModelLoadError
+from onnx_chunk.errors import ClosedError, InputError, ModelLoadError
 from onnx_chunk.metadata import ChunkPlan, read_plan
 from onnx_chunk.model_file import read_model_file
 from onnx_chunk.model_folder import GenaiConfig, check_utf8_path, locate_model
@@ -51,9 +50,11 @@ from onnx_chunk.runtime.engine.batch_engine import (
     DEFAULT_MAX_QUEUE,
     BatchEngine,
     EngineContext,
-    StepResult,
+    runtime_engine,
 )
-from onnx_chunk.runtime.engine.request import Request
+from onnx_chunk.runtime.engine.kv_state import LogicalLength
+from onnx_chunk.runtime.engine.plan import StepResult
+from onnx_chunk.runtime.engine.request import CheckedRequest, Request
 from onnx_chunk.runtime.engine.sequence import Sequence
 from onnx_chunk.runtime.engine.sequence_pool import DEFAULT_IDLE_SLOTS, SequencePool, new_slot
 from onnx_chunk.runtime.engine.speculation import Speculation
@@ -63,7 +64,6 @@ from onnx_chunk.runtime.runner.chunk_mask import chunk_mask_kind
 from onnx_chunk.runtime.runner.model_runner import ModelRunner
 from onnx_chunk.runtime.state.ports import ModelPorts
 from onnx_chunk.runtime.stats import RuntimeStats, kv_dtype_name
-from onnx_chunk.sampling import GREEDY, Sampler
 
 if TYPE_CHECKING:
     from onnx_chunk.sampling import Sampling
@@ -315,7 +315,7 @@ class Runtime:
         docs/engine.md.
         """
         return self._engine_for().submit(
-            *self._checked(prompt_ids, max_new_tokens, eos_token_id, sampling), wait=wait)
+            self._checked(prompt_ids, max_new_tokens, eos_token_id, sampling), wait=wait)
 
     def submit_choices(self, prompt_ids: SequenceOf[int] | np.ndarray, max_new_tokens: int,
                        samplings: SequenceOf[Sampling], *,
@@ -329,12 +329,9 @@ class Runtime:
         if len(samplings) == 1:  # one choice is one request
             return [self.submit(prompt_ids, max_new_tokens, eos_token_id=eos_token_id,
                                 sampling=samplings[0], wait=wait)]
-        checked = [self._checked(prompt_ids, max_new_tokens, eos_token_id, sampling)
-                   for sampling in samplings]
-        ids, new_tokens, stop, _ = checked[0]
-        return self._engine_for().submit_choices(ids, new_tokens, stop,
-                                                 [sampler for *_, sampler in checked],
-                                                 wait=wait)
+        return self._engine_for().submit_choices(
+            [self._checked(prompt_ids, max_new_tokens, eos_token_id, sampling)
+             for sampling in samplings], wait=wait)
 
     def generate_many(self, prompts: Iterable[SequenceOf[int] | np.ndarray],
                       max_new_tokens: int, *, eos_token_id: int | SequenceOf[int] | None = None,
@@ -346,7 +343,7 @@ class Runtime:
         requests: list[Request] = []
         try:
             for request in checked:
-                requests.append(self._engine_for().submit(*request, wait=True))
+                requests.append(self._engine_for().submit(request, wait=True))
             return [request.result() for request in requests]
         finally:
             for request in requests:
@@ -364,46 +361,28 @@ class Runtime:
         # Nothing was ever submitted: no engine (nor its buffers) to make for an empty step.
         return StepResult() if engine is None else engine.step()
 
-    def _stop_ids(self, eos_token_id: int | SequenceOf[int] | None) -> tuple[int, ...]:
-        """The EOS ids a generation stops at: `eos_token_id` checked (one id or several, each
-        in the vocabulary), or the runtime's own when it is None."""
-        return arguments.stop_ids(eos_token_id, self._options.eos_token_ids,
-                                  self._ports.vocab_size)
-
     def check_request(self, prompt_ids: SequenceOf[int] | np.ndarray,
                       max_new_tokens: int) -> np.ndarray:
         """A submission's ids, checked without queueing anything (InputError, CapacityError)."""
-        return self._checked(prompt_ids, max_new_tokens, (), None)[0]
+        return self._checked(prompt_ids, max_new_tokens, (), None).prompt
 
-    def _checked(self, prompt_ids, max_new_tokens, eos_token_id,
-                 sampling) -> tuple[np.ndarray, int, tuple[int, ...], Sampler]:
-        """A request's prompt, length, stop ids and sampler, checked before it is queued."""
+    def _checked(self, prompt_ids: object, max_new_tokens: object, eos_token_id: object,
+                 sampling: Sampling | None) -> CheckedRequest:
+        """A request checked before it is queued (`CheckedRequest.check`), on a fresh slot."""
         if self._closed:
             raise ClosedError("this runtime was closed; load the model again to submit")
-        vocab = self._ports.vocab_size
-        ids = arguments.prompt_ids(prompt_ids, vocab)
-        # 0 new tokens: a request for its prompt's logprobs alone (lm-evaluation-harness's).
-        scoring = sampling is not None and sampling.prompt_logprobs is not None
-        new_tokens = arguments.integer(max_new_tokens, "max_new_tokens",
-                                       minimum=0 if scoring else 1)
-        capacity = self._options.capacity
-        if len(ids) + new_tokens > capacity:
-            raise CapacityError(
-                f"a prompt of {len(ids)} tokens plus {new_tokens} new tokens needs "
-                f"{len(ids) + new_tokens} positions, more than the KV capacity "
-                f"{capacity}; shorten it or load the model with a larger capacity")
-        stop = self._stop_ids(eos_token_id)
-        sampler = Sampler(GREEDY if sampling is None else sampling, vocab)
-        sampler.observe(ids)
-        return ids, new_tokens, stop, sampler
+        return CheckedRequest.check(prompt_ids, max_new_tokens, eos_token_id, sampling,
+                                    vocab=self._ports.vocab_size,
+                                    eos_default=self._options.eos_token_ids,
+                                    room=LogicalLength(self._options.capacity))
 
     def _engine_for(self) -> BatchEngine:
         with self._engine_lock:
             if self._closed:
                 raise ClosedError("this runtime was closed; load the model again to submit")
             if self._engine is None:
-                self._engine = BatchEngine(self._engine_context(), self._options.max_batch,
-                                           self._options.max_queue)
+                self._engine = runtime_engine(self._engine_context(), self._options.max_batch,
+                                              self._options.max_queue)
             return self._engine
 
     def _engine_context(self) -> EngineContext:

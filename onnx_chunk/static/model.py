@@ -19,7 +19,8 @@ from pathlib import Path
 from onnx_chunk.errors import ConfigError, ModelLoadError, ModelStructureError
 from onnx_chunk.model_file import ValueInfo, data_type_name, read_model_file
 from onnx_chunk.model_folder import locate_model
-from onnx_chunk.static.runner import CacheLayout, StaticRunner
+from onnx_chunk.static.graphs import CacheLayout
+from onnx_chunk.static.runner import StaticRunner
 
 DECODE_FILE = "decode.onnx"
 """The decode graph (rows 1) looked for beside a chunk graph."""

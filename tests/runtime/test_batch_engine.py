@@ -13,12 +13,13 @@ from onnx_chunk.runtime import StepResult, load
 from onnx_chunk.runtime import model as runtime_model
 from onnx_chunk.runtime.device.buffers import BatchBuffers
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
-from onnx_chunk.runtime.engine.batch_engine import BatchEngine, EngineContext
+from onnx_chunk.runtime.engine.batch_engine import EngineContext, runtime_engine
 from onnx_chunk.runtime.engine.kv_state import LogicalLength
+from onnx_chunk.runtime.engine.request import CheckedRequest
 from onnx_chunk.runtime.engine.scheduler import prefill_chunks
 from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot, new_slot
 from onnx_chunk.runtime.runner.model_runner import Forward, ModelRunner, Row
-from onnx_chunk.sampling import GREEDY, Sampler, Sampling
+from onnx_chunk.sampling import Sampling
 from tests.exports.corpus import builder_gqa_fixtures
 
 W = 16
@@ -444,9 +445,9 @@ def test_a_caller_driven_engine_runs_what_each_step_schedules(reference_model):
                             give_number=debug.pool.give_number,
                             release_graphs=debug.variants.claim)
     threads = {thread.ident for thread in threading.enumerate()}
-    engine = BatchEngine(context, 2, threaded=False)
+    engine = runtime_engine(context, 2, threaded=False)
     vocab = runtime.stats.vocab_size
-    one = engine.submit(np.array(first), 6, (), Sampler(GREEDY, vocab))
+    one = engine.submit(CheckedRequest.check(first, 6, (), None, vocab=vocab))
     assert engine.stats.queued == 1 and not one.produced  # nothing runs until a step
     steps = [engine.step(), engine.step()]
     # 20 tokens at W 16: a chunk of 16, then the remainder of 4 and the first token.
@@ -454,7 +455,7 @@ def test_a_caller_driven_engine_runs_what_each_step_schedules(reference_model):
     assert [step.decode_rows for step in steps] == [0, 0] and len(one.produced) == 1
     decoded = engine.step()
     assert not decoded.chunks and decoded.decode_rows == 1 and len(one.produced) == 2
-    two = engine.submit(np.array(second), 6, (), Sampler(GREEDY, vocab))
+    two = engine.submit(CheckedRequest.check(second, 6, (), None, vocab=vocab))
     prefilled = engine.step()
     assert [chunk.rows for chunk in prefilled.chunks] == [5] and prefilled.decode_rows == 1
     assert (len(one.produced), len(two.produced)) == (3, 1)

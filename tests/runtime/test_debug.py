@@ -9,7 +9,7 @@ import pytest
 import onnx_chunk
 from onnx_chunk.runtime import MaskPolicy, debug
 from onnx_chunk.runtime.caches import variant_pool
-from onnx_chunk.runtime.engine import batch_engine
+from onnx_chunk.runtime.engine import plan_runner
 
 
 def _never(widths, slots):
@@ -19,7 +19,7 @@ def _never(widths, slots):
 @pytest.mark.parametrize("stand_in, module, name, check", [
     (debug.sessions_count_as_capturing, variant_pool, "session_captures",
      lambda replaced: replaced(object()) is True),
-    (lambda: debug.prefill_batching(_never), batch_engine, "batch_pays",
+    (lambda: debug.prefill_batching(_never), plan_runner, "batch_pays",
      lambda replaced: replaced is _never),
 ])
 def test_a_stand_in_replaces_inside_its_block_only(stand_in, module, name, check):

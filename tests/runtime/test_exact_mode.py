@@ -15,7 +15,7 @@ import pytest
 
 from onnx_chunk import Sampling, load
 from onnx_chunk.errors import CapacityError, ConfigError
-from onnx_chunk.runtime.engine.scheduler import KeptPrefix, PrefixRule, choose_slot
+from onnx_chunk.runtime.engine.prefix_reuse import KeptPrefix, PrefixRule, choose_slot
 from onnx_chunk.runtime.runner.padding import even_width, plan_forward
 from tests.exports.corpus import ROOT
 from tests.validate.mutations import edit_graph, rounds_by_row_count

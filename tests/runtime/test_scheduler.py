@@ -9,15 +9,14 @@ from hypothesis import strategies as st
 from onnx_chunk.errors import ConfigError, QueueFullError
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 from onnx_chunk.runtime.engine.kv_window import rewind_is_exact
-from onnx_chunk.runtime.engine.scheduler import (
+from onnx_chunk.runtime.engine.prefix_reuse import (
     KeptPrefix,
     PrefixRule,
-    RequestQueue,
-    batch_pays,
     choose_slot,
-    prefill_picks,
     shared_prefix,
 )
+from onnx_chunk.runtime.engine.request_queue import RequestQueue
+from onnx_chunk.runtime.engine.scheduler import batch_pays, prefill_picks
 from onnx_chunk.runtime.runner.attention_mask import decode_mask, mask_kind
 from onnx_chunk.runtime.runner.idle_rows import evicting_rows
 

@@ -515,7 +515,7 @@ def test_tokenize_and_detokenize_refuse_fields_they_do_not_know(live, path, body
 def test_prefix_reuse_is_kept_within_a_cache_salt():
     import numpy as np
 
-    from onnx_chunk.runtime.engine.scheduler import KeptPrefix, PrefixRule, choose_slot
+    from onnx_chunk.runtime.engine.prefix_reuse import KeptPrefix, PrefixRule, choose_slot
 
     kept = {0: KeptPrefix(np.arange(10), 1, "a"), 1: KeptPrefix(np.arange(0), 0)}
     prompt = np.arange(12)

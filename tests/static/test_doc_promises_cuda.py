@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from onnx_chunk.runtime.device.provider import device_for
-from onnx_chunk.static import runner as static_runner
+from onnx_chunk.static import graphs as static_graphs
 from onnx_chunk.static.runner import StaticRunner
 
 from .static_sizes import CAPACITY, CHUNK, MAX_INPUT, SEED
@@ -26,13 +26,13 @@ def pair(request, static_models, fixed_pair):
 
 def test_the_input_buffers_are_allocated_once(pair, monkeypatch):
     allocated = []
-    original = static_runner.device_zeros
+    original = static_graphs.device_zeros
 
     def counted(shape, dtype, device):
         allocated.append(tuple(shape))
         return original(shape, dtype, device)
 
-    monkeypatch.setattr(static_runner, "device_zeros", counted)
+    monkeypatch.setattr(static_graphs, "device_zeros", counted)
     runner = StaticRunner(*pair, max_input_len=MAX_INPUT, device=DEVICE_LIKE)
     prompts = [np.random.default_rng(n).integers(3, 256, n).tolist() for n in (6, 9)]
     first = runner.decode(runner.start(prompts[0], 8), 8)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from onnx_chunk.runtime.runner.forward import Forward, Row
-from onnx_chunk.static.runner import GraphRunner, StaticRunner
+from onnx_chunk.static.graphs import GraphRunner
+from onnx_chunk.static.runner import StaticRunner
 
 from .static_sizes import CAPACITY, CHUNK, MAX_INPUT, SEED
 

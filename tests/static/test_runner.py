@@ -19,8 +19,9 @@ from onnx_chunk.runtime import load
 from onnx_chunk.runtime.device.provider import device_for
 from onnx_chunk.sampling import Sampler, Sampling
 from onnx_chunk.static.alignment import StaticLimits, align_prompt
+from onnx_chunk.static.graphs import GraphRunner, window_capacity_problem
 from onnx_chunk.static.mask import mask_fill_value
-from onnx_chunk.static.runner import GraphRunner, StaticRunner, window_capacity_problem
+from onnx_chunk.static.runner import StaticRunner
 
 from .static_sizes import CAPACITY, CHUNK, MAX_INPUT, SEED
 
@@ -280,7 +281,7 @@ def test_parameter_checks_come_up_front(graphs, static_models):
         StaticRunner(chunk, static_models(1, 32, SEED), provider="cpu")
     with pytest.raises(InputError, match="vocabulary"):
         default.generate([3, 999], 2)
-    with pytest.raises(ConfigError, match="max_new_tokens"):
+    with pytest.raises(InputError, match="max_new_tokens"):
         default.generate([3, 4], 0)
 
 

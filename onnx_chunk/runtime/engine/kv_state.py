@@ -28,6 +28,10 @@ class LogicalLength:
 
     def check_room(self, rows: int, what: str = "the request") -> None:
         """CapacityError, with the numbers, when `rows` more positions do not fit."""
+        if rows > self.room and self.length == 0:
+            raise CapacityError(
+                f"{what} needs {rows} positions, more than the KV capacity {self.capacity}; "
+                "shorten it or load the model with a larger capacity")
         if rows > self.room:
             raise CapacityError(
                 f"{what} needs {rows} positions but the sequence holds {self.length} of its "

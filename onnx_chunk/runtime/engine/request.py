@@ -23,8 +23,11 @@ from typing import Literal
 
 import numpy as np
 
+from onnx_chunk import arguments
+from onnx_chunk.errors import InputError
 from onnx_chunk.runtime.engine.counters import ChunkRecord
-from onnx_chunk.sampling import TokenLogprobs
+from onnx_chunk.runtime.engine.kv_state import LogicalLength
+from onnx_chunk.sampling import GREEDY, Sampler, Sampling, TokenLogprobs
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
@@ -73,6 +76,55 @@ def finish_reason(token: int, produced: int, max_new_tokens: int,
     if produced >= max_new_tokens:
         return "length"
     return None
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A generation request checked once, before anything is queued or run: its prompt ids
+    (int64, a copy), its new tokens, the ids it stops at, and the sampler that chooses its
+    tokens. The runtime's submissions, a sequence's generations and the static runner's are
+    all made by `check`."""
+
+    prompt: np.ndarray
+    max_new_tokens: int
+    stop_ids: tuple[int, ...]
+    sampler: Sampler
+
+    @classmethod
+    def check(cls, prompt_ids: object, max_new_tokens: object, eos_token_id: object,
+              sampling: Sampling | None, *, vocab: int, eos_default: tuple[int, ...] = (),
+              room: LogicalLength | None = None,
+              tokens_only: str | None = None) -> CheckedRequest:
+        """The request, checked by these rules, in order:
+
+        1. The prompt: 1-D, not empty, integer ids in [0, vocab) (`arguments.prompt_ids`).
+        2. `tokens_only` (where logprobs are not given; the message says where to ask): a
+           sampling that asks for logprobs or prompt logprobs is refused.
+        3. max_new_tokens: an integer of at least 1, or 0 for a request of its prompt's
+           logprobs alone (lm-evaluation-harness's scoring).
+        4. `room`: the logical length the request continues (an empty one of the capacity for
+           a request on a fresh slot) holds the prompt plus the new tokens (CapacityError
+           with the numbers); None: the caller checks its own capacity.
+        5. The end ids: `eos_token_id` (one id or several, each in [0, vocab)), or
+           `eos_default` when it is None.
+        6. The sampler of `sampling` (default greedy; ConfigError for a field out of range),
+           which has seen the prompt (the repetition penalty counts its ids).
+        Every failure is an InputError unless said otherwise.
+        """
+        ids = arguments.prompt_ids(prompt_ids, vocab)
+        if tokens_only is not None and sampling is not None and (
+                sampling.logprobs is not None or sampling.prompt_logprobs is not None):
+            raise InputError(tokens_only)
+        scoring = sampling is not None and sampling.prompt_logprobs is not None
+        new_tokens = arguments.integer(max_new_tokens, "max_new_tokens",
+                                       minimum=0 if scoring else 1)
+        if room is not None:
+            room.check_room(len(ids) + new_tokens,
+                            f"a prompt of {len(ids)} tokens plus {new_tokens} new tokens")
+        stop = arguments.stop_ids(eos_token_id, eos_default, vocab)
+        sampler = Sampler(GREEDY if sampling is None else sampling, vocab)
+        sampler.observe(ids)
+        return cls(ids, new_tokens, stop, sampler)
 
 
 class Request:

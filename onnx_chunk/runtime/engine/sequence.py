@@ -2,9 +2,10 @@
 
 A sequence is request state: its slot of buffers (`sequence_pool`), its logical length, its
 stats, and the busy/closed rules below. `prefill`, `decode` and `rewind` are primitives on the
-model runner (`model_runner`); `generate`/`stream` is one request on a `SequenceEngine`
-(`batch_engine`): the engine's step, on one slot over the sequence's own buffers and length,
-stepped by the stream, so it runs the engine's prefill, verification, decode and finish rule.
+model runner (`model_runner`); `generate`/`stream` is one request on the batch engine over
+one caller-owned slot (`batch_engine.lone_engine`): the engine's step on the sequence's own
+buffers and length, stepped by the stream, so it runs the engine's prefill, verification,
+decode and finish rule.
 A prompt longer than the chunk width W is fed chunk by chunk (the last one at the remainder
 width, `scheduler.prefill_chunks`), and only the last chunk's logits reach the host.
 
@@ -38,15 +39,18 @@ from onnx_chunk.errors import (
     SequenceBusyError,
 )
 from onnx_chunk.runtime.device.buffers import SequenceBuffers
-from onnx_chunk.runtime.engine.batch_engine import SequenceEngine, StepResult
+from onnx_chunk.runtime.engine.batch_engine import lone_engine
 from onnx_chunk.runtime.engine.counters import GenerationStats, SequenceStats
 from onnx_chunk.runtime.engine.kv_state import LogicalLength
 from onnx_chunk.runtime.engine.kv_window import rewind_is_exact
+from onnx_chunk.runtime.engine.plan import StepResult
+from onnx_chunk.runtime.engine.request import CheckedRequest
 from onnx_chunk.runtime.engine.scheduler import prefill_chunks
 from onnx_chunk.runtime.engine.sequence_pool import SequencePool
 from onnx_chunk.runtime.engine.speculation import Speculation
-from onnx_chunk.runtime.runner.model_runner import Forward, LogitsRows, ModelRunner, Row
-from onnx_chunk.sampling import GREEDY, Sampler, Sampling
+from onnx_chunk.runtime.runner.forward import Forward, LogitsRows, Row
+from onnx_chunk.runtime.runner.model_runner import ModelRunner
+from onnx_chunk.sampling import Sampling
 
 
 class Sequence:
@@ -190,16 +194,9 @@ class Sequence:
         first token is asked for. The stream holds the sequence until it ends, is closed or is
         collected: another call on the sequence meanwhile raises SequenceBusyError.
         """
-        ids = self.check_request(token_ids, max_new_tokens)
-        stop_ids = arguments.stop_ids(eos_token_id, self._eos_token_ids, self._vocab)
-        if sampling is not None and (sampling.logprobs is not None
-                                     or sampling.prompt_logprobs is not None):
-            raise InputError("a sequence's generation gives tokens only; ask for logprobs "
-                             "through the batch engine (Runtime.submit or generate_text)")
-        sampler = Sampler(GREEDY if sampling is None else sampling, self._vocab)
-        sampler.observe(ids)
+        checked = self._checked(token_ids, max_new_tokens, eos_token_id, sampling)
         release = self._hold("stream")
-        steps = self._generate(ids, int(max_new_tokens), stop_ids, sampler, release)
+        steps = self._generate(checked, release)
         # A stream collected before its first token never runs its own cleanup.
         weakref.finalize(steps, release)
         return steps
@@ -212,12 +209,18 @@ class Sequence:
         dtype, or a bad `max_new_tokens`; CapacityError when the prompt plus the new tokens do
         not fit in what is left of this sequence's capacity.
         """
+        return self._checked(token_ids, max_new_tokens, None, None).prompt
+
+    def _checked(self, token_ids: object, max_new_tokens: object, eos_token_id: object,
+                 sampling: Sampling | None) -> CheckedRequest:
+        """A generation request checked (`CheckedRequest.check`) against this sequence's
+        room; it gives tokens only."""
         self._check_open()
-        ids = arguments.prompt_ids(token_ids, self._vocab)
-        arguments.integer(max_new_tokens, "max_new_tokens", minimum=1)
-        self._length.check_room(len(ids) + int(max_new_tokens),
-                                f"a prompt of {len(ids)} tokens plus {max_new_tokens} new tokens")
-        return ids
+        return CheckedRequest.check(
+            token_ids, max_new_tokens, eos_token_id, sampling, vocab=self._vocab,
+            eos_default=self._eos_token_ids, room=self._length,
+            tokens_only="a sequence's generation gives tokens only; ask for logprobs "
+                        "through the batch engine (Runtime.submit or generate_text)")
 
     def rewind(self, count: int) -> None:
         """Drop the last `count` positions (the next forward overwrites them).
@@ -278,8 +281,8 @@ class Sequence:
         finally:
             release()
 
-    def _generate(self, ids: np.ndarray, max_new_tokens: int, eos_ids: tuple[int, ...],
-                  sampler: Sampler, release: Callable[[], None]) -> Iterator[int]:
+    def _generate(self, checked: CheckedRequest,
+                  release: Callable[[], None]) -> Iterator[int]:
         """The generation, rolled back as a whole when a step fails; frees the sequence at the end.
 
         A failure (an exception in a prefill or decode step) leaves the sequence's length and
@@ -288,7 +291,7 @@ class Sequence:
         """
         try:
             with self._all_or_nothing():
-                yield from self._steps(ids, max_new_tokens, eos_ids, sampler)
+                yield from self._steps(checked)
         finally:
             release()
 
@@ -309,24 +312,23 @@ class Sequence:
             self._slot.buffers.restore_state(snapshot)
             raise
 
-    def _steps(self, ids: np.ndarray, max_new_tokens: int, eos_ids: tuple[int, ...],
-               sampler: Sampler) -> Iterator[int]:
-        """One request on a `SequenceEngine` over this sequence's slot and length, stepped
+    def _steps(self, checked: CheckedRequest) -> Iterator[int]:
+        """One request on a lone engine over this sequence's slot and length, stepped
         here until it ends; each token yielded as the step delivered it. The decode variant is
         pinned from the first token to the end (it cannot be evicted meanwhile)."""
-        generation = GenerationStats(prompt_tokens=len(ids))
+        generation = GenerationStats(prompt_tokens=len(checked.prompt))
         self._stats.last_generation = generation
-        engine = SequenceEngine(self._runner, self._slot, self._length,
-                                chunk_size=self._chunk_size, speculation=self._speculation)
-        request = engine.submit(ids, max_new_tokens, eos_ids, sampler)
+        engine = lone_engine(self._runner, self._slot, self._length,
+                             chunk_size=self._chunk_size, speculation=self._speculation)
+        request = engine.submit(checked)
         with contextlib.ExitStack() as pinned:
             pinned.callback(engine.release)
             while True:
                 # A sequence closed between two tokens: its stream raises ClosedError here; the
                 # buffers go back to the pool once the stream lets the sequence go.
                 self._check_open()
-                if generation.new_tokens and engine.decode is None:
-                    engine.decode = pinned.enter_context(
+                if generation.new_tokens and engine.runner.decode is None:
+                    engine.runner.decode = pinned.enter_context(
                         self._runner.decoding(self._slot, self._length))
                 self._count(engine.step(), generation)
                 # Raises the request's error (a failed forward) once its tokens were taken.

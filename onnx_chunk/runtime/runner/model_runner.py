@@ -10,17 +10,18 @@ batch row's last real row) or "all" (every real row). `run` takes it through one
    as it is when padding is off); a batched forward runs its rows as they are.
 2. Variant: the session for that width comes from the variant cache, pinned while it runs
    (`decoding` pins the decode variant for a whole loop, so each step costs no lookup).
-3. Binding: per (session, slot, width) an IOBinding whose every input lives in a buffer on the
-   runtime's device, allocated and bound once (fixed addresses, what a CUDA graph replays):
-   token and position buffers per binding, KV, state and mask per slot. A forward writes its
-   tokens, positions and mask (through the mask policy, `attention_mask`) in place.
+3. Binding (`binding`): per (session, slot, width) an IOBinding whose every input lives in a
+   buffer on the runtime's device, allocated and bound once (fixed addresses, what a CUDA
+   graph replays): token and position buffers per binding, KV, state and mask per slot. A
+   forward writes its tokens, positions and mask (through the mask policy, `attention_mask`)
+   in place.
 4. Run: on a session that captures CUDA graphs, a binding at a width where capture pays (the
    decode width at any batch, the ladder tiers, a specialised session's width) runs under
    graph ids of its own from the bounded graph cache (`graph_cache`), any other under -1; a
    capture holds the process's capture gate alone, every other forward holds it shared, and a
    capture that fails falls back to running that width without a graph.
 5. Idle rows of a batched forward run but are left as they were (`idle_rows`).
-6. Logits: only the rows asked for reach the host. A decoder with a `logits_rows` input
+6. Logits (`logits`): only the rows asked for reach the host. A decoder with a `logits_rows` input
    (`convert --logits-rows`) computes only the rows it is fed: each batch row's last real
    row, or every real row of a one-row forward that asks for "all". A prefill width takes the
    logits ONNX Runtime allocated for it, copies the wanted rows and lets the rest go; the
@@ -36,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
@@ -44,14 +44,24 @@ import onnxruntime as ort
 
 from onnx_chunk.errors import ModelStructureError
 from onnx_chunk.ladder import DECODE_WIDTH, padded_width
-from onnx_chunk.runtime.caches.cuda_graphs import CAPTURE_GATE, GraphRuns
+from onnx_chunk.runtime.caches.cuda_graphs import CAPTURE_GATE
 from onnx_chunk.runtime.caches.variant_cache import Specialize, VariantKey, variant_key
 from onnx_chunk.runtime.caches.variant_pool import VariantPool
-from onnx_chunk.runtime.device.buffers import DeviceBuffer, device_zeros
-from onnx_chunk.runtime.device.logits_row import ALL_ROWS, ROW_INPUT
+from onnx_chunk.runtime.device.buffers import DeviceBuffer
+from onnx_chunk.runtime.device.logits_row import ALL_ROWS
 from onnx_chunk.runtime.device.provider import Device
-from onnx_chunk.runtime.runner.forward import Forward, ForwardRunner, LogitsRows, Ran, Row
+from onnx_chunk.runtime.runner.binding import (
+    BINDINGS_PER_SESSION,
+    Binding,
+    new_binding,
+    own_logits,
+    release_output,
+    write_inputs,
+    write_native,
+)
+from onnx_chunk.runtime.runner.forward import Forward, ForwardRunner, Ran, Row
 from onnx_chunk.runtime.runner.idle_rows import evicting_rows
+from onnx_chunk.runtime.runner.logits import output_buffer, read_native, read_rows, shape_only
 from onnx_chunk.runtime.runner.native_chunks import NativePlan, NativeRow, plan_native
 from onnx_chunk.runtime.runner.padding import (
     PaddedForward,
@@ -63,64 +73,6 @@ from onnx_chunk.runtime.runner.slot import Length, Slot
 from onnx_chunk.runtime.state.ports import LOGITS_OUTPUT, ModelPorts
 
 T = TypeVar("T")
-
-# Bindings that capture no graph (and their logits buffers) a slot keeps on one shape-generic
-# session: the decode width and the latest prefill width. Capturing bindings are bounded by the
-# graph cache, which drops a binding with its graphs.
-_BINDINGS_PER_SESSION = 2
-
-
-@dataclass
-class Binding:
-    """An IOBinding of one session at one width: every buffer bound once, at a fixed address."""
-
-    io: ort.IOBinding
-    tokens: DeviceBuffer
-    positions: DeviceBuffer | None
-    graphs: GraphRuns | None
-    # A logits buffer of its own, bound for good: for the decode width (the hot loop) and for a
-    # captured CUDA graph (fixed addresses). Other widths take ONNX Runtime's output of each
-    # run and let it go once the wanted row is read, so no prefill-sized logits stay held.
-    keeps_logits: bool
-    # The logits output bound: "logits", or every row's ("logits_all") on a row-selecting
-    # session asked for all rows.
-    output: str = LOGITS_OUTPUT
-    # On a row-selecting session (`logits_row`): the index of the row its logits return.
-    row_index: DeviceBuffer | None = None
-    logits: DeviceBuffer | None = None
-    # Off the host: the host copy of one logits row, allocated with the logits buffer.
-    row: np.ndarray | None = None
-    # The host arrays a forward's tokens and positions are staged in (unpadded forwards).
-    step_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    step_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    # Native chunks: the query_seqlens buffer ([batch] int32) and what it holds now.
-    query_lens: DeviceBuffer | None = None
-    held_query_lens: np.ndarray | None = None
-    # A decoder with a logits_rows input: the row indices buffer and what it holds now. Its
-    # size is fixed per binding (one row, or one per batch row of a native forward), except
-    # on a binding of every row, which never captures and is rebound when the count changes.
-    logits_rows: DeviceBuffer | None = None
-    held_rows: np.ndarray | None = None
-
-    def write_rows(self, name: str, rows: np.ndarray, device: Device) -> None:
-        """Write the logits rows when they change (a decode loop writes them once)."""
-        if self.logits_rows is None:
-            return
-        if self.held_rows is not None and np.array_equal(self.held_rows, rows):
-            return
-        if self.logits_rows.shape != rows.shape:
-            self.logits_rows = device_zeros(rows.shape, np.dtype(np.int64), device)
-            self.io.bind_ortvalue_input(name, self.logits_rows.value)
-        self.logits_rows.write(rows.astype(np.int64, copy=False))
-        self.held_rows = rows.copy()
-
-    def write_query_lens(self, lens: np.ndarray) -> None:
-        """Write query_seqlens when it changes (a decode loop writes it once)."""
-        if self.query_lens is None:
-            return
-        if self.held_query_lens is None or not np.array_equal(self.held_query_lens, lens):
-            self.query_lens.write(lens.astype(np.int32, copy=False))
-            self.held_query_lens = lens.copy()
 
 
 class ModelRunner:
@@ -262,9 +214,10 @@ class ModelRunner:
         (`view`: a one-row forward's last row may be a view of the binding's buffers)."""
         width = forward.width if plan is None else plan.width
         if isinstance(plan, NativePlan):
-            self._write_native(binding, slot, forward, plan)
+            write_native(binding, slot, forward, plan, self.ports, self.device)
         else:
-            self._write_inputs(binding, slot, forward, plan)
+            write_inputs(binding, slot, forward, plan, self.ports, self.device,
+                         native=self.native, embedded=self._embedded)
         idle = [index for index, row in enumerate(forward.rows) if not row.steps]
         # Natively an idle row (query_seqlens 0) leaves its cache untouched: nothing to save.
         saved = [] if self.native else self._save_windows(slot, forward, idle)
@@ -280,7 +233,7 @@ class ModelRunner:
             returned = (1 if binding.output == LOGITS_OUTPUT and binding.row_index is not None
                         else logits.shape[1] if binding.logits_rows is not None
                         else real_rows if plan is None
-                        else plan.cut_logits(_shape_only(logits)).shape[1])
+                        else plan.cut_logits(shape_only(logits)).shape[1])
             if idle:
                 slot.buffers.keep_state(idle)
             slot.buffers.swap_state()
@@ -289,7 +242,7 @@ class ModelRunner:
             for row in forward.rows:
                 if row.steps:
                     row.length.advance(real_rows)
-            return _read(logits, returned, real_rows, len(forward.rows), forward.logits,
+            return read_rows(logits, returned, real_rows, len(forward.rows), forward.logits,
                          binding.row, view)
 
         return self._run_bound(key, session, binding, slot, width, after)
@@ -317,84 +270,8 @@ class ModelRunner:
         for row, count in zip(forward.rows, plan.query_lens.tolist()):
             if row.steps:
                 row.length.advance(count)
-        if forward.logits == "none":
-            return None
-        if forward.logits == "all":
-            count = int(plan.query_lens[0])
-            if selected or returned < count or (chosen and returned != count):
-                raise ModelStructureError(
-                    f"a forward of {count} rows returned {returned} logits rows: the decoder "
-                    "does not return every row's logits, so ask for the last row only")
-            every = logits.read(0, returned * logits.shape[-1]).reshape(1, returned, -1)
-            return np.array(every[:, :count])
-        vocab = logits.shape[-1]
-        if len(forward.rows) == 1:
-            index = 0 if selected or chosen or returned == 1 else int(plan.last_rows[0])
-            last = logits.read(index * vocab, vocab, binding.row)
-            return (last if view else np.array(last))[None]
-        every = logits.read(0, len(forward.rows) * returned * vocab).reshape(
-            len(forward.rows), returned, vocab)
-        picked = np.arange(len(forward.rows)) if chosen else plan.last_rows
-        return np.array(every[np.arange(len(forward.rows)), picked])
-
-    def _write_native(self, binding: Binding, slot: Slot, forward: Forward,
-                      plan: NativePlan) -> None:
-        """Tokens, positions, query_seqlens, logits row and mask of a native plan."""
-        binding.tokens.write(plan.tokens.reshape(binding.tokens.shape))
-        if binding.positions is not None:
-            binding.positions.write(plan.positions)
-        binding.write_query_lens(plan.query_lens)
-        if self.ports.logits_rows is not None:
-            rows = (np.arange(int(plan.query_lens[0])) if forward.logits == "all"
-                    else plan.last_rows)
-            binding.write_rows(self.ports.logits_rows, rows, self.device)
-        if binding.row_index is not None:
-            binding.row_index.write(np.full(1, int(plan.last_rows[0]), dtype=np.int64))
-        slot.mask.set_counts(binding.io, plan.mask_ones, plan.mask_width)  # type: ignore[attr-defined]
-
-    def _write_inputs(self, binding: Binding, slot: Slot, forward: Forward,
-                      plan: PaddedForward | None) -> None:
-        """Tokens, positions, logits row and mask of `forward`, into the binding's buffers."""
-        ports = self.ports
-        if plan is not None:
-            binding.tokens.write(plan.tokens.reshape(binding.tokens.shape))
-            if binding.positions is not None:
-                binding.positions.write(plan.ports[ports.position_ids])
-            if binding.row_index is not None:
-                binding.row_index.write(np.full(1, plan.real_rows - 1, dtype=np.int64))
-            self._write_rows(binding, forward, plan.real_rows)
-            slot.mask.set(binding.io, forward.rows[0].length.end(plan.width))
-            return
-        self._write_rows(binding, forward, forward.width)
-        tokens, positions = binding.step_tokens, binding.step_positions
-        for index, row in enumerate(forward.rows):
-            tokens[index] = self._embedded(row.tokens)
-            positions[index] = row.length.length + np.arange(len(row.tokens))
-        binding.tokens.write(tokens)
-        if binding.positions is not None:
-            binding.positions.write(positions)
-        if self.native:
-            # One token per row: a stepping row holds length + 1 positions after it, an idle
-            # row (query_seqlens 0) its length, at least 1 (the operator needs T >= 1).
-            steps = np.array([row.steps for row in forward.rows], dtype=np.int32)
-            binding.write_query_lens(steps)
-            if len(forward.rows) == 1:
-                slot.mask.set(binding.io, forward.rows[0].length.end(forward.width))
-                return
-            ones = np.maximum([row.length.length + int(row.steps) for row in forward.rows], 1)
-            slot.mask.set_counts(binding.io, ones, int(ones.max()))  # type: ignore[attr-defined]
-        elif len(forward.rows) == 1:
-            slot.mask.set(binding.io, forward.rows[0].length.end(forward.width))
-        else:
-            slot.mask.set_rows(binding.io, [row.length.length for row in forward.rows])
-
-    def _write_rows(self, binding: Binding, forward: Forward, real_rows: int) -> None:
-        """The logits rows of a forward whose rows all end at `real_rows`: every real row for
-        "all", else the last real one."""
-        if self.ports.logits_rows is None:
-            return
-        rows = np.arange(real_rows) if forward.logits == "all" else _last_row(real_rows)
-        binding.write_rows(self.ports.logits_rows, rows, self.device)
+        return read_native(logits, plan, len(forward.rows), forward.logits, selected=selected,
+                           chosen=chosen, out=binding.row, view=view)
 
     def _save_windows(self, slot: Slot, forward: Forward,
                       idle: list[int]) -> list[tuple[DeviceBuffer, int, DeviceBuffer]]:
@@ -457,14 +334,14 @@ class ModelRunner:
         for a binding that keeps a buffer, bind one of that shape for good)."""
         produced = binding.io.get_outputs()[0]
         if binding.keeps_logits:
-            self._own_logits(binding, tuple(produced.shape()))
+            own_logits(binding, tuple(produced.shape()), self.ports, self.device)
         try:
-            return read(_output_buffer(produced, self.ports.logits_dtype, self.device))
+            return read(output_buffer(produced, self.ports.logits_dtype, self.device))
         finally:
             if binding.keeps_logits:
                 binding.io.bind_ortvalue_output(LOGITS_OUTPUT, binding.logits.value)
             else:
-                self._release_output(binding, slot)
+                release_output(binding, slot, self.device)
 
     def _run(self, session: ort.InferenceSession, binding: Binding, slot: Slot,
              width: int, first_run: bool, then: Callable[[], T]) -> T:
@@ -499,13 +376,6 @@ class ModelRunner:
         # The capture ran the forward (its replay); its logits are in the binding's own buffer.
         return then()
 
-    def _release_output(self, binding: Binding, slot: Slot) -> None:
-        """Drop the logits ONNX Runtime allocated for a run of `binding` (when it keeps none)."""
-        device = self.device
-        binding.io.clear_binding_outputs()
-        binding.io.bind_output(binding.output, device.device_type, device.device_id)
-        slot.buffers.bind_kv(binding.io)
-
     def _binding(self, session: ort.InferenceSession, key: VariantKey, slot: Slot,
                  width: int, all_rows: bool = False) -> Binding:
         # The variant pool holds the bindings per live session and drops them when the cache
@@ -521,51 +391,16 @@ class ModelRunner:
         if binding is not None:
             bindings.move_to_end(name)
             return binding
-        ports = self.ports
-        device = self.device
-        batch = slot.mask.rows
-        io = session.io_binding()
-        output = ALL_ROWS if every_row and selects else LOGITS_OUTPUT
-        # Bound first so that it is output 0; ONNX Runtime allocates it on the first run (never
-        # captured), which tells the rows the model really returns, and a buffer of that shape
-        # replaces it for good.
-        io.bind_output(output, device.device_type, device.device_id)
-        slot.buffers.bind_kv(io)
-        token_shape = ((batch, width) if ports.hidden_size is None
-                       else (batch, width, ports.hidden_size))
-        tokens = device_zeros(token_shape, ports.token_dtype, device)
-        io.bind_ortvalue_input(ports.token_input, tokens.value)
-        positions = None
-        if ports.position_ids is not None:
-            positions = device_zeros((batch, width), np.dtype(np.int64), device)
-            io.bind_ortvalue_input(ports.position_ids, positions.value)
-        slot.mask.bind(io)
-        row_index = None
-        if selects:
-            row_index = device_zeros((1,), np.dtype(np.int64), device)
-            io.bind_ortvalue_input(ROW_INPUT, row_index.value)
-        logits_rows = None
-        if ports.logits_rows is not None:
-            logits_rows = device_zeros((1,), np.dtype(np.int64), device)
-            io.bind_ortvalue_input(ports.logits_rows, logits_rows.value)
-        query_lens = None
-        if ports.query_seqlens is not None:
-            query_lens = device_zeros((batch,), np.dtype(np.int32), device)
-            io.bind_ortvalue_input(ports.query_seqlens, query_lens.value)
-        graphs = self.variants.graph_runs(
-            session, width, stateful=bool(slot.buffers.state_ports),
-            capture=not every_row and slot.captures and self._captures(key, width),
-            batch=batch)
-        keeps = width == DECODE_WIDTH or (graphs is not None and not every_row)
-        binding = Binding(io, tokens, positions, graphs, keeps_logits=keeps, output=output,
-                           row_index=row_index,
-                           step_tokens=np.zeros(token_shape, dtype=ports.token_dtype),
-                           step_positions=np.zeros((batch, width), dtype=np.int64),
-                           query_lens=query_lens, logits_rows=logits_rows)
+        binding = new_binding(
+            session, slot, width, self.ports, self.device, selects=selects, every_row=every_row,
+            graphs=lambda: self.variants.graph_runs(
+                session, width, stateful=bool(slot.buffers.state_ports),
+                capture=not every_row and slot.captures and self._captures(key, width),
+                batch=slot.mask.rows))
         bindings[name] = binding
         uncaptured = [held for held, kept in bindings.items()
                       if kept.graphs is None or not kept.graphs.ids]
-        for held in uncaptured[:-_BINDINGS_PER_SESSION]:
+        for held in uncaptured[:-BINDINGS_PER_SESSION]:
             del bindings[held]
         return binding
 
@@ -574,60 +409,6 @@ class ModelRunner:
         pays, at the widths that recur (decode at any batch, the ladder tiers) and on a session
         specialised for its width; other widths run uncaptured on the same session."""
         return key is not None or width == DECODE_WIDTH or width in self.tiers
-
-    def _own_logits(self, binding: Binding, shape: tuple[int, ...]) -> None:
-        """A logits buffer of the binding's own, of the shape its first run returned (bound
-        once the first run's rows are read)."""
-        binding.logits = device_zeros(shape, self.ports.logits_dtype, self.device)
-        if binding.logits.host is None:
-            binding.row = np.empty(binding.logits.shape[-1], dtype=binding.logits.dtype)
-
-
-def _read(logits: DeviceBuffer, returned: int, real_rows: int, batch: int, need: LogitsRows,
-          out: np.ndarray | None, view: bool) -> np.ndarray | None:
-    """The rows wanted of `returned` real-row logits per batch row: none, the last or all.
-
-    A one-row forward's last row is read alone (off the host into `out` when given); `view`:
-    it may stay a view valid until the next forward of the binding, else it is a copy. A
-    batched forward's rows are read at once.
-    """
-    if need == "none":
-        return None
-    vocab = logits.shape[-1]
-    if need == "last":
-        if batch == 1:
-            row = logits.read((returned - 1) * vocab, vocab, out)
-            return (row if view else np.array(row))[None]
-        per_row = logits.shape[1]
-        every = logits.read(0, batch * per_row * vocab).reshape(batch, per_row, vocab)
-        return np.array(every[:, returned - 1])
-    if returned != real_rows:
-        raise ModelStructureError(
-            f"a forward of {real_rows} rows returned {returned} logits rows: the "
-            "decoder does not return every row's logits, so ask for the last row only")
-    per_row = logits.shape[1]
-    every = logits.read(0, batch * per_row * vocab).reshape(batch, per_row, vocab)
-    return np.array(every[:, :returned])
-
-
-def _output_buffer(value: ort.OrtValue, dtype: np.dtype, device: Device) -> DeviceBuffer:
-    """An output ONNX Runtime allocated, read through partial copies like any device buffer
-    (counted in `device`'s transfers where the host has no view of it)."""
-    return DeviceBuffer(value, None, np.dtype(dtype),
-                        None if device.host_visible else device.transfers)
-
-
-def _shape_only(buffer: DeviceBuffer) -> np.ndarray:
-    return np.broadcast_to(np.zeros((), dtype=buffer.dtype), buffer.shape)
-
-
-@functools.lru_cache(maxsize=64)
-def _last_row(real_rows: int) -> np.ndarray:
-    """[real_rows - 1] as int64, made once per count: a decode step feeds [0] without an
-    allocation (read-only, shared)."""
-    row = np.array([real_rows - 1], dtype=np.int64)
-    row.flags.writeable = False
-    return row
 
 
 if TYPE_CHECKING:  # mypy checks that the model runner is a forward runner on its slots
