@@ -100,9 +100,10 @@ def prefill_chunks(length: int, width: int) -> list[tuple[int, int]]:
     Rules:
     1. Chunks of `width` rows; the last one takes the remainder.
     2. A remainder of one row after a full chunk borrows a row from it (..., width - 1, 2): a
-       one-row forward runs ONNX Runtime's single-row CPU kernels, which sum in another order
-       (its logits differ from the whole-prompt forward's by ~1e-6), while forwards of two or
-       more rows give the whole-prompt forward's logits bit for bit.
+       one-row forward runs ONNX Runtime's one-row CPU kernels, which sum in another order.
+       Forwards of several rows still differ from the whole-prompt forward where one of them
+       leaves a query row alone in a block of the CPU attention (docs/row_grouping.md); exact
+       mode's even widths remove those.
     """
     if length < 1 or width < 1:
         raise ConfigError(f"a prefill needs at least one token and a chunk width of at least 1, "
