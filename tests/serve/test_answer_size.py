@@ -70,7 +70,9 @@ def test_an_oversized_answer_is_refused_at_once_and_keeps_no_memory():
             seconds.append(elapsed)
         grown = _rss_kib(server.pid) - before
         assert statistics.median(seconds) < 0.1, seconds
-        assert grown < 1024, f"the server's resident set grew by {grown} KiB"
+        # One answer kept would be more than LIMIT (16 MB); parsing five 0.3 MB bodies can leave
+        # the allocator's arenas about 1 MiB larger (1056 KiB seen under load).
+        assert grown < 4096, f"the server's resident set grew by {grown} KiB"
         assert _requests_served(connection) == 0  # nothing was queued
     finally:
         server.terminate()
