@@ -5,6 +5,7 @@ Usage: bench_kv_cache.py memory FOLDER [FOLDER...] [--shape 1x32768 --shape 8x81
                            [--llamacpp GGUF]
        bench_kv_cache.py decode FLOAT_FOLDER FOLDER[+NAME=VALUE] [...]
                            [--positions 1024 4096 8192 16384] [--rounds 3] [--genai FOLDER]
+                           [--paired [--piece 512]]
        bench_kv_cache.py profile FOLDER[+NAME=VALUE] [...] [--positions 4096 8192] [--rows 512]
                            [--repeats 2]
 
@@ -22,7 +23,11 @@ served in turn; the KV bytes llama.cpp's log reports, its VmHWM).
 first token and the decode tokens/s of the 32 steps after it (`stats.last_generation`), the
 folders interleaved round by round, the load average printed beside each number (the machine
 may be shared); then per length the medians, spreads and the ratios of TTFT and decode tokens/s
-to the first folder's (give the float cache first).
+to the first folder's (give the float cache first), and how many of the 33 greedy tokens equal
+the first folder's before the first that differs, per round. `--paired` loads every folder in
+one child per round and alternates them `--piece` prompt tokens at a time, then decode step by
+step (in rotating order), so that all meet the same load: on a shared machine separate
+processes spread too widely to compare.
 `--genai FOLDER` adds onnxruntime-genai (`_bench/genai_worker.py` in `--genai-venv`) on that
 folder (the float-cache export as built) in the same rounds: the same prompt, prefilled in
 chunks of 512 (its `search.chunk_size`), then 33 greedy tokens, timed as genai's decode
@@ -57,7 +62,8 @@ from _bench.environment import WORKERS, llama_python
 LLAMA_CACHES = ("f16", "q8_0", "q4_0")
 
 _CHILD = r"""
-import ctypes, json, mmap, os, sys
+import ctypes, json, mmap, os, sys, time
+import numpy as np
 import onnx_chunk
 request = json.loads(sys.argv[1])
 def vmhwm():
@@ -91,19 +97,46 @@ if request["mode"] == "memory":
                           "peak_rss": vmhwm()}))
         for sequence in sequences:
             sequence.close()
-else:
+elif request["mode"] == "decode":
     with open(request["prompt_file"]) as file:
         prompt = json.load(file)[0]
     with onnx_chunk.load(request["folder"], provider="cpu",
                          capacity=len(prompt) + 64) as runtime:
         with runtime.open_sequence() as sequence:
-            sequence.generate(prompt, 33, eos_token_id=[])
+            tokens = sequence.generate(prompt, 33, eos_token_id=[])
             generation = sequence.stats.last_generation
         print(json.dumps({"kv_dtype": runtime.stats.kv_dtype,
                           "tokens_per_s": generation.decode_tokens_per_s,
-                          "prefill_s": generation.ttft_s,
+                          "prefill_s": generation.ttft_s, "tokens": tokens,
                           "environment": {name: os.environ.get(name)
                                           for name in request["environment"]}}))
+else:  # "paired": every folder in this process, alternated piece by piece, step by step
+    with open(request["prompt_file"]) as file:
+        prompt = json.load(file)[0]
+    runtimes = [onnx_chunk.load(folder, provider="cpu", capacity=len(prompt) + 64)
+                for folder in request["folders"]]
+    sequences = [runtime.open_sequence() for runtime in runtimes]
+    count, piece = len(runtimes), request["piece"]
+    prefill_s, decode_s = [0.0] * count, [0.0] * count
+    tokens = [[] for _ in runtimes]
+    for step, start in enumerate(range(0, len(prompt), piece)):
+        for index in [(step + shift) % count for shift in range(count)]:
+            began = time.perf_counter()
+            logits = sequences[index].prefill(prompt[start:start + piece])
+            if start + piece >= len(prompt):
+                tokens[index].append(int(np.argmax(logits)))
+            prefill_s[index] += time.perf_counter() - began
+    for step in range(32):
+        for index in [(step + shift) % count for shift in range(count)]:
+            began = time.perf_counter()
+            tokens[index].append(int(np.argmax(sequences[index].decode(tokens[index][-1]))))
+            decode_s[index] += time.perf_counter() - began
+    print(json.dumps([{"kv_dtype": runtime.stats.kv_dtype, "tokens_per_s": 32 / decode_s[index],
+                       "prefill_s": prefill_s[index], "tokens": tokens[index]}
+                      for index, runtime in enumerate(runtimes)]))
+    for sequence, runtime in zip(sequences, runtimes):
+        sequence.close()
+        runtime.close()
 """
 
 
@@ -255,6 +288,30 @@ def _profile(folders: list[str], positions: list[int], rows: int, repeats: int,
               flush=True)
 
 
+def _round(args: argparse.Namespace, genai: Path | None, systems: list[str],
+           prompt_file: str, positions: int) -> dict[str, dict]:
+    """One round: every system's TTFT, decode tokens/s and greedy tokens."""
+    if args.paired:
+        got = _child({"mode": "paired", "folders": args.folders, "prompt_file": prompt_file,
+                      "piece": args.piece})
+        return dict(zip(systems, got))
+    found = {}
+    for system in systems:
+        if genai is not None and system.startswith("genai:"):
+            found[system] = {**_genai_child(genai, str(args.genai), prompt_file, positions),
+                             "kv_dtype": "genai", "tokens": None}
+        else:
+            folder, environment = split_arm(system)
+            got = _child({"mode": "decode", "folder": folder, "prompt_file": prompt_file,
+                          "environment": sorted(environment)}, environment)
+            if got["environment"] != environment:  # the child saw what it was given
+                raise SystemExit(f"error: {system}: the child's environment was "
+                                 f"{got['environment']}")
+            found[system] = got
+        time.sleep(1)
+    return found
+
+
 def _decode(args: argparse.Namespace, genai: Path | None) -> None:
     """Prefill then decode, systems interleaved round by round at each prompt length; per
     length the medians, spreads and ratios to the first system (the float cache)."""
@@ -263,41 +320,38 @@ def _decode(args: argparse.Namespace, genai: Path | None) -> None:
         prompt_file = _prompt_file(Path(split_arm(args.folders[0])[0]), positions)
         decodes: dict[str, list[float]] = {system: [] for system in systems}
         prefills: dict[str, list[float]] = {system: [] for system in systems}
+        agree: dict[str, list[int]] = {system: [] for system in systems}
         loads: list[float] = []
         try:
             for _ in range(args.rounds):
-                for system in systems:
-                    loads.append(float(_load()))
-                    if genai is not None and system.startswith("genai:"):
-                        got = {**_genai_child(genai, str(args.genai), prompt_file, positions),
-                               "kv_dtype": "genai"}
-                    else:
-                        folder, environment = split_arm(system)
-                        got = _child({"mode": "decode", "folder": folder,
-                                      "prompt_file": prompt_file,
-                                      "environment": sorted(environment)}, environment)
-                        if got["environment"] != environment:  # the child saw what it was given
-                            raise SystemExit(f"error: {system}: the child's environment was "
-                                             f"{got['environment']}")
+                loads.append(float(_load()))
+                found = _round(args, genai, systems, prompt_file, positions)
+                loads.append(float(_load()))
+                first = found[systems[0]]["tokens"]
+                for system, got in found.items():
                     decodes[system].append(got["tokens_per_s"])
                     prefills[system].append(got["prefill_s"])
+                    if got["tokens"] is not None and first is not None:
+                        agree[system].append(next((index for index, (a, b) in enumerate(
+                            zip(got["tokens"], first)) if a != b), len(first)))
                     print(f"{positions:>6} {got['kv_dtype']:>8} {got['tokens_per_s']:7.2f} "
                           f"tok/s  prefill {got['prefill_s']:.2f} s  load {_load()}  "
                           f"{_label(system)}", flush=True)
-                    time.sleep(1)
         finally:
             os.unlink(prompt_file)
         base_ttft = statistics.median(prefills[systems[0]])
         base_decode = statistics.median(decodes[systems[0]])
-        print(f"{positions} positions, {args.rounds} rounds, load {min(loads):.1f}-"
-              f"{max(loads):.1f}; ratios to {_label(systems[0])}:")
+        print(f"{positions} positions, {args.rounds} rounds"
+              f"{' paired' if args.paired else ''}, load {min(loads):.1f}-{max(loads):.1f}; "
+              f"ratios to {_label(systems[0])}; greedy tokens equal to its, of 33:")
         for system in systems:
             ttft, decode = prefills[system], decodes[system]
+            equal = "/".join(str(count) for count in agree[system]) or "-"
             print(f"  TTFT {statistics.median(ttft):8.2f} s ({min(ttft):.2f}-{max(ttft):.2f}) "
                   f"{statistics.median(ttft) / base_ttft:5.2f}x   decode "
                   f"{statistics.median(decode):6.2f} tok/s ({min(decode):.2f}-"
                   f"{max(decode):.2f}) {statistics.median(decode) / base_decode:5.2f}x  "
-                  f"{_label(system)}", flush=True)
+                  f"equal {equal}  {_label(system)}", flush=True)
 
 
 def main() -> None:
@@ -310,6 +364,12 @@ def main() -> None:
                         help="prompt lengths (decode; default 1024 4096 8192 16384), past "
                              "lengths (profile; default 4096 8192)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (decode)")
+    parser.add_argument("--paired", action="store_true",
+                        help="decode: every folder in one process per round, alternated "
+                             "--piece prompt tokens at a time and decode step by step, so that "
+                             "all meet the same load (a shared machine)")
+    parser.add_argument("--piece", type=int, default=512,
+                        help="prompt tokens per turn with --paired (default 512, a chunk)")
     parser.add_argument("--rows", type=int, default=512, help="query rows (profile)")
     parser.add_argument("--repeats", type=int, default=2,
                         help="profiled forwards after the warm-up one (profile)")
@@ -357,6 +417,10 @@ def main() -> None:
         return
     if args.genai is not None and not (args.genai / "genai_config.json").is_file():
         parser.error(f"--genai {args.genai}: no genai_config.json there")
+    if args.paired and (args.genai is not None or any(split_arm(system)[1]
+                                                       for system in args.folders)):
+        parser.error("--paired runs every folder in one process: no --genai and no "
+                     "FOLDER+NAME=VALUE arm")
     args.positions = args.positions or [1024, 4096, 8192, 16384]
     _decode(args, None if args.genai is None else env.genai_python(args.genai_venv))
 

@@ -79,6 +79,20 @@ def test_decode_gives_ttft_and_decode_ratios_at_each_prompt_length(tmp_path):
         assert float(second[3]) == pytest.approx(float(second[2]) / float(first[2]), abs=0.01)
 
 
+def test_paired_alternates_the_folders_in_one_process_and_counts_equal_tokens(tmp_path):
+    done = _run("decode", str(EXPORT), str(EXPORT), "--paired", "--piece", "16", "--positions",
+                "40", "--rounds", "2", env_vars={"TMPDIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("40 positions, 2 rounds paired, load ") for line in lines)
+    summary = [line for line in lines if line.startswith("  TTFT")]
+    # The same folder twice: its greedy tokens equal the first's, all 33, in both rounds.
+    assert len(summary) == 2 and all("equal 33/33" in line for line in summary), summary
+    refused = _run("decode", str(EXPORT), f"{EXPORT}+NAME=1", "--paired", "--positions", "40")
+    assert refused.returncode == 2
+    assert refused.stderr.count("error:") == 1 and "--paired runs every folder" in refused.stderr
+
+
 def test_profile_times_each_operator_of_one_forward(tmp_path):
     int8 = tmp_path / "kv8"
     assert main(["convert", str(EXPORT), "-o", str(int8), "--kv-dtype", "int8",
