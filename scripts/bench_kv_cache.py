@@ -8,6 +8,8 @@ Usage: bench_kv_cache.py memory FOLDER [FOLDER...] [--shape 1x32768 --shape 8x81
                            [--paired [--piece 512]]
        bench_kv_cache.py profile FOLDER[+NAME=VALUE] [...] [--positions 4096 8192] [--rows 512]
                            [--repeats 2]
+       bench_kv_cache.py kernel [--heads 14:2:64] [--system int8 ...] [--positions 4096 8192]
+                           [--rows 512] [--repeats 2]
 
 `memory` runs each (folder, slots x capacity) in a fresh child process: it loads the model,
 opens `slots` sequences at once, writes every byte of their KV buffers (zeros, as llama.cpp
@@ -38,6 +40,11 @@ Runtime's profiler on a plain session (KV buffers at capacity bound as past and 
 codes; the last row's logits), one child per folder and length, and prints the time of each
 operator type in milliseconds, medians of `--repeats` forwards after a warm-up one, and the
 forward's wall time (median and spread).
+`kernel` times one GroupQueryAttention node of `--heads` HEADS:KV_HEADS:HEAD_SIZE alone, per
+cache type and kernel (`_bench/gqa_kernel.py`: float32, int8 and int4 in ONNX Runtime's kernels,
+int8 per-tensor, int8 without flash attention, int8 and int4 after passes.kv_prefill),
+alternated forward by forward in this process: milliseconds, the ratio to the first system and
+GMAC/s over every query row and position.
 `FOLDER+NAME=VALUE` runs that folder's child with the environment variable NAME set to VALUE
 (ONNX Runtime reads some kernel switches so, e.g. ORT_MLAS_QKGEMM_S8_APPROX_VNNI=1): an arm of
 its own beside the same folder without it.
@@ -57,6 +64,7 @@ import time
 from pathlib import Path
 
 from _bench import environment as env
+from _bench import gqa_kernel
 from _bench.environment import WORKERS, llama_python
 
 LLAMA_CACHES = ("f16", "q8_0", "q4_0")
@@ -354,10 +362,28 @@ def _decode(args: argparse.Namespace, genai: Path | None) -> None:
                   f"equal {equal}  {_label(system)}", flush=True)
 
 
+def _kernel(args: argparse.Namespace) -> None:
+    """One GroupQueryAttention node per cache type (_bench/gqa_kernel.py), alternated."""
+    heads, kv_heads, size = (int(part) for part in args.heads.split(":"))
+    systems = args.system or list(gqa_kernel.SYSTEMS)
+    for past in args.positions or [4096, 8192]:
+        load = _load()
+        got = gqa_kernel.measure(systems, (heads, kv_heads, size), past, args.rows,
+                                 args.repeats, args.threads)
+        base = got[systems[0]]["median"]
+        print(f"one GroupQueryAttention {heads}:{kv_heads}:{size}, {args.rows} rows after {past} "
+              f"positions, {args.repeats} forwards each, load {load}-{_load()}:")
+        for system in systems:
+            row = got[system]
+            print(f"  {system:>13} {row['median'] * 1e3:9.2f} ms ({row['min'] * 1e3:.2f}-"
+                  f"{row['max'] * 1e3:.2f}) {row['median'] / base:5.2f}x  "
+                  f"{row['gmacs']:7.2f} GMAC/s", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=("memory", "decode", "profile"))
-    parser.add_argument("folders", nargs="+")
+    parser.add_argument("mode", choices=("memory", "decode", "profile", "kernel"))
+    parser.add_argument("folders", nargs="*")
     parser.add_argument("--shape", action="append", default=None,
                         help="SLOTSxCAPACITY (memory; default 1x32768 and 8x8192)")
     parser.add_argument("--positions", type=int, nargs="+", default=None,
@@ -370,7 +396,11 @@ def main() -> None:
                              "all meet the same load (a shared machine)")
     parser.add_argument("--piece", type=int, default=512,
                         help="prompt tokens per turn with --paired (default 512, a chunk)")
-    parser.add_argument("--rows", type=int, default=512, help="query rows (profile)")
+    parser.add_argument("--rows", type=int, default=512, help="query rows (profile, kernel)")
+    parser.add_argument("--heads", default="14:2:64",
+                        help="kernel: HEADS:KV_HEADS:HEAD_SIZE (default qwen05's 14:2:64)")
+    parser.add_argument("--system", action="append", choices=gqa_kernel.SYSTEMS, default=None,
+                        help=f"kernel: systems to time (default {' '.join(gqa_kernel.SYSTEMS)})")
     parser.add_argument("--repeats", type=int, default=2,
                         help="profiled forwards after the warm-up one (profile)")
     parser.add_argument("--llamacpp", type=Path, default=None,
@@ -388,6 +418,11 @@ def main() -> None:
     if llama is not None and not llama.is_file():
         parser.error(f"no llama.cpp venv at {llama}: run scripts/bench_vs_llamacpp.py once "
                      "(it makes it) or set ONNX_CHUNK_LLAMACPP_PYTHON")
+    if args.mode == "kernel":
+        _kernel(args)
+        return
+    if not args.folders:
+        parser.error(f"{args.mode} needs at least one FOLDER")
     for system in args.folders:
         if not Path(split_arm(system)[0]).is_dir():
             parser.error(f"{system}: no such folder (FOLDER or FOLDER+NAME=VALUE)")

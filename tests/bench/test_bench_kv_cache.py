@@ -111,6 +111,19 @@ def test_profile_times_each_operator_of_one_forward(tmp_path):
     assert not list(tmp_path.glob("bench_kv_profile*"))
 
 
+def test_kernel_times_one_attention_node_per_cache_type():
+    done = _run("kernel", "--heads", "4:2:16", "--positions", "24", "--rows", "40",
+                "--repeats", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("one GroupQueryAttention 4:2:16, 40 rows after 24 positions")
+    rows = [re.match(r"\s+(\S+)\s+([\d.]+) ms \(.*\)\s+([\d.]+)x\s+([\d.]+) GMAC/s", line)
+            for line in lines[1:]]
+    assert all(rows) and [row[1] for row in rows] == [
+        "float32", "int8", "int4", "int8t", "int8-noflash", "int8d", "int4d"]
+    assert rows[0][3] == "1.00" and all(float(row[4]) > 0 for row in rows)
+
+
 def test_an_arm_of_no_folder_is_one_error_line(tmp_path):
     done = _run("decode", f"{tmp_path / 'absent'}+NAME=1", "--positions", "40")
     assert done.returncode == 2
