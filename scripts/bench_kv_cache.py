@@ -38,8 +38,8 @@ prompt from one file the parent writes.
 `profile` runs one `--rows`-row forward after each past length of `--positions` under ONNX
 Runtime's profiler on a plain session (KV buffers at capacity bound as past and present, random
 codes; the last row's logits), one child per folder and length, and prints the time of each
-operator type in milliseconds, medians of `--repeats` forwards after a warm-up one, and the
-forward's wall time (median and spread).
+operator type in milliseconds, medians of `--repeats` forwards after a warm-up one, the
+forward's wall time (median and spread) and the child's peak RSS (VmHWM).
 `kernel` times one GroupQueryAttention node of `--heads` HEADS:KV_HEADS:HEAD_SIZE alone, per
 cache type and kernel (`_bench/gqa_kernel.py`: float32, int8 and int4 in ONNX Runtime's kernels,
 int8 per-tensor, int8 without flash attention, int8 and int4 after passes.kv_prefill),
@@ -255,7 +255,9 @@ for run in per_run_node_times(events)[1:]:
     for op_type, seconds in run.values():
         totals[op_type] = totals.get(op_type, 0.0) + seconds
     by_op.append(totals)
-print(json.dumps({"walls": walls[1:], "by_op": by_op}))
+peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status")
+            if line.startswith("VmHWM:"))
+print(json.dumps({"walls": walls[1:], "by_op": by_op, "peak_rss": peak}))
 """
 
 
@@ -278,7 +280,7 @@ def _profile(folders: list[str], positions: list[int], rows: int, repeats: int,
                                        "PYTHONPATH": scripts})
             got = json.loads(done.stdout.strip().splitlines()[-1])
             walls[system] = (statistics.median(got["walls"]), min(got["walls"]),
-                             max(got["walls"]), load)
+                             max(got["walls"]), load, got["peak_rss"])
             for op_type in {name for run in got["by_op"] for name in run}:
                 table.setdefault(op_type, {})[system] = statistics.median(
                     run.get(op_type, 0.0) for run in got["by_op"])
@@ -292,6 +294,8 @@ def _profile(folders: list[str], positions: list[int], rows: int, repeats: int,
             f"{walls[s][0] * 1e3:22.1f}" for s in folders))
         print(f"{'forward spread':>28} " + " ".join(
             f"{walls[s][1] * 1e3:>10.1f}-{walls[s][2] * 1e3:<11.1f}" for s in folders))
+        print(f"{'peak RSS (MiB)':>28} " + " ".join(f"{walls[s][4] / 2**20:22.1f}"
+                                                    for s in folders))
         print(f"{'load before':>28} " + " ".join(f"{walls[s][3]:>22}" for s in folders),
               flush=True)
 

@@ -107,7 +107,7 @@ def test_profile_times_each_operator_of_one_forward(tmp_path):
     # float branch (passes.kv_prefill), which quantizes the new rows and writes them.
     assert float(cells["GroupQueryAttention"][0]) > 0 and float(cells["If"][0]) == 0
     assert float(cells["If"][1]) > 0 and float(cells["ScatterND"][1]) > 0
-    assert "forward" in cells and "load" in cells
+    assert "forward" in cells and "load" in cells and float(cells["peak"][2]) > 0
     assert not list(tmp_path.glob("bench_kv_profile*"))
 
 
