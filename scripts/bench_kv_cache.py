@@ -62,6 +62,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from _bench import environment as env
 from _bench import gqa_kernel
@@ -148,7 +149,8 @@ else:  # "paired": every folder in this process, alternated piece by piece, step
 """
 
 
-def _child(request: dict, environment: dict[str, str] | None = None) -> dict:
+def _child(request: dict, environment: dict[str, str] | None = None) -> Any:
+    """The child's JSON answer: a dict, a list of them for "paired"."""
     done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(request)],
                           capture_output=True, text=True, check=True,
                           env=None if not environment else {**os.environ, **environment})
@@ -301,17 +303,16 @@ def _profile(folders: list[str], positions: list[int], rows: int, repeats: int,
 
 
 def _round(args: argparse.Namespace, genai: Path | None, systems: list[str],
-           prompt_file: str, positions: int) -> dict[str, dict]:
-    """One round: every system's TTFT, decode tokens/s and greedy tokens."""
+           prompt_file: str, positions: int) -> list[dict]:
+    """One round: every system's TTFT, decode tokens/s and greedy tokens, in `systems` order."""
     if args.paired:
-        got = _child({"mode": "paired", "folders": args.folders, "prompt_file": prompt_file,
-                      "piece": args.piece})
-        return dict(zip(systems, got))
-    found = {}
+        return _child({"mode": "paired", "folders": args.folders, "prompt_file": prompt_file,
+                       "piece": args.piece})
+    found = []
     for system in systems:
         if genai is not None and system.startswith("genai:"):
-            found[system] = {**_genai_child(genai, str(args.genai), prompt_file, positions),
-                             "kv_dtype": "genai", "tokens": None}
+            found.append({**_genai_child(genai, str(args.genai), prompt_file, positions),
+                          "kv_dtype": "genai", "tokens": None})
         else:
             folder, environment = split_arm(system)
             got = _child({"mode": "decode", "folder": folder, "prompt_file": prompt_file,
@@ -319,7 +320,7 @@ def _round(args: argparse.Namespace, genai: Path | None, systems: list[str],
             if got["environment"] != environment:  # the child saw what it was given
                 raise SystemExit(f"error: {system}: the child's environment was "
                                  f"{got['environment']}")
-            found[system] = got
+            found.append(got)
         time.sleep(1)
     return found
 
@@ -330,35 +331,34 @@ def _decode(args: argparse.Namespace, genai: Path | None) -> None:
     systems = [*args.folders, *([] if args.genai is None else [f"genai:{args.genai}"])]
     for positions in args.positions:
         prompt_file = _prompt_file(Path(split_arm(args.folders[0])[0]), positions)
-        decodes: dict[str, list[float]] = {system: [] for system in systems}
-        prefills: dict[str, list[float]] = {system: [] for system in systems}
-        agree: dict[str, list[int]] = {system: [] for system in systems}
+        decodes: list[list[float]] = [[] for _ in systems]
+        prefills: list[list[float]] = [[] for _ in systems]
+        agree: list[list[int]] = [[] for _ in systems]
         loads: list[float] = []
         try:
             for _ in range(args.rounds):
                 loads.append(float(_load()))
                 found = _round(args, genai, systems, prompt_file, positions)
                 loads.append(float(_load()))
-                first = found[systems[0]]["tokens"]
-                for system, got in found.items():
-                    decodes[system].append(got["tokens_per_s"])
-                    prefills[system].append(got["prefill_s"])
+                first = found[0]["tokens"]
+                for index, got in enumerate(found):
+                    decodes[index].append(got["tokens_per_s"])
+                    prefills[index].append(got["prefill_s"])
                     if got["tokens"] is not None and first is not None:
-                        agree[system].append(next((index for index, (a, b) in enumerate(
+                        agree[index].append(next((at for at, (a, b) in enumerate(
                             zip(got["tokens"], first)) if a != b), len(first)))
                     print(f"{positions:>6} {got['kv_dtype']:>8} {got['tokens_per_s']:7.2f} "
                           f"tok/s  prefill {got['prefill_s']:.2f} s  load {_load()}  "
-                          f"{_label(system)}", flush=True)
+                          f"{_label(systems[index])}", flush=True)
         finally:
             os.unlink(prompt_file)
-        base_ttft = statistics.median(prefills[systems[0]])
-        base_decode = statistics.median(decodes[systems[0]])
+        base_ttft, base_decode = statistics.median(prefills[0]), statistics.median(decodes[0])
         print(f"{positions} positions, {args.rounds} rounds"
               f"{' paired' if args.paired else ''}, load {min(loads):.1f}-{max(loads):.1f}; "
               f"ratios to {_label(systems[0])}; greedy tokens equal to its, of 33:")
-        for system in systems:
-            ttft, decode = prefills[system], decodes[system]
-            equal = "/".join(str(count) for count in agree[system]) or "-"
+        for index, system in enumerate(systems):
+            ttft, decode = prefills[index], decodes[index]
+            equal = "/".join(str(count) for count in agree[index]) or "-"
             print(f"  TTFT {statistics.median(ttft):8.3f} s ({min(ttft):.3f}-{max(ttft):.3f}) "
                   f"{statistics.median(ttft) / base_ttft:5.2f}x   decode "
                   f"{statistics.median(decode):6.2f} tok/s ({min(decode):.2f}-"
@@ -415,7 +415,7 @@ def main() -> None:
                         help="decode: also onnxruntime-genai on this folder (the float export)")
     parser.add_argument("--genai-venv", type=Path, default=env.ROOT / ".venv-genai",
                         help="venv holding onnxruntime-genai (created when missing)")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     if args.llamacpp is not None and not args.llamacpp.is_file():
         parser.error(f"--llamacpp {args.llamacpp}: no such file")
     llama = None if args.llamacpp is None else llama_python()
