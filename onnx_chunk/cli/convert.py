@@ -100,7 +100,7 @@ def _bytes_to_copy(model_files: dict[str, Path], target: Path) -> int:
               help="One scale per KV head and channel, or one per cache (with --kv-dtype; "
                    "default per-channel).")
 @click.option("--kv-prefill", type=click.Choice(KV_PREFILL_CHOICES), default=None,
-              help="How forwards of 32 rows or more attend over a quantized KV cache: "
+              help="How forwards of 2 rows or more attend over a quantized KV cache: "
                    "dequantized (float32 attention over the cache's dequantized values; the "
                    "default for a cache quantized now) or kernel (GroupQueryAttention's "
                    "quantized kernel, as decode steps; no If node in the graph).")

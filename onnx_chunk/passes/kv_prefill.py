@@ -4,8 +4,9 @@ ONNX Runtime's quantized GroupQueryAttention kernel (1.32, CPU) computes a prefi
 Q x K^T and softmax x V one dot product at a time, dequantizing a cache row again for every query
 row, while its float kernel runs blocked GEMMs: a 512-row chunk over a long past costs several
 times the float cache's (docs/kv_cache.md, "What it costs"). This pass keeps the quantized kernel
-for forwards of few rows (a decode step: there it is the faster one) and gives wider forwards
-float attention over the cache's dequantized values, writing the codes the kernel writes.
+for forwards of one row (a decode step: there it is the faster one) and gives every forward of
+several rows float attention over the cache's dequantized values, writing the codes the kernel
+writes.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from onnx_chunk.query_seqlens import query_seqlens_index
 logger = logging.getLogger(__name__)
 
 KV_PREFILL_CHOICES = ("dequantized", "kernel")
-# Forwards of at least this many query rows take the float branch; fewer (a decode step, a
-# speculative verification) stay in the quantized kernel. Below about 16 (qwen05's shape) to
-# 32 rows (llama1b's) dequantizing the past costs more than the kernel loses (measured on one
-# layer at 8192 positions; docs/kv_cache.md).
-MIN_ROWS = 32
+# Forwards of at least this many query rows take the float branch; a decode step (one row)
+# stays in the quantized kernel. Every prompt forward takes the same branch, so a row's numbers
+# do not depend on how its prompt was cut into chunks (docs/row_grouping.md): a threshold
+# above 2 would send a short remainder chunk through the kernel, which sums in another order
+# than the float branch. Below about 16 rows the float branch costs more than the kernel at
+# long context (one layer at 8192 positions; docs/kv_cache.md).
+MIN_ROWS = 2
 # Every node this pass adds is named under this prefix; its float attention is no cache's
 # GroupQueryAttention (value_tracing.gqa_nodes leaves it out).
 PREFIX = value_tracing.KV_PREFILL_PREFIX
@@ -45,7 +48,7 @@ _QUANT_ATTRIBUTES = ("k_quant_type", "v_quant_type", "kv_cache_bit_width")
 
 
 class KVPrefillPass(ir.passes.InPlacePass):
-    """Route forwards of MIN_ROWS or more query rows of a quantized KV cache to float attention.
+    """Route forwards of several query rows of a quantized KV cache to float attention.
 
     Rules:
     1. `mode` "kernel" undoes this pass (`unwrap`): every If it made is replaced by the

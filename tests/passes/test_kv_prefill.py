@@ -9,7 +9,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from onnx_chunk import metadata
+from onnx_chunk import Sampling, metadata
 from onnx_chunk.calibration import BUILTIN_PROMPTS, calibrate_kv
 from onnx_chunk.cli import main
 from onnx_chunk.errors import ConfigError
@@ -156,16 +156,73 @@ def test_every_quantized_gqa_is_wrapped_and_the_pass_undoes_itself(fixture, conv
         value.name for value in theirs.initializer)
 
 
-def test_the_float_branch_takes_wide_forwards_only():
-    """MIN_ROWS is the If's threshold: a decode step and a speculative verification of a
-    few rows run the kernel, a prefill chunk the float branch."""
-    assert MIN_ROWS == 32
+def test_the_float_branch_takes_every_forward_of_several_rows():
+    """MIN_ROWS is the If's threshold: a decode step (one row) runs the kernel, every prompt
+    forward and speculative verification the float branch."""
+    assert MIN_ROWS == 2
     model = convert_model(load_model(LLAMA.folder / "model.onnx"), kv_dtype="int8",
                           calibration=calibrate_kv(LLAMA.folder, BUILTIN_PROMPTS[:1])).model
     for wrapper in wrappers(model.graph):
         condition = wrapper.inputs[0].producer()
         threshold = condition.inputs[0].producer().inputs[1].producer()
         assert threshold.attributes["value"].as_tensor().numpy().tolist() == [MIN_ROWS]
+
+
+# A prompt of 70 tokens whole, and in chunks whose last one is shorter than the float branch's
+# old threshold of 32 rows (70 = 64 + 6 = 31 + 31 + 8 = 24 + 24 + 22 = 7 x 10). No forward is
+# k x 32 + 1 rows wide: llama's head size is 16, and ONNX Runtime's float attention leaves the
+# last row of such a forward alone in its block of 2 x 16 rows (docs/row_grouping.md; exact
+# mode pads those, tested below).
+CHUNKED, CHUNK_WIDTHS = 70, (64, 31, 24, 10)
+
+
+def _prefilled(folder, prompt, chunk: int, **options) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Every prompt row's logits and the KV rows the prompt wrote, prefilled in `chunk`s."""
+    with load(folder, provider="cpu", chunk_size=chunk, **options) as runtime:
+        with runtime.open_sequence() as sequence:
+            logits = sequence.prefill(prompt, all_logits=True)
+            return logits, [buffer.host[:, :, :len(prompt)].copy()
+                            for buffer in sequence.buffers.kv]
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_a_prompt_in_chunks_gives_the_whole_prefills_numbers(kv_dtype, converted):
+    """Every prompt forward attends in the float branch, so how the prompt is cut changes no
+    code of the cache and no bit of the logits (docs/row_grouping.md)."""
+    folder = converted(LLAMA, kv_dtype, "per-channel")["dequantized"]
+    prompt = np.random.default_rng(7).integers(3, 384, CHUNKED).tolist()
+    whole_logits, whole_cache = _prefilled(folder, prompt, CHUNKED)
+    for chunk in CHUNK_WIDTHS:
+        logits, cache = _prefilled(folder, prompt, chunk)
+        np.testing.assert_array_equal(logits, whole_logits, err_msg=f"chunks of {chunk}")
+        for ours, whole in zip(cache, whole_cache, strict=True):
+            np.testing.assert_array_equal(ours, whole, err_msg=f"chunks of {chunk}")
+
+
+def test_exact_mode_holds_over_an_int8_cache(converted):
+    """Exact mode pads an odd forward to an even width, so a one-row remainder (a decode step's
+    kernel otherwise) and a row alone in its block also give the whole prefill's numbers; a
+    slot reused for a follow-up gives the fresh prefill's tokens and logprobs."""
+    folder = converted(LLAMA, "int8", "per-channel")["dequantized"]
+    prompt = np.random.default_rng(8).integers(3, 384, CHUNKED - 1).tolist()
+    whole_logits, whole_cache = _prefilled(folder, prompt, CHUNKED, exact=True)
+    for chunk in (34, 32, 17, 4):  # 69 = 34 + 34 + 1 = 32 + 32 + 5 = 17 x 4 + 1 = 4 x 17 + 1
+        logits, cache = _prefilled(folder, prompt, chunk, exact=True)
+        np.testing.assert_array_equal(logits, whole_logits, err_msg=f"chunks of {chunk}")
+        for ours, whole in zip(cache, whole_cache, strict=True):
+            np.testing.assert_array_equal(ours, whole, err_msg=f"chunks of {chunk}")
+    sampling = Sampling(logprobs=1)
+    answers = {}
+    for reuse in (False, True):
+        with load(folder, provider="cpu", chunk_size=16, max_batch=2, prefix_reuse=reuse,
+                  exact=True) as runtime:
+            first = runtime.submit(prompt[:20], 6, eos_token_id=[], sampling=sampling)
+            follow = prompt[:20] + first.result(timeout=60) + prompt[20:30]
+            request = runtime.submit(follow, 6, eos_token_id=[], sampling=sampling)
+            answers[reuse] = (request.result(timeout=60),
+                              [step.logprob for step in request.logprobs])
+            assert (runtime.stats.engine.prefix_reused_tokens > 0) == reuse
+    assert answers[True] == answers[False]
 
 
 def test_cli_chooses_the_prefill_and_refuses_it_for_a_float_cache(tmp_path, capsys):
