@@ -2,8 +2,9 @@
 
 ONNX Runtime's quantized GroupQueryAttention kernel (1.32, CPU) computes a prefill chunk's
 Q x K^T and softmax x V one dot product at a time, dequantizing a cache row again for every query
-row, while its float kernel runs blocked GEMMs: a 512-row chunk over a long past costs several
-times the float cache's (docs/kv_cache.md, "What it costs"). This pass keeps the quantized kernel
+row (MLAS's quantized-KV GEMMs inside `core/mlas/lib/flashattn_qkv.cpp`), while its float kernel
+runs blocked GEMMs: a 512-row chunk over a long past costs several times the float cache's
+(docs/kv_cache.md, "Prefill"). This pass keeps the quantized kernel
 for forwards of one row (a decode step: there it is the faster one) and gives every forward of
 several rows float attention over the cache's dequantized values, writing the codes the kernel
 writes.
@@ -30,8 +31,8 @@ KV_PREFILL_CHOICES = ("dequantized", "kernel")
 # stays in the quantized kernel. Every prompt forward takes the same branch, so a row's numbers
 # do not depend on how its prompt was cut into chunks (docs/row_grouping.md): a threshold
 # above 2 would send a short remainder chunk through the kernel, which sums in another order
-# than the float branch. Below about 16 rows the float branch costs more than the kernel at
-# long context (one layer at 8192 positions; docs/kv_cache.md).
+# than the float branch. At 8 rows or fewer the float branch costs more than the kernel at long
+# context (one qwen05 layer at 8192 positions: 2.7x at 2 rows, 1.13x at 8; docs/benchmarks.md).
 MIN_ROWS = 2
 # Every node this pass adds is named under this prefix; its float attention is no cache's
 # GroupQueryAttention (value_tracing.gqa_nodes leaves it out).
