@@ -40,7 +40,7 @@ PREFIX = value_tracing.KV_PREFILL_PREFIX
 # Opset 18: Split's sizes, ReduceMax's axes and BitwiseAnd as inputs or operators.
 _MIN_OPSET = 18
 _QUERY, _KEY, _VALUE, _PAST_KEY, _PAST_VALUE = 0, 1, 2, 3, 4
-_SEQLENS_K, _TOTAL, _COS, _SIN = 5, 6, 7, 8
+_SEQLENS_K, _COS, _SIN = 5, 7, 8
 _K_SCALE, _V_SCALE = 12, 13
 # Inputs the float branch does not carry over (position_ids, attention_bias, head_sink, the
 # per-head norms): a node fed any of them stays in the kernel.
@@ -65,8 +65,9 @@ class KVPrefillPass(ir.passes.InPlacePass):
        clipped to [-128, 127], or to [-8, 7] and packed value + 8, the even channel in the low
        nibble) and written at P_b with `ScatterND` (in place when the runtime binds the past
        and the present to one buffer, as it does); then float32 GroupQueryAttention (do_rotary
-       0, the node's other attributes) over the first max(P_b) + S rows of the cache times
-       their scales and the new rows' codes times theirs: the values the kernel attends to.
+       0, the node's other attributes, total length max(P_b) + S) over the first max(P_b) + S
+       rows of the cache times their scales and the new rows' codes times theirs: the values
+       the kernel attends to.
        Only the order of the float sums differs (outputs within 1e-5 on float weights; a later
        layer's row at a rounding boundary may then land one code away).
     4. A node stays in the kernel (logged, not refused): a window-sized cache
@@ -292,6 +293,11 @@ def _float_branch(node: ir.Node, inverses: list[ir.Value], tag: str) -> ir.Graph
                                  b.constant("one_scalar", np.array(1, np.int64))])
     positions = b("positions", "Add", [b("past_column", "Unsqueeze", [past, one]), steps])
     end = b("end", "Add", [b("past_max", "ReduceMax", [past], keepdims=1), rows])
+    # The attention's total length is its window's, whatever the node's own says (a capacity
+    # when the mask or the graph is capacity-wide: ONNX Runtime refuses a total longer than
+    # the past it is given).
+    window_total = b("window_total", "Cast", [b("end_scalar", "Squeeze", [end])],
+                     to=ir.DataType.INT32)
     indices = _scatter_indices(b, past, positions, rows, kv_heads)
     assert query is not None and key is not None and value is not None
     rotary = node.attributes.get("do_rotary")
@@ -319,7 +325,7 @@ def _float_branch(node: ir.Node, inverses: list[ir.Value], tag: str) -> ir.Graph
                   if name not in _QUANT_ATTRIBUTES}
     attributes["do_rotary"] = ir.AttrInt64("do_rotary", 0)
     inputs: list[ir.Value | None] = [query, attended[0], attended[2], attended[1], attended[3],
-                                     node.inputs[_SEQLENS_K], node.inputs[_TOTAL]]
+                                     node.inputs[_SEQLENS_K], window_total]
     if query_lens is not None and qs_index is not None:
         inputs += [None] * (qs_index - len(inputs)) + [query_lens]
     attention = ir.node("GroupQueryAttention", inputs, domain=value_tracing.MICROSOFT_DOMAIN,
