@@ -26,14 +26,17 @@ from onnx_chunk.passes import (
     INT4_BLOCK_SIZES,
     KV_CACHE_TARGETS,
     KV_DTYPES,
+    KV_PREFILL_CHOICES,
     KV_SCALES,
     LOGITS_ROWS_CHOICES,
     NATIVE_CHUNKS_CHOICES,
     check_int4_blocks,
     check_int8_matmul,
     check_int8_matmul_options,
+    check_kv_prefill,
     check_kv_quantization,
     convert_model,
+    prefill_mode,
 )
 
 # Copies of at least this much external data get a progress bar.
@@ -96,6 +99,11 @@ def _bytes_to_copy(model_files: dict[str, Path], target: Path) -> int:
 @click.option("--kv-scales", type=click.Choice(KV_SCALES), default=None,
               help="One scale per KV head and channel, or one per cache (with --kv-dtype; "
                    "default per-channel).")
+@click.option("--kv-prefill", type=click.Choice(KV_PREFILL_CHOICES), default=None,
+              help="How forwards of 2 rows or more attend over a quantized KV cache: "
+                   "dequantized (float32 attention over the cache's dequantized values; the "
+                   "default for a cache quantized now) or kernel (GroupQueryAttention's "
+                   "quantized kernel, as decode steps; no If node in the graph).")
 @click.option("--calibrate", "calibrate_file", type=click.Path(path_type=Path), default=None,
               help="Calibration prompts (with --kv-dtype): a text file, one prompt a line, or "
                    "one line of token ids per prompt; default a built-in set of prompts.")
@@ -112,7 +120,8 @@ def _bytes_to_copy(model_files: dict[str, Path], target: Path) -> int:
 @QUIET_OPTION
 def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants: int,
             in_place: bool, kv_cache: str, native_chunks: str, logits_rows: str,
-            kv_dtype: str | None, kv_scales: str | None, calibrate_file: Path | None,
+            kv_dtype: str | None, kv_scales: str | None, kv_prefill: str | None,
+            calibrate_file: Path | None,
             int4_block_size: str | None, int8_matmul: bool, quiet: bool) -> None:
     """Annotate MODEL_PATH for chunked prefill and write it to OUTPUT.
 
@@ -128,6 +137,7 @@ def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants
         raise ConfigError(f"{given} applies to a quantized KV cache only; add --kv-dtype "
                           "int8 or int4, or drop it")
     model = load_model(model_path)
+    check_kv_prefill(kv_prefill, kv_dtype, prefill_mode(model))
     output = _output_path(model_path, output, in_place)
     block_size = None if int4_block_size is None else int(int4_block_size)
     check_int8_matmul_options(block_size, int8_matmul)
@@ -150,7 +160,8 @@ def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants
                            logits_rows=logits_rows, int4_block_size=block_size,
                            int8_matmul=int8_matmul,
                            kv_dtype=kv_dtype,
-                           kv_scales=kv_scales or "per-channel", calibration=calibration)
+                           kv_scales=kv_scales or "per-channel", calibration=calibration,
+                           kv_prefill=kv_prefill)
     model = result.model
     plan = read_plan(model)
     if in_place and not result.modified:

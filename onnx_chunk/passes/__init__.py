@@ -25,6 +25,13 @@ from onnx_chunk.passes.concat_kv_tensor_scatter import ConcatKVToTensorScatterPa
 from onnx_chunk.passes.int4_blocks import INT4_BLOCK_SIZES, Int4BlocksPass, check_int4_blocks
 from onnx_chunk.passes.int8_matmul import Int8MatMulPass
 from onnx_chunk.passes.kv_capacity import KVCapacityPass
+from onnx_chunk.passes.kv_prefill import (
+    KV_PREFILL_CHOICES,
+    KVPrefillPass,
+    prefill_mode,
+    unwrap,
+    unwrapped,
+)
 from onnx_chunk.passes.kv_quantization import (
     CACHE_TYPES,
     KV_DTYPES,
@@ -56,6 +63,8 @@ __all__ = [
     "KV_CACHE_TARGETS",
     "KVCacheQuantizationPass",
     "KVCapacityPass",
+    "KVPrefillPass",
+    "KV_PREFILL_CHOICES",
     "KV_DTYPES",
     "KV_SCALES",
     "LOGITS_ROWS_CHOICES",
@@ -69,8 +78,10 @@ __all__ = [
     "check_int4_blocks",
     "check_int8_matmul",
     "check_int8_matmul_options",
+    "check_kv_prefill",
     "check_kv_quantization",
     "convert_model",
+    "prefill_mode",
     "find_concat_kv_attention",
 ]
 
@@ -99,12 +110,14 @@ def analyze_metadata(model: ir.Model, *, chunk_size: int | None = None,
     rewrite = ([ConcatKVToGQAPass(max_sequence_length)]
                if findings.concat_kv and findings.refusal is None else [])
     saved = dict(model.metadata_props)
-    try:
-        result = DecoderPipeline(*rewrite, *annotation_passes(chunk_size, max_variants))(model)
-        return dict(result.model.metadata_props)
-    finally:
-        model.metadata_props.clear()
-        model.metadata_props.update(saved)
+    with unwrapped(model):
+        try:
+            result = DecoderPipeline(*rewrite, *annotation_passes(chunk_size, max_variants))(
+                model)
+            return dict(result.model.metadata_props)
+        finally:
+            model.metadata_props.clear()
+            model.metadata_props.update(saved)
 
 
 def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -113,6 +126,7 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
                   kv_cache: str = "gqa", kv_dtype: str | None = None,
                   kv_scales: str = "per-channel",
                   calibration: Calibration | None = None,
+                  kv_prefill: str | None = None,
                   native_chunks: str = "auto",
                   logits_rows: str = "auto",
                   int4_block_size: int | None = None,
@@ -137,7 +151,10 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
     (KVCacheQuantizationPass) with `kv_scales` ("per-channel" or "per-tensor") scales from
     `calibration` (`onnx_chunk.calibration.calibrate_kv` on the float model); refused
     (ModelStructureError) when the installed ONNX Runtime's GroupQueryAttention schema takes
-    no such cache.
+    no such cache. `kv_prefill` (KV_PREFILL_CHOICES) says how forwards of many rows attend
+    over a quantized cache (KVPrefillPass): "dequantized" (float32 attention over the
+    dequantized cache, the default for a cache quantized now), "kernel" (the quantized
+    kernel), None keeping what the model has; ConfigError for a float cache.
 
     With `int4_block_size` (INT4_BLOCK_SIZES) every 4-bit MatMulNBits is re-blocked to it
     (Int4BlocksPass: its weights are quantized again, so the logits move a little); refused
@@ -150,6 +167,8 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
     MatMulNBits, and together with `int4_block_size`.
     """
     check_int8_matmul_options(int4_block_size, int8_matmul)
+    was = prefill_mode(model)
+    check_kv_prefill(kv_prefill, kv_dtype, was)
     if kv_cache not in KV_CACHE_TARGETS:
         raise ConfigError(f"unknown KV cache target {kv_cache!r}; expected one of "
                           f"{', '.join(KV_CACHE_TARGETS)}")
@@ -169,7 +188,26 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
         assert calibration is not None
         rewrites.append(KVCacheQuantizationPass(calibration, kv_dtype, kv_scales))
     passes = annotation_passes(chunk_size, max_variants, native_chunks, logits_rows)
-    return DecoderPipeline(*rewrites, *passes, require_kv_cache=True)(model)
+    unwrap(model)  # the passes read the kernel-only graph; wrapped again after them
+    result = DecoderPipeline(*rewrites, *passes, require_kv_cache=True)(model)
+    converted = result.model
+    if prefill_mode(converted) is not None:
+        KVPrefillPass(kv_prefill or was or "dequantized")(converted)
+    return ir.passes.PassResult(converted, modified=result.modified
+                                or prefill_mode(converted) != was)
+
+
+def check_kv_prefill(kv_prefill: str | None, kv_dtype: str | None, current: str | None) -> None:
+    """ConfigError for an unknown `kv_prefill`, or one given for a float cache (`current`:
+    what `prefill_mode` reads from the model, None for a float cache)."""
+    if kv_prefill is None:
+        return
+    if kv_prefill not in KV_PREFILL_CHOICES:
+        raise ConfigError(f"unknown KV prefill {kv_prefill!r}; expected one of "
+                          f"{', '.join(KV_PREFILL_CHOICES)}")
+    if kv_dtype is None and current is None:
+        raise ConfigError("--kv-prefill applies to a quantized KV cache only; add --kv-dtype "
+                          "int8 or int4, or drop it")
 
 
 def check_int8_matmul_options(int4_block_size: int | None, int8_matmul: bool) -> None:
@@ -199,7 +237,8 @@ def check_kv_quantization(model: ir.Model, kv_dtype: str) -> None:
             "through the runtime, which serves it converted: convert it first (onnx-chunk "
             "convert MODEL -o FOLDER --kv-cache gqa), then quantize the converted model's cache "
             "(onnx-chunk convert FOLDER --in-place --kv-dtype ...)")
-    find_quantizable_caches(model, kv_dtype)
+    with unwrapped(model):
+        find_quantizable_caches(model, kv_dtype)
 
 
 def check_quantized_cache_support(kv_dtype: str) -> None:

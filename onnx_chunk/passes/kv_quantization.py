@@ -12,6 +12,7 @@ import onnx_ir as ir
 from onnx_chunk import metadata
 from onnx_chunk.errors import ConfigError, ModelStructureError
 from onnx_chunk.passes import value_tracing
+from onnx_chunk.passes.kv_prefill import unwrapped
 from onnx_chunk.passes.preconditions import precondition
 
 logger = logging.getLogger(__name__)
@@ -168,7 +169,8 @@ def find_quantizable_caches(model: ir.Model, kv_dtype: str = "int8") -> list[_Ta
                     "would read quantized bytes as floats")
             caches.append(_Cache(past, present))
         kv_heads = node.attributes.get("kv_num_heads")
-        head_size = _head_size(node, caches[0].past, int(kv_heads.as_int()) if kv_heads else 0)
+        head_size = value_tracing.gqa_head_size(node, caches[0].past,
+                                 int(kv_heads.as_int()) if kv_heads else 0)
         if kv_heads is None or head_size is None:
             raise ModelStructureError(f"{label}: its KV head count or head size is unknown, so "
                                       "its scales cannot be shaped")
@@ -186,25 +188,6 @@ def find_quantizable_caches(model: ir.Model, kv_dtype: str = "int8") -> list[_Ta
                 f"are a multiple of {WINDOW_INT4_HEAD_SIZE_MULTIPLE}: use --kv-dtype int8")
         targets.append(_Target(node, (caches[0], caches[1]), int(kv_heads.as_int()), head_size))
     return targets
-
-
-def _head_size(node: ir.Node, past: ir.Value, kv_heads: int) -> int | None:
-    """The float head size: GQA's key width over kv_heads (packed QKV: the query width over
-    heads + 2 x kv_heads); the past's head axis when those are unknown and it is not packed."""
-    heads = node.attributes.get("num_heads")
-    key = value_tracing.input_at(node, 1)
-    width = value_tracing.last_dim(key) if key is not None else None
-    if width is not None and kv_heads and width % kv_heads == 0:
-        return width // kv_heads
-    packed = value_tracing.last_dim(value_tracing.input_at(node, _QUERY_INPUT))
-    if key is None and packed is not None and heads is not None and kv_heads:
-        per_token = int(heads.as_int()) + 2 * kv_heads
-        return packed // per_token if packed % per_token == 0 else None
-    bits = node.attributes.get("kv_cache_bit_width")
-    declared = past.shape[_HEAD_AXIS] if past.shape is not None else None
-    if isinstance(declared, int) and not (bits is not None and bits.as_int() == 4):
-        return declared
-    return None
 
 
 class KVCacheQuantizationPass(ir.passes.InPlacePass):
@@ -258,13 +241,14 @@ class KVCacheQuantizationPass(ir.passes.InPlacePass):
 
     def requires(self, model: ir.Model) -> None:
         """Rules 1, 5 and 7 for every node, before any node is rewritten."""
-        with precondition():
+        with precondition(), unwrapped(model):
             self._planned(model)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False
-        for target, scales in self._planned(model):
-            modified = self._rewrite(model, target, scales) or modified
+        with unwrapped(model):  # a prefill routed to float attention (passes.kv_prefill)
+            for target, scales in self._planned(model):
+                modified = self._rewrite(model, target, scales) or modified
         declaration = metadata.KVCacheDeclaration(
             dtype=self.kv_dtype, scales=self.kv_scales,
             calibration_prompts=self.calibration.prompts,

@@ -7,6 +7,9 @@ import onnx_ir as ir
 MICROSOFT_DOMAIN = "com.microsoft"
 GQA_OP = "GroupQueryAttention"
 TENSOR_SCATTER_OP = "TensorScatter"
+# The nodes passes.kv_prefill adds are named under this prefix; its float attention reads a
+# dequantized copy, no cache of its own, so it is no KV cache's GroupQueryAttention.
+KV_PREFILL_PREFIX = "onnx_chunk/kv_prefill/"
 
 # Nodes whose output is their first input with the same shape: a KV buffer or a state tensor
 # keeps its identity through them.
@@ -24,8 +27,10 @@ def is_tensor_scatter(node: ir.Node) -> bool:
 
 
 def gqa_nodes(graph: ir.Graph) -> list[ir.Node]:
-    """Every GroupQueryAttention node of `graph` and its subgraphs, in graph order."""
-    return [node for node in ir.traversal.RecursiveGraphIterator(graph) if is_gqa(node)]
+    """Every GroupQueryAttention node of `graph` and its subgraphs, in graph order, but the
+    float attention of a quantized cache's prefill (passes.kv_prefill)."""
+    return [node for node in ir.traversal.RecursiveGraphIterator(graph)
+            if is_gqa(node) and not (node.name or "").startswith(KV_PREFILL_PREFIX)]
 
 
 def tensor_scatter_nodes(graph: ir.Graph) -> list[ir.Node]:
@@ -147,4 +152,23 @@ def last_dim(value: ir.Value | None, depth: int = 0) -> int | None:
         return None
     if op in _WIDTH_KEEPING_OPS and producer.inputs:
         return last_dim(producer.inputs[0], depth + 1)
+    return None
+
+
+def gqa_head_size(node: ir.Node, past: ir.Value, kv_heads: int) -> int | None:
+    """The float head size: GQA's key width over kv_heads (packed QKV: the query width over
+    heads + 2 x kv_heads); the past's head axis when those are unknown and it is not packed."""
+    heads = node.attributes.get("num_heads")
+    key = input_at(node, 1)
+    width = last_dim(key) if key is not None else None
+    if width is not None and kv_heads and width % kv_heads == 0:
+        return width // kv_heads
+    packed = last_dim(input_at(node, 0))
+    if key is None and packed is not None and heads is not None and kv_heads:
+        per_token = int(heads.as_int()) + 2 * kv_heads
+        return packed // per_token if packed % per_token == 0 else None
+    bits = node.attributes.get("kv_cache_bit_width")
+    declared = past.shape[3] if past.shape is not None else None
+    if isinstance(declared, int) and not (bits is not None and bits.as_int() == 4):
+        return declared
     return None

@@ -55,6 +55,8 @@ CASES = (
     Case("genai-qwen3-int4", ("--int8-matmul", "--chunk-size", "16")),
     Case("genai-phi3-int4", ("--int4-block-size", "64")),
     Case("genai-llama-fp32", ("--kv-dtype", "int8", "--calibrate", "CALIBRATION")),
+    Case("genai-llama-fp32", ("--kv-dtype", "int8", "--kv-prefill", "kernel",
+                              "--calibrate", "CALIBRATION")),
     Case("genai-llama-fp32", ("--kv-dtype", "int4", "--kv-scales", "per-tensor",
                               "--calibrate", "CALIBRATION")),
     Case("optimum-llama-fp32", ("--kv-cache", "gqa")),

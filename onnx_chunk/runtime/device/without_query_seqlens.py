@@ -8,9 +8,11 @@ and runs the "repeat" path, as for a folder converted there.
 
 Rules (an edit of the serialized model through `graph_edit`, as `logits_row.select_row`: the
 device path imports no onnx or onnx_ir; every field not named here keeps its bytes):
-1. Every GroupQueryAttention of the main graph drops the input the pass feeds it
+1. Every GroupQueryAttention of the main graph, and of the branches of its If nodes (where
+   `passes.kv_prefill` puts the nodes of a quantized cache), drops the input the pass feeds it
    (`query_seqlens.QUERY_SEQLENS_FED`), then its trailing empty inputs (omitted optional
-   inputs, as the exporter's): the node takes what it took as exported.
+   inputs, as the exporter's): the node takes what it took as exported. Other readers of that
+   value (the float branch's row count) then read every row of the chunk.
 2. The graph input `query_seqlens` is dropped (its initializer stays, read by the pass's few
    nodes, which now feed nothing), and so is the metadata key that names it: the edited model
    reads as one converted without native chunks.
@@ -40,9 +42,11 @@ from onnx_chunk.runtime.device.graph_edit import edit_decoder
 _MODEL_METADATA = 14
 _ENTRY_KEY = 1
 _GRAPH_NODE, _GRAPH_INPUT = 1, 11
-_NODE_INPUT, _NODE_OP_TYPE = 1, 4
+_NODE_INPUT, _NODE_OP_TYPE, _NODE_ATTRIBUTE = 1, 4, 5
+_ATTRIBUTE_GRAPH = 6
 _VALUE_NAME = 1
 _GQA = "GroupQueryAttention"
+_IF = "If"
 
 
 def without_query_seqlens(model: bytes) -> bytes:
@@ -55,6 +59,18 @@ def without_query_seqlens(model: bytes) -> bytes:
 
 
 def _graph(data: bytes, view: memoryview, span: Span) -> list:
+    out, unwired = _pieces(data, view, span)
+    if not unwired:
+        raise ModelStructureError(
+            f"the model's metadata names a {QUERY_SEQLENS!r} input (native chunks), but no "
+            f"GroupQueryAttention takes {QUERY_SEQLENS_FED!r}; convert the original export "
+            "again")
+    return out
+
+
+def _pieces(data: bytes, view: memoryview, span: Span) -> tuple[list, int]:
+    """The GraphProto at `span` as pieces, with rules 1 and 2 applied, and how many
+    GroupQueryAttention nodes (its If branches' included) dropped the input."""
     out: list = []
     unwired = 0
     for number, wire, value in fields(data, *span):
@@ -62,20 +78,43 @@ def _graph(data: bytes, view: memoryview, span: Span) -> list:
         if field is not None and number == _GRAPH_INPUT and \
                 string_field(data, field, _VALUE_NAME) == QUERY_SEQLENS:
             continue
-        if field is not None and number == _GRAPH_NODE and \
-                string_field(data, field, _NODE_OP_TYPE) == _GQA:
-            node, dropped = _node(data, field)
-            if dropped:
-                unwired += 1
-                out.append(encode_len_field(_GRAPH_NODE, node))
-                continue
+        if field is not None and number == _GRAPH_NODE:
+            op_type = string_field(data, field, _NODE_OP_TYPE)
+            if op_type == _GQA:
+                node, dropped = _node(data, field)
+                if dropped:
+                    unwired += 1
+                    out.append(encode_len_field(_GRAPH_NODE, node))
+                    continue
+            elif op_type == _IF:
+                node, count = _branches(data, view, field)
+                if count:
+                    unwired += count
+                    out.append(encode_len_field(_GRAPH_NODE, node))
+                    continue
         out += field_pieces(view, number, wire, value)
-    if not unwired:
-        raise ModelStructureError(
-            f"the model's metadata names a {QUERY_SEQLENS!r} input (native chunks), but no "
-            f"GroupQueryAttention takes {QUERY_SEQLENS_FED!r}; convert the original export "
-            "again")
-    return out
+    return out, unwired
+
+
+def _branches(data: bytes, view: memoryview, span: Span) -> tuple[bytes, int]:
+    """The If NodeProto at `span` with rule 1 applied in its branches (graph attributes), and
+    how many GroupQueryAttention nodes there dropped the input."""
+    out: list = []
+    unwired = 0
+    for number, wire, value in fields(data, *span):
+        if number != _NODE_ATTRIBUTE or wire != LEN:
+            out += field_pieces(view, number, wire, value)
+            continue
+        attribute: list = []
+        for inner, inner_wire, inner_value in fields(data, *as_span(value)):
+            if inner == _ATTRIBUTE_GRAPH and inner_wire == LEN:
+                graph, count = _pieces(data, view, as_span(inner_value))
+                unwired += count
+                attribute.append(encode_len_field(inner, b"".join(graph)))
+            else:
+                attribute += field_pieces(view, inner, inner_wire, inner_value)
+        out.append(encode_len_field(number, b"".join(attribute)))
+    return b"".join(out), unwired
 
 
 def _node(data: bytes, span: Span) -> tuple[bytes, bool]:
