@@ -16,9 +16,8 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
-from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -67,8 +66,6 @@ from onnx_chunk.runtime.stats import RuntimeStats, kv_dtype_name
 
 if TYPE_CHECKING:
     from onnx_chunk.sampling import Sampling
-    from onnx_chunk.text.generation import Completion, Prompt
-    from onnx_chunk.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +98,8 @@ class RuntimeDebug:
 
 
 class Runtime:
-    """One decoder loaded on one device for chunked prefill and generation (ids or text).
+    """One decoder loaded on one device for chunked prefill and generation of token ids (text
+    goes through `onnx_chunk.text`: `generate_text(runtime, ...)`, which takes a runtime).
 
     `load(model_path, **options)` is the same call. The options are `RuntimeOptions`' fields,
     checked before the model is read (ConfigError); what the runtime resolves from them (its
@@ -427,43 +425,15 @@ class Runtime:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    @cached_property
-    def tokenizer(self) -> Tokenizer:
-        """The model folder's tokenizer, read on first use (ModelLoadError when it has none)."""
-        from onnx_chunk.text.tokenizer import Tokenizer
+    @property
+    def model_path(self) -> Path:
+        """The decoder file this runtime runs (its folder holds the tokenizer and configs)."""
+        return self._model_path
 
-        return Tokenizer.load(self._model_path.parent, self._genai)
-
-    def generate_text(self, prompt: Prompt, max_new_tokens: int, *,
-                      sampling: Sampling | None = None,
-                      stop: str | Iterable[str] | None = None, ignore_eos: bool = False,
-                      stop_token_ids: Iterable[int] = (), min_tokens: int = 0,
-                      logprobs: int | None = None) -> Completion:
-        """Text (or messages, through the chat template) in, a Completion out, through the batch
-        engine (`submit`, as every request); `sampling` defaults to genai_config.json's search
-        options (see docs/text.md). `ignore_eos`, `stop_token_ids` and `min_tokens` end the
-        text as vLLM's options of those names do; `logprobs`: each token's logprob and the
-        `logprobs` most likely tokens' in `Completion.logprobs` (as `Sampling.logprobs`)."""
-        from onnx_chunk.text.generation import EngineTokens, generate_text
-
-        return generate_text(EngineTokens(self), self.tokenizer, prompt, max_new_tokens,
-                             sampling=sampling, stop=stop, ignore_eos=ignore_eos,
-                             stop_token_ids=stop_token_ids, min_tokens=min_tokens,
-                             logprobs=logprobs)
-
-    def stream_text(self, prompt: Prompt, max_new_tokens: int, *,
-                    sampling: Sampling | None = None,
-                    stop: str | Iterable[str] | None = None, ignore_eos: bool = False,
-                    stop_token_ids: Iterable[int] = (), min_tokens: int = 0,
-                    logprobs: int | None = None) -> Iterator[str]:
-        """Like `generate_text`, yielding the text as it is produced (checked before any work;
-        the Completion, with its logprobs, is the stream's `completion` once it ended)."""
-        from onnx_chunk.text.generation import EngineTokens, stream_text
-
-        return stream_text(EngineTokens(self), self.tokenizer, prompt, max_new_tokens,
-                           sampling=sampling, stop=stop, ignore_eos=ignore_eos,
-                           stop_token_ids=stop_token_ids, min_tokens=min_tokens,
-                           logprobs=logprobs)
+    @property
+    def genai(self) -> GenaiConfig | None:
+        """The genai_config.json that applies to the decoder (None when there is none)."""
+        return self._genai
 
     @property
     def debug(self) -> RuntimeDebug:

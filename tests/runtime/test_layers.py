@@ -130,10 +130,10 @@ def test_an_upward_import_in_any_form_is_caught():
             source
 
 
-def test_the_text_layer_reads_the_engine_and_the_runtime_reads_it_lazily():
-    """onnx_chunk.text sits between the engine and the model layer: it imports runtime modules
-    of the engine layer and below at run time (Runtime only for annotations), so the Runtime's
-    text methods, which import it when first called, close no cycle."""
+def test_the_text_layer_reads_the_engine_layer_and_below():
+    """onnx_chunk.text sits on the runtime: it imports runtime modules of the engine layer and
+    below at run time (Runtime only for annotations); the runtime imports nothing of it
+    (tests/test_package_imports.py)."""
     text = PACKAGE.parent / "text"
     reached = {imported for path in text.rglob("*.py")
                for imported in _imports(path.read_text(), ("text",))}
