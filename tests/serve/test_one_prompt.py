@@ -14,6 +14,7 @@ import shutil
 
 import pytest
 
+from onnx_chunk.model_folder import locate_model
 from onnx_chunk.runtime import load
 from onnx_chunk.serve.routing import request_key
 from onnx_chunk.serve.tokenize import tokenize
@@ -37,14 +38,15 @@ _TEMPLATED = [fixture for fixture in fixtures()
 
 
 class _Recorder:
-    """A token source that records the prompt ids a text request checks, and runs nothing."""
+    """A runtime stand-in for the text API: the model folder it reads the tokenizer from, and
+    the prompt ids a text request checks; it runs nothing."""
 
-    ids: list[int]
+    def __init__(self, folder):
+        location = locate_model(folder)
+        self.model_path, self.genai = location.onnx_path, location.genai
+        self.ids: list[int] = []
 
-    def room(self) -> int:
-        return 1 << 20
-
-    def check(self, ids, max_new_tokens):
+    def check_request(self, ids, max_new_tokens):
         self.ids = list(ids)
         return ids
 
@@ -56,8 +58,8 @@ def _key(prompts: PromptEncoder, body: dict) -> str:
 @pytest.mark.parametrize("fixture", _TEMPLATED, ids=str)
 def test_every_entry_point_of_a_corpus_export_encodes_the_same_ids(fixture):
     tokenizer = load_tokenizer(fixture.folder)
-    source = _Recorder()
-    stream_text(source, tokenizer, MESSAGES, 1)  # the text API (transformers' policy)
+    source = _Recorder(fixture.folder)
+    stream_text(source, MESSAGES, 1)  # the text API (transformers' policy)
     for special_in_content in (True, False):
         server = PromptEncoder(tokenizer, special_in_content=special_in_content,
                                max_tokens=1 << 20)
