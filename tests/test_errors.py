@@ -28,6 +28,8 @@ REVIEWED_HANDLERS = {
                                            "entry (a zip, a missing folder) is guarded",
     ("cli/validate.py", "OSError"): "an OutputError handler above re-raises ours",
     ("model_io.py", "OSError"): "an OutputError handler above re-raises ours; the rest read files",
+    ("staged_output.py", "OSError"): "stale_staging: wraps reading a staging folder's owner file "
+                                     "only",
     ("models/__init__.py", "OSError"): "an OutputError handler above re-raises ours",
     ("models/static_decoder.py", "OSError"): "an OutputError handler above re-raises ours",
     ("static/fix_shapes.py", "OSError"): "an OutputError handler above; hashing raises none",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from onnx_chunk import metadata
+from onnx_chunk import chunk_plan, metadata
 from onnx_chunk.errors import ConfigError, ModelStructureError
 from onnx_chunk.passes.chunked_prefill_declaration import (
     DEFAULT_CHUNK_SIZE,
@@ -87,7 +87,7 @@ __all__ = [
 
 def analyze(model: ir.Model, *, chunk_size: int | None = None,
             max_variants: int = DEFAULT_MAX_VARIANTS,
-            max_sequence_length: int | None = None) -> metadata.ChunkPlan:
+            max_sequence_length: int | None = None) -> chunk_plan.ChunkPlan:
     """The plan the pipeline would write, leaving the model as it was (`analyze_metadata`)."""
     plan = metadata.read_plan(analyze_metadata(model, chunk_size=chunk_size,
                                                max_variants=max_variants,

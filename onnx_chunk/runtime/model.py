@@ -2,8 +2,8 @@
 
 `load(path)` takes a model file or a folder (as onnxruntime-genai does; see
 onnx_chunk.model_folder), reads the chunked-prefill plan, the ports and the external data index
-from the file's protobuf (`model_file`: a converted model loads without onnx or onnx_ir; an
-unconverted one runs the passes in memory) and the genai_config.json that applies to it,
+from the file's protobuf (`loading`, `model_file`: a converted model loads without onnx or
+onnx_ir; an unconverted one runs the passes in memory) and the genai_config.json that applies,
 resolves the options once (`options`), loads the weights once and sets up the variant cache.
 `Runtime.open_sequence()` gives independent sequences that share all of it. Its parts are
 private: users read `Runtime.stats`, tests and diagnosis `Runtime.debug`.
@@ -25,17 +25,13 @@ import numpy as np
 import onnxruntime as ort
 
 from onnx_chunk._onnxruntime_wheels import check_one_wheel
-from onnx_chunk.analysis_cache import cached_plan
-from onnx_chunk.errors import ClosedError, InputError, ModelLoadError
-from onnx_chunk.metadata import ChunkPlan, read_plan
-from onnx_chunk.model_file import read_model_file
+from onnx_chunk.chunk_plan import ChunkPlan
+from onnx_chunk.errors import ClosedError, InputError
 from onnx_chunk.model_folder import GenaiConfig, check_utf8_path, locate_model
-from onnx_chunk.query_seqlens import lacking_reason, query_seqlens_index
 from onnx_chunk.runtime.caches.graph_cache import plan_graphs
 from onnx_chunk.runtime.caches.variant_cache import Specialize, VariantCache
 from onnx_chunk.runtime.caches.variant_pool import VariantPool
 from onnx_chunk.runtime.device.memory import meter_for
-from onnx_chunk.runtime.device.native_trust import native_refusal
 from onnx_chunk.runtime.device.provider import Device, MaskPolicy, resolve_device
 from onnx_chunk.runtime.device.session_factory import (
     QUANTIZED_MATMUL,
@@ -44,7 +40,6 @@ from onnx_chunk.runtime.device.session_factory import (
     load_shared_weights,
     owned_by_session,
 )
-from onnx_chunk.runtime.device.without_query_seqlens import without_query_seqlens
 from onnx_chunk.runtime.engine.batch_engine import (
     DEFAULT_MAX_QUEUE,
     BatchEngine,
@@ -57,6 +52,7 @@ from onnx_chunk.runtime.engine.request import CheckedRequest, Request
 from onnx_chunk.runtime.engine.sequence import Sequence
 from onnx_chunk.runtime.engine.sequence_pool import DEFAULT_IDLE_SLOTS, SequencePool, new_slot
 from onnx_chunk.runtime.engine.speculation import Speculation
+from onnx_chunk.runtime.loading import analyzed_plan, embedding_table, runnable_decoder
 from onnx_chunk.runtime.options import ResolvedOptions, RuntimeOptions, resolve_options
 from onnx_chunk.runtime.runner.attention_mask import AttentionMask, mask_kind
 from onnx_chunk.runtime.runner.chunk_mask import chunk_mask_kind
@@ -68,9 +64,6 @@ if TYPE_CHECKING:
     from onnx_chunk.sampling import Sampling
 
 logger = logging.getLogger(__name__)
-
-EMBEDDINGS_FILE = "embeddings.npy"
-
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeDebug:
@@ -199,30 +192,13 @@ class Runtime:
         self._model_path: Path = location.onnx_path
         self._genai: GenaiConfig | None = location.genai
         genai = self._genai or GenaiConfig(path=location.folder / "genai_config.json")
-        model = read_model_file(self._model_path, graph)
-        plan = read_plan(model.metadata)
         chosen = (device if device is not None
                   else resolve_device(provider, device_id, mask_policy, cuda_graphs))
-        native_refused = (None if plan is None or plan.query_seqlens is None
-                          else "exact mode computes padded rows as real ones" if exact
-                          else lacking_reason() if query_seqlens_index() is None
-                          else native_refusal(chosen))
-        if native_refused is not None:
-            # Converted where ONNX Runtime has native chunks; this one lacks them, their kernel
-            # is not verified on this device (device/native_trust.py), or exact mode pads a
-            # prompt forward with rows that must be computed as real ones (a native forward
-            # computes its real rows alone): the graph without their input runs the "repeat"
-            # path (device/without_query_seqlens.py).
-            logger.info("%s was converted for native chunks, and %s: running it without them",
-                        self._model_path.name, native_refused)
-            graph = without_query_seqlens(graph if graph is not None
-                                          else self._model_path.read_bytes())
-            model = read_model_file(self._model_path, graph)
-            plan = read_plan(model.metadata)
+        model, plan, graph = runnable_decoder(self._model_path, graph, chosen, exact=exact)
         if args.chunk_size is None and (plan is None or plan.chunk_size is None):
             args = dataclasses.replace(args, chunk_size=genai.chunk_size)
         if plan is None:
-            plan = _analyzed(self._model_path, args.chunk_size, model.data_files())
+            plan = analyzed_plan(self._model_path, args.chunk_size, model.data_files())
         self._plan: ChunkPlan = plan
         self._options: ResolvedOptions = resolve_options(
             args, plan=plan, genai=genai, model=model,
@@ -230,7 +206,7 @@ class Runtime:
         options = self._options
         self._device: Device = options.device
         self._ports: ModelPorts = options.ports
-        self._embeddings = self._embedding_table(embeddings)
+        self._embeddings = embedding_table(self._ports, self._model_path, embeddings)
         # The names the wiring below reads.
         specialize = options.specialize
         variants = options.max_variants
@@ -493,40 +469,6 @@ class Runtime:
             eos_token_ids=options.eos_token_ids,
         )
 
-    def _embedding_table(self, given: np.ndarray | None) -> np.ndarray | None:
-        if self._ports.token_input != "inputs_embeds":
-            return None
-        if given is None:
-            path = self._model_path.parent / EMBEDDINGS_FILE
-            if not path.is_file():
-                raise ModelLoadError(
-                    f"the decoder takes inputs_embeds, so the runtime needs the embedding table: "
-                    f"expected {str(path)!r} ([vocab, hidden] .npy) or the embeddings argument")
-            given = np.load(path, mmap_mode="r")
-        hidden = self._ports.hidden_size
-        if given.ndim != 2 or given.shape[1] != hidden:
-            raise ModelLoadError(f"the embedding table must be [vocab, {hidden}], got "
-                                 f"{list(given.shape)}")
-        return given
-
-
 
 # The public entry point: `onnx_chunk.load(path, provider="auto", ...)` builds a Runtime.
 load = Runtime
-
-
-def _analyzed(model_path: Path, chunk_size: int | None, data_files: set[Path]) -> ChunkPlan:
-    """The plan `onnx-chunk convert` would write for an unconverted model: the passes run in
-    memory (the one load that imports onnx_ir and onnxscript), once per model file
-    (`analysis_cache`)."""
-
-    def analyze() -> dict[str, str]:
-        from onnx_chunk.model_io import load_model
-        from onnx_chunk.passes import DEFAULT_CHUNK_SIZE, analyze_metadata
-
-        logger.info("%s carries no chunked-prefill plan; running the passes in memory",
-                    model_path)
-        return analyze_metadata(load_model(model_path),
-                                chunk_size=chunk_size or DEFAULT_CHUNK_SIZE)
-
-    return cached_plan(model_path, chunk_size, analyze, data_files)

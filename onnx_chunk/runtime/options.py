@@ -42,9 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from onnx_chunk import arguments
+from onnx_chunk.chunk_plan import ChunkPlan, check_window_capacity
 from onnx_chunk.errors import ConfigError, ModelLoadError, ProviderError
 from onnx_chunk.ladder import DECODE_WIDTH, ladder_tiers
-from onnx_chunk.metadata import ChunkPlan, check_window_capacity
 from onnx_chunk.model_file import ModelFile
 from onnx_chunk.model_folder import GenaiConfig
 from onnx_chunk.runtime.caches.cuda_graphs import capturable

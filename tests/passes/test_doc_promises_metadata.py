@@ -139,7 +139,7 @@ def test_convert_memory_does_not_grow_with_the_weights(make_decoder_proto, tmp_p
     finally:
         tracemalloc.stop()
     assert (out.parent / "model.onnx.data").stat().st_size >= 64 << 20
-    # One copy block (model_io's 16 MiB) and the graph, not the weights.
+    # One copy block (staged_output's 16 MiB) and the graph, not the weights.
     assert peak < 24 << 20, peak
 
 

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from onnx_chunk.chunk_plan import ChunkPlan
+from onnx_chunk.data_types import numpy_dtype
 from onnx_chunk.errors import ModelStructureError
-from onnx_chunk.metadata import ChunkPlan
-from onnx_chunk.model_file import ModelFile, ValueInfo, numpy_dtype
+from onnx_chunk.model_file import ModelFile, ValueInfo
 
 MASK_INPUT = "attention_mask"
 _KV_HEADS_AXIS = 1
