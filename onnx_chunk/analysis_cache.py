@@ -33,9 +33,9 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from onnx_chunk import __version__
-from onnx_chunk.chunk_plan import ChunkPlan
 from onnx_chunk.errors import ModelStructureError
-from onnx_chunk.metadata import SCHEMA_VERSION, read_plan
+from onnx_chunk.graph.chunk_plan import ChunkPlan
+from onnx_chunk.graph.metadata import SCHEMA_VERSION, read_plan
 
 logger = logging.getLogger(__name__)
 

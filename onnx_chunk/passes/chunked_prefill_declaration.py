@@ -6,8 +6,8 @@ import logging
 
 import onnx_ir as ir
 
-from onnx_chunk import chunk_plan, metadata
 from onnx_chunk.errors import ModelStructureError
+from onnx_chunk.graph import chunk_plan, metadata
 from onnx_chunk.ladder import ladder_tiers
 from onnx_chunk.passes.preconditions import precondition
 

@@ -6,7 +6,7 @@ import logging
 
 import onnx_ir as ir
 
-from onnx_chunk import chunk_plan, metadata
+from onnx_chunk.graph import chunk_plan, metadata
 from onnx_chunk.passes import value_tracing
 
 logger = logging.getLogger(__name__)

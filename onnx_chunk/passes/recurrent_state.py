@@ -7,7 +7,7 @@ import re
 
 import onnx_ir as ir
 
-from onnx_chunk import chunk_plan, metadata
+from onnx_chunk.graph import chunk_plan, metadata
 from onnx_chunk.passes import value_tracing
 from onnx_chunk.passes.kv_capacity import kv_past_inputs, kv_present_outputs
 from onnx_chunk.passes.token_input import ATTENTION_MASK, axis_keys, has_query_axis, token_input

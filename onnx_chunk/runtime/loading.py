@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 
 from onnx_chunk.analysis_cache import cached_plan
-from onnx_chunk.chunk_plan import ChunkPlan
 from onnx_chunk.errors import ModelLoadError
-from onnx_chunk.metadata import read_plan
-from onnx_chunk.model_file import ModelFile, read_model_file
-from onnx_chunk.query_seqlens import lacking_reason, query_seqlens_index
+from onnx_chunk.graph.chunk_plan import ChunkPlan
+from onnx_chunk.graph.metadata import read_plan
+from onnx_chunk.graph.model_file import ModelFile, read_model_file
+from onnx_chunk.graph.query_seqlens import lacking_reason, query_seqlens_index
+from onnx_chunk.graph.without_query_seqlens import without_query_seqlens
 from onnx_chunk.runtime.device.native_trust import native_refusal
 from onnx_chunk.runtime.device.provider import Device
-from onnx_chunk.runtime.device.without_query_seqlens import without_query_seqlens
 from onnx_chunk.runtime.state.ports import ModelPorts
 
 logger = logging.getLogger(__name__)
@@ -32,10 +32,10 @@ def runnable_decoder(model_path: Path, graph: bytes | None, device: Device, *,
     the caller's edited copy).
 
     A decoder converted where ONNX Runtime has native chunks runs without them (the "repeat"
-    path, device/without_query_seqlens.py) when this ONNX Runtime lacks them, their kernel is
-    not verified on this device (device/native_trust.py), or exact mode pads a prompt forward
-    with rows that must be computed as real ones (a native forward computes its real rows
-    alone).
+    path, onnx_chunk/graph/without_query_seqlens.py) when this ONNX Runtime lacks them, their
+    kernel is not verified on this device (device/native_trust.py), or exact mode pads a prompt
+    forward with rows that must be computed as real ones (a native forward computes its real
+    rows alone).
     """
     model = read_model_file(model_path, graph)
     plan = read_plan(model.metadata)
@@ -58,7 +58,7 @@ def analyzed_plan(model_path: Path, chunk_size: int | None, data_files: set[Path
     (`analysis_cache`)."""
 
     def analyze() -> dict[str, str]:
-        from onnx_chunk.model_io import load_model
+        from onnx_chunk.graph.model_io import load_model
         from onnx_chunk.passes import DEFAULT_CHUNK_SIZE, analyze_metadata
 
         logger.info("%s carries no chunked-prefill plan; running the passes in memory",

@@ -1,9 +1,9 @@
 """A loaded decoder: its plan, device, shared weights and variant cache; sequences open on it.
 
 `load(path)` takes a model file or a folder (as onnxruntime-genai does; see
-onnx_chunk.model_folder), reads the chunked-prefill plan, the ports and the external data index
-from the file's protobuf (`loading`, `model_file`: a converted model loads without onnx or
-onnx_ir; an unconverted one runs the passes in memory) and the genai_config.json that applies,
+onnx_chunk.graph.model_folder), reads the chunked-prefill plan, the ports and the external data
+index from the file's protobuf (`loading`, `model_file`: a converted model loads without onnx
+or onnx_ir; an unconverted one runs the passes in memory) and the genai_config.json that applies,
 resolves the options once (`options`), loads the weights once and sets up the variant cache.
 `Runtime.open_sequence()` gives independent sequences that share all of it. Its parts are
 private: users read `Runtime.stats`, tests and diagnosis `Runtime.debug`.
@@ -25,9 +25,9 @@ import numpy as np
 import onnxruntime as ort
 
 from onnx_chunk._onnxruntime_wheels import check_one_wheel
-from onnx_chunk.chunk_plan import ChunkPlan
 from onnx_chunk.errors import ClosedError, InputError
-from onnx_chunk.model_folder import GenaiConfig, check_utf8_path, locate_model
+from onnx_chunk.graph.chunk_plan import ChunkPlan
+from onnx_chunk.graph.model_folder import GenaiConfig, check_utf8_path, locate_model
 from onnx_chunk.runtime.caches.graph_cache import plan_graphs
 from onnx_chunk.runtime.caches.variant_cache import Specialize, VariantCache
 from onnx_chunk.runtime.caches.variant_pool import VariantPool

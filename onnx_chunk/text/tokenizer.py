@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from onnx_chunk.errors import CapacityError, InputError, ModelLoadError
-from onnx_chunk.model_folder import GenaiConfig, locate_model, read_json_object
+from onnx_chunk.graph.model_folder import GenaiConfig, locate_model, read_json_object
 from onnx_chunk.text.chat_template import ChatTemplate, find_chat_template
 
 if TYPE_CHECKING:

@@ -5,10 +5,10 @@ import dataclasses
 
 import pytest
 
-from onnx_chunk import metadata
-from onnx_chunk.model_io import load_model, save_model
+from onnx_chunk.graph import metadata
+from onnx_chunk.graph.model_io import load_model, save_model
+from onnx_chunk.graph.query_seqlens import query_seqlens_index
 from onnx_chunk.passes import QuerySeqlensPass, convert_model
-from onnx_chunk.query_seqlens import query_seqlens_index
 from onnx_chunk.runtime import load, loading
 from onnx_chunk.runtime.device import native_trust
 from onnx_chunk.runtime.device.provider import device_for

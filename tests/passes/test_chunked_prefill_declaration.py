@@ -2,8 +2,8 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto
 
-from onnx_chunk import chunk_plan, metadata
 from onnx_chunk.errors import ConfigError
+from onnx_chunk.graph import chunk_plan, metadata
 from onnx_chunk.ladder import ladder_tiers
 from onnx_chunk.passes import (
     ChunkedPrefillDeclarationPass,

@@ -11,10 +11,11 @@ import sys
 import onnx
 import pytest
 
-from onnx_chunk import model_io, staged_output
+from onnx_chunk import staged_output
 from onnx_chunk.cli import main
-from onnx_chunk.metadata import read_plan
-from onnx_chunk.model_io import load_model
+from onnx_chunk.graph import model_io
+from onnx_chunk.graph.metadata import read_plan
+from onnx_chunk.graph.model_io import load_model
 from tests.cli_output import one_error_line
 
 DATA = "model.onnx.data"

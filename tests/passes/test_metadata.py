@@ -3,8 +3,8 @@ import json
 import onnx
 import pytest
 
-from onnx_chunk import chunk_plan, metadata
 from onnx_chunk.errors import ModelStructureError
+from onnx_chunk.graph import chunk_plan, metadata
 from onnx_chunk.passes import convert_model
 
 PLAN = chunk_plan.ChunkPlan(
@@ -72,7 +72,7 @@ def test_unconverted_model_has_no_plan(make_decoder, make_decoder_proto):
 def test_plain_onnx_reads_the_declaration(make_decoder, tmp_path):
     model = make_decoder()
     convert_model(model, chunk_size=512, max_variants=4)
-    from onnx_chunk.model_io import save_model
+    from onnx_chunk.graph.model_io import save_model
 
     save_model(model, tmp_path / "model.onnx")
     proto = onnx.load(str(tmp_path / "model.onnx"))

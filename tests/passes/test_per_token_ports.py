@@ -2,7 +2,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto
 
-from onnx_chunk import chunk_plan, metadata
+from onnx_chunk.graph import chunk_plan, metadata
 from onnx_chunk.passes.per_token_ports import PerTokenPortsPass
 from onnx_chunk.passes.recurrent_state import RecurrentStatePass
 

@@ -2,7 +2,7 @@ import onnx
 import onnx_ir as ir
 from onnx import TensorProto, helper
 
-from onnx_chunk import chunk_plan, metadata
+from onnx_chunk.graph import chunk_plan, metadata
 from onnx_chunk.passes.recurrent_state import RecurrentStatePass, find_recurrent_state
 
 CONV = ["batch_size", 16, 2]

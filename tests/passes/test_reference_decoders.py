@@ -5,9 +5,9 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from onnx_chunk import chunk_plan
 from onnx_chunk.cli import main
-from onnx_chunk.model_io import load_model
+from onnx_chunk.graph import chunk_plan
+from onnx_chunk.graph.model_io import load_model
 from onnx_chunk.passes import analyze
 
 KV = [f"past_key_values.{layer}.{kind}" for layer in range(2) for kind in ("key", "value")]

@@ -11,17 +11,17 @@ import dataclasses
 import numpy as np
 import pytest
 
-from onnx_chunk import metadata
 from onnx_chunk.cli import main
 from onnx_chunk.errors import CapacityError, ConfigError, InputError, ModelStructureError
-from onnx_chunk.model_io import load_model, save_model
+from onnx_chunk.graph import metadata
+from onnx_chunk.graph.model_io import load_model, save_model
+from onnx_chunk.graph.query_seqlens import query_seqlens_index
+from onnx_chunk.graph.without_query_seqlens import without_query_seqlens
 from onnx_chunk.passes import QuerySeqlensPass, convert_model
-from onnx_chunk.query_seqlens import query_seqlens_index
 from onnx_chunk.runtime import load, loading
 from onnx_chunk.runtime import model as runtime_model
 from onnx_chunk.runtime.device.buffers import BatchBuffers
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
-from onnx_chunk.runtime.device.without_query_seqlens import without_query_seqlens
 from onnx_chunk.runtime.engine.kv_state import LogicalLength
 from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot, new_slot
 from onnx_chunk.runtime.runner.chunk_mask import chunk_mask_kind

@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-from onnx_chunk.model_folder import locate_model
+from onnx_chunk.graph.model_folder import locate_model
 from onnx_chunk.runtime import load
 from onnx_chunk.serve.routing import request_key
 from onnx_chunk.serve.tokenize import tokenize

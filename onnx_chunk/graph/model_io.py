@@ -32,8 +32,8 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from onnx_chunk.errors import ModelLoadError, OutputError
-from onnx_chunk.model_file import read_model_file, unreadable
-from onnx_chunk.model_folder import DEFAULT_DECODER, GENAI_CONFIG, read_genai_config
+from onnx_chunk.graph.model_file import read_model_file, unreadable
+from onnx_chunk.graph.model_folder import DEFAULT_DECODER, GENAI_CONFIG, read_genai_config
 from onnx_chunk.staged_output import COPY_BLOCK_BYTES, Staging, staged_write
 
 logger = logging.getLogger(__name__)

@@ -26,9 +26,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from onnx_chunk.data_types import data_type_name, tensor_nbytes
 from onnx_chunk.errors import ModelLoadError
-from onnx_chunk.onnx_wire import (
+from onnx_chunk.graph.data_types import data_type_name, tensor_nbytes
+from onnx_chunk.graph.onnx_wire import (
     LEN,
     VARINT,
     Span,

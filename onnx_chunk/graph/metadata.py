@@ -3,7 +3,7 @@
 This module is the only place that knows the keys and the encoding; docs/metadata.md documents
 them. Every value is a plain string, so `onnx.load(path).metadata_props` reads it without
 onnx-chunk. The passes write one section each; `read_plan` assembles the sections into a
-`ChunkPlan` (onnx_chunk.chunk_plan: what the plan says, apart from how it is stored).
+`ChunkPlan` (onnx_chunk.graph.chunk_plan: what the plan says, apart from how it is stored).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import json
 from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
-from onnx_chunk.chunk_plan import (
+from onnx_chunk.errors import ModelStructureError
+from onnx_chunk.graph.chunk_plan import (
     ChunkPlan,
     KVBinding,
     KVCapacityFindings,
@@ -22,7 +23,6 @@ from onnx_chunk.chunk_plan import (
     RecurrentStateFindings,
     StateBinding,
 )
-from onnx_chunk.errors import ModelStructureError
 
 if TYPE_CHECKING:
     import onnx

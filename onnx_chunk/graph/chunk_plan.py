@@ -2,7 +2,7 @@
 
 The sections each pass finds (KV bindings, recurrent state, per-token ports, padding
 eligibility), the whole `ChunkPlan`, and the rule that no KV capacity may be below a sliding
-window. How the plan is stored in a model's metadata_props is onnx_chunk.metadata's.
+window. How the plan is stored in a model's metadata_props is onnx_chunk.graph.metadata's.
 """
 
 from __future__ import annotations
