@@ -15,6 +15,7 @@ import functools
 from pathlib import Path
 
 import onnx_chunk
+from tests.import_scan import typing_only
 
 PACKAGE = Path(onnx_chunk.__file__).parent
 ROOT = "onnx_chunk"
@@ -33,17 +34,6 @@ def _package(module: str, *, whole: bool) -> str:
     return parts[0] if whole else ".".join(parts)
 
 
-def _typing_only(tree: ast.AST) -> set[int]:
-    """The ids of the nodes under `if TYPE_CHECKING:`."""
-    def checks_types(test: ast.expr) -> bool:
-        return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING"
-                or isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-    return {id(node) for branch in ast.walk(tree)
-            if isinstance(branch, ast.If) and checks_types(branch.test)
-            for statement in branch.body for node in ast.walk(statement)}
-
-
 def _below_root(dotted: str) -> str | None:
     if dotted == ROOT:
         return ""
@@ -54,7 +44,7 @@ def imported_modules(source: str, importer: str, *, is_package: bool) -> set[str
     """The onnx_chunk modules (dotted, below onnx_chunk; "" for the facade) that `source`, the
     module `importer`, imports when it runs, wherever the import stands."""
     tree = ast.parse(source)
-    skipped = _typing_only(tree)
+    skipped = typing_only(tree)
     here = importer.split(".") if importer else []
     base = here if is_package else here[:-1]
     found: set[str] = set()

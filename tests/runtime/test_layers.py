@@ -7,6 +7,7 @@ import ast
 from pathlib import Path
 
 import onnx_chunk.runtime
+from tests.import_scan import typing_only
 
 PACKAGE = Path(onnx_chunk.runtime.__file__).parent
 ROOT = "onnx_chunk.runtime"
@@ -42,25 +43,14 @@ def _absolute(node: ast.ImportFrom, package: tuple[str, ...]) -> str:
     return ".".join([*base, *([node.module] if node.module else [])])
 
 
-def _typing_only(tree: ast.AST) -> set[int]:
-    """The ids of the nodes under `if TYPE_CHECKING:` (imports for annotations only)."""
-    def checks_types(test: ast.expr) -> bool:
-        return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING"
-                or isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-    return {id(node) for branch in ast.walk(tree)
-            if isinstance(branch, ast.If) and checks_types(branch.test)
-            for statement in branch.body for node in ast.walk(statement)}
-
-
 def _imports(source: str, package: tuple[str, ...]) -> set[str]:
     """The onnx_chunk.runtime modules `source` imports at run time (not under TYPE_CHECKING),
     relative to the package; `package`: the importer's package, its parts below the runtime."""
     tree = ast.parse(source)
-    typing_only = _typing_only(tree)
+    annotations = typing_only(tree)
     found = set()
     for node in ast.walk(tree):
-        if id(node) in typing_only:
+        if id(node) in annotations:
             continue
         if isinstance(node, ast.Import):
             found.update(filter(None, (_relative(alias.name) for alias in node.names)))
