@@ -17,7 +17,8 @@ _API = {
                      "Sequence", "SequenceStats", "load"), "onnx_chunk.runtime"),
     **dict.fromkeys(("StaticLimits", "StaticRunner", "load_static", "suggest_capacity"),
                     "onnx_chunk.static"),
-    "Completion": "onnx_chunk.text.generation",
+    **dict.fromkeys(("Completion", "generate_text", "stream_text"), "onnx_chunk.text.generation"),
+    "tokenizer_of": "onnx_chunk.text.tokenizer",
     "Conversation": "onnx_chunk.text.conversation",
     "Sampling": "onnx_chunk.sampling",
 }
@@ -25,7 +26,8 @@ _API = {
 __all__ = [
     "Completion", "Conversation", "GenerationStats", "Request", "RequestStats", "Runtime",
     "RuntimeStats", "Sampling", "Sequence", "SequenceStats", "StaticLimits", "StaticRunner",
-    "__version__", "load", "load_static", "suggest_capacity",
+    "__version__", "generate_text", "load", "load_static", "stream_text", "suggest_capacity",
+    "tokenizer_of",
 ]
 
 if TYPE_CHECKING:
@@ -42,7 +44,8 @@ if TYPE_CHECKING:
     from onnx_chunk.sampling import Sampling
     from onnx_chunk.static import StaticLimits, StaticRunner, load_static, suggest_capacity
     from onnx_chunk.text.conversation import Conversation
-    from onnx_chunk.text.generation import Completion
+    from onnx_chunk.text.generation import Completion, generate_text, stream_text
+    from onnx_chunk.text.tokenizer import tokenizer_of
 
 
 def __getattr__(name: str) -> Any:

@@ -34,7 +34,8 @@ from pathlib import Path
 
 from onnx_chunk import __version__
 from onnx_chunk.errors import ModelStructureError
-from onnx_chunk.metadata import SCHEMA_VERSION, ChunkPlan, read_plan
+from onnx_chunk.graph.chunk_plan import ChunkPlan
+from onnx_chunk.graph.metadata import SCHEMA_VERSION, read_plan
 
 logger = logging.getLogger(__name__)
 

@@ -120,9 +120,9 @@ def calibrate_kv(model_path: Path, prompts: Sequence[str] | Sequence[Sequence[in
 
 def _window(model_path: Path) -> int:
     """The widest sliding window of the model's KV caches (0 without one)."""
-    from onnx_chunk.metadata import window_capacity
-    from onnx_chunk.model_folder import locate_model
-    from onnx_chunk.model_io import load_model
+    from onnx_chunk.graph.chunk_plan import window_capacity
+    from onnx_chunk.graph.model_folder import locate_model
+    from onnx_chunk.graph.model_io import load_model
     from onnx_chunk.passes import analyze
 
     plan = analyze(load_model(locate_model(model_path).onnx_path))

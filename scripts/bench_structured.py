@@ -55,11 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     from onnx_chunk.runtime import load
     from onnx_chunk.sampling import Sampling
     from onnx_chunk.structured import json_constraint
-    from onnx_chunk.text.generation import EngineTokens, generate_text
+    from onnx_chunk.text.generation import generate_text
+    from onnx_chunk.text.tokenizer import tokenizer_of
 
     load_before = os.getloadavg()
     with load(model, provider="cpu") as runtime:
-        tokenizer = runtime.tokenizer
+        tokenizer = tokenizer_of(runtime)
         base = Sampling(temperature=1.0)
         json_constraint(tokenizer, DOCUMENT, runtime.stats.vocab_size)  # tokenizer prep, once
 
@@ -70,9 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                 if system == SCHEMA:
                     sampling = replace(sampling, constraint=json_constraint(
                         tokenizer, DOCUMENT, runtime.stats.vocab_size))
-                completion = generate_text(EngineTokens(runtime), tokenizer, "Records:",
-                                           plan["new_tokens"], sampling=sampling,
-                                           ignore_eos=system == FREE)
+                completion = generate_text(runtime, "Records:", plan["new_tokens"],
+                                           sampling=sampling, ignore_eos=system == FREE)
                 stats = completion.stats
                 assert stats is not None and stats.decode_tokens_per_s is not None
                 rates.append(stats.decode_tokens_per_s)

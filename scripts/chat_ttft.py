@@ -25,7 +25,7 @@ import click
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import onnx_chunk  # noqa: E402
-from onnx_chunk.model_folder import locate_model  # noqa: E402
+from onnx_chunk.graph.model_folder import locate_model  # noqa: E402
 from onnx_chunk.sampling import GREEDY  # noqa: E402
 from onnx_chunk.text.conversation import Conversation  # noqa: E402
 

@@ -532,7 +532,7 @@ def _native_elsewhere(report: _Report, model: Path, device: Device, prompts, arg
                       work: Path) -> None:
     """The device model converted without native chunks and with them as ONNX Runtime 1.32
     wires them; both loaded on `device`, padding on: the same greedy tokens."""
-    from onnx_chunk.model_io import load_model, save_model
+    from onnx_chunk.graph.model_io import load_model, save_model
     from onnx_chunk.passes import QuerySeqlensPass, convert_model
 
     converted = convert_model(load_model(model), native_chunks="off").model

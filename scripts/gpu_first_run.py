@@ -31,8 +31,8 @@ try:
     import onnxruntime as ort
 
     import onnx_chunk
+    from onnx_chunk.graph.query_seqlens import query_seqlens_index
     from onnx_chunk.models import build_decoder
-    from onnx_chunk.query_seqlens import query_seqlens_index
     from onnx_chunk.runtime import MaskPolicy, debug
     IMPORT_ERROR = None
 except Exception as error:  # every step's one row
@@ -147,7 +147,7 @@ def native(args) -> None:
     if index is None:
         return row("native chunks on the device", None, f"not offered: onnxruntime "
                    f"{ort.__version__}'s GroupQueryAttention has no query_seqlens")
-    from onnx_chunk.model_io import load_model, save_model
+    from onnx_chunk.graph.model_io import load_model, save_model
     from onnx_chunk.passes import convert_model
 
     on = device(args, graphs=False)

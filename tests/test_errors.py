@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from onnx_chunk import errors
-from onnx_chunk.metadata import KV_CAPACITY_KEY, PADDING_KEY, read_kv_capacity, read_plan
+from onnx_chunk.graph.metadata import KV_CAPACITY_KEY, PADDING_KEY, read_kv_capacity, read_plan
 
 PACKAGE = Path(errors.__file__).resolve().parent
 
@@ -27,14 +27,17 @@ REVIEWED_HANDLERS = {
     ("_onnxruntime_wheels.py", "OSError"): "installed_wheels: only os.listdir of a sys.path "
                                            "entry (a zip, a missing folder) is guarded",
     ("cli/validate.py", "OSError"): "an OutputError handler above re-raises ours",
-    ("model_io.py", "OSError"): "an OutputError handler above re-raises ours; the rest read files",
+    ("graph/model_io.py", "OSError"): "an OutputError handler above re-raises ours; the rest "
+                                      "read files",
+    ("staged_output.py", "OSError"): "stale_staging: wraps reading a staging folder's owner file "
+                                     "only",
     ("models/__init__.py", "OSError"): "an OutputError handler above re-raises ours",
     ("models/static_decoder.py", "OSError"): "an OutputError handler above re-raises ours",
     ("static/fix_shapes.py", "OSError"): "an OutputError handler above; hashing raises none",
-    ("metadata.py", "ValueError"): "a ModelStructureError handler above re-raises ours",
-    ("model_folder.py", "ValueError"): "wraps json.loads only",
-    ("model_folder.py", "OSError"): "wraps reading the file only",
-    ("model_io.py", "ValueError"): "wraps onnx.load only",
+    ("graph/metadata.py", "ValueError"): "a ModelStructureError handler above re-raises ours",
+    ("graph/model_folder.py", "ValueError"): "wraps json.loads only",
+    ("graph/model_folder.py", "OSError"): "wraps reading the file only",
+    ("graph/model_io.py", "ValueError"): "wraps onnx.load only",
     ("runtime/device/session_factory.py", "OSError"): "wraps numpy.memmap only",
     ("validate/structure.py", "OSError"): "wraps onnx's checker only",
     ("runtime/device/provider.py", "ValueError"): "wraps an enum lookup only",
@@ -54,8 +57,8 @@ REVIEWED_HANDLERS = {
     ("validate/reference.py", "OSError"): "wraps linking the weights and writing the graph only",
     ("runtime/device/memory.py", "OSError"): "wraps reading /proc and loading a library only",
     ("text/chat_template.py", "OSError"): "wraps reading a file only",
-    ("model_io.py", "RuntimeError"): "wraps onnx.load only",
-    ("model_file.py", "OSError"): "wraps reading the file only",
+    ("graph/model_io.py", "RuntimeError"): "wraps onnx.load only",
+    ("graph/model_file.py", "OSError"): "wraps reading the file only",
     ("sampling_ranges.py", "ValueError"): "wraps unpacking the logit_bias pairs only",
     ("structured/constraint.py", "ValueError"): "wraps llguidance's schema compiler only",
     ("validate/engine.py", "RuntimeError"): "an OnnxChunkError handler above reports ours",
@@ -118,7 +121,7 @@ def test_damaged_metadata_json_is_reported_once_not_re_wrapped():
 def test_damaged_padding_json_in_a_plan_is_reported_once(reference_model, tmp_path):
     import onnx
 
-    from onnx_chunk.metadata import SCHEMA_VERSION_KEY
+    from onnx_chunk.graph.metadata import SCHEMA_VERSION_KEY
 
     props = {entry.key: entry.value for entry in
              onnx.load(str(_converted(reference_model, tmp_path)),
@@ -131,7 +134,7 @@ def test_damaged_padding_json_in_a_plan_is_reported_once(reference_model, tmp_pa
 
 
 def test_a_refused_output_is_reported_once_not_re_wrapped(reference_model, tmp_path):
-    from onnx_chunk.model_io import load_model, save_model
+    from onnx_chunk.graph.model_io import load_model, save_model
 
     model_path = reference_model()
     folder = tmp_path / "out"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import onnx_chunk
-from onnx_chunk import model_io
+from onnx_chunk import staged_output
 from onnx_chunk.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,14 +155,14 @@ def test_on_windows_staging_of_another_writer_is_never_probed_with_os_kill(tmp_p
     staging = tmp_path / ".model.onnx.123.staging"
     staging.mkdir()
     (staging / ".owner").write_text("999999999\n", encoding="ascii")
-    assert model_io.stale_staging(tmp_path, "model.onnx") == [staging]  # a dead pid: stale
+    assert staged_output.stale_staging(tmp_path, "model.onnx") == [staging]  # a dead pid: stale
 
     def kill(pid, signum):
         raise AssertionError("os.kill(pid, 0) ends the process on Windows")
 
     monkeypatch.setattr(sys, "platform", "win32")
     monkeypatch.setattr(os, "kill", kill)
-    assert model_io.stale_staging(tmp_path, "model.onnx") == []
+    assert staged_output.stale_staging(tmp_path, "model.onnx") == []
 
 
 def test_version_is_printed_and_single_sourced(capsys):

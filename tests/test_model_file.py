@@ -7,8 +7,8 @@ import pytest
 
 from onnx_chunk.cli import main
 from onnx_chunk.errors import ModelLoadError
-from onnx_chunk.model_file import read_model_file
-from onnx_chunk.onnx_wire import encode_len_field, encode_varint_field
+from onnx_chunk.graph.model_file import read_model_file
+from onnx_chunk.graph.onnx_wire import encode_len_field, encode_varint_field
 from tests.exports.corpus import fixtures
 
 

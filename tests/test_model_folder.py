@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from onnx_chunk.errors import ModelLoadError
-from onnx_chunk.model_folder import locate_model, read_genai_config
+from onnx_chunk.graph.model_folder import locate_model, read_genai_config
 
 
 def _config(folder: Path, model: dict | None = None, search: dict | None = None,

@@ -3,8 +3,8 @@
 import onnx
 import pytest
 
-from onnx_chunk import onnx_wire
-from onnx_chunk.onnx_wire import WireError
+from onnx_chunk.graph import onnx_wire
+from onnx_chunk.graph.onnx_wire import WireError
 
 
 @pytest.mark.parametrize("value", [0, 1, 127, 128, 300, 2**32, 2**63 - 1, -1, -(2**63)])

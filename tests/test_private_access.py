@@ -146,12 +146,12 @@ from .models import _ort
 from onnx_chunk._onnxruntime_wheels import check_one_wheel
 import onnx_chunk._onnxruntime_wheels
 monkeypatch.setattr(memory, "_CUDART_NAMES", ())
-monkeypatch.setattr("onnx_chunk.model_io._copy_file", copy)
+monkeypatch.setattr("onnx_chunk.graph.model_io._copy_file", copy)
 monkeypatch.delattr(memory, "_cache", raising=False)
 monkeypatch.delattr("onnx_chunk.runtime.memory._cache")
 patch.setattr(type(runner), "_run", run)
-mock.patch("onnx_chunk.model_io._write_proto")
-patch("onnx_chunk.model_io._write_proto", side_effect=OSError)
+mock.patch("onnx_chunk.graph.model_io._write_proto")
+patch("onnx_chunk.graph.model_io._write_proto", side_effect=OSError)
 patch.object(ModelRunner, "_save_windows")
 mock.patch.object(target=ModelRunner, attribute="_save_windows")
 setattr(runner, "_windows", [])
@@ -172,12 +172,12 @@ name.endswith("_KEY")
         "from onnx_chunk.serve.app import _Helper",
         "from .test_audit import _Held",
         "monkeypatch.setattr(memory, '_CUDART_NAMES', ...)",
-        "monkeypatch.setattr('onnx_chunk.model_io._copy_file', ...)",
+        "monkeypatch.setattr('onnx_chunk.graph.model_io._copy_file', ...)",
         "monkeypatch.delattr(memory, '_cache', ...)",
         "monkeypatch.delattr('onnx_chunk.runtime.memory._cache', ...)",
         "patch.setattr(type(runner), '_run', ...)",
-        "mock.patch('onnx_chunk.model_io._write_proto', ...)",
-        "patch('onnx_chunk.model_io._write_proto', ...)",
+        "mock.patch('onnx_chunk.graph.model_io._write_proto', ...)",
+        "patch('onnx_chunk.graph.model_io._write_proto', ...)",
         "patch.object(ModelRunner, '_save_windows', ...)",
         "mock.patch.object(ModelRunner, '_save_windows', ...)",
         "setattr(runner, '_windows', ...)",

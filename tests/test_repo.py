@@ -51,3 +51,10 @@ def test_no_reference_to_documents_the_reader_does_not_have():
             if pattern.search(line):
                 found.append(f"{relative}:{number}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_every_module_of_the_package_is_at_most_500_lines():
+    package = ROOT / "onnx_chunk"
+    longer = {str(path.relative_to(package)): lines for path in sorted(package.rglob("*.py"))
+              if (lines := len(path.read_text(encoding="utf-8").splitlines())) > 500}
+    assert not longer, f"modules over 500 lines (split them along their concepts): {longer}"

@@ -1,4 +1,4 @@
-"""`model_io.staged_write`: the one staging step of every command that writes files."""
+"""`staged_output.staged_write`: the one staging step of every command that writes files."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from onnx_chunk import model_io
+from onnx_chunk import staged_output
 from onnx_chunk.cli import main
 
 
@@ -36,7 +36,7 @@ def test_a_failure_mid_write_leaves_nothing(tmp_path, existing):
         out.mkdir(parents=True)
         (out / "keep.txt").write_text("mine")
     with pytest.raises(OSError, match="No space left"):
-        with model_io.staged_write(out, "model.onnx") as staging:
+        with staged_output.staged_write(out, "model.onnx") as staging:
             (staging.path / "model.onnx.data").write_bytes(b"weights")
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     if existing:
@@ -47,7 +47,7 @@ def test_a_failure_mid_write_leaves_nothing(tmp_path, existing):
 
 def test_an_interrupt_before_publish_leaves_nothing(tmp_path):
     with pytest.raises(KeyboardInterrupt):
-        with model_io.staged_write(tmp_path / "out", "model.onnx") as staging:
+        with staged_output.staged_write(tmp_path / "out", "model.onnx") as staging:
             (staging.path / "model.onnx").write_bytes(b"graph")
             raise KeyboardInterrupt
     assert os.listdir(tmp_path) == []
@@ -60,7 +60,7 @@ def test_the_next_write_of_a_target_removes_a_dead_writers_staging_only(tmp_path
     other_target = _staging_of(tmp_path, "other.onnx", dead)
     ownerless = tmp_path / ".model.onnx.x.staging"
     ownerless.mkdir()
-    with model_io.staged_write(tmp_path, "model.onnx") as staging:
+    with staged_output.staged_write(tmp_path, "model.onnx") as staging:
         (staging.path / "model.onnx").write_bytes(b"graph")
         staging.publish(["model.onnx"])
     assert not stale.exists()
@@ -71,10 +71,10 @@ def test_the_next_write_of_a_target_removes_a_dead_writers_staging_only(tmp_path
 
 
 def test_the_staging_names_its_writer_while_it_writes(tmp_path):
-    with model_io.staged_write(tmp_path, "model.onnx") as staging:
+    with staged_output.staged_write(tmp_path, "model.onnx") as staging:
         assert staging.path.parent == tmp_path
         assert (staging.path / ".owner").read_text().strip() == str(os.getpid())
-        assert model_io.stale_staging(tmp_path, "model.onnx") == []
+        assert staged_output.stale_staging(tmp_path, "model.onnx") == []
     assert os.listdir(tmp_path) == []
 
 
@@ -91,7 +91,7 @@ def test_published_files_keep_their_modes_and_arrive_in_order(tmp_path, monkeypa
         replace(staged, target)
 
     monkeypatch.setattr(os, "replace", recorded)
-    with model_io.staged_write(out, "model.onnx") as staging:
+    with staged_output.staged_write(out, "model.onnx") as staging:
         staging.copy(source, "sub/model.onnx.data")
         (staging.path / "model.onnx").write_bytes(b"graph")
         os.chmod(staging.path / "model.onnx", 0o600)

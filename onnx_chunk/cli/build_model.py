@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from onnx_chunk.errors import ConfigError, OutputError
-from onnx_chunk.model_folder import check_utf8_path
+from onnx_chunk.graph.model_folder import check_utf8_path
 from onnx_chunk.models import DTYPES, VARIANTS, build_decoder, decoder_config
 from onnx_chunk.models.static_decoder import build_static_pair
 

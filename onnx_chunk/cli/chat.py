@@ -20,6 +20,7 @@ from onnx_chunk.cli.text_generate import milliseconds, sampling_from, sampling_o
 from onnx_chunk.errors import InputError
 from onnx_chunk.runtime import PROVIDER_CHOICES, load
 from onnx_chunk.text.conversation import Conversation
+from onnx_chunk.text.tokenizer import tokenizer_of
 
 USER_MARK = "> "
 RESET, EXIT = "/reset", "/exit"
@@ -49,7 +50,7 @@ def chat(model: Path, system: str | None, max_new_tokens: int, seed: int | None,
     """Chat with MODEL in the terminal, the conversation kept in the KV cache."""
     runtime = load(model, provider=provider, capacity=capacity,
                    chunk_size=chunk_size, prefix_reuse=not no_cache_reuse)
-    tokenizer = runtime.tokenizer
+    tokenizer = tokenizer_of(runtime)
     if tokenizer.chat_template is None:
         raise InputError(f"the model folder {str(tokenizer.folder)!r} has no chat template; "
                          "use `onnx-chunk generate --prompt` for plain text")

@@ -11,9 +11,9 @@ from onnx_chunk.calibration import calibrate_kv, read_calibration_file
 from onnx_chunk.cli.inspect import plan_summary
 from onnx_chunk.cli.progress import QUIET_OPTION, byte_progress, wanted
 from onnx_chunk.errors import ConfigError
-from onnx_chunk.metadata import read_plan
-from onnx_chunk.model_folder import locate_model, read_max_positions
-from onnx_chunk.model_io import (
+from onnx_chunk.graph.metadata import read_plan
+from onnx_chunk.graph.model_folder import locate_model, read_max_positions
+from onnx_chunk.graph.model_io import (
     check_weights_readable,
     external_data_files,
     load_model,

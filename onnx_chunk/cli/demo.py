@@ -11,7 +11,7 @@ import click
 import numpy as np
 
 from onnx_chunk.errors import ConfigError
-from onnx_chunk.model_io import load_model, save_model
+from onnx_chunk.graph.model_io import load_model, save_model
 from onnx_chunk.models import PRESETS, build_decoder
 from onnx_chunk.passes import convert_model
 from onnx_chunk.runtime import GenerationStats, RuntimeStats, load

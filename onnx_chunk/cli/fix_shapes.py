@@ -38,7 +38,7 @@ def fix_shapes(model: str, out_dir: str, rows: int, capacity: int | None,
 
     MODEL is a .onnx file or its folder.
     """
-    from onnx_chunk.model_folder import locate_model
+    from onnx_chunk.graph.model_folder import locate_model
     from onnx_chunk.static.fix_shapes import fix_shapes as fix
 
     with byte_progress("hashing and copying weights", wanted(quiet)) as progress:

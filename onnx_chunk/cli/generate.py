@@ -27,7 +27,7 @@ from onnx_chunk.cli.text_generate import (
     text_options,
 )
 from onnx_chunk.errors import InputError
-from onnx_chunk.model_folder import check_utf8_path
+from onnx_chunk.graph.model_folder import check_utf8_path
 from onnx_chunk.runtime import PROVIDER_CHOICES, Request, Runtime, RuntimeStats, load
 from onnx_chunk.runtime.engine.speculation import SPECULATIVE_CHOICES
 from onnx_chunk.static import is_static_model, load_static

@@ -8,9 +8,10 @@ from pathlib import Path
 import click
 
 from onnx_chunk.cli.json_output import dumps as json_dumps
-from onnx_chunk.metadata import ChunkPlan, read_plan
-from onnx_chunk.model_folder import locate_model, read_max_positions
-from onnx_chunk.model_io import load_model
+from onnx_chunk.graph.chunk_plan import ChunkPlan
+from onnx_chunk.graph.metadata import read_plan
+from onnx_chunk.graph.model_folder import locate_model, read_max_positions
+from onnx_chunk.graph.model_io import load_model
 from onnx_chunk.passes import analyze, find_concat_kv_attention
 
 _LISTED_NAMES = 4

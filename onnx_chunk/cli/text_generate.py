@@ -93,20 +93,21 @@ def run_text_generate(model: Path, options: dict[str, Any], *, max_new_tokens: i
                       as_json: bool, progress: bool = False) -> None:
     """Generate from the text prompt in `options` and print it (streamed, or one JSON line);
     `progress`: a bar of the prefill while a prompt longer than one chunk is fed."""
-    from onnx_chunk.text.generation import EngineTokens, stream_text
+    from onnx_chunk.text.generation import stream_text
+    from onnx_chunk.text.tokenizer import tokenizer_of
 
     if options.get("system") is not None and not options.get("chat"):
         raise click.UsageError("--system needs --chat (it is a message of the chat template)")
     runtime = load_runtime(model)
-    tokenizer = runtime.tokenizer
+    tokenizer = tokenizer_of(runtime)
     prompt: Any = options["prompt"]
     if options.get("chat"):
         prompt = ([] if options.get("system") is None
                   else [{"role": "system", "content": options["system"]}])
         prompt.append({"role": "user", "content": options["prompt"]})
     sampling = sampling_from(tokenizer, options, seed)
-    generation = stream_text(EngineTokens(runtime), tokenizer, prompt, max_new_tokens,
-                             sampling=sampling, stop=options.get("stop") or None,
+    generation = stream_text(runtime, prompt, max_new_tokens, sampling=sampling,
+                             stop=options.get("stop") or None,
                              ignore_eos=bool(options.get("ignore_eos")),
                              min_tokens=options.get("min_tokens") or 0,
                              logprobs=options.get("logprobs"))

@@ -13,9 +13,10 @@ from onnx_chunk.cli.generate import parse_ids
 from onnx_chunk.cli.json_output import dumps as json_dumps
 from onnx_chunk.cli.progress import QUIET_OPTION, wanted
 from onnx_chunk.errors import OutputError
-from onnx_chunk.model_folder import locate_model
-from onnx_chunk.model_io import COMPANION_FILES, referenced_data_files, staged_write
+from onnx_chunk.graph.model_folder import locate_model
+from onnx_chunk.graph.model_io import COMPANION_FILES, referenced_data_files
 from onnx_chunk.runtime.device.provider import PROVIDER_CHOICES
+from onnx_chunk.staged_output import staged_write
 from onnx_chunk.static.model import DECODE_FILE
 from onnx_chunk.validate import Report, ValidationOptions, resolve_skip, validate_model
 from onnx_chunk.validate.validator import DEFAULT_NEW_TOKENS

@@ -13,7 +13,6 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_chunk.errors import ConfigError, OutputError
-from onnx_chunk.model_io import Staging, staged_write
 from onnx_chunk.models.config import PRESETS, DecoderConfig, config_for
 from onnx_chunk.models.decoder_graph import build_graph
 from onnx_chunk.models.genai_config import EMBEDDINGS_FILENAME, MODEL_FILENAME, genai_config
@@ -21,6 +20,7 @@ from onnx_chunk.models.precision import DTYPES, float_dtype
 from onnx_chunk.models.quantize import EXTERNAL_THRESHOLD_BYTES, quantize_int4
 from onnx_chunk.models.variants import VARIANTS, VariantSpec, variant_spec
 from onnx_chunk.models.weights import DecoderWeights, make_weights
+from onnx_chunk.staged_output import Staging, staged_write
 
 __all__ = ["DTYPES", "DecoderConfig", "DecoderWeights", "PRESETS", "VARIANTS",
            "EMBEDDINGS_FILENAME", "build_decoder", "config_for", "decoder_config", "make_weights"]

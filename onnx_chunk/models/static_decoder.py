@@ -35,10 +35,10 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_chunk.errors import ConfigError, OutputError
-from onnx_chunk.model_io import Staging, staged_write
 from onnx_chunk.models.config import DecoderConfig, config_for
 from onnx_chunk.models.decoder_graph import rotary_caches
 from onnx_chunk.models.weights import AttentionWeights, DecoderWeights, make_weights
+from onnx_chunk.staged_output import Staging, staged_write
 from onnx_chunk.static.graphs import METADATA_PREFIX
 from onnx_chunk.static.model import DECODE_FILE
 
@@ -317,7 +317,7 @@ def build_static_decoder(
     weights `make_weights(config_for(preset, **overrides), seed)`; returns `out_dir/model.onnx`.
 
     The weights are stored as external data (`model.onnx.data`); both files are staged in a
-    temporary folder inside `out_dir` and renamed into place (`model_io.staged_write`).
+    temporary folder inside `out_dir` and renamed into place (`staged_output.staged_write`).
     """
     config = _static_config(config_for(preset, **overrides))
     shape = StaticShape(chunk_size, capacity)
@@ -380,7 +380,7 @@ def build_static_pair(
 
 @contextmanager
 def _staged_write(out: Path) -> Iterator[Staging]:
-    """`model_io.staged_write` of model.onnx into `out`; OutputError when it cannot be
+    """`staged_output.staged_write` of model.onnx into `out`; OutputError when it cannot be
     written."""
     try:
         with staged_write(out, MODEL_FILE) as staging:

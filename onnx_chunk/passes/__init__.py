@@ -1,7 +1,7 @@
 """The graph passes that prepare a decoder for chunked prefill, and the calls that run them as one
 pipeline (`DecoderPipeline`, onnx_ir's Sequential).
 
-Each pass records its findings in the inference metadata (`onnx_chunk.metadata`); the last one
+Each pass records its findings in the inference metadata (`onnx_chunk.graph.metadata`); the last one
 turns them into the declaration the runtime reads. Weights are never read: the passes look at
 graph structure, shapes and initializer shapes only; only Int4BlocksPass and Int8MatMulPass,
 when asked for (`int4_block_size`, `int8_matmul`), read and rewrite the 4-bit MatMulNBits
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from onnx_chunk import metadata
 from onnx_chunk.errors import ConfigError, ModelStructureError
+from onnx_chunk.graph import chunk_plan, metadata
 from onnx_chunk.passes.chunked_prefill_declaration import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_MAX_VARIANTS,
@@ -87,7 +87,7 @@ __all__ = [
 
 def analyze(model: ir.Model, *, chunk_size: int | None = None,
             max_variants: int = DEFAULT_MAX_VARIANTS,
-            max_sequence_length: int | None = None) -> metadata.ChunkPlan:
+            max_sequence_length: int | None = None) -> chunk_plan.ChunkPlan:
     """The plan the pipeline would write, leaving the model as it was (`analyze_metadata`)."""
     plan = metadata.read_plan(analyze_metadata(model, chunk_size=chunk_size,
                                                max_variants=max_variants,

@@ -6,8 +6,8 @@ import logging
 
 import onnx_ir as ir
 
-from onnx_chunk import metadata
 from onnx_chunk.errors import ModelStructureError
+from onnx_chunk.graph import chunk_plan, metadata
 from onnx_chunk.ladder import ladder_tiers
 from onnx_chunk.passes.preconditions import precondition
 
@@ -100,11 +100,11 @@ def _declared_chunk_size(model: ir.Model) -> int | None:
 
 
 def padding_eligibility(
-    kv: metadata.KVCapacityFindings,
-    state: metadata.RecurrentStateFindings,
-    ports: metadata.PerTokenFindings,
+    kv: chunk_plan.KVCapacityFindings,
+    state: chunk_plan.RecurrentStateFindings,
+    ports: chunk_plan.PerTokenFindings,
     native: bool = False,
-) -> metadata.PaddingEligibility:
+) -> chunk_plan.PaddingEligibility:
     """The padding verdict the findings of the three analysis passes imply (`native`: GQA
     takes query_seqlens, so padded rows never reach a KV cache)."""
     reasons: list[str] = []
@@ -122,4 +122,4 @@ def padding_eligibility(
                        "advances with every row and has no logical length to rewind, so a "
                        "padded row could never be taken back")
     reasons.extend(ports.voids)
-    return metadata.PaddingEligibility(eligible=not reasons, reasons=tuple(reasons))
+    return chunk_plan.PaddingEligibility(eligible=not reasons, reasons=tuple(reasons))

@@ -9,8 +9,8 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
-from onnx_chunk import metadata
 from onnx_chunk.errors import ModelStructureError
+from onnx_chunk.graph import metadata
 from onnx_chunk.passes import value_tracing
 from onnx_chunk.passes.concat_kv_layers import (
     KV_RANK,

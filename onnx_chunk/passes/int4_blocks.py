@@ -22,9 +22,9 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from onnx_chunk import metadata
 from onnx_chunk.errors import ConfigError, ModelStructureError
-from onnx_chunk.model_io import write_to_data_file
+from onnx_chunk.graph import metadata
+from onnx_chunk.graph.model_io import write_to_data_file
 from onnx_chunk.passes.preconditions import precondition
 from onnx_chunk.passes.value_tracing import MICROSOFT_DOMAIN, input_at
 

@@ -34,9 +34,9 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from onnx_chunk import metadata
 from onnx_chunk.errors import ConfigError, ModelStructureError
-from onnx_chunk.model_io import write_to_data_file
+from onnx_chunk.graph import metadata
+from onnx_chunk.graph.model_io import write_to_data_file
 from onnx_chunk.passes.int4_blocks import (
     Int4MatMul,
     dequantize_int4,
@@ -268,6 +268,13 @@ def _replace(graph: ir.Graph, node: ir.Node, rows: _RowQuantizer, b: ir.Value,
         add = ir.node("Add", [result, bias], name=f"{node.name}/bias")
         added.append(add)
         result = add.outputs[0]
+    replace_node(graph, node, added, result)
+
+
+def replace_node(graph: ir.Graph, node: ir.Node, added: list[ir.Node], result: ir.Value) -> None:
+    """`added` (ending in `result`) takes `node`'s place: inserted before it, `result` takes its
+    one output's name, shape, type, uses and graph-output slot, and `node` is removed."""
+    output = node.outputs[0]
     name = output.name
     output.name = f"{name}/replaced"  # the name passes to the new value
     result.name, result.shape, result.type = name, output.shape, output.type

@@ -6,7 +6,7 @@ import logging
 
 import onnx_ir as ir
 
-from onnx_chunk import metadata
+from onnx_chunk.graph import chunk_plan, metadata
 from onnx_chunk.passes import value_tracing
 
 logger = logging.getLogger(__name__)
@@ -69,11 +69,11 @@ class KVCapacityPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=modified)
 
 
-def find_kv_capacity(model: ir.Model) -> metadata.KVCapacityFindings:
+def find_kv_capacity(model: ir.Model) -> chunk_plan.KVCapacityFindings:
     """What the pass records, computed without touching the model."""
     nodes = value_tracing.gqa_nodes(model.graph)
     graph_inputs = {id(value) for value in model.graph.inputs}
-    bindings: list[metadata.KVBinding] = []
+    bindings: list[chunk_plan.KVBinding] = []
     problems: list[str] = []
     lengths: list[int] = []
     for index, (node, pairs) in enumerate(_kv_cache_nodes(model.graph)):
@@ -86,7 +86,7 @@ def find_kv_capacity(model: ir.Model) -> metadata.KVCapacityFindings:
         length = _cos_cache_rows(node)
         if length is not None:
             lengths.append(length)
-    return metadata.KVCapacityFindings(
+    return chunk_plan.KVCapacityFindings(
         gqa_nodes=len(nodes),
         bindings=tuple(bindings),
         max_sequence_length=min(lengths) if lengths else metadata.read_max_positions(model),
@@ -102,7 +102,7 @@ def _bind(
     role: str,
     graph_inputs: set[int],
     problems: list[str],
-) -> metadata.KVBinding | None:
+) -> chunk_plan.KVBinding | None:
     past = value_tracing.input_at(node, past_index)
     if past is None:
         problems.append(f"{label} has no {role} (input {past_index}), so it keeps no KV cache "
@@ -139,7 +139,7 @@ def _bind(
     kv_heads = _int_attribute(node, "kv_num_heads")
     if kv_heads is None and isinstance(heads_dim := shape[1], int):
         kv_heads = heads_dim
-    return metadata.KVBinding(input=value_tracing.name_of(origin),
+    return chunk_plan.KVBinding(input=value_tracing.name_of(origin),
                               output=value_tracing.name_of(output), capacity_axis=CAPACITY_AXIS,
                               kv_heads=kv_heads, head_size=_head_size(node, origin, output),
                               window=_cache_window(node))

@@ -21,8 +21,8 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_chunk.errors import ConfigError
+from onnx_chunk.graph.query_seqlens import query_seqlens_index
 from onnx_chunk.passes import value_tracing
-from onnx_chunk.query_seqlens import query_seqlens_index
 
 logger = logging.getLogger(__name__)
 

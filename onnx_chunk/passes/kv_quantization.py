@@ -9,8 +9,8 @@ from collections.abc import Mapping
 import numpy as np
 import onnx_ir as ir
 
-from onnx_chunk import metadata
 from onnx_chunk.errors import ConfigError, ModelStructureError
+from onnx_chunk.graph import metadata
 from onnx_chunk.passes import value_tracing
 from onnx_chunk.passes.kv_prefill import unwrapped
 from onnx_chunk.passes.preconditions import precondition

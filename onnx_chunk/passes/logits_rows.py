@@ -45,8 +45,8 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from onnx_chunk import metadata
 from onnx_chunk.errors import ConfigError, ModelStructureError
+from onnx_chunk.graph import metadata
 from onnx_chunk.passes import value_tracing
 from onnx_chunk.passes.preconditions import ConfigPreconditionError, precondition
 from onnx_chunk.passes.token_input import axis_keys, token_input

@@ -6,7 +6,7 @@ import logging
 
 import onnx_ir as ir
 
-from onnx_chunk import metadata
+from onnx_chunk.graph import chunk_plan, metadata
 from onnx_chunk.passes import value_tracing
 from onnx_chunk.passes.kv_capacity import kv_past_inputs
 from onnx_chunk.passes.token_input import (
@@ -68,13 +68,13 @@ class PerTokenPortsPass(ir.passes.InPlacePass):
 
 
 def find_per_token_ports(model: ir.Model,
-                         state: metadata.RecurrentStateFindings) -> metadata.PerTokenFindings:
+                         state: chunk_plan.RecurrentStateFindings) -> chunk_plan.PerTokenFindings:
     """What the pass records given the model's recurrent `state`, without touching the model."""
     graph = model.graph
     token = token_input(graph)
     if token is None:
         names = ", ".join(value_tracing.name_of(value) for value in graph.inputs) or "none"
-        return metadata.PerTokenFindings(
+        return chunk_plan.PerTokenFindings(
             token_input="",
             ports=(),
             position_ids=None,
@@ -93,7 +93,7 @@ def find_per_token_ports(model: ir.Model,
     token_name = value_tracing.name_of(token)
     batch_key, rows_key = axis_keys(token)
     if not isinstance(rows_key, str):
-        return metadata.PerTokenFindings(
+        return chunk_plan.PerTokenFindings(
             token_input=token_name,
             ports=(token_name,),
             position_ids=None,
@@ -116,7 +116,7 @@ def find_per_token_ports(model: ir.Model,
                 f"[{batch_key}, {rows_key}, ...] like {token.name!r}, so padding cannot widen it",
             ))
     position_ids = _position_ids(graph, ports)
-    return metadata.PerTokenFindings(
+    return chunk_plan.PerTokenFindings(
         token_input=token_name,
         ports=tuple(ports),
         position_ids=position_ids,

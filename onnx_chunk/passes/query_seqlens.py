@@ -7,17 +7,17 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from onnx_chunk import metadata
 from onnx_chunk.errors import ConfigError
-from onnx_chunk.passes import value_tracing
-from onnx_chunk.passes.preconditions import ConfigPreconditionError
-from onnx_chunk.passes.token_input import token_input
-from onnx_chunk.query_seqlens import (
+from onnx_chunk.graph import metadata
+from onnx_chunk.graph.query_seqlens import (
     QUERY_SEQLENS,
     QUERY_SEQLENS_FED,
     lacking_reason,
     query_seqlens_index,
 )
+from onnx_chunk.passes import value_tracing
+from onnx_chunk.passes.preconditions import ConfigPreconditionError
+from onnx_chunk.passes.token_input import token_input
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import re
 
 import onnx_ir as ir
 
-from onnx_chunk import metadata
+from onnx_chunk.graph import chunk_plan, metadata
 from onnx_chunk.passes import value_tracing
 from onnx_chunk.passes.kv_capacity import kv_past_inputs, kv_present_outputs
 from onnx_chunk.passes.token_input import ATTENTION_MASK, axis_keys, has_query_axis, token_input
@@ -55,7 +55,7 @@ class RecurrentStatePass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=modified)
 
 
-def find_recurrent_state(model: ir.Model) -> metadata.RecurrentStateFindings:
+def find_recurrent_state(model: ir.Model) -> chunk_plan.RecurrentStateFindings:
     """What the pass records, computed without touching the model."""
     graph = model.graph
     skipped = kv_past_inputs(graph) | {ATTENTION_MASK}
@@ -66,7 +66,7 @@ def find_recurrent_state(model: ir.Model) -> metadata.RecurrentStateFindings:
         rows_key = axis_keys(token)[1]
     kv_presents = kv_present_outputs(graph)
     free_outputs = [output for output in graph.outputs if output.name not in kv_presents]
-    bindings: list[metadata.StateBinding] = []
+    bindings: list[chunk_plan.StateBinding] = []
     for value in graph.inputs:
         name = value_tracing.name_of(value)
         if name in skipped or has_query_axis(value, rows_key):
@@ -85,12 +85,12 @@ def find_recurrent_state(model: ir.Model) -> metadata.RecurrentStateFindings:
                        else "name" if by_name else "structure")
         if output is not None:
             free_outputs.remove(output)
-        bindings.append(metadata.StateBinding(
+        bindings.append(chunk_plan.StateBinding(
             input=name,
             output=value_tracing.name_of(output) if output is not None else "",
             detected_by=detected_by,
         ))
-    return metadata.RecurrentStateFindings(bindings=tuple(bindings))
+    return chunk_plan.RecurrentStateFindings(bindings=tuple(bindings))
 
 
 def _same_type(first: ir.Value, second: ir.Value) -> bool:

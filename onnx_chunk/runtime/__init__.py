@@ -5,7 +5,8 @@ runner <- engine <- model; tests/runtime/test_layers.py): `state/` (the decoder'
 `device/` (the provider, buffers, memory, sessions), `caches/` (the variant cache, the sessions
 and CUDA graphs hung off it), `runner/` (the model runner: every forward of a dynamic decoder)
 and `engine/` (requests, the scheduler and its plan runner, slots, lone sequences, their
-counters); `model.py` wires them into a `Runtime`, with `options.py` and `stats.py` beside it.
+counters); `model.py` wires them into a `Runtime`, with `loading.py` (what it reads of the
+decoder first), `options.py` and `stats.py` beside it.
 """
 
 from __future__ import annotations

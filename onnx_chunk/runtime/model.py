@@ -1,9 +1,9 @@
 """A loaded decoder: its plan, device, shared weights and variant cache; sequences open on it.
 
 `load(path)` takes a model file or a folder (as onnxruntime-genai does; see
-onnx_chunk.model_folder), reads the chunked-prefill plan, the ports and the external data index
-from the file's protobuf (`model_file`: a converted model loads without onnx or onnx_ir; an
-unconverted one runs the passes in memory) and the genai_config.json that applies to it,
+onnx_chunk.graph.model_folder), reads the chunked-prefill plan, the ports and the external data
+index from the file's protobuf (`loading`, `model_file`: a converted model loads without onnx
+or onnx_ir; an unconverted one runs the passes in memory) and the genai_config.json that applies,
 resolves the options once (`options`), loads the weights once and sets up the variant cache.
 `Runtime.open_sequence()` gives independent sequences that share all of it. Its parts are
 private: users read `Runtime.stats`, tests and diagnosis `Runtime.debug`.
@@ -16,9 +16,8 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
-from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,17 +25,13 @@ import numpy as np
 import onnxruntime as ort
 
 from onnx_chunk._onnxruntime_wheels import check_one_wheel
-from onnx_chunk.analysis_cache import cached_plan
-from onnx_chunk.errors import ClosedError, InputError, ModelLoadError
-from onnx_chunk.metadata import ChunkPlan, read_plan
-from onnx_chunk.model_file import read_model_file
-from onnx_chunk.model_folder import GenaiConfig, check_utf8_path, locate_model
-from onnx_chunk.query_seqlens import lacking_reason, query_seqlens_index
+from onnx_chunk.errors import ClosedError, InputError
+from onnx_chunk.graph.chunk_plan import ChunkPlan
+from onnx_chunk.graph.model_folder import GenaiConfig, check_utf8_path, locate_model
 from onnx_chunk.runtime.caches.graph_cache import plan_graphs
 from onnx_chunk.runtime.caches.variant_cache import Specialize, VariantCache
 from onnx_chunk.runtime.caches.variant_pool import VariantPool
 from onnx_chunk.runtime.device.memory import meter_for
-from onnx_chunk.runtime.device.native_trust import native_refusal
 from onnx_chunk.runtime.device.provider import Device, MaskPolicy, resolve_device
 from onnx_chunk.runtime.device.session_factory import (
     QUANTIZED_MATMUL,
@@ -45,7 +40,6 @@ from onnx_chunk.runtime.device.session_factory import (
     load_shared_weights,
     owned_by_session,
 )
-from onnx_chunk.runtime.device.without_query_seqlens import without_query_seqlens
 from onnx_chunk.runtime.engine.batch_engine import (
     DEFAULT_MAX_QUEUE,
     BatchEngine,
@@ -58,6 +52,7 @@ from onnx_chunk.runtime.engine.request import CheckedRequest, Request
 from onnx_chunk.runtime.engine.sequence import Sequence
 from onnx_chunk.runtime.engine.sequence_pool import DEFAULT_IDLE_SLOTS, SequencePool, new_slot
 from onnx_chunk.runtime.engine.speculation import Speculation
+from onnx_chunk.runtime.loading import analyzed_plan, embedding_table, runnable_decoder
 from onnx_chunk.runtime.options import ResolvedOptions, RuntimeOptions, resolve_options
 from onnx_chunk.runtime.runner.attention_mask import AttentionMask, mask_kind
 from onnx_chunk.runtime.runner.chunk_mask import chunk_mask_kind
@@ -67,13 +62,8 @@ from onnx_chunk.runtime.stats import RuntimeStats, kv_dtype_name
 
 if TYPE_CHECKING:
     from onnx_chunk.sampling import Sampling
-    from onnx_chunk.text.generation import Completion, Prompt
-    from onnx_chunk.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-EMBEDDINGS_FILE = "embeddings.npy"
-
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeDebug:
@@ -101,7 +91,8 @@ class RuntimeDebug:
 
 
 class Runtime:
-    """One decoder loaded on one device for chunked prefill and generation (ids or text).
+    """One decoder loaded on one device for chunked prefill and generation of token ids (text
+    goes through `onnx_chunk.text`: `generate_text(runtime, ...)`, which takes a runtime).
 
     `load(model_path, **options)` is the same call. The options are `RuntimeOptions`' fields,
     checked before the model is read (ConfigError); what the runtime resolves from them (its
@@ -201,30 +192,13 @@ class Runtime:
         self._model_path: Path = location.onnx_path
         self._genai: GenaiConfig | None = location.genai
         genai = self._genai or GenaiConfig(path=location.folder / "genai_config.json")
-        model = read_model_file(self._model_path, graph)
-        plan = read_plan(model.metadata)
         chosen = (device if device is not None
                   else resolve_device(provider, device_id, mask_policy, cuda_graphs))
-        native_refused = (None if plan is None or plan.query_seqlens is None
-                          else "exact mode computes padded rows as real ones" if exact
-                          else lacking_reason() if query_seqlens_index() is None
-                          else native_refusal(chosen))
-        if native_refused is not None:
-            # Converted where ONNX Runtime has native chunks; this one lacks them, their kernel
-            # is not verified on this device (device/native_trust.py), or exact mode pads a
-            # prompt forward with rows that must be computed as real ones (a native forward
-            # computes its real rows alone): the graph without their input runs the "repeat"
-            # path (device/without_query_seqlens.py).
-            logger.info("%s was converted for native chunks, and %s: running it without them",
-                        self._model_path.name, native_refused)
-            graph = without_query_seqlens(graph if graph is not None
-                                          else self._model_path.read_bytes())
-            model = read_model_file(self._model_path, graph)
-            plan = read_plan(model.metadata)
+        model, plan, graph = runnable_decoder(self._model_path, graph, chosen, exact=exact)
         if args.chunk_size is None and (plan is None or plan.chunk_size is None):
             args = dataclasses.replace(args, chunk_size=genai.chunk_size)
         if plan is None:
-            plan = _analyzed(self._model_path, args.chunk_size, model.data_files())
+            plan = analyzed_plan(self._model_path, args.chunk_size, model.data_files())
         self._plan: ChunkPlan = plan
         self._options: ResolvedOptions = resolve_options(
             args, plan=plan, genai=genai, model=model,
@@ -232,7 +206,7 @@ class Runtime:
         options = self._options
         self._device: Device = options.device
         self._ports: ModelPorts = options.ports
-        self._embeddings = self._embedding_table(embeddings)
+        self._embeddings = embedding_table(self._ports, self._model_path, embeddings)
         # The names the wiring below reads.
         specialize = options.specialize
         variants = options.max_variants
@@ -427,43 +401,15 @@ class Runtime:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    @cached_property
-    def tokenizer(self) -> Tokenizer:
-        """The model folder's tokenizer, read on first use (ModelLoadError when it has none)."""
-        from onnx_chunk.text.tokenizer import Tokenizer
+    @property
+    def model_path(self) -> Path:
+        """The decoder file this runtime runs (its folder holds the tokenizer and configs)."""
+        return self._model_path
 
-        return Tokenizer.load(self._model_path.parent, self._genai)
-
-    def generate_text(self, prompt: Prompt, max_new_tokens: int, *,
-                      sampling: Sampling | None = None,
-                      stop: str | Iterable[str] | None = None, ignore_eos: bool = False,
-                      stop_token_ids: Iterable[int] = (), min_tokens: int = 0,
-                      logprobs: int | None = None) -> Completion:
-        """Text (or messages, through the chat template) in, a Completion out, through the batch
-        engine (`submit`, as every request); `sampling` defaults to genai_config.json's search
-        options (see docs/text.md). `ignore_eos`, `stop_token_ids` and `min_tokens` end the
-        text as vLLM's options of those names do; `logprobs`: each token's logprob and the
-        `logprobs` most likely tokens' in `Completion.logprobs` (as `Sampling.logprobs`)."""
-        from onnx_chunk.text.generation import EngineTokens, generate_text
-
-        return generate_text(EngineTokens(self), self.tokenizer, prompt, max_new_tokens,
-                             sampling=sampling, stop=stop, ignore_eos=ignore_eos,
-                             stop_token_ids=stop_token_ids, min_tokens=min_tokens,
-                             logprobs=logprobs)
-
-    def stream_text(self, prompt: Prompt, max_new_tokens: int, *,
-                    sampling: Sampling | None = None,
-                    stop: str | Iterable[str] | None = None, ignore_eos: bool = False,
-                    stop_token_ids: Iterable[int] = (), min_tokens: int = 0,
-                    logprobs: int | None = None) -> Iterator[str]:
-        """Like `generate_text`, yielding the text as it is produced (checked before any work;
-        the Completion, with its logprobs, is the stream's `completion` once it ended)."""
-        from onnx_chunk.text.generation import EngineTokens, stream_text
-
-        return stream_text(EngineTokens(self), self.tokenizer, prompt, max_new_tokens,
-                           sampling=sampling, stop=stop, ignore_eos=ignore_eos,
-                           stop_token_ids=stop_token_ids, min_tokens=min_tokens,
-                           logprobs=logprobs)
+    @property
+    def genai(self) -> GenaiConfig | None:
+        """The genai_config.json that applies to the decoder (None when there is none)."""
+        return self._genai
 
     @property
     def debug(self) -> RuntimeDebug:
@@ -523,40 +469,6 @@ class Runtime:
             eos_token_ids=options.eos_token_ids,
         )
 
-    def _embedding_table(self, given: np.ndarray | None) -> np.ndarray | None:
-        if self._ports.token_input != "inputs_embeds":
-            return None
-        if given is None:
-            path = self._model_path.parent / EMBEDDINGS_FILE
-            if not path.is_file():
-                raise ModelLoadError(
-                    f"the decoder takes inputs_embeds, so the runtime needs the embedding table: "
-                    f"expected {str(path)!r} ([vocab, hidden] .npy) or the embeddings argument")
-            given = np.load(path, mmap_mode="r")
-        hidden = self._ports.hidden_size
-        if given.ndim != 2 or given.shape[1] != hidden:
-            raise ModelLoadError(f"the embedding table must be [vocab, {hidden}], got "
-                                 f"{list(given.shape)}")
-        return given
-
-
 
 # The public entry point: `onnx_chunk.load(path, provider="auto", ...)` builds a Runtime.
 load = Runtime
-
-
-def _analyzed(model_path: Path, chunk_size: int | None, data_files: set[Path]) -> ChunkPlan:
-    """The plan `onnx-chunk convert` would write for an unconverted model: the passes run in
-    memory (the one load that imports onnx_ir and onnxscript), once per model file
-    (`analysis_cache`)."""
-
-    def analyze() -> dict[str, str]:
-        from onnx_chunk.model_io import load_model
-        from onnx_chunk.passes import DEFAULT_CHUNK_SIZE, analyze_metadata
-
-        logger.info("%s carries no chunked-prefill plan; running the passes in memory",
-                    model_path)
-        return analyze_metadata(load_model(model_path),
-                                chunk_size=chunk_size or DEFAULT_CHUNK_SIZE)
-
-    return cached_plan(model_path, chunk_size, analyze, data_files)

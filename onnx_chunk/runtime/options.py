@@ -43,10 +43,10 @@ from pathlib import Path
 
 from onnx_chunk import arguments
 from onnx_chunk.errors import ConfigError, ModelLoadError, ProviderError
+from onnx_chunk.graph.chunk_plan import ChunkPlan, check_window_capacity
+from onnx_chunk.graph.model_file import ModelFile
+from onnx_chunk.graph.model_folder import GenaiConfig
 from onnx_chunk.ladder import DECODE_WIDTH, ladder_tiers
-from onnx_chunk.metadata import ChunkPlan, check_window_capacity
-from onnx_chunk.model_file import ModelFile
-from onnx_chunk.model_folder import GenaiConfig
 from onnx_chunk.runtime.caches.cuda_graphs import capturable
 from onnx_chunk.runtime.caches.variant_cache import EXACT, Specialize, VariantKey, variant_key
 from onnx_chunk.runtime.device.provider import Device, MaskPolicy, device_for

@@ -77,6 +77,7 @@ from onnx_chunk.serve.tokenize import detokenize, tokenize
 from onnx_chunk.text.generation import search_defaults
 from onnx_chunk.text.prompt import PromptEncoder
 from onnx_chunk.text.token_text import TokenText
+from onnx_chunk.text.tokenizer import tokenizer_of
 
 if TYPE_CHECKING:
     from onnx_chunk.runtime.model import Runtime
@@ -172,7 +173,7 @@ class _Service:
         self.eos_token_ids = configuration.eos_token_ids
         # Read now: a model folder without a tokenizer, with a chat template that does not
         # compile or with a bad `search` fails at start, not at every request.
-        self.tokenizer: Tokenizer = runtime.tokenizer
+        self.tokenizer: Tokenizer = tokenizer_of(runtime)
         _ = self.tokenizer.chat_template, self.tokenizer.max_token_chars
         self.search = search_defaults(self.tokenizer)
         # The one encoder of every prompt the server feeds or /tokenize counts.

@@ -37,11 +37,12 @@ import onnx_ir as ir
 from onnxruntime.tools.onnx_model_utils import fix_output_shapes, make_dim_param_fixed
 
 from onnx_chunk.errors import ConfigError, ModelLoadError, ModelStructureError, OutputError
-from onnx_chunk.metadata import KVCapacityFindings, check_window_capacity
-from onnx_chunk.model_io import Staging, external_data_files, load_model, staged_write
+from onnx_chunk.graph.chunk_plan import KVCapacityFindings, check_window_capacity
+from onnx_chunk.graph.model_io import external_data_files, load_model
 from onnx_chunk.ort_schemas import register_runtime_schemas
 from onnx_chunk.passes.kv_capacity import find_kv_capacity
 from onnx_chunk.passes.recurrent_state import find_recurrent_state
+from onnx_chunk.staged_output import Staging, staged_write
 from onnx_chunk.static.model import DECODE_FILE
 
 logger = logging.getLogger(__name__)
@@ -286,7 +287,7 @@ def fix_shapes(
        graphs record `source_digest`), never the input itself nor another model's files
        (`_check_targets`, OutputError).
     7. Nothing appears in `out_dir` unless everything was written (OutputError otherwise); a
-       folder this call created is removed again (`model_io.staged_write`).
+       folder this call created is removed again (`staged_output.staged_write`).
     8. The rows and capacity reported are read back from the written graphs.
     9. Recurrent or conv state is a ModelStructureError, before anything is written
        (`_refuse_state`).

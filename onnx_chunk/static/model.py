@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from onnx_chunk.errors import ConfigError, ModelLoadError, ModelStructureError
-from onnx_chunk.model_file import ValueInfo, data_type_name, read_model_file
-from onnx_chunk.model_folder import locate_model
+from onnx_chunk.graph.data_types import data_type_name
+from onnx_chunk.graph.model_file import ValueInfo, read_model_file
+from onnx_chunk.graph.model_folder import locate_model
 from onnx_chunk.static.graphs import CacheLayout
 from onnx_chunk.static.runner import StaticRunner
 

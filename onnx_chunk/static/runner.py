@@ -348,7 +348,7 @@ class StaticRunner:
 def _windows(chunk_path: Path) -> set[int]:
     """The sliding windows of the chunk graph's KV inputs, read by the passes' analysis (which
     imports onnx_ir: only a static model being opened pays for it)."""
-    from onnx_chunk.model_io import load_model
+    from onnx_chunk.graph.model_io import load_model
     from onnx_chunk.passes.kv_capacity import find_kv_capacity
 
     return {binding.window for binding in find_kv_capacity(load_model(chunk_path)).bindings

@@ -25,6 +25,7 @@ from onnx_chunk.sampling import Sampling
 from onnx_chunk.text.generation import Completion, EngineTokens, TextGeneration, default_sampling
 from onnx_chunk.text.prompt import PromptEncoder
 from onnx_chunk.text.stops import check_stops
+from onnx_chunk.text.tokenizer import tokenizer_of
 
 if TYPE_CHECKING:
     from onnx_chunk.runtime.model import Runtime
@@ -81,7 +82,7 @@ class Conversation:
     def __init__(self, runtime: Runtime, *, system: str | None = None,
                  reuse_cache: bool = True) -> None:
         self.runtime = runtime
-        self.tokenizer = runtime.tokenizer
+        self.tokenizer = tokenizer_of(runtime)
         self.prompts = PromptEncoder(self.tokenizer)
         self.reuse_cache = reuse_cache
         self.messages: list[dict[str, str]] = ([] if system is None

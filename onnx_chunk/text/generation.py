@@ -1,7 +1,7 @@
 """Text generation around a token source: prompt to ids, ids to streamed text, stops.
 
 The tokens come from the batch engine (`EngineTokens`: `runtime.submit`, the path of
-`runtime.generate_text`, `stream_text`, `generate --prompt`, chat turns and the server).
+`generate_text(runtime, ...)`, `stream_text`, `generate --prompt`, chat turns and the server).
 
 A prompt is text or a list of messages, encoded by `PromptEncoder` (onnx_chunk.text.prompt,
 the one encoder: text with the tokenizer's special tokens, messages through the chat template,
@@ -27,6 +27,7 @@ from onnx_chunk.sampling import GREEDY, Sampling, TokenLogprobs
 from onnx_chunk.text.prompt import Prompt, PromptEncoder
 from onnx_chunk.text.stops import check_stops
 from onnx_chunk.text.token_text import TokenText
+from onnx_chunk.text.tokenizer import tokenizer_of
 
 if TYPE_CHECKING:
     from onnx_chunk.runtime.engine.request import Request
@@ -184,22 +185,32 @@ class TextGeneration:
                                      logprobs=source.logprobs[:len(text.tokens)])
 
 
-def stream_text(source: EngineTokens, tokenizer: Tokenizer, prompt: Prompt,
-                max_new_tokens: int, *, sampling: Sampling | None = None,
-                stop: str | Iterable[str] | None = None, **ends: Any) -> TextGeneration:
-    """A text generation of `prompt` from `source` (checked now, run as it is iterated);
-    `ends`: TextGeneration's ignore_eos, stop_token_ids, min_tokens, logprobs."""
+def stream_text(runtime: Runtime, prompt: Prompt, max_new_tokens: int, *,
+                sampling: Sampling | None = None, stop: str | Iterable[str] | None = None,
+                ignore_eos: bool = False, stop_token_ids: Iterable[int] = (),
+                min_tokens: int = 0, logprobs: int | None = None) -> TextGeneration:
+    """Text (or messages, through the chat template) on `runtime`'s batch engine (`submit`, as
+    every request), checked now and run as it is iterated: the text as it is produced, and the
+    Completion as its `completion` once it ended. `sampling` defaults to genai_config.json's
+    search options (see docs/text.md); `ignore_eos`, `stop_token_ids` and `min_tokens` end the
+    text as vLLM's options of those names do; `logprobs`: each token's logprob and the
+    `logprobs` most likely tokens' in `Completion.logprobs` (as `Sampling.logprobs`)."""
+    tokenizer = tokenizer_of(runtime)
     ids = PromptEncoder(tokenizer).encode(prompt)
-    return TextGeneration(source, tokenizer, ids, max_new_tokens,
-                          sampling=default_sampling(tokenizer, sampling), stop=stop, **ends)
+    return TextGeneration(EngineTokens(runtime), tokenizer, ids, max_new_tokens,
+                          sampling=default_sampling(tokenizer, sampling), stop=stop,
+                          ignore_eos=ignore_eos, stop_token_ids=stop_token_ids,
+                          min_tokens=min_tokens, logprobs=logprobs)
 
 
-def generate_text(source: EngineTokens, tokenizer: Tokenizer, prompt: Prompt,
-                  max_new_tokens: int, *, sampling: Sampling | None = None,
-                  stop: str | Iterable[str] | None = None, **ends: Any) -> Completion:
-    """Run a text generation to its end; its Completion."""
-    generation = stream_text(source, tokenizer, prompt, max_new_tokens, sampling=sampling,
-                             stop=stop, **ends)
+def generate_text(runtime: Runtime, prompt: Prompt, max_new_tokens: int, *,
+                  sampling: Sampling | None = None, stop: str | Iterable[str] | None = None,
+                  ignore_eos: bool = False, stop_token_ids: Iterable[int] = (),
+                  min_tokens: int = 0, logprobs: int | None = None) -> Completion:
+    """`stream_text` run to its end: its Completion."""
+    generation = stream_text(runtime, prompt, max_new_tokens, sampling=sampling, stop=stop,
+                             ignore_eos=ignore_eos, stop_token_ids=stop_token_ids,
+                             min_tokens=min_tokens, logprobs=logprobs)
     for _ in generation:
         pass
     assert generation.completion is not None  # set when the iteration ended

@@ -27,15 +27,20 @@ import json
 import logging
 import os
 import re
+import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from onnx_chunk.errors import CapacityError, InputError, ModelLoadError
-from onnx_chunk.model_folder import GenaiConfig, locate_model, read_json_object
+from onnx_chunk.graph.model_folder import GenaiConfig, locate_model, read_json_object
 from onnx_chunk.text.chat_template import ChatTemplate, find_chat_template
+
+if TYPE_CHECKING:
+    from onnx_chunk.runtime.model import Runtime
 
 logger = logging.getLogger(__name__)
 
@@ -241,6 +246,23 @@ def load_tokenizer(model_path: str | os.PathLike) -> Tokenizer:
     """The tokenizer of the model at `model_path` (a decoder file or its folder)."""
     location = locate_model(model_path)
     return Tokenizer.load(location.folder, location.genai)
+
+
+# Each runtime's tokenizer, read once and kept while the runtime lives (no reference to it).
+_OF_RUNTIME: weakref.WeakKeyDictionary[Runtime, Tokenizer] = weakref.WeakKeyDictionary()
+_OF_RUNTIME_LOCK = threading.Lock()
+
+
+def tokenizer_of(runtime: Runtime) -> Tokenizer:
+    """The tokenizer of `runtime`'s model folder (beside its decoder file, with the
+    genai_config.json that applies to it), read on first use and kept while the runtime lives;
+    ModelLoadError when the folder has none."""
+    with _OF_RUNTIME_LOCK:
+        tokenizer = _OF_RUNTIME.get(runtime)
+        if tokenizer is None:
+            tokenizer = _OF_RUNTIME[runtime] = Tokenizer.load(runtime.model_path.parent,
+                                                              runtime.genai)
+        return tokenizer
 
 
 def _tokenizer_file(path: Path) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from onnx_chunk.errors import ConfigError, ModelLoadError, ModelStructureError, OnnxChunkError
-from onnx_chunk.model_folder import locate_model
+from onnx_chunk.graph.model_folder import locate_model
 from onnx_chunk.passes import analyze
 from onnx_chunk.runtime import Runtime, Sequence
 from onnx_chunk.validate.checks import REFERENCE

@@ -19,7 +19,7 @@ from typing import Protocol
 
 from onnx_chunk import arguments
 from onnx_chunk.errors import ConfigError, OnnxChunkError
-from onnx_chunk.metadata import ChunkPlan, window_capacity
+from onnx_chunk.graph.chunk_plan import ChunkPlan, window_capacity
 from onnx_chunk.passes import DEFAULT_CHUNK_SIZE
 from onnx_chunk.runtime import Runtime
 from onnx_chunk.runtime.device.provider import PROVIDER_CHOICES, resolve_device

@@ -5,12 +5,11 @@ import dataclasses
 
 import pytest
 
-from onnx_chunk import metadata
-from onnx_chunk.model_io import load_model, save_model
+from onnx_chunk.graph import metadata
+from onnx_chunk.graph.model_io import load_model, save_model
+from onnx_chunk.graph.query_seqlens import query_seqlens_index
 from onnx_chunk.passes import QuerySeqlensPass, convert_model
-from onnx_chunk.query_seqlens import query_seqlens_index
-from onnx_chunk.runtime import load
-from onnx_chunk.runtime import model as runtime_model
+from onnx_chunk.runtime import load, loading
 from onnx_chunk.runtime.device import native_trust
 from onnx_chunk.runtime.device.provider import device_for
 from tests.exports.corpus import fixtures
@@ -40,6 +39,6 @@ def test_an_unverified_device_loads_a_native_folder_without_native_chunks(tmp_pa
     save_model(model, tmp_path / "wired" / "model.onnx", companions_from=source)
     assert load(tmp_path / "wired", provider="cpu", chunk_size=16,
                 padding=True).stats.padding == "native"
-    monkeypatch.setattr(runtime_model, "native_refusal", lambda device: "not verified (test)")
+    monkeypatch.setattr(loading, "native_refusal", lambda device: "not verified (test)")
     runtime = load(tmp_path / "wired", provider="cpu", chunk_size=16, padding=True)
     assert runtime.stats.padding == "repeat" and runtime.debug.ports.query_seqlens is None

@@ -10,6 +10,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
+from onnx_chunk.passes.int8_matmul import replace_node
 from onnx_chunk.runtime import load
 from scripts._bench import environment
 from scripts._bench.child import run_child
@@ -62,15 +63,7 @@ def as_per_tensor(model: ir.Model) -> int:
         replacement = ir.node("DynamicQuantizeMatMul",
                               [activations, weights, scales, zero_point],
                               domain="com.microsoft", name=node.name)
-        output, result = node.outputs[0], replacement.outputs[0]
-        name = output.name
-        output.name = f"{name}/old"
-        result.name, result.shape, result.type = name, output.shape, output.type
-        graph.insert_before(node, replacement)
-        if output in graph.outputs:
-            graph.outputs[graph.outputs.index(output)] = result
-        ir.convenience.replace_all_uses_with(output, result)
-        graph.remove(node, safe=True)
+        replace_node(graph, node, [replacement], replacement.outputs[0])
         rewritten += 1
     RemoveUnusedNodesPass()(model)
     return rewritten

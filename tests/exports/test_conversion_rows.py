@@ -20,8 +20,8 @@ import pytest
 
 from onnx_chunk.cli import main
 from onnx_chunk.cli.convert import convert as convert_command
-from onnx_chunk.model_io import load_model, save_model
-from onnx_chunk.query_seqlens import query_seqlens_index
+from onnx_chunk.graph.model_io import load_model, save_model
+from onnx_chunk.graph.query_seqlens import query_seqlens_index
 from onnx_chunk.runtime import load
 from onnx_chunk.sampling import Sampling
 from tests.exports.converted import as_per_tensor

@@ -15,6 +15,7 @@ import pytest
 
 from onnx_chunk.cli import main
 from onnx_chunk.runtime import load
+from onnx_chunk.text.tokenizer import tokenizer_of
 from tests.exports.corpus import builder_gqa_fixtures
 
 WORKER = Path(__file__).with_name("peer_text_worker.py")
@@ -56,14 +57,14 @@ def export(request):
 
 
 def test_encode_equals_genai_and_transformers(export, peers):
-    tokenizer = load(export.folder, provider="cpu").tokenizer
+    tokenizer = tokenizer_of(load(export.folder, provider="cpu"))
     ours = [tokenizer.encode(text) for text in TEXTS]
     assert ours == peers(export)["transformers"]["texts"]
     assert ours == peers(export)["genai"]["texts"]
 
 
 def test_the_chat_template_renders_as_transformers_renders_it(export, peers):
-    tokenizer = load(export.folder, provider="cpu").tokenizer
+    tokenizer = tokenizer_of(load(export.folder, provider="cpu"))
     theirs = peers(export)["transformers"]["chats"]
     if tokenizer.chat_template is None:
         assert theirs == [], "transformers found a template onnx-chunk did not"

@@ -2,8 +2,8 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto
 
-from onnx_chunk import metadata
 from onnx_chunk.errors import ConfigError
+from onnx_chunk.graph import chunk_plan, metadata
 from onnx_chunk.ladder import ladder_tiers
 from onnx_chunk.passes import (
     ChunkedPrefillDeclarationPass,
@@ -28,7 +28,7 @@ def test_declares_chunk_size_ladder_cap_and_schema(make_decoder):
     assert props[metadata.MAX_VARIANTS_KEY] == "4"
     assert props[metadata.SCHEMA_VERSION_KEY] == str(metadata.SCHEMA_VERSION)
     plan = metadata.read_plan(model)
-    assert plan.padding == metadata.PaddingEligibility(True, ())
+    assert plan.padding == chunk_plan.PaddingEligibility(True, ())
 
 
 @pytest.mark.parametrize("chunk_size,max_variants", [(512, 4), (300, 3), (64, 8), (5, 10)])

@@ -7,8 +7,8 @@ import onnx
 import pytest
 from onnx import helper
 
-from onnx_chunk import model_io
 from onnx_chunk.cli import main
+from onnx_chunk.graph import model_io
 
 DATA = "model.onnx.data"
 

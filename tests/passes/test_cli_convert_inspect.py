@@ -4,10 +4,10 @@ import os
 import onnx
 import pytest
 
-from onnx_chunk import metadata
 from onnx_chunk.cli import main
+from onnx_chunk.graph import metadata
+from onnx_chunk.graph.model_io import save_model
 from onnx_chunk.ladder import ladder_tiers
-from onnx_chunk.model_io import save_model
 
 
 @pytest.fixture

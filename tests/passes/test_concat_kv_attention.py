@@ -5,9 +5,9 @@ from __future__ import annotations
 import onnx_ir as ir
 import pytest
 
-from onnx_chunk import metadata
 from onnx_chunk.cli import main
 from onnx_chunk.errors import ModelStructureError
+from onnx_chunk.graph import metadata
 from onnx_chunk.passes import value_tracing
 from onnx_chunk.passes.concat_kv_attention import ConcatKVToGQAPass
 from onnx_chunk.passes.concat_kv_layers import (

@@ -11,10 +11,11 @@ import sys
 import onnx
 import pytest
 
-from onnx_chunk import model_io
+from onnx_chunk import staged_output
 from onnx_chunk.cli import main
-from onnx_chunk.metadata import read_plan
-from onnx_chunk.model_io import load_model
+from onnx_chunk.graph import model_io
+from onnx_chunk.graph.metadata import read_plan
+from onnx_chunk.graph.model_io import load_model
 from tests.cli_output import one_error_line
 
 DATA = "model.onnx.data"
@@ -148,7 +149,7 @@ def test_interrupted_convert_removes_the_folder_it_created(model_a, tmp_path, mo
         target.write_bytes(b"partial")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(model_io, "copy_file", interrupted)
+    monkeypatch.setattr(staged_output, "copy_file", interrupted)
     out = tmp_path / "new" / "out"
     assert main(["convert", str(model_a / "model.onnx"), "-o", str(out)]) == 130
     assert not (tmp_path / "new").exists()
@@ -158,17 +159,17 @@ def test_interrupted_convert_removes_the_folder_it_created(model_a, tmp_path, mo
 # parent knows the child is mid-copy when "copying" arrives on stdout.
 _BLOCKED_CONVERT = """
 import sys
-from onnx_chunk import model_io
+from onnx_chunk import staged_output
 from onnx_chunk.cli import main
 
-copy = model_io.copy_file
+copy = staged_output.copy_file
 
 def blocked(source, target, progress):
     copy(source, target, progress)
     print("copying", flush=True)
     sys.stdin.readline()
 
-model_io.copy_file = blocked
+staged_output.copy_file = blocked
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -226,5 +227,5 @@ def test_stale_staging_needs_an_owner_that_is_gone(tmp_path):
         folder.mkdir()
         if owner is not None:
             (folder / ".owner").write_text(owner)
-    stale = model_io.stale_staging(tmp_path, "model.onnx", alive=lambda pid: pid != 11)
+    stale = staged_output.stale_staging(tmp_path, "model.onnx", alive=lambda pid: pid != 11)
     assert stale == [tmp_path / ".model.onnx.dead.staging"]

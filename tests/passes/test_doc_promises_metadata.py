@@ -15,10 +15,10 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from onnx_chunk import metadata
 from onnx_chunk.cli import main
+from onnx_chunk.graph import metadata
+from onnx_chunk.graph.model_io import load_model, save_model
 from onnx_chunk.ladder import ladder_tiers
-from onnx_chunk.model_io import load_model, save_model
 from onnx_chunk.passes import convert_model
 from onnx_chunk.passes.kv_capacity import find_kv_capacity
 from tests.exports.corpus import builder_gqa_fixtures, fixtures
@@ -139,7 +139,7 @@ def test_convert_memory_does_not_grow_with_the_weights(make_decoder_proto, tmp_p
     finally:
         tracemalloc.stop()
     assert (out.parent / "model.onnx.data").stat().st_size >= 64 << 20
-    # One copy block (model_io's 16 MiB) and the graph, not the weights.
+    # One copy block (staged_output's 16 MiB) and the graph, not the weights.
     assert peak < 24 << 20, peak
 
 

@@ -5,7 +5,7 @@ import pytest
 from onnx import helper
 
 from onnx_chunk.cli import main
-from onnx_chunk.model_file import tensor_nbytes
+from onnx_chunk.graph.data_types import tensor_nbytes
 from tests.passes.test_cli_bad_input import one_error_line, save_external
 
 

@@ -10,10 +10,10 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from onnx_chunk import metadata
 from onnx_chunk.cli import main
 from onnx_chunk.errors import ConfigError, ModelStructureError
-from onnx_chunk.model_io import load_model, save_model
+from onnx_chunk.graph import metadata
+from onnx_chunk.graph.model_io import load_model, save_model
 from onnx_chunk.passes import Int4BlocksPass, convert_model
 from onnx_chunk.passes.int4_blocks import dequantize_int4, find_int4_matmuls, quantize_int4
 from tests.cli_output import one_error_line

@@ -16,10 +16,10 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx_chunk import metadata
 from onnx_chunk.cli import main
 from onnx_chunk.errors import ConfigError, ModelStructureError
-from onnx_chunk.model_io import load_model, save_model
+from onnx_chunk.graph import metadata
+from onnx_chunk.graph.model_io import load_model, save_model
 from onnx_chunk.passes import Int8MatMulPass, convert_model
 from onnx_chunk.passes.int4_blocks import dequantize_int4, find_int4_matmuls
 from onnx_chunk.passes.int8_matmul import (

@@ -1,7 +1,7 @@
 import onnx_ir as ir
 from onnx import TensorProto
 
-from onnx_chunk import metadata
+from onnx_chunk.graph import metadata
 from onnx_chunk.passes.kv_capacity import CAPACITY_AXIS, KVCapacityPass, find_kv_capacity
 
 

@@ -9,11 +9,12 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from onnx_chunk import Sampling, metadata
+from onnx_chunk import Sampling
 from onnx_chunk.calibration import BUILTIN_PROMPTS, calibrate_kv
 from onnx_chunk.cli import main
 from onnx_chunk.errors import ConfigError
-from onnx_chunk.model_io import load_model, save_model
+from onnx_chunk.graph import metadata
+from onnx_chunk.graph.model_io import load_model, save_model
 from onnx_chunk.passes import KVPrefillPass, analyze, convert_model, prefill_mode
 from onnx_chunk.passes.kv_prefill import MIN_ROWS, unwrap, wrappers
 from onnx_chunk.passes.value_tracing import gqa_nodes

@@ -9,11 +9,11 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from onnx_chunk import metadata
 from onnx_chunk.calibration import BUILTIN_PROMPTS, calibrate_kv, read_calibration_file
 from onnx_chunk.cli import main
 from onnx_chunk.errors import ConfigError, InputError, ModelStructureError
-from onnx_chunk.model_io import load_model
+from onnx_chunk.graph import metadata
+from onnx_chunk.graph.model_io import load_model
 from onnx_chunk.passes import KVCacheQuantizationPass, check_kv_quantization, convert_model
 from onnx_chunk.passes.kv_quantization import QMAX, Calibration, KVRange, scale_values
 from onnx_chunk.passes.value_tracing import gqa_nodes

@@ -12,8 +12,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from onnx_chunk import metadata
 from onnx_chunk.errors import ConfigError, ModelStructureError
+from onnx_chunk.graph import metadata
 from onnx_chunk.passes.logits_rows import (
     LOGITS_ROWS,
     LastRowLogitsPass,
@@ -117,7 +117,7 @@ def test_the_last_row_pass_gives_the_full_forwards_last_row(fixture, tmp_path):
 
 def test_todays_runtime_serves_a_converted_last_row_decoder_with_the_same_tokens(tmp_path):
     from onnx_chunk.cli import main
-    from onnx_chunk.model_io import load_model, save_model
+    from onnx_chunk.graph.model_io import load_model, save_model
     from onnx_chunk.runtime import load
 
     source = next(fixture for fixture in CORPUS if fixture.name == "genai-llama-int4")
@@ -197,7 +197,7 @@ def test_auto_leaves_a_graph_whose_rows_cannot_be_chosen_as_it_is():
 def test_convert_on_refuses_in_one_line_and_auto_writes_no_input(make_decoder, tmp_path,
                                                                  capsys):
     from onnx_chunk.cli import main
-    from onnx_chunk.model_io import save_model
+    from onnx_chunk.graph.model_io import save_model
 
     source = tmp_path / "in" / "model.onnx"
     # A query axis fixed at 5 rows: the logits rows cannot be chosen (rule 2).

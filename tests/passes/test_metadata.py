@@ -3,11 +3,11 @@ import json
 import onnx
 import pytest
 
-from onnx_chunk import metadata
 from onnx_chunk.errors import ModelStructureError
+from onnx_chunk.graph import chunk_plan, metadata
 from onnx_chunk.passes import convert_model
 
-PLAN = metadata.ChunkPlan(
+PLAN = chunk_plan.ChunkPlan(
     schema_version=metadata.SCHEMA_VERSION,
     chunk_size=256,
     ladder=(86, 172, 256),
@@ -16,9 +16,9 @@ PLAN = metadata.ChunkPlan(
     token_input="input_ids",
     per_token_ports=("input_ids", "position_ids"),
     position_ids="position_ids",
-    capacity_inputs=(metadata.KVBinding("past_key_values.0.key", "present.0.key", 2, 2, 16),),
-    recurrent_state=(metadata.StateBinding("past.1.conv", "present.1.conv", "name+structure"),),
-    padding=metadata.PaddingEligibility(False, (
+    capacity_inputs=(chunk_plan.KVBinding("past_key_values.0.key", "present.0.key", 2, 2, 16),),
+    recurrent_state=(chunk_plan.StateBinding("past.1.conv", "present.1.conv", "name+structure"),),
+    padding=chunk_plan.PaddingEligibility(False, (
         "recurrent state 'past.1.conv' blocks padding",
         metadata.port_void("row_scale", "is not per token"),
     )),
@@ -41,9 +41,9 @@ def test_to_json_lists_names_and_full_records():
 
 def test_sections_round_trip(make_decoder):
     model = make_decoder()
-    kv = metadata.KVCapacityFindings(1, PLAN.capacity_inputs, 2048, PLAN.problems)
-    state = metadata.RecurrentStateFindings(PLAN.recurrent_state)
-    ports = metadata.PerTokenFindings("input_ids", PLAN.per_token_ports, "position_ids",
+    kv = chunk_plan.KVCapacityFindings(1, PLAN.capacity_inputs, 2048, PLAN.problems)
+    state = chunk_plan.RecurrentStateFindings(PLAN.recurrent_state)
+    ports = chunk_plan.PerTokenFindings("input_ids", PLAN.per_token_ports, "position_ids",
                                       (PLAN.padding.reasons[1],))
     assert metadata.write_kv_capacity(model, kv)
     assert metadata.write_recurrent_state(model, state)
@@ -72,7 +72,7 @@ def test_unconverted_model_has_no_plan(make_decoder, make_decoder_proto):
 def test_plain_onnx_reads_the_declaration(make_decoder, tmp_path):
     model = make_decoder()
     convert_model(model, chunk_size=512, max_variants=4)
-    from onnx_chunk.model_io import save_model
+    from onnx_chunk.graph.model_io import save_model
 
     save_model(model, tmp_path / "model.onnx")
     proto = onnx.load(str(tmp_path / "model.onnx"))

@@ -8,7 +8,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from onnx_chunk.errors import ModelLoadError
-from onnx_chunk.model_io import (
+from onnx_chunk.graph.model_io import (
     external_data_files,
     load_model,
     save_model,

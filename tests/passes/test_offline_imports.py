@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from onnx_chunk.model_io import save_model
+from onnx_chunk.graph.model_io import save_model
 
 # Imports every module of onnx_chunk.passes and the ladder, converts argv[1] into argv[2] with
 # --native-chunks argv[3], and prints as its last line the ONNX Runtime and onnx_chunk.runtime

@@ -2,7 +2,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto
 
-from onnx_chunk import metadata
+from onnx_chunk.graph import chunk_plan, metadata
 from onnx_chunk.passes.per_token_ports import PerTokenPortsPass
 from onnx_chunk.passes.recurrent_state import RecurrentStatePass
 
@@ -21,8 +21,8 @@ def test_refuses_to_run_before_the_recurrent_state_pass(make_decoder):
 def test_recurrent_state_is_read_from_the_metadata(make_decoder):
     extra = (("row_scale", TensorProto.FLOAT, ["sequence_length"]),)
     model = make_decoder(extra_inputs=extra)
-    metadata.write_recurrent_state(model, metadata.RecurrentStateFindings(
-        bindings=(metadata.StateBinding("row_scale", "", "name"),)))
+    metadata.write_recurrent_state(model, chunk_plan.RecurrentStateFindings(
+        bindings=(chunk_plan.StateBinding("row_scale", "", "name"),)))
     PerTokenPortsPass()(model)
     assert metadata.read_per_token_ports(model).voids == ()
 
@@ -30,7 +30,7 @@ def test_recurrent_state_is_read_from_the_metadata(make_decoder):
 def test_input_ids_is_the_only_port_of_a_plain_decoder(make_decoder):
     result, found = _ports(make_decoder(layers=2))
     assert result.modified
-    assert found == metadata.PerTokenFindings("input_ids", ("input_ids",), None, ())
+    assert found == chunk_plan.PerTokenFindings("input_ids", ("input_ids",), None, ())
 
 
 def test_position_ids_by_name_is_a_port_and_recorded(make_decoder):

@@ -2,8 +2,8 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
 
-from onnx_chunk import metadata
 from onnx_chunk.errors import ConfigError, ModelStructureError
+from onnx_chunk.graph import metadata
 from onnx_chunk.passes import DecoderPipeline, LogitsRowsPass, analyze, convert_model
 from onnx_chunk.passes.pipeline import annotation_passes
 

@@ -4,14 +4,14 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from onnx_chunk import metadata
 from onnx_chunk.cli import main
 from onnx_chunk.errors import ConfigError
+from onnx_chunk.graph import metadata
+from onnx_chunk.graph.query_seqlens import QUERY_SEQLENS, query_seqlens_index
 from onnx_chunk.passes import convert_model
 from onnx_chunk.passes import query_seqlens as pass_module
 from onnx_chunk.passes.query_seqlens import QuerySeqlensPass
 from onnx_chunk.passes.value_tracing import gqa_nodes
-from onnx_chunk.query_seqlens import QUERY_SEQLENS, query_seqlens_index
 from tests.exports.corpus import fixtures
 from tests.passes.export_graphs import load_export
 

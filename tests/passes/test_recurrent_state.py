@@ -2,7 +2,7 @@ import onnx
 import onnx_ir as ir
 from onnx import TensorProto, helper
 
-from onnx_chunk import metadata
+from onnx_chunk.graph import chunk_plan, metadata
 from onnx_chunk.passes.recurrent_state import RecurrentStatePass, find_recurrent_state
 
 CONV = ["batch_size", 16, 2]
@@ -23,14 +23,14 @@ def test_conv_state_found_by_name_and_structure(make_decoder):
     model = make_decoder(extra_inputs=(("past.0.conv", TensorProto.FLOAT, CONV),),
                          extra_outputs=(("present.0.conv", TensorProto.FLOAT, CONV),))
     _, bindings = _state(model)
-    assert bindings == (metadata.StateBinding("past.0.conv", "present.0.conv", "name+structure"),)
+    assert bindings == (chunk_plan.StateBinding("past.0.conv", "present.0.conv", "name+structure"),)
 
 
 def test_unnamed_state_found_by_structure(make_decoder):
     model = make_decoder(extra_inputs=(("carry_in", TensorProto.FLOAT, ["batch_size", 16]),),
                          extra_outputs=(("carry_out", TensorProto.FLOAT, ["batch_size", 16]),))
     _, bindings = _state(model)
-    assert bindings == (metadata.StateBinding("carry_in", "carry_out", "structure"),)
+    assert bindings == (chunk_plan.StateBinding("carry_in", "carry_out", "structure"),)
 
 
 def test_named_state_without_partner_found_by_name(make_decoder):
@@ -40,8 +40,8 @@ def test_named_state_without_partner_found_by_name(make_decoder):
     ))
     _, bindings = _state(model)
     assert bindings == (
-        metadata.StateBinding("past_key_values.0.conv_state", "", "name"),
-        metadata.StateBinding("layers.3.recurrent_state", "", "name"),
+        chunk_plan.StateBinding("past_key_values.0.conv_state", "", "name"),
+        chunk_plan.StateBinding("layers.3.recurrent_state", "", "name"),
     )
 
 
@@ -107,7 +107,7 @@ def test_state_beside_an_echoed_token_input_is_still_found(make_decoder_proto):
                                extra_outputs=(("present.0.conv", TensorProto.FLOAT, CONV),))
     model = _with_echo_outputs(proto, "input_ids")
     assert _state(model)[1] == (
-        metadata.StateBinding("past.0.conv", "present.0.conv", "name+structure"),)
+        chunk_plan.StateBinding("past.0.conv", "present.0.conv", "name+structure"),)
 
 
 def test_a_graph_without_a_token_input_has_no_state_by_structure():

@@ -5,9 +5,9 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from onnx_chunk import metadata
 from onnx_chunk.cli import main
-from onnx_chunk.model_io import load_model
+from onnx_chunk.graph import chunk_plan
+from onnx_chunk.graph.model_io import load_model
 from onnx_chunk.passes import analyze
 
 KV = [f"past_key_values.{layer}.{kind}" for layer in range(2) for kind in ("key", "value")]
@@ -21,7 +21,7 @@ def test_plain_gqa_decoders_are_eligible(reference_model, variant):
     assert [binding.output for binding in plan.capacity_inputs] == [
         name.replace("past_key_values", "present") for name in KV]
     assert plan.per_token_ports == ("input_ids",)
-    assert plan.padding == metadata.PaddingEligibility(True, ())
+    assert plan.padding == chunk_plan.PaddingEligibility(True, ())
     assert plan.max_sequence_length is not None and plan.problems == ()
 
 

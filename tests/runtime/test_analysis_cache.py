@@ -17,7 +17,7 @@ import pytest
 
 from onnx_chunk import load
 from onnx_chunk.analysis_cache import ENV, cache_folder
-from onnx_chunk.model_io import load_model
+from onnx_chunk.graph.model_io import load_model
 from onnx_chunk.passes import analyze
 from tests.exports.corpus import fixtures
 

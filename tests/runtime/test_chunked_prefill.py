@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from onnx_chunk.model_io import load_model, save_model
+from onnx_chunk.graph.model_io import load_model, save_model
 from onnx_chunk.models.reference import ReferenceDecoder
 from onnx_chunk.passes import convert_model
 from onnx_chunk.runtime import load

@@ -7,9 +7,8 @@ import onnx_chunk
 from onnx_chunk.runtime import Runtime, RuntimeOptions, load
 from onnx_chunk.runtime.model import RuntimeDebug
 
-PUBLIC = {"submit", "submit_choices", "generate_many", "open_sequence", "generate_text",
-          "stream_text", "tokenizer", "stats", "debug", "close", "closed", "step",
-          "check_request"}
+PUBLIC = {"submit", "submit_choices", "generate_many", "open_sequence", "model_path", "genai",
+          "stats", "debug", "close", "closed", "step", "check_request"}
 PARTS = {"model_path", "genai", "plan", "options", "ports", "device", "weights", "factory",
          "variants", "cache", "masks", "pool", "runner", "embeddings", "engine"}
 

@@ -4,8 +4,8 @@ import onnx
 import pytest
 
 from onnx_chunk.errors import ModelLoadError, ModelStructureError
-from onnx_chunk.onnx_wire import encode_len_field
-from onnx_chunk.runtime.device.graph_edit import edit_decoder
+from onnx_chunk.graph.graph_edit import edit_decoder
+from onnx_chunk.graph.onnx_wire import encode_len_field
 
 
 def test_the_graph_is_replaced_the_fields_named_dropped_and_the_rest_kept():

@@ -7,6 +7,7 @@ import ast
 from pathlib import Path
 
 import onnx_chunk.runtime
+from tests.import_scan import typing_only
 
 PACKAGE = Path(onnx_chunk.runtime.__file__).parent
 ROOT = "onnx_chunk.runtime"
@@ -42,25 +43,14 @@ def _absolute(node: ast.ImportFrom, package: tuple[str, ...]) -> str:
     return ".".join([*base, *([node.module] if node.module else [])])
 
 
-def _typing_only(tree: ast.AST) -> set[int]:
-    """The ids of the nodes under `if TYPE_CHECKING:` (imports for annotations only)."""
-    def checks_types(test: ast.expr) -> bool:
-        return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING"
-                or isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-    return {id(node) for branch in ast.walk(tree)
-            if isinstance(branch, ast.If) and checks_types(branch.test)
-            for statement in branch.body for node in ast.walk(statement)}
-
-
 def _imports(source: str, package: tuple[str, ...]) -> set[str]:
     """The onnx_chunk.runtime modules `source` imports at run time (not under TYPE_CHECKING),
     relative to the package; `package`: the importer's package, its parts below the runtime."""
     tree = ast.parse(source)
-    typing_only = _typing_only(tree)
+    annotations = typing_only(tree)
     found = set()
     for node in ast.walk(tree):
-        if id(node) in typing_only:
+        if id(node) in annotations:
             continue
         if isinstance(node, ast.Import):
             found.update(filter(None, (_relative(alias.name) for alias in node.names)))
@@ -130,10 +120,10 @@ def test_an_upward_import_in_any_form_is_caught():
             source
 
 
-def test_the_text_layer_reads_the_engine_and_the_runtime_reads_it_lazily():
-    """onnx_chunk.text sits between the engine and the model layer: it imports runtime modules
-    of the engine layer and below at run time (Runtime only for annotations), so the Runtime's
-    text methods, which import it when first called, close no cycle."""
+def test_the_text_layer_reads_the_engine_layer_and_below():
+    """onnx_chunk.text sits on the runtime: it imports runtime modules of the engine layer and
+    below at run time (Runtime only for annotations); the runtime imports nothing of it
+    (tests/test_package_imports.py)."""
     text = PACKAGE.parent / "text"
     reached = {imported for path in text.rglob("*.py")
                for imported in _imports(path.read_text(), ("text",))}

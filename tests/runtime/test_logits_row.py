@@ -9,7 +9,7 @@ import onnx_ir as ir
 import pytest
 
 from onnx_chunk.errors import ModelStructureError
-from onnx_chunk.runtime.device.logits_row import ALL_ROWS, ROW_INPUT, select_row
+from onnx_chunk.graph.logits_row import ALL_ROWS, ROW_INPUT, select_row
 
 
 def _selected(path):

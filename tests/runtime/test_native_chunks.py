@@ -11,17 +11,17 @@ import dataclasses
 import numpy as np
 import pytest
 
-from onnx_chunk import metadata
 from onnx_chunk.cli import main
 from onnx_chunk.errors import CapacityError, ConfigError, InputError, ModelStructureError
-from onnx_chunk.model_io import load_model, save_model
+from onnx_chunk.graph import metadata
+from onnx_chunk.graph.model_io import load_model, save_model
+from onnx_chunk.graph.query_seqlens import query_seqlens_index
+from onnx_chunk.graph.without_query_seqlens import without_query_seqlens
 from onnx_chunk.passes import QuerySeqlensPass, convert_model
-from onnx_chunk.query_seqlens import query_seqlens_index
-from onnx_chunk.runtime import load
+from onnx_chunk.runtime import load, loading
 from onnx_chunk.runtime import model as runtime_model
 from onnx_chunk.runtime.device.buffers import BatchBuffers
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
-from onnx_chunk.runtime.device.without_query_seqlens import without_query_seqlens
 from onnx_chunk.runtime.engine.kv_state import LogicalLength
 from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot, new_slot
 from onnx_chunk.runtime.runner.chunk_mask import chunk_mask_kind
@@ -188,7 +188,7 @@ def test_a_native_model_runs_the_repeat_path_where_onnx_runtime_lacks_the_input(
     input: the "repeat" path, the unwired folder's greedy tokens."""
     wired, plain = _wired_elsewhere(tmp_path)
     if NATIVE:
-        monkeypatch.setattr(runtime_model, "query_seqlens_index", lambda: None)
+        monkeypatch.setattr(loading, "query_seqlens_index", lambda: None)
     runtime = load(wired, provider="cpu", chunk_size=16, padding=True)
     assert runtime.stats.padding == "repeat" and runtime.debug.ports.query_seqlens is None
     reference = load(plain, provider="cpu", chunk_size=16, padding=True)
@@ -208,7 +208,7 @@ def test_every_corpus_export_converted_natively_elsewhere_runs_here(tmp_path, mo
     except ConfigError as error:  # nothing to wire (no GroupQueryAttention with past KV)
         pytest.skip(str(error))
     if NATIVE:
-        monkeypatch.setattr(runtime_model, "query_seqlens_index", lambda: None)
+        monkeypatch.setattr(loading, "query_seqlens_index", lambda: None)
     # genai_config.json sizes the cache; the exports without one get 256 positions.
     capacity = None if (plain / "genai_config.json").is_file() else 256
     runtime = load(wired, provider="cpu", chunk_size=16, capacity=capacity, padding=True)

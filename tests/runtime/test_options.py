@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from onnx_chunk.errors import ConfigError, ModelLoadError, ProviderError
+from onnx_chunk.graph.model_file import read_model_file
+from onnx_chunk.graph.model_folder import GenaiConfig
+from onnx_chunk.graph.model_io import load_model
 from onnx_chunk.ladder import ladder_tiers
-from onnx_chunk.model_file import read_model_file
-from onnx_chunk.model_folder import GenaiConfig
-from onnx_chunk.model_io import load_model
 from onnx_chunk.passes import analyze
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 from onnx_chunk.runtime.options import (

@@ -4,8 +4,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from onnx_chunk.errors import CapacityError, ConfigError, InputError, ModelStructureError
+from onnx_chunk.graph.chunk_plan import PaddingEligibility
 from onnx_chunk.ladder import ladder_tiers, padded_width
-from onnx_chunk.metadata import PaddingEligibility
 from onnx_chunk.runtime.runner.padding import (
     PADDING_ENV_VARS,
     QueryAxisShrunk,

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from onnx_chunk.calibration import calibrate_kv
-from onnx_chunk.model_io import load_model, save_model
+from onnx_chunk.graph.model_io import load_model, save_model
 from onnx_chunk.passes import convert_model
 from onnx_chunk.runtime import load
 from scripts._bench import environment

@@ -48,7 +48,7 @@ def test_weights_are_mapped_not_copied(reference_model):
 
 def test_weights_for_another_device_are_not_faulted_in_and_say_they_are_copied(
         reference_model, monkeypatch):
-    from onnx_chunk.model_file import read_model_file
+    from onnx_chunk.graph.model_file import read_model_file
     from onnx_chunk.runtime.device import session_factory
     from onnx_chunk.runtime.device.provider import device_for
 

@@ -9,8 +9,8 @@ import onnx
 import pytest
 
 from onnx_chunk.errors import ModelStructureError
-from onnx_chunk.model_file import read_model_file
-from onnx_chunk.model_io import load_model
+from onnx_chunk.graph.model_file import read_model_file
+from onnx_chunk.graph.model_io import load_model
 from onnx_chunk.models.reference import ReferenceDecoder
 from onnx_chunk.passes import analyze
 from onnx_chunk.runtime import load

@@ -20,6 +20,7 @@ import pytest
 from onnx_chunk.cli import main
 from onnx_chunk.serve.server import DrainingServer
 from onnx_chunk.text.chat_template import ChatTemplate, ChatTemplateError
+from onnx_chunk.text.tokenizer import tokenizer_of
 from tests.cli_output import one_error_line
 from tests.serve.conftest import EXPORT, exchange, live_server, wait_for
 
@@ -81,7 +82,7 @@ def answered_while_held(live, held: Held, path: str, body: bytes | dict):
 
 
 def _template(live, monkeypatch, source: str) -> ChatTemplate:
-    tokenizer = live.runtime.tokenizer
+    tokenizer = tokenizer_of(live.runtime)
     template = ChatTemplate(source, tokenizer.special_tokens.template_variables(), "a test")
     monkeypatch.setitem(tokenizer.__dict__, "chat_template", template)
     return template
@@ -126,7 +127,7 @@ def test_1_a_3mb_prompt_leaves_the_event_loop_free(live, monkeypatch):
 
 # 2. A 60,000-message chat froze them for 1.6 s.
 def test_2_a_60000_message_chat_leaves_the_event_loop_free(live, monkeypatch):
-    template = live.runtime.tokenizer.chat_template
+    template = tokenizer_of(live.runtime).chat_template
     held = Held(monkeypatch, template, "render")
     health, status, data = answered_while_held(
         live, held, CHAT, {"messages": [{"role": "user", "content": "hi"}] * 60_000})
@@ -147,7 +148,7 @@ def test_3_a_looping_template_leaves_the_event_loop_free_and_is_cut(live, monkey
 
 # 4. The length check ran after the whole prompt was tokenized.
 def test_4_a_prompt_over_the_context_is_refused_before_it_is_encoded(live, monkeypatch):
-    tokenizer = live.runtime.tokenizer
+    tokenizer = tokenizer_of(live.runtime)
     encoded: list[int] = []
     encode = tokenizer.encode
 
@@ -266,7 +267,7 @@ def test_10_a_client_leaving_mid_upload_is_not_counted_as_a_500(live, caplog):
 def _template_fault(live, monkeypatch, caplog, source: str, kind: str) -> None:
     _template(live, monkeypatch, source)
     with pytest.raises(ChatTemplateError, match=kind):
-        live.runtime.tokenizer.apply_chat_template(MESSAGES)
+        tokenizer_of(live.runtime).apply_chat_template(MESSAGES)
     with caplog.at_level(logging.ERROR, logger="onnx_chunk.serve.app"):
         status, _, data = exchange(live, "POST", CHAT, {"messages": MESSAGES})
     error = _error(data, 500)
@@ -363,7 +364,7 @@ def _special(tokenizer, token: str) -> int:
 
 # 17. Special tokens typed into message content became control tokens (a forged system turn).
 def test_17_special_tokens_in_content_are_text_by_default(live, monkeypatch):
-    tokenizer = live.runtime.tokenizer
+    tokenizer = tokenizer_of(live.runtime)
     start = _special(tokenizer, "<|im_start|>")
     messages = [{"role": "user", "content": FORGED}]
     seen = _submitted_ids(live, monkeypatch)
@@ -382,7 +383,7 @@ def test_17_special_tokens_in_content_are_text_by_default(live, monkeypatch):
 # behaviour, and docs/serving.md says which is which.
 def test_18_parse_special_in_content_keeps_transformers_behaviour(served_runtime,
                                                                   monkeypatch):
-    tokenizer = served_runtime.tokenizer
+    tokenizer = tokenizer_of(served_runtime)
     start = _special(tokenizer, "<|im_start|>")
     messages = [{"role": "user", "content": FORGED}]
     with live_server(served_runtime, parse_special_in_content=True) as live:

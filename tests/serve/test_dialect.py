@@ -14,6 +14,7 @@ import pytest
 
 from onnx_chunk.runtime import load
 from onnx_chunk.sampling import Sampling
+from onnx_chunk.text.generation import generate_text
 from tests.serve.conftest import EXPORT, MODEL_NAME, exchange, live_server
 
 EOS = "4"  # genai_config's eos_token_id of the export
@@ -267,9 +268,9 @@ def test_top_k_and_min_p_narrow_the_draw(live, extra):
 def test_repetition_penalty_is_the_python_apis(live, served_runtime):
     answer = _complete(live, max_tokens=10, temperature=0,
                        extra_body={"repetition_penalty": 1.8})
-    expected = served_runtime.generate_text("Paris is", 10,
-                                            sampling=Sampling(repetition_penalty=1.8))
-    plain = served_runtime.generate_text("Paris is", 10, sampling=Sampling())
+    expected = generate_text(served_runtime, "Paris is", 10,
+                             sampling=Sampling(repetition_penalty=1.8))
+    plain = generate_text(served_runtime, "Paris is", 10, sampling=Sampling())
     assert answer.choices[0].text == expected.text != plain.text
 
 

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from onnx_chunk.runtime import load
+from onnx_chunk.text.tokenizer import tokenizer_of
 from tests.serve.conftest import EXPORT, MODEL_NAME, exchange, live_server, wait_for
 
 CHAT = "/v1/chat/completions"
@@ -120,7 +121,7 @@ def test_a_defect_is_a_500_in_shape_logged_on_the_server(live, monkeypatch, capl
 def test_a_full_queue_is_a_429_with_retry_after():
     with load(EXPORT, provider="cpu", max_batch=1, max_queue=1) as runtime, \
             live_server(runtime) as live:
-        ids = runtime.tokenizer.encode(LONG_PROMPT)
+        ids = tokenizer_of(runtime).encode(LONG_PROMPT)
         running = runtime.submit(ids, LONG_TOKENS, eos_token_id=[])
         wait_for(lambda: runtime.stats.engine.running == 1, what="the first slot")
         queued = runtime.submit(ids, LONG_TOKENS, eos_token_id=[])
@@ -152,7 +153,7 @@ def _cancelled(runtime) -> int:
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
 def test_a_client_that_disconnects_cancels_its_request_and_frees_its_slot(live, stream):
     runtime = live.runtime
-    ids = runtime.tokenizer.encode(LONG_PROMPT)
+    ids = tokenizer_of(runtime).encode(LONG_PROMPT)
     exchange(live, "POST", COMPLETIONS, {"prompt": ids, "max_tokens": 1})  # the engine is up
     before = _cancelled(runtime)
     connection = http.client.HTTPConnection(live.url.removeprefix("http://"), timeout=30)
@@ -194,7 +195,7 @@ class _FailingRequest:
 
 def test_a_forward_failing_mid_stream_is_an_error_event_logged_on_the_server(live, monkeypatch,
                                                                              caplog):
-    token = live.runtime.tokenizer.encode("hello", add_special_tokens=False)[0]
+    token = tokenizer_of(live.runtime).encode("hello", add_special_tokens=False)[0]
     monkeypatch.setattr(live.runtime, "submit", lambda *args, **kwargs: _FailingRequest(token))
     with caplog.at_level(logging.ERROR, logger="onnx_chunk.serve.app"):
         with pytest.raises(openai.APIError) as caught:

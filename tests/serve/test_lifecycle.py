@@ -11,6 +11,7 @@ import sys
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from onnx_chunk.text.tokenizer import tokenizer_of
 from tests.serve.conftest import EXPORT, exchange, live_server, wait_for
 from tests.serve.test_errors import COMPLETIONS, LONG_PROMPT, LONG_TOKENS
 
@@ -43,7 +44,7 @@ def test_sigterm_ends_running_streams_with_an_error_event_and_exits_0():
         address = re.search(r"http://(\S+:\d+)", line).group(1)
         from onnx_chunk.runtime import load
 
-        ids = load(EXPORT, provider="cpu").tokenizer.encode(LONG_PROMPT)
+        ids = tokenizer_of(load(EXPORT, provider="cpu")).encode(LONG_PROMPT)
         response = _open_stream(address, ids)
         assert response.readline().startswith(b"data: ")
         server.send_signal(signal.SIGTERM)
@@ -61,7 +62,7 @@ def test_sigterm_ends_running_streams_with_an_error_event_and_exits_0():
 
 def test_a_draining_server_ends_streams_and_refuses_new_requests_with_503(served_runtime):
     with live_server(served_runtime) as live:
-        ids = served_runtime.tokenizer.encode(LONG_PROMPT)
+        ids = tokenizer_of(served_runtime).encode(LONG_PROMPT)
         response = _open_stream(live.url.removeprefix("http://"), ids)
         assert response.readline().startswith(b"data: ")
         live.app.state.service.drain()

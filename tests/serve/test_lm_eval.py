@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 from onnx_chunk.sampling import GREEDY
+from onnx_chunk.text.generation import generate_text
+from onnx_chunk.text.tokenizer import tokenizer_of
 from tests.exports.full_forward import full_sequence_logprobs
 from tests.serve.conftest import EXPORT, MODEL_NAME
 
@@ -93,7 +95,7 @@ def completions(live, lmeval_python, tasks) -> dict[str, list[dict]]:
 
 def test_loglikelihoods_equal_a_full_sequence_forward(live, completions):
     samples = completions["onnx_chunk_choice"]
-    tokenizer = live.runtime.tokenizer
+    tokenizer = tokenizer_of(live.runtime)
     assert len(samples) == len(CHOICE_DOCS)
     checked = 0
     for sample in samples:
@@ -118,7 +120,7 @@ def test_generate_until_through_completions(live, completions):
     assert len(samples) == len(UNTIL_DOCS)
     for sample in samples:
         context = _context(sample)
-        expected = live.runtime.generate_text(context, NEW_TOKENS, sampling=GREEDY, stop="\n")
+        expected = generate_text(live.runtime, context, NEW_TOKENS, sampling=GREEDY, stop="\n")
         assert sample["resps"][0][0] == expected.text
 
 
@@ -129,7 +131,7 @@ def test_generate_until_through_chat_completions(live, lmeval_python, tasks):
     assert len(samples) == len(UNTIL_DOCS)
     for sample, doc in zip(sorted(samples, key=lambda sample: sample["doc_id"]), UNTIL_DOCS):
         messages = [{"role": "user", "content": doc["question"]}]
-        expected = live.runtime.generate_text(messages, NEW_TOKENS, sampling=GREEDY, stop="\n")
+        expected = generate_text(live.runtime, messages, NEW_TOKENS, sampling=GREEDY, stop="\n")
         assert sample["resps"][0][0] == expected.text
 
 

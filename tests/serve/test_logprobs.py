@@ -13,6 +13,7 @@ import pytest
 from onnx_chunk.sampling import Sampling
 from onnx_chunk.serve.logprobs import FLOOR, TokenStrings
 from onnx_chunk.text.prompt import PromptEncoder
+from onnx_chunk.text.tokenizer import tokenizer_of
 from tests.exports.full_forward import full_sequence_logprobs
 from tests.serve.conftest import EXPORT, MODEL_NAME, exchange
 
@@ -40,7 +41,7 @@ def test_chat_logprobs_are_the_log_softmax_of_the_exports_logits(live):
         extra_body={"ignore_eos": True})
     content = answer.choices[0].logprobs.content
     assert len(content) == answer.usage.completion_tokens == 6
-    tokenizer = live.runtime.tokenizer
+    tokenizer = tokenizer_of(live.runtime)
     prompt = PromptEncoder(tokenizer, special_in_content=False).encode(messages)
     generated, reference = _greedy(prompt, 6)
     strings = TokenStrings(tokenizer)
@@ -81,7 +82,7 @@ def test_echo_with_max_tokens_0_gives_the_prompts_logprobs(live):
     choice = answer.choices[0]
     logprobs = choice.logprobs
     assert choice.finish_reason == "length" and answer.usage.completion_tokens == 0
-    assert choice.text == live.runtime.tokenizer.decode(PROMPT)
+    assert choice.text == tokenizer_of(live.runtime).decode(PROMPT)
     assert len(logprobs.token_logprobs) == len(PROMPT)
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
     reference = _reference(PROMPT)
@@ -107,7 +108,7 @@ def test_echo_then_generation_over_several_chunks(live):
     ids = prompt + generated
     expected = [reference[position - 1, ids[position]] for position in range(1, len(ids))]
     assert np.allclose(logprobs.token_logprobs[1:], expected, atol=TOLERANCE)
-    assert answer.choices[0].text.startswith(live.runtime.tokenizer.decode(prompt))
+    assert answer.choices[0].text.startswith(tokenizer_of(live.runtime).decode(prompt))
 
 
 def test_sampled_logprobs_are_those_of_the_distribution_drawn_from(live):
@@ -183,7 +184,7 @@ def test_a_prompt_list_gives_each_prompt_n_choices(live):
     answer = live.client().completions.create(model=MODEL_NAME, prompt=prompts,
                                               max_tokens=3, n=2, echo=True)
     assert [choice.index for choice in answer.choices] == list(range(6))
-    tokenizer = live.runtime.tokenizer
+    tokenizer = tokenizer_of(live.runtime)
     for choice in answer.choices:
         prompt = prompts[choice.index // 2]
         echo = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)

@@ -14,13 +14,14 @@ import shutil
 
 import pytest
 
+from onnx_chunk.graph.model_folder import locate_model
 from onnx_chunk.runtime import load
 from onnx_chunk.serve.routing import request_key
 from onnx_chunk.serve.tokenize import tokenize
 from onnx_chunk.text.conversation import Conversation
-from onnx_chunk.text.generation import stream_text
+from onnx_chunk.text.generation import generate_text, stream_text
 from onnx_chunk.text.prompt import PromptEncoder
-from onnx_chunk.text.tokenizer import load_tokenizer
+from onnx_chunk.text.tokenizer import load_tokenizer, tokenizer_of
 from tests.exports.corpus import fixtures
 from tests.serve.conftest import EXPORT, exchange, live_server
 from tests.serve.test_dialect import HERMES_TEMPLATE, WEATHER
@@ -37,14 +38,15 @@ _TEMPLATED = [fixture for fixture in fixtures()
 
 
 class _Recorder:
-    """A token source that records the prompt ids a text request checks, and runs nothing."""
+    """A runtime stand-in for the text API: the model folder it reads the tokenizer from, and
+    the prompt ids a text request checks; it runs nothing."""
 
-    ids: list[int]
+    def __init__(self, folder):
+        location = locate_model(folder)
+        self.model_path, self.genai = location.onnx_path, location.genai
+        self.ids: list[int] = []
 
-    def room(self) -> int:
-        return 1 << 20
-
-    def check(self, ids, max_new_tokens):
+    def check_request(self, ids, max_new_tokens):
         self.ids = list(ids)
         return ids
 
@@ -56,8 +58,8 @@ def _key(prompts: PromptEncoder, body: dict) -> str:
 @pytest.mark.parametrize("fixture", _TEMPLATED, ids=str)
 def test_every_entry_point_of_a_corpus_export_encodes_the_same_ids(fixture):
     tokenizer = load_tokenizer(fixture.folder)
-    source = _Recorder()
-    stream_text(source, tokenizer, MESSAGES, 1)  # the text API (transformers' policy)
+    source = _Recorder(fixture.folder)
+    stream_text(source, MESSAGES, 1)  # the text API (transformers' policy)
     for special_in_content in (True, False):
         server = PromptEncoder(tokenizer, special_in_content=special_in_content,
                                max_tokens=1 << 20)
@@ -100,7 +102,7 @@ def _submitted(runtime, monkeypatch) -> list[list[int]]:
 def test_serve_chat_tokenize_and_the_router_key_agree_tools_included(shown_tools, monkeypatch,
                                                                      special_in_content):
     seen = _submitted(shown_tools, monkeypatch)
-    tokenizer = shown_tools.tokenizer
+    tokenizer = tokenizer_of(shown_tools)
     fed = {}
     with live_server(shown_tools, parse_special_in_content=special_in_content) as live:
         for tools in ([], [WEATHER]):
@@ -121,7 +123,7 @@ def test_serve_chat_tokenize_and_the_router_key_agree_tools_included(shown_tools
 def test_the_text_api_a_conversation_and_serve_chat_feed_the_same_ids(shown_tools,
                                                                       monkeypatch):
     seen = _submitted(shown_tools, monkeypatch)
-    shown_tools.generate_text(MESSAGES, 1)
+    generate_text(shown_tools, MESSAGES, 1)
     conversation = Conversation(shown_tools, system=MESSAGES[0]["content"])
     "".join(conversation.say(MESSAGES[1]["content"], 1))
     with live_server(shown_tools, parse_special_in_content=True) as live:
@@ -130,7 +132,7 @@ def test_the_text_api_a_conversation_and_serve_chat_feed_the_same_ids(shown_tool
         assert status == 200, answer
     text_api, turn, served = seen[-3:]
     assert text_api == turn == served
-    assert text_api == _transformers_ids(shown_tools.tokenizer)
+    assert text_api == _transformers_ids(tokenizer_of(shown_tools))
 
 
 def _transformers_ids(tokenizer) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from onnx_chunk.cli import main
+from onnx_chunk.text.tokenizer import tokenizer_of
 from tests.serve.conftest import EXPORT, MODEL_NAME, exchange
 
 NEW_TOKENS = 12
@@ -81,7 +82,7 @@ def test_a_stop_string_cuts_the_text_as_generate_does(live, capsys):
 
 def test_token_id_prompts_and_seeded_sampling_repeat(live):
     client = live.client()
-    ids = live.runtime.tokenizer.encode(PROMPT)
+    ids = tokenizer_of(live.runtime).encode(PROMPT)
     by_text = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8,
                                         temperature=0)
     by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=8,

@@ -11,6 +11,9 @@ from tests.serve.conftest import EXPORT, MODEL_NAME
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'onnx-chunk[ray]')")
 serve = pytest.importorskip("ray.serve")
+# One pytest worker runs the whole module: ray.init in a second worker joins the local cluster
+# the first started, and the first's shutdown kills the second's actors.
+pytestmark = pytest.mark.xdist_group("ray")
 
 
 def _free_port() -> int:

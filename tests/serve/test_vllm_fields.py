@@ -12,6 +12,8 @@ import pytest
 from onnx_chunk.runtime import load
 from onnx_chunk.sampling import Sampling
 from onnx_chunk.serve.logprobs import TokenStrings
+from onnx_chunk.text.generation import generate_text
+from onnx_chunk.text.tokenizer import tokenizer_of
 from tests.exports.full_forward import full_sequence_logprobs
 from tests.serve.conftest import EXPORT, MODEL_NAME, exchange, live_server
 
@@ -58,8 +60,8 @@ def test_chat_template_kwargs_change_the_rendering(thinking):
     switched = client.chat.completions.create(
         model=MODEL_NAME, messages=USER, max_tokens=4, temperature=0,
         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-    rendered = thinking.runtime.tokenizer.apply_chat_template(USER) + "<think>\n\n</think>\n\n"
-    ids = thinking.runtime.tokenizer.encode(rendered, add_special_tokens=False)
+    rendered = tokenizer_of(thinking.runtime).apply_chat_template(USER) + "<think>\n\n</think>\n\n"
+    ids = tokenizer_of(thinking.runtime).encode(rendered, add_special_tokens=False)
     assert switched.usage.prompt_tokens == len(ids) > plain.usage.prompt_tokens
     assert _tokenize(thinking, messages=USER,
                      chat_template_kwargs={"enable_thinking": False}) == ids
@@ -73,8 +75,8 @@ def test_a_request_chat_template_renders_in_the_same_sandbox(live):
         model=MODEL_NAME, messages=USER, max_tokens=6, temperature=0,
         extra_body={"chat_template": template + "{{ greeting }}ASSISTANT:",
                     "chat_template_kwargs": {"greeting": "Hi. "}})
-    ids = live.runtime.tokenizer.encode("USER: The capital of France is\nHi. ASSISTANT:",
-                                        add_special_tokens=False)
+    ids = tokenizer_of(live.runtime).encode("USER: The capital of France is\nHi. ASSISTANT:",
+                                            add_special_tokens=False)
     assert answer.usage.prompt_tokens == len(ids)
     expected = live.client().completions.create(model=MODEL_NAME, prompt=ids, max_tokens=6,
                                                 temperature=0).choices[0].text
@@ -85,7 +87,7 @@ def test_add_generation_prompt_false_leaves_out_the_assistant_header(live):
     answer = live.client().chat.completions.create(
         model=MODEL_NAME, messages=USER, max_tokens=4, temperature=0,
         extra_body={"add_generation_prompt": False})
-    tokenizer = live.runtime.tokenizer
+    tokenizer = tokenizer_of(live.runtime)
     ids = tokenizer.encode(tokenizer.apply_chat_template(USER, add_generation_prompt=False),
                            add_special_tokens=False)
     with_header = tokenizer.encode(tokenizer.apply_chat_template(USER),
@@ -100,7 +102,7 @@ def test_an_answer_continues_a_prefilled_assistant_message(live):
     answer = live.client().chat.completions.create(
         model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0,
         extra_body={"continue_final_message": True, "add_generation_prompt": False})
-    tokenizer = live.runtime.tokenizer
+    tokenizer = tokenizer_of(live.runtime)
     rendered = tokenizer.apply_chat_template(USER, add_generation_prompt=True) + "Paris, and the"
     ids = tokenizer.encode(rendered, add_special_tokens=False)
     assert _tokenize(live, messages=messages, continue_final_message=True) == ids
@@ -121,7 +123,7 @@ def test_stop_strings_are_kept_with_include_stop_str_in_output(live):
 
 
 def test_special_tokens_are_shown_with_skip_special_tokens_false(live):
-    special = live.runtime.tokenizer.token_id("<|im_start|>")
+    special = tokenizer_of(live.runtime).token_id("<|im_start|>")
     forced = {"logit_bias": {str(special): 100}, "ignore_eos": True}
     hidden = _completion(live, PROMPT, max_tokens=3, **forced).choices[0].text
     shown = _completion(live, PROMPT, max_tokens=3, skip_special_tokens=False, **forced)
@@ -146,7 +148,7 @@ def test_allowed_token_ids_are_the_only_ones_produced(live):
 
 
 def test_bad_words_are_never_produced(live):
-    tokenizer = live.runtime.tokenizer
+    tokenizer = tokenizer_of(live.runtime)
     # Three word pieces of this vocabulary: "en", "st", "it"; "sten" is "st" then "en".
     allowed = [265, 266, 292]
     assert [tokenizer.decode([token]) for token in allowed] == ["en", "st", "it"]
@@ -175,8 +177,8 @@ def test_a_truncated_prompt_keeps_its_last_tokens(live):
     assert answer.usage.prompt_tokens == 7
     tail = _completion(live, long[-7:], echo=True)
     assert answer.choices[0].text == tail.choices[0].text
-    assert answer.choices[0].text.startswith(live.runtime.tokenizer.decode(long[-7:]))
-    text = live.runtime.tokenizer.decode(long)
+    assert answer.choices[0].text.startswith(tokenizer_of(live.runtime).decode(long[-7:]))
+    text = tokenizer_of(live.runtime).decode(long)
     assert _completion(live, text, truncate_prompt_tokens=7).usage.prompt_tokens == 7
     chat = live.client().chat.completions.create(
         model=MODEL_NAME, messages=USER, max_tokens=2, temperature=0,
@@ -198,7 +200,7 @@ def test_truncation_to_the_context_serves_a_prompt_too_long_for_it(live):
 def test_bad_words_are_encoded_as_vllm_encodes_them(live):
     from onnx_chunk.serve.parameters import bad_words_ids
 
-    tokenizer = live.runtime.tokenizer
+    tokenizer = tokenizer_of(live.runtime)
     vocab = live.runtime.stats.vocab_size
     plain = tuple(tokenizer.encode("un", add_special_tokens=False))
     spaced = tuple(tokenizer.encode(" un", add_special_tokens=False))
@@ -214,7 +216,7 @@ def test_prompt_logprobs_are_a_full_forwards(live):
     shown = answer.choices[0].prompt_logprobs
     reference = full_sequence_logprobs(EXPORT, PROMPT)
     assert len(shown) == len(PROMPT) and shown[0] is None
-    tokens = TokenStrings(live.runtime.tokenizer)
+    tokens = TokenStrings(tokenizer_of(live.runtime))
     for position in range(1, len(PROMPT)):
         row = reference[position - 1]
         entries = {int(token): entry for token, entry in shown[position].items()}
@@ -236,7 +238,7 @@ def test_tokens_are_named_by_id_with_return_tokens_as_token_ids(live):
     named = _completion(live, PROMPT, logprobs=2, return_tokens_as_token_ids=True)
     plain = _completion(live, PROMPT, logprobs=2)
     ids = _ids(named.choices[0].logprobs)
-    strings = TokenStrings(live.runtime.tokenizer)
+    strings = TokenStrings(tokenizer_of(live.runtime))
     assert [strings(token) for token in ids] == plain.choices[0].logprobs.tokens
     assert all(key.startswith("token_id:") for top in named.choices[0].logprobs.top_logprobs
                for key in top)
@@ -250,8 +252,8 @@ def test_typical_p_is_the_python_apis(live, served_runtime):
     answer = live.client().completions.create(
         model=MODEL_NAME, prompt="Paris is", max_tokens=10, temperature=1.0, seed=9,
         extra_body={"typical_p": 0.2, "ignore_eos": True})
-    expected = served_runtime.generate_text("Paris is", 10, sampling=Sampling(
+    expected = generate_text(served_runtime, "Paris is", 10, sampling=Sampling(
         temperature=1.0, seed=9, typical_p=0.2), ignore_eos=True)
-    free = served_runtime.generate_text("Paris is", 10, sampling=Sampling(
+    free = generate_text(served_runtime, "Paris is", 10, sampling=Sampling(
         temperature=1.0, seed=9), ignore_eos=True)
     assert answer.choices[0].text == expected.text != free.text

@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from onnx_chunk.text.chat_template import ChatTemplate
+from onnx_chunk.text.tokenizer import tokenizer_of
 from tests.serve.conftest import exchange
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -28,7 +29,7 @@ def _refused(live, path: str, body: dict | bytes, param: str | None,
 @pytest.fixture
 def model_template(live, monkeypatch):
     """Swap the live model's chat template for one source."""
-    tokenizer = live.runtime.tokenizer
+    tokenizer = tokenizer_of(live.runtime)
 
     def swap(source: str) -> None:
         template = ChatTemplate(source, tokenizer.special_tokens.template_variables(), "a test")

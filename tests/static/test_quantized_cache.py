@@ -20,7 +20,7 @@ import pytest
 from onnx_chunk.calibration import calibrate_kv
 from onnx_chunk.cli import main
 from onnx_chunk.errors import ModelStructureError
-from onnx_chunk.model_io import load_model, save_model
+from onnx_chunk.graph.model_io import load_model, save_model
 from onnx_chunk.models.static_decoder import build_static_pair
 from onnx_chunk.passes import convert_model
 from onnx_chunk.passes.kv_quantization import cache_scales, dequantize

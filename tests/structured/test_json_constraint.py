@@ -14,7 +14,8 @@ from onnx_chunk.errors import InputError
 from onnx_chunk.runtime import load
 from onnx_chunk.sampling import Sampling
 from onnx_chunk.structured import json_constraint
-from onnx_chunk.text.tokenizer import TOKENIZER_FILE
+from onnx_chunk.text.generation import generate_text
+from onnx_chunk.text.tokenizer import TOKENIZER_FILE, tokenizer_of
 from tests.exports.corpus import ROOT
 
 EXPORTS = ("genai-qwen3-fp32", "genai-llama-fp32", "genai-phi3-int4")
@@ -47,10 +48,10 @@ def runtime(request):
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
 def test_sampled_output_always_validates(runtime, name):
     schema = SCHEMAS[name]
-    constraint = json_constraint(runtime.tokenizer, schema, runtime.stats.vocab_size)
+    constraint = json_constraint(tokenizer_of(runtime), schema, runtime.stats.vocab_size)
     for seed in range(25):
-        completion = runtime.generate_text(
-            "Write anything:", 200,
+        completion = generate_text(
+            runtime, "Write anything:", 200,
             sampling=Sampling(temperature=1.0, seed=seed, constraint=constraint))
         assert completion.finish_reason == "stop", (seed, completion)
         jsonschema.validate(json.loads(completion.text), schema)
@@ -60,8 +61,8 @@ def test_free_sampling_of_these_models_is_not_json(runtime):
     # The property above is the grammar's doing: unconstrained, the same draws are not JSON.
     parsed = 0
     for seed in range(10):
-        text = runtime.generate_text("Write anything:", 40,
-                                     sampling=Sampling(temperature=1.0, seed=seed)).text
+        text = generate_text(runtime, "Write anything:", 40,
+                             sampling=Sampling(temperature=1.0, seed=seed)).text
         try:
             json.loads(text)
             parsed += 1
@@ -71,11 +72,12 @@ def test_free_sampling_of_these_models_is_not_json(runtime):
 
 
 def test_json_object_mode_gives_an_object(runtime):
-    constraint = json_constraint(runtime.tokenizer, {"type": "object"}, runtime.stats.vocab_size)
+    constraint = json_constraint(tokenizer_of(runtime), {"type": "object"},
+                                 runtime.stats.vocab_size)
     sampling = Sampling(temperature=1.0, constraint=constraint, logit_bias={})
     ends = 0
     for seed in range(10):
-        completion = runtime.generate_text("{", 60, sampling=replace(sampling, seed=seed))
+        completion = generate_text(runtime, "{", 60, sampling=replace(sampling, seed=seed))
         if completion.finish_reason == "stop":
             ends += 1
             assert isinstance(json.loads(completion.text), dict)
@@ -88,7 +90,7 @@ def test_the_mask_is_the_grammar_libraries_bitmask(runtime):
     # The numpy unpacking against llguidance's own bitmask, bit by bit, along a generation.
     import llguidance
 
-    tokenizer, vocab = runtime.tokenizer, runtime.stats.vocab_size
+    tokenizer, vocab = tokenizer_of(runtime), runtime.stats.vocab_size
     constraint = json_constraint(tokenizer, SCHEMAS["record"], vocab)
     matcher = constraint.matcher()
     # The library's own matcher, over a tokenizer it reads itself from the model folder.
@@ -112,7 +114,7 @@ def test_the_mask_is_the_grammar_libraries_bitmask(runtime):
 
 
 def test_ids_beyond_the_tokenizer_are_forbidden(runtime):
-    tokenizer = runtime.tokenizer
+    tokenizer = tokenizer_of(runtime)
     constraint = json_constraint(tokenizer, {"type": "object"}, tokenizer.vocab_size + 40)
     scores = np.zeros(tokenizer.vocab_size + 40)
     constraint.matcher().restrict(scores)
@@ -124,4 +126,4 @@ def test_ids_beyond_the_tokenizer_are_forbidden(runtime):
                                     {"$ref": "#/nowhere"}])
 def test_a_bad_schema_is_an_input_error(runtime, schema):
     with pytest.raises(InputError):
-        json_constraint(runtime.tokenizer, schema, runtime.stats.vocab_size)
+        json_constraint(tokenizer_of(runtime), schema, runtime.stats.vocab_size)

@@ -10,6 +10,7 @@ import pytest
 from onnx_chunk import Sampling
 from onnx_chunk.cli import main
 from onnx_chunk.runtime import load
+from onnx_chunk.text.generation import generate_text
 
 RUNTIME = ["--provider", "cpu", "--capacity", "512", "--chunk-size", "32"]
 
@@ -23,7 +24,7 @@ def test_prompt_text_streams_to_stdout_and_the_summary_to_stderr(text_model, run
     assert main(["generate", str(text_model.parent), "--prompt", "Hello, world",
                  "--max-new-tokens", "12", *RUNTIME]) == 0
     captured = capsys.readouterr()
-    assert captured.out == runtime.generate_text("Hello, world", 12).text + "\n"
+    assert captured.out == generate_text(runtime, "Hello, world", 12).text + "\n"
     assert "[length: 12 tokens after a" in captured.err
 
 
@@ -37,7 +38,7 @@ def test_json_chat_with_sampling_and_stop(text_model, runtime, capsys):
     sampling = Sampling(temperature=0.9, top_k=20, top_p=0.9, min_p=0.01,
                         repetition_penalty=1.2, seed=4)
     messages = [{"role": "system", "content": "Terse."}, {"role": "user", "content": "Hi there"}]
-    expected = runtime.generate_text(messages, 10, sampling=sampling, stop=["zzz", "qqq"])
+    expected = generate_text(runtime, messages, 10, sampling=sampling, stop=["zzz", "qqq"])
     assert entry["text"] == expected.text and entry["tokens"] == list(expected.tokens)
     assert entry["finish_reason"] == expected.finish_reason
     assert entry["prompt_tokens"] == expected.prompt_tokens

@@ -11,6 +11,7 @@ import pytest
 
 from onnx_chunk.runtime import load
 from onnx_chunk.text.conversation import Continuation, Conversation, continuation
+from onnx_chunk.text.tokenizer import tokenizer_of
 
 
 def _encode(text):
@@ -41,8 +42,8 @@ def test_turn_two_feeds_only_the_new_turn_and_continues_the_cache(text_runtime):
     before = conversation.cached_ids
     "".join(conversation.say("And then?", 12))
     turn = conversation.last_turn
-    rendered = text_runtime.tokenizer.apply_chat_template(conversation.messages[:-1])
-    whole = text_runtime.tokenizer.encode(rendered, add_special_tokens=False)
+    rendered = tokenizer_of(text_runtime).apply_chat_template(conversation.messages[:-1])
+    whole = tokenizer_of(text_runtime).encode(rendered, add_special_tokens=False)
     assert turn.reused_tokens == len(before) and 0 < len(turn.fed_ids) < len(whole) // 2
     # The reply is what a fresh sequence fed the same ids at once gives.
     fresh = text_runtime.open_sequence().generate([*before, *turn.fed_ids], 12)
@@ -56,9 +57,9 @@ def test_without_reuse_every_turn_feeds_the_whole_conversation(text_model):
     conversation = Conversation(runtime, reuse_cache=False)
     "".join(conversation.say("Hello", 6))
     "".join(conversation.say("Again", 6))
-    rendered = runtime.tokenizer.apply_chat_template(conversation.messages[:-1])
+    rendered = tokenizer_of(runtime).apply_chat_template(conversation.messages[:-1])
     assert conversation.last_turn.fed_ids == tuple(
-        runtime.tokenizer.encode(rendered, add_special_tokens=False))
+        tokenizer_of(runtime).encode(rendered, add_special_tokens=False))
     assert conversation.last_turn.reused_tokens == 0
 
 

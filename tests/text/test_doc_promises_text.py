@@ -18,8 +18,9 @@ from onnx_chunk.runtime import load
 from onnx_chunk.sampling import Sampler
 from onnx_chunk.text.chat_template import ChatTemplateSandboxError
 from onnx_chunk.text.conversation import Conversation
+from onnx_chunk.text.generation import generate_text, stream_text
 from onnx_chunk.text.prompt import PromptEncoder
-from onnx_chunk.text.tokenizer import Tokenizer
+from onnx_chunk.text.tokenizer import Tokenizer, tokenizer_of
 from tests.text.conftest import tokenizer_config, write_tokenizer
 
 RUNTIME = ["--provider", "cpu", "--capacity", "512", "--chunk-size", "32"]
@@ -38,15 +39,15 @@ def test_the_tokenizer_is_read_on_first_use(text_model, tmp_path):
     runtime = load(folder / "model.onnx", provider="cpu", capacity=64, chunk_size=16)
     assert len(runtime.open_sequence().generate([1, 2, 3], 2)) == 2
     with pytest.raises(ModelLoadError, match="as a tokenizer"):
-        runtime.tokenizer  # noqa: B018 (the property reads the file)
+        tokenizer_of(runtime)  # reads the file
 
 
 def test_the_stream_holds_the_frozen_completion_once_it_ended(text_runtime):
-    stream = text_runtime.stream_text(PROMPT, 6)
+    stream = stream_text(text_runtime, PROMPT, 6)
     assert stream.completion is None
     text = "".join(stream)
     completion = stream.completion
-    assert completion == text_runtime.generate_text(PROMPT, 6) and completion.text == text
+    assert completion == generate_text(text_runtime, PROMPT, 6) and completion.text == text
     with pytest.raises(dataclasses.FrozenInstanceError):
         completion.text = "changed"
     stats = completion.stats
@@ -57,7 +58,7 @@ def test_the_stream_holds_the_frozen_completion_once_it_ended(text_runtime):
 def test_a_prompt_without_room_is_refused_at_the_stream_call(text_model):
     runtime = load(text_model, provider="cpu", capacity=40, chunk_size=32)
     with pytest.raises(CapacityError):
-        runtime.stream_text("word " * 60, 5)  # not iterated: refused before any work
+        stream_text(runtime, "word " * 60, 5)  # not iterated: refused before any work
 
 
 def test_json_prints_the_decode_rate_and_the_penalties_override(text_model, text_runtime,
@@ -66,7 +67,7 @@ def test_json_prints_the_decode_rate_and_the_penalties_override(text_model, text
                  "--presence-penalty", "1.5", "--frequency-penalty", "0.5", "--json",
                  *RUNTIME]) == 0
     entry = json.loads(capsys.readouterr().out)
-    expected = text_runtime.generate_text(PROMPT, 8, sampling=Sampling(
+    expected = generate_text(text_runtime, PROMPT, 8, sampling=Sampling(
         presence_penalty=1.5, frequency_penalty=0.5))
     assert entry["tokens"] == list(expected.tokens) and entry["decode_tokens_per_s"] > 0
     assert entry["sampling"]["presence_penalty"] == 1.5
@@ -78,7 +79,7 @@ def test_top_k_alone_on_a_greedy_model_stays_greedy(text_model, text_runtime, ca
     assert not genai["search"].get("do_sample", False)
     assert main(["generate", str(text_model), "--prompt", PROMPT, "--max-new-tokens", "8",
                  "--top-k", "40", "--json", *RUNTIME]) == 0
-    greedy = text_runtime.generate_text(PROMPT, 8, sampling=Sampling())
+    greedy = generate_text(text_runtime, PROMPT, 8, sampling=Sampling())
     assert json.loads(capsys.readouterr().out)["tokens"] == list(greedy.tokens)
 
 
@@ -149,7 +150,7 @@ def test_ties_at_a_cut_stay_together():
 
 
 def test_a_sequence_samples_when_asked_and_is_greedy_by_default(text_runtime):
-    ids = text_runtime.tokenizer.encode(PROMPT)
+    ids = tokenizer_of(text_runtime).encode(PROMPT)
     greedy = text_runtime.open_sequence().generate(ids, 12)
     assert text_runtime.open_sequence().generate(ids, 12, sampling=Sampling()) == greedy
     sampling = Sampling(temperature=1.5, seed=2)
@@ -169,7 +170,7 @@ def _stop_in(text: str) -> str:
 def test_a_stop_string_cancels_the_request_and_ends_with_the_token_that_completed_it(
         text_model, monkeypatch):
     runtime = load(text_model, provider="cpu", capacity=512, chunk_size=32, max_batch=1)
-    greedy = runtime.generate_text(PROMPT, 24)
+    greedy = generate_text(runtime, PROMPT, 24)
     stop = _stop_in(greedy.text)
     # Each forward takes a while, so the request is still running when the stop shows.
     runner = type(runtime.debug.runner)
@@ -181,11 +182,11 @@ def test_a_stop_string_cancels_the_request_and_ends_with_the_token_that_complete
 
     monkeypatch.setattr(runner, "run", slow)
     before = runtime.stats.engine
-    completion = runtime.generate_text(PROMPT, 400, stop=stop)
+    completion = generate_text(runtime, PROMPT, 400, stop=stop)
     after = runtime.stats.engine
     assert completion.finish_reason == "stop" and after.cancelled == before.cancelled + 1
     assert after.decode_steps - before.decode_steps < 100
-    decode = runtime.tokenizer.decode
+    decode = tokenizer_of(runtime).decode
     assert stop in decode(completion.tokens, skip_special_tokens=True)
     assert stop not in decode(completion.tokens[:-1], skip_special_tokens=True)
     # Its one slot is free again: the next request runs.
@@ -208,7 +209,7 @@ def _token_starts(tokenizer, text: str, tokens) -> list[int]:
 @pytest.mark.parametrize("begins", ["in the last token", "before the last token"])
 def test_a_stop_string_begun_before_the_last_token_submits_the_whole_rendering(text_runtime,
                                                                               begins):
-    tokenizer = text_runtime.tokenizer
+    tokenizer = tokenizer_of(text_runtime)
     plain = Conversation(text_runtime)
     reply = "".join(plain.say("Hello there", 16))
     starts = _token_starts(tokenizer, reply, plain.last_completion.tokens)

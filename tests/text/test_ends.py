@@ -12,7 +12,8 @@ import pytest
 from onnx_chunk.cli import main
 from onnx_chunk.runtime import load
 from onnx_chunk.sampling import Sampling
-from onnx_chunk.text.generation import EngineTokens, generate_text
+from onnx_chunk.text.generation import generate_text, stream_text
+from onnx_chunk.text.tokenizer import tokenizer_of
 from tests.exports.corpus import ROOT
 
 PROMPT = "Paris is"
@@ -24,7 +25,7 @@ def folder(tmp_path_factory):
     """The export with eos_token_id set to the first greedy token of PROMPT."""
     source = ROOT / "genai-qwen3-fp32"
     with load(source, provider="cpu") as runtime:
-        tokens = runtime.generate_text(PROMPT, NEW, sampling=Sampling()).tokens
+        tokens = generate_text(runtime, PROMPT, NEW, sampling=Sampling()).tokens
     folder = tmp_path_factory.mktemp("eos") / source.name
     shutil.copytree(source, folder)
     config = json.loads((folder / "genai_config.json").read_text())
@@ -40,8 +41,7 @@ def runtime(folder):
 
 
 def _text(runtime, **ends):
-    return generate_text(EngineTokens(runtime), runtime.tokenizer, PROMPT, NEW,
-                         sampling=Sampling(), **ends)
+    return generate_text(runtime, PROMPT, NEW, sampling=Sampling(), **ends)
 
 
 def test_eos_ends_unless_ignored(runtime, folder):
@@ -54,7 +54,7 @@ def test_eos_ends_unless_ignored(runtime, folder):
 def test_min_tokens_holds_eos_back(runtime):
     held = _text(runtime, min_tokens=3)
     assert len(held.tokens) >= 4 or held.finish_reason == "length"
-    assert runtime.tokenizer.eos_token_ids[0] not in held.tokens[:3]
+    assert tokenizer_of(runtime).eos_token_ids[0] not in held.tokens[:3]
 
 
 def test_stop_token_ids_end_the_text_without_their_text(runtime, folder):
@@ -62,7 +62,7 @@ def test_stop_token_ids_end_the_text_without_their_text(runtime, folder):
     stop_id = free[-1]
     stop = _text(runtime, ignore_eos=True, stop_token_ids=[stop_id])
     assert list(stop.tokens) == free[:free.index(stop_id) + 1] and stop.finish_reason == "stop"
-    assert stop.text == runtime.tokenizer.decode(stop.tokens[:-1], skip_special_tokens=True)
+    assert stop.text == tokenizer_of(runtime).decode(stop.tokens[:-1], skip_special_tokens=True)
 
 
 def test_cli_ignore_eos_and_min_tokens(folder, capsys):
@@ -87,7 +87,7 @@ def test_cli_refuses_ignore_eos_with_token_ids(folder, capsys):
 
 def test_min_tokens_defers_stop_strings(runtime, folder):
     _, free = folder
-    text = runtime.tokenizer.decode(free[:6], skip_special_tokens=True)
+    text = tokenizer_of(runtime).decode(free[:6], skip_special_tokens=True)
     stop = text[1:3]
     early = _text(runtime, ignore_eos=True, stop=stop)
     assert len(early.tokens) < 6 and early.finish_reason == "stop"
@@ -97,12 +97,12 @@ def test_min_tokens_defers_stop_strings(runtime, folder):
 
 def test_the_runtime_text_api_takes_the_end_options(runtime, folder):
     _, free = folder
-    assert list(runtime.generate_text(PROMPT, NEW, sampling=Sampling()).tokens) == free[:1]
-    ignored = runtime.generate_text(PROMPT, NEW, sampling=Sampling(), ignore_eos=True)
+    assert list(generate_text(runtime, PROMPT, NEW, sampling=Sampling()).tokens) == free[:1]
+    ignored = generate_text(runtime, PROMPT, NEW, sampling=Sampling(), ignore_eos=True)
     assert list(ignored.tokens) == free and ignored.finish_reason == "length"
-    streamed = "".join(runtime.stream_text(PROMPT, NEW, sampling=Sampling(), ignore_eos=True))
+    streamed = "".join(stream_text(runtime, PROMPT, NEW, sampling=Sampling(), ignore_eos=True))
     assert streamed == ignored.text
-    stopped = runtime.generate_text(PROMPT, NEW, sampling=Sampling(), ignore_eos=True,
-                                    stop_token_ids=[free[2]])
+    stopped = generate_text(runtime, PROMPT, NEW, sampling=Sampling(), ignore_eos=True,
+                            stop_token_ids=[free[2]])
     first = free.index(free[2])
     assert list(stopped.tokens) == free[:first + 1] and stopped.finish_reason == "stop"

@@ -10,13 +10,15 @@ import pytest
 from onnx_chunk import Sampling
 from onnx_chunk.errors import CapacityError, InputError, ModelLoadError
 from onnx_chunk.runtime import load
+from onnx_chunk.text.generation import generate_text, stream_text
+from onnx_chunk.text.tokenizer import tokenizer_of
 
 PROMPT = "Hello, world! Größe 日本"
 
 
 @pytest.fixture(scope="module")
 def greedy(text_runtime):
-    return text_runtime.generate_text(PROMPT, 24)
+    return generate_text(text_runtime, PROMPT, 24)
 
 
 def _model_copy(text_model, tmp_path, **genai_changes):
@@ -31,7 +33,7 @@ def _model_copy(text_model, tmp_path, **genai_changes):
 
 
 def test_greedy_text_is_the_decode_of_the_greedy_ids(text_runtime, greedy):
-    tokenizer = text_runtime.tokenizer
+    tokenizer = tokenizer_of(text_runtime)
     ids = tokenizer.encode(PROMPT)
     assert greedy.prompt_tokens == len(ids) and ids[0] == tokenizer.bos_token_id
     assert list(greedy.tokens) == text_runtime.open_sequence().generate(ids, 24)
@@ -41,16 +43,16 @@ def test_greedy_text_is_the_decode_of_the_greedy_ids(text_runtime, greedy):
 
 
 def test_the_stream_adds_up_to_the_completion(text_runtime, greedy):
-    pieces = list(text_runtime.stream_text(PROMPT, 24))
+    pieces = list(stream_text(text_runtime, PROMPT, 24))
     assert "".join(pieces) == greedy.text and len(pieces) > 1
 
 
 def test_messages_go_through_the_chat_template(text_runtime):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    tokenizer = text_runtime.tokenizer
+    tokenizer = tokenizer_of(text_runtime)
     rendered = tokenizer.apply_chat_template(messages)
     assert rendered.endswith("<|im_start|>assistant\n")
-    completion = text_runtime.generate_text(messages, 4)
+    completion = generate_text(text_runtime, messages, 4)
     ids = tokenizer.encode(rendered, add_special_tokens=False)
     assert completion.prompt_tokens == len(ids)
     assert list(completion.tokens) == text_runtime.open_sequence().generate(ids, 4)
@@ -58,14 +60,14 @@ def test_messages_go_through_the_chat_template(text_runtime):
 
 def test_seeded_sampling_repeats_and_interleaved_requests_keep_their_own(text_runtime, greedy):
     sampling = Sampling(temperature=1.0, top_p=0.95, seed=5)
-    first = text_runtime.generate_text(PROMPT, 24, sampling=sampling)
-    assert text_runtime.generate_text(PROMPT, 24, sampling=sampling) == first
+    first = generate_text(text_runtime, PROMPT, 24, sampling=sampling)
+    assert generate_text(text_runtime, PROMPT, 24, sampling=sampling) == first
     assert first.tokens != greedy.tokens
-    assert text_runtime.generate_text(PROMPT, 24, sampling=Sampling(
+    assert generate_text(text_runtime, PROMPT, 24, sampling=Sampling(
         temperature=1.0, top_p=0.95, seed=6)).tokens != first.tokens
-    assert text_runtime.generate_text(PROMPT, 24, sampling=Sampling(
+    assert generate_text(text_runtime, PROMPT, 24, sampling=Sampling(
         temperature=0.7, top_k=1, seed=1)).tokens == greedy.tokens
-    one, two = (text_runtime.stream_text(PROMPT, 24, sampling=sampling) for _ in range(2))
+    one, two = (stream_text(text_runtime, PROMPT, 24, sampling=sampling) for _ in range(2))
     pieces = {0: [], 1: []}
     for a, b in zip(one, two):
         pieces[0].append(a)
@@ -79,12 +81,12 @@ def test_a_stop_string_cuts_the_text_and_ends_the_generation(text_runtime, greed
     text = greedy.text
     stop = next(text[i:i + 3] for i in range(4, len(text) - 3)
                 if "\ufffd" not in text[i:i + 3] and text.find(text[i:i + 3]) == i)
-    completion = text_runtime.generate_text(PROMPT, 24, stop=["never there", stop])
+    completion = generate_text(text_runtime, PROMPT, 24, stop=["never there", stop])
     assert completion.finish_reason == "stop"
     assert completion.text == text[:text.find(stop)]
     assert len(completion.tokens) < 24
     assert completion.tokens == greedy.tokens[:len(completion.tokens)]
-    assert "".join(text_runtime.stream_text(PROMPT, 24, stop=stop)) == completion.text
+    assert "".join(stream_text(text_runtime, PROMPT, 24, stop=stop)) == completion.text
 
 
 def test_an_eos_id_ends_the_generation_and_stays_out_of_the_text(text_model, tmp_path, greedy):
@@ -92,33 +94,33 @@ def test_an_eos_id_ends_the_generation_and_stays_out_of_the_text(text_model, tmp
     unused = next(token for token in range(500, 0, -1) if token not in greedy.tokens)
     runtime = load(_model_copy(text_model, tmp_path, model={"eos_token_id": [unused, eos]}),
                    provider="cpu", capacity=512, chunk_size=32)
-    assert runtime.tokenizer.eos_token_ids == (unused, eos)
-    completion = runtime.generate_text(PROMPT, 24)
+    assert tokenizer_of(runtime).eos_token_ids == (unused, eos)
+    completion = generate_text(runtime, PROMPT, 24)
     cut = greedy.tokens.index(eos) + 1
     assert completion.finish_reason == "stop" and completion.tokens == greedy.tokens[:cut]
-    assert completion.text == runtime.tokenizer.decode(greedy.tokens[:cut - 1],
-                                                       skip_special_tokens=True)
+    assert completion.text == tokenizer_of(runtime).decode(greedy.tokens[:cut - 1],
+                                                           skip_special_tokens=True)
 
 
 def test_genai_search_defaults_apply_unless_sampling_is_given(text_model, tmp_path, greedy):
     path = _model_copy(text_model, tmp_path, search={"do_sample": True, "temperature": 1.0,
                                                      "top_k": 0, "random_seed": 9})
     runtime = load(path, provider="cpu", capacity=512, chunk_size=32)
-    sampled = runtime.generate_text(PROMPT, 24)
-    assert sampled == runtime.generate_text(PROMPT, 24) and sampled.tokens != greedy.tokens
-    assert sampled.tokens == runtime.generate_text(PROMPT, 24, sampling=Sampling(
+    sampled = generate_text(runtime, PROMPT, 24)
+    assert sampled == generate_text(runtime, PROMPT, 24) and sampled.tokens != greedy.tokens
+    assert sampled.tokens == generate_text(runtime, PROMPT, 24, sampling=Sampling(
         temperature=1.0, seed=9)).tokens
-    assert runtime.generate_text(PROMPT, 24, sampling=Sampling()).tokens == greedy.tokens
+    assert generate_text(runtime, PROMPT, 24, sampling=Sampling()).tokens == greedy.tokens
 
 
 def test_capacity_ends_a_generation_that_would_not_fit(text_model):
     runtime = load(text_model, provider="cpu", capacity=40, chunk_size=32)
-    prompt_tokens = len(runtime.tokenizer.encode(PROMPT))
-    completion = runtime.generate_text(PROMPT, 100)
+    prompt_tokens = len(tokenizer_of(runtime).encode(PROMPT))
+    completion = generate_text(runtime, PROMPT, 100)
     assert completion.finish_reason == "capacity"
     assert len(completion.tokens) == 40 - prompt_tokens
     with pytest.raises(CapacityError):
-        runtime.generate_text("word " * 60, 5)
+        generate_text(runtime, "word " * 60, 5)
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
@@ -130,11 +132,11 @@ def test_capacity_ends_a_generation_that_would_not_fit(text_model):
 ])
 def test_bad_requests_fail_before_any_work(text_runtime, kwargs, error, message):
     with pytest.raises(error, match=message):
-        text_runtime.stream_text(**kwargs)
+        stream_text(text_runtime, **kwargs)
 
 
 def test_a_model_without_a_tokenizer_runs_ids_and_refuses_text(reference_model):
     runtime = load(reference_model("base"), provider="cpu", capacity=64, chunk_size=16)
     assert len(runtime.open_sequence().generate([1, 2, 3], 3)) == 3
     with pytest.raises(ModelLoadError, match="has no tokenizer.json"):
-        runtime.generate_text("hi", 3)
+        generate_text(runtime, "hi", 3)

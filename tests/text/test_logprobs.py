@@ -12,6 +12,8 @@ from onnx_chunk.cli import main
 from onnx_chunk.errors import InputError
 from onnx_chunk.runtime import load
 from onnx_chunk.sampling import Sampling
+from onnx_chunk.text.generation import generate_text
+from onnx_chunk.text.tokenizer import tokenizer_of
 from tests.exports.corpus import ROOT
 from tests.exports.full_forward import full_sequence_logprobs
 
@@ -41,15 +43,15 @@ def _check(ids: list[int], tokens, logprobs, top: int) -> None:
 
 
 def test_generate_text_gives_each_tokens_logprobs(runtime):
-    completion = runtime.generate_text(PROMPT, NEW, sampling=Sampling(), ignore_eos=True,
-                                       logprobs=3)
+    completion = generate_text(runtime, PROMPT, NEW, sampling=Sampling(), ignore_eos=True,
+                               logprobs=3)
     assert len(completion.logprobs) == len(completion.tokens) == NEW
-    _check(runtime.tokenizer.encode(PROMPT), completion.tokens, completion.logprobs, 3)
-    assert runtime.generate_text(PROMPT, NEW, sampling=Sampling()).logprobs == ()
+    _check(tokenizer_of(runtime).encode(PROMPT), completion.tokens, completion.logprobs, 3)
+    assert generate_text(runtime, PROMPT, NEW, sampling=Sampling()).logprobs == ()
 
 
 def test_submit_with_prompt_logprobs_and_no_new_tokens(runtime):
-    ids = runtime.tokenizer.encode(PROMPT + " a city of many lights")
+    ids = tokenizer_of(runtime).encode(PROMPT + " a city of many lights")
     request = runtime.submit(ids, 0, sampling=Sampling(prompt_logprobs=1))
     assert request.result() == [] and request.finish_reason == "length"
     scored = request.prompt_logprobs
@@ -72,7 +74,7 @@ def test_generate_cli_prints_the_logprobs(runtime, capsys):
                  "--temperature", "0", "--ignore-eos", "--logprobs", "2", "--provider", "cpu",
                  "--json"]) == 0
     entry = json.loads(capsys.readouterr().out)
-    ids = runtime.tokenizer.encode(PROMPT)
+    ids = tokenizer_of(runtime).encode(PROMPT)
     reference = full_sequence_logprobs(EXPORT, ids + entry["tokens"])
     assert [record["token"] for record in entry["logprobs"]] == entry["tokens"]
     for step, record in enumerate(entry["logprobs"]):

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from onnx_chunk.errors import InputError, ModelLoadError
-from onnx_chunk.model_folder import read_genai_config
+from onnx_chunk.graph.model_folder import read_genai_config
 from onnx_chunk.text.chat_template import ChatTemplateError
 from onnx_chunk.text.tokenizer import Tokenizer, load_tokenizer
 from tests.text.conftest import tokenizer_config, write_tokenizer

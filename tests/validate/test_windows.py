@@ -11,7 +11,12 @@ import pytest
 from onnx_chunk import load
 from onnx_chunk.cli import main
 from onnx_chunk.errors import ConfigError
-from onnx_chunk.metadata import KVBinding, check_window_capacity, widest_window, window_capacity
+from onnx_chunk.graph.chunk_plan import (
+    KVBinding,
+    check_window_capacity,
+    widest_window,
+    window_capacity,
+)
 from tests.exports.corpus import ROOT
 
 from .mutations import copy_model, edit_graph

@@ -78,8 +78,9 @@ import onnxruntime as ort
 
 from onnx_chunk._onnxruntime_wheels import check_cuda_api
 from onnx_chunk.errors import ConfigError, ModelLoadError, ProviderError
-from onnx_chunk.model_file import ExternalData, ModelFile, TensorRef, numpy_dtype, tensor_nbytes
-from onnx_chunk.runtime.device.logits_row import select_row
+from onnx_chunk.graph.data_types import numpy_dtype, tensor_nbytes
+from onnx_chunk.graph.logits_row import select_row
+from onnx_chunk.graph.model_file import ExternalData, ModelFile, TensorRef
 from onnx_chunk.runtime.device.memory import MemoryMeter, measured
 from onnx_chunk.runtime.device.provider import Device
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnxruntime as ort
 
+from onnx_chunk.graph.logits_row import ALL_ROWS, ROW_INPUT
 from onnx_chunk.ladder import DECODE_WIDTH
 from onnx_chunk.runtime.caches.cuda_graphs import GraphRuns
 from onnx_chunk.runtime.device.buffers import DeviceBuffer, device_zeros
-from onnx_chunk.runtime.device.logits_row import ALL_ROWS, ROW_INPUT
 from onnx_chunk.runtime.device.provider import Device
 from onnx_chunk.runtime.runner.forward import Forward
 from onnx_chunk.runtime.runner.native_chunks import NativePlan

@@ -43,12 +43,12 @@ import numpy as np
 import onnxruntime as ort
 
 from onnx_chunk.errors import ModelStructureError
+from onnx_chunk.graph.logits_row import ALL_ROWS
 from onnx_chunk.ladder import DECODE_WIDTH, padded_width
 from onnx_chunk.runtime.caches.cuda_graphs import CAPTURE_GATE
 from onnx_chunk.runtime.caches.variant_cache import Specialize, VariantKey, variant_key
 from onnx_chunk.runtime.caches.variant_pool import VariantPool
 from onnx_chunk.runtime.device.buffers import DeviceBuffer
-from onnx_chunk.runtime.device.logits_row import ALL_ROWS
 from onnx_chunk.runtime.device.provider import Device
 from onnx_chunk.runtime.runner.binding import (
     BINDINGS_PER_SESSION,

@@ -1,6 +1,6 @@
 """The native chunk plan: a forward's rows right-padded to one query width, Q real per row.
 
-With GroupQueryAttention's `query_seqlens` input (onnx_chunk.query_seqlens) a forward of
+With GroupQueryAttention's `query_seqlens` input (onnx_chunk.graph.query_seqlens) a forward of
 `[batch, S]` query rows carries Q_b real rows per batch row b: only those enter the cache,
 rotary positions and the causal or local window follow them, padded output rows are
 unspecified, and Q_b = 0 leaves the row's cache as it was. The builder's graphs derive

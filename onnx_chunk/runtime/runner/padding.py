@@ -35,7 +35,7 @@ _ON_VALUES = frozenset({"1", "true", "on", "yes", ""})
 
 
 class Eligibility(Protocol):
-    """What the passes record about a model (onnx_chunk.metadata.PaddingEligibility)."""
+    """What the passes record about a model (onnx_chunk.graph.chunk_plan.PaddingEligibility)."""
 
     @property
     def eligible(self) -> bool: ...

@@ -17,13 +17,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnx_chunk.errors import ModelStructureError
-from onnx_chunk.metadata import ChunkPlan
-from onnx_chunk.model_file import ModelFile, ValueInfo, numpy_dtype
+from onnx_chunk.graph.chunk_plan import ChunkPlan
+from onnx_chunk.graph.data_types import numpy_dtype
+from onnx_chunk.graph.logits_row import LOGITS_OUTPUT
+from onnx_chunk.graph.model_file import ModelFile, ValueInfo
 
 MASK_INPUT = "attention_mask"
 _KV_HEADS_AXIS = 1
 _HEAD_SIZE_AXIS = 3
-LOGITS_OUTPUT = "logits"
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,9 @@ device path imports no onnx or onnx_ir; every field not named here keeps its byt
 from __future__ import annotations
 
 from onnx_chunk.errors import ModelStructureError
-from onnx_chunk.metadata import QUERY_SEQLENS_KEY
-from onnx_chunk.onnx_wire import (
+from onnx_chunk.graph.graph_edit import edit_decoder
+from onnx_chunk.graph.metadata import QUERY_SEQLENS_KEY
+from onnx_chunk.graph.onnx_wire import (
     LEN,
     Span,
     as_span,
@@ -35,8 +36,7 @@ from onnx_chunk.onnx_wire import (
     string_field,
     text,
 )
-from onnx_chunk.query_seqlens import QUERY_SEQLENS, QUERY_SEQLENS_FED
-from onnx_chunk.runtime.device.graph_edit import edit_decoder
+from onnx_chunk.graph.query_seqlens import QUERY_SEQLENS, QUERY_SEQLENS_FED
 
 # onnx.proto field numbers read here.
 _MODEL_METADATA = 14

@@ -22,8 +22,9 @@ path imports no onnx or onnx_ir; every field it does not name keeps its bytes):
 from __future__ import annotations
 
 from onnx_chunk.errors import ModelStructureError
-from onnx_chunk.model_file import read_value_info
-from onnx_chunk.onnx_wire import (
+from onnx_chunk.graph.graph_edit import edit_decoder
+from onnx_chunk.graph.model_file import read_value_info
+from onnx_chunk.graph.onnx_wire import (
     LEN,
     Span,
     as_span,
@@ -35,8 +36,6 @@ from onnx_chunk.onnx_wire import (
     string_field,
     text,
 )
-from onnx_chunk.runtime.device.graph_edit import edit_decoder
-from onnx_chunk.runtime.state.ports import LOGITS_OUTPUT
 
 ROW_INPUT = "logits_row"
 ALL_ROWS = "logits_all"
@@ -48,6 +47,9 @@ _ATTR_NAME, _ATTR_I, _ATTR_TYPE, _ATTR_TYPE_INT = 1, 3, 20, 2
 _VALUE_NAME, _VALUE_TYPE = 1, 2
 _TYPE_TENSOR, _TENSOR_ELEM, _TENSOR_SHAPE, _SHAPE_DIM, _DIM_VALUE = 1, 1, 2, 1, 1
 _INT64 = 7
+
+# The decoder's logits output, as every export names it.
+LOGITS_OUTPUT = "logits"
 
 
 def select_row(model: bytes) -> bytes:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from onnx_chunk.errors import ModelLoadError, ModelStructureError
-from onnx_chunk.onnx_wire import (
+from onnx_chunk.graph.onnx_wire import (
     LEN,
     Span,
     WireError,
