@@ -58,3 +58,32 @@ def test_every_module_of_the_package_is_at_most_500_lines():
     longer = {str(path.relative_to(package)): lines for path in sorted(package.rglob("*.py"))
               if (lines := len(path.read_text(encoding="utf-8").splitlines())) > 500}
     assert not longer, f"modules over 500 lines (split them along their concepts): {longer}"
+
+
+def test_every_onnx_chunk_import_in_ci_and_docs_resolves():
+    """CI's shell scripts and the docs' snippets import the package outside pytest's collection:
+    a module moved in the package leaves them broken until CI's last step (.ci/repeat_path
+    imported onnx_chunk.query_seqlens after it moved under onnx_chunk.graph)."""
+    import importlib
+    import re
+
+    pattern = re.compile(r"from (onnx_chunk(?:\.\w+)*) import \(?([\w, ]+)")
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")),
+             *sorted(path for path in (ROOT / ".ci").iterdir() if path.is_file()),
+             *sorted((ROOT / "scripts").glob("*.sh"))]
+    broken = []
+    for path in files:
+        for module, names in pattern.findall(path.read_text(encoding="utf-8")):
+            where = f"{path.relative_to(ROOT).as_posix()}: from {module} import {names.strip()}"
+            try:
+                imported = importlib.import_module(module)
+            except ImportError as error:
+                broken.append(f"{where} ({error})")
+                continue
+            for name in (part.strip() for part in names.split(",")):
+                if name and not hasattr(imported, name):
+                    try:
+                        importlib.import_module(f"{module}.{name}")
+                    except ImportError:
+                        broken.append(f"{where} (no {name})")
+    assert not broken, "\n".join(broken)

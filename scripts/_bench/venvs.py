@@ -2,19 +2,21 @@
 
 A venv is named for its spec and lives in $ONNX_CHUNK_VENVS, else $XDG_CACHE_HOME/onnx-chunk/venvs,
 else ~/.cache/onnx-chunk/venvs. The first script that needs one creates it and installs the pinned
-requirements, saying so on stderr; later runs only probe the installed versions. Standard library
-only (the exporters venv imports it too). Making one ahead of time prints its interpreter:
+requirements, saying so on stderr; later runs only probe the installed versions. Processes that
+ask for one venv at once (pytest's workers) take turns on a lock file beside it, so none sees a venv
+another is still making. Standard library only (the exporters venv imports it too). Making one ahead of time prints its interpreter:
 
     python scripts/_bench/venvs.py exporters|exporters-optimum|llamacpp
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,11 +88,48 @@ def _dist(requirement: str) -> str:
     return re.sub(r"\[.*\]", "", requirement.partition("==")[0])
 
 
+@contextlib.contextmanager
+def _held(lock: Path) -> Iterator[None]:
+    """An exclusive lock on the file `lock` while the block runs (it blocks until free)."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a+b") as handle:
+        if os.name == "nt":
+            import msvcrt
+
+            handle.seek(0)
+            while True:
+                try:
+                    msvcrt.locking(handle.fileno(), msvcrt.LK_LOCK, 1)
+                    break
+                except OSError:  # LK_LOCK gives up after ten seconds; keep waiting
+                    continue
+            try:
+                yield
+            finally:
+                handle.seek(0)
+                msvcrt.locking(handle.fileno(), msvcrt.LK_UNLCK, 1)
+        else:
+            import fcntl
+
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
 def pinned_venv(venv: Path, requirements: Sequence[str], pip_args: Sequence[str] = (),
                 install_env: dict[str, str] | None = None) -> Path:
     """The interpreter of `venv`, created if missing, with `requirements` (each ``dist==version``)
     installed unless they already are (a local version tag such as ``+cpu`` is not compared).
-    What it creates or installs is said on stderr."""
+    What it creates or installs is said on stderr. Callers in other processes wait for each other
+    on ``<venv>.lock``: the venv's interpreter exists before its pip does."""
+    with _held(venv.with_name(venv.name + ".lock")):
+        return _made(venv, requirements, pip_args, install_env)
+
+
+def _made(venv: Path, requirements: Sequence[str], pip_args: Sequence[str],
+          install_env: dict[str, str] | None) -> Path:
     python = interpreter(venv)
     if not python.exists():
         print(f"creating {venv}", file=sys.stderr)

@@ -124,3 +124,36 @@ def test_the_torch_index_follows_its_environment_variable(value, expected):
                            "print(venvs.TORCH_CPU_INDEX)"], cwd=root, capture_output=True,
                           text=True, env={**os.environ, "ONNX_CHUNK_TORCH_INDEX": value})
     assert done.stdout.strip() == expected, done.stderr
+
+
+def test_a_second_caller_waits_while_the_first_is_still_making_the_venv(runs, tmp_path):
+    """pytest's workers asked for one venv at once: the second saw the interpreter the first's
+    `python -m venv` had written, before its pip, and failed with "No module named pip"."""
+    import threading
+
+    making, finish = threading.Event(), threading.Event()
+    record = runs.__call__
+
+    def slow_venv(cmd, **kwargs):
+        done = record(cmd, **kwargs)
+        if cmd[1:3] == ["-m", "venv"]:  # the interpreter exists now; pip does not yet
+            making.set()
+            assert finish.wait(10)
+        return done
+
+    venvs.subprocess.run = slow_venv
+    first = threading.Thread(target=venvs.pinned_venv, args=(tmp_path / "v", ()))
+    second = threading.Thread(target=venvs.pinned_venv, args=(tmp_path / "v", ()))
+    first.start()
+    try:
+        assert making.wait(10)
+        second.start()
+        second.join(0.5)
+        assert second.is_alive() and [c[1] for c in runs.commands] == ["-m"]
+    finally:
+        finish.set()
+    first.join(10)
+    second.join(10)
+    # The second only probed the venv the first had finished.
+    assert [c[1] for c in runs.commands] == ["-m", "-c", "-c"]
+    assert (tmp_path / "v.lock").exists()

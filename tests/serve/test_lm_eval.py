@@ -20,6 +20,10 @@ from onnx_chunk.text.tokenizer import tokenizer_of
 from tests.exports.full_forward import full_sequence_logprobs
 from tests.serve.conftest import EXPORT, MODEL_NAME
 
+# One worker runs the module: its fixtures (the server, the harness venv) are made once, and two
+# workers never make the venv side by side.
+pytestmark = pytest.mark.xdist_group("lm_eval")
+
 TOLERANCE = 1e-4
 CHOICE_DOCS = [
     {"question": "The capital of France is", "choices": [" Paris", " Rome", " a tower"],
