@@ -3,8 +3,9 @@
 A venv is named for its spec and lives in $ONNX_CHUNK_VENVS, else $XDG_CACHE_HOME/onnx-chunk/venvs,
 else ~/.cache/onnx-chunk/venvs. The first script that needs one creates it and installs the pinned
 requirements, saying so on stderr; later runs only probe the installed versions. Processes that
-ask for one venv at once (pytest's workers) take turns on a lock file beside it, so none sees a venv
-another is still making. Standard library only (the exporters venv imports it too). Making one ahead of time prints its interpreter:
+ask for one venv at once (pytest's workers) take turns on a lock file beside it, so none sees a
+venv another is still making. Standard library only (the exporters venv imports it too). Making
+one ahead of time prints its interpreter:
 
     python scripts/_bench/venvs.py exporters|exporters-optimum|llamacpp
 """
@@ -88,34 +89,41 @@ def _dist(requirement: str) -> str:
     return re.sub(r"\[.*\]", "", requirement.partition("==")[0])
 
 
+if sys.platform == "win32":
+    import msvcrt
+
+    def _lock(handle) -> None:
+        handle.seek(0)
+        while True:
+            try:
+                msvcrt.locking(handle.fileno(), msvcrt.LK_LOCK, 1)
+                return
+            except OSError:  # LK_LOCK gives up after ten seconds; keep waiting
+                continue
+
+    def _unlock(handle) -> None:
+        handle.seek(0)
+        msvcrt.locking(handle.fileno(), msvcrt.LK_UNLCK, 1)
+else:
+    import fcntl
+
+    def _lock(handle) -> None:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+
+    def _unlock(handle) -> None:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
 @contextlib.contextmanager
 def _held(lock: Path) -> Iterator[None]:
     """An exclusive lock on the file `lock` while the block runs (it blocks until free)."""
     lock.parent.mkdir(parents=True, exist_ok=True)
     with open(lock, "a+b") as handle:
-        if os.name == "nt":
-            import msvcrt
-
-            handle.seek(0)
-            while True:
-                try:
-                    msvcrt.locking(handle.fileno(), msvcrt.LK_LOCK, 1)
-                    break
-                except OSError:  # LK_LOCK gives up after ten seconds; keep waiting
-                    continue
-            try:
-                yield
-            finally:
-                handle.seek(0)
-                msvcrt.locking(handle.fileno(), msvcrt.LK_UNLCK, 1)
-        else:
-            import fcntl
-
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+        _lock(handle)
+        try:
+            yield
+        finally:
+            _unlock(handle)
 
 
 def pinned_venv(venv: Path, requirements: Sequence[str], pip_args: Sequence[str] = (),
