@@ -19,7 +19,7 @@ import threading
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnxruntime as ort
@@ -29,10 +29,10 @@ from onnx_chunk.errors import ClosedError, InputError
 from onnx_chunk.graph.chunk_plan import ChunkPlan
 from onnx_chunk.graph.model_folder import GenaiConfig, check_utf8_path, locate_model
 from onnx_chunk.runtime.caches.graph_cache import plan_graphs
-from onnx_chunk.runtime.caches.variant_cache import Specialize, VariantCache
+from onnx_chunk.runtime.caches.variant_cache import VariantCache
 from onnx_chunk.runtime.caches.variant_pool import VariantPool
 from onnx_chunk.runtime.device.memory import meter_for
-from onnx_chunk.runtime.device.provider import Device, MaskPolicy, resolve_device
+from onnx_chunk.runtime.device.provider import Device, resolve_device
 from onnx_chunk.runtime.device.session_factory import (
     QUANTIZED_MATMUL,
     SessionFactory,
@@ -41,7 +41,6 @@ from onnx_chunk.runtime.device.session_factory import (
     owned_by_session,
 )
 from onnx_chunk.runtime.engine.batch_engine import (
-    DEFAULT_MAX_QUEUE,
     BatchEngine,
     EngineContext,
     runtime_engine,
@@ -50,10 +49,15 @@ from onnx_chunk.runtime.engine.kv_state import LogicalLength
 from onnx_chunk.runtime.engine.plan import StepResult
 from onnx_chunk.runtime.engine.request import CheckedRequest, Request
 from onnx_chunk.runtime.engine.sequence import Sequence
-from onnx_chunk.runtime.engine.sequence_pool import DEFAULT_IDLE_SLOTS, SequencePool, new_slot
+from onnx_chunk.runtime.engine.sequence_pool import SequencePool, new_slot
 from onnx_chunk.runtime.engine.speculation import Speculation
 from onnx_chunk.runtime.loading import analyzed_plan, embedding_table, runnable_decoder
-from onnx_chunk.runtime.options import ResolvedOptions, RuntimeOptions, resolve_options
+from onnx_chunk.runtime.options import (
+    ResolvedOptions,
+    RuntimeOptions,
+    given_options,
+    resolve_options,
+)
 from onnx_chunk.runtime.runner.attention_mask import AttentionMask, mask_kind
 from onnx_chunk.runtime.runner.chunk_mask import chunk_mask_kind
 from onnx_chunk.runtime.runner.model_runner import ModelRunner
@@ -94,58 +98,17 @@ class Runtime:
     """One decoder loaded on one device for chunked prefill and generation of token ids (text
     goes through `onnx_chunk.text`: `generate_text(runtime, ...)`, which takes a runtime).
 
-    `load(model_path, **options)` is the same call. The options are `RuntimeOptions`' fields,
-    checked before the model is read (ConfigError); what the runtime resolves from them (its
-    capacity, ladder, padding, ...) is in `stats`.
+    `load(model_path, options)` is the same call. `options` is a `RuntimeOptions` (its docstring
+    says what each field does), checked before the model is read (ConfigError); its fields may
+    be given as keywords instead (`load(path, capacity=4096)`), which make the one
+    `RuntimeOptions` here: an unknown keyword is a ConfigError naming it. What the runtime
+    resolves from them (its capacity, ladder, padding, ...) is in `stats`.
 
     model_path: the decoder's .onnx file, or its folder (the decoder genai_config.json names,
         else model.onnx). A genai_config.json that applies to the decoder gives the defaults
-        below; explicit arguments override it.
-    provider: "auto" (CUDA when a CUDA session works here, else CPU), "cuda" or "cpu".
-    capacity: the KV capacity (maximum sequence length); default genai_config.json's
-        search.max_length, else the model's plan.max_sequence_length; never more than either
-        the plan's maximum or genai's model.context_length.
-    chunk_size: the prefill chunk width W; default the model's
-        runtime_configurable.chunked_prefill.chunk_size, else genai's search.chunk_size (an
-        unconverted model gets what `onnx-chunk convert` would declare), else the capacity (no
-        chunking).
-    padding: None follows the environment (ONNX_CHUNK_PREFILL_QUERY_PADDING=0 switches it off,
-        =1 on), else the mode's default: on with per-width variants, off with the one
-        shape-generic session (a padded chunk there only computes more rows); True or False
-        decide; the model's plan can always refuse it.
-    specialize: None: the provider's default (Device.specialize: shape-generic on CPU,
-        per-width on CUDA); True: one session per ladder width and one for decode, other widths
-        share one shape-generic session, all sharing one copy of the weights; False: one
-        shape-generic session for everything, which loads its own weights; "exact": a session
-        per distinct width (the naive per-shape cache that thrashes, for comparison).
-    max_variants: the variant cache cap (default the plan's); also sizes the ladder.
-    mask_policy: "logical" or "capacity"; default chosen per provider.
+        of the options; explicit ones override it.
     embeddings: the [vocab, hidden] table of an inputs_embeds decoder (default the
         embeddings.npy beside the model).
-    cuda_graphs: capture a CUDA graph per fixed-width variant (default: on for CUDA with the
-        capacity mask; see onnx_chunk.runtime.caches.cuda_graphs).
-    device: a resolved `Device` to run on, in place of provider, device_id, mask_policy and
-        cuda_graphs (for example the CPU device marked not host-visible, which runs the
-        device-memory path of CUDA on CPU).
-    idle_sequences: how many closed sequences' buffers (and the CUDA graphs captured on them)
-        are kept for the next sequences to reuse (see sequence_pool).
-    max_batch: the slots of the batch engine behind `submit` and `generate_many`: how many
-        sequences it serves at once (default 1). Above 1 every session leaves the batch axis
-        free (prefill chunks run at batch 1, decode at `max_batch` rows); the batched decode
-        captures a CUDA graph like any other binding (see docs/engine.md).
-    max_queue: how many submitted requests may wait for a slot (QueueFullError beyond).
-    prefix_reuse: whether an engine slot keeps its KV after its request ends, for a later
-        request whose prompt starts with the same ids to reuse (default True; see
-        docs/engine.md, "Prefix reuse").
-    speculative: "prompt-lookup" drafts tokens from the prompt and the text so far and
-        verifies them in one forward (greedy output identical to plain decoding, sampled
-        output exact in distribution; see docs/speculative.md); None (default) decodes one
-        token per forward. A decoder with recurrent state or last-row logits is refused.
-    exact: a request's numbers do not depend on how its rows were grouped, bit for bit:
-        chunked as one whole forward, batched as alone, a reused prefix as a fresh prefill
-        (docs/row_grouping.md). Every prompt forward of several rows runs at an even width, a
-        slot keeps only its prompt's rows for reuse, natively converted folders run the
-        "repeat" path; speculative decoding and last-row-logits decoders are refused.
     graph: the decoder's graph, serialized, run in place of the file's (an edited copy, as
         ONNX Runtime takes model bytes): its external data, plan analysis, tokenizer and
         configs are still read from model_path and its folder, which is never written.
@@ -154,47 +117,21 @@ class Runtime:
     also freed as soon as its last reference (and every sequence's) goes.
     """
 
-    def __init__(
-        self,
-        model_path: str | os.PathLike,
-        *,
-        provider: str = "auto",
-        device_id: int = 0,
-        capacity: int | None = None,
-        chunk_size: int | None = None,
-        padding: bool | None = None,
-        specialize: Specialize | None = None,
-        max_variants: int | None = None,
-        mask_policy: MaskPolicy | str | None = None,
-        intra_op_threads: int | None = None,
-        embeddings: np.ndarray | None = None,
-        cuda_graphs: bool | None = None,
-        device: Device | None = None,
-        idle_sequences: int = DEFAULT_IDLE_SLOTS,
-        max_batch: int = 1,
-        max_queue: int = DEFAULT_MAX_QUEUE,
-        prefix_reuse: bool = True,
-        speculative: str | None = None,
-        exact: bool = False,
-        graph: bytes | None = None,
-    ) -> None:
+    def __init__(self, model_path: str | os.PathLike, options: RuntimeOptions | None = None,
+                 *, embeddings: np.ndarray | None = None, graph: bytes | None = None,
+                 **option_fields: Any) -> None:
         # Two ONNX Runtime wheels in one folder overwrite each other's module: say so first.
         check_one_wheel()
-        args = RuntimeOptions(
-            provider=provider, device_id=device_id, capacity=capacity, chunk_size=chunk_size,
-            padding=padding, specialize=specialize, max_variants=max_variants,
-            mask_policy=mask_policy, intra_op_threads=intra_op_threads, cuda_graphs=cuda_graphs,
-            device=device, idle_sequences=idle_sequences, max_batch=max_batch,
-            max_queue=max_queue, prefix_reuse=prefix_reuse, speculative=speculative,
-            exact=exact)
+        args = given_options(options, option_fields)
         check_utf8_path(model_path)
         location = locate_model(model_path)
         self._model_path: Path = location.onnx_path
         self._genai: GenaiConfig | None = location.genai
         genai = self._genai or GenaiConfig(path=location.folder / "genai_config.json")
-        chosen = (device if device is not None
-                  else resolve_device(provider, device_id, mask_policy, cuda_graphs))
-        model, plan, graph = runnable_decoder(self._model_path, graph, chosen, exact=exact)
+        chosen = (args.device if args.device is not None
+                  else resolve_device(args.provider, args.device_id, args.mask_policy,
+                                      args.cuda_graphs))
+        model, plan, graph = runnable_decoder(self._model_path, graph, chosen, exact=args.exact)
         if args.chunk_size is None and (plan is None or plan.chunk_size is None):
             args = dataclasses.replace(args, chunk_size=genai.chunk_size)
         if plan is None:
@@ -203,15 +140,15 @@ class Runtime:
         self._options: ResolvedOptions = resolve_options(
             args, plan=plan, genai=genai, model=model,
             device=chosen)
-        options = self._options
-        self._device: Device = options.device
-        self._ports: ModelPorts = options.ports
+        resolved = self._options
+        self._device: Device = resolved.device
+        self._ports: ModelPorts = resolved.ports
         self._embeddings = embedding_table(self._ports, self._model_path, embeddings)
         # The names the wiring below reads.
-        specialize = options.specialize
-        variants = options.max_variants
-        fixed_dims = options.fixed_dims
-        idle_sequences = options.idle_sequences
+        specialize = resolved.specialize
+        variants = resolved.max_variants
+        fixed_dims = resolved.fixed_dims
+        idle_sequences = resolved.idle_sequences
         quantized = model.uses(QUANTIZED_MATMUL, "com.microsoft")
         meter = meter_for(self._device.device_type, self._device.device_id)
         # One session (the shape-generic mode) loads its own weights the plain way; several
@@ -220,14 +157,14 @@ class Runtime:
                                         else load_shared_weights(model, self._device, meter))
         self._factory = SessionFactory(self._model_path, self._weights, self._device,
                                        query_dim=self._ports.query_dim, fixed_dims=fixed_dims,
-                                       intra_op_threads=intra_op_threads, graph=graph)
+                                       intra_op_threads=args.intra_op_threads, graph=graph)
         # The variant pool, the sequence pool and the forward runner (what a sequence runs
         # on) never refer back to the runtime: no reference cycle.
         self._variants = VariantPool(self._factory, specialize=specialize, quantized=quantized,
-                                     cap=variants, meter=meter, select_rows=options.select_rows,
-                                     padding=options.padding,
-                                     padding_refused=options.padding_refused,
-                                     graph_plan=plan_graphs(options.tiers, options.max_batch,
+                                     cap=variants, meter=meter, select_rows=resolved.select_rows,
+                                     padding=resolved.padding,
+                                     padding_refused=resolved.padding_refused,
+                                     graph_plan=plan_graphs(resolved.tiers, resolved.max_batch,
                                                             bool(self._ports.state)))
         self._cache: VariantCache[ort.InferenceSession] = self._variants.cache
         # The mask policy, chosen once: the class of every slot's and batch's mask (native
@@ -236,13 +173,13 @@ class Runtime:
             mask_kind(self._device.mask_policy) if self._ports.query_seqlens is None
             else chunk_mask_kind(self._device.mask_policy))
         self._pool = SequencePool(
-            functools.partial(new_slot, self._ports, options.capacity, self._device, self._masks),
+            functools.partial(new_slot, self._ports, resolved.capacity, self._device, self._masks),
             self._variants.release_slot, keep=idle_sequences, claim=self._variants.claim)
         self._runner = ModelRunner(self._variants, self._ports, self._device,
-                                   capacity=options.capacity, tiers=options.tiers,
+                                   capacity=resolved.capacity, tiers=resolved.tiers,
                                    specialize=specialize, embeddings=self._embeddings,
-                                   exact=options.exact)
-        self._speculation = (None if options.speculative is None
+                                   exact=resolved.exact)
+        self._speculation = (None if resolved.speculative is None
                              else Speculation.for_ports(self._ports, quantized))
         self._engine: BatchEngine | None = None
         self._engine_lock = threading.Lock()
@@ -250,12 +187,12 @@ class Runtime:
         # The one shape-generic session (the CPU default) serves every forward: it is built
         # here, so that `load` returns a runtime ready to run (docs/runtime.md, "Cold start").
         if specialize is False:
-            with self._cache.acquire(options.decode_key):
+            with self._cache.acquire(resolved.decode_key):
                 pass
         logger.info("loaded %s on %s: capacity %d, chunk %d, ladder %s, padding %s",
-                    self._model_path, self._device.label, options.capacity, options.chunk_size,
-                    options.tiers, self._padding_mode if options.padding
-                    else f"off ({options.padding_refused})")
+                    self._model_path, self._device.label, resolved.capacity, resolved.chunk_size,
+                    resolved.tiers, self._padding_mode if resolved.padding
+                    else f"off ({resolved.padding_refused})")
 
     @property
     def _padding_mode(self) -> str:
@@ -316,8 +253,8 @@ class Runtime:
                    for prompt in prompts]
         requests: list[Request] = []
         try:
-            for request in checked:
-                requests.append(self._engine_for().submit(request, wait=True))
+            for one in checked:
+                requests.append(self._engine_for().submit(one, wait=True))
             return [request.result() for request in requests]
         finally:
             for request in requests:

@@ -37,6 +37,7 @@ Rules of `resolve_options`:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,9 +68,55 @@ CPU_ONLY_MATMULS = ("MatMulIntegerToFloat", "DynamicQuantizeMatMul")
 
 @dataclass(frozen=True)
 class RuntimeOptions:
-    """The options a user gives `load` (None: the default; see `Runtime` for each), checked
-    when made: ConfigError for an option of the wrong type or range. Counts given as numpy
-    integers are kept as ints."""
+    """The options a user gives `load` (None: the default), checked when made: ConfigError for
+    an option of the wrong type or range. Counts given as numpy integers are kept as ints.
+
+    provider: "auto" (CUDA when a CUDA session works here, else CPU), "cuda" or "cpu".
+    capacity: the KV capacity (maximum sequence length); default genai_config.json's
+        search.max_length, else the model's plan.max_sequence_length; never more than either
+        the plan's maximum or genai's model.context_length.
+    chunk_size: the prefill chunk width W; default the model's
+        runtime_configurable.chunked_prefill.chunk_size, else genai's search.chunk_size (an
+        unconverted model gets what `onnx-chunk convert` would declare), else the capacity (no
+        chunking).
+    padding: None follows the environment (ONNX_CHUNK_PREFILL_QUERY_PADDING=0 switches it off,
+        =1 on), else the mode's default: on with per-width variants, off with the one
+        shape-generic session (a padded chunk there only computes more rows); True or False
+        decide; the model's plan can always refuse it.
+    specialize: None: the provider's default (Device.specialize: shape-generic on CPU,
+        per-width on CUDA); True: one session per ladder width and one for decode, other widths
+        share one shape-generic session, all sharing one copy of the weights; False: one
+        shape-generic session for everything, which loads its own weights; "exact": a session
+        per distinct width (the naive per-shape cache that thrashes, for comparison).
+    max_variants: the variant cache cap (default the plan's); also sizes the ladder.
+    mask_policy: "logical" or "capacity"; default chosen per provider.
+    cuda_graphs: capture a CUDA graph per fixed-width variant (default: on for CUDA with the
+        capacity mask; see onnx_chunk.runtime.caches.cuda_graphs).
+    device: a resolved `Device` to run on, in place of provider, device_id, mask_policy and
+        cuda_graphs (for example the CPU device marked not host-visible, which runs the
+        device-memory path of CUDA on CPU).
+    idle_sequences: how many closed sequences' buffers (and the CUDA graphs captured on them)
+        are kept for the next sequences to reuse (see sequence_pool).
+    max_batch: the slots of the batch engine behind `submit` and `generate_many`: how many
+        sequences it serves at once (default 1). Above 1 every session leaves the batch axis
+        free (prefill chunks run at batch 1, decode at `max_batch` rows); the batched decode
+        captures a CUDA graph like any other binding (see docs/engine.md).
+    max_queue: how many submitted requests may wait for a slot (QueueFullError beyond).
+    prefix_reuse: whether an engine slot keeps its KV after its request ends, for a later
+        request whose prompt starts with the same ids to reuse (default True; see
+        docs/engine.md, "Prefix reuse").
+    speculative: "prompt-lookup" drafts tokens from the prompt and the text so far and
+        verifies them in one forward (greedy output identical to plain decoding, sampled
+        output exact in distribution; see docs/speculative.md); None (default) decodes one
+        token per forward. A decoder with recurrent state or last-row logits is refused.
+    exact: a request's numbers do not depend on how its rows were grouped, bit for bit:
+        chunked as one whole forward, batched as alone, a reused prefix as a fresh prefill
+        (docs/row_grouping.md). Every prompt forward of several rows runs at an even width, a
+        slot keeps only its prompt's rows for reuse, natively converted folders run the
+        "repeat" path; speculative decoding and last-row-logits decoders are refused.
+    device_id: the CUDA device's ordinal (provider "cuda" or "auto").
+    intra_op_threads: ONNX Runtime's intra-op threads of every session (None: its default).
+    """
 
     provider: str = "auto"
     device_id: int = 0
@@ -117,6 +164,24 @@ class RuntimeOptions:
         for name, minimum in (("idle_sequences", 0), ("max_batch", 1), ("max_queue", 1)):
             object.__setattr__(self, name, arguments.integer(
                 getattr(self, name), name, minimum=minimum, error=ConfigError))
+
+
+def given_options(options: RuntimeOptions | None, fields: dict[str, object]) -> RuntimeOptions:
+    """`load`'s options: `options`, or the `RuntimeOptions` its keyword fields make (not both);
+    ConfigError naming a keyword that is no option."""
+    if options is not None and not isinstance(options, RuntimeOptions):
+        raise ConfigError(f"options must be a RuntimeOptions, got {type(options).__name__}")
+    if options is not None and fields:
+        raise ConfigError(f"give the options as a RuntimeOptions or as keywords, not both "
+                          f"(got options and {', '.join(sorted(fields))})")
+    if options is not None:
+        return options
+    names = {field.name for field in dataclasses.fields(RuntimeOptions)}
+    unknown = sorted(set(fields) - names)
+    if unknown:
+        raise ConfigError(f"unknown option{'s' * (len(unknown) > 1)} {', '.join(unknown)}; "
+                          f"load takes {', '.join(sorted(names))}, embeddings and graph")
+    return RuntimeOptions(**fields)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@ are private, and `runtime.debug` is the one view of them, for tests and diagnosi
 
 import dataclasses
 
+import pytest
+
 import onnx_chunk
 from onnx_chunk.runtime import Runtime, RuntimeOptions, load
 from onnx_chunk.runtime.model import RuntimeDebug
@@ -44,3 +46,19 @@ def test_runtime_options_are_the_users_options_only():
         "max_variants", "mask_policy", "intra_op_threads", "cuda_graphs", "device",
         "idle_sequences", "max_batch", "max_queue", "prefix_reuse", "speculative", "exact"}
     assert RuntimeOptions().capacity is None
+
+
+def test_load_takes_one_runtime_options_or_its_fields_as_keywords(reference_model):
+    from onnx_chunk.errors import ConfigError
+
+    path = reference_model()
+    given = load(path, RuntimeOptions(provider="cpu", capacity=64, chunk_size=16))
+    keywords = load(path, provider="cpu", capacity=64, chunk_size=16)
+    assert given.debug.options == keywords.debug.options
+    assert given.stats.capacity == 64 and given.stats.chunk_size == 16
+    with pytest.raises(ConfigError, match="unknown option max_batches"):
+        load(path, provider="cpu", max_batches=2)
+    with pytest.raises(ConfigError, match="not both .*capacity"):
+        load(path, RuntimeOptions(provider="cpu"), capacity=64)
+    with pytest.raises(ConfigError, match="must be a RuntimeOptions, got dict"):
+        load(path, {"capacity": 64})
