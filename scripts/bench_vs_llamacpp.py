@@ -38,8 +38,18 @@ onnx-chunk's `load` offers no switch for ORT's spinning, so that is not a like-f
 Without the llama.cpp venv or GGUF files the llama.cpp rows are left out, and the output says
 so at its top.
 
+`--sequences 1,8` adds the batched part: S users at once. onnx-chunk serves S seeded prompts of
+`--batch-prompt` tokens through its batch engine (`max_batch` S, `_bench/engine_worker.py`'s
+throughput mode: one decode forward of every running request per step); llama.cpp decodes S
+sequences in one `llama_batch` per step (`_bench/llamacpp_batch_worker.py`: a cache stream per
+sequence). Both produce `--new-tokens` tokens per prompt without an EOS stop; the table gives
+tokens/s over the whole generation (prefill included) and over the decode phase (S x (new - 1)
+tokens over the time after the last prompt's first token), and each system's rate at S over
+its rate at 1.
+
     .venv/bin/python scripts/bench_vs_llamacpp.py --model qwen05-int4 [--lengths 128,1000]
         [--new-tokens 64] [--repetitions 3] [--threads 2] [--chunk-size 512] [--quick]
+        [--sequences 1,8 [--batch-prompt 128] [--only-batched]]
 """
 
 from __future__ import annotations
@@ -52,7 +62,7 @@ from pathlib import Path
 
 from _bench import environment as env
 from _bench import venvs
-from _bench.child import measure_prompt, publish
+from _bench.child import measure_prompt, publish, run_child
 from _bench.harness import (
     format_value,
     markdown_table,
@@ -98,6 +108,13 @@ def _parser() -> argparse.ArgumentParser:
                         default="unset",
                         help="OMP_WAIT_POLICY for every child (llama.cpp's threads are OpenMP's; "
                              "default unset: OpenMP's own; see the module's docstring)")
+    parser.add_argument("--sequences", default=None,
+                        help="comma-separated counts of users at once for the batched part "
+                             "(for example 1,8); default: no batched part")
+    parser.add_argument("--batch-prompt", type=int, default=128,
+                        help="prompt length of each sequence in the batched part")
+    parser.add_argument("--only-batched", action="store_true",
+                        help="run the batched part alone (needs --sequences)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 2 short prompts, 1 round, 8 new tokens")
     return parser
@@ -178,6 +195,82 @@ def _leading_equal(tokens: list[int], reference: list[int]) -> int:
                 min(len(tokens), len(reference)))
 
 
+BATCHED_FIELDS = (("tokens_per_s", "tok/s (all)"), ("decode_tokens_per_s", "decode tok/s"))
+
+
+def _sequence_counts(text: str | None) -> list[int]:
+    if text is None:
+        return []
+    counts = [int(value) for value in text.split(",")]
+    if not counts or min(counts) < 1:
+        raise SystemExit(f"error: --sequences takes positive counts, got {text!r}")
+    return counts
+
+
+def _batched_run(system: str, args, paths: dict, prompts: list[list[int]],
+                 new_tokens: int) -> dict:
+    """One measurement of the batched part: `system` generating `new_tokens` for every prompt
+    at once; its rates added to the worker's result."""
+    common = {"prompts": prompts, "new_tokens": new_tokens, "chunk_size": args.chunk_size,
+              "threads": args.threads}
+    if system.startswith(OURS):
+        argv = env.worker_argv(sys.executable, "engine_worker", dict(
+            common, model=str(paths[system]), mode="throughput", batch=len(prompts),
+            capacity=max(len(prompt) for prompt in prompts) + new_tokens))
+    else:
+        argv = env.worker_argv(args.llama_python, "llamacpp_batch_worker", dict(
+            common, model=str(paths[system])))
+    child = run_child(argv, timeout_s=3600)
+    result = dict(child.payload, peak_rss_mb=child.peak_rss_mb)
+    result["tokens_per_s"] = len(prompts) * new_tokens / result["wall_s"]
+    result["decode_tokens_per_s"] = len(prompts) * (new_tokens - 1) / result["decode_s"]
+    print(f"{len(prompts)} sequences {system:<15} {result['tokens_per_s']:.1f} tok/s, decode "
+          f"{result['decode_tokens_per_s']:.1f} tok/s, peak {child.peak_rss_mb:.0f} MB",
+          file=sys.stderr)
+    return result
+
+
+def _batched_table(systems: list[str], counts: list[int], runs: dict) -> str:
+    """Per sequence count and system: the rates' medians, onnx-chunk's over each system's, and
+    each system's rate at that count over its own at the first count."""
+    rows = []
+    for count in counts:
+        for system in systems:
+            theirs = runs[(count, system)]
+            row: list[object] = [count, system]
+            for field, _ in BATCHED_FIELDS:
+                row.append(format_value(summarize(run[field] for run in theirs), 1))
+            for field, _ in BATCHED_FIELDS:
+                value = ratio(summarize(run[field] for run in runs[(count, OURS)]),
+                              summarize(run[field] for run in theirs))
+                row.append("-" if system == OURS else f"{value:.2f}x")
+            for field, _ in BATCHED_FIELDS:
+                value = ratio(summarize(run[field] for run in theirs),
+                              summarize(run[field] for run in runs[(counts[0], system)]))
+                row.append(f"{value:.2f}x")
+            row.append(format_value(summarize(run["peak_rss_mb"] for run in theirs), 0))
+            rows.append(row)
+    return markdown_table(
+        ["sequences", "system", *(label for _, label in BATCHED_FIELDS),
+         *(f"onnx-chunk / this, {label}" for _, label in BATCHED_FIELDS),
+         *(f"this at S / at {counts[0]}, {label}" for _, label in BATCHED_FIELDS),
+         "peak RSS MB"], rows)
+
+
+def _batched(args, paths: dict, systems: list[str], counts: list[int], vocab: int,
+             new_tokens: int, repetitions: int, loads: list[float]) -> dict:
+    runs: dict[tuple[int, str], list[dict]] = {}
+    for round_index in range(repetitions):
+        for count in counts:
+            prompts = [seeded_prompt(args.batch_prompt, vocab, seed=index)
+                       for index in range(count)]
+            for system in round_order(systems, round_index):
+                loads.append(os.getloadavg()[0])
+                runs.setdefault((count, system), []).append(dict(
+                    _batched_run(system, args, paths, prompts, new_tokens), load_1m=loads[-1]))
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -185,8 +278,13 @@ def main(argv: list[str] | None = None) -> int:
     except BenchModelMissing as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    counts = _sequence_counts(args.sequences)
+    if args.only_batched and not counts:
+        print("error: --only-batched needs --sequences", file=sys.stderr)
+        return 2
     repetitions, new_tokens = (1, 8) if args.quick else (args.repetitions, args.new_tokens or 64)
-    lengths = ([int(value) for value in args.lengths.split(",")] if args.lengths
+    lengths = ([] if args.only_batched
+               else [int(value) for value in args.lengths.split(",")] if args.lengths
                else [40, 300] if args.quick else [128, 1000])
     if args.omp_wait_policy == "unset":
         os.environ.pop("OMP_WAIT_POLICY", None)
@@ -195,8 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     ggufs, left_out = _gguf_systems(args, name)
     if left_out:
         print(f"\n*** {left_out} ***\n", file=sys.stderr)
-    paths: dict = {"export": folder, "genai_python": env.genai_python(args.genai_venv),
-                   OURS: env.converted_export(args.out, name, folder, args.chunk_size), **ggufs}
+    paths: dict = {"export": folder, OURS: env.converted_export(args.out, name, folder,
+                                                               args.chunk_size), **ggufs}
+    if lengths:
+        paths["genai_python"] = env.genai_python(args.genai_venv)
     arms = []  # the other conversions measured beside the plain one
     if args.int4_block_size is not None:
         arms.append(f"{OURS} b{args.int4_block_size}")
@@ -219,14 +319,21 @@ def main(argv: list[str] | None = None) -> int:
                                         f"round {round_index + 1}/{repetitions} {length:>5} "
                                         f"tokens {system:<15}")
                 runs.setdefault((length, system), []).append(dict(result, load_1m=loads[-1]))
+    batched_systems = [OURS, *arms, *ggufs]
+    batched = _batched(args, paths, batched_systems, counts, vocab, new_tokens, repetitions,
+                       loads)
     header = (f"model {name} ({folder}), CPU, {args.threads} threads, prefill chunk "
               f"{args.chunk_size}, {new_tokens} new tokens, {repetitions} rounds, OMP_WAIT_POLICY "
               f"{args.omp_wait_policy}; 1-minute load "
               f"average before each measurement: min {min(loads):.2f}, median "
               f"{sorted(loads)[len(loads) // 2]:.2f}, max {max(loads):.2f}")
+    batched_header = (f"Batched: {', '.join(map(str, counts))} sequences of {args.batch_prompt} "
+                      f"prompt tokens, {new_tokens} new each" if counts else "")
     table = "\n\n".join(filter(None, [
-        f"**{left_out}**" if left_out else "", header, _table(systems, lengths, runs),
-        *[_table(systems, lengths, runs, arm) for arm in arms]]))
+        f"**{left_out}**" if left_out else "", header,
+        *([_table(systems, lengths, runs), *[_table(systems, lengths, runs, arm)
+                                               for arm in arms]] if lengths else []),
+        batched_header, _batched_table(batched_systems, counts, batched) if counts else ""]))
     results = {"model": name, "folder": str(folder), "threads": args.threads,
                "omp_wait_policy": args.omp_wait_policy,
                "chunk_size": args.chunk_size, "int4_block_size": args.int4_block_size,
@@ -235,7 +342,10 @@ def main(argv: list[str] | None = None) -> int:
                "repetitions": repetitions, "systems": systems, "left_out": left_out,
                "gguf": {system: str(path) for system, path in ggufs.items()},
                "load_averages": loads,
-               "runs": {f"{length}/{system}": values for (length, system), values in runs.items()}}
+               "runs": {f"{length}/{system}": values for (length, system), values in runs.items()},
+               "sequences": counts, "batch_prompt": args.batch_prompt,
+               "batched": {f"{count}/{system}": values
+                           for (count, system), values in batched.items()}}
     publish(args.out, f"vs_llamacpp_{name}{'_quick' if args.quick else ''}", results, table)
     return 0
 

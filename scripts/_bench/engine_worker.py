@@ -1,6 +1,7 @@
 """Measurement process for the batch engine (run with the project's interpreter).
 
-argv[1] is a JSON object: model, mode, chunk_size, capacity, batch, and per mode:
+argv[1] is a JSON object: model, mode, chunk_size, capacity, batch, optionally threads (ONNX
+Runtime's intra-op threads; default its own), and per mode:
 - "throughput": prompts, new_tokens. batch 1 serves them one after another on one sequence
   (what `generate --batch 1` does); above 1 through `generate_many`. No EOS stop, so every
   system produces the same number of tokens. Prints wall_s of the generation (the load and a
@@ -26,7 +27,8 @@ import onnx_chunk.runtime as rt
 def main() -> None:
     request = json.loads(sys.argv[1])
     runtime = rt.load(request["model"], provider="cpu", chunk_size=request["chunk_size"],
-                      capacity=request["capacity"], max_batch=request["batch"])
+                      capacity=request["capacity"], max_batch=request["batch"],
+                      intra_op_threads=request.get("threads"))
     result = (_throughput(runtime, request) if request["mode"] == "throughput"
               else _stall(runtime, request))
     runtime.close()

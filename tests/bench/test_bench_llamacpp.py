@@ -220,3 +220,52 @@ def test_the_llamacpp_worker_runs_a_real_size_gguf_greedily():
     assert all(3 <= token < 151936 for token in first["tokens"])
     assert first["ttft_s"] > 0 and first["decode_tokens_per_s"] > 0
     assert payload["system_info"].startswith("CPU")
+
+
+def test_the_batched_part_measures_each_sequence_count_and_a_row_keeps_its_tokens(tmp_path):
+    """--sequences 1,2 --only-batched: onnx-chunk's batch engine at one and two users (llama.cpp
+    left out without its venv); the first prompt's tokens are the same alone and batched."""
+    result = subprocess.run(
+        [sys.executable, str(env.ROOT / "scripts" / "bench_vs_llamacpp.py"), "--model",
+         str(EXPORT), "--quick", "--chunk-size", "16", "--sequences", "1,2", "--only-batched",
+         "--batch-prompt", "24", "--out", str(tmp_path), "--llama-python",
+         str(tmp_path / "no-such-python")],
+        capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((tmp_path / "vs_llamacpp_genai-llama-int4_quick.json").read_text())
+    assert data["lengths"] == [] and data["sequences"] == [1, 2] and data["runs"] == {}
+    alone, batched = data["batched"]["1/onnx-chunk"][0], data["batched"]["2/onnx-chunk"][0]
+    assert len(alone["tokens"]) == 1 and len(batched["tokens"]) == 2
+    assert batched["tokens"][0] == alone["tokens"][0] and len(alone["tokens"][0]) == 8
+    assert batched["rows_per_decode_step"] > 1.5 and batched["decode_tokens_per_s"] > 0
+    table = (tmp_path / "vs_llamacpp_genai-llama-int4_quick.md").read_text()
+    assert "Batched: 1, 2 sequences of 24 prompt tokens, 8 new each" in table
+    assert "| 2 | onnx-chunk |" in table
+    refused = subprocess.run(
+        [sys.executable, str(env.ROOT / "scripts" / "bench_vs_llamacpp.py"), "--model",
+         str(EXPORT), "--only-batched", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, check=False)
+    assert refused.returncode == 2 and refused.stderr.strip() == (
+        "error: --only-batched needs --sequences")
+
+
+def test_the_llamacpp_batch_worker_decodes_sequences_as_the_lone_worker_does():
+    """Where the llama.cpp venv and qwen05-q4_0 are built: two sequences decoded in one
+    llama_batch per step give each prompt the tokens the one-sequence worker gives it."""
+    try:
+        gguf = bench_model("qwen05-q4_0")
+    except BenchModelMissing as error:
+        pytest.skip(f"LLAMA.CPP NOT TESTED: {error}")
+    llama_python = env.llama_python()
+    if not llama_python.exists():
+        pytest.skip(f"LLAMA.CPP NOT TESTED: no llama-cpp-python interpreter at {llama_python}")
+    prompts = [seeded_prompt(20, 151936), seeded_prompt(27, 151936, seed=1)]
+    request = {"model": str(gguf), "prompts": prompts, "new_tokens": 4, "chunk_size": 16,
+               "threads": 2}
+    batched = run_child(env.worker_argv(llama_python, "llamacpp_batch_worker", request),
+                        timeout_s=300).payload
+    lone = run_child(env.worker_argv(llama_python, "llamacpp_worker", request),
+                     timeout_s=300).payload
+    assert batched["tokens"] == [result["tokens"] for result in lone["results"]]
+    assert batched["decode_forwards"] == 3 and batched["rows_per_decode_step"] == 2.0
+    assert batched["wall_s"] > batched["decode_s"] > 0
