@@ -29,7 +29,7 @@ Five commands (issue 34; findings in docs/benchmarks.md, "Prefill candidates on 
   ``--new-tokens``. For a loaded machine, where separate processes spread too widely.
 * ``kernel``: one MatMulNBits node (``BITS:BLOCK:LEVEL``; ``32:0:0`` a float MatMul;
   ``rows8`` what ``convert --int8-matmul`` makes of a 4-bit block-32 node: per-row int8
-  activations and MatMulIntegerToFloat; ``dq8`` an int8 DynamicQuantizeMatMul, one activation
+  activations and MatMulInteger; ``dq8`` an int8 DynamicQuantizeMatMul, one activation
   scale per tensor, which that option wrote before) of random weights at a prefill's shape,
   its best and median seconds and GOP/s, against the roofs given (``--int8-roof``,
   ``--fp32-roof``); ``--no-amx`` runs it as on an AVX-512 CPU without AMX
@@ -405,7 +405,7 @@ def _paired(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- kernel
 
 # `--kernel rows8`: one layer as `convert --int8-matmul` writes it (Int8MatMulPass on a 4-bit
-# block-32 node: activations quantized per row, MatMulIntegerToFloat, MLAS's QGEMM);
+# block-32 node: activations quantized per row, MatMulInteger, MLAS's QGEMM);
 # `--kernel dq8`: DynamicQuantizeMatMul (int8 weights, one scale per column, the activations
 # one scale per tensor), what that option wrote before.
 ROW_INT8_KERNEL = "rows8"

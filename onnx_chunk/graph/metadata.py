@@ -55,7 +55,7 @@ KV_CACHE_KEY = "onnx_chunk.kv_cache"
 # 4-bit MatMulNBits weights were quantized to again, and how many nodes that changed.
 INT4_BLOCKS_KEY = "onnx_chunk.int4_blocks"
 # Written by the int8 matmul rewrite (optional; `convert --int8-matmul`): how many 4-bit
-# MatMulNBits became int8 MatMulIntegerToFloat (per-row activations) and how many stayed 4-bit.
+# MatMulNBits became int8 MatMulInteger (per-row activations) and how many stayed 4-bit.
 INT8_MATMUL_KEY = "onnx_chunk.int8_matmul"
 
 ALL_KEYS = (
@@ -196,7 +196,7 @@ def read_int4_blocks(model: ir.Model | Mapping[str, str]) -> Int4BlocksDeclarati
 
 @dataclasses.dataclass(frozen=True)
 class Int8MatMulDeclaration:
-    """Layers' 4-bit weights rewritten as int8 MatMulIntegerToFloat: how many nodes were
+    """Layers' 4-bit weights rewritten as int8 MatMulInteger: how many nodes were
     rewritten, and how many 4-bit MatMulNBits stayed (the lm_head, tied weights)."""
 
     rewritten_nodes: int

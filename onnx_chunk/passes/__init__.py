@@ -160,7 +160,7 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
     (Int4BlocksPass: its weights are quantized again, so the logits move a little); refused
     (ConfigError) for a model without 4-bit MatMulNBits. None leaves the weights as they are.
 
-    With `int8_matmul` the layers' 4-bit MatMulNBits become int8 MatMulIntegerToFloat over
+    With `int8_matmul` the layers' 4-bit MatMulNBits become int8 MatMulInteger over
     activations quantized with one scale per row (Int8MatMulPass: ONNX Runtime's CPU QGEMM
     prefills faster, and each row's result depends on that row alone; twice the bytes of the
     4-bit weights, and the logits move); refused (ConfigError) for a model without 4-bit

@@ -5,20 +5,24 @@ ONNX Runtime's CPU MatMulNBits computes a prefill's rows with its int8 kernel at
 what the CPU's int8 units can do, while its QGEMM (MLAS `MlasGemm` U8S8: AVX2, AVX-512 VNNI,
 AMX where the CPU has it) runs the same multiply-adds several times faster. This pass gives the
 layers' weights to that kernel: each 4-bit node's weights are dequantized exactly and quantized
-again to int8, one scale per output column, for `com.microsoft::MatMulIntegerToFloat`.
+again to int8, one scale per output column, for ONNX's `MatMulInteger`.
 
 Its activations are quantized in the graph, one symmetric scale per row (max |a| / 127 of that
 row), so a row's result depends on that row's values alone: what a request computes does not
 depend on the other requests batched beside it. `DynamicQuantizeMatMul`, which this option
-wrote before, quantizes the whole tensor with one scale, so one row's outliers moved every other
+wrote first, quantizes the whole tensor with one scale, so one row's outliers moved every other
 row's result (`engine.batched_decode` of `validate` failed on it); the pass rewrites such nodes
-of a folder it converted before. MatMulIntegerToFloat's schema describes its a_scale as a
-scalar or per column of A, but its CPU kernel keeps an a_scale whose last axis is 1 as the
-scale of each row and multiplies each output row by it (`FixupScaleTensor`, `ScaleOutput` in
-onnxruntime/contrib_ops/cpu/quantization/dynamic_quantize_matmul.cc, read at main, 2026-12, and
-measured on 1.32.0: tests/passes/test_int8_matmul.py); it scales its bias input with that
-row's scale too, so a bias is added by its own node. MatMulNBits with 8-bit weights is also
-row-independent but prefills no faster than the 4-bit default (docs/benchmarks.md).
+of a folder it converted before, and the `com.microsoft::MatMulIntegerToFloat` it wrote next
+(the same numbers, one fused kernel) too. The exact int32 product is scaled by standard nodes:
+Cast to float, times the column scales, times the row scale, in that order; that is what
+MatMulIntegerToFloat computes (`ScaleOutput` in
+onnxruntime/contrib_ops/cpu/quantization/dynamic_quantize_matmul.cc), bit for bit at every row
+count (tests/passes/test_int8_matmul.py), and it decodes faster: on qwen05-int4, Xeon without
+AMX, 7.7% at one row, a 1000-token prefill within 2% (docs/benchmarks.md, section 9). Both run
+the same QGEMM kernel (MLAS's one-row GEMV path wants zero points of 0, `MlasGemmQuantOperation`
+in qgemm.h, and these codes have 128), so the difference is in what the fused kernel does
+around it; where exactly was not pinned down. MatMulNBits with 8-bit weights is also
+row-independent but prefills no faster than the 4-bit default.
 
 The weights take twice the bytes of the 4-bit ones and the logits move (int8 weights and
 per-row int8 activations in place of 4-bit weights and per-block int8 activations). They are
@@ -48,6 +52,7 @@ from onnx_chunk.passes.value_tracing import MICROSOFT_DOMAIN, input_at, name_of
 
 logger = logging.getLogger(__name__)
 
+MATMUL_INTEGER = "MatMulInteger"
 MATMUL_INTEGER_TO_FLOAT = "MatMulIntegerToFloat"
 DYNAMIC_QUANTIZE_MATMUL = "DynamicQuantizeMatMul"
 OPTION = "--int8-matmul"
@@ -55,6 +60,7 @@ OPTION = "--int8-matmul"
 ROW_PREFIX = "int8_rows"
 _NBITS_BIAS_INPUT = 5
 _DQMM_B, _DQMM_SCALE, _DQMM_ZERO_POINT, _DQMM_BIAS = 1, 2, 3, 4
+_MITF_B, _MITF_ROW_SCALE, _MITF_B_SCALE, _MITF_BIAS = 1, 2, 3, 6
 _INT8_MAX = 127.0
 # A row of zeros gets this as its max |a|, so its scale and reciprocal stay finite.
 _TINY = 1e-30
@@ -69,12 +75,14 @@ _QUANTIZE_LINEAR_OPSET = 10
 
 @dataclasses.dataclass(frozen=True)
 class Int8Targets:
-    """What the pass rewrites (rule 5): 4-bit nodes, and the DynamicQuantizeMatMul nodes an
-    earlier `--int8-matmul` wrote; how many 4-bit nodes it keeps (rule 2)."""
+    """What the pass rewrites (rule 5): 4-bit nodes, and the DynamicQuantizeMatMul and
+    MatMulIntegerToFloat nodes an earlier `--int8-matmul` wrote; how many 4-bit nodes it keeps
+    (rule 2)."""
 
     int4: list[Int4MatMul]
     per_tensor: list[ir.Node]
     kept: int
+    fused: list[ir.Node] = dataclasses.field(default_factory=list)
 
 
 def int8_targets(model: ir.Model) -> Int8Targets:
@@ -83,6 +91,7 @@ def int8_targets(model: ir.Model) -> Int8Targets:
     graph = model.graph
     previous = metadata.read_int8_matmul(model)
     per_tensor = [] if previous is None else [node for node in graph if _ours(node)]
+    fused = [] if previous is None else [node for node in graph if _fused(node)]
     matmuls, _ = find_int4_matmuls(graph, OPTION)
     if not matmuls and previous is None:
         raise ConfigError("--int8-matmul rewrites 4-bit com.microsoft::MatMulNBits, and the "
@@ -91,7 +100,7 @@ def int8_targets(model: ir.Model) -> Int8Targets:
     targets = [matmul for matmul in matmuls
                if matmul.node is not head and _read_by_one(matmul)]
     nodes = [matmul.node for matmul in targets] + per_tensor
-    if nodes:
+    if nodes or fused:
         check_row_int8_support(model)
     for node in nodes:
         activations = input_at(node, 0)
@@ -100,28 +109,29 @@ def int8_targets(model: ir.Model) -> Int8Targets:
                 f"{node.op_type} {node.name!r} computes in "
                 f"{None if activations is None else activations.dtype}; the int8 matmul takes "
                 "float32 activations only (a CPU export); convert without --int8-matmul")
-    return Int8Targets(targets, per_tensor, len(matmuls) - len(targets))
+    return Int8Targets(targets, per_tensor, len(matmuls) - len(targets), fused)
 
 
 def check_row_int8_support(model: ir.Model) -> None:
-    """ModelStructureError when the installed ONNX Runtime or the model's opset lacks what rule
-    4 writes: MatMulIntegerToFloat taking uint8 A (read from the installed schema) and
-    QuantizeLinear."""
+    """ModelStructureError when the installed ONNX Runtime or the model's opset lacks what rules
+    4 and 5 write: MatMulInteger taking uint8 A and int8 B (read from the installed schema),
+    QuantizeLinear and MatMulInteger (opset 10)."""
     from onnx_chunk.ort_schemas import input_types
 
-    if "tensor(uint8)" not in input_types(MICROSOFT_DOMAIN, MATMUL_INTEGER_TO_FLOAT, "A"):
+    if ("tensor(uint8)" not in input_types("", MATMUL_INTEGER, "A")
+            or "tensor(int8)" not in input_types("", MATMUL_INTEGER, "B")):
         import onnxruntime
 
         raise ModelStructureError(
             f"the installed ONNX Runtime ({onnxruntime.__version__}) has no "
-            f"com.microsoft::{MATMUL_INTEGER_TO_FLOAT} taking uint8 activations, which "
-            "--int8-matmul writes; install one that has it, or convert without --int8-matmul")
+            f"{MATMUL_INTEGER} of uint8 activations by int8 weights, which --int8-matmul "
+            "writes; install one that has it, or convert without --int8-matmul")
     opset = model.opset_imports.get("", 0)
     if opset < _QUANTIZE_LINEAR_OPSET:
         raise ModelStructureError(
             f"the model imports ONNX opset {opset}, and --int8-matmul's per-row quantization "
-            f"needs QuantizeLinear (opset {_QUANTIZE_LINEAR_OPSET} or later); export it at a "
-            "newer opset or convert without --int8-matmul")
+            f"needs QuantizeLinear and MatMulInteger (opset {_QUANTIZE_LINEAR_OPSET} or later); "
+            "export it at a newer opset or convert without --int8-matmul")
 
 
 def _lm_head(graph: ir.Graph) -> ir.Node | None:
@@ -156,6 +166,20 @@ def _ours(node: ir.Node) -> bool:
                                    and not np.any(zero_points.const_value.numpy()))
 
 
+def _fused(node: ir.Node) -> bool:
+    """Whether `node` is a MatMulIntegerToFloat as `--int8-matmul` wrote it: per-row codes of
+    rule 4 (a QuantizeLinear node `int8_rows/...`), no bias."""
+    if node.op_type != MATMUL_INTEGER_TO_FLOAT or node.domain != MICROSOFT_DOMAIN:
+        return False
+    codes = input_at(node, 0)
+    producer = None if codes is None else codes.producer()
+    return (producer is not None and producer.op_type == "QuantizeLinear"
+            and (producer.name or "").startswith(f"{ROW_PREFIX}/")
+            and all(input_at(node, index) is not None
+                    for index in (_MITF_B, _MITF_ROW_SCALE, _MITF_B_SCALE))
+            and input_at(node, _MITF_BIAS) is None)
+
+
 def quantize_int8_columns(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """[N, K] float weights -> (B int8 [K, N], scale float32 [N]): symmetric, one scale per
     output column, max |w| / 127 (a zero column gets scale 1 and zeros)."""
@@ -177,21 +201,22 @@ class Int8MatMulPass(ir.passes.InPlacePass):
        one row per forward, and it is the largest matrix) and a node whose weights another node
        also reads (an lm_head tied to a GatherBlockQuantized embedding).
     3. A node to rewrite must take float32 activations (ModelStructureError naming it), the
-       installed ONNX Runtime's schema must have com.microsoft::MatMulIntegerToFloat taking
-       uint8 A, and the model must import ONNX opset 10 or later (QuantizeLinear); otherwise
+       installed ONNX Runtime's schema must have MatMulInteger taking uint8 A and int8 B, and
+       the model must import ONNX opset 10 or later (QuantizeLinear, MatMulInteger); otherwise
        ModelStructureError naming the option.
     4. Each activation tensor the rewritten nodes read is quantized once, per row, by nodes
        named `int8_rows/...`: m = max(ReduceMax(|a|, last axis, keepdims), 1e-30), row scale
        s = m * (1/127), codes = QuantizeLinear(a * (127 / m), 1, uint8 128). The row scale
-       keeps the activations' rank (its last axis is 1), which MatMulIntegerToFloat's CPU
-       kernel reads as one scale per row at every row count, one row included.
-    5. Each rewritten node becomes `MatMulIntegerToFloat(codes, B, s, b_scale, 128)` with the
-       same name and output: B int8 [K, N] and b_scale float32 [N] from
-       `quantize_int8_columns` of the exact dequantized weights (`dequantize_int4`), new
-       initializers written to the data file at save (`model_io.write_to_data_file`); its
-       4-bit initializers are removed. A bias (MatMulNBits input 5) is added by an `Add` after
-       it. A `DynamicQuantizeMatMul` this pass wrote before (the metadata says so; int8 B,
-       per-column scales, zero points zero) becomes the same, with its own B and scales.
+       keeps the activations' rank (its last axis is 1): one scale per row.
+    5. Each rewritten node becomes `MatMulInteger(codes, B, 128)` under its name, then
+       `Cast` to float32, `Mul` by b_scale, `Mul` by s, the last taking its output: B int8
+       [K, N] and b_scale float32 [N] from `quantize_int8_columns` of the exact dequantized
+       weights (`dequantize_int4`), new initializers written to the data file at save
+       (`model_io.write_to_data_file`); its 4-bit initializers are removed. A bias
+       (MatMulNBits input 5) is added by an `Add` after it. A `DynamicQuantizeMatMul` this
+       pass wrote before (the metadata says so; int8 B, per-column scales, zero points zero)
+       becomes the same, with its own B and scales; so does a `MatMulIntegerToFloat(codes, B,
+       s, b_scale, 128)` it wrote before (same numbers).
     6. The metadata (`onnx_chunk.int8_matmul`) records the nodes rewritten from 4-bit and the
        4-bit nodes kept; running the pass again reports `modified=False`.
     """
@@ -205,24 +230,28 @@ class Int8MatMulPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         previous = metadata.read_int8_matmul(model)
         targets = int8_targets(model)
-        if not targets.int4 and not targets.per_tensor:
+        if not targets.int4 and not targets.per_tensor and not targets.fused:
             return ir.passes.PassResult(model, modified=False)
         graph = model.graph
         rows = _RowQuantizer(graph, model.opset_imports.get("", 0))
         rewritten = {id(matmul.node) for matmul in targets.int4}
         per_tensor = {id(node) for node in targets.per_tensor}
+        fused = {id(node) for node in targets.fused}
         int4 = {id(matmul.node): matmul for matmul in targets.int4}
         for node in list(graph):  # graph order: a shared activation is quantized before its uses
             if id(node) in rewritten:
                 self._rewrite_int4(graph, int4[id(node)], rows)
             elif id(node) in per_tensor:
                 self._rewrite_per_tensor(graph, node, rows)
+            elif id(node) in fused:
+                _unfuse(graph, node, rows)
         done = len(targets.int4) + (0 if previous is None else previous.rewritten_nodes)
         metadata.write_int8_matmul(model, metadata.Int8MatMulDeclaration(
             rewritten_nodes=done, kept_int4_nodes=targets.kept))
-        logger.info("int8 matmul: %d 4-bit MatMulNBits and %d per-tensor DynamicQuantizeMatMul "
-                    "nodes rewritten with per-row activation scales, %d 4-bit kept",
-                    len(targets.int4), len(targets.per_tensor), targets.kept)
+        logger.info("int8 matmul: %d 4-bit MatMulNBits, %d per-tensor DynamicQuantizeMatMul and "
+                    "%d MatMulIntegerToFloat nodes rewritten with per-row activation scales, "
+                    "%d 4-bit kept", len(targets.int4), len(targets.per_tensor),
+                    len(targets.fused), targets.kept)
         return ir.passes.PassResult(model, modified=True)
 
     def _rewrite_int4(self, graph: ir.Graph, matmul: Int4MatMul, rows: _RowQuantizer) -> None:
@@ -252,22 +281,44 @@ class Int8MatMulPass(ir.passes.InPlacePass):
 
 def _replace(graph: ir.Graph, node: ir.Node, rows: _RowQuantizer, b: ir.Value,
              b_scale: ir.Value, bias: ir.Value | None) -> None:
-    """`node` becomes MatMulIntegerToFloat over its activations' per-row codes (+ bias)."""
+    """`node` becomes the int8 matmul of rule 5 over its activations' per-row codes (+ bias)."""
     activations = input_at(node, 0)
     assert activations is not None
     codes, row_scale = rows.quantized(activations, before=node)
+    _write_int8(graph, node, rows, codes, b, row_scale, b_scale, bias)
+
+
+def _unfuse(graph: ir.Graph, node: ir.Node, rows: _RowQuantizer) -> None:
+    """Rule 5 for a MatMulIntegerToFloat an earlier `--int8-matmul` wrote: the same inputs."""
+    codes, b, row_scale, b_scale = (input_at(node, index) for index in (
+        0, _MITF_B, _MITF_ROW_SCALE, _MITF_B_SCALE))
+    assert codes is not None and b is not None and row_scale is not None and b_scale is not None
+    _write_int8(graph, node, rows, codes, b, row_scale, b_scale, None)
+
+
+def _write_int8(graph: ir.Graph, node: ir.Node, rows: _RowQuantizer, codes: ir.Value,
+                b: ir.Value, row_scale: ir.Value, b_scale: ir.Value,
+                bias: ir.Value | None) -> None:
+    """MatMulInteger -> Cast -> Mul(b_scale) -> Mul(row scale) (-> Add(bias)) in `node`'s
+    place: MatMulIntegerToFloat's arithmetic, in its order, from standard nodes."""
     output = node.outputs[0]
-    matmul = ir.node(MATMUL_INTEGER_TO_FLOAT,
-                     [codes, b, row_scale, b_scale, rows.constant("zero_point", np.uint8(
-                         _ZERO_POINT))],
-                     domain=MICROSOFT_DOMAIN, name=node.name)
-    added = [matmul]
-    result = matmul.outputs[0]
+    base = name_of(output)
+    zero_point = rows.constant("zero_point", np.uint8(_ZERO_POINT))
+    added: list[ir.Node] = []
+
+    def add(op_type: str, inputs: list[ir.Value], suffix: str, **attributes: int) -> ir.Value:
+        made = ir.node(op_type, inputs, attributes or None,
+                       name=node.name if op_type == MATMUL_INTEGER else f"{node.name}/{suffix}")
+        added.append(made)
+        made.outputs[0].name = f"{base}/{suffix}"
+        return made.outputs[0]
+
+    product = add(MATMUL_INTEGER, [codes, b, zero_point], "int32")
+    floats = add("Cast", [product], "float", to=ir.DataType.FLOAT.value)
+    columns = add("Mul", [floats, b_scale], "columns")
+    result = add("Mul", [columns, row_scale], "int8")
     if bias is not None:
-        result.name = f"{name_of(output)}/int8"
-        add = ir.node("Add", [result, bias], name=f"{node.name}/bias")
-        added.append(add)
-        result = add.outputs[0]
+        result = add("Add", [result, bias], "bias")
     replace_node(graph, node, added, result)
 
 

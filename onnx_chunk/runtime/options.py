@@ -17,8 +17,8 @@ Rules of `resolve_options`:
 3. Ports are resolved for that capacity; a window-sized cache gets a chunk of slack where the
    device allows it.
 4. A decoder CUDA cannot run (a float32 KV cache, which CUDA's GroupQueryAttention does not
-   take; a kernel ONNX Runtime registers for the CPU provider only, `convert --int8-matmul`'s
-   MatMulIntegerToFloat): "auto" falls back to CPU, "cuda" (or a given CUDA device) refuses.
+   take; `convert --int8-matmul`'s matmuls, which ONNX Runtime runs on the CPU provider
+   only): "auto" falls back to CPU, "cuda" (or a given CUDA device) refuses.
 5. Ladder: the plan's when its chunk size is kept and no max_variants is given, else one built
    for the chunk size and the variant cap (the plan's, or the option).
 6. Specialisation: the option, else the device's default; padding: the option, the
@@ -45,6 +45,7 @@ from pathlib import Path
 from onnx_chunk import arguments
 from onnx_chunk.errors import ConfigError, ModelLoadError, ProviderError
 from onnx_chunk.graph.chunk_plan import ChunkPlan, check_window_capacity
+from onnx_chunk.graph.metadata import INT8_MATMUL_KEY
 from onnx_chunk.graph.model_file import ModelFile
 from onnx_chunk.graph.model_folder import GenaiConfig
 from onnx_chunk.ladder import DECODE_WIDTH, ladder_tiers
@@ -61,8 +62,8 @@ logger = logging.getLogger(__name__)
 
 # The dtypes ONNX Runtime's CUDA GroupQueryAttention kernel is registered for.
 CUDA_ATTENTION_DTYPES = ("float16", "bfloat16")
-# `convert --int8-matmul`'s matmul (MatMulIntegerToFloat, and the DynamicQuantizeMatMul it
-# wrote before), kernels of ONNX Runtime's CPU provider only.
+# The fused matmuls `convert --int8-matmul` wrote before (MatMulIntegerToFloat, and the
+# DynamicQuantizeMatMul before it), kernels of ONNX Runtime's CPU provider only.
 CPU_ONLY_MATMULS = ("MatMulIntegerToFloat", "DynamicQuantizeMatMul")
 
 
@@ -325,19 +326,24 @@ def runnable_device(device: Device, ports: ModelPorts, model: ModelFile, provide
 def cuda_refusal(ports: ModelPorts, model: ModelFile) -> tuple[str, str] | None:
     """Why CUDA cannot run this decoder and what to do, or None.
 
-    A CPU-only kernel (`convert --int8-matmul`'s MatMulIntegerToFloat, or the
-    DynamicQuantizeMatMul it wrote before: ONNX Runtime registers them for the CPU provider and
-    no CUDA one, contrib_ops/cpu/cpu_contrib_kernels.cc) would run on the CPU with its inputs
-    copied both ways every forward. ONNX Runtime's CUDA GroupQueryAttention
-    runs float16 and bfloat16 only: a float32 decoder's attention would fall back to the CPU
-    provider, copying the whole KV cache both ways every step (and no CUDA graph can be
-    captured).
+    `convert --int8-matmul`'s matmuls would run on the CPU with their inputs copied both ways
+    every forward: its MatMulInteger takes uint8 activations, and ONNX Runtime's CUDA
+    MatMulInteger is registered for int8 by int8 only (core/providers/cuda/math/
+    matmul_integer.cc); the MatMulIntegerToFloat and DynamicQuantizeMatMul it wrote before are
+    registered for the CPU provider and no CUDA one (contrib_ops/cpu/cpu_contrib_kernels.cc).
+    ONNX Runtime's CUDA GroupQueryAttention runs float16 and bfloat16 only: a float32 decoder's
+    attention would fall back to the CPU provider, copying the whole KV cache both ways every
+    step (and no CUDA graph can be captured).
     """
     for matmul in CPU_ONLY_MATMULS:
         if model.uses(matmul, "com.microsoft"):
             return (f"the model's matmuls are {matmul} (convert --int8-matmul), a kernel of "
                     "ONNX Runtime's CPU provider only",
                     "convert it without --int8-matmul for CUDA")
+    if INT8_MATMUL_KEY in model.metadata and model.uses("MatMulInteger"):
+        return ("the model's matmuls are MatMulInteger of uint8 activations (convert "
+                "--int8-matmul), which ONNX Runtime runs on the CPU provider only",
+                "convert it without --int8-matmul for CUDA")
     if not ports.kv or ports.kv[0].dtype.name in CUDA_ATTENTION_DTYPES:
         return None
     dtype = ports.kv[0].dtype.name

@@ -84,5 +84,5 @@ def test_the_int8_matmul_arm_is_its_own_conversion(tmp_path, capsys):
 
     model = onnx.load(tmp_path / "models" / "int8-matmul" / "model.onnx",
                       load_external_data=False)
-    assert "MatMulIntegerToFloat" in {node.op_type for node in model.graph.node}
+    assert "MatMulInteger" in {node.op_type for node in model.graph.node}
 

@@ -125,7 +125,7 @@ def test_a_reblocked_arm_is_measured_beside_onnx_chunk_with_its_own_table(tmp_pa
 
 
 def test_an_int8_arm_is_measured_beside_onnx_chunk_with_its_own_table(tmp_path, peer_python):
-    """--int8-matmul: the export converted with int8 MatMulIntegerToFloat layers runs as
+    """--int8-matmul: the export converted with int8 MatMulInteger layers runs as
     "onnx-chunk int8" in the same rounds, with a table of its own."""
     result = subprocess.run(
         [sys.executable, str(env.ROOT / "scripts" / "bench_vs_llamacpp.py"), "--model",
@@ -135,7 +135,7 @@ def test_an_int8_arm_is_measured_beside_onnx_chunk_with_its_own_table(tmp_path, 
         capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     converted = tmp_path / "models" / "genai-llama-int4-converted-16-int8" / "model.onnx"
-    assert _op_types(converted) >= {"MatMulIntegerToFloat"}
+    assert _op_types(converted) >= {"MatMulInteger"}
     data = json.loads((tmp_path / "vs_llamacpp_genai-llama-int4_quick.json").read_text())
     assert data["systems"] == ["onnx-chunk", "onnx-chunk int8", "genai", "ort-loop"]
     assert data["int8_matmul"] is True

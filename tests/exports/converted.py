@@ -46,16 +46,48 @@ def logits_and_tokens(folder: Path, new_tokens: int = 8,
 
 
 
+def int8_parts(node: ir.Node) -> tuple[ir.Value, ir.Value, ir.Value, ir.Value, ir.Node]:
+    """An `--int8-matmul` MatMulInteger's (codes, int8 B, column scales, row scales, last node):
+    MatMulInteger -> Cast -> Mul(column scales) -> Mul(row scales)."""
+    (cast, _), = node.outputs[0].uses()
+    (columns, _), = cast.outputs[0].uses()
+    (rows, _), = columns.outputs[0].uses()
+    assert (cast.op_type, columns.op_type, rows.op_type) == ("Cast", "Mul", "Mul")
+    return node.inputs[0], node.inputs[1], columns.inputs[1], rows.inputs[1], rows
+
+
+def int8_matmuls(model: ir.Model) -> list[ir.Node]:
+    """The MatMulInteger nodes `--int8-matmul` wrote (named as the nodes they replaced)."""
+    return [node for node in model.graph if node.op_type == "MatMulInteger"]
+
+
+def as_fused(model: ir.Model) -> int:
+    """Rewrite every int8 matmul of an `--int8-matmul` model (without bias) as the
+    MatMulIntegerToFloat that option wrote before: the same codes, B, row and column scales.
+    Returns how many were rewritten."""
+    graph = model.graph
+    rewritten = 0
+    for node in int8_matmuls(model):
+        codes, weights, columns, rows, last = int8_parts(node)
+        zero_point = node.inputs[2]
+        fused = ir.node("MatMulIntegerToFloat", [codes, weights, rows, columns, zero_point],
+                        domain="com.microsoft", name=node.name)
+        replace_node(graph, last, [fused], fused.outputs[0])
+        rewritten += 1
+    RemoveUnusedNodesPass()(model)
+    return rewritten
+
+
 def as_per_tensor(model: ir.Model) -> int:
-    """Rewrite every MatMulIntegerToFloat of an `--int8-matmul` model (without bias) as the
-    DynamicQuantizeMatMul that option wrote before: the float activations its per-row
+    """Rewrite every int8 matmul of an `--int8-matmul` model (without bias) as the
+    DynamicQuantizeMatMul that option wrote first: the float activations its per-row
     quantization reads, the same int8 B and column scales, int8 zero points of 0; one scale per
     tensor for the activations. Returns how many nodes were rewritten."""
     graph = model.graph
     rewritten = 0
-    for node in [node for node in graph if node.op_type == "MatMulIntegerToFloat"]:
-        activations = node.inputs[0].producer().inputs[0].producer().inputs[0]
-        weights, scales = node.inputs[1], node.inputs[3]
+    for node in int8_matmuls(model):
+        codes, weights, scales, _, last = int8_parts(node)
+        activations = codes.producer().inputs[0].producer().inputs[0]
         zero_point = ir.Value(name=f"{weights.name}.zero_point", type=ir.TensorType(
             ir.DataType.INT8), shape=ir.Shape([scales.shape[0]]), const_value=ir.tensor(
             np.zeros(scales.shape[0], np.int8), name=f"{weights.name}.zero_point"))
@@ -63,7 +95,7 @@ def as_per_tensor(model: ir.Model) -> int:
         replacement = ir.node("DynamicQuantizeMatMul",
                               [activations, weights, scales, zero_point],
                               domain="com.microsoft", name=node.name)
-        replace_node(graph, node, [replacement], replacement.outputs[0])
+        replace_node(graph, last, [replacement], replacement.outputs[0])
         rewritten += 1
     RemoveUnusedNodesPass()(model)
     return rewritten

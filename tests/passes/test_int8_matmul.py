@@ -1,9 +1,11 @@
 """Int8MatMulPass and `convert --int8-matmul`: on every INT4 export of the corpus the layers'
-4-bit MatMulNBits become int8 MatMulIntegerToFloat over activations quantized per row, whose
-weights are the exact 4-bit weights within half an int8 step; ONNX Runtime computes each row
-exactly as the rules say (one scale per row, the bias after); the lm_head and tied weights stay
-4-bit; a folder the per-tensor DynamicQuantizeMatMul conversion wrote is rewritten; the folder
-generates close to the original, runs in onnxruntime-genai, and every refusal is one line.
+4-bit MatMulNBits become int8 MatMulInteger over activations quantized per row, scaled per
+column and per row, whose weights are the exact 4-bit weights within half an int8 step; ONNX
+Runtime computes each row exactly as the rules say (one scale per row, the bias after), and as
+its fused MatMulIntegerToFloat does, bit for bit; the lm_head and tied weights stay 4-bit; a
+folder the per-tensor DynamicQuantizeMatMul or the fused conversion wrote is rewritten; the
+folder generates close to the original, runs in onnxruntime-genai, and every refusal is one
+line.
 That no row depends on another's values, through the runtime: tests/exports/
 test_conversion_rows.py."""
 
@@ -24,13 +26,21 @@ from onnx_chunk.passes import Int8MatMulPass, convert_model
 from onnx_chunk.passes.int4_blocks import dequantize_int4, find_int4_matmuls
 from onnx_chunk.passes.int8_matmul import (
     DYNAMIC_QUANTIZE_MATMUL,
+    MATMUL_INTEGER,
     MATMUL_INTEGER_TO_FLOAT,
     quantize_int8_columns,
 )
 from onnx_chunk.passes.logits_rows import find_lm_head
 from onnx_chunk.runtime import load
 from tests.cli_output import one_error_line
-from tests.exports.converted import as_per_tensor, greedy_tokens_both, logits_and_tokens
+from tests.exports.converted import (
+    as_fused,
+    as_per_tensor,
+    greedy_tokens_both,
+    int8_matmuls,
+    int8_parts,
+    logits_and_tokens,
+)
 from tests.exports.corpus import GENAI, fixtures
 
 INT4 = [fixture for fixture in fixtures(GENAI) if fixture.precision == "int4"]
@@ -60,7 +70,7 @@ def test_the_layers_become_int8_within_half_a_step_of_the_exact_weights(fixture)
                            int8_matmul=True)
     model = result.model
     assert result.modified
-    rewritten = [node for node in model.graph if node.op_type == MATMUL_INTEGER_TO_FLOAT]
+    rewritten = int8_matmuls(model)
     kept, _ = find_int4_matmuls(model.graph)
     assert rewritten and set(exact) == {node.name for node in rewritten} | {
         matmul.node.name for matmul in kept}
@@ -70,10 +80,11 @@ def test_the_layers_become_int8_within_half_a_step_of_the_exact_weights(fixture)
     assert head.op_type == "MatMulNBits" or not kept
     for node in rewritten:
         # Rule 4: the codes and the row scales of the node's activations, made in the graph.
-        assert node.inputs[0].producer().op_type == "QuantizeLinear"
-        assert node.inputs[2].producer().op_type == "Mul"
-        codes = node.inputs[1].const_value.numpy().astype(np.float64)
-        scale = node.inputs[3].const_value.numpy().astype(np.float64)
+        activations, weights, columns, rows, _ = int8_parts(node)
+        assert activations.producer().op_type == "QuantizeLinear"
+        assert rows.producer().op_type == "Mul"
+        codes = weights.const_value.numpy().astype(np.float64)
+        scale = columns.const_value.numpy().astype(np.float64)
         error = np.abs(codes.T * scale[:, None] - exact[node.name])
         # Symmetric int8 codes of [-127, 127] steps of max|w| / 127 per output column: every
         # weight within half a step (float32 rounding of the scales aside).
@@ -133,9 +144,9 @@ def _session(model: ir.Model) -> ort.InferenceSession:
 def _reference(model: ir.Model, activations: np.ndarray, bias: np.ndarray) -> np.ndarray:
     """Rules 4 and 5 in numpy: per-row codes, an int32 product, (i * b_scale) * row scale,
     then the bias."""
-    node = next(node for node in model.graph if node.op_type == MATMUL_INTEGER_TO_FLOAT)
-    codes_b = node.inputs[1].const_value.numpy().astype(np.int32)
-    b_scale = node.inputs[3].const_value.numpy()
+    _, weights, columns, _, _ = int8_parts(int8_matmuls(model)[0])
+    codes_b = weights.const_value.numpy().astype(np.int32)
+    b_scale = columns.const_value.numpy()
     peak = np.maximum(np.abs(activations).max(axis=-1, keepdims=True), np.float32(1e-30))
     row_scale = peak * np.float32(1 / 127)
     codes_a = np.clip(np.rint(activations * (np.float32(127) / peak)), -127, 127)
@@ -145,9 +156,9 @@ def _reference(model: ir.Model, activations: np.ndarray, bias: np.ndarray) -> np
 
 @pytest.mark.parametrize("opset", (21, 17), ids=("axes-input", "axes-attribute"))
 def test_each_row_is_computed_with_its_own_scale_exactly_as_the_rules_say(opset):
-    """ONNX Runtime's MatMulIntegerToFloat with a [1, rows, 1] a_scale scales each output row
-    by its own scale (at one row too) and the bias comes after: bit for bit the numpy
-    reference; a zero row gives the bias, and a row's result is the same alone and beside rows
+    """Each output row is scaled by its own scale (at one row too) and the bias comes after: bit
+    for bit the numpy reference, and ONNX Runtime's MatMulIntegerToFloat over the same codes
+    and scales; a zero row gives the bias, and a row's result is the same alone and beside rows
     a thousand times larger."""
     model, weights, bias = _one_node(opset)
     assert Int8MatMulPass()(model).modified
@@ -171,6 +182,21 @@ def test_each_row_is_computed_with_its_own_scale_exactly_as_the_rules_say(opset)
     loud[0, [0, 5]] *= 1000.0
     beside = session.run(None, {"A": loud})[0]
     np.testing.assert_array_equal(beside[0, 1:5], result[0, 1:5])
+    # The fused kernel the pass wrote before computes the same, row by row and alone.
+    fused, _, _ = _one_node(opset)
+    Int8MatMulPass()(fused)
+    bias_add = next(node for node in fused.graph if node.op_type == "Add")
+    _, weights_value, columns, rows, last = int8_parts(int8_matmuls(fused)[0])
+    one = ir.node(MATMUL_INTEGER_TO_FLOAT, [int8_matmuls(fused)[0].inputs[0], weights_value,
+                                           rows, columns, int8_matmuls(fused)[0].inputs[2]],
+                  domain="com.microsoft", name="fused")
+    fused.graph.insert_before(last, [one])
+    bias_add.replace_input_with(0, one.outputs[0])
+    fused_session = _session(fused)
+    for height in (1, 2, 6):
+        np.testing.assert_array_equal(
+            fused_session.run(None, {"A": activations[:, :height]})[0],
+            session.run(None, {"A": activations[:, :height]})[0])
 
 
 def test_a_per_tensor_conversion_is_rewritten_per_row(tmp_path, capsys):
@@ -181,8 +207,7 @@ def test_a_per_tensor_conversion_is_rewritten_per_row(tmp_path, capsys):
     out = tmp_path / "int8"
     assert main(["convert", str(fixture.folder), "-o", str(out), "--int8-matmul", "-q"]) == 0
     per_row = load_model(out / "model.onnx")
-    expected = sorted(node.name for node in per_row.graph
-                      if node.op_type == MATMUL_INTEGER_TO_FLOAT)
+    expected = sorted(node.name for node in int8_matmuls(per_row))
     declaration = metadata.read_int8_matmul(per_row)
     old = tmp_path / "per-tensor"
     assert as_per_tensor(per_row) == len(expected)
@@ -192,11 +217,35 @@ def test_a_per_tensor_conversion_is_rewritten_per_row(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     again = load_model(old / "model.onnx")
     assert not any(node.op_type == DYNAMIC_QUANTIZE_MATMUL for node in again.graph)
-    assert sorted(node.name for node in again.graph
-                  if node.op_type == MATMUL_INTEGER_TO_FLOAT) == expected
+    assert sorted(node.name for node in int8_matmuls(again)) == expected
     assert metadata.read_int8_matmul(again) == declaration
     assert not any(name.endswith(".zero_point") for name in again.graph.initializers)
     np.testing.assert_array_equal(logits_and_tokens(old)[0], logits_and_tokens(out)[0])
+    assert main(["convert", str(old), "--in-place", "--int8-matmul"]) == 0
+    assert "already converted" in capsys.readouterr().out
+
+
+def test_a_fused_conversion_is_rewritten_with_the_same_numbers(tmp_path, capsys):
+    """A folder converted when `--int8-matmul` wrote MatMulIntegerToFloat, converted again:
+    its nodes become MatMulInteger and its scaling nodes over the same inputs, the logits stay
+    bit for bit, and a third run changes nothing."""
+    fixture = INT4[0]
+    out = tmp_path / "int8"
+    assert main(["convert", str(fixture.folder), "-o", str(out), "--int8-matmul", "-q"]) == 0
+    model = load_model(out / "model.onnx")
+    expected = sorted(node.name for node in int8_matmuls(model))
+    assert as_fused(model) == len(expected)
+    old = tmp_path / "fused"
+    save_model(model, old / "model.onnx", companions_from=out)
+    fused_logits = logits_and_tokens(old)[0]
+    capsys.readouterr()
+    assert main(["convert", str(old), "--in-place", "--int8-matmul"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    again = load_model(old / "model.onnx")
+    assert not any(node.op_type == MATMUL_INTEGER_TO_FLOAT for node in again.graph)
+    assert sorted(node.name for node in int8_matmuls(again)) == expected
+    np.testing.assert_array_equal(logits_and_tokens(old)[0], fused_logits)
+    np.testing.assert_array_equal(fused_logits, logits_and_tokens(out)[0])
     assert main(["convert", str(old), "--in-place", "--int8-matmul"]) == 0
     assert "already converted" in capsys.readouterr().out
 
@@ -248,8 +297,7 @@ def test_the_int8_weights_go_to_a_data_file_beside_the_model(tmp_path, capsys):
     assert main(["convert", str(INT4[0].folder), "-o", str(out), "--int8-matmul", "-q"]) == 0
     capsys.readouterr()
     proto = onnx.load(str(out / "model.onnx"), load_external_data=False)
-    weights = {node.input[1] for node in proto.graph.node
-               if node.op_type == MATMUL_INTEGER_TO_FLOAT}
+    weights = {node.input[1] for node in proto.graph.node if node.op_type == MATMUL_INTEGER}
     locations = {tensor.name: {entry.key: entry.value for entry in tensor.external_data}
                  for tensor in proto.graph.initializer if tensor.name in weights}
     assert weights and set(locations) == weights
@@ -278,22 +326,23 @@ def test_refusals(tmp_path, capsys, monkeypatch):
     old, _, _ = _one_node(opset=9)
     with pytest.raises(ModelStructureError, match="opset 9.*QuantizeLinear"):
         Int8MatMulPass()(old)
-    # An ONNX Runtime whose schemas have no MatMulIntegerToFloat taking uint8 activations.
+    # An ONNX Runtime whose schemas have no MatMulInteger taking uint8 activations.
     from onnx_chunk import ort_schemas
 
     monkeypatch.setattr(ort_schemas, "input_types", lambda *_: frozenset({"tensor(int8)"}))
     assert main(["convert", str(INT4[0].folder), "-o", str(tmp_path / "c"),
                  "--int8-matmul"]) == 2
-    one_error_line(capsys, "no com.microsoft::MatMulIntegerToFloat", "--int8-matmul")
+    one_error_line(capsys, "no MatMulInteger of uint8 activations", "--int8-matmul")
     assert not any((tmp_path / name).exists() for name in "abc")
 
 
 def test_the_installed_onnxruntime_has_the_matmul_the_pass_writes():
     from onnx_chunk.ort_schemas import input_types
 
-    assert "tensor(uint8)" in input_types("com.microsoft", MATMUL_INTEGER_TO_FLOAT, "A")
+    assert "tensor(uint8)" in input_types("", MATMUL_INTEGER, "A")
+    assert "tensor(int8)" in input_types("", MATMUL_INTEGER, "B")
     assert input_types("com.microsoft", "NoSuchOperator", "A") == frozenset()
-    assert input_types("com.microsoft", MATMUL_INTEGER_TO_FLOAT, "no_such_input") == frozenset()
+    assert input_types("", MATMUL_INTEGER, "no_such_input") == frozenset()
 
 
 def test_converting_the_int8_folder_again_changes_nothing(tmp_path, capsys):
@@ -303,21 +352,23 @@ def test_converting_the_int8_folder_again_changes_nothing(tmp_path, capsys):
     assert "already converted" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("cpu_only", (MATMUL_INTEGER_TO_FLOAT, DYNAMIC_QUANTIZE_MATMUL))
+@pytest.mark.parametrize("cpu_only", (MATMUL_INTEGER, MATMUL_INTEGER_TO_FLOAT,
+                                      DYNAMIC_QUANTIZE_MATMUL))
 def test_the_runtime_runs_the_int8_folder_on_the_cpu_alone(cpu_only, tmp_path, monkeypatch,
                                                            capsys):
-    """MatMulIntegerToFloat (and the DynamicQuantizeMatMul of a folder converted before) are
-    CPU kernels: "auto" picks the CPU even where CUDA works, and CUDA, asked for or given as a
-    device, is refused before any session."""
+    """MatMulInteger of uint8 activations (and the MatMulIntegerToFloat and
+    DynamicQuantizeMatMul of folders converted before) run on the CPU provider only: "auto"
+    picks the CPU even where CUDA works, and CUDA, asked for or given as a device, is refused
+    before any session."""
     from onnx_chunk.errors import ProviderError
     from onnx_chunk.runtime.device import provider
 
     out = tmp_path / "int8"
     assert main(["convert", str(INT4[0].folder), "-o", str(out), "--int8-matmul", "-q"]) == 0
     capsys.readouterr()
-    if cpu_only == DYNAMIC_QUANTIZE_MATMUL:
+    if cpu_only != MATMUL_INTEGER:
         model = load_model(out / "model.onnx")
-        as_per_tensor(model)
+        (as_per_tensor if cpu_only == DYNAMIC_QUANTIZE_MATMUL else as_fused)(model)
         save_model(model, tmp_path / "old" / "model.onnx", companions_from=out)
         out = tmp_path / "old"
     monkeypatch.setattr(provider, "cuda_failure", lambda device_id: None)  # CUDA "works"
@@ -359,5 +410,5 @@ def test_the_refusals_are_the_passs_preconditions():
     # requires() refused both, before the pass changed anything.
     assert all(isinstance(refused.value, ir.passes.PreconditionError)
                for refused in (no_int4, float16))
-    int8_ops = {DYNAMIC_QUANTIZE_MATMUL, MATMUL_INTEGER_TO_FLOAT}
+    int8_ops = {DYNAMIC_QUANTIZE_MATMUL, MATMUL_INTEGER_TO_FLOAT, MATMUL_INTEGER}
     assert not int8_ops & {node.op_type for node in model.graph}
