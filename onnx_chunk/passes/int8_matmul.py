@@ -62,6 +62,13 @@ _NBITS_BIAS_INPUT = 5
 _DQMM_B, _DQMM_SCALE, _DQMM_ZERO_POINT, _DQMM_BIAS = 1, 2, 3, 4
 _MITF_B, _MITF_ROW_SCALE, _MITF_B_SCALE, _MITF_BIAS = 1, 2, 3, 6
 _INT8_MAX = 127.0
+# The weights' codes stay within +-64 (7 bits and a sign). MLAS's U8S8 kernels for CPUs without
+# VNNI (AVX2, AVX-512 BW) multiply with vpmaddubsw, which adds each pair of uint8 x int8
+# products into an int16 with saturation: uint8 codes reach 255 (zero point 128), so 8-bit
+# weights clip pairs up to 2 x 255 x 127 = 64770 against 32767, and the product is wrong there
+# (measured: Haswell under QEMU, tests/passes/test_int8_matmul.py). 2 x 255 x 64 = 32640 does
+# not clip, so every CPU computes the exact int32 product: the same numbers everywhere.
+WEIGHT_MAX = 64.0
 # A row of zeros gets this as its max |a|, so its scale and reciprocal stay finite.
 _TINY = 1e-30
 # Codes are uint8 with zero point 128 for MLAS's U8S8 kernels (AVX2, AVX-512 VNNI, AMX): on x86
@@ -180,12 +187,14 @@ def _fused(node: ir.Node) -> bool:
             and input_at(node, _MITF_BIAS) is None)
 
 
-def quantize_int8_columns(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def quantize_int8_columns(weights: np.ndarray, limit: float = WEIGHT_MAX
+                          ) -> tuple[np.ndarray, np.ndarray]:
     """[N, K] float weights -> (B int8 [K, N], scale float32 [N]): symmetric, one scale per
-    output column, max |w| / 127 (a zero column gets scale 1 and zeros)."""
+    output column, max |w| / limit, codes within +-limit (a zero column gets scale 1 and
+    zeros)."""
     peak = np.abs(weights).max(axis=1).astype(np.float32)
-    scale = np.where(peak > 0, peak / _INT8_MAX, 1.0).astype(np.float32)
-    codes = np.clip(np.rint(weights / scale[:, None]), -_INT8_MAX, _INT8_MAX).astype(np.int8)
+    scale = np.where(peak > 0, peak / np.float32(limit), 1.0).astype(np.float32)
+    codes = np.clip(np.rint(weights / scale[:, None]), -limit, limit).astype(np.int8)
     return np.ascontiguousarray(codes.T), scale
 
 
