@@ -197,10 +197,13 @@ def read_int4_blocks(model: ir.Model | Mapping[str, str]) -> Int4BlocksDeclarati
 @dataclasses.dataclass(frozen=True)
 class Int8MatMulDeclaration:
     """Layers' 4-bit weights rewritten as int8 MatMulInteger: how many nodes were
-    rewritten, and how many 4-bit MatMulNBits stayed (the lm_head, tied weights)."""
+    rewritten, how many 4-bit MatMulNBits stayed (the lm_head, tied weights), and the bound of
+    the int8 weights' codes (None: written before the bound, by an `--int8-matmul` whose
+    weights span +-127, which CPUs without VNNI multiply wrongly)."""
 
     rewritten_nodes: int
     kept_int4_nodes: int
+    weight_max: int | None = None
 
 
 def write_int8_matmul(model: ir.Model, declaration: Int8MatMulDeclaration) -> bool:

@@ -226,8 +226,10 @@ class Int8MatMulPass(ir.passes.InPlacePass):
        pass wrote before (the metadata says so; int8 B, per-column scales, zero points zero)
        becomes the same, with its own B and scales; so does a `MatMulIntegerToFloat(codes, B,
        s, b_scale, 128)` it wrote before (same numbers).
-    6. The metadata (`onnx_chunk.int8_matmul`) records the nodes rewritten from 4-bit and the
-       4-bit nodes kept; running the pass again reports `modified=False`.
+    6. The metadata (`onnx_chunk.int8_matmul`) records the nodes rewritten from 4-bit, the
+       4-bit nodes kept and the weights' bound (64); a folder converted before the bound keeps
+       its weights and its missing bound (`load` warns about it). Running the pass again
+       reports `modified=False`.
     """
 
     def requires(self, model: ir.Model) -> None:
@@ -255,8 +257,10 @@ class Int8MatMulPass(ir.passes.InPlacePass):
             elif id(node) in fused:
                 _unfuse(graph, node, rows)
         done = len(targets.int4) + (0 if previous is None else previous.rewritten_nodes)
+        # A folder written before the bound keeps its +-127 codes (the 4-bit weights are gone).
+        bound = int(WEIGHT_MAX) if previous is None else previous.weight_max
         metadata.write_int8_matmul(model, metadata.Int8MatMulDeclaration(
-            rewritten_nodes=done, kept_int4_nodes=targets.kept))
+            rewritten_nodes=done, kept_int4_nodes=targets.kept, weight_max=bound))
         logger.info("int8 matmul: %d 4-bit MatMulNBits, %d per-tensor DynamicQuantizeMatMul and "
                     "%d MatMulIntegerToFloat nodes rewritten with per-row activation scales, "
                     "%d 4-bit kept", len(targets.int4), len(targets.per_tensor),

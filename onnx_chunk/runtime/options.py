@@ -45,7 +45,7 @@ from pathlib import Path
 from onnx_chunk import arguments
 from onnx_chunk.errors import ConfigError, ModelLoadError, ProviderError
 from onnx_chunk.graph.chunk_plan import ChunkPlan, check_window_capacity
-from onnx_chunk.graph.metadata import INT8_MATMUL_KEY
+from onnx_chunk.graph.metadata import INT8_MATMUL_KEY, read_int8_matmul
 from onnx_chunk.graph.model_file import ModelFile
 from onnx_chunk.graph.model_folder import GenaiConfig
 from onnx_chunk.ladder import DECODE_WIDTH, ladder_tiers
@@ -239,6 +239,7 @@ def resolve_options(options: RuntimeOptions, *, plan: ChunkPlan, genai: GenaiCon
             "and exact mode gives an odd prompt forward a padded row, which would be that row; "
             "convert it with logits rows (onnx-chunk convert, the default) or load it without "
             "exact")
+    warn_unbounded_int8(model)
     if options.device is None:
         device = runnable_device(device, ports, model, options.provider, options.mask_policy)
     else:
@@ -321,6 +322,18 @@ def runnable_device(device: Device, ports: ModelPorts, model: ModelFile, provide
         logger.warning("%s; running on CPU instead (%s)", reason, remedy)
         return device_for("cpu", mask_policy=mask_policy)
     raise ProviderError(f"{reason}; {remedy}, or use --provider cpu")
+
+
+def warn_unbounded_int8(model: ModelFile) -> None:
+    """A warning for a folder `convert --int8-matmul` wrote before its weights were bounded to
+    +-64: on a CPU without VNNI (AVX2, AVX-512 BW alone) ONNX Runtime's int8 kernel clips
+    products of its +-127 weights (onnx_chunk.passes.int8_matmul.WEIGHT_MAX)."""
+    declaration = read_int8_matmul(model.metadata)
+    if declaration is not None and declaration.weight_max is None:
+        logger.warning("%s was converted with an older --int8-matmul: its int8 weights span "
+                       "+-127, which CPUs without VNNI multiply wrongly (ONNX Runtime's kernel "
+                       "there clips pairs of products to int16); convert the original export "
+                       "again with --int8-matmul", model.path)
 
 
 def cuda_refusal(ports: ModelPorts, model: ModelFile) -> tuple[str, str] | None:

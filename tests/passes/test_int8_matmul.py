@@ -98,7 +98,7 @@ def test_the_layers_become_int8_within_half_a_step_of_the_exact_weights(fixture)
     assert len(quantized) == len({node.inputs[0].producer().inputs[0].producer().inputs[0].name
                                   for node in rewritten})
     assert metadata.read_int8_matmul(model) == metadata.Int8MatMulDeclaration(
-        rewritten_nodes=len(rewritten), kept_int4_nodes=len(kept))
+        rewritten_nodes=len(rewritten), kept_int4_nodes=len(kept), weight_max=int(WEIGHT_MAX))
     assert not Int8MatMulPass()(model).modified
 
 
@@ -302,6 +302,30 @@ def test_a_fused_conversion_is_rewritten_with_the_same_numbers(tmp_path, capsys)
     np.testing.assert_array_equal(fused_logits, logits_and_tokens(out)[0])
     assert main(["convert", str(old), "--in-place", "--int8-matmul"]) == 0
     assert "already converted" in capsys.readouterr().out
+
+
+def test_a_folder_converted_before_the_bound_loads_with_a_warning(tmp_path, capsys, caplog):
+    """Its metadata has no weight bound (its weights span +-127, which CPUs without VNNI
+    multiply wrongly): `load` warns and says what to do; a folder converted today does not."""
+    import json
+    import logging
+
+    out = tmp_path / "int8"
+    assert main(["convert", str(INT4[0].folder), "-o", str(out), "--int8-matmul", "-q"]) == 0
+    capsys.readouterr()
+    model = load_model(out / "model.onnx")
+    declaration = metadata.read_int8_matmul(model)
+    assert declaration is not None and declaration.weight_max == WEIGHT_MAX
+    model.metadata_props[metadata.INT8_MATMUL_KEY] = json.dumps({
+        "rewritten_nodes": declaration.rewritten_nodes,
+        "kept_int4_nodes": declaration.kept_int4_nodes})
+    save_model(model, tmp_path / "old" / "model.onnx", companions_from=out)
+    with caplog.at_level(logging.WARNING, logger="onnx_chunk"):
+        load(out, provider="cpu").close()
+        assert "older --int8-matmul" not in caplog.text
+        load(tmp_path / "old", provider="cpu").close()
+    assert "older --int8-matmul: its int8 weights span +-127" in caplog.text
+    assert "convert the original export again with --int8-matmul" in caplog.text
 
 
 def test_a_dynamic_quantize_matmul_of_another_origin_is_left_alone():
