@@ -20,8 +20,12 @@ and every row's KV). Those rows are mathematically equal, so any difference is t
 rounding by row count: ONNX Runtime's CPU GroupQueryAttention computes a forward's rows in
 blocks from its first row, and the last row of a forward of k blocks + 1 rows, alone in its
 block, takes MLAS's one-row GEMM (docs/row_grouping.md); another CPU or kernel may split rows
-by threads or tiles. No past is involved, so a bug in how a chunk continues a past (positions,
-KV offsets, padded rows) cannot hide in the floor. A check passes when its difference is within
+by threads or tiles. Quantized activations turn such a difference of a few ulps into a flipped
+code now and then, which runs through every later layer, so one pair shows it by luck; the
+floor also takes the longest width's forward on a copy of the graph whose attention outputs
+all moved one ulp up (`reference.attention_noise_graph`) against the plain one: what the model
+makes of the kernels' noise. No past is involved in either, so a bug in how a chunk continues
+a past (positions, KV offsets, padded rows) cannot hide in the floor. A check passes when its difference is within
 `--atol` when given, else within max(base atol, margin x floor). Greedy tokens must agree except
 at a near-tie: where the reference's top two logits are within the logits tolerance. In exact
 mode (`--exact`) every runtime runs exactly and the tolerance is 0: no floor is measured.
@@ -44,7 +48,7 @@ from onnx_chunk.runtime import Runtime
 from onnx_chunk.runtime.engine.scheduler import prefill_chunks
 from onnx_chunk.validate.checks import NUMERICS
 from onnx_chunk.validate.prompts import seeded_prompt
-from onnx_chunk.validate.reference import last_row_graph
+from onnx_chunk.validate.reference import attention_noise_graph, last_row_graph
 from onnx_chunk.validate.report import CheckResult, Outcome
 from onnx_chunk.validate.runs import (
     Advance,
@@ -85,13 +89,17 @@ class LengthComparison:
 @dataclass(frozen=True)
 class NoiseFloor:
     """The largest difference between mathematically equal rows of forwards of different row
-    counts, for logits and KV; `rows`: the widths n compared (each against n + 1 rows);
-    `note`: why a floor is 0."""
+    counts, or of a forward whose attention outputs moved one ulp, for logits and KV; `rows`:
+    the widths n compared (each against n + 1 rows); `perturbed_rows`: the width of the
+    forward run with its `perturbed_nodes` attention outputs one ulp up (None: not run);
+    `note`: why a floor is 0 or not perturbed."""
 
     logits: float
     kv: float
     rows: tuple[int, ...]
     note: str | None = None
+    perturbed_rows: int | None = None
+    perturbed_nodes: int = 0
 
 
 def tolerance(settings: RunSettings, floor: float) -> float:
@@ -267,7 +275,21 @@ def noise_floor(model_path: Path, settings: RunSettings,
                     (first.logits[None],), (row[None],)))
             worst[KV] = max(worst[KV], max_abs_difference(
                 tuple(first.kv), tuple(array[:width] for array in kv)))
-    return NoiseFloor(worst[LOGITS], worst[KV], tuple(shorter), note)
+    perturbed = max(shorter)
+    graph, count = attention_noise_graph(model_path)
+    if graph is None:
+        note = note or "no attention node to perturb: the floor is the row-count pairs alone"
+        return NoiseFloor(worst[LOGITS], worst[KV], tuple(shorter), note)
+    with load_runtime(model_path, settings, chunk_size=settings.capacity, padding=False,
+                      graph=graph) as runtime:
+        ids = floor_ids(runtime, perturbed, settings)[:perturbed]
+        logits, kv = prefix_forward(runtime, ids, every=False)
+    first = shorter[perturbed]
+    if first.logits is not None and logits.size == first.logits.size:
+        worst[LOGITS] = max(worst[LOGITS], max_abs_difference(
+            (first.logits.reshape(1, -1),), (logits.reshape(1, -1),)))
+    worst[KV] = max(worst[KV], max_abs_difference(tuple(first.kv), tuple(kv)))
+    return NoiseFloor(worst[LOGITS], worst[KV], tuple(shorter), note, perturbed, count)
 
 
 def _logits_difference(reference: PromptRun, run: PromptRun) -> float:
@@ -334,7 +356,8 @@ def _compare(comparisons: list[LengthComparison], settings: RunSettings, floor_v
     bound = tolerance(settings, floor_value)
     details = {"lengths": list(settings.lengths), "capacity": settings.capacity,
                "atol": bound, "max_abs_difference": per_length,
-               "floor_rows": list(floor.rows),
+               "floor_rows": list(floor.rows), "floor_perturbed_rows": floor.perturbed_rows,
+               "floor_perturbed_nodes": floor.perturbed_nodes,
                **_judgement(settings, max(worst.values()), floor_value)}
     if floor.note:
         details["floor_note"] = floor.note

@@ -19,7 +19,12 @@ Rules of `last_row_graph`:
    stays, read by nothing).
 2. A decoder whose logits already keep one row, or whose LM head is not found that way, is
    used as it is (None).
-3. The copy is the serialized graph alone, run in place of the file's (`Runtime(graph=...)`):
+3. `attention_noise_graph` is the last-row copy (or the graph itself, rule 2) with every
+   attention node's output multiplied by 1 + one unit in the last place of its float type, so
+   each value moves by one or two ulps: the rounding difference ONNX Runtime's attention makes
+   between two cuts of the same rows (docs/row_grouping.md). The noise floor runs it to see
+   what the rest of the model makes of such a difference (numerics).
+4. A copy is the serialized graph alone, run in place of the file's (`Runtime(graph=...)`):
    ONNX Runtime reads its external data from the model's folder, which is never written, and
    no file of the model gets a second name (onnx.checker and onnx.load refuse external data
    with several hard links, so links would fail any other process checking the same model).
@@ -40,6 +45,11 @@ logger = logging.getLogger(__name__)
 _HEADS = {"MatMul", "MatMulNBits", "FusedMatMul", "Gemm"}
 _ELEMENTWISE = {"Cast", "Add", "Sub", "Mul", "Div", "Tanh", "Identity"}
 _LOGITS = "logits"
+# The ops whose rounding depends on how a forward's rows are cut (docs/row_grouping.md).
+_ATTENTION = {"GroupQueryAttention", "MultiHeadAttention", "Attention"}
+# 1 + one unit in the last place, by the elem type of the float the model computes in.
+_ONE_ULP_UP = {TensorProto.FLOAT: 1.0 + 2.0**-23, TensorProto.FLOAT16: 1.0 + 2.0**-10,
+               TensorProto.BFLOAT16: 1.0 + 2.0**-7}
 
 
 def last_row_graph(model_path: Path, from_end: int = 0) -> bytes | None:
@@ -50,6 +60,52 @@ def last_row_graph(model_path: Path, from_end: int = 0) -> bytes | None:
     if not slice_last_row(proto.graph, from_end):
         return None
     return proto.SerializeToString()
+
+
+def attention_noise_graph(model_path: Path) -> tuple[bytes | None, int]:
+    """Rule 3: the serialized copy of `model_path`'s graph, its LM head on the last row where
+    `slice_last_row` applies, whose attention outputs are each one ulp up; and how many were.
+    (None, 0) when the graph has no attention node."""
+    proto = onnx.load(str(model_path), load_external_data=False)
+    slice_last_row(proto.graph)
+    count = perturb_attention(proto.graph)
+    return (proto.SerializeToString(), count) if count else (None, 0)
+
+
+def perturb_attention(graph: onnx.GraphProto) -> int:
+    """Rule 3 on `graph`, in place: each attention node's first output, multiplied by
+    1 + one ulp of the type the model computes in (its first floating past or logits type),
+    under its own name; returns how many nodes were perturbed."""
+    dtype = _compute_type(graph)
+    nodes = []
+    count = 0
+    for node in graph.node:
+        nodes.append(node)
+        if node.op_type not in _ATTENTION or not node.output or not node.output[0]:
+            continue
+        name = node.output[0]
+        raw = f"{name}/validate_unperturbed"
+        factor = helper.make_tensor(f"{name}/validate_one_ulp_up", dtype, [],
+                                    [_ONE_ULP_UP[dtype]])
+        graph.initializer.append(factor)
+        node.output[0] = raw
+        nodes.append(helper.make_node("Mul", [raw, factor.name], [name],
+                                      name=f"{name}/validate_perturb"))
+        count += 1
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return count
+
+
+def _compute_type(graph: onnx.GraphProto) -> int:
+    """The float type attention computes in: the first past KV input's, else the logits'."""
+    values = [value for value in graph.input if value.name.startswith("past")]
+    values += [value for value in graph.output if value.name == _LOGITS]
+    for value in values:
+        elem = value.type.tensor_type.elem_type
+        if elem in _ONE_ULP_UP:
+            return elem
+    return TensorProto.FLOAT
 
 
 def slice_last_row(graph: onnx.GraphProto, from_end: int = 0) -> bool:

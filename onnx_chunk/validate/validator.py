@@ -70,7 +70,8 @@ DEFAULT_NEW_TOKENS = 4
 CPU_ATOL = 1e-5
 # Without --atol, a numerics check's tolerance is max(base atol, NOISE_MARGIN x the noise
 # floor): the largest difference the kernels themselves make between mathematically equal rows
-# of forwards of different row counts (numerics.noise_floor).
+# of forwards of different row counts, or that one ulp more in every attention output makes
+# (numerics.noise_floor).
 NOISE_MARGIN = 4.0
 DEVICE_ATOL = 1e-3
 STATIC_ATOL = 1e-4

@@ -66,8 +66,8 @@ def test_unconverted_good_variants_pass_with_the_plan_checks_skipped(reference_m
         if variant == "int4":  # MatMulNBits rounds by row count: within its measured noise
             assert max(differences["chunked"] + differences["padded"]) <= details["tolerance"]
             assert details["tolerance"] == max(1e-5, details["margin"] * details["floor"])
-        else:  # float32 kernels make no noise here: the tight bound holds
-            assert details["floor"] == 0.0 and details["tolerance"] == 1e-5
+        else:  # float32: one ulp of attention stays a few ulps, so the tight bound holds
+            assert details["floor"] < 1e-5 / details["margin"] and details["tolerance"] == 1e-5
             assert differences["chunked"] == differences["padded"] == [0.0] * len(LENGTHS)
     cache = checks["cache.second_pass"].details
     assert cache["after_second_pass"]["compiles"] == cache["first_pass"]["compiles"] > 0
@@ -152,7 +152,7 @@ def test_a_layer_that_ignores_its_past_fails_the_numerics(reference_model, tmp_p
     assert outcomes["numerics.kv_prefix"] is Outcome.FAILED
     reason = _by_name(report)["numerics.logits"].reason
     assert "chunked logits vs the whole-prompt forward" in reason
-    assert "> tolerance 1e-05 = max(atol 1e-05, noise floor 0 x margin 4)" in reason
+    assert "> tolerance 1e-05 = max(atol 1e-05, noise floor " in reason
     # Prompts that fit in one chunk are unaffected; only multi-chunk prompts differ.
     differences = _by_name(report)["numerics.logits"].details["max_abs_difference"]["chunked"]
     assert differences[0] == 0.0 and max(differences[3:]) > 1e-3

@@ -6,11 +6,12 @@ import shutil
 
 import numpy as np
 import onnx
+import onnx.numpy_helper
 import pytest
 
 from onnx_chunk import load
 from onnx_chunk.ort_schemas import register_runtime_schemas
-from onnx_chunk.validate.reference import last_row_graph
+from onnx_chunk.validate.reference import attention_noise_graph, last_row_graph
 from onnx_chunk.validate.runs import RunSettings, boundaries, reference_run
 from tests.exports.corpus import ROOT
 
@@ -65,3 +66,31 @@ def test_a_reference_run_keeps_the_boundary_rows_not_the_prompt(reference_model)
     # the whole prompt's forward (float32 on CPU: bit for bit).
     for row, logits in run.rows.items():
         np.testing.assert_array_equal(logits, every[row])
+
+
+@pytest.mark.parametrize(("name", "factor"), [("genai-llama-fp32", 1.0 + 2.0**-23),
+                                              ("genai-llama-fp16", 1.0 + 2.0**-10)])
+def test_the_noise_copy_moves_every_attention_output_one_ulp_up(name, factor):
+    """Each attention node's output is multiplied by 1 + one ulp of the type the model
+    computes in, under the output's own name; the LM head reads the last row."""
+    model = ROOT / name / "model.onnx"
+    graph, count = attention_noise_graph(model)
+    assert graph is not None
+    proto = onnx.load_from_string(graph)
+    kinds = {"GroupQueryAttention", "MultiHeadAttention"}  # the fp16 export has the latter
+    attention = [node for node in proto.graph.node if node.op_type in kinds]
+    original = onnx.load(str(model), load_external_data=False)
+    assert count == len(attention) == sum(node.op_type in kinds
+                                          for node in original.graph.node) > 0
+    constants = {tensor.name: tensor for tensor in proto.graph.initializer}
+    consumers = {name: node for node in proto.graph.node for name in node.input}
+    for node in attention:
+        mul = consumers[node.output[0]]
+        assert mul.op_type == "Mul"
+        value = onnx.numpy_helper.to_array(constants[mul.input[1]])
+        assert value.dtype == (np.float16 if name.endswith("fp16") else np.float32)
+        assert float(value) == factor
+        assert mul.output[0] == next(original_node.output[0] for original_node in
+                                     original.graph.node if original_node.name == node.name)
+    logits = next(value for value in proto.graph.output if value.name == "logits")
+    assert logits.type.tensor_type.shape.dim[1].dim_value == 1
