@@ -123,6 +123,9 @@ def write_junit(report: Report, target: Path) -> None:
 @click.option("--exact", is_flag=True,
               help="Run every runtime in exact mode and compare bit for bit (a tolerance of 0; "
                    "docs/row_grouping.md).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="ONNX Runtime's intra-op threads of every session the checks run (default: "
+                   "its own, one per core).")
 @click.option("--progress/--no-progress", default=None,
               help="Show a progress bar on stderr (default: when stderr is a terminal).")
 @QUIET_OPTION
@@ -132,7 +135,7 @@ def validate(ctx: click.Context, model_path: Path, as_json: bool, junit: Path | 
              seed: int, chunk_size: int | None, atol: float | None, max_input_len: int | None,
              decode_model: Path | None, reference: Path | None,
              reference_max_logits_diff: float | None, reference_min_agreement: float | None,
-             exact: bool, progress: bool | None, quiet: bool) -> None:
+             exact: bool, threads: int | None, progress: bool | None, quiet: bool) -> None:
     """Check that MODEL_PATH (a .onnx file or its folder) is safe for chunked prefill.
 
     Exit code 0 when every check passed (or was skipped), 1 when one failed, 2 when the model
@@ -144,7 +147,7 @@ def validate(ctx: click.Context, model_path: Path, as_json: bool, junit: Path | 
         new_tokens=new_tokens, provider=provider, seed=seed, chunk_size=chunk_size,
         atol=atol, max_input_len=max_input_len, decode_model=decode_model,
         reference=reference, reference_max_logits_diff=reference_max_logits_diff,
-        reference_min_agreement=reference_min_agreement, exact=exact)
+        reference_min_agreement=reference_min_agreement, exact=exact, threads=threads)
     if junit is not None:
         protected = model_files(model_path, decode_model)
         if reference is not None and reference.exists():

@@ -37,7 +37,8 @@ class RunSettings:
 
     `atol` is the base tolerance (the provider's default, or `--atol` when `atol_given`);
     `margin` multiplies the kernels' measured noise floor (numerics); `tiers`: the ladder a
-    runtime at `chunk_size` pads to; `exact`: every runtime in exact mode, compared bit for bit.
+    runtime at `chunk_size` pads to; `exact`: every runtime in exact mode, compared bit for bit;
+    `threads`: ONNX Runtime's intra-op threads of every session (None: its default).
     """
 
     provider: str
@@ -51,6 +52,7 @@ class RunSettings:
     margin: float = 4.0
     tiers: tuple[int, ...] = ()
     exact: bool = False
+    threads: int | None = None
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ def load_runtime(model_path: Path, settings: RunSettings, *, chunk_size: int,
     of its graph to run instead."""
     return load(model_path, provider=settings.provider, capacity=settings.capacity,
                 chunk_size=chunk_size, padding=padding, max_batch=max_batch, graph=graph,
-                exact=settings.exact)
+                exact=settings.exact, intra_op_threads=settings.threads)
 
 
 def boundaries(length: int, chunk_size: int) -> list[int]:

@@ -94,6 +94,7 @@ class ValidationOptions:
     reference_max_logits_diff: float | None = None
     reference_min_agreement: float | None = None
     exact: bool = False
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.provider not in PROVIDER_CHOICES:
@@ -110,6 +111,7 @@ class ValidationOptions:
                                    error=ConfigError)
         arguments.optional_integer(self.max_input_len, "max_input_len", minimum=1,
                                    error=ConfigError)
+        arguments.optional_integer(self.threads, "threads", minimum=1, error=ConfigError)
         if self.atol is not None and (isinstance(self.atol, bool)
                                       or not isinstance(self.atol, (int, float))
                                       or not (self.atol >= 0 and math.isfinite(self.atol))):
@@ -172,6 +174,10 @@ def validate_model(path: str | os.PathLike, options: ValidationOptions | None = 
     elif options.reference is not None:
         raise ConfigError(f"reference (--reference) compares dynamic decoders, and "
                           f"{str(subject.path)!r} is a static one; drop it")
+    elif options.threads is not None:
+        raise ConfigError(f"threads (--threads) sets the runtime's sessions, and "
+                          f"{str(subject.path)!r} is a static decoder, which runs ONNX Runtime's "
+                          f"default threads; drop it")
     compared = _selected(options, REFERENCE)
     reference = None
     if options.reference is not None and any(compared(check) for check in CHECKS[REFERENCE]):
@@ -341,4 +347,5 @@ def _run_settings(plan: ChunkPlan, options: ValidationOptions, provider: str,
                        atol=0.0 if exact else options.atol if options.atol is not None
                        else default_atol,
                        atol_given=exact or options.atol is not None, margin=NOISE_MARGIN,
-                       tiers=resolve_tiers(plan, chunk_size), exact=exact)
+                       tiers=resolve_tiers(plan, chunk_size), exact=exact,
+                       threads=options.threads)

@@ -186,3 +186,23 @@ def test_exact_with_a_tolerance_is_refused(capsys):
 
     assert main(["validate", str(ROOT / "genai-llama-fp32"), "--exact", "--atol", "0.1"]) == 2
     one_error_line(capsys, "--exact", "--atol 0.1")
+
+
+def test_threads_set_every_session_the_checks_run(base, capsys, monkeypatch):
+    from onnx_chunk.validate import runs
+
+    asked = []
+    load = runs.load
+
+    def recording(*args, **kwargs):
+        asked.append(kwargs.get("intra_op_threads"))
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(runs, "load", recording)
+    code, _, err = _run(capsys, base, "--threads", "1", "--chunk-size", CHUNK, "--lengths",
+                        "2,9")
+    assert code == 0, err
+    # Reference, floor pairs, the perturbed forward, chunked, padded, cache and engine.
+    assert len(asked) >= 6 and set(asked) == {1}
+    code, _, err = _run(capsys, base, "--threads", "0")
+    assert code == 2 and "--threads" in err

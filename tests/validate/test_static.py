@@ -7,6 +7,7 @@ import json
 import pytest
 
 from onnx_chunk.cli import main
+from onnx_chunk.errors import ConfigError
 from onnx_chunk.models.static_decoder import build_static_decoder
 from onnx_chunk.validate import Outcome, ValidationOptions, validate_model
 
@@ -84,3 +85,9 @@ def test_the_decode_graph_beside_a_built_pair_is_found(tmp_path):
     assert checks["static.decode_graph"].details["decode_model"] == str(tmp_path / "decode.onnx")
     runs = checks["static.chunked_vs_whole"].details["runs"]
     assert [run["length"] for run in runs] == [3, 8] and all(run["tokens_equal"] for run in runs)
+
+
+def test_threads_are_refused_for_a_static_decoder(static_pair):
+    chunk, decode, _ = static_pair
+    with pytest.raises(ConfigError, match=r"threads \(--threads\) .* static decoder"):
+        validate_model(chunk, ValidationOptions(decode_model=decode, provider="cpu", threads=1))
