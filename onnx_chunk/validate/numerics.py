@@ -25,10 +25,11 @@ code now and then, which runs through every later layer, so one pair shows it by
 floor also takes the longest width's forward on a copy of the graph whose attention outputs
 all moved one ulp up (`reference.attention_noise_graph`) against the plain one: what the model
 makes of the kernels' noise. No past is involved in either, so a bug in how a chunk continues
-a past (positions, KV offsets, padded rows) cannot hide in the floor. A check passes when its difference is within
-`--atol` when given, else within max(base atol, margin x floor). Greedy tokens must agree except
-at a near-tie: where the reference's top two logits are within the logits tolerance. In exact
-mode (`--exact`) every runtime runs exactly and the tolerance is 0: no floor is measured.
+a past (positions, KV offsets, padded rows) cannot hide in the floor. A check passes when its
+difference is within `--atol` when given, else within max(base atol, margin x floor). Greedy
+tokens must agree except at a near-tie: where the reference's top two logits are within the
+logits tolerance. In exact mode (`--exact`) every runtime runs exactly and the tolerance is 0:
+no floor is measured.
 """
 
 from __future__ import annotations

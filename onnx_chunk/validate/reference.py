@@ -48,8 +48,9 @@ _LOGITS = "logits"
 # The ops whose rounding depends on how a forward's rows are cut (docs/row_grouping.md).
 _ATTENTION = {"GroupQueryAttention", "MultiHeadAttention", "Attention"}
 # 1 + one unit in the last place, by the elem type of the float the model computes in.
-_ONE_ULP_UP = {TensorProto.FLOAT: 1.0 + 2.0**-23, TensorProto.FLOAT16: 1.0 + 2.0**-10,
-               TensorProto.BFLOAT16: 1.0 + 2.0**-7}
+ONE_ULP_UP: dict[int, float] = {TensorProto.FLOAT: 1.0 + 2.0**-23,
+                                TensorProto.FLOAT16: 1.0 + 2.0**-10,
+                                TensorProto.BFLOAT16: 1.0 + 2.0**-7}
 
 
 def last_row_graph(model_path: Path, from_end: int = 0) -> bytes | None:
@@ -86,7 +87,7 @@ def perturb_attention(graph: onnx.GraphProto) -> int:
         name = node.output[0]
         raw = f"{name}/validate_unperturbed"
         factor = helper.make_tensor(f"{name}/validate_one_ulp_up", dtype, [],
-                                    [_ONE_ULP_UP[dtype]])
+                                    [ONE_ULP_UP[dtype]])
         graph.initializer.append(factor)
         node.output[0] = raw
         nodes.append(helper.make_node("Mul", [raw, factor.name], [name],
@@ -103,7 +104,7 @@ def _compute_type(graph: onnx.GraphProto) -> int:
     values += [value for value in graph.output if value.name == _LOGITS]
     for value in values:
         elem = value.type.tensor_type.elem_type
-        if elem in _ONE_ULP_UP:
+        if elem in ONE_ULP_UP:
             return elem
     return TensorProto.FLOAT
 

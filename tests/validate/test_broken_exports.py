@@ -6,10 +6,15 @@ from __future__ import annotations
 import pytest
 from onnx import TensorProto
 
-from onnx_chunk.validate import Outcome, ValidationOptions, resolve_skip, validate_model
+from onnx_chunk.validate import (
+    Outcome,
+    ValidationOptions,
+    numerics,
+    reference,
+    resolve_skip,
+    validate_model,
+)
 from tests.exports.corpus import ROOT
-
-from onnx_chunk.validate import numerics, reference
 
 from .mutations import (
     FAKE_ROUNDING,
@@ -188,7 +193,7 @@ def test_a_difference_no_pair_shows_is_covered_by_the_models_response_to_it(
     shutil.copytree(ROOT / "genai-llama-int4", folder)
     edit_graph(folder / "model.onnx", rounds_by_row_count(layer=0, kind="lone block"))
     monkeypatch.setattr(numerics, "floor_widths", lambda settings: (16,))
-    monkeypatch.setitem(reference._ONE_ULP_UP, TensorProto.FLOAT, 1.0 + FAKE_ROUNDING)
+    monkeypatch.setitem(reference.ONE_ULP_UP, TensorProto.FLOAT, 1.0 + FAKE_ROUNDING)
     if not perturbed:
         monkeypatch.setattr(numerics, "attention_noise_graph", lambda model: (None, 0))
     checks = _checks(validate_model(folder, OPTIONS))
@@ -212,7 +217,7 @@ def test_a_broken_export_fails_however_much_the_model_magnifies_an_ulp(monkeypat
     folder = tmp_path / "broken"
     shutil.copytree(ROOT / "genai-llama-int4", folder)
     edit_graph(folder / "model.onnx", MUTATIONS["positions and KV write one off"])
-    monkeypatch.setitem(reference._ONE_ULP_UP, TensorProto.FLOAT, 1.0 + FAKE_ROUNDING)
+    monkeypatch.setitem(reference.ONE_ULP_UP, TensorProto.FLOAT, 1.0 + FAKE_ROUNDING)
     checks = _checks(validate_model(folder, OPTIONS))
     for check in ("numerics.logits", "numerics.kv_prefix"):
         assert checks[check].outcome is Outcome.FAILED, checks[check].reason
