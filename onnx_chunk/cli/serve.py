@@ -61,6 +61,9 @@ _CACHE_MODES: dict[str, dict[str, Any]] = {
               help="Turn special tokens typed in messages into control tokens, as transformers' "
                    "apply_chat_template does (default: they are text, as in OpenAI's API, so a "
                    "user cannot forge a turn).")
+@click.option("--trust-request-chat-template", is_flag=True,
+              help="Render a request's own chat_template (in the same sandbox), as vLLM's flag "
+                   "of that name does (default: refused with a 400; a template is code).")
 @click.option("--no-prefix-reuse", "prefix_reuse", is_flag=True, flag_value=False, default=True,
               help="Start every request on an empty slot (default: a slot keeps its KV after "
                    "a request, and a later prompt starting with the same tokens prefills only "
@@ -77,7 +80,8 @@ _CACHE_MODES: dict[str, dict[str, Any]] = {
 def serve(model: Path, host: str, port: int, batch: int, queue: int,
           api_keys: tuple[str, ...], share_prefixes: bool, provider: str,
           capacity: int | None, max_body_bytes: int | None, max_answer_bytes: int | None,
-          parse_special_in_content: bool, prefix_reuse: bool, speculative: str | None,
+          parse_special_in_content: bool, trust_request_chat_template: bool,
+          prefix_reuse: bool, speculative: str | None,
           exact: bool, cache_mode: str) -> None:
     try:
         from onnx_chunk.serve import create_app
@@ -103,6 +107,7 @@ def serve(model: Path, host: str, port: int, batch: int, queue: int,
         app = create_app(
             runtime, api_key=list(api_keys), share_prefixes=share_prefixes,
             parse_special_in_content=parse_special_in_content,
+            trust_request_chat_template=trust_request_chat_template,
             max_body_bytes=DEFAULT_MAX_BODY_BYTES if max_body_bytes is None else max_body_bytes,
             max_answer_bytes=(DEFAULT_MAX_ANSWER_BYTES if max_answer_bytes is None
                               else max_answer_bytes))

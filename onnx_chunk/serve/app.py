@@ -102,7 +102,8 @@ def create_app(runtime: Runtime, *, model_name: str | None = None,
                api_key: str | Sequence[str] | None = None, share_prefixes: bool = False,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
-               parse_special_in_content: bool = False) -> Starlette:
+               parse_special_in_content: bool = False,
+               trust_request_chat_template: bool = False) -> Starlette:
     """The ASGI app serving `runtime` (see the module docstring); `app.state.service.drain()`
     stops it admitting. The caller owns the runtime (and closes it after the server).
 
@@ -116,6 +117,10 @@ def create_app(runtime: Runtime, *, model_name: str | None = None,
     parse_special_in_content: special tokens typed in messages become control tokens, as
         transformers' apply_chat_template makes them; by default they are text, as OpenAI's
         API treats them (a user cannot forge a turn).
+    trust_request_chat_template: a request's own `chat_template` is rendered (in the same
+        sandbox); by default it is refused (400), as vLLM refuses it without
+        `--trust-request-chat-template` (vllm/entrypoints/openai/serving_engine.py,
+        `_validate_chat_template`).
     Faults of the model folder that would fail every request (a chat template that does not
     compile, genai_config's `search` out of range) raise here, at start.
     """
@@ -127,7 +132,7 @@ def create_app(runtime: Runtime, *, model_name: str | None = None,
     if any(not isinstance(key, str) or not key.strip() for key in keys):
         raise ConfigError("an API key must be a non-empty string")
     service = _Service(runtime, model_name or Path(runtime.stats.model).parent.name, keys,
-                       max_body_bytes, parse_special_in_content)
+                       max_body_bytes, parse_special_in_content, trust_request_chat_template)
     service.max_answer_bytes = max_answer_bytes
     service.share_prefixes = share_prefixes
     routes = [
@@ -163,7 +168,8 @@ class _Service:
     """The app's state: the runtime, its tokenizer, the metrics, the live generations."""
 
     def __init__(self, runtime: Runtime, model_name: str, api_keys: list[str],
-                 max_body_bytes: int, parse_special_in_content: bool) -> None:
+                 max_body_bytes: int, parse_special_in_content: bool,
+                 trust_request_chat_template: bool = False) -> None:
         self.runtime = runtime
         self.model_name = model_name
         # What a loaded runtime never changes, read once (a stats snapshot is not free).
@@ -178,7 +184,8 @@ class _Service:
         self.search = search_defaults(self.tokenizer)
         # The one encoder of every prompt the server feeds or /tokenize counts.
         self.prompts = PromptEncoder(self.tokenizer, special_in_content=parse_special_in_content,
-                                     max_tokens=self.capacity)
+                                     max_tokens=self.capacity,
+                                     request_templates=trust_request_chat_template)
         self.max_body_bytes = max_body_bytes
         self.max_answer_bytes = DEFAULT_MAX_ANSWER_BYTES
         self.metrics = ServerMetrics(runtime)

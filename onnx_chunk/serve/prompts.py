@@ -1,7 +1,9 @@
 """A generation request's prompts as the ids the engine is fed, every refusal named.
 
 Chat: the messages through the model's chat template or the request's own (`chat_template`,
-compiled in the same sandbox), with its `chat_template_kwargs`, and the generation prompt or
+compiled in the same sandbox; only on a server started with `--trust-request-chat-template`,
+as vLLM's, else 400 naming it: a template is code, and the sandbox bounds what it reaches, not
+the time or memory it spends), with its `chat_template_kwargs`, and the generation prompt or
 the final message continued (vLLM's fields); completions: each prompt encoded (or its ids as
 given). `truncate_prompt_tokens` keeps the last N ids (-1: as many as the context leaves after
 the output's length; vLLM's rule, vllm/renderers/params.py: at most that many). The encoder is
@@ -35,19 +37,24 @@ from onnx_chunk.text.prompt import ChatOptions
 if TYPE_CHECKING:
     from onnx_chunk.serve.parameters import ChatFields
     from onnx_chunk.text.prompt import PromptEncoder
-    from onnx_chunk.text.tokenizer import Tokenizer
 
 # Where a request's own chat template is said to come from.
 REQUEST_TEMPLATE = "the request's chat_template"
 
 
-def chat_options(fields: ChatFields, tokenizer: Tokenizer) -> ChatOptions:
+def chat_options(fields: ChatFields, prompts: PromptEncoder) -> ChatOptions:
     """How a request's messages render: its template compiled (400 naming `chat_template`
-    when it does not compile), its variables, the generation prompt or the continuation."""
+    when the server does not take request templates or it does not compile), its variables,
+    the generation prompt or the continuation."""
     template = None
     if fields.template is not None:
+        if not prompts.request_templates:
+            raise RequestError("'chat_template' is a template of the request's making, and this "
+                               "server renders with its model's own; leave it out (a server "
+                               "started with --trust-request-chat-template takes it, as vLLM's "
+                               "does)", param="chat_template", code="untrusted_chat_template")
         try:
-            template = tokenizer.compile_template(fields.template, REQUEST_TEMPLATE)
+            template = prompts.tokenizer.compile_template(fields.template, REQUEST_TEMPLATE)
         except InputError as error:
             raise RequestError(str(error), param="chat_template",
                                code="invalid_chat_template") from error
@@ -76,7 +83,7 @@ def chat_ids(request: ChatCompletionRequest, prompts: PromptEncoder, capacity: i
              ) -> list[int]:
     """The ids a chat request is fed (see the module docstring)."""
     options = request.options
-    chat = chat_options(options.chat, prompts.tokenizer)
+    chat = chat_options(options.chat, prompts)
     if options.tool_choice == "auto":
         template = chat.template or prompts.tokenizer.chat_template
         check_auto(None if template is None else template.source)

@@ -71,7 +71,8 @@ def application(model: str | os.PathLike, *, replicas: int = 1, gpus_per_replica
                 queue: int = 64, capacity: int | None = None,
                 intra_op_threads: int | None = None, api_key: str | None = None,
                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                parse_special_in_content: bool = False, name: str = "onnx-chunk",
+                parse_special_in_content: bool = False,
+                trust_request_chat_template: bool = False, name: str = "onnx-chunk",
                 routing: str = "prefix", max_excess: int | None = None,
                 memory: int | None = None, graceful_shutdown_s: float = 20.0) -> Any:
     """A Ray Serve application of `replicas` replicas of the server on `model` behind one
@@ -96,7 +97,8 @@ def application(model: str | os.PathLike, *, replicas: int = 1, gpus_per_replica
     load_options = {"provider": provider, "max_batch": batch, "max_queue": queue,
                     "capacity": capacity, "intra_op_threads": intra_op_threads}
     app_options = {"api_key": api_key, "max_body_bytes": max_body_bytes,
-                   "parse_special_in_content": parse_special_in_content}
+                   "parse_special_in_content": parse_special_in_content,
+                   "trust_request_chat_template": trust_request_chat_template}
     deployment_options: dict[str, Any] = {
         "name": name, "num_replicas": replicas, "max_ongoing_requests": batch + queue,
         "graceful_shutdown_timeout_s": graceful_shutdown_s,
@@ -113,7 +115,8 @@ def application(model: str | os.PathLike, *, replicas: int = 1, gpus_per_replica
     ingress = serve.deployment(name=f"{name}-ingress",
                                max_ongoing_requests=replicas * (batch + queue),
                                ray_actor_options={"num_cpus": 0})(Ingress)
-    return ingress.bind(engines, model_path, max_body_bytes, parse_special_in_content)
+    return ingress.bind(engines, model_path, max_body_bytes, parse_special_in_content,
+                        trust_request_chat_template)
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -315,7 +318,8 @@ class Ingress:
     replicas' handle (whose router picks the replica) and streams the answer back."""
 
     def __init__(self, engines: Any, model_path: str, max_body_bytes: int,
-                 parse_special_in_content: bool = False) -> None:
+                 parse_special_in_content: bool = False,
+                 trust_request_chat_template: bool = False) -> None:
         from onnx_chunk.text.prompt import PromptEncoder
         from onnx_chunk.text.tokenizer import load_tokenizer
 
@@ -325,7 +329,8 @@ class Ingress:
         self._prompts: PromptEncoder | None
         try:
             self._prompts = PromptEncoder(load_tokenizer(model_path),
-                                          special_in_content=parse_special_in_content)
+                                          special_in_content=parse_special_in_content,
+                                          request_templates=trust_request_chat_template)
         except Exception as error:  # the replicas report a bad folder; chats lose affinity
             logger.warning("no tokenizer for the routing keys (%s): chats are routed by load",
                            error)

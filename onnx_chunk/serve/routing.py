@@ -231,7 +231,7 @@ def request_key(path: str, body: bytes, prompts: PromptEncoder | None, *,
             if prompts is None:
                 return ""
             chat = ChatCompletionRequest.parse(json.loads(body))
-            options = chat_options(chat.options.chat, prompts.tokenizer)
+            options = chat_options(chat.options.chat, prompts)
             key = prompts.render_text(chat.template_messages(), max_chars=max_chars,
                                       tools=chat.options.template_tools, chat=options)
             keep = chat.options.truncate_prompt_tokens

@@ -31,6 +31,34 @@ GRACEFUL_S = 30
 SWITCH_INTERVAL_S = 0.0005
 
 
+class ShortSwitchInterval:
+    """The interval is the process's: set by the first server serving, restored by the last
+    to stop (servers in one process, as tests run them, stop in any order)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._serving = 0
+        self._previous = 0.0
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        with self._lock:
+            if self._serving == 0:
+                self._previous = sys.getswitchinterval()
+                sys.setswitchinterval(SWITCH_INTERVAL_S)
+            self._serving += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._serving -= 1
+                if self._serving == 0:
+                    sys.setswitchinterval(self._previous)
+
+
+SWITCH_INTERVAL = ShortSwitchInterval()
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn's server whose exit drains the app first (see the module docstring)."""
 
@@ -43,12 +71,8 @@ class DrainingServer(uvicorn.Server):
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
-        previous = sys.getswitchinterval()
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
-        try:
+        with SWITCH_INTERVAL.held():
             await super().serve(sockets)
-        finally:
-            sys.setswitchinterval(previous)
 
     def stop(self) -> None:
         """Drain and exit, as the signal does (callable from any thread)."""

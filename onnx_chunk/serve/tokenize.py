@@ -112,7 +112,7 @@ def tokenize(body: object, prompts: PromptEncoder,
     try:
         if messages is not None:
             ids = rendered_ids(messages, request.template_tools(),
-                               chat_options(request.chat, prompts.tokenizer), prompts, None)
+                               chat_options(request.chat, prompts), prompts, None)
         else:
             assert request.prompt is not None  # the model requires one of them
             ids = prompts.encode(request.prompt, add_special_tokens=request.add_special_tokens)

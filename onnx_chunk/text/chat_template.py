@@ -2,19 +2,21 @@
 
 Where it is: `chat_template.jinja` in the model folder, else `tokenizer_config.json`'s
 `chat_template` (a string, or a list of {"name", "template"} of which "default" is used).
-How it renders: jinja2's ImmutableSandboxedEnvironment with trim_blocks, lstrip_blocks, the
-loopcontrols extension and the `{% generation %}` block (rendered as its body: transformers
-uses it only to track assistant tokens); `raise_exception(message)` raises; `tojson` is
-json.dumps with ensure_ascii=False (indent, separators, sort_keys passed through) in place of
-jinja's HTML-escaping filter; `strftime_now(format)` is the local time; the variables are
-`messages`, `tools` (the caller's list of tool schemas, or None) and `documents` (None),
+How it renders: jinja2's ImmutableSandboxedEnvironment (its `*`, `**` and `+` bounded: a string,
+list or tuple they would make of more than MAX_TEMPLATE_ITEMS items, or an integer of more than
+MAX_TEMPLATE_INT_BITS bits, is refused before it is made) with trim_blocks, lstrip_blocks, the
+loopcontrols extension and the `{% generation %}` block (rendered as its body: transformers uses
+it only to track assistant tokens); `raise_exception(message)` raises; `tojson` is json.dumps
+with ensure_ascii=False (indent, separators, sort_keys passed through) in place of jinja's
+HTML-escaping filter; `strftime_now(format)` is the local time; the variables are `messages`,
+`tools` (the caller's list of tool schemas, or None) and `documents` (None),
 `add_generation_prompt`, every declared special token (bos_token, eos_token, unk_token,
 sep_token, pad_token, cls_token, mask_token) by name, as transformers 5 passes them (no
 additional_special_tokens), and the caller's `variables` (vLLM's `chat_template_kwargs`; they
-may override a special token, never a name of `RESERVED_VARIABLES`).
-`continue_final_message` cuts the rendering right after the final message's content, as
-transformers' `apply_chat_template` does (src/transformers/utils/chat_template_utils.py), so
-the model continues that message.
+may override a special token, never a name of `RESERVED_VARIABLES`). `continue_final_message`
+cuts the rendering right after the final message's content, as transformers'
+`apply_chat_template` does (src/transformers/utils/chat_template_utils.py), so the model
+continues that message.
 
 What a render raises: the template's `raise_exception` refuses the messages
 (ChatTemplateError, an input error); the sandbox's refusal of what a template reaches for (an
@@ -37,6 +39,11 @@ from onnx_chunk.errors import CapacityError, InputError, ModelLoadError
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 DEFAULT_TEMPLATE_NAME = "default"
+# The most items a string, list or tuple made by the template's `*` or `+` may hold (16 Mi: a
+# message of a request body of the server's largest fits), and the most bits of an integer its
+# `**` or `*` may make: past them the sandbox refuses (no real template comes near).
+MAX_TEMPLATE_ITEMS = 1 << 24
+MAX_TEMPLATE_INT_BITS = 4096
 # Names a caller's variables may not take: the renderer's own arguments and the template's
 # globals (jinja's and transformers'), which a variable would shadow.
 RESERVED_VARIABLES = frozenset({
@@ -216,13 +223,55 @@ def _environment():
         def _body(self, caller):
             return caller()
 
-    environment = ImmutableSandboxedEnvironment(
+    class BoundedEnvironment(ImmutableSandboxedEnvironment):
+        """The sandbox, its `*`, `**` and `+` refusing what would be too large to make."""
+
+        intercepted_binops = frozenset({"*", "**", "+"})
+
+        def call_binop(self, context, operator, left, right):
+            _check_size(operator, left, right)
+            return super().call_binop(context, operator, left, right)
+
+    environment = BoundedEnvironment(
         trim_blocks=True, lstrip_blocks=True,
         extensions=[GenerationBlock, jinja2.ext.loopcontrols])
     environment.filters["tojson"] = tojson
     environment.globals["raise_exception"] = raise_exception
     environment.globals["strftime_now"] = strftime_now
     return environment
+
+
+def _check_size(operator: str, left: Any, right: Any) -> None:
+    """SecurityError when `left operator right` would hold more than MAX_TEMPLATE_ITEMS items
+    or MAX_TEMPLATE_INT_BITS bits (see the module docstring)."""
+    from jinja2.exceptions import SecurityError
+
+    sized = (str, list, tuple)
+    if operator == "*":
+        sequence, count = (left, right) if isinstance(left, sized) else (right, left)
+        if isinstance(sequence, sized) and isinstance(count, int):
+            items = len(sequence) * count
+        elif isinstance(left, int) and isinstance(right, int):
+            bits = left.bit_length() + right.bit_length()
+            if bits > MAX_TEMPLATE_INT_BITS:
+                raise SecurityError(f"a product of {bits} bits is more than the "
+                                    f"{MAX_TEMPLATE_INT_BITS} a template may make")
+            return
+        else:
+            return
+    elif operator == "+" and isinstance(left, sized) and isinstance(right, sized):
+        items = len(left) + len(right)
+    elif operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
+        bits = abs(left).bit_length() * right if abs(left) > 1 else 0
+        if bits > MAX_TEMPLATE_INT_BITS:
+            raise SecurityError(f"a power of about {bits} bits is more than the "
+                                f"{MAX_TEMPLATE_INT_BITS} a template may make")
+        return
+    else:
+        return
+    if items > MAX_TEMPLATE_ITEMS:
+        raise SecurityError(f"{operator!r} would make {items} items, more than the "
+                            f"{MAX_TEMPLATE_ITEMS} a template may make")
 
 
 def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:

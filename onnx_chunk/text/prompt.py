@@ -15,6 +15,9 @@ replica renders, without encoding it). A `PromptEncoder` holds the policy:
   OpenAI's API treats content (a user cannot forge a turn): the typed strings are swapped for
   placeholders before rendering, and each placeholder left in the rendering is encoded as the
   plain text of what it stands for;
+- `request_templates`: a caller may render under a template of its own (`ChatOptions.template`;
+  the Python API's caller is trusted); False (a server's default, as vLLM's without
+  `--trust-request-chat-template`) leaves that to the server to refuse (`serve/prompts.py`);
 - `max_tokens`: a prompt too long to be that many tokens is refused (CapacityError) before it
   is encoded (text: by its length; messages: as the template renders);
 - `keep_last` (vLLM's `truncate_prompt_tokens`): only the last that many ids are fed; the
@@ -94,9 +97,10 @@ class PromptEncoder:
     """Prompts to ids for one tokenizer under one special-token policy (module docstring)."""
 
     def __init__(self, tokenizer: Tokenizer, *, special_in_content: bool = True,
-                 max_tokens: int | None = None) -> None:
+                 max_tokens: int | None = None, request_templates: bool = True) -> None:
         self.tokenizer = tokenizer
         self.special_in_content = special_in_content
+        self.request_templates = request_templates
         self.max_tokens = max_tokens
 
     def encode(self, prompt: Prompt, *, tools: Tools | None = None,

@@ -92,3 +92,10 @@ def served_runtime():
 def live(served_runtime):
     with live_server(served_runtime) as running:
         yield running
+
+
+@pytest.fixture(scope="package")
+def trusting(served_runtime):
+    """A server that renders a request's own chat_template (--trust-request-chat-template)."""
+    with live_server(served_runtime, trust_request_chat_template=True) as running:
+        yield running

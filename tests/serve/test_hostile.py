@@ -209,7 +209,10 @@ def test_serve_takes_max_answer_bytes_and_several_api_keys(monkeypatch):
           "--api-key", "b", "--max-answer-bytes", "1234"])
     service = seen["service"]
     assert service.max_answer_bytes == 1234 and service.api_keys == ["a", "b"]
-    assert not service.share_prefixes
+    assert not service.share_prefixes and not service.prompts.request_templates
+    main(["serve", str(EXPORT), "--port", "0", "--provider", "cpu",
+          "--trust-request-chat-template"])
+    assert seen["service"].prompts.request_templates
 
 
 # 2. Every field honoured or refused.
@@ -482,6 +485,26 @@ def test_the_thread_switch_interval_is_short_while_serving(live):
     from onnx_chunk.serve.server import SWITCH_INTERVAL_S
 
     assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
+
+
+def test_the_interval_stays_short_until_the_last_server_in_the_process_stops():
+    import sys
+
+    from onnx_chunk.serve.server import SWITCH_INTERVAL_S, ShortSwitchInterval
+
+    before = sys.getswitchinterval()
+    hold = ShortSwitchInterval()
+    try:
+        sys.setswitchinterval(0.004)
+        first, second = hold.held(), hold.held()
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)  # the first server to start stops first
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
+        second.__exit__(None, None, None)
+        assert sys.getswitchinterval() == pytest.approx(0.004)
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_every_known_field_is_in_the_docs_field_table():

@@ -69,7 +69,8 @@ def test_chat_template_kwargs_change_the_rendering(thinking):
     assert switched.choices[0].message.content == expected
 
 
-def test_a_request_chat_template_renders_in_the_same_sandbox(live):
+def test_a_request_chat_template_renders_in_the_same_sandbox(trusting):
+    live = trusting
     template = "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}"
     answer = live.client().chat.completions.create(
         model=MODEL_NAME, messages=USER, max_tokens=6, temperature=0,

@@ -4,6 +4,7 @@ OpenAI's shape naming the field to change (the live server on the Qwen3 export).
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
@@ -45,11 +46,41 @@ ESCAPES = [
 
 
 @pytest.mark.parametrize("source", ESCAPES)
-def test_a_sandbox_escape_in_the_request_template_is_a_400_naming_it(live, source, caplog):
+def test_a_sandbox_escape_in_the_request_template_is_a_400_naming_it(trusting, source, caplog):
     with caplog.at_level(logging.ERROR, logger="onnx_chunk.serve.app"):
-        message = _refused(live, CHAT, {"messages": USER, "chat_template": source},
+        message = _refused(trusting, CHAT, {"messages": USER, "chat_template": source},
                            "chat_template", "chat_template_sandbox")
     assert "SecurityError" in message and not caplog.records
+
+
+def test_a_request_template_is_refused_unless_the_server_trusts_them(live, trusting):
+    """vLLM's rule (vllm/entrypoints/openai/serving_engine.py, `_validate_chat_template`): a
+    template is code, so a request's own renders only on a server started with
+    --trust-request-chat-template; /tokenize follows the same rule."""
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    message = _refused(live, CHAT, {"messages": USER, "chat_template": template},
+                       "chat_template", "untrusted_chat_template")
+    assert "--trust-request-chat-template" in message
+    status, _, answer = exchange(live, "POST", "/tokenize",
+                                 {"messages": USER, "chat_template": template})
+    assert status == 400 and answer["error"]["param"] == "chat_template"
+    status, _, answer = exchange(trusting, "POST", "/tokenize",
+                                 {"messages": USER, "chat_template": template})
+    assert status == 200 and answer["count"] > 0
+
+
+@pytest.mark.parametrize("source", [
+    "{{ 'a' * 3 * 10**8 }}",
+    "{{ 2 ** (2 ** 30) }}",
+    "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}"
+    "{% endfor %}{{ ns.s | length }}",
+])
+def test_a_trusted_template_cannot_make_a_value_too_large_to_hold(trusting, source):
+    """The sandbox bounds `*`, `**` and `+` before they run: refused at once, no gigabytes."""
+    started = time.perf_counter()
+    message = _refused(trusting, CHAT, {"messages": USER, "chat_template": source},
+                       "chat_template", "chat_template_sandbox")
+    assert "a template may make" in message and time.perf_counter() - started < 5
 
 
 @pytest.mark.parametrize("source", ESCAPES)
@@ -61,7 +92,8 @@ def test_a_sandbox_escape_in_the_models_template_is_a_400_naming_the_messages(
     assert status == 400 and answer["error"]["param"] == "messages"
 
 
-def test_a_request_template_that_fails_is_the_clients_fault(live):
+def test_a_request_template_that_fails_is_the_clients_fault(trusting):
+    live = trusting
     assert "does not compile" in _refused(live, CHAT, {"messages": USER,
                                                        "chat_template": "{% for %}"},
                                           "chat_template", "invalid_chat_template")
@@ -86,11 +118,11 @@ def test_a_template_variable_the_renderer_sets_is_refused(live, name):
              f"chat_template_kwargs.{name}")
 
 
-def test_continuing_a_message_is_refused_where_it_cannot_be(live):
+def test_continuing_a_message_is_refused_where_it_cannot_be(live, trusting):
     _refused(live, CHAT, {"messages": USER, "continue_final_message": True,
                           "add_generation_prompt": True}, "continue_final_message")
-    _refused(live, CHAT, {"messages": USER, "continue_final_message": True,
-                          "chat_template": "{% for m in messages %}X{% endfor %}"},
+    _refused(trusting, CHAT, {"messages": USER, "continue_final_message": True,
+                              "chat_template": "{% for m in messages %}X{% endfor %}"},
              "continue_final_message")
 
 
