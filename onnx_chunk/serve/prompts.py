@@ -87,8 +87,12 @@ def chat_ids(request: ChatCompletionRequest, prompts: PromptEncoder, capacity: i
     if options.tool_choice == "auto":
         template = chat.template or prompts.tokenizer.chat_template
         check_auto(None if template is None else template.source)
-    return rendered_ids(request.template_messages(), options.template_tools, chat, prompts,
-                        kept(request, capacity))
+    keep = kept(request, capacity)
+    ids = rendered_ids(request.template_messages(), options.template_tools, chat, prompts, keep)
+    if not ids and keep != 0:
+        raise RequestError("the chat template renders these messages into no token; the model "
+                           "needs at least one to answer", param=_blamed(chat.template))
+    return ids
 
 
 def rendered_ids(messages: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]],

@@ -104,6 +104,13 @@ def test_a_request_template_that_fails_is_the_clients_fault(trusting):
              "chat_template")
 
 
+def test_a_rendering_of_no_token_is_a_400_naming_whose_template_made_it(trusting,
+                                                                         model_template):
+    _refused(trusting, CHAT, {"messages": USER, "chat_template": "{{ '' }}"}, "chat_template")
+    model_template("{% for m in messages %}{% endfor %}")
+    assert "no token" in _refused(trusting, CHAT, {"messages": USER}, "messages")
+
+
 def test_template_variables_that_break_the_models_template_are_named(live, model_template):
     model_template("{% for m in messages %}{{ m['content'] }}{% endfor %}{{ 1 + (bonus or 0) }}")
     assert exchange(live, "POST", CHAT, {"messages": USER, "max_tokens": 1})[0] == 200
