@@ -130,7 +130,7 @@ def test_special_tokens_are_shown_with_skip_special_tokens_false(live):
     shown = _completion(live, PROMPT, max_tokens=3, skip_special_tokens=False, **forced)
     assert hidden == "" and shown.choices[0].text == "<|im_start|>" * 3
     # This byte-level tokenizer puts no space between special tokens, so vLLM's
-    # spaces_between_special_tokens changes nothing here (tests/text/test_stream.py shows a
+    # spaces_between_special_tokens changes nothing here (tests/text/test_vllm_text.py shows a
     # decoder that does).
     joined = _completion(live, PROMPT, max_tokens=3, skip_special_tokens=False,
                          spaces_between_special_tokens=False, **forced)
