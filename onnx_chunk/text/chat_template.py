@@ -39,8 +39,8 @@ from onnx_chunk.errors import CapacityError, InputError, ModelLoadError
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 DEFAULT_TEMPLATE_NAME = "default"
-# The most items a string, list or tuple made by the template's `*` or `+` may hold (16 Mi: a
-# message of a request body of the server's largest fits), and the most bits of an integer its
+# The most items a string, list or tuple made by the template's `*` or `+` may hold (16 Mi: twice
+# a message filling the server's default 8 MiB body), and the most bits of an integer its
 # `**` or `*` may make: past them the sandbox refuses (no real template comes near).
 MAX_TEMPLATE_ITEMS = 1 << 24
 MAX_TEMPLATE_INT_BITS = 4096

@@ -78,23 +78,20 @@ def perturb_attention(graph: onnx.GraphProto) -> int:
     1 + one ulp of the type the model computes in (its first floating past or logits type),
     under its own name; returns how many nodes were perturbed."""
     dtype = _compute_type(graph)
+    factor = helper.make_tensor("validate/one_ulp_up", dtype, [], [ONE_ULP_UP[dtype]])
     nodes = []
-    count = 0
     for node in graph.node:
         nodes.append(node)
-        if node.op_type not in _ATTENTION or not node.output or not node.output[0]:
-            continue
-        name = node.output[0]
-        raw = f"{name}/validate_unperturbed"
-        factor = helper.make_tensor(f"{name}/validate_one_ulp_up", dtype, [],
-                                    [ONE_ULP_UP[dtype]])
+        if node.op_type in _ATTENTION and node.output and node.output[0]:
+            name = node.output[0]
+            node.output[0] = f"{name}/validate_unperturbed"
+            nodes.append(helper.make_node("Mul", [node.output[0], factor.name], [name],
+                                          name=f"{name}/validate_perturb"))
+    count = len(nodes) - len(graph.node)
+    if count:
         graph.initializer.append(factor)
-        node.output[0] = raw
-        nodes.append(helper.make_node("Mul", [raw, factor.name], [name],
-                                      name=f"{name}/validate_perturb"))
-        count += 1
-    del graph.node[:]
-    graph.node.extend(nodes)
+        del graph.node[:]
+        graph.node.extend(nodes)
     return count
 
 
