@@ -13,8 +13,8 @@ __version__ = "0.1.0"
 # `import onnx_chunk` (and `onnx-chunk --help`) does not pay for importing ONNX Runtime.
 # The server's `create_app` stays in `onnx_chunk.serve` (it needs the `serve` extra).
 _API = {
-    **dict.fromkeys(("GenerationStats", "Request", "RequestStats", "Runtime", "RuntimeStats",
-                     "Sequence", "SequenceStats", "load"), "onnx_chunk.runtime"),
+    **dict.fromkeys(("GenerationStats", "Request", "RequestStats", "Runtime", "RuntimeOptions",
+                     "RuntimeStats", "Sequence", "SequenceStats", "load"), "onnx_chunk.runtime"),
     **dict.fromkeys(("StaticLimits", "StaticRunner", "load_static", "suggest_capacity"),
                     "onnx_chunk.static"),
     **dict.fromkeys(("Completion", "generate_text", "stream_text"), "onnx_chunk.text.generation"),
@@ -25,9 +25,9 @@ _API = {
 
 __all__ = [
     "Completion", "Conversation", "GenerationStats", "Request", "RequestStats", "Runtime",
-    "RuntimeStats", "Sampling", "Sequence", "SequenceStats", "StaticLimits", "StaticRunner",
-    "__version__", "generate_text", "load", "load_static", "stream_text", "suggest_capacity",
-    "tokenizer_of",
+    "RuntimeOptions", "RuntimeStats", "Sampling", "Sequence", "SequenceStats", "StaticLimits",
+    "StaticRunner", "__version__", "generate_text", "load", "load_static", "stream_text",
+    "suggest_capacity", "tokenizer_of",
 ]
 
 if TYPE_CHECKING:
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         Request,
         RequestStats,
         Runtime,
+        RuntimeOptions,
         RuntimeStats,
         Sequence,
         SequenceStats,

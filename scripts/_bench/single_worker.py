@@ -13,6 +13,7 @@ the worker fails).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import statistics
@@ -41,6 +42,15 @@ def _submit(runtime, prompt: list[int], new_tokens: int) -> dict:
 PATHS = {"generate": _generate, "submit": _submit}
 
 
+def _has_option(name: str) -> bool:
+    """Whether the tree's `load` takes the option `name`: a field of its `RuntimeOptions`
+    (`load(path, **fields)`), or, in a tree from before those, a parameter of `Runtime`."""
+    options = getattr(onnx_chunk, "RuntimeOptions", None)
+    if options is not None:
+        return name in {field.name for field in dataclasses.fields(options)}
+    return name in inspect.signature(onnx_chunk.Runtime).parameters
+
+
 def _repeated(run, runtime, prompt: list[int], new_tokens: int, repeats: int) -> dict:
     runs = [run(runtime, prompt, new_tokens) for _ in range(repeats)]
     if any(each["tokens"] != runs[0]["tokens"] for each in runs):
@@ -56,8 +66,7 @@ def main() -> None:
     run = PATHS[request["path"]]
     # A prompt run again would reuse its own kept prefix (prefix reuse, where the tree has it):
     # off, so that every run prefills the whole prompt as the baseline's does.
-    reuse: dict[str, Any] = ({"prefix_reuse": False}
-             if "prefix_reuse" in inspect.signature(onnx_chunk.Runtime).parameters else {})
+    reuse: dict[str, Any] = {"prefix_reuse": False} if _has_option("prefix_reuse") else {}
     with onnx_chunk.load(request["model"], provider="cpu", chunk_size=request["chunk_size"],
                          capacity=request["capacity"], max_batch=1, **reuse) as runtime:
         run(runtime, request["prompts"][0][:8], 2)

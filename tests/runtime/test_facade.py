@@ -46,6 +46,10 @@ def test_runtime_options_are_the_users_options_only():
         "max_variants", "mask_policy", "intra_op_threads", "cuda_graphs", "device",
         "idle_sequences", "max_batch", "max_queue", "prefix_reuse", "speculative", "exact"}
     assert RuntimeOptions().capacity is None
+    # The package exports it beside `load`: `onnx_chunk.load(path, onnx_chunk.RuntimeOptions())`.
+    import onnx_chunk
+
+    assert onnx_chunk.RuntimeOptions is RuntimeOptions and "RuntimeOptions" in onnx_chunk.__all__
 
 
 def test_load_takes_one_runtime_options_or_its_fields_as_keywords(reference_model):
