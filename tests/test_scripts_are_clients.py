@@ -8,7 +8,7 @@ insides then breaks no script.
 
 Every form is seen: `import M`, `import M as alias`, `from M import name`, an attribute chain
 on an imported module (`onnx_chunk.runtime.caches.x`, `rt.caches` after `import
-onnx_chunk.runtime as rt`), a module named in a string ("onnx_chunk.runtime.model", as
+onnx_chunk.runtime as rt`), a module named in a string ("onnx_chunk.runtime.facade", as
 `importlib.import_module` takes it), and all of those inside a child program's source."""
 
 import ast
@@ -159,7 +159,7 @@ def test_the_rule_sees_every_form():
 import onnx_chunk
 import onnx_chunk.runtime as rt
 from onnx_chunk import load, Sampling, _onnxruntime_wheels
-from onnx_chunk.runtime import Runtime, RuntimeOptions, model, debug
+from onnx_chunk.runtime import Runtime, RuntimeOptions, facade, debug
 from onnx_chunk.runtime.debug import RuntimeDebug
 from onnx_chunk.runtime.device.provider import MaskPolicy
 from onnx_chunk.runtime.caches import variant_pool
@@ -171,7 +171,7 @@ rt.caches.variant_cache
 onnx_chunk.runtime.Sequence
 onnx_chunk.runtime.runner.model_runner
 onnx_chunk._onnxruntime_wheels.check_one_wheel()
-importlib.import_module("onnx_chunk.runtime.model")
+importlib.import_module("onnx_chunk.runtime.facade")
 CHILD = """
 import onnx_chunk
 from onnx_chunk.runtime.engine import batch_engine
@@ -179,7 +179,7 @@ from onnx_chunk.runtime.engine import batch_engine
 '''
     assert [what for _, what, _ in client_problems(source)] == [
         "from onnx_chunk import _onnxruntime_wheels",
-        "from onnx_chunk.runtime import model",
+        "from onnx_chunk.runtime import facade",
         "from onnx_chunk.runtime.device.provider import ...",
         "from onnx_chunk.runtime.caches import ...",
         "import onnx_chunk.runtime.engine.batch_engine",
@@ -187,6 +187,6 @@ from onnx_chunk.runtime.engine import batch_engine
         "rt.caches.variant_cache",
         "onnx_chunk.runtime.runner.model_runner",
         "onnx_chunk._onnxruntime_wheels.check_one_wheel",
-        "'onnx_chunk.runtime.model'",
+        "'onnx_chunk.runtime.facade'",
         "from onnx_chunk.runtime.engine import ...",
     ]

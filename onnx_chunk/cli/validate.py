@@ -17,7 +17,7 @@ from onnx_chunk.graph.model_folder import locate_model
 from onnx_chunk.graph.model_io import COMPANION_FILES, referenced_data_files
 from onnx_chunk.runtime.device.provider import PROVIDER_CHOICES
 from onnx_chunk.staged_output import staged_write
-from onnx_chunk.static.model import DECODE_FILE
+from onnx_chunk.static.loading import DECODE_FILE
 from onnx_chunk.validate import Report, ValidationOptions, resolve_skip, validate_model
 from onnx_chunk.validate.validator import DEFAULT_NEW_TOKENS
 

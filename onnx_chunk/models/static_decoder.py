@@ -40,7 +40,7 @@ from onnx_chunk.models.decoder_graph import rotary_caches
 from onnx_chunk.models.weights import AttentionWeights, DecoderWeights, make_weights
 from onnx_chunk.staged_output import Staging, staged_write
 from onnx_chunk.static.graphs import METADATA_PREFIX
-from onnx_chunk.static.model import DECODE_FILE
+from onnx_chunk.static.loading import DECODE_FILE
 
 logger = logging.getLogger(__name__)
 

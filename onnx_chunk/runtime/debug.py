@@ -37,7 +37,7 @@ from onnx_chunk.runtime.device.native_trust import record_verified
 from onnx_chunk.runtime.device.provider import device_for, probe_cuda
 from onnx_chunk.runtime.device.session_factory import SessionFactory, SharedWeights
 from onnx_chunk.runtime.engine import plan_runner
-from onnx_chunk.runtime.model import RuntimeDebug
+from onnx_chunk.runtime.facade import RuntimeDebug
 
 __all__ = ["RuntimeDebug", "SessionFactory", "SharedWeights", "bind_time_copy", "cuda_api_gaps",
            "cuda_install_command", "cudart", "cudart_candidates", "device_for",

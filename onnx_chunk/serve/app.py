@@ -80,7 +80,7 @@ from onnx_chunk.text.token_text import TokenText
 from onnx_chunk.text.tokenizer import tokenizer_of
 
 if TYPE_CHECKING:
-    from onnx_chunk.runtime.model import Runtime
+    from onnx_chunk.runtime.facade import Runtime
     from onnx_chunk.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from onnx_chunk.runtime.model import Runtime
+    from onnx_chunk.runtime.facade import Runtime
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Seconds: from a tiny CPU model's decode step to a long prompt's prefill under load.

@@ -14,7 +14,7 @@ buffers, the token choice (`onnx_chunk.sampling.Sampler`) and the finish rule
 from __future__ import annotations
 
 from onnx_chunk.static.alignment import StaticLimits, suggest_capacity
-from onnx_chunk.static.model import is_static_model, load_static
+from onnx_chunk.static.loading import is_static_model, load_static
 from onnx_chunk.static.runner import StaticGenerationResult, StaticRunner
 
 __all__ = ["StaticGenerationResult", "StaticLimits", "StaticRunner", "is_static_model",

@@ -43,7 +43,7 @@ from onnx_chunk.ort_schemas import register_runtime_schemas
 from onnx_chunk.passes.kv_capacity import find_kv_capacity
 from onnx_chunk.passes.recurrent_state import find_recurrent_state
 from onnx_chunk.staged_output import Staging, staged_write
-from onnx_chunk.static.model import DECODE_FILE
+from onnx_chunk.static.loading import DECODE_FILE
 
 logger = logging.getLogger(__name__)
 

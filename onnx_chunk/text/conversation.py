@@ -28,7 +28,7 @@ from onnx_chunk.text.stops import check_stops
 from onnx_chunk.text.tokenizer import tokenizer_of
 
 if TYPE_CHECKING:
-    from onnx_chunk.runtime.model import Runtime
+    from onnx_chunk.runtime.facade import Runtime
 
 logger = logging.getLogger(__name__)
 

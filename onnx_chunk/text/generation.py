@@ -31,7 +31,7 @@ from onnx_chunk.text.tokenizer import tokenizer_of
 
 if TYPE_CHECKING:
     from onnx_chunk.runtime.engine.request import Request
-    from onnx_chunk.runtime.model import Runtime
+    from onnx_chunk.runtime.facade import Runtime
     from onnx_chunk.text.tokenizer import Tokenizer
 
 

@@ -40,7 +40,7 @@ from onnx_chunk.graph.model_folder import GenaiConfig, locate_model, read_json_o
 from onnx_chunk.text.chat_template import ChatTemplate, find_chat_template
 
 if TYPE_CHECKING:
-    from onnx_chunk.runtime.model import Runtime
+    from onnx_chunk.runtime.facade import Runtime
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from onnx_chunk.passes.kv_quantization import cache_scales, dequantize
 from onnx_chunk.static.alignment import StaticLimits
 from onnx_chunk.static.graphs import FED_INPUTS, METADATA_PREFIX, CacheLayout
 from onnx_chunk.static.kv_buffers import PAST
-from onnx_chunk.static.model import DECODE_FILE, find_decode_model
+from onnx_chunk.static.loading import DECODE_FILE, find_decode_model
 from onnx_chunk.static.runner import StaticGenerationResult, StaticRunner
 from onnx_chunk.validate.checks import STATIC
 from onnx_chunk.validate.prompts import boundary_lengths, seeded_prompt

@@ -18,7 +18,7 @@ from onnx_chunk.errors import ModelLoadError
 from onnx_chunk.graph.model_file import ValueInfo
 from onnx_chunk.graph.model_folder import check_utf8_path, locate_model
 from onnx_chunk.graph.model_io import load_model
-from onnx_chunk.static.model import StaticGraphShape, static_shape
+from onnx_chunk.static.loading import StaticGraphShape, static_shape
 
 
 @dataclass

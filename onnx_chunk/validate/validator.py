@@ -24,7 +24,7 @@ from onnx_chunk.passes import DEFAULT_CHUNK_SIZE
 from onnx_chunk.runtime import Runtime
 from onnx_chunk.runtime.device.provider import PROVIDER_CHOICES, resolve_device
 from onnx_chunk.runtime.options import resolve_tiers
-from onnx_chunk.static.model import check_fixed_sizes
+from onnx_chunk.static.loading import check_fixed_sizes
 from onnx_chunk.validate.agreement import (
     ReferenceModel,
     ReferenceSteps,

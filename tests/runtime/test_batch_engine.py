@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from onnx_chunk.errors import CapacityError, ClosedError, ConfigError, InputError, QueueFullError
-from onnx_chunk.runtime import StepResult, load
-from onnx_chunk.runtime import model as runtime_model
+from onnx_chunk.runtime import StepResult, facade, load
 from onnx_chunk.runtime.device.buffers import BatchBuffers
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 from onnx_chunk.runtime.engine.batch_engine import EngineContext, runtime_engine
@@ -66,7 +65,7 @@ def test_parity_on_the_device_path_with_the_capacity_mask(reference_model, monke
     the capacity-wide mask, per-width variants with ladder padding."""
     device = dataclasses.replace(device_for("cpu"), host_visible=False,
                                  mask_policy=MaskPolicy.CAPACITY, specialize=True)
-    monkeypatch.setattr(runtime_model, "resolve_device", lambda *args: device)
+    monkeypatch.setattr(facade, "resolve_device", lambda *args: device)
     assert_batched_equals_alone(reference_model(variant), max_batch=4)
 
 

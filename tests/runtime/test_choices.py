@@ -7,8 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from onnx_chunk.runtime import load
-from onnx_chunk.runtime import model as runtime_model
+from onnx_chunk.runtime import facade, load
 from onnx_chunk.runtime.engine.scheduler import prefill_chunks
 from onnx_chunk.sampling import Sampling
 from tests.exports.corpus import ROOT
@@ -75,7 +74,7 @@ def test_choices_and_logprobs_on_the_device_path(name, monkeypatch):
     """The CPU marked not host-visible, as CUDA looks: the fork's copy runs through the device
     buffers' addresses (no host view), prompt logprobs through the runner's "all" rows of
     row-selecting prefill sessions."""
-    monkeypatch.setattr(runtime_model, "resolve_device", lambda *args: DEVICE_LIKE)
+    monkeypatch.setattr(facade, "resolve_device", lambda *args: DEVICE_LIKE)
     with load(ROOT / name, provider="cpu", max_batch=3, chunk_size=CHUNK) as runtime:
         # Prefill widths return one logits row there: "all" binds their full output instead.
         assert not runtime.debug.device.host_visible and runtime.debug.options.select_rows

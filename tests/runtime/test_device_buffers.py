@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 from onnx_chunk.errors import ConfigError
-from onnx_chunk.runtime import load
-from onnx_chunk.runtime import model as runtime_model
+from onnx_chunk.runtime import facade, load
 from onnx_chunk.runtime.device.allocation import ALLOCATIONS
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 from onnx_chunk.runtime.device.session_factory import ARENA_SHRINKAGE_KEY, SessionFactory
@@ -26,7 +25,7 @@ PROMPT = np.random.default_rng(5).integers(0, 256, 45).tolist()
 def device_like(monkeypatch):
     device = dataclasses.replace(device_for("cpu"), host_visible=False,
                                  mask_policy=MaskPolicy.CAPACITY)
-    monkeypatch.setattr(runtime_model, "resolve_device", lambda *args: device)
+    monkeypatch.setattr(facade, "resolve_device", lambda *args: device)
     return device
 
 

@@ -8,8 +8,7 @@ import onnxruntime as ort
 import pytest
 
 from onnx_chunk.errors import ModelLoadError
-from onnx_chunk.runtime import load
-from onnx_chunk.runtime import model as runtime_model
+from onnx_chunk.runtime import facade, load
 from onnx_chunk.runtime.device.buffers import device_zeros
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 from onnx_chunk.runtime.device.session_factory import SessionFactory, SharedWeights
@@ -24,7 +23,7 @@ DEVICE_LIKE = dataclasses.replace(device_for("cpu"), host_visible=False,
 @pytest.mark.parametrize("variant", ["base", "conv_hybrid"])
 def test_two_threads_on_per_width_variants_on_the_device_path(reference_model, monkeypatch,
                                                               variant):
-    monkeypatch.setattr(runtime_model, "resolve_device", lambda *args: DEVICE_LIKE)
+    monkeypatch.setattr(facade, "resolve_device", lambda *args: DEVICE_LIKE)
     runtime = load(reference_model(variant), provider="cpu", capacity=96, chunk_size=16,
                    max_variants=3)
     prompts = [list(range(1, 40)), list(range(100, 121))]

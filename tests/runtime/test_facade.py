@@ -7,7 +7,7 @@ import pytest
 
 import onnx_chunk
 from onnx_chunk.runtime import Runtime, RuntimeOptions, load
-from onnx_chunk.runtime.model import RuntimeDebug
+from onnx_chunk.runtime.facade import RuntimeDebug
 
 PUBLIC = {"submit", "submit_choices", "generate_many", "open_sequence", "model_path", "genai",
           "stats", "debug", "close", "closed", "step", "check_request"}

@@ -1,7 +1,7 @@
-"""runtime/ imports one way: state <- device <- caches <- runner <- engine <- model (the model
-layer: model, options, stats and the package itself). A module imports its own layer or one
-below, in every form of import: absolute, from the package (`from onnx_chunk.runtime import
-X`) or relative."""
+"""runtime/ imports one way: state <- device <- caches <- runner <- engine <- facade (the facade
+layer: facade, loading, options, stats, debug and the package itself). A module imports its
+own layer or one below, in every form of import: absolute, from the package
+(`from onnx_chunk.runtime import X`) or relative."""
 
 import ast
 from pathlib import Path
@@ -11,12 +11,12 @@ from tests.import_scan import typing_only
 
 PACKAGE = Path(onnx_chunk.runtime.__file__).parent
 ROOT = "onnx_chunk.runtime"
-LAYERS = ("state", "device", "caches", "runner", "engine", "model")
+LAYERS = ("state", "device", "caches", "runner", "engine", "facade")
 
 
 def _layer(module: str) -> int:
     head = module.split(".")[0]
-    return LAYERS.index(head) if head in LAYERS else LAYERS.index("model")
+    return LAYERS.index(head) if head in LAYERS else LAYERS.index("facade")
 
 
 def _is_module(dotted: str) -> bool:
@@ -104,7 +104,7 @@ from ..caches.variant_cache import VariantCache
 from ..state import ports
 import numpy
 if TYPE_CHECKING:
-    from onnx_chunk.runtime.model import Runtime
+    from onnx_chunk.runtime.facade import Runtime
 """
     assert _imports(source, ("runner",)) == {
         "__init__", "stats", "engine.counters", "engine.request", "runner.model_runner",

@@ -18,8 +18,7 @@ from onnx_chunk.graph.model_io import load_model, save_model
 from onnx_chunk.graph.query_seqlens import query_seqlens_index
 from onnx_chunk.graph.without_query_seqlens import without_query_seqlens
 from onnx_chunk.passes import QuerySeqlensPass, convert_model
-from onnx_chunk.runtime import load, loading
-from onnx_chunk.runtime import model as runtime_model
+from onnx_chunk.runtime import facade, load, loading
 from onnx_chunk.runtime.device.buffers import BatchBuffers
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 from onnx_chunk.runtime.engine.kv_state import LogicalLength
@@ -361,7 +360,7 @@ def test_native_chunks_on_the_device_path_with_the_capacity_mask(native_exports,
     asked for; padded tokens and the engine's equal the unpadded sequence's."""
     device = dataclasses.replace(device_for("cpu"), host_visible=False,
                                  mask_policy=MaskPolicy.CAPACITY, specialize=True)
-    monkeypatch.setattr(runtime_model, "resolve_device", lambda *args: device)
+    monkeypatch.setattr(facade, "resolve_device", lambda *args: device)
     path = native_exports[name]
     reference = load(path, provider="cpu", chunk_size=16, padding=False)
     rng = np.random.default_rng(2)

@@ -11,8 +11,7 @@ import pytest
 
 from onnx_chunk.cli import main
 from onnx_chunk.errors import ConfigError
-from onnx_chunk.runtime import load
-from onnx_chunk.runtime import model as runtime_model
+from onnx_chunk.runtime import facade, load
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 from tests.exports.corpus import GENAI, fixtures
 
@@ -131,7 +130,7 @@ def test_reuse_on_the_device_path_with_the_capacity_mask(reference_model, monkey
     rewound in place, rows copied through device buffers, per-width variants and padding."""
     device = dataclasses.replace(device_for("cpu"), host_visible=False,
                                  mask_policy=MaskPolicy.CAPACITY, specialize=True)
-    monkeypatch.setattr(runtime_model, "resolve_device", lambda *args: device)
+    monkeypatch.setattr(facade, "resolve_device", lambda *args: device)
     _assert_reuse_changes_no_token(reference_model(variant))
 
 

@@ -187,7 +187,7 @@ def test_the_device_path_runs_the_quantized_cache(kv_dtype, quantized, monkeypat
     on the device and written and read through partial copies, with the capacity-wide mask."""
     import dataclasses
 
-    from onnx_chunk.runtime import model as runtime_model
+    from onnx_chunk.runtime import facade
     from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 
     fixture = next(fixture for fixture in FIXTURES if fixture.name == "genai-llama-fp32")
@@ -197,7 +197,7 @@ def test_the_device_path_runs_the_quantized_cache(kv_dtype, quantized, monkeypat
         expected = _alone(host, prompts)
     device = dataclasses.replace(device_for("cpu"), host_visible=False,
                                  mask_policy=MaskPolicy.CAPACITY)
-    monkeypatch.setattr(runtime_model, "resolve_device", lambda *args: device)
+    monkeypatch.setattr(facade, "resolve_device", lambda *args: device)
     with load(folder, provider="cpu", chunk_size=W, max_batch=2) as on_device:
         with on_device.open_sequence() as sequence:
             assert all(buffer.host is None for buffer in sequence.buffers.kv)

@@ -12,8 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from onnx_chunk.errors import ConfigError
-from onnx_chunk.runtime import load
-from onnx_chunk.runtime import model as runtime_model
+from onnx_chunk.runtime import facade, load
 from onnx_chunk.runtime.device.provider import MaskPolicy, device_for
 from onnx_chunk.runtime.engine import speculation
 from onnx_chunk.runtime.engine.speculation import (
@@ -253,7 +252,7 @@ def test_greedy_parity_on_the_device_path(reference_model, monkeypatch):
     with padding, row-selecting sessions (a verification binds every row's logits)."""
     device = dataclasses.replace(device_for("cpu"), host_visible=False,
                                  mask_policy=MaskPolicy.CAPACITY, specialize=True)
-    monkeypatch.setattr(runtime_model, "resolve_device", lambda *args: device)
+    monkeypatch.setattr(facade, "resolve_device", lambda *args: device)
     path = reference_model("base")
     plain = load(path, provider="cpu", capacity=160, chunk_size=W)
     prompts = _prompts(plain.stats.vocab_size)
