@@ -29,6 +29,7 @@ import numpy as np
 import onnxruntime as ort
 
 from onnx_chunk.errors import (
+    InputError,
     ModelLoadError,
     ModelStructureError,
 )
@@ -71,6 +72,13 @@ class StaticLength:
 
     def advance(self, rows: int) -> None:
         self.length += rows
+
+    def rewind(self, count: int) -> None:
+        """Nothing to rewind: a static cache keeps every row it took (a rolling one has moved
+        its rows), so only a rewind of 0 is possible; InputError otherwise."""
+        if count:
+            raise InputError(f"a static request cannot rewind {count} positions: its cache "
+                             "keeps every row it took")
 
 
 @dataclass

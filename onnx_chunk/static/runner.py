@@ -7,10 +7,13 @@ interface, `ForwardRunner.run(slot, Forward) -> Ran`, as `ModelRunner`'s do: a `
 per graph takes the real rows of one chunk (or one decode token) on the request's `StaticSlot`
 (cache, valid positions, length), widens them to the graph's rows on the layout's side with
 `pad_rows`, the rule `align_prompt` pads by (so its `padded_rows` add up to the prompt's
-pad_count), and returns the last real row's logits. Each token is chosen by the dynamic
-runtime's `Sampler` (greedy by default), and the generation ends by the requests' one finish
-rule (`request.finish_reason`). What the static shapes cost is reported in the result, never
-hidden: tokens truncated away, padding added, real positions dropped past C.
+pad_count), and returns the last real row's logits. The tokens come from the runtime's one
+generation loop: a lone engine (`batch_engine.lone_engine`) over the request's slot, whose
+step takes the prefill's logits as its prompt's one chunk (those forwards ran, chunk by chunk,
+in `run_prefill`) and runs each decode step on the decode graph; its scheduler chooses every
+token with the request's `Sampler` (greedy by default) and ends the generation by the one
+finish rule (`request.finish_reason`). What the static shapes cost is reported in the result,
+never hidden: tokens truncated away, padding added, real positions dropped past C.
 
 The graphs and their forwards: `graphs`.
 """
@@ -34,8 +37,9 @@ from onnx_chunk.errors import (
     ProviderError,
 )
 from onnx_chunk.runtime.device.provider import Device, resolve_device
-from onnx_chunk.runtime.engine.request import CheckedRequest, FinishReason, finish_reason
-from onnx_chunk.runtime.runner.forward import Forward, ForwardRunner, Row
+from onnx_chunk.runtime.engine.batch_engine import lone_engine
+from onnx_chunk.runtime.engine.request import CheckedRequest, FinishReason
+from onnx_chunk.runtime.runner.forward import Forward, ForwardRunner, Ran, Row
 from onnx_chunk.sampling import Sampling
 from onnx_chunk.static.alignment import (
     AlignedPrompt,
@@ -294,24 +298,36 @@ class StaticRunner:
 
     def _decode(self, prefill: StaticPrefill, checked: CheckedRequest,
                 keep_logits: bool) -> StaticGenerationResult:
+        """The request's tokens from the engine's step (see the module docstring): the first
+        from the prefill's logits, then a decode graph forward per token."""
         aligned, slot = prefill.aligned, prefill.slot
-        sampler, max_new_tokens, stop = checked.sampler, checked.max_new_tokens, checked.stop_ids
-        tokens = [sampler.choose(prefill.logits)]
         step_logits = [prefill.logits] if keep_logits else []
-        ttft = time.perf_counter() - prefill.began
-        reason = finish_reason(tokens[-1], 1, max_new_tokens, stop)
-        steps = 0
-        decode_began = time.perf_counter()
-        while reason is None:
-            ran = self._steps.run(slot, Forward([Row(np.array([tokens[-1]], dtype=np.int64),
+
+        def decode(token: int) -> np.ndarray:
+            ran = self._steps.run(slot, Forward([Row(np.array([token], dtype=np.int64),
                                                      slot.length)]))
-            assert ran.logits is not None
-            logits = ran.logits[0]
-            tokens.append(sampler.choose(logits))
+            assert ran.logits is not None  # a decode forward asks for its row's logits
             if keep_logits:
-                step_logits.append(logits)
-            steps += 1
-            reason = finish_reason(tokens[-1], len(tokens), max_new_tokens, stop)
+                step_logits.append(ran.logits[0])
+            return ran.logits[0]
+
+        engine = lone_engine(_Prefilled(prefill.logits), slot, slot.length,
+                             chunk_size=len(checked.prompt), speculation=None)
+        engine.runner.decode = decode
+        request = engine.submit(checked)
+        ttft, decode_began = 0.0, 0.0
+        try:
+            while not request.done:
+                engine.step()
+                if not ttft and request.produced:
+                    decode_began = time.perf_counter()
+                    ttft = decode_began - prefill.began
+        finally:
+            engine.release()
+        tokens = request.result()  # the error of a forward that failed, raised here
+        reason = request.finish_reason
+        assert reason is not None  # it ended
+        steps = len(tokens) - 1  # every token after the first came from a decode forward
         decode_s = time.perf_counter() - decode_began
         warnings = list(prefill.warnings)
         dropped = slot.cache.dropped_positions
@@ -343,6 +359,27 @@ class StaticRunner:
         aligned = self.align(prompt_ids, max_new_tokens)
         checked = self._checked(aligned, max_new_tokens, eos_token_id, sampling)
         return self._decode(self.run_prefill(aligned, began), checked, keep_logits=False)
+
+
+class _Prefilled:
+    """A static request's forwards on its lone engine (`plan_runner.Forwards`), once
+    `run_prefill` ran its prompt chunk by chunk: the engine's one chunk of that prompt gives
+    the prefill's last logits (its forwards ran; nothing runs again, the slot's length already
+    counts the prompt). The decode steps run on the engine's pinned decode step."""
+
+    batches_chunks = False
+
+    def __init__(self, logits: np.ndarray) -> None:
+        self._logits: np.ndarray | None = logits
+
+    def chunk_width(self, rows: int, room: int) -> int:
+        return rows
+
+    def run(self, slot: object, forward: Forward) -> Ran:
+        if self._logits is None:
+            raise ValueError("a static request's prompt is given to its engine once")
+        logits, self._logits = self._logits, None
+        return Ran(logits[None], forward.width, 0)
 
 
 def _windows(chunk_path: Path) -> set[int]:

@@ -1,12 +1,13 @@
 """The static runner's forwards go through the runtime's forward interface (`ForwardRunner`):
 a prefill chunk or a decode token is a `Forward` of its real rows on the request's slot, and
-the padded rows it reports are the alignment's."""
+the padded rows it reports are the alignment's. Its tokens come from the engine's step."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from onnx_chunk.runtime.engine.scheduler import Scheduler
 from onnx_chunk.runtime.runner.forward import Forward, Row
 from onnx_chunk.static.graphs import GraphRunner
 from onnx_chunk.static.runner import StaticRunner
@@ -82,3 +83,35 @@ def test_a_forward_runner_takes_one_row_of_its_graphs_rows_at_most(runner, forwa
     assert ran.logits is None and (ran.width, ran.padded_rows) == (CHUNK, CHUNK - 2)
     assert slot.length.length == length + 2 and len(slot.valid) == len(valid) + CHUNK
     assert slot.valid[len(valid):].sum() == 2
+
+
+def test_its_tokens_come_from_the_engines_step(runner, monkeypatch):
+    # One update per token: the prefill's chunk gives the first, each decode step one more;
+    # each is what the scheduler delivered, ended by the one finish rule.
+    delivered = []
+    update = Scheduler.update
+
+    def counted(scheduler, plan, outputs):
+        result = update(scheduler, plan, outputs)
+        delivered.append((len(outputs.prefilled), len(outputs.decoded)))
+        return result
+
+    monkeypatch.setattr(Scheduler, "update", counted)
+    result = runner.generate(_prompt(6), 5)
+    assert delivered == [(1, 0)] + [(0, 1)] * 4 and result.finish_reason == "length"
+    stop = runner.generate(_prompt(6), 5, eos_token_id=result.tokens[2])
+    assert stop.tokens == result.tokens[:3] and stop.finish_reason == "stop"
+    assert stop.decode_steps == 2
+
+
+def test_a_failed_decode_forward_raises_its_error(runner, monkeypatch):
+    run = GraphRunner.run
+
+    def failing(graph, slot, forward):
+        if graph.spec.rows == 1 and slot.length.length > 7:
+            raise RuntimeError("the device went away")
+        return run(graph, slot, forward)
+
+    monkeypatch.setattr(GraphRunner, "run", failing)
+    with pytest.raises(RuntimeError, match="the device went away"):
+        runner.generate(_prompt(6), 5)

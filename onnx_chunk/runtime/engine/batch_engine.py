@@ -52,9 +52,9 @@ from onnx_chunk.errors import ClosedError
 from onnx_chunk.runtime.device.buffers import BatchBuffers
 from onnx_chunk.runtime.device.provider import Device
 from onnx_chunk.runtime.engine.counters import EngineStats
-from onnx_chunk.runtime.engine.kv_state import LogicalLength
+from onnx_chunk.runtime.engine.kv_state import RowLength
 from onnx_chunk.runtime.engine.plan import StepResult
-from onnx_chunk.runtime.engine.plan_runner import PlanRunner
+from onnx_chunk.runtime.engine.plan_runner import Forwards, PlanRunner
 from onnx_chunk.runtime.engine.prefix_reuse import PrefixRule
 from onnx_chunk.runtime.engine.request import CheckedRequest, Request
 from onnx_chunk.runtime.engine.scheduler import Scheduler
@@ -161,7 +161,9 @@ class BatchEngine:
     def batch_number(self) -> int:
         """The slot number of the batched decode's buffers (its bindings and graphs hang off
         it, as a sequence's off its slot)."""
-        return self.scheduler.slots.batch.number
+        batch = self.scheduler.slots.batch
+        assert isinstance(batch, SequenceSlot)  # a runtime's engine (`runtime_engine`)
+        return batch.number
 
     @property
     def stats(self) -> EngineStats:
@@ -240,12 +242,13 @@ def runtime_engine(context: EngineContext, slots: int, max_queue: int = DEFAULT_
     return BatchEngine(scheduler, runner, threaded=threaded)
 
 
-def lone_engine(runner: ModelRunner, slot: SequenceSlot, length: LogicalLength, *,
+def lone_engine(runner: Forwards, slot: object, length: RowLength, *,
                 chunk_size: int, speculation: Speculation | None) -> BatchEngine:
-    """A lone sequence's engine: one caller-owned slot (`CallerSlot`) over the sequence's own
-    buffers and logical length, stepped by its caller alone (no thread). Its decode runs on
+    """A lone engine: one caller-owned slot (`CallerSlot`), stepped by its caller alone (no
+    thread). A sequence's: over its own buffers and logical length, its decode on
     `runner.decode`, the model runner's step on the pinned decode variant
-    (`ModelRunner.decoding`), which the caller sets once the first token came."""
+    (`ModelRunner.decoding`), which the caller sets once the first token came. A static
+    request's: over its cache and length, on its graphs (`onnx_chunk.static.runner`)."""
     policy = CallerSlot(slot, length)
     scheduler = Scheduler(policy, chunk_size=chunk_size, batches_chunks=runner.batches_chunks,
                           speculation=speculation, max_queue=1)

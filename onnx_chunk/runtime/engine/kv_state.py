@@ -9,7 +9,17 @@ overwritten by the next forward.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from onnx_chunk.errors import CapacityError, ConfigError, InputError
+from onnx_chunk.runtime.runner.slot import Length
+
+
+class RowLength(Length, Protocol):
+    """What the engine uses of a request's length: the runner's `Length`, and `rewind` after a
+    verification (`LogicalLength`; a static request's `onnx_chunk.static.graphs.StaticLength`)."""
+
+    def rewind(self, count: int) -> None: ...
 
 
 class LogicalLength:

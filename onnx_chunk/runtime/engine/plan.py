@@ -18,23 +18,23 @@ from typing import NamedTuple
 import numpy as np
 
 from onnx_chunk.runtime.engine.counters import ChunkRecord
-from onnx_chunk.runtime.engine.kv_state import LogicalLength
+from onnx_chunk.runtime.engine.kv_state import RowLength
 from onnx_chunk.runtime.engine.request import Request
-from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot
 from onnx_chunk.runtime.engine.speculation import Drafter
 from onnx_chunk.sampling import Sampler, TokenLogprobs
 
 
 @dataclass(eq=False)
 class Running:
-    """A request in a slot: the slot's index, buffers and logical length, the request's
-    sampler, its admission order, the prefill chunks ([begin, end) prompt rows) still to
-    schedule, its last token, how many it produced and its drafter (speculative decoding)."""
+    """A request in a slot: the slot's index, what its forwards run on (a `SequenceSlot`; a
+    static request's `StaticSlot`) and its length, the request's sampler, its admission order,
+    the prefill chunks ([begin, end) prompt rows) still to schedule, its last token, how many
+    it produced and its drafter (speculative decoding)."""
 
     request: Request
     index: int
-    slot: SequenceSlot
-    length: LogicalLength
+    slot: object
+    length: RowLength
     sampler: Sampler
     order: int
     chunks: collections.deque[tuple[int, int]] = field(default_factory=collections.deque)

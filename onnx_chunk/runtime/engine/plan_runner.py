@@ -32,18 +32,34 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
 from onnx_chunk.errors import CapacityError
-from onnx_chunk.runtime.engine.kv_state import LogicalLength
+from onnx_chunk.runtime.engine.kv_state import RowLength
 from onnx_chunk.runtime.engine.plan import Chunk, Outputs, Plan, Prefilled, Running, Verified
 from onnx_chunk.runtime.engine.scheduler import batch_pays
 from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot
-from onnx_chunk.runtime.runner.forward import Forward, LogitsRows, Row
-from onnx_chunk.runtime.runner.model_runner import ModelRunner
+from onnx_chunk.runtime.runner.forward import Forward, LogitsRows, Ran, Row
 from onnx_chunk.sampling import TokenLogprobs, prompt_logprobs_of
+
+
+class Forwards(Protocol):
+    """What a plan's forwards run on: a dynamic decoder's `ModelRunner`, or a static request's
+    graphs (`onnx_chunk.static.runner`), each taking its own kind of slot."""
+
+    @property
+    def batches_chunks(self) -> bool:
+        """Whether one forward may run several slots' chunks (native chunks, rule 2)."""
+        ...
+
+    def chunk_width(self, rows: int, room: int) -> int:
+        """The query width a chunk of `rows` real rows runs at with `room` positions left."""
+        ...
+
+    def run(self, slot: Any, forward: Forward) -> Ran: ...
 
 
 class PlanRunner:
@@ -54,7 +70,7 @@ class PlanRunner:
     under a slot number (rule 7). `decode`: a pinned decode step, set by its owner (rule 5).
     """
 
-    def __init__(self, runner: ModelRunner, batch: SequenceSlot, lengths: list[LogicalLength],
+    def __init__(self, runner: Forwards, batch: object, lengths: Sequence[RowLength],
                  release_graphs: Callable[[int], None] | None) -> None:
         self._runner = runner
         self._batch = batch
@@ -187,12 +203,14 @@ class PlanRunner:
         return logits
 
     def _claim_batch(self) -> None:
-        """Run on the batch's bindings in this thread (rule 7)."""
-        thread = threading.get_ident()
-        if self._release_graphs is not None and self._batch.thread != thread:
-            if self._batch.thread:
-                self._release_graphs(self._batch.number)
-            self._batch.thread = thread
+        """Run on the batch's bindings in this thread (rule 7; the runtime's engine, whose
+        batch is a `SequenceSlot`)."""
+        thread, batch = threading.get_ident(), self._batch
+        if (self._release_graphs is not None and isinstance(batch, SequenceSlot)
+                and batch.thread != thread):
+            if batch.thread:
+                self._release_graphs(batch.number)
+            batch.thread = thread
 
 
 def _prompt_logprobs(prompt: np.ndarray, begin: int, end: int, logits: np.ndarray | None,

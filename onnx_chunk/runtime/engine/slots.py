@@ -6,23 +6,23 @@ keeps is its policy's:
   KV port, the batched decode's slot over all of them), each keeping the ids it was fed for
   the next request (prefix reuse, `prefix_reuse`); a request's other choices are forked into
   free slots by a device copy of its slot's rows.
-- `CallerSlot`, a lone sequence's engine: one slot over the sequence's own buffers and logical
-  length, owned by its caller. Its request continues the sequence at its length and leaves
-  the length where it ended: nothing is reset, kept or rewound (the caller rolls a failed
-  request back).
+- `CallerSlot`, a lone engine's: one slot owned by its caller (a sequence's own buffers and
+  logical length; a static request's cache and length). Its request continues the slot at its
+  length and leaves the length where it ended: nothing is reset, kept or rewound (the caller
+  rolls a failed request back).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
 
 from onnx_chunk.errors import InputError
 from onnx_chunk.runtime.device.buffers import BatchBuffers
-from onnx_chunk.runtime.engine.kv_state import LogicalLength
+from onnx_chunk.runtime.engine.kv_state import LogicalLength, RowLength
 from onnx_chunk.runtime.engine.prefix_reuse import KeptPrefix, PrefixRule, SlotChoice, choose_slot
 from onnx_chunk.runtime.engine.request import Request
 from onnx_chunk.runtime.engine.sequence_pool import SequenceSlot
@@ -34,13 +34,18 @@ _NO_IDS = np.zeros(0, dtype=np.int64)
 class SlotPolicy(Protocol):
     """What a scheduler asks of its slots (see the module docstring).
 
-    `slots`, `lengths`: each slot's buffers and logical length; `batch`: the slot of every row
-    (the batched forwards').
+    `slots`, `lengths`: what each slot's forwards run on and its length; `batch`: the slot of
+    every row (the batched forwards').
     """
 
-    slots: list[SequenceSlot]
-    lengths: list[LogicalLength]
-    batch: SequenceSlot
+    @property
+    def slots(self) -> Sequence[object]: ...
+
+    @property
+    def lengths(self) -> Sequence[RowLength]: ...
+
+    @property
+    def batch(self) -> object: ...
 
     def choose(self, free: list[int], prompt: np.ndarray, sampling: Sampling) -> SlotChoice:
         """The free slot an arriving request takes, and the prefix it reuses."""
@@ -132,9 +137,9 @@ class EngineSlots:
 
 
 class CallerSlot:
-    """A lone sequence's one slot, owned by its caller (see the module docstring)."""
+    """A lone engine's one slot, owned by its caller (see the module docstring)."""
 
-    def __init__(self, slot: SequenceSlot, length: LogicalLength) -> None:
+    def __init__(self, slot: object, length: RowLength) -> None:
         self.slots = [slot]
         self.lengths = [length]
         self.batch = slot
