@@ -22,6 +22,13 @@ largest logprob difference; then the load average before and after.
     .venv/bin/python scripts/bench_reuse.py [MODEL] [--conversations 200] [--turns 3]
         [--max-tokens 16] [--exact] [--time-limit SECONDS] [--json out.json] [--first N]
         [--merge earlier.json ...]
+    .venv/bin/python scripts/bench_reuse.py [MODEL] --resend 40,129,512 [--conversations 3]
+
+`--resend LENGTHS` asks the question of a prompt sent again: per length, `--conversations`
+random prompts, each answered greedily by the no-reuse runtime, then sent three times to the
+reusing one (its first send a fresh prefill, then two resends that reuse all of it but the ids
+a reuse leaves to feed); printed per length: the resends whose answer differs from the
+no-reuse answer, and their cached tokens.
 
 MODEL is a model folder or a bench model's name (default qwen05-int4; scripts/_bench/models.py,
 built by scripts/make_bench_models.py). `--time-limit` stops starting conversations after that
@@ -174,6 +181,27 @@ def _numbers(runs: dict) -> list[int]:
     return [conv[0]["number"] for conv in runs["greedy"]]
 
 
+def resend(runtimes: dict, lengths: list[int], args: argparse.Namespace,
+           vocab: int) -> str:
+    """`--resend`: per prompt length, how many greedy resends answer otherwise than no reuse."""
+    rows = []
+    for length in lengths:
+        rng = np.random.default_rng([args.seed, 2, length])
+        differ, cached = 0, set[int]()
+        for _ in range(args.conversations):
+            prompt = [int(t) for t in rng.integers(FIRST_PROMPT_ID, vocab, size=length)]
+            expected = answer(runtimes["no reuse"], prompt, args.max_tokens,
+                              sampling("greedy", 0, None))["tokens"]
+            sends = [answer(runtimes["reuse"], prompt, args.max_tokens,
+                            sampling("greedy", 0, None)) for _ in range(3)]
+            differ += sum(send["tokens"] != expected for send in sends[1:])
+            cached.update(send["cached"] for send in sends[1:])
+        rows.append([length, f"{differ} of {2 * args.conversations}",
+                     ", ".join(map(str, sorted(cached)))])
+    return markdown_table(["prompt tokens", "resends differing from no reuse",
+                           "cached tokens"], rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
@@ -196,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first", type=int, default=0,
                         help="the number of the first conversation (a continuation of a run "
                              "that stopped at its --time-limit)")
+    parser.add_argument("--resend", default=None, metavar="LENGTHS",
+                        help="comma-separated prompt lengths: prompts sent again (see above) "
+                             "instead of conversations")
     parser.add_argument("--merge", type=Path, action="append", default=[],
                         help="the --json of an earlier run of the same settings and other "
                              "conversations: the report counts its conversations too")
@@ -208,6 +239,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--seed and --first must be at least 0")
     if args.threads is not None and args.threads < 1:
         parser.error("--threads must be at least 1")
+    lengths = []
+    if args.resend is not None:
+        try:
+            lengths = [int(part) for part in args.resend.split(",")]
+        except ValueError:
+            parser.error(f"--resend takes comma-separated prompt lengths, got {args.resend!r}")
+        if not lengths or min(lengths) < 1:
+            parser.error("--resend: every prompt length must be at least 1")
     try:
         args.model = model_folder(args.model)
     except BenchModelMissing as error:
@@ -230,6 +269,13 @@ def main(argv: list[str] | None = None) -> int:
         if needed > runtimes["reuse"].stats.capacity:
             parser.error(f"a conversation needs {needed} positions, the capacity is "
                          f"{runtimes['reuse'].stats.capacity}")
+        if lengths:
+            if max(lengths) + args.max_tokens > runtimes["reuse"].stats.capacity:
+                parser.error(f"--resend: {max(lengths)} prompt tokens and {args.max_tokens} "
+                             f"new exceed the capacity {runtimes['reuse'].stats.capacity}")
+            print(resend(runtimes, lengths, args, vocab))
+            print(f"load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after")
+            return 0
         system = [int(t) for t in np.random.default_rng([args.seed, 0]).integers(
             FIRST_PROMPT_ID, vocab, size=args.system_tokens)]
         for number in range(args.first, args.first + args.conversations):

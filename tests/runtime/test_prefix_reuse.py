@@ -89,8 +89,8 @@ def _assert_reuse_changes_no_token(path, **options):
         # starts empty, and the engine says it could not reuse what it shared.
         assert cached[4] == cached[5] == cached_pair[1] == 0 and stats.prefix_refused >= 3
     else:
-        # The same prompt again reuses all but its last id.
-        assert cached[5] == len(prompts[5]) - 1 and cached_pair[1] == len(prompts[6]) - 1
+        # The same prompt again reuses all but its last two ids.
+        assert cached[5] == len(prompts[5]) - 2 and cached_pair[1] == len(prompts[6]) - 2
     assert cached_pair[0] == len(prompts[5]) + NEW - 1
     every = cached + cached_pair
     assert stats.prefix_hits == sum(count > 0 for count in every)

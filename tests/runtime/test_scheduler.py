@@ -44,9 +44,9 @@ def test_a_request_takes_the_free_slot_with_the_longest_shared_prefix():
     prompt = np.array([1, 2, 3, 4, 5])
     free = {0: _kept([1, 2, 9], 1), 1: _kept([1, 2, 3, 4], 2), 2: _kept([])}
     choice = choose_slot(free, prompt, PrefixRule())
-    assert (choice.slot, choice.reused, choice.shared) == (1, 4, 4)
-    # One prompt id is always left to feed: the same prompt again reuses all but its last.
-    assert choose_slot({0: _kept([1, 2, 3, 4, 5, 6])}, prompt, PrefixRule()).reused == 4
+    assert (choice.slot, choice.reused, choice.shared) == (1, 3, 3)
+    # Two prompt ids are always left to feed: the same prompt again reuses all but its last two.
+    assert choose_slot({0: _kept([1, 2, 3, 4, 5, 6])}, prompt, PrefixRule()).reused == 3
     assert choose_slot({0: _kept([7, 8])}, np.array([7]), PrefixRule()).reused == 0
 
 
@@ -91,7 +91,7 @@ def test_a_window_cache_reuses_only_what_its_evictions_left_exact():
 
 def _usable_by_brute_force(kept, prompt, rule):
     best = 0
-    for length in range(0, min(len(kept), len(prompt) - 1) + 1):
+    for length in range(0, min(len(kept), len(prompt) - 2) + 1):
         if list(kept[:length]) != list(prompt[:length]) or length == 0:
             continue
         if rule.recurrent and length != len(kept):
@@ -119,11 +119,11 @@ def test_the_chosen_slot_reuses_the_longest_exact_prefix_there_is(slots, prompt,
               for slot, kept_prefix in free.items()}
     # The longest usable prefix of any free slot, and a true prefix of both.
     assert choice.reused == max(usable.values()) == usable[choice.slot]
-    assert choice.reused <= len(prompt) - 1
+    assert choice.reused <= max(len(prompt) - 2, 0)
     assert list(kept[:choice.reused]) == list(prompt[:choice.reused])
     assert choice.shared >= choice.reused
     if rule.enabled:
-        assert choice.shared == max(shared_prefix(kept_prefix.tokens, prompt[:-1])
+        assert choice.shared == max(shared_prefix(kept_prefix.tokens, prompt[:-2])
                                     for kept_prefix in free.values())
     # Ties (and no reuse at all): an empty slot first, then the least recently used.
     tied = [slot for slot, length in usable.items() if length == choice.reused]

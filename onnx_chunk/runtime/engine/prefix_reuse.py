@@ -8,10 +8,11 @@ Rules:
    generated token's row was computed by a one-row decode forward, which ONNX Runtime's
    kernels round differently from the same row in a prompt forward).
 2. An arriving request takes the free slot whose kept ids share the longest usable prefix
-   with its prompt (`choose_slot`); usable means at most the prompt's length less one (one
-   token is always fed, so the first token comes from a forward; in exact mode two, so that no
-   prompt forward after a past has one row, docs/row_grouping.md) and a prefix the slot's KV
-   can be rewound to (`PrefixRule`: a window-sized cache only where its eviction rule allows,
+   with its prompt (`choose_slot`); usable means at most the prompt's length less two (the
+   prompt's last two ids are always fed, so its first token comes from a forward of two rows
+   or more, which computes them as the whole prompt's forward did, where one row alone would
+   run ONNX Runtime's one-row kernels, docs/row_grouping.md) and a prefix the slot's KV can be
+   rewound to (`PrefixRule`: a window-sized cache only where its eviction rule allows,
    recurrent state only the whole kept prefix).
 3. Ties, and no usable prefix anywhere, go to an empty slot first, then to the least recently
    used one, then to the smallest number: a hot prefix is never overwritten while a colder
@@ -28,6 +29,9 @@ import numpy as np
 
 from onnx_chunk.errors import ConfigError
 from onnx_chunk.runtime.engine.kv_window import rewind_is_exact
+
+# The ids of a prompt a reuse always leaves to feed (rule 2).
+LEFT_TO_FEED = 2
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,7 @@ class PrefixRule:
 
     `windows`: (rows, window) of every window-sized KV cache; `recurrent`: whether the decoder
     carries recurrent (conv or SSM) state, which holds no history; `enabled`: False reuses
-    nothing (every request starts on an empty slot); `exact`: exact mode's rule (rule 2).
+    nothing (every request starts on an empty slot); `exact`: exact mode's rule (rule 1).
     """
 
     windows: tuple[tuple[int, int], ...] = ()
@@ -58,7 +62,7 @@ class PrefixRule:
     @property
     def left_to_feed(self) -> int:
         """The ids of a prompt a reuse always leaves to feed (rule 2)."""
-        return 2 if self.exact else 1
+        return LEFT_TO_FEED
 
     def kept(self, prompt: int, length: int) -> int:
         """How many leading ids of a slot holding `length` positions, whose request's prompt
@@ -108,7 +112,7 @@ def choose_slot(free: dict[int, KeptPrefix], prompt: np.ndarray, rule: PrefixRul
     choices = []
     longest = 0
     for slot, kept in free.items():
-        # One prompt id (two in exact mode) is always left to feed.
+        # The prompt's last LEFT_TO_FEED ids are always fed.
         shared = (shared_prefix(kept.tokens, prompt[:max(len(prompt) - rule.left_to_feed, 0)])
                   if rule.enabled and kept.salt == salt else 0)
         longest = max(longest, shared)
