@@ -33,7 +33,8 @@ def test_reuse_on_a_float32_export_reuses_and_changes_no_token(tmp_path, capsys)
 
 
 @pytest.mark.parametrize("argv", [["--turns", "0"], ["--seed", "-1"], ["--threads", "0"],
-                                  ["no-such-model"]])
+                                  ["no-such-model"], ["--resend", "4,x"], ["--resend", "0"],
+                                  ["--resend", "100000"]])
 def test_bad_arguments_are_one_error_line(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench_reuse.main([str(EXPORT), *argv] if argv[0].startswith("--") else argv)
@@ -68,3 +69,11 @@ def test_exact_mode_on_an_int4_export_changes_no_number(capsys):
                              "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert "| greedy | 0/6 |" in out and "| seeded | 0/6 |" in out
+
+
+def test_a_resent_prompt_reuses_all_but_its_last_two_ids(capsys):
+    int4 = EXPORT.parent / "genai-llama-int4"
+    assert bench_reuse.main([str(int4), "--resend", "5,17", "--conversations", "2",
+                             "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| 5 | 0 of 4 | 3 |" in out and "| 17 | 0 of 4 | 15 |" in out
