@@ -405,13 +405,18 @@ def test_the_batch_engine_decode_shares_the_capture_gate(reference_model, captur
                                                          monkeypatch):
     # Every run of the engine (its prefill chunks and its batched decode) holds the gate, so
     # no other thread's capture can start while it runs.
+    ours: weakref.WeakSet = weakref.WeakSet()
+    monkeypatch.setattr(variant_pool, "session_captures",
+                        lambda session: ours.add(session) or True)
     runtime = load(reference_model(), device=dataclasses.replace(DEVICE, cuda_graphs=True),
                    capacity=96, chunk_size=16, padding=False)
     held = []
     original = ort.InferenceSession.run_with_iobinding
 
     def run(self, iobinding, run_options=None):
-        held.append(CAPTURE_GATE.held)
+        # This runtime's sessions only: an earlier test's engine thread may still be stepping.
+        if self in ours:
+            held.append(CAPTURE_GATE.held)
         return original(self, iobinding, run_options)
 
     monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding", run)
