@@ -59,11 +59,6 @@ class PrefixRule:
     enabled: bool = True
     exact: bool = False
 
-    @property
-    def left_to_feed(self) -> int:
-        """The ids of a prompt a reuse always leaves to feed (rule 2)."""
-        return LEFT_TO_FEED
-
     def kept(self, prompt: int, length: int) -> int:
         """How many leading ids of a slot holding `length` positions, whose request's prompt
         had `prompt` ids, it keeps for a later request: all, or in exact mode the prompt's."""
@@ -112,8 +107,7 @@ def choose_slot(free: dict[int, KeptPrefix], prompt: np.ndarray, rule: PrefixRul
     choices = []
     longest = 0
     for slot, kept in free.items():
-        # The prompt's last LEFT_TO_FEED ids are always fed.
-        shared = (shared_prefix(kept.tokens, prompt[:max(len(prompt) - rule.left_to_feed, 0)])
+        shared = (shared_prefix(kept.tokens, prompt[:max(len(prompt) - LEFT_TO_FEED, 0)])
                   if rule.enabled and kept.salt == salt else 0)
         longest = max(longest, shared)
         reused = rule.usable(len(kept.tokens), shared)
