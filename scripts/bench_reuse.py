@@ -207,9 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                         help="a model folder, or a bench model's name (default qwen05-int4)")
     parser.add_argument("--conversations", type=int, default=200)
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--system-tokens", type=int, default=32)
-    parser.add_argument("--user-tokens", type=int, default=24)
+    # Conversation settings (None: their defaults), refused with --resend.
+    parser.add_argument("--turns", type=int, default=None, help="default 3")
+    parser.add_argument("--system-tokens", type=int, default=None, help="default 32")
+    parser.add_argument("--user-tokens", type=int, default=None, help="default 24")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--batch", type=int, default=4, help="slots (serve's default 4)")
     parser.add_argument("--provider", default="cpu", choices=("cpu", "cuda", "auto"))
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=None,
                         help="start no conversation after this many seconds")
     parser.add_argument("--json", type=Path, default=None, help="write every answer here")
-    parser.add_argument("--first", type=int, default=0,
+    parser.add_argument("--first", type=int, default=None,
                         help="the number of the first conversation (a continuation of a run "
                              "that stopped at its --time-limit)")
     parser.add_argument("--resend", default=None, metavar="LENGTHS",
@@ -231,6 +232,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="the --json of an earlier run of the same settings and other "
                              "conversations: the report counts its conversations too")
     args = parser.parse_args(argv)
+    conversational: dict[str, object] = {"turns": 3, "system_tokens": 32, "user_tokens": 24,
+                                         "first": 0, "time_limit": None, "json": None,
+                                         "merge": []}
+    given = [name for name in conversational if getattr(args, name) not in (None, [])]
+    if args.resend is not None and given:
+        parser.error(f"--resend sends prompts, not conversations: it takes no "
+                     f"--{given[0].replace('_', '-')}")
+    for name, default in conversational.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     for name in ("conversations", "turns", "system_tokens", "user_tokens", "max_tokens",
                  "batch"):
         if getattr(args, name) < 1:
@@ -266,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         vocab = runtimes["reuse"].stats.vocab_size
         needed = args.system_tokens + args.turns * (args.user_tokens + args.max_tokens)
-        if needed > runtimes["reuse"].stats.capacity:
+        if not lengths and needed > runtimes["reuse"].stats.capacity:
             parser.error(f"a conversation needs {needed} positions, the capacity is "
                          f"{runtimes['reuse'].stats.capacity}")
         if lengths:

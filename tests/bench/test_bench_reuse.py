@@ -34,7 +34,8 @@ def test_reuse_on_a_float32_export_reuses_and_changes_no_token(tmp_path, capsys)
 
 @pytest.mark.parametrize("argv", [["--turns", "0"], ["--seed", "-1"], ["--threads", "0"],
                                   ["no-such-model"], ["--resend", "4,x"], ["--resend", "0"],
-                                  ["--resend", "100000"]])
+                                  ["--resend", "100000"], ["--resend", "5", "--turns", "2"],
+                                  ["--resend", "5", "--json", "out.json"]])
 def test_bad_arguments_are_one_error_line(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench_reuse.main([str(EXPORT), *argv] if argv[0].startswith("--") else argv)
