@@ -6,7 +6,8 @@ Q8_0 when built) run side by side on the CPU with the same threads, the same see
 the same new tokens (no EOS stop where the runtime allows it; genai stops at EOS, which random
 weights rarely emit) and the same prefill chunk width:
 
-* onnx-chunk: the export after `onnx-chunk convert --chunk-size W` (what it serves);
+* onnx-chunk: the export after `onnx-chunk convert --chunk-size W` (what it serves: a CPU
+  export's layers as int8 matmuls, convert's default);
 * genai: onnxruntime-genai 0.18's og.Generator on the export as the builder wrote it, with
   search.chunk_size W (genai venv);
 * ort-loop: a bare ONNX Runtime IOBinding loop over the same export, W rows per prefill forward
@@ -16,7 +17,8 @@ weights rarely emit) and the same prefill chunk width:
 * with ``--int4-block-size N``, also "onnx-chunk bN": the export converted with
   `--int4-block-size N` (its 4-bit weights re-blocked, a second quantization); with
   ``--int8-matmul``, also "onnx-chunk int8": converted with `--int8-matmul` (the layers' weights
-  int8 for ONNX Runtime's QGEMM); each with a table of its own ratios to every system and how
+  int8 for ONNX Runtime's QGEMM); with ``--no-int8-matmul``, also "onnx-chunk 4-bit": the
+  builder's 4-bit MatMulNBits kept; each with a table of its own ratios to every system and how
   many leading tokens equal onnx-chunk's.
 
 Every measurement is a fresh process (peak RSS is its own VmHWM); systems are interleaved round
@@ -104,6 +106,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="also measure the export converted with --int4-block-size N")
     parser.add_argument("--int8-matmul", action="store_true",
                         help="also measure the export converted with --int8-matmul")
+    parser.add_argument("--no-int8-matmul", action="store_true",
+                        help="also measure the export converted with --no-int8-matmul (its "
+                             "4-bit weights kept; the default rewrites a CPU export's)")
     parser.add_argument("--omp-wait-policy", choices=("passive", "active", "unset"),
                         default="unset",
                         help="OMP_WAIT_POLICY for every child (llama.cpp's threads are OpenMP's; "
@@ -306,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
         arms.append(f"{OURS} int8")
         paths[arms[-1]] = env.converted_export(args.out, name, folder, args.chunk_size,
                                                int8_matmul=True)
+    if args.no_int8_matmul:
+        arms.append(f"{OURS} 4-bit")
+        paths[arms[-1]] = env.converted_export(args.out, name, folder, args.chunk_size,
+                                               int8_matmul=False)
     systems = [OURS, *arms, GENAI, ORT_LOOP, *ggufs]
     vocab = json.loads((folder / "genai_config.json").read_text())["model"]["vocab_size"]
     runs: dict[tuple[int, str], list[dict]] = {}
@@ -337,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"model": name, "folder": str(folder), "threads": args.threads,
                "omp_wait_policy": args.omp_wait_policy,
                "chunk_size": args.chunk_size, "int4_block_size": args.int4_block_size,
-               "int8_matmul": args.int8_matmul,
+               "int8_matmul": args.int8_matmul, "no_int8_matmul": args.no_int8_matmul,
                "new_tokens": new_tokens, "lengths": lengths,
                "repetitions": repetitions, "systems": systems, "left_out": left_out,
                "gguf": {system: str(path) for system, path in ggufs.items()},

@@ -56,6 +56,19 @@ class GenaiConfig:
     search: dict[str, Any] = field(default_factory=dict)
     document: dict[str, Any] = field(default_factory=dict, repr=False)
 
+    def providers(self) -> tuple[str, ...]:
+        """The execution providers the export was built for, as genai names them in
+        `model.decoder.session_options.provider_options` ("cuda", "dml", ...; none for a CPU
+        export, whose list the builder leaves empty)."""
+        section: Any = self.document
+        for key in ("model", "decoder", "session_options"):
+            section = section.get(key) if isinstance(section, dict) else None
+        options = section.get("provider_options") if isinstance(section, dict) else None
+        if not isinstance(options, list):
+            return ()
+        return tuple(str(name) for entry in options if isinstance(entry, dict)
+                     for name in entry)
+
 
 @dataclass(frozen=True)
 class ModelLocation:

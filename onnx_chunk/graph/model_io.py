@@ -24,7 +24,7 @@ import json
 import logging
 import os
 import stat
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import onnx
@@ -32,6 +32,16 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from onnx_chunk.errors import ModelLoadError, OutputError
+from onnx_chunk.graph.external_data import (
+    all_tensor_protos,
+    compacted_ranges,
+    copy_ranges,
+    external_data_files,
+    model_tensors,
+    move_offsets,
+    output_locations,
+    relocate,
+)
 from onnx_chunk.graph.model_file import read_model_file, unreadable
 from onnx_chunk.graph.model_folder import DEFAULT_DECODER, GENAI_CONFIG, read_genai_config
 from onnx_chunk.staged_output import COPY_BLOCK_BYTES, Staging, staged_write
@@ -44,6 +54,7 @@ _TO_DATA_FILE = "onnx_chunk.to_data_file"
 _DATA_FILE_THRESHOLD_BYTES = 1024
 # Offsets of tensors over 1 MiB in the new-weights file are aligned to whole pages.
 _ALIGN_BYTES = 4096
+
 
 
 def write_to_data_file(value: ir.Value) -> ir.Value:
@@ -72,74 +83,10 @@ def load_model(path: str | os.PathLike) -> ir.Model:
         raise ModelLoadError(
             f"{str(model_path)!r} is not a well-formed ONNX model ({error}); export it again"
         ) from error
-    for tensor in _model_tensors(model):
+    for tensor in model_tensors(model):
         if isinstance(tensor, ir.ExternalTensor):
             tensor.base_dir = str(model_path.parent)
     return model
-
-
-def _graph_tensor_protos(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
-    yield from graph.initializer
-    for sparse in graph.sparse_initializer:
-        yield sparse.values
-        yield sparse.indices
-    yield from _node_tensor_protos(graph.node)
-
-
-def _node_tensor_protos(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.TensorProto]:
-    for node in nodes:
-        for attribute in node.attribute:
-            if attribute.HasField("t"):
-                yield attribute.t
-            yield from attribute.tensors
-            if attribute.HasField("sparse_tensor"):
-                yield attribute.sparse_tensor.values
-                yield attribute.sparse_tensor.indices
-            for sparse in attribute.sparse_tensors:
-                yield sparse.values
-                yield sparse.indices
-            if attribute.HasField("g"):
-                yield from _graph_tensor_protos(attribute.g)
-            for subgraph in attribute.graphs:
-                yield from _graph_tensor_protos(subgraph)
-
-
-def _all_tensor_protos(proto: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
-    """Every tensor of a model: initializers (sparse too), attributes, subgraphs, functions."""
-    yield from _graph_tensor_protos(proto.graph)
-    for function in proto.functions:
-        yield from _node_tensor_protos(function.node)
-
-
-def _attribute_tensors(graph: ir.Graph | ir.Function) -> Iterator[ir.TensorProtocol]:
-    for node in ir.traversal.RecursiveGraphIterator(graph):
-        for attribute in node.attributes.values():
-            if attribute.type == ir.AttributeType.TENSOR:
-                yield attribute.value
-            elif attribute.type == ir.AttributeType.TENSORS:
-                yield from attribute.value
-
-
-def _model_tensors(model: ir.Model) -> Iterator[ir.TensorProtocol]:
-    for graph in model.graphs():
-        for value in graph.initializers.values():
-            if value.const_value is not None:
-                yield value.const_value
-    yield from _attribute_tensors(model.graph)
-    for function in model.functions.values():
-        yield from _attribute_tensors(function)
-
-
-def external_data_files(model: ir.Model) -> dict[str, Path]:
-    """The external data files a model references: relative location -> absolute source path.
-
-    Initializers, attribute tensors, subgraphs and model-local functions all count.
-    """
-    files: dict[str, Path] = {}
-    for tensor in _model_tensors(model):
-        if isinstance(tensor, ir.ExternalTensor):
-            files[os.fspath(tensor.location)] = Path(tensor.path).resolve()
-    return files
 
 
 def check_weights_readable(model: ir.Model, option: str) -> None:
@@ -159,37 +106,6 @@ def check_weights_readable(model: ir.Model, option: str) -> None:
                 "names")
 
 
-def output_locations(files: dict[str, Path], target: Path) -> dict[str, str]:
-    """Where each external data file of a model goes when it is written to `target`.
-
-    Rules:
-    1. A file that already is the one at its location beside `target` keeps its name (an
-       in-place rewrite copies no weights).
-    2. Otherwise a model's single data file is named after the output: `<target name>.data`,
-       so two models written into one folder never share (and overwrite) a data file.
-    3. Several data files keep their names (their owners are checked before anything is
-       written).
-    """
-    target_dir = target.parent
-    locations: dict[str, str] = {}
-    for location, source in files.items():
-        destination = target_dir / location
-        in_place = destination.exists() and os.path.samefile(source, destination)
-        locations[location] = (location if in_place or len(files) > 1
-                               else f"{target.name}.data")
-    return locations
-
-
-def _relocate(proto: onnx.ModelProto, locations: dict[str, str]) -> None:
-    """Rewrite the external locations of `proto`'s tensors (offsets and lengths kept)."""
-    for tensor in _all_tensor_protos(proto):
-        if tensor.data_location != onnx.TensorProto.EXTERNAL:
-            continue
-        for entry in tensor.external_data:
-            if entry.key == "location" and entry.value in locations:
-                entry.value = locations[entry.value]
-
-
 def write_proto(proto: onnx.ModelProto, target: Path) -> None:
     """Write `proto`'s bytes to `target`."""
     target.write_bytes(proto.SerializeToString())
@@ -203,7 +119,7 @@ def referenced_data_files(model_path: Path) -> set[Path]:
         logger.warning("cannot read %s to see which data files it uses: %s", model_path, error)
         return set()
     files = set()
-    for tensor in _all_tensor_protos(proto):
+    for tensor in all_tensor_protos(proto):
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             location = next((entry.value for entry in tensor.external_data
                              if entry.key == "location"), "")
@@ -318,7 +234,11 @@ def save_model(
 
     Initializers marked with `write_to_data_file` (of at least 1 KiB) are written to a new data
     file, `<target name>.weights.data` (`.weights-2.data`, ... where the model already
-    references that name), not inside the .onnx.
+    references that name), not inside the .onnx. A copied data file of which at least
+    COMPACT_UNREFERENCED_BYTES (external_data) no tensor references (weights a pass replaced)
+    is compacted: only
+    the referenced tensors are copied, each at an offset congruent to its old one modulo a
+    page, and the model's offsets are rewritten to match.
     """
     target = Path(path)
     try:
@@ -353,24 +273,33 @@ def _save_staged(model: ir.Model, target: Path, staging: Staging,
     companions = _refuse_foreign(resolved_target, data_writes, sources, source_dir)
     config = _output_config(sources, companions_from, resolved_target)
     staged: list[str] = []
+    if weights is not None:
+        with _in_data_file(marked, staging.path, weights):
+            proto = ir.serde.serialize_model(model)
+    else:
+        proto = ir.serde.serialize_model(model)
     for location, source in copies.items():
         written = locations[location]
-        logger.info("copying external data %s -> %s", source, target_dir / written)
-        staging.copy(source, written, progress)
+        ranges = compacted_ranges(model, location, source)
+        if ranges is None:
+            logger.info("copying external data %s -> %s", source, target_dir / written)
+            staging.copy(source, written, progress)
+        else:
+            logger.info("copying the %d referenced tensors of %s -> %s", len(ranges), source,
+                        target_dir / written)
+            (staging.path / written).parent.mkdir(parents=True, exist_ok=True)
+            move_offsets(proto, location,
+                          copy_ranges(source, staging.path / written, ranges, progress))
         staged.append(written)
+    if weights is not None:
+        staged.append(weights)
     copied = [name for name in companions if name != GENAI_CONFIG]
     if source_dir is not None:
         for name in copied:
             staging.copy(source_dir / name, name)
     if config is not None:
         _write_config(*config, staging.path / GENAI_CONFIG)
-    if weights is not None:
-        with _in_data_file(marked, staging.path, weights):
-            proto = ir.serde.serialize_model(model)
-        staged.append(weights)
-    else:
-        proto = ir.serde.serialize_model(model)
-    _relocate(proto, locations)
+    relocate(proto, locations)
     write_proto(proto, staging.path / target.name)
     written_config = [GENAI_CONFIG] if config is not None else []
     staging.publish([*staged, *copied, *written_config, target.name])

@@ -23,7 +23,7 @@ from onnx_chunk.passes.concat_kv_attention import ConcatKVToGQAPass
 from onnx_chunk.passes.concat_kv_layers import find_concat_kv_attention, grows_kv_by_concat
 from onnx_chunk.passes.concat_kv_tensor_scatter import ConcatKVToTensorScatterPass
 from onnx_chunk.passes.int4_blocks import INT4_BLOCK_SIZES, Int4BlocksPass, check_int4_blocks
-from onnx_chunk.passes.int8_matmul import Int8MatMulPass
+from onnx_chunk.passes.int8_matmul import Int8MatMulPass, default_refusal, has_int4_layers
 from onnx_chunk.passes.kv_capacity import KVCapacityPass
 from onnx_chunk.passes.kv_prefill import (
     KV_PREFILL_CHOICES,
@@ -77,6 +77,7 @@ __all__ = [
     "analyze_metadata",
     "check_int4_blocks",
     "check_int8_matmul",
+    "int8_matmul_default",
     "check_int8_matmul_options",
     "check_kv_prefill",
     "check_kv_quantization",
@@ -130,7 +131,7 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
                   native_chunks: str = "auto",
                   logits_rows: str = "auto",
                   int4_block_size: int | None = None,
-                  int8_matmul: bool = False) -> ir.passes.PassResult:
+                  int8_matmul: bool | None = None) -> ir.passes.PassResult:
     """Run the passes as one DecoderPipeline (onnx_ir's Sequential; each pass checks its
     preconditions in `requires()` before it changes anything); `modified` is False when the
     model was already converted so.
@@ -160,12 +161,15 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
     (Int4BlocksPass: its weights are quantized again, so the logits move a little); refused
     (ConfigError) for a model without 4-bit MatMulNBits. None leaves the weights as they are.
 
-    With `int8_matmul` the layers' 4-bit MatMulNBits become int8 MatMulInteger over
+    With `int8_matmul` True the layers' 4-bit MatMulNBits become int8 MatMulInteger over
     activations quantized with one scale per row (Int8MatMulPass: ONNX Runtime's CPU QGEMM
     prefills faster, and each row's result depends on that row alone; twice the bytes of the
     4-bit weights, and the logits move); refused (ConfigError) for a model without 4-bit
-    MatMulNBits, and together with `int4_block_size`.
+    MatMulNBits, and together with `int4_block_size`. None (the default) rewrites them where
+    the pass applies (`int8_matmul_default`), False never.
     """
+    if int8_matmul is None:
+        int8_matmul = int8_matmul_default(model, int4_block_size)
     check_int8_matmul_options(int4_block_size, int8_matmul)
     was = prefill_mode(model)
     check_kv_prefill(kv_prefill, kv_dtype, was)
@@ -208,6 +212,14 @@ def check_kv_prefill(kv_prefill: str | None, kv_dtype: str | None, current: str 
     if kv_dtype is None and current is None:
         raise ConfigError("--kv-prefill applies to a quantized KV cache only; add --kv-dtype "
                           "int8 or int4, or drop it")
+
+
+def int8_matmul_default(model: ir.Model, int4_block_size: int | None) -> bool:
+    """What `convert_model`'s default does with the 4-bit weights: rewrite them as int8 matmuls
+    (True) where Int8MatMulPass applies (`int8_matmul.default_refusal`) and no re-blocking to
+    `int4_block_size` was asked for."""
+    return (int4_block_size is None and has_int4_layers(model)
+            and default_refusal(model) is None)
 
 
 def check_int8_matmul_options(int4_block_size: int | None, int8_matmul: bool) -> None:

@@ -1,5 +1,5 @@
 """Rewrite 4-bit MatMulNBits as int8 matmuls with one activation scale per row (`convert
---int8-matmul`).
+--int8-matmul`, and `convert`'s default for a CPU export: `default_refusal`).
 
 ONNX Runtime's CPU MatMulNBits computes a prefill's rows with its int8 kernel at a fraction of
 what the CPU's int8 units can do, while its QGEMM (MLAS `MlasGemm` U8S8: AVX2, AVX-512 VNNI,
@@ -117,6 +117,32 @@ def int8_targets(model: ir.Model) -> Int8Targets:
                 f"{None if activations is None else activations.dtype}; the int8 matmul takes "
                 "float32 activations only (a CPU export); convert without --int8-matmul")
     return Int8Targets(targets, per_tensor, len(matmuls) - len(targets), fused)
+
+
+def default_refusal(model: ir.Model) -> str | None:
+    """Why the default conversion keeps `model`'s weights as they are (None: it rewrites them).
+
+    The rewrite is the default wherever it applies: 4-bit layer MatMulNBits over float32
+    activations (a CPU export: the builder's GPU exports compute in float16) and an ONNX Runtime
+    with the kernels it writes; a model it rewrote already keeps its declaration. A model
+    without 4-bit weights gets None from `has_int4_layers` first and is not asked."""
+    if metadata.read_int8_matmul(model) is not None:
+        return None
+    try:
+        targets = int8_targets(model)
+    except (ConfigError, ModelStructureError) as error:
+        return str(error)
+    if not targets.int4:
+        return "its only 4-bit MatMulNBits is the lm_head, which reads the tied embedding"
+    return None
+
+
+def has_int4_layers(model: ir.Model) -> bool:
+    """Whether `model` has 4-bit MatMulNBits or matmuls an earlier `--int8-matmul` wrote."""
+    if metadata.read_int8_matmul(model) is not None:
+        return True
+    return any(node.op_type == "MatMulNBits" and node.domain == MICROSOFT_DOMAIN
+               for node in model.graph)
 
 
 def check_row_int8_support(model: ir.Model) -> None:

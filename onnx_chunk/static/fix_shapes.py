@@ -38,7 +38,8 @@ from onnxruntime.tools.onnx_model_utils import fix_output_shapes, make_dim_param
 
 from onnx_chunk.errors import ConfigError, ModelLoadError, ModelStructureError, OutputError
 from onnx_chunk.graph.chunk_plan import KVCapacityFindings, check_window_capacity
-from onnx_chunk.graph.model_io import external_data_files, load_model
+from onnx_chunk.graph.external_data import external_data_files
+from onnx_chunk.graph.model_io import load_model
 from onnx_chunk.ort_schemas import register_runtime_schemas
 from onnx_chunk.passes.kv_capacity import find_kv_capacity
 from onnx_chunk.passes.recurrent_state import find_recurrent_state

@@ -13,8 +13,8 @@ import onnx
 
 from onnx_chunk.errors import ConfigError, ModelStructureError
 from onnx_chunk.graph.chunk_plan import ChunkPlan
+from onnx_chunk.graph.external_data import external_data_files
 from onnx_chunk.graph.metadata import read_plan
-from onnx_chunk.graph.model_io import external_data_files
 from onnx_chunk.ladder import DECODE_WIDTH, ladder_tiers
 from onnx_chunk.ort_schemas import register_runtime_schemas
 from onnx_chunk.passes import DEFAULT_MAX_VARIANTS, analyze

@@ -136,16 +136,17 @@ def export_folder(value: str, root: Path | None = None) -> tuple[str, Path]:
 
 def converted_export(out: Path, name: str, folder: Path, chunk_size: int,
                      native_chunks: str = "auto", int4_block_size: int | None = None,
-                     int8_matmul: bool = False) -> Path:
+                     int8_matmul: bool | None = None) -> Path:
     """The builder export `folder` converted by `onnx-chunk convert --chunk-size` (and
-    `--int4-block-size`, `--int8-matmul` when given) into
-    out/models/<name>-converted-<chunk_size>[-b<block>][-int8] (converted once, then reused)."""
+    `--int4-block-size`, `--int8-matmul` or `--no-int8-matmul` when given; None: convert's
+    default) into out/models/<name>-converted-<chunk_size>[-b<block>][-int8|-int4] (converted
+    once, then reused)."""
     suffix = "" if native_chunks == "auto" else f"-native-{native_chunks}"
     blocks = [] if int4_block_size is None else ["--int4-block-size", str(int4_block_size)]
     suffix += "" if int4_block_size is None else f"-b{int4_block_size}"
-    if int8_matmul:
-        blocks.append("--int8-matmul")
-        suffix += "-int8"
+    if int8_matmul is not None:
+        blocks.append("--int8-matmul" if int8_matmul else "--no-int8-matmul")
+        suffix += "-int8" if int8_matmul else "-int4"
     target = out / "models" / f"{name}-converted-{chunk_size}{suffix}" / "model.onnx"
     if not (target.is_file() and (target.parent / "genai_config.json").is_file()):
         print(f"converting {folder} -> {target.parent}", file=sys.stderr)

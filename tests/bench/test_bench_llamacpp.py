@@ -81,7 +81,8 @@ def test_the_quick_run_measures_every_onnx_system_and_says_llama_cpp_is_left_out
     result = subprocess.run(
         [sys.executable, str(env.ROOT / "scripts" / "bench_vs_llamacpp.py"), "--model",
          str(EXPORT), "--quick", "--chunk-size", "16", "--out", str(tmp_path), "--genai-venv",
-         str(peer_python.parents[1]), "--llama-python", str(tmp_path / "no-such-python")],
+         str(peer_python.parents[1]), "--llama-python", str(tmp_path / "no-such-python"),
+         "--no-int8-matmul"],
         capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "llama.cpp LEFT OUT: no llama-cpp-python interpreter" in result.stderr
@@ -89,12 +90,18 @@ def test_the_quick_run_measures_every_onnx_system_and_says_llama_cpp_is_left_out
     assert table.startswith("**llama.cpp LEFT OUT")
     assert "load average before each measurement" in table
     data = json.loads((tmp_path / "vs_llamacpp_genai-llama-int4_quick.json").read_text())
-    assert data["systems"] == ["onnx-chunk", "genai", "ort-loop"]
-    assert data["lengths"] == [40, 300] and len(data["load_averages"]) == 6
+    assert data["systems"] == ["onnx-chunk", "onnx-chunk 4-bit", "genai", "ort-loop"]
+    assert data["lengths"] == [40, 300] and len(data["load_averages"]) == 8
+    models = tmp_path / "models"
+    assert "MatMulInteger" in _op_types(models / "genai-llama-int4-converted-16" / "model.onnx")
+    assert "MatMulInteger" not in _op_types(models / "genai-llama-int4-converted-16-int4"
+                                            / "model.onnx")
     for length in data["lengths"]:
+        # The default's layers are int8 matmuls; the 4-bit arm keeps the loop's weights.
         ours, loop = data["runs"][f"{length}/onnx-chunk"][0], data["runs"][f"{length}/ort-loop"][0]
+        kept = data["runs"][f"{length}/onnx-chunk 4-bit"][0]
         assert len(ours["tokens"]) == len(loop["tokens"]) == 8
-        assert ours["tokens"] == loop["tokens"]
+        assert kept["tokens"] == loop["tokens"]
         for system in data["systems"]:
             run = data["runs"][f"{length}/{system}"][0]
             assert run["ttft_s"] > 0 and run["peak_rss_mb"] > 10
@@ -269,3 +276,26 @@ def test_the_llamacpp_batch_worker_decodes_sequences_as_the_lone_worker_does():
     assert batched["tokens"] == [result["tokens"] for result in lone["results"]]
     assert batched["decode_forwards"] == 3 and batched["rows_per_decode_step"] == 2.0
     assert batched["wall_s"] > batched["decode_s"] > 0
+
+
+def test_the_llamacpp_accuracy_worker_scores_and_decodes_as_the_greedy_worker_does():
+    """Where the llama.cpp venv and text-q4_0 are built: the accuracy worker's free-running
+    tokens are the greedy worker's, its teacher-forced argmax along them is them again, and
+    each window is scored on every row but its last."""
+    try:
+        gguf = bench_model("text-q4_0")
+    except BenchModelMissing as error:
+        pytest.skip(f"LLAMA.CPP NOT TESTED: {error}")
+    llama_python = env.llama_python()
+    if not llama_python.exists():
+        pytest.skip(f"LLAMA.CPP NOT TESTED: no llama-cpp-python interpreter at {llama_python}")
+    prompt, window = seeded_prompt(16, 2048), seeded_prompt(40, 2048)
+    payload = run_child(env.worker_argv(llama_python, "llamacpp_accuracy_worker", {
+        "model": str(gguf), "windows": [window], "prompts": [prompt], "new_tokens": 6,
+        "chunk_size": 16, "threads": 2, "forced_paths": [None]}), timeout_s=300).payload
+    greedy = run_child(env.worker_argv(llama_python, "llamacpp_worker", {
+        "model": str(gguf), "prompts": [prompt], "new_tokens": 6, "chunk_size": 16,
+        "threads": 2}), timeout_s=300).payload["results"][0]["tokens"]
+    assert payload["free"] == [greedy] and payload["forced"] == [greedy]
+    assert payload["scored"] == 39 and len(payload["argmax"][0]) == 39
+    assert payload["nll_sum"] > 0

@@ -8,8 +8,8 @@ import pytest
 from onnx import helper, numpy_helper
 
 from onnx_chunk.errors import ModelLoadError
+from onnx_chunk.graph.external_data import external_data_files
 from onnx_chunk.graph.model_io import (
-    external_data_files,
     load_model,
     save_model,
     write_to_data_file,

@@ -1,0 +1,114 @@
+"""`convert`'s default for 4-bit weights: a CPU export's layers become int8 matmuls with one
+activation scale per row (`--int8-matmul`), wherever the pass applies; `--no-int8-matmul`, an
+export built for a GPU provider, `--int4-block-size` and an ONNX Runtime without the kernel keep
+the 4-bit weights, and the summary says which and why."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import onnx
+import pytest
+
+from onnx_chunk.cli import main
+from onnx_chunk.graph import metadata
+from onnx_chunk.graph.model_folder import read_genai_config
+from onnx_chunk.graph.model_io import load_model
+from onnx_chunk.passes import convert_model, int8_matmul_default
+from onnx_chunk.passes.int8_matmul import default_refusal
+from tests.exports.corpus import GENAI, fixtures
+
+INT4 = [fixture for fixture in fixtures(GENAI) if fixture.precision == "int4"]
+FP32_LLAMA = next(fixture for fixture in fixtures(GENAI) if fixture.name == "genai-llama-fp32")
+DEFAULT_LINE = "matmuls: int8 with one activation scale per row, the default for a CPU export"
+
+
+def _op_types(folder) -> list[str]:
+    model = onnx.load(folder / "model.onnx", load_external_data=False)
+    return [node.op_type for node in model.graph.node]
+
+
+def _block_sizes(folder) -> set[int]:
+    model = onnx.load(folder / "model.onnx", load_external_data=False)
+    return {attribute.i for node in model.graph.node if node.op_type == "MatMulNBits"
+            for attribute in node.attribute if attribute.name == "block_size"}
+
+
+@pytest.mark.parametrize("fixture", INT4, ids=str)
+def test_the_default_conversion_of_a_cpu_export_writes_int8_matmuls(fixture, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["convert", str(fixture.folder), "-o", str(out)]) == 0
+    assert DEFAULT_LINE in capsys.readouterr().out
+    ops = _op_types(out)
+    declaration = metadata.read_int8_matmul(load_model(out / "model.onnx"))
+    assert declaration is not None and declaration.rewritten_nodes == ops.count("MatMulInteger")
+    assert ops.count("MatMulInteger") > 0
+    # What stays 4-bit is the lm_head over a tied embedding (rule 2), nothing else.
+    assert ops.count("MatMulNBits") == declaration.kept_int4_nodes <= 1
+
+
+def test_no_int8_matmul_keeps_the_weights_as_exported(tmp_path, capsys):
+    source = INT4[0].folder
+    assert main(["convert", str(source), "-o", str(tmp_path / "out"), "--no-int8-matmul"]) == 0
+    assert "matmuls:" not in capsys.readouterr().out
+    ops = _op_types(tmp_path / "out")
+    assert "MatMulInteger" not in ops
+    assert ops.count("MatMulNBits") == _op_types(source).count("MatMulNBits")
+
+
+def test_an_export_for_a_gpu_keeps_its_4bit_weights_unless_asked(tmp_path, capsys):
+    source = tmp_path / "cuda-export"
+    shutil.copytree(INT4[0].folder, source)
+    config = json.loads((source / "genai_config.json").read_text())
+    config["model"]["decoder"]["session_options"]["provider_options"] = [{"cuda": {}}]
+    (source / "genai_config.json").write_text(json.dumps(config))
+    assert read_genai_config(source / "genai_config.json").providers() == ("cuda",)
+    assert main(["convert", str(source), "-o", str(tmp_path / "kept")]) == 0
+    assert ("matmuls: 4-bit as exported (genai_config.json targets cuda; --int8-matmul "
+            "rewrites them for the CPU)") in capsys.readouterr().out
+    assert "MatMulInteger" not in _op_types(tmp_path / "kept")
+    assert main(["convert", str(source), "-o", str(tmp_path / "asked"), "--int8-matmul"]) == 0
+    assert "MatMulInteger" in _op_types(tmp_path / "asked")
+
+
+def test_a_reblocking_keeps_4bit_weights(tmp_path, capsys):
+    assert main(["convert", str(INT4[0].folder), "-o", str(tmp_path / "out"),
+                 "--int4-block-size", "128"]) == 0
+    assert "matmuls: 4-bit, re-blocked" in capsys.readouterr().out
+    assert "MatMulInteger" not in _op_types(tmp_path / "out")
+    assert _block_sizes(tmp_path / "out") == {128}
+
+
+def test_a_float_export_gets_no_matmul_line(tmp_path, capsys):
+    assert main(["convert", str(FP32_LLAMA.folder), "-o", str(tmp_path / "out")]) == 0
+    assert "matmuls:" not in capsys.readouterr().out
+    assert "MatMulInteger" not in _op_types(tmp_path / "out")
+
+
+def test_without_the_kernel_the_default_keeps_4bit_weights_and_says_why(tmp_path, capsys,
+                                                                          monkeypatch):
+    """An ONNX Runtime whose MatMulInteger takes no uint8 activations: the default converts
+    anyway, keeping the weights; `--int8-matmul` asked for is refused."""
+    from onnx_chunk import ort_schemas
+
+    monkeypatch.setattr(ort_schemas, "input_types", lambda *_: frozenset({"tensor(int8)"}))
+    model = load_model(INT4[0].folder / "model.onnx")
+    assert "no MatMulInteger of uint8 activations" in default_refusal(model)
+    assert not int8_matmul_default(model, None)
+    assert main(["convert", str(INT4[0].folder), "-o", str(tmp_path / "out")]) == 0
+    assert ("matmuls: 4-bit as exported (the installed ONNX Runtime"
+            in capsys.readouterr().out)
+    assert "MatMulInteger" not in _op_types(tmp_path / "out")
+    assert main(["convert", str(INT4[0].folder), "-o", str(tmp_path / "asked"),
+                 "--int8-matmul"]) == 2
+
+
+def test_the_python_api_has_the_same_default():
+    converted = convert_model(load_model(INT4[0].folder / "model.onnx")).model
+    assert metadata.read_int8_matmul(converted) is not None
+    kept = convert_model(load_model(INT4[0].folder / "model.onnx"), int8_matmul=False).model
+    assert metadata.read_int8_matmul(kept) is None
+    assert any(node.op_type == "MatMulNBits" for node in kept.graph)
+    float_model = convert_model(load_model(FP32_LLAMA.folder / "model.onnx")).model
+    assert metadata.read_int8_matmul(float_model) is None
