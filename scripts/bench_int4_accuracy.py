@@ -11,9 +11,18 @@ convert``, once as it is (the reference: its weights unchanged) and once per --b
 more with that option (its layers' weights int8); FLOAT (default ``text-fp32``, the same
 checkpoint exported in float32; ``none`` to skip) is converted too, to set the 4-bit weights'
 own cost beside the re-blocking's.
+The reference arm keeps the 4-bit weights (``--no-int8-matmul``: the default conversion of a CPU
+export rewrites them as int8 matmuls, the arm --int8-matmul adds).
 Each folder is measured on the held-back text exactly as scripts/bench_kv_accuracy.py measures a
 KV cache (`measure`: perplexity over non-overlapping windows, every row's argmax, greedy
-continuations teacher-forced and free-running), each against the unchanged INT4 export.
+continuations teacher-forced and free-running), each against the float32 export (against the
+unchanged INT4 export with ``--float none``).
+
+``--llamacpp`` adds llama.cpp on GGUF files of the same checkpoint (default ``text-f32``, the
+converter's float32 GGUF, and ``text-q4_0``, llama.cpp's quantizer; built by
+scripts/make_bench_models.py): the same windows and prompts through llama-cpp-python
+(_bench/llamacpp_accuracy_worker.py, in the llama.cpp venv), Q4_0 measured against llama.cpp's
+own float32 run, so each runtime's quantization is set against its float weights.
 
 Prints a markdown table with the commands, the CPU and the load average; --json writes every
 number. `--quick` is a smoke run.
@@ -23,21 +32,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_kv_accuracy as accuracy  # noqa: E402  (a script beside this one)
+from _bench import environment as env  # noqa: E402
+from _bench import venvs  # noqa: E402
 from _bench.harness import markdown_table  # noqa: E402
-from _bench.models import BenchModelMissing, model_folder  # noqa: E402
+from _bench.models import BenchModelMissing, bench_model, model_folder  # noqa: E402
 
 from onnx_chunk.passes.int4_blocks import INT4_BLOCK_SIZES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "bench-out" / "int4-accuracy"
 REFERENCE = "block 32 (as exported)"
+FLOAT = "float32 weights"
+INT8 = "int8 matmul (the default)"
+LLAMACPP_FLOAT = "llama.cpp f32"
+LLAMACPP_QUANT = "llama.cpp q4_0"
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -51,6 +69,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="block sizes to re-block to, comma-separated (default 64,128,256)")
     parser.add_argument("--int8-matmul", action="store_true",
                         help="also measure the export converted with --int8-matmul")
+    parser.add_argument("--llamacpp", action="store_true",
+                        help="also measure llama.cpp on the GGUF files of the same weights")
+    parser.add_argument("--gguf-float", default="text-f32",
+                        help="llama.cpp's float GGUF (a benchmark model name or .gguf file; "
+                             "default text-f32)")
+    parser.add_argument("--gguf-quant", default="text-q4_0",
+                        help="llama.cpp's quantized GGUF (default text-q4_0)")
+    parser.add_argument("--llama-python", type=Path, default=None,
+                        help="interpreter with llama-cpp-python (default the `llamacpp` "
+                             "scratch venv)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="folder for the converted models (default bench-out/int4-accuracy)")
     accuracy.add_held_out_arguments(parser)
@@ -77,49 +105,115 @@ def _folder(given: str) -> Path:
         raise accuracy.BadInput(str(error)) from error
 
 
+def _gguf(given: str) -> Path:
+    if given.endswith(".gguf"):
+        path = Path(given)
+        if not path.is_file():
+            raise accuracy.BadInput(f"no GGUF file at {given}")
+        return path
+    try:
+        return bench_model(given)
+    except BenchModelMissing as error:
+        raise accuracy.BadInput(str(error)) from error
+
+
+def llamacpp_setup(args: argparse.Namespace) -> tuple[Path, dict[str, Path]] | None:
+    """(interpreter, {arm: GGUF file}) of --llamacpp, checked before any work (BadInput)."""
+    if not args.llamacpp:
+        return None
+    python = Path(args.llama_python or env.llama_python())
+    if not python.exists():
+        raise accuracy.BadInput(f"--llamacpp: no interpreter at {python} (--llama-python; "
+                                f"`{venvs.LLAMACPP.command()}` makes one)")
+    return python, {LLAMACPP_FLOAT: _gguf(args.gguf_float),
+                    LLAMACPP_QUANT: _gguf(args.gguf_quant)}
+
+
+def llamacpp_arms(args: argparse.Namespace, setup: tuple[Path, dict[str, Path]],
+                  windows: list[list[int]], prompts: list[list[int]]
+                  ) -> dict[str, dict[str, Any]]:
+    """llama.cpp's float and quantized GGUF on the same ids, the quantized one against the
+    float one (both through _bench/llamacpp_accuracy_worker.py)."""
+    python, paths = setup
+    results: dict[str, dict[str, Any]] = {}
+    base = None
+    for name, path in paths.items():
+        request = {"model": str(path), "windows": windows, "prompts": prompts,
+                   "new_tokens": args.new_tokens, "chunk_size": args.chunk_size,
+                   "threads": args.threads,
+                   "forced_paths": [None] * len(prompts) if base is None else base["free"]}
+        began = time.monotonic()
+        done = subprocess.run(env.worker_argv(python, "llamacpp_accuracy_worker", request),
+                              capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"llama.cpp on {path} exited {done.returncode}: "
+                               + (done.stderr.strip().splitlines() or ["no output"])[-1])
+        found = json.loads(done.stdout)
+        nll = found["nll_sum"] / found["scored"]
+        result = {"folder": str(path), "tokens_scored": found["scored"], "nll": nll,
+                  "perplexity": math.exp(nll), "argmax": found["argmax"],
+                  "free": found["free"], "forced": found["forced"],
+                  "version": found["version"], "seconds": round(time.monotonic() - began, 1)}
+        results[name] = accuracy.agreement(result, base or result)
+        base = base or result
+        print(f"{name}: perplexity {result['perplexity']:.4f} ({result['seconds']} s)",
+              file=sys.stderr, flush=True)
+    return results
+
+
 def run(args: argparse.Namespace) -> dict:
     folder = _folder(args.model)
     float_folder = None if args.float_model == "none" else _folder(args.float_model)
+    setup = llamacpp_setup(args)
     held = accuracy.read_held_out(args)
     ids, windows, prompts = accuracy.held_out_inputs(folder, held, args)
     args.out.mkdir(parents=True, exist_ok=True)
-    arms: list[tuple[str, Path, list[str]]] = [(REFERENCE, folder, [])]
+    arms: list[tuple[str, Path, list[str]]] = []
+    if float_folder is not None:
+        arms.append((FLOAT, float_folder, []))
+    arms.append((REFERENCE, folder, ["--no-int8-matmul"]))
     arms += [(f"block {size}", folder, ["--int4-block-size", str(size)])
              for size in args.blocks]
     if args.int8_matmul:
-        arms.append(("int8 matmul", folder, ["--int8-matmul"]))
-    if float_folder is not None:
-        arms.append(("float32 weights", float_folder, []))
+        arms.append((INT8, folder, ["--int8-matmul"]))
     load_before = accuracy.load_average()
     results: dict[str, dict[str, Any]] = {}
     commands: dict[str, str] = {}
+    base = FLOAT if float_folder is not None else REFERENCE
     for name, source, options in arms:
         converted, command = accuracy.convert(source, args.out, name.split(" (")[0], options)
         commands[name] = " ".join(["onnx-chunk", *command[3:]])
         results[name] = accuracy.measure(converted, windows, prompts, args.new_tokens,
-                                         results.get(REFERENCE), args.chunk_size, args.threads)
+                                         results.get(base), args.chunk_size, args.threads)
         print(f"{name}: perplexity {results[name]['perplexity']:.4f} "
               f"({results[name]['seconds']} s)", file=sys.stderr, flush=True)
+    if setup is not None:
+        results.update(llamacpp_arms(args, setup, windows, prompts))
     return {"model": str(folder), "float_model": str(float_folder) if float_folder else None,
             "cpu": accuracy.cpu_description(), "load_before": load_before,
             "load_after": accuracy.load_average(), "windows": len(windows),
             "window": args.window, "chunk_size": args.chunk_size, "held_out_tokens": len(ids),
             "prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
-            "new_tokens": args.new_tokens, "convert_commands": commands, "results": results}
+            "new_tokens": args.new_tokens, "convert_commands": commands, "results": results,
+            "agreement_with": base}
 
 
 def table(report: dict, argv: list[str]) -> str:
     results = report["results"]
-    base = results[REFERENCE]
-    floor = results.get("float32 weights")
+    block32 = results[REFERENCE]
+    floor = results.get(FLOAT)
     rows = []
     for name, result in results.items():
+        own_float = results[LLAMACPP_FLOAT] if name.startswith("llama.cpp") else floor
         rows.append([name, f"{result['perplexity']:.4f}",
-                     f"{result['perplexity'] / base['perplexity']:.4f}",
-                     f"{result['perplexity'] / floor['perplexity']:.4f}" if floor else "-",
+                     "-" if name.startswith("llama.cpp")
+                     else f"{result['perplexity'] / block32['perplexity']:.4f}",
+                     f"{result['perplexity'] / own_float['perplexity']:.4f}" if own_float else "-",
                      f"{100 * result['row_agreement']:.1f}%",
                      f"{100 * result['greedy_agreement']:.1f}%",
                      accuracy.divergence(result["first_divergence"], report["new_tokens"])])
+    against = ("its float32 weights (onnx-chunk's float32 export; llama.cpp's float32 GGUF for "
+               "llama.cpp)" if floor else REFERENCE)
     return "\n".join([
         "`" + " ".join(["python scripts/bench_int4_accuracy.py", *argv]) + "`",
         f"CPU: {report['cpu']}; load average {report['load_before']} before, "
@@ -127,10 +221,10 @@ def table(report: dict, argv: list[str]) -> str:
         f"Held-back text: {report['held_out_tokens']} tokens, {report['windows']} windows of "
         f"{report['window']} (prefill chunks of {report['chunk_size']}); greedy: "
         f"{report['prompts']} prompts of {report['prompt_tokens']} tokens, "
-        f"{report['new_tokens']} new tokens each. Agreement is with {REFERENCE}.",
+        f"{report['new_tokens']} new tokens each. Agreement is with {against}.",
         "", markdown_table(
-            ["weights", "perplexity", "ratio to block 32", "ratio to float32",
-             "row argmax = block 32", "greedy agreement (teacher-forced)",
+            ["weights", "perplexity", "ratio to block 32", "ratio to its float32",
+             "row argmax agreement", "greedy agreement (teacher-forced)",
              "free-running first divergence"], rows)])
 
 

@@ -182,10 +182,16 @@ def measure(folder: Path, windows: list[list[int]], prompts: list[list[int]], ne
               "tokens_scored": scored, "nll": nll / scored,
               "perplexity": math.exp(nll / scored), "argmax": argmax, "free": free,
               "forced": forced, "seconds": round(time.monotonic() - began, 1)}
-    base: dict[str, Any] = reference or result
+    return agreement(result, reference or result)
+
+
+def agreement(result: dict, base: dict) -> dict:
+    """`result` (nll, tokens_scored, argmax, free, forced along `base`'s free paths) with its
+    agreement with `base` added: row argmax, teacher-forced greedy, free-running."""
+    argmax, free, forced = result["argmax"], result["free"], result["forced"]
     rows_same = sum(a == b for mine, theirs in zip(argmax, base["argmax"])
                     for a, b in zip(mine, theirs))
-    result["row_agreement"] = rows_same / scored
+    result["row_agreement"] = rows_same / result["tokens_scored"]
     positions = sum(len(path) for path in base["free"])
     result["greedy_agreement"] = sum(a == b for mine, path in zip(forced, base["free"])
                                      for a, b in zip(mine, path)) / positions

@@ -72,6 +72,7 @@ from _bench.models import (
     MAX_LENGTH,
     ONNX_PRECISIONS,
     SHAPES,
+    TRAINED_GGUF_PRE_TOKENIZER,
     TRAINED_SHAPES,
     models_root,
     parse_name,
@@ -264,9 +265,11 @@ def build_gguf(root: Path, shape: str, quant: str, stage: Path, sdist: Path | No
     tree = _llama_cpp_tree(root, sdist)
     src = source(root, shape)
     converter = Path(__file__).resolve().parent / "_bench" / "gguf_convert.py"
-    if quant == "q8_0":
-        _run([sys.executable, str(converter), str(tree), SHAPES[shape].gguf_pre_tokenizer,
-              str(src), "--outtype", "q8_0", "--outfile", str(stage)])
+    pre_tokenizer = (TRAINED_GGUF_PRE_TOKENIZER[shape] if shape in TRAINED_SHAPES
+                     else SHAPES[shape].gguf_pre_tokenizer)
+    if quant in ("q8_0", "f32"):
+        _run([sys.executable, str(converter), str(tree), pre_tokenizer,
+              str(src), "--outtype", quant, "--outfile", str(stage)])
         return
     if llama_python is None:
         llama_python = venvs.python(venvs.LLAMACPP)
@@ -274,7 +277,7 @@ def build_gguf(root: Path, shape: str, quant: str, stage: Path, sdist: Path | No
         raise SystemExit(f"{shape}-{quant}: no interpreter at {llama_python} "
                          "(--llama-cpp-python)")
     f16 = stage.with_name(stage.name + ".f16")
-    _run([sys.executable, str(converter), str(tree), SHAPES[shape].gguf_pre_tokenizer, str(src),
+    _run([sys.executable, str(converter), str(tree), pre_tokenizer, str(src),
           "--outtype", "f16", "--outfile", str(f16)])
     try:
         _run([str(llama_python), str(converter.with_name("gguf_quantize.py")), str(f16),

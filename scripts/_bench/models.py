@@ -51,9 +51,14 @@ SHAPES = {
 # a small Llama trained to continue periodic sequences (_bench/copy_decoder.py), the workload
 # where prompt-lookup drafts are kept. ``text``: a small Llama trained on the English licence
 # texts Debian ships (_bench/text_decoder.py), the quantized KV cache's accuracy benchmark; its
-# INT4 export (the builder's MatMulNBits, block 32) measures what re-blocked 4-bit weights cost.
+# INT4 export (the builder's MatMulNBits, block 32) measures what re-blocked 4-bit weights cost,
+# its GGUF files (``f32``: the converter's float32; ``q4_0``: llama.cpp's quantizer) what
+# llama.cpp's Q4_0 costs (scripts/bench_int4_accuracy.py --llamacpp).
 TRAINED_SHAPES = {"copy": (("fp32",), "copy_decoder"),
-                  "text": (("fp32", "int4"), "text_decoder")}
+                  "text": (("fp32", "int4", "f32", "q4_0"), "text_decoder")}
+# The pre-tokenizer name llama.cpp's converter is given for a trained shape's own byte-level BPE
+# (its GGUF files are fed token ids; the name only has to be one the converter knows).
+TRAINED_GGUF_PRE_TOKENIZER = {"text": "llama-bpe"}
 BENCH_MODELS = tuple(f"{shape}-{precision}" for shape in SHAPES
                      for precision in ONNX_PRECISIONS + GGUF_QUANTS) + tuple(
     f"{shape}-{precision}" for shape, (precisions, _) in TRAINED_SHAPES.items()

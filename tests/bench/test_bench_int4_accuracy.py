@@ -34,16 +34,21 @@ def test_quick_run_measures_each_block_size_against_the_export_as_it_is(tmp_path
     printed = capsys.readouterr().out
     assert "CPU: " in printed and "load average" in printed
     assert "| block 128 | " in printed and "| float32 weights | " in printed
+    assert "Agreement is with its float32 weights" in printed
     report = json.loads(out.read_text())
     results = report["results"]
-    reference = bench_int4_accuracy.REFERENCE
-    assert list(results) == [reference, "block 64", "block 128", "float32 weights"]
+    reference, floor = bench_int4_accuracy.REFERENCE, bench_int4_accuracy.FLOAT
+    assert list(results) == [floor, reference, "block 64", "block 128"]
+    assert report["agreement_with"] == floor
     commands = report["convert_commands"]
+    # The reference keeps the export's 4-bit weights: the default would rewrite them as int8.
     assert "--int4-block-size" not in commands[reference]
+    assert commands[reference].endswith("--no-int8-matmul")
     assert commands["block 128"].endswith("--int4-block-size 128")
-    assert "genai-llama-fp32" in commands["float32 weights"]
-    base = results[reference]
+    assert "genai-llama-fp32" in commands[floor]
+    base = results[floor]
     assert base["row_agreement"] == 1.0 and base["tokens_scored"] == 4 * 31
+    assert results[reference]["row_agreement"] < 1.0  # 4-bit weights part from float ones
     for result in results.values():
         assert math.isfinite(result["perplexity"]) and result["perplexity"] > 1.0
         assert 0.0 <= result["greedy_agreement"] <= 1.0
@@ -61,7 +66,10 @@ def test_quick_run_measures_each_block_size_against_the_export_as_it_is(tmp_path
 
 @pytest.mark.parametrize("argv", [["--blocks", "32"], ["--blocks", "48"], ["--blocks", "x"],
                                   ["--blocks", "64,64"], ["--window", "1"],
-                                  ["--float", "no-such-model"], ["no-such-model"]])
+                                  ["--float", "no-such-model"], ["no-such-model"],
+                                  ["--llamacpp", "--gguf-float", "no-such.gguf"],
+                                  ["--llamacpp", "--gguf-quant", "text-q8_0"],
+                                  ["--llamacpp", "--llama-python", "no-such-python"]])
 def test_bad_arguments_are_one_error_line(argv, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench_int4_accuracy.main(([str(INT4)] if argv[0].startswith("--") else [])
@@ -76,10 +84,12 @@ def test_the_int8_matmul_arm_is_its_own_conversion(tmp_path, capsys):
                                      "--int8-matmul", "--quick", "--out",
                                      str(tmp_path / "models"), "--json", str(out), "--threads",
                                      "1", *_held(tmp_path)]) == 0
-    assert "| int8 matmul | " in capsys.readouterr().out
+    assert "| int8 matmul (the default) | " in capsys.readouterr().out
     report = json.loads(out.read_text())
-    assert list(report["results"]) == [bench_int4_accuracy.REFERENCE, "int8 matmul"]
-    assert report["convert_commands"]["int8 matmul"].endswith("--int8-matmul")
+    int8 = bench_int4_accuracy.INT8
+    assert list(report["results"]) == [bench_int4_accuracy.REFERENCE, int8]
+    assert report["agreement_with"] == bench_int4_accuracy.REFERENCE
+    assert report["convert_commands"][int8].endswith("--int8-matmul")
     import onnx
 
     model = onnx.load(tmp_path / "models" / "int8-matmul" / "model.onnx",
