@@ -71,11 +71,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="also measure the export converted with --int8-matmul")
     parser.add_argument("--llamacpp", action="store_true",
                         help="also measure llama.cpp on the GGUF files of the same weights")
-    parser.add_argument("--gguf-float", default="text-f32",
-                        help="llama.cpp's float GGUF (a benchmark model name or .gguf file; "
-                             "default text-f32)")
-    parser.add_argument("--gguf-quant", default="text-q4_0",
-                        help="llama.cpp's quantized GGUF (default text-q4_0)")
+    parser.add_argument("--gguf-float", default=None,
+                        help="with --llamacpp: llama.cpp's float GGUF (a benchmark model name "
+                             "or .gguf file; default text-f32)")
+    parser.add_argument("--gguf-quant", default=None,
+                        help="with --llamacpp: llama.cpp's quantized GGUF (default text-q4_0)")
     parser.add_argument("--llama-python", type=Path, default=None,
                         help="interpreter with llama-cpp-python (default the `llamacpp` "
                              "scratch venv)")
@@ -84,6 +84,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     accuracy.add_held_out_arguments(parser)
     args = parser.parse_args(argv)
     accuracy.check_held_out_arguments(args)
+    given = [option for option, value in (("--gguf-float", args.gguf_float),
+                                          ("--gguf-quant", args.gguf_quant),
+                                          ("--llama-python", args.llama_python))
+             if value is not None]
+    if given and not args.llamacpp:
+        raise accuracy.BadInput(f"{', '.join(given)} apply to the llama.cpp arm only; add "
+                                "--llamacpp or drop them")
     try:
         args.blocks = ([] if args.blocks == "none"
                        else [int(each) for each in args.blocks.split(",")])
@@ -125,8 +132,8 @@ def llamacpp_setup(args: argparse.Namespace) -> tuple[Path, dict[str, Path]] | N
     if not python.exists():
         raise accuracy.BadInput(f"--llamacpp: no interpreter at {python} (--llama-python; "
                                 f"`{venvs.LLAMACPP.command()}` makes one)")
-    return python, {LLAMACPP_FLOAT: _gguf(args.gguf_float),
-                    LLAMACPP_QUANT: _gguf(args.gguf_quant)}
+    return python, {LLAMACPP_FLOAT: _gguf(args.gguf_float or "text-f32"),
+                    LLAMACPP_QUANT: _gguf(args.gguf_quant or "text-q4_0")}
 
 
 def llamacpp_arms(args: argparse.Namespace, setup: tuple[Path, dict[str, Path]],

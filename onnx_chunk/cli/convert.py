@@ -11,9 +11,9 @@ import onnx_ir as ir
 from onnx_chunk.calibration import calibrate_kv, read_calibration_file
 from onnx_chunk.cli.inspect import plan_summary
 from onnx_chunk.cli.progress import QUIET_OPTION, byte_progress, wanted
-from onnx_chunk.errors import ConfigError
+from onnx_chunk.errors import ConfigError, ModelLoadError
 from onnx_chunk.graph.external_data import bytes_to_copy
-from onnx_chunk.graph.metadata import read_plan
+from onnx_chunk.graph.metadata import read_int8_matmul, read_plan
 from onnx_chunk.graph.model_folder import GenaiConfig, locate_model, read_max_positions
 from onnx_chunk.graph.model_io import (
     check_weights_readable,
@@ -46,11 +46,16 @@ _PROGRESS_BYTES = 64 << 20
 
 
 def _default_int8_matmul(model: ir.Model, genai: GenaiConfig | None,
-                         block_size: int | None) -> tuple[bool, str | None]:
-    """Whether the default conversion rewrites `model`'s 4-bit weights as int8 matmuls, and
-    the line saying what it did (None for a model without 4-bit weights)."""
+                         block_size: int | None) -> tuple[bool | None, str | None]:
+    """Whether the default conversion rewrites `model`'s 4-bit weights as int8 matmuls (None:
+    a converted model, whose matmuls stay as they are), and the line saying what it did (None
+    for a model without 4-bit weights)."""
     if not has_int4_layers(model):
         return False, None
+    if read_plan(model) is not None:
+        if read_int8_matmul(model) is not None:
+            return None, "int8, as converted before"
+        return None, "4-bit, as converted before (--int8-matmul rewrites them)"
     if block_size is not None:
         return False, "4-bit, re-blocked (--int4-block-size keeps 4-bit weights)"
     gpus = [name for name in (genai.providers() if genai is not None else ()) if name != "cpu"]
@@ -58,7 +63,11 @@ def _default_int8_matmul(model: ir.Model, genai: GenaiConfig | None,
         return False, (f"4-bit as exported (genai_config.json targets {', '.join(gpus)}; "
                        "--int8-matmul rewrites them for the CPU)")
     if not int8_matmul_default(model, block_size):
-        return False, f"4-bit as exported ({default_refusal(model)})"
+        return False, f"4-bit as they are ({default_refusal(model)})"
+    try:
+        check_weights_readable(model, "the int8 rewrite (the default for a CPU export)")
+    except ModelLoadError as error:
+        return False, f"4-bit as exported ({error})"
     return True, ("int8 with one activation scale per row, the default for a CPU export "
                   "(--no-int8-matmul keeps the 4-bit weights)")
 
@@ -141,9 +150,9 @@ def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants
 
     A standard-ONNX decoder whose KV grows by Concat (Optimum, torch.onnx) is first rewritten
     to GroupQueryAttention at capacity (`--kv-cache onnx24`: to TensorScatter + Attention).
-    Weights stay in external data and are copied, never loaded (--int4-block-size and
-    --int8-matmul read the 4-bit ones and write them anew); OUTPUT's folder gets every file at
-    once or none.
+    Weights stay in external data and are copied, never loaded, but for the 4-bit ones that
+    --int4-block-size and the int8 matmuls (a CPU export's default) read and write anew;
+    OUTPUT's folder gets every file at once or none.
     """
     location = locate_model(model_path)
     model_path = location.onnx_path
@@ -155,15 +164,12 @@ def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants
     check_kv_prefill(kv_prefill, kv_dtype, prefill_mode(model))
     output = _output_path(model_path, output, in_place)
     block_size = None if int4_block_size is None else int(int4_block_size)
+    check_int8_matmul_options(block_size, int8_matmul, model)
     matmuls = None
     if int8_matmul is None:
         int8_matmul, matmuls = _default_int8_matmul(model, location.genai, block_size)
-    check_int8_matmul_options(block_size, int8_matmul)
     if block_size is not None or int8_matmul:
-        option = "--int8-matmul" if int8_matmul else "--int4-block-size"
-        if int8_matmul and matmuls is not None:
-            option += " (the default for a CPU export; --no-int8-matmul does not read them)"
-        check_weights_readable(model, option)
+        check_weights_readable(model, "--int8-matmul" if int8_matmul else "--int4-block-size")
     if block_size is not None:
         check_int4_blocks(model, block_size)
     if int8_matmul:

@@ -14,8 +14,10 @@ import onnx_ir as ir
 
 from onnx_chunk.staged_output import COPY_BLOCK_BYTES
 
-# Offsets of copied tensors keep their old ones modulo a page.
+# A compacted file keeps each tensor's offset modulo a page (modulo 64 bytes for one smaller
+# than a page).
 _PAGE_BYTES = 4096
+_SMALL_ALIGN_BYTES = 64
 # A copied data file is compacted (only the bytes the model's tensors still reference) when at
 # least this much of it is referenced by none: the 4-bit weights `--int8-matmul` or
 # `--int4-block-size` replaced, which a whole-file copy would carry along (on llama1b-int4,
@@ -87,62 +89,91 @@ def external_data_files(model: ir.Model) -> dict[str, Path]:
     return files
 
 
-def referenced_ranges(model: ir.Model, location: str) -> list[tuple[int, int]] | None:
-    """The (offset, length) byte ranges of data file `location` the model's tensors reference,
+Entry = tuple[str, int, int | None]  # (location, offset, length) of one external tensor
+Layout = dict[tuple[int, int], int]  # (old offset, length) -> new offset
+
+
+def external_entries(model: ir.Model | onnx.ModelProto) -> Iterator[Entry]:
+    """(location, offset, length or None) of every external tensor of `model`: an onnx_ir model
+    (what a save will write) or its serialized proto (what it writes)."""
+    if isinstance(model, onnx.ModelProto):
+        for proto in all_tensor_protos(model):
+            if proto.data_location == onnx.TensorProto.EXTERNAL:
+                info = {entry.key: entry.value for entry in proto.external_data}
+                yield (info.get("location", ""), int(info.get("offset", 0)),
+                       int(info["length"]) if "length" in info else None)
+        return
+    for tensor in model_tensors(model):
+        if isinstance(tensor, ir.ExternalTensor):
+            yield os.fspath(tensor.location), tensor.offset or 0, tensor.length
+
+
+def referenced_ranges(entries: Iterable[Entry], location: str) -> list[tuple[int, int]] | None:
+    """The (offset, length) byte ranges of data file `location` that `entries` reference,
     sorted and distinct; None where they cannot be compacted safely (a tensor without a
     length, or two tensors overlapping without being the same range)."""
     ranges = set()
-    for tensor in model_tensors(model):
-        if isinstance(tensor, ir.ExternalTensor) and os.fspath(tensor.location) == location:
-            if tensor.length is None:
+    for where, offset, length in entries:
+        if where == location:
+            if length is None:
                 return None
-            ranges.add((tensor.offset or 0, tensor.length))
+            ranges.add((offset, length))
     ordered = sorted(ranges)
     if any(later[0] < earlier[0] + earlier[1] for earlier, later in zip(ordered, ordered[1:])):
         return None
     return ordered
 
 
-def compacted_ranges(model: ir.Model, location: str,
-                      source: Path) -> list[tuple[int, int]] | None:
-    """The ranges to copy of data file `location` (at `source`) when it is worth compacting
-    (COMPACT_UNREFERENCED_BYTES unreferenced), else None: the file is copied whole."""
-    ranges = referenced_ranges(model, location)
+def _layout(ranges: list[tuple[int, int]]) -> tuple[Layout, int]:
+    """Where each range goes in a compacted file, one after another in their order, and its
+    size: a tensor of at least a page at an offset congruent to its old one modulo a page (any
+    alignment the exporter gave it for mapping holds), a smaller one modulo 64 bytes."""
+    moved: Layout = {}
+    position = 0
+    for offset, length in ranges:
+        modulus = _PAGE_BYTES if length >= _PAGE_BYTES else _SMALL_ALIGN_BYTES
+        moved[(offset, length)] = position = position + (offset - position) % modulus
+        position += length
+    return moved, position
+
+
+def compacted_layout(entries: Iterable[Entry], location: str, source: Path) -> Layout | None:
+    """The layout of data file `location` (at `source`) compacted to what `entries` reference,
+    when that saves COMPACT_UNREFERENCED_BYTES or more; else None: the file is copied whole."""
+    ranges = referenced_ranges(entries, location)
     if ranges is None:
         return None
-    unreferenced = source.stat().st_size - sum(length for _, length in ranges)
-    return ranges if unreferenced >= COMPACT_UNREFERENCED_BYTES else None
+    moved, size = _layout(ranges)
+    return moved if source.stat().st_size - size >= COMPACT_UNREFERENCED_BYTES else None
 
 
 def bytes_to_copy(model: ir.Model, target: Path) -> int:
     """How many bytes of external data `save_model(model, target)` copies: whole files, or the
     referenced bytes of a file it compacts; none of a file already in place."""
     files = external_data_files(model)
+    entries = list(external_entries(model))
     total = 0
     for location, written in output_locations(files, target).items():
         source, destination = files[location], target.parent / written
         if destination.exists() and os.path.samefile(source, destination):
             continue
-        ranges = compacted_ranges(model, location, source)
-        total += (source.stat().st_size if ranges is None
-                  else sum(length for _, length in ranges))
+        layout = compacted_layout(entries, location, source)
+        total += (source.stat().st_size if layout is None
+                  else sum(length for _, length in layout))
     return total
 
 
-def copy_ranges(source: Path, staged: Path, ranges: list[tuple[int, int]],
-                 progress: Callable[[int], None] | None) -> dict[tuple[int, int], int]:
-    """Copy `ranges` of `source` one after another into `staged` (with `source`'s permission
-    bits), each at an offset congruent to its old one modulo a page, so any alignment the
-    exporter gave a tensor holds; {(old offset, length): new offset}."""
-    moved: dict[tuple[int, int], int] = {}
+def copy_layout(source: Path, staged: Path, layout: Layout,
+                progress: Callable[[int], None] | None) -> None:
+    """Copy each range of `source` to its place in `layout` in `staged` (zeros between them),
+    with `source`'s permission bits; `progress` gets the byte count of each block."""
     buffer = bytearray(COPY_BLOCK_BYTES)
     view = memoryview(buffer)
     with source.open("rb") as src, staged.open("wb") as dst:
         os.chmod(dst.fileno() if os.chmod in os.supports_fd else staged,
                  stat.S_IMODE(os.fstat(src.fileno()).st_mode))
         position = 0
-        for offset, length in ranges:
-            start = position + (offset - position) % _PAGE_BYTES
+        for (offset, length), start in sorted(layout.items(), key=lambda item: item[1]):
             dst.write(bytes(start - position))
             src.seek(offset)
             left = length
@@ -154,14 +185,12 @@ def copy_ranges(source: Path, staged: Path, ranges: list[tuple[int, int]],
                 left -= count
                 if progress is not None:
                     progress(count)
-            moved[(offset, length)] = start
             position = start + length
-    return moved
 
 
-def move_offsets(proto: onnx.ModelProto, location: str,
-                  moved: dict[tuple[int, int], int]) -> None:
-    """Point `proto`'s tensors in data file `location` at their offsets in its compacted copy."""
+def move_offsets(proto: onnx.ModelProto, location: str, layout: Layout) -> None:
+    """Point `proto`'s tensors in data file `location` at their offsets in its compacted copy
+    (`layout`, made from this proto's own entries)."""
     for tensor in all_tensor_protos(proto):
         if tensor.data_location != onnx.TensorProto.EXTERNAL:
             continue
@@ -169,7 +198,7 @@ def move_offsets(proto: onnx.ModelProto, location: str,
         if "location" not in entries or entries["location"].value != location:
             continue
         offset = int(entries["offset"].value) if "offset" in entries else 0
-        new = moved[(offset, int(entries["length"].value))]
+        new = layout[(offset, int(entries["length"].value))]
         if "offset" in entries:
             entries["offset"].value = str(new)
         else:

@@ -34,9 +34,10 @@ from google.protobuf.message import DecodeError
 from onnx_chunk.errors import ModelLoadError, OutputError
 from onnx_chunk.graph.external_data import (
     all_tensor_protos,
-    compacted_ranges,
-    copy_ranges,
+    compacted_layout,
+    copy_layout,
     external_data_files,
+    external_entries,
     model_tensors,
     move_offsets,
     output_locations,
@@ -238,7 +239,8 @@ def save_model(
     COMPACT_UNREFERENCED_BYTES (external_data) no tensor references (weights a pass replaced)
     is compacted: only
     the referenced tensors are copied, each at an offset congruent to its old one modulo a
-    page, and the model's offsets are rewritten to match.
+    page (64 bytes for a tensor smaller than a page), and the model's offsets are rewritten to
+    match. An in-place rewrite copies nothing, so its data file keeps such bytes.
     """
     target = Path(path)
     try:
@@ -278,18 +280,19 @@ def _save_staged(model: ir.Model, target: Path, staging: Staging,
             proto = ir.serde.serialize_model(model)
     else:
         proto = ir.serde.serialize_model(model)
+    entries = list(external_entries(proto))
     for location, source in copies.items():
         written = locations[location]
-        ranges = compacted_ranges(model, location, source)
-        if ranges is None:
+        layout = compacted_layout(entries, location, source)
+        if layout is None:
             logger.info("copying external data %s -> %s", source, target_dir / written)
             staging.copy(source, written, progress)
         else:
-            logger.info("copying the %d referenced tensors of %s -> %s", len(ranges), source,
+            logger.info("copying the %d referenced ranges of %s -> %s", len(layout), source,
                         target_dir / written)
             (staging.path / written).parent.mkdir(parents=True, exist_ok=True)
-            move_offsets(proto, location,
-                          copy_ranges(source, staging.path / written, ranges, progress))
+            copy_layout(source, staging.path / written, layout, progress)
+            move_offsets(proto, location, layout)
         staged.append(written)
     if weights is not None:
         staged.append(weights)

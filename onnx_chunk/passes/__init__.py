@@ -166,11 +166,14 @@ def convert_model(model: ir.Model, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
     prefills faster, and each row's result depends on that row alone; twice the bytes of the
     4-bit weights, and the logits move); refused (ConfigError) for a model without 4-bit
     MatMulNBits, and together with `int4_block_size`. None (the default) rewrites them where
-    the pass applies (`int8_matmul_default`), False never.
+    the pass applies to an export not yet converted (`int8_matmul_default`; `onnx-chunk
+    convert` also keeps them for a folder whose genai_config.json names a GPU provider or whose
+    weights onnx_ir will not read); False never, and refused (ConfigError) for a model an
+    earlier conversion made int8.
     """
+    check_int8_matmul_options(int4_block_size, int8_matmul, model)
     if int8_matmul is None:
         int8_matmul = int8_matmul_default(model, int4_block_size)
-    check_int8_matmul_options(int4_block_size, int8_matmul)
     was = prefill_mode(model)
     check_kv_prefill(kv_prefill, kv_dtype, was)
     if kv_cache not in KV_CACHE_TARGETS:
@@ -222,12 +225,19 @@ def int8_matmul_default(model: ir.Model, int4_block_size: int | None) -> bool:
             and default_refusal(model) is None)
 
 
-def check_int8_matmul_options(int4_block_size: int | None, int8_matmul: bool) -> None:
-    """ConfigError for `--int8-matmul` with `--int4-block-size`: it replaces the 4-bit
-    weights a re-blocking would write."""
+def check_int8_matmul_options(int4_block_size: int | None, int8_matmul: bool | None,
+                              model: ir.Model | None = None) -> None:
+    """ConfigError for `--int8-matmul` with `--int4-block-size` (it replaces the 4-bit weights
+    a re-blocking would write), and for `--no-int8-matmul` (False) on a `model` whose layers an
+    earlier conversion made int8 (the 4-bit weights are gone)."""
     if int8_matmul and int4_block_size is not None:
         raise ConfigError("--int8-matmul replaces the 4-bit weights --int4-block-size would "
                           "re-block; give one of them")
+    if (int8_matmul is False and model is not None
+            and metadata.read_int8_matmul(model) is not None):
+        raise ConfigError("--no-int8-matmul keeps 4-bit weights, and this model's layers are "
+                          "int8 matmuls already (an earlier conversion replaced its 4-bit "
+                          "weights); convert the original export with --no-int8-matmul")
 
 
 def check_int8_matmul(model: ir.Model) -> None:

@@ -122,19 +122,28 @@ def int8_targets(model: ir.Model) -> Int8Targets:
 def default_refusal(model: ir.Model) -> str | None:
     """Why the default conversion keeps `model`'s weights as they are (None: it rewrites them).
 
-    The rewrite is the default wherever it applies: 4-bit layer MatMulNBits over float32
-    activations (a CPU export: the builder's GPU exports compute in float16) and an ONNX Runtime
-    with the kernels it writes; a model it rewrote already keeps its declaration. A model
-    without 4-bit weights gets None from `has_int4_layers` first and is not asked."""
-    if metadata.read_int8_matmul(model) is not None:
-        return None
+    The rewrite is the default for an export not yet converted whose 4-bit layer MatMulNBits
+    take float32 activations (a CPU export: the builder's GPU exports compute in float16), where
+    the installed ONNX Runtime has the kernels it writes. A converted model keeps its matmuls,
+    4-bit or int8 (its metadata says which). A model without 4-bit weights gets None from
+    `has_int4_layers` first and is not asked."""
+    if metadata.SCHEMA_VERSION_KEY in model.metadata_props:
+        return ("converted before: its matmuls stay as they are; --int8-matmul rewrites "
+                "4-bit ones")
     try:
         targets = int8_targets(model)
     except (ConfigError, ModelStructureError) as error:
-        return str(error)
+        return _without_remedy(str(error))
     if not targets.int4:
         return "its only 4-bit MatMulNBits is the lm_head, which reads the tied embedding"
     return None
+
+
+def _without_remedy(message: str) -> str:
+    """A refusal of `--int8-matmul` as a reason the default did not rewrite: its last clause,
+    which tells a user who gave the option what to do instead, dropped."""
+    reason, _, remedy = message.rpartition("; ")
+    return reason if reason and OPTION in remedy else message
 
 
 def has_int4_layers(model: ir.Model) -> bool:

@@ -352,11 +352,11 @@ def cuda_refusal(ports: ModelPorts, model: ModelFile) -> tuple[str, str] | None:
         if model.uses(matmul, "com.microsoft"):
             return (f"the model's matmuls are {matmul} (convert --int8-matmul), a kernel of "
                     "ONNX Runtime's CPU provider only",
-                    "convert it without --int8-matmul for CUDA")
+                    "convert the export again with --no-int8-matmul for CUDA")
     if INT8_MATMUL_KEY in model.metadata and model.uses("MatMulInteger"):
         return ("the model's matmuls are MatMulInteger of uint8 activations (convert "
                 "--int8-matmul), which ONNX Runtime runs on the CPU provider only",
-                "convert it without --int8-matmul for CUDA")
+                "convert the export again with --no-int8-matmul for CUDA")
     if not ports.kv or ports.kv[0].dtype.name in CUDA_ATTENTION_DTYPES:
         return None
     dtype = ports.kv[0].dtype.name

@@ -134,6 +134,12 @@ def export_folder(value: str, root: Path | None = None) -> tuple[str, Path]:
     return value, bench_model(value, root).parent
 
 
+# Written beside a converted benchmark folder: the options it was converted with and what
+# `convert` said of its matmuls. A folder without it (converted before a default changed) is
+# converted again rather than measured under a name it no longer deserves.
+CONVERTED_RECORD = "converted-by.json"
+
+
 def converted_export(out: Path, name: str, folder: Path, chunk_size: int,
                      native_chunks: str = "auto", int4_block_size: int | None = None,
                      int8_matmul: bool | None = None) -> Path:
@@ -148,12 +154,19 @@ def converted_export(out: Path, name: str, folder: Path, chunk_size: int,
         blocks.append("--int8-matmul" if int8_matmul else "--no-int8-matmul")
         suffix += "-int8" if int8_matmul else "-int4"
     target = out / "models" / f"{name}-converted-{chunk_size}{suffix}" / "model.onnx"
-    if not (target.is_file() and (target.parent / "genai_config.json").is_file()):
-        print(f"converting {folder} -> {target.parent}", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "onnx_chunk", "convert", str(folder / "model.onnx"),
-                        "-o", str(target), "--chunk-size", str(chunk_size),
-                        "--native-chunks", native_chunks, *blocks], check=True,
-                       stdout=subprocess.DEVNULL)
+    options = ["--chunk-size", str(chunk_size), "--native-chunks", native_chunks, *blocks]
+    record = target.parent / CONVERTED_RECORD
+    done: dict[str, object] = {"options": options, "matmuls": None}
+    if (target.is_file() and (target.parent / "genai_config.json").is_file()
+            and record.is_file() and json.loads(record.read_text())["options"] == options):
+        return target
+    print(f"converting {folder} -> {target.parent}", file=sys.stderr)
+    printed = subprocess.run([sys.executable, "-m", "onnx_chunk", "convert",
+                              str(folder / "model.onnx"), "-o", str(target), *options],
+                             check=True, stdout=subprocess.PIPE, text=True).stdout
+    done["matmuls"] = next((line.strip() for line in printed.splitlines()
+                            if line.strip().startswith("matmuls:")), None)
+    record.write_text(json.dumps(done) + "\n")
     return target
 
 

@@ -69,7 +69,8 @@ def test_quick_run_measures_each_block_size_against_the_export_as_it_is(tmp_path
                                   ["--float", "no-such-model"], ["no-such-model"],
                                   ["--llamacpp", "--gguf-float", "no-such.gguf"],
                                   ["--llamacpp", "--gguf-quant", "text-q8_0"],
-                                  ["--llamacpp", "--llama-python", "no-such-python"]])
+                                  ["--llamacpp", "--llama-python", "no-such-python"],
+                                  ["--gguf-quant", "text-q4_0"], ["--llama-python", "x"]])
 def test_bad_arguments_are_one_error_line(argv, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench_int4_accuracy.main(([str(INT4)] if argv[0].startswith("--") else [])

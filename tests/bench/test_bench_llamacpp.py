@@ -94,6 +94,9 @@ def test_the_quick_run_measures_every_onnx_system_and_says_llama_cpp_is_left_out
     assert data["lengths"] == [40, 300] and len(data["load_averages"]) == 8
     models = tmp_path / "models"
     assert "MatMulInteger" in _op_types(models / "genai-llama-int4-converted-16" / "model.onnx")
+    record = json.loads((models / "genai-llama-int4-converted-16" / env.CONVERTED_RECORD)
+                        .read_text())
+    assert record["matmuls"].startswith("matmuls: int8")
     assert "MatMulInteger" not in _op_types(models / "genai-llama-int4-converted-16-int4"
                                             / "model.onnx")
     for length in data["lengths"]:
@@ -256,16 +259,23 @@ def test_the_batched_part_measures_each_sequence_count_and_a_row_keeps_its_token
         "error: --only-batched needs --sequences")
 
 
-def test_the_llamacpp_batch_worker_decodes_sequences_as_the_lone_worker_does():
-    """Where the llama.cpp venv and qwen05-q4_0 are built: two sequences decoded in one
-    llama_batch per step give each prompt the tokens the one-sequence worker gives it."""
+def _llamacpp_or_skip(name: str):
+    """(the GGUF benchmark model `name`, llama-cpp-python's interpreter); the test is skipped,
+    saying so, where either is not built."""
     try:
-        gguf = bench_model("qwen05-q4_0")
+        gguf = bench_model(name)
     except BenchModelMissing as error:
         pytest.skip(f"LLAMA.CPP NOT TESTED: {error}")
     llama_python = env.llama_python()
     if not llama_python.exists():
         pytest.skip(f"LLAMA.CPP NOT TESTED: no llama-cpp-python interpreter at {llama_python}")
+    return gguf, llama_python
+
+
+def test_the_llamacpp_batch_worker_decodes_sequences_as_the_lone_worker_does():
+    """Where the llama.cpp venv and qwen05-q4_0 are built: two sequences decoded in one
+    llama_batch per step give each prompt the tokens the one-sequence worker gives it."""
+    gguf, llama_python = _llamacpp_or_skip("qwen05-q4_0")
     prompts = [seeded_prompt(20, 151936), seeded_prompt(27, 151936, seed=1)]
     request = {"model": str(gguf), "prompts": prompts, "new_tokens": 4, "chunk_size": 16,
                "threads": 2}
@@ -282,13 +292,7 @@ def test_the_llamacpp_accuracy_worker_scores_and_decodes_as_the_greedy_worker_do
     """Where the llama.cpp venv and text-q4_0 are built: the accuracy worker's free-running
     tokens are the greedy worker's, its teacher-forced argmax along them is them again, and
     each window is scored on every row but its last."""
-    try:
-        gguf = bench_model("text-q4_0")
-    except BenchModelMissing as error:
-        pytest.skip(f"LLAMA.CPP NOT TESTED: {error}")
-    llama_python = env.llama_python()
-    if not llama_python.exists():
-        pytest.skip(f"LLAMA.CPP NOT TESTED: no llama-cpp-python interpreter at {llama_python}")
+    gguf, llama_python = _llamacpp_or_skip("text-q4_0")
     prompt, window = seeded_prompt(16, 2048), seeded_prompt(40, 2048)
     payload = run_child(env.worker_argv(llama_python, "llamacpp_accuracy_worker", {
         "model": str(gguf), "windows": [window], "prompts": [prompt], "new_tokens": 6,
@@ -299,3 +303,19 @@ def test_the_llamacpp_accuracy_worker_scores_and_decodes_as_the_greedy_worker_do
     assert payload["free"] == [greedy] and payload["forced"] == [greedy]
     assert payload["scored"] == 39 and len(payload["argmax"][0]) == 39
     assert payload["nll_sum"] > 0
+
+
+def test_a_converted_folder_without_its_record_is_converted_again(tmp_path):
+    """A benchmark folder converted before (no record of its options, or other ones) is not
+    measured under the name of today's conversion: converted again."""
+    target = env.converted_export(tmp_path, "genai-llama-int4", EXPORT, 16, int8_matmul=False)
+    record = target.parent / env.CONVERTED_RECORD
+    assert json.loads(record.read_text())["options"][-1] == "--no-int8-matmul"
+    record.unlink()
+    stamp = target.stat().st_mtime_ns
+    assert env.converted_export(tmp_path, "genai-llama-int4", EXPORT, 16,
+                                int8_matmul=False) == target
+    assert record.is_file() and target.stat().st_mtime_ns != stamp
+    stamp = target.stat().st_mtime_ns
+    env.converted_export(tmp_path, "genai-llama-int4", EXPORT, 16, int8_matmul=False)
+    assert target.stat().st_mtime_ns == stamp  # reused

@@ -12,11 +12,13 @@ import onnx
 import pytest
 
 from onnx_chunk.cli import main
+from onnx_chunk.errors import ConfigError
 from onnx_chunk.graph import metadata
 from onnx_chunk.graph.model_folder import read_genai_config
 from onnx_chunk.graph.model_io import load_model
 from onnx_chunk.passes import convert_model, int8_matmul_default
 from onnx_chunk.passes.int8_matmul import default_refusal
+from tests.cli_output import one_error_line
 from tests.exports.corpus import GENAI, fixtures
 
 INT4 = [fixture for fixture in fixtures(GENAI) if fixture.precision == "int4"]
@@ -97,8 +99,9 @@ def test_without_the_kernel_the_default_keeps_4bit_weights_and_says_why(tmp_path
     assert "no MatMulInteger of uint8 activations" in default_refusal(model)
     assert not int8_matmul_default(model, None)
     assert main(["convert", str(INT4[0].folder), "-o", str(tmp_path / "out")]) == 0
-    assert ("matmuls: 4-bit as exported (the installed ONNX Runtime"
-            in capsys.readouterr().out)
+    line = next(line for line in capsys.readouterr().out.splitlines() if "matmuls:" in line)
+    assert "4-bit as they are (the installed ONNX Runtime" in line
+    assert "convert without" not in line  # the option's remedy is not the default's reason
     assert "MatMulInteger" not in _op_types(tmp_path / "out")
     assert main(["convert", str(INT4[0].folder), "-o", str(tmp_path / "asked"),
                  "--int8-matmul"]) == 2
@@ -112,3 +115,47 @@ def test_the_python_api_has_the_same_default():
     assert any(node.op_type == "MatMulNBits" for node in kept.graph)
     float_model = convert_model(load_model(FP32_LLAMA.folder / "model.onnx")).model
     assert metadata.read_int8_matmul(float_model) is None
+
+
+def test_a_converted_folder_keeps_its_matmuls_by_default(tmp_path, capsys):
+    """Converting a converted folder again (another chunk size, a quantized KV cache) leaves
+    its matmuls as they are: a 4-bit folder stays 4-bit, an int8 one int8."""
+    kept = tmp_path / "kept"
+    assert main(["convert", str(INT4[0].folder), "-o", str(kept), "--no-int8-matmul",
+                 "-q"]) == 0
+    capsys.readouterr()
+    assert main(["convert", str(kept), "--in-place", "--chunk-size", "256"]) == 0
+    assert "matmuls: 4-bit, as converted before (--int8-matmul" in capsys.readouterr().out
+    assert "MatMulInteger" not in _op_types(kept)
+    int8 = tmp_path / "int8"
+    assert main(["convert", str(INT4[0].folder), "-o", str(int8), "-q"]) == 0
+    assert main(["convert", str(int8), "-o", str(tmp_path / "again"), "--chunk-size",
+                 "256"]) == 0
+    assert "matmuls: int8, as converted before" in capsys.readouterr().out
+    assert "MatMulInteger" in _op_types(tmp_path / "again")
+
+
+def test_no_int8_matmul_on_an_int8_folder_is_refused(tmp_path, capsys):
+    """The 4-bit weights are gone from an int8 folder: --no-int8-matmul cannot keep them."""
+    int8 = tmp_path / "int8"
+    assert main(["convert", str(INT4[0].folder), "-o", str(int8), "-q"]) == 0
+    capsys.readouterr()
+    assert main(["convert", str(int8), "-o", str(tmp_path / "out"), "--no-int8-matmul"]) == 2
+    one_error_line(capsys, "--no-int8-matmul", "convert the original export")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ConfigError, match="--no-int8-matmul"):
+        convert_model(load_model(int8 / "model.onnx"), int8_matmul=False)
+
+
+def test_hard_linked_weights_keep_the_default_from_reading_them(tmp_path, capsys):
+    """onnx_ir will not read a data file with several names: the default keeps the 4-bit
+    weights and says why, where --int8-matmul is refused (test_int8_matmul)."""
+    import os
+
+    source = tmp_path / "export"
+    shutil.copytree(INT4[0].folder, source)
+    os.link(source / "model.onnx.data", tmp_path / "other-name.data")
+    assert main(["convert", str(source), "-o", str(tmp_path / "out")]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if "matmuls:" in line)
+    assert line.startswith("  matmuls: 4-bit as exported (") and "hard links" in line
+    assert "MatMulInteger" not in _op_types(tmp_path / "out")
