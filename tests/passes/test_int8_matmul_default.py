@@ -159,3 +159,31 @@ def test_hard_linked_weights_keep_the_default_from_reading_them(tmp_path, capsys
     line = next(line for line in capsys.readouterr().out.splitlines() if "matmuls:" in line)
     assert line.startswith("  matmuls: 4-bit as exported (") and "hard links" in line
     assert "MatMulInteger" not in _op_types(tmp_path / "out")
+
+
+def test_a_float16_export_keeps_its_4bit_weights_by_default():
+    """MatMulNBits over float16 activations (a GPU export: the builder's CUDA and DML ones
+    compute in float16): the default keeps them, saying why; --int8-matmul is refused."""
+    import numpy as np
+    import onnx_ir as ir
+    from onnx import TensorProto, helper, numpy_helper
+
+    from onnx_chunk.errors import ModelStructureError
+    from onnx_chunk.passes import Int8MatMulPass
+
+    k, n, block = 64, 16, 32
+    packed = np.full((n, k // block, block // 2), 0x88, np.uint8)
+    scales = np.full((n, k // block), 0.01, np.float16)
+    node = helper.make_node("MatMulNBits", ["A", "B", "scales"], ["Y"], domain="com.microsoft",
+                            name="mm", K=k, N=n, bits=4, block_size=block, accuracy_level=4)
+    graph = helper.make_graph(
+        [node], "one", [helper.make_tensor_value_info("A", TensorProto.FLOAT16, [1, "rows", k])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT16, [1, "rows", n])],
+        [numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scales, "scales")])
+    model = ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[
+        helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]))
+    reason = default_refusal(model)
+    assert reason is not None and "FLOAT16" in reason and "float32 activations only" in reason
+    assert not int8_matmul_default(model, None)
+    with pytest.raises(ModelStructureError, match="float32 activations only"):
+        Int8MatMulPass()(model)
