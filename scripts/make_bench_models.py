@@ -28,7 +28,9 @@ own byte-level BPE (2048 entries), trained here on the English licence texts Deb
 /usr/share/common-licenses with Apache-2.0 held back whole (scripts/_bench/text_decoder.py);
 its TRAINING.json (loss curve, held-out perplexity) is copied into BUILD.json, and
 scripts/bench_kv_accuracy.py measures the quantized KV cache's accuracy on it; ``text-int4`` is
-the builder's INT4 export of the same checkpoint (scripts/bench_int4_accuracy.py re-blocks it).
+the builder's INT4 export of the same checkpoint (scripts/bench_int4_accuracy.py re-blocks it),
+``text-int4f`` the same with a float32 lm_head and embedding, ``text-f32`` and ``text-q4_0`` its
+GGUF files (llama.cpp's float32 and Q4_0).
 
 Everything lands in a cache outside git: ``--root``, else $ONNX_CHUNK_BENCH_MODELS, else
 ~/.cache/onnx-chunk/bench-models; the benchmark scripts find a model by name there (``--model
@@ -69,6 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import venvs
 from _bench.models import (
     BENCH_MODELS,
+    BUILDER_PRECISION_ARGS,
     MAX_LENGTH,
     ONNX_PRECISIONS,
     SHAPES,
@@ -218,7 +221,7 @@ def build_onnx(root: Path, shape: str, precision: str, stage: Path) -> None:
         raise SystemExit(f"{src}: the genai builder would take {', '.join(clash)} (output size "
                          "= vocab_size) for the lm_head; change the shape")
     _run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(src), "-i",
-          str(src), "-o", str(stage), "-p", precision, "-e", "cpu", "-c",
+          str(src), "-o", str(stage), *BUILDER_PRECISION_ARGS[precision], "-e", "cpu", "-c",
           str(root / ".builder-cache")])
     config_path = stage / "genai_config.json"
     config = json.loads(config_path.read_text())

@@ -15,7 +15,14 @@ DEFAULT_ROOT = Path.home() / ".cache" / "onnx-chunk" / "bench-models"
 # genai's search.max_length in the exports: the longest benchmark request (4000-token prompt and
 # its new tokens) fits, and genai's preallocated KV cache is not the full context's.
 MAX_LENGTH = 8192
-ONNX_PRECISIONS = ("int4", "fp32")
+ONNX_PRECISIONS = ("int4", "fp32", "int4f")
+# The builder's arguments of each ONNX precision: ``int4f`` is the INT4 export with a float32
+# lm_head and embedding (the builder's `nodes_to_exclude` and `shared_embeddings`), which
+# scripts/bench_int4_accuracy.py sets beside the plain INT4 one.
+BUILDER_PRECISION_ARGS = {
+    "int4": ("-p", "int4"), "fp32": ("-p", "fp32"),
+    "int4f": ("-p", "int4", "--extra_options", "nodes_to_exclude=/lm_head/MatMul",
+              "shared_embeddings=false")}
 GGUF_QUANTS = ("q4_0", "q8_0")
 BUILD_COMMAND = "python scripts/make_bench_models.py"
 
@@ -55,7 +62,7 @@ SHAPES = {
 # its GGUF files (``f32``: the converter's float32; ``q4_0``: llama.cpp's quantizer) what
 # llama.cpp's Q4_0 costs (scripts/bench_int4_accuracy.py --llamacpp).
 TRAINED_SHAPES = {"copy": (("fp32",), "copy_decoder"),
-                  "text": (("fp32", "int4", "f32", "q4_0"), "text_decoder")}
+                  "text": (("fp32", "int4", "int4f", "f32", "q4_0"), "text_decoder")}
 # The pre-tokenizer name llama.cpp's converter is given for a trained shape's own byte-level BPE
 # (its GGUF files are fed token ids; the name only has to be one the converter knows).
 TRAINED_GGUF_PRE_TOKENIZER = {"text": "llama-bpe"}

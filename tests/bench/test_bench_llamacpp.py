@@ -46,6 +46,7 @@ def test_model_names_resolve_in_the_cache_and_a_missing_one_says_how_to_build_it
     assert parse_name("llama1b-q8_0") == ("llama1b", "q8_0")
     assert gguf_twins("qwen05-int4") == ["qwen05-q4_0", "qwen05-q8_0"]
     assert parse_name("copy-fp32") == ("copy", "fp32")  # trained here, fp32 only
+    assert parse_name("text-int4f") == ("text", "int4f")  # INT4 with a float32 lm_head
     for bad in ("qwen05", "qwen7-int4", "qwen05-int8", "copy-int4", "copy-q4_0"):
         with pytest.raises(BenchModelMissing, match="unknown benchmark model"):
             parse_name(bad)
