@@ -36,7 +36,6 @@ from onnx_chunk.passes import (
     check_kv_prefill,
     check_kv_quantization,
     convert_model,
-    int8_matmul_default,
     prefill_mode,
 )
 from onnx_chunk.passes.int8_matmul import default_refusal, has_int4_layers
@@ -62,8 +61,9 @@ def _default_int8_matmul(model: ir.Model, genai: GenaiConfig | None,
     if gpus:
         return False, (f"4-bit as exported (genai_config.json targets {', '.join(gpus)}; "
                        "--int8-matmul rewrites them for the CPU)")
-    if not int8_matmul_default(model, block_size):
-        return False, f"4-bit as they are ({default_refusal(model)})"
+    refusal = default_refusal(model)
+    if refusal is not None:
+        return False, f"4-bit as they are ({refusal})"
     try:
         check_weights_readable(model, "the int8 rewrite (the default for a CPU export)")
     except ModelLoadError as error:
@@ -135,7 +135,7 @@ def _output_path(model_path: Path, output: Path | None, in_place: bool) -> Path:
 @click.option("--int8-matmul/--no-int8-matmul", default=None,
               help="Rewrite the layers' 4-bit MatMulNBits as int8 matmuls with one "
                    "activation scale per row (ONNX Runtime's CPU QGEMM: prefill about 2x and "
-                   "8-row batches 1.7x faster, one-row decode as fast or, on Zen 4, 0.75x; "
+                   "8-row batches 1.7x faster, one-row decode as fast or, on Zen 4, 0.8x; "
                    "twice the layers' weight bytes; the logits move; CPU only), or keep the "
                    "4-bit weights. Default: rewrite them for a CPU export (float32 "
                    "activations, no GPU provider in genai_config.json), keep them otherwise "
@@ -166,10 +166,12 @@ def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants
     block_size = None if int4_block_size is None else int(int4_block_size)
     check_int8_matmul_options(block_size, int8_matmul, model)
     matmuls = None
-    if int8_matmul is None:
+    if int8_matmul is None:  # the default checks the weights it would read itself
         int8_matmul, matmuls = _default_int8_matmul(model, location.genai, block_size)
-    if block_size is not None or int8_matmul:
-        check_weights_readable(model, "--int8-matmul" if int8_matmul else "--int4-block-size")
+    elif int8_matmul:
+        check_weights_readable(model, "--int8-matmul")
+    if block_size is not None:
+        check_weights_readable(model, "--int4-block-size")
     if block_size is not None:
         check_int4_blocks(model, block_size)
     if int8_matmul:

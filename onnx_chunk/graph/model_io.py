@@ -57,7 +57,6 @@ _DATA_FILE_THRESHOLD_BYTES = 1024
 _ALIGN_BYTES = 4096
 
 
-
 def write_to_data_file(value: ir.Value) -> ir.Value:
     """Mark the initializer `value` (weights a pass computed) for `save_model` to write to the
     model's new-weights data file instead of inside the .onnx; returns `value`."""
@@ -235,12 +234,11 @@ def save_model(
 
     Initializers marked with `write_to_data_file` (of at least 1 KiB) are written to a new data
     file, `<target name>.weights.data` (`.weights-2.data`, ... where the model already
-    references that name), not inside the .onnx. A copied data file of which at least
-    COMPACT_UNREFERENCED_BYTES (external_data) no tensor references (weights a pass replaced)
-    is compacted: only
-    the referenced tensors are copied, each at an offset congruent to its old one modulo a
-    page (64 bytes for a tensor smaller than a page), and the model's offsets are rewritten to
-    match. An in-place rewrite copies nothing, so its data file keeps such bytes.
+    references that name), not inside the .onnx. A copied data file that compacting to the
+    tensors the model references makes COMPACT_UNREFERENCED_BYTES (external_data) smaller or
+    more (weights a pass replaced) is copied so: each tensor at an offset congruent to its old
+    one modulo a page (64 bytes for a tensor smaller than a page), the model's offsets
+    rewritten to match. An in-place rewrite copies nothing, so its data file keeps such bytes.
     """
     target = Path(path)
     try:

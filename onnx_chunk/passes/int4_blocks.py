@@ -61,6 +61,11 @@ def _is_matmul_nbits(node: ir.Node) -> bool:
     return node.op_type == MATMUL_NBITS and node.domain == MICROSOFT_DOMAIN
 
 
+def is_int4_matmul(node: ir.Node) -> bool:
+    """Whether `node` is a com.microsoft MatMulNBits of 4 bits."""
+    return _is_matmul_nbits(node) and _attribute(node, "bits", 4) == 4
+
+
 def find_int4_matmuls(graph: ir.Graph, option: str = "--int4-block-size"
                       ) -> tuple[list[Int4MatMul], int]:
     """The 4-bit MatMulNBits nodes of `graph` and how many MatMulNBits nodes of other bit
@@ -68,12 +73,10 @@ def find_int4_matmuls(graph: ir.Graph, option: str = "--int4-block-size"
     read exactly (rule 2), and `option`, the conversion that needed them."""
     found, others = [], 0
     for node in graph:
-        if not _is_matmul_nbits(node):
-            continue
-        if _attribute(node, "bits", 4) != 4:
+        if is_int4_matmul(node):
+            found.append(_checked(node, option))
+        elif _is_matmul_nbits(node):
             others += 1
-            continue
-        found.append(_checked(node, option))
     return found, others
 
 

@@ -45,6 +45,7 @@ from onnx_chunk.passes.int4_blocks import (
     Int4MatMul,
     dequantize_int4,
     find_int4_matmuls,
+    is_int4_matmul,
 )
 from onnx_chunk.passes.logits_rows import find_lm_head
 from onnx_chunk.passes.preconditions import precondition
@@ -127,7 +128,7 @@ def default_refusal(model: ir.Model) -> str | None:
     the installed ONNX Runtime has the kernels it writes. A converted model keeps its matmuls,
     4-bit or int8 (its metadata says which). A model without 4-bit weights gets None from
     `has_int4_layers` first and is not asked."""
-    if metadata.SCHEMA_VERSION_KEY in model.metadata_props:
+    if metadata.read_plan(model) is not None:
         return ("converted before: its matmuls stay as they are; --int8-matmul rewrites "
                 "4-bit ones")
     try:
@@ -148,10 +149,8 @@ def _without_remedy(message: str) -> str:
 
 def has_int4_layers(model: ir.Model) -> bool:
     """Whether `model` has 4-bit MatMulNBits or matmuls an earlier `--int8-matmul` wrote."""
-    if metadata.read_int8_matmul(model) is not None:
-        return True
-    return any(node.op_type == "MatMulNBits" and node.domain == MICROSOFT_DOMAIN
-               for node in model.graph)
+    return metadata.read_int8_matmul(model) is not None or any(
+        is_int4_matmul(node) for node in model.graph)
 
 
 def check_row_int8_support(model: ir.Model) -> None:

@@ -17,7 +17,7 @@ import sys
 
 import llama_cpp as llama
 import numpy as np
-from llamacpp_worker import _quiet, load_model
+from llamacpp_worker import _decode, _quiet, load_model
 
 
 class _Context:
@@ -40,16 +40,7 @@ class _Context:
         rows = []
         for offset in range(0, len(ids), self.chunk):
             part = ids[offset:offset + self.chunk]
-            self.batch.n_tokens = len(part)
-            for index, token in enumerate(part):
-                self.batch.token[index] = token
-                self.batch.pos[index] = self.position + index
-                self.batch.n_seq_id[index] = 1
-                self.batch.seq_id[index][0] = 0
-                self.batch.logits[index] = True
-            status = llama.llama_decode(self.context, self.batch)
-            if status != 0:
-                raise SystemExit(f"llama_decode returned {status}")
+            _decode(self.context, self.batch, part, self.position, every_row=True)
             for index in range(len(part)):
                 row = llama.llama_get_logits_ith(self.context, index)
                 rows.append(np.ctypeslib.as_array(row, shape=(self.vocab_size,)).copy())

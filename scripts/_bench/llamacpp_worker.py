@@ -25,15 +25,17 @@ def _quiet(level, text, user_data):
     """llama.cpp logs every load to stderr; the benchmark keeps stderr for errors."""
 
 
-def _decode(context, batch, tokens: list[int], first_position: int, sequence: int = 0) -> None:
-    """Decode `tokens` of `sequence` from `first_position`, the last row's logits asked for."""
+def _decode(context, batch, tokens: list[int], first_position: int, sequence: int = 0,
+            every_row: bool = False) -> None:
+    """Decode `tokens` of `sequence` from `first_position`, the last row's logits asked for
+    (`every_row`: each row's)."""
     batch.n_tokens = len(tokens)
     for index, token in enumerate(tokens):
         batch.token[index] = token
         batch.pos[index] = first_position + index
         batch.n_seq_id[index] = 1
         batch.seq_id[index][0] = sequence
-        batch.logits[index] = index == len(tokens) - 1
+        batch.logits[index] = every_row or index == len(tokens) - 1
     status = llama.llama_decode(context, batch)
     if status != 0:
         raise SystemExit(f"llama_decode returned {status}")
