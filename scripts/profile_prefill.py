@@ -2,13 +2,17 @@
 
 Five commands (issue 34; findings in docs/benchmarks.md, "Prefill candidates on CPU"):
 
-* ``profile``: one ROWS-row prefill forward (empty past) under ONNX Runtime's profiler
+* ``profile``: one ROWS-row forward after ``--past`` positions (default none: a prefill; ``--rows
+  5 --past 1000``: verifying four drafts) under ONNX Runtime's profiler
   (SessionOptions.enable_profiling), after warm-up forwards; time per operator type and, for
-  MatMul/MatMulNBits, per projection (the node name's last two parts: attn/qkv_proj,
-  mlp/down_proj, lm_head, ...) with achieved GFLOP/s (2*M*K*N per node) and the weight bytes
-  read per second. ``--peak-gflops`` names the machine's peak to compare against; without it
-  the script measures numpy's float32 matmul (its BLAS) at 2048^3 on the same threads as a
-  practical fp32 roof and prints the nominal clock /proc/cpuinfo reports.
+  MatMul/MatMulNBits/int8 MatMulInteger, per projection (the node name's last two parts:
+  attn/qkv_proj, mlp/down_proj, lm_head, ...) with achieved GFLOP/s (2*M*K*N per node) and the
+  weight bytes read per second. ``--peak-gflops`` names the machine's peak to compare against;
+  without it the script measures numpy's float32 matmul (its BLAS) at 2048^3 on the same
+  threads as a practical fp32 roof and prints the nominal clock /proc/cpuinfo reports.
+  ``--peak-read-gbs`` likewise names the memory read rate, else measured (numpy's max over 512
+  MiB split across the threads): at one row a projection's weight GB/s against it says whether
+  the forward is a read of its weights.
 * ``variant``: a copy of an export's graph with one change and the weights untouched (the
   copy's model.onnx.data is a symbolic link to the original's): ``--accuracy-level N``
   rewrites every MatMulNBits' accuracy_level; ``--last-row-logits`` slices the lm_head's input
@@ -62,6 +66,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -162,7 +167,9 @@ def _model_path(value: str, root: Path | None) -> Path:
 
 
 def _matmul_shapes(model: Path, rows: int) -> dict[str, dict]:
-    """{node name: K, N, bits, block_size, weight bytes} for MatMulNBits and float MatMul."""
+    """{node name: K, N, bits, block_size, weight bytes} for MatMulNBits, float MatMul and
+    `convert`'s int8 MatMulInteger (its weight bytes: the int8 B and the column scales the
+    Mul after its Cast reads)."""
     import onnx
 
     graph = onnx.load(str(model), load_external_data=False).graph
@@ -171,8 +178,21 @@ def _matmul_shapes(model: Path, rows: int) -> dict[str, dict]:
         count = int(np.prod(tensor.dims)) if tensor.dims else 1
         sizes[tensor.name] = (count * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
                               .itemsize, list(tensor.dims))
+    readers: dict[str, list] = defaultdict(list)
+    for node in graph.node:
+        for name in node.input:
+            readers[name].append(node)
     shapes = {}
     for node in graph.node:
+        if node.op_type == "MatMulInteger" and node.input[1] in sizes:
+            nbytes, dims = sizes[node.input[1]]
+            casts = [reader for reader in readers[node.output[0]] if reader.op_type == "Cast"]
+            scales = [name for cast in casts for mul in readers[cast.output[0]]
+                      if mul.op_type == "Mul" for name in mul.input if name in sizes]
+            shapes[node.name] = dict(K=dims[0], N=dims[1], bits=8, block_size=0,
+                                     accuracy_level=None,
+                                     weight_bytes=nbytes + sum(sizes[name][0] for name in scales))
+            continue
         if node.op_type == "MatMulNBits":
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
             weight = sum(sizes.get(name, (0, []))[0] for name in node.input[1:] if name)
@@ -216,15 +236,16 @@ def per_run_node_times(events: list[dict]) -> list[dict[str, tuple[str, float]]]
     return found
 
 
-def _run_profiled(model: Path, rows: int, threads: int, repeats: int, config: dict):
+def _run_profiled(model: Path, rows: int, threads: int, repeats: int, config: dict,
+                  past: int = 0):
     session = _session(model, threads, config, profile=True)
     genai = _genai(model)
     prompt = [3 + (index * 7919) % (genai["vocab_size"] - 3) for index in range(rows)]
     walls, cpus = [], []
     for _ in range(repeats + 1):  # the first forward is the warm-up
-        loop = Loop(session, genai, rows)
+        loop = Loop(session, genai, past + rows)
         began, cpu = time.perf_counter(), time.process_time()
-        loop.forward(prompt, 0)
+        loop.forward(prompt, past)
         walls.append(time.perf_counter() - began)
         cpus.append(time.process_time() - cpu)
     path = session.end_profiling()
@@ -232,6 +253,20 @@ def _run_profiled(model: Path, rows: int, threads: int, repeats: int, config: di
     os.unlink(path)
     runs = per_run_node_times(events)[1:]
     return runs, walls[1:], cpus[1:]
+
+
+def unprofiled_wall_s(model: Path, rows: int, threads: int, repeats: int,
+                      config: dict, past: int = 0) -> float:
+    """Median seconds of `repeats` forwards like `_run_profiled`'s in a session without the
+    profiler (whose per-node events weigh on a graph of many small nodes)."""
+    session = _session(model, threads, config)
+    genai = _genai(model)
+    prompt = [3 + (index * 7919) % (genai["vocab_size"] - 3) for index in range(rows)]
+    Loop(session, genai, past + rows).forward(prompt, past)  # warm-up
+    walls = []
+    for _ in range(repeats):
+        walls.append(_timed(partial(Loop(session, genai, past + rows).forward, prompt, past)))
+    return statistics.median(walls)
 
 
 def practical_fp32_peak(threads: int, size: int = 2048, repeats: int = 3) -> float:
@@ -242,6 +277,26 @@ def practical_fp32_peak(threads: int, size: int = 2048, repeats: int = 3) -> flo
     a @ b
     best = min(_timed(lambda: a @ b) for _ in range(repeats))
     return 2 * size ** 3 / best / 1e9
+
+
+def practical_read_peak(threads: int, megabytes: int = 512, repeats: int = 3) -> float:
+    """GB/s at which `threads` threads read a `megabytes` array far larger than the caches
+    (numpy's max over each thread's slice, which releases the GIL), the best of `repeats`: the
+    rate a one-row forward's weights can stream at."""
+    import threading
+
+    data = np.ones(megabytes * 2 ** 20 // 8, np.uint64)
+    parts = np.array_split(data, threads)
+
+    def read() -> None:
+        workers = [threading.Thread(target=part.max) for part in parts]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+
+    read()
+    return data.nbytes / min(_timed(read) for _ in range(repeats)) / 1e9
 
 
 def _timed(call) -> float:
@@ -295,16 +350,26 @@ def _profile(args: argparse.Namespace) -> int:
     model = _model_path(args.model, args.models_root)
     config = dict(_pair(item) for item in args.config)
     load = os.getloadavg()[0]
-    runs, walls, cpus = _run_profiled(model, args.rows, args.threads, args.repeats, config)
+    runs, walls, cpus = _run_profiled(model, args.rows, args.threads, args.repeats, config,
+                                      args.past)
     table = profile_table(runs, _matmul_shapes(model, args.rows), walls, cpus)
     peak = args.peak_gflops or practical_fp32_peak(args.threads)
+    read_peak = args.peak_read_gbs or practical_read_peak(args.threads)
+    plain_s = unprofiled_wall_s(model, args.rows, args.threads, args.repeats, config,
+                                args.past)
+    weights = sum(group["weight_bytes"] for group in table["projections"].values())
     total = sum(table["op_types"].values())
-    lines = [f"model {model}, {args.rows} rows, empty past, {args.threads} threads, "
+    lines = [f"model {model}, {args.rows} rows after {args.past} positions of past (zeros), "
+             f"{args.threads} threads, "
              f"{len(runs)} profiled forwards (median), wall {table['wall_s']:.3f} s, "
              f"CPU {table['cpu_s']:.3f} s (all threads), session config {config}, "
              f"1-minute load average {load:.2f} before, {os.getloadavg()[0]:.2f} after; "
              f"peak {peak:.0f} GFLOP/s ({'given' if args.peak_gflops else 'numpy fp32 matmul'}"
-             f"), nominal clock {nominal_mhz()} MHz", "",
+             f"), read {read_peak:.1f} GB/s ("
+             f"{'given' if args.peak_read_gbs else 'numpy max over 512 MiB'}), "
+             f"nominal clock {nominal_mhz()} MHz; without the profiler a forward takes "
+             f"{plain_s:.4f} s (median), its projections' {weights / 1e6:.0f} MB of weights "
+             f"read at {weights / plain_s / 1e9:.1f} GB/s", "",
              "| op type | s | share |", "| --- | ---: | ---: |"]
     for key, seconds in sorted(table["op_types"].items(), key=lambda item: -item[1]):
         lines.append(f"| {key} | {seconds:.4f} | {100 * seconds / total:.1f}% |")
@@ -312,19 +377,25 @@ def _profile(args: argparse.Namespace) -> int:
     # seconds (the load-robust estimate; the wall rate is what the forward saw).
     cpu_per_kernel_s = table["cpu_s"] / total
     lines += ["", "| projection | nodes | shape | s | share | GFLOP | GFLOP/s (wall) | of peak "
-              "| GFLOP per CPU-s | weight MB |",
-              "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "| GFLOP per CPU-s | weight MB | weight GB/s | of read |",
+              "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+              "| ---: |"]
     for key, group in sorted(table["projections"].items(), key=lambda item: -item[1]["seconds"]):
         rate = group["flops"] / group["seconds"] / 1e9
         per_cpu = group["flops"] / (group["seconds"] * cpu_per_kernel_s) / 1e9
+        streamed = group["weight_bytes"] / group["seconds"] / 1e9
         lines.append(f"| {key} | {group['nodes']} | {group['shape']} | {group['seconds']:.4f} | "
                      f"{100 * group['seconds'] / total:.1f}% | {group['flops'] / 1e9:.1f} | "
                      f"{rate:.1f} | {100 * rate / peak:.0f}% | {per_cpu:.1f} | "
-                     f"{group['weight_bytes'] / 1e6:.1f} |")
+                     f"{group['weight_bytes'] / 1e6:.1f} | {streamed:.1f} | "
+                     f"{100 * streamed / read_peak:.0f}% |")
     print("\n".join(lines))
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(table, peak_gflops=peak, load=load,
-                                                   model=str(model), rows=args.rows), indent=1))
+        Path(args.json).write_text(json.dumps(dict(table, peak_gflops=peak,
+                                                   read_peak_gbs=read_peak, load=load,
+                                                   unprofiled_wall_s=plain_s,
+                                                   model=str(model), rows=args.rows,
+                                                   past=args.past), indent=1))
     return 0
 
 
@@ -737,10 +808,14 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--threads", type=int, default=2)
         command.add_argument("--json", default=None, help="also write the numbers here")
     profile.add_argument("--rows", type=int, default=512)
+    profile.add_argument("--past", type=int, default=0,
+                         help="positions already in the KV cache (zeros) before the forward")
     profile.add_argument("--repeats", type=int, default=2, help="profiled forwards (median)")
     profile.add_argument("--config", action="append", default=[],
                          help="ONNX Runtime session config entry KEY=VALUE (repeatable)")
     profile.add_argument("--peak-gflops", type=float, default=None)
+    profile.add_argument("--peak-read-gbs", type=float, default=None,
+                         help="GB/s the machine reads memory at (default: measured)")
     variant.add_argument("--out", type=Path, required=True)
     variant.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=None)
     variant.add_argument("--last-row-logits", action="store_true")

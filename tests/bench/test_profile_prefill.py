@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import math
 import os
 import platform
 import shutil
@@ -50,6 +51,39 @@ def test_profile_names_every_projection_with_its_rate(capsys):
     for name in ("lm_head", "attn/qkv_proj", "attn/o_proj", "mlp/down_proj"):
         assert f"| {name} |" in out
     assert "block 32 level 4" in out
+    # A verification's forward: rows after a past.
+    assert profile_prefill.main(["profile", "--model", str(EXPORT), "--rows", "5", "--past",
+                                 "40", "--repeats", "1", "--peak-gflops", "100",
+                                 "--peak-read-gbs", "10"]) == 0
+    assert "5 rows after 40 positions of past" in capsys.readouterr().out
+
+
+def test_profile_counts_an_int8_folders_weights_and_their_read_rate(tmp_path, capsys):
+    from onnx_chunk.cli import main as cli
+
+    out = tmp_path / "int8"
+    assert cli(["convert", str(EXPORT), "-o", str(out)]) == 0  # the int8 default
+    capsys.readouterr()
+    shapes = profile_prefill._matmul_shapes(out / "model.onnx", rows=1)
+    graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
+    sizes = {tensor.name: math.prod(tensor.dims) for tensor in graph.initializer}
+    int8 = [node for node in graph.node if node.op_type == "MatMulInteger"]
+    assert int8 and all(shapes[node.name]["bits"] == 8 for node in int8)
+    # Each weight: its int8 B (one byte a weight) and its float32 column scales.
+    for node in int8:
+        k, n = shapes[node.name]["K"], shapes[node.name]["N"]
+        assert sizes[node.input[1]] == k * n
+        assert shapes[node.name]["weight_bytes"] == k * n + 4 * n
+    assert profile_prefill.main(["profile", "--model", str(out), "--rows", "1", "--repeats",
+                                 "1", "--peak-gflops", "100", "--peak-read-gbs", "10"]) == 0
+    printed = capsys.readouterr().out
+    assert "read 10.0 GB/s (given)" in printed and "without the profiler" in printed
+    assert "| weight GB/s | of read |" in printed
+    assert "bits 8 block 0" in printed
+
+
+def test_the_read_peak_is_measured():
+    assert profile_prefill.practical_read_peak(1, megabytes=16, repeats=1) > 0
 
 
 def test_variants_change_the_graph_only_and_compare_measures_them(tmp_path, capsys):
