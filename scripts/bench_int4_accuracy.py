@@ -54,8 +54,7 @@ DEFAULT_OUT = ROOT / "bench-out" / "int4-accuracy"
 REFERENCE = "block 32 (as exported)"
 FLOAT = "float32 weights"
 INT8 = "int8 matmul (the default)"
-LLAMACPP_FLOAT = "llama.cpp f32"
-LLAMACPP_QUANT = "llama.cpp q4_0"
+LLAMACPP = "llama.cpp "  # an arm's label: this and its GGUF file's stem (llama.cpp text-q4_0)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -125,15 +124,19 @@ def _gguf(given: str) -> Path:
 
 
 def llamacpp_setup(args: argparse.Namespace) -> tuple[Path, dict[str, Path]] | None:
-    """(interpreter, {arm: GGUF file}) of --llamacpp, checked before any work (BadInput)."""
+    """(interpreter, {arm: GGUF file}) of --llamacpp, the float arm first, checked before any
+    work (BadInput)."""
     if not args.llamacpp:
         return None
     python = Path(args.llama_python or env.llama_python())
     if not python.exists():
         raise accuracy.BadInput(f"--llamacpp: no interpreter at {python} (--llama-python; "
                                 f"`{venvs.LLAMACPP.command()}` makes one)")
-    return python, {LLAMACPP_FLOAT: _gguf(args.gguf_float or "text-f32"),
-                    LLAMACPP_QUANT: _gguf(args.gguf_quant or "text-q4_0")}
+    files = (_gguf(args.gguf_float or "text-f32"), _gguf(args.gguf_quant or "text-q4_0"))
+    if files[0].stem == files[1].stem:
+        raise accuracy.BadInput(f"--gguf-float and --gguf-quant name one file stem "
+                                f"({files[0].stem}); llama.cpp's arms are labelled by it")
+    return python, {LLAMACPP + path.stem: path for path in files}
 
 
 def llamacpp_arms(args: argparse.Namespace, setup: tuple[Path, dict[str, Path]],
@@ -211,9 +214,10 @@ def table(report: dict, argv: list[str]) -> str:
     floor = results.get(FLOAT)
     rows = []
     for name, result in results.items():
-        own_float = results[LLAMACPP_FLOAT] if name.startswith("llama.cpp") else floor
+        own_float = (results[next(key for key in results if key.startswith(LLAMACPP))]
+                     if name.startswith(LLAMACPP) else floor)
         rows.append([name, f"{result['perplexity']:.4f}",
-                     "-" if name.startswith("llama.cpp")
+                     "-" if name.startswith(LLAMACPP)
                      else f"{result['perplexity'] / block32['perplexity']:.4f}",
                      f"{result['perplexity'] / own_float['perplexity']:.4f}" if own_float else "-",
                      f"{100 * result['row_agreement']:.1f}%",

@@ -60,9 +60,11 @@ SHAPES = {
 # texts Debian ships (_bench/text_decoder.py), the quantized KV cache's accuracy benchmark; its
 # INT4 export (the builder's MatMulNBits, block 32) measures what re-blocked 4-bit weights cost,
 # its GGUF files (``f32``: the converter's float32; ``q4_0``: llama.cpp's quantizer) what
-# llama.cpp's Q4_0 costs (scripts/bench_int4_accuracy.py --llamacpp).
+# llama.cpp's Q4_0 costs (scripts/bench_int4_accuracy.py --llamacpp). llama.cpp's Q4_0 writes
+# the output (lm_head) tensor at Q6_K; ``q4_0h4`` writes it at Q4_0 too, as the builder's INT4
+# export writes its lm_head at 4 bits.
 TRAINED_SHAPES = {"copy": (("fp32",), "copy_decoder"),
-                  "text": (("fp32", "int4", "int4f", "f32", "q4_0"), "text_decoder")}
+                  "text": (("fp32", "int4", "int4f", "f32", "q4_0", "q4_0h4"), "text_decoder")}
 # The pre-tokenizer name llama.cpp's converter is given for a trained shape's own byte-level BPE
 # (its GGUF files are fed token ids; the name only has to be one the converter knows).
 TRAINED_GGUF_PRE_TOKENIZER = {"text": "llama-bpe"}

@@ -3,6 +3,7 @@ by `convert --int4-block-size`, against the export as it is, on a corpus export 
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -97,3 +98,22 @@ def test_the_int8_matmul_arm_is_its_own_conversion(tmp_path, capsys):
                       load_external_data=False)
     assert "MatMulInteger" in {node.op_type for node in model.graph.node}
 
+
+
+def test_llamacpp_arms_are_labelled_by_their_files(tmp_path, capsys):
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "same.gguf").write_bytes(b"GGUF")
+    common = ["--llamacpp", "--llama-python", sys.executable, "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_info:
+        bench_int4_accuracy.main([str(INT4), *common, "--gguf-float",
+                                  str(tmp_path / "a" / "same.gguf"), "--gguf-quant",
+                                  str(tmp_path / "b" / "same.gguf")])
+    assert exit_info.value.code == 2
+    assert "one file stem (same)" in capsys.readouterr().err
+    (tmp_path / "b" / "other.gguf").write_bytes(b"GGUF")
+    args = argparse.Namespace(llamacpp=True, llama_python=sys.executable,
+                              gguf_float=str(tmp_path / "a" / "same.gguf"),
+                              gguf_quant=str(tmp_path / "b" / "other.gguf"))
+    _, arms = bench_int4_accuracy.llamacpp_setup(args)
+    assert list(arms) == ["llama.cpp same", "llama.cpp other"]
