@@ -166,7 +166,7 @@ def _model_path(value: str, root: Path | None) -> Path:
     return export_folder(value, root)[1] / "model.onnx"
 
 
-def _matmul_shapes(model: Path, rows: int) -> dict[str, dict]:
+def matmul_shapes(model: Path, rows: int) -> dict[str, dict]:
     """{node name: K, N, bits, block_size, weight bytes} for MatMulNBits, float MatMul and
     `convert`'s int8 MatMulInteger (its weight bytes: the int8 B and the column scales the
     Mul after its Cast reads)."""
@@ -352,7 +352,7 @@ def _profile(args: argparse.Namespace) -> int:
     load = os.getloadavg()[0]
     runs, walls, cpus = _run_profiled(model, args.rows, args.threads, args.repeats, config,
                                       args.past)
-    table = profile_table(runs, _matmul_shapes(model, args.rows), walls, cpus)
+    table = profile_table(runs, matmul_shapes(model, args.rows), walls, cpus)
     peak = args.peak_gflops or practical_fp32_peak(args.threads)
     read_peak = args.peak_read_gbs or practical_read_peak(args.threads)
     plain_s = unprofiled_wall_s(model, args.rows, args.threads, args.repeats, config,

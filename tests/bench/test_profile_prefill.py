@@ -64,7 +64,7 @@ def test_profile_counts_an_int8_folders_weights_and_their_read_rate(tmp_path, ca
     out = tmp_path / "int8"
     assert cli(["convert", str(EXPORT), "-o", str(out)]) == 0  # the int8 default
     capsys.readouterr()
-    shapes = profile_prefill._matmul_shapes(out / "model.onnx", rows=1)
+    shapes = profile_prefill.matmul_shapes(out / "model.onnx", rows=1)
     graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
     sizes = {tensor.name: math.prod(tensor.dims) for tensor in graph.initializer}
     int8 = [node for node in graph.node if node.op_type == "MatMulInteger"]
