@@ -12,7 +12,10 @@ Five commands (issue 34; findings in docs/benchmarks.md, "Prefill candidates on 
   threads as a practical fp32 roof and prints the nominal clock /proc/cpuinfo reports.
   ``--peak-read-gbs`` likewise names the memory read rate, else measured (numpy's max over 512
   MiB split across the threads): at one row a projection's weight GB/s against it says whether
-  the forward is a read of its weights.
+  the forward is a read of its weights. On a converted graph the lm_head computes every row
+  (``--logits-rows all``, the default: a verification) or the last (``last``: a prefill as the
+  runtime feeds `logits_rows`); ``compare`` and ``paired`` read the last row alone, as the
+  runtime does.
 * ``variant``: a copy of an export's graph with one change and the weights untouched (the
   copy's model.onnx.data is a symbolic link to the original's): ``--accuracy-level N``
   rewrites every MatMulNBits' accuracy_level; ``--last-row-logits`` slices the lm_head's input
@@ -74,6 +77,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 PAST, PRESENT = "past_key_values.", "present."
+LOGITS_ROWS = "logits_rows"  # the optional input `convert` adds (passes/logits_rows.py)
 COPIED = ("genai_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -94,7 +98,11 @@ def _session(model: Path, threads: int | None, config: dict[str, str], profile: 
 
 
 class Loop:
-    """One sequence over a builder export: KV buffers at capacity, bound as past and present."""
+    """One sequence over a builder export: KV buffers at capacity, bound as past and present.
+
+    A converted graph's optional `logits_rows` input is fed as the runtime feeds it: the last
+    row of a forward, unless `all_rows` (a verification reads every row); a graph without it
+    computes every row's logits."""
 
     def __init__(self, session, genai: dict, capacity: int) -> None:
         decoder = genai["decoder"]
@@ -111,17 +119,25 @@ class Loop:
         logits = next(each for each in session.get_outputs() if each.name == "logits")
         # A last-row variant's logits keep one row ([batch, 1, vocab]).
         self.one_row = logits.shape[1] == 1
+        # An input with a default is one of ONNX Runtime's overridable initializers.
+        self.chooses_rows = any(each.name == LOGITS_ROWS for each in (
+            *session.get_inputs(), *session.get_overridable_initializers()))
 
     def _bind(self, name: str, array: np.ndarray, output: bool = False) -> None:
         bind = self.io.bind_output if output else self.io.bind_input
         bind(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
 
-    def forward(self, ids: list[int], past: int) -> np.ndarray:
+    def forward(self, ids: list[int], past: int, all_rows: bool = False) -> np.ndarray:
         tokens = np.array([ids], dtype=np.int64)
         mask = np.ones((1, past + len(ids)), dtype=np.int64)
-        logits = np.empty((1, 1 if self.one_row else len(ids), self.vocab), dtype=np.float32)
+        last_only = self.one_row or (self.chooses_rows and not all_rows)
+        logits = np.empty((1, 1 if last_only else len(ids), self.vocab), dtype=np.float32)
         self._bind("input_ids", tokens)
         self._bind("attention_mask", mask)
+        if self.chooses_rows:
+            rows = np.arange(len(ids), dtype=np.int64)[-1:] if last_only else (
+                np.arange(len(ids), dtype=np.int64))
+            self._bind(LOGITS_ROWS, rows)
         self._bind("logits", logits, output=True)
         self.session.run_with_iobinding(self.io)
         return logits[0, -1]
@@ -237,15 +253,18 @@ def per_run_node_times(events: list[dict]) -> list[dict[str, tuple[str, float]]]
 
 
 def _run_profiled(model: Path, rows: int, threads: int, repeats: int, config: dict,
-                  past: int = 0):
+                  past: int = 0, all_rows: bool = True):
     session = _session(model, threads, config, profile=True)
     genai = _genai(model)
     prompt = [3 + (index * 7919) % (genai["vocab_size"] - 3) for index in range(rows)]
     walls, cpus = [], []
     for _ in range(repeats + 1):  # the first forward is the warm-up
         loop = Loop(session, genai, past + rows)
+        if not (all_rows or loop.chooses_rows or loop.one_row):
+            raise ValueError(f"--logits-rows last: {model} has no {LOGITS_ROWS} input to choose "
+                             "the lm_head's rows (onnx-chunk convert adds it)")
         began, cpu = time.perf_counter(), time.process_time()
-        loop.forward(prompt, past)
+        loop.forward(prompt, past, all_rows)
         walls.append(time.perf_counter() - began)
         cpus.append(time.process_time() - cpu)
     path = session.end_profiling()
@@ -256,16 +275,17 @@ def _run_profiled(model: Path, rows: int, threads: int, repeats: int, config: di
 
 
 def unprofiled_wall_s(model: Path, rows: int, threads: int, repeats: int,
-                      config: dict, past: int = 0) -> float:
+                      config: dict, past: int = 0, all_rows: bool = True) -> float:
     """Median seconds of `repeats` forwards like `_run_profiled`'s in a session without the
     profiler (whose per-node events weigh on a graph of many small nodes)."""
     session = _session(model, threads, config)
     genai = _genai(model)
     prompt = [3 + (index * 7919) % (genai["vocab_size"] - 3) for index in range(rows)]
-    Loop(session, genai, past + rows).forward(prompt, past)  # warm-up
+    Loop(session, genai, past + rows).forward(prompt, past, all_rows)  # warm-up
     walls = []
     for _ in range(repeats):
-        walls.append(_timed(partial(Loop(session, genai, past + rows).forward, prompt, past)))
+        walls.append(_timed(partial(Loop(session, genai, past + rows).forward, prompt, past,
+                                    all_rows)))
     return statistics.median(walls)
 
 
@@ -350,16 +370,18 @@ def _profile(args: argparse.Namespace) -> int:
     model = _model_path(args.model, args.models_root)
     config = dict(_pair(item) for item in args.config)
     load = os.getloadavg()[0]
+    all_rows = args.logits_rows == "all"
     runs, walls, cpus = _run_profiled(model, args.rows, args.threads, args.repeats, config,
-                                      args.past)
+                                      args.past, all_rows)
     table = profile_table(runs, matmul_shapes(model, args.rows), walls, cpus)
     peak = args.peak_gflops or practical_fp32_peak(args.threads)
     read_peak = args.peak_read_gbs or practical_read_peak(args.threads)
     plain_s = unprofiled_wall_s(model, args.rows, args.threads, args.repeats, config,
-                                args.past)
+                                args.past, all_rows)
     weights = sum(group["weight_bytes"] for group in table["projections"].values())
     total = sum(table["op_types"].values())
     lines = [f"model {model}, {args.rows} rows after {args.past} positions of past (zeros), "
+             f"logits of {'every row' if all_rows else 'the last row'}, "
              f"{args.threads} threads, "
              f"{len(runs)} profiled forwards (median), wall {table['wall_s']:.3f} s, "
              f"CPU {table['cpu_s']:.3f} s (all threads), session config {config}, "
@@ -810,6 +832,10 @@ def _parser() -> argparse.ArgumentParser:
     profile.add_argument("--rows", type=int, default=512)
     profile.add_argument("--past", type=int, default=0,
                          help="positions already in the KV cache (zeros) before the forward")
+    profile.add_argument("--logits-rows", choices=("all", "last"), default="all",
+                         help="the rows a converted graph's lm_head computes: every row (a "
+                              "verification; what a graph without logits_rows does) or the "
+                              "last (a prefill, as the runtime feeds it)")
     profile.add_argument("--repeats", type=int, default=2, help="profiled forwards (median)")
     profile.add_argument("--config", action="append", default=[],
                          help="ONNX Runtime session config entry KEY=VALUE (repeatable)")

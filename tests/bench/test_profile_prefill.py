@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import math
 import os
 import platform
@@ -10,6 +11,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import onnx
 import pytest
 
@@ -80,6 +82,41 @@ def test_profile_counts_an_int8_folders_weights_and_their_read_rate(tmp_path, ca
     assert "read 10.0 GB/s (given)" in printed and "without the profiler" in printed
     assert "| weight GB/s | of read |" in printed
     assert "bits 8 block 0" in printed
+    assert "logits of every row" in printed
+    # A prefill as the runtime runs it: the lm_head computes the last row alone.
+    assert profile_prefill.main(["profile", "--model", str(out), "--rows", "8", "--repeats",
+                                 "1", "--peak-gflops", "100", "--peak-read-gbs", "10",
+                                 "--logits-rows", "last"]) == 0
+    assert "logits of the last row" in capsys.readouterr().out
+    # A builder export has no rows to choose: refused in one line, before any timing.
+    assert profile_prefill.main(["profile", "--model", str(EXPORT), "--rows", "8",
+                                 "--peak-gflops", "100", "--peak-read-gbs", "10",
+                                 "--logits-rows", "last"]) == 2
+    assert "--logits-rows last" in capsys.readouterr().err
+
+
+def test_the_loop_feeds_a_converted_graphs_logits_rows_as_the_runtime_does(tmp_path, capsys):
+    from onnx_chunk.cli import main as cli
+
+    out = tmp_path / "converted"
+    assert cli(["convert", str(EXPORT), "-o", str(out), "-q"]) == 0
+    session = _cpu_session(out / "model.onnx")
+    genai = json.loads((out / "genai_config.json").read_text())["model"]
+    ids = [5, 9, 17, 33, 65, 129]
+    last = profile_prefill.Loop(session, genai, len(ids))
+    every = profile_prefill.Loop(session, genai, len(ids))
+    assert last.chooses_rows
+    np.testing.assert_allclose(last.forward(ids, 0), every.forward(ids, 0, all_rows=True),
+                               atol=1e-3)
+    assert last.io.get_outputs()[-1].shape() == [1, 1, genai["vocab_size"]]  # one row bound
+    builder = profile_prefill.Loop(_cpu_session(EXPORT / "model.onnx"), genai, len(ids))
+    assert not builder.chooses_rows
+
+
+def _cpu_session(path):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
 
 def test_the_read_peak_is_measured():
