@@ -27,16 +27,32 @@ COPY_BLOCK_BYTES = 16 << 20
 
 def copy_file(source: Path, target: Path, progress: Callable[[int], None] | None) -> None:
     """Copy `source` to `target` block by block, with `source`'s permission bits."""
+    copy_ranges(source, target, [(0, source.stat().st_size, 0)], progress)
+
+
+def copy_ranges(source: Path, target: Path, ranges: Iterable[tuple[int, int, int]],
+                progress: Callable[[int], None] | None) -> None:
+    """Copy each (offset, length, start) range of `source` to byte `start` of `target` (the
+    ranges in order of start, zeros between them) block by block, with `source`'s permission
+    bits; `progress` gets the byte count of each block."""
     buffer = bytearray(COPY_BLOCK_BYTES)
     view = memoryview(buffer)
     with source.open("rb") as src, target.open("wb") as dst:
         # Windows before Python 3.13 has no fchmod: the path there.
         os.chmod(dst.fileno() if os.chmod in os.supports_fd else target,
                  stat.S_IMODE(os.fstat(src.fileno()).st_mode))
-        while count := src.readinto(buffer):
-            dst.write(view[:count])
-            if progress is not None:
-                progress(count)
+        for offset, length, start in ranges:
+            dst.write(bytes(start - dst.tell()))
+            src.seek(offset)
+            left = length
+            while left:
+                count = src.readinto(view[:min(left, COPY_BLOCK_BYTES)])
+                if not count:
+                    raise OSError(f"{source} ends before byte {offset + length}")
+                dst.write(view[:count])
+                left -= count
+                if progress is not None:
+                    progress(count)
 
 
 def _make_folder(folder: Path) -> Path | None:

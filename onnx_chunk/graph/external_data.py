@@ -5,14 +5,13 @@ dead (`save_model` in model_io uses all of it)."""
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import onnx
 import onnx_ir as ir
 
-from onnx_chunk.staged_output import COPY_BLOCK_BYTES
+from onnx_chunk.staged_output import copy_ranges
 
 # A compacted file keeps each tensor's offset modulo a page (modulo 64 bytes for one smaller
 # than a page).
@@ -167,25 +166,9 @@ def copy_layout(source: Path, staged: Path, layout: Layout,
                 progress: Callable[[int], None] | None) -> None:
     """Copy each range of `source` to its place in `layout` in `staged` (zeros between them),
     with `source`'s permission bits; `progress` gets the byte count of each block."""
-    buffer = bytearray(COPY_BLOCK_BYTES)
-    view = memoryview(buffer)
-    with source.open("rb") as src, staged.open("wb") as dst:
-        os.chmod(dst.fileno() if os.chmod in os.supports_fd else staged,
-                 stat.S_IMODE(os.fstat(src.fileno()).st_mode))
-        position = 0
-        for (offset, length), start in sorted(layout.items(), key=lambda item: item[1]):
-            dst.write(bytes(start - position))
-            src.seek(offset)
-            left = length
-            while left:
-                count = src.readinto(view[:min(left, COPY_BLOCK_BYTES)])
-                if not count:
-                    raise OSError(f"{source} ends before byte {offset + length}")
-                dst.write(view[:count])
-                left -= count
-                if progress is not None:
-                    progress(count)
-            position = start + length
+    placed = sorted(((offset, length, start) for (offset, length), start in layout.items()),
+                    key=lambda each: each[2])
+    copy_ranges(source, staged, placed, progress)
 
 
 def move_offsets(proto: onnx.ModelProto, location: str, layout: Layout) -> None:
