@@ -135,9 +135,8 @@ class Loop:
         self._bind("input_ids", tokens)
         self._bind("attention_mask", mask)
         if self.chooses_rows:
-            rows = np.arange(len(ids), dtype=np.int64)[-1:] if last_only else (
-                np.arange(len(ids), dtype=np.int64))
-            self._bind(LOGITS_ROWS, rows)
+            rows = np.arange(len(ids), dtype=np.int64)
+            self._bind(LOGITS_ROWS, rows[-1:] if last_only else rows)
         self._bind("logits", logits, output=True)
         self.session.run_with_iobinding(self.io)
         return logits[0, -1]
@@ -208,8 +207,7 @@ def matmul_shapes(model: Path, rows: int) -> dict[str, dict]:
             shapes[node.name] = dict(K=dims[0], N=dims[1], bits=8, block_size=0,
                                      accuracy_level=None,
                                      weight_bytes=nbytes + sum(sizes[name][0] for name in scales))
-            continue
-        if node.op_type == "MatMulNBits":
+        elif node.op_type == "MatMulNBits":
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
             weight = sum(sizes.get(name, (0, []))[0] for name in node.input[1:] if name)
             shapes[node.name] = dict(K=attrs["K"], N=attrs["N"], bits=attrs["bits"],
@@ -256,13 +254,10 @@ def _run_profiled(model: Path, rows: int, threads: int, repeats: int, config: di
                   past: int = 0, all_rows: bool = True):
     session = _session(model, threads, config, profile=True)
     genai = _genai(model)
-    prompt = [3 + (index * 7919) % (genai["vocab_size"] - 3) for index in range(rows)]
+    prompt = _prompt(genai, rows)
     walls, cpus = [], []
     for _ in range(repeats + 1):  # the first forward is the warm-up
         loop = Loop(session, genai, past + rows)
-        if not (all_rows or loop.chooses_rows or loop.one_row):
-            raise ValueError(f"--logits-rows last: {model} has no {LOGITS_ROWS} input to choose "
-                             "the lm_head's rows (onnx-chunk convert adds it)")
         began, cpu = time.perf_counter(), time.process_time()
         loop.forward(prompt, past, all_rows)
         walls.append(time.perf_counter() - began)
@@ -277,16 +272,26 @@ def _run_profiled(model: Path, rows: int, threads: int, repeats: int, config: di
 def unprofiled_wall_s(model: Path, rows: int, threads: int, repeats: int,
                       config: dict, past: int = 0, all_rows: bool = True) -> float:
     """Median seconds of `repeats` forwards like `_run_profiled`'s in a session without the
-    profiler (whose per-node events weigh on a graph of many small nodes)."""
+    profiler (whose per-node events weigh on a graph of many small nodes); ValueError for
+    last-row logits on a graph that cannot choose its rows."""
     session = _session(model, threads, config)
     genai = _genai(model)
-    prompt = [3 + (index * 7919) % (genai["vocab_size"] - 3) for index in range(rows)]
-    Loop(session, genai, past + rows).forward(prompt, past, all_rows)  # warm-up
+    prompt = _prompt(genai, rows)
+    warm = Loop(session, genai, past + rows)
+    if not (all_rows or warm.chooses_rows or warm.one_row):
+        raise ValueError(f"--logits-rows last: {model} has no {LOGITS_ROWS} input to choose "
+                         "the lm_head's rows (onnx-chunk convert adds it)")
+    warm.forward(prompt, past, all_rows)
     walls = []
     for _ in range(repeats):
         walls.append(_timed(partial(Loop(session, genai, past + rows).forward, prompt, past,
                                     all_rows)))
     return statistics.median(walls)
+
+
+def _prompt(genai: dict, rows: int) -> list[int]:
+    """The ids a profiled forward feeds: spread over the vocabulary, past its first ids."""
+    return [3 + (index * 7919) % (genai["vocab_size"] - 3) for index in range(rows)]
 
 
 def practical_fp32_peak(threads: int, size: int = 2048, repeats: int = 3) -> float:
@@ -371,13 +376,14 @@ def _profile(args: argparse.Namespace) -> int:
     config = dict(_pair(item) for item in args.config)
     load = os.getloadavg()[0]
     all_rows = args.logits_rows == "all"
+    # First: it refuses what cannot run before a profiled session starts writing its file.
+    plain_s = unprofiled_wall_s(model, args.rows, args.threads, args.repeats, config,
+                                args.past, all_rows)
     runs, walls, cpus = _run_profiled(model, args.rows, args.threads, args.repeats, config,
                                       args.past, all_rows)
     table = profile_table(runs, matmul_shapes(model, args.rows), walls, cpus)
     peak = args.peak_gflops or practical_fp32_peak(args.threads)
     read_peak = args.peak_read_gbs or practical_read_peak(args.threads)
-    plain_s = unprofiled_wall_s(model, args.rows, args.threads, args.repeats, config,
-                                args.past, all_rows)
     weights = sum(group["weight_bytes"] for group in table["projections"].values())
     total = sum(table["op_types"].values())
     lines = [f"model {model}, {args.rows} rows after {args.past} positions of past (zeros), "
