@@ -172,7 +172,6 @@ def convert(model_path: Path, output: Path | None, chunk_size: int, max_variants
         check_weights_readable(model, "--int8-matmul")
     if block_size is not None:
         check_weights_readable(model, "--int4-block-size")
-    if block_size is not None:
         check_int4_blocks(model, block_size)
     if int8_matmul:
         check_int8_matmul(model)
