@@ -64,12 +64,13 @@ def write_to_data_file(value: ir.Value) -> ir.Value:
     return value
 
 
-def load_model(path: str | os.PathLike) -> ir.Model:
+def load_model(path: str | os.PathLike, *, check_defined: bool = True) -> ir.Model:
     """Load a model's graph, leaving external weights on disk.
 
-    Raises ModelLoadError when the file is missing, not an ONNX protobuf, truncated, or when a
+    Raises ModelLoadError when the file is missing, not an ONNX protobuf, truncated, when a
     check of `model_file.check_tensors` fails (sparse tensors; external data missing, too short,
-    or outside the model's folder).
+    or outside the model's folder), or, with `check_defined`, when a node reads a value that
+    nothing defines (`undefined_inputs`; `validate` reports that through onnx's checker instead).
     """
     model_path = Path(path)
     read_model_file(model_path)
@@ -78,15 +79,54 @@ def load_model(path: str | os.PathLike) -> ir.Model:
     except (DecodeError, RuntimeError, ValueError, OSError) as error:
         raise unreadable(model_path, error) from error
     try:
-        model = ir.serde.deserialize_model(proto)
+        with _quiet_undefined_inputs():
+            model = ir.serde.deserialize_model(proto)
     except Exception as error:  # onnx_ir wraps every deserialisation failure differently
         raise ModelLoadError(
             f"{str(model_path)!r} is not a well-formed ONNX model ({error}); export it again"
         ) from error
+    if check_defined and (undefined := undefined_inputs(model.graph)):
+        shown = ", ".join(f"node {node.name!r} reads {value.name!r}"
+                          for node, value in undefined[:3])
+        more = f" (and {len(undefined) - 3} more)" if len(undefined) > 3 else ""
+        raise ModelLoadError(
+            f"{str(model_path)!r} is not a well-formed ONNX model: {shown}{more}, which no "
+            "initializer, graph input or earlier node defines (ONNX Runtime cannot load it); "
+            "export it again")
     for tensor in model_tensors(model):
         if isinstance(tensor, ir.ExternalTensor):
             tensor.base_dir = str(model_path.parent)
     return model
+
+
+def undefined_inputs(graph: ir.Graph) -> list[tuple[ir.Node, ir.Value]]:
+    """Each (node, input) of `graph` and its subgraphs whose value no initializer, graph input
+    or node defines: onnx_ir's deserializer makes a value of its own for such a name (with a
+    warning) where ONNX Runtime refuses the model ("is not a graph input, initializer, or output
+    of a previous node"). A subgraph's reference to an outer value is that value, so it counts
+    as defined."""
+    return [(node, value) for node in ir.traversal.RecursiveGraphIterator(graph)
+            for value in node.inputs
+            if value is not None and value.producer() is None
+            and not value.is_graph_input() and not value.is_initializer()]
+
+
+class _UndefinedInputWarning(logging.Filter):
+    """Drops onnx_ir's warning for an input defined nowhere; `load_model` says it in its error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "cannot be found in any scope" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_undefined_inputs() -> Iterator[None]:
+    serde_logger = logging.getLogger("onnx_ir.serde")
+    quiet = _UndefinedInputWarning()
+    serde_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        serde_logger.removeFilter(quiet)
 
 
 def check_weights_readable(model: ir.Model, option: str) -> None:

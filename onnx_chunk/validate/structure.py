@@ -42,8 +42,10 @@ def check_checker(subject: Subject, watch: Stopwatch) -> CheckResult:
     try:
         onnx.checker.check_model(str(subject.path))
     except (onnx.checker.ValidationError, OSError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-        return watch.result("checker", Outcome.FAILED, f"onnx.checker: {first_line}",
+        # the checker's messages run over several lines ("... of node: \nname: X OpType: Y\n
+        # is not output of any previous nodes."): one line keeps the node it names
+        said = " ".join(str(error).split()) or repr(error)
+        return watch.result("checker", Outcome.FAILED, f"onnx.checker: {said}",
                             {"error": str(error)})
     if used:
         return watch.result("checker", Outcome.PASSED,

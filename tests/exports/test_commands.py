@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import onnx
 import pytest
 
 from onnx_chunk.cli import main
@@ -196,3 +197,31 @@ def test_fix_shapes_output_runs_with_the_dynamic_models_tokens(export, tmp_path,
     assert list(runner.generate(prompt, NEW_TOKENS).tokens) == expected
     code, out, err = _cli(capsys, "validate", tmp_path / "fs", "--provider", "cpu")
     assert code == 0, out + err
+
+
+def test_an_export_whose_nodes_read_undefined_values_is_refused_with_one_line(tmp_path, capsys):
+    """onnxruntime-genai 0.18.0's builder, asked for an 8-bit lm_head on a tied model
+    (`matmul_mixed_precision=last_matmul:int8`), writes an embedding that reads initializers it
+    never saves; ONNX Runtime cannot load such a file. Made here by renaming what a corpus
+    export's embedding reads: convert and inspect refuse it in one line naming the node and the
+    value and write nothing; validate reports it through onnx's checker."""
+    fixture = next(fixture for fixture in builder_gqa_fixtures() if fixture.precision == "int4")
+    folder = fixture.copy_to(tmp_path / "broken")
+    model_path = folder / "model.onnx"
+    proto = onnx.load(str(model_path), load_external_data=False)
+    embedding = next(node for node in proto.graph.node if node.op_type == "Gather"
+                     and "embed" in node.name)
+    embedding.input[0] = "lm_head.MatMul.weight_Q8G32"
+    model_path.write_bytes(proto.SerializeToString())
+
+    for argv in (("convert", model_path, "-o", tmp_path / "conv"), ("inspect", model_path)):
+        code, out, err = _cli(capsys, *argv)
+        assert code == 2 and err.startswith("error:") and err.count("\n") == 1, err
+        assert f"node {embedding.name!r} reads 'lm_head.MatMul.weight_Q8G32'" in err, err
+        assert "WARNING" not in err and out == ""
+    assert not (tmp_path / "conv").exists()
+    code, out, _ = _cli(capsys, "validate", model_path)
+    checker = next(line for line in out.splitlines() if line.startswith("structure.checker"))
+    assert code != 0 and "failed" in checker, out
+    assert f"name: {embedding.name} OpType: Gather is not output of any previous nodes" \
+        in checker, checker
