@@ -29,9 +29,11 @@ own byte-level BPE (2048 entries), trained here on the English licence texts Deb
 its TRAINING.json (loss curve, held-out perplexity) is copied into BUILD.json, and
 scripts/bench_kv_accuracy.py measures the quantized KV cache's accuracy on it; ``text-int4`` is
 the builder's INT4 export of the same checkpoint (scripts/bench_int4_accuracy.py re-blocks it),
-``text-int4f`` the same with a float32 lm_head and embedding, ``text-f32`` and ``text-q4_0`` its
-GGUF files (llama.cpp's float32 and Q4_0, whose output tensor is Q6_K), ``text-q4_0h4`` a Q4_0
-file with the output tensor at Q4_0 too (the 4 bits the INT4 export's lm_head has).
+``text-int4f`` the same with a float32 lm_head and embedding, ``text-int4h8`` with an 8-bit
+lm_head (the builder's answer to llama.cpp's higher-precision output tensor), ``text-f32`` and
+``text-q4_0`` its GGUF files (llama.cpp's float32 and Q4_0, whose output tensor is Q6_K),
+``text-q4_0h4`` a Q4_0 file with the output tensor at Q4_0 too (the 4 bits the INT4 export's
+lm_head has).
 
 Everything lands in a cache outside git: ``--root``, else $ONNX_CHUNK_BENCH_MODELS, else
 ~/.cache/onnx-chunk/bench-models; the benchmark scripts find a model by name there (``--model

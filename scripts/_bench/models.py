@@ -15,14 +15,20 @@ DEFAULT_ROOT = Path.home() / ".cache" / "onnx-chunk" / "bench-models"
 # genai's search.max_length in the exports: the longest benchmark request (4000-token prompt and
 # its new tokens) fits, and genai's preallocated KV cache is not the full context's.
 MAX_LENGTH = 8192
-ONNX_PRECISIONS = ("int4", "fp32", "int4f")
+ONNX_PRECISIONS = ("int4", "fp32", "int4f", "int4h8")
 # The builder's arguments of each ONNX precision: ``int4f`` is the INT4 export with a float32
 # lm_head and embedding (the builder's `nodes_to_exclude` and `shared_embeddings`), which
-# scripts/bench_int4_accuracy.py sets beside the plain INT4 one.
+# scripts/bench_int4_accuracy.py sets beside the plain INT4 one; ``int4h8`` the INT4 export with
+# an 8-bit lm_head (the builder's `matmul_mixed_precision=last_matmul:int8`, its answer to
+# llama.cpp writing the output tensor at more bits than the layers). Its embedding stays apart
+# (`shared_embeddings=false`): for a tied model onnxruntime-genai 0.18.0's builder otherwise
+# writes an embedding that reads two initializers it never saves, which convert refuses.
 BUILDER_PRECISION_ARGS = {
     "int4": ("-p", "int4"), "fp32": ("-p", "fp32"),
     "int4f": ("-p", "int4", "--extra_options", "nodes_to_exclude=/lm_head/MatMul",
-              "shared_embeddings=false")}
+              "shared_embeddings=false"),
+    "int4h8": ("-p", "int4", "--extra_options", "matmul_mixed_precision=last_matmul:int8",
+               "shared_embeddings=false")}
 GGUF_QUANTS = ("q4_0", "q8_0")
 BUILD_COMMAND = "python scripts/make_bench_models.py"
 
@@ -64,7 +70,8 @@ SHAPES = {
 # the output (lm_head) tensor at Q6_K; ``q4_0h4`` writes it at Q4_0 too, as the builder's INT4
 # export writes its lm_head at 4 bits.
 TRAINED_SHAPES = {"copy": (("fp32",), "copy_decoder"),
-                  "text": (("fp32", "int4", "int4f", "f32", "q4_0", "q4_0h4"), "text_decoder")}
+                  "text": (("fp32", "int4", "int4f", "int4h8", "f32", "q4_0", "q4_0h4"),
+                           "text_decoder")}
 # The pre-tokenizer name llama.cpp's converter is given for a trained shape's own byte-level BPE
 # (its GGUF files are fed token ids; the name only has to be one the converter knows).
 TRAINED_GGUF_PRE_TOKENIZER = {"text": "llama-bpe"}

@@ -14,6 +14,7 @@ from scripts._bench.child import ChildFailed, run_child
 from scripts._bench.harness import seeded_prompt
 from scripts._bench.models import (
     BENCH_MODELS,
+    BUILDER_PRECISION_ARGS,
     BenchModelMissing,
     bench_model,
     gguf_twins,
@@ -47,6 +48,10 @@ def test_model_names_resolve_in_the_cache_and_a_missing_one_says_how_to_build_it
     assert gguf_twins("qwen05-int4") == ["qwen05-q4_0", "qwen05-q8_0"]
     assert parse_name("copy-fp32") == ("copy", "fp32")  # trained here, fp32 only
     assert parse_name("text-int4f") == ("text", "int4f")  # INT4 with a float32 lm_head
+    assert parse_name("qwen05-int4h8") == ("qwen05", "int4h8")  # INT4 with an 8-bit lm_head
+    # a tied model's 8-bit head shared with the embedding is a file ONNX Runtime cannot load
+    assert {"matmul_mixed_precision=last_matmul:int8", "shared_embeddings=false"} <= set(
+        BUILDER_PRECISION_ARGS["int4h8"])
     for bad in ("qwen05", "qwen7-int4", "qwen05-int8", "copy-int4", "copy-q4_0"):
         with pytest.raises(BenchModelMissing, match="unknown benchmark model"):
             parse_name(bad)
