@@ -46,6 +46,7 @@ import numpy as np
 from _bench import environment as env
 from _bench.child import publish
 from _bench.copy_decoder import FIRST_ID as PERIODIC_FIRST_ID
+from _bench.copy_decoder import VOCAB_SIZE as PERIODIC_END_ID
 from _bench.harness import markdown_table, round_order, seeded_prompt, summarize
 from _bench.models import BenchModelMissing
 
@@ -72,10 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hit-prompts", choices=("random", "periodic"), default=None,
                         help="the hits part's prompts (default periodic for a copy-* model, "
                              "random otherwise)")
+    parser.add_argument("--hit-periods", default=None,
+                        help="the periodic prompts' periods, comma-separated (default 8,16,32,48;"
+                             " the copy decoders are trained on 8 to 48)")
     parser.add_argument("--part", action="append", choices=PARTS)
     args = parser.parse_args(argv)
     parts = tuple(part for part in PARTS if part in (args.part or PARTS))
     plan = QUICK if args.quick else FULL
+    if args.hit_periods is not None:
+        plan = dict(plan, hit_periods=_periods(parser, args.hit_periods))
     rounds = 1 if args.quick else args.repetitions
     model, note = _real_size(args)
     print(f"load average before: {os.getloadavg()}; model {model} {note}", file=sys.stderr)
@@ -94,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             hit_name, hit_model = "tiny", env.build_model(args.out, "tiny").parent
         else:
             hit_name, hit_model = env.named_export(args.hit_model)
-        kind = args.hit_prompts or ("periodic" if hit_name.startswith("copy-") else "random")
+        kind = args.hit_prompts or ("periodic" if hit_name.startswith("copy") else "random")
         data["hits"] = _decode_ratio(hit_model, partial(hit_prompts, kind, plan),
                                      plan["hit_new_tokens"], plan, rounds,
                                      periodic=kind == "periodic")
@@ -129,12 +135,27 @@ def _load() -> str:
     return " ".join(f"{value:.2f}" for value in os.getloadavg())
 
 
+def _periods(parser, given: str) -> list[int]:
+    """--hit-periods as a list; a parser error (exit 2) for one the ids cannot fill."""
+    most = PERIODIC_END_ID - PERIODIC_FIRST_ID
+    try:
+        periods = [int(part) for part in given.split(",")]
+    except ValueError:
+        parser.error(f"--hit-periods: {given!r} is not comma-separated integers")
+    if not periods or any(not 2 <= period <= most for period in periods):
+        parser.error(f"--hit-periods: each period must be 2 to {most} (the distinct ids the "
+                     f"copy decoders are trained on), got {given!r}")
+    return periods
+
+
 def periodic_prompt(period: int, vocab_size: int, seed: int = 0) -> list[int]:
     """A block of `period` distinct ids (seeded by (seed, period)) repeated to a seeded length
     between 1.5 and 2 periods: its continuation is the period. The ids are those the copy
-    decoder is trained on (past the fixture tokenizer's special tokens)."""
+    decoders are trained on (past the fixture tokenizer's special tokens, below
+    copy_decoder.VOCAB_SIZE: copyq05's vocabulary is wider, its added ids untrained)."""
     rng = np.random.default_rng([seed, period])
-    block = rng.choice(np.arange(PERIODIC_FIRST_ID, vocab_size), period, replace=False)
+    block = rng.choice(np.arange(PERIODIC_FIRST_ID, min(vocab_size, PERIODIC_END_ID)), period,
+                       replace=False)
     length = int(rng.integers(period * 3 // 2, period * 2 + 1))
     return [int(block[index % period]) for index in range(length)]
 
@@ -176,6 +197,7 @@ def _decode_ratio(model: Path, make_prompts: Callable[[int], list[tuple[str, lis
     prompts = make_prompts(vocab)
     speeds: dict[str, dict[str, list[float]]] = {SPEC: {}, PLAIN: {}}
     accepted = drafted = periodic_right = periodic_total = 0
+    kept: dict[str, list[int]] = {}  # label -> [accepted, drafted]
     identical = True
     for round_index in range(rounds):
         for label, prompt in prompts:
@@ -190,6 +212,9 @@ def _decode_ratio(model: Path, make_prompts: Callable[[int], list[tuple[str, lis
                     if system == SPEC:
                         accepted += sequence.stats.accepted_tokens
                         drafted += sequence.stats.draft_tokens
+                        counts = kept.setdefault(label, [0, 0])
+                        counts[0] += sequence.stats.accepted_tokens
+                        counts[1] += sequence.stats.draft_tokens
             identical &= tokens[SPEC] == tokens[PLAIN]
             if periodic:  # how much of the plain output continues the prompt's period
                 period = _period(prompt)
@@ -202,7 +227,7 @@ def _decode_ratio(model: Path, make_prompts: Callable[[int], list[tuple[str, lis
                   f"{speeds[PLAIN][label][-1]:.1f} tok/s", file=sys.stderr)
     for runtime in runtimes.values():
         runtime.close()
-    return {"speeds": speeds, "accepted": accepted, "drafted": drafted,
+    return {"speeds": speeds, "accepted": accepted, "drafted": drafted, "kept": kept,
             "identical": identical, "new_tokens": new_tokens,
             "continues_period": (periodic_right / periodic_total if periodic_total else None)}
 
@@ -327,12 +352,14 @@ def _ratio_table(result: dict, goal: float) -> str:
     for length, spec in result["speeds"][SPEC].items():
         plain = result["speeds"][PLAIN][length]
         ratios = summarize(s / p for s, p in zip(spec, plain))
+        accepted, drafted = result["kept"].get(length, (0, 0))
         rows.append([length, f"{summarize(spec).median:.1f}", f"{summarize(plain).median:.1f}",
                      f"{ratios.median:.2f}x ({ratios.low:.2f}-{ratios.high:.2f})",
+                     f"{accepted}/{drafted}" + (f" ({accepted / drafted:.0%})" if drafted else ""),
                      "met" if ratios.median >= goal else "missed"])
     rate = result["accepted"] / result["drafted"] if result["drafted"] else 0.0
     return (markdown_table(["prompt", "speculative tok/s", "plain tok/s",
-                            "ratio (spread)", f"goal >= {goal}x"], rows)
+                            "ratio (spread)", "drafts kept", f"goal >= {goal}x"], rows)
             + f"\n\ndrafted {result['drafted']}, accepted {result['accepted']} "
               f"({rate:.0%}); greedy tokens identical: {result['identical']}"
             + ("" if result.get("continues_period") is None

@@ -21,7 +21,10 @@ continue periodic sequences, the workload where prompt-lookup drafts are kept
 (scripts/bench_speculative.py --hit-model copy-fp32); its 2 trained layers are widened exactly
 and followed by 10 zero-output layers so a forward costs what a ~64M-parameter decoder costs
 (scripts/_bench/copy_decoder.py says how). Its checkpoint's TRAINING.json, copied into BUILD.json,
-records the training and the copy accuracy on held-out sequences.
+records the training and the copy accuracy on held-out sequences. ``copyq05-int4`` is the same
+recipe trained with 2 heads of 64 and widened exactly to the qwen05 shape (24 layers, 494M
+parameters; scripts/_bench/copy_decoder_qwen05.py), then exported INT4: prompt lookup at real
+size (scripts/bench_speculative.py --hit-model copyq05-int4).
 
 ``text-fp32`` is trained too: a 4-layer Llama (hidden 256, 4 query / 2 KV heads of 64) with its
 own byte-level BPE (2048 entries), trained here on the English licence texts Debian ships in

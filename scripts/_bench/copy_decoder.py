@@ -100,14 +100,16 @@ def _batch(rng: random.Random):
     return ids, scored
 
 
-def train(log=print):
-    """The trained TRAINED_LAYERS-layer LlamaForCausalLM and a record of its training."""
+def train(log=print, config: dict | None = None):
+    """The trained TRAINED_LAYERS-layer LlamaForCausalLM and a record of its training; `config`
+    replaces CONFIG (copy_decoder_qwen05 trains 2 heads of 64)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(SEED)
     rng = random.Random(SEED)
-    config = LlamaConfig(**CONFIG, num_hidden_layers=TRAINED_LAYERS)
+    config = LlamaConfig(**(CONFIG if config is None else config),
+                         num_hidden_layers=TRAINED_LAYERS)
     model = LlamaForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0,
                                   betas=(0.9, 0.98))
@@ -297,16 +299,23 @@ def _shape_record(model, wide) -> dict:
 
 def agreement(model, wide) -> dict:
     """The widened decoder against the trained one on a periodic probe: the largest logit
-    difference and whether their greedy continuations are identical."""
+    difference over the trained vocabulary, the largest logit of the ids a wider vocabulary adds
+    (zero rows: 0; absent when it adds none) and whether their greedy continuations are
+    identical."""
     import torch
 
     probe = periodic(periodic_block(random.Random(HELD_OUT_SEED + 1), 20), 36)
     with torch.no_grad():
         ids = torch.tensor([probe])
-        difference = float((model(input_ids=ids).logits - wide(input_ids=ids).logits)
-                           .abs().max())
-    return {"max_logit_difference": difference,
-            "greedy_identical": greedy(wide, probe, 40) == greedy(model, probe, 40)}
+        trained, widened = model(input_ids=ids).logits, wide(input_ids=ids).logits
+        vocab = trained.shape[-1]
+        difference = float((trained - widened[..., :vocab]).abs().max())
+        added = widened[..., vocab:]
+    found = {"max_logit_difference": difference,
+             "greedy_identical": greedy(wide, probe, 40) == greedy(model, probe, 40)}
+    if added.numel():
+        found["added_ids_max_logit"] = float(added.abs().max())
+    return found
 
 
 def parameters(model) -> int:

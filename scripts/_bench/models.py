@@ -62,7 +62,9 @@ SHAPES = {
 # Decoders trained here for one behaviour rather than given random weights: shape -> the
 # precisions built (fp32 builder exports) and the module that trains the checkpoint. ``copy``:
 # a small Llama trained to continue periodic sequences (_bench/copy_decoder.py), the workload
-# where prompt-lookup drafts are kept. ``text``: a small Llama trained on the English licence
+# where prompt-lookup drafts are kept; ``copyq05`` the same recipe widened exactly to the
+# qwen05 shape (_bench/copy_decoder_qwen05.py), so that speculation is measured at real size.
+# ``text``: a small Llama trained on the English licence
 # texts Debian ships (_bench/text_decoder.py), the quantized KV cache's accuracy benchmark; its
 # INT4 export (the builder's MatMulNBits, block 32) measures what re-blocked 4-bit weights cost,
 # its GGUF files (``f32``: the converter's float32; ``q4_0``: llama.cpp's quantizer) what
@@ -70,6 +72,7 @@ SHAPES = {
 # the output (lm_head) tensor at Q6_K; ``q4_0h4`` writes it at Q4_0 too, as the builder's INT4
 # export writes its lm_head at 4 bits.
 TRAINED_SHAPES = {"copy": (("fp32",), "copy_decoder"),
+                  "copyq05": (("int4",), "copy_decoder_qwen05"),
                   "text": (("fp32", "int4", "int4f", "int4h8", "f32", "q4_0", "q4_0h4"),
                            "text_decoder")}
 # The pre-tokenizer name llama.cpp's converter is given for a trained shape's own byte-level BPE

@@ -42,6 +42,22 @@ def test_no_benchmark_shape_has_a_projection_the_builder_takes_for_the_lm_head()
         "gate_proj/up_proj (intermediate_size)"]
 
 
+def test_the_qwen05_copy_decoder_has_the_qwen05_shape_and_one_trained_head_per_kv_group():
+    from scripts._bench import copy_decoder_qwen05 as copy_q05
+    from scripts._bench.models import SHAPES
+    from scripts.make_bench_models import lm_head_clash
+
+    config, qwen05 = copy_q05.export_config(), SHAPES["qwen05"].config
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "tie_word_embeddings"):
+        assert config[key] == qwen05[key], key
+    assert config["head_dim"] * config["num_attention_heads"] == qwen05["hidden_size"]
+    assert copy_q05.CONFIG["num_key_value_heads"] == config["num_key_value_heads"]
+    assert copy_q05.query_heads() == {0: 0, 1: 7}  # the first query head of each KV group
+    assert lm_head_clash(config) == []
+    assert parse_name("copyq05-int4") == ("copyq05", "int4")
+
+
 def test_model_names_resolve_in_the_cache_and_a_missing_one_says_how_to_build_it(tmp_path):
     assert {"qwen05-int4", "qwen05-fp32", "llama1b-int4", "qwen05-q4_0"} <= set(BENCH_MODELS)
     assert parse_name("llama1b-q8_0") == ("llama1b", "q8_0")

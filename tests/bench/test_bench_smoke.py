@@ -294,6 +294,20 @@ def test_the_speculative_benchmark_periodic_prompts_repeat_a_block_of_distinct_i
     labels = [label for label, _ in hit_prompts("periodic", QUICK, 512)]
     assert labels == [f"{len(periodic_prompt(p, 512))} (period {p})" for p in QUICK["hit_periods"]]
     assert [label for label, _ in hit_prompts("random", QUICK, 512)] == ["16"]
+    # copyq05's vocabulary is qwen05's: the prompts keep to the ids it was trained on
+    wide = periodic_prompt(400, 151936)
+    assert len(set(wide[:400])) == 400 and max(wide) < 512
+
+
+@pytest.mark.parametrize("given", ["0", "8,505", "8,x", ""])
+def test_the_speculative_benchmark_refuses_periods_the_ids_cannot_fill(given, capsys):
+    sys.path.insert(0, str(env.ROOT / "scripts"))
+    from bench_speculative import main as bench_main
+
+    with pytest.raises(SystemExit) as stopped:
+        bench_main(["--hit-periods", given, "--part", "hits", "--quick"])
+    assert stopped.value.code == 2
+    assert "--hit-periods" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("script", ["bench_engine.py", "bench_speculative.py",
