@@ -240,7 +240,7 @@ def _verify_cost(model: Path, plan: dict, rounds: int) -> dict:
     with runtime.open_sequence() as sequence:
         sequence.prefill(seeded_prompt(plan["past"], vocab))
         rng = np.random.default_rng(0)
-        for system, rows in _forward_schedule(plan, rounds):
+        for system, rows in forward_schedule(plan, rounds):
             ids = rng.integers(3, vocab, rows)
             began = time.perf_counter()
             if rows == 1:
@@ -264,18 +264,18 @@ def _bare_verify_cost(model: Path, plan: dict, rounds: int) -> dict[str, list[fl
     head = json.loads((path.parent / "genai_config.json").read_text())["model"]["decoder"][
         "head_size"]
     feeds = {system: _feeds(session, 1, rows, plan["past"], head)
-             for system, rows in _forward_schedule(plan, 1)}
+             for system, rows in forward_schedule(plan, 1)}
     for system_feeds in feeds.values():
         session.run(["logits"], system_feeds)
     times: dict[str, list[float]] = {}
-    for system, _ in _forward_schedule(plan, rounds):
+    for system, _ in forward_schedule(plan, rounds):
         began = time.perf_counter()
         session.run(["logits"], feeds[system])
         times.setdefault(system, []).append(time.perf_counter() - began)
     return times
 
 
-def _forward_schedule(plan: dict, rounds: int) -> Iterator[tuple[str, int]]:
+def forward_schedule(plan: dict, rounds: int) -> Iterator[tuple[str, int]]:
     """(system, rows) of every timed forward of the verify-cost part: `rounds` x
     `plan["forwards"]` cycles, each the decode step and every k + 1-row verification once, in
     an order that rotates cycle by cycle. A one-row step reads the weights and a verification
@@ -367,7 +367,7 @@ def _ratio_table(result: dict, goal: float) -> str:
                     f"{result['continues_period']:.0%}"))
 
 
-def _cycle_ratios(times: dict[str, list[float]], system: str) -> str:
+def cycle_ratios(times: dict[str, list[float]], system: str) -> str:
     """The median and spread of `system`'s forward over its own cycle's decode step."""
     ratios = summarize(t / d for t, d in zip(times[system], times["decode"], strict=True))
     return f"{ratios.median:.2f}x ({ratios.low:.2f}-{ratios.high:.2f})"
@@ -382,9 +382,9 @@ def _cost_table(result: dict) -> str:
                 else f"verify {system} ({int(system[2:]) + 1} rows)")
         rows.append([name,
                      f"{cost.median * 1000:.1f} ({cost.low * 1000:.1f}-{cost.high * 1000:.1f})",
-                     _cycle_ratios(times, system),
+                     cycle_ratios(times, system),
                      f"{plain.median * 1000:.1f} ({plain.low * 1000:.1f}-{plain.high * 1000:.1f})",
-                     _cycle_ratios(bare, system)])
+                     cycle_ratios(bare, system)])
     return (markdown_table(["forward", "ms (spread)", "against its cycle's decode (spread)",
                             "bare ORT ms (spread)", "bare ORT against its decode"], rows)
             + f"\n\npast {result['past']} positions; goal <= 1.5x for k=4; every system runs "

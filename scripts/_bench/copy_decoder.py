@@ -324,18 +324,27 @@ def parameters(model) -> int:
 
 def make_checkpoint(dst: Path, tokenizer, eos_ids: list[int], log=print) -> dict:
     """Train, check, grow and save the copy decoder as a HF folder in dst; its record."""
+    return trained_checkpoint(dst, tokenizer, eos_ids, log, config=CONFIG, grow=grown,
+                              describe=_shape_record)
+
+
+def trained_checkpoint(dst: Path, tokenizer, eos_ids: list[int], log, *, config: dict, grow,
+                       describe) -> dict:
+    """Train at `config`, check the held-out copying, widen with `grow(model)` (refused unless
+    greedy output is unchanged) and save as a HF folder in dst; the record, with
+    `describe(model, wide)`'s fields."""
     from transformers import GenerationConfig
 
-    model, record = train(log)
+    model, record = train(log, config)
     record["held_out"] = copy_accuracy(model)
     log(f"  held-out copy accuracy: {record['held_out']}")
-    wide = grown(model)
+    wide = grow(model)
     record["widened"] = agreement(model, wide)
     log(f"  widened against trained: {record['widened']}")
     if not record["widened"]["greedy_identical"]:
         raise RuntimeError("widening and the zero-output layers changed the greedy output")
-    record.update({"seed": SEED, "trained_config": dict(CONFIG, num_hidden_layers=TRAINED_LAYERS),
-                   **_shape_record(model, wide)})
+    record.update({"seed": SEED, "trained_config": dict(config, num_hidden_layers=TRAINED_LAYERS),
+                   **describe(model, wide)})
     wide.config.eos_token_id = eos_ids if len(eos_ids) > 1 else eos_ids[0]
     wide.generation_config = GenerationConfig(eos_token_id=wide.config.eos_token_id,
                                               do_sample=False)

@@ -99,28 +99,13 @@ def grown(model):
 
 def make_checkpoint(dst: Path, tokenizer, eos_ids: list[int], log=print) -> dict:
     """Train, check, grow and save the qwen05-shaped copy decoder as a HF folder in dst."""
-    from transformers import GenerationConfig
+    return base.trained_checkpoint(dst, tokenizer, eos_ids, log, config=CONFIG, grow=grown,
+                                   describe=_shape_record)
 
-    model, record = base.train(log, CONFIG)
-    record["held_out"] = base.copy_accuracy(model)
-    log(f"  held-out copy accuracy: {record['held_out']}")
-    wide = grown(model)
-    record["widened"] = base.agreement(model, wide)
-    log(f"  widened against trained: {record['widened']}")
-    if not record["widened"]["greedy_identical"]:
-        raise RuntimeError("widening and the zero-output layers changed the greedy output")
+
+def _shape_record(model, wide) -> dict:
     zero_layers = export_config()["num_hidden_layers"] - base.TRAINED_LAYERS
-    record.update({"seed": base.SEED,
-                   "trained_config": dict(CONFIG, num_hidden_layers=base.TRAINED_LAYERS),
-                   "layers": f"{base.TRAINED_LAYERS} trained layers ({TRAINED_HEADS} heads of "
-                             f"{HEAD_DIM}, hidden {base.HIDDEN}, widened exactly to the qwen05 "
-                             f"shape) + {zero_layers} zero-output layers (o_proj and down_proj "
-                             "zero)",
-                   "trained_parameters": base.parameters(model),
-                   "parameters": base.parameters(wide)})
-    wide.config.eos_token_id = eos_ids if len(eos_ids) > 1 else eos_ids[0]
-    wide.generation_config = GenerationConfig(eos_token_id=wide.config.eos_token_id,
-                                              do_sample=False)
-    wide.save_pretrained(dst)
-    tokenizer.save_pretrained(dst)
-    return record
+    return {"layers": f"{base.TRAINED_LAYERS} trained layers ({TRAINED_HEADS} heads of "
+                      f"{HEAD_DIM}, hidden {base.HIDDEN}, widened exactly to the qwen05 shape) "
+                      f"+ {zero_layers} zero-output layers (o_proj and down_proj zero)",
+            "trained_parameters": base.parameters(model), "parameters": base.parameters(wide)}

@@ -325,14 +325,14 @@ def test_the_verification_cost_alternates_forward_by_forward():
     """verify-cost runs every system once per cycle, in an order that rotates, so each
     verification has a decode step of its own moment to be divided by."""
     sys.path.insert(0, str(env.ROOT / "scripts"))
-    from bench_speculative import _cycle_ratios, _forward_schedule
+    from bench_speculative import cycle_ratios, forward_schedule
 
     plan = {"ks": [1, 4], "forwards": 2}
-    schedule = list(_forward_schedule(plan, rounds=2))
+    schedule = list(forward_schedule(plan, rounds=2))
     cycles = [schedule[index:index + 3] for index in range(0, len(schedule), 3)]
     assert len(cycles) == 4
     assert all(sorted(cycle) == [("decode", 1), ("k=1", 2), ("k=4", 5)] for cycle in cycles)
     assert [cycle[0][0] for cycle in cycles] == ["decode", "k=1", "k=4", "decode"]
     # a slow moment slows its cycle's decode step and verification alike
     times = {"decode": [1.0, 2.0, 1.0], "k=4": [1.5, 3.0, 1.2]}
-    assert _cycle_ratios(times, "k=4") == "1.50x (1.20-1.50)"
+    assert cycle_ratios(times, "k=4") == "1.50x (1.20-1.50)"
