@@ -22,6 +22,11 @@
    own slot) against one [B, k + 1] forward (the batched alternative), with one [B, 1] decode
    forward as the unit; B = 4, k = 2.
 
+A benchmark model name (`--model`, `--hit-model`: qwen05-int4, copyq05-int4) is measured as
+users serve it, converted by `onnx-chunk convert` with its defaults (a CPU export's layers as
+int8 matmuls) into --out/models, once; an export folder runs as given (a raw INT4 export then
+runs its 4-bit weights).
+
 Every ratio is the median over rounds with its spread (lowest-highest), and the tokens of both
 systems are compared (greedy output must be identical). The load average is printed before and
 after; on a loaded machine (load above ~2.5 on 2 cores) the numbers are not conclusions.
@@ -53,6 +58,8 @@ from _bench.models import BenchModelMissing
 import onnx_chunk
 
 PARTS = ("random", "verify-cost", "hits", "engine-verify")
+# The prefill chunk width a benchmark model name is converted at (convert's default).
+CHUNK_SIZE = 512
 SPEC, PLAIN = "prompt-lookup", "plain"
 FULL: dict[str, Any] = {
         "prompts": [128, 1000], "new_tokens": 128, "capacity": 2048, "ks": [1, 2, 4, 8],
@@ -99,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.hit_model is None:
             hit_name, hit_model = "tiny", env.build_model(args.out, "tiny").parent
         else:
-            hit_name, hit_model = env.named_export(args.hit_model)
+            hit_name, hit_model = served(args.hit_model, args.out)
         kind = args.hit_prompts or ("periodic" if hit_name.startswith("copy") else "random")
         data["hits"] = _decode_ratio(hit_model, partial(hit_prompts, kind, plan),
                                      plan["hit_new_tokens"], plan, rounds,
@@ -118,15 +125,32 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def served(value: str, out: Path) -> tuple[str, Path]:
+    """(name, folder) of the model `value` names as a user serves it: a benchmark model name
+    (qwen05-int4) converted with `onnx-chunk convert`'s defaults (int8 matmuls on a CPU export)
+    into `out`/models, once; an export folder exactly as given (converted or not)."""
+    name, folder = env.named_export(value)
+    return name, _as_served(value, name, folder, out)
+
+
+def _as_served(value: str, name: str, folder: Path, out: Path) -> Path:
+    if (Path(value) / "genai_config.json").is_file():
+        return folder
+    return env.converted_export(out, name, folder, CHUNK_SIZE).parent
+
+
 def _real_size(args) -> tuple[Path, str]:
-    """--model (a bench-model name or an export folder), else qwen05-int4 when it is built,
-    else the `bench` reference decoder."""
+    """--model (a bench-model name, converted, or an export folder), else qwen05-int4 converted
+    when it is built, else the `bench` reference decoder."""
     if args.model is not None:
-        return env.named_export(args.model)[1], ""
+        return served(args.model, args.out)[1], ""
     try:
-        return env.export_folder("qwen05-int4")[1], "(Qwen2.5-0.5B shape, INT4, random weights)"
+        name, folder = env.export_folder("qwen05-int4")
     except BenchModelMissing:
         pass
+    else:
+        return (_as_served(name, name, folder, args.out),
+                "(Qwen2.5-0.5B shape, INT4, random weights, converted)")
     return (env.build_model(args.out, "bench").parent,
             "(qwen05-int4 absent: the `bench` reference decoder instead)")
 

@@ -336,3 +336,28 @@ def test_the_verification_cost_alternates_forward_by_forward():
     # a slow moment slows its cycle's decode step and verification alike
     times = {"decode": [1.0, 2.0, 1.0], "k=4": [1.5, 3.0, 1.2]}
     assert cycle_ratios(times, "k=4") == "1.50x (1.20-1.50)"
+
+
+def test_the_speculative_benchmark_serves_a_model_name_converted_and_a_folder_as_given(
+        tmp_path, monkeypatch):
+    """A benchmark model name is measured as users serve it (convert's defaults, into --out);
+    an export folder runs as given."""
+    sys.path.insert(0, str(env.ROOT / "scripts"))
+    import bench_speculative
+
+    folder = tmp_path / "export"
+    folder.mkdir()
+    (folder / "genai_config.json").write_text("{}")
+    out = tmp_path / "out"
+    assert bench_speculative.served(str(folder), out) == ("export", folder.resolve())
+    converted = []
+
+    def convert(out_folder, name, source, chunk_size):
+        converted.append((out_folder, name, source, chunk_size))
+        return out_folder / "models" / f"{name}-converted-{chunk_size}" / "model.onnx"
+
+    monkeypatch.setattr(bench_speculative.env, "named_export", lambda value: (value, folder))
+    monkeypatch.setattr(bench_speculative.env, "converted_export", convert)
+    assert bench_speculative.served("qwen05-int4", out) == (
+        "qwen05-int4", out / "models" / "qwen05-int4-converted-512")
+    assert converted == [(out, "qwen05-int4", folder, 512)]
