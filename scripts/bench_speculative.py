@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.hit_model is None:
             hit_name, hit_model = "tiny", env.build_model(args.out, "tiny").parent
         else:
-            hit_name, hit_model = served(args.hit_model, args.out)
+            hit_name, hit_model = model_to_measure(args.hit_model, args.out)
         kind = args.hit_prompts or ("periodic" if hit_name.startswith("copy") else "random")
         data["hits"] = _decode_ratio(hit_model, partial(hit_prompts, kind, plan),
                                      plan["hit_new_tokens"], plan, rounds,
@@ -125,15 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def served(value: str, out: Path) -> tuple[str, Path]:
+def model_to_measure(value: str, out: Path) -> tuple[str, Path]:
     """(name, folder) of the model `value` names as a user serves it: a benchmark model name
     (qwen05-int4) converted with `onnx-chunk convert`'s defaults (int8 matmuls on a CPU export)
     into `out`/models, once; an export folder exactly as given (converted or not)."""
     name, folder = env.named_export(value)
-    return name, _as_served(value, name, folder, out)
+    return name, _measured_folder(value, name, folder, out)
 
 
-def _as_served(value: str, name: str, folder: Path, out: Path) -> Path:
+def _measured_folder(value: str, name: str, folder: Path, out: Path) -> Path:
     if (Path(value) / "genai_config.json").is_file():
         return folder
     return env.converted_export(out, name, folder, CHUNK_SIZE).parent
@@ -143,14 +143,14 @@ def _real_size(args) -> tuple[Path, str]:
     """--model (a bench-model name, converted, or an export folder), else qwen05-int4 converted
     when it is built, else the `bench` reference decoder."""
     if args.model is not None:
-        return served(args.model, args.out)[1], ""
+        return model_to_measure(args.model, args.out)[1], ""
     try:
         name, folder = env.export_folder("qwen05-int4")
     except BenchModelMissing:
         pass
     else:
-        return (_as_served(name, name, folder, args.out),
-                "(Qwen2.5-0.5B shape, INT4, random weights, converted)")
+        return (_measured_folder(name, name, folder, args.out),
+                "(Qwen2.5-0.5B shape, random weights, converted with convert's defaults)")
     return (env.build_model(args.out, "bench").parent,
             "(qwen05-int4 absent: the `bench` reference decoder instead)")
 
@@ -188,6 +188,14 @@ def hit_prompts(kind: str, plan: dict, vocab_size: int) -> list[tuple[str, list[
     """(label, prompt) of the hits part: periodic prompts for each of the plan's periods, or the
     seeded random prompts of its lengths."""
     if kind == "periodic":
+        ids = min(vocab_size, PERIODIC_END_ID) - PERIODIC_FIRST_ID
+        for period in plan["hit_periods"]:
+            positions = 2 * period + plan["hit_new_tokens"]
+            if period > ids or positions > plan["capacity"]:
+                print(f"error: --hit-periods: period {period} takes {period} distinct ids (the "
+                      f"model has {ids}) and up to {positions} positions (capacity "
+                      f"{plan['capacity']})", file=sys.stderr)
+                raise SystemExit(2)
         prompts = [periodic_prompt(period, vocab_size) for period in plan["hit_periods"]]
         return [(f"{len(prompt)} (period {period})", prompt)
                 for period, prompt in zip(plan["hit_periods"], prompts)]
@@ -279,8 +287,9 @@ def _verify_cost(model: Path, plan: dict, rounds: int) -> dict:
 
 
 def _bare_verify_cost(model: Path, plan: dict, rounds: int) -> dict[str, list[float]]:
-    """The same forwards on plain ONNX Runtime (the export's own graph, one CPU session, the
-    past as zeros): whether the cost of k + 1 rows is ONNX Runtime's kernels' or the runtime's."""
+    """The same forwards on plain ONNX Runtime (the measured model's own graph, one CPU session,
+    the past as zeros): whether the cost of k + 1 rows is ONNX Runtime's kernels' or the
+    runtime's."""
     import onnxruntime as ort
 
     path = model / "model.onnx" if model.is_dir() else model
@@ -412,7 +421,7 @@ def _cost_table(result: dict) -> str:
     return (markdown_table(["forward", "ms (spread)", "against its cycle's decode (spread)",
                             "bare ORT ms (spread)", "bare ORT against its decode"], rows)
             + f"\n\npast {result['past']} positions; goal <= 1.5x for k=4; every system runs "
-              "once per cycle, cycles in rotating order; bare ORT: the export's own graph on "
+              "once per cycle, cycles in rotating order; bare ORT: the model's own graph on "
               "one plain CPU session")
 
 

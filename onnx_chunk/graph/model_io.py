@@ -86,12 +86,12 @@ def load_model(path: str | os.PathLike, *, check_defined: bool = True) -> ir.Mod
             f"{str(model_path)!r} is not a well-formed ONNX model ({error}); export it again"
         ) from error
     if check_defined and (undefined := undefined_inputs(model.graph)):
-        shown = ", ".join(f"node {node.name!r} reads {value.name!r}"
+        shown = ", ".join(f"node {node.name or node.op_type!r} reads {value.name!r}"
                           for node, value in undefined[:3])
         more = f" (and {len(undefined) - 3} more)" if len(undefined) > 3 else ""
         raise ModelLoadError(
             f"{str(model_path)!r} is not a well-formed ONNX model: {shown}{more}, which no "
-            "initializer, graph input or earlier node defines (ONNX Runtime cannot load it); "
+            "initializer, graph input or node defines (ONNX Runtime cannot load it); "
             "export it again")
     for tensor in model_tensors(model):
         if isinstance(tensor, ir.ExternalTensor):
@@ -112,10 +112,13 @@ def undefined_inputs(graph: ir.Graph) -> list[tuple[ir.Node, ir.Value]]:
 
 
 class _UndefinedInputWarning(logging.Filter):
-    """Drops onnx_ir's warning for an input defined nowhere; `load_model` says it in its error."""
+    """Drops onnx_ir's warnings for an input defined nowhere (the second one where it is read in
+    a subgraph; onnx_ir 1.1.0, serde.py); `load_model` says it in its error."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "cannot be found in any scope" not in record.getMessage()
+        message = record.getMessage()
+        return not ("cannot be found in any scope" in message
+                    or message.startswith("Caveat: The value is created in the subgraph"))
 
 
 @contextlib.contextmanager

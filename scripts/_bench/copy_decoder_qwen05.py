@@ -62,9 +62,9 @@ def grown(model):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = export_config()
-    if config["head_dim"] * TRAINED_HEADS != base.HIDDEN or \
-            config["num_key_value_heads"] != TRAINED_HEADS:
-        raise ValueError(f"the qwen05 shape's attention {config} does not take the trained "
+    if _SHAPE["hidden_size"] // _SHAPE["num_attention_heads"] != HEAD_DIM or \
+            _SHAPE["num_key_value_heads"] != TRAINED_HEADS:
+        raise ValueError(f"the qwen05 shape's attention {_SHAPE} does not take the trained "
                          f"{TRAINED_HEADS} heads of {HEAD_DIM}")
     torch.manual_seed(base.SEED + 1)
     wide = LlamaForCausalLM(LlamaConfig(**config))

@@ -338,7 +338,7 @@ def test_the_verification_cost_alternates_forward_by_forward():
     assert cycle_ratios(times, "k=4") == "1.50x (1.20-1.50)"
 
 
-def test_the_speculative_benchmark_serves_a_model_name_converted_and_a_folder_as_given(
+def test_the_speculative_benchmark_measures_a_model_name_converted_and_a_folder_as_given(
         tmp_path, monkeypatch):
     """A benchmark model name is measured as users serve it (convert's defaults, into --out);
     an export folder runs as given."""
@@ -349,7 +349,7 @@ def test_the_speculative_benchmark_serves_a_model_name_converted_and_a_folder_as
     folder.mkdir()
     (folder / "genai_config.json").write_text("{}")
     out = tmp_path / "out"
-    assert bench_speculative.served(str(folder), out) == ("export", folder.resolve())
+    assert bench_speculative.model_to_measure(str(folder), out) == ("export", folder.resolve())
     converted = []
 
     def convert(out_folder, name, source, chunk_size):
@@ -358,6 +358,23 @@ def test_the_speculative_benchmark_serves_a_model_name_converted_and_a_folder_as
 
     monkeypatch.setattr(bench_speculative.env, "named_export", lambda value: (value, folder))
     monkeypatch.setattr(bench_speculative.env, "converted_export", convert)
-    assert bench_speculative.served("qwen05-int4", out) == (
+    assert bench_speculative.model_to_measure("qwen05-int4", out) == (
         "qwen05-int4", out / "models" / "qwen05-int4-converted-512")
     assert converted == [(out, "qwen05-int4", folder, 512)]
+
+
+def test_the_speculative_benchmark_refuses_periods_the_hit_model_cannot_hold(capsys):
+    """A period needs as many distinct ids as it is long, and two periods plus the new tokens
+    must fit the capacity: else one error line and exit 2 before anything runs."""
+    sys.path.insert(0, str(env.ROOT / "scripts"))
+    from bench_speculative import QUICK, hit_prompts
+
+    # QUICK: capacity 256, 32 new tokens; ids from 8 up to the vocabulary (at most 512)
+    for periods, vocab, words in (([60], 64, "the model has 56"), ([120], 512, "capacity 256")):
+        with pytest.raises(SystemExit) as stopped:
+            hit_prompts("periodic", dict(QUICK, hit_periods=periods), vocab)
+        assert stopped.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --hit-periods") and words in err, err
+    assert len(hit_prompts("periodic", dict(QUICK, hit_periods=[56]), 64)) == 1  # at the edges
+    assert len(hit_prompts("periodic", dict(QUICK, hit_periods=[112]), 512)) == 1

@@ -199,7 +199,8 @@ def test_fix_shapes_output_runs_with_the_dynamic_models_tokens(export, tmp_path,
     assert code == 0, out + err
 
 
-def test_an_export_whose_nodes_read_undefined_values_is_refused_with_one_line(tmp_path, capsys):
+def test_an_export_whose_nodes_read_undefined_values_is_refused_with_one_line(tmp_path, capsys,
+                                                                             caplog):
     """onnxruntime-genai 0.18.0's builder, asked for an 8-bit lm_head on a tied model
     (`matmul_mixed_precision=last_matmul:int8`), writes an embedding that reads initializers it
     never saves; ONNX Runtime cannot load such a file. Made here by renaming what a corpus
@@ -218,7 +219,9 @@ def test_an_export_whose_nodes_read_undefined_values_is_refused_with_one_line(tm
         code, out, err = _cli(capsys, *argv)
         assert code == 2 and err.startswith("error:") and err.count("\n") == 1, err
         assert f"node {embedding.name!r} reads 'lm_head.MatMul.weight_Q8G32'" in err, err
-        assert "WARNING" not in err and out == ""
+        assert out == ""
+    # onnx_ir's own warnings for the same names are dropped: the error line says it
+    assert not [record for record in caplog.records if "cannot be found" in record.getMessage()]
     assert not (tmp_path / "conv").exists()
     code, out, _ = _cli(capsys, "validate", model_path)
     checker = next(line for line in out.splitlines() if line.startswith("structure.checker"))

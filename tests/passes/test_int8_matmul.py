@@ -2,9 +2,9 @@
 4-bit MatMulNBits become int8 MatMulInteger over activations quantized per row, scaled per
 column and per row, whose weights are the exact 4-bit weights within half an int8 step; ONNX
 Runtime computes each row exactly as the rules say (one scale per row, the bias after), and as
-its fused MatMulIntegerToFloat does, bit for bit; the lm_head and tied weights stay 4-bit; a
-folder the per-tensor DynamicQuantizeMatMul or the fused conversion wrote is rewritten; the
-folder generates close to the original, runs in onnxruntime-genai, and every refusal is one
+its fused MatMulIntegerToFloat does, bit for bit; the lm_head and tied weights are left as they
+are; a folder the per-tensor DynamicQuantizeMatMul or the fused conversion wrote is rewritten;
+the folder generates close to the original, runs in onnxruntime-genai, and every refusal is one
 line.
 That no row depends on another's values, through the runtime: tests/exports/
 test_conversion_rows.py."""
