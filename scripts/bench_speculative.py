@@ -82,10 +82,18 @@ def main(argv: list[str] | None = None) -> int:
                              "random otherwise)")
     parser.add_argument("--hit-periods", default=None,
                         help="the periodic prompts' periods, comma-separated (default 8,16,32,48;"
-                             " the copy decoders are trained on 8 to 48)")
+                             " the copy decoders are trained on 8 to 48); implies periodic "
+                             "prompts")
     parser.add_argument("--part", action="append", choices=PARTS)
     args = parser.parse_args(argv)
     parts = tuple(part for part in PARTS if part in (args.part or PARTS))
+    given = [flag for flag, value in (("--hit-model", args.hit_model),
+                                      ("--hit-prompts", args.hit_prompts),
+                                      ("--hit-periods", args.hit_periods)) if value is not None]
+    if given and "hits" not in parts:
+        parser.error(f"{', '.join(given)} applies to --part hits, which this run leaves out")
+    if args.hit_periods is not None and args.hit_prompts == "random":
+        parser.error("--hit-periods sets periodic prompts; --hit-prompts random has none")
     plan = QUICK if args.quick else FULL
     if args.hit_periods is not None:
         plan = dict(plan, hit_periods=_periods(parser, args.hit_periods))
@@ -107,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             hit_name, hit_model = "tiny", env.build_model(args.out, "tiny").parent
         else:
             hit_name, hit_model = model_to_measure(args.hit_model, args.out)
-        kind = args.hit_prompts or ("periodic" if hit_name.startswith("copy") else "random")
+        kind = args.hit_prompts or ("periodic" if hit_name.startswith("copy")
+                                    or args.hit_periods is not None else "random")
         data["hits"] = _decode_ratio(hit_model, partial(hit_prompts, kind, plan),
                                      plan["hit_new_tokens"], plan, rounds,
                                      periodic=kind == "periodic")

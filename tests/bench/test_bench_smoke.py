@@ -378,3 +378,18 @@ def test_the_speculative_benchmark_refuses_periods_the_hit_model_cannot_hold(cap
         assert err.startswith("error: --hit-periods") and words in err, err
     assert len(hit_prompts("periodic", dict(QUICK, hit_periods=[56]), 64)) == 1  # at the edges
     assert len(hit_prompts("periodic", dict(QUICK, hit_periods=[112]), 512)) == 1
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--hit-periods", "16", "--part", "random"], "applies to --part hits"),
+    (["--hit-model", "copy-fp32", "--part", "verify-cost"], "applies to --part hits"),
+    (["--hit-periods", "16", "--hit-prompts", "random", "--part", "hits"], "periodic prompts"),
+])
+def test_the_speculative_benchmark_refuses_hit_options_it_would_ignore(argv, words, capsys):
+    sys.path.insert(0, str(env.ROOT / "scripts"))
+    from bench_speculative import main as bench_main
+
+    with pytest.raises(SystemExit) as stopped:
+        bench_main([*argv, "--quick"])
+    assert stopped.value.code == 2
+    assert words in capsys.readouterr().err
