@@ -16,6 +16,8 @@ import logging
 import onnx.defs
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_c
 
+from onnx_chunk.graph.operator_types import Parameter, Signature
+
 logger = logging.getLogger(__name__)
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
@@ -101,3 +103,38 @@ def input_types(domain: str, op_type: str, input_name: str) -> frozenset[str]:
                      for constraint in schema.type_constraints
                      if constraint.type_param_str == parameter.typeStr), frozenset())
     return frozenset()
+
+
+
+@functools.lru_cache(maxsize=1)
+def _schemas_by_operator() -> dict[tuple[str, str], list]:
+    """(domain, name) -> the installed ONNX Runtime's schemas of that operator, oldest first."""
+    index: dict[tuple[str, str], list] = {}
+    for schema in ort_c.get_all_operator_schema():
+        domain = "" if schema.domain in _DEFAULT_DOMAINS else schema.domain
+        index.setdefault((domain, schema.name), []).append(schema)
+    for schemas in index.values():
+        schemas.sort(key=lambda schema: schema.since_version)
+    return index
+
+
+def runtime_signature(domain: str, op_type: str, opset_version: int) -> Signature | None:
+    """The type rules of the installed ONNX Runtime's schema of `domain::op_type` at
+    `opset_version` (the newest one since that version or before, as ONNX Runtime resolves a
+    node), its contrib operators included; None when it has none or it is deprecated there."""
+    domain = "" if domain in _DEFAULT_DOMAINS else domain
+    found = None
+    for schema in _schemas_by_operator().get((domain, op_type), ()):
+        if schema.since_version > opset_version:
+            break
+        found = schema
+    if found is None or found.deprecated:
+        return None
+
+    def parameter(formal) -> Parameter:
+        return Parameter(formal.name, formal.typeStr, formal.option.name == "Variadic",
+                         formal.isHomogeneous)
+
+    return Signature(tuple(map(parameter, found.inputs)), tuple(map(parameter, found.outputs)),
+                     {constraint.type_param_str: frozenset(constraint.allowed_type_strs)
+                      for constraint in found.type_constraints})

@@ -45,6 +45,7 @@ from onnx_chunk.graph.external_data import (
 )
 from onnx_chunk.graph.model_file import read_model_file, unreadable
 from onnx_chunk.graph.model_folder import DEFAULT_DECODER, GENAI_CONFIG, read_genai_config
+from onnx_chunk.graph.operator_types import type_errors
 from onnx_chunk.staged_output import COPY_BLOCK_BYTES, Staging, staged_write
 
 logger = logging.getLogger(__name__)
@@ -64,13 +65,15 @@ def write_to_data_file(value: ir.Value) -> ir.Value:
     return value
 
 
-def load_model(path: str | os.PathLike, *, check_defined: bool = True) -> ir.Model:
+def load_model(path: str | os.PathLike, *, check_graph: bool = True) -> ir.Model:
     """Load a model's graph, leaving external weights on disk.
 
     Raises ModelLoadError when the file is missing, not an ONNX protobuf, truncated, when a
     check of `model_file.check_tensors` fails (sparse tensors; external data missing, too short,
-    or outside the model's folder), or, with `check_defined`, when a node reads a value that
-    nothing defines (`undefined_inputs`; `validate` reports that through onnx's checker instead).
+    or outside the model's folder), or, with `check_graph`, when a node reads a value that
+    nothing defines (`undefined_inputs`) or its declared types break ONNX Runtime's type rules
+    (`operator_types.type_errors`): graphs ONNX Runtime refuses to load. `validate` reports those
+    through its structure.checker check instead.
     """
     model_path = Path(path)
     read_model_file(model_path)
@@ -85,7 +88,7 @@ def load_model(path: str | os.PathLike, *, check_defined: bool = True) -> ir.Mod
         raise ModelLoadError(
             f"{str(model_path)!r} is not a well-formed ONNX model ({error}); export it again"
         ) from error
-    if check_defined and (undefined := undefined_inputs(model.graph)):
+    if check_graph and (undefined := undefined_inputs(model.graph)):
         shown = ", ".join(f"node {node.name or node.op_type!r} reads {value.name!r}"
                           for node, value in undefined[:3])
         more = f" (and {len(undefined) - 3} more)" if len(undefined) > 3 else ""
@@ -93,6 +96,11 @@ def load_model(path: str | os.PathLike, *, check_defined: bool = True) -> ir.Mod
             f"{str(model_path)!r} is not a well-formed ONNX model: {shown}{more}, which no "
             "initializer, graph input or node defines (ONNX Runtime cannot load it); "
             "export it again")
+    if check_graph and (errors := type_errors(model)):
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise ModelLoadError(
+            f"{str(model_path)!r} is not a well-formed ONNX model: {errors[0]}{more}; ONNX "
+            "Runtime cannot load it; export it again")
     for tensor in model_tensors(model):
         if isinstance(tensor, ir.ExternalTensor):
             tensor.base_dir = str(model_path.parent)

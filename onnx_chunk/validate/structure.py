@@ -15,8 +15,9 @@ from onnx_chunk.errors import ConfigError, ModelStructureError
 from onnx_chunk.graph.chunk_plan import ChunkPlan
 from onnx_chunk.graph.external_data import external_data_files
 from onnx_chunk.graph.metadata import read_plan
+from onnx_chunk.graph.operator_types import type_errors
 from onnx_chunk.ladder import DECODE_WIDTH, ladder_tiers
-from onnx_chunk.ort_schemas import register_runtime_schemas
+from onnx_chunk.ort_schemas import register_runtime_schemas, runtime_signature
 from onnx_chunk.passes import DEFAULT_MAX_VARIANTS, analyze
 from onnx_chunk.passes.value_tracing import gqa_nodes, tensor_scatter_nodes
 from onnx_chunk.validate.checks import STRUCTURE
@@ -34,7 +35,10 @@ def check_checker(subject: Subject, watch: Stopwatch) -> CheckResult:
 
     The default-domain operators ONNX Runtime registers (onnxruntime-genai's builder writes
     SimplifiedLayerNormalization there) are taught to the checker first, from ONNX Runtime's
-    own schemas; any other unknown operator still fails.
+    own schemas; any other unknown operator still fails. The declared types are then checked
+    against the type rules of ONNX Runtime's schemas, contrib operators included
+    (`operator_types.type_errors`), which the checker leaves out: a graph ONNX Runtime refuses
+    to load fails here with the node that breaks them.
     """
     runtime_ops = register_runtime_schemas()
     used = sorted({node.op_type for node in subject.model.graph.all_nodes()
@@ -47,6 +51,11 @@ def check_checker(subject: Subject, watch: Stopwatch) -> CheckResult:
         said = " ".join(str(error).split()) or repr(error)
         return watch.result("checker", Outcome.FAILED, f"onnx.checker: {said}",
                             {"error": str(error)})
+    if errors := type_errors(subject.model, runtime_signature):
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        return watch.result("checker", Outcome.FAILED,
+                            f"ONNX Runtime's type rules: {errors[0]}{more}",
+                            {"type_errors": errors})
     if used:
         return watch.result("checker", Outcome.PASSED,
                             f"onnx.checker accepts the model, with ONNX Runtime's schemas for "

@@ -36,7 +36,7 @@ def load_subject(path: str | os.PathLike) -> Subject:
     model_path = locate_model(path).onnx_path
     check_utf8_path(model_path)
     try:
-        model = load_model(model_path, check_defined=False)  # structure.checker reports it
+        model = load_model(model_path, check_graph=False)  # structure.checker reports it
         external_error = None
     except ModelLoadError as error:
         model = _graph_only(model_path, error)

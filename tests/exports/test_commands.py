@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import onnx
+import onnxruntime
 import pytest
 
 from onnx_chunk.cli import main
@@ -228,3 +229,38 @@ def test_an_export_whose_nodes_read_undefined_values_is_refused_with_one_line(tm
     assert code != 0 and "failed" in checker, out
     assert f"name: {embedding.name} OpType: Gather is not output of any previous nodes" \
         in checker, checker
+
+
+def test_an_export_whose_declared_types_break_onnx_runtimes_rules_is_refused(tmp_path, capsys):
+    """onnxruntime-genai 0.18.0's builder, asked for asymmetric INT4 blocks on a tied model
+    (`is_symmetric=false`), writes an embedding Reshape that reads the float lm_head weight and
+    declares its output uint8; ONNX Runtime refuses the file ("Type Error: ... does not match
+    expected type") and onnx's checker accepts it. Made here by declaring a corpus export's
+    activation Mul output uint8: ONNX Runtime itself refuses it, convert and inspect refuse it in
+    one line naming the node and both types and write nothing, and validate's structure.checker
+    fails with it."""
+    fixture = next(fixture for fixture in builder_gqa_fixtures() if fixture.precision == "int4")
+    folder = fixture.copy_to(tmp_path / "broken")
+    model_path = folder / "model.onnx"
+    proto = onnx.load(str(model_path), load_external_data=False)
+    declared = {info.name: info for info in proto.graph.value_info}
+    node = next(node for node in proto.graph.node
+                if node.op_type == "Mul" and node.output[0] in declared
+                and declared[node.output[0]].type.tensor_type.elem_type == onnx.TensorProto.FLOAT)
+    declared[node.output[0]].type.tensor_type.elem_type = onnx.TensorProto.UINT8
+    model_path.write_bytes(proto.SerializeToString())
+    with pytest.raises(Exception, match="does not match expected type"):
+        onnxruntime.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+
+    said = (f"node {node.name!r} (Mul) declares its output {node.output[0]!r} as tensor(uint8), "
+            "where it is tensor(float)")
+    for argv in (("convert", model_path, "-o", tmp_path / "conv"), ("inspect", model_path)):
+        code, out, err = _cli(capsys, *argv)
+        assert code == 2 and err.startswith("error:") and err.count("\n") == 1, err
+        assert said in err and "ONNX Runtime cannot load it" in err, err
+        assert out == ""
+    assert not (tmp_path / "conv").exists()
+    code, out, _ = _cli(capsys, "validate", model_path)
+    checker = next(line for line in out.splitlines() if line.startswith("structure.checker"))
+    assert code != 0 and "failed" in checker and "ONNX Runtime's type rules" in checker, out
+    assert said in checker, checker
