@@ -25,6 +25,9 @@ from onnx_chunk._onnxruntime_wheels import ONNXRUNTIME_WHEELS
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = "3.12"
+# One worker builds the wheel once: `pip wheel` builds in the checkout's build/, and two workers
+# each building it for this module's fixture collide there ("File exists: build/bdist...").
+pytestmark = pytest.mark.xdist_group("wheel")
 
 
 
