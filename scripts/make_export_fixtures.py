@@ -248,6 +248,8 @@ class Fixture:
     layout: str  # genai | optimum | torch_onnx
     precision: str
     note: str = ""
+    # The builder's --extra_options (genai layout only).
+    extra_options: tuple[str, ...] = ()
 
 
 FIXTURES: list[Fixture] = [
@@ -256,6 +258,10 @@ FIXTURES: list[Fixture] = [
         for family in ("llama", "qwen3", "phi3", "gemma2", "lfm2")
         for precision in ("fp32", "int4")
     ],
+    Fixture("genai-llama-int4h8", "llama", "genai", "int4",
+            note="the builder's INT4 export with an 8-bit lm_head "
+            "(matmul_mixed_precision=last_matmul:int8)",
+            extra_options=("matmul_mixed_precision=last_matmul:int8",)),
     Fixture("genai-gemma2-w4096-fp32", "gemma2-w4096", "genai", "fp32"),
     Fixture("genai-gemma3-fp32", "gemma3", "genai", "fp32"),
     Fixture(
@@ -668,6 +674,8 @@ class Driver:
                     "cpu",
                     "-c",
                     str(self.work / "cache"),
+                    *(("--extra_options", *fixture.extra_options)
+                      if fixture.extra_options else ()),
                 ]
             )
         elif fixture.layout == "optimum":

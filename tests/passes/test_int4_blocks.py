@@ -41,6 +41,13 @@ def _weights(model: ir.Model) -> dict[str, np.ndarray]:
         matmul.k, matmul.block_size) for matmul in matmuls}
 
 
+def _other_bits(model: ir.Model) -> dict[str, tuple[int, bytes]]:
+    """Each MatMulNBits node of another bit width than 4: (bits, its packed weights' bytes)."""
+    return {node.name: (node.attributes["bits"].as_int(), node.inputs[1].const_value.tobytes())
+            for node in model.graph if node.op_type == "MatMulNBits"
+            and node.attributes["bits"].as_int() != 4}
+
+
 def _steps(model: ir.Model) -> dict[str, np.ndarray]:
     """Each 4-bit node's quantization step (its block's scale) per weight, [N, K]."""
     matmuls, _ = find_int4_matmuls(model.graph)
@@ -102,7 +109,10 @@ def test_every_int4_node_is_reblocked_within_the_requantization_error(fixture, b
     model = result.model
     assert result.modified
     matmuls, others = find_int4_matmuls(model.graph)
-    assert {matmul.block_size for matmul in matmuls} == {block} and others == 0
+    # MatMulNBits of other bit widths (genai-llama-int4h8's 8-bit lm_head) are left as they are
+    exported_others = find_int4_matmuls(original.graph)[1]
+    assert {matmul.block_size for matmul in matmuls} == {block} and others == exported_others
+    assert _other_bits(model) == _other_bits(original)
     for matmul in matmuls:
         attributes = matmul.node.attributes
         assert attributes["bits"].as_int() == 4 and attributes["accuracy_level"].as_int() == 4
@@ -125,7 +135,7 @@ def test_every_int4_node_is_reblocked_within_the_requantization_error(fixture, b
     declared = metadata.read_int4_blocks(model)
     assert declared == metadata.Int4BlocksDeclaration(
         block_size=block, nodes=len(matmuls), reblocked_nodes=len(matmuls),
-        source_block_sizes=[32], other_bits_nodes=0)
+        source_block_sizes=[32], other_bits_nodes=exported_others)
     assert not Int4BlocksPass(block)(model).modified
     with capsys.disabled():
         print(f"\n{fixture} block {block}: largest rounding error {worst:.4f} of a step")

@@ -31,6 +31,13 @@ def _op_types(folder) -> list[str]:
     return [node.op_type for node in model.graph.node]
 
 
+def _nbits(folder) -> list[int]:
+    """The bit width of each MatMulNBits node in the folder's model."""
+    model = onnx.load(folder / "model.onnx", load_external_data=False)
+    return [attribute.i for node in model.graph.node if node.op_type == "MatMulNBits"
+            for attribute in node.attribute if attribute.name == "bits"]
+
+
 def _block_sizes(folder) -> set[int]:
     model = onnx.load(folder / "model.onnx", load_external_data=False)
     return {attribute.i for node in model.graph.node if node.op_type == "MatMulNBits"
@@ -46,8 +53,11 @@ def test_the_default_conversion_of_a_cpu_export_writes_int8_matmuls(fixture, tmp
     declaration = metadata.read_int8_matmul(load_model(out / "model.onnx"))
     assert declaration is not None and declaration.rewritten_nodes == ops.count("MatMulInteger")
     assert ops.count("MatMulInteger") > 0
-    # What stays 4-bit is the lm_head over a tied embedding (rule 2), nothing else.
-    assert ops.count("MatMulNBits") == declaration.kept_int4_nodes <= 1
+    # What stays 4-bit is the lm_head over a tied embedding (rule 2), nothing else; an 8-bit
+    # lm_head (genai-llama-int4h8) stays as exported.
+    assert _nbits(out).count(4) == declaration.kept_int4_nodes <= 1
+    assert sorted(bits for bits in _nbits(out) if bits != 4) == sorted(
+        bits for bits in _nbits(fixture.folder) if bits != 4)
 
 
 def test_no_int8_matmul_keeps_the_weights_as_exported(tmp_path, capsys):
