@@ -16,6 +16,11 @@
    for several P, whose greedy continuation is the period, which prompt lookup drafts. Decode
    tokens/s against plain and the acceptance rate, accepted/drafted (goal >= 2x).
    `--hit-prompts` overrides the choice (periodic for a `copy-*` model, random otherwise).
+   `--hit-sampling temperature=2,top_k=100` samples both systems with those `Sampling` fields
+   instead of greedily: a draft is then kept with the probability the processed distribution
+   gives it (the rejection rule), so the fields set the share kept: the workload where about
+   half the drafts hit (goal >= 1.3x there). Sampled tokens differ between the systems by
+   design; each system's share of tokens continuing the period is compared instead.
 4. engine-verify: how the batch engine should verify the drafts of B rows, on plain ONNX
    Runtime with the real-size export (one CPU session, memory patterns off, past KV of
    `past` positions): B forwards of [1, k + 1] (what the engine does: each drafted row on its
@@ -33,6 +38,7 @@ after; on a loaded machine (load above ~2.5 on 2 cores) the numbers are not conc
 
     .venv/bin/python scripts/bench_speculative.py [--quick] [--repetitions 5]
         [--model NAME|FOLDER] [--hit-model NAME|FOLDER] [--hit-prompts random|periodic]
+        [--hit-periods P,P,...] [--hit-sampling FIELD=VALUE,...]
         [--part random|verify-cost|hits ...]
 """
 
@@ -56,6 +62,7 @@ from _bench.harness import markdown_table, round_order, seeded_prompt, summarize
 from _bench.models import BenchModelMissing
 
 import onnx_chunk
+from onnx_chunk.sampling import Sampling
 
 PARTS = ("random", "verify-cost", "hits", "engine-verify")
 # The prefill chunk width a benchmark model name is converted at (convert's default).
@@ -84,16 +91,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="the periodic prompts' periods, comma-separated (default 8,16,32,48;"
                              " the copy decoders are trained on 8 to 48); implies periodic "
                              "prompts")
+    parser.add_argument("--hit-sampling", default=None,
+                        help="sample the hits part with these Sampling fields instead of "
+                             "greedily, e.g. temperature=2,top_k=100")
     parser.add_argument("--part", action="append", choices=PARTS)
     args = parser.parse_args(argv)
     parts = tuple(part for part in PARTS if part in (args.part or PARTS))
     given = [flag for flag, value in (("--hit-model", args.hit_model),
                                       ("--hit-prompts", args.hit_prompts),
-                                      ("--hit-periods", args.hit_periods)) if value is not None]
+                                      ("--hit-periods", args.hit_periods),
+                                      ("--hit-sampling", args.hit_sampling))
+             if value is not None]
     if given and "hits" not in parts:
         parser.error(f"{', '.join(given)} applies to --part hits, which this run leaves out")
     if args.hit_periods is not None and args.hit_prompts == "random":
         parser.error("--hit-periods sets periodic prompts; --hit-prompts random has none")
+    sampling = None if args.hit_sampling is None else hit_sampling(parser, args.hit_sampling)
     plan = QUICK if args.quick else FULL
     if args.hit_periods is not None:
         plan = dict(plan, hit_periods=_periods(parser, args.hit_periods))
@@ -119,10 +132,13 @@ def main(argv: list[str] | None = None) -> int:
                                     or args.hit_periods is not None else "random")
         data["hits"] = _decode_ratio(hit_model, partial(hit_prompts, kind, plan),
                                      plan["hit_new_tokens"], plan, rounds,
-                                     periodic=kind == "periodic")
+                                     periodic=kind == "periodic",
+                                     sampling=sampling)
         data["hits"]["prompts"] = kind
-        sections.append(f"### drafts that hit ({hit_model}, {kind} prompts)\n\n"
-                        + _ratio_table(data["hits"], 2.0))
+        sampled = "" if sampling is None else f", sampled: {args.hit_sampling}"
+        sections.append(f"### drafts that hit ({hit_model}, {kind} prompts{sampled})\n\n"
+                        + _ratio_table(data["hits"],
+                                       2.0 if sampling is None else 1.3))
     if "engine-verify" in parts:
         data["engine_verify"] = _engine_verify(model, plan["engine"], rounds * 3)
         sections.append("### verifying several rows' drafts\n\n"
@@ -211,6 +227,42 @@ def hit_prompts(kind: str, plan: dict, vocab_size: int) -> list[tuple[str, list[
     return random_prompts(plan["hit_prompts"], vocab_size)
 
 
+def copied_tokens(prompt: list[int], tokens: list[int]) -> int:
+    """How many of `tokens` (generated after `prompt`) repeat what followed the latest earlier
+    occurrence of the token before them: a statistic of the output's distribution, the same
+    for plain and speculative sampling where the rejection rule is exact."""
+    history = list(prompt)
+    copied = 0
+    for token in tokens:
+        last = history[-1]
+        earlier = next((index for index in range(len(history) - 2, -1, -1)
+                        if history[index] == last), None)
+        copied += earlier is not None and history[earlier + 1] == token
+        history.append(token)
+    return copied
+
+
+def hit_sampling(parser, given: str) -> dict:
+    """--hit-sampling's `Sampling` fields ("temperature=2,top_k=100" -> {"temperature": 2.0,
+    "top_k": 100}); a parser error (exit 2) for a field Sampling lacks or refuses, or a seed
+    (each round and prompt has its own)."""
+    fields: dict = {}
+    for item in given.split(","):
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in Sampling.__dataclass_fields__ or name == "seed":
+            parser.error(f"--hit-sampling: {name!r} is not a Sampling field it takes")
+        try:
+            fields[name] = int(value) if name == "top_k" else float(value)
+        except ValueError:
+            parser.error(f"--hit-sampling: {item!r} is not FIELD=NUMBER")
+    try:
+        Sampling(**fields)
+    except (TypeError, ValueError) as error:
+        parser.error(f"--hit-sampling: {error}")
+    return fields
+
+
 def random_prompts(lengths: list[int], vocab_size: int) -> list[tuple[str, list[int]]]:
     """(label, prompt) of the seeded random prompts of `lengths`."""
     return [(str(length), seeded_prompt(length, vocab_size)) for length in lengths]
@@ -224,28 +276,35 @@ def _period(prompt: list[int]) -> int:
 
 def _decode_ratio(model: Path, make_prompts: Callable[[int], list[tuple[str, list[int]]]],
                   new_tokens: int, plan: dict, rounds: int,
-                  periodic: bool = False) -> dict:
+                  periodic: bool = False, sampling: dict | None = None) -> dict:
     """Decode tokens/s of both systems per prompt and round, alternating; tokens compared.
 
     `make_prompts(vocab_size)`: the (label, prompt) pairs, a label naming its prompt in the
-    results. `periodic` (periodic prompts): the share of plain greedy tokens
-    that continue the prompt's period is reported too (a decoder that repeats one token also
-    has its drafts kept, without copying)."""
+    results. `periodic` (periodic prompts): each system's share of tokens that continue the
+    prompt's period is reported too (a decoder that repeats one token also has its drafts kept,
+    without copying). `sampling`: `Sampling` fields both systems sample with, each (round,
+    prompt) with one seed, instead of choosing greedily; the tokens are then not compared
+    (`identical` None)."""
     runtimes = {system: onnx_chunk.load(model, provider="cpu", capacity=plan["capacity"],
                                         speculative=SPEC if system == SPEC else None)
                 for system in (SPEC, PLAIN)}
     vocab = runtimes[PLAIN].stats.vocab_size
     prompts = make_prompts(vocab)
     speeds: dict[str, dict[str, list[float]]] = {SPEC: {}, PLAIN: {}}
-    accepted = drafted = periodic_right = periodic_total = 0
+    accepted = drafted = 0
+    continuing = {SPEC: [0, 0], PLAIN: [0, 0]}  # system -> [tokens continuing, tokens]
+    copying = {SPEC: [0, 0], PLAIN: [0, 0]}  # system -> [tokens copied, tokens]
     kept: dict[str, list[int]] = {}  # label -> [accepted, drafted]
     identical = True
     for round_index in range(rounds):
-        for label, prompt in prompts:
+        for prompt_index, (label, prompt) in enumerate(prompts):
             tokens = {}
+            chosen = (None if sampling is None else
+                      Sampling(**sampling, seed=round_index * 1000 + prompt_index))
             for system in round_order((SPEC, PLAIN), round_index):
                 with runtimes[system].open_sequence() as sequence:
-                    tokens[system] = sequence.generate(prompt, new_tokens, [])
+                    tokens[system] = sequence.generate(prompt, new_tokens, [],
+                                                       sampling=chosen)
                     generation = sequence.stats.last_generation
                     assert generation is not None and generation.decode_tokens_per_s is not None
                     speeds[system].setdefault(label, []).append(
@@ -257,20 +316,28 @@ def _decode_ratio(model: Path, make_prompts: Callable[[int], list[tuple[str, lis
                         counts[0] += sequence.stats.accepted_tokens
                         counts[1] += sequence.stats.draft_tokens
             identical &= tokens[SPEC] == tokens[PLAIN]
-            if periodic:  # how much of the plain output continues the prompt's period
+            for system, counts in copying.items():
+                counts[0] += copied_tokens(prompt, tokens[system])
+                counts[1] += len(tokens[system])
+            if periodic:  # how much of each system's output continues the prompt's period
                 period = _period(prompt)
-                expected = [prompt[(len(prompt) + index) % period]
-                            for index in range(len(tokens[PLAIN]))]
-                periodic_right += sum(a == b for a, b in zip(tokens[PLAIN], expected))
-                periodic_total += len(expected)
+                for system, counts in continuing.items():
+                    expected = [prompt[(len(prompt) + index) % period]
+                                for index in range(len(tokens[system]))]
+                    counts[0] += sum(a == b for a, b in zip(tokens[system], expected))
+                    counts[1] += len(expected)
             print(f"round {round_index + 1}/{rounds} prompt {label} ({len(prompt)} ids): "
                   f"{speeds[SPEC][label][-1]:.1f} against "
                   f"{speeds[PLAIN][label][-1]:.1f} tok/s", file=sys.stderr)
     for runtime in runtimes.values():
         runtime.close()
     return {"speeds": speeds, "accepted": accepted, "drafted": drafted, "kept": kept,
-            "identical": identical, "new_tokens": new_tokens,
-            "continues_period": (periodic_right / periodic_total if periodic_total else None)}
+            "identical": identical if sampling is None else None,
+            "sampling": sampling, "new_tokens": new_tokens,
+            "continues_period": {system: right / total if total else None
+                                 for system, (right, total) in continuing.items()},
+            "copied": {system: copied / total if total else None
+                       for system, (copied, total) in copying.items()}}
 
 
 def _verify_cost(model: Path, plan: dict, rounds: int) -> dict:
@@ -400,13 +467,20 @@ def _ratio_table(result: dict, goal: float) -> str:
                      f"{accepted}/{drafted}" + (f" ({accepted / drafted:.0%})" if drafted else ""),
                      "met" if ratios.median >= goal else "missed"])
     rate = result["accepted"] / result["drafted"] if result["drafted"] else 0.0
+    period = result["continues_period"]
+    compared = (f"greedy tokens identical: {result['identical']}"
+                if result["sampling"] is None else
+                f"sampled ({result['sampling']}), one seed per round and "
+                "prompt (the systems' tokens differ by design)")
+    copied = result["copied"]
     return (markdown_table(["prompt", "speculative tok/s", "plain tok/s",
                             "ratio (spread)", "drafts kept", f"goal >= {goal}x"], rows)
             + f"\n\ndrafted {result['drafted']}, accepted {result['accepted']} "
-              f"({rate:.0%}); greedy tokens identical: {result['identical']}"
-            + ("" if result.get("continues_period") is None
-               else f"; plain output continuing the prompt's period: "
-                    f"{result['continues_period']:.0%}"))
+              f"({rate:.0%}); {compared}; tokens repeating what followed their previous "
+              f"token last time: plain {copied[PLAIN]:.1%}, speculative {copied[SPEC]:.1%}"
+            + ("" if period[PLAIN] is None
+               else f"; output continuing the prompt's period: plain {period[PLAIN]:.0%}, "
+                    f"speculative {period[SPEC]:.0%}"))
 
 
 def cycle_ratios(times: dict[str, list[float]], system: str) -> str:

@@ -278,6 +278,38 @@ def test_the_speculative_benchmark_quick_mode_runs_every_part(tmp_path, referenc
     assert "verify k=4 (5 rows)" in (tmp_path / "speculative_quick.md").read_text()
 
 
+def test_the_speculative_benchmark_samples_the_hits_part_with_the_fields_given(
+        tmp_path, reference_model):
+    """--hit-sampling: both systems sample with those fields (a seed per round and prompt), the
+    tokens are not compared, each system's share continuing the period is."""
+    import json
+    import subprocess
+
+    folder = str(reference_model("base").parent)
+    script = env.ROOT / "scripts" / "bench_speculative.py"
+    result = subprocess.run([sys.executable, str(script), "--quick", "--out", str(tmp_path),
+                             "--part", "hits", "--hit-model", folder, "--hit-prompts",
+                             "periodic", "--hit-sampling", "temperature=1.5,top_k=8"],
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    hits = json.loads((tmp_path / "speculative_quick.json").read_text())["hits"]
+    assert hits["sampling"] == {"temperature": 1.5, "top_k": 8} and hits["identical"] is None
+    assert set(hits["copied"]) == {"prompt-lookup", "plain"}
+    assert set(hits["continues_period"]) == {"prompt-lookup", "plain"}
+    report = (tmp_path / "speculative_quick.md").read_text()
+    assert "sampled: temperature=1.5,top_k=8" in report and "goal >= 1.3x" in report
+
+
+def test_the_speculative_benchmark_counts_tokens_that_copy_what_followed_last_time():
+    sys.path.insert(0, str(env.ROOT / "scripts"))
+    from bench_speculative import copied_tokens
+
+    # after 2, 3 as before (copied); after 3, 9 where 4 came before; after 9, which never came
+    # before, 4; after 4, 5 as before (copied)
+    assert copied_tokens([1, 2, 3, 4, 5, 2], [3, 9, 4, 5]) == 2
+    assert copied_tokens([7], [7, 7, 7]) == 2 and copied_tokens([], []) == 0
+
+
 def test_the_speculative_benchmark_periodic_prompts_repeat_a_block_of_distinct_ids():
     """--hit-model copy-fp32's prompts: a seeded block of P distinct ids (past the special
     tokens) repeated 1.5 to 2 times, the same every run."""
@@ -384,6 +416,10 @@ def test_the_speculative_benchmark_refuses_periods_the_hit_model_cannot_hold(cap
     (["--hit-periods", "16", "--part", "random"], "applies to --part hits"),
     (["--hit-model", "copy-fp32", "--part", "verify-cost"], "applies to --part hits"),
     (["--hit-periods", "16", "--hit-prompts", "random", "--part", "hits"], "periodic prompts"),
+    (["--hit-sampling", "temperature=1", "--part", "random"], "applies to --part hits"),
+    (["--hit-sampling", "temperature=3", "--part", "hits"], "temperature must be"),
+    (["--hit-sampling", "seed=3", "--part", "hits"], "'seed' is not a Sampling field"),
+    (["--hit-sampling", "top_k=two", "--part", "hits"], "is not FIELD=NUMBER"),
 ])
 def test_the_speculative_benchmark_refuses_hit_options_it_would_ignore(argv, words, capsys):
     sys.path.insert(0, str(env.ROOT / "scripts"))
