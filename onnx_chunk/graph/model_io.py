@@ -10,11 +10,13 @@ model; it stages every file and renames them into place only once all are writte
 Weights a pass computes anew (`--int4-block-size`, `--int8-matmul`; marked with
 `write_to_data_file`) go to a data file of their own beside the model, not inside the .onnx.
 ONNX Runtime memory-maps an external initializer on the CPU and unmaps it when a kernel has
-pre-packed it and released the original; an initializer inside the .onnx is copied into
-malloc'd memory instead, and glibc keeps those freed buffers (each a few MiB, under its
-dynamic mmap threshold) in its heap. On qwen05-int4 with `--int8-matmul` (ONNX Runtime 1.32)
-that held the 360 MB of int8 weights beside their packed copy: 905 MB resident after load
-(peak 970) against 609 MB (peak 683) with the weights in a data file.
+pre-packed it and released the original (`SessionState::PrepackConstantInitializedTensors`,
+onnxruntime/core/framework/session_state.cc: once every node that reads a constant initializer
+has packed it, the initializer's value is erased, and with it the mapping); one inside the
+.onnx is copied into malloc'd memory instead, and glibc keeps those freed buffers (each a few
+MiB, under its dynamic mmap threshold) in its heap. On qwen05-int4 with `--int8-matmul` (ONNX
+Runtime 1.32) that held the 360 MB of int8 weights beside their packed copy: 905 MB resident
+after load (peak 970) against 609 MB (peak 683) with the weights in a data file.
 """
 
 from __future__ import annotations
