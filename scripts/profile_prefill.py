@@ -181,10 +181,11 @@ def _model_path(value: str, root: Path | None) -> Path:
     return export_folder(value, root)[1] / "model.onnx"
 
 
-def matmul_shapes(model: Path, rows: int) -> dict[str, dict]:
-    """{node name: K, N, bits, block_size, weight bytes} for MatMulNBits, float MatMul and
-    `convert`'s int8 MatMulInteger (its weight bytes: the int8 B and the column scales the
-    Mul after its Cast reads)."""
+def matmul_shapes(model: Path, rows: int, head_rows: int | None = None) -> dict[str, dict]:
+    """{node name: K, N, bits, block_size, weight bytes, flops} for MatMulNBits, float MatMul
+    and `convert`'s int8 MatMulInteger (its weight bytes: the int8 B and the column scales the
+    Mul after its Cast reads). The flops are of `rows` rows, the lm_head's of `head_rows`
+    (default `rows`; 1 where `logits_rows` feeds it the last row alone)."""
     import onnx
 
     graph = onnx.load(str(model), load_external_data=False).graph
@@ -218,8 +219,9 @@ def matmul_shapes(model: Path, rows: int) -> dict[str, dict]:
             nbytes, dims = sizes[node.input[1]]
             shapes[node.name] = dict(K=dims[0], N=dims[1], bits=32, block_size=0,
                                      accuracy_level=None, weight_bytes=nbytes)
-    for shape in shapes.values():
-        shape["flops"] = 2 * rows * shape["K"] * shape["N"]
+    for name, shape in shapes.items():
+        computed = rows if head_rows is None or projection(name) != "lm_head" else head_rows
+        shape["flops"] = 2 * computed * shape["K"] * shape["N"]
     return shapes
 
 
@@ -381,7 +383,8 @@ def _profile(args: argparse.Namespace) -> int:
                                 args.past, all_rows)
     runs, walls, cpus = _run_profiled(model, args.rows, args.threads, args.repeats, config,
                                       args.past, all_rows)
-    table = profile_table(runs, matmul_shapes(model, args.rows), walls, cpus)
+    table = profile_table(runs, matmul_shapes(model, args.rows, None if all_rows else 1),
+                          walls, cpus)
     peak = args.peak_gflops or practical_fp32_peak(args.threads)
     read_peak = args.peak_read_gbs or practical_read_peak(args.threads)
     weights = sum(group["weight_bytes"] for group in table["projections"].values())

@@ -76,6 +76,13 @@ def test_profile_counts_an_int8_folders_weights_and_their_read_rate(tmp_path, ca
         k, n = shapes[node.name]["K"], shapes[node.name]["N"]
         assert sizes[node.input[1]] == k * n
         assert shapes[node.name]["weight_bytes"] == k * n + 4 * n
+    # A prefill's lm_head computes the last row alone (`logits_rows`): its flops are one row's.
+    head = next(name for name in shapes if profile_prefill.projection(name) == "lm_head")
+    last = profile_prefill.matmul_shapes(out / "model.onnx", rows=64, head_rows=1)
+    k, n = last[head]["K"], last[head]["N"]
+    assert last[head]["flops"] == 2 * k * n
+    assert all(shape["flops"] == 2 * 64 * shape["K"] * shape["N"]
+               for name, shape in last.items() if name != head)
     assert profile_prefill.main(["profile", "--model", str(out), "--rows", "1", "--repeats",
                                  "1", "--peak-gflops", "100", "--peak-read-gbs", "10"]) == 0
     printed = capsys.readouterr().out
