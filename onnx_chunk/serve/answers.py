@@ -80,7 +80,9 @@ class Answer(abc.ABC):
     """The response objects of one endpoint (one id and creation time per request):
     `opening` and `closing` are the first and last chunks' contents; `top`: the request's
     logprobs count (None: no logprobs); `prompt_top`: its `prompt_logprobs` (None: none);
-    `names`: how logprobs name a token (default: its text, `strings`)."""
+    `names`: how logprobs name a token (default: its text, `strings`); `request_id`: the
+    client's (vLLM's), which the id then carries; `continuous_usage`: every chunk carries its
+    choice's usage so far (vLLM's `stream_options.continuous_usage_stats`)."""
 
     object_name: str
     chunk_name: str
@@ -103,13 +105,15 @@ class Answer(abc.ABC):
                         "output")
 
     def __init__(self, model: str, strings: TokenStrings, top: int | None, *,
-                 prompt_top: int | None = None, names: TokenStrings | None = None) -> None:
+                 prompt_top: int | None = None, names: TokenStrings | None = None,
+                 request_id: str | None = None, continuous_usage: bool = False) -> None:
         self.model = model
         self.strings = strings
         self.names = names or strings
         self.top = top
         self.prompt_top = prompt_top
-        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.continuous_usage = continuous_usage
+        self.id = f"{self.prefix}-{uuid.uuid4().hex if request_id is None else request_id}"
         self.created = int(time.time())
 
     def _head(self, name: str) -> dict[str, Any]:
@@ -152,22 +156,33 @@ class Answer(abc.ABC):
         """A streamed choice's events: opened, its pieces (a tool answer as one delta once
         the output is whole), closed with its finish reason."""
         index = generation.index
-        yield event(self.chunk(index, self.opening, None))
+        counted = self._counted
+        yield event(counted(self.chunk(index, self.opening, None), generation))
         if self.whole_output:
             text, entries = await collect_chunks(generation)
             message, reason = self.message(text, generation.finish_reason)
             message.pop("role")
-            yield event(self.chunk(index, delta(message), None, self.logprobs(entries)))
+            yield event(counted(self.chunk(index, delta(message), None, self.logprobs(entries)),
+                                generation))
         else:
             async with contextlib.aclosing(self.stream(generation)) as pieces:
                 async for piece, logprobs in pieces:
-                    chunk = self.chunk(index, piece, None, logprobs)
+                    chunk = counted(self.chunk(index, piece, None, logprobs), generation)
                     if isinstance(logprobs, dict) and len(logprobs.get("tokens", ())) > 64:
                         yield await asyncio.to_thread(event, chunk)  # an echoed prompt's
                     else:
                         yield event(chunk)
             reason = generation.finish_reason
-        yield event(self.chunk(index, self.closing, reason))
+        yield event(counted(self.chunk(index, self.closing, reason), generation))
+
+    def _counted(self, chunk: dict[str, Any], generation: ServedGeneration) -> dict[str, Any]:
+        """`chunk` with its choice's usage so far, where `continuous_usage` asks for it."""
+        if self.continuous_usage:
+            done = generation.completion_tokens
+            chunk["usage"] = {"prompt_tokens": generation.prompt_tokens,
+                              "completion_tokens": done,
+                              "total_tokens": generation.prompt_tokens + done}
+        return chunk
 
 
 class ChatAnswer(Answer):

@@ -62,7 +62,7 @@ from onnx_chunk.serve.generation import ServedGeneration
 from onnx_chunk.serve.logprobs import TokenIds, TokenStrings
 from onnx_chunk.serve.metrics import CONTENT_TYPE, ServerMetrics
 from onnx_chunk.serve.parameters import RequestOptions
-from onnx_chunk.serve.prompts import chat_ids, completion_ids
+from onnx_chunk.serve.prompts import chat_ids, check_room, completion_ids
 from onnx_chunk.serve.protocol import RequestError, error_body
 from onnx_chunk.serve.refusals import (
     answer_too_large,
@@ -345,8 +345,9 @@ class _Service:
                      generations: list[ServedGeneration], *, chat: bool) -> _Reply:
         options = prepared.options
         top = options.logprobs
-        shown = {"prompt_top": options.prompt_logprobs,
-                 "names": self.token_ids if options.return_tokens_as_token_ids else None}
+        shown = {"prompt_top": options.prompt_logprobs, "request_id": options.request_id,
+                 "names": self.token_ids if options.return_tokens_as_token_ids else None,
+                 "continuous_usage": options.continuous_usage}
         answer: Answer = (ChatAnswer(self.model_name, self.strings, top, options.tool_choice,
                                      **shown)
                           if chat else
@@ -421,10 +422,7 @@ class _Service:
         options, sampling = prepared.options, prepared.sampling
         capacity = self.capacity
         for ids in prepared.prompts:
-            if options.max_tokens is None and capacity - len(ids) < 1:
-                raise CapacityError(f"the prompt has {len(ids)} tokens and the context holds "
-                                    f"{capacity}, leaving no room for a new token; shorten "
-                                    "the prompt")
+            check_room(len(ids), capacity, options)
         generations: list[ServedGeneration] = []
         try:
             for number, ids in enumerate(prepared.prompts):

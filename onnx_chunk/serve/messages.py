@@ -161,11 +161,16 @@ class ChatMessage(JsonObject):
     tool_calls: list[ToolCall] | None = field("a list of tool calls, on an assistant message")
     tool_call_id: Text | None = field("a string")
     name: Text | None = field("a string")
+    reasoning: Text | None = field("a string, on an assistant message")
+    reasoning_content: Text | None = field("a string, on an assistant message")
 
     @model_validator(mode="after")
     def _tool_rules(self) -> ChatMessage:
         if self.tool_calls and self.role != "assistant":
             raise Refusal("is for an assistant message's calls", "tool_calls")
+        for name in ("reasoning", "reasoning_content"):
+            if getattr(self, name) is not None and self.role != "assistant":
+                raise Refusal("is for an assistant message's reasoning", name)
         if self.role == "tool" and self.tool_call_id is None:
             raise Refusal("is required on a tool message: the id of the call it answers",
                            "tool_call_id")
@@ -176,7 +181,8 @@ class ChatMessage(JsonObject):
 
     def template_message(self) -> dict[str, Any]:
         """The message as the chat template reads it: content parts joined, tool calls'
-        arguments as objects."""
+        arguments as objects, an assistant's reasoning under both names (as vLLM's
+        chat_utils gives it: Qwen3's template reads `reasoning_content`)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
@@ -187,11 +193,20 @@ class ChatMessage(JsonObject):
             value = getattr(self, name)
             if value is not None:
                 message[name] = value
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:
+            message["reasoning"] = message["reasoning_content"] = reasoning
         return message
 
 
 class StreamOptions(JsonObject):
-    include_usage: bool = False
+    """vLLM's: `include_usage` (default true, as vLLM's) adds a last chunk with the usage;
+    `continuous_usage_stats` gives every chunk the usage so far too. No other key."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
+
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
 
 
 class FunctionDefinition(OpenObject):

@@ -52,6 +52,8 @@ class ResponseFormat:
 
     schema: Mapping[str, Any] | bool
     name: str = "json_object"
+    # The request field that set it: response_format, or llama.cpp's json_schema.
+    param: str = "response_format"
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,10 @@ class RequestOptions:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    # vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far.
+    continuous_usage: bool = False
+    # vLLM's: the answer's id is the endpoint's prefix and this (None: a random one).
+    request_id: str | None = None
     model: str | None = None
     stop: tuple[str, ...] = ()
     temperature: float | None = None
@@ -149,7 +155,7 @@ class RequestOptions:
             try:
                 constraint = json_constraint(tokenizer, schema, vocab_size)
             except InputError as error:
-                raise RequestError(str(error), param="response_format"
+                raise RequestError(str(error), param=self.response_format.param
                                    if self.response_format else "tools") from error
         held = ends if self.min_tokens and ends else ()
         banned = bad_words_ids(self.bad_words, tokenizer, vocab_size)

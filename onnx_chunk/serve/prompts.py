@@ -35,7 +35,7 @@ from onnx_chunk.text.chat_template import (
 from onnx_chunk.text.prompt import ChatOptions
 
 if TYPE_CHECKING:
-    from onnx_chunk.serve.parameters import ChatFields
+    from onnx_chunk.serve.parameters import ChatFields, RequestOptions
     from onnx_chunk.text.prompt import PromptEncoder
 
 # Where a request's own chat template is said to come from.
@@ -152,3 +152,20 @@ def _renders_without_variables(messages: list[dict[str, Any]],
     except (ChatTemplateError, InputError, CapacityError):
         return False
     return True
+
+
+def check_room(prompt_tokens: int, capacity: int, options: RequestOptions) -> None:
+    """Before any work: CapacityError where a prompt of `prompt_tokens` ids leaves no room
+    for a new token and the request sets no length (the room left is then its length);
+    RequestError naming `min_tokens` where that room is fewer tokens than it asks for (vLLM
+    sets the length to the room left and refuses `min_tokens` past it)."""
+    if options.max_tokens is not None:
+        return
+    room = capacity - prompt_tokens
+    if room < 1:
+        raise CapacityError(f"the prompt has {prompt_tokens} tokens and the context holds "
+                            f"{capacity}, leaving no room for a new token; shorten the prompt")
+    if options.min_tokens > room:
+        raise RequestError(f"'min_tokens' must be at most the output's length, the "
+                           f"{room} tokens the context leaves after the prompt, got "
+                           f"{options.min_tokens}", param="min_tokens")

@@ -53,6 +53,7 @@ from onnx_chunk.serve.messages import (
     NamedToolChoice,
     NonEmptyText,
     StreamOptions,
+    Text,
     TextFormat,
     TokenId,
     TokenIds,
@@ -94,7 +95,8 @@ class _GenerationRequest(RequestModel):
     model: str | None = field("a string: the id of this server's model")
     n: int | None = field(f"an integer in [1, {MAX_N}] (choices per prompt)", ge=1, le=MAX_N)
     stream: bool | None = field("a boolean")
-    stream_options: StreamOptions | None = field('an object {"include_usage": boolean}')
+    stream_options: StreamOptions | None = field(
+        'an object {"include_usage": boolean, "continuous_usage_stats": boolean}')
     max_tokens: int | None = field("an integer >= 1", ge=0)
     n_predict: int | None = field("an integer >= 1, or -1 for no limit", ge=-1)
     max_output_tokens: int | None = field("an integer >= 1", ge=0)
@@ -138,11 +140,12 @@ class _GenerationRequest(RequestModel):
         max_length=MAX_SALT_CHARS)
     cache_prompt: bool | None = field("a boolean")
     # Informational: no effect on the answer.
-    user: str | None = field("a string")
+    user: Text | None = field("a string")
     metadata: dict[str, str] | None = field("an object of strings")
     store: bool | None = field("a boolean")
-    service_tier: str | None = field("a string")
-    request_id: str | None = field("a string")
+    service_tier: Text | None = field("a string")
+    # vLLM's: the answer's id is "chatcmpl-" (chat) or "cmpl-" (completions) and this.
+    request_id: Text | None = field("a string")
     parallel_tool_calls: bool | None = field("a boolean")
 
     _options: RequestOptions = PrivateAttr()
@@ -180,10 +183,16 @@ class _GenerationRequest(RequestModel):
         """The options, by the rules over several fields (module docstring)."""
         tools, tool_choice, logprobs, echo = self._endpoint_options()
         max_tokens = self._length(minimum=0 if echo else 1)
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("'stream_options' applies to a stream (as vLLM); send "
+                               "'stream': true or leave it out", param="stream_options")
+        usage = self.stream_options is not None and bool(self.stream_options.include_usage)
         options = RequestOptions(
             max_tokens=max_tokens, n=self.n or 1,
             stream=bool(self.stream),
-            include_usage=self.stream_options is not None and self.stream_options.include_usage,
+            include_usage=usage, continuous_usage=usage and bool(
+                self.stream_options and self.stream_options.continuous_usage_stats),
+            request_id=self.request_id,
             model=self.model, stop=(self.stop,) if isinstance(self.stop, str) else tuple(
                 self.stop or ()),
             temperature=self.temperature, top_p=self.top_p, seed=self.seed,
@@ -257,7 +266,7 @@ class _GenerationRequest(RequestModel):
         """`response_format`, or llama.cpp's `json_schema` (the schema itself)."""
         self._alias("response_format", "json_schema")
         if self.json_schema is not None:
-            return ResponseFormat(self.json_schema, "response")
+            return ResponseFormat(self.json_schema, "response", param="json_schema")
         value = self.response_format
         if isinstance(value, JsonObjectFormat):
             return ResponseFormat({"type": "object"})
@@ -361,6 +370,7 @@ class ChatCompletionRequest(_GenerationRequest):
         "an object of the template's variables")
     add_generation_prompt: bool | None = field("a boolean")
     continue_final_message: bool | None = field("a boolean")
+    echo: bool | None = field("false (vLLM's chat echo is not supported)")
 
     _prompt_part = "chat"
     _logprobs_field = "top_logprobs"
@@ -387,6 +397,10 @@ class ChatCompletionRequest(_GenerationRequest):
             if tool_choice != "none" and not tools:
                 raise RequestError(f"'tool_choice' {tool_choice!r} needs 'tools'",
                                    param="tool_choice")
+        if self.echo:
+            raise RequestError("'echo' on chat (vLLM's: the answer prefixed with the last "
+                               "message) is not supported by this server; leave it out or send "
+                               "false", param="echo", code="unsupported_parameter")
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -441,6 +455,21 @@ class CompletionRequest(_GenerationRequest):
 
     def _endpoint_options(self) -> tuple[tuple[Mapping[str, Any], ...], str, int | None, bool]:
         return (), "none", self.logprobs, bool(self.echo)
+
+    def _resolve(self, vocab_size: int | None) -> RequestOptions:
+        prompts = self.prompts()
+        for number, prompt in enumerate(prompts):
+            if isinstance(prompt, str) or vocab_size is None:
+                continue
+            outside = [(position, token) for position, token in enumerate(prompt)
+                       if token >= vocab_size]
+            if outside:
+                position, token = outside[0]
+                which = f"prompt {number}'s" if len(prompts) > 1 else "its"
+                raise RequestError(f"'prompt' holds token ids (integers >= 0 below {vocab_size}"
+                                   f", the vocabulary's size); {which} id at position "
+                                   f"{position} is {shown(token)}", param="prompt")
+        return super()._resolve(vocab_size)
 
 
 ChatCompletionRequest.other = CompletionRequest

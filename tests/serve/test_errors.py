@@ -76,7 +76,12 @@ def test_the_client_sees_a_bad_request_error(live):
 def test_token_ids_outside_the_vocabulary_are_a_400(live):
     vocab = live.runtime.stats.vocab_size
     status, _, answer = exchange(live, "POST", COMPLETIONS, {"prompt": [1, vocab]})
-    assert status == 400 and str(vocab) in _error(answer, 400)["message"]
+    message = _error(answer, 400, "prompt")["message"]
+    assert status == 400 and str(vocab) in message and "position 1" in message
+    # Which prompt of several, and an id past any integer type: the same refusal.
+    status, _, answer = exchange(live, "POST", COMPLETIONS, {"prompt": [[1], [2, 10 ** 30]]})
+    message = _error(answer, 400, "prompt")["message"]
+    assert status == 400 and "prompt 1's id at position 1 is" in message
 
 
 def test_a_prompt_over_the_context_is_a_400_with_the_numbers(live):

@@ -157,13 +157,21 @@ def test_an_unknown_field_is_refused_and_one_of_the_other_endpoint_says_where():
     error = _refused(ChatCompletionRequest, {"messages": MESSAGES, "frobnicate": 1})
     assert (error.param, error.code) == ("frobnicate", "unknown_parameter")
     for model, body, field in (
-            (ChatCompletionRequest, {"messages": MESSAGES, "echo": False}, "echo"),
             (ChatCompletionRequest, {"messages": MESSAGES, "prompt": "a"}, "prompt"),
             (CompletionRequest, {"prompt": "a", "tools": []}, "tools"),
             (CompletionRequest, {"prompt": "a", "top_logprobs": 1}, "top_logprobs")):
         error = _refused(model, body)
         assert (error.param, error.code) == (field, "unknown_parameter")
         assert model.other is not None and model.other.path in str(error)
+
+
+def test_echo_on_chat_is_taken_at_its_default_and_refused_otherwise():
+    """docs/serving.md: vLLM's chat `echo` (the answer prefixed with the last message) is
+    refused unless at its default."""
+    for default in (False, None):
+        ChatCompletionRequest.parse({"messages": MESSAGES, "echo": default})
+    error = _refused(ChatCompletionRequest, {"messages": MESSAGES, "echo": True})
+    assert (error.param, error.code) == ("echo", "unsupported_parameter")
 
 
 @pytest.mark.parametrize("field", sorted(REFUSED))

@@ -258,3 +258,85 @@ def test_typical_p_is_the_python_apis(live, served_runtime):
     free = generate_text(served_runtime, "Paris is", 10, sampling=Sampling(
         temperature=1.0, seed=9), ignore_eos=True)
     assert answer.choices[0].text == expected.text != free.text
+
+
+def test_continuous_usage_stats_give_every_chunk_the_usage_so_far(live):
+    """vLLM's stream_options: `include_usage` defaults to true once the object is sent, and
+    `continuous_usage_stats` puts the choice's usage so far in every chunk."""
+    client = live.client()
+    chunks = list(client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counted = [chunk.usage for chunk in chunks]
+    assert all(usage is not None for usage in counted)
+    assert all(usage.prompt_tokens == len(PROMPT) for usage in counted)
+    done = [usage.completion_tokens for usage in counted]
+    assert done == sorted(done) and done[-1] == 6
+    assert all(usage.total_tokens == len(PROMPT) + usage.completion_tokens
+               for usage in counted)
+    plain = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6,
+                                           temperature=0, stream=True, stream_options={}))
+    assert [chunk.usage is not None for chunk in plain] == [False] * (len(plain) - 1) + [True]
+    unasked = list(client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": None, "continuous_usage_stats": True}))
+    assert all(chunk.usage is None for chunk in unasked)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"stream": True, "stream_options": {"include_usage": True, "per_chunk": True}},
+     "stream_options"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"stream": False, "stream_options": {}}, "stream_options"),
+])
+def test_stream_options_outside_a_stream_or_with_unknown_keys_are_a_400(live, body, param):
+    status, _, answer = exchange(live, "POST", "/v1/completions",
+                                 {"prompt": PROMPT, "max_tokens": 2, **body})
+    assert status == 400 and answer["error"]["param"] == param, answer
+    assert "per_chunk" in answer["error"]["message"] or "per_chunk" not in str(body)
+
+
+def test_the_answer_id_carries_the_request_id(live):
+    for path, body, prefix in (
+            ("/v1/chat/completions", {"messages": USER}, "chatcmpl"),
+            ("/v1/completions", {"prompt": PROMPT}, "cmpl")):
+        status, _, answer = exchange(live, "POST", path,
+                                     {**body, "max_tokens": 2, "request_id": "job-17"})
+        assert status == 200 and answer["id"] == f"{prefix}-job-17", answer
+        status, _, answer = exchange(live, "POST", path, {**body, "max_tokens": 2})
+        assert status == 200 and answer["id"].startswith(f"{prefix}-")
+        assert answer["id"] != f"{prefix}-job-17"
+
+
+def test_an_assistant_messages_reasoning_reaches_the_template_under_both_names(live):
+    """vLLM's chat_utils gives an assistant message's `reasoning` (or `reasoning_content`)
+    under both names: Qwen3's template reads `reasoning_content`."""
+    from onnx_chunk.serve.requests import ChatCompletionRequest
+
+    for field in ("reasoning", "reasoning_content"):
+        request = ChatCompletionRequest.parse({"messages": [
+            *USER, {"role": "assistant", "content": "Paris", field: "It is Paris."}]})
+        assert request.template_messages()[1] == {
+            "role": "assistant", "content": "Paris", "reasoning": "It is Paris.",
+            "reasoning_content": "It is Paris."}
+    status, _, answer = exchange(live, "POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "x", "reasoning": "no"}], "max_tokens": 2})
+    assert status == 400 and answer["error"]["param"] == "messages[0].reasoning", answer
+
+
+def test_min_tokens_past_the_room_the_context_leaves_is_a_400(live):
+    """With no length field the output's length is the room the context leaves (vLLM's
+    rule): `min_tokens` past it is refused, naming it."""
+    capacity = live.runtime.stats.capacity
+    status, _, answer = exchange(live, "POST", "/v1/completions",
+                                 {"prompt": PROMPT, "min_tokens": capacity})
+    assert status == 400 and answer["error"]["param"] == "min_tokens", answer
+    assert str(capacity - len(PROMPT)) in answer["error"]["message"]
+
+
+def test_a_schema_refused_through_llama_cpps_json_schema_names_that_field(live):
+    """A schema the grammar library refuses is named as the client sent it: llama.cpp's
+    `json_schema`, not `response_format`."""
+    status, _, answer = exchange(live, "POST", "/v1/completions",
+                                 {"prompt": PROMPT, "max_tokens": 2, "json_schema": True})
+    assert status == 400 and answer["error"]["param"] == "json_schema", answer
