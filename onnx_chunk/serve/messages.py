@@ -211,13 +211,15 @@ class StreamOptions(JsonObject):
 
 class FunctionDefinition(OpenObject):
     name: str
-    parameters: dict[str, Any] = {}
+    # null or absent: a function of no arguments (vLLM's default, None).
+    parameters: dict[str, Any] | None = {}
 
 
 class Tool(OpenObject):
-    """A function tool, handed to the chat template whole."""
+    """A function tool, handed to the chat template whole (its `type` may be left out:
+    "function", vLLM's default)."""
 
-    type: Literal["function"]
+    type: Literal["function"] = "function"
     function: FunctionDefinition
 
     @model_validator(mode="before")
@@ -231,7 +233,7 @@ class _FunctionName(JsonObject):
 
 
 class NamedToolChoice(JsonObject):
-    type: Literal["function"]
+    type: Literal["function"] = "function"
     function: _FunctionName
 
 

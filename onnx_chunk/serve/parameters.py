@@ -32,7 +32,7 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
     "reasoning_effort": (None,),
     "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
-    "web_search_options": (None,), "documents": (None,),
+    "web_search_options": (None,), "documents": (None, []),
     "grammar": (None, ""), "guided_whitespace_pattern": (None,),
     "logits_processors": (None, []), "priority": (None, 0), "guided_decoding_backend": (None,),
     "mirostat": (None, 0), "tfs_z": (None, 1, 1.0), "dry_multiplier": (None, 0, 0.0),

@@ -201,6 +201,22 @@ def test_tools_and_tool_calls_reach_the_template_whole():
     assert shown.options.template_tools == ()
 
 
+def test_what_vllm_defaults_may_be_left_out_or_null():
+    """vLLM's defaults: a tool's and a named tool_choice's `type` ("function"), a function's
+    `parameters` null (no arguments), `documents` empty."""
+    tool = {"function": {"name": "f", "parameters": None}}
+    request = ChatCompletionRequest.parse({"messages": MESSAGES, "tools": [tool],
+                                           "tool_choice": {"function": {"name": "f"}},
+                                           "documents": []})
+    assert request.options.tools == (tool,) and request.options.tool_choice == "f"
+    for wrong in ({"type": "retrieval", "function": {"name": "f"}},
+                  {"function": {"name": "f", "parameters": "none"}}):
+        error = _refused(ChatCompletionRequest, {"messages": MESSAGES, "tools": [wrong]})
+        assert error.param is not None and error.param.startswith("tools"), error.param
+    error = _refused(ChatCompletionRequest, {"messages": MESSAGES, "documents": [{"a": 1}]})
+    assert (error.param, error.code) == ("documents", "unsupported_parameter")
+
+
 def test_token_ids_at_or_past_the_vocabulary_are_refused():
     for field, value in (("logit_bias", {"384": 1}), ("stop_token_ids", [384])):
         ChatCompletionRequest.parse({"messages": MESSAGES, field: value})
