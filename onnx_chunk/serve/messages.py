@@ -180,12 +180,13 @@ class ChatMessage(JsonObject):
         return self
 
     def template_message(self) -> dict[str, Any]:
-        """The message as the chat template reads it: content parts joined, tool calls'
+        """The message as the chat template reads it: text parts joined by newlines (vLLM's
+        `_parse_chat_message_content_parts`, vllm/entrypoints/chat_utils.py), tool calls'
         arguments as objects, an assistant's reasoning under both names (as vLLM's
         chat_utils gives it: Qwen3's template reads `reasoning_content`)."""
         content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
+        if isinstance(content, list):  # one line each, as vLLM's chat_utils joins them
+            content = "\n".join(part.text for part in content)
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.tool_calls:
             message["tool_calls"] = [call.template_call() for call in self.tool_calls]

@@ -34,7 +34,7 @@ def test_a_chat_body_with_every_basic_option():
         "max_completion_tokens": 9, "temperature": 0, "top_p": 0.5, "seed": 3, "stop": "x",
         "stream": True, "stream_options": {"include_usage": True}, "n": 1, "user": "ignored"})
     assert request.template_messages() == [{"role": "system", "content": "be terse"},
-                                           {"role": "user", "content": "ab"}]
+                                           {"role": "user", "content": "a\nb"}]
     assert request.options == RequestOptions(
         max_tokens=9, temperature=0.0, top_p=0.5, seed=3, stop=("x",), stream=True,
         include_usage=True, model="m")
