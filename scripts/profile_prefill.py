@@ -407,8 +407,10 @@ def _profile(args: argparse.Namespace) -> int:
     # CPU seconds of a projection: its share of the summed kernel time times the forward's CPU
     # seconds (the load-robust estimate; the wall rate is what the forward saw).
     cpu_per_kernel_s = table["cpu_s"] / total
-    lines += ["", "| projection | nodes | shape | s | share | GFLOP | GFLOP/s (wall) | of peak "
-              "| GFLOP per CPU-s | weight MB | weight GB/s | of read |",
+    # The peak is fp32's: an int8 projection (MatMulInteger, MatMulNBits at accuracy level 4)
+    # goes past it; `kernel --int8-roof` sets int8 rates against the int8 roof.
+    lines += ["", "| projection | nodes | shape | s | share | GFLOP | GFLOP/s (wall) "
+              "| of fp32 peak | GFLOP per CPU-s | weight MB | weight GB/s | of read |",
               "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
               "| ---: |"]
     for key, group in sorted(table["projections"].items(), key=lambda item: -item[1]["seconds"]):
