@@ -44,6 +44,8 @@ after; on a loaded machine (load above ~2.5 on 2 cores) the numbers are not conc
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -234,28 +236,31 @@ def copied_tokens(prompt: list[int], tokens: list[int]) -> int:
     history = list(prompt)
     copied = 0
     for token in tokens:
-        last = history[-1]
         earlier = next((index for index in range(len(history) - 2, -1, -1)
-                        if history[index] == last), None)
+                        if history[index] == history[-1]), None) if history else None
         copied += earlier is not None and history[earlier + 1] == token
         history.append(token)
     return copied
 
 
-def hit_sampling(parser, given: str) -> dict:
+def hit_sampling(parser: argparse.ArgumentParser, given: str) -> dict:
     """--hit-sampling's `Sampling` fields ("temperature=2,top_k=100" -> {"temperature": 2.0,
-    "top_k": 100}); a parser error (exit 2) for a field Sampling lacks or refuses, or a seed
-    (each round and prompt has its own)."""
+    "top_k": 100}), each parsed as its field's number type; a parser error (exit 2) for a
+    field Sampling lacks, one that is not a plain number (int or float), a seed (each round
+    and prompt has its own), or a value Sampling refuses."""
+    numbers = {"int": int, "float": float}
+    kinds = {item.name: numbers.get(str(item.type)) for item in dataclasses.fields(Sampling)}
     fields: dict = {}
     for item in given.split(","):
         name, _, value = item.partition("=")
         name = name.strip()
-        if name not in Sampling.__dataclass_fields__ or name == "seed":
-            parser.error(f"--hit-sampling: {name!r} is not a Sampling field it takes")
+        kind = kinds.get(name)
+        if kind is None or name == "seed":
+            parser.error(f"--hit-sampling: {name!r} is not a numeric Sampling field it takes")
         try:
-            fields[name] = int(value) if name == "top_k" else float(value)
+            fields[name] = kind(value)
         except ValueError:
-            parser.error(f"--hit-sampling: {item!r} is not FIELD=NUMBER")
+            parser.error(f"--hit-sampling: {item!r} is not {name}={kind.__name__.upper()}")
     try:
         Sampling(**fields)
     except (TypeError, ValueError) as error:
@@ -333,6 +338,7 @@ def _decode_ratio(model: Path, make_prompts: Callable[[int], list[tuple[str, lis
         runtime.close()
     return {"speeds": speeds, "accepted": accepted, "drafted": drafted, "kept": kept,
             "identical": identical if sampling is None else None,
+            "tokens_equal": identical,
             "sampling": sampling, "new_tokens": new_tokens,
             "continues_period": {system: right / total if total else None
                                  for system, (right, total) in continuing.items()},

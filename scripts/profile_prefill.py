@@ -185,7 +185,8 @@ def matmul_shapes(model: Path, rows: int, head_rows: int | None = None) -> dict[
     """{node name: K, N, bits, block_size, weight bytes, flops} for MatMulNBits, float MatMul
     and `convert`'s int8 MatMulInteger (its weight bytes: the int8 B and the column scales the
     Mul after its Cast reads). The flops are of `rows` rows, the lm_head's of `head_rows`
-    (default `rows`; 1 where `logits_rows` feeds it the last row alone)."""
+    (default `rows`; 1 where `logits_rows` feeds it the last row alone), and of one row in a
+    last-row variant (its `logits` keep one row: the head's input is sliced to it)."""
     import onnx
 
     graph = onnx.load(str(model), load_external_data=False).graph
@@ -219,6 +220,10 @@ def matmul_shapes(model: Path, rows: int, head_rows: int | None = None) -> dict[
             nbytes, dims = sizes[node.input[1]]
             shapes[node.name] = dict(K=dims[0], N=dims[1], bits=32, block_size=0,
                                      accuracy_level=None, weight_bytes=nbytes)
+    logits = next((value for value in graph.output if value.name == "logits"), None)
+    if logits is not None and len(logits.type.tensor_type.shape.dim) > 1 \
+            and logits.type.tensor_type.shape.dim[1].dim_value == 1:
+        head_rows = 1
     for name, shape in shapes.items():
         computed = rows if head_rows is None or projection(name) != "lm_head" else head_rows
         shape["flops"] = 2 * computed * shape["K"] * shape["N"]

@@ -57,6 +57,30 @@ def test_a_graph_within_the_rules_has_no_error_and_loads():
 
 
 @pytest.mark.parametrize("schema_of", [onnx_schema, runtime_signature])
+def test_an_initializers_and_a_constants_type_is_their_tensors(schema_of):
+    """ONNX Runtime builds an initializer and a Constant's output from the tensor, so a
+    value_info declaring another type for them is never applied: no error, in a branch of an
+    If either."""
+    constant = helper.make_node("Constant", [], ["c"], value=helper.make_tensor(
+        "v", FLOAT, [4], [1.0] * 4))
+    weight = numpy_helper.from_array(np.ones(4, np.float32), "w")
+    stale = [_vector("c", INT64), _vector("w", INT64)]
+    proto = _model([constant, helper.make_node("Add", ["x", "c"], ["s"]),
+                    helper.make_node("Mul", ["s", "w"], ["y"])],
+                   [_vector("x", FLOAT)], [_vector("y", FLOAT)], value_info=stale,
+                   initializers=[weight])
+    assert _errors(proto, schema_of) == [] and _ort_loads(proto)
+    branch = helper.make_graph([helper.make_node("Constant", [], ["k"], value_float=2.0),
+                                helper.make_node("Mul", ["x", "k"], ["b"])], "branch", [],
+                               [_vector("b", FLOAT)], value_info=[_vector("k", INT64)])
+    flag = numpy_helper.from_array(np.array(True), "flag")
+    proto = _model([helper.make_node("If", ["flag"], ["y"], then_branch=branch,
+                                     else_branch=branch)],
+                   [_vector("x", FLOAT)], [_vector("y", FLOAT)], initializers=[flag])
+    assert _errors(proto, schema_of) == [] and _ort_loads(proto)
+
+
+@pytest.mark.parametrize("schema_of", [onnx_schema, runtime_signature])
 def test_a_declared_output_type_other_than_the_inputs_is_an_error(schema_of):
     proto = _model([helper.make_node("Relu", ["a"], ["s"], name="relu"),
                     helper.make_node("Cast", ["s"], ["y"], to=FLOAT)],

@@ -70,11 +70,39 @@ def onnx_schema(domain: str, op_type: str, opset_version: int) -> Signature | No
                       for constraint in schema.type_constraints})
 
 
+# The type of a Constant node's output by the attribute that holds its value (a `value`
+# tensor's own type is read from it).
+_CONSTANT_TYPES = {"value_float": ir.DataType.FLOAT, "value_floats": ir.DataType.FLOAT,
+                   "value_int": ir.DataType.INT64, "value_ints": ir.DataType.INT64,
+                   "value_string": ir.DataType.STRING, "value_strings": ir.DataType.STRING}
+
+
 def type_string(value: ir.Value) -> str | None:
-    """ONNX's name of a tensor value's type ("tensor(float)"), None when not declared."""
-    if not isinstance(value.type, ir.TensorType) or value.dtype is None:
+    """ONNX's name of a tensor value's type ("tensor(float)") as ONNX Runtime takes it, None
+    when unknown: an initializer's and a Constant's from the tensor itself (ONNX Runtime
+    builds them from it, and a value_info that says otherwise is never applied to them),
+    another value's as declared."""
+    dtype = _constant_dtype(value)
+    if dtype is None:
+        if not isinstance(value.type, ir.TensorType):
+            return None
+        dtype = value.dtype
+    return None if dtype is None else f"tensor({dtype.name.lower()})"
+
+
+def _constant_dtype(value: ir.Value) -> ir.DataType | None:
+    if value.const_value is not None:
+        return value.const_value.dtype
+    producer = value.producer()
+    if producer is None or producer.op_type != "Constant" or producer.domain not in (
+            _DEFAULT_DOMAINS):
         return None
-    return f"tensor({value.dtype.name.lower()})"
+    for name, attribute in producer.attributes.items():
+        if name == "value" and isinstance(attribute.value, ir.TensorProtocol):
+            return attribute.value.dtype
+        if name in _CONSTANT_TYPES:
+            return _CONSTANT_TYPES[name]
+    return None
 
 
 def type_errors(model: ir.Model, schema_of: SchemaSource = onnx_schema) -> list[str]:

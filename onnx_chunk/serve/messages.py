@@ -217,8 +217,8 @@ class FunctionDefinition(OpenObject):
 
 
 class Tool(OpenObject):
-    """A function tool, handed to the chat template whole (its `type` may be left out:
-    "function", vLLM's default)."""
+    """A function tool, handed to the chat template whole (its `type` may be left out: the
+    template gets "function" first, as vLLM's `model_dump` gives it)."""
 
     type: Literal["function"] = "function"
     function: FunctionDefinition
@@ -227,6 +227,10 @@ class Tool(OpenObject):
     @classmethod
     def _texts(cls, value: Any) -> Any:
         return all_text(value)
+
+    @property
+    def sent(self) -> dict[str, Any]:
+        return self._sent if "type" in self._sent else {"type": self.type, **self._sent}
 
 
 class _FunctionName(JsonObject):

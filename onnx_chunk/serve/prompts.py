@@ -65,15 +65,17 @@ def chat_options(fields: ChatFields, prompts: PromptEncoder) -> ChatOptions:
 
 def kept(request: ChatCompletionRequest | CompletionRequest, capacity: int) -> int | None:
     """The prompt ids the request keeps (None: all): `truncate_prompt_tokens`, -1 for the
-    context less the output's length; refused past that (vLLM's rule)."""
+    context less the output's length (at least `min_tokens`); refused past that (vLLM's
+    rule)."""
     options = request.options
     asked = options.truncate_prompt_tokens
     if asked is None:
         return None
-    room = capacity - (options.max_tokens or 1)
+    output = max(options.max_tokens or 1, options.min_tokens)
+    room = capacity - output
     if asked > room:
         raise RequestError(f"'truncate_prompt_tokens' is {asked}, more than the context of "
-                           f"{capacity} less the output's {options.max_tokens or 1} tokens "
+                           f"{capacity} less the output's {output} tokens "
                            f"({room}); ask for a smaller truncation",
                            param="truncate_prompt_tokens")
     return room if asked == -1 else asked

@@ -144,8 +144,10 @@ class _GenerationRequest(RequestModel):
     metadata: dict[str, str] | None = field("an object of strings")
     store: bool | None = field("a boolean")
     service_tier: Text | None = field("a string")
-    # vLLM's: the answer's id is "chatcmpl-" (chat) or "cmpl-" (completions) and this.
-    request_id: Text | None = field("a string")
+    # vLLM's: the answer's id is "chatcmpl-" (chat) or "cmpl-" (completions) and this (an
+    # empty one: a random id, as vLLM's).
+    request_id: Text | None = field(
+        f"a string of at most {MAX_SALT_CHARS} characters", max_length=MAX_SALT_CHARS)
     parallel_tool_calls: bool | None = field("a boolean")
 
     _options: RequestOptions = PrivateAttr()
@@ -183,16 +185,19 @@ class _GenerationRequest(RequestModel):
         """The options, by the rules over several fields (module docstring)."""
         tools, tool_choice, logprobs, echo = self._endpoint_options()
         max_tokens = self._length(minimum=0 if echo else 1)
-        if self.stream_options is not None and not self.stream:
+        # vLLM refuses a non-empty stream_options without a stream (an empty object is none)
+        if self.stream_options is not None and self.stream_options.model_fields_set \
+                and not self.stream:
             raise RequestError("'stream_options' applies to a stream (as vLLM); send "
                                "'stream': true or leave it out", param="stream_options")
-        usage = self.stream_options is not None and bool(self.stream_options.include_usage)
+        usage = bool(self.stream) and self.stream_options is not None and bool(
+            self.stream_options.include_usage)
         options = RequestOptions(
             max_tokens=max_tokens, n=self.n or 1,
             stream=bool(self.stream),
             include_usage=usage, continuous_usage=usage and bool(
                 self.stream_options and self.stream_options.continuous_usage_stats),
-            request_id=self.request_id,
+            request_id=self.request_id or None,
             model=self.model, stop=(self.stop,) if isinstance(self.stop, str) else tuple(
                 self.stop or ()),
             temperature=self.temperature, top_p=self.top_p, seed=self.seed,

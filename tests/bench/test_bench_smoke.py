@@ -294,6 +294,9 @@ def test_the_speculative_benchmark_samples_the_hits_part_with_the_fields_given(
     assert result.returncode == 0, result.stderr[-2000:]
     hits = json.loads((tmp_path / "speculative_quick.json").read_text())["hits"]
     assert hits["sampling"] == {"temperature": 1.5, "top_k": 8} and hits["identical"] is None
+    # Sampled: the two systems draw from the same distribution with other random streams, so
+    # their tokens part somewhere (greedy gives the same tokens: the quick-mode test above).
+    assert hits["tokens_equal"] is False
     assert set(hits["copied"]) == {"prompt-lookup", "plain"}
     assert set(hits["continues_period"]) == {"prompt-lookup", "plain"}
     report = (tmp_path / "speculative_quick.md").read_text()
@@ -308,6 +311,7 @@ def test_the_speculative_benchmark_counts_tokens_that_copy_what_followed_last_ti
     # before, 4; after 4, 5 as before (copied)
     assert copied_tokens([1, 2, 3, 4, 5, 2], [3, 9, 4, 5]) == 2
     assert copied_tokens([7], [7, 7, 7]) == 2 and copied_tokens([], []) == 0
+    assert copied_tokens([], [5, 5]) == 0  # no history before the first: nothing to copy
 
 
 def test_the_speculative_benchmark_periodic_prompts_repeat_a_block_of_distinct_ids():
@@ -418,8 +422,10 @@ def test_the_speculative_benchmark_refuses_periods_the_hit_model_cannot_hold(cap
     (["--hit-periods", "16", "--hit-prompts", "random", "--part", "hits"], "periodic prompts"),
     (["--hit-sampling", "temperature=1", "--part", "random"], "applies to --part hits"),
     (["--hit-sampling", "temperature=3", "--part", "hits"], "temperature must be"),
-    (["--hit-sampling", "seed=3", "--part", "hits"], "'seed' is not a Sampling field"),
-    (["--hit-sampling", "top_k=two", "--part", "hits"], "is not FIELD=NUMBER"),
+    (["--hit-sampling", "seed=3", "--part", "hits"], "'seed' is not a numeric Sampling field"),
+    (["--hit-sampling", "top_k=two", "--part", "hits"], "is not top_k=INT"),
+    (["--hit-sampling", "min_tokens=1.5", "--part", "hits"], "is not min_tokens=INT"),
+    (["--hit-sampling", "constraint=1", "--part", "hits"], "not a numeric Sampling field"),
 ])
 def test_the_speculative_benchmark_refuses_hit_options_it_would_ignore(argv, words, capsys):
     sys.path.insert(0, str(env.ROOT / "scripts"))

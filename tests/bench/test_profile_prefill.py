@@ -153,6 +153,12 @@ def test_variants_change_the_graph_only_and_compare_measures_them(tmp_path, caps
                                                load_external_data=False).graph.output
                   if value.name == "logits")
     assert logits.type.tensor_type.shape.dim[1].dim_value == 1
+    # The last-row variant's head computes one row at any row count: its flops are one row's.
+    shapes = profile_prefill.matmul_shapes(rows / "model.onnx", rows=64)
+    (head,) = [name for name in shapes if profile_prefill.projection(name) == "lm_head"]
+    assert shapes[head]["flops"] == 2 * shapes[head]["K"] * shapes[head]["N"]
+    full = profile_prefill.matmul_shapes(source / "model.onnx", rows=64)
+    assert full[head]["flops"] == 64 * shapes[head]["flops"]
     capsys.readouterr()
     assert profile_prefill.main([
         "compare", "--model", str(source), "--candidate", f"lastrow={rows}",

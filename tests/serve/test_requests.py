@@ -208,7 +208,9 @@ def test_what_vllm_defaults_may_be_left_out_or_null():
     request = ChatCompletionRequest.parse({"messages": MESSAGES, "tools": [tool],
                                            "tool_choice": {"function": {"name": "f"}},
                                            "documents": []})
-    assert request.options.tools == (tool,) and request.options.tool_choice == "f"
+    (given,) = request.options.tools  # the template gets vLLM's form: the type first
+    assert given == {"type": "function", **tool} and list(given)[0] == "type"
+    assert request.options.tool_choice == "f"
     for wrong in ({"type": "retrieval", "function": {"name": "f"}},
                   {"function": {"name": "f", "parameters": "none"}}):
         error = _refused(ChatCompletionRequest, {"messages": MESSAGES, "tools": [wrong]})
@@ -283,3 +285,17 @@ def test_no_body_makes_anything_but_a_request_error(model):
         else:
             if hasattr(request, "options"):
                 assert isinstance(request.options, RequestOptions)
+
+
+def test_truncation_to_the_context_leaves_room_for_min_tokens():
+    """`truncate_prompt_tokens: -1` keeps what the context leaves after the output, which is
+    at least `min_tokens` long: the request is then served, not refused for its min_tokens."""
+    from onnx_chunk.serve.prompts import check_room, kept
+
+    request = CompletionRequest.parse({"prompt": [1] * 200, "truncate_prompt_tokens": -1,
+                                       "min_tokens": 8})
+    assert kept(request, 100) == 92
+    check_room(92, 100, request.options)
+    with pytest.raises(RequestError) as caught:
+        check_room(93, 100, request.options)
+    assert caught.value.param == "min_tokens"
