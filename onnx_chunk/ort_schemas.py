@@ -16,7 +16,7 @@ import logging
 import onnx.defs
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_c
 
-from onnx_chunk.graph.operator_types import Parameter, Signature
+from onnx_chunk.graph.operator_types import Parameter, Signature, signature_of
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,6 @@ def input_types(domain: str, op_type: str, input_name: str) -> frozenset[str]:
     return frozenset()
 
 
-
 @functools.lru_cache(maxsize=1)
 def _schemas_by_operator() -> dict[tuple[str, str], list]:
     """(domain, name) -> the installed ONNX Runtime's schemas of that operator, oldest first."""
@@ -131,10 +130,5 @@ def runtime_signature(domain: str, op_type: str, opset_version: int) -> Signatur
     if found is None or found.deprecated:
         return None
 
-    def parameter(formal) -> Parameter:
-        return Parameter(formal.name, formal.typeStr, formal.option.name == "Variadic",
-                         formal.isHomogeneous)
-
-    return Signature(tuple(map(parameter, found.inputs)), tuple(map(parameter, found.outputs)),
-                     {constraint.type_param_str: frozenset(constraint.allowed_type_strs)
-                      for constraint in found.type_constraints})
+    return signature_of(found, lambda formal: Parameter(
+        formal.name, formal.typeStr, formal.option.name == "Variadic", formal.isHomogeneous))

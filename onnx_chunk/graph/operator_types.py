@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import onnx.defs
 import onnx_ir as ir
@@ -50,6 +51,14 @@ class Signature:
 SchemaSource = Callable[[str, str, int], "Signature | None"]
 
 
+def signature_of(schema: Any, parameter: Callable[[Any], Parameter]) -> Signature:
+    """The Signature of an onnx or ONNX Runtime schema (their type constraints read alike),
+    its formal parameters read by `parameter` (their attribute names differ)."""
+    return Signature(tuple(map(parameter, schema.inputs)), tuple(map(parameter, schema.outputs)),
+                     {constraint.type_param_str: frozenset(constraint.allowed_type_strs)
+                      for constraint in schema.type_constraints})
+
+
 def onnx_schema(domain: str, op_type: str, opset_version: int) -> Signature | None:
     """onnx's schema of `domain::op_type` at `opset_version`, None when onnx has none (or it
     is deprecated there)."""
@@ -60,14 +69,10 @@ def onnx_schema(domain: str, op_type: str, opset_version: int) -> Signature | No
     if schema.deprecated:
         return None
 
-    def parameter(formal) -> Parameter:
-        return Parameter(formal.name, formal.type_str,
-                         formal.option == onnx.defs.OpSchema.FormalParameterOption.Variadic,
-                         formal.is_homogeneous)
-
-    return Signature(tuple(map(parameter, schema.inputs)), tuple(map(parameter, schema.outputs)),
-                     {constraint.type_param_str: frozenset(constraint.allowed_type_strs)
-                      for constraint in schema.type_constraints})
+    return signature_of(schema, lambda formal: Parameter(
+        formal.name, formal.type_str,
+        formal.option == onnx.defs.OpSchema.FormalParameterOption.Variadic,
+        formal.is_homogeneous))
 
 
 # The type of a Constant node's output by the attribute that holds its value (a `value`
@@ -79,9 +84,10 @@ _CONSTANT_TYPES = {"value_float": ir.DataType.FLOAT, "value_floats": ir.DataType
 
 def type_string(value: ir.Value) -> str | None:
     """ONNX's name of a tensor value's type ("tensor(float)") as ONNX Runtime takes it, None
-    when unknown: an initializer's and a Constant's from the tensor itself (ONNX Runtime
-    builds them from it, and a value_info that says otherwise is never applied to them),
-    another value's as declared."""
+    when unknown: an initializer's and a Constant's from the tensor itself, another value's as
+    declared. ONNX Runtime 1.32 loads a graph whose value_info gives an initializer or a
+    Constant's output another type than its tensor's (tests/test_operator_types.py, which
+    loads it): the declaration is not what it checks those values by."""
     dtype = _constant_dtype(value)
     if dtype is None:
         if not isinstance(value.type, ir.TensorType):
