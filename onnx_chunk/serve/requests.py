@@ -190,13 +190,13 @@ class _GenerationRequest(RequestModel):
                 and not self.stream:
             raise RequestError("'stream_options' applies to a stream (as vLLM); send "
                                "'stream': true or leave it out", param="stream_options")
-        usage = bool(self.stream) and self.stream_options is not None and bool(
-            self.stream_options.include_usage)
+        streamed = self.stream_options if self.stream else None
+        usage = streamed is not None and bool(streamed.include_usage)
         options = RequestOptions(
             max_tokens=max_tokens, n=self.n or 1,
             stream=bool(self.stream),
-            include_usage=usage, continuous_usage=usage and bool(
-                self.stream_options and self.stream_options.continuous_usage_stats),
+            include_usage=usage,
+            continuous_usage=usage and bool(streamed and streamed.continuous_usage_stats),
             request_id=self.request_id or None,
             model=self.model, stop=(self.stop,) if isinstance(self.stop, str) else tuple(
                 self.stop or ()),
@@ -466,10 +466,10 @@ class CompletionRequest(_GenerationRequest):
         for number, prompt in enumerate(prompts):
             if isinstance(prompt, str) or vocab_size is None:
                 continue
-            outside = [(position, token) for position, token in enumerate(prompt)
-                       if token >= vocab_size]
-            if outside:
-                position, token = outside[0]
+            outside = next(((position, token) for position, token in enumerate(prompt)
+                            if token >= vocab_size), None)
+            if outside is not None:
+                position, token = outside
                 which = f"prompt {number}'s" if len(prompts) > 1 else "its"
                 raise RequestError(f"'prompt' holds token ids (integers >= 0 below {vocab_size}"
                                    f", the vocabulary's size); {which} id at position "
