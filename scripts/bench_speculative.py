@@ -20,7 +20,8 @@
    instead of greedily: a draft is then kept with the probability the processed distribution
    gives it (the rejection rule), so the fields set the share kept: the workload where about
    half the drafts hit (goal >= 1.3x there). Sampled tokens differ between the systems by
-   design; each system's share of tokens continuing the period is compared instead.
+   design; each system's share of tokens that repeat what followed their previous token last
+   time (`copied_tokens`) is compared instead, a statistic of the output's distribution.
 4. engine-verify: how the batch engine should verify the drafts of B rows, on plain ONNX
    Runtime with the real-size export (one CPU session, memory patterns off, past KV of
    `past` positions): B forwards of [1, k + 1] (what the engine does: each drafted row on its
@@ -296,7 +297,6 @@ def _decode_ratio(model: Path, make_prompts: Callable[[int], list[tuple[str, lis
     vocab = runtimes[PLAIN].stats.vocab_size
     prompts = make_prompts(vocab)
     speeds: dict[str, dict[str, list[float]]] = {SPEC: {}, PLAIN: {}}
-    accepted = drafted = 0
     continuing = {SPEC: [0, 0], PLAIN: [0, 0]}  # system -> [tokens continuing, tokens]
     copying = {SPEC: [0, 0], PLAIN: [0, 0]}  # system -> [tokens copied, tokens]
     kept: dict[str, list[int]] = {}  # label -> [accepted, drafted]
@@ -315,8 +315,6 @@ def _decode_ratio(model: Path, make_prompts: Callable[[int], list[tuple[str, lis
                     speeds[system].setdefault(label, []).append(
                         generation.decode_tokens_per_s)
                     if system == SPEC:
-                        accepted += sequence.stats.accepted_tokens
-                        drafted += sequence.stats.draft_tokens
                         counts = kept.setdefault(label, [0, 0])
                         counts[0] += sequence.stats.accepted_tokens
                         counts[1] += sequence.stats.draft_tokens
@@ -336,7 +334,8 @@ def _decode_ratio(model: Path, make_prompts: Callable[[int], list[tuple[str, lis
                   f"{speeds[PLAIN][label][-1]:.1f} tok/s", file=sys.stderr)
     for runtime in runtimes.values():
         runtime.close()
-    return {"speeds": speeds, "accepted": accepted, "drafted": drafted, "kept": kept,
+    return {"speeds": speeds, "accepted": sum(counts[0] for counts in kept.values()),
+            "drafted": sum(counts[1] for counts in kept.values()), "kept": kept,
             "identical": identical if sampling is None else None,
             "tokens_equal": identical,
             "sampling": sampling, "new_tokens": new_tokens,

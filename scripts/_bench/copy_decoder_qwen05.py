@@ -17,10 +17,9 @@ the qwen05 shape of _bench.models, whose attention has 2 KV heads of 64:
 
 That is 494M parameters, what Qwen2.5-0.5B has, as a Llama (no q/k/v biases). Each forward
 reads and computes what a qwen05 forward does, and greedy decoding copies a periodic prompt's
-period: the trained model continues held-out periods of 8 to 48 ids with about 77% of tokens
-right (80% of 64 sequences of 160 tokens; the 4-head copy-fp32 more), fewer past the periods
-it was trained on. Standard library
-at import time, like copy_decoder.
+period: the trained model continues held-out periods of 8 to 48 ids with 80% of tokens right
+(64 sequences of 160 tokens; the 4-head copy-fp32 more), fewer past the periods it was trained
+on. Standard library at import time, like copy_decoder.
 """
 
 from __future__ import annotations
